@@ -1,0 +1,104 @@
+package vgpusim
+
+import (
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// Names of the fault-injection files in the control directory. Each takes
+// effect while it exists and is checked at every write, so a test (or an
+// operator with a shell) flips faults with touch/echo/rm, no API needed.
+const (
+	// CtlFailRelease holds an errno name; every release write fails with it.
+	CtlFailRelease = "fail-release"
+	// CtlBlockRelease makes every release write block until it is removed.
+	CtlBlockRelease = "block-release"
+	// CtlFailCreate holds an errno name; every create write fails with it.
+	CtlFailCreate = "fail-create"
+)
+
+// blockPoll is how often a blocked release re-checks CtlBlockRelease. The
+// control directory is a plain directory on the real file system; polling
+// keeps the simulator free of inotify and works on any file system.
+const blockPoll = 10 * time.Millisecond
+
+// errnoNames are the errno names a control file may hold.
+var errnoNames = map[string]syscall.Errno{
+	"EBUSY":     syscall.EBUSY,
+	"EIO":       syscall.EIO,
+	"EAGAIN":    syscall.EAGAIN,
+	"ENODEV":    syscall.ENODEV,
+	"EINVAL":    syscall.EINVAL,
+	"ENOENT":    syscall.ENOENT,
+	"EEXIST":    syscall.EEXIST,
+	"ENOSPC":    syscall.ENOSPC,
+	"EUSERS":    syscall.EUSERS,
+	"EPERM":     syscall.EPERM,
+	"EACCES":    syscall.EACCES,
+	"EINTR":     syscall.EINTR,
+	"ENOMEM":    syscall.ENOMEM,
+	"ETIMEDOUT": syscall.ETIMEDOUT,
+}
+
+// ParseErrno turns an errno name ("EBUSY") or number ("16") into an Errno.
+// Anything else, including an empty file, is EIO: a fault file that exists
+// must fail the write, and EIO is what a confused driver would return.
+func ParseErrno(s string) syscall.Errno {
+	s = strings.ToUpper(strings.TrimSpace(s))
+	if e, ok := errnoNames[s]; ok {
+		return e
+	}
+	if n, err := strconv.Atoi(s); err == nil && n > 0 && n < 512 {
+		return syscall.Errno(n)
+	}
+	return syscall.EIO
+}
+
+// control reads the fault-injection directory. The zero value (no dir)
+// injects nothing.
+type control struct {
+	dir string
+}
+
+// fault returns the errno held in file name, or 0 when the file is absent.
+func (c control) fault(name string) syscall.Errno {
+	if c.dir == "" {
+		return 0
+	}
+	b, err := os.ReadFile(filepath.Join(c.dir, name))
+	if err != nil {
+		return 0 // absent (or unreadable): no fault
+	}
+	return ParseErrno(string(b))
+}
+
+func (c control) blocked() bool {
+	if c.dir == "" {
+		return false
+	}
+	_, err := os.Lstat(filepath.Join(c.dir, CtlBlockRelease))
+	return err == nil
+}
+
+// waitUnblocked returns once CtlBlockRelease is gone or closing is closed
+// (shutdown lifts every block so that no writer hangs on unmount). It
+// deliberately ignores the FUSE request's interrupt: a real blocked mdev
+// remove waits in vfio_unregister_group_dev and ignores signals too.
+func (c control) waitUnblocked(closing <-chan struct{}) {
+	if !c.blocked() {
+		return
+	}
+	t := time.NewTicker(blockPoll)
+	defer t.Stop()
+	for c.blocked() {
+		select {
+		case <-closing:
+			return
+		case <-t.C:
+		}
+	}
+}
