@@ -1,0 +1,56 @@
+package vmm
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"vmflow/hostagent/proc"
+)
+
+var (
+	// ErrLaunchExited: QEMU exited before QMP reported it running. The error
+	// carries QEMU's exit and the tail of its log, which holds QEMU's own
+	// message ("-bogus: invalid option").
+	ErrLaunchExited = errors.New("qemu exited during launch")
+	// ErrLaunchTimeout: QEMU neither answered QMP nor exited in time.
+	ErrLaunchTimeout = errors.New("qemu did not become ready in time")
+	// ErrNotRunning: QMP answered but query-status is not "running".
+	ErrNotRunning = errors.New("qemu is not running")
+	// ErrSocketInUse: something already listens on the QMP socket path, so a
+	// launch would take it from a QEMU that may still be alive.
+	ErrSocketInUse = errors.New("qmp socket in use")
+	// ErrStillAlive: the thread group was still there when the wait ended.
+	// Callers must treat the VM as alive (never release its devices) and may
+	// retry. Returned as a *StillAliveError.
+	ErrStillAlive = errors.New("vm process still alive")
+	// ErrInvalidIdentity: the identity to act on is incomplete.
+	ErrInvalidIdentity = errors.New("incomplete process identity")
+	// ErrHook: a caller hook (OnStarted, OnStep) failed.
+	ErrHook = errors.New("hook failed")
+)
+
+// StillAliveError says which process outlived the wait, after which step,
+// and what /proc showed at the end. It matches ErrStillAlive with errors.Is.
+type StillAliveError struct {
+	Identity proc.Identity
+	Step     StopStep
+	Waited   time.Duration
+	Status   proc.Status
+}
+
+func (e *StillAliveError) Error() string {
+	return fmt.Sprintf("%v still alive %s after %s (state %s, %d tasks%s): %v",
+		e.Identity, e.Waited.Round(time.Millisecond), e.Step, e.Status.State, e.Status.Tasks,
+		errSuffix(e.Status.Err), ErrStillAlive)
+}
+
+// Is makes errors.Is(err, ErrStillAlive) true.
+func (e *StillAliveError) Is(target error) bool { return target == ErrStillAlive }
+
+func errSuffix(s string) string {
+	if s == "" {
+		return ""
+	}
+	return ", " + s
+}

@@ -1,0 +1,479 @@
+package vmm
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"net"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"vmflow/hostagent/proc"
+)
+
+// Defaults for LaunchConfig.
+const (
+	DefaultBinary         = "qemu-system-x86_64"
+	DefaultReadyTimeout   = 10 * time.Second
+	DefaultCleanupTimeout = 30 * time.Second
+)
+
+// logTailBytes is how much of qemu.log a launch error quotes.
+const logTailBytes = 2048
+
+// socketPollInterval is how often Launch looks for the QMP socket. QEMU
+// creates it ~40-150 ms after the fork; there is no event for "a socket
+// appeared", and an exit ends the wait at once through the reaper.
+const socketPollInterval = 5 * time.Millisecond
+
+// exitGrace is how long a launch whose QMP handshake broke waits for QEMU's
+// exit before it reports the QMP error instead.
+const exitGrace = 500 * time.Millisecond
+
+// LaunchConfig is what Launch needs.
+type LaunchConfig struct {
+	Spec  VMSpec
+	Paths Paths // Log is required
+
+	// Binary is the QEMU executable; DefaultBinary looked up in PATH when empty.
+	Binary string
+	// ReadyTimeout bounds the wait from the fork to QMP reporting
+	// "running" (socket, greeting, capabilities, query-status).
+	ReadyTimeout time.Duration
+	// CleanupTimeout bounds kill-and-reap of a failed launch.
+	CleanupTimeout time.Duration
+
+	// OnStarted is called right after the fork, before anything waits on
+	// QEMU, so the caller can record the pid and start time: an agent
+	// killed at any later instant leaves no QEMU that no record knows. An
+	// error fails the launch (QEMU is killed and reaped).
+	OnStarted func(proc.Identity) error
+	// OnFailed is called once on every failed launch, after QEMU has been
+	// killed and reaped and the socket removed, and before Launch returns,
+	// so the caller clears the recorded pid (invariant 5). id is zero when
+	// QEMU never started. cause is the error Launch is about to return. It is
+	// NOT called when QEMU could not be confirmed gone (*StillAliveError):
+	// then the record must keep the pid so a stop can finish the job.
+	OnFailed func(id proc.Identity, cause error) error
+}
+
+// VM is a running QEMU: either one this process launched (a child it reaps)
+// or one it attached to after a restart (only its identity known).
+type VM struct {
+	id    proc.Identity
+	child *proc.Child // nil when attached
+	h     *proc.Handle
+	paths Paths
+
+	mu  sync.Mutex
+	mon *Monitor
+}
+
+// Launch starts QEMU for cfg.Spec in a session of its own, with stdout and
+// stderr appended to cfg.Paths.Log, and returns once QMP reports it
+// running. On any failure it kills and reaps QEMU, removes the socket, calls
+// OnFailed and only then returns the error (invariant 5). A launch may be
+// retried with the same paths: a stale socket is removed first.
+func Launch(ctx context.Context, cfg LaunchConfig) (*VM, error) {
+	l := &launch{cfg: cfg}
+	vm, err := l.run(ctx)
+	if err != nil {
+		return nil, l.fail(err)
+	}
+	return vm, nil
+}
+
+type launch struct {
+	cfg   LaunchConfig
+	child *proc.Child
+	h     *proc.Handle
+	mon   *Monitor
+	// socketOwned: the socket path was free (or stale) when the launch
+	// began, so whatever is there at failure time belongs to this QEMU.
+	socketOwned bool
+}
+
+func (l *launch) run(ctx context.Context) (*VM, error) {
+	cfg := l.cfg
+	argv, err := Argv(cfg.Spec, cfg.Paths)
+	if err != nil {
+		return nil, fmt.Errorf("launch: %w", err)
+	}
+	if cfg.Paths.Log == "" {
+		return nil, fmt.Errorf("launch: %w", invalid("log path is required"))
+	}
+	bin := cfg.Binary
+	if bin == "" {
+		bin = DefaultBinary
+	}
+	if !strings.Contains(bin, "/") {
+		if bin, err = exec.LookPath(bin); err != nil {
+			return nil, fmt.Errorf("launch: %w", err)
+		}
+	}
+	if err := removeStaleSocket(ctx, cfg.Paths.QMPSocket); err != nil {
+		return nil, fmt.Errorf("launch: %w", err)
+	}
+	l.socketOwned = true
+
+	logf, err := os.OpenFile(cfg.Paths.Log, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("launch: open log: %w", err)
+	}
+	var logStart int64
+	if fi, err := logf.Stat(); err == nil {
+		logStart = fi.Size() // quote only this attempt's output on failure
+	}
+	// An *os.File as stdout/stderr is handed to QEMU as its fd 1 and 2 with
+	// no copying goroutine here: QEMU keeps logging after the agent exits.
+	cmd := &exec.Cmd{Path: bin, Args: append([]string{bin}, argv...), Stdout: logf, Stderr: logf}
+	child, err := proc.Start(cmd)
+	logf.Close()
+	if err != nil {
+		return nil, fmt.Errorf("launch: %w", err)
+	}
+	l.child = child
+	id := child.Identity()
+
+	if cfg.OnStarted != nil {
+		if err := cfg.OnStarted(id); err != nil {
+			return nil, fmt.Errorf("launch %v: OnStarted: %w: %w", id, ErrHook, err)
+		}
+	}
+
+	h, err := proc.Open(id)
+	if err != nil {
+		// Gone already (reaped by proc's reaper): report how it ended.
+		if errors.Is(err, proc.ErrNotFound) {
+			return nil, l.exitedError(id, logStart)
+		}
+		return nil, fmt.Errorf("launch %v: %w", id, err)
+	}
+	l.h = h
+
+	timeout := cfg.ReadyTimeout
+	if timeout <= 0 {
+		timeout = DefaultReadyTimeout
+	}
+	rctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	mon, err := l.waitQMP(rctx, logStart)
+	if err != nil {
+		return nil, err
+	}
+	l.mon = mon
+	st, err := mon.Status(rctx)
+	if err != nil {
+		if l.exited() {
+			return nil, l.exitedError(id, logStart)
+		}
+		return nil, fmt.Errorf("launch %v: %w", id, err)
+	}
+	if !st.Running {
+		return nil, fmt.Errorf("launch %v: query-status is %q: %w", id, st.Status, ErrNotRunning)
+	}
+	return &VM{id: id, child: child, h: h, paths: cfg.Paths, mon: mon}, nil
+}
+
+func (l *launch) exited() bool {
+	select {
+	case <-l.child.Done():
+		return true
+	default:
+		return false
+	}
+}
+
+// waitQMP waits for the socket to accept and QMP to finish its handshake,
+// or for QEMU to exit, whichever comes first.
+func (l *launch) waitQMP(ctx context.Context, logStart int64) (*Monitor, error) {
+	id := l.child.Identity()
+	t := time.NewTicker(socketPollInterval)
+	defer t.Stop()
+	for {
+		mon, err := DialQMP(ctx, l.cfg.Paths.QMPSocket)
+		if err == nil {
+			return mon, nil
+		}
+		if l.exited() {
+			return nil, l.exitedError(id, logStart)
+		}
+		if !notYetListening(err) && ctx.Err() == nil {
+			// The socket answered but QMP failed: usually QEMU dying
+			// mid-handshake, its EOF arriving just before the reaper
+			// sees the exit. Give the exit a moment to show.
+			grace := time.NewTimer(exitGrace)
+			defer grace.Stop()
+			select {
+			case <-l.child.Done():
+				return nil, l.exitedError(id, logStart)
+			case <-grace.C:
+			case <-ctx.Done():
+			}
+			return nil, fmt.Errorf("launch %v: %w", id, err)
+		}
+		select {
+		case <-l.child.Done():
+			return nil, l.exitedError(id, logStart)
+		case <-ctx.Done():
+			return nil, fmt.Errorf("launch %v: waiting for qmp on %s: %w: %w",
+				id, l.cfg.Paths.QMPSocket, ErrLaunchTimeout, ctx.Err())
+		case <-t.C:
+		}
+	}
+}
+
+// notYetListening: QEMU has not created the socket, or not listened yet.
+func notYetListening(err error) bool {
+	return errors.Is(err, fs.ErrNotExist) || errors.Is(err, syscall.ECONNREFUSED)
+}
+
+func (l *launch) exitedError(id proc.Identity, logStart int64) error {
+	e, _ := l.child.Exit()
+	tail := logTail(l.cfg.Paths.Log, logStart)
+	if tail == "" {
+		tail = "(qemu.log is empty)"
+	}
+	return fmt.Errorf("launch %v: %w (%s): %s", id, ErrLaunchExited, e, tail)
+}
+
+// fail undoes a launch: kill through the pidfd, reap, remove the socket,
+// tell the caller. It returns the error Launch returns.
+func (l *launch) fail(cause error) error {
+	if l.mon != nil {
+		l.mon.Close()
+	}
+	var id proc.Identity
+	if l.child != nil {
+		id = l.child.Identity()
+		if err := l.killAndReap(); err != nil {
+			// Not confirmed gone: keep the pid in the record (no OnFailed).
+			return errors.Join(cause, err)
+		}
+	}
+	if l.h != nil {
+		l.h.Close()
+	}
+	if l.socketOwned {
+		if err := os.Remove(l.cfg.Paths.QMPSocket); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			cause = errors.Join(cause, fmt.Errorf("remove qmp socket: %w", err))
+		}
+	}
+	if l.child != nil {
+		removePIDFile(l.cfg.Paths.PIDFile, id.PID)
+	}
+	if l.cfg.OnFailed != nil {
+		if err := l.cfg.OnFailed(id, cause); err != nil {
+			cause = errors.Join(cause, fmt.Errorf("OnFailed: %w: %w", ErrHook, err))
+		}
+	}
+	return cause
+}
+
+func (l *launch) killAndReap() error {
+	id := l.child.Identity()
+	if !l.exited() {
+		var err error
+		if l.h != nil {
+			err = l.h.Signal(syscall.SIGKILL)
+		} else {
+			// No handle (pidfd_open failed): proc.Signal verifies the
+			// identity first. The pid cannot be reused while the child is
+			// unreaped, and it is ours to reap.
+			err = proc.Signal(id, syscall.SIGKILL)
+		}
+		if err != nil && !errors.Is(err, proc.ErrNotFound) {
+			return fmt.Errorf("kill failed launch %v: %w", id, err)
+		}
+	}
+	timeout := l.cfg.CleanupTimeout
+	if timeout <= 0 {
+		timeout = DefaultCleanupTimeout
+	}
+	// Not the caller's context: it may be the very reason the launch
+	// failed, and the cleanup must still finish.
+	t := time.NewTimer(timeout)
+	defer t.Stop()
+	select {
+	case <-l.child.Done(): // reaped, so the whole group is gone (waitid semantics)
+		return nil
+	case <-t.C:
+		return &StillAliveError{Identity: id, Step: StepKillSent, Waited: timeout, Status: proc.Inspect(id)}
+	}
+}
+
+// logTail returns up to logTailBytes of path from offset on, trimmed.
+func logTail(path string, from int64) string {
+	f, err := os.Open(path)
+	if err != nil {
+		return fmt.Sprintf("(read qemu.log: %v)", err)
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		return fmt.Sprintf("(read qemu.log: %v)", err)
+	}
+	if fi.Size()-from > logTailBytes {
+		from = fi.Size() - logTailBytes
+	}
+	if from < 0 || from > fi.Size() {
+		from = 0
+	}
+	b, err := io.ReadAll(io.NewSectionReader(f, from, fi.Size()-from))
+	if err != nil {
+		return fmt.Sprintf("(read qemu.log: %v)", err)
+	}
+	return strings.TrimSpace(string(b))
+}
+
+// removeStaleSocket removes a socket file nobody listens on. A socket that
+// accepts a connection belongs to a live QEMU: ErrSocketInUse.
+func removeStaleSocket(ctx context.Context, path string) error {
+	if _, err := os.Lstat(path); errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	dctx, cancel := context.WithTimeout(ctx, time.Second)
+	defer cancel()
+	var d net.Dialer
+	c, err := d.DialContext(dctx, "unix", path)
+	if err == nil {
+		c.Close()
+		return fmt.Errorf("%s: %w", path, ErrSocketInUse)
+	}
+	if !notYetListening(err) {
+		return fmt.Errorf("probe stale socket %s: %w", path, err)
+	}
+	if err := os.Remove(path); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("remove stale socket: %w", err)
+	}
+	return nil
+}
+
+// removePIDFile removes QEMU's pidfile if it still names pid. QEMU removes
+// it on a clean exit but not when killed; a file naming another pid belongs
+// to another QEMU (QEMU's lock on it is what refused our launch) and stays.
+func removePIDFile(path string, pid int) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return
+	}
+	if n, err := strconv.Atoi(string(bytes.TrimSpace(b))); err == nil && n == pid {
+		_ = os.Remove(path)
+	}
+}
+
+// Attach returns a VM for a QEMU this process did not start (after an agent
+// restart), identified by its record. It opens a pidfd and re-verifies the
+// identity; a process that is gone, or a pid now held by another process,
+// gives proc.ErrNotFound or proc.ErrIdentityMismatch. QMP is connected on
+// demand.
+func Attach(id proc.Identity, paths Paths) (*VM, error) {
+	if !id.Valid() {
+		return nil, fmt.Errorf("attach %v: %w", id, ErrInvalidIdentity)
+	}
+	h, err := proc.Open(id)
+	if err != nil {
+		return nil, fmt.Errorf("attach: %w", err)
+	}
+	return &VM{id: id, h: h, paths: paths}, nil
+}
+
+// Identity is QEMU's identity, read right after the fork.
+func (v *VM) Identity() proc.Identity { return v.id }
+
+// Child is the reaped child, or nil for an attached VM.
+func (v *VM) Child() *proc.Child { return v.child }
+
+// Paths are the VM's socket, pidfile and log.
+func (v *VM) Paths() Paths { return v.paths }
+
+// Monitor returns the VM's QMP connection, connecting if there is none or
+// the previous one ended. QEMU serves one QMP client per socket: use this
+// rather than dialing a second one.
+func (v *VM) Monitor(ctx context.Context) (*Monitor, error) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	if v.mon != nil {
+		select {
+		case <-v.mon.Done():
+			v.mon.Close()
+			v.mon = nil
+		default:
+			return v.mon, nil
+		}
+	}
+	m, err := DialQMP(ctx, v.paths.QMPSocket)
+	if err != nil {
+		return nil, err
+	}
+	v.mon = m
+	return m, nil
+}
+
+// Status runs query-status over the VM's monitor.
+func (v *VM) Status(ctx context.Context) (StatusInfo, error) {
+	m, err := v.Monitor(ctx)
+	if err != nil {
+		return StatusInfo{}, err
+	}
+	return m.Status(ctx)
+}
+
+// Exited reports, without blocking, whether QEMU's whole thread group is gone.
+func (v *VM) Exited() (bool, error) { return v.h.Exited() }
+
+// Wait blocks until QEMU's whole thread group is gone (and, for a child,
+// reaped) or ctx is done.
+func (v *VM) Wait(ctx context.Context) error {
+	if err := v.h.Wait(ctx); err != nil {
+		return fmt.Errorf("wait for %v: %w", v.id, err)
+	}
+	if v.child != nil {
+		select {
+		case <-v.child.Done():
+		case <-ctx.Done():
+			return fmt.Errorf("wait for %v to be reaped: %w", v.id, ctx.Err())
+		}
+	}
+	return nil
+}
+
+// Stop runs the stop ladder on this VM (see Stop), reusing its QMP
+// connection. cfg's Identity, Child, Paths and Monitor are filled in.
+func (v *VM) Stop(ctx context.Context, cfg StopConfig) (StopResult, error) {
+	cfg.Identity = v.id
+	cfg.Child = v.child
+	cfg.Paths = v.paths
+	v.mu.Lock()
+	cfg.Monitor = v.mon
+	v.mu.Unlock()
+	res, err := Stop(ctx, cfg)
+	if err == nil {
+		v.mu.Lock()
+		if v.mon != nil {
+			v.mon.Close()
+			v.mon = nil
+		}
+		v.mu.Unlock()
+	}
+	return res, err
+}
+
+// Close releases the monitor connection and the pidfd. QEMU keeps running.
+func (v *VM) Close() error {
+	v.mu.Lock()
+	if v.mon != nil {
+		v.mon.Close()
+		v.mon = nil
+	}
+	v.mu.Unlock()
+	return v.h.Close()
+}

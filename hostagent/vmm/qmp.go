@@ -1,0 +1,436 @@
+package vmm
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"strconv"
+	"sync"
+	"time"
+)
+
+// Why a hand-written QMP client rather than go-qemu's qmp.SocketMonitor
+// (go-qemu 2025-02-12, read in socket.go):
+//
+//   - SocketMonitor.Connect decodes the first JSON object as the greeting and
+//     the next one as the qmp_capabilities reply. QEMU may send an event
+//     before the greeting and between a command and its reply (measured
+//     here: POWERDOWN arrives before system_powerdown's reply, SHUTDOWN
+//     before quit's), so Connect "succeeds" on an event and every later Run
+//     receives the reply meant for the command before it.
+//   - Run matches replies by order, not by id, and has no context: a Run
+//     abandoned on timeout leaves its late reply queued for the next caller.
+//   - Connect has no timeout (upstream issue #214), and its events channel is
+//     unbuffered: with a listener that stops reading, the reader goroutine
+//     blocks, replies stop, and Disconnect (which drains the reply stream)
+//     hangs with it.
+//   - Lines are read with a bufio.Scanner and its 64 KiB token limit.
+//
+// Wrapping it would mean a goroutine per call plus closing the monitor on
+// every timeout. This client is about the same size: one reader goroutine
+// owns the socket's read side, replies are routed by "id" to the caller
+// waiting for them (a late reply to an abandoned call is dropped), events go
+// to a bounded buffer that drops the oldest when nobody reads, and every
+// call takes a context and sets a socket write deadline. Importing go-qemu's
+// qmp package only for its Event type would also pull in go-libvirt, so the
+// two small types below mirror go-qemu's instead.
+
+// DefaultQMPTimeout bounds a QMP call whose context has no deadline.
+const DefaultQMPTimeout = 5 * time.Second
+
+// maxQMPLine bounds one QMP message; query-qmp-schema, the largest reply
+// QEMU 7.2 sends, is a few hundred KiB.
+const maxQMPLine = 16 << 20
+
+// eventBuffer is how many events Monitor keeps for Events readers before it
+// drops the oldest.
+const eventBuffer = 64
+
+var (
+	// ErrMonitorClosed: the QMP connection ended (EOF, error or Close)
+	// before the reply came. It says nothing about whether QEMU has exited:
+	// QEMU closes the monitor before its thread group is gone.
+	ErrMonitorClosed = errors.New("qmp monitor closed")
+	// ErrQMPProtocol: QEMU (or whatever is on the socket) did not speak QMP.
+	ErrQMPProtocol = errors.New("qmp protocol error")
+)
+
+// QMPError is an error reply from QEMU ({"error": {"class", "desc"}}).
+type QMPError struct {
+	Command string
+	Class   string `json:"class"`
+	Desc    string `json:"desc"`
+}
+
+func (e *QMPError) Error() string {
+	return fmt.Sprintf("qmp %s: %s: %s", e.Command, e.Class, e.Desc)
+}
+
+// StatusInfo is the reply to query-status.
+type StatusInfo struct {
+	Status  string `json:"status"`
+	Running bool   `json:"running"`
+}
+
+// Event is a QMP event, shaped like go-qemu's Event.
+type Event struct {
+	Event     string                 `json:"event"`
+	Data      map[string]interface{} `json:"data"`
+	Timestamp struct {
+		Seconds      int64 `json:"seconds"`
+		Microseconds int64 `json:"microseconds"`
+	} `json:"timestamp"`
+}
+
+// Version is the QEMU version from the QMP greeting.
+type Version struct {
+	QEMU struct {
+		Major int `json:"major"`
+		Minor int `json:"minor"`
+		Micro int `json:"micro"`
+	} `json:"qemu"`
+	Package string `json:"package"`
+}
+
+func (v Version) String() string {
+	return fmt.Sprintf("%d.%d.%d", v.QEMU.Major, v.QEMU.Minor, v.QEMU.Micro)
+}
+
+// message is any line QEMU sends: a greeting, an event or a reply.
+type message struct {
+	QMP *struct {
+		Version      Version  `json:"version"`
+		Capabilities []string `json:"capabilities"`
+	} `json:"QMP"`
+	Event     string                 `json:"event"`
+	Data      map[string]interface{} `json:"data"`
+	Timestamp *struct {
+		Seconds      int64 `json:"seconds"`
+		Microseconds int64 `json:"microseconds"`
+	} `json:"timestamp"`
+	ID     json.RawMessage `json:"id"`
+	Return json.RawMessage `json:"return"`
+	Error  *QMPError       `json:"error"`
+}
+
+type reply struct {
+	ret json.RawMessage
+	err *QMPError
+}
+
+// Monitor is one QMP connection to one QEMU. It is safe for concurrent use.
+// QEMU serves one QMP client per socket at a time: keep one Monitor per VM.
+type Monitor struct {
+	conn *net.UnixConn
+
+	greeting chan struct{} // closed once the greeting has arrived
+	version  Version
+
+	writeMu sync.Mutex
+
+	mu      sync.Mutex
+	nextID  uint64
+	pending map[string]chan reply
+	events  chan Event
+	dropped uint64
+
+	readDone chan struct{} // closed when the reader goroutine ends
+	readErr  error         // why it ended; set before readDone closes
+
+	closeOnce sync.Once
+}
+
+// DialQMP connects to the QMP socket at path, waits for the greeting and
+// negotiates capabilities. Events that arrive before the greeting are kept
+// as events, never mistaken for it. ctx bounds the whole handshake; without
+// a deadline DefaultQMPTimeout applies.
+func DialQMP(ctx context.Context, path string) (*Monitor, error) {
+	ctx, cancel := withDefaultTimeout(ctx, DefaultQMPTimeout)
+	defer cancel()
+	var d net.Dialer
+	c, err := d.DialContext(ctx, "unix", path)
+	if err != nil {
+		return nil, fmt.Errorf("dial qmp %s: %w", path, err)
+	}
+	m := newMonitor(c.(*net.UnixConn))
+	if err := m.handshake(ctx); err != nil {
+		m.Close()
+		return nil, fmt.Errorf("qmp handshake on %s: %w", path, err)
+	}
+	return m, nil
+}
+
+func newMonitor(c *net.UnixConn) *Monitor {
+	m := &Monitor{
+		conn:     c,
+		greeting: make(chan struct{}),
+		pending:  map[string]chan reply{},
+		events:   make(chan Event, eventBuffer),
+		readDone: make(chan struct{}),
+	}
+	go m.read()
+	return m
+}
+
+func (m *Monitor) handshake(ctx context.Context) error {
+	select {
+	case <-m.greeting:
+	case <-m.readDone:
+		return fmt.Errorf("before the greeting: %w", m.readErr)
+	case <-ctx.Done():
+		return fmt.Errorf("waiting for the greeting: %w", ctx.Err())
+	}
+	// Commands other than qmp_capabilities are refused until it succeeds.
+	return m.Execute(ctx, "qmp_capabilities", nil, nil)
+}
+
+// Version is the QEMU version from the greeting.
+func (m *Monitor) Version() Version { return m.version }
+
+// read owns the read side of the socket until it fails or is closed.
+func (m *Monitor) read() {
+	r := bufio.NewReaderSize(m.conn, 64<<10)
+	var err error
+	greeted := false
+	for {
+		var line []byte
+		line, err = readLine(r)
+		if err != nil {
+			break
+		}
+		line = bytes.TrimSpace(line)
+		if len(line) == 0 {
+			continue
+		}
+		var msg message
+		if jerr := json.Unmarshal(line, &msg); jerr != nil {
+			err = fmt.Errorf("%w: undecodable line %.200q: %v", ErrQMPProtocol, line, jerr)
+			break
+		}
+		switch {
+		case msg.QMP != nil:
+			if !greeted {
+				m.version = msg.QMP.Version
+				greeted = true
+				close(m.greeting)
+			}
+		case msg.Event != "":
+			m.pushEvent(msg)
+		case msg.Return != nil || msg.Error != nil:
+			m.deliver(msg)
+		}
+	}
+	m.mu.Lock()
+	m.readErr = fmt.Errorf("%w: %w", ErrMonitorClosed, err)
+	m.mu.Unlock()
+	close(m.readDone)
+}
+
+// readLine reads one newline-terminated message of at most maxQMPLine bytes.
+func readLine(r *bufio.Reader) ([]byte, error) {
+	var buf []byte
+	for {
+		chunk, err := r.ReadSlice('\n')
+		buf = append(buf, chunk...)
+		if len(buf) > maxQMPLine {
+			return nil, fmt.Errorf("%w: message longer than %d bytes", ErrQMPProtocol, maxQMPLine)
+		}
+		if errors.Is(err, bufio.ErrBufferFull) {
+			continue
+		}
+		return buf, err
+	}
+}
+
+// pushEvent never blocks: when nobody drains Events, the oldest event is
+// dropped so replies keep flowing (go-qemu blocks here instead).
+func (m *Monitor) pushEvent(msg message) {
+	ev := Event{Event: msg.Event, Data: msg.Data}
+	if msg.Timestamp != nil {
+		ev.Timestamp.Seconds = msg.Timestamp.Seconds
+		ev.Timestamp.Microseconds = msg.Timestamp.Microseconds
+	}
+	for {
+		select {
+		case m.events <- ev:
+			return
+		default:
+		}
+		select {
+		case <-m.events:
+			m.mu.Lock()
+			m.dropped++
+			m.mu.Unlock()
+		default:
+		}
+	}
+}
+
+func (m *Monitor) deliver(msg message) {
+	id := string(msg.ID)
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	ch, ok := m.pending[id]
+	if !ok && len(msg.ID) == 0 && len(m.pending) == 1 {
+		// QEMU answers a line it cannot parse with an error without an id;
+		// with one call in flight it can only be that call's.
+		for _, c := range m.pending {
+			ch, ok = c, true
+		}
+	}
+	if !ok {
+		return // a late reply to a call that gave up: drop it
+	}
+	ch <- reply{ret: msg.Return, err: msg.Error} // buffered, never blocks
+	for k, c := range m.pending {
+		if c == ch {
+			delete(m.pending, k)
+		}
+	}
+}
+
+// Events returns the events QEMU sent, oldest first. The buffer holds the
+// latest 64; older ones are dropped when nobody reads. The channel is never
+// closed (Done tells when the connection ended).
+func (m *Monitor) Events() <-chan Event { return m.events }
+
+// DroppedEvents is how many events were dropped because nobody read Events.
+func (m *Monitor) DroppedEvents() uint64 {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.dropped
+}
+
+// Done is closed when the connection has ended. That is not QEMU's exit.
+func (m *Monitor) Done() <-chan struct{} { return m.readDone }
+
+// Execute runs command with args (nil for none) and decodes the reply's
+// "return" into out (nil to ignore it). ctx bounds the call; without a
+// deadline DefaultQMPTimeout applies. A call that gives up leaves the
+// connection usable: its late reply is recognised by id and dropped.
+func (m *Monitor) Execute(ctx context.Context, command string, args, out any) error {
+	ctx, cancel := withDefaultTimeout(ctx, DefaultQMPTimeout)
+	defer cancel()
+
+	m.mu.Lock()
+	m.nextID++
+	id := strconv.Quote("vmflow-" + strconv.FormatUint(m.nextID, 10))
+	ch := make(chan reply, 1)
+	m.pending[id] = ch
+	m.mu.Unlock()
+	defer func() {
+		m.mu.Lock()
+		delete(m.pending, id)
+		m.mu.Unlock()
+	}()
+
+	req := struct {
+		Execute   string          `json:"execute"`
+		Arguments any             `json:"arguments,omitempty"`
+		ID        json.RawMessage `json:"id"`
+	}{command, args, json.RawMessage(id)}
+	b, err := json.Marshal(req)
+	if err != nil {
+		return fmt.Errorf("qmp %s: encode: %w", command, err)
+	}
+	b = append(b, '\n')
+	if err := m.write(ctx, b); err != nil {
+		return fmt.Errorf("qmp %s: %w", command, err)
+	}
+	select {
+	case r := <-ch:
+		if r.err != nil {
+			r.err.Command = command
+			return r.err
+		}
+		if out != nil {
+			if err := json.Unmarshal(r.ret, out); err != nil {
+				return fmt.Errorf("qmp %s: decode reply %.200q: %w", command, r.ret, err)
+			}
+		}
+		return nil
+	case <-m.readDone:
+		// The reply may have been delivered just before the reader ended.
+		select {
+		case r := <-ch:
+			if r.err != nil {
+				r.err.Command = command
+				return r.err
+			}
+			if out != nil {
+				if err := json.Unmarshal(r.ret, out); err != nil {
+					return fmt.Errorf("qmp %s: decode reply: %w", command, err)
+				}
+			}
+			return nil
+		default:
+		}
+		m.mu.Lock()
+		rerr := m.readErr
+		m.mu.Unlock()
+		return fmt.Errorf("qmp %s: %w", command, rerr)
+	case <-ctx.Done():
+		return fmt.Errorf("qmp %s: waiting for the reply: %w", command, ctx.Err())
+	}
+}
+
+func (m *Monitor) write(ctx context.Context, b []byte) error {
+	m.writeMu.Lock()
+	defer m.writeMu.Unlock()
+	dl, _ := ctx.Deadline() // withDefaultTimeout guarantees one
+	if err := m.conn.SetWriteDeadline(dl); err != nil {
+		return fmt.Errorf("set write deadline: %w", err)
+	}
+	if _, err := m.conn.Write(b); err != nil {
+		select {
+		case <-m.readDone:
+			return fmt.Errorf("%w: %w", ErrMonitorClosed, err)
+		default:
+		}
+		return fmt.Errorf("write: %w", err)
+	}
+	return nil
+}
+
+// Status runs query-status.
+func (m *Monitor) Status(ctx context.Context) (StatusInfo, error) {
+	var st StatusInfo
+	err := m.Execute(ctx, "query-status", nil, &st)
+	return st, err
+}
+
+// SystemPowerdown presses the ACPI power button. The guest may ignore it;
+// -machine none has no ACPI at all and ignores it always.
+func (m *Monitor) SystemPowerdown(ctx context.Context) error {
+	return m.Execute(ctx, "system_powerdown", nil, nil)
+}
+
+// Quit asks QEMU to exit. QEMU sends SHUTDOWN (reason host-qmp-quit), the
+// reply, then EOF; a connection that ends before the reply is reported as
+// ErrMonitorClosed. Neither the reply nor the EOF means QEMU is gone.
+func (m *Monitor) Quit(ctx context.Context) error {
+	return m.Execute(ctx, "quit", nil, nil)
+}
+
+// Close closes the connection and waits for the reader to end. It never
+// affects QEMU.
+func (m *Monitor) Close() error {
+	var err error
+	m.closeOnce.Do(func() {
+		err = m.conn.Close()
+		<-m.readDone // a closed socket ends the read at once
+	})
+	return err
+}
+
+// withDefaultTimeout gives ctx a deadline d from now if it has none.
+func withDefaultTimeout(ctx context.Context, d time.Duration) (context.Context, context.CancelFunc) {
+	if _, ok := ctx.Deadline(); ok {
+		return context.WithCancel(ctx)
+	}
+	return context.WithTimeout(ctx, d)
+}

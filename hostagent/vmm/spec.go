@@ -1,0 +1,328 @@
+package vmm
+
+import (
+	"errors"
+	"fmt"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+
+	"github.com/google/uuid"
+)
+
+// Machine is a QEMU machine type vmflow supports.
+type Machine string
+
+// The machine types Argv accepts.
+const (
+	// MachineNone has no devices, no guest memory layout and one CPU slot:
+	// it starts in ~60 ms and answers QMP, which makes it the process-level
+	// test machine. It has no ACPI, so it ignores system_powerdown.
+	MachineNone    Machine = "none"
+	MachineQ35     Machine = "q35"
+	MachineMicroVM Machine = "microvm"
+	MachinePC      Machine = "pc"
+)
+
+// Accel is a QEMU accelerator.
+type Accel string
+
+// The accelerators Argv accepts.
+const (
+	AccelKVM Accel = "kvm"
+	AccelTCG Accel = "tcg"
+)
+
+// DiskFormat is the image format of VMSpec.Disk.
+type DiskFormat string
+
+// The disk formats Argv accepts.
+const (
+	DiskRaw   DiskFormat = "raw"
+	DiskQCOW2 DiskFormat = "qcow2"
+)
+
+// Limits Validate enforces. They keep argv sane, not host capacity:
+// capacity is the scheduler's business.
+const (
+	MaxVCPUs     = 256
+	MaxMemoryMiB = 4 << 20 // 4 TiB
+	// MaxSocketPath is the longest path a Unix socket can bind
+	// (sizeof(sun_path) - 1 on Linux).
+	MaxSocketPath = 107
+)
+
+// VMSpec is everything Argv needs to build QEMU's command line. Every field
+// maps to a fixed QEMU option: there is deliberately no way to pass raw
+// arguments through.
+type VMSpec struct {
+	// Name is the guest name (-name guest=NAME). An instance id fits:
+	// lower-case letters, digits, '-', '.', '_', at most 63 bytes.
+	Name string `json:"name"`
+	// UUID is the instance UUID (-uuid); an NVIDIA vGPU guest needs it.
+	// Optional.
+	UUID string `json:"uuid,omitempty"`
+	// VCPUs is the number of virtual CPUs (-smp). MachineNone allows 1.
+	VCPUs int `json:"vcpus"`
+	// MemoryMiB is guest RAM in MiB (-m).
+	MemoryMiB int `json:"memory_mib"`
+	// Machine is the machine type (-machine).
+	Machine Machine `json:"machine"`
+	// Accel is the accelerator (-accel).
+	Accel Accel `json:"accel"`
+	// Kernel, Initrd and Cmdline boot a kernel directly (-kernel, -initrd,
+	// -append). Initrd and Cmdline need Kernel. Absolute paths.
+	Kernel  string `json:"kernel,omitempty"`
+	Initrd  string `json:"initrd,omitempty"`
+	Cmdline string `json:"cmdline,omitempty"`
+	// Disk is an absolute path to the boot disk image, attached as virtio-blk.
+	Disk string `json:"disk,omitempty"`
+	// DiskFormat is the image format of Disk; raw when empty.
+	DiskFormat DiskFormat `json:"disk_format,omitempty"`
+	// VFIO lists sysfs device paths passed through with
+	// -device vfio-pci,sysfsdev=PATH: an mdev
+	// (/sys/bus/mdev/devices/<uuid>) or an SR-IOV VF
+	// (/sys/bus/pci/devices/<bdf>). Absolute, clean paths.
+	VFIO []string `json:"vfio,omitempty"`
+	// SerialToLog connects the first serial port to QEMU's stdout, which
+	// Launch sends to the log file.
+	SerialToLog bool `json:"serial_to_log,omitempty"`
+	// NoReboot makes a guest reboot end QEMU (-no-reboot).
+	NoReboot bool `json:"no_reboot,omitempty"`
+	// RunAs drops QEMU's privileges to this user after setup (-runas).
+	// QEMU 7.2 has -runas; its replacement -run-with does not exist there.
+	RunAs string `json:"run_as,omitempty"`
+}
+
+// Paths are the per-instance files QEMU uses.
+type Paths struct {
+	// QMPSocket is the Unix socket QEMU listens on for QMP; at most
+	// MaxSocketPath bytes.
+	QMPSocket string `json:"qmp_socket"`
+	// PIDFile is QEMU's -pidfile (QEMU also holds a POSIX lock on it, so two
+	// QEMUs cannot share one).
+	PIDFile string `json:"pid_file"`
+	// Log receives QEMU's stdout and stderr (and the serial console with
+	// VMSpec.SerialToLog). Argv does not use it; Launch does.
+	Log string `json:"log"`
+}
+
+// ErrInvalidSpec is wrapped by every error Validate and Argv return.
+var ErrInvalidSpec = errors.New("invalid VM spec")
+
+var (
+	nameRe  = regexp.MustCompile(`^[a-z0-9][a-z0-9._-]{0,62}$`)
+	runAsRe = regexp.MustCompile(`^[a-z_][a-z0-9_-]{0,31}$`)
+)
+
+func invalid(format string, a ...any) error {
+	return fmt.Errorf("%w: %s", ErrInvalidSpec, fmt.Sprintf(format, a...))
+}
+
+// checkPath accepts an absolute, clean path without bytes that could end an
+// argv element or a line in QEMU's option parser.
+func checkPath(field, p string) error {
+	switch {
+	case p == "":
+		return invalid("%s: empty path", field)
+	case !filepath.IsAbs(p):
+		return invalid("%s: %q is not absolute", field, p)
+	case filepath.Clean(p) != p:
+		return invalid("%s: %q is not clean (want %q)", field, p, filepath.Clean(p))
+	case strings.ContainsAny(p, "\x00\n\r"):
+		return invalid("%s: %q contains a NUL or newline", field, p)
+	}
+	return nil
+}
+
+// Validate checks the spec on its own. Argv calls it.
+func (s VMSpec) Validate() error {
+	if !nameRe.MatchString(s.Name) {
+		return invalid("name %q: want 1-63 of [a-z0-9._-], starting with a letter or digit", s.Name)
+	}
+	if s.UUID != "" {
+		u, err := uuid.Parse(s.UUID)
+		// uuid.Parse also accepts urn: and {} forms; QEMU wants the plain one.
+		if err != nil || u.String() != strings.ToLower(s.UUID) {
+			return invalid("uuid %q: want the canonical 8-4-4-4-12 form", s.UUID)
+		}
+	}
+	switch s.Machine {
+	case MachineNone, MachineQ35, MachineMicroVM, MachinePC:
+	default:
+		return invalid("machine %q: want none, q35, microvm or pc", s.Machine)
+	}
+	switch s.Accel {
+	case AccelKVM, AccelTCG:
+	default:
+		return invalid("accel %q: want kvm or tcg", s.Accel)
+	}
+	if s.VCPUs < 1 || s.VCPUs > MaxVCPUs {
+		return invalid("vcpus %d: want 1..%d", s.VCPUs, MaxVCPUs)
+	}
+	if s.MemoryMiB < 1 || s.MemoryMiB > MaxMemoryMiB {
+		return invalid("memory %d MiB: want 1..%d", s.MemoryMiB, MaxMemoryMiB)
+	}
+	if s.Kernel != "" {
+		if err := checkPath("kernel", s.Kernel); err != nil {
+			return err
+		}
+	}
+	if s.Initrd != "" {
+		if s.Kernel == "" {
+			return invalid("initrd without kernel")
+		}
+		if err := checkPath("initrd", s.Initrd); err != nil {
+			return err
+		}
+	}
+	if s.Cmdline != "" {
+		if s.Kernel == "" {
+			return invalid("cmdline without kernel")
+		}
+		if strings.ContainsAny(s.Cmdline, "\x00\n\r") {
+			return invalid("cmdline contains a NUL or newline")
+		}
+	}
+	if s.Disk != "" {
+		if err := checkPath("disk", s.Disk); err != nil {
+			return err
+		}
+	}
+	switch s.DiskFormat {
+	case "", DiskRaw, DiskQCOW2:
+	default:
+		return invalid("disk format %q: want raw or qcow2", s.DiskFormat)
+	}
+	if s.DiskFormat != "" && s.Disk == "" {
+		return invalid("disk format without disk")
+	}
+	seen := map[string]bool{}
+	for i, p := range s.VFIO {
+		if err := checkPath(fmt.Sprintf("vfio[%d]", i), p); err != nil {
+			return err
+		}
+		if seen[p] {
+			return invalid("vfio[%d]: %q listed twice", i, p)
+		}
+		seen[p] = true
+	}
+	if s.RunAs != "" && !runAsRe.MatchString(s.RunAs) {
+		return invalid("run_as %q: not a user name", s.RunAs)
+	}
+	switch s.Machine {
+	case MachineNone:
+		// -machine none has one CPU slot, no buses, no serial port and
+		// nothing to boot: QEMU refuses "-smp 2" and would silently ignore
+		// the rest.
+		if s.VCPUs != 1 {
+			return invalid("machine none supports exactly 1 vcpu, not %d", s.VCPUs)
+		}
+		if s.Kernel != "" || s.Disk != "" || len(s.VFIO) > 0 || s.SerialToLog {
+			return invalid("machine none takes no kernel, disk, vfio device or serial port")
+		}
+	case MachineMicroVM:
+		// microvm has no firmware boot path worth supporting and no PCI bus
+		// unless asked for; vmflow uses it only for direct kernel boot.
+		if s.Kernel == "" {
+			return invalid("machine microvm needs a kernel")
+		}
+		if len(s.VFIO) > 0 {
+			return invalid("machine microvm has no PCI bus for vfio devices")
+		}
+	}
+	return nil
+}
+
+// Validate checks the paths: absolute and clean, and a socket path short
+// enough to bind.
+func (p Paths) Validate() error {
+	if err := checkPath("qmp socket", p.QMPSocket); err != nil {
+		return err
+	}
+	if len(p.QMPSocket) > MaxSocketPath {
+		return invalid("qmp socket path is %d bytes, a unix socket path holds at most %d: %q",
+			len(p.QMPSocket), MaxSocketPath, p.QMPSocket)
+	}
+	if err := checkPath("pid file", p.PIDFile); err != nil {
+		return err
+	}
+	if p.Log != "" {
+		if err := checkPath("log", p.Log); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// optValue escapes a value for QEMU's option parser (QemuOpts), where a
+// comma separates options and ",," is a literal comma.
+func optValue(v string) string { return strings.ReplaceAll(v, ",", ",,") }
+
+// Argv returns QEMU's arguments (without argv[0]) for spec with the given
+// paths. It is pure: it validates, builds and returns; it touches no file.
+func Argv(spec VMSpec, paths Paths) ([]string, error) {
+	if err := spec.Validate(); err != nil {
+		return nil, err
+	}
+	if err := paths.Validate(); err != nil {
+		return nil, err
+	}
+	a := make([]string, 0, 32+2*len(spec.VFIO))
+	a = append(a,
+		"-name", "guest="+spec.Name,
+		"-machine", string(spec.Machine),
+		"-accel", string(spec.Accel),
+		// No default devices, no /etc/qemu config, no window: the argv is
+		// the whole machine.
+		"-nodefaults", "-no-user-config", "-display", "none",
+		// server=on,wait=off: the short "server,nowait" is deprecated.
+		"-qmp", "unix:"+optValue(paths.QMPSocket)+",server=on,wait=off",
+		"-pidfile", paths.PIDFile,
+		"-m", strconv.Itoa(spec.MemoryMiB),
+		"-smp", strconv.Itoa(spec.VCPUs),
+	)
+	if spec.UUID != "" {
+		a = append(a, "-uuid", strings.ToLower(spec.UUID))
+	}
+	if spec.Kernel != "" {
+		a = append(a, "-kernel", spec.Kernel)
+	}
+	if spec.Initrd != "" {
+		a = append(a, "-initrd", spec.Initrd)
+	}
+	if spec.Cmdline != "" {
+		a = append(a, "-append", spec.Cmdline)
+	}
+	if spec.Disk != "" {
+		format := spec.DiskFormat
+		if format == "" {
+			format = DiskRaw
+		}
+		dev := "virtio-blk-pci"
+		if spec.Machine == MachineMicroVM {
+			dev = "virtio-blk-device" // virtio-mmio: microvm has no PCI bus by default
+		}
+		a = append(a,
+			"-drive", "id=disk0,if=none,format="+string(format)+",file="+optValue(spec.Disk),
+			"-device", dev+",drive=disk0",
+		)
+	}
+	for _, p := range spec.VFIO {
+		a = append(a, "-device", "vfio-pci,sysfsdev="+optValue(p))
+	}
+	if spec.SerialToLog {
+		// stdio rather than file:PATH: the file chardev truncates unless
+		// append=on, and stdout already is the log. signal=off: a ^C on a
+		// terminal must never reach QEMU through its serial port.
+		a = append(a, "-chardev", "stdio,id=serial0,signal=off", "-serial", "chardev:serial0")
+	}
+	if spec.NoReboot {
+		a = append(a, "-no-reboot")
+	}
+	if spec.RunAs != "" {
+		a = append(a, "-runas", spec.RunAs)
+	}
+	return a, nil
+}

@@ -1,0 +1,207 @@
+package vmm
+
+import (
+	"errors"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+var testPaths = Paths{QMPSocket: "/run/vm/a/qemu.sock", PIDFile: "/run/vm/a/qemu.pid", Log: "/run/vm/a/qemu.log"}
+
+func noneSpec() VMSpec {
+	return VMSpec{Name: "a", VCPUs: 1, MemoryMiB: 128, Machine: MachineNone, Accel: AccelKVM}
+}
+
+// common is the prefix every argv starts with for spec s and testPaths.
+func common(s VMSpec) []string {
+	return []string{
+		"-name", "guest=" + s.Name,
+		"-machine", string(s.Machine),
+		"-accel", string(s.Accel),
+		"-nodefaults", "-no-user-config", "-display", "none",
+		"-qmp", "unix:/run/vm/a/qemu.sock,server=on,wait=off",
+		"-pidfile", "/run/vm/a/qemu.pid",
+	}
+}
+
+func TestArgv(t *testing.T) {
+	q35 := VMSpec{Name: "web-1", VCPUs: 4, MemoryMiB: 4096, Machine: MachineQ35, Accel: AccelKVM}
+	tests := []struct {
+		name  string
+		spec  VMSpec
+		paths Paths
+		want  []string // after common(spec)
+	}{
+		{
+			name: "machine none",
+			spec: noneSpec(),
+			want: []string{"-m", "128", "-smp", "1"},
+		},
+		{
+			name: "uuid lower-cased",
+			spec: func() VMSpec {
+				s := noneSpec()
+				s.UUID = "6F1C1B0E-1C1A-4D4E-9F55-0123456789AB"
+				return s
+			}(),
+			want: []string{"-m", "128", "-smp", "1", "-uuid", "6f1c1b0e-1c1a-4d4e-9f55-0123456789ab"},
+		},
+		{
+			name: "q35 direct kernel boot, serial, no-reboot, runas",
+			spec: func() VMSpec {
+				s := q35
+				s.Accel = AccelTCG
+				s.Kernel, s.Initrd, s.Cmdline = "/boot/vmlinuz", "/boot/initrd.img", "console=ttyS0 panic=-1"
+				s.SerialToLog, s.NoReboot, s.RunAs = true, true, "qemu"
+				return s
+			}(),
+			want: []string{"-m", "4096", "-smp", "4",
+				"-kernel", "/boot/vmlinuz", "-initrd", "/boot/initrd.img", "-append", "console=ttyS0 panic=-1",
+				"-chardev", "stdio,id=serial0,signal=off", "-serial", "chardev:serial0",
+				"-no-reboot", "-runas", "qemu"},
+		},
+		{
+			name: "q35 disk with a comma in its path, two vfio devices",
+			spec: func() VMSpec {
+				s := q35
+				s.Disk, s.DiskFormat = "/var/lib/img/a,b.qcow2", DiskQCOW2
+				s.VFIO = []string{"/sys/bus/mdev/devices/5e1b5c4a-2c55-4b1e-9a34-7d0c3f2a9b10", "/sys/bus/pci/devices/0000:41:00.4"}
+				return s
+			}(),
+			want: []string{"-m", "4096", "-smp", "4",
+				"-drive", "id=disk0,if=none,format=qcow2,file=/var/lib/img/a,,b.qcow2",
+				"-device", "virtio-blk-pci,drive=disk0",
+				"-device", "vfio-pci,sysfsdev=/sys/bus/mdev/devices/5e1b5c4a-2c55-4b1e-9a34-7d0c3f2a9b10",
+				"-device", "vfio-pci,sysfsdev=/sys/bus/pci/devices/0000:41:00.4"},
+		},
+		{
+			name: "microvm disk is virtio-mmio, raw by default",
+			spec: VMSpec{Name: "m", VCPUs: 2, MemoryMiB: 256, Machine: MachineMicroVM, Accel: AccelKVM,
+				Kernel: "/k", Disk: "/d.img"},
+			want: []string{"-m", "256", "-smp", "2", "-kernel", "/k",
+				"-drive", "id=disk0,if=none,format=raw,file=/d.img", "-device", "virtio-blk-device,drive=disk0"},
+		},
+		{
+			name: "pc",
+			spec: VMSpec{Name: "p", VCPUs: 1, MemoryMiB: 64, Machine: MachinePC, Accel: AccelTCG},
+			want: []string{"-m", "64", "-smp", "1"},
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got, err := Argv(tt.spec, testPaths)
+			require.NoError(t, err)
+			assert.Equal(t, append(common(tt.spec), tt.want...), got)
+		})
+	}
+}
+
+func TestArgvSocketPathComma(t *testing.T) {
+	p := testPaths
+	p.QMPSocket = "/run/vm/a,b/qemu.sock"
+	got, err := Argv(noneSpec(), p)
+	require.NoError(t, err)
+	assert.Contains(t, got, "unix:/run/vm/a,,b/qemu.sock,server=on,wait=off",
+		"a comma in the path must not end QemuOpts' value")
+}
+
+func TestArgvRejects(t *testing.T) {
+	mod := func(f func(*VMSpec)) VMSpec {
+		s := noneSpec()
+		f(&s)
+		return s
+	}
+	q35 := func(f func(*VMSpec)) VMSpec {
+		s := VMSpec{Name: "q", VCPUs: 2, MemoryMiB: 512, Machine: MachineQ35, Accel: AccelKVM}
+		f(&s)
+		return s
+	}
+	tests := []struct {
+		name  string
+		spec  VMSpec
+		paths Paths
+		want  string
+	}{
+		{"empty name", mod(func(s *VMSpec) { s.Name = "" }), testPaths, "name"},
+		{"name with comma", mod(func(s *VMSpec) { s.Name = "a,debug-threads=on" }), testPaths, "name"},
+		{"name with slash", mod(func(s *VMSpec) { s.Name = "../x" }), testPaths, "name"},
+		{"name too long", mod(func(s *VMSpec) { s.Name = strings.Repeat("a", 64) }), testPaths, "name"},
+		{"bad uuid", mod(func(s *VMSpec) { s.UUID = "nope" }), testPaths, "uuid"},
+		{"urn uuid", mod(func(s *VMSpec) { s.UUID = "urn:uuid:6f1c1b0e-1c1a-4d4e-9f55-0123456789ab" }), testPaths, "uuid"},
+		{"unknown machine", mod(func(s *VMSpec) { s.Machine = "virt" }), testPaths, "machine"},
+		{"empty machine", mod(func(s *VMSpec) { s.Machine = "" }), testPaths, "machine"},
+		{"unknown accel", mod(func(s *VMSpec) { s.Accel = "hvf" }), testPaths, "accel"},
+		{"zero vcpus", mod(func(s *VMSpec) { s.VCPUs = 0 }), testPaths, "vcpus"},
+		{"negative memory", mod(func(s *VMSpec) { s.MemoryMiB = -1 }), testPaths, "memory"},
+		{"huge memory", mod(func(s *VMSpec) { s.MemoryMiB = MaxMemoryMiB + 1 }), testPaths, "memory"},
+		{"none with 2 vcpus", mod(func(s *VMSpec) { s.VCPUs = 2 }), testPaths, "exactly 1 vcpu"},
+		{"none with kernel", mod(func(s *VMSpec) { s.Kernel = "/k" }), testPaths, "machine none"},
+		{"none with serial", mod(func(s *VMSpec) { s.SerialToLog = true }), testPaths, "machine none"},
+		{"relative kernel", q35(func(s *VMSpec) { s.Kernel = "vmlinuz" }), testPaths, "not absolute"},
+		{"unclean kernel", q35(func(s *VMSpec) { s.Kernel = "/boot/../etc/shadow" }), testPaths, "not clean"},
+		{"initrd without kernel", q35(func(s *VMSpec) { s.Initrd = "/i" }), testPaths, "initrd without kernel"},
+		{"cmdline without kernel", q35(func(s *VMSpec) { s.Cmdline = "quiet" }), testPaths, "cmdline without kernel"},
+		{"cmdline newline", q35(func(s *VMSpec) { s.Kernel, s.Cmdline = "/k", "a\nb" }), testPaths, "newline"},
+		{"disk NUL", q35(func(s *VMSpec) { s.Disk = "/d\x00" }), testPaths, "NUL"},
+		{"bad disk format", q35(func(s *VMSpec) { s.Disk, s.DiskFormat = "/d", "vmdk" }), testPaths, "disk format"},
+		{"format without disk", q35(func(s *VMSpec) { s.DiskFormat = DiskRaw }), testPaths, "without disk"},
+		{"relative vfio", q35(func(s *VMSpec) { s.VFIO = []string{"sys/bus/pci/devices/x"} }), testPaths, "vfio[0]"},
+		{"duplicate vfio", q35(func(s *VMSpec) { s.VFIO = []string{"/sys/a", "/sys/a"} }), testPaths, "twice"},
+		{"microvm without kernel", VMSpec{Name: "m", VCPUs: 1, MemoryMiB: 64, Machine: MachineMicroVM, Accel: AccelKVM}, testPaths, "needs a kernel"},
+		{"microvm vfio", VMSpec{Name: "m", VCPUs: 1, MemoryMiB: 64, Machine: MachineMicroVM, Accel: AccelKVM, Kernel: "/k", VFIO: []string{"/sys/a"}}, testPaths, "no PCI bus"},
+		{"bad runas", q35(func(s *VMSpec) { s.RunAs = "root;rm" }), testPaths, "run_as"},
+		{"empty socket", noneSpec(), Paths{PIDFile: "/p"}, "qmp socket"},
+		{"long socket", noneSpec(), Paths{QMPSocket: "/" + strings.Repeat("s", MaxSocketPath), PIDFile: "/p"}, "at most 107"},
+		{"relative pidfile", noneSpec(), Paths{QMPSocket: "/s", PIDFile: "p"}, "pid file"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got, err := Argv(tt.spec, tt.paths)
+			require.Error(t, err)
+			assert.Nil(t, got)
+			assert.True(t, errors.Is(err, ErrInvalidSpec), "%v is not ErrInvalidSpec", err)
+			assert.Contains(t, err.Error(), tt.want)
+		})
+	}
+}
+
+// FuzzArgv: no input panics, and whatever Argv accepts is a well-formed argv.
+func FuzzArgv(f *testing.F) {
+	f.Add("a", "", 1, 128, "none", "kvm", "", "", "", "/s", false)
+	f.Add("web-1", "6f1c1b0e-1c1a-4d4e-9f55-0123456789ab", 4, 4096, "q35", "tcg", "/k", "quiet", "/d,x", "/sys/a", true)
+	f.Fuzz(func(t *testing.T, name, id string, vcpus, mem int, machine, accel, kernel, cmdline, disk, vfio string, serial bool) {
+		s := VMSpec{Name: name, UUID: id, VCPUs: vcpus, MemoryMiB: mem, Machine: Machine(machine), Accel: Accel(accel),
+			Kernel: kernel, Cmdline: cmdline, Disk: disk, SerialToLog: serial}
+		if vfio != "" {
+			s.VFIO = []string{vfio}
+		}
+		argv, err := Argv(s, testPaths)
+		if err != nil {
+			if !errors.Is(err, ErrInvalidSpec) {
+				t.Fatalf("error %v is not ErrInvalidSpec", err)
+			}
+			return
+		}
+		for _, a := range argv {
+			if a == "" || strings.ContainsAny(a, "\x00\n") {
+				t.Fatalf("bad argv element %q in %q", a, argv)
+			}
+		}
+	})
+}
+
+func BenchmarkArgv(b *testing.B) {
+	s := VMSpec{Name: "web-1", UUID: "6f1c1b0e-1c1a-4d4e-9f55-0123456789ab", VCPUs: 4, MemoryMiB: 4096,
+		Machine: MachineQ35, Accel: AccelKVM, Kernel: "/boot/vmlinuz", Cmdline: "console=ttyS0",
+		Disk: "/var/lib/img/a.qcow2", DiskFormat: DiskQCOW2,
+		VFIO: []string{"/sys/bus/mdev/devices/5e1b5c4a-2c55-4b1e-9a34-7d0c3f2a9b10"}, SerialToLog: true}
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, err := Argv(s, testPaths); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
