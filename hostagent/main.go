@@ -1,0 +1,45 @@
+// Command vmflow-hostagent is vmflow's per-host agent. main is wiring only:
+// each subcommand lives in hostagent/cli, where it is tested.
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/signal"
+	"syscall"
+
+	"vmflow/hostagent/cli"
+)
+
+const usage = `usage: vmflow-hostagent <command> [flags]
+
+commands:
+  proc       inspect a process's thread group, or wait until it is gone
+  vgpu-sim   mount a FUSE file system that behaves like the kernel's vGPU sysfs
+`
+
+func main() {
+	if len(os.Args) < 2 {
+		fmt.Fprint(os.Stderr, usage)
+		os.Exit(cli.ExitUsage)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	io := cli.IO{Stdout: os.Stdout, Stderr: os.Stderr}
+	args := os.Args[2:]
+	var code int
+	switch os.Args[1] {
+	case "proc":
+		code = cli.Proc(ctx, args, io)
+	case "vgpu-sim":
+		code = cli.VGPUSim(ctx, args, io)
+	case "-h", "--help", "help":
+		fmt.Fprint(os.Stdout, usage)
+	default:
+		fmt.Fprintf(os.Stderr, "unknown command %q\n%s", os.Args[1], usage)
+		code = cli.ExitUsage
+	}
+	stop()
+	os.Exit(code)
+}

@@ -1,0 +1,389 @@
+package proc_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+	"vmflow/hostagent/proc"
+	"vmflow/hostagent/proc/proctest"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+)
+
+func TestMain(m *testing.M) {
+	proctest.RunHelperIfRequested()
+	os.Exit(m.Run())
+}
+
+func TestParseStat(t *testing.T) {
+	tail := " S 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 777 19 20"
+	tests := []struct {
+		name    string
+		in      string
+		want    proc.Stat
+		wantErr bool
+	}{
+		{name: "plain", in: "42 (qemu-system-x86)" + tail, want: proc.Stat{PID: 42, Comm: "qemu-system-x86", State: 'S', PPID: 1, StartTime: 777}},
+		{name: "spaces and parens in comm", in: "7 (a) (b c)" + tail, want: proc.Stat{PID: 7, Comm: "a) (b c", State: 'S', PPID: 1, StartTime: 777}},
+		{name: "comm ends with paren", in: "8 (x))" + tail, want: proc.Stat{PID: 8, Comm: "x)", State: 'S', PPID: 1, StartTime: 777}},
+		{name: "empty comm", in: "9 ()" + tail, want: proc.Stat{PID: 9, Comm: "", State: 'S', PPID: 1, StartTime: 777}},
+		{name: "zombie", in: "10 (z) Z 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 5 19", want: proc.Stat{PID: 10, Comm: "z", State: 'Z', PPID: 1, StartTime: 5}},
+		{name: "trailing newline", in: "11 (n)" + tail + "\n", want: proc.Stat{PID: 11, Comm: "n", State: 'S', PPID: 1, StartTime: 777}},
+		{name: "empty", in: "", wantErr: true},
+		{name: "no comm", in: "12 S 1 2", wantErr: true},
+		{name: "too few fields", in: "13 (x) S 1 2 3", wantErr: true},
+		{name: "bad pid", in: "x (x)" + tail, wantErr: true},
+		{name: "negative pid", in: "-1 (x)" + tail, wantErr: true},
+		{name: "bad start time", in: "14 (x) S 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 -5 19", wantErr: true},
+		{name: "state too long", in: "15 (x) SS 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 5 19", wantErr: true},
+		{name: "close before open", in: ") 16 (x" + tail, wantErr: true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got, err := proc.ParseStat([]byte(tt.in))
+			if tt.wantErr {
+				assert.ErrorIs(t, err, proc.ErrMalformedStat)
+				return
+			}
+			require.NoError(t, err)
+			assert.Equal(t, tt.want, got)
+		})
+	}
+}
+
+func TestReadIdentitySelf(t *testing.T) {
+	id, err := proc.ReadIdentity(os.Getpid())
+	require.NoError(t, err)
+	assert.Equal(t, os.Getpid(), id.PID)
+	assert.NotZero(t, id.StartTime)
+	assert.Len(t, id.BootID, 36, "boot id is a UUID")
+	assert.NoError(t, proc.Verify(id))
+	st := proc.Inspect(id)
+	assert.Equal(t, proc.StateRunning, st.State)
+	assert.True(t, st.Alive)
+	assert.GreaterOrEqual(t, st.Tasks, 1)
+}
+
+// waitModes runs a test once with the pidfd and once with the /proc
+// polling fallback used on kernels without pidfd_open.
+var waitModes = []struct {
+	name  string
+	opts  []proc.Option
+	pidfd bool
+}{
+	{name: "pidfd", pidfd: true},
+	{name: "proc-poll", opts: []proc.Option{proc.WithPolling()}},
+}
+
+// TestZombieLeaderIsAlive is the heart of invariant 2: a leader that called
+// exit(2) while another thread runs shows Z in /proc/<pid>/stat, yet the
+// group is alive, and Wait must not return until the last thread is gone.
+func TestZombieLeaderIsAlive(t *testing.T) {
+	for _, foreign := range []bool{false, true} {
+		for _, mode := range waitModes {
+			name := mode.name + "/child"
+			if foreign {
+				name = mode.name + "/not-our-child"
+			}
+			t.Run(name, func(t *testing.T) {
+				var z *proctest.Zombie
+				if foreign {
+					z = proctest.StartForeignZombie(t)
+				} else {
+					z = proctest.StartZombie(t)
+				}
+				id, err := proc.ReadIdentity(z.PID)
+				require.NoError(t, err)
+
+				st := proc.Inspect(id)
+				assert.Equal(t, proc.StateZombieLeader, st.State)
+				assert.True(t, st.Alive, "a zombie leader with a live thread is alive")
+				assert.Greater(t, st.Tasks, 1)
+
+				h, err := proc.Open(id, mode.opts...)
+				require.NoError(t, err)
+				defer h.Close()
+				assert.Equal(t, mode.pidfd, h.UsesPidfd())
+				exited, err := h.Exited()
+				require.NoError(t, err)
+				assert.False(t, exited)
+
+				done := make(chan error, 1)
+				go func() { done <- h.Wait(context.Background()) }()
+				// Wait must still be blocked while the thread runs. A wrong
+				// implementation (leader state, kill(0)) returns at once, so
+				// a short look is enough to catch it.
+				select {
+				case err := <-done:
+					t.Fatalf("Wait returned (%v) while a thread of the group still runs: %v", err, proctest.LiveTasks(z.PID))
+				case <-time.After(150 * time.Millisecond):
+				}
+				exitAt := z.Release(t)
+				select {
+				case err := <-done:
+					require.NoError(t, err)
+					t.Logf("detected %v after the last thread's exit", proctest.MonotonicNow()-exitAt)
+				case <-time.After(10 * time.Second):
+					t.Fatal("Wait did not return after the group exited")
+				}
+				assert.Empty(t, proctest.LiveTasks(z.PID), "Wait returned with live tasks")
+				assert.False(t, proc.Inspect(id).Alive)
+				exited, err = h.Exited()
+				require.NoError(t, err)
+				assert.True(t, exited)
+			})
+		}
+	}
+}
+
+func TestWaitHonoursContext(t *testing.T) {
+	for _, mode := range waitModes {
+		t.Run(mode.name, func(t *testing.T) {
+			z := proctest.StartZombie(t)
+			id, err := proc.ReadIdentity(z.PID)
+			require.NoError(t, err)
+			h, err := proc.Open(id, mode.opts...)
+			require.NoError(t, err)
+			defer h.Close()
+
+			ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+			defer cancel()
+			err = h.Wait(ctx)
+			assert.ErrorIs(t, err, context.DeadlineExceeded)
+			// The handle stays usable after a cancelled wait.
+			z.Release(t)
+			ctx2, cancel2 := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel2()
+			assert.NoError(t, h.Wait(ctx2))
+		})
+	}
+}
+
+// TestPIDReuseRefused: an identity whose start time or boot id differs names
+// another process, which proc.Open and proc.Signal must refuse (invariant 3).
+func TestPIDReuseRefused(t *testing.T) {
+	sleeper := exec.Command("sleep", "60")
+	child, err := proc.Start(sleeper)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sleeper.Process.Kill(); <-child.Done() })
+	real := child.Identity()
+
+	otherStart := real
+	otherStart.StartTime++
+	otherBoot := real
+	otherBoot.BootID = "00000000-0000-0000-0000-000000000000"
+	for name, id := range map[string]proc.Identity{"start time": otherStart, "boot id": otherBoot} {
+		t.Run(name, func(t *testing.T) {
+			for _, mode := range waitModes {
+				_, err := proc.Open(id, mode.opts...)
+				assert.ErrorIs(t, err, proc.ErrIdentityMismatch, mode.name)
+			}
+			assert.ErrorIs(t, proc.Signal(id, syscall.SIGKILL), proc.ErrIdentityMismatch)
+			assert.False(t, proc.Inspect(id).Alive, "the recorded process is gone; a stranger has the pid")
+		})
+	}
+	st := proc.Inspect(real)
+	assert.True(t, st.Alive, "the real process must not have been signalled")
+	_, done := child.Exit()
+	assert.False(t, done)
+
+	_, err = proc.Open(proc.Identity{PID: real.PID})
+	assert.ErrorIs(t, err, proc.ErrIdentityMismatch, "an incomplete identity is never acted on")
+}
+
+func TestSignalThroughHandle(t *testing.T) {
+	for _, mode := range waitModes {
+		t.Run(mode.name, func(t *testing.T) {
+			child, err := proc.Start(exec.Command("sleep", "60"))
+			require.NoError(t, err)
+			h, err := proc.Open(child.Identity(), mode.opts...)
+			require.NoError(t, err)
+			defer h.Close()
+			require.NoError(t, h.Signal(syscall.SIGTERM))
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			require.NoError(t, h.Wait(ctx))
+			<-child.Done()
+			e, ok := child.Exit()
+			require.True(t, ok)
+			assert.Equal(t, "terminated", e.Signal)
+			// Once reaped the pid is free: a second signal must not land anywhere.
+			assert.ErrorIs(t, h.Signal(syscall.SIGTERM), proc.ErrNotFound)
+		})
+	}
+}
+
+// TestChildIsReaped: invariant 4, no zombies of our own making.
+func TestChildIsReaped(t *testing.T) {
+	child, err := proc.Start(exec.Command("sh", "-c", "exit 7"))
+	require.NoError(t, err)
+	select {
+	case <-child.Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("child not reaped")
+	}
+	e, ok := child.Exit()
+	require.True(t, ok)
+	assert.Equal(t, 7, e.Code)
+	assert.NoError(t, e.Err)
+	assert.False(t, isOurZombie(child.Identity()), "a <defunct> entry remains")
+
+}
+
+func TestChildRunsInOwnSession(t *testing.T) {
+	cmd := exec.Command("sleep", "60")
+	child, err := proc.Start(cmd)
+	require.NoError(t, err)
+	defer func() { _ = cmd.Process.Kill(); <-child.Done() }()
+	sid, err := unix.Getsid(child.Identity().PID)
+	require.NoError(t, err)
+	assert.Equal(t, child.Identity().PID, sid, "the child leads its own session, so it outlives the agent")
+}
+
+func TestStartFailure(t *testing.T) {
+	_, err := proc.Start(exec.Command("/nonexistent/qemu"))
+	assert.Error(t, err)
+}
+
+func isOurZombie(id proc.Identity) bool {
+	st, err := proc.ReadStat(id.PID)
+	return err == nil && st.StartTime == id.StartTime && st.State == 'Z' && st.PPID == os.Getpid()
+}
+
+// TestKVMQEMUThreadGroup runs a real QEMU under KVM: its group holds the
+// kernel's kvm-nx-lpage-re task, and after SIGKILL, Wait returns only once
+// no task of the group is alive.
+func TestKVMQEMUThreadGroup(t *testing.T) {
+	qemu := requiresQEMU(t)
+	accel := "kvm"
+	if _, err := os.Stat("/dev/kvm"); err != nil {
+		accel = "tcg"
+		t.Logf("no /dev/kvm (%v): running QEMU under TCG, without the kvm-nx-lpage-re task", err)
+	}
+	// q35 running its firmware, not -machine none: the kvm-nx-lpage-re
+	// worker is created at the first KVM_RUN, which -machine none never does.
+	cmd := exec.Command(qemu, "-machine", "q35", "-accel", accel, "-nodefaults", "-display", "none", "-m", "64", "-no-user-config")
+	cmd.Stderr = os.Stderr
+	child, err := proc.Start(cmd)
+	require.NoError(t, err)
+	id := child.Identity()
+	t.Cleanup(func() { _ = proc.Signal(id, syscall.SIGKILL); <-child.Done() })
+
+	if accel == "kvm" {
+		require.Eventually(t, func() bool { return hasTask(id.PID, "kvm-nx-lpage-re") }, 20*time.Second, 5*time.Millisecond,
+			"QEMU under KVM should have a kvm-nx-lpage-re task in its thread group")
+	}
+	h, err := proc.Open(id)
+	require.NoError(t, err)
+	defer h.Close()
+	require.NoError(t, h.Signal(syscall.SIGKILL))
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	require.NoError(t, h.Wait(ctx))
+	assert.Empty(t, proctest.LiveTasks(id.PID), "Wait returned while tasks of the group were alive")
+	select {
+	case <-child.Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("QEMU not reaped")
+	}
+	e, _ := child.Exit()
+	assert.Equal(t, "killed", e.Signal)
+}
+
+func hasTask(pid int, comm string) bool {
+	paths, _ := filepath.Glob(fmt.Sprintf("/proc/%d/task/*/comm", pid))
+	for _, p := range paths {
+		if b, err := os.ReadFile(p); err == nil && strings.TrimSpace(string(b)) == comm {
+			return true
+		}
+	}
+	return false
+}
+
+func requiresQEMU(t testing.TB) string {
+	t.Helper()
+	p, err := exec.LookPath("qemu-system-x86_64")
+	if err != nil {
+		t.Skip("qemu-system-x86_64 not installed (make tools installs it): ", err)
+	}
+	return p
+}
+
+func TestHolders(t *testing.T) {
+	f := filepath.Join(t.TempDir(), "vfio-12")
+	require.NoError(t, os.WriteFile(f, nil, 0o600))
+
+	hs, err := proc.Holders(context.Background(), f)
+	require.NoError(t, err)
+	assert.Empty(t, proc.Certain(hs), "nobody holds a new file")
+	for _, h := range hs {
+		// Processes more privileged than this one (the sandbox's own init,
+		// here) cannot be inspected even by root: reported, never skipped.
+		assert.Equal(t, -1, h.FD)
+		assert.NotEmpty(t, h.Err)
+		t.Logf("uninspectable: %v", h)
+	}
+
+	// A zombie leader's own fd table reads empty while its live thread still
+	// holds the file: only the per-task scan finds it.
+	z := proctest.StartZombie(t, proctest.HoldFileEnv+"="+f)
+	entries, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", z.PID))
+	if err == nil {
+		t.Logf("/proc/%d/fd of the zombie leader lists %d entries", z.PID, len(entries))
+	}
+	hs, err = proc.Holders(context.Background(), f)
+	require.NoError(t, err)
+	hs = proc.Certain(hs)
+	require.Len(t, hs, 1, "%v", hs)
+	assert.Equal(t, z.PID, hs[0].PID)
+	assert.False(t, hs[0].Uncertain)
+
+	z.Release(t)
+	require.Eventually(t, func() bool {
+		hs, err := proc.Holders(context.Background(), f)
+		return err == nil && len(proc.Certain(hs)) == 0
+	}, 10*time.Second, 5*time.Millisecond, "the file is still reported held after its holder exited")
+}
+
+// TestHoldersUnreadableCountsAsHolder: a process whose descriptors cannot be
+// read may hold the device, so it is reported, never silently skipped.
+func TestHoldersUnreadableCountsAsHolder(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to run a scan as another user")
+	}
+	target := filepath.Join(t.TempDir(), "dev")
+	require.NoError(t, os.WriteFile(target, nil, 0o644))
+	f, err := os.Open(target)
+	require.NoError(t, err)
+	defer f.Close()
+
+	hs := proctest.HoldersAs(t, 65534, 65534, target)
+	// This test process runs as root and holds the file: to nobody its
+	// descriptors are unreadable, so it must be listed as uncertain.
+	var found bool
+	for _, h := range hs {
+		if h.PID == os.Getpid() {
+			found = true
+			assert.True(t, h.Uncertain, "%v", h)
+		}
+	}
+	assert.True(t, found, "the uninspectable holder was skipped: %v", hs)
+}
+
+func TestSignalGoneProcess(t *testing.T) {
+	child, err := proc.Start(exec.Command("true"))
+	require.NoError(t, err)
+	<-child.Done()
+	err = proc.Signal(child.Identity(), syscall.SIGKILL)
+	require.Error(t, err)
+	assert.True(t, errors.Is(err, proc.ErrNotFound) || errors.Is(err, proc.ErrIdentityMismatch), "%v", err)
+}
