@@ -1,0 +1,517 @@
+package vmm
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"vmflow/hostagent/proc"
+)
+
+// requiresQEMU skips the test when qemu-system-x86_64 is not installed.
+// CI installs it (make qemu), so nothing is skipped there.
+func requiresQEMU(tb testing.TB) string {
+	tb.Helper()
+	p, err := exec.LookPath(DefaultBinary)
+	if err != nil {
+		tb.Skipf("needs %s (make qemu installs it): %v", DefaultBinary, err)
+	}
+	return p
+}
+
+// testAccel is KVM where /dev/kvm opens, TCG otherwise: -machine none runs
+// the same either way, only faster under KVM.
+func testAccel() Accel {
+	f, err := os.OpenFile("/dev/kvm", os.O_RDWR, 0)
+	if err != nil {
+		return AccelTCG
+	}
+	f.Close()
+	return AccelKVM
+}
+
+// testDir is a short directory under /tmp: a unix socket path holds at most
+// 107 bytes, and t.TempDir's paths can exceed that.
+func testDir(tb testing.TB) string {
+	tb.Helper()
+	d, err := os.MkdirTemp("/tmp", "vm")
+	require.NoError(tb, err)
+	tb.Cleanup(func() { os.RemoveAll(d) })
+	return d
+}
+
+func testLaunchConfig(tb testing.TB, name string) LaunchConfig {
+	d := testDir(tb)
+	return LaunchConfig{
+		Spec: VMSpec{Name: name, UUID: "6f1c1b0e-1c1a-4d4e-9f55-0123456789ab",
+			VCPUs: 1, MemoryMiB: 64, Machine: MachineNone, Accel: testAccel()},
+		Paths: Paths{
+			QMPSocket: filepath.Join(d, "qemu.sock"),
+			PIDFile:   filepath.Join(d, "qemu.pid"),
+			Log:       filepath.Join(d, "qemu.log"),
+		},
+	}
+}
+
+// killOnCleanup makes sure a failing test leaves no QEMU behind.
+func killOnCleanup(tb testing.TB, vm *VM) {
+	tb.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		_, _ = Stop(ctx, StopConfig{Identity: vm.Identity(), Child: vm.Child(), From: StepKillSent, KillTimeout: 5 * time.Second})
+		vm.Close()
+	})
+}
+
+// assertGone checks that the process named by id has left /proc entirely:
+// not alive, and no <defunct> entry (reaped).
+func assertGone(t *testing.T, id proc.Identity) {
+	t.Helper()
+	st, err := proc.ReadStat(id.PID)
+	if err == nil && st.StartTime == id.StartTime {
+		t.Errorf("%v still in /proc in state %c", id, st.State)
+	}
+	assert.Equal(t, proc.StateExited, proc.Inspect(id).State)
+	assertNoZombieChildren(t)
+}
+
+// assertNoZombieChildren scans /proc for zombies whose parent is this test.
+func assertNoZombieChildren(t *testing.T) {
+	t.Helper()
+	ents, err := os.ReadDir("/proc")
+	require.NoError(t, err)
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		st, err := proc.ReadStat(pid)
+		if err != nil {
+			continue
+		}
+		if st.PPID == os.Getpid() && st.State == 'Z' {
+			t.Errorf("<defunct> child left: pid %d (%s)", pid, st.Comm)
+		}
+	}
+}
+
+func assertNoFile(t *testing.T, path string) {
+	t.Helper()
+	_, err := os.Lstat(path)
+	assert.True(t, errors.Is(err, fs.ErrNotExist), "%s still exists (%v)", path, err)
+}
+
+type hookLog struct {
+	mu      sync.Mutex
+	started []proc.Identity
+	failed  []proc.Identity
+	causes  []error
+	steps   []StopStep
+}
+
+func (h *hookLog) onStarted(id proc.Identity) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.started = append(h.started, id)
+	return nil
+}
+
+func (h *hookLog) onFailed(id proc.Identity, cause error) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.failed = append(h.failed, id)
+	h.causes = append(h.causes, cause)
+	return nil
+}
+
+func (h *hookLog) onStep(s StopStep) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.steps = append(h.steps, s)
+	return nil
+}
+
+func stepsOf(r StopResult) []StopStep {
+	var out []StopStep
+	for _, s := range r.Steps {
+		out = append(out, s.Step)
+	}
+	return out
+}
+
+func TestLaunchRunningThenStopLadder(t *testing.T) {
+	requiresQEMU(t)
+	var hooks hookLog
+	cfg := testLaunchConfig(t, "ladder")
+	cfg.OnStarted, cfg.OnFailed = hooks.onStarted, hooks.onFailed
+
+	vm, err := Launch(ctxT(t, 30*time.Second), cfg)
+	require.NoError(t, err)
+	killOnCleanup(t, vm)
+	id := vm.Identity()
+	require.Equal(t, []proc.Identity{id}, hooks.started, "OnStarted gets the identity right after the fork")
+	assert.Empty(t, hooks.failed)
+
+	st, err := vm.Status(ctxT(t, 5*time.Second))
+	require.NoError(t, err)
+	assert.Equal(t, StatusInfo{Status: "running", Running: true}, st)
+	pidfile, err := os.ReadFile(cfg.Paths.PIDFile)
+	require.NoError(t, err)
+	assert.Equal(t, strconv.Itoa(id.PID), string(bytes.TrimSpace(pidfile)))
+
+	// -machine none has no ACPI: system_powerdown is accepted and ignored,
+	// so the ladder must escalate to quit after the graceful timeout.
+	res, err := vm.Stop(ctxT(t, 30*time.Second), StopConfig{
+		GracefulTimeout: 200 * time.Millisecond, OnStep: hooks.onStep,
+	})
+	require.NoError(t, err)
+	assert.Equal(t, StepGone, res.Reached)
+	assert.False(t, res.AlreadyGone)
+	assert.False(t, res.QMPUnreachable)
+	require.Equal(t, []StopStep{StepPowerdownSent, StepQuitSent}, stepsOf(res))
+	assert.False(t, res.Steps[0].Exited, "machine none ignores the power button")
+	assert.GreaterOrEqual(t, res.Steps[0].Duration, 200*time.Millisecond)
+	assert.Equal(t, "qmp", res.Steps[1].Via)
+	assert.True(t, res.Steps[1].Exited, "quit ends QEMU")
+	assert.Equal(t, []StopStep{StepPowerdownSent, StepQuitSent, StepGone}, hooks.steps)
+	require.NotNil(t, res.Exit)
+	assert.Equal(t, 0, res.Exit.Code)
+
+	assertGone(t, id)
+	assertNoFile(t, cfg.Paths.QMPSocket)
+	assertNoFile(t, cfg.Paths.PIDFile)
+	t.Logf("stop: %+v", res)
+}
+
+func TestLaunchBadOptionFailsFast(t *testing.T) {
+	qemu := requiresQEMU(t)
+	// A wrapper is the only way to hand QEMU an option Argv would never
+	// produce: the QEMU that runs is real and prints its own message.
+	wrapDir := testDir(t)
+	wrapper := filepath.Join(wrapDir, "qemu-bogus")
+	require.NoError(t, os.WriteFile(wrapper, []byte("#!/bin/sh\nexec "+qemu+" -bogus \"$@\"\n"), 0o755))
+
+	missingKernel := testLaunchConfig(t, "nokernel")
+	missingKernel.Spec.Machine, missingKernel.Spec.Accel = MachineQ35, AccelTCG
+	missingKernel.Spec.Kernel = "/nonexistent/vmlinuz"
+
+	bogus := testLaunchConfig(t, "bogus")
+	bogus.Binary = wrapper
+
+	for _, tt := range []struct {
+		name string
+		cfg  LaunchConfig
+		want string
+	}{
+		{"invalid option", bogus, "-bogus: invalid option"},
+		{"missing kernel", missingKernel, "/nonexistent/vmlinuz"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			var hooks hookLog
+			cfg := tt.cfg
+			cfg.ReadyTimeout = 20 * time.Second
+			cfg.OnStarted = hooks.onStarted
+			var goneAtOnFailed bool
+			var socketAtOnFailed error
+			cfg.OnFailed = func(id proc.Identity, cause error) error {
+				// Invariant 5: by the time the caller clears the pid,
+				// QEMU is reaped and the socket is gone.
+				_, statErr := proc.ReadStat(id.PID)
+				goneAtOnFailed = errors.Is(statErr, proc.ErrNotFound) || proc.Inspect(id).State == proc.StateExited
+				_, socketAtOnFailed = os.Lstat(cfg.Paths.QMPSocket)
+				return hooks.onFailed(id, cause)
+			}
+			start := time.Now()
+			vm, err := Launch(ctxT(t, 30*time.Second), cfg)
+			took := time.Since(start)
+			require.Error(t, err)
+			assert.Nil(t, vm)
+			assert.ErrorIs(t, err, ErrLaunchExited)
+			assert.Contains(t, err.Error(), tt.want, "QEMU's own message is in the error")
+			assert.Less(t, took, 3*time.Second, "fails at QEMU's exit, not at the 20s ready timeout")
+			require.Len(t, hooks.started, 1)
+			require.Len(t, hooks.failed, 1)
+			assert.Equal(t, hooks.started[0], hooks.failed[0])
+			assert.Equal(t, err, hooks.causes[0])
+			assert.True(t, goneAtOnFailed)
+			assert.True(t, errors.Is(socketAtOnFailed, fs.ErrNotExist), "socket at OnFailed: %v", socketAtOnFailed)
+			assertGone(t, hooks.started[0])
+			assertNoFile(t, cfg.Paths.QMPSocket)
+			t.Logf("failed in %s: %v", took, err)
+		})
+	}
+}
+
+func TestLaunchOnStartedErrorLeavesNothing(t *testing.T) {
+	requiresQEMU(t)
+	var hooks hookLog
+	cfg := testLaunchConfig(t, "hookfail")
+	boom := errors.New("record write failed")
+	cfg.OnStarted = func(id proc.Identity) error {
+		_ = hooks.onStarted(id)
+		return boom
+	}
+	cfg.OnFailed = hooks.onFailed
+	_, err := Launch(ctxT(t, 30*time.Second), cfg)
+	require.ErrorIs(t, err, boom)
+	require.ErrorIs(t, err, ErrHook)
+	require.Len(t, hooks.failed, 1)
+	assertGone(t, hooks.started[0])
+	assertNoFile(t, cfg.Paths.QMPSocket)
+}
+
+func TestLaunchRetryRemovesStaleSocket(t *testing.T) {
+	requiresQEMU(t)
+	cfg := testLaunchConfig(t, "stale")
+	// A socket file left by a killed QEMU: nobody listens on it.
+	l, err := net.Listen("unix", cfg.Paths.QMPSocket)
+	require.NoError(t, err)
+	l.(*net.UnixListener).SetUnlinkOnClose(false)
+	require.NoError(t, l.Close())
+	_, err = os.Lstat(cfg.Paths.QMPSocket)
+	require.NoError(t, err)
+
+	vm, err := Launch(ctxT(t, 30*time.Second), cfg)
+	require.NoError(t, err)
+	killOnCleanup(t, vm)
+	_, err = vm.Stop(ctxT(t, 30*time.Second), StopConfig{SkipPowerdown: true})
+	require.NoError(t, err)
+	assertGone(t, vm.Identity())
+}
+
+func TestLaunchRefusesLiveSocket(t *testing.T) {
+	requiresQEMU(t)
+	var hooks hookLog
+	cfg := testLaunchConfig(t, "live")
+	cfg.OnStarted, cfg.OnFailed = hooks.onStarted, hooks.onFailed
+	l, err := net.Listen("unix", cfg.Paths.QMPSocket)
+	require.NoError(t, err)
+	defer l.Close()
+
+	_, err = Launch(ctxT(t, 30*time.Second), cfg)
+	require.ErrorIs(t, err, ErrSocketInUse)
+	assert.Empty(t, hooks.started, "nothing was started")
+	assert.Len(t, hooks.failed, 1)
+	_, err = os.Lstat(cfg.Paths.QMPSocket)
+	assert.NoError(t, err, "someone else's live socket is left alone")
+}
+
+// startPlain starts QEMU the way an earlier agent did: a plain exec in its
+// own session. The test reaps it (PID 1 here does not reap orphans), but
+// Stop sees only the identity, as after an agent restart.
+func startPlain(t *testing.T, cfg LaunchConfig) (proc.Identity, <-chan struct{}) {
+	t.Helper()
+	argv, err := Argv(cfg.Spec, cfg.Paths)
+	require.NoError(t, err)
+	cmd := exec.Command(requiresQEMU(t), argv...)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	require.NoError(t, cmd.Start())
+	reaped := make(chan struct{})
+	go func() { _ = cmd.Wait(); close(reaped) }()
+	id, err := proc.ReadIdentity(cmd.Process.Pid)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_ = proc.Signal(id, syscall.SIGKILL)
+		<-reaped
+	})
+	// Ready when QMP answers (condition with a deadline, no sleep).
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		m, err := DialQMP(ctxT(t, time.Second), cfg.Paths.QMPSocket)
+		if err == nil {
+			m.Close()
+			break
+		}
+		require.True(t, time.Now().Before(deadline), "qmp never came up: %v", err)
+		select {
+		case <-reaped:
+			t.Fatalf("qemu exited: %v", err)
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+	return id, reaped
+}
+
+func TestStopNonChild(t *testing.T) {
+	requiresQEMU(t)
+	cfg := testLaunchConfig(t, "nonchild")
+	id, reaped := startPlain(t, cfg)
+
+	var hooks hookLog
+	res, err := Stop(ctxT(t, 30*time.Second), StopConfig{
+		Identity: id, Paths: cfg.Paths, SkipPowerdown: true, OnStep: hooks.onStep,
+	})
+	require.NoError(t, err)
+	assert.Equal(t, StepGone, res.Reached)
+	assert.Equal(t, []StopStep{StepQuitSent}, stepsOf(res))
+	assert.Equal(t, "qmp", res.Steps[0].Via)
+	assert.Nil(t, res.Exit, "not our child: no exit status")
+	assert.Equal(t, []StopStep{StepQuitSent, StepGone}, hooks.steps)
+	assert.Equal(t, proc.StateExited, proc.Inspect(id).State)
+	select {
+	case <-reaped:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the test's reaper never saw the exit")
+	}
+	assertGone(t, id)
+	assertNoFile(t, cfg.Paths.QMPSocket)
+}
+
+func TestStopNonChildWithoutQMPUsesSignals(t *testing.T) {
+	requiresQEMU(t)
+	cfg := testLaunchConfig(t, "noqmp")
+	id, reaped := startPlain(t, cfg)
+	// The socket is gone (say, deleted by hand): the ladder goes straight
+	// to signals.
+	require.NoError(t, os.Remove(cfg.Paths.QMPSocket))
+
+	var hooks hookLog
+	res, err := Stop(ctxT(t, 30*time.Second), StopConfig{
+		Identity: id, Paths: cfg.Paths, OnStep: hooks.onStep,
+	})
+	require.NoError(t, err)
+	assert.True(t, res.QMPUnreachable)
+	require.Equal(t, []StopStep{StepPowerdownSent, StepQuitSent}, stepsOf(res))
+	assert.Equal(t, "skipped", res.Steps[0].Via)
+	assert.Less(t, res.Steps[0].Duration, DefaultGracefulTimeout, "no graceful wait for a button never pressed")
+	assert.Equal(t, "sigterm", res.Steps[1].Via)
+	assert.True(t, res.Steps[1].Exited)
+	assert.Equal(t, []StopStep{StepPowerdownSent, StepQuitSent, StepGone}, hooks.steps)
+	<-reaped
+	assertGone(t, id)
+}
+
+func TestStopResumesFromQuitSent(t *testing.T) {
+	requiresQEMU(t)
+	cfg := testLaunchConfig(t, "resume")
+	vm, err := Launch(ctxT(t, 30*time.Second), cfg)
+	require.NoError(t, err)
+	killOnCleanup(t, vm)
+
+	// The record says quit was sent before the agent restarted (here it
+	// was not, so QEMU is still up): wait QuitTimeout, then SIGKILL.
+	var hooks hookLog
+	res, err := vm.Stop(ctxT(t, 30*time.Second), StopConfig{
+		From: StepQuitSent, QuitTimeout: 100 * time.Millisecond, OnStep: hooks.onStep,
+	})
+	require.NoError(t, err)
+	assert.Equal(t, []StopStep{StepQuitSent, StepKillSent}, stepsOf(res))
+	assert.Equal(t, "resumed", res.Steps[0].Via)
+	assert.True(t, res.Steps[1].Exited)
+	assert.Equal(t, []StopStep{StepKillSent, StepGone}, hooks.steps, "no quit is sent again")
+	require.NotNil(t, res.Exit)
+	assert.Equal(t, "killed", res.Exit.Signal)
+	assertGone(t, vm.Identity())
+	assertNoFile(t, cfg.Paths.QMPSocket)
+	assertNoFile(t, cfg.Paths.PIDFile)
+}
+
+func TestStopStillAliveIsAnErrorAndResumable(t *testing.T) {
+	requiresQEMU(t)
+	cfg := testLaunchConfig(t, "alive")
+	vm, err := Launch(ctxT(t, 30*time.Second), cfg)
+	require.NoError(t, err)
+	killOnCleanup(t, vm)
+
+	// A kill cap that has passed before the wait starts: the group cannot
+	// be confirmed gone, and Stop must say so rather than guess.
+	res, err := vm.Stop(ctxT(t, 30*time.Second), StopConfig{From: StepKillSent, KillTimeout: time.Nanosecond})
+	var alive *StillAliveError
+	require.ErrorAs(t, err, &alive)
+	require.ErrorIs(t, err, ErrStillAlive)
+	assert.Equal(t, vm.Identity(), alive.Identity)
+	assert.Equal(t, StepKillSent, res.Reached)
+
+	res, err = vm.Stop(ctxT(t, 30*time.Second), StopConfig{From: StepKillSent})
+	require.NoError(t, err)
+	assert.Equal(t, StepGone, res.Reached)
+	assertGone(t, vm.Identity())
+}
+
+func TestStopAlreadyGone(t *testing.T) {
+	requiresQEMU(t)
+	cfg := testLaunchConfig(t, "gone")
+	vm, err := Launch(ctxT(t, 30*time.Second), cfg)
+	require.NoError(t, err)
+	killOnCleanup(t, vm)
+	_, err = vm.Stop(ctxT(t, 30*time.Second), StopConfig{SkipPowerdown: true})
+	require.NoError(t, err)
+
+	var hooks hookLog
+	start := time.Now()
+	res, err := Stop(ctxT(t, 30*time.Second), StopConfig{Identity: vm.Identity(), Paths: cfg.Paths, OnStep: hooks.onStep})
+	require.NoError(t, err)
+	assert.Less(t, time.Since(start), time.Second)
+	assert.True(t, res.AlreadyGone)
+	assert.Empty(t, res.Steps)
+	assert.Equal(t, []StopStep{StepGone}, hooks.steps)
+}
+
+func TestStopRejectsIncompleteIdentity(t *testing.T) {
+	_, err := Stop(ctxT(t, time.Second), StopConfig{Identity: proc.Identity{PID: 1}})
+	require.ErrorIs(t, err, ErrInvalidIdentity)
+	_, err = Stop(ctxT(t, time.Second), StopConfig{Identity: proc.Identity{PID: 1, StartTime: 1, BootID: "x"}, From: "bogus"})
+	require.Error(t, err)
+}
+
+func TestAttachMismatchedIdentity(t *testing.T) {
+	self, err := proc.ReadIdentity(os.Getpid())
+	require.NoError(t, err)
+	self.StartTime++
+	_, err = Attach(self, Paths{})
+	require.ErrorIs(t, err, proc.ErrIdentityMismatch)
+	// and Stop treats the recorded process as gone, signalling nothing
+	res, err := Stop(ctxT(t, time.Second), StopConfig{Identity: self})
+	require.NoError(t, err)
+	assert.True(t, res.AlreadyGone)
+}
+
+func TestAttachThenStop(t *testing.T) {
+	requiresQEMU(t)
+	cfg := testLaunchConfig(t, "attach")
+	id, reaped := startPlain(t, cfg)
+	vm, err := Attach(id, cfg.Paths)
+	require.NoError(t, err)
+	defer vm.Close()
+	st, err := vm.Status(ctxT(t, 5*time.Second))
+	require.NoError(t, err)
+	assert.True(t, st.Running)
+	// The VM's open monitor is reused: a second QMP client would wait.
+	res, err := vm.Stop(ctxT(t, 30*time.Second), StopConfig{SkipPowerdown: true, QMPTimeout: 500 * time.Millisecond})
+	require.NoError(t, err)
+	assert.False(t, res.QMPUnreachable)
+	assert.Equal(t, "qmp", res.Steps[0].Via)
+	<-reaped
+	assertGone(t, id)
+}
+
+func Example() {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	vm, err := Launch(ctx, LaunchConfig{
+		Spec:      VMSpec{Name: "demo", VCPUs: 1, MemoryMiB: 64, Machine: MachineNone, Accel: AccelKVM},
+		Paths:     Paths{QMPSocket: "/tmp/demo.sock", PIDFile: "/tmp/demo.pid", Log: "/tmp/demo.log"},
+		OnStarted: func(id proc.Identity) error { return nil }, // persist id into the record
+		OnFailed:  func(id proc.Identity, cause error) error { return nil },
+	})
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	res, err := vm.Stop(ctx, StopConfig{OnStep: func(s StopStep) error { return nil }})
+	fmt.Println(res.Reached, err)
+}
