@@ -1,0 +1,55 @@
+package store
+
+import (
+	"errors"
+	"fmt"
+
+	vmflowv1 "vmflow/proto/vmflow/v1"
+)
+
+// Sentinel errors callers branch on with errors.Is. Every error the store
+// returns wraps one of these (or an os/syscall error) with context.
+var (
+	// ErrInvalidID: the instance id does not match IDPattern.
+	ErrInvalidID = errors.New("invalid instance id")
+	// ErrSocketPathTooLong: <state-dir>/instances/<id>/qemu.sock would not
+	// fit a Unix socket address (107 bytes plus the terminating NUL).
+	ErrSocketPathTooLong = errors.New("QMP socket path too long")
+	// ErrNotFound: no record exists for the instance.
+	ErrNotFound = errors.New("instance record not found")
+	// ErrConflict: a record exists for the id with a different spec.
+	ErrConflict = errors.New("instance exists with a different spec")
+	// ErrDeleting: the instance is being deleted (Deleting or ReleaseFailed);
+	// it cannot be created again until the delete finishes.
+	ErrDeleting = errors.New("instance is being deleted")
+	// ErrClaimHeld: the record still holds a vGPU claim, so it must not be
+	// deleted (ARCHITECTURE invariant 1).
+	ErrClaimHeld = errors.New("instance still holds a vGPU claim")
+	// ErrIllegalTransition: the state change is not in the state machine.
+	ErrIllegalTransition = errors.New("illegal state transition")
+	// ErrManualStopMissing: a delete may only begin after the manual-stop
+	// marker is written (ARCHITECTURE invariant 6).
+	ErrManualStopMissing = errors.New("manual-stop marker not written")
+	// ErrInvalidRecord: a record failed to decode or breaks a rule of the
+	// store (wrong id, unknown enum value, missing spec, ...).
+	ErrInvalidRecord = errors.New("invalid instance record")
+	// ErrBusy: the instance's lock could not be taken before the context
+	// ended; another goroutine or agent is working on it. The error also
+	// wraps the context's error.
+	ErrBusy = errors.New("instance is locked by another operation")
+	// ErrUnlocked: a Locked handle was used after Unlock.
+	ErrUnlocked = errors.New("instance lock already released")
+)
+
+// TransitionError is the error for a state change the state machine does not
+// allow. It matches ErrIllegalTransition with errors.Is.
+type TransitionError struct {
+	From, To vmflowv1.InstanceState
+}
+
+func (e *TransitionError) Error() string {
+	return fmt.Sprintf("%s: %s -> %s", ErrIllegalTransition, StateName(e.From), StateName(e.To))
+}
+
+// Unwrap makes errors.Is(err, ErrIllegalTransition) true.
+func (e *TransitionError) Unwrap() error { return ErrIllegalTransition }

@@ -1,0 +1,281 @@
+package store
+
+import (
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"time"
+
+	"golang.org/x/sys/unix"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	vmflowv1 "vmflow/proto/vmflow/v1"
+)
+
+// Locked is one instance held under its lock: everything done through it is
+// one check-then-act no other goroutine or agent can interleave with. A
+// restart, for example, checks the marker, launches QEMU and records its pid
+// through one Locked. A Locked is for one goroutine; Unlock releases it.
+type Locked struct {
+	s     *Store
+	id    string
+	paths Paths
+	lock  *fileLock
+}
+
+// ID is the locked instance's id.
+func (l *Locked) ID() string { return l.id }
+
+// Paths are the locked instance's files.
+func (l *Locked) Paths() Paths { return l.paths }
+
+// Unlock releases the lock. When the instance has no directory (it was
+// deleted, or never created), the lock file is removed too so locks/ does not
+// grow with every id ever seen; waiters notice and lock the new file. Calling
+// Unlock again is a no-op.
+func (l *Locked) Unlock() error {
+	if l.lock == nil {
+		return nil
+	}
+	_, err := os.Lstat(l.paths.Dir)
+	gone := errors.Is(err, fs.ErrNotExist)
+	rerr := l.lock.release(gone)
+	l.lock = nil
+	if rerr != nil {
+		return fmt.Errorf("instance %s: %w", l.id, rerr)
+	}
+	return nil
+}
+
+func (l *Locked) held() error {
+	if l.lock == nil {
+		return fmt.Errorf("instance %s: %w", l.id, ErrUnlocked)
+	}
+	return nil
+}
+
+// Get reads the record under the lock.
+func (l *Locked) Get() (*vmflowv1.InstanceRecord, error) {
+	if err := l.held(); err != nil {
+		return nil, err
+	}
+	return readRecord(l.paths, l.id)
+}
+
+// ManualStop reports whether the manual-stop marker is on disk; under the
+// lock the answer holds until Unlock.
+func (l *Locked) ManualStop() (bool, error) {
+	if err := l.held(); err != nil {
+		return false, err
+	}
+	ok, err := markerExists(l.paths)
+	if err != nil {
+		return false, fmt.Errorf("instance %s: %w", l.id, err)
+	}
+	return ok, nil
+}
+
+// Create: see Store.Create.
+func (l *Locked) Create(want *vmflowv1.InstanceRecord) (*vmflowv1.InstanceRecord, error) {
+	if err := l.held(); err != nil {
+		return nil, err
+	}
+	if want.GetId() != l.id {
+		return nil, fmt.Errorf("create instance %s: %w: record says id %s", l.id, ErrInvalidRecord, quoteID(want.GetId()))
+	}
+	if want.GetSpec() == nil {
+		return nil, fmt.Errorf("create instance %s: %w: no spec", l.id, ErrInvalidRecord)
+	}
+	if err := checkSocketPath(l.paths); err != nil {
+		return nil, fmt.Errorf("create instance %s: %w", l.id, err)
+	}
+	have, err := readRecord(l.paths, l.id)
+	switch {
+	case err == nil:
+		if isDeleting(have.GetState()) {
+			return nil, fmt.Errorf("create instance %s: %w (state %s); wait for the delete to finish",
+				l.id, ErrDeleting, StateName(have.GetState()))
+		}
+		if diff := desiredDiff(have, want); len(diff) > 0 {
+			return nil, fmt.Errorf("create instance %s: %w: %s", l.id, ErrConflict, joinDiff(diff))
+		}
+		return have, nil
+	case !errors.Is(err, ErrNotFound):
+		return nil, fmt.Errorf("create instance %s: %w", l.id, err)
+	}
+
+	if err := os.Mkdir(l.paths.Dir, 0o700); err != nil && !errors.Is(err, fs.ErrExist) {
+		return nil, fmt.Errorf("create instance %s: %w", l.id, err)
+	}
+	// The new directory entry must be durable before a record in it counts.
+	if err := syncDir(l.s.instances); err != nil {
+		return nil, fmt.Errorf("create instance %s: %w", l.id, err)
+	}
+	now := timestamppb.Now()
+	rec := &vmflowv1.InstanceRecord{
+		Id:                        l.id,
+		Spec:                      proto.CloneOf(want.GetSpec()),
+		RestartPolicy:             want.GetRestartPolicy(),
+		RestartMaxAttempts:        want.GetRestartMaxAttempts(),
+		RestartStableAfterSeconds: want.GetRestartStableAfterSeconds(),
+		State:                     creating,
+		CreatedAt:                 now,
+		UpdatedAt:                 now,
+	}
+	if err := l.write(rec); err != nil {
+		return nil, fmt.Errorf("create instance %s: %w", l.id, err)
+	}
+	return rec, nil
+}
+
+func joinDiff(diff []string) string {
+	out := diff[0]
+	for _, d := range diff[1:] {
+		out += ", " + d
+	}
+	return out
+}
+
+// Update runs fn on a copy of the record and, if fn returns nil and changed
+// anything, writes the result atomically and returns it. fn's error is
+// returned wrapped, with nothing written. The store refuses (with nothing
+// written) a change of id, a state change the state machine does not allow
+// (ErrIllegalTransition), and a move to Deleting before the manual-stop
+// marker is on disk (ErrManualStopMissing). updated_at is set by the store.
+func (l *Locked) Update(fn func(*vmflowv1.InstanceRecord) error) (*vmflowv1.InstanceRecord, error) {
+	if err := l.held(); err != nil {
+		return nil, err
+	}
+	old, err := readRecord(l.paths, l.id)
+	if err != nil {
+		return nil, fmt.Errorf("update: %w", err)
+	}
+	rec := cloneRecord(old)
+	if err := fn(rec); err != nil {
+		return nil, fmt.Errorf("update instance %s: %w", l.id, err)
+	}
+	if proto.Equal(old, rec) {
+		return rec, nil
+	}
+	if rec.GetId() != l.id {
+		return nil, fmt.Errorf("update instance %s: %w: the id cannot change (to %s)", l.id, ErrInvalidRecord, quoteID(rec.GetId()))
+	}
+	if from, to := old.GetState(), rec.GetState(); from != to {
+		if err := CheckTransition(from, to); err != nil {
+			return nil, fmt.Errorf("update instance %s: %w", l.id, err)
+		}
+		if to == deleting {
+			// Invariant 6: the marker comes first, so the restart policy can
+			// never bring back a VM whose delete has begun.
+			marked, err := markerExists(l.paths)
+			if err != nil {
+				return nil, fmt.Errorf("update instance %s: %w", l.id, err)
+			}
+			if !marked {
+				return nil, fmt.Errorf("update instance %s: %w: write it before moving to deleting", l.id, ErrManualStopMissing)
+			}
+		}
+	}
+	if err := ValidateRecord(rec); err != nil {
+		return nil, fmt.Errorf("update instance %s: %w", l.id, err)
+	}
+	rec.UpdatedAt = timestamppb.Now()
+	if err := l.write(rec); err != nil {
+		return nil, fmt.Errorf("update instance %s: %w", l.id, err)
+	}
+	return rec, nil
+}
+
+// Transition: see Store.Transition.
+func (l *Locked) Transition(to vmflowv1.InstanceState) (*vmflowv1.InstanceRecord, error) {
+	return l.Update(func(r *vmflowv1.InstanceRecord) error {
+		r.State = to
+		return nil
+	})
+}
+
+// write stores rec atomically. Under the lock no other writer has a temp file
+// in flight, so leftovers of a crashed writer are removed first.
+func (l *Locked) write(rec *vmflowv1.InstanceRecord) error {
+	b, err := EncodeRecord(rec)
+	if err != nil {
+		return err
+	}
+	if err := removeStaleTemps(l.paths.Dir); err != nil {
+		return err
+	}
+	return writeFileAtomic(l.paths.Dir, RecordFile, b, l.s.afterTemp)
+}
+
+// MarkManualStop: see Store.MarkManualStop. An existing marker is kept as is.
+func (l *Locked) MarkManualStop() error {
+	if err := l.held(); err != nil {
+		return err
+	}
+	if _, err := readRecord(l.paths, l.id); err != nil {
+		return fmt.Errorf("mark manual stop: %w", err)
+	}
+	marked, err := markerExists(l.paths)
+	if err != nil {
+		return fmt.Errorf("mark manual stop of instance %s: %w", l.id, err)
+	}
+	if marked {
+		return nil
+	}
+	body := []byte("manual stop requested at " + time.Now().UTC().Format(time.RFC3339Nano) + "\n")
+	if err := writeFileAtomic(l.paths.Dir, ManualStopFile, body, nil); err != nil {
+		return fmt.Errorf("mark manual stop of instance %s: %w", l.id, err)
+	}
+	return nil
+}
+
+// Delete: see Store.Delete. The instance directory is renamed away in one
+// atomic step before it is removed, so a crash leaves either the whole
+// instance or none of it (New finishes removing a renamed directory).
+func (l *Locked) Delete() error {
+	if err := l.held(); err != nil {
+		return err
+	}
+	rec, err := readRecord(l.paths, l.id)
+	if err != nil {
+		return fmt.Errorf("delete: %w", err)
+	}
+	if rec.GetState() != deleting {
+		return fmt.Errorf("delete instance %s: %w: %s -> deleted (only a record in deleting can be removed)",
+			l.id, ErrIllegalTransition, StateName(rec.GetState()))
+	}
+	if ClaimHeld(rec) {
+		c := rec.GetGpuClaim()
+		return fmt.Errorf("delete instance %s: %w (profile %q, device %s, phase %s); release it first",
+			l.id, ErrClaimHeld, c.GetProfile(), claimDevice(c), c.GetPhase())
+	}
+	trash, err := os.MkdirTemp(l.s.instances, trashPrefix+l.id+"-")
+	if err != nil {
+		return fmt.Errorf("delete instance %s: %w", l.id, err)
+	}
+	// rename(2) replaces the empty directory MkdirTemp made, which reserves a
+	// unique name; os.Rename refuses any existing target, hence unix.Rename.
+	if err := unix.Rename(l.paths.Dir, trash); err != nil {
+		_ = os.Remove(trash) // best effort; New removes trash anyway
+		return fmt.Errorf("delete instance %s: %w", l.id, err)
+	}
+	if err := syncDir(l.s.instances); err != nil {
+		return fmt.Errorf("delete instance %s: %w", l.id, err)
+	}
+	if err := os.RemoveAll(trash); err != nil {
+		return fmt.Errorf("delete instance %s: remove its files: %w", l.id, err)
+	}
+	return nil
+}
+
+func claimDevice(c *vmflowv1.GpuClaim) string {
+	if c.GetUuid() != "" {
+		return c.GetUuid()
+	}
+	if c.GetDeviceId() != "" {
+		return c.GetDeviceId()
+	}
+	return "(not yet created)"
+}

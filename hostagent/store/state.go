@@ -1,0 +1,64 @@
+package store
+
+import (
+	"strings"
+
+	vmflowv1 "vmflow/proto/vmflow/v1"
+)
+
+// The instance state machine, in one place (containerd's initState idea).
+// The stop ladder's progress is the record's stop_step field, not a state:
+// a VM being stopped is still Running until its thread group is gone.
+//
+//	(none) ──Create──► Creating ──► Running ⇄ Exited
+//	Creating | Running | Exited ──► Deleting   (manual-stop marker first)
+//	Deleting ⇄ ReleaseFailed
+//	Deleting ──Delete──► (record removed; only without a vGPU claim)
+//
+// Creating is entered only by Create and the record leaves the machine only
+// by Delete; neither is a transition Update can make.
+var transitions = map[vmflowv1.InstanceState][]vmflowv1.InstanceState{
+	creating: {running, deleting},
+	running:  {exited, deleting},
+	exited:   {running, deleting},
+	deleting: {releaseFailed},
+	// Back to Deleting to retry the release; only from Deleting may the
+	// record be removed.
+	releaseFailed: {deleting},
+}
+
+const (
+	creating      = vmflowv1.InstanceState_INSTANCE_STATE_CREATING
+	running       = vmflowv1.InstanceState_INSTANCE_STATE_RUNNING
+	exited        = vmflowv1.InstanceState_INSTANCE_STATE_EXITED
+	deleting      = vmflowv1.InstanceState_INSTANCE_STATE_DELETING
+	releaseFailed = vmflowv1.InstanceState_INSTANCE_STATE_RELEASE_FAILED
+)
+
+// CheckTransition returns nil if the state machine allows from -> to, and a
+// *TransitionError (matching ErrIllegalTransition) otherwise. Staying in the
+// same state is not a transition and is refused here; Update only consults
+// the state machine when the state actually changes.
+func CheckTransition(from, to vmflowv1.InstanceState) error {
+	for _, allowed := range transitions[from] {
+		if allowed == to {
+			return nil
+		}
+	}
+	return &TransitionError{From: from, To: to}
+}
+
+// StateName is the short, lower-case name of a state for messages and logs
+// ("running", "release_failed"); unknown values print as their number.
+func StateName(s vmflowv1.InstanceState) string {
+	name, ok := vmflowv1.InstanceState_name[int32(s)]
+	if !ok {
+		return "state(" + s.String() + ")"
+	}
+	return strings.ToLower(strings.TrimPrefix(name, "INSTANCE_STATE_"))
+}
+
+// isDeleting reports whether a delete has begun for a record in state s.
+func isDeleting(s vmflowv1.InstanceState) bool {
+	return s == deleting || s == releaseFailed
+}

@@ -1,0 +1,334 @@
+// Package store keeps the host agent's instance records: one directory per
+// instance under <state-dir>/instances/<id>/ holding record.json (the
+// vmflowv1.InstanceRecord as snake_case protojson), qemu.sock, qemu.log,
+// qemu.pid and the manual-stop marker.
+//
+// The store is where the host-side invariants are enforced rather than
+// trusted to callers: every record write is atomic and durable (invariant 7);
+// every check-then-act on an instance runs under that instance's lock file,
+// so two agents on one state dir cannot both act; the instance state machine
+// lives here and nowhere else; a delete can only begin once the manual-stop
+// marker is on disk (invariant 6); and a record that still holds a vGPU claim
+// is never deleted (invariant 1).
+//
+// The package never imports Temporal: activities adapt it, supervision uses it
+// with the network down.
+package store
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+
+	vmflowv1 "vmflow/proto/vmflow/v1"
+)
+
+// DefaultStateDir is the agent's --state-dir default.
+const DefaultStateDir = "/var/lib/vmflow"
+
+// File names inside an instance directory.
+const (
+	RecordFile     = "record.json"
+	SocketFile     = "qemu.sock"
+	LogFile        = "qemu.log"
+	PIDFile        = "qemu.pid"
+	ManualStopFile = "manual-stop"
+)
+
+// MaxSocketPathLen is the longest path a Unix socket address can hold:
+// sun_path is 108 bytes on Linux, one of them the terminating NUL.
+const MaxSocketPathLen = 107
+
+const (
+	instancesDir = "instances"
+	// Lock files live outside the instance directories so an instance can be
+	// locked before its directory exists (Create) and while it is removed
+	// (Delete).
+	locksDir = "locks"
+	// trashPrefix names an instance directory being removed: Delete renames
+	// the whole directory away in one atomic step, then removes it. It starts
+	// with a dot, which no id can, so List never sees it.
+	trashPrefix = ".deleted-"
+)
+
+// Store is the instance record store of one state directory. It is safe for
+// concurrent use; per-instance exclusion comes from lock files, so it also
+// holds across processes.
+type Store struct {
+	root      string // absolute state dir
+	instances string
+	locks     string
+	afterTemp func(tmp string) // test hook: see writeFileAtomic
+}
+
+// Option configures a Store.
+type Option func(*Store)
+
+// New opens (creating as needed) the store under stateDir. The path is made
+// absolute because QEMU is handed socket paths and may run with another
+// working directory. Directories are created 0700: records name processes
+// the agent (root) will signal.
+func New(stateDir string, opts ...Option) (*Store, error) {
+	if stateDir == "" {
+		return nil, errors.New("open store: empty state dir")
+	}
+	root, err := filepath.Abs(stateDir)
+	if err != nil {
+		return nil, fmt.Errorf("open store %s: %w", stateDir, err)
+	}
+	s := &Store{
+		root:      root,
+		instances: filepath.Join(root, instancesDir),
+		locks:     filepath.Join(root, locksDir),
+	}
+	for _, o := range opts {
+		o(s)
+	}
+	for _, d := range []string{s.instances, s.locks} {
+		if err := os.MkdirAll(d, 0o700); err != nil {
+			return nil, fmt.Errorf("open store: %w", err)
+		}
+		// MkdirAll leaves an existing directory's mode alone; tighten it.
+		if err := os.Chmod(d, 0o700); err != nil {
+			return nil, fmt.Errorf("open store: %w", err)
+		}
+	}
+	if err := s.removeTrash(); err != nil {
+		return nil, fmt.Errorf("open store: %w", err)
+	}
+	return s, nil
+}
+
+// StateDir is the store's absolute state directory.
+func (s *Store) StateDir() string { return s.root }
+
+// Paths are the files of one instance. Only the store writes RecordFile and
+// ManualStopFile; the VMM uses the others (and should create qemu.log 0600).
+type Paths struct {
+	Dir        string // <state-dir>/instances/<id>
+	Record     string // record.json
+	Socket     string // qemu.sock, QMP
+	Log        string // qemu.log, QEMU's stdout and stderr
+	PID        string // qemu.pid, QEMU's -pidfile
+	ManualStop string // manual-stop marker
+}
+
+// Paths returns the paths of instance id, after validating the id. It does
+// not check the socket path's length; Create does.
+func (s *Store) Paths(id string) (Paths, error) {
+	if err := ValidateID(id); err != nil {
+		return Paths{}, err
+	}
+	dir := filepath.Join(s.instances, id)
+	return Paths{
+		Dir:        dir,
+		Record:     filepath.Join(dir, RecordFile),
+		Socket:     filepath.Join(dir, SocketFile),
+		Log:        filepath.Join(dir, LogFile),
+		PID:        filepath.Join(dir, PIDFile),
+		ManualStop: filepath.Join(dir, ManualStopFile),
+	}, nil
+}
+
+// checkSocketPath refuses an instance whose QMP socket path would not fit a
+// sockaddr_un: QEMU would fail later with a far less helpful message.
+func checkSocketPath(p Paths) error {
+	if n := len(p.Socket); n > MaxSocketPathLen {
+		return fmt.Errorf("%w: %s is %d bytes, a Unix socket path holds at most %d; use a shorter --state-dir or instance id",
+			ErrSocketPathTooLong, p.Socket, n, MaxSocketPathLen)
+	}
+	return nil
+}
+
+// Lock takes instance id's lock, waiting until ctx ends (then the error wraps
+// ErrBusy and the context's error). Everything done through the returned
+// handle is one check-then-act; call Unlock when done. The id need not have a
+// record yet.
+func (s *Store) Lock(ctx context.Context, id string) (*Locked, error) {
+	p, err := s.Paths(id)
+	if err != nil {
+		return nil, err
+	}
+	fl, err := acquireFileLock(ctx, filepath.Join(s.locks, id+".lock"))
+	if err != nil {
+		return nil, fmt.Errorf("instance %s: %w", id, err)
+	}
+	return &Locked{s: s, id: id, paths: p, lock: fl}, nil
+}
+
+// withLock runs fn under instance id's lock.
+func (s *Store) withLock(ctx context.Context, id string, fn func(*Locked) error) (err error) {
+	l, err := s.Lock(ctx, id)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		if uerr := l.Unlock(); uerr != nil {
+			err = errors.Join(err, uerr)
+		}
+	}()
+	return fn(l)
+}
+
+// Create records a new instance in state Creating, under its lock. Only the
+// desired configuration is taken from want: id, spec and the restart
+// settings. If a record already exists with the same configuration, Create
+// returns it (a retried create is not an error); with a different one it
+// fails with ErrConflict naming the differences; while the instance is being
+// deleted it fails with ErrDeleting.
+func (s *Store) Create(ctx context.Context, want *vmflowv1.InstanceRecord) (rec *vmflowv1.InstanceRecord, err error) {
+	err = s.withLock(ctx, want.GetId(), func(l *Locked) error {
+		rec, err = l.Create(want)
+		return err
+	})
+	return rec, err
+}
+
+// Update runs fn on a copy of instance id's record under its lock and writes
+// the result if fn returns nil and changed something. See Locked.Update for
+// the rules it enforces.
+func (s *Store) Update(ctx context.Context, id string, fn func(*vmflowv1.InstanceRecord) error) (rec *vmflowv1.InstanceRecord, err error) {
+	err = s.withLock(ctx, id, func(l *Locked) error {
+		rec, err = l.Update(fn)
+		return err
+	})
+	return rec, err
+}
+
+// Transition moves instance id to state to under its lock, checked against
+// the state machine. Moving to the state it already has is a no-op.
+func (s *Store) Transition(ctx context.Context, id string, to vmflowv1.InstanceState) (*vmflowv1.InstanceRecord, error) {
+	return s.Update(ctx, id, func(r *vmflowv1.InstanceRecord) error {
+		r.State = to
+		return nil
+	})
+}
+
+// Delete removes instance id's record and directory (socket, log, pid file
+// and marker with it) under its lock. It is refused unless the record is in
+// Deleting and holds no vGPU claim (ErrClaimHeld). A missing record is
+// ErrNotFound, which a delete path treats as already done.
+func (s *Store) Delete(ctx context.Context, id string) error {
+	return s.withLock(ctx, id, func(l *Locked) error { return l.Delete() })
+}
+
+// MarkManualStop writes instance id's manual-stop marker durably, under its
+// lock, so the restart policy never brings the VM back. It is idempotent and
+// requires the record to exist.
+func (s *Store) MarkManualStop(ctx context.Context, id string) error {
+	return s.withLock(ctx, id, func(l *Locked) error { return l.MarkManualStop() })
+}
+
+// ManualStop reports whether instance id's manual-stop marker is on disk. It
+// takes no lock: a decision based on it must be made under Lock, with
+// Locked.ManualStop.
+func (s *Store) ManualStop(id string) (bool, error) {
+	p, err := s.Paths(id)
+	if err != nil {
+		return false, err
+	}
+	return markerExists(p)
+}
+
+// Get reads instance id's record. It takes no lock: records are replaced by
+// rename, so a reader sees the old or the new one, never a torn one. Use Lock
+// when the answer decides a write.
+func (s *Store) Get(id string) (*vmflowv1.InstanceRecord, error) {
+	p, err := s.Paths(id)
+	if err != nil {
+		return nil, err
+	}
+	return readRecord(p, id)
+}
+
+// List reads every instance record, sorted by id, for re-attach when the
+// agent starts. A record that cannot be read does not hide the others: List
+// returns every record it could read together with an error joining the
+// failures. A directory without a record (a create that crashed before its
+// first write) is skipped.
+func (s *Store) List() ([]*vmflowv1.InstanceRecord, error) {
+	entries, err := os.ReadDir(s.instances)
+	if err != nil {
+		return nil, fmt.Errorf("list instances: %w", err)
+	}
+	var recs []*vmflowv1.InstanceRecord
+	var errs []error
+	for _, e := range entries {
+		id := e.Name()
+		if !e.IsDir() || ValidateID(id) != nil {
+			continue // trash, temp files, strangers: not instances
+		}
+		rec, err := s.Get(id)
+		if errors.Is(err, ErrNotFound) {
+			continue
+		}
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		recs = append(recs, rec)
+	}
+	slices.SortFunc(recs, func(a, b *vmflowv1.InstanceRecord) int { return strings.Compare(a.GetId(), b.GetId()) })
+	return recs, errors.Join(errs...)
+}
+
+// readRecord reads and validates p.Record, which must belong to id.
+func readRecord(p Paths, id string) (*vmflowv1.InstanceRecord, error) {
+	f, err := os.Open(p.Record)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, fmt.Errorf("instance %s: %w", id, ErrNotFound)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("read record of instance %s: %w", id, err)
+	}
+	defer f.Close()
+	// Read one byte past the cap so DecodeRecord can tell "too big".
+	b, err := io.ReadAll(io.LimitReader(f, maxRecordSize+1))
+	if err != nil {
+		return nil, fmt.Errorf("read record of instance %s: %w", id, err)
+	}
+	rec, err := DecodeRecord(b)
+	if err != nil {
+		return nil, fmt.Errorf("record of instance %s (%s): %w", id, p.Record, err)
+	}
+	if rec.GetId() != id {
+		return nil, fmt.Errorf("record of instance %s (%s): %w: it says id %s", id, p.Record, ErrInvalidRecord, quoteID(rec.GetId()))
+	}
+	return rec, nil
+}
+
+func markerExists(p Paths) (bool, error) {
+	_, err := os.Lstat(p.ManualStop)
+	if err == nil {
+		return true, nil
+	}
+	if errors.Is(err, fs.ErrNotExist) {
+		return false, nil
+	}
+	return false, fmt.Errorf("check manual-stop marker: %w", err)
+}
+
+// removeTrash finishes deletes that crashed after renaming an instance
+// directory away. Their records were already gone: Delete had checked the
+// claim and the state before the rename.
+func (s *Store) removeTrash() error {
+	entries, err := os.ReadDir(s.instances)
+	if err != nil {
+		return fmt.Errorf("list instances: %w", err)
+	}
+	var errs []error
+	for _, e := range entries {
+		if strings.HasPrefix(e.Name(), trashPrefix) {
+			if err := os.RemoveAll(filepath.Join(s.instances, e.Name())); err != nil {
+				errs = append(errs, fmt.Errorf("remove deleted instance directory: %w", err))
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
