@@ -271,10 +271,9 @@ func (m *Monitor) pushEvent(msg message) {
 }
 
 func (m *Monitor) deliver(msg message) {
-	id := string(msg.ID)
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	ch, ok := m.pending[id]
+	ch, ok := m.pending[string(msg.ID)]
 	if !ok && len(msg.ID) == 0 && len(m.pending) == 1 {
 		// QEMU answers a line it cannot parse with an error without an id;
 		// with one call in flight it can only be that call's.

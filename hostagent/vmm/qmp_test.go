@@ -22,8 +22,8 @@ import (
 const greeting = `{"QMP": {"version": {"qemu": {"micro": 0, "minor": 2, "major": 7}, "package": "fake"}, "capabilities": ["oob"]}}`
 
 type fakeConn struct {
-	t   *testing.T
-	c   net.Conn
+	t *testing.T
+	c net.Conn
 	r *bufio.Reader
 }
 

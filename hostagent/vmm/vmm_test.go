@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"sync"
 	"syscall"
@@ -514,4 +515,57 @@ func Example() {
 	}
 	res, err := vm.Stop(ctx, StopConfig{OnStep: func(s StopStep) error { return nil }})
 	fmt.Println(res.Reached, err)
+}
+
+// requiresKVM skips when /dev/kvm cannot be opened: the test is about a
+// task only KVM creates.
+func requiresKVM(tb testing.TB) {
+	tb.Helper()
+	if testAccel() != AccelKVM {
+		tb.Skip("needs a usable /dev/kvm")
+	}
+}
+
+// taskNames lists the comm of every task in pid's thread group.
+func taskNames(pid int) []string {
+	ents, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+	if err != nil {
+		return nil
+	}
+	var out []string
+	for _, e := range ents {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/comm", pid, e.Name()))
+		if err == nil {
+			out = append(out, string(bytes.TrimSpace(b)))
+		}
+	}
+	return out
+}
+
+// TestStopWaitsForKVMTask: a q35 guest under KVM has the kernel's
+// kvm-nx-lpage-re task in QEMU's thread group (measured here; -machine none
+// has none). The ladder reports gone only when that task is gone too.
+func TestStopWaitsForKVMTask(t *testing.T) {
+	requiresQEMU(t)
+	requiresKVM(t)
+	cfg := testLaunchConfig(t, "q35kvm")
+	cfg.Spec.Machine, cfg.Spec.Accel, cfg.Spec.UUID = MachineQ35, AccelKVM, ""
+	vm, err := Launch(ctxT(t, 30*time.Second), cfg)
+	require.NoError(t, err)
+	killOnCleanup(t, vm)
+	id := vm.Identity()
+
+	// The task appears once the guest runs: wait for it with a deadline.
+	deadline := time.Now().Add(10 * time.Second)
+	for !slices.Contains(taskNames(id.PID), "kvm-nx-lpage-re") {
+		require.True(t, time.Now().Before(deadline), "no kvm-nx-lpage-re task in %v", taskNames(id.PID))
+		time.Sleep(5 * time.Millisecond) // polling /proc: there is no event for a new task
+	}
+
+	res, err := vm.Stop(ctxT(t, 30*time.Second), StopConfig{GracefulTimeout: 200 * time.Millisecond})
+	require.NoError(t, err)
+	// SeaBIOS with no OS has nobody to handle the ACPI button.
+	assert.Equal(t, []StopStep{StepPowerdownSent, StepQuitSent}, stepsOf(res))
+	assertGone(t, id)
+	t.Logf("stop: %+v", res)
 }
