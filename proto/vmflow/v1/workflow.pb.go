@@ -278,8 +278,13 @@ type DeleteRequest struct {
 	// How long system_powerdown may take before quit; 0 means the agent's
 	// default (10 s).
 	GracefulTimeoutSeconds uint32 `protobuf:"varint,3,opt,name=graceful_timeout_seconds,json=gracefulTimeoutSeconds,proto3" json:"graceful_timeout_seconds,omitempty"`
-	unknownFields          protoimpl.UnknownFields
-	sizeCache              protoimpl.SizeCache
+	// Set by the workflow itself when it continues as new, so a long-stuck
+	// delete keeps its history short without losing its counts. Leave unset.
+	CarriedAttempts uint32 `protobuf:"varint,4,opt,name=carried_attempts,json=carriedAttempts,proto3" json:"carried_attempts,omitempty"`
+	// RFC 3339; the first failure of the delete. Set by continue-as-new.
+	CarriedFirstFailureTime string `protobuf:"bytes,5,opt,name=carried_first_failure_time,json=carriedFirstFailureTime,proto3" json:"carried_first_failure_time,omitempty"`
+	unknownFields           protoimpl.UnknownFields
+	sizeCache               protoimpl.SizeCache
 }
 
 func (x *DeleteRequest) Reset() {
@@ -331,6 +336,20 @@ func (x *DeleteRequest) GetGracefulTimeoutSeconds() uint32 {
 		return x.GracefulTimeoutSeconds
 	}
 	return 0
+}
+
+func (x *DeleteRequest) GetCarriedAttempts() uint32 {
+	if x != nil {
+		return x.CarriedAttempts
+	}
+	return 0
+}
+
+func (x *DeleteRequest) GetCarriedFirstFailureTime() string {
+	if x != nil {
+		return x.CarriedFirstFailureTime
+	}
+	return ""
 }
 
 // DeleteResult is DeleteInstance's result.
@@ -734,12 +753,14 @@ const file_vmflow_v1_workflow_proto_rawDesc = "" +
 	"qmp_socket\x18\x02 \x01(\tR\tqmpSocket\x12\x1b\n" +
 	"\tvgpu_uuid\x18\x03 \x01(\tR\bvgpuUuid\x12$\n" +
 	"\x0evgpu_device_id\x18\x04 \x01(\tR\fvgpuDeviceId\x12#\n" +
-	"\rinstance_uuid\x18\x05 \x01(\tR\finstanceUuid\"\x83\x01\n" +
+	"\rinstance_uuid\x18\x05 \x01(\tR\finstanceUuid\"\xeb\x01\n" +
 	"\rDeleteRequest\x12\x1f\n" +
 	"\vinstance_id\x18\x01 \x01(\tR\n" +
 	"instanceId\x12\x17\n" +
 	"\ahost_id\x18\x02 \x01(\tR\x06hostId\x128\n" +
-	"\x18graceful_timeout_seconds\x18\x03 \x01(\rR\x16gracefulTimeoutSeconds\"z\n" +
+	"\x18graceful_timeout_seconds\x18\x03 \x01(\rR\x16gracefulTimeoutSeconds\x12)\n" +
+	"\x10carried_attempts\x18\x04 \x01(\rR\x0fcarriedAttempts\x12;\n" +
+	"\x1acarried_first_failure_time\x18\x05 \x01(\tR\x17carriedFirstFailureTime\"z\n" +
 	"\fDeleteResult\x12%\n" +
 	"\x0ealready_absent\x18\x01 \x01(\bR\ralreadyAbsent\x12\x1c\n" +
 	"\tabandoned\x18\x02 \x01(\bR\tabandoned\x12%\n" +
