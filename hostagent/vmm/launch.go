@@ -82,6 +82,9 @@ type VM struct {
 // running. On any failure it kills and reaps QEMU, removes the socket, calls
 // OnFailed and only then returns the error (invariant 5). A launch may be
 // retried with the same paths: a stale socket is removed first.
+//
+// ctx bounds the launch only: QEMU is deliberately not tied to it (no
+// exec.CommandContext), since it must outlive the call and the agent.
 func Launch(ctx context.Context, cfg LaunchConfig) (*VM, error) {
 	l := &launch{cfg: cfg}
 	vm, err := l.run(ctx)
@@ -103,6 +106,9 @@ type launch struct {
 
 func (l *launch) run(ctx context.Context) (*VM, error) {
 	cfg := l.cfg
+	if err := ctx.Err(); err != nil {
+		return nil, fmt.Errorf("launch: %w", err) // never fork for a caller that gave up
+	}
 	argv, err := Argv(cfg.Spec, cfg.Paths)
 	if err != nil {
 		return nil, fmt.Errorf("launch: %w", err)
@@ -151,8 +157,9 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 
 	h, err := proc.Open(id)
 	if err != nil {
-		// Gone already (reaped by proc's reaper): report how it ended.
-		if errors.Is(err, proc.ErrNotFound) {
+		// Gone already (reaped by proc's reaper, the pid maybe even
+		// reused): report how it ended.
+		if errors.Is(err, proc.ErrNotFound) || errors.Is(err, proc.ErrIdentityMismatch) {
 			return nil, l.exitedError(id, logStart)
 		}
 		return nil, fmt.Errorf("launch %v: %w", id, err)
@@ -237,12 +244,23 @@ func notYetListening(err error) bool {
 }
 
 func (l *launch) exitedError(id proc.Identity, logStart int64) error {
-	e, _ := l.child.Exit()
+	// Callers saw the exit (pidfd, EOF, ESRCH) possibly a moment before the
+	// reaper published the status.
+	t := time.NewTimer(exitGrace)
+	defer t.Stop()
+	select {
+	case <-l.child.Done():
+	case <-t.C:
+	}
+	exit := "exit status not yet known"
+	if e, ok := l.child.Exit(); ok {
+		exit = e.String()
+	}
 	tail := logTail(l.cfg.Paths.Log, logStart)
 	if tail == "" {
 		tail = "(qemu.log is empty)"
 	}
-	return fmt.Errorf("launch %v: %w (%s): %s", id, ErrLaunchExited, e, tail)
+	return fmt.Errorf("launch %v: %w (%s): %s", id, ErrLaunchExited, exit, tail)
 }
 
 // fail undoes a launch: kill through the pidfd, reap, remove the socket,

@@ -569,3 +569,41 @@ func TestStopWaitsForKVMTask(t *testing.T) {
 	assertGone(t, id)
 	t.Logf("stop: %+v", res)
 }
+
+// TestLaunchReadyTimeoutLeavesNothing: a "QEMU" that never opens its QMP
+// socket (sleep stands in for a hung one) fails at the ready timeout, and
+// is killed and reaped before OnFailed runs.
+func TestLaunchReadyTimeoutLeavesNothing(t *testing.T) {
+	sleep, err := exec.LookPath("sleep")
+	require.NoError(t, err)
+	dir := testDir(t)
+	hung := filepath.Join(dir, "hung-qemu")
+	require.NoError(t, os.WriteFile(hung, []byte("#!/bin/sh\nexec "+sleep+" 600\n"), 0o755))
+
+	var hooks hookLog
+	cfg := testLaunchConfig(t, "hung")
+	cfg.Binary, cfg.ReadyTimeout = hung, 200*time.Millisecond
+	cfg.OnStarted = hooks.onStarted
+	var aliveAtOnFailed bool
+	cfg.OnFailed = func(id proc.Identity, cause error) error {
+		aliveAtOnFailed = proc.Inspect(id).Alive
+		return hooks.onFailed(id, cause)
+	}
+	_, err = Launch(ctxT(t, 30*time.Second), cfg)
+	require.ErrorIs(t, err, ErrLaunchTimeout)
+	require.Len(t, hooks.failed, 1)
+	assert.False(t, aliveAtOnFailed)
+	assertGone(t, hooks.started[0])
+}
+
+func TestLaunchCancelledContextNeverForks(t *testing.T) {
+	var hooks hookLog
+	cfg := testLaunchConfig(t, "cancelled")
+	cfg.OnStarted, cfg.OnFailed = hooks.onStarted, hooks.onFailed
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	_, err := Launch(ctx, cfg)
+	require.ErrorIs(t, err, context.Canceled)
+	assert.Empty(t, hooks.started)
+	assert.Equal(t, []proc.Identity{{}}, hooks.failed)
+}
