@@ -148,6 +148,9 @@ func (l *Locked) Update(fn func(*vmflowv1.InstanceRecord) error) (*vmflowv1.Inst
 	if err := l.held(); err != nil {
 		return nil, err
 	}
+	if fn == nil {
+		return nil, fmt.Errorf("update instance %s: nil update function", l.id)
+	}
 	old, err := readRecord(l.paths, l.id)
 	if err != nil {
 		return nil, fmt.Errorf("update: %w", err)
