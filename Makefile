@@ -59,18 +59,21 @@ proto-check: proto-tools
 	@tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
 	PATH="$(BIN):$$PATH" protoc -I proto --go_out="$$tmp" --go_opt=paths=source_relative $(PROTO_FILES); \
 	if ! diff -ru --exclude='*.proto' --exclude=doc.go "$$tmp/vmflow/v1" proto/vmflow/v1; then \
-		echo "generated proto Go is stale: run make proto"; exit 1; \
+		echo "generated proto Go is stale: run make proto (generated with Debian's protoc, here: $$(protoc --version))"; exit 1; \
 	fi
 
-proto-tools: $(PROTOC_GEN_GO)
+# protoc-gen-go is (re)installed when bin/ has none or another version: the
+# generated code names the version, so a stale binary makes proto-check fail.
+proto-tools:
 	@if ! command -v protoc >/dev/null; then \
 		echo ">> installing Debian's protobuf-compiler"; \
 		apt-get update -qq; \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq protobuf-compiler; \
 	fi
-
-$(PROTOC_GEN_GO):
-	$(GO) install google.golang.org/protobuf/cmd/protoc-gen-go@$(PROTOC_GEN_GO_VERSION)
+	@if [ "$$($(PROTOC_GEN_GO) --version 2>/dev/null)" != "protoc-gen-go $(PROTOC_GEN_GO_VERSION)" ]; then \
+		echo ">> installing protoc-gen-go $(PROTOC_GEN_GO_VERSION) into bin/"; \
+		$(GO) install google.golang.org/protobuf/cmd/protoc-gen-go@$(PROTOC_GEN_GO_VERSION); \
+	fi
 
 ## test: the README's test command. Fuzz targets run their seed corpora only.
 test: tools
