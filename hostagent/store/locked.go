@@ -217,8 +217,14 @@ func (l *Locked) MarkManualStop() error {
 	if err := l.held(); err != nil {
 		return err
 	}
-	if _, err := readRecord(l.paths, l.id); err != nil {
-		return fmt.Errorf("mark manual stop: %w", err)
+	// The record must exist (no directories for ids never created), but it
+	// need not be valid: a delete must be able to block restarts even of an
+	// instance whose record an operator has mangled.
+	if _, err := os.Lstat(l.paths.Record); err != nil {
+		if errors.Is(err, fs.ErrNotExist) {
+			return fmt.Errorf("mark manual stop: instance %s: %w", l.id, ErrNotFound)
+		}
+		return fmt.Errorf("mark manual stop of instance %s: %w", l.id, err)
 	}
 	marked, err := markerExists(l.paths)
 	if err != nil {
@@ -264,11 +270,17 @@ func (l *Locked) Delete() error {
 		_ = os.Remove(trash) // best effort; New removes trash anyway
 		return fmt.Errorf("delete instance %s: %w", l.id, err)
 	}
+	// From here the instance is gone for readers; finish removing its files
+	// even if the fsync failed (New removes whatever a crash leaves).
+	var errs []error
 	if err := syncDir(l.s.instances); err != nil {
-		return fmt.Errorf("delete instance %s: %w", l.id, err)
+		errs = append(errs, err)
 	}
 	if err := os.RemoveAll(trash); err != nil {
-		return fmt.Errorf("delete instance %s: remove its files: %w", l.id, err)
+		errs = append(errs, fmt.Errorf("remove its files: %w", err))
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("delete instance %s: %w", l.id, err)
 	}
 	return nil
 }

@@ -524,6 +524,14 @@ func TestManualStopMarker(t *testing.T) {
 	require.NoError(t, err)
 	assert.True(t, marked)
 
+	// A mangled record does not stop a delete from blocking restarts.
+	mustCreate(t, s, "vm2")
+	require.NoError(t, os.WriteFile(filepath.Join(s.StateDir(), "instances", "vm2", "record.json"), []byte("garbage"), 0o600))
+	require.NoError(t, s.MarkManualStop(ctx, "vm2"))
+	marked, err = s.ManualStop("vm2")
+	require.NoError(t, err)
+	assert.True(t, marked)
+
 	l, err := s2.Lock(ctx, "vm1")
 	require.NoError(t, err)
 	marked, err = l.ManualStop()
