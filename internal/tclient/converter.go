@@ -1,0 +1,315 @@
+package tclient
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"reflect"
+	"sort"
+	"strings"
+
+	commonpb "go.temporal.io/api/common/v1"
+	"go.temporal.io/sdk/converter"
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
+)
+
+// DataConverter returns the converter every vmflow client and worker uses.
+//
+// Proto messages travel as json/plain with proto field names (snake_case), so
+// the CLI's `--input '{"instance_id": ...}'` and what the Web UI shows are the
+// same JSON a person would type. Decoding into a proto message is strict:
+// unknown keys and camelCase spellings are errors that name the key. The
+// SDK's default converter decodes json/plain with encoding/json, which drops
+// a misspelled key silently (FACTS.md), and protojson on its own accepts the
+// camelCase json_name as well as the proto name, so neither is enough alone.
+//
+// Everything that is not a proto message (strings, numbers, plain structs,
+// nil, []byte) is handled exactly as by the SDK's default converter.
+func DataConverter() converter.DataConverter {
+	return dataConverter
+}
+
+var dataConverter = converter.NewCompositeDataConverter(
+	converter.NewNilPayloadConverter(),
+	converter.NewByteSlicePayloadConverter(),
+	// One converter owns json/plain: the composite converter picks the decoder
+	// by the payload's encoding, so a second json/plain converter would replace
+	// this one for decoding.
+	NewStrictJSONPayloadConverter(),
+	// Decode-only in practice (the converter above encodes every proto message
+	// first): binary protobuf has no spelling ambiguity, so accepting it costs
+	// nothing and lets a client that sends binary protos still talk to us.
+	converter.NewProtoPayloadConverter(),
+)
+
+// StrictJSONPayloadConverter encodes proto messages as snake_case JSON under
+// the json/plain encoding and decodes them strictly; any other value goes to
+// the SDK's JSONPayloadConverter.
+type StrictJSONPayloadConverter struct {
+	plain     *converter.JSONPayloadConverter
+	marshal   protojson.MarshalOptions
+	unmarshal protojson.UnmarshalOptions
+}
+
+var _ converter.PayloadConverter = (*StrictJSONPayloadConverter)(nil)
+
+// NewStrictJSONPayloadConverter returns the payload converter DataConverter
+// is built on, for callers that compose their own DataConverter.
+func NewStrictJSONPayloadConverter() *StrictJSONPayloadConverter {
+	return &StrictJSONPayloadConverter{
+		plain:   converter.NewJSONPayloadConverter(),
+		marshal: protojson.MarshalOptions{UseProtoNames: true},
+		// DiscardUnknown stays false: unknown fields are an error. The key
+		// pre-scan (checkKeys) runs first so the error names the key in our
+		// words and camelCase is caught too.
+		unmarshal: protojson.UnmarshalOptions{},
+	}
+}
+
+// Encoding is json/plain: what the CLI sends for --input and what the UI
+// renders as JSON.
+func (c *StrictJSONPayloadConverter) Encoding() string { return converter.MetadataEncodingJSON }
+
+// ToString returns the JSON text.
+func (c *StrictJSONPayloadConverter) ToString(p *commonpb.Payload) string { return string(p.GetData()) }
+
+// ToPayload encodes a proto message as snake_case JSON (with its full name in
+// the messageType metadata, for readers that care) and anything else as
+// encoding/json does.
+func (c *StrictJSONPayloadConverter) ToPayload(value any) (*commonpb.Payload, error) {
+	msg, ok := asMessage(value)
+	if !ok {
+		return c.plain.ToPayload(value)
+	}
+	data, err := c.marshal.Marshal(msg)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", converter.ErrUnableToEncode, err)
+	}
+	return &commonpb.Payload{
+		Metadata: map[string][]byte{
+			converter.MetadataEncoding:    []byte(converter.MetadataEncodingJSON),
+			converter.MetadataMessageType: []byte(msg.ProtoReflect().Descriptor().FullName()),
+		},
+		Data: data,
+	}, nil
+}
+
+// asMessage returns value as a proto message when it is one (a pointer to a
+// generated struct) or when a pointer to it is one (a generated struct passed
+// by value).
+func asMessage(value any) (proto.Message, bool) {
+	if m, ok := value.(proto.Message); ok {
+		return m, true
+	}
+	v := reflect.ValueOf(value)
+	if !v.IsValid() || v.Kind() != reflect.Struct {
+		return nil, false
+	}
+	p := reflect.New(v.Type())
+	m, ok := p.Interface().(proto.Message)
+	if !ok {
+		return nil, false
+	}
+	// A generated struct passed by value (the SDK's own proto converter
+	// accepts that too): encode a copy through a pointer. The copy is only
+	// read, so sharing its internal state with the original is harmless.
+	p.Elem().Set(v)
+	return m, true
+}
+
+// FromPayload decodes into a proto message strictly, and into anything else
+// with encoding/json. valuePtr may be *T (T a generated message struct,
+// decoded in place) or **T (the SDK's shape for a *T workflow argument,
+// allocated here).
+func (c *StrictJSONPayloadConverter) FromPayload(payload *commonpb.Payload, valuePtr any) error {
+	target, set, ok := messageTarget(valuePtr)
+	if !ok {
+		return c.plain.FromPayload(payload, valuePtr)
+	}
+	data := payload.GetData()
+	if bytes.Equal(bytes.TrimSpace(data), []byte("null")) {
+		set(nil)
+		return nil
+	}
+	if err := checkKeys(target.ProtoReflect().Descriptor(), data); err != nil {
+		return fmt.Errorf("%w: %s: %w", converter.ErrUnableToDecode, target.ProtoReflect().Descriptor().FullName(), err)
+	}
+	if err := c.unmarshal.Unmarshal(data, target); err != nil {
+		return fmt.Errorf("%w: %s: %w", converter.ErrUnableToDecode, target.ProtoReflect().Descriptor().FullName(), err)
+	}
+	set(target)
+	return nil
+}
+
+// messageTarget finds the proto message to decode into behind valuePtr. set
+// stores the decoded message (or nil for JSON null) where the caller expects
+// it. ok is false when valuePtr is not a pointer to a proto message type.
+func messageTarget(valuePtr any) (target proto.Message, set func(proto.Message), ok bool) {
+	if valuePtr == nil {
+		return nil, nil, false
+	}
+	if m, isMsg := valuePtr.(proto.Message); isMsg {
+		v := reflect.ValueOf(valuePtr)
+		if v.Kind() == reflect.Pointer && v.IsNil() {
+			// Nowhere to write: let the plain converter report it.
+			return nil, nil, false
+		}
+		return m, func(decoded proto.Message) {
+			if decoded == nil {
+				proto.Reset(m)
+			}
+			// Otherwise m was decoded in place.
+		}, true
+	}
+	v := reflect.ValueOf(valuePtr)
+	if v.Kind() != reflect.Pointer || v.IsNil() {
+		return nil, nil, false
+	}
+	elem := v.Elem()
+	if elem.Kind() != reflect.Pointer || !elem.CanSet() {
+		return nil, nil, false
+	}
+	// elem is a *T; a fresh T is decoded into so a reused pointer never keeps
+	// fields from an earlier value.
+	fresh := reflect.New(elem.Type().Elem())
+	m, isMsg := fresh.Interface().(proto.Message)
+	if !isMsg {
+		return nil, nil, false
+	}
+	return m, func(decoded proto.Message) {
+		if decoded == nil {
+			elem.Set(reflect.Zero(elem.Type()))
+			return
+		}
+		elem.Set(fresh)
+	}, true
+}
+
+// UnknownKeyError is a JSON key that the target message does not have under its
+// proto name. Path is where it was found ("" at the top, "spec" or
+// "claims[0]" inside), Key the key as written, and ProtoName the field's
+// proto name when Key is that field's camelCase json_name.
+type UnknownKeyError struct {
+	Path      string
+	Key       string
+	ProtoName string
+}
+
+func (e *UnknownKeyError) Error() string {
+	where := e.Key
+	if e.Path != "" {
+		where = e.Path + "." + e.Key
+	}
+	if e.ProtoName != "" {
+		return fmt.Sprintf("key %q is camelCase: use %q (vmflow payloads use proto field names)", where, e.ProtoName)
+	}
+	return fmt.Sprintf("unknown key %q", where)
+}
+
+// checkKeys walks the JSON along the message descriptor and reports every
+// key that is not a proto field name, all of them, sorted, so one run of
+// `temporal workflow start` shows every typo at once. Values that are not
+// what the descriptor expects are left for protojson to report.
+func checkKeys(md protoreflect.MessageDescriptor, data []byte) error {
+	var errs []error
+	walkMessage(md, json.RawMessage(data), "", &errs, 0)
+	if len(errs) == 0 {
+		return nil
+	}
+	return keyErrors(errs)
+}
+
+// keyErrors joins UnknownKeyErrors on one line (errors.Join would use newlines,
+// which read badly in a workflow failure and in a JSON log line).
+type keyErrors []error
+
+func (e keyErrors) Error() string {
+	parts := make([]string, len(e))
+	for i, err := range e {
+		parts[i] = err.Error()
+	}
+	return strings.Join(parts, "; ")
+}
+
+func (e keyErrors) Unwrap() []error { return e }
+
+// maxDepth bounds the walk the way protojson bounds its own recursion, so a
+// hostile, deeply nested payload costs nothing here and protojson rejects it.
+const maxDepth = 100
+
+func walkMessage(md protoreflect.MessageDescriptor, raw json.RawMessage, path string, errs *[]error, depth int) {
+	if depth > maxDepth || isWellKnown(md) {
+		// Well-known types have their own JSON forms (Timestamp is a string,
+		// Struct and Any carry arbitrary keys): protojson checks them.
+		return
+	}
+	var obj map[string]json.RawMessage
+	if err := json.Unmarshal(raw, &obj); err != nil || obj == nil {
+		return // not an object (or null): protojson reports the mismatch
+	}
+	keys := make([]string, 0, len(obj))
+	for k := range obj {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	fields := md.Fields()
+	for _, k := range keys {
+		fd := fields.ByName(protoreflect.Name(k))
+		if fd == nil {
+			ke := &UnknownKeyError{Path: path, Key: k}
+			if byJSON := fields.ByJSONName(k); byJSON != nil {
+				ke.ProtoName = string(byJSON.Name())
+			}
+			*errs = append(*errs, ke)
+			continue
+		}
+		walkField(fd, obj[k], join(path, k), errs, depth+1)
+	}
+}
+
+func walkField(fd protoreflect.FieldDescriptor, raw json.RawMessage, path string, errs *[]error, depth int) {
+	switch {
+	case fd.IsMap():
+		vd := fd.MapValue()
+		if vd.Message() == nil {
+			return
+		}
+		var m map[string]json.RawMessage
+		if json.Unmarshal(raw, &m) != nil {
+			return
+		}
+		keys := make([]string, 0, len(m))
+		for k := range m {
+			keys = append(keys, k)
+		}
+		sort.Strings(keys)
+		for _, k := range keys {
+			walkMessage(vd.Message(), m[k], fmt.Sprintf("%s[%q]", path, k), errs, depth)
+		}
+	case fd.Message() == nil:
+		return
+	case fd.IsList():
+		var list []json.RawMessage
+		if json.Unmarshal(raw, &list) != nil {
+			return
+		}
+		for i, item := range list {
+			walkMessage(fd.Message(), item, fmt.Sprintf("%s[%d]", path, i), errs, depth)
+		}
+	default:
+		walkMessage(fd.Message(), raw, path, errs, depth)
+	}
+}
+
+func isWellKnown(md protoreflect.MessageDescriptor) bool {
+	return strings.HasPrefix(string(md.FullName()), "google.protobuf.")
+}
+
+func join(path, key string) string {
+	if path == "" {
+		return key
+	}
+	return path + "." + key
+}

@@ -1,0 +1,155 @@
+package tclient
+
+import (
+	"fmt"
+	"strings"
+	"unicode"
+
+	"go.temporal.io/sdk/log"
+	"go.uber.org/zap"
+)
+
+// Log keys vmflow uses everywhere, in its own logs and in the SDK's (the
+// adapter renames the SDK's keys to these). One spelling per key, so a log
+// search for instance_id finds every line about an instance.
+const (
+	KeyInstanceID = "instance_id"
+	KeyHostID     = "host_id"
+	KeyWorkflowID = "workflow_id"
+	KeyRunID      = "run_id"
+	KeyActivity   = "activity"
+	KeyTaskQueue  = "task_queue"
+	KeyError      = "error"
+	KeyNamespace  = "namespace"
+)
+
+// sdkKeys maps the SDK's log keys (internal_logging_tags.go) and common
+// spellings from our own code to vmflow's keys. Keys not listed are turned
+// into snake_case by snakeCase, so nothing reaches the log in CamelCase.
+var sdkKeys = map[string]string{
+	"WorkflowID":        KeyWorkflowID,
+	"RunID":             KeyRunID,
+	"ActivityType":      KeyActivity,
+	"LocalActivityType": KeyActivity,
+	"TaskQueue":         KeyTaskQueue,
+	"Error":             KeyError,
+	"err":               KeyError,
+	"Namespace":         KeyNamespace,
+	"InstanceID":        KeyInstanceID,
+	"instanceID":        KeyInstanceID,
+	"instanceId":        KeyInstanceID,
+	"HostID":            KeyHostID,
+	"hostID":            KeyHostID,
+	"hostId":            KeyHostID,
+}
+
+// ZapLogger implements the SDK's log.Logger over zap, so the SDK's own lines
+// (worker start, poller errors, workflow and activity loggers) land in the
+// same JSON stream as vmflow's with the same key spellings.
+type ZapLogger struct {
+	z *zap.Logger
+}
+
+var (
+	_ log.Logger          = (*ZapLogger)(nil)
+	_ log.WithLogger      = (*ZapLogger)(nil)
+	_ log.WithSkipCallers = (*ZapLogger)(nil)
+)
+
+// NewZapLogger wraps z. The wrapper adds one stack frame, skipped here so
+// zap's caller field points at the SDK code (or workflow code) that logged.
+// A nil z logs nothing.
+func NewZapLogger(z *zap.Logger) *ZapLogger {
+	if z == nil {
+		z = zap.NewNop()
+	}
+	return &ZapLogger{z: z.WithOptions(zap.AddCallerSkip(1))}
+}
+
+// Zap returns the underlying logger (with the adapter's caller skip).
+func (l *ZapLogger) Zap() *zap.Logger { return l.z }
+
+// Debug logs at debug level.
+func (l *ZapLogger) Debug(msg string, keyvals ...any) { l.z.Debug(msg, Fields(keyvals...)...) }
+
+// Info logs at info level.
+func (l *ZapLogger) Info(msg string, keyvals ...any) { l.z.Info(msg, Fields(keyvals...)...) }
+
+// Warn logs at warn level.
+func (l *ZapLogger) Warn(msg string, keyvals ...any) { l.z.Warn(msg, Fields(keyvals...)...) }
+
+// Error logs at error level.
+func (l *ZapLogger) Error(msg string, keyvals ...any) { l.z.Error(msg, Fields(keyvals...)...) }
+
+// With returns a logger that adds keyvals to every line.
+func (l *ZapLogger) With(keyvals ...any) log.Logger {
+	return &ZapLogger{z: l.z.With(Fields(keyvals...)...)}
+}
+
+// WithCallerSkip returns a logger that skips skip more frames when finding
+// the caller (the SDK uses it for its replay-aware wrappers).
+func (l *ZapLogger) WithCallerSkip(skip int) log.Logger {
+	return &ZapLogger{z: l.z.WithOptions(zap.AddCallerSkip(skip))}
+}
+
+// Fields turns the SDK's alternating key/value list into zap fields with
+// vmflow's key spellings. A key without a value is kept under
+// "missing_value" rather than dropped, and a non-string key is printed, so a
+// malformed call never loses information or panics.
+func Fields(keyvals ...any) []zap.Field {
+	fields := make([]zap.Field, 0, (len(keyvals)+1)/2)
+	for i := 0; i < len(keyvals); i += 2 {
+		var key string
+		switch k := keyvals[i].(type) {
+		case string:
+			key = k
+		default:
+			key = fmt.Sprint(k)
+		}
+		if i+1 >= len(keyvals) {
+			fields = append(fields, zap.String("missing_value", key))
+			break
+		}
+		key = LogKey(key)
+		val := keyvals[i+1]
+		if err, ok := val.(error); ok {
+			fields = append(fields, zap.NamedError(key, err))
+			continue
+		}
+		fields = append(fields, zap.Any(key, val))
+	}
+	return fields
+}
+
+// LogKey returns vmflow's spelling of a log key: the mapped name for the
+// SDK's known keys, snake_case for anything else.
+func LogKey(key string) string {
+	if k, ok := sdkKeys[key]; ok {
+		return k
+	}
+	return snakeCase(key)
+}
+
+// snakeCase turns CamelCase (with acronyms: "TaskFirstEventID",
+// "HTTPServer") into snake_case ("task_first_event_id", "http_server").
+// Keys that are already snake_case come back unchanged.
+func snakeCase(s string) string {
+	rs := []rune(s)
+	var b strings.Builder
+	b.Grow(len(s) + 4)
+	for i, r := range rs {
+		if unicode.IsUpper(r) {
+			if i > 0 {
+				prev := rs[i-1]
+				nextLower := i+1 < len(rs) && unicode.IsLower(rs[i+1])
+				if prev != '_' && (unicode.IsLower(prev) || unicode.IsDigit(prev) || (unicode.IsUpper(prev) && nextLower)) {
+					b.WriteByte('_')
+				}
+			}
+			b.WriteRune(unicode.ToLower(r))
+			continue
+		}
+		b.WriteRune(r)
+	}
+	return b.String()
+}
