@@ -71,14 +71,19 @@ func (c *Child) reap(cmd *exec.Cmd) {
 	// reap a leader while other tasks of its group live, so it returns when
 	// the whole group is gone.
 	err := cmd.Wait()
-	e := Exit{Code: cmd.ProcessState.ExitCode(), At: time.Now()}
+	e := Exit{Code: -1, At: time.Now()}
 	e.Ran = e.At.Sub(c.started)
 	var exitErr *exec.ExitError
 	if err != nil && !errors.As(err, &exitErr) {
 		e.Err = err
 	}
-	if ws, ok := cmd.ProcessState.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
-		e.Signal = ws.Signal().String()
+	// ProcessState is nil when wait itself failed (ECHILD: something else
+	// reaped the child).
+	if ps := cmd.ProcessState; ps != nil {
+		e.Code = ps.ExitCode()
+		if ws, ok := ps.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
+			e.Signal = ws.Signal().String()
+		}
 	}
 	c.mu.Lock()
 	c.exit = e

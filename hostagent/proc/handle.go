@@ -61,7 +61,7 @@ func Open(id Identity, opts ...Option) (*Handle, error) {
 		o(&h.opts)
 	}
 	if !id.Valid() {
-		return nil, fmt.Errorf("open %v: incomplete identity: %w", id, ErrIdentityMismatch)
+		return nil, fmt.Errorf("open %v: %w", id, ErrIncompleteIdentity)
 	}
 	if !h.opts.forcePoll {
 		fd, err := unix.PidfdOpen(id.PID, unix.PIDFD_NONBLOCK)

@@ -37,6 +37,9 @@ var (
 	// the one recorded (another start time or another boot): a stranger that
 	// must never be signalled.
 	ErrIdentityMismatch = errors.New("process identity mismatch")
+	// ErrIncompleteIdentity means the identity lacks a pid, start time or
+	// boot id: a bad record, not a sign that the process is gone.
+	ErrIncompleteIdentity = errors.New("incomplete process identity")
 )
 
 var bootID = sync.OnceValues(func() (string, error) {
@@ -89,7 +92,7 @@ func ReadIdentity(pid int) (Identity, error) {
 // another process (or a record from another boot) is in the way.
 func Verify(id Identity) error {
 	if !id.Valid() {
-		return fmt.Errorf("%v: incomplete identity: %w", id, ErrIdentityMismatch)
+		return fmt.Errorf("%v: %w", id, ErrIncompleteIdentity)
 	}
 	boot, err := BootID()
 	if err != nil {

@@ -84,6 +84,8 @@ func inspect(id Identity) (State, int, error) {
 		if errors.Is(err, ErrNotFound) || errors.Is(err, ErrIdentityMismatch) {
 			return StateExited, 0, nil
 		}
+		// An incomplete identity says nothing about the process: unknown,
+		// so alive (invariant 2).
 		return StateUnknown, 0, err
 	}
 	// Read the leader's state before counting tasks. Once the leader is a

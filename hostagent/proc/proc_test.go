@@ -197,7 +197,8 @@ func TestPIDReuseRefused(t *testing.T) {
 	assert.False(t, done)
 
 	_, err = proc.Open(proc.Identity{PID: real.PID})
-	assert.ErrorIs(t, err, proc.ErrIdentityMismatch, "an incomplete identity is never acted on")
+	assert.ErrorIs(t, err, proc.ErrIncompleteIdentity, "an incomplete identity is never acted on")
+	assert.True(t, proc.Inspect(proc.Identity{PID: real.PID}).Alive, "an incomplete identity cannot prove the process gone")
 }
 
 func TestSignalThroughHandle(t *testing.T) {

@@ -239,8 +239,12 @@ func (l *launch) waitQMP(ctx context.Context, logStart int64) (*Monitor, error) 
 }
 
 // notYetListening: QEMU has not created the socket, or not listened yet.
+// A dial that hit the launch deadline counts too: the net package can report
+// its i/o timeout an instant before ctx.Err() turns non-nil, and the loop's
+// ctx.Done case is where a timeout becomes ErrLaunchTimeout.
 func notYetListening(err error) bool {
-	return errors.Is(err, fs.ErrNotExist) || errors.Is(err, syscall.ECONNREFUSED)
+	return errors.Is(err, fs.ErrNotExist) || errors.Is(err, syscall.ECONNREFUSED) ||
+		errors.Is(err, os.ErrDeadlineExceeded) || errors.Is(err, context.DeadlineExceeded)
 }
 
 func (l *launch) exitedError(id proc.Identity, logStart int64) error {
