@@ -1,0 +1,168 @@
+package tclient
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"go.temporal.io/api/serviceerror"
+	"go.temporal.io/sdk/client"
+	"go.temporal.io/sdk/contrib/envconfig"
+	"go.uber.org/zap"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+)
+
+// Options configure ClientOptions and Dial. The connection itself (address,
+// namespace, TLS, API key, gRPC headers) comes from the SDK's envconfig: a
+// profile in the TOML config file, overridden by TEMPORAL_* environment
+// variables, so production, the dev stack and CI configure both binaries the
+// same way the temporal CLI is configured.
+type Options struct {
+	// Logger receives vmflow's dial messages and, through ZapLogger, the
+	// SDK's own logs. Nil logs nothing.
+	Logger *zap.Logger
+	// Metrics, when set, is where the SDK reports its metrics.
+	Metrics *Metrics
+	// Identity names this process in the server's view (pollers, history);
+	// empty lets the SDK use pid@hostname.
+	Identity string
+
+	// ConfigFile overrides TEMPORAL_CONFIG_FILE (default
+	// ~/.config/temporalio/temporal.toml; a missing file is fine).
+	ConfigFile string
+	// Profile overrides TEMPORAL_PROFILE; a named profile must exist.
+	Profile string
+	// Env replaces the process environment (tests); nil reads os.Environ.
+	Env envconfig.EnvLookup
+
+	// HostPort and Namespace, when set, override what envconfig found
+	// (command-line flags win over the environment).
+	HostPort  string
+	Namespace string
+
+	// Dial retry schedule: the first wait is RetryInitial (default 500 ms),
+	// doubling up to RetryMax (default 30 s). Each attempt gets
+	// AttemptTimeout (default 10 s).
+	RetryInitial   time.Duration
+	RetryMax       time.Duration
+	AttemptTimeout time.Duration
+}
+
+// ClientOptions builds the SDK client options from envconfig and o, with
+// vmflow's data converter, logger and metrics handler. It does not connect.
+func ClientOptions(o Options) (client.Options, error) {
+	copts, err := envconfig.LoadClientOptions(envconfig.LoadClientOptionsRequest{
+		ConfigFilePath:    o.ConfigFile,
+		ConfigFileProfile: o.Profile,
+		// A typo in the config file should stop the binary, not be ignored.
+		ConfigFileStrict: true,
+		EnvLookup:        o.Env,
+	})
+	if err != nil {
+		return client.Options{}, fmt.Errorf("temporal client config: %w", err)
+	}
+	if o.HostPort != "" {
+		copts.HostPort = o.HostPort
+	}
+	if o.Namespace != "" {
+		copts.Namespace = o.Namespace
+	}
+	if copts.HostPort == "" {
+		copts.HostPort = client.DefaultHostPort
+	}
+	if copts.Namespace == "" {
+		copts.Namespace = client.DefaultNamespace
+	}
+	// IncludeRemoteCodec stays false: a remote codec would replace our
+	// converter with the SDK default, and workers would call it on every
+	// replay. vmflow payloads are not encrypted.
+	copts.DataConverter = DataConverter()
+	copts.Logger = NewZapLogger(o.Logger)
+	if o.Metrics != nil {
+		copts.MetricsHandler = o.Metrics.SDKHandler()
+	}
+	copts.Identity = o.Identity
+	return copts, nil
+}
+
+// Dial connects to Temporal, retrying with backoff until it answers or ctx is
+// done: the host agent starts before Temporal (supervision never waits on
+// it), so "connection refused" at boot is normal. Each failed attempt is
+// logged once. Configuration errors and refused credentials are returned at
+// once, since retrying cannot fix them.
+func Dial(ctx context.Context, o Options) (client.Client, error) {
+	copts, err := ClientOptions(o)
+	if err != nil {
+		return nil, err
+	}
+	log := o.Logger
+	if log == nil {
+		log = zap.NewNop()
+	}
+	initial, maxWait, attemptTimeout := o.RetryInitial, o.RetryMax, o.AttemptTimeout
+	if initial <= 0 {
+		initial = 500 * time.Millisecond
+	}
+	if maxWait <= 0 {
+		maxWait = 30 * time.Second
+	}
+	if maxWait < initial {
+		maxWait = initial
+	}
+	if attemptTimeout <= 0 {
+		attemptTimeout = 10 * time.Second
+	}
+	tlsOn := copts.ConnectionOptions.TLS != nil && !copts.ConnectionOptions.TLSDisabled
+
+	wait := initial
+	for attempt := 1; ; attempt++ {
+		actx, cancel := context.WithTimeout(ctx, attemptTimeout)
+		c, err := client.DialContext(actx, copts)
+		cancel()
+		if err == nil {
+			log.Info("connected to temporal",
+				zap.String("address", copts.HostPort), zap.String(KeyNamespace, copts.Namespace),
+				zap.Bool("tls", tlsOn), zap.Int("attempt", attempt))
+			return c, nil
+		}
+		if permanent(err) {
+			return nil, fmt.Errorf("dial temporal at %s (namespace %s): %w", copts.HostPort, copts.Namespace, err)
+		}
+		if ctx.Err() != nil {
+			return nil, fmt.Errorf("dial temporal at %s: gave up after %d attempts: %w (last error: %w)",
+				copts.HostPort, attempt, ctx.Err(), err)
+		}
+		log.Warn("temporal not reachable yet; retrying",
+			zap.String("address", copts.HostPort), zap.String(KeyNamespace, copts.Namespace),
+			zap.Int("attempt", attempt), zap.Duration("retry_in", wait), zap.Error(err))
+		t := time.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return nil, fmt.Errorf("dial temporal at %s: gave up after %d attempts: %w (last error: %w)",
+				copts.HostPort, attempt, ctx.Err(), err)
+		case <-t.C:
+		}
+		wait = min(wait*2, maxWait)
+	}
+}
+
+// permanent reports errors that no amount of retrying fixes: bad
+// credentials and bad requests. Unavailable, deadline and "namespace not
+// found" (a setup script may still be creating it) are retried.
+func permanent(err error) bool {
+	code := codes.Unknown
+	var svc serviceerror.ServiceError
+	if errors.As(err, &svc) {
+		code = svc.Status().Code()
+	} else if st, ok := status.FromError(err); ok {
+		code = st.Code()
+	}
+	switch code {
+	case codes.Unauthenticated, codes.PermissionDenied, codes.InvalidArgument:
+		return true
+	}
+	return false
+}

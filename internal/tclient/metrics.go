@@ -1,0 +1,135 @@
+package tclient
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	otelprom "go.opentelemetry.io/otel/exporters/prometheus"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.temporal.io/sdk/client"
+	temporalotel "go.temporal.io/sdk/contrib/opentelemetry"
+	"go.uber.org/zap"
+)
+
+// Metrics is one Prometheus registry shared by the SDK's metrics (through
+// OpenTelemetry, since the SDK's tally contrib module is not served here)
+// and vmflow's own collectors, served on one /metrics endpoint.
+type Metrics struct {
+	// Registry is where vmflow's own collectors register.
+	Registry *prometheus.Registry
+
+	provider *sdkmetric.MeterProvider
+	sdk      client.MetricsHandler
+	log      *zap.Logger
+}
+
+// MetricsOption configures NewMetrics.
+type MetricsOption func(*Metrics)
+
+// WithMetricsLogger logs metric-recording errors (an instrument the meter
+// refuses) instead of discarding them. The SDK contrib's default would panic.
+func WithMetricsLogger(l *zap.Logger) MetricsOption {
+	return func(m *Metrics) {
+		if l != nil {
+			m.log = l
+		}
+	}
+}
+
+// NewMetrics builds the registry (with the Go runtime and process
+// collectors), an OTel MeterProvider exporting into it, and the SDK's
+// metrics handler over that provider.
+func NewMetrics(opts ...MetricsOption) (*Metrics, error) {
+	m := &Metrics{Registry: prometheus.NewRegistry(), log: zap.NewNop()}
+	for _, o := range opts {
+		o(m)
+	}
+	if err := m.Registry.Register(collectors.NewGoCollector()); err != nil {
+		return nil, fmt.Errorf("register go collector: %w", err)
+	}
+	if err := m.Registry.Register(collectors.NewProcessCollector(collectors.ProcessCollectorOpts{})); err != nil {
+		return nil, fmt.Errorf("register process collector: %w", err)
+	}
+	exporter, err := otelprom.New(
+		otelprom.WithRegisterer(m.Registry),
+		// target_info and otel_scope_* labels only add noise for a
+		// single-process exporter scraped by Prometheus.
+		otelprom.WithoutTargetInfo(),
+		otelprom.WithoutScopeInfo(),
+	)
+	if err != nil {
+		return nil, fmt.Errorf("otel prometheus exporter: %w", err)
+	}
+	m.provider = sdkmetric.NewMeterProvider(sdkmetric.WithReader(exporter))
+	m.sdk = temporalotel.NewMetricsHandler(temporalotel.MetricsHandlerOptions{
+		Meter: m.provider.Meter("temporal-sdk-go"),
+		OnError: func(err error) {
+			m.log.Warn("temporal sdk metric", zap.Error(err))
+		},
+		// The SDK's counters only go up; monotonic counters are exported
+		// as Prometheus counters (_total) that rate() works on.
+		UseMonotonicCounters: true,
+	})
+	return m, nil
+}
+
+// SDKHandler is what client.Options.MetricsHandler takes.
+func (m *Metrics) SDKHandler() client.MetricsHandler { return m.sdk }
+
+// Handler serves the registry in the Prometheus text format.
+func (m *Metrics) Handler() http.Handler {
+	return promhttp.HandlerFor(m.Registry, promhttp.HandlerOpts{Registry: m.Registry})
+}
+
+// Serve serves /metrics on addr until ctx is done, then shuts the server
+// down (with a short grace for a scrape in flight) and returns nil. A listen
+// failure is returned at once.
+func (m *Metrics) Serve(ctx context.Context, addr string) error {
+	ln, err := (&net.ListenConfig{}).Listen(ctx, "tcp", addr)
+	if err != nil {
+		return fmt.Errorf("metrics listen %s: %w", addr, err)
+	}
+	return m.ServeListener(ctx, ln)
+}
+
+// ServeListener is Serve on an open listener (tests pass one on port 0 and
+// read its address).
+func (m *Metrics) ServeListener(ctx context.Context, ln net.Listener) error {
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", m.Handler())
+	srv := &http.Server{
+		Handler:           mux,
+		ReadHeaderTimeout: 10 * time.Second,
+	}
+	errc := make(chan error, 1)
+	go func() { errc <- srv.Serve(ln) }()
+	select {
+	case err := <-errc:
+		return fmt.Errorf("metrics serve: %w", err)
+	case <-ctx.Done():
+	}
+	shutCtx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := srv.Shutdown(shutCtx); err != nil {
+		return fmt.Errorf("metrics shutdown: %w", err)
+	}
+	if err := <-errc; err != nil && !errors.Is(err, http.ErrServerClosed) {
+		return fmt.Errorf("metrics serve: %w", err)
+	}
+	return nil
+}
+
+// Shutdown flushes and stops the meter provider.
+func (m *Metrics) Shutdown(ctx context.Context) error {
+	if err := m.provider.Shutdown(ctx); err != nil {
+		return fmt.Errorf("meter provider shutdown: %w", err)
+	}
+	return nil
+}

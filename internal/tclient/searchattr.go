@@ -1,0 +1,179 @@
+package tclient
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+
+	enumspb "go.temporal.io/api/enums/v1"
+	"go.temporal.io/api/operatorservice/v1"
+	"go.temporal.io/api/serviceerror"
+	"go.temporal.io/sdk/client"
+	"google.golang.org/grpc/codes"
+)
+
+// Search attributes that make stuck vmflow work findable in the Web UI
+// (ARCHITECTURE.md "Messages"). Both binaries ensure them at start; the dev
+// server registers them with --search-attribute.
+const (
+	SearchAttrInstanceID     = "VmInstanceId"
+	SearchAttrHostID         = "VmHostId"
+	SearchAttrStage          = "VmStage"
+	SearchAttrNeedsAttention = "VmNeedsAttention"
+)
+
+// SearchAttributes returns vmflow's search attributes and their types (a new
+// map each call, so callers may change it).
+func SearchAttributes() map[string]enumspb.IndexedValueType {
+	return map[string]enumspb.IndexedValueType{
+		SearchAttrInstanceID:     enumspb.INDEXED_VALUE_TYPE_KEYWORD,
+		SearchAttrHostID:         enumspb.INDEXED_VALUE_TYPE_KEYWORD,
+		SearchAttrStage:          enumspb.INDEXED_VALUE_TYPE_KEYWORD,
+		SearchAttrNeedsAttention: enumspb.INDEXED_VALUE_TYPE_BOOL,
+	}
+}
+
+// ErrSearchAttributePermission is matched (errors.Is) by the error
+// EnsureSearchAttributes returns when the caller may not create attributes.
+var ErrSearchAttributePermission = errors.New("permission denied creating search attributes")
+
+// EnsureSearchAttributes makes sure every attribute in attrs exists in
+// namespace with its type, creating the missing ones through the operator
+// service. It is idempotent (present ones are left alone, and another
+// process creating the same ones at the same moment is fine). An attribute
+// that exists with another type is an error: vmflow would write values the
+// server cannot index.
+func EnsureSearchAttributes(ctx context.Context, c client.Client, namespace string, attrs map[string]enumspb.IndexedValueType) error {
+	if c == nil {
+		return errors.New("ensure search attributes: nil client")
+	}
+	return ensureSearchAttributes(ctx, c.OperatorService(), namespace, attrs)
+}
+
+func ensureSearchAttributes(ctx context.Context, op operatorservice.OperatorServiceClient, namespace string, attrs map[string]enumspb.IndexedValueType) error {
+	if namespace == "" {
+		namespace = client.DefaultNamespace
+	}
+	missing, err := missingSearchAttributes(ctx, op, namespace, attrs)
+	if err != nil {
+		return err
+	}
+	if len(missing) == 0 {
+		return nil
+	}
+	_, err = op.AddSearchAttributes(ctx, &operatorservice.AddSearchAttributesRequest{
+		Namespace:        namespace,
+		SearchAttributes: missing,
+	})
+	var exists *serviceerror.AlreadyExists
+	switch {
+	case err == nil:
+	case errors.As(err, &exists):
+		// Someone else created them between our list and add; the re-check
+		// below still verifies the types.
+	case isPermissionDenied(err):
+		return fmt.Errorf("%w: this client lacks the right to create search attributes %s in namespace %s: ask an admin to run: %s: %w",
+			ErrSearchAttributePermission, strings.Join(slices.Sorted(maps.Keys(missing)), ", "), namespace, createCommands(namespace, missing), err)
+	default:
+		return fmt.Errorf("create search attributes %s in namespace %s: %w",
+			strings.Join(slices.Sorted(maps.Keys(missing)), ", "), namespace, err)
+	}
+	still, err := missingSearchAttributes(ctx, op, namespace, attrs)
+	if err != nil {
+		return err
+	}
+	if len(still) > 0 {
+		return fmt.Errorf("search attributes %s still missing in namespace %s after creating them",
+			strings.Join(slices.Sorted(maps.Keys(still)), ", "), namespace)
+	}
+	return nil
+}
+
+// missingSearchAttributes lists the namespace's attributes and returns the
+// wanted ones that are absent; a present one of another type is an error.
+func missingSearchAttributes(ctx context.Context, op operatorservice.OperatorServiceClient, namespace string, attrs map[string]enumspb.IndexedValueType) (map[string]enumspb.IndexedValueType, error) {
+	resp, err := op.ListSearchAttributes(ctx, &operatorservice.ListSearchAttributesRequest{Namespace: namespace})
+	if err != nil {
+		if isPermissionDenied(err) {
+			return nil, fmt.Errorf("%w: this client may not list search attributes in namespace %s: ask an admin to run: %s: %w",
+				ErrSearchAttributePermission, namespace, createCommands(namespace, attrs), err)
+		}
+		return nil, fmt.Errorf("list search attributes in namespace %s: %w", namespace, err)
+	}
+	missing := map[string]enumspb.IndexedValueType{}
+	var wrong []string
+	for _, name := range slices.Sorted(maps.Keys(attrs)) {
+		want := attrs[name]
+		have, ok := resp.GetCustomAttributes()[name]
+		if !ok {
+			have, ok = resp.GetSystemAttributes()[name]
+		}
+		switch {
+		case !ok:
+			missing[name] = want
+		case have != want:
+			wrong = append(wrong, fmt.Sprintf("%s is %s, vmflow needs %s", name, typeName(have), typeName(want)))
+		}
+	}
+	if len(wrong) > 0 {
+		return nil, fmt.Errorf("search attributes in namespace %s have the wrong type: %s", namespace, strings.Join(wrong, "; "))
+	}
+	return missing, nil
+}
+
+func isPermissionDenied(err error) bool {
+	var denied *serviceerror.PermissionDenied
+	if errors.As(err, &denied) {
+		return true
+	}
+	var svc serviceerror.ServiceError
+	return errors.As(err, &svc) && svc.Status().Code() == codes.PermissionDenied
+}
+
+// createCommands is what an admin runs to create attrs: the CLI's create
+// takes several --name but one --type, so one command per type.
+func createCommands(namespace string, attrs map[string]enumspb.IndexedValueType) string {
+	byType := map[string][]string{}
+	for name, t := range attrs {
+		byType[typeName(t)] = append(byType[typeName(t)], name)
+	}
+	var cmds []string
+	for _, t := range slices.Sorted(maps.Keys(byType)) {
+		names := byType[t]
+		slices.Sort(names)
+		var b strings.Builder
+		fmt.Fprintf(&b, "temporal operator search-attribute create --namespace %s", namespace)
+		for _, n := range names {
+			fmt.Fprintf(&b, " --name %s", n)
+		}
+		fmt.Fprintf(&b, " --type %s", t)
+		cmds = append(cmds, b.String())
+	}
+	return strings.Join(cmds, " && ")
+}
+
+// typeName is the CLI's spelling of a type (Keyword, Bool, ...), not the
+// enum's INDEXED_VALUE_TYPE_KEYWORD.
+func typeName(t enumspb.IndexedValueType) string {
+	switch t {
+	case enumspb.INDEXED_VALUE_TYPE_TEXT:
+		return "Text"
+	case enumspb.INDEXED_VALUE_TYPE_KEYWORD:
+		return "Keyword"
+	case enumspb.INDEXED_VALUE_TYPE_INT:
+		return "Int"
+	case enumspb.INDEXED_VALUE_TYPE_DOUBLE:
+		return "Double"
+	case enumspb.INDEXED_VALUE_TYPE_BOOL:
+		return "Bool"
+	case enumspb.INDEXED_VALUE_TYPE_DATETIME:
+		return "Datetime"
+	case enumspb.INDEXED_VALUE_TYPE_KEYWORD_LIST:
+		return "KeywordList"
+	default:
+		return t.String()
+	}
+}
