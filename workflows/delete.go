@@ -1,0 +1,176 @@
+package workflows
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"go.temporal.io/sdk/temporal"
+	"go.temporal.io/sdk/workflow"
+
+	vmflowv1 "vmflow/proto/vmflow/v1"
+)
+
+// DeleteInstance stops an instance's VM, waits until its whole thread group
+// is gone, releases its vGPU and removes its record.
+//
+// A release that keeps failing never loses the GPU: the record and its claim
+// stay on the host (the store refuses to delete them anyway), the workflow
+// shows release-failed with VmNeedsAttention=true and retries on a doubling
+// timer or at once on the retry signal. It never fails because the host is
+// away; only the abandon signal, while the host is unreachable, ends it
+// without cleaning up.
+func (w *Workflows) DeleteInstance(ctx workflow.Context, req *vmflowv1.DeleteRequest) (*vmflowv1.DeleteResult, error) {
+	if req == nil {
+		return nil, invalidInput("empty delete request")
+	}
+	if !ValidID(req.GetInstanceId()) {
+		return nil, invalidInput("instance_id %q: must match %s", req.GetInstanceId(), idPattern)
+	}
+	if !ValidID(req.GetHostId()) {
+		return nil, invalidInput("host_id %q: must match %s", req.GetHostId(), idPattern)
+	}
+	t, err := newTracker(ctx, "delete", req.GetInstanceId(), req.GetHostId())
+	if err != nil {
+		return nil, err
+	}
+	h := &hostRunner{
+		w: w, t: t, hostID: req.GetHostId(), canLoop: true,
+		abandonCh: workflow.GetSignalChannel(ctx, AbandonSignal),
+	}
+	calls := w.calls()
+	ref := &vmflowv1.InstanceRef{InstanceId: req.GetInstanceId()}
+	// Whatever the loop's outcome, abandon and continue-as-new end the run
+	// the same way from every stage.
+	end := func(err error) (*vmflowv1.DeleteResult, error) {
+		switch {
+		case errors.Is(err, errAbandoned):
+			t.stage(ctx, StageAbandoned)
+			t.status.LastError = "abandoned: " + h.abandonReason
+			t.status.NeedsAttention = false
+			t.publish(ctx)
+			return &vmflowv1.DeleteResult{Abandoned: true, AbandonReason: h.abandonReason}, nil
+		case errors.Is(err, errContinueAsNew):
+			return nil, w.continueDelete(ctx, t, req)
+		default:
+			return nil, err
+		}
+	}
+
+	t.stage(ctx, StageMarkingStopped)
+	var begin vmflowv1.BeginDeleteResult
+	if err := h.run(ctx, calls[ActivityBeginDelete], ref, &begin); err != nil {
+		return end(err)
+	}
+	if begin.GetAlreadyAbsent() {
+		t.stage(ctx, StageAlreadyAbsent)
+		return &vmflowv1.DeleteResult{AlreadyAbsent: true}, nil
+	}
+	t.setRetained(ctx, true)
+
+	t.stage(ctx, StageStopping)
+	stopIn := &vmflowv1.StopVMRequest{InstanceId: req.GetInstanceId(), GracefulTimeoutSeconds: req.GetGracefulTimeoutSeconds()}
+	stopCall := calls[ActivityStopVM]
+	if g := time.Duration(req.GetGracefulTimeoutSeconds()) * time.Second; g > w.cfg.GracefulTimeout {
+		stopCall.timeout += g - w.cfg.GracefulTimeout
+	}
+	var stopped vmflowv1.StopVMResult
+	if err := h.run(ctx, stopCall, stopIn, &stopped); err != nil {
+		return end(err)
+	}
+
+	t.stage(ctx, StageWaitingExit)
+	if err := h.run(ctx, calls[ActivityWaitVMExit], ref, nil); err != nil {
+		return end(err)
+	}
+
+	if err := w.releaseLoop(ctx, t, h, req); err != nil {
+		return end(err)
+	}
+
+	t.stage(ctx, StageTearingDown)
+	if err := h.run(ctx, calls[ActivityTearDown], ref, nil); err != nil {
+		return end(err)
+	}
+	if err := h.run(ctx, calls[ActivityDeleteRecord], ref, nil); err != nil {
+		return end(err)
+	}
+	t.setRetained(ctx, false)
+	t.stage(ctx, StageDeleted)
+	return &vmflowv1.DeleteResult{}, nil
+}
+
+// releaseLoop releases the instance's vGPU, round after round, until it
+// succeeds. Between rounds the workflow waits for the backoff timer or the
+// retry signal, whichever comes first.
+func (w *Workflows) releaseLoop(ctx workflow.Context, t *tracker, h *hostRunner, req *vmflowv1.DeleteRequest) error {
+	call := w.calls()[ActivityReleaseVGPU]
+	ref := &vmflowv1.InstanceRef{InstanceId: req.GetInstanceId()}
+	attempts := req.GetCarriedAttempts()
+	t.stage(ctx, StageReleasingVGPU)
+	for {
+		if attempts > 0 {
+			t.status.Attempt = attempts + 1
+			t.publish(ctx)
+		}
+		var res vmflowv1.ReleaseVGPUResult
+		err := h.run(ctx, call, ref, &res)
+		if err == nil {
+			t.recovered(ctx)
+			return nil
+		}
+		if errors.Is(err, errAbandoned) || errors.Is(err, errContinueAsNew) {
+			return err
+		}
+		var appErr *temporal.ApplicationError
+		if errors.As(err, &appErr) && appErr.NonRetryable() && appErr.Type() == ErrTypeInvalidInput {
+			return err
+		}
+		attempts++
+		if req.GetCarriedFirstFailureTime() == "" {
+			req.CarriedFirstFailureTime = workflow.Now(ctx).UTC().Format(time.RFC3339)
+		}
+		req.CarriedAttempts = attempts
+		wait := backoff(w.cfg.ReleaseBackoff, w.cfg.ReleaseBackoffMax, attempts)
+		t.failed(ctx, StageReleaseFailed, err, attempts, workflow.Now(ctx).Add(wait))
+		t.waitRetry(ctx, wait)
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		if workflow.GetInfo(ctx).GetContinueAsNewSuggested() {
+			return errContinueAsNew
+		}
+		t.status.Stage = StageReleasingVGPU
+	}
+}
+
+// continueDelete starts a fresh run of the same delete (same workflow id, so
+// signals by id still land) carrying the attempt count and the first failure
+// time. The new run starts from the top: every activity is idempotent, and a
+// stopped VM or a written marker is found as it was left.
+func (w *Workflows) continueDelete(ctx workflow.Context, t *tracker, req *vmflowv1.DeleteRequest) error {
+	if n := t.drainRetries(); n > 0 {
+		// The new run tries at once, which is what the signal asked for.
+		t.logger.Info("retry signals folded into continue-as-new", "count", n)
+	}
+	h := workflow.GetSignalChannel(ctx, AbandonSignal)
+	for {
+		var sig vmflowv1.AbandonSignal
+		if !h.ReceiveAsync(&sig) {
+			break
+		}
+		t.logger.Warn("abandon refused: sent while continuing as new", "reason", sig.GetReason())
+	}
+	next := &vmflowv1.DeleteRequest{
+		InstanceId:              req.GetInstanceId(),
+		HostId:                  req.GetHostId(),
+		GracefulTimeoutSeconds:  req.GetGracefulTimeoutSeconds(),
+		CarriedAttempts:         req.GetCarriedAttempts(),
+		CarriedFirstFailureTime: req.GetCarriedFirstFailureTime(),
+	}
+	return workflow.NewContinueAsNewError(ctx, DeleteWorkflow, next)
+}
+
+func deleteSummary(req *vmflowv1.DeleteRequest) string {
+	return fmt.Sprintf("delete %s on %s", req.GetInstanceId(), req.GetHostId())
+}

@@ -1,0 +1,112 @@
+// Package workflows holds vmflow's durable workflows (SpawnInstance,
+// DeleteInstance, ReconcileVGPU) and the typed client the platform API uses
+// to start, signal and query them.
+//
+// Workflow code is deterministic and never touches the OS: everything that
+// happens on a host is an activity on that host's task queue,
+// vmflow-host-<host_id>, named by the constants below. The activities
+// package registers methods with exactly these names (a test there checks).
+package workflows
+
+import (
+	"regexp"
+
+	"go.temporal.io/sdk/temporal"
+)
+
+// Workflow type names, as the CLI and the platform API spell them.
+const (
+	SpawnWorkflow     = "SpawnInstance"
+	DeleteWorkflow    = "DeleteInstance"
+	ReconcileWorkflow = "ReconcileVGPU"
+)
+
+// DefaultTaskQueue is where the workflows run (the worker's --task-queue).
+const DefaultTaskQueue = "vmflow"
+
+// HostTaskQueue is the task queue of one host's agent.
+func HostTaskQueue(hostID string) string { return "vmflow-host-" + hostID }
+
+// SpawnWorkflowID is the id of an instance's spawn workflow.
+func SpawnWorkflowID(instanceID string) string { return "spawn/" + instanceID }
+
+// DeleteWorkflowID is the id of an instance's delete workflow.
+func DeleteWorkflowID(instanceID string) string { return "delete/" + instanceID }
+
+// ReconcileScheduleID is the id of a host's reconcile schedule.
+func ReconcileScheduleID(hostID string) string { return "reconcile-vgpu/" + hostID }
+
+// Messages.
+const (
+	RetrySignal   = "retry"
+	AbandonSignal = "abandon"
+	StatusQuery   = "status"
+)
+
+// Host activity names (methods of activities.Activities).
+const (
+	ActivityValidateSpawn = "ValidateSpawn"
+	ActivityCreateRecord  = "CreateRecord"
+	ActivityClaimVGPU     = "ClaimVGPU"
+	ActivityLaunchVM      = "LaunchVM"
+	ActivityBeginDelete   = "BeginDelete"
+	ActivityStopVM        = "StopVM"
+	ActivityWaitVMExit    = "WaitVMExit"
+	ActivityReleaseVGPU   = "ReleaseVGPU"
+	ActivityTearDown      = "TearDown"
+	ActivityDeleteRecord  = "DeleteRecord"
+	ActivityReconcileHost = "ReconcileHost"
+)
+
+// HostActivityNames lists every activity the host agent must register.
+var HostActivityNames = []string{
+	ActivityValidateSpawn, ActivityCreateRecord, ActivityClaimVGPU, ActivityLaunchVM,
+	ActivityBeginDelete, ActivityStopVM, ActivityWaitVMExit, ActivityReleaseVGPU,
+	ActivityTearDown, ActivityDeleteRecord, ActivityReconcileHost,
+}
+
+// Error types of non-retryable application errors: the activities set them,
+// the workflows branch on them.
+const (
+	ErrTypeInvalidInput     = "InvalidInput"
+	ErrTypeIdentityMismatch = "IdentityMismatch"
+	ErrTypeConflict         = "Conflict"         // a record with another spec exists
+	ErrTypeInstanceDeleting = "InstanceDeleting" // spawn of an instance being deleted
+	ErrTypeBusy             = "Busy"             // another attempt works on the instance (retryable)
+	ErrTypeHostUnreachable  = "HostUnreachable"  // the spawn gave up waiting for its host
+)
+
+// Search attributes that make stuck work findable in the Web UI.
+var (
+	SAInstanceID     = temporal.NewSearchAttributeKeyKeyword("VmInstanceId")
+	SAHostID         = temporal.NewSearchAttributeKeyKeyword("VmHostId")
+	SAStage          = temporal.NewSearchAttributeKeyKeyword("VmStage")
+	SANeedsAttention = temporal.NewSearchAttributeKeyBool("VmNeedsAttention")
+)
+
+// Stages (the VmStage values and the status query's stage).
+const (
+	StageValidating      = "validating"
+	StageCreatingRecord  = "creating-record"
+	StageClaimingVGPU    = "claiming-vgpu"
+	StageLaunching       = "launching"
+	StageRunning         = "running"
+	StageSpawnFailed     = "spawn-failed"
+	StageMarkingStopped  = "marking-stopped"
+	StageStopping        = "stopping"
+	StageWaitingExit     = "waiting-exit"
+	StageReleasingVGPU   = "releasing-vgpu"
+	StageReleaseFailed   = "release-failed"
+	StageTearingDown     = "tearing-down"
+	StageDeleted         = "deleted"
+	StageAlreadyAbsent   = "already-absent"
+	StageAbandoned       = "abandoned"
+	StageHostUnreachable = "host-unreachable"
+	StageReconciling     = "reconciling"
+	StageReconciled      = "reconciled"
+)
+
+var idPattern = regexp.MustCompile(`^[a-z0-9][a-z0-9-]{0,62}$`)
+
+// ValidID reports whether s is a valid instance or host id.
+func ValidID(s string) bool { return idPattern.MatchString(s) }

@@ -1,0 +1,41 @@
+package workflows
+
+import (
+	"go.temporal.io/sdk/workflow"
+
+	vmflowv1 "vmflow/proto/vmflow/v1"
+)
+
+// ReconcileVGPU runs one host's vGPU reconcile (the agent's Schedule starts
+// it every minute) and wakes every delete whose claim it released, so a
+// delete waiting out a long backoff finishes now.
+func (w *Workflows) ReconcileVGPU(ctx workflow.Context, req *vmflowv1.ReconcileVGPURequest) (*vmflowv1.ReconcileVGPUResult, error) {
+	if req == nil || !ValidID(req.GetHostId()) {
+		return nil, invalidInput("host_id %q: must match %s", req.GetHostId(), idPattern)
+	}
+	t, err := newTracker(ctx, "reconcile", "", req.GetHostId())
+	if err != nil {
+		return nil, err
+	}
+	// The next scheduled run comes in a minute: don't wait long for a host
+	// that is away.
+	h := &hostRunner{w: w, t: t, hostID: req.GetHostId(), giveUp: w.cfg.ScheduleToStartTimeout}
+	t.stage(ctx, StageReconciling)
+	var res vmflowv1.ReconcileVGPUResult
+	if err := h.run(ctx, w.calls()[ActivityReconcileHost], req, &res); err != nil {
+		t.status.LastError = errorText(err)
+		t.publish(ctx)
+		return nil, err
+	}
+	for _, id := range res.GetRetriedDeletes() {
+		sig := &vmflowv1.RetrySignal{Reason: "reconcile released the vGPU of " + id}
+		// A delete that is not running (already finished, or never
+		// started) is not an error for the reconcile.
+		err := workflow.SignalExternalWorkflow(ctx, DeleteWorkflowID(id), "", RetrySignal, sig).Get(ctx, nil)
+		if err != nil {
+			t.logger.Info("retry not delivered", "workflow_id", DeleteWorkflowID(id), "error", err.Error())
+		}
+	}
+	t.stage(ctx, StageReconciled)
+	return &res, nil
+}

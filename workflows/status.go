@@ -1,0 +1,175 @@
+package workflows
+
+import (
+	"fmt"
+	"strings"
+	"time"
+
+	"go.temporal.io/sdk/log"
+	"go.temporal.io/sdk/temporal"
+	"go.temporal.io/sdk/workflow"
+	"google.golang.org/protobuf/proto"
+
+	vmflowv1 "vmflow/proto/vmflow/v1"
+)
+
+// tracker keeps one workflow's visible state in the three places an
+// operator looks: the status query, the search attributes (VmStage,
+// VmNeedsAttention) and the Web UI's Current Details. Every change goes
+// through it, so the three never disagree.
+type tracker struct {
+	kind       string // "spawn", "delete", "reconcile"
+	instanceID string
+	hostID     string
+	status     *vmflowv1.WorkflowStatus
+	retryCh    workflow.ReceiveChannel
+	logger     log.Logger
+}
+
+func newTracker(ctx workflow.Context, kind, instanceID, hostID string) (*tracker, error) {
+	t := &tracker{
+		kind:       kind,
+		instanceID: instanceID,
+		hostID:     hostID,
+		status:     &vmflowv1.WorkflowStatus{},
+		retryCh:    workflow.GetSignalChannel(ctx, RetrySignal),
+		logger:     log.With(workflow.GetLogger(ctx), "instance_id", instanceID, "host_id", hostID),
+	}
+	if err := workflow.SetQueryHandler(ctx, StatusQuery, func() (*vmflowv1.WorkflowStatus, error) {
+		return proto.Clone(t.status).(*vmflowv1.WorkflowStatus), nil
+	}); err != nil {
+		return nil, fmt.Errorf("register status query: %w", err)
+	}
+	var sa []temporal.SearchAttributeUpdate
+	if instanceID != "" {
+		sa = append(sa, SAInstanceID.ValueSet(instanceID))
+	}
+	if hostID != "" {
+		sa = append(sa, SAHostID.ValueSet(hostID))
+	}
+	if len(sa) > 0 {
+		if err := workflow.UpsertTypedSearchAttributes(ctx, sa...); err != nil {
+			return nil, fmt.Errorf("set search attributes: %w", err)
+		}
+	}
+	return t, nil
+}
+
+// stage moves the workflow to a new stage; the attempt count starts again.
+func (t *tracker) stage(ctx workflow.Context, stage string) {
+	if t.status.Stage == stage {
+		return
+	}
+	t.status.Stage = stage
+	t.status.Attempt = 1
+	t.status.NextRetryTime = ""
+	t.publish(ctx)
+	t.logger.Info("stage", "stage", stage)
+}
+
+// failed records a failure that the workflow will retry at next.
+func (t *tracker) failed(ctx workflow.Context, stage string, err error, attempt uint32, next time.Time) {
+	t.status.Stage = stage
+	t.status.Attempt = attempt
+	t.status.LastError = errorText(err)
+	t.status.NeedsAttention = true
+	t.status.NextRetryTime = next.UTC().Format(time.RFC3339)
+	t.publish(ctx)
+	t.logger.Warn("needs attention", "stage", stage, "attempt", attempt, "error", t.status.LastError,
+		"next_retry_time", t.status.NextRetryTime)
+}
+
+// recovered clears needs-attention once the failing step went through.
+func (t *tracker) recovered(ctx workflow.Context) {
+	if !t.status.NeedsAttention {
+		return
+	}
+	t.status.NeedsAttention = false
+	t.status.NextRetryTime = ""
+	t.publish(ctx)
+}
+
+func (t *tracker) setRetained(ctx workflow.Context, retained bool) {
+	if t.status.MetadataRetained == retained {
+		return
+	}
+	t.status.MetadataRetained = retained
+	t.publish(ctx)
+}
+
+func (t *tracker) publish(ctx workflow.Context) {
+	if err := workflow.UpsertTypedSearchAttributes(ctx,
+		SAStage.ValueSet(t.status.Stage),
+		SANeedsAttention.ValueSet(t.status.NeedsAttention),
+	); err != nil {
+		t.logger.Warn("upsert search attributes failed", "error", err.Error())
+	}
+	workflow.SetCurrentDetails(ctx, t.details())
+}
+
+// details is the Current Details markdown the Web UI shows between
+// activity attempts, when the pending-activity card is gone.
+func (t *tracker) details() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "**%s** `%s` on host `%s`\n\n", t.kind, t.instanceID, t.hostID)
+	fmt.Fprintf(&b, "- stage: `%s`\n", t.status.Stage)
+	if t.status.Attempt > 1 || t.status.LastError != "" {
+		fmt.Fprintf(&b, "- attempt: %d\n", t.status.Attempt)
+	}
+	if t.status.LastError != "" {
+		fmt.Fprintf(&b, "- last error: %s\n", t.status.LastError)
+	}
+	if t.status.NextRetryTime != "" {
+		fmt.Fprintf(&b, "- next retry: %s (or now: `temporal workflow signal --workflow-id <id> --name retry`)\n", t.status.NextRetryTime)
+	}
+	if t.status.MetadataRetained {
+		b.WriteString("- metadata retained: the instance record and its GPU claim are kept on the host\n")
+	}
+	if t.status.NeedsAttention {
+		b.WriteString("- **needs attention**\n")
+	}
+	return b.String()
+}
+
+// waitRetry blocks until the retry signal arrives, d passes, or one of the
+// extra selector cases fires. It reports whether the retry signal ended it.
+func (t *tracker) waitRetry(ctx workflow.Context, d time.Duration, extra ...func(workflow.Selector)) bool {
+	timerCtx, cancel := workflow.WithCancel(ctx)
+	defer cancel()
+	sel := workflow.NewSelector(ctx)
+	sel.AddFuture(workflow.NewTimer(timerCtx, d), func(workflow.Future) {})
+	signalled := false
+	sel.AddReceive(t.retryCh, func(c workflow.ReceiveChannel, more bool) {
+		var sig vmflowv1.RetrySignal
+		c.Receive(ctx, &sig)
+		signalled = true
+		t.logger.Info("retry signal", "reason", sig.GetReason())
+	})
+	for _, add := range extra {
+		add(sel)
+	}
+	sel.Select(ctx)
+	return signalled
+}
+
+// drainRetries consumes retry signals already delivered, so a continue-as-new
+// leaves none behind; the new run tries at once anyway.
+func (t *tracker) drainRetries() int {
+	n := 0
+	for {
+		var sig vmflowv1.RetrySignal
+		if !t.retryCh.ReceiveAsync(&sig) {
+			return n
+		}
+		n++
+	}
+}
+
+// backoff returns base * 2^(attempt-1), capped at max.
+func backoff(base, max time.Duration, attempt uint32) time.Duration {
+	d := base
+	for i := uint32(1); i < attempt && d < max; i++ {
+		d *= 2
+	}
+	return min(d, max)
+}

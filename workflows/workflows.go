@@ -1,0 +1,114 @@
+package workflows
+
+import (
+	"time"
+
+	"go.temporal.io/sdk/temporal"
+	"go.temporal.io/sdk/workflow"
+)
+
+// Config holds the worker-side knobs of the workflows. The worker sets them
+// from flags; they shape timers and timeouts, never the commands a workflow
+// issues, so changing them between deploys does not break replay.
+type Config struct {
+	// ReleaseBackoff is the first wait after a failed vGPU release round;
+	// it doubles up to ReleaseBackoffMax.
+	ReleaseBackoff    time.Duration
+	ReleaseBackoffMax time.Duration
+	// ScheduleToStartTimeout: how long a host activity may wait for the
+	// host's agent to pick it up before the host counts as unreachable.
+	ScheduleToStartTimeout time.Duration
+	// UnreachableBackoff is the first wait after the host was found
+	// unreachable; it doubles up to UnreachableBackoffMax.
+	UnreachableBackoff    time.Duration
+	UnreachableBackoffMax time.Duration
+	// SpawnHostWait: how long a spawn waits for an unreachable host before
+	// it fails.
+	SpawnHostWait time.Duration
+	// GracefulTimeout and GroupExitCap mirror the agent's stop ladder
+	// defaults; the stop activity's timeout is sized from them.
+	GracefulTimeout time.Duration
+	GroupExitCap    time.Duration
+}
+
+// DefaultConfig is the production configuration.
+func DefaultConfig() Config {
+	return Config{
+		ReleaseBackoff:         30 * time.Second,
+		ReleaseBackoffMax:      15 * time.Minute,
+		ScheduleToStartTimeout: time.Minute,
+		UnreachableBackoff:     30 * time.Second,
+		UnreachableBackoffMax:  5 * time.Minute,
+		SpawnHostWait:          10 * time.Minute,
+		GracefulTimeout:        10 * time.Second,
+		GroupExitCap:           30 * time.Second,
+	}
+}
+
+// Workflows holds the three workflows; register it with Register.
+type Workflows struct {
+	cfg Config
+}
+
+// New returns the workflows with cfg, zero fields taking their defaults.
+func New(cfg Config) *Workflows {
+	d := DefaultConfig()
+	set := func(v *time.Duration, def time.Duration) {
+		if *v <= 0 {
+			*v = def
+		}
+	}
+	set(&cfg.ReleaseBackoff, d.ReleaseBackoff)
+	set(&cfg.ReleaseBackoffMax, d.ReleaseBackoffMax)
+	set(&cfg.ScheduleToStartTimeout, d.ScheduleToStartTimeout)
+	set(&cfg.UnreachableBackoff, d.UnreachableBackoff)
+	set(&cfg.UnreachableBackoffMax, d.UnreachableBackoffMax)
+	set(&cfg.SpawnHostWait, d.SpawnHostWait)
+	set(&cfg.GracefulTimeout, d.GracefulTimeout)
+	set(&cfg.GroupExitCap, d.GroupExitCap)
+	return &Workflows{cfg: cfg}
+}
+
+// Registry is the part of a worker that registers workflows.
+type Registry interface {
+	RegisterWorkflowWithOptions(w interface{}, options workflow.RegisterOptions)
+}
+
+// Register registers the three workflows under their public names.
+func (w *Workflows) Register(r Registry) {
+	r.RegisterWorkflowWithOptions(w.SpawnInstance, workflow.RegisterOptions{Name: SpawnWorkflow})
+	r.RegisterWorkflowWithOptions(w.DeleteInstance, workflow.RegisterOptions{Name: DeleteWorkflow})
+	r.RegisterWorkflowWithOptions(w.ReconcileVGPU, workflow.RegisterOptions{Name: ReconcileWorkflow})
+}
+
+// Retry policies. "Unlimited" ones back off to a minute: the pending
+// activity card in the Web UI shows the attempt and the last failure.
+var (
+	retryFew = &temporal.RetryPolicy{
+		InitialInterval: time.Second, BackoffCoefficient: 2, MaximumInterval: 10 * time.Second, MaximumAttempts: 3,
+		NonRetryableErrorTypes: []string{ErrTypeInvalidInput, ErrTypeIdentityMismatch, ErrTypeConflict, ErrTypeInstanceDeleting},
+	}
+	retryForever = &temporal.RetryPolicy{
+		InitialInterval: time.Second, BackoffCoefficient: 2, MaximumInterval: time.Minute,
+		NonRetryableErrorTypes: []string{ErrTypeInvalidInput, ErrTypeIdentityMismatch},
+	}
+)
+
+func (w *Workflows) calls() map[string]hostCall {
+	stopTimeout := w.cfg.GracefulTimeout + w.cfg.GroupExitCap + 30*time.Second
+	return map[string]hostCall{
+		ActivityValidateSpawn: {name: ActivityValidateSpawn, summary: "validate", timeout: 30 * time.Second, retry: retryFew},
+		ActivityCreateRecord:  {name: ActivityCreateRecord, summary: "create record", timeout: 30 * time.Second, retry: retryFew},
+		ActivityClaimVGPU:     {name: ActivityClaimVGPU, summary: "claim vGPU", timeout: time.Minute, retry: retryFew},
+		ActivityLaunchVM:      {name: ActivityLaunchVM, summary: "launch", timeout: 2 * time.Minute, heartbeat: 10 * time.Second, retry: retryFew},
+		ActivityBeginDelete:   {name: ActivityBeginDelete, summary: "mark stopped", timeout: 30 * time.Second, retry: retryForever},
+		ActivityStopVM:        {name: ActivityStopVM, summary: "stop", timeout: stopTimeout, heartbeat: 10 * time.Second, retry: retryForever},
+		ActivityWaitVMExit:    {name: ActivityWaitVMExit, summary: "wait for exit", timeout: w.cfg.GroupExitCap + 30*time.Second, heartbeat: 10 * time.Second, retry: retryForever},
+		// Releases retry a few times within seconds; after that the
+		// workflow's own loop takes over, with needs-attention set.
+		ActivityReleaseVGPU:   {name: ActivityReleaseVGPU, summary: "release vGPU", timeout: time.Minute, heartbeat: 10 * time.Second, retry: retryFew},
+		ActivityTearDown:      {name: ActivityTearDown, summary: "tear down", timeout: 30 * time.Second, retry: retryForever},
+		ActivityDeleteRecord:  {name: ActivityDeleteRecord, summary: "delete record", timeout: 30 * time.Second, retry: retryForever},
+		ActivityReconcileHost: {name: ActivityReconcileHost, summary: "reconcile vGPUs", timeout: 5 * time.Minute, heartbeat: 30 * time.Second, retry: retryFew},
+	}
+}
