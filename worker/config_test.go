@@ -1,0 +1,46 @@
+package main
+
+import (
+	"io"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"vmflow/workflows"
+)
+
+func TestParseConfigDefaults(t *testing.T) {
+	c, err := parseConfig(nil, io.Discard)
+	require.NoError(t, err)
+	assert.Equal(t, workflows.DefaultTaskQueue, c.TaskQueue)
+	assert.Equal(t, workflows.DefaultConfig().ReleaseBackoff, c.Workflows.ReleaseBackoff)
+	assert.Equal(t, workflows.DefaultConfig().SpawnHostWait, c.Workflows.SpawnHostWait)
+}
+
+func TestParseConfigFlags(t *testing.T) {
+	c, err := parseConfig([]string{"--task-queue", "q2", "--release-backoff", "1s", "--release-backoff-max", "4s", "--metrics-addr", "127.0.0.1:0"}, io.Discard)
+	require.NoError(t, err)
+	assert.Equal(t, "q2", c.TaskQueue)
+	assert.Equal(t, time.Second, c.Workflows.ReleaseBackoff)
+	assert.Equal(t, 4*time.Second, c.Workflows.ReleaseBackoffMax)
+	assert.Equal(t, "127.0.0.1:0", c.MetricsAddr)
+}
+
+func TestParseConfigRejects(t *testing.T) {
+	for _, args := range [][]string{
+		{"--task-queue", ""},
+		{"--release-backoff", "0s"},
+		{"--release-backoff", "-1s"},
+		{"--release-backoff", "10m", "--release-backoff-max", "1m"},
+		{"--spawn-host-wait", "0"},
+		{"extra"},
+		{"--no-such-flag"},
+	} {
+		_, err := parseConfig(args, io.Discard)
+		assert.Error(t, err, "%q", args)
+	}
+	_, err := newLogger("loud")
+	assert.Error(t, err)
+}

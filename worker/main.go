@@ -1,0 +1,106 @@
+// Command vmflow-worker runs vmflow's workflows. main is wiring only: flags,
+// logger, metrics, the Temporal client, registration, and a clean stop on
+// SIGTERM.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"syscall"
+
+	"go.temporal.io/sdk/client"
+	"go.temporal.io/sdk/worker"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+
+	"vmflow/internal/tclient"
+	"vmflow/workflows"
+)
+
+func main() {
+	os.Exit(run())
+}
+
+func run() int {
+	cfg, err := parseConfig(os.Args[1:], os.Stderr)
+	if errors.Is(err, flag.ErrHelp) {
+		return 0
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "vmflow-worker:", err)
+		return 2
+	}
+	log, err := newLogger(cfg.LogLevel)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "vmflow-worker:", err)
+		return 2
+	}
+	defer func() { _ = log.Sync() }()
+
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+
+	metrics, err := tclient.NewMetrics(tclient.WithMetricsLogger(log))
+	if err != nil {
+		log.Error("metrics", zap.Error(err))
+		return 1
+	}
+	if cfg.MetricsAddr != "" {
+		go func() {
+			if err := metrics.Serve(ctx, cfg.MetricsAddr); err != nil {
+				log.Error("metrics server stopped", zap.Error(err))
+			}
+		}()
+	}
+
+	topts := tclient.Options{Logger: log, Metrics: metrics, HostPort: cfg.Address, Namespace: cfg.Namespace}
+	copts, err := tclient.ClientOptions(topts)
+	if err != nil {
+		log.Error("temporal configuration", zap.Error(err))
+		return 2
+	}
+	ns := copts.Namespace
+	if ns == "" {
+		ns = client.DefaultNamespace
+	}
+	c, err := tclient.Dial(ctx, topts)
+	if err != nil {
+		log.Error("connect to Temporal", zap.Error(err))
+		return 1
+	}
+	defer c.Close()
+	if err := tclient.EnsureSearchAttributes(ctx, c, ns, tclient.SearchAttributes()); err != nil {
+		// Workflows upsert these; without them every workflow task fails.
+		log.Error("search attributes", zap.Error(err), zap.String("namespace", ns))
+		return 1
+	}
+
+	w := worker.New(c, cfg.TaskQueue, worker.Options{})
+	workflows.New(cfg.Workflows).Register(w)
+	if err := w.Start(); err != nil {
+		log.Error("start worker", zap.Error(err), zap.String("task_queue", cfg.TaskQueue))
+		return 1
+	}
+	log.Info("worker running", zap.String("task_queue", cfg.TaskQueue), zap.String("namespace", ns),
+		zap.Duration("release_backoff", cfg.Workflows.ReleaseBackoff))
+	<-ctx.Done()
+	log.Info("stopping worker")
+	w.Stop()
+	return 0
+}
+
+func newLogger(level string) (*zap.Logger, error) {
+	lvl, err := zapcore.ParseLevel(level)
+	if err != nil {
+		return nil, fmt.Errorf("--log-level: %w", err)
+	}
+	zc := zap.NewProductionConfig()
+	zc.Level = zap.NewAtomicLevelAt(lvl)
+	zc.EncoderConfig.TimeKey = "ts"
+	zc.EncoderConfig.EncodeTime = zapcore.ISO8601TimeEncoder
+	return zc.Build()
+}
