@@ -1,0 +1,278 @@
+// Package spec admits a spawn request on this host: it checks every field
+// that will reach a path, an argv or a sysfs write against the host (image
+// roots, size, the vGPU profiles it offers), and turns an admitted request
+// into the record's spec and QEMU's typed spec.
+//
+// The agent runs as root, so nothing from a workflow input is trusted: a
+// kernel path is followed through its symlinks and must still lie under an
+// --image-root, and every rejection names its field.
+package spec
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+
+	"github.com/google/uuid"
+
+	"vmflow/hostagent/store"
+	"vmflow/hostagent/vmm"
+	vmflowv1 "vmflow/proto/vmflow/v1"
+)
+
+// Accepted values of the enum-like string fields.
+var (
+	Machines       = []string{"none", "q35", "microvm"}
+	Accels         = []string{"kvm", "tcg"}
+	RestartPolicys = []string{"never", "on-failure", "always"}
+)
+
+// ErrInvalid marks every admission failure; FieldError says which field.
+var ErrInvalid = errors.New("invalid spawn request")
+
+// FieldError is one rejected field.
+type FieldError struct {
+	Field  string
+	Reason string
+}
+
+func (e *FieldError) Error() string { return fmt.Sprintf("%s: %s", e.Field, e.Reason) }
+
+// Is makes errors.Is(err, ErrInvalid) true for every field error.
+func (e *FieldError) Is(target error) bool { return target == ErrInvalid }
+
+// Host is what admission checks against.
+type Host struct {
+	// ImageRoots are the folders kernel, initrd and disk must lie in,
+	// after symlinks are resolved.
+	ImageRoots []string
+	// MaxVCPUs and MaxMemoryMiB bound one VM: the host's size.
+	MaxVCPUs     uint32
+	MaxMemoryMiB uint32
+	// Profiles lists the vGPU profile names the host offers; nil means the
+	// host has no vGPUs.
+	Profiles func(ctx context.Context) ([]string, error)
+}
+
+// SystemHost describes this machine: its CPU count, its memory and the
+// given image roots (which must exist).
+func SystemHost(imageRoots []string, profiles func(context.Context) ([]string, error)) (Host, error) {
+	h := Host{MaxVCPUs: uint32(runtime.NumCPU()), Profiles: profiles}
+	mem, err := memTotalMiB()
+	if err != nil {
+		return Host{}, err
+	}
+	h.MaxMemoryMiB = mem
+	for _, r := range imageRoots {
+		abs, err := filepath.Abs(r)
+		if err != nil {
+			return Host{}, fmt.Errorf("image root %q: %w", r, err)
+		}
+		resolved, err := filepath.EvalSymlinks(abs)
+		if err != nil {
+			return Host{}, fmt.Errorf("image root %q: %w", r, err)
+		}
+		h.ImageRoots = append(h.ImageRoots, resolved)
+	}
+	return h, nil
+}
+
+func memTotalMiB() (uint32, error) {
+	f, err := os.Open("/proc/meminfo")
+	if err != nil {
+		return 0, fmt.Errorf("host memory: %w", err)
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		fields := strings.Fields(sc.Text())
+		if len(fields) >= 2 && fields[0] == "MemTotal:" {
+			kib, err := strconv.ParseUint(fields[1], 10, 64)
+			if err != nil {
+				return 0, fmt.Errorf("host memory: %q: %w", sc.Text(), err)
+			}
+			return uint32(min(kib/1024, 1<<31)), nil
+		}
+	}
+	return 0, fmt.Errorf("host memory: no MemTotal in /proc/meminfo")
+}
+
+// Validate checks req against the host. It returns every field error found,
+// joined, each matching ErrInvalid; a failure to list the host's profiles is
+// returned as is (retryable: the request may be fine).
+func (h Host) Validate(ctx context.Context, req *vmflowv1.SpawnRequest) error {
+	if req == nil {
+		return &FieldError{"request", "empty"}
+	}
+	var errs []error
+	bad := func(field, format string, args ...any) {
+		errs = append(errs, &FieldError{field, fmt.Sprintf(format, args...)})
+	}
+	if err := store.ValidateID(req.GetInstanceId()); err != nil {
+		bad("instance_id", "%q does not match %s", req.GetInstanceId(), store.IDPattern)
+	}
+	if err := store.ValidateID(req.GetHostId()); err != nil {
+		bad("host_id", "%q does not match %s", req.GetHostId(), store.IDPattern)
+	}
+	switch {
+	case req.GetVcpus() == 0:
+		bad("vcpus", "must be at least 1")
+	case req.GetVcpus() > h.MaxVCPUs:
+		bad("vcpus", "%d exceeds this host's %d CPUs", req.GetVcpus(), h.MaxVCPUs)
+	case req.GetMachine() == "none" && req.GetVcpus() != 1:
+		bad("vcpus", "machine \"none\" has exactly 1 vCPU")
+	}
+	switch {
+	case req.GetMemoryMib() == 0:
+		bad("memory_mib", "must be at least 1")
+	case req.GetMemoryMib() > h.MaxMemoryMiB:
+		bad("memory_mib", "%d exceeds this host's %d MiB", req.GetMemoryMib(), h.MaxMemoryMiB)
+	}
+	oneOf := func(field, v string, allowed []string, emptyOK bool) {
+		if (v == "" && emptyOK) || slices.Contains(allowed, v) {
+			return
+		}
+		bad(field, "%q is not one of %s", v, strings.Join(allowed, ", "))
+	}
+	oneOf("machine", req.GetMachine(), Machines, false)
+	oneOf("accel", req.GetAccel(), Accels, true)
+	oneOf("restart_policy", req.GetRestartPolicy(), RestartPolicys, true)
+
+	for _, p := range []struct{ field, path string }{{"kernel", req.GetKernel()}, {"initrd", req.GetInitrd()}, {"disk", req.GetDisk()}} {
+		if p.path == "" {
+			continue
+		}
+		if err := h.checkImage(p.path); err != nil {
+			bad(p.field, "%v", err)
+		}
+	}
+	if req.GetInitrd() != "" && req.GetKernel() == "" {
+		bad("initrd", "needs kernel")
+	}
+	if req.GetCmdline() != "" && req.GetKernel() == "" {
+		bad("cmdline", "needs kernel")
+	}
+	if strings.ContainsRune(req.GetCmdline(), 0) || strings.ContainsAny(req.GetCmdline(), "\n") {
+		bad("cmdline", "must be one line of text")
+	}
+	if p := req.GetVgpuProfile(); p != "" {
+		if h.Profiles == nil {
+			bad("vgpu_profile", "%q: this host has no vGPUs", p)
+		} else {
+			offered, err := h.Profiles(ctx)
+			if err != nil {
+				return fmt.Errorf("list vGPU profiles: %w", err)
+			}
+			if !slices.Contains(offered, p) {
+				bad("vgpu_profile", "%q is not offered by this host (offered: %s)", p, strings.Join(offered, ", "))
+			}
+		}
+	}
+	if len(errs) == 0 {
+		// vmm's own check catches what the above does not know about
+		// (QEMU limits); its message names the spec field.
+		if err := ToVMSpec(req.GetInstanceId(), RecordSpec(req), "").Validate(); err != nil {
+			bad("request", "%v", err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// checkImage admits a path only if it is absolute, clean, and, with every
+// symlink followed, a regular file under one of the image roots.
+func (h Host) checkImage(p string) error {
+	if !filepath.IsAbs(p) {
+		return fmt.Errorf("%q is not an absolute path", p)
+	}
+	if filepath.Clean(p) != p || strings.Contains(p, "/../") || strings.HasSuffix(p, "/..") {
+		return fmt.Errorf("%q is not a clean path (no .., //, or trailing /)", p)
+	}
+	if len(h.ImageRoots) == 0 {
+		return fmt.Errorf("%q: this host has no --image-root", p)
+	}
+	resolved, err := filepath.EvalSymlinks(p)
+	if err != nil {
+		return fmt.Errorf("%q: %w", p, err)
+	}
+	inside := false
+	for _, root := range h.ImageRoots {
+		if rel, err := filepath.Rel(root, resolved); err == nil && rel != ".." && !strings.HasPrefix(rel, "../") && rel != "." {
+			inside = true
+			break
+		}
+	}
+	if !inside {
+		return fmt.Errorf("%q resolves to %q, outside the image roots %s", p, resolved, strings.Join(h.ImageRoots, ", "))
+	}
+	fi, err := os.Stat(resolved)
+	if err != nil {
+		return fmt.Errorf("%q: %w", p, err)
+	}
+	if !fi.Mode().IsRegular() {
+		return fmt.Errorf("%q is not a regular file", p)
+	}
+	return nil
+}
+
+// instanceNamespace seeds the instance UUIDs: a fixed namespace, so the same
+// id always gives the same UUID and a retried create carries the same spec.
+var instanceNamespace = uuid.MustParse("6f0b2c1e-9a43-4d5e-8c6f-2a7d1b3e4f50")
+
+// InstanceUUID is the UUID QEMU gets with -uuid for an instance id.
+func InstanceUUID(instanceID string) string {
+	return uuid.NewSHA1(instanceNamespace, []byte(instanceID)).String()
+}
+
+// RecordSpec is the record's copy of an admitted request.
+func RecordSpec(req *vmflowv1.SpawnRequest) *vmflowv1.VMSpec {
+	accel := req.GetAccel()
+	if accel == "" {
+		accel = "kvm"
+	}
+	return &vmflowv1.VMSpec{
+		Vcpus:       req.GetVcpus(),
+		MemoryMib:   req.GetMemoryMib(),
+		Machine:     req.GetMachine(),
+		Accel:       accel,
+		Kernel:      req.GetKernel(),
+		Initrd:      req.GetInitrd(),
+		Cmdline:     req.GetCmdline(),
+		Disk:        req.GetDisk(),
+		VgpuProfile: req.GetVgpuProfile(),
+		Uuid:        InstanceUUID(req.GetInstanceId()),
+	}
+}
+
+// ToVMSpec is QEMU's spec for a recorded instance. vfio is the vGPU's sysfs
+// device path, empty for none (or when the agent does not attach vGPUs).
+func ToVMSpec(instanceID string, s *vmflowv1.VMSpec, vfio string) vmm.VMSpec {
+	v := vmm.VMSpec{
+		Name:        instanceID,
+		UUID:        s.GetUuid(),
+		VCPUs:       int(s.GetVcpus()),
+		MemoryMiB:   int(s.GetMemoryMib()),
+		Machine:     vmm.Machine(s.GetMachine()),
+		Accel:       vmm.Accel(s.GetAccel()),
+		Kernel:      s.GetKernel(),
+		Initrd:      s.GetInitrd(),
+		Cmdline:     s.GetCmdline(),
+		Disk:        s.GetDisk(),
+		// The guest's console goes to qemu.log; -machine none has no
+		// serial port to connect.
+		SerialToLog: s.GetMachine() != "none",
+		// A guest that reboots is restarted by the restart policy, not by
+		// QEMU behind the agent's back.
+		NoReboot: true,
+	}
+	if vfio != "" {
+		v.VFIO = []string{vfio}
+	}
+	return v
+}

@@ -1,0 +1,134 @@
+package spec
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	vmflowv1 "vmflow/proto/vmflow/v1"
+)
+
+func testHost(t *testing.T) (Host, string) {
+	t.Helper()
+	root := t.TempDir()
+	outside := t.TempDir()
+	for _, f := range []string{"vmlinuz", "initrd.img", "disk.raw"} {
+		require.NoError(t, os.WriteFile(filepath.Join(root, f), []byte("x"), 0o600))
+	}
+	require.NoError(t, os.WriteFile(filepath.Join(outside, "shadow"), []byte("x"), 0o600))
+	require.NoError(t, os.Symlink(filepath.Join(outside, "shadow"), filepath.Join(root, "escape")))
+	require.NoError(t, os.Symlink(filepath.Join(root, "vmlinuz"), filepath.Join(root, "link-inside")))
+	require.NoError(t, os.Mkdir(filepath.Join(root, "dir"), 0o700))
+	h, err := SystemHost([]string{root}, func(context.Context) ([]string, error) {
+		return []string{"GRID A100-4C", "NVIDIA L40-4Q"}, nil
+	})
+	require.NoError(t, err)
+	h.MaxVCPUs, h.MaxMemoryMiB = 8, 16384
+	return h, root
+}
+
+func good(root string) *vmflowv1.SpawnRequest {
+	return &vmflowv1.SpawnRequest{
+		InstanceId: "vm1", HostId: "h1", Vcpus: 2, MemoryMib: 256, Machine: "q35", Accel: "tcg",
+		Kernel: filepath.Join(root, "vmlinuz"), Initrd: filepath.Join(root, "initrd.img"), Cmdline: "console=ttyS0",
+		Disk: filepath.Join(root, "disk.raw"), VgpuProfile: "GRID A100-4C", RestartPolicy: "on-failure",
+	}
+}
+
+func TestValidateAccepts(t *testing.T) {
+	h, root := testHost(t)
+	assert.NoError(t, h.Validate(context.Background(), good(root)))
+	r := good(root)
+	r.Kernel = filepath.Join(root, "link-inside") // a symlink that stays inside is fine
+	assert.NoError(t, h.Validate(context.Background(), r))
+	minimal := &vmflowv1.SpawnRequest{InstanceId: "vm1", HostId: "h1", Vcpus: 1, MemoryMib: 128, Machine: "none"}
+	assert.NoError(t, h.Validate(context.Background(), minimal))
+}
+
+// TestValidateRejects: every rejection names its field, and is ErrInvalid.
+func TestValidateRejects(t *testing.T) {
+	h, root := testHost(t)
+	tests := []struct {
+		field  string
+		mutate func(r *vmflowv1.SpawnRequest)
+	}{
+		{"instance_id", func(r *vmflowv1.SpawnRequest) { r.InstanceId = "../x" }},
+		{"instance_id", func(r *vmflowv1.SpawnRequest) { r.InstanceId = "" }},
+		{"host_id", func(r *vmflowv1.SpawnRequest) { r.HostId = "Host_1" }},
+		{"vcpus", func(r *vmflowv1.SpawnRequest) { r.Vcpus = 0 }},
+		{"vcpus", func(r *vmflowv1.SpawnRequest) { r.Vcpus = 9 }},
+		{"vcpus", func(r *vmflowv1.SpawnRequest) { r.Machine = "none"; r.Kernel, r.Initrd, r.Cmdline, r.Disk = "", "", "", "" }},
+		{"memory_mib", func(r *vmflowv1.SpawnRequest) { r.MemoryMib = 0 }},
+		{"memory_mib", func(r *vmflowv1.SpawnRequest) { r.MemoryMib = 16385 }},
+		{"machine", func(r *vmflowv1.SpawnRequest) { r.Machine = "virt" }},
+		{"machine", func(r *vmflowv1.SpawnRequest) { r.Machine = "" }},
+		{"accel", func(r *vmflowv1.SpawnRequest) { r.Accel = "hvf" }},
+		{"restart_policy", func(r *vmflowv1.SpawnRequest) { r.RestartPolicy = "sometimes" }},
+		{"kernel", func(r *vmflowv1.SpawnRequest) { r.Kernel = "vmlinuz" }},
+		{"kernel", func(r *vmflowv1.SpawnRequest) { r.Kernel = root + "/../" + filepath.Base(root) + "/vmlinuz" }},
+		{"kernel", func(r *vmflowv1.SpawnRequest) { r.Kernel = root + "//vmlinuz" }},
+		{"kernel", func(r *vmflowv1.SpawnRequest) { r.Kernel = filepath.Join(root, "escape") }},
+		{"kernel", func(r *vmflowv1.SpawnRequest) { r.Kernel = "/etc/passwd" }},
+		{"kernel", func(r *vmflowv1.SpawnRequest) { r.Kernel = filepath.Join(root, "missing") }},
+		{"kernel", func(r *vmflowv1.SpawnRequest) { r.Kernel = filepath.Join(root, "dir") }},
+		{"initrd", func(r *vmflowv1.SpawnRequest) { r.Initrd = "/proc/self/environ" }},
+		{"initrd", func(r *vmflowv1.SpawnRequest) { r.Kernel = "" }},
+		{"disk", func(r *vmflowv1.SpawnRequest) { r.Disk = filepath.Join(root, "escape") }},
+		{"cmdline", func(r *vmflowv1.SpawnRequest) { r.Cmdline = "a\nb" }},
+		{"vgpu_profile", func(r *vmflowv1.SpawnRequest) { r.VgpuProfile = "GRID A100-40C" }},
+		{"vgpu_profile", func(r *vmflowv1.SpawnRequest) { r.VgpuProfile = "grid a100-4c" }},
+	}
+	for _, tt := range tests {
+		r := good(root)
+		tt.mutate(r)
+		err := h.Validate(context.Background(), r)
+		require.Error(t, err, "%s: %+v", tt.field, r)
+		assert.ErrorIs(t, err, ErrInvalid)
+		var fe *FieldError
+		require.ErrorAs(t, err, &fe)
+		assert.Contains(t, err.Error(), tt.field+":", "the message names the field")
+	}
+	assert.Error(t, h.Validate(context.Background(), nil))
+}
+
+func TestValidateNoImageRootsOrVGPUs(t *testing.T) {
+	_, root := testHost(t)
+	h := Host{MaxVCPUs: 8, MaxMemoryMiB: 1024}
+	err := h.Validate(context.Background(), good(root))
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "no --image-root")
+	assert.Contains(t, err.Error(), "no vGPUs")
+}
+
+func TestValidateProfileListingFailureIsNotInvalid(t *testing.T) {
+	h, root := testHost(t)
+	h.Profiles = func(context.Context) ([]string, error) { return nil, errors.New("sysfs: EIO") }
+	err := h.Validate(context.Background(), good(root))
+	require.Error(t, err)
+	assert.NotErrorIs(t, err, ErrInvalid, "a host that cannot list its profiles may yet admit the request")
+}
+
+func TestInstanceUUIDIsStable(t *testing.T) {
+	assert.Equal(t, InstanceUUID("vm1"), InstanceUUID("vm1"))
+	assert.NotEqual(t, InstanceUUID("vm1"), InstanceUUID("vm2"))
+	assert.Len(t, InstanceUUID("vm1"), 36)
+}
+
+func TestToVMSpec(t *testing.T) {
+	_, root := testHost(t)
+	rs := RecordSpec(good(root))
+	v := ToVMSpec("vm1", rs, "/sys/bus/mdev/devices/u")
+	assert.Equal(t, "vm1", v.Name)
+	assert.Equal(t, 2, v.VCPUs)
+	assert.Equal(t, []string{"/sys/bus/mdev/devices/u"}, v.VFIO)
+	assert.NoError(t, v.Validate())
+	assert.Empty(t, ToVMSpec("vm1", rs, "").VFIO)
+	noAccel := good(root)
+	noAccel.Accel = ""
+	assert.Equal(t, "kvm", RecordSpec(noAccel).GetAccel(), "kvm is the default accelerator")
+}
