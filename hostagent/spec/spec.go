@@ -254,16 +254,16 @@ func RecordSpec(req *vmflowv1.SpawnRequest) *vmflowv1.VMSpec {
 // device path, empty for none (or when the agent does not attach vGPUs).
 func ToVMSpec(instanceID string, s *vmflowv1.VMSpec, vfio string) vmm.VMSpec {
 	v := vmm.VMSpec{
-		Name:        instanceID,
-		UUID:        s.GetUuid(),
-		VCPUs:       int(s.GetVcpus()),
-		MemoryMiB:   int(s.GetMemoryMib()),
-		Machine:     vmm.Machine(s.GetMachine()),
-		Accel:       vmm.Accel(s.GetAccel()),
-		Kernel:      s.GetKernel(),
-		Initrd:      s.GetInitrd(),
-		Cmdline:     s.GetCmdline(),
-		Disk:        s.GetDisk(),
+		Name:      instanceID,
+		UUID:      s.GetUuid(),
+		VCPUs:     int(s.GetVcpus()),
+		MemoryMiB: int(s.GetMemoryMib()),
+		Machine:   vmm.Machine(s.GetMachine()),
+		Accel:     vmm.Accel(s.GetAccel()),
+		Kernel:    s.GetKernel(),
+		Initrd:    s.GetInitrd(),
+		Cmdline:   s.GetCmdline(),
+		Disk:      s.GetDisk(),
 		// The guest's console goes to qemu.log; -machine none has no
 		// serial port to connect.
 		SerialToLog: s.GetMachine() != "none",

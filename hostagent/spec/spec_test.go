@@ -62,7 +62,10 @@ func TestValidateRejects(t *testing.T) {
 		{"host_id", func(r *vmflowv1.SpawnRequest) { r.HostId = "Host_1" }},
 		{"vcpus", func(r *vmflowv1.SpawnRequest) { r.Vcpus = 0 }},
 		{"vcpus", func(r *vmflowv1.SpawnRequest) { r.Vcpus = 9 }},
-		{"vcpus", func(r *vmflowv1.SpawnRequest) { r.Machine = "none"; r.Kernel, r.Initrd, r.Cmdline, r.Disk = "", "", "", "" }},
+		{"vcpus", func(r *vmflowv1.SpawnRequest) {
+			r.Machine = "none"
+			r.Kernel, r.Initrd, r.Cmdline, r.Disk = "", "", "", ""
+		}},
 		{"memory_mib", func(r *vmflowv1.SpawnRequest) { r.MemoryMib = 0 }},
 		{"memory_mib", func(r *vmflowv1.SpawnRequest) { r.MemoryMib = 16385 }},
 		{"machine", func(r *vmflowv1.SpawnRequest) { r.Machine = "virt" }},
