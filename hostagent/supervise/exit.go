@@ -1,0 +1,329 @@
+package supervise
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"net"
+	"os"
+	"strconv"
+	"syscall"
+	"time"
+
+	"go.uber.org/zap"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	"vmflow/hostagent/proc"
+	"vmflow/hostagent/store"
+	"vmflow/hostagent/vmm"
+	vmflowv1 "vmflow/proto/vmflow/v1"
+)
+
+// exitPollInterval is the fallback when a pidfd wait fails for a reason
+// other than the context (it should not): look at /proc instead.
+const exitPollInterval = time.Second
+
+// exitInfo is how a VM ended, as the record writes it.
+type exitInfo struct {
+	at     time.Time
+	status string
+	code   int32
+}
+
+// exitOf describes vm's end: the reaper's status for a child, "unknown"
+// otherwise (a pidfd tells that the group is gone, not how).
+func (s *Supervisor) exitOf(vm *vmm.VM) exitInfo {
+	if c := vm.Child(); c != nil {
+		if e, ok := c.Exit(); ok {
+			return exitFromProc(e)
+		}
+	}
+	return exitInfo{at: s.cfg.Now(), status: "unknown (not the agent's child)", code: -1}
+}
+
+func exitFromProc(e proc.Exit) exitInfo {
+	switch {
+	case e.Signal != "":
+		return exitInfo{at: e.At, status: "signal: " + e.Signal, code: -1}
+	case e.Err != nil:
+		return exitInfo{at: e.At, status: "unknown (" + e.Err.Error() + ")", code: -1}
+	default:
+		return exitInfo{at: e.At, status: "exit status " + strconv.Itoa(e.Code), code: int32(e.Code)}
+	}
+}
+
+// applyExit records in r that the process id ended as ex. A record that
+// names another process is left alone (reported false).
+func applyExit(r *vmflowv1.InstanceRecord, id proc.Identity, ex exitInfo) bool {
+	if r.GetProcess() == nil || identityFromProto(r.GetProcess()) != id {
+		return false
+	}
+	r.Process = nil
+	r.LastExit = timestamppb.New(ex.at)
+	r.LastExitStatus = ex.status
+	r.LastExitCode = ex.code
+	if r.GetState() == vmflowv1.InstanceState_INSTANCE_STATE_RUNNING {
+		r.State = vmflowv1.InstanceState_INSTANCE_STATE_EXITED
+	}
+	// The restart counter resets once a VM has stayed up stable_after: it
+	// is decided here, at the exit, from the recorded start, which needs no
+	// timer and gives the same answer after an agent restart.
+	if st := r.GetRestartStableAfterSeconds(); st > 0 && r.GetLastStart() != nil &&
+		ex.at.Sub(r.GetLastStart().AsTime()) >= time.Duration(st)*time.Second {
+		r.RestartCount = 0
+	}
+	return true
+}
+
+// watch waits for vm's exit in the background and records it. A child is
+// watched through its reaper (closed once cmd.Wait reaped the whole group),
+// a re-attached VM through its pidfd: event driven, no periodic scan.
+func (s *Supervisor) watch(in *instance, vm *vmm.VM) {
+	ok := s.goBackground(func() {
+		defer vm.Close()
+		if !s.waitGone(in, vm) {
+			return
+		}
+		s.handleExit(in, vm)
+	})
+	if !ok {
+		_ = vm.Close()
+	}
+}
+
+// waitGone blocks until vm's group is gone (true) or the supervisor closes
+// or another path took the VM over (false).
+func (s *Supervisor) waitGone(in *instance, vm *vmm.VM) bool {
+	if c := vm.Child(); c != nil {
+		select {
+		case <-c.Done():
+			return true
+		case <-s.ctx.Done():
+			return false
+		}
+	}
+	err := vm.Wait(s.ctx)
+	if err == nil {
+		return true
+	}
+	if s.ctx.Err() != nil || !in.isCurrent(vm) {
+		return false
+	}
+	// The pidfd wait broke: fall back to /proc, where unknown is alive.
+	in.log.Warn("pidfd wait failed, polling /proc", zap.Error(err))
+	t := time.NewTicker(exitPollInterval)
+	defer t.Stop()
+	for {
+		if !proc.Inspect(vm.Identity()).Alive {
+			return true
+		}
+		select {
+		case <-s.ctx.Done():
+			return false
+		case <-t.C:
+		}
+	}
+}
+
+// handleExit records an exit nobody asked for (a crash, a kill from
+// outside, a guest power-off) and applies the restart policy.
+func (s *Supervisor) handleExit(in *instance, vm *vmm.VM) {
+	ex := s.exitOf(vm)
+	if err := in.acquire(s.ctx); err != nil {
+		return // closing
+	}
+	defer in.release()
+	if !in.isCurrent(vm) {
+		return // a Stop or a Launch already dealt with it
+	}
+	in.clearVM(vm)
+	log := in.log.With(zap.Int("pid", vm.Identity().PID))
+	log.Info("vm exited", zap.String("exit", ex.status), zap.Int32("exit_code", ex.code))
+
+	ctx, cancel := context.WithTimeout(s.ctx, s.cfg.LockTimeout)
+	defer cancel()
+	l, err := s.lock(ctx, in.id)
+	if err != nil {
+		// The pid stays in the record; whoever next looks (Launch, Stop,
+		// the next Start) finds it gone and clears it.
+		log.Error("record exit: cannot lock the instance", zap.Error(err))
+		return
+	}
+	defer unlock(l, log)
+	rec, err := s.recordGoneLocked(ctx, l, vm.Identity(), ex)
+	if err != nil {
+		log.Error("record exit", zap.Error(err))
+		return
+	}
+	s.applyPolicyLocked(l, in, rec, time.Time{})
+}
+
+// recordGoneLocked writes that the process id is gone (if the record still
+// names it) and removes what a killed QEMU leaves: its socket and pidfile.
+func (s *Supervisor) recordGoneLocked(ctx context.Context, l *store.Locked, id proc.Identity, ex exitInfo) (*vmflowv1.InstanceRecord, error) {
+	rec, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
+		applyExit(r, id, ex)
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	cleanupFiles(ctx, vmmPaths(l.Paths()), id.PID)
+	return rec, nil
+}
+
+// applyPolicyLocked decides, under the lock, whether rec's VM comes back
+// and schedules the restart. The backoff counts from since, or when since
+// is zero from the recorded exit (so time the agent was down counts too).
+func (s *Supervisor) applyPolicyLocked(l *store.Locked, in *instance, rec *vmflowv1.InstanceRecord, since time.Time) bool {
+	marked, err := l.ManualStop()
+	if err != nil {
+		in.log.Error("restart policy: cannot read the manual-stop marker; not restarting", zap.Error(err))
+		return false
+	}
+	d := decide(rec, marked, s.cfg.RestartBackoff, s.cfg.RestartBackoffMax)
+	if !d.restart {
+		in.log.Info("not restarting", zap.String("reason", d.reason), zap.String("restart_policy", rec.GetRestartPolicy()))
+		return false
+	}
+	if since.IsZero() && rec.GetLastExit() != nil {
+		since = rec.GetLastExit().AsTime()
+	}
+	delay := d.delay
+	if !since.IsZero() {
+		delay = max(0, time.Until(since.Add(d.delay)))
+	}
+	s.scheduleRestart(in, delay)
+	in.log.Info("restart scheduled", zap.String("reason", d.reason), zap.Duration("backoff", d.delay),
+		zap.Duration("delay", delay), zap.Uint32("restart_count", rec.GetRestartCount()))
+	return true
+}
+
+func (s *Supervisor) scheduleRestart(in *instance, delay time.Duration) {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	in.restartGen++
+	gen := in.restartGen
+	if in.timer != nil {
+		in.timer.Stop()
+	}
+	in.nextRestart = time.Now().Add(delay)
+	in.timer = time.AfterFunc(delay, func() {
+		s.goBackground(func() { s.restart(in, gen) })
+	})
+}
+
+// restart is a restart-policy launch. The marker and state checks and the
+// launch happen under the instance lock: a marker written during the
+// backoff is seen here; one written while the launch runs waits for the
+// lock, and the Stop that follows it stops the new VM.
+func (s *Supervisor) restart(in *instance, gen uint64) {
+	if err := in.acquire(s.ctx); err != nil {
+		return
+	}
+	defer in.release()
+	in.mu.Lock()
+	if in.restartGen != gen {
+		in.mu.Unlock()
+		return // cancelled or superseded while waiting
+	}
+	in.timer, in.nextRestart = nil, time.Time{}
+	spec := in.spec
+	in.mu.Unlock()
+
+	ctx, cancel := context.WithTimeout(s.ctx, s.cfg.LockTimeout+s.cfg.ReadyTimeout+s.cfg.GroupExitCap)
+	defer cancel()
+	lctx, lcancel := context.WithTimeout(ctx, s.cfg.LockTimeout)
+	l, err := s.lock(lctx, in.id)
+	lcancel()
+	if err != nil {
+		in.log.Error("restart: cannot lock the instance; not restarting", zap.Error(err))
+		return
+	}
+	defer unlock(l, in.log)
+	rec, err := l.Get()
+	if err != nil {
+		in.log.Error("restart: read record; not restarting", zap.Error(err))
+		return
+	}
+	marked, err := l.ManualStop()
+	if err != nil {
+		in.log.Error("restart: cannot read the manual-stop marker; not restarting", zap.Error(err))
+		return
+	}
+	// The same decision as at the exit, now under the lock that also
+	// guards the launch: only the backoff is not looked at again.
+	if d := decide(rec, marked, s.cfg.RestartBackoff, s.cfg.RestartBackoffMax); !d.restart {
+		in.log.Info("restart cancelled", zap.String("reason", d.reason))
+		return
+	}
+	var vs vmm.VMSpec
+	if spec != nil {
+		vs = *spec
+	} else if vs, err = s.cfg.SpecFromRecord(rec); err != nil {
+		in.log.Error("restart: no spec; not restarting", zap.Error(err))
+		_, _ = l.Update(func(r *vmflowv1.InstanceRecord) error { r.LastError = "restart: " + err.Error(); return nil })
+		return
+	}
+	attempt := rec.GetRestartCount() + 1
+	if _, err := l.Update(func(r *vmflowv1.InstanceRecord) error { r.RestartCount = attempt; return nil }); err != nil {
+		in.log.Error("restart: record the attempt; not restarting", zap.Error(err))
+		return
+	}
+	log := in.log.With(zap.Uint32("restart_count", attempt))
+	log.Info("restarting")
+	vm, err := s.launchLocked(ctx, l, in, vs)
+	if err != nil {
+		// A failed restart is an attempt: the policy decides again with the
+		// higher count (so the backoff doubles), from now.
+		log.Warn("restart failed", zap.Error(err))
+		if rec, gerr := l.Get(); gerr == nil {
+			s.applyPolicyLocked(l, in, rec, time.Now())
+		}
+		return
+	}
+	in.setVM(vm, &vs)
+	s.watch(in, vm)
+	log.Info("restarted", zap.Int("pid", vm.Identity().PID))
+}
+
+// cleanupFiles removes a QMP socket nobody listens on and a pidfile still
+// naming pid: QEMU unlinks them on an orderly exit but not when killed.
+func cleanupFiles(ctx context.Context, p vmm.Paths, pid int) {
+	if p.QMPSocket != "" {
+		_ = removeStaleSocket(ctx, p.QMPSocket)
+	}
+	if b, err := os.ReadFile(p.PIDFile); err == nil {
+		if n, err := strconv.Atoi(string(bytes.TrimSpace(b))); err == nil && n == pid {
+			_ = os.Remove(p.PIDFile)
+		}
+	}
+}
+
+// errSocketInUse: something accepts connections on the socket.
+var errSocketInUse = errors.New("qmp socket in use")
+
+// removeStaleSocket removes path unless something accepts on it (a live
+// QEMU whose record we may have misread must keep its socket).
+func removeStaleSocket(ctx context.Context, path string) error {
+	if _, err := os.Lstat(path); errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	dctx, cancel := context.WithTimeout(ctx, time.Second)
+	defer cancel()
+	var d net.Dialer
+	c, err := d.DialContext(dctx, "unix", path)
+	if err == nil {
+		c.Close()
+		return fmt.Errorf("%s: %w", path, errSocketInUse)
+	}
+	if !errors.Is(err, fs.ErrNotExist) && !errors.Is(err, syscall.ECONNREFUSED) {
+		return fmt.Errorf("probe stale socket %s: %w", path, err)
+	}
+	if err := os.Remove(path); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("remove stale socket: %w", err)
+	}
+	return nil
+}

@@ -1,0 +1,251 @@
+package supervise
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"go.uber.org/zap"
+
+	"vmflow/hostagent/proc"
+	"vmflow/hostagent/store"
+	"vmflow/hostagent/vmm"
+	vmflowv1 "vmflow/proto/vmflow/v1"
+)
+
+// LaunchResult is what Launch did.
+type LaunchResult struct {
+	// Identity is the running QEMU.
+	Identity proc.Identity `json:"identity"`
+	// AlreadyRunning: a live QEMU with the recorded identity was found and
+	// returned; nothing was started.
+	AlreadyRunning bool `json:"already_running"`
+	// Duration is the whole call, lock waits included.
+	Duration time.Duration `json:"duration"`
+}
+
+// Launch starts QEMU for instance id with spec and returns once QMP reports
+// it running and the record says Running. The record must exist in Creating
+// (first launch) or Exited (a restart asked for by the caller); Launch
+// refuses with ErrManualStop when the manual-stop marker is on disk and
+// with ErrDeleting in Deleting or ReleaseFailed.
+//
+// Everything happens under the instance lock: QEMU's pid and start time are
+// written into the record right after the fork (before anything waits on
+// QEMU), then QMP is awaited, then the record moves to Running. A failed
+// launch leaves nothing: QEMU killed and reaped, socket removed, pid cleared
+// (invariant 5). Launch is idempotent: when the record names a live QEMU
+// with a matching identity (this process's, or one left by a previous
+// agent, say killed between fork and QMP) that answers QMP as running, it
+// returns that one with AlreadyRunning set. An explicit Launch resets the
+// restart counter.
+//
+// spec.Name defaults to id. ctx bounds the lock waits and the launch; QEMU
+// itself outlives ctx and the agent.
+func (s *Supervisor) Launch(ctx context.Context, id string, spec vmm.VMSpec) (LaunchResult, error) {
+	start := time.Now()
+	in, err := s.instance(id)
+	if err != nil {
+		return LaunchResult{}, fmt.Errorf("launch: %w", err)
+	}
+	if err := in.acquire(ctx); err != nil {
+		return LaunchResult{}, fmt.Errorf("launch: %w", err)
+	}
+	defer in.release()
+	l, err := s.lock(ctx, id)
+	if err != nil {
+		return LaunchResult{}, fmt.Errorf("launch: %w", err)
+	}
+	defer unlock(l, in.log)
+
+	rec, err := l.Get()
+	if err != nil {
+		return LaunchResult{}, fmt.Errorf("launch: %w", err)
+	}
+	if st := rec.GetState(); st == vmflowv1.InstanceState_INSTANCE_STATE_DELETING || st == vmflowv1.InstanceState_INSTANCE_STATE_RELEASE_FAILED {
+		return LaunchResult{}, fmt.Errorf("launch instance %s: %w (state %s)", id, ErrDeleting, store.StateName(st))
+	}
+	marked, err := l.ManualStop()
+	if err != nil {
+		return LaunchResult{}, fmt.Errorf("launch: %w", err)
+	}
+	if marked {
+		return LaunchResult{}, fmt.Errorf("launch instance %s: %w", id, ErrManualStop)
+	}
+
+	if p := rec.GetProcess(); p != nil {
+		pid := identityFromProto(p)
+		vm, alive, err := s.liveVMLocked(ctx, l, in, pid)
+		if err != nil {
+			return LaunchResult{}, fmt.Errorf("launch instance %s: %w", id, err)
+		}
+		if alive {
+			st, err := vm.Status(ctx)
+			if err != nil {
+				// Alive but QMP does not answer: can't tell it is fine and
+				// must not start a second QEMU beside it.
+				return LaunchResult{}, fmt.Errorf("launch instance %s: %v is alive but QMP failed: %w", id, pid, err)
+			}
+			if !st.Running {
+				return LaunchResult{}, fmt.Errorf("launch instance %s: %v is alive with status %q: %w", id, pid, st.Status, vmm.ErrNotRunning)
+			}
+			if rec.GetState() != vmflowv1.InstanceState_INSTANCE_STATE_RUNNING {
+				// Re-attached while Creating (the previous agent died
+				// between fork and QMP ready): QMP now says running.
+				if _, err := l.Transition(vmflowv1.InstanceState_INSTANCE_STATE_RUNNING); err != nil {
+					return LaunchResult{}, fmt.Errorf("launch instance %s: %w", id, err)
+				}
+			}
+			in.setVM(vm, &spec)
+			in.log.Info("already running", zap.Int("pid", pid.PID))
+			return LaunchResult{Identity: pid, AlreadyRunning: true, Duration: time.Since(start)}, nil
+		}
+		if rec, err = l.Get(); err != nil {
+			return LaunchResult{}, fmt.Errorf("launch: %w", err)
+		}
+	}
+	if rec.GetState() == vmflowv1.InstanceState_INSTANCE_STATE_RUNNING {
+		// Running with no process: a record an older agent left half
+		// written. It ended somehow; say so before starting anew.
+		if _, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
+			r.State = vmflowv1.InstanceState_INSTANCE_STATE_EXITED
+			r.LastExit, r.LastExitStatus, r.LastExitCode = s.ts(), "unknown (no process recorded)", -1
+			return nil
+		}); err != nil {
+			return LaunchResult{}, fmt.Errorf("launch instance %s: %w", id, err)
+		}
+	}
+	// An explicit launch supersedes a pending restart and starts a new
+	// restart streak.
+	in.cancelRestart()
+	if rec.GetRestartCount() != 0 {
+		if _, err := l.Update(func(r *vmflowv1.InstanceRecord) error { r.RestartCount = 0; return nil }); err != nil {
+			return LaunchResult{}, fmt.Errorf("launch instance %s: %w", id, err)
+		}
+	}
+	vm, err := s.launchLocked(ctx, l, in, spec)
+	if err != nil {
+		return LaunchResult{}, fmt.Errorf("launch instance %s: %w", id, err)
+	}
+	in.setVM(vm, &spec)
+	s.watch(in, vm)
+	return LaunchResult{Identity: vm.Identity(), Duration: time.Since(start)}, nil
+}
+
+// liveVMLocked returns a VM for the recorded process pid if its thread
+// group is alive: the watched one, or a new attachment (then watched). A
+// process that is gone (or a pid now held by a stranger, never signalled)
+// is recorded as gone and reported not alive. "Can't tell" is an error.
+func (s *Supervisor) liveVMLocked(ctx context.Context, l *store.Locked, in *instance, pid proc.Identity) (*vmm.VM, bool, error) {
+	if vm := in.current(pid); vm != nil {
+		if gone, err := vm.Exited(); err == nil && !gone {
+			return vm, true, nil
+		}
+		// Gone while its watcher waits for the slot this call holds:
+		// record it here; the watcher then finds it handled.
+		in.clearVM(vm)
+		if _, err := s.recordGoneLocked(ctx, l, pid, s.exitOf(vm)); err != nil {
+			return nil, false, err
+		}
+		return nil, false, nil
+	}
+	vm, err := vmm.Attach(pid, vmmPaths(l.Paths()))
+	switch {
+	case err == nil:
+		if gone, err := vm.Exited(); err == nil && gone {
+			vm.Close()
+			break
+		}
+		in.setVM(vm, nil)
+		s.watch(in, vm)
+		return vm, true, nil
+	case errors.Is(err, proc.ErrNotFound), errors.Is(err, proc.ErrIdentityMismatch):
+	default:
+		return nil, false, err
+	}
+	ex := exitInfo{at: s.cfg.Now(), status: "unknown (gone while not watched)", code: -1}
+	if _, err := s.recordGoneLocked(ctx, l, pid, ex); err != nil {
+		return nil, false, err
+	}
+	return nil, false, nil
+}
+
+// launchLocked launches QEMU for the locked instance and moves its record
+// to Running. On failure vmm has killed and reaped QEMU and removed the
+// socket, and OnFailed has cleared the pid: nothing remains.
+func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *instance, spec vmm.VMSpec) (*vmm.VM, error) {
+	if spec.Name == "" {
+		spec.Name = in.id
+	}
+	log := in.log
+	start := time.Now()
+	log.Info("launching qemu", zap.String("machine", string(spec.Machine)), zap.String("accel", string(spec.Accel)))
+	vm, err := vmm.Launch(ctx, vmm.LaunchConfig{
+		Spec:           spec,
+		Paths:          vmmPaths(l.Paths()),
+		Binary:         s.cfg.QEMU,
+		ReadyTimeout:   s.cfg.ReadyTimeout,
+		CleanupTimeout: s.cfg.GroupExitCap,
+		OnStarted: func(pid proc.Identity) error {
+			// Right after the fork: an agent killed from here on leaves a
+			// QEMU its record knows.
+			if _, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
+				r.Process = identityToProto(pid)
+				r.LastStart = s.ts()
+				r.StopStep, r.StopStepAt = vmflowv1.StopStep_STOP_STEP_NONE, nil
+				r.LastError = ""
+				return nil
+			}); err != nil {
+				return err
+			}
+			log.Info("qemu started", zap.Int("pid", pid.PID), zap.Uint64("start_time", pid.StartTime))
+			if s.cfg.afterStarted != nil {
+				s.cfg.afterStarted(in.id, pid)
+			}
+			return nil
+		},
+		OnFailed: func(pid proc.Identity, cause error) error {
+			_, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
+				if pid.Valid() && r.GetProcess() != nil && identityFromProto(r.GetProcess()) == pid {
+					r.Process = nil
+					r.LastExit, r.LastExitStatus, r.LastExitCode = s.ts(), "launch failed", -1
+				}
+				r.LastError = cause.Error()
+				return nil
+			})
+			return err
+		},
+	})
+	if err != nil {
+		log.Warn("launch failed", zap.Error(err), zap.Duration("took", time.Since(start)))
+		return nil, err
+	}
+	pid := vm.Identity()
+	if _, err := l.Transition(vmflowv1.InstanceState_INSTANCE_STATE_RUNNING); err != nil {
+		// QEMU runs but the record cannot say so: undo the launch rather
+		// than leave a VM the record does not describe (invariant 5).
+		return nil, s.undoLaunchLocked(l, vm, fmt.Errorf("record running: %w", err))
+	}
+	log.Info("running", zap.Int("pid", pid.PID), zap.Duration("took", time.Since(start)))
+	return vm, nil
+}
+
+func (s *Supervisor) undoLaunchLocked(l *store.Locked, vm *vmm.VM, cause error) error {
+	ctx, cancel := context.WithTimeout(s.ctx, s.cfg.GroupExitCap+5*time.Second)
+	defer cancel()
+	defer vm.Close()
+	if _, err := vm.Stop(ctx, vmm.StopConfig{From: vmm.StepKillSent, KillTimeout: s.cfg.GroupExitCap}); err != nil {
+		// Not confirmed gone: keep the pid in the record for a Stop.
+		return errors.Join(cause, fmt.Errorf("undo launch: %w", err))
+	}
+	pid := vm.Identity()
+	if _, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
+		applyExit(r, pid, exitInfo{at: s.cfg.Now(), status: "launch undone", code: -1})
+		r.LastError = cause.Error()
+		return nil
+	}); err != nil {
+		return errors.Join(cause, fmt.Errorf("undo launch: clear pid: %w", err))
+	}
+	return cause
+}

@@ -1,0 +1,215 @@
+package supervise
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"go.uber.org/zap"
+
+	"vmflow/hostagent/proc"
+	"vmflow/hostagent/vmm"
+	vmflowv1 "vmflow/proto/vmflow/v1"
+)
+
+// StopResult is what Stop did.
+type StopResult struct {
+	vmm.StopResult
+	// Identity is the QEMU that was stopped; zero when none was recorded.
+	Identity proc.Identity `json:"identity"`
+	// Child: this process was QEMU's parent and reaped it; false for the
+	// non-child path (a VM re-attached after an agent restart).
+	Child bool `json:"child"`
+	// ResumedFrom is the step the record said the ladder had reached.
+	ResumedFrom vmm.StopStep `json:"resumed_from"`
+}
+
+// Stop runs the stop ladder on instance id's QEMU: system_powerdown, wait
+// graceful (Config.GracefulTimeout when <= 0), quit, SIGKILL through a
+// verified pidfd, wait up to Config.GroupExitCap for the whole thread group.
+//
+// It requires the manual-stop marker (ErrManualStopRequired otherwise): the
+// delete writes it first so the restart policy can never bring the VM back
+// (invariant 6); a pending restart is cancelled. It resumes from the step
+// the record says was reached and writes each step to the record as it is
+// taken, so a Stop after an agent restart continues rather than restarts the
+// ladder. Once the group is gone the record says stop step gone, the
+// identity is cleared and a Running record moves to Exited.
+//
+// Idempotent: with no process recorded it returns at once (AlreadyGone). A
+// second Stop while one runs gets ErrBusy (retryable). A *vmm.StillAliveError
+// (errors.Is vmm.ErrStillAlive) means the group outlived the cap: treat the
+// VM as alive and retry.
+func (s *Supervisor) Stop(ctx context.Context, id string, graceful time.Duration) (StopResult, error) {
+	in, err := s.instance(id)
+	if err != nil {
+		return StopResult{}, fmt.Errorf("stop: %w", err)
+	}
+	if !in.stopping.CompareAndSwap(false, true) {
+		return StopResult{}, fmt.Errorf("stop instance %s: %w: a stop is already running", id, ErrBusy)
+	}
+	defer in.stopping.Store(false)
+	if err := in.acquire(ctx); err != nil {
+		return StopResult{}, fmt.Errorf("stop: %w", err)
+	}
+	defer in.release()
+	// The store lock is held for the whole ladder: every step is a
+	// check-then-act on the record, and a second agent must not run a
+	// ladder of its own meanwhile.
+	l, err := s.lock(ctx, id)
+	if err != nil {
+		return StopResult{}, fmt.Errorf("stop: %w", err)
+	}
+	defer unlock(l, in.log)
+
+	rec, err := l.Get()
+	if err != nil {
+		return StopResult{}, fmt.Errorf("stop: %w", err)
+	}
+	marked, err := l.ManualStop()
+	if err != nil {
+		return StopResult{}, fmt.Errorf("stop: %w", err)
+	}
+	if !marked {
+		return StopResult{}, fmt.Errorf("stop instance %s: %w", id, ErrManualStopRequired)
+	}
+	in.cancelRestart()
+
+	from := stepFromProto(rec.GetStopStep())
+	if rec.GetProcess() == nil {
+		// Nothing runs: make the record say so (idempotent).
+		if _, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
+			r.StopStep = vmflowv1.StopStep_STOP_STEP_GONE
+			if r.GetStopStepAt() == nil || from != vmm.StepGone {
+				r.StopStepAt = s.ts()
+			}
+			if r.GetState() == vmflowv1.InstanceState_INSTANCE_STATE_RUNNING {
+				r.State = vmflowv1.InstanceState_INSTANCE_STATE_EXITED
+			}
+			return nil
+		}); err != nil {
+			return StopResult{}, fmt.Errorf("stop instance %s: %w", id, err)
+		}
+		return StopResult{StopResult: vmm.StopResult{Reached: vmm.StepGone, AlreadyGone: true}, ResumedFrom: from}, nil
+	}
+
+	pid := identityFromProto(rec.GetProcess())
+	log := in.log.With(zap.Int("pid", pid.PID))
+	if graceful <= 0 {
+		graceful = s.cfg.GracefulTimeout
+	}
+	if from == vmm.StepPowerdownSent && rec.GetStopStepAt() != nil {
+		// Resumed after the button was pressed: only what is left of the
+		// graceful time (vmm would give it all again). vmm reads <= 0 as
+		// "default", hence the floor.
+		graceful = max(graceful-s.cfg.Now().Sub(rec.GetStopStepAt().AsTime()), time.Millisecond)
+	}
+	vm := in.current(pid)
+	child := vm != nil && vm.Child() != nil
+	log.Info("stopping", zap.String("from", string(from)), zap.Bool("child", child), zap.Duration("graceful", graceful))
+	cfg := vmm.StopConfig{
+		From:            from,
+		GracefulTimeout: graceful,
+		KillTimeout:     s.cfg.GroupExitCap,
+		OnStep: func(step vmm.StopStep) error {
+			_, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
+				r.StopStep, r.StopStepAt = stepToProto(step), s.ts()
+				if step == vmm.StepGone {
+					ex := exitInfo{at: s.cfg.Now(), status: "unknown (not the agent's child)", code: -1}
+					if vm != nil {
+						ex = s.exitOf(vm)
+					}
+					applyExit(r, pid, ex)
+				}
+				return nil
+			})
+			if err == nil {
+				log.Info("stop step", zap.String("step", string(step)))
+			}
+			return err
+		},
+	}
+	var res vmm.StopResult
+	if vm != nil {
+		res, err = vm.Stop(ctx, cfg)
+	} else {
+		cfg.Identity, cfg.Paths = pid, vmmPaths(l.Paths())
+		res, err = vmm.Stop(ctx, cfg)
+	}
+	out := StopResult{StopResult: res, Identity: pid, Child: child, ResumedFrom: from}
+	if err != nil {
+		log.Warn("stop incomplete", zap.String("reached", string(res.Reached)), zap.Error(err))
+		if _, uerr := l.Update(func(r *vmflowv1.InstanceRecord) error { r.LastError = "stop: " + err.Error(); return nil }); uerr != nil {
+			err = errors.Join(err, uerr)
+		}
+		return out, fmt.Errorf("stop instance %s: %w", id, err)
+	}
+	if vm != nil {
+		in.clearVM(vm) // its watcher wakes on the exit, finds it handled, closes it
+	}
+	log.Info("stopped", zap.Duration("took", res.Total), zap.Bool("already_gone", res.AlreadyGone))
+	return out, nil
+}
+
+// WaitExit returns nil once instance id's QEMU thread group is gone (and,
+// when this process is its parent, reaped), or the error of ctx. It watches
+// the pidfd, so it also works for a VM re-attached after an agent restart;
+// a zombie leader with live tasks (vhost or KVM workers) still counts as
+// alive. progress, if not nil, is called every Config.ProgressInterval with
+// the group's state ("2 tasks of pid 4242 still running") so an activity can
+// heartbeat; it runs on the caller's goroutine. With no process recorded
+// WaitExit returns at once.
+func (s *Supervisor) WaitExit(ctx context.Context, id string, progress func(proc.Status)) error {
+	rec, err := s.st.Get(id)
+	if err != nil {
+		return fmt.Errorf("wait exit: %w", err)
+	}
+	if rec.GetProcess() == nil {
+		return nil
+	}
+	pid := identityFromProto(rec.GetProcess())
+	var child *proc.Child
+	if in := s.lookup(id); in != nil {
+		if vm := in.current(pid); vm != nil {
+			child = vm.Child()
+		}
+	}
+	h, err := proc.Open(pid)
+	switch {
+	case errors.Is(err, proc.ErrNotFound), errors.Is(err, proc.ErrIdentityMismatch):
+		return waitReaped(ctx, id, child)
+	case err != nil:
+		return fmt.Errorf("wait exit of instance %s: %w", id, err) // can't tell: not gone
+	}
+	defer h.Close()
+	for {
+		wctx, cancel := context.WithTimeout(ctx, s.cfg.ProgressInterval)
+		err := h.Wait(wctx)
+		cancel()
+		if err == nil {
+			return waitReaped(ctx, id, child)
+		}
+		if ctx.Err() != nil {
+			return fmt.Errorf("wait exit of instance %s (%v): %w", id, pid, ctx.Err())
+		}
+		if !errors.Is(err, context.DeadlineExceeded) {
+			return fmt.Errorf("wait exit of instance %s: %w", id, err)
+		}
+		if progress != nil {
+			progress(h.Status())
+		}
+	}
+}
+
+func waitReaped(ctx context.Context, id string, c *proc.Child) error {
+	if c == nil {
+		return nil
+	}
+	select {
+	case <-c.Done():
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("wait exit of instance %s: waiting for the reaper: %w", id, ctx.Err())
+	}
+}

@@ -1,0 +1,440 @@
+package supervise
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"go.uber.org/zap"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	"vmflow/hostagent/proc"
+	"vmflow/hostagent/store"
+	"vmflow/hostagent/vmm"
+	vmflowv1 "vmflow/proto/vmflow/v1"
+)
+
+// Defaults for Config.
+const (
+	DefaultGracefulTimeout  = vmm.DefaultGracefulTimeout
+	DefaultGroupExitCap     = 30 * time.Second
+	DefaultLockTimeout      = time.Minute
+	DefaultProgressInterval = 5 * time.Second
+)
+
+// Config is what New needs. Only Store is required.
+type Config struct {
+	// Store holds the instance records (required).
+	Store *store.Store
+	// QEMU is the QEMU binary; vmm.DefaultBinary looked up in PATH when empty.
+	QEMU string
+	// Logger receives progress lines, each with instance_id; zap.NewNop when nil.
+	Logger *zap.Logger
+
+	// GracefulTimeout is Stop's wait after system_powerdown when the caller
+	// passes none (DefaultGracefulTimeout).
+	GracefulTimeout time.Duration
+	// GroupExitCap bounds the wait for the whole thread group after SIGKILL,
+	// and the kill-and-reap of a failed launch (DefaultGroupExitCap: VFIO
+	// teardown can take seconds).
+	GroupExitCap time.Duration
+	// ReadyTimeout bounds fork to QMP "running" (vmm.DefaultReadyTimeout).
+	ReadyTimeout time.Duration
+	// LockTimeout bounds how long background work (recording an exit, a
+	// restart) waits for an instance's store lock (DefaultLockTimeout).
+	LockTimeout time.Duration
+	// ProgressInterval is how often WaitExit reports progress
+	// (DefaultProgressInterval).
+	ProgressInterval time.Duration
+	// RestartBackoff and RestartBackoffMax shape the restart backoff
+	// (DefaultRestartBackoff doubling up to DefaultRestartBackoffMax).
+	RestartBackoff    time.Duration
+	RestartBackoffMax time.Duration
+
+	// SpecFromRecord builds the QEMU spec a restart launches when this
+	// process has not launched the instance itself (after an agent
+	// restart). Default: SpecFromRecord, which cannot name a vGPU device.
+	SpecFromRecord func(*vmflowv1.InstanceRecord) (vmm.VMSpec, error)
+	// Now stamps records (time.Now when nil).
+	Now func() time.Time
+
+	// afterStarted runs inside OnStarted, after the pid is in the record:
+	// the agent-restart test blocks here to be killed between fork and QMP.
+	afterStarted func(id string, pid proc.Identity)
+}
+
+// Supervisor owns the VMs of one host. Create it with New, call Start once
+// to re-attach what outlived the previous agent, and Close when done (the
+// VMs keep running).
+type Supervisor struct {
+	cfg Config
+	st  *store.Store
+	log *zap.Logger
+
+	ctx    context.Context // ends with Close: background work stops
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+
+	mu     sync.Mutex
+	insts  map[string]*instance
+	closed bool
+}
+
+// instance is this process's view of one instance. The record on disk is
+// the truth; this holds what cannot be on disk (the open VM, the timer).
+type instance struct {
+	id  string
+	log *zap.Logger
+	// op is a one-slot semaphore: Launch, Stop, Start's re-attach, the
+	// exit watcher and a restart take it before the store lock, so they run
+	// one at a time and always in that lock order.
+	op chan struct{}
+	// stopping is set while a Stop runs, so a second one fails fast with
+	// ErrBusy instead of waiting to run the ladder again.
+	stopping atomic.Bool
+
+	mu          sync.Mutex
+	vm          *vmm.VM     // the live VM this process watches, nil if none
+	spec        *vmm.VMSpec // the spec last launched here, for restarts
+	timer       *time.Timer // a pending restart
+	restartGen  uint64      // bumped to cancel a pending restart
+	nextRestart time.Time
+}
+
+// New checks cfg and returns a Supervisor. It touches no VM; Start does.
+func New(cfg Config) (*Supervisor, error) {
+	if cfg.Store == nil {
+		return nil, errors.New("supervise: Config.Store is required")
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = zap.NewNop()
+	}
+	if cfg.GracefulTimeout <= 0 {
+		cfg.GracefulTimeout = DefaultGracefulTimeout
+	}
+	if cfg.GroupExitCap <= 0 {
+		cfg.GroupExitCap = DefaultGroupExitCap
+	}
+	if cfg.ReadyTimeout <= 0 {
+		cfg.ReadyTimeout = vmm.DefaultReadyTimeout
+	}
+	if cfg.LockTimeout <= 0 {
+		cfg.LockTimeout = DefaultLockTimeout
+	}
+	if cfg.ProgressInterval <= 0 {
+		cfg.ProgressInterval = DefaultProgressInterval
+	}
+	if cfg.RestartBackoff <= 0 {
+		cfg.RestartBackoff = DefaultRestartBackoff
+	}
+	if cfg.RestartBackoffMax <= 0 {
+		cfg.RestartBackoffMax = DefaultRestartBackoffMax
+	}
+	if cfg.SpecFromRecord == nil {
+		cfg.SpecFromRecord = SpecFromRecord
+	}
+	if cfg.Now == nil {
+		cfg.Now = time.Now
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	return &Supervisor{
+		cfg: cfg, st: cfg.Store, log: cfg.Logger,
+		ctx: ctx, cancel: cancel,
+		insts: map[string]*instance{},
+	}, nil
+}
+
+// Close stops the supervisor's background work (exit watchers, pending
+// restarts) and releases pidfds and QMP connections. The VMs keep running;
+// a new Supervisor re-attaches to them with Start. Calling Close again is a
+// no-op.
+func (s *Supervisor) Close() error {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil
+	}
+	s.closed = true
+	insts := make([]*instance, 0, len(s.insts))
+	for _, in := range s.insts {
+		insts = append(insts, in)
+	}
+	s.mu.Unlock()
+	s.cancel()
+	for _, in := range insts {
+		in.cancelRestart()
+	}
+	// Watchers end on the cancelled context and close their VMs.
+	s.wg.Wait()
+	return nil
+}
+
+// instance returns the in-memory state of id, creating it on first use.
+func (s *Supervisor) instance(id string) (*instance, error) {
+	if err := store.ValidateID(id); err != nil {
+		return nil, err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return nil, ErrClosed
+	}
+	in, ok := s.insts[id]
+	if !ok {
+		in = &instance{id: id, log: s.log.With(zap.String("instance_id", id)), op: make(chan struct{}, 1)}
+		s.insts[id] = in
+	}
+	return in, nil
+}
+
+func (s *Supervisor) lookup(id string) *instance {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.insts[id]
+}
+
+// goBackground runs fn in a goroutine Close waits for; after Close it does
+// not run fn at all.
+func (s *Supervisor) goBackground(fn func()) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return false
+	}
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		fn()
+	}()
+	return true
+}
+
+// acquire takes the instance's operation slot, or fails with ErrBusy when
+// ctx ends first.
+func (in *instance) acquire(ctx context.Context) error {
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("instance %s: %w: %w", in.id, ErrBusy, err)
+	}
+	select {
+	case in.op <- struct{}{}:
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("instance %s: %w: %w", in.id, ErrBusy, ctx.Err())
+	}
+}
+
+func (in *instance) release() { <-in.op }
+
+// current returns the watched VM if it is the process id names.
+func (in *instance) current(id proc.Identity) *vmm.VM {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	if in.vm != nil && in.vm.Identity() == id {
+		return in.vm
+	}
+	return nil
+}
+
+func (in *instance) isCurrent(vm *vmm.VM) bool {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	return in.vm == vm
+}
+
+// setVM makes vm the watched VM; spec is kept for restarts when known.
+func (in *instance) setVM(vm *vmm.VM, spec *vmm.VMSpec) {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	in.vm = vm
+	if spec != nil {
+		in.spec = spec
+	}
+}
+
+// clearVM forgets vm (if it is still the watched one). Its watcher closes it.
+func (in *instance) clearVM(vm *vmm.VM) {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	if in.vm == vm {
+		in.vm = nil
+	}
+}
+
+func (in *instance) cancelRestart() {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	in.restartGen++
+	if in.timer != nil {
+		in.timer.Stop()
+		in.timer = nil
+	}
+	in.nextRestart = time.Time{}
+}
+
+// lock takes the instance's store lock, mapping the store's busy error to
+// ErrBusy.
+func (s *Supervisor) lock(ctx context.Context, id string) (*store.Locked, error) {
+	l, err := s.st.Lock(ctx, id)
+	if err != nil {
+		if errors.Is(err, store.ErrBusy) {
+			return nil, fmt.Errorf("%w: %w", ErrBusy, err)
+		}
+		return nil, err
+	}
+	return l, nil
+}
+
+func unlock(l *store.Locked, log *zap.Logger) {
+	if err := l.Unlock(); err != nil {
+		log.Warn("unlock instance", zap.Error(err))
+	}
+}
+
+func (s *Supervisor) ts() *timestamppb.Timestamp { return timestamppb.New(s.cfg.Now()) }
+
+// vmmPaths maps the store's instance files to what QEMU uses.
+func vmmPaths(p store.Paths) vmm.Paths {
+	return vmm.Paths{QMPSocket: p.Socket, PIDFile: p.PID, Log: p.Log}
+}
+
+func identityFromProto(p *vmflowv1.ProcessIdentity) proc.Identity {
+	return proc.Identity{PID: int(p.GetPid()), StartTime: p.GetStartTime(), BootID: p.GetBootId()}
+}
+
+func identityToProto(id proc.Identity) *vmflowv1.ProcessIdentity {
+	return &vmflowv1.ProcessIdentity{Pid: int32(id.PID), StartTime: id.StartTime, BootId: id.BootID}
+}
+
+// stepFromProto and stepToProto map the record's stop step to vmm's.
+func stepFromProto(s vmflowv1.StopStep) vmm.StopStep {
+	switch s {
+	case vmflowv1.StopStep_STOP_STEP_POWERDOWN_SENT:
+		return vmm.StepPowerdownSent
+	case vmflowv1.StopStep_STOP_STEP_QUIT_SENT:
+		return vmm.StepQuitSent
+	case vmflowv1.StopStep_STOP_STEP_KILLED:
+		return vmm.StepKillSent
+	case vmflowv1.StopStep_STOP_STEP_GONE:
+		return vmm.StepGone
+	}
+	return vmm.StepNone
+}
+
+func stepToProto(s vmm.StopStep) vmflowv1.StopStep {
+	switch s {
+	case vmm.StepPowerdownSent:
+		return vmflowv1.StopStep_STOP_STEP_POWERDOWN_SENT
+	case vmm.StepQuitSent:
+		return vmflowv1.StopStep_STOP_STEP_QUIT_SENT
+	case vmm.StepKillSent:
+		return vmflowv1.StopStep_STOP_STEP_KILLED
+	case vmm.StepGone:
+		return vmflowv1.StopStep_STOP_STEP_GONE
+	}
+	return vmflowv1.StopStep_STOP_STEP_NONE
+}
+
+// SpecFromRecord builds the QEMU spec of rec from its recorded VMSpec. It
+// refuses a record with a vGPU: the device path depends on the vGPU driver
+// and sysfs root, which only the agent's wiring knows (Config.SpecFromRecord).
+func SpecFromRecord(rec *vmflowv1.InstanceRecord) (vmm.VMSpec, error) {
+	sp := rec.GetSpec()
+	if sp == nil {
+		return vmm.VMSpec{}, fmt.Errorf("instance %s: %w: the record has no spec", rec.GetId(), ErrNoSpec)
+	}
+	if sp.GetVgpuProfile() != "" || rec.GetGpuClaim() != nil {
+		return vmm.VMSpec{}, fmt.Errorf("instance %s: %w: it has a vGPU; set Config.SpecFromRecord", rec.GetId(), ErrNoSpec)
+	}
+	return vmm.VMSpec{
+		Name:      rec.GetId(),
+		UUID:      sp.GetUuid(),
+		VCPUs:     int(sp.GetVcpus()),
+		MemoryMiB: int(sp.GetMemoryMib()),
+		Machine:   vmm.Machine(sp.GetMachine()),
+		Accel:     vmm.Accel(sp.GetAccel()),
+		Kernel:    sp.GetKernel(),
+		Initrd:    sp.GetInitrd(),
+		Cmdline:   sp.GetCmdline(),
+		Disk:      sp.GetDisk(),
+	}, nil
+}
+
+// Status is what the supervisor knows about one instance.
+type Status struct {
+	ID    string                 `json:"instance_id"`
+	State vmflowv1.InstanceState `json:"state"`
+	// Process is the recorded QEMU; zero when none runs.
+	Process proc.Identity `json:"process"`
+	// Liveness of the recorded QEMU's thread group now; zero without one.
+	Liveness proc.Status `json:"liveness"`
+	// Watched: this supervisor watches the VM's exit (launched or re-attached).
+	Watched bool `json:"watched"`
+	// Child: this process is QEMU's parent (it launched it) and reaps it.
+	Child bool `json:"child"`
+	// StopStep is how far the stop ladder got.
+	StopStep     vmm.StopStep `json:"stop_step"`
+	ManualStop   bool         `json:"manual_stop"`
+	RestartCount uint32       `json:"restart_count"`
+	// NextRestart is when a pending restart fires; zero when none is pending.
+	NextRestart    time.Time `json:"next_restart"`
+	LastExitStatus string    `json:"last_exit_status"`
+	LastExitCode   int32     `json:"last_exit_code"`
+	LastError      string    `json:"last_error"`
+}
+
+// Status reports instance id: the record (read without the lock: records
+// are replaced by rename, so it is one consistent version) joined with what
+// this process watches and the thread group's liveness now.
+func (s *Supervisor) Status(id string) (Status, error) {
+	rec, err := s.st.Get(id)
+	if err != nil {
+		return Status{}, fmt.Errorf("status: %w", err)
+	}
+	marked, err := s.st.ManualStop(id)
+	if err != nil {
+		return Status{}, fmt.Errorf("status of instance %s: %w", id, err)
+	}
+	st := Status{
+		ID: id, State: rec.GetState(), StopStep: stepFromProto(rec.GetStopStep()),
+		ManualStop: marked, RestartCount: rec.GetRestartCount(),
+		LastExitStatus: rec.GetLastExitStatus(), LastExitCode: rec.GetLastExitCode(), LastError: rec.GetLastError(),
+	}
+	if p := rec.GetProcess(); p != nil {
+		st.Process = identityFromProto(p)
+		st.Liveness = proc.Inspect(st.Process)
+	}
+	if in := s.lookup(id); in != nil {
+		in.mu.Lock()
+		if in.vm != nil && in.vm.Identity() == st.Process {
+			st.Watched = true
+			st.Child = in.vm.Child() != nil
+		}
+		st.NextRestart = in.nextRestart
+		in.mu.Unlock()
+	}
+	return st, nil
+}
+
+// QMPStatus asks the instance's QEMU for its run state over QMP, connecting
+// on demand (a re-attached VM has no connection until asked). ErrNotRunning
+// when this supervisor watches no VM for it.
+func (s *Supervisor) QMPStatus(ctx context.Context, id string) (vmm.StatusInfo, error) {
+	in := s.lookup(id)
+	if in == nil {
+		return vmm.StatusInfo{}, fmt.Errorf("instance %s: %w", id, ErrNotRunning)
+	}
+	in.mu.Lock()
+	vm := in.vm
+	in.mu.Unlock()
+	if vm == nil {
+		return vmm.StatusInfo{}, fmt.Errorf("instance %s: %w", id, ErrNotRunning)
+	}
+	st, err := vm.Status(ctx)
+	if err != nil {
+		return vmm.StatusInfo{}, fmt.Errorf("qmp status of instance %s: %w", id, err)
+	}
+	return st, nil
+}
