@@ -1,0 +1,116 @@
+package cli
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"time"
+
+	"vmflow/hostagent/store"
+)
+
+// RunConfig is the command line of "vmflow-hostagent run". The binary's
+// main turns it into a running agent; parsing lives here so it is tested
+// without Temporal.
+type RunConfig struct {
+	HostID          string
+	StateDir        string
+	SysfsRoot       string
+	DevRoot         string
+	ImageRoots      []string
+	QEMU            string
+	VGPUAttach      bool
+	VGPUDriver      string // auto, mdev, vendor, none
+	OrphanGrace     time.Duration
+	ReconcileEvery  time.Duration
+	GracefulTimeout time.Duration
+	GroupExitCap    time.Duration
+	MetricsAddr     string
+	LogLevel        string
+	Address         string
+	Namespace       string
+	TaskQueue       string // where the reconcile schedule starts ReconcileVGPU
+}
+
+type multiFlag []string
+
+func (m *multiFlag) String() string     { return fmt.Sprint(*m) }
+func (m *multiFlag) Set(v string) error { *m = append(*m, v); return nil }
+
+// ParseRun parses the flags of "vmflow-hostagent run".
+func ParseRun(args []string, stderr io.Writer) (RunConfig, error) {
+	var c RunConfig
+	host, _ := os.Hostname()
+	fs := flag.NewFlagSet("run", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.Usage = func() {
+		fmt.Fprint(stderr, `usage: vmflow-hostagent run --host-id ID --state-dir DIR [flags]
+
+Runs the host agent: supervises this host's VMs first (re-attaches them, applies
+restart policies; this never waits for Temporal), then serves the host
+activities on task queue vmflow-host-<host-id> and keeps the Schedule
+reconcile-vgpu/<host-id> running ReconcileVGPU every minute.
+Temporal connection: TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE, TEMPORAL_TLS_*,
+TEMPORAL_API_KEY or a TEMPORAL_CONFIG_FILE profile.
+
+flags:
+`)
+		fs.PrintDefaults()
+	}
+	var roots multiFlag
+	fs.StringVar(&c.HostID, "host-id", host, "this host's id (^[a-z0-9][a-z0-9-]{0,62}$)")
+	fs.StringVar(&c.StateDir, "state-dir", store.DefaultStateDir, "instance records, QMP sockets and logs")
+	fs.StringVar(&c.SysfsRoot, "sysfs-root", "/sys", "where the vGPU sysfs files are (the simulator's mount in tests)")
+	fs.StringVar(&c.DevRoot, "dev-root", "/dev", "where the VFIO device nodes are")
+	fs.Var(&roots, "image-root", "folder kernels, initrds and disks must lie in (repeatable)")
+	fs.StringVar(&c.QEMU, "qemu", "qemu-system-x86_64", "QEMU binary")
+	fs.BoolVar(&c.VGPUAttach, "vgpu-attach", true, "attach claimed vGPUs to QEMU; false only with the vgpu-sim simulator, whose devices QEMU cannot open")
+	fs.StringVar(&c.VGPUDriver, "vgpu-driver", "auto", "auto, mdev, vendor or none")
+	fs.DurationVar(&c.OrphanGrace, "vgpu-orphan-grace", 5*time.Minute, "an unclaimed vGPU device is removed after this long")
+	fs.DurationVar(&c.ReconcileEvery, "reconcile-every", time.Minute, "how often the Schedule runs ReconcileVGPU")
+	fs.DurationVar(&c.GracefulTimeout, "graceful-timeout", 10*time.Second, "default wait after system_powerdown before quit")
+	fs.DurationVar(&c.GroupExitCap, "group-exit-cap", 30*time.Second, "how long the stop ladder waits for the whole thread group after SIGKILL")
+	fs.StringVar(&c.MetricsAddr, "metrics-addr", "", "serve Prometheus /metrics on this address; empty: off")
+	fs.StringVar(&c.LogLevel, "log-level", "info", "debug, info, warn or error")
+	fs.StringVar(&c.Address, "address", "", "Temporal frontend host:port (overrides TEMPORAL_ADDRESS)")
+	fs.StringVar(&c.Namespace, "namespace", "", "Temporal namespace (overrides TEMPORAL_NAMESPACE)")
+	fs.StringVar(&c.TaskQueue, "workflow-task-queue", "vmflow", "task queue of the workflow worker (where the reconcile schedule starts workflows)")
+	if err := fs.Parse(args); err != nil {
+		return c, err
+	}
+	c.ImageRoots = roots
+	if fs.NArg() > 0 {
+		return c, fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	if err := store.ValidateID(c.HostID); err != nil {
+		return c, fmt.Errorf("--host-id: %w (hostnames with dots or capitals need an explicit --host-id)", err)
+	}
+	for _, d := range []struct {
+		name string
+		path *string
+	}{{"state-dir", &c.StateDir}, {"sysfs-root", &c.SysfsRoot}, {"dev-root", &c.DevRoot}} {
+		abs, err := filepath.Abs(*d.path)
+		if err != nil {
+			return c, fmt.Errorf("--%s: %w", d.name, err)
+		}
+		*d.path = abs
+	}
+	switch c.VGPUDriver {
+	case "auto", "mdev", "vendor", "none":
+	default:
+		return c, fmt.Errorf("--vgpu-driver %q: want auto, mdev, vendor or none", c.VGPUDriver)
+	}
+	for name, v := range map[string]time.Duration{"vgpu-orphan-grace": c.OrphanGrace, "reconcile-every": c.ReconcileEvery,
+		"graceful-timeout": c.GracefulTimeout, "group-exit-cap": c.GroupExitCap} {
+		if v <= 0 {
+			return c, fmt.Errorf("--%s must be positive, got %s", name, v)
+		}
+	}
+	if c.TaskQueue == "" {
+		return c, errors.New("--workflow-task-queue must not be empty")
+	}
+	return c, nil
+}

@@ -1,0 +1,43 @@
+package cli_test
+
+import (
+	"io"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"vmflow/hostagent/cli"
+)
+
+func TestParseRun(t *testing.T) {
+	c, err := cli.ParseRun([]string{"--host-id", "h1", "--state-dir", "/tmp/s", "--image-root", "/a", "--image-root", "/b",
+		"--vgpu-attach=false", "--sysfs-root", "/tmp/sim", "--graceful-timeout", "3s"}, io.Discard)
+	require.NoError(t, err)
+	assert.Equal(t, "h1", c.HostID)
+	assert.Equal(t, []string{"/a", "/b"}, c.ImageRoots)
+	assert.False(t, c.VGPUAttach)
+	assert.Equal(t, "/tmp/sim", c.SysfsRoot)
+	assert.Equal(t, 3*time.Second, c.GracefulTimeout)
+	assert.Equal(t, "/dev", c.DevRoot)
+
+	d, err := cli.ParseRun([]string{"--host-id", "h1"}, io.Discard)
+	require.NoError(t, err)
+	assert.True(t, d.VGPUAttach, "production attaches vGPUs")
+	assert.Equal(t, "/var/lib/vmflow", d.StateDir)
+}
+
+func TestParseRunRejects(t *testing.T) {
+	for _, args := range [][]string{
+		{"--host-id", "Host.Example"},
+		{"--host-id", ""},
+		{"--host-id", "h1", "--vgpu-driver", "nvidia"},
+		{"--host-id", "h1", "--graceful-timeout", "0s"},
+		{"--host-id", "h1", "stray"},
+		{"--host-id", "h1", "--workflow-task-queue", ""},
+	} {
+		_, err := cli.ParseRun(args, io.Discard)
+		assert.Error(t, err, "%q", args)
+	}
+}
