@@ -10,9 +10,11 @@ GO        ?= go
 BIN       := $(CURDIR)/bin
 TEMPORAL  := $(BIN)/temporal
 STATICCHECK := $(BIN)/staticcheck
+WORKFLOWCHECK := $(BIN)/workflowcheck
 
 TEMPORAL_VERSION    := v1.5.1
 STATICCHECK_VERSION := v0.8.2
+WORKFLOWCHECK_VERSION := v0.6.0
 PROTOC_GEN_GO_VERSION := v1.36.12
 PROTOC_GEN_GO := $(BIN)/protoc-gen-go
 PROTO_FILES := $(wildcard proto/vmflow/v1/*.proto)
@@ -23,7 +25,7 @@ FUZZTIME     ?= 30s
 
 export GOBIN := $(BIN)
 
-.PHONY: build tools qemu test lint fmt-check vet staticcheck fuzz bench clean proto proto-check proto-tools
+.PHONY: build tools qemu test lint fmt-check vet staticcheck workflowcheck fuzz bench clean proto proto-check proto-tools
 
 build:
 	$(GO) build -o $(BIN)/vmflow-hostagent ./hostagent
@@ -79,7 +81,7 @@ proto-tools:
 test: tools
 	$(GO) test -race -timeout $(TEST_TIMEOUT) ./...
 
-lint: vet fmt-check staticcheck proto-check
+lint: vet fmt-check staticcheck proto-check workflowcheck
 
 vet:
 	$(GO) vet ./...
@@ -90,6 +92,13 @@ fmt-check:
 
 staticcheck: $(STATICCHECK)
 	$(STATICCHECK) ./...
+
+## workflowcheck: workflow code must be deterministic (Temporal replays it).
+workflowcheck: $(WORKFLOWCHECK)
+	$(WORKFLOWCHECK) ./workflows/...
+
+$(WORKFLOWCHECK):
+	$(GO) install go.temporal.io/sdk/contrib/tools/workflowcheck@$(WORKFLOWCHECK_VERSION)
 
 ## fuzz: every fuzz target for FUZZTIME each (go test runs one target at a time).
 fuzz: tools

@@ -111,16 +111,16 @@ func (t *tracker) publish(ctx workflow.Context) {
 // activity attempts, when the pending-activity card is gone.
 func (t *tracker) details() string {
 	var b strings.Builder
-	fmt.Fprintf(&b, "**%s** `%s` on host `%s`\n\n", t.kind, t.instanceID, t.hostID)
-	fmt.Fprintf(&b, "- stage: `%s`\n", t.status.Stage)
+	b.WriteString(fmt.Sprintf("**%s** `%s` on host `%s`\n\n", t.kind, t.instanceID, t.hostID))
+	b.WriteString(fmt.Sprintf("- stage: `%s`\n", t.status.Stage))
 	if t.status.Attempt > 1 || t.status.LastError != "" {
-		fmt.Fprintf(&b, "- attempt: %d\n", t.status.Attempt)
+		b.WriteString(fmt.Sprintf("- attempt: %d\n", t.status.Attempt))
 	}
 	if t.status.LastError != "" {
-		fmt.Fprintf(&b, "- last error: %s\n", t.status.LastError)
+		b.WriteString(fmt.Sprintf("- last error: %s\n", t.status.LastError))
 	}
 	if t.status.NextRetryTime != "" {
-		fmt.Fprintf(&b, "- next retry: %s (or now: `temporal workflow signal --workflow-id <id> --name retry`)\n", t.status.NextRetryTime)
+		b.WriteString(fmt.Sprintf("- next retry: %s (or now: `temporal workflow signal --workflow-id <id> --name retry`)\n", t.status.NextRetryTime))
 	}
 	if t.status.MetadataRetained {
 		b.WriteString("- metadata retained: the instance record and its GPU claim are kept on the host\n")
