@@ -75,9 +75,11 @@ func (c *StrictJSONPayloadConverter) Encoding() string { return converter.Metada
 // ToString returns the JSON text.
 func (c *StrictJSONPayloadConverter) ToString(p *commonpb.Payload) string { return string(p.GetData()) }
 
-// ToPayload encodes a proto message as snake_case JSON (with its full name in
-// the messageType metadata, for readers that care) and anything else as
-// encoding/json does.
+// ToPayload encodes a proto message as snake_case JSON and anything else as
+// encoding/json does. No messageType metadata is added: the target type
+// decides decoding, and the temporal CLI (v1.5.1) shows a json/plain payload
+// as readable JSON only when encoding is its sole metadata; with messageType
+// it prints the raw payload with base64 data.
 func (c *StrictJSONPayloadConverter) ToPayload(value any) (*commonpb.Payload, error) {
 	msg, ok := asMessage(value)
 	if !ok {
@@ -87,12 +89,17 @@ func (c *StrictJSONPayloadConverter) ToPayload(value any) (*commonpb.Payload, er
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", converter.ErrUnableToEncode, err)
 	}
+	// protojson inserts random whitespace on purpose (so nobody relies on
+	// its bytes); compact it so the same message always gives the same
+	// payload: recorded histories and their diffs stay stable.
+	var compact bytes.Buffer
+	if err := json.Compact(&compact, data); err != nil {
+		return nil, fmt.Errorf("%w: %w", converter.ErrUnableToEncode, err)
+	}
+	data = compact.Bytes()
 	return &commonpb.Payload{
-		Metadata: map[string][]byte{
-			converter.MetadataEncoding:    []byte(converter.MetadataEncodingJSON),
-			converter.MetadataMessageType: []byte(msg.ProtoReflect().Descriptor().FullName()),
-		},
-		Data: data,
+		Metadata: map[string][]byte{converter.MetadataEncoding: []byte(converter.MetadataEncodingJSON)},
+		Data:     data,
 	}, nil
 }
 

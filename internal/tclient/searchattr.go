@@ -115,7 +115,7 @@ func missingSearchAttributes(ctx context.Context, op operatorservice.OperatorSer
 		case !ok:
 			missing[name] = want
 		case have != want:
-			wrong = append(wrong, fmt.Sprintf("%s is %s, vmflow needs %s", name, typeName(have), typeName(want)))
+			wrong = append(wrong, fmt.Sprintf("%s is %s, vmflow needs %s", name, IndexedTypeName(have), IndexedTypeName(want)))
 		}
 	}
 	if len(wrong) > 0 {
@@ -138,7 +138,7 @@ func isPermissionDenied(err error) bool {
 func createCommands(namespace string, attrs map[string]enumspb.IndexedValueType) string {
 	byType := map[string][]string{}
 	for name, t := range attrs {
-		byType[typeName(t)] = append(byType[typeName(t)], name)
+		byType[IndexedTypeName(t)] = append(byType[IndexedTypeName(t)], name)
 	}
 	var cmds []string
 	for _, t := range slices.Sorted(maps.Keys(byType)) {
@@ -155,9 +155,9 @@ func createCommands(namespace string, attrs map[string]enumspb.IndexedValueType)
 	return strings.Join(cmds, " && ")
 }
 
-// typeName is the CLI's spelling of a type (Keyword, Bool, ...), not the
+// IndexedTypeName is the CLI's spelling of a type (Keyword, Bool, ...), not the
 // enum's INDEXED_VALUE_TYPE_KEYWORD.
-func typeName(t enumspb.IndexedValueType) string {
+func IndexedTypeName(t enumspb.IndexedValueType) string {
 	switch t {
 	case enumspb.INDEXED_VALUE_TYPE_TEXT:
 		return "Text"

@@ -1,0 +1,490 @@
+// Package devserver runs the real Temporal dev server (`bin/temporal server
+// start-dev`, CLI v1.5.1) for tests: on free loopback ports, with an SQLite
+// file so a restart keeps every workflow, and with vmflow's search
+// attributes registered. Tests that need Temporal call Start (a server of
+// their own, e.g. to restart it) or Shared (one server per test binary).
+//
+// The SDK's testsuite.StartDevServer would download a CLI, which this
+// machine cannot; this package only ever runs the binary `make tools` built.
+package devserver
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"go.temporal.io/api/operatorservice/v1"
+	"go.temporal.io/api/workflowservice/v1"
+	"go.temporal.io/sdk/client"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+
+	"vmflow/internal/tclient"
+)
+
+// EnvBinary overrides where the temporal CLI is found.
+const EnvBinary = "VMFLOW_TEMPORAL"
+
+// Options configure Start.
+type Options struct {
+	// DBFile is the SQLite file; empty means a new file in a temporary
+	// folder. Either way Restart reuses it.
+	DBFile string
+	// UI serves the Web UI (on UIAddress); otherwise the server is headless,
+	// which starts faster.
+	UI bool
+	// Namespace defaults to "default" (created by start-dev itself); another
+	// name is created with --namespace.
+	Namespace string
+	// StartTimeout bounds each start (default 90 s: the first start of a
+	// fresh SQLite file takes a few seconds, and CI machines are slow).
+	StartTimeout time.Duration
+	// ExtraArgs are appended to start-dev's arguments
+	// (e.g. --dynamic-config-value).
+	ExtraArgs []string
+}
+
+// Server is one running dev server process.
+type Server struct {
+	bin    string
+	opts   Options
+	dir    string // log file (and DB file when not given) live here
+	ip     string
+	port   int
+	uiPort int
+
+	mu   sync.Mutex
+	cmd  *exec.Cmd
+	done chan struct{} // closed when cmd has been reaped
+	werr error         // cmd.Wait's result, valid after done
+	log  *os.File
+}
+
+// Binary finds the temporal CLI: $VMFLOW_TEMPORAL, or bin/temporal in the
+// module root found by walking up from the working directory (go test runs
+// in the package's folder).
+func Binary() (string, error) {
+	if p := os.Getenv(EnvBinary); p != "" {
+		if _, err := os.Stat(p); err != nil {
+			return "", fmt.Errorf("%s=%s: %w", EnvBinary, p, err)
+		}
+		return p, nil
+	}
+	dir, err := os.Getwd()
+	if err != nil {
+		return "", fmt.Errorf("find temporal CLI: %w", err)
+	}
+	for {
+		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
+			p := filepath.Join(dir, "bin", "temporal")
+			if _, err := os.Stat(p); err != nil {
+				return "", fmt.Errorf("temporal CLI not at %s: %w", p, err)
+			}
+			return p, nil
+		}
+		parent := filepath.Dir(dir)
+		if parent == dir {
+			return "", errors.New("temporal CLI: no go.mod above the working directory")
+		}
+		dir = parent
+	}
+}
+
+// RequireBinary returns the CLI's path, or skips t when it is missing (the
+// only reason to skip: everything else that goes wrong fails the test).
+func RequireBinary(t testing.TB) string {
+	t.Helper()
+	bin, err := Binary()
+	if err != nil {
+		t.Skipf("Temporal CLI not found (%v): `make tools` builds bin/temporal, or set %s", err, EnvBinary)
+	}
+	return bin
+}
+
+// Start runs a dev server for t and stops it when t ends.
+func Start(t testing.TB, o Options) *Server {
+	t.Helper()
+	bin := RequireBinary(t)
+	s, err := start(bin, o, t.TempDir())
+	if err != nil {
+		t.Fatalf("devserver: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := s.Stop(); err != nil {
+			t.Errorf("devserver stop: %v", err)
+		}
+	})
+	return s
+}
+
+var shared struct {
+	once sync.Once
+	srv  *Server
+	err  error
+	dir  string
+}
+
+// Shared returns one headless server for the whole test binary, started on
+// first use, so e2e tests do not each pay for a start. Tests sharing it must
+// use their own workflow ids and task queues. It is stopped by StopShared
+// (call it from TestMain) or, failing that, killed with the test binary
+// (the child gets SIGKILL when its parent dies).
+func Shared(t testing.TB) *Server {
+	t.Helper()
+	bin := RequireBinary(t)
+	shared.once.Do(func() {
+		shared.dir, shared.err = os.MkdirTemp("", "vmflow-devserver-")
+		if shared.err != nil {
+			return
+		}
+		shared.srv, shared.err = start(bin, Options{}, shared.dir)
+	})
+	if shared.err != nil {
+		t.Fatalf("devserver (shared): %v", shared.err)
+	}
+	return shared.srv
+}
+
+// StopShared stops the shared server, if one was started, and removes its
+// files. For TestMain, after m.Run.
+func StopShared() error {
+	if shared.srv == nil {
+		return nil
+	}
+	err := shared.srv.Stop()
+	if rmErr := os.RemoveAll(shared.dir); rmErr != nil && err == nil {
+		err = fmt.Errorf("remove %s: %w", shared.dir, rmErr)
+	}
+	return err
+}
+
+func start(bin string, o Options, dir string) (*Server, error) {
+	if o.StartTimeout <= 0 {
+		o.StartTimeout = 90 * time.Second
+	}
+	if o.Namespace == "" {
+		o.Namespace = client.DefaultNamespace
+	}
+	if o.DBFile == "" {
+		o.DBFile = filepath.Join(dir, "temporal.db")
+	}
+	s := &Server{bin: bin, opts: o, dir: dir, ip: "127.0.0.1"}
+	// Free ports are taken by binding :0 and closing, so another process can
+	// grab one before the server binds it; a start that fails that way is
+	// retried on new ports.
+	var lastErr error
+	for attempt := 0; attempt < 3; attempt++ {
+		var err error
+		if s.port, err = freePort(s.ip); err != nil {
+			return nil, err
+		}
+		if s.uiPort, err = freePort(s.ip); err != nil {
+			return nil, err
+		}
+		if lastErr = s.launch(); lastErr == nil {
+			return s, nil
+		}
+	}
+	return nil, lastErr
+}
+
+func freePort(ip string) (int, error) {
+	ln, err := net.Listen("tcp", net.JoinHostPort(ip, "0"))
+	if err != nil {
+		return 0, fmt.Errorf("find a free port: %w", err)
+	}
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port, nil
+}
+
+func (s *Server) args() []string {
+	args := []string{
+		"server", "start-dev",
+		"--ip", s.ip,
+		"--port", strconv.Itoa(s.port),
+		"--db-filename", s.opts.DBFile,
+		"--log-level", "warn",
+	}
+	if s.opts.UI {
+		args = append(args, "--ui-port", strconv.Itoa(s.uiPort))
+	} else {
+		args = append(args, "--headless")
+	}
+	if s.opts.Namespace != client.DefaultNamespace {
+		args = append(args, "--namespace", s.opts.Namespace)
+	}
+	attrs := tclient.SearchAttributes()
+	for _, name := range slices.Sorted(maps.Keys(attrs)) {
+		args = append(args, "--search-attribute", name+"="+tclient.IndexedTypeName(attrs[name]))
+	}
+	return append(args, s.opts.ExtraArgs...)
+}
+
+// launch starts the process and waits until it serves: health check, the
+// namespace, and the search attributes all answer.
+func (s *Server) launch() error {
+	logf, err := os.OpenFile(filepath.Join(s.dir, "temporal.log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+	if err != nil {
+		return fmt.Errorf("open server log: %w", err)
+	}
+	cmd := exec.Command(s.bin, s.args()...)
+	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.SysProcAttr = &syscall.SysProcAttr{
+		// If the test binary dies (timeout panic, kill -9) the server goes
+		// with it instead of holding ports and the DB for the next run.
+		Pdeathsig: syscall.SIGKILL,
+	}
+	begin := time.Now()
+	if err := cmd.Start(); err != nil {
+		_ = logf.Close()
+		return fmt.Errorf("start %s: %w", s.bin, err)
+	}
+	done := make(chan struct{})
+	s.mu.Lock()
+	s.cmd, s.done, s.log = cmd, done, logf
+	s.mu.Unlock()
+	// The one goroutine that reaps the process (no zombie even if a test
+	// forgets Stop).
+	go func() {
+		err := cmd.Wait()
+		s.mu.Lock()
+		s.werr = err
+		s.mu.Unlock()
+		close(done)
+	}()
+
+	ctx, cancel := context.WithTimeout(context.Background(), s.opts.StartTimeout)
+	defer cancel()
+	if err := s.waitReady(ctx, done); err != nil {
+		stopErr := s.Stop()
+		return errors.Join(fmt.Errorf("dev server on %s not ready after %s: %w\n--- server log ---\n%s",
+			s.Address(), time.Since(begin).Round(time.Millisecond), err, s.logTail()), stopErr)
+	}
+	return nil
+}
+
+// waitReady polls until the server answers, the process exits, or ctx ends.
+func (s *Server) waitReady(ctx context.Context, exited <-chan struct{}) error {
+	tick := time.NewTicker(100 * time.Millisecond)
+	defer tick.Stop()
+	var last error
+	for {
+		if last = s.ready(ctx); last == nil {
+			return nil
+		}
+		select {
+		case <-exited:
+			return fmt.Errorf("server exited: %v (last check: %w)", s.waitErr(), last)
+		case <-ctx.Done():
+			return fmt.Errorf("%w (last check: %w)", ctx.Err(), last)
+		case <-tick.C:
+		}
+	}
+}
+
+func (s *Server) ready(ctx context.Context) error {
+	cctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	c, err := client.DialContext(cctx, client.Options{
+		HostPort:  s.Address(),
+		Namespace: s.opts.Namespace,
+		Logger:    tclient.NewZapLogger(nil),
+	})
+	if err != nil {
+		return fmt.Errorf("dial: %w", err)
+	}
+	defer c.Close()
+	if _, err := c.CheckHealth(cctx, &client.CheckHealthRequest{}); err != nil {
+		return fmt.Errorf("health: %w", err)
+	}
+	if _, err := c.WorkflowService().DescribeNamespace(cctx, &workflowservice.DescribeNamespaceRequest{Namespace: s.opts.Namespace}); err != nil {
+		return fmt.Errorf("namespace %s: %w", s.opts.Namespace, err)
+	}
+	resp, err := c.OperatorService().ListSearchAttributes(cctx, &operatorservice.ListSearchAttributesRequest{Namespace: s.opts.Namespace})
+	if err != nil {
+		return fmt.Errorf("search attributes: %w", err)
+	}
+	for name := range tclient.SearchAttributes() {
+		if _, ok := resp.GetCustomAttributes()[name]; !ok {
+			return fmt.Errorf("search attribute %s not registered yet", name)
+		}
+	}
+	return nil
+}
+
+// Address is the frontend's host:port.
+func (s *Server) Address() string { return net.JoinHostPort(s.ip, strconv.Itoa(s.port)) }
+
+// UIAddress is the Web UI's base URL, or "" for a headless server.
+func (s *Server) UIAddress() string {
+	if !s.opts.UI {
+		return ""
+	}
+	return "http://" + net.JoinHostPort(s.ip, strconv.Itoa(s.uiPort))
+}
+
+// Namespace is the namespace tests should use.
+func (s *Server) Namespace() string { return s.opts.Namespace }
+
+// DBFile is the SQLite file holding the server's state.
+func (s *Server) DBFile() string { return s.opts.DBFile }
+
+// BinaryPath is the temporal CLI this server runs, for tests that drive the
+// CLI itself.
+func (s *Server) BinaryPath() string { return s.bin }
+
+// LogFile is where the server's stdout and stderr go.
+func (s *Server) LogFile() string { return filepath.Join(s.dir, "temporal.log") }
+
+// TClientOptions are tclient.Options that reach this server, for tests that
+// dial with their own logger or metrics.
+func (s *Server) TClientOptions() tclient.Options {
+	return tclient.Options{
+		HostPort:  s.Address(),
+		Namespace: s.opts.Namespace,
+		Logger:    testLogger(),
+		// An empty fake environment: a developer's TEMPORAL_* variables or
+		// config file must not send tests elsewhere.
+		Env:          emptyEnv{},
+		ConfigFile:   filepath.Join(s.dir, "no-temporal-config.toml"),
+		RetryInitial: 100 * time.Millisecond,
+		RetryMax:     time.Second,
+	}
+}
+
+// Client returns a client with vmflow's converter, closed when t ends.
+func (s *Server) Client(t testing.TB) client.Client {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	c, err := tclient.Dial(ctx, s.TClientOptions())
+	if err != nil {
+		t.Fatalf("devserver client: %v", err)
+	}
+	t.Cleanup(c.Close)
+	return c
+}
+
+// CLI runs the temporal CLI against this server (address and namespace
+// added) and returns its combined output.
+func (s *Server) CLI(ctx context.Context, args ...string) ([]byte, error) {
+	args = append(args, "--address", s.Address(), "--namespace", s.opts.Namespace)
+	cmd := exec.CommandContext(ctx, s.bin, args...)
+	// TEMPORAL_* from the developer's shell would override nothing we pass,
+	// but a config file profile could add TLS: point the CLI at none.
+	cmd.Env = append(os.Environ(), "TEMPORAL_CONFIG_FILE="+filepath.Join(s.dir, "no-temporal-config.toml"))
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Run(); err != nil {
+		return out.Bytes(), fmt.Errorf("temporal %v: %w\n%s", args, err, out.Bytes())
+	}
+	return out.Bytes(), nil
+}
+
+// Stop ends the server: SIGTERM, then SIGKILL if it has not exited within
+// 15 s, and waits until it is reaped. Stopping a stopped server is a no-op.
+func (s *Server) Stop() error {
+	s.mu.Lock()
+	cmd, done, logf := s.cmd, s.done, s.log
+	s.cmd, s.log = nil, nil
+	s.mu.Unlock()
+	if cmd == nil {
+		return nil
+	}
+	defer func() { _ = logf.Close() }()
+	select {
+	case <-done:
+		return nil // already exited (and reaped)
+	default:
+	}
+	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil && !errors.Is(err, os.ErrProcessDone) {
+		return fmt.Errorf("SIGTERM dev server: %w", err)
+	}
+	grace := time.NewTimer(15 * time.Second)
+	defer grace.Stop()
+	select {
+	case <-done:
+		return nil
+	case <-grace.C:
+	}
+	if err := cmd.Process.Kill(); err != nil && !errors.Is(err, os.ErrProcessDone) {
+		return fmt.Errorf("SIGKILL dev server: %w", err)
+	}
+	reap := time.NewTimer(15 * time.Second)
+	defer reap.Stop()
+	select {
+	case <-done:
+		return nil
+	case <-reap.C:
+		return fmt.Errorf("dev server pid %d not reaped 15 s after SIGKILL", cmd.Process.Pid)
+	}
+}
+
+// Restart stops the server and starts it again on the same ports with the
+// same DB file, so running workflows continue and clients reconnect.
+func (s *Server) Restart() error {
+	if err := s.Stop(); err != nil {
+		return err
+	}
+	return s.launch()
+}
+
+// Running reports whether the server process is alive.
+func (s *Server) Running() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.cmd == nil {
+		return false
+	}
+	select {
+	case <-s.done:
+		return false
+	default:
+		return true
+	}
+}
+
+func (s *Server) waitErr() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.werr
+}
+
+// logTail is the end of the server's log, for start failures.
+func (s *Server) logTail() string {
+	b, err := os.ReadFile(s.LogFile())
+	if err != nil {
+		return fmt.Sprintf("(no log: %v)", err)
+	}
+	const tail = 4000
+	if len(b) > tail {
+		b = b[len(b)-tail:]
+	}
+	return string(b)
+}
+
+// testLogger logs warnings and errors to stderr: go test shows them only
+// for a failing package, and unlike zaptest it is safe to use from SDK
+// goroutines that outlive a test.
+func testLogger() *zap.Logger {
+	cfg := zap.NewDevelopmentEncoderConfig()
+	core := zapcore.NewCore(zapcore.NewConsoleEncoder(cfg), zapcore.Lock(os.Stderr), zapcore.WarnLevel)
+	return zap.New(core)
+}
+
+type emptyEnv struct{}
+
+func (emptyEnv) LookupEnv(string) (string, bool) { return "", false }
+func (emptyEnv) Environ() []string               { return nil }
