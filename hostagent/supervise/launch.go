@@ -81,25 +81,31 @@ func (s *Supervisor) Launch(ctx context.Context, id string, spec vmm.VMSpec) (La
 			return LaunchResult{}, fmt.Errorf("launch instance %s: %w", id, err)
 		}
 		if alive {
-			st, err := vm.Status(ctx)
-			if err != nil {
-				// Alive but QMP does not answer: can't tell it is fine and
-				// must not start a second QEMU beside it.
-				return LaunchResult{}, fmt.Errorf("launch instance %s: %v is alive but QMP failed: %w", id, pid, err)
-			}
-			if !st.Running {
-				return LaunchResult{}, fmt.Errorf("launch instance %s: %v is alive with status %q: %w", id, pid, st.Status, vmm.ErrNotRunning)
-			}
-			if rec.GetState() != vmflowv1.InstanceState_INSTANCE_STATE_RUNNING {
-				// Re-attached while Creating (the previous agent died
-				// between fork and QMP ready): QMP now says running.
-				if _, err := l.Transition(vmflowv1.InstanceState_INSTANCE_STATE_RUNNING); err != nil {
+			st, err := s.waitReady(ctx, vm)
+			switch {
+			case errors.Is(err, errGone):
+				// Died before QMP answered: record it, then launch anew.
+				if _, _, err := s.liveVMLocked(ctx, l, in, pid); err != nil {
 					return LaunchResult{}, fmt.Errorf("launch instance %s: %w", id, err)
 				}
+			case err != nil:
+				// Alive but QMP does not answer: can't tell it is fine, and
+				// a second QEMU must not start beside it.
+				return LaunchResult{}, fmt.Errorf("launch instance %s: %v is alive but QMP failed: %w", id, pid, err)
+			case !st.Running:
+				return LaunchResult{}, fmt.Errorf("launch instance %s: %v is alive with status %q: %w", id, pid, st.Status, vmm.ErrNotRunning)
+			default:
+				if rec.GetState() != vmflowv1.InstanceState_INSTANCE_STATE_RUNNING {
+					// Re-attached while Creating (the previous agent died
+					// between fork and QMP ready): QMP now says running.
+					if _, err := l.Transition(vmflowv1.InstanceState_INSTANCE_STATE_RUNNING); err != nil {
+						return LaunchResult{}, fmt.Errorf("launch instance %s: %w", id, err)
+					}
+				}
+				in.setVM(vm, &spec)
+				in.log.Info("already running", zap.Int("pid", pid.PID))
+				return LaunchResult{Identity: pid, AlreadyRunning: true, Duration: time.Since(start)}, nil
 			}
-			in.setVM(vm, &spec)
-			in.log.Info("already running", zap.Int("pid", pid.PID))
-			return LaunchResult{Identity: pid, AlreadyRunning: true, Duration: time.Since(start)}, nil
 		}
 		if rec, err = l.Get(); err != nil {
 			return LaunchResult{}, fmt.Errorf("launch: %w", err)
@@ -131,6 +137,37 @@ func (s *Supervisor) Launch(ctx context.Context, id string, spec vmm.VMSpec) (La
 	in.setVM(vm, &spec)
 	s.watch(in, vm)
 	return LaunchResult{Identity: vm.Identity(), Duration: time.Since(start)}, nil
+}
+
+// errGone: the VM's thread group ended while waiting for it.
+var errGone = errors.New("vm exited")
+
+// readyPollInterval is how often waitReady retries QMP. A QEMU re-attached
+// right after its fork has no socket yet (it appears 40-150 ms later) and
+// there is no event for "a socket appeared".
+const readyPollInterval = 10 * time.Millisecond
+
+// waitReady asks vm's QMP for its status until it answers, the VM exits
+// (errGone) or Config.ReadyTimeout passes.
+func (s *Supervisor) waitReady(ctx context.Context, vm *vmm.VM) (vmm.StatusInfo, error) {
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.ReadyTimeout)
+	defer cancel()
+	t := time.NewTicker(readyPollInterval)
+	defer t.Stop()
+	for {
+		st, err := vm.Status(ctx)
+		if err == nil {
+			return st, nil
+		}
+		if gone, gerr := vm.Exited(); gerr == nil && gone {
+			return vmm.StatusInfo{}, errGone
+		}
+		select {
+		case <-ctx.Done():
+			return vmm.StatusInfo{}, fmt.Errorf("waiting for qmp of %v: %w (last: %w)", vm.Identity(), ctx.Err(), err)
+		case <-t.C:
+		}
+	}
 }
 
 // liveVMLocked returns a VM for the recorded process pid if its thread
