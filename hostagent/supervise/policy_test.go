@@ -1,0 +1,111 @@
+package supervise
+
+import (
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	"vmflow/hostagent/proc"
+	"vmflow/hostagent/vmm"
+	vmflowv1 "vmflow/proto/vmflow/v1"
+)
+
+func TestBackoff(t *testing.T) {
+	for _, tc := range []struct {
+		n    uint32
+		want time.Duration
+	}{
+		{0, time.Second}, {1, 2 * time.Second}, {2, 4 * time.Second}, {8, 256 * time.Second},
+		{9, 5 * time.Minute}, {40, 5 * time.Minute}, {^uint32(0), 5 * time.Minute},
+	} {
+		assert.Equal(t, tc.want, Backoff(tc.n, 0, 0), "restarts %d", tc.n)
+	}
+	assert.Equal(t, 30*time.Millisecond, Backoff(3, 10*time.Millisecond, 30*time.Millisecond))
+}
+
+func TestParsePolicy(t *testing.T) {
+	for in, want := range map[string]Policy{"": PolicyNever, "never": PolicyNever, "on-failure": PolicyOnFailure, "always": PolicyAlways} {
+		p, err := ParsePolicy(in)
+		assert.NoError(t, err)
+		assert.Equal(t, want, p)
+	}
+	p, err := ParsePolicy("sometimes")
+	assert.Error(t, err)
+	assert.Equal(t, PolicyNever, p, "unknown is never: don't guess a restart")
+}
+
+func TestDecide(t *testing.T) {
+	exited := func(policy string, code int32, count, max uint32) *vmflowv1.InstanceRecord {
+		return &vmflowv1.InstanceRecord{Id: "vm1", State: vmflowv1.InstanceState_INSTANCE_STATE_EXITED,
+			RestartPolicy: policy, LastExitCode: code, RestartCount: count, RestartMaxAttempts: max}
+	}
+	withState := func(r *vmflowv1.InstanceRecord, s vmflowv1.InstanceState) *vmflowv1.InstanceRecord {
+		r.State = s
+		return r
+	}
+	for _, tc := range []struct {
+		name    string
+		rec     *vmflowv1.InstanceRecord
+		marked  bool
+		restart bool
+		delay   time.Duration
+		reason  string
+	}{
+		{"never", exited("never", 1, 0, 0), false, false, 0, "restart policy never"},
+		{"default is never", exited("", -1, 0, 0), false, false, 0, "restart policy never"},
+		{"on-failure, killed", exited("on-failure", -1, 0, 0), false, true, time.Second, "restart 1"},
+		{"on-failure, exit 1, third", exited("on-failure", 1, 2, 0), false, true, 4 * time.Second, "restart 3"},
+		{"on-failure, clean exit", exited("on-failure", 0, 0, 0), false, false, 0, "clean exit"},
+		{"always, clean exit", exited("always", 0, 0, 0), false, true, time.Second, "restart 1"},
+		{"marker wins", exited("always", -1, 0, 0), true, false, 0, "manual-stop marker"},
+		{"max attempts", exited("always", -1, 3, 3), false, false, 0, "gave up after 3"},
+		{"below max", exited("always", -1, 2, 3), false, true, 4 * time.Second, "restart 3"},
+		{"deleting", withState(exited("always", -1, 0, 0), vmflowv1.InstanceState_INSTANCE_STATE_DELETING), false, false, 0, "being deleted"},
+		{"release failed", withState(exited("always", -1, 0, 0), vmflowv1.InstanceState_INSTANCE_STATE_RELEASE_FAILED), false, false, 0, "being deleted"},
+		{"creating", withState(exited("always", -1, 0, 0), vmflowv1.InstanceState_INSTANCE_STATE_CREATING), false, false, 0, "state is creating"},
+		{"unknown policy", exited("sometimes", -1, 0, 0), false, false, 0, "unknown restart policy"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			d := decide(tc.rec, tc.marked, time.Second, 5*time.Minute)
+			assert.Equal(t, tc.restart, d.restart)
+			assert.Equal(t, tc.delay, d.delay)
+			assert.Contains(t, d.reason, tc.reason)
+		})
+	}
+}
+
+func TestApplyExitResetsCounterAfterStable(t *testing.T) {
+	id := proc.Identity{PID: 42, StartTime: 7, BootID: "b"}
+	start := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	rec := func() *vmflowv1.InstanceRecord {
+		return &vmflowv1.InstanceRecord{Id: "vm1", State: vmflowv1.InstanceState_INSTANCE_STATE_RUNNING,
+			Process: identityToProto(id), RestartCount: 4, RestartStableAfterSeconds: 60, LastStart: timestamppb.New(start)}
+	}
+	short := rec()
+	assert.True(t, applyExit(short, id, exitInfo{at: start.Add(59 * time.Second), status: "signal: killed", code: -1}))
+	assert.Equal(t, uint32(4), short.GetRestartCount(), "crashed before stable_after: the streak goes on")
+	assert.Equal(t, vmflowv1.InstanceState_INSTANCE_STATE_EXITED, short.GetState())
+	assert.Nil(t, short.GetProcess())
+
+	stable := rec()
+	assert.True(t, applyExit(stable, id, exitInfo{at: start.Add(60 * time.Second), code: -1}))
+	assert.Equal(t, uint32(0), stable.GetRestartCount(), "up for stable_after: a new streak")
+
+	other := rec()
+	assert.False(t, applyExit(other, proc.Identity{PID: 43, StartTime: 7, BootID: "b"}, exitInfo{}), "another process's exit changes nothing")
+	assert.NotNil(t, other.GetProcess())
+
+	creating := rec()
+	creating.State = vmflowv1.InstanceState_INSTANCE_STATE_CREATING
+	assert.True(t, applyExit(creating, id, exitInfo{code: -1}))
+	assert.Equal(t, vmflowv1.InstanceState_INSTANCE_STATE_CREATING, creating.GetState(), "no Creating -> Exited")
+}
+
+func TestStepMapping(t *testing.T) {
+	for _, s := range []vmm.StopStep{vmm.StepNone, vmm.StepPowerdownSent, vmm.StepQuitSent, vmm.StepKillSent, vmm.StepGone} {
+		assert.Equal(t, s, stepFromProto(stepToProto(s)))
+	}
+	assert.Equal(t, vmflowv1.StopStep_STOP_STEP_KILLED, stepToProto(vmm.StepKillSent))
+}
