@@ -192,8 +192,6 @@ type env struct {
 	st   *store.Store
 	logs *observer.ObservedLogs
 	sup  *Supervisor
-	// extra configures the supervisor; applied by newSupervisor.
-	extra func(*Config)
 }
 
 // newEnv makes a state dir and store. Every QEMU any record of it names is
@@ -364,5 +362,3 @@ func (e *env) waitLog(id, msg, reason string) observer.LoggedEntry {
 	}, 15*time.Second, 5*time.Millisecond, "no log %q (reason %q) for %s", msg, reason, id)
 	return found
 }
-
-func pidOf(rec *vmflowv1.InstanceRecord) int { return int(rec.GetProcess().GetPid()) }

@@ -183,6 +183,7 @@ func (s *Supervisor) WaitExit(ctx context.Context, id string, progress func(proc
 		return fmt.Errorf("wait exit of instance %s: %w", id, err) // can't tell: not gone
 	}
 	defer h.Close()
+	log := s.log.With(zap.String("instance_id", id), zap.Int("pid", pid.PID))
 	for {
 		wctx, cancel := context.WithTimeout(ctx, s.cfg.ProgressInterval)
 		err := h.Wait(wctx)
@@ -196,8 +197,10 @@ func (s *Supervisor) WaitExit(ctx context.Context, id string, progress func(proc
 		if !errors.Is(err, context.DeadlineExceeded) {
 			return fmt.Errorf("wait exit of instance %s: %w", id, err)
 		}
+		st := h.Status()
+		log.Info("waiting for the thread group to exit", zap.String("state", string(st.State)), zap.Int("tasks", st.Tasks))
 		if progress != nil {
-			progress(h.Status())
+			progress(st)
 		}
 	}
 }

@@ -2,7 +2,10 @@ package supervise
 
 import (
 	"context"
+	"net"
+	"os/exec"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -406,4 +409,44 @@ func TestCloseLeavesVMsRunning(t *testing.T) {
 	rep, err := sup2.Start(ctxT(t, 10*time.Second))
 	require.NoError(t, err)
 	assert.Equal(t, 1, rep.Attached)
+}
+
+func TestStartNeverSignalsMismatchedPid(t *testing.T) {
+	e := newEnv(t)
+	e.create("vm1", "never", 0)
+	// A live stranger holds the recorded pid: same pid, another start time.
+	cmd := exec.Command("sleep", "600")
+	stranger, err := proc.Start(cmd)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_ = proc.Signal(stranger.Identity(), syscall.SIGKILL)
+		<-stranger.Done()
+	})
+	recorded := stranger.Identity()
+	recorded.StartTime++
+	_, err = e.st.Update(ctxT(t, 5*time.Second), "vm1", func(r *vmflowv1.InstanceRecord) error {
+		r.Process = identityToProto(recorded)
+		r.State = stateRunning
+		return nil
+	})
+	require.NoError(t, err)
+	// A stale socket a killed QEMU left behind: a socket nobody listens on.
+	p, _ := e.st.Paths("vm1")
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: p.Socket, Net: "unix"})
+	require.NoError(t, err)
+	ln.SetUnlinkOnClose(false)
+	require.NoError(t, ln.Close())
+
+	sup := e.newSupervisor(nil)
+	rep, err := sup.Start(ctxT(t, 10*time.Second))
+	require.NoError(t, err)
+	assert.Equal(t, ReattachReport{Records: 1, Gone: 1, Duration: rep.Duration}, rep)
+	rec := e.get("vm1")
+	assert.Equal(t, stateExited, rec.GetState())
+	assert.Nil(t, rec.GetProcess())
+	assert.Equal(t, int32(-1), rec.GetLastExitCode())
+	assertNoFile(t, p.Socket)
+	_, exited := stranger.Exit()
+	assert.False(t, exited, "the stranger was not signalled")
+	assert.True(t, proc.Inspect(stranger.Identity()).Alive)
 }
