@@ -1,0 +1,646 @@
+// Package build makes vmflow's small real guest (see package vmflow/guest):
+// a kernel taken from Debian's linux-image-cloud-amd64 and an initramfs
+// written from Go holding the static init of vmflow/guest/init and the
+// kernel modules it loads.
+//
+// Only Debian's own tools fetch anything: apt-cache resolves the versioned
+// kernel package, apt-get download fetches it and dpkg-deb unpacks the few
+// files needed. Outputs go into a cache folder and are rewritten only when
+// their content changes; the download happens once per kernel version.
+package build
+
+import (
+	"archive/tar"
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// DefaultMetaPackage is Debian's meta package that depends on the current
+// cloud kernel; its versioned dependency changes with Debian updates.
+const DefaultMetaPackage = "linux-image-cloud-amd64"
+
+// DirEnv overrides the default cache folder (see DefaultDir).
+const DirEnv = "VMFLOW_GUEST_DIR"
+
+// InitPackage is the Go package built as the initramfs's /init.
+const InitPackage = "vmflow/guest/init"
+
+// Output file names inside the cache folder.
+const (
+	KernelFile = "vmlinuz"
+	InitrdFile = "initrd.img"
+	InitFile   = "init"
+)
+
+// module is a kernel module the init needs, with the config symbol that
+// says whether it is built in (then the package has no file for it).
+type module struct {
+	name   string // file name in the initramfs's /lib/modules
+	suffix string // path inside lib/modules/<version>/
+	config string
+}
+
+var modules = []module{
+	{"button.ko", "kernel/drivers/acpi/button.ko", "CONFIG_ACPI_BUTTON"},
+	{"evdev.ko", "kernel/drivers/input/evdev.ko", "CONFIG_INPUT_EVDEV"},
+}
+
+// Options configure Build. The zero value builds into DefaultDir.
+type Options struct {
+	// Dir is the cache folder; "" means DefaultDir().
+	Dir string
+	// MetaPackage is resolved to a versioned kernel package with
+	// apt-cache depends; "" means DefaultMetaPackage.
+	MetaPackage string
+	// ModuleDir is a folder inside the vmflow module, where `go build` of
+	// the init runs; "" means the module root found from the working
+	// directory.
+	ModuleDir string
+	// GoCmd is the go tool; "" means "go" from PATH.
+	GoCmd string
+	// Log receives progress; nil discards it.
+	Log *slog.Logger
+}
+
+// Artifacts are the absolute paths of a built guest and what it came from.
+type Artifacts struct {
+	Dir    string // the cache folder
+	Kernel string // Dir/vmlinuz: pass to QEMU's -kernel
+	Initrd string // Dir/initrd.img: pass to QEMU's -initrd (uncompressed newc cpio)
+	Init   string // Dir/init: the static init binary inside the initrd
+
+	KernelPackage string // e.g. linux-image-6.1.0-57-cloud-amd64
+	KernelVersion string // the Debian package version, e.g. 6.1.192-3
+}
+
+// DefaultDir is $VMFLOW_GUEST_DIR if set, else .cache/guest at the root of
+// the vmflow module containing the working directory (what `make guest`
+// uses), so tests in any package share one download.
+func DefaultDir() (string, error) {
+	if d := os.Getenv(DirEnv); d != "" {
+		return filepath.Abs(d)
+	}
+	root, err := moduleRoot()
+	if err != nil {
+		return "", err
+	}
+	return filepath.Join(root, ".cache", "guest"), nil
+}
+
+// moduleRoot walks up from the working directory to the go.mod of module vmflow.
+func moduleRoot() (string, error) {
+	dir, err := os.Getwd()
+	if err != nil {
+		return "", fmt.Errorf("find module root: %w", err)
+	}
+	for {
+		data, err := os.ReadFile(filepath.Join(dir, "go.mod"))
+		if err == nil && modulePath(data) == "vmflow" {
+			return dir, nil
+		}
+		parent := filepath.Dir(dir)
+		if parent == dir {
+			return "", errors.New("find module root: no go.mod of module vmflow above the working directory")
+		}
+		dir = parent
+	}
+}
+
+func modulePath(gomod []byte) string {
+	for _, line := range strings.Split(string(gomod), "\n") {
+		if f := strings.Fields(line); len(f) == 2 && f[0] == "module" {
+			return strings.Trim(f[1], `"`)
+		}
+	}
+	return ""
+}
+
+// Build makes (or reuses) the guest in opts.Dir and returns its paths. It
+// holds a lock on the folder, so concurrent builds (parallel test packages)
+// wait for each other instead of racing.
+func Build(ctx context.Context, opts Options) (Artifacts, error) {
+	b, err := newBuilder(opts)
+	if err != nil {
+		return Artifacts{}, err
+	}
+	if err := os.MkdirAll(b.dir, 0o755); err != nil {
+		return Artifacts{}, fmt.Errorf("guest build: %w", err)
+	}
+	unlock, err := lockDir(ctx, b.dir)
+	if err != nil {
+		return Artifacts{}, err
+	}
+	defer unlock()
+	return b.build(ctx)
+}
+
+type builder struct {
+	dir, meta, moduleDir, goCmd string
+	log                         *slog.Logger
+}
+
+func newBuilder(opts Options) (*builder, error) {
+	b := &builder{dir: opts.Dir, meta: opts.MetaPackage, moduleDir: opts.ModuleDir, goCmd: opts.GoCmd, log: opts.Log}
+	var err error
+	if b.dir == "" {
+		if b.dir, err = DefaultDir(); err != nil {
+			return nil, fmt.Errorf("guest build: %w", err)
+		}
+	}
+	if b.dir, err = filepath.Abs(b.dir); err != nil {
+		return nil, fmt.Errorf("guest build: %w", err)
+	}
+	if b.meta == "" {
+		b.meta = DefaultMetaPackage
+	}
+	if b.moduleDir == "" {
+		if b.moduleDir, err = moduleRoot(); err != nil {
+			return nil, fmt.Errorf("guest build: %w", err)
+		}
+	}
+	if b.goCmd == "" {
+		b.goCmd = "go"
+	}
+	if b.log == nil {
+		b.log = slog.New(slog.DiscardHandler)
+	}
+	return b, nil
+}
+
+func (b *builder) build(ctx context.Context) (Artifacts, error) {
+	pkg, version, err := b.resolveKernel(ctx)
+	if err != nil {
+		return Artifacts{}, err
+	}
+	kdir, err := b.fetchKernel(ctx, pkg, version)
+	if err != nil {
+		return Artifacts{}, err
+	}
+	a := Artifacts{
+		Dir:           b.dir,
+		Kernel:        filepath.Join(b.dir, KernelFile),
+		Initrd:        filepath.Join(b.dir, InitrdFile),
+		Init:          filepath.Join(b.dir, InitFile),
+		KernelPackage: pkg,
+		KernelVersion: version,
+	}
+	kernel, err := os.ReadFile(filepath.Join(kdir, KernelFile))
+	if err != nil {
+		return Artifacts{}, fmt.Errorf("guest build: %w", err)
+	}
+	if err := b.writeIfChanged(a.Kernel, kernel, 0o644); err != nil {
+		return Artifacts{}, err
+	}
+	initBin, err := b.buildInit(ctx)
+	if err != nil {
+		return Artifacts{}, err
+	}
+	if err := b.writeIfChanged(a.Init, initBin, 0o755); err != nil {
+		return Artifacts{}, err
+	}
+	initrd, err := makeInitrd(initBin, kdir)
+	if err != nil {
+		return Artifacts{}, fmt.Errorf("guest build: %w", err)
+	}
+	if err := b.writeIfChanged(a.Initrd, initrd, 0o644); err != nil {
+		return Artifacts{}, err
+	}
+	return a, nil
+}
+
+// resolveKernel finds the versioned kernel package behind the meta package
+// and its candidate version. apt-cache reads the local package lists; when
+// they know nothing (a fresh machine), one `apt-get update` fills them.
+func (b *builder) resolveKernel(ctx context.Context) (pkg, version string, err error) {
+	pkg, version, err = b.lookupKernel(ctx)
+	if err == nil {
+		return pkg, version, nil
+	}
+	b.log.Info("kernel package not resolved, running apt-get update", "error", err)
+	if _, uerr := run(ctx, "", nil, "apt-get", "update", "-qq"); uerr != nil {
+		return "", "", fmt.Errorf("guest build: resolve %s: %w (apt-get update: %w)", b.meta, err, uerr)
+	}
+	pkg, version, err = b.lookupKernel(ctx)
+	if err != nil {
+		return "", "", fmt.Errorf("guest build: resolve %s: %w", b.meta, err)
+	}
+	return pkg, version, nil
+}
+
+func (b *builder) lookupKernel(ctx context.Context) (pkg, version string, err error) {
+	out, err := run(ctx, "", nil, "apt-cache", "depends", b.meta)
+	if err != nil {
+		return "", "", err
+	}
+	if pkg, err = parseDepends(out, b.meta); err != nil {
+		return "", "", err
+	}
+	out, err = run(ctx, "", nil, "apt-cache", "show", "--no-all-versions", pkg)
+	if err != nil {
+		return "", "", err
+	}
+	if version, err = parseVersion(out); err != nil {
+		return "", "", fmt.Errorf("%s: %w", pkg, err)
+	}
+	b.log.Info("kernel package resolved", "meta", b.meta, "package", pkg, "version", version)
+	return pkg, version, nil
+}
+
+// parseDepends picks the versioned kernel image out of `apt-cache depends
+// META`: the first "Depends: linux-image-..." that is not META itself.
+func parseDepends(out []byte, meta string) (string, error) {
+	sc := bufio.NewScanner(bytes.NewReader(out))
+	for sc.Scan() {
+		line := strings.TrimLeft(strings.TrimSpace(sc.Text()), "|")
+		dep, ok := strings.CutPrefix(line, "Depends:")
+		if !ok {
+			continue
+		}
+		dep = strings.TrimSpace(dep)
+		if strings.HasPrefix(dep, "linux-image-") && dep != meta && !strings.ContainsAny(dep, " <>") {
+			return dep, nil
+		}
+	}
+	return "", fmt.Errorf("no linux-image-* dependency in apt-cache depends %s", meta)
+}
+
+// parseVersion reads the Version field of `apt-cache show` output.
+func parseVersion(out []byte) (string, error) {
+	sc := bufio.NewScanner(bytes.NewReader(out))
+	for sc.Scan() {
+		if v, ok := strings.CutPrefix(sc.Text(), "Version:"); ok && strings.TrimSpace(v) != "" {
+			return strings.TrimSpace(v), nil
+		}
+	}
+	return "", errors.New("no Version in apt-cache show output")
+}
+
+// fetchKernel returns a folder holding vmlinuz and the modules of pkg at
+// version, downloading the package only if no such folder exists yet. The
+// folder is filled under a temporary name and renamed, so a folder that
+// exists is complete. Folders of other kernel versions are removed.
+func (b *builder) fetchKernel(ctx context.Context, pkg, version string) (string, error) {
+	kernels := filepath.Join(b.dir, "kernel")
+	kdir := filepath.Join(kernels, safeName(pkg+"_"+version))
+	if _, err := os.Stat(kdir); err == nil {
+		b.log.Info("kernel cached", "dir", kdir)
+		return kdir, nil
+	}
+	if err := os.MkdirAll(kernels, 0o755); err != nil {
+		return "", fmt.Errorf("guest build: %w", err)
+	}
+	tmp, err := os.MkdirTemp(kernels, ".fetch-")
+	if err != nil {
+		return "", fmt.Errorf("guest build: %w", err)
+	}
+	defer os.RemoveAll(tmp)
+
+	start := time.Now()
+	b.log.Info("downloading kernel package", "package", pkg, "version", version)
+	if _, err := run(ctx, tmp, nil, "apt-get", "download", "-qq", pkg+"="+version); err != nil {
+		return "", fmt.Errorf("guest build: download %s: %w", pkg, err)
+	}
+	debs, err := filepath.Glob(filepath.Join(tmp, "*.deb"))
+	if err != nil || len(debs) != 1 {
+		return "", fmt.Errorf("guest build: download %s: want one .deb in %s, found %d", pkg, tmp, len(debs))
+	}
+	out := filepath.Join(tmp, "out")
+	if err := os.Mkdir(out, 0o755); err != nil {
+		return "", fmt.Errorf("guest build: %w", err)
+	}
+	if err := extractKernel(ctx, debs[0], out); err != nil {
+		return "", fmt.Errorf("guest build: %s: %w", pkg, err)
+	}
+	if err := os.Rename(out, kdir); err != nil {
+		return "", fmt.Errorf("guest build: %w", err)
+	}
+	b.log.Info("kernel extracted", "dir", kdir, "took", time.Since(start).Round(time.Millisecond))
+	b.pruneKernels(kernels, kdir)
+	return kdir, nil
+}
+
+// pruneKernels removes the folders of other kernel versions; failing to is
+// only wasted disk, so it is logged, not returned.
+func (b *builder) pruneKernels(kernels, keep string) {
+	entries, err := os.ReadDir(kernels)
+	if err != nil {
+		return
+	}
+	for _, e := range entries {
+		p := filepath.Join(kernels, e.Name())
+		if p == keep || strings.HasPrefix(e.Name(), ".fetch-") {
+			continue
+		}
+		if err := os.RemoveAll(p); err != nil {
+			b.log.Warn("remove old kernel", "dir", p, "error", err)
+		}
+	}
+}
+
+func safeName(s string) string {
+	return strings.Map(func(r rune) rune {
+		if r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || strings.ContainsRune(".-_+", r) {
+			return r
+		}
+		return '_'
+	}, s)
+}
+
+// extractKernel streams the package's data archive (dpkg-deb --fsys-tarfile,
+// the same unpacking dpkg -x does) and writes only vmlinuz and the needed
+// modules into out: a full dpkg -x would write the whole module tree.
+func extractKernel(ctx context.Context, deb, out string) error {
+	cmd := exec.CommandContext(ctx, "dpkg-deb", "--fsys-tarfile", deb)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		return fmt.Errorf("dpkg-deb: %w", err)
+	}
+	if err := cmd.Start(); err != nil {
+		return fmt.Errorf("dpkg-deb: %w", err)
+	}
+	files, readErr := pickKernelFiles(stdout)
+	// Drain so dpkg-deb never dies of a broken pipe, then reap it.
+	_, _ = io.Copy(io.Discard, stdout)
+	if err := cmd.Wait(); err != nil {
+		return fmt.Errorf("dpkg-deb --fsys-tarfile %s: %w: %s", deb, err, strings.TrimSpace(stderr.String()))
+	}
+	if readErr != nil {
+		return readErr
+	}
+
+	if files.kernel == nil {
+		return errors.New("no boot/vmlinuz-* in the package")
+	}
+	if err := os.WriteFile(filepath.Join(out, KernelFile), files.kernel, 0o644); err != nil {
+		return fmt.Errorf("write kernel: %w", err)
+	}
+	builtin := parseBuiltins(files.config)
+	for _, m := range modules {
+		f, ok := files.modules[m.name]
+		if !ok {
+			if builtin[m.config] {
+				continue // built into this kernel: nothing to load
+			}
+			return fmt.Errorf("module %s not in the package and %s is not =y", m.suffix, m.config)
+		}
+		data, err := decompressModule(ctx, f.path, f.data)
+		if err != nil {
+			return err
+		}
+		if err := os.WriteFile(filepath.Join(out, m.name), data, 0o644); err != nil {
+			return fmt.Errorf("write module: %w", err)
+		}
+	}
+	return nil
+}
+
+type tarFile struct {
+	path string
+	data []byte
+}
+
+type kernelFiles struct {
+	kernel, config []byte
+	modules        map[string]tarFile
+}
+
+// pickKernelFiles reads a kernel package's data tar and keeps
+// boot/vmlinuz-*, boot/config-* and the needed modules, also when they are
+// compressed (.ko.xz, .ko.zst: newer kernels) or under usr/lib (merged /usr).
+func pickKernelFiles(r io.Reader) (kernelFiles, error) {
+	files := kernelFiles{modules: map[string]tarFile{}}
+	tr := tar.NewReader(r)
+	for {
+		h, err := tr.Next()
+		if errors.Is(err, io.EOF) {
+			return files, nil
+		}
+		if err != nil {
+			return files, fmt.Errorf("read package data: %w", err)
+		}
+		if h.Typeflag != tar.TypeReg {
+			continue
+		}
+		name := strings.TrimPrefix(path.Clean("/"+h.Name), "/")
+		var dst *[]byte
+		switch {
+		case strings.HasPrefix(name, "boot/vmlinuz-"):
+			dst = &files.kernel
+		case strings.HasPrefix(name, "boot/config-"):
+			dst = &files.config
+		default:
+			m, ok := matchModule(name)
+			if !ok {
+				continue
+			}
+			data, err := io.ReadAll(tr)
+			if err != nil {
+				return files, fmt.Errorf("read %s: %w", name, err)
+			}
+			files.modules[m.name] = tarFile{path: name, data: data}
+			continue
+		}
+		if *dst, err = io.ReadAll(tr); err != nil {
+			return files, fmt.Errorf("read %s: %w", name, err)
+		}
+	}
+}
+
+// matchModule says which needed module a package path is, if any.
+func matchModule(name string) (module, bool) {
+	rel, ok := strings.CutPrefix(name, "usr/")
+	if !ok {
+		rel = name
+	}
+	rel, ok = strings.CutPrefix(rel, "lib/modules/")
+	if !ok {
+		return module{}, false
+	}
+	_, rel, ok = strings.Cut(rel, "/") // drop the kernel version
+	if !ok {
+		return module{}, false
+	}
+	for _, m := range modules {
+		for _, ext := range []string{"", ".xz", ".zst"} {
+			if rel == m.suffix+ext {
+				return m, true
+			}
+		}
+	}
+	return module{}, false
+}
+
+// parseBuiltins returns the config symbols set to y.
+func parseBuiltins(config []byte) map[string]bool {
+	out := map[string]bool{}
+	for _, line := range strings.Split(string(config), "\n") {
+		if k, ok := strings.CutSuffix(strings.TrimSpace(line), "=y"); ok && strings.HasPrefix(k, "CONFIG_") {
+			out[k] = true
+		}
+	}
+	return out
+}
+
+// decompressModule returns a plain .ko: finit_module can take compressed
+// modules only on kernels built with in-kernel decompression, so do it here.
+func decompressModule(ctx context.Context, name string, data []byte) ([]byte, error) {
+	var tool string
+	switch {
+	case strings.HasSuffix(name, ".xz"):
+		tool = "xz"
+	case strings.HasSuffix(name, ".zst"):
+		tool = "zstd"
+	default:
+		return data, nil
+	}
+	out, err := run(ctx, "", data, tool, "-dc")
+	if err != nil {
+		return nil, fmt.Errorf("decompress %s (needs %s installed): %w", name, tool, err)
+	}
+	return out, nil
+}
+
+// buildInit compiles the init static for the guest (amd64, no cgo) with
+// reproducible flags, so unchanged sources give identical bytes and the
+// initrd is not rewritten.
+func (b *builder) buildInit(ctx context.Context) ([]byte, error) {
+	tmp, err := os.CreateTemp(b.dir, ".init-")
+	if err != nil {
+		return nil, fmt.Errorf("guest build: %w", err)
+	}
+	tmp.Close()
+	defer os.Remove(tmp.Name())
+	cmd := exec.CommandContext(ctx, b.goCmd, "build", "-trimpath", "-ldflags=-s -w -buildid=",
+		"-o", tmp.Name(), InitPackage)
+	cmd.Dir = b.moduleDir
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0", "GOOS=linux", "GOARCH=amd64")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return nil, fmt.Errorf("guest build: go build %s: %w: %s", InitPackage, err, strings.TrimSpace(string(out)))
+	}
+	data, err := os.ReadFile(tmp.Name())
+	if err != nil {
+		return nil, fmt.Errorf("guest build: %w", err)
+	}
+	return data, nil
+}
+
+// makeInitrd writes the initramfs: /init, the modules in /lib/modules,
+// mount points, and /dev/console, which the kernel opens as the init's
+// stdin/stdout/stderr before starting it.
+func makeInitrd(initBin []byte, kdir string) ([]byte, error) {
+	var buf bytes.Buffer
+	w := newCPIOWriter(&buf)
+	for _, d := range []string{"dev", "proc", "sys", "lib", "lib/modules"} {
+		if err := w.Dir(d, 0o755); err != nil {
+			return nil, err
+		}
+	}
+	if err := w.CharDev("dev/console", 0o600, 5, 1); err != nil {
+		return nil, err
+	}
+	if err := w.File("init", 0o755, initBin); err != nil {
+		return nil, err
+	}
+	for _, m := range modules {
+		data, err := os.ReadFile(filepath.Join(kdir, m.name))
+		if errors.Is(err, os.ErrNotExist) {
+			continue // built in
+		}
+		if err != nil {
+			return nil, fmt.Errorf("read module: %w", err)
+		}
+		if err := w.File("lib/modules/"+m.name, 0o644, data); err != nil {
+			return nil, err
+		}
+	}
+	if err := w.Close(); err != nil {
+		return nil, err
+	}
+	return buf.Bytes(), nil
+}
+
+// writeIfChanged replaces path with data (temp file + rename) unless it
+// already holds exactly data, so an unchanged output keeps its mtime.
+func (b *builder) writeIfChanged(p string, data []byte, perm os.FileMode) error {
+	if old, err := os.ReadFile(p); err == nil && bytes.Equal(old, data) {
+		b.log.Info("unchanged", "file", p)
+		return nil
+	}
+	tmp, err := os.CreateTemp(filepath.Dir(p), "."+filepath.Base(p)+"-")
+	if err != nil {
+		return fmt.Errorf("guest build: %w", err)
+	}
+	defer os.Remove(tmp.Name()) // fails harmlessly after the rename
+	if _, err := tmp.Write(data); err != nil {
+		tmp.Close()
+		return fmt.Errorf("guest build: write %s: %w", p, err)
+	}
+	if err := tmp.Chmod(perm); err != nil {
+		tmp.Close()
+		return fmt.Errorf("guest build: %w", err)
+	}
+	if err := tmp.Close(); err != nil {
+		return fmt.Errorf("guest build: write %s: %w", p, err)
+	}
+	if err := os.Rename(tmp.Name(), p); err != nil {
+		return fmt.Errorf("guest build: %w", err)
+	}
+	b.log.Info("written", "file", p, "bytes", len(data))
+	return nil
+}
+
+// lockDir takes an exclusive flock on dir/.lock, polling so the wait ends
+// with ctx (flock itself cannot be interrupted).
+func lockDir(ctx context.Context, dir string) (unlock func(), err error) {
+	f, err := os.OpenFile(filepath.Join(dir, ".lock"), os.O_CREATE|os.O_RDWR, 0o644)
+	if err != nil {
+		return nil, fmt.Errorf("guest build: lock: %w", err)
+	}
+	for {
+		err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
+		if err == nil {
+			return func() { f.Close() }, nil
+		}
+		if !errors.Is(err, unix.EWOULDBLOCK) {
+			f.Close()
+			return nil, fmt.Errorf("guest build: lock %s: %w", f.Name(), err)
+		}
+		select {
+		case <-ctx.Done():
+			f.Close()
+			return nil, fmt.Errorf("guest build: wait for lock %s: %w", f.Name(), ctx.Err())
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+}
+
+// run runs a command and returns its stdout; the error carries stderr.
+func run(ctx context.Context, dir string, stdin []byte, name string, args ...string) ([]byte, error) {
+	cmd := exec.CommandContext(ctx, name, args...)
+	cmd.Dir = dir
+	if stdin != nil {
+		cmd.Stdin = bytes.NewReader(stdin)
+	}
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout = &stdout
+	cmd.Stderr = &stderr
+	if err := cmd.Run(); err != nil {
+		return nil, fmt.Errorf("%s %s: %w: %s", name, strings.Join(args, " "), err, strings.TrimSpace(stderr.String()))
+	}
+	return stdout.Bytes(), nil
+}

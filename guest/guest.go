@@ -1,0 +1,30 @@
+// Package guest is vmflow's small real guest: a Debian cloud kernel and an
+// initramfs holding a static Go init (guest/init) that powers the VM off when
+// the ACPI power button is pressed. It makes the graceful step of the stop
+// ladder real in tests: QMP system_powerdown → the guest powers off → QEMU
+// exits by itself.
+//
+// The artefacts are built by package vmflow/guest/build (`make guest`). This
+// package holds only what the host side needs to drive such a guest: the
+// kernel command line and the lines the init prints on the serial console.
+package guest
+
+const (
+	// UpLine is printed on the serial console once the init has loaded the
+	// ACPI button and evdev modules and has the power button's event device
+	// open: from then on a system_powerdown is acted on, not lost.
+	UpLine = "vmflow-guest: up"
+
+	// PowerOffLine is printed when the power button press arrives, just
+	// before the init syncs and powers the machine off.
+	PowerOffLine = "vmflow-guest: power button, powering off"
+
+	// FatalPrefix starts the line the init prints before it powers off on a
+	// fatal error (PID 1 must never exit: that is a kernel panic).
+	FatalPrefix = "vmflow-guest: fatal: "
+
+	// KernelCmdline sends the console to the first serial port (what QEMU's
+	// -serial captures) and makes a kernel panic stop the guest instead of
+	// rebooting it (with -no-reboot QEMU then exits).
+	KernelCmdline = "console=ttyS0 panic=-1"
+)

@@ -1,0 +1,264 @@
+// Command init is PID 1 of vmflow's small real guest. It mounts /proc, /sys
+// and /dev, loads the kernel modules shipped in the initramfs (the ACPI
+// button and evdev drivers), says it is up on the serial console, and powers
+// the machine off when the ACPI power button is pressed, which is what QMP
+// system_powerdown does. That makes the graceful step of the host's stop
+// ladder real: the guest acts on the button and QEMU exits by itself.
+//
+// PID 1 must never exit (the kernel panics), so every fatal error is printed
+// and followed by a power-off. Built static (CGO_ENABLED=0) by
+// vmflow/guest/build; it only makes sense as /init inside the guest.
+package main
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"vmflow/guest"
+)
+
+const (
+	modulesDir  = "/lib/modules"
+	inputClass  = "/sys/class/input"
+	powerButton = "Power Button"
+
+	// findTimeout bounds the wait for the power button's input device:
+	// button.ko registers it during its init, but the event handler's
+	// device node may show up a moment later.
+	findTimeout = 10 * time.Second
+)
+
+func main() {
+	defer func() {
+		// A panic in main must not end PID 1: report it and power off.
+		if r := recover(); r != nil {
+			fatal(fmt.Errorf("panic: %v", r))
+		}
+	}()
+	if err := run(); err != nil {
+		fatal(err)
+	}
+	powerOff()
+}
+
+// run returns only when the machine should power off: nil after a power
+// button press, an error on anything that keeps the init from doing its job.
+func run() error {
+	if err := mountAll(); err != nil {
+		return err
+	}
+	ensureConsole()
+	if err := loadModules(modulesDir); err != nil {
+		return err
+	}
+	nodes, err := waitPowerButtons(inputClass, findTimeout)
+	if err != nil {
+		return err
+	}
+	pressed := make(chan error, len(nodes))
+	for _, n := range nodes {
+		f, err := os.Open(n)
+		if err != nil {
+			return fmt.Errorf("open power button %s: %w", n, err)
+		}
+		go func() { pressed <- watchPowerButton(f) }()
+	}
+	// "up" only once the button is watched: a powerdown sent after this
+	// line is never lost.
+	say(guest.UpLine)
+	if err := <-pressed; err != nil {
+		return err
+	}
+	say(guest.PowerOffLine)
+	return nil
+}
+
+func say(line string) {
+	// Errors are ignored on purpose: the console is the only place to report them.
+	_, _ = fmt.Fprintln(os.Stdout, line)
+}
+
+func fatal(err error) {
+	say(guest.FatalPrefix + err.Error())
+	powerOff()
+}
+
+// powerOff never returns: if the reboot syscall fails there is nothing left
+// to do but idle, since exiting would panic the kernel.
+func powerOff() {
+	unix.Sync()
+	if err := unix.Reboot(unix.LINUX_REBOOT_CMD_POWER_OFF); err != nil {
+		say(guest.FatalPrefix + "power off: " + err.Error())
+	}
+	for {
+		// A sleeping loop, not select{}: with every goroutine blocked the Go
+		// runtime would abort with "all goroutines are asleep", ending PID 1.
+		time.Sleep(time.Hour)
+	}
+}
+
+// mountAll mounts the pseudo filesystems the init reads. The Debian kernel has
+// CONFIG_DEVTMPFS_MOUNT off, so /dev is mounted here. EBUSY means it is
+// already mounted, which is fine.
+func mountAll() error {
+	for _, m := range []struct{ src, dir, fstype string }{
+		{"proc", "/proc", "proc"},
+		{"sysfs", "/sys", "sysfs"},
+		{"devtmpfs", "/dev", "devtmpfs"},
+	} {
+		if err := os.MkdirAll(m.dir, 0o755); err != nil {
+			return fmt.Errorf("mkdir %s: %w", m.dir, err)
+		}
+		err := unix.Mount(m.src, m.dir, m.fstype, unix.MS_NOSUID|unix.MS_NOEXEC, "")
+		if err != nil && !errors.Is(err, unix.EBUSY) {
+			return fmt.Errorf("mount %s on %s: %w", m.fstype, m.dir, err)
+		}
+	}
+	return nil
+}
+
+// ensureConsole gives the init a stdout if the kernel could not open
+// /dev/console before starting it ("Warning: unable to open an initial
+// console"): the initramfs has the node, but be robust if it is lost.
+func ensureConsole() {
+	var st unix.Stat_t
+	if unix.Fstat(1, &st) == nil {
+		return
+	}
+	fd, err := unix.Open("/dev/console", unix.O_RDWR|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return
+	}
+	for _, target := range []int{0, 1, 2} {
+		_ = unix.Dup3(fd, target, 0)
+	}
+	_ = unix.Close(fd)
+}
+
+// loadModules loads every *.ko in dir, in name order. EEXIST means the
+// module is already there (built in, or loaded): not an error.
+func loadModules(dir string) error {
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		if errors.Is(err, os.ErrNotExist) {
+			return nil
+		}
+		return fmt.Errorf("read %s: %w", dir, err)
+	}
+	for _, e := range entries {
+		if e.IsDir() || !strings.HasSuffix(e.Name(), ".ko") {
+			continue
+		}
+		if err := loadModule(filepath.Join(dir, e.Name())); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func loadModule(path string) error {
+	f, err := os.Open(path)
+	if err != nil {
+		return fmt.Errorf("open module %s: %w", path, err)
+	}
+	defer f.Close()
+	if err := unix.FinitModule(int(f.Fd()), "", 0); err != nil && !errors.Is(err, unix.EEXIST) {
+		return fmt.Errorf("load module %s: %w", path, err)
+	}
+	return nil
+}
+
+// waitPowerButtons polls until at least one input device named "Power
+// Button" has an event node, and returns the nodes' paths.
+func waitPowerButtons(class string, timeout time.Duration) ([]string, error) {
+	deadline := time.Now().Add(timeout)
+	for {
+		nodes, err := findPowerButtons(class)
+		if err != nil {
+			return nil, err
+		}
+		if len(nodes) > 0 {
+			return nodes, nil
+		}
+		if time.Now().After(deadline) {
+			return nil, fmt.Errorf("no %q input device with an event node under %s after %s", powerButton, class, timeout)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// findPowerButtons returns the /dev/input/eventN node of every event handler
+// whose input device is named "Power Button" (ACPI may register two: the
+// fixed-feature LNXPWRBN and a PNP0C0C device). A node devtmpfs has not made
+// yet is created from the handler's dev file.
+func findPowerButtons(class string) ([]string, error) {
+	events, err := filepath.Glob(filepath.Join(class, "event*"))
+	if err != nil {
+		return nil, fmt.Errorf("glob %s: %w", class, err)
+	}
+	sort.Strings(events)
+	var nodes []string
+	for _, ev := range events {
+		name, err := os.ReadFile(filepath.Join(ev, "device", "name"))
+		if err != nil || strings.TrimSpace(string(name)) != powerButton {
+			continue
+		}
+		dev, err := os.ReadFile(filepath.Join(ev, "dev"))
+		if err != nil {
+			continue // the handler is going away or not ready: try again later
+		}
+		major, minor, err := parseDevNumber(string(dev))
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", ev, err)
+		}
+		node := filepath.Join("/dev/input", filepath.Base(ev))
+		if err := ensureCharNode(node, major, minor); err != nil {
+			return nil, err
+		}
+		nodes = append(nodes, node)
+	}
+	return nodes, nil
+}
+
+func ensureCharNode(path string, major, minor uint32) error {
+	if _, err := os.Stat(path); err == nil {
+		return nil
+	}
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return fmt.Errorf("mkdir %s: %w", filepath.Dir(path), err)
+	}
+	err := unix.Mknod(path, unix.S_IFCHR|0o600, int(unix.Mkdev(major, minor)))
+	if err != nil && !errors.Is(err, unix.EEXIST) {
+		return fmt.Errorf("mknod %s %d:%d: %w", path, major, minor, err)
+	}
+	return nil
+}
+
+// watchPowerButton reads input events until a power key press arrives
+// (nil) or the device fails (an error).
+func watchPowerButton(f *os.File) error {
+	defer f.Close()
+	buf := make([]byte, 64*eventSize)
+	var pending int
+	for {
+		n, err := f.Read(buf[pending:])
+		if err != nil {
+			return fmt.Errorf("read %s: %w", f.Name(), err)
+		}
+		events, rest := parseEvents(buf[:pending+n])
+		for _, ev := range events {
+			if ev.isPowerPress() {
+				return nil
+			}
+		}
+		// evdev hands out whole events; keep a partial tail just in case.
+		pending = copy(buf, rest)
+	}
+}
