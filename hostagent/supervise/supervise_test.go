@@ -11,6 +11,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/vmm"
@@ -235,7 +236,9 @@ func TestAgentKilledBetweenForkAndQMP(t *testing.T) {
 		adoptOnCleanup(t, qemu)
 		a.kill9(t)
 		require.NoError(t, proc.Signal(qemu, 9))
-		reapAdopted(t, qemu)
+		// Not reaped yet: an unreaped zombie (as on a host whose PID 1
+		// does not reap) still matches the identity but is gone.
+		require.Eventually(t, func() bool { return !proc.Inspect(qemu).Alive }, 10*time.Second, 5*time.Millisecond)
 
 		sup := e.newSupervisor(nil)
 		rep, err := sup.Start(ctxT(t, 30*time.Second))
@@ -246,6 +249,7 @@ func TestAgentKilledBetweenForkAndQMP(t *testing.T) {
 		assert.Nil(t, rec.GetProcess(), "pid cleared")
 		p, _ := e.st.Paths("vm1")
 		assertNoFile(t, p.Socket)
+		reapAdopted(t, qemu)
 		assertNoZombieChildren(t)
 	})
 }
@@ -449,4 +453,31 @@ func TestStartNeverSignalsMismatchedPid(t *testing.T) {
 	_, exited := stranger.Exit()
 	assert.False(t, exited, "the stranger was not signalled")
 	assert.True(t, proc.Inspect(stranger.Identity()).Alive)
+}
+
+func TestStopResumesFromRecordedStep(t *testing.T) {
+	e := newEnv(t)
+	sup := e.newSupervisor(nil)
+	spec := e.create("vm1", "", 0)
+	_, err := sup.Launch(ctxT(t, 30*time.Second), "vm1", spec)
+	require.NoError(t, err)
+	require.NoError(t, e.st.MarkManualStop(ctxT(t, 5*time.Second), "vm1"))
+	// A previous agent pressed the power button an hour ago and died.
+	_, err = e.st.Update(ctxT(t, 5*time.Second), "vm1", func(r *vmflowv1.InstanceRecord) error {
+		r.StopStep = vmflowv1.StopStep_STOP_STEP_POWERDOWN_SENT
+		r.StopStepAt = timestamppb.New(time.Now().Add(-time.Hour))
+		return nil
+	})
+	require.NoError(t, err)
+
+	start := time.Now()
+	res, err := sup.Stop(ctxT(t, 30*time.Second), "vm1", time.Minute)
+	require.NoError(t, err)
+	assert.Less(t, time.Since(start), 10*time.Second, "the graceful time was used up before the restart")
+	assert.Equal(t, vmm.StepPowerdownSent, res.ResumedFrom)
+	require.NotEmpty(t, res.Steps)
+	assert.Equal(t, "resumed", res.Steps[0].Via, "the button is not pressed again")
+	assert.Equal(t, vmm.StepQuitSent, res.Steps[1].Step)
+	assert.Equal(t, stepGone, e.get("vm1").GetStopStep())
+	assertNoZombieChildren(t)
 }
