@@ -45,6 +45,14 @@ qemu:
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends qemu-system-x86; \
 	fi
 
+## guest: the small real guest (Debian cloud kernel via apt-get download +
+# dpkg-deb, initramfs with the Go init of guest/init) into GUEST_DIR. Reuses
+# the download; rewrites outputs only when their content changes.
+GUEST_DIR ?= $(CURDIR)/.cache/guest
+.PHONY: guest
+guest:
+	$(GO) run ./guest/cmd/mkguest -dir "$(GUEST_DIR)"
+
 $(STATICCHECK):
 	$(GO) install honnef.co/go/tools/cmd/staticcheck@$(STATICCHECK_VERSION)
 
