@@ -15,7 +15,6 @@ import (
 	"go.temporal.io/sdk/client"
 	"go.temporal.io/sdk/worker"
 	"go.uber.org/zap"
-	"go.uber.org/zap/zapcore"
 
 	"vmflow/internal/tclient"
 	"vmflow/workflows"
@@ -34,7 +33,7 @@ func run() int {
 		fmt.Fprintln(os.Stderr, "vmflow-worker:", err)
 		return 2
 	}
-	log, err := newLogger(cfg.LogLevel)
+	log, err := tclient.NewLogger(cfg.LogLevel)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "vmflow-worker:", err)
 		return 2
@@ -91,16 +90,4 @@ func run() int {
 	log.Info("stopping worker")
 	w.Stop()
 	return 0
-}
-
-func newLogger(level string) (*zap.Logger, error) {
-	lvl, err := zapcore.ParseLevel(level)
-	if err != nil {
-		return nil, fmt.Errorf("--log-level: %w", err)
-	}
-	zc := zap.NewProductionConfig()
-	zc.Level = zap.NewAtomicLevelAt(lvl)
-	zc.EncoderConfig.TimeKey = "ts"
-	zc.EncoderConfig.EncodeTime = zapcore.ISO8601TimeEncoder
-	return zc.Build()
 }

@@ -7,6 +7,7 @@ import (
 
 	"go.temporal.io/sdk/log"
 	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
 )
 
 // Log keys vmflow uses everywhere, in its own logs and in the SDK's (the
@@ -152,4 +153,18 @@ func snakeCase(s string) string {
 		b.WriteRune(r)
 	}
 	return b.String()
+}
+
+// NewLogger is the zap JSON logger both binaries write with: ISO 8601
+// times under "ts", the level given by --log-level.
+func NewLogger(level string) (*zap.Logger, error) {
+	lvl, err := zapcore.ParseLevel(level)
+	if err != nil {
+		return nil, fmt.Errorf("--log-level: %w", err)
+	}
+	zc := zap.NewProductionConfig()
+	zc.Level = zap.NewAtomicLevelAt(lvl)
+	zc.EncoderConfig.TimeKey = "ts"
+	zc.EncoderConfig.EncodeTime = zapcore.ISO8601TimeEncoder
+	return zc.Build()
 }

@@ -95,3 +95,12 @@ func TestSnakeCase(t *testing.T) {
 	}
 	assert.Equal(t, KeyActivity, LogKey("ActivityType"))
 }
+
+func TestNewLogger(t *testing.T) {
+	l, err := NewLogger("warn")
+	require.NoError(t, err)
+	assert.False(t, l.Core().Enabled(zap.InfoLevel))
+	assert.True(t, l.Core().Enabled(zap.WarnLevel))
+	_, err = NewLogger("loud")
+	assert.Error(t, err)
+}
