@@ -540,7 +540,7 @@ func (b *builder) buildInit(ctx context.Context) ([]byte, error) {
 	}
 	tmp.Close()
 	defer os.Remove(tmp.Name())
-	cmd := exec.CommandContext(ctx, b.goCmd, "build", "-trimpath", "-ldflags=-s -w -buildid=",
+	cmd := exec.CommandContext(ctx, b.goCmd, "build", "-trimpath", "-buildvcs=false", "-ldflags=-s -w -buildid=",
 		"-o", tmp.Name(), InitPackage)
 	cmd.Dir = b.moduleDir
 	cmd.Env = append(os.Environ(), "CGO_ENABLED=0", "GOOS=linux", "GOARCH=amd64")
