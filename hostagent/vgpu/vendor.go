@@ -1,0 +1,303 @@
+package vgpu
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+)
+
+// VendorDriver drives NVIDIA's SR-IOV "vendor VFIO" vGPUs (vGPU 17+):
+// bus/pci/devices/<vf>/nvidia/{creatable_vgpu_types,current_vgpu_type}.
+// A vGPU is a VF with a non-zero current_vgpu_type; sysfs keeps no UUID for
+// it, so Device.ID is the VF's address.
+type VendorDriver struct {
+	root     string
+	lock     *hostLock
+	releases *releases
+}
+
+var _ Driver = (*VendorDriver)(nil)
+
+// NewVendor returns a vendor-VFIO driver; cfg.Kind is ignored.
+func NewVendor(cfg Config) *VendorDriver {
+	cfg = cfg.withDefaults()
+	return &VendorDriver{root: cfg.SysfsRoot, lock: newHostLock(cfg.StateDir), releases: newReleases(cfg.OnReleaseDone)}
+}
+
+// Kind implements Driver.
+func (d *VendorDriver) Kind() Kind { return KindVendor }
+
+func (d *VendorDriver) vfDir(vf string) string {
+	return filepath.Join(d.root, "bus", "pci", "devices", vf)
+}
+
+// QEMUDeviceArg implements Driver. The guest also needs -uuid dev.UUID.
+func (d *VendorDriver) QEMUDeviceArg(dev Device) string {
+	return "vfio-pci,sysfsdev=" + d.vfDir(dev.ID)
+}
+
+type vendorType struct {
+	id   int
+	name string
+}
+
+// vfState is one VF as sysfs shows it now.
+type vfState struct {
+	addr, parent string
+	current      int          // 0 when free
+	creatable    []vendorType // empty while in use
+}
+
+// parseCreatable reads "ID : name" lines; the header and anything else
+// without a numeric id is skipped.
+func parseCreatable(s string) []vendorType {
+	var out []vendorType
+	for _, line := range strings.Split(s, "\n") {
+		left, right, ok := strings.Cut(line, ":")
+		if !ok {
+			continue
+		}
+		id, err := strconv.Atoi(strings.TrimSpace(left))
+		if err != nil || id <= 0 {
+			continue
+		}
+		out = append(out, vendorType{id: id, name: strings.TrimSpace(right)})
+	}
+	return out
+}
+
+// scan reads every VF that has NVIDIA's vendor files.
+func (d *VendorDriver) scan(ctx context.Context) ([]vfState, error) {
+	ents, err := os.ReadDir(filepath.Join(d.root, "bus", "pci", "devices"))
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("vgpu: list PCI devices: %w", err)
+	}
+	var out []vfState
+	for _, e := range ents {
+		if err := ctx.Err(); err != nil {
+			return nil, fmt.Errorf("vgpu: scan VFs: %w", err)
+		}
+		vf, err := d.readVF(e.Name())
+		if errors.Is(err, os.ErrNotExist) {
+			continue // not a vGPU-capable VF (or it went away)
+		}
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, vf)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].addr < out[j].addr })
+	return out, nil
+}
+
+func (d *VendorDriver) readVF(addr string) (vfState, error) {
+	dir := d.vfDir(addr)
+	cr, err := os.ReadFile(filepath.Join(dir, "nvidia", "creatable_vgpu_types"))
+	if err != nil {
+		return vfState{}, err
+	}
+	cur, err := d.current(addr)
+	if err != nil {
+		return vfState{}, err
+	}
+	parent := addr
+	if pf, err := os.Readlink(filepath.Join(dir, "physfn")); err == nil {
+		parent = filepath.Base(pf)
+	}
+	return vfState{addr: addr, parent: parent, current: cur, creatable: parseCreatable(string(cr))}, nil
+}
+
+func (d *VendorDriver) current(vf string) (int, error) {
+	s, err := readAttr(filepath.Join(d.vfDir(vf), "nvidia", "current_vgpu_type"))
+	if err != nil {
+		return 0, err
+	}
+	n, err := strconv.Atoi(s)
+	if err != nil {
+		return 0, fmt.Errorf("vgpu: VF %s: current_vgpu_type %q: %w", vf, s, err)
+	}
+	return n, nil
+}
+
+// typeNames maps type ids to names from every VF's creatable list.
+func typeNames(vfs []vfState) map[int]string {
+	names := map[int]string{}
+	for _, vf := range vfs {
+		for _, t := range vf.creatable {
+			names[t.id] = t.name
+		}
+	}
+	return names
+}
+
+func vendorProfiles(vfs []vfState) []Profile {
+	type key struct {
+		parent string
+		id     int
+	}
+	names := typeNames(vfs)
+	used := map[string]int{}
+	avail := map[key]int{}
+	for _, vf := range vfs {
+		if vf.current != 0 {
+			used[vf.parent]++
+			avail[key{vf.parent, vf.current}] += 0 // listed, even when full
+			continue
+		}
+		for _, t := range vf.creatable {
+			avail[key{vf.parent, t.id}]++
+		}
+	}
+	var out []Profile
+	for k, n := range avail {
+		out = append(out, Profile{Name: names[k.id], TypeID: strconv.Itoa(k.id), Parent: k.parent, Available: n, Used: used[k.parent]})
+	}
+	sortProfiles(out)
+	return out
+}
+
+// Profiles implements Driver.
+func (d *VendorDriver) Profiles(ctx context.Context) ([]Profile, error) {
+	vfs, err := d.scan(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return vendorProfiles(vfs), nil
+}
+
+// Devices implements Driver.
+func (d *VendorDriver) Devices(ctx context.Context) ([]Device, error) {
+	vfs, err := d.scan(ctx)
+	if err != nil {
+		return nil, err
+	}
+	names := typeNames(vfs)
+	var out []Device
+	for _, vf := range vfs {
+		if vf.current == 0 {
+			continue
+		}
+		out = append(out, Device{Kind: KindVendor, ID: vf.addr, Profile: names[vf.current], TypeID: strconv.Itoa(vf.current), Parent: vf.parent})
+	}
+	return out, nil
+}
+
+// Create implements Driver: writes the type id to a free VF's
+// current_vgpu_type and reads it back.
+func (d *VendorDriver) Create(ctx context.Context, req CreateRequest) (Device, error) {
+	id, err := canonicalUUID(req.UUID)
+	if err != nil {
+		return Device{}, fmt.Errorf("vgpu: create vendor vGPU: %w", err)
+	}
+	unlock, err := d.lock.lock(ctx)
+	if err != nil {
+		return Device{}, err
+	}
+	defer unlock()
+
+	var pl Placement
+	if req.At != nil {
+		pl = *req.At
+		if !pciAddr.MatchString(pl.VF) {
+			return Device{}, fmt.Errorf("vgpu: create vendor vGPU %s at %+v: %w", id, pl, ErrInvalid)
+		}
+	} else {
+		vfs, err := d.scan(ctx)
+		if err != nil {
+			return Device{}, err
+		}
+		pl, err = place(vendorProfiles(vfs), req.Profile)
+		if err != nil {
+			return Device{}, fmt.Errorf("vgpu: create vendor vGPU %s: %w", id, err)
+		}
+		pl.VF = freeVF(vfs, pl)
+		if pl.VF == "" { // cannot happen: Available counted such a VF
+			return Device{}, fmt.Errorf("vgpu: create vendor vGPU %s: profile %q: %w", id, req.Profile, ErrNoCapacity)
+		}
+	}
+	typeID, err := strconv.Atoi(pl.TypeID)
+	if err != nil || typeID <= 0 {
+		return Device{}, fmt.Errorf("vgpu: create vendor vGPU %s: type %q: %w", id, pl.TypeID, ErrInvalid)
+	}
+	dev := Device{Kind: KindVendor, ID: pl.VF, UUID: id, Profile: pl.Profile, TypeID: pl.TypeID, Parent: pl.Parent}
+
+	if req.At != nil {
+		// Finishing a recorded intent: the VF may already be ours.
+		if cur, err := d.current(pl.VF); err == nil && cur == typeID {
+			d.releases.forget(dev)
+			return dev, nil
+		}
+	}
+	if req.Intent != nil {
+		if err := req.Intent(pl); err != nil {
+			return Device{}, fmt.Errorf("vgpu: create vendor vGPU %s: intent: %w", id, err)
+		}
+	}
+	path := filepath.Join(d.vfDir(pl.VF), "nvidia", "current_vgpu_type")
+	if err := writeAttr(path, pl.TypeID+"\n"); err != nil {
+		return Device{}, fmt.Errorf("vgpu: create vendor vGPU %s on %s type %s: %w", id, pl.VF, pl.TypeID, err)
+	}
+	cur, err := d.current(pl.VF)
+	if err != nil {
+		return Device{}, fmt.Errorf("vgpu: create vendor vGPU %s on %s: read back: %w", id, pl.VF, err)
+	}
+	if cur != typeID {
+		return Device{}, fmt.Errorf("vgpu: create vendor vGPU %s on %s: current_vgpu_type is %d after writing %d: %w", id, pl.VF, cur, typeID, ErrDeviceMismatch)
+	}
+	d.releases.forget(dev)
+	return dev, nil
+}
+
+// freeVF is the first free VF on pl.Parent that offers pl.TypeID.
+func freeVF(vfs []vfState, pl Placement) string {
+	for _, vf := range vfs {
+		if vf.parent != pl.Parent || vf.current != 0 {
+			continue
+		}
+		for _, t := range vf.creatable {
+			if strconv.Itoa(t.id) == pl.TypeID {
+				return vf.addr
+			}
+		}
+	}
+	return ""
+}
+
+// Release implements Driver: writes 0 to current_vgpu_type. A VF already at
+// 0, or gone, is success; a VF running a type other than dev.TypeID is left
+// alone (ErrDeviceMismatch). ctx bounds the wait only.
+func (d *VendorDriver) Release(ctx context.Context, dev Device) error {
+	if !pciAddr.MatchString(dev.ID) {
+		return fmt.Errorf("vgpu: release vendor vGPU %q: %w", dev.ID, ErrInvalid)
+	}
+	dev.Kind = KindVendor
+	vf := dev.ID
+	err := d.releases.do(ctx, dev, func() error {
+		cur, err := d.current(vf)
+		if errors.Is(err, os.ErrNotExist) {
+			return nil // VF gone
+		}
+		if err != nil {
+			return err
+		}
+		if cur == 0 {
+			return nil // already released
+		}
+		if dev.TypeID != "" && strconv.Itoa(cur) != dev.TypeID {
+			return fmt.Errorf("VF runs type %d, not %s: %w", cur, dev.TypeID, ErrDeviceMismatch)
+		}
+		return writeAttr(filepath.Join(d.vfDir(vf), "nvidia", "current_vgpu_type"), "0\n")
+	})
+	if err != nil {
+		return fmt.Errorf("vgpu: release vendor vGPU on %s: %w", vf, err)
+	}
+	return nil
+}

@@ -1,0 +1,228 @@
+// Package vgpu creates and releases vGPUs through the kernel's sysfs files:
+// mdev (up to Ampere) and NVIDIA's SR-IOV "vendor VFIO" (vGPU 17+, Ada and
+// Hopper). Drivers do plain file I/O under a sysfs root (/sys in
+// production, a vgpusim mount in tests) and have no other seams, so the code
+// that runs in tests is the code that runs on hardware.
+//
+// The Driver interface is deliberately small so that the claim layer (write
+// the intent to the instance record, refuse a release while the VM or a
+// VFIO holder lives, reconcile) can wrap it: CreateRequest.Intent runs
+// under the host lock after placement and before the device exists, and
+// Config.OnReleaseDone reports the outcome of every release write, including
+// those that finished after every caller stopped waiting.
+package vgpu
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"syscall"
+
+	"github.com/google/uuid"
+)
+
+// Kind names a vGPU sysfs ABI.
+type Kind string
+
+// The two ABIs.
+const (
+	KindMdev   Kind = "mdev"
+	KindVendor Kind = "vendor"
+)
+
+// Defaults for Config.
+const (
+	DefaultSysfsRoot = "/sys"
+	DefaultStateDir  = "/var/lib/vmflow"
+)
+
+// Profile is one vGPU type on one physical GPU.
+type Profile struct {
+	// Name is exactly as the hardware names it: an mdev type's name file
+	// ("GRID A100-4C") or the name half of a vendor "ID : name" line
+	// ("NVIDIA L40-4Q").
+	Name string `json:"name"`
+	// TypeID is the mdev type directory ("nvidia-471") or the vendor type
+	// id ("592").
+	TypeID string `json:"type_id"`
+	// Parent is the physical GPU's PCI address (for vendor VFIO, the PF).
+	Parent string `json:"parent"`
+	// Available is the free capacity on Parent: available_instances for
+	// mdev; for vendor VFIO the number of free VFs that list the type (an
+	// upper bound: the GPU's own limits apply at creation).
+	Available int `json:"available"`
+	// Used counts the vGPUs of any type on Parent; placement prefers the
+	// least used parent.
+	Used int `json:"used"`
+}
+
+// Placement is where a device will be created.
+type Placement struct {
+	Profile string `json:"profile"`
+	TypeID  string `json:"type_id"`
+	Parent  string `json:"parent"`
+	// VF is the virtual function (vendor VFIO only).
+	VF string `json:"vf,omitempty"`
+}
+
+// Device is a created vGPU.
+type Device struct {
+	Kind Kind `json:"kind"`
+	// ID names the device on this host: the mdev UUID, or the VF's PCI
+	// address for vendor VFIO.
+	ID string `json:"id"`
+	// UUID is the vGPU's UUID: the mdev's own, or for vendor VFIO the one
+	// the caller chose (sysfs does not hold it; QEMU needs it as -uuid).
+	UUID    string `json:"uuid,omitempty"`
+	Profile string `json:"profile,omitempty"`
+	TypeID  string `json:"type_id,omitempty"`
+	Parent  string `json:"parent,omitempty"`
+}
+
+// CreateRequest asks for one vGPU.
+type CreateRequest struct {
+	// Profile is the hardware's name for the type ("GRID A100-4C").
+	Profile string
+	// UUID identifies the vGPU (mdev: its name in sysfs).
+	UUID string
+	// At pins the placement (a recorded intent being finished after a
+	// crash); nil lets the driver choose the least used parent.
+	At *Placement
+	// Intent, if set, is called under the host lock once the placement is
+	// chosen and before the device is created: the place to write the
+	// claim ahead. Its error aborts the create.
+	Intent func(Placement) error
+}
+
+// Driver creates, lists and releases vGPUs of one Kind.
+type Driver interface {
+	Kind() Kind
+	// Profiles lists every type on every parent with its free capacity.
+	Profiles(ctx context.Context) ([]Profile, error)
+	// Devices lists the vGPUs that exist now.
+	Devices(ctx context.Context) ([]Device, error)
+	// Create places and creates a vGPU under the host-wide lock.
+	Create(ctx context.Context, req CreateRequest) (Device, error)
+	// Release removes a vGPU. "Already gone" is success. ctx bounds the
+	// wait, not the write: see ReleaseInProgressError.
+	Release(ctx context.Context, dev Device) error
+	// QEMUDeviceArg is the value of QEMU's -device option for dev.
+	QEMUDeviceArg(dev Device) string
+}
+
+// Errors callers branch on. Kernel errnos stay reachable too:
+// errors.Is(err, syscall.EBUSY) works on every error from this package.
+var (
+	// ErrReleaseInProgress: a release write is still running (modern
+	// kernels block mdev remove while a VFIO user holds the device). Retry.
+	ErrReleaseInProgress = errors.New("vgpu: release in progress")
+	// ErrNoCapacity: no parent can take another vGPU of the profile.
+	ErrNoCapacity = errors.New("vgpu: no capacity")
+	// ErrUnknownProfile: no parent offers a type with that name.
+	ErrUnknownProfile = errors.New("vgpu: unknown profile")
+	// ErrDeviceMismatch: the device in sysfs is not the one described (a
+	// vendor VF now runs another type), so it is left alone.
+	ErrDeviceMismatch = errors.New("vgpu: device mismatch")
+	// ErrInvalid: a malformed UUID, PCI address or request.
+	ErrInvalid = errors.New("vgpu: invalid argument")
+)
+
+// Retryable reports whether err is worth retrying later as is: a release
+// still in flight, or a kernel "busy / try again" errno.
+func Retryable(err error) bool {
+	return errors.Is(err, ErrReleaseInProgress) ||
+		errors.Is(err, syscall.EBUSY) ||
+		errors.Is(err, syscall.EAGAIN) ||
+		errors.Is(err, syscall.EINTR)
+}
+
+// Errno returns the kernel errno inside err, if any.
+func Errno(err error) (syscall.Errno, bool) {
+	var e syscall.Errno
+	if errors.As(err, &e) {
+		return e, true
+	}
+	return 0, false
+}
+
+// Config configures a driver.
+type Config struct {
+	// SysfsRoot is where sysfs is mounted (default /sys).
+	SysfsRoot string
+	// StateDir holds the host-wide placement lock file (default
+	// /var/lib/vmflow).
+	StateDir string
+	// Kind forces an ABI; empty detects it (see Detect).
+	Kind Kind
+	// OnReleaseDone is called once for every release write when it
+	// returns, with its outcome (nil on success), from the goroutine that
+	// made the write. It must not block for long. It lets a later layer
+	// record the outcome even when every caller stopped waiting.
+	OnReleaseDone func(dev Device, err error)
+}
+
+func (c Config) withDefaults() Config {
+	if c.SysfsRoot == "" {
+		c.SysfsRoot = DefaultSysfsRoot
+	}
+	if c.StateDir == "" {
+		c.StateDir = DefaultStateDir
+	}
+	return c
+}
+
+// Detect picks the ABI of the host under sysfsRoot: mdev when
+// class/mdev_bus has parents, vendor VFIO otherwise.
+func Detect(sysfsRoot string) (Kind, error) {
+	if sysfsRoot == "" {
+		sysfsRoot = DefaultSysfsRoot
+	}
+	ents, err := os.ReadDir(filepath.Join(sysfsRoot, "class", "mdev_bus"))
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		return "", fmt.Errorf("vgpu: detect: %w", err)
+	}
+	if len(ents) > 0 {
+		return KindMdev, nil
+	}
+	return KindVendor, nil
+}
+
+// New returns the driver for cfg.Kind, detecting it when empty.
+func New(cfg Config) (Driver, error) {
+	cfg = cfg.withDefaults()
+	kind := cfg.Kind
+	if kind == "" {
+		k, err := Detect(cfg.SysfsRoot)
+		if err != nil {
+			return nil, err
+		}
+		kind = k
+	}
+	switch kind {
+	case KindMdev:
+		return NewMdev(cfg), nil
+	case KindVendor:
+		return NewVendor(cfg), nil
+	default:
+		return nil, fmt.Errorf("vgpu: kind %q: %w", kind, ErrInvalid)
+	}
+}
+
+// pciAddr is a PCI address as sysfs names it; checked before it becomes
+// part of a path.
+var pciAddr = regexp.MustCompile(`^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$`)
+
+// canonicalUUID returns the lower-case canonical form, as sysfs names mdevs.
+func canonicalUUID(s string) (string, error) {
+	if len(s) != 36 {
+		return "", fmt.Errorf("uuid %q: %w", s, ErrInvalid)
+	}
+	u, err := uuid.Parse(s)
+	if err != nil {
+		return "", fmt.Errorf("uuid %q: %w: %w", s, ErrInvalid, err)
+	}
+	return u.String(), nil
+}

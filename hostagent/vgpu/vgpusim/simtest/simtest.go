@@ -1,0 +1,82 @@
+// Package simtest mounts a vgpusim file system for a test and unmounts it
+// when the test ends, pass or fail.
+package simtest
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"syscall"
+	"testing"
+
+	"vmflow/hostagent/vgpu/vgpusim"
+)
+
+// RequiresFUSE skips t when this machine has no /dev/fuse. CI has it, so
+// nothing is skipped there.
+func RequiresFUSE(t testing.TB) {
+	t.Helper()
+	f, err := os.OpenFile("/dev/fuse", os.O_RDWR, 0)
+	if errors.Is(err, os.ErrNotExist) || errors.Is(err, syscall.ENODEV) {
+		t.Skipf("skipping: /dev/fuse is missing (%v); the vGPU simulator needs FUSE", err)
+	}
+	if err != nil {
+		t.Skipf("skipping: /dev/fuse cannot be opened (%v); the vGPU simulator needs FUSE as root", err)
+	}
+	f.Close()
+}
+
+// Sim is a mounted simulator.
+type Sim struct {
+	Root    string // the sysfs root (mount point)
+	Control string // the fault-injection directory
+	Server  *vgpusim.Server
+}
+
+// Start mounts a simulator in a fresh temporary directory. opts.Control is
+// replaced by a fresh directory too.
+func Start(t testing.TB, opts vgpusim.Options) *Sim {
+	t.Helper()
+	RequiresFUSE(t)
+	dir := t.TempDir()
+	s := &Sim{Root: filepath.Join(dir, "sys"), Control: filepath.Join(dir, "ctl")}
+	for _, d := range []string{s.Root, s.Control} {
+		if err := os.Mkdir(d, 0o755); err != nil {
+			t.Fatalf("simtest: %v", err)
+		}
+	}
+	opts.Control = s.Control
+	srv, err := vgpusim.Mount(s.Root, opts)
+	if err != nil {
+		t.Fatalf("simtest: %v", err)
+	}
+	s.Server = srv
+	// Registered after TempDir's cleanup, so it runs before the removal.
+	t.Cleanup(func() {
+		if err := srv.Unmount(); err != nil {
+			t.Errorf("simtest: %v", err)
+		}
+	})
+	return s
+}
+
+// Path joins elements under the sysfs root.
+func (s *Sim) Path(elem ...string) string {
+	return filepath.Join(append([]string{s.Root}, elem...)...)
+}
+
+// Set creates control file name (vgpusim.CtlFailRelease, ...) holding content.
+func (s *Sim) Set(t testing.TB, name, content string) {
+	t.Helper()
+	if err := os.WriteFile(filepath.Join(s.Control, name), []byte(content+"\n"), 0o644); err != nil {
+		t.Fatalf("simtest: %v", err)
+	}
+}
+
+// Clear removes control file name.
+func (s *Sim) Clear(t testing.TB, name string) {
+	t.Helper()
+	if err := os.Remove(filepath.Join(s.Control, name)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("simtest: %v", err)
+	}
+}
