@@ -9,6 +9,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"sync"
 )
 
 // VendorDriver drives NVIDIA's SR-IOV "vendor VFIO" vGPUs (vGPU 17+):
@@ -19,6 +20,12 @@ type VendorDriver struct {
 	root     string
 	lock     *hostLock
 	releases *releases
+
+	// names remembers type names seen in creatable_vgpu_types: a type
+	// drops out of every list once the GPU is full of it, and a busy VF
+	// lists nothing, yet its devices still need their profile name.
+	mu    sync.Mutex
+	names map[int]string
 }
 
 var _ Driver = (*VendorDriver)(nil)
@@ -26,7 +33,7 @@ var _ Driver = (*VendorDriver)(nil)
 // NewVendor returns a vendor-VFIO driver; cfg.Kind is ignored.
 func NewVendor(cfg Config) *VendorDriver {
 	cfg = cfg.withDefaults()
-	return &VendorDriver{root: cfg.SysfsRoot, lock: newHostLock(cfg.StateDir), releases: newReleases(cfg.OnReleaseDone)}
+	return &VendorDriver{root: cfg.SysfsRoot, lock: newHostLock(cfg.StateDir), releases: newReleases(cfg.OnReleaseDone), names: map[int]string{}}
 }
 
 // Kind implements Driver.
@@ -127,29 +134,36 @@ func (d *VendorDriver) current(vf string) (int, error) {
 	return n, nil
 }
 
-// typeNames maps type ids to names from every VF's creatable list.
-func typeNames(vfs []vfState) map[int]string {
-	names := map[int]string{}
+// typeNames maps type ids to names from every VF's creatable list and the
+// names seen before.
+func (d *VendorDriver) typeNames(vfs []vfState) map[int]string {
+	d.mu.Lock()
+	defer d.mu.Unlock()
 	for _, vf := range vfs {
 		for _, t := range vf.creatable {
-			names[t.id] = t.name
+			d.names[t.id] = t.name
 		}
+	}
+	names := make(map[int]string, len(d.names))
+	for id, n := range d.names {
+		names[id] = n
 	}
 	return names
 }
 
-func vendorProfiles(vfs []vfState) []Profile {
+func vendorProfiles(vfs []vfState, names map[int]string) []Profile {
 	type key struct {
 		parent string
 		id     int
 	}
-	names := typeNames(vfs)
 	used := map[string]int{}
 	avail := map[key]int{}
 	for _, vf := range vfs {
 		if vf.current != 0 {
 			used[vf.parent]++
-			avail[key{vf.parent, vf.current}] += 0 // listed, even when full
+			if _, ok := avail[key{vf.parent, vf.current}]; !ok {
+				avail[key{vf.parent, vf.current}] = 0 // listed, even when full
+			}
 			continue
 		}
 		for _, t := range vf.creatable {
@@ -170,7 +184,7 @@ func (d *VendorDriver) Profiles(ctx context.Context) ([]Profile, error) {
 	if err != nil {
 		return nil, err
 	}
-	return vendorProfiles(vfs), nil
+	return vendorProfiles(vfs, d.typeNames(vfs)), nil
 }
 
 // Devices implements Driver.
@@ -179,7 +193,7 @@ func (d *VendorDriver) Devices(ctx context.Context) ([]Device, error) {
 	if err != nil {
 		return nil, err
 	}
-	names := typeNames(vfs)
+	names := d.typeNames(vfs)
 	var out []Device
 	for _, vf := range vfs {
 		if vf.current == 0 {
@@ -214,7 +228,12 @@ func (d *VendorDriver) Create(ctx context.Context, req CreateRequest) (Device, e
 		if err != nil {
 			return Device{}, err
 		}
-		pl, err = place(vendorProfiles(vfs), req.Profile)
+		pl, err = place(vendorProfiles(vfs, d.typeNames(vfs)), req.Profile)
+		if errors.Is(err, ErrUnknownProfile) && anyBusy(vfs) {
+			// Busy VFs list nothing and full types drop out of the
+			// lists: the name may be real but not creatable now.
+			err = fmt.Errorf("profile %q not creatable now: %w", req.Profile, ErrNoCapacity)
+		}
 		if err != nil {
 			return Device{}, fmt.Errorf("vgpu: create vendor vGPU %s: %w", id, err)
 		}
@@ -254,6 +273,15 @@ func (d *VendorDriver) Create(ctx context.Context, req CreateRequest) (Device, e
 	}
 	d.releases.forget(dev)
 	return dev, nil
+}
+
+func anyBusy(vfs []vfState) bool {
+	for _, vf := range vfs {
+		if vf.current != 0 {
+			return true
+		}
+	}
+	return false
 }
 
 // freeVF is the first free VF on pl.Parent that offers pl.TypeID.
