@@ -418,7 +418,7 @@ func TestIntentIsWrittenAhead(t *testing.T) {
 		refuse := errors.New("store is read-only")
 		_, err = e.drv.Create(context.Background(), vgpu.CreateRequest{
 			Profile: f.profile, UUID: uuid.NewString(),
-			Intent:  func(vgpu.Placement) error { return refuse },
+			Intent: func(vgpu.Placement) error { return refuse },
 		})
 		assert.ErrorIs(t, err, refuse)
 		assert.Len(t, e.devices(t), 1, "no device without its intent")
