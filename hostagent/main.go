@@ -15,6 +15,7 @@ import (
 const usage = `usage: vmflow-hostagent <command> [flags]
 
 commands:
+  run        run the host agent: supervise VMs, serve host activities
   proc       inspect a process's thread group, or wait until it is gone
   vgpu-sim   mount a FUSE file system that behaves like the kernel's vGPU sysfs
 `
@@ -30,6 +31,8 @@ func main() {
 	args := os.Args[2:]
 	var code int
 	switch os.Args[1] {
+	case "run":
+		code = runAgent(ctx, args)
 	case "proc":
 		code = cli.Proc(ctx, args, io)
 	case "vgpu-sim":

@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"strconv"
 	"time"
 
 	"vmflow/hostagent/store"
@@ -33,6 +34,21 @@ type RunConfig struct {
 	Address         string
 	Namespace       string
 	TaskQueue       string // where the reconcile schedule starts ReconcileVGPU
+	// IgnoreUninspectable: pids whose open files cannot be read yet known
+	// not to hold VFIO devices (a sandbox's init). Empty in production.
+	IgnoreUninspectable []int
+}
+
+type pidsFlag []int
+
+func (p *pidsFlag) String() string { return fmt.Sprint(*p) }
+func (p *pidsFlag) Set(v string) error {
+	n, err := strconv.Atoi(v)
+	if err != nil || n <= 0 {
+		return fmt.Errorf("%q is not a pid", v)
+	}
+	*p = append(*p, n)
+	return nil
 }
 
 type multiFlag []string
@@ -61,6 +77,7 @@ flags:
 		fs.PrintDefaults()
 	}
 	var roots multiFlag
+	var ignore pidsFlag
 	fs.StringVar(&c.HostID, "host-id", host, "this host's id (^[a-z0-9][a-z0-9-]{0,62}$)")
 	fs.StringVar(&c.StateDir, "state-dir", store.DefaultStateDir, "instance records, QMP sockets and logs")
 	fs.StringVar(&c.SysfsRoot, "sysfs-root", "/sys", "where the vGPU sysfs files are (the simulator's mount in tests)")
@@ -78,10 +95,12 @@ flags:
 	fs.StringVar(&c.Address, "address", "", "Temporal frontend host:port (overrides TEMPORAL_ADDRESS)")
 	fs.StringVar(&c.Namespace, "namespace", "", "Temporal namespace (overrides TEMPORAL_NAMESPACE)")
 	fs.StringVar(&c.TaskQueue, "workflow-task-queue", "vmflow", "task queue of the workflow worker (where the reconcile schedule starts workflows)")
+	fs.Var(&ignore, "holders-ignore-pid", "a pid whose open files cannot be read but that holds no VFIO device (repeatable; for sandboxes whose init outranks the agent, never in production)")
 	if err := fs.Parse(args); err != nil {
 		return c, err
 	}
 	c.ImageRoots = roots
+	c.IgnoreUninspectable = ignore
 	if fs.NArg() > 0 {
 		return c, fmt.Errorf("unexpected arguments %q", fs.Args())
 	}

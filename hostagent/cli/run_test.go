@@ -13,7 +13,7 @@ import (
 
 func TestParseRun(t *testing.T) {
 	c, err := cli.ParseRun([]string{"--host-id", "h1", "--state-dir", "/tmp/s", "--image-root", "/a", "--image-root", "/b",
-		"--vgpu-attach=false", "--sysfs-root", "/tmp/sim", "--graceful-timeout", "3s"}, io.Discard)
+		"--vgpu-attach=false", "--sysfs-root", "/tmp/sim", "--graceful-timeout", "3s", "--holders-ignore-pid", "1"}, io.Discard)
 	require.NoError(t, err)
 	assert.Equal(t, "h1", c.HostID)
 	assert.Equal(t, []string{"/a", "/b"}, c.ImageRoots)
@@ -21,6 +21,7 @@ func TestParseRun(t *testing.T) {
 	assert.Equal(t, "/tmp/sim", c.SysfsRoot)
 	assert.Equal(t, 3*time.Second, c.GracefulTimeout)
 	assert.Equal(t, "/dev", c.DevRoot)
+	assert.Equal(t, []int{1}, c.IgnoreUninspectable)
 
 	d, err := cli.ParseRun([]string{"--host-id", "h1"}, io.Discard)
 	require.NoError(t, err)
@@ -36,6 +37,7 @@ func TestParseRunRejects(t *testing.T) {
 		{"--host-id", "h1", "--graceful-timeout", "0s"},
 		{"--host-id", "h1", "stray"},
 		{"--host-id", "h1", "--workflow-task-queue", ""},
+		{"--host-id", "h1", "--holders-ignore-pid", "one"},
 	} {
 		_, err := cli.ParseRun(args, io.Discard)
 		assert.Error(t, err, "%q", args)

@@ -1,0 +1,106 @@
+package activities
+
+import (
+	"errors"
+	"syscall"
+
+	"go.temporal.io/sdk/temporal"
+
+	"vmflow/hostagent/proc"
+	"vmflow/hostagent/spec"
+	"vmflow/hostagent/store"
+	"vmflow/hostagent/supervise"
+	"vmflow/hostagent/vgpu"
+	"vmflow/hostagent/vmm"
+	"vmflow/workflows"
+)
+
+// Retryable error types (the workflows and the Web UI see these names).
+const (
+	ErrTypeStillAlive    = "VMStillAlive"
+	ErrTypeLaunchFailed  = "LaunchFailed"
+	ErrTypeReleaseFailed = "ReleaseFailed"
+	ErrTypeClaimHeld     = "ClaimHeld"
+	ErrTypeNoCapacity    = "NoVGPUCapacity"
+	ErrTypeHost          = "HostError"
+)
+
+// classify turns a host error into a Temporal application error. This is
+// the only place where host errors meet Temporal: invalid input and a
+// stranger's pid can never succeed, so they are non-retryable with a type;
+// everything else retries, typed so an operator can tell a busy instance
+// from a GPU that will not let go.
+func classify(err error) error {
+	if err == nil {
+		return nil
+	}
+	var appErr *temporal.ApplicationError
+	if errors.As(err, &appErr) {
+		return err
+	}
+	nonRetryable := func(typ string) error {
+		return temporal.NewApplicationErrorWithOptions(err.Error(), typ, temporal.ApplicationErrorOptions{NonRetryable: true, Cause: err})
+	}
+	retryable := func(typ string) error {
+		return temporal.NewApplicationErrorWithOptions(err.Error(), typ, temporal.ApplicationErrorOptions{Cause: err})
+	}
+	switch {
+	case errors.Is(err, spec.ErrInvalid), errors.Is(err, store.ErrInvalidID), errors.Is(err, vmm.ErrInvalidSpec):
+		return nonRetryable(workflows.ErrTypeInvalidInput)
+	case errors.Is(err, store.ErrConflict):
+		return nonRetryable(workflows.ErrTypeConflict)
+	case errors.Is(err, store.ErrDeleting), errors.Is(err, supervise.ErrDeleting), errors.Is(err, supervise.ErrManualStop):
+		return nonRetryable(workflows.ErrTypeInstanceDeleting)
+	case errors.Is(err, proc.ErrIncompleteIdentity):
+		return nonRetryable(workflows.ErrTypeIdentityMismatch)
+	case errors.Is(err, store.ErrBusy), errors.Is(err, supervise.ErrBusy), errors.Is(err, errBusy):
+		return retryable(workflows.ErrTypeBusy)
+	case errors.Is(err, vmm.ErrStillAlive):
+		return retryable(ErrTypeStillAlive)
+	case errors.Is(err, vmm.ErrLaunchExited), errors.Is(err, vmm.ErrLaunchTimeout):
+		return retryable(ErrTypeLaunchFailed)
+	case errors.Is(err, store.ErrClaimHeld):
+		return retryable(ErrTypeClaimHeld)
+	case errors.Is(err, vgpu.ErrNoCapacity):
+		return retryable(ErrTypeNoCapacity)
+	}
+	return retryable(ErrTypeHost)
+}
+
+// errnoName is the errno of a failed release for the metric label, or
+// "other".
+func errnoName(err error) string {
+	var errno syscall.Errno
+	if errors.As(err, &errno) {
+		if name := errnoNames[errno]; name != "" {
+			return name
+		}
+		return "errno_" + errno.Error()
+	}
+	switch {
+	case errors.Is(err, vgpu.ErrReleaseInProgress):
+		return "in_progress"
+	case errors.Is(err, vgpu.ErrVMAlive):
+		return "vm_alive"
+	case errors.Is(err, vgpu.ErrDeviceHeld):
+		return "device_held"
+	}
+	return "other"
+}
+
+var errnoNames = map[syscall.Errno]string{
+	syscall.EBUSY: "EBUSY", syscall.EIO: "EIO", syscall.EAGAIN: "EAGAIN", syscall.ENODEV: "ENODEV",
+	syscall.EINVAL: "EINVAL", syscall.EPERM: "EPERM", syscall.EACCES: "EACCES", syscall.ENOENT: "ENOENT",
+}
+
+// retype gives a generic retryable host error a more specific type; typed
+// errors (busy, invalid input) keep theirs.
+func retype(err error, typ string) error {
+	var appErr *temporal.ApplicationError
+	if !errors.As(err, &appErr) || appErr.Type() != ErrTypeHost {
+		return err
+	}
+	return temporal.NewApplicationErrorWithOptions(appErr.Message(), typ, temporal.ApplicationErrorOptions{
+		NonRetryable: appErr.NonRetryable(), Cause: errors.Unwrap(appErr),
+	})
+}

@@ -1,0 +1,194 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"time"
+
+	enumspb "go.temporal.io/api/enums/v1"
+	"go.temporal.io/sdk/client"
+	"go.temporal.io/sdk/temporal"
+	"go.temporal.io/sdk/worker"
+	"go.uber.org/zap"
+
+	"vmflow/activities"
+	"vmflow/hostagent/cli"
+	"vmflow/hostagent/metrics"
+	"vmflow/hostagent/spec"
+	"vmflow/hostagent/store"
+	"vmflow/hostagent/supervise"
+	"vmflow/hostagent/vgpu"
+	"vmflow/internal/tclient"
+	vmflowv1 "vmflow/proto/vmflow/v1"
+	"vmflow/workflows"
+)
+
+// runAgent wires "vmflow-hostagent run": supervision first (it never waits
+// for Temporal), then the Temporal worker for this host's queue and the
+// reconcile Schedule, connected in the background with retries.
+func runAgent(ctx context.Context, args []string) int {
+	cfg, err := cli.ParseRun(args, os.Stderr)
+	if errors.Is(err, flag.ErrHelp) {
+		return cli.ExitOK
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "vmflow-hostagent run:", err)
+		return cli.ExitUsage
+	}
+	log, err := tclient.NewLogger(cfg.LogLevel)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "vmflow-hostagent run:", err)
+		return cli.ExitUsage
+	}
+	log = log.With(zap.String("host_id", cfg.HostID))
+	defer func() { _ = log.Sync() }()
+	if err := agent(ctx, cfg, log); err != nil {
+		log.Error("agent stopped", zap.Error(err))
+		return cli.ExitError
+	}
+	return cli.ExitOK
+}
+
+func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
+	st, err := store.New(cfg.StateDir)
+	if err != nil {
+		return err
+	}
+	tm, err := tclient.NewMetrics(tclient.WithMetricsLogger(log))
+	if err != nil {
+		return err
+	}
+	am, err := metrics.New(tm.Registry, st)
+	if err != nil {
+		return err
+	}
+
+	var gpus activities.GPUs
+	var profiles func(context.Context) ([]string, error)
+	if cfg.VGPUDriver != "none" {
+		claims, err := newClaims(cfg, st, log)
+		if err != nil {
+			return err
+		}
+		if claims != nil {
+			gpus, profiles = claims, claims.Profiles
+			if !cfg.VGPUAttach {
+				log.Warn("--vgpu-attach=false: vGPUs are claimed and released but not given to QEMU; this is for the vgpu-sim simulator only, never for production")
+			}
+		}
+	}
+	host, err := spec.SystemHost(cfg.ImageRoots, profiles)
+	if err != nil {
+		return err
+	}
+	acts := &activities.Activities{
+		Store: st, Host: host, GPUs: gpus, AttachVGPU: cfg.VGPUAttach,
+		DefaultGraceful: cfg.GracefulTimeout, Logger: log, Metrics: am,
+	}
+	sup, err := supervise.New(supervise.Config{
+		Store: st, QEMU: cfg.QEMU, Logger: log,
+		GracefulTimeout: cfg.GracefulTimeout, GroupExitCap: cfg.GroupExitCap,
+		SpecFromRecord: acts.SpecFor,
+	})
+	if err != nil {
+		return err
+	}
+	defer sup.Close()
+	acts.Supervisor = sup
+
+	// Supervision first: VMs are re-attached and restarted with the
+	// network down.
+	rep, err := sup.Start(ctx)
+	if err != nil {
+		return fmt.Errorf("re-attach: %w", err)
+	}
+	am.Reattach.Add(float64(rep.Attached))
+	log.Info("supervising", zap.Int("records", rep.Records), zap.Int("attached", rep.Attached),
+		zap.Int("gone", rep.Gone), zap.Duration("took", rep.Duration))
+
+	if cfg.MetricsAddr != "" {
+		go func() {
+			if err := tm.Serve(ctx, cfg.MetricsAddr); err != nil {
+				log.Error("metrics server stopped", zap.Error(err))
+			}
+		}()
+	}
+
+	c, err := tclient.Dial(ctx, tclient.Options{Logger: log, Metrics: tm, HostPort: cfg.Address, Namespace: cfg.Namespace,
+		Identity: "vmflow-hostagent@" + cfg.HostID})
+	if err != nil {
+		if ctx.Err() != nil {
+			return nil // stopped before Temporal answered: supervision ran meanwhile
+		}
+		return err
+	}
+	defer c.Close()
+	queue := workflows.HostTaskQueue(cfg.HostID)
+	w := worker.New(c, queue, worker.Options{})
+	w.RegisterActivity(acts)
+	if err := w.Start(); err != nil {
+		return fmt.Errorf("start worker on %s: %w", queue, err)
+	}
+	defer w.Stop()
+	log.Info("serving host activities", zap.String("task_queue", queue))
+	if err := ensureReconcileSchedule(ctx, c, cfg); err != nil {
+		// The host works without it; reconcile is a safety net.
+		log.Error("reconcile schedule", zap.Error(err))
+	}
+	<-ctx.Done()
+	log.Info("stopping; VMs keep running")
+	return nil
+}
+
+// newClaims sets up the vGPU driver and claims, or returns nil when
+// --vgpu-driver=auto finds no vGPU sysfs on the host.
+func newClaims(cfg cli.RunConfig, st *store.Store, log *zap.Logger) (*vgpu.Claims, error) {
+	kind := vgpu.Kind("")
+	switch cfg.VGPUDriver {
+	case "mdev":
+		kind = vgpu.KindMdev
+	case "vendor":
+		kind = vgpu.KindVendor
+	}
+	return vgpu.NewClaims(vgpu.ClaimsConfig{
+		Driver:      vgpu.Config{SysfsRoot: cfg.SysfsRoot, StateDir: cfg.StateDir, Kind: kind},
+		Store:       st,
+		DevRoot:     cfg.DevRoot,
+		OrphanGrace: cfg.OrphanGrace,
+		Logger:      log,
+		Optional:    cfg.VGPUDriver == "auto",
+
+		IgnoreUninspectable: cfg.IgnoreUninspectable,
+	})
+}
+
+// ensureReconcileSchedule creates the Schedule that runs ReconcileVGPU for
+// this host every cfg.ReconcileEvery, skipping a run while one is going.
+// An existing schedule is left as it is.
+func ensureReconcileSchedule(ctx context.Context, c client.Client, cfg cli.RunConfig) error {
+	id := workflows.ReconcileScheduleID(cfg.HostID)
+	cctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	_, err := c.ScheduleClient().Create(cctx, client.ScheduleOptions{
+		ID:      id,
+		Spec:    client.ScheduleSpec{Intervals: []client.ScheduleIntervalSpec{{Every: cfg.ReconcileEvery}}},
+		Overlap: enumspb.SCHEDULE_OVERLAP_POLICY_SKIP,
+		Action: &client.ScheduleWorkflowAction{
+			ID:                       id,
+			Workflow:                 workflows.ReconcileWorkflow,
+			Args:                     []any{&vmflowv1.ReconcileVGPURequest{HostId: cfg.HostID}},
+			TaskQueue:                cfg.TaskQueue,
+			WorkflowExecutionTimeout: 10 * time.Minute,
+		},
+	})
+	if errors.Is(err, temporal.ErrScheduleAlreadyRunning) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("create schedule %s: %w", id, err)
+	}
+	return nil
+}
