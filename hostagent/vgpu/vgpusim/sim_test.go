@@ -83,7 +83,7 @@ func TestShellDrivesMdev(t *testing.T) {
 	assertDir(t, filepath.Join(group, "devices", u))
 	assert.FileExists(t, filepath.Join(td, "devices", u, "remove"))
 
-	out, err = sh(t, "echo "+u+" > "+filepath.Join(td, "create"))
+	_, err = sh(t, "echo "+u+" > "+filepath.Join(td, "create"))
 	require.Error(t, err, "duplicate create must fail")
 	// dash's builtin echo reports every write error as "I/O error";
 	// coreutils echo prints the errno the kernel (here: we) returned.

@@ -1,0 +1,99 @@
+package cli
+
+import (
+	"bytes"
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"vmflow/hostagent/vgpu/vgpusim"
+	"vmflow/hostagent/vgpu/vgpusim/simtest"
+)
+
+func TestVGPUSimUsage(t *testing.T) {
+	var out bytes.Buffer
+	assert.Equal(t, ExitUsage, VGPUSim(context.Background(), nil, IO{Stdout: &out, Stderr: &out}))
+	assert.Contains(t, out.String(), "usage: vmflow-hostagent vgpu-sim")
+	assert.Equal(t, ExitUsage, VGPUSim(context.Background(), []string{"--bogus"}, IO{Stdout: &out, Stderr: &out}))
+	assert.Equal(t, ExitOK, VGPUSim(context.Background(), []string{"-h"}, IO{Stdout: &out, Stderr: &out}))
+}
+
+func TestVGPUSimMountError(t *testing.T) {
+	var out bytes.Buffer
+	code := VGPUSim(context.Background(), []string{"--mount", filepath.Join(t.TempDir(), "missing"), "--mdev-parents", "1"}, IO{Stdout: &out, Stderr: &out})
+	assert.Equal(t, ExitError, code, out.String())
+}
+
+// The command serves until its context ends (SIGINT/SIGTERM in main), a
+// shell can drive it meanwhile, and it unmounts on the way out.
+func TestVGPUSimServesUntilCancelled(t *testing.T) {
+	simtest.RequiresFUSE(t)
+	dir := t.TempDir()
+	mnt, ctl := filepath.Join(dir, "sys"), filepath.Join(dir, "ctl")
+	require.NoError(t, os.Mkdir(mnt, 0o755))
+	require.NoError(t, os.Mkdir(ctl, 0o755))
+
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var out vgpuSimOutput
+	done := make(chan int, 1)
+	exited := make(chan struct{})
+	go func() {
+		defer close(exited)
+		done <- VGPUSim(ctx, []string{"--mount", mnt, "--control", ctl, "--mdev-parents", "1", "--vendor-vfs", "1"}, IO{Stdout: &out, Stderr: &out})
+	}()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case <-exited: // unmounted, also when the test failed early
+		case <-time.After(10 * time.Second):
+			t.Error("vgpu-sim still running at cleanup")
+		}
+	})
+	create := filepath.Join(mnt, "class/mdev_bus", vgpusim.MdevParent(0), "mdev_supported_types/nvidia-471/create")
+	require.Eventually(t, func() bool { _, err := os.Stat(create); return err == nil }, 5*time.Second, time.Millisecond, "mounted")
+
+	u := uuid.NewString()
+	b, err := exec.Command("sh", "-c", "echo "+u+" > "+create).CombinedOutput()
+	require.NoError(t, err, string(b))
+	assert.DirExists(t, filepath.Join(mnt, "bus/mdev/devices", u))
+
+	cancel()
+	select {
+	case code := <-done:
+		assert.Equal(t, ExitOK, code, out.String())
+	case <-time.After(10 * time.Second):
+		t.Fatal("vgpu-sim did not return after cancel")
+	}
+	mounts, err := os.ReadFile("/proc/self/mountinfo")
+	require.NoError(t, err)
+	assert.False(t, strings.Contains(string(mounts), " "+mnt+" "), "still mounted")
+	assert.Contains(t, out.String(), "unmounted")
+}
+
+// vgpuSimOutput is a bytes.Buffer safe for the command's goroutine and the test.
+type vgpuSimOutput struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (o *vgpuSimOutput) Write(p []byte) (int, error) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.b.Write(p)
+}
+
+func (o *vgpuSimOutput) String() string {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.b.String()
+}
