@@ -251,14 +251,16 @@ func (l *Locked) Delete() error {
 	if err != nil {
 		return fmt.Errorf("delete: %w", err)
 	}
-	if rec.GetState() != deleting {
-		return fmt.Errorf("delete instance %s: %w: %s -> deleted (only a record in deleting can be removed)",
-			l.id, ErrIllegalTransition, StateName(rec.GetState()))
-	}
+	// The claim is checked first, whatever the state: a held GPU is the
+	// reason an operator most needs to read (invariant 1).
 	if ClaimHeld(rec) {
 		c := rec.GetGpuClaim()
 		return fmt.Errorf("delete instance %s: %w (profile %q, device %s, phase %s); release it first",
 			l.id, ErrClaimHeld, c.GetProfile(), claimDevice(c), c.GetPhase())
+	}
+	if rec.GetState() != deleting {
+		return fmt.Errorf("delete instance %s: %w: %s -> deleted (only a record in deleting can be removed)",
+			l.id, ErrIllegalTransition, StateName(rec.GetState()))
 	}
 	trash, err := os.MkdirTemp(l.s.instances, trashPrefix+l.id+"-")
 	if err != nil {

@@ -517,7 +517,7 @@ func TestManualStopMarker(t *testing.T) {
 	require.ErrorIs(t, s.Delete(ctx, "vm1"), ErrClaimHeld)
 	_, err = s.Transition(ctx, "vm1", releaseFailed)
 	require.NoError(t, err)
-	require.ErrorIs(t, s.Delete(ctx, "vm1"), ErrIllegalTransition)
+	require.ErrorIs(t, s.Delete(ctx, "vm1"), ErrClaimHeld, "refused for the claim in ReleaseFailed too")
 	s2, err := New(s.StateDir())
 	require.NoError(t, err)
 	marked, err = s2.ManualStop("vm1")
