@@ -74,9 +74,13 @@ var errBusy = errors.New("instance busy")
 // overlaps a previous attempt still running (its heartbeat timed out, the
 // server retried) gets a retryable busy rather than a second concurrent run.
 func (a *Activities) begin(ctx context.Context, id string) (context.Context, func(), *zap.Logger, error) {
-	name := activity.GetInfo(ctx).ActivityType.Name
-	log := a.log().With(zap.String("instance_id", id), zap.String("activity", name),
-		zap.String("workflow_id", activity.GetInfo(ctx).WorkflowExecution.ID))
+	info := activity.GetInfo(ctx)
+	ctx, done, log, err := a.beginNamed(ctx, id, info.ActivityType.Name)
+	return ctx, done, log.With(zap.String("workflow_id", info.WorkflowExecution.ID)), err
+}
+
+func (a *Activities) beginNamed(ctx context.Context, id, name string) (context.Context, func(), *zap.Logger, error) {
+	log := a.log().With(zap.String("instance_id", id), zap.String("activity", name))
 	if err := store.ValidateID(id); err != nil {
 		return ctx, func() {}, log, classify(err)
 	}

@@ -13,6 +13,7 @@ import (
 	"time"
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/proc/proctest"
+	"vmflow/hostagent/vmm/vmmtest"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -264,7 +265,7 @@ func isOurZombie(id proc.Identity) bool {
 // kernel's kvm-nx-lpage-re task, and after SIGKILL, Wait returns only once
 // no task of the group is alive.
 func TestKVMQEMUThreadGroup(t *testing.T) {
-	qemu := requiresQEMU(t)
+	qemu := vmmtest.RequiresQEMU(t)
 	accel := "kvm"
 	if _, err := os.Stat("/dev/kvm"); err != nil {
 		accel = "tcg"
@@ -308,15 +309,6 @@ func hasTask(pid int, comm string) bool {
 		}
 	}
 	return false
-}
-
-func requiresQEMU(t testing.TB) string {
-	t.Helper()
-	p, err := exec.LookPath("qemu-system-x86_64")
-	if err != nil {
-		t.Skip("qemu-system-x86_64 not installed (make tools installs it): ", err)
-	}
-	return p
 }
 
 func TestHolders(t *testing.T) {

@@ -14,6 +14,7 @@ import (
 	"syscall"
 	"testing"
 	"time"
+	"vmflow/hostagent/vmm/vmmtest"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -159,23 +160,9 @@ func (a *agent) kill9(t *testing.T) {
 	}
 }
 
-// requiresQEMU skips without qemu-system-x86_64 (CI installs it).
-func requiresQEMU(tb testing.TB) {
-	tb.Helper()
-	if _, err := exec.LookPath(vmm.DefaultBinary); err != nil {
-		tb.Skipf("needs %s: %v", vmm.DefaultBinary, err)
-	}
-}
+func requiresQEMU(tb testing.TB) { vmmtest.RequiresQEMU(tb) }
 
-// testAccel is KVM where /dev/kvm opens, TCG otherwise.
-func testAccel() string {
-	f, err := os.OpenFile("/dev/kvm", os.O_RDWR, 0)
-	if err != nil {
-		return "tcg"
-	}
-	f.Close()
-	return "kvm"
-}
+func testAccel() string { return string(vmmtest.Accel()) }
 
 // testDir is a short directory: a unix socket path holds at most 107 bytes.
 func testDir(tb testing.TB) string {

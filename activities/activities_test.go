@@ -1,0 +1,269 @@
+package activities
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"reflect"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"go.temporal.io/sdk/temporal"
+	"go.temporal.io/sdk/testsuite"
+	"go.uber.org/zap/zaptest"
+
+	"vmflow/hostagent/proc"
+	"vmflow/hostagent/proc/proctest"
+	"vmflow/hostagent/spec"
+	"vmflow/hostagent/store"
+	"vmflow/hostagent/supervise"
+	"vmflow/hostagent/vgpu"
+	"vmflow/hostagent/vgpu/vgpusim"
+	"vmflow/hostagent/vgpu/vgpusim/simtest"
+	"vmflow/hostagent/vmm/vmmtest"
+	vmflowv1 "vmflow/proto/vmflow/v1"
+	"vmflow/workflows"
+)
+
+func TestMain(m *testing.M) {
+	proctest.RunHelperIfRequested()
+	os.Exit(m.Run())
+}
+
+// TestEveryWorkflowActivityIsRegistered: the workflows schedule activities
+// by name; each name must be a method here, or the task would sit on the
+// host queue forever.
+func TestEveryWorkflowActivityIsRegistered(t *testing.T) {
+	typ := reflect.TypeOf(&Activities{})
+	for _, name := range workflows.HostActivityNames {
+		_, ok := typ.MethodByName(name)
+		assert.True(t, ok, "activity %s has no method on *Activities", name)
+	}
+}
+
+type hostEnv struct {
+	acts *Activities
+	sim  *simtest.Sim
+	st   *store.Store
+	env  *testsuite.TestActivityEnvironment
+}
+
+// newHost assembles the real host-agent packages: a store in a short temp
+// dir, a supervisor running real QEMU, vGPU claims over the simulator.
+func newHost(t *testing.T) *hostEnv {
+	t.Helper()
+	vmmtest.RequiresQEMU(t)
+	h := &hostEnv{sim: simtest.Start(t, vgpusim.Options{MdevParents: 1})}
+	dir := vmmtest.ShortDir(t, "ac")
+	var err error
+	h.st, err = store.New(dir)
+	require.NoError(t, err)
+	log := zaptest.NewLogger(t)
+	var ignore []int
+	if _, err := os.Readlink("/proc/1/fd/0"); err != nil {
+		ignore = []int{1} // this sandbox's init outranks root
+	}
+	claims, err := vgpu.NewClaims(vgpu.ClaimsConfig{
+		Driver: vgpu.Config{SysfsRoot: h.sim.Root, StateDir: dir}, Store: h.st, DevRoot: t.TempDir(),
+		Logger: log, IgnoreUninspectable: ignore,
+	})
+	require.NoError(t, err)
+	host, err := spec.SystemHost(nil, claims.Profiles)
+	require.NoError(t, err)
+	h.acts = &Activities{Store: h.st, Host: host, GPUs: claims, AttachVGPU: false, DefaultGraceful: time.Second, Logger: log}
+	sup, err := supervise.New(supervise.Config{Store: h.st, Logger: log, GracefulTimeout: time.Second, SpecFromRecord: h.acts.SpecFor})
+	require.NoError(t, err)
+	t.Cleanup(func() { sup.Close() })
+	h.acts.Supervisor = sup
+	var s testsuite.WorkflowTestSuite
+	h.env = s.NewTestActivityEnvironment()
+	h.env.RegisterActivity(h.acts)
+	return h
+}
+
+func spawnReq(id string) *vmflowv1.SpawnRequest {
+	return &vmflowv1.SpawnRequest{InstanceId: id, HostId: "h1", Vcpus: 1, MemoryMib: 64, Machine: "none",
+		Accel: string(vmmtest.Accel()), VgpuProfile: "GRID A100-4C"}
+}
+
+func appError(t *testing.T, err error) *temporal.ApplicationError {
+	t.Helper()
+	var ae *temporal.ApplicationError
+	require.ErrorAs(t, err, &ae, "%v", err)
+	return ae
+}
+
+func (h *hostEnv) run(t *testing.T, fn any, in any, out any) error {
+	t.Helper()
+	v, err := h.env.ExecuteActivity(fn, in)
+	if err == nil && out != nil {
+		require.NoError(t, v.Get(out))
+	}
+	return err
+}
+
+// TestSpawnAndDeleteThroughActivities runs every activity of both paths,
+// each twice, against the real packages: the second run of each is a
+// retry and must succeed without doing the work again.
+func TestSpawnAndDeleteThroughActivities(t *testing.T) {
+	h := newHost(t)
+	a := h.acts
+	req := spawnReq("vm1")
+	ref := &vmflowv1.InstanceRef{InstanceId: "vm1"}
+
+	require.NoError(t, h.run(t, a.ValidateSpawn, req, nil))
+	var created vmflowv1.CreateRecordResult
+	require.NoError(t, h.run(t, a.CreateRecord, req, &created))
+	assert.Equal(t, spec.InstanceUUID("vm1"), created.GetInstanceUuid())
+	require.NoError(t, h.run(t, a.CreateRecord, req, &created))
+	assert.True(t, created.GetAlreadyExisted())
+
+	var claim vmflowv1.ClaimVGPUResult
+	cin := &vmflowv1.ClaimVGPURequest{InstanceId: "vm1", VgpuProfile: req.GetVgpuProfile()}
+	require.NoError(t, h.run(t, a.ClaimVGPU, cin, &claim))
+	var again vmflowv1.ClaimVGPUResult
+	require.NoError(t, h.run(t, a.ClaimVGPU, cin, &again))
+	assert.Equal(t, claim.GetDeviceId(), again.GetDeviceId())
+
+	var launched vmflowv1.LaunchVMResult
+	require.NoError(t, h.run(t, a.LaunchVM, ref, &launched))
+	require.NoError(t, h.run(t, a.LaunchVM, ref, &launched))
+	assert.True(t, launched.GetAlreadyRunning(), "a retried launch returns the running VM")
+	rec, err := h.st.Get("vm1")
+	require.NoError(t, err)
+	vm := proc.Identity{PID: int(rec.GetProcess().GetPid()), StartTime: rec.GetProcess().GetStartTime(), BootID: rec.GetProcess().GetBootId()}
+	require.True(t, proc.Inspect(vm).Alive)
+
+	// Delete.
+	var begun vmflowv1.BeginDeleteResult
+	require.NoError(t, h.run(t, a.BeginDelete, ref, &begun))
+	assert.True(t, begun.GetHasClaim())
+	marked, err := h.st.ManualStop("vm1")
+	require.NoError(t, err)
+	assert.True(t, marked, "the marker comes before any stop action")
+	require.NoError(t, h.run(t, a.BeginDelete, ref, &begun))
+
+	var stopped vmflowv1.StopVMResult
+	require.NoError(t, h.run(t, a.StopVM, &vmflowv1.StopVMRequest{InstanceId: "vm1", GracefulTimeoutSeconds: 1}, &stopped))
+	assert.NotEqual(t, "none", stopped.GetStepReached())
+	require.NoError(t, h.run(t, a.StopVM, &vmflowv1.StopVMRequest{InstanceId: "vm1"}, &stopped))
+	assert.Equal(t, "none", stopped.GetStepReached(), "nothing left to stop")
+	require.NoError(t, h.run(t, a.WaitVMExit, ref, nil))
+	assert.False(t, proc.Inspect(vm).Alive)
+
+	// A failed release: typed, retryable, record and claim kept, and the
+	// record cannot be deleted.
+	fault := filepath.Join(h.sim.Control, vgpusim.CtlFailRelease)
+	require.NoError(t, os.WriteFile(fault, []byte("EBUSY"), 0o644))
+	err = h.run(t, a.ReleaseVGPU, ref, nil)
+	ae := appError(t, err)
+	assert.Equal(t, ErrTypeReleaseFailed, ae.Type())
+	assert.False(t, ae.NonRetryable())
+	assert.Contains(t, err.Error(), "device or resource busy")
+	err = h.run(t, a.DeleteRecord, ref, nil)
+	assert.Equal(t, ErrTypeClaimHeld, appError(t, err).Type())
+	rec, err = h.st.Get("vm1")
+	require.NoError(t, err)
+	assert.True(t, store.ClaimHeld(rec))
+
+	require.NoError(t, os.Remove(fault))
+	var rel vmflowv1.ReleaseVGPUResult
+	require.NoError(t, h.run(t, a.ReleaseVGPU, ref, &rel))
+	assert.True(t, rel.GetReleased())
+	require.NoError(t, h.run(t, a.ReleaseVGPU, ref, &rel))
+	assert.False(t, rel.GetReleased(), "nothing left to release")
+
+	require.NoError(t, h.run(t, a.TearDown, ref, nil))
+	require.NoError(t, h.run(t, a.DeleteRecord, ref, nil))
+	require.NoError(t, h.run(t, a.DeleteRecord, ref, nil))
+	_, err = h.st.Get("vm1")
+	assert.ErrorIs(t, err, store.ErrNotFound)
+	require.NoError(t, h.run(t, a.BeginDelete, ref, &begun))
+	assert.True(t, begun.GetAlreadyAbsent())
+}
+
+func TestValidationErrorsAreNonRetryable(t *testing.T) {
+	h := newHost(t)
+	req := spawnReq("vm1")
+	req.VgpuProfile = "GRID Z9-1Q"
+	err := h.run(t, h.acts.ValidateSpawn, req, nil)
+	ae := appError(t, err)
+	assert.Equal(t, workflows.ErrTypeInvalidInput, ae.Type())
+	assert.True(t, ae.NonRetryable())
+	assert.Contains(t, err.Error(), "vgpu_profile")
+	entries, _ := os.ReadDir(filepath.Join(h.st.StateDir(), "instances"))
+	assert.Empty(t, entries, "nothing created for a rejected request")
+
+	// An id that would be a path never reaches one.
+	err = h.run(t, h.acts.CreateRecord, spawnReq("../etc"), nil)
+	assert.Equal(t, workflows.ErrTypeInvalidInput, appError(t, err).Type())
+}
+
+func TestConflictingCreateAndSpawnWhileDeleting(t *testing.T) {
+	h := newHost(t)
+	req := spawnReq("vm1")
+	require.NoError(t, h.run(t, h.acts.CreateRecord, req, nil))
+	other := spawnReq("vm1")
+	other.MemoryMib = 128
+	err := h.run(t, h.acts.CreateRecord, other, nil)
+	ae := appError(t, err)
+	assert.Equal(t, workflows.ErrTypeConflict, ae.Type())
+	assert.True(t, ae.NonRetryable())
+
+	require.NoError(t, h.run(t, h.acts.BeginDelete, &vmflowv1.InstanceRef{InstanceId: "vm1"}, nil))
+	err = h.run(t, h.acts.CreateRecord, req, nil)
+	assert.Equal(t, workflows.ErrTypeInstanceDeleting, appError(t, err).Type())
+}
+
+// TestOverlappingAttemptIsBusy: a retry that overlaps a still-running
+// attempt on the same instance gets a retryable busy, not a second run.
+func TestOverlappingAttemptIsBusy(t *testing.T) {
+	a := &Activities{}
+	ctx := context.Background()
+	_, done, _, err := a.beginNamed(ctx, "vm1", "StopVM")
+	require.NoError(t, err)
+	_, _, _, err = a.beginNamed(ctx, "vm1", "StopVM")
+	ae := appError(t, err)
+	assert.Equal(t, workflows.ErrTypeBusy, ae.Type())
+	assert.False(t, ae.NonRetryable())
+	assert.Contains(t, err.Error(), "StopVM on vm1 is still running")
+	_, done2, _, err := a.beginNamed(ctx, "vm2", "StopVM")
+	require.NoError(t, err, "other instances are not blocked")
+	done2()
+	done()
+	_, done3, _, err := a.beginNamed(ctx, "vm1", "StopVM")
+	require.NoError(t, err, "free again once the first attempt returned")
+	done3()
+}
+
+func TestClassify(t *testing.T) {
+	tests := []struct {
+		err          error
+		typ          string
+		nonRetryable bool
+	}{
+		{&spec.FieldError{Field: "kernel", Reason: "outside"}, workflows.ErrTypeInvalidInput, true},
+		{store.ErrInvalidID, workflows.ErrTypeInvalidInput, true},
+		{store.ErrConflict, workflows.ErrTypeConflict, true},
+		{supervise.ErrManualStop, workflows.ErrTypeInstanceDeleting, true},
+		{proc.ErrIncompleteIdentity, workflows.ErrTypeIdentityMismatch, true},
+		{supervise.ErrBusy, workflows.ErrTypeBusy, false},
+		{store.ErrClaimHeld, ErrTypeClaimHeld, false},
+		{vgpu.ErrNoCapacity, ErrTypeNoCapacity, false},
+		{syscall.EIO, ErrTypeHost, false},
+		{errors.New("anything else"), ErrTypeHost, false},
+	}
+	for _, tt := range tests {
+		ae := appError(t, classify(tt.err))
+		assert.Equal(t, tt.typ, ae.Type(), "%v", tt.err)
+		assert.Equal(t, tt.nonRetryable, ae.NonRetryable(), "%v", tt.err)
+		assert.ErrorIs(t, ae, tt.err, "the cause stays reachable")
+	}
+	assert.NoError(t, classify(nil))
+	assert.Equal(t, "EBUSY", errnoName(syscall.EBUSY))
+	assert.Equal(t, "vm_alive", errnoName(vgpu.ErrVMAlive))
+}
