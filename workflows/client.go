@@ -1,0 +1,121 @@
+package workflows
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	enumspb "go.temporal.io/api/enums/v1"
+	"go.temporal.io/sdk/client"
+	"go.temporal.io/sdk/temporal"
+
+	vmflowv1 "vmflow/proto/vmflow/v1"
+)
+
+// Client is the typed client the platform API uses: it starts spawns and
+// deletes under their fixed ids and conflict policies, signals retry and
+// abandon, and queries status. It never talks to a host.
+type Client struct {
+	c         client.Client
+	taskQueue string
+}
+
+// NewClient wraps c; taskQueue is the workflow worker's queue ("" means
+// DefaultTaskQueue).
+func NewClient(c client.Client, taskQueue string) *Client {
+	if taskQueue == "" {
+		taskQueue = DefaultTaskQueue
+	}
+	return &Client{c: c, taskQueue: taskQueue}
+}
+
+// ErrInvalidID is returned for an instance or host id that does not match
+// the id pattern, before anything is sent.
+var ErrInvalidID = errors.New("invalid id")
+
+func checkIDs(instanceID, hostID string) error {
+	if !ValidID(instanceID) {
+		return fmt.Errorf("instance_id %q: %w: must match %s", instanceID, ErrInvalidID, idPattern)
+	}
+	if !ValidID(hostID) {
+		return fmt.Errorf("host_id %q: %w: must match %s", hostID, ErrInvalidID, idPattern)
+	}
+	return nil
+}
+
+func (c *Client) options(id, summary, instanceID, hostID string) client.StartWorkflowOptions {
+	return client.StartWorkflowOptions{
+		ID:        id,
+		TaskQueue: c.taskQueue,
+		// A second start while one runs joins it; a finished one may be
+		// started again (a re-spawn after a delete, a second delete).
+		WorkflowIDConflictPolicy: enumspb.WORKFLOW_ID_CONFLICT_POLICY_USE_EXISTING,
+		WorkflowIDReusePolicy:    enumspb.WORKFLOW_ID_REUSE_POLICY_ALLOW_DUPLICATE,
+		StaticSummary:            summary,
+		TypedSearchAttributes: temporal.NewSearchAttributes(
+			SAInstanceID.ValueSet(instanceID), SAHostID.ValueSet(hostID),
+		),
+	}
+}
+
+// StartSpawn starts SpawnInstance as spawn/<instance_id>, or joins the one
+// already running.
+func (c *Client) StartSpawn(ctx context.Context, req *vmflowv1.SpawnRequest) (client.WorkflowRun, error) {
+	if err := checkIDs(req.GetInstanceId(), req.GetHostId()); err != nil {
+		return nil, err
+	}
+	summary := fmt.Sprintf("spawn %s on %s", req.GetInstanceId(), req.GetHostId())
+	run, err := c.c.ExecuteWorkflow(ctx, c.options(SpawnWorkflowID(req.GetInstanceId()), summary, req.GetInstanceId(), req.GetHostId()), SpawnWorkflow, req)
+	if err != nil {
+		return nil, fmt.Errorf("start %s: %w", SpawnWorkflowID(req.GetInstanceId()), err)
+	}
+	return run, nil
+}
+
+// StartDelete starts DeleteInstance as delete/<instance_id>, or joins the
+// one already running.
+func (c *Client) StartDelete(ctx context.Context, req *vmflowv1.DeleteRequest) (client.WorkflowRun, error) {
+	if err := checkIDs(req.GetInstanceId(), req.GetHostId()); err != nil {
+		return nil, err
+	}
+	run, err := c.c.ExecuteWorkflow(ctx, c.options(DeleteWorkflowID(req.GetInstanceId()), deleteSummary(req), req.GetInstanceId(), req.GetHostId()), DeleteWorkflow, req)
+	if err != nil {
+		return nil, fmt.Errorf("start %s: %w", DeleteWorkflowID(req.GetInstanceId()), err)
+	}
+	return run, nil
+}
+
+// Retry sends the retry signal to a workflow (delete/<id> for a stuck
+// delete), cutting its backoff short.
+func (c *Client) Retry(ctx context.Context, workflowID, reason string) error {
+	if err := c.c.SignalWorkflow(ctx, workflowID, "", RetrySignal, &vmflowv1.RetrySignal{Reason: reason}); err != nil {
+		return fmt.Errorf("signal %s to %s: %w", RetrySignal, workflowID, err)
+	}
+	return nil
+}
+
+// Abandon ends a delete whose host is gone for good. It is accepted only
+// while the delete waits for an unreachable host; reason is required.
+func (c *Client) Abandon(ctx context.Context, instanceID, reason string) error {
+	if reason == "" {
+		return errors.New("abandon: a reason is required")
+	}
+	id := DeleteWorkflowID(instanceID)
+	if err := c.c.SignalWorkflow(ctx, id, "", AbandonSignal, &vmflowv1.AbandonSignal{Reason: reason}); err != nil {
+		return fmt.Errorf("signal %s to %s: %w", AbandonSignal, id, err)
+	}
+	return nil
+}
+
+// Status queries a workflow's status (any of the three).
+func (c *Client) Status(ctx context.Context, workflowID string) (*vmflowv1.WorkflowStatus, error) {
+	v, err := c.c.QueryWorkflow(ctx, workflowID, "", StatusQuery)
+	if err != nil {
+		return nil, fmt.Errorf("query %s of %s: %w", StatusQuery, workflowID, err)
+	}
+	var st vmflowv1.WorkflowStatus
+	if err := v.Get(&st); err != nil {
+		return nil, fmt.Errorf("decode %s of %s: %w", StatusQuery, workflowID, err)
+	}
+	return &st, nil
+}

@@ -1,0 +1,116 @@
+package workflows
+
+import (
+	"context"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"go.temporal.io/sdk/temporal"
+	"go.temporal.io/sdk/worker"
+
+	"vmflow/internal/devserver"
+	vmflowv1 "vmflow/proto/vmflow/v1"
+)
+
+// scriptedHost answers the host activities like a healthy host, except that
+// ReleaseVGPU fails while failRelease is set. It stands in for the agent at
+// the host-queue boundary: this test is about the client and the workflows
+// on a real server, not the host.
+type scriptedHost struct {
+	stubHost
+	failRelease atomic.Bool
+	launches    atomic.Int32
+}
+
+func (h *scriptedHost) CreateRecord(context.Context, *vmflowv1.SpawnRequest) (*vmflowv1.CreateRecordResult, error) {
+	return &vmflowv1.CreateRecordResult{InstanceUuid: "u"}, nil
+}
+
+func (h *scriptedHost) LaunchVM(ctx context.Context, _ *vmflowv1.InstanceRef) (*vmflowv1.LaunchVMResult, error) {
+	h.launches.Add(1)
+	select { // long enough for a second start to find the first running
+	case <-time.After(500 * time.Millisecond):
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	return &vmflowv1.LaunchVMResult{Pid: 42}, nil
+}
+
+func (h *scriptedHost) BeginDelete(context.Context, *vmflowv1.InstanceRef) (*vmflowv1.BeginDeleteResult, error) {
+	return &vmflowv1.BeginDeleteResult{HasClaim: true}, nil
+}
+
+func (h *scriptedHost) StopVM(context.Context, *vmflowv1.StopVMRequest) (*vmflowv1.StopVMResult, error) {
+	return &vmflowv1.StopVMResult{StepReached: "quit"}, nil
+}
+
+func (h *scriptedHost) ReleaseVGPU(context.Context, *vmflowv1.InstanceRef) (*vmflowv1.ReleaseVGPUResult, error) {
+	if h.failRelease.Load() {
+		return nil, temporal.NewApplicationError("write remove: device or resource busy", "ReleaseFailed")
+	}
+	return &vmflowv1.ReleaseVGPUResult{Released: true}, nil
+}
+
+func TestClientAgainstDevServer(t *testing.T) {
+	srv := devserver.Start(t, devserver.Options{})
+	c := srv.Client(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+
+	const queue = "vmflow-client-test"
+	w := worker.New(c, queue, worker.Options{})
+	// Backoff of an hour: only the retry signal can finish the delete in
+	// this test's time.
+	New(Config{ReleaseBackoff: time.Hour, ReleaseBackoffMax: time.Hour}).Register(w)
+	require.NoError(t, w.Start())
+	defer w.Stop()
+	host := &scriptedHost{}
+	hw := worker.New(c, HostTaskQueue("h1"), worker.Options{})
+	hw.RegisterActivity(host)
+	require.NoError(t, hw.Start())
+	defer hw.Stop()
+
+	vc := NewClient(c, queue)
+	_, err := vc.StartSpawn(ctx, &vmflowv1.SpawnRequest{InstanceId: "../x", HostId: "h1"})
+	require.ErrorIs(t, err, ErrInvalidID)
+
+	req := &vmflowv1.SpawnRequest{InstanceId: "vm1", HostId: "h1", Vcpus: 1, MemoryMib: 64, Machine: "none"}
+	run1, err := vc.StartSpawn(ctx, req)
+	require.NoError(t, err)
+	run2, err := vc.StartSpawn(ctx, req)
+	require.NoError(t, err)
+	assert.Equal(t, run1.GetRunID(), run2.GetRunID(), "a second start joins the running spawn")
+	var res vmflowv1.SpawnResult
+	require.NoError(t, run1.Get(ctx, &res))
+	assert.EqualValues(t, 42, res.GetPid())
+	assert.EqualValues(t, 1, host.launches.Load())
+
+	host.failRelease.Store(true)
+	del, err := vc.StartDelete(ctx, &vmflowv1.DeleteRequest{InstanceId: "vm1", HostId: "h1"})
+	require.NoError(t, err)
+	var st *vmflowv1.WorkflowStatus
+	require.Eventually(t, func() bool {
+		st, err = vc.Status(ctx, DeleteWorkflowID("vm1"))
+		return err == nil && st.GetStage() == StageReleaseFailed
+	}, time.Minute, 100*time.Millisecond, "delete never reached release-failed")
+	assert.True(t, st.GetNeedsAttention())
+	assert.True(t, st.GetMetadataRetained())
+	assert.Contains(t, st.GetLastError(), "device or resource busy")
+
+	require.Error(t, vc.Abandon(ctx, "vm1", ""), "abandon needs a reason")
+	host.failRelease.Store(false)
+	require.NoError(t, vc.Retry(ctx, DeleteWorkflowID("vm1"), "test: fault cleared"))
+	done, cancelDone := context.WithTimeout(ctx, 30*time.Second)
+	defer cancelDone()
+	var dres vmflowv1.DeleteResult
+	require.NoError(t, del.Get(done, &dres), "the retry signal finishes the delete without waiting out the hour")
+	st, err = vc.Status(ctx, DeleteWorkflowID("vm1"))
+	require.NoError(t, err)
+	assert.Equal(t, StageDeleted, st.GetStage())
+	assert.False(t, st.GetNeedsAttention())
+
+	assert.Error(t, vc.Retry(ctx, DeleteWorkflowID("nope"), ""), "no such workflow")
+}
