@@ -1,0 +1,728 @@
+package e2e
+
+import (
+	"bufio"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	enumspb "go.temporal.io/api/enums/v1"
+	"go.temporal.io/sdk/client"
+
+	"vmflow/guest"
+	"vmflow/guest/build"
+	"vmflow/hostagent/proc"
+	"vmflow/hostagent/store"
+	"vmflow/hostagent/vgpu/vgpusim"
+	"vmflow/hostagent/vgpu/vgpusim/simtest"
+	"vmflow/internal/devserver"
+	"vmflow/internal/tclient"
+	vmflowv1 "vmflow/proto/vmflow/v1"
+	"vmflow/workflows"
+)
+
+// poll is how often wait loops look again. Every wait has a deadline.
+const poll = 100 * time.Millisecond
+
+// moduleRoot walks up from the working directory (go test runs in e2e/) to
+// the go.mod of module vmflow.
+func moduleRoot() (string, error) {
+	dir, err := os.Getwd()
+	if err != nil {
+		return "", fmt.Errorf("module root: %w", err)
+	}
+	for {
+		if b, err := os.ReadFile(filepath.Join(dir, "go.mod")); err == nil && strings.HasPrefix(string(b), "module vmflow\n") {
+			return dir, nil
+		}
+		parent := filepath.Dir(dir)
+		if parent == dir {
+			return "", errors.New("module root: no go.mod of module vmflow above the working directory")
+		}
+		dir = parent
+	}
+}
+
+// binaries are vmflow-worker and vmflow-hostagent, built once per test
+// binary from this checkout (so the tests never run stale bin/ files).
+var binaries struct {
+	once   sync.Once
+	dir    string
+	worker string
+	agent  string
+	err    error
+}
+
+func buildBinaries(t *testing.T) (worker, agent string) {
+	t.Helper()
+	binaries.once.Do(func() {
+		root, err := moduleRoot()
+		if err != nil {
+			binaries.err = err
+			return
+		}
+		// Not t.TempDir: the binaries outlive the first test that asks;
+		// TestMain removes the folder.
+		if binaries.dir, err = os.MkdirTemp("", "vmflow-e2e-bin-"); err != nil {
+			binaries.err = fmt.Errorf("build binaries: %w", err)
+			return
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+		defer cancel()
+		cmd := exec.CommandContext(ctx, "go", "build", "-o", binaries.dir+"/", "./worker", "./hostagent")
+		cmd.Dir = root
+		if out, err := cmd.CombinedOutput(); err != nil {
+			binaries.err = fmt.Errorf("go build ./worker ./hostagent: %w\n%s", err, out)
+			return
+		}
+		binaries.worker = filepath.Join(binaries.dir, "worker")
+		binaries.agent = filepath.Join(binaries.dir, "hostagent")
+	})
+	if binaries.err != nil {
+		t.Fatalf("%v", binaries.err)
+	}
+	return binaries.worker, binaries.agent
+}
+
+// requireQEMU skips t when QEMU is missing (`make tools` installs it).
+func requireQEMU(t *testing.T) string {
+	t.Helper()
+	p, err := exec.LookPath("qemu-system-x86_64")
+	if err != nil {
+		t.Skipf("qemu-system-x86_64 not found (%v): `make tools` installs Debian's qemu-system-x86", err)
+	}
+	return p
+}
+
+// requireGuest returns the built guest, or skips t when `make guest` has
+// not built it (the tests never download a kernel themselves).
+func requireGuest(t *testing.T) build.Artifacts {
+	t.Helper()
+	dir, err := build.DefaultDir()
+	if err != nil {
+		t.Fatalf("guest dir: %v", err)
+	}
+	a := build.Artifacts{Dir: dir, Kernel: filepath.Join(dir, build.KernelFile), Initrd: filepath.Join(dir, build.InitrdFile)}
+	for _, f := range []string{a.Kernel, a.Initrd} {
+		if _, err := os.Stat(f); err != nil {
+			t.Skipf("guest not built (%v): `make guest` builds it into %s", err, dir)
+		}
+	}
+	return a
+}
+
+// suffix is a random tag that keeps ids unique across tests and runs
+// against a reused server.
+func suffix(t *testing.T) string {
+	t.Helper()
+	b := make([]byte, 3)
+	if _, err := rand.Read(b); err != nil {
+		t.Fatalf("random: %v", err)
+	}
+	return hex.EncodeToString(b)
+}
+
+// outDir is where a test leaves logs and screenshots: $VMFLOW_E2E_OUT/<test>
+// when set (kept after the run), else a temporary folder.
+func outDir(t *testing.T) string {
+	t.Helper()
+	base := os.Getenv("VMFLOW_E2E_OUT")
+	if base == "" {
+		return t.TempDir()
+	}
+	d := filepath.Join(base, strings.ReplaceAll(t.Name(), "/", "_"))
+	if err := os.MkdirAll(d, 0o755); err != nil {
+		t.Fatalf("out dir: %v", err)
+	}
+	return d
+}
+
+// daemon is a vmflow binary run as a subprocess, restartable, its output
+// appended to one log file.
+type daemon struct {
+	name string
+	bin  string
+	args []string
+	env  []string
+	log  string
+
+	mu   sync.Mutex
+	cmd  *exec.Cmd
+	done chan struct{}
+	runs int
+}
+
+func (d *daemon) start(t *testing.T) {
+	t.Helper()
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.cmd != nil {
+		select {
+		case <-d.done:
+		default:
+			t.Fatalf("%s: already running", d.name)
+		}
+	}
+	f, err := os.OpenFile(d.log, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		t.Fatalf("%s log: %v", d.name, err)
+	}
+	d.runs++
+	fmt.Fprintf(f, "=== %s start #%d at %s: %s %s\n", d.name, d.runs, time.Now().Format(time.RFC3339Nano), d.bin, strings.Join(d.args, " "))
+	cmd := exec.Command(d.bin, d.args...)
+	cmd.Env = append(os.Environ(), d.env...)
+	cmd.Stdout, cmd.Stderr = f, f
+	// A crashed or timed-out test binary takes its daemons with it.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		f.Close()
+		t.Fatalf("start %s: %v", d.name, err)
+	}
+	done := make(chan struct{})
+	go func() {
+		_ = cmd.Wait() // the exit status is in the log's context; only reaping matters
+		f.Close()
+		close(done)
+	}()
+	d.cmd, d.done = cmd, done
+}
+
+// pid is the running process's pid, or 0.
+func (d *daemon) pid() int {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.cmd == nil {
+		return 0
+	}
+	return d.cmd.Process.Pid
+}
+
+// kill9 sends SIGKILL (a crash: no cleanup in the process) and waits until
+// the process is reaped.
+func (d *daemon) kill9(t *testing.T) {
+	t.Helper()
+	if err := d.signal(syscall.SIGKILL, 10*time.Second); err != nil {
+		t.Fatalf("kill -9 %s: %v", d.name, err)
+	}
+}
+
+// stop sends SIGTERM, then SIGKILL after 20 s, and waits until reaped.
+func (d *daemon) stop() error {
+	err := d.signal(syscall.SIGTERM, 20*time.Second)
+	if err != nil {
+		return errors.Join(err, d.signal(syscall.SIGKILL, 10*time.Second))
+	}
+	return nil
+}
+
+func (d *daemon) signal(sig syscall.Signal, wait time.Duration) error {
+	d.mu.Lock()
+	cmd, done := d.cmd, d.done
+	d.mu.Unlock()
+	if cmd == nil {
+		return nil
+	}
+	select {
+	case <-done:
+		return nil
+	default:
+	}
+	if err := cmd.Process.Signal(sig); err != nil && !errors.Is(err, os.ErrProcessDone) {
+		return fmt.Errorf("%s: %w", sig, err)
+	}
+	timer := time.NewTimer(wait)
+	defer timer.Stop()
+	select {
+	case <-done:
+		return nil
+	case <-timer.C:
+		return fmt.Errorf("%s (pid %d) still running %s after %s", d.name, cmd.Process.Pid, wait, sig)
+	}
+}
+
+// tail is the end of the daemon's log, for failure reports.
+func (d *daemon) tail(n int) string {
+	b, err := os.ReadFile(d.log)
+	if err != nil {
+		return fmt.Sprintf("(no log: %v)", err)
+	}
+	if len(b) > n {
+		b = b[len(b)-n:]
+	}
+	return string(b)
+}
+
+// envOptions shape one test's stack.
+type envOptions struct {
+	// server defaults to the shared headless dev server.
+	server *devserver.Server
+	// workerArgs are added to the worker's flags (later flags win).
+	workerArgs []string
+	// qemu replaces the agent's QEMU binary.
+	qemu string
+	// noStart leaves the agent and worker stopped.
+	noStart bool
+}
+
+// env is one test's vmflow stack: its own simulator, host id, state dir,
+// task queue, agent and worker, against a dev server.
+type env struct {
+	t        *testing.T
+	srv      *devserver.Server
+	c        client.Client
+	sim      *simtest.Sim
+	hostID   string
+	queue    string
+	stateDir string
+	st       *store.Store
+	out      string
+	guest    build.Artifacts
+	agent    *daemon
+	worker   *daemon
+}
+
+func newEnv(t *testing.T, o envOptions) *env {
+	t.Helper()
+	requireQEMU(t)
+	g := requireGuest(t)
+	srv := o.server
+	if srv == nil {
+		srv = devserver.Shared(t)
+	}
+	workerBin, agentBin := buildBinaries(t)
+	e := &env{t: t, srv: srv, c: srv.Client(t), out: outDir(t), guest: g}
+	tag := suffix(t)
+	e.hostID = "e2e-h-" + tag
+	e.queue = "e2e-" + tag
+	e.sim = simtest.Start(t, vgpusim.Options{MdevParents: 2, VendorVFs: 2})
+
+	// A short state dir: QMP socket paths must fit in 107 bytes.
+	var err error
+	if e.stateDir, err = os.MkdirTemp("", "vf"); err != nil {
+		t.Fatalf("state dir: %v", err)
+	}
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("state dir kept for inspection: %s", e.stateDir)
+			return
+		}
+		if err := os.RemoveAll(e.stateDir); err != nil {
+			t.Errorf("remove state dir: %v", err)
+		}
+	})
+	devRoot := filepath.Join(e.stateDir, "dev")
+	if err := os.Mkdir(devRoot, 0o755); err != nil {
+		t.Fatalf("dev root: %v", err)
+	}
+	if e.st, err = store.New(e.stateDir); err != nil {
+		t.Fatalf("store: %v", err)
+	}
+	// Runs after the agent has stopped (cleanups run last-in first-out):
+	// whatever QEMU is still alive was started for this test; kill it.
+	t.Cleanup(e.killLeftoverVMs)
+
+	connEnv := []string{
+		"TEMPORAL_ADDRESS=" + srv.Address(),
+		"TEMPORAL_NAMESPACE=" + srv.Namespace(),
+		// A developer's profile (TLS, API key) must not apply here.
+		"TEMPORAL_CONFIG_FILE=" + filepath.Join(e.stateDir, "no-temporal-config.toml"),
+	}
+	agentArgs := []string{"run",
+		"--host-id", e.hostID,
+		"--state-dir", e.stateDir,
+		"--sysfs-root", e.sim.Root,
+		"--dev-root", devRoot,
+		"--image-root", g.Dir,
+		"--vgpu-attach=false",
+		"--workflow-task-queue", e.queue,
+		// Reconcile is a safety net with its own tests; here it would only
+		// add retries nobody asked for.
+		"--reconcile-every", "1h",
+		"--address", srv.Address(),
+		"--namespace", srv.Namespace(),
+	}
+	if o.qemu != "" {
+		agentArgs = append(agentArgs, "--qemu", o.qemu)
+	}
+	agentArgs = append(agentArgs, holdersIgnoreInit()...)
+	e.agent = &daemon{name: "vmflow-hostagent", bin: agentBin, args: agentArgs, env: connEnv, log: filepath.Join(e.out, "hostagent.log")}
+	workerArgs := append([]string{
+		"--task-queue", e.queue,
+		"--address", srv.Address(),
+		"--namespace", srv.Namespace(),
+		// Several release rounds in seconds, and an agent that is away is
+		// noticed in seconds rather than a minute.
+		"--release-backoff", "1s",
+		"--release-backoff-max", "2s",
+		"--host-pickup-timeout", "5s",
+		"--unreachable-backoff", "1s",
+		"--unreachable-backoff-max", "2s",
+	}, o.workerArgs...)
+	e.worker = &daemon{name: "vmflow-worker", bin: workerBin, args: workerArgs, env: connEnv, log: filepath.Join(e.out, "worker.log")}
+	t.Cleanup(func() {
+		if err := e.agent.stop(); err != nil {
+			t.Errorf("stop agent: %v", err)
+		}
+		if t.Failed() {
+			t.Logf("--- %s (tail) ---\n%s", e.agent.log, e.agent.tail(6000))
+		}
+	})
+	t.Cleanup(func() {
+		if err := e.worker.stop(); err != nil {
+			t.Errorf("stop worker: %v", err)
+		}
+		if t.Failed() {
+			t.Logf("--- %s (tail) ---\n%s", e.worker.log, e.worker.tail(3000))
+		}
+	})
+	t.Cleanup(e.deleteSchedule)
+	if !o.noStart {
+		e.agent.start(t)
+		e.worker.start(t)
+	}
+	return e
+}
+
+// holdersIgnoreInit passes --holders-ignore-pid 1 only where PID 1's open
+// files cannot be read even by root (this sandbox): the agent would
+// otherwise count it as a possible VFIO holder and never release a vGPU.
+func holdersIgnoreInit() []string {
+	if _, err := os.Readlink("/proc/1/fd/0"); errors.Is(err, os.ErrPermission) {
+		return []string{"--holders-ignore-pid", "1"}
+	}
+	return nil
+}
+
+// deleteSchedule removes the reconcile Schedule the agent created, so the
+// shared server does not keep starting workflows for a host that is gone.
+func (e *env) deleteSchedule() {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	// Best effort: a test that never started an agent has none.
+	_ = e.c.ScheduleClient().GetHandle(ctx, workflows.ReconcileScheduleID(e.hostID)).Delete(ctx)
+}
+
+// killLeftoverVMs kills, by verified identity, every QEMU a record of this
+// test still names, and waits until it is gone (the subreaper reaps it).
+func (e *env) killLeftoverVMs() {
+	t := e.t
+	recs, err := e.st.List()
+	if err != nil {
+		t.Errorf("list records: %v", err)
+	}
+	for _, r := range recs {
+		p := r.GetProcess()
+		if p == nil {
+			continue
+		}
+		id := proc.Identity{PID: int(p.GetPid()), StartTime: p.GetStartTime(), BootID: p.GetBootId()}
+		if !proc.Inspect(id).Alive {
+			continue
+		}
+		t.Errorf("instance %s: QEMU %v still running at the end of the test; killing it", r.GetId(), id)
+		if err := proc.Signal(id, syscall.SIGKILL); err != nil {
+			t.Errorf("kill leftover QEMU %v: %v", id, err)
+			continue
+		}
+		waitFor(t, 10*time.Second, fmt.Sprintf("leftover QEMU %v gone", id), func() (bool, string) {
+			st := proc.Inspect(id)
+			return !st.Alive, string(st.State)
+		})
+	}
+}
+
+// waitFor polls cond until it holds or timeout passes; detail describes
+// what was last seen, for the failure message.
+func waitFor(t *testing.T, timeout time.Duration, what string, cond func() (bool, string)) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	var last string
+	for {
+		ok, detail := cond()
+		if ok {
+			return
+		}
+		last = detail
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %s waiting for %s; last seen: %s", timeout, what, last)
+		}
+		time.Sleep(poll) // the poll interval of a deadline-bounded wait, not a synchronisation
+	}
+}
+
+// ctx is a context for one step of a test.
+func (e *env) ctx(d time.Duration) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	e.t.Cleanup(cancel)
+	return ctx
+}
+
+// guestSpawn is a spawn request for the real guest under TCG.
+func (e *env) guestSpawn(id string, vgpu bool) *vmflowv1.SpawnRequest {
+	r := &vmflowv1.SpawnRequest{
+		InstanceId: id, HostId: e.hostID, Vcpus: 1, MemoryMib: 256,
+		Machine: "q35", Accel: "tcg",
+		Kernel: e.guest.Kernel, Initrd: e.guest.Initrd, Cmdline: guest.KernelCmdline,
+	}
+	if vgpu {
+		r.VgpuProfile = "GRID A100-4C"
+	}
+	return r
+}
+
+// noneSpawn is a spawn request for QEMU -machine none under KVM: a process
+// with QMP in ~60 ms, no guest (system_powerdown has no effect on it).
+func (e *env) noneSpawn(id string, vgpu bool) *vmflowv1.SpawnRequest {
+	r := &vmflowv1.SpawnRequest{InstanceId: id, HostId: e.hostID, Vcpus: 1, MemoryMib: 128, Machine: "none"}
+	if vgpu {
+		r.VgpuProfile = "GRID A100-4C"
+	}
+	return r
+}
+
+func (e *env) startSpawn(req *vmflowv1.SpawnRequest) client.WorkflowRun {
+	e.t.Helper()
+	run, err := e.c.ExecuteWorkflow(e.ctx(30*time.Second), client.StartWorkflowOptions{
+		ID: workflows.SpawnWorkflowID(req.GetInstanceId()), TaskQueue: e.queue,
+		StaticSummary: "e2e spawn " + req.GetInstanceId(),
+	}, workflows.SpawnWorkflow, req)
+	if err != nil {
+		e.t.Fatalf("start spawn %s: %v", req.GetInstanceId(), err)
+	}
+	return run
+}
+
+func (e *env) spawn(req *vmflowv1.SpawnRequest) *vmflowv1.SpawnResult {
+	e.t.Helper()
+	run := e.startSpawn(req)
+	var res vmflowv1.SpawnResult
+	if err := run.Get(e.ctx(2*time.Minute), &res); err != nil {
+		e.t.Fatalf("spawn %s: %v", req.GetInstanceId(), err)
+	}
+	return &res
+}
+
+func (e *env) startDelete(id string, graceful uint32) client.WorkflowRun {
+	e.t.Helper()
+	run, err := e.c.ExecuteWorkflow(e.ctx(30*time.Second), client.StartWorkflowOptions{
+		ID: workflows.DeleteWorkflowID(id), TaskQueue: e.queue,
+		StaticSummary: "e2e delete " + id,
+	}, workflows.DeleteWorkflow, &vmflowv1.DeleteRequest{InstanceId: id, HostId: e.hostID, GracefulTimeoutSeconds: graceful})
+	if err != nil {
+		e.t.Fatalf("start delete %s: %v", id, err)
+	}
+	return run
+}
+
+// status queries a workflow's status (the same query as the CLI's
+// `temporal workflow query --name status`).
+func (e *env) status(workflowID string) (*vmflowv1.WorkflowStatus, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	v, err := e.c.QueryWorkflow(ctx, workflowID, "", workflows.StatusQuery)
+	if err != nil {
+		return nil, fmt.Errorf("query %s: %w", workflowID, err)
+	}
+	var st vmflowv1.WorkflowStatus
+	if err := v.Get(&st); err != nil {
+		return nil, fmt.Errorf("decode status of %s: %w", workflowID, err)
+	}
+	return &st, nil
+}
+
+// waitStage waits until the workflow's status says stage (and, if given,
+// more holds of it).
+func (e *env) waitStage(workflowID, stage string, timeout time.Duration, more func(*vmflowv1.WorkflowStatus) bool) *vmflowv1.WorkflowStatus {
+	e.t.Helper()
+	var st *vmflowv1.WorkflowStatus
+	waitFor(e.t, timeout, fmt.Sprintf("%s at stage %s", workflowID, stage), func() (bool, string) {
+		var err error
+		st, err = e.status(workflowID)
+		if err != nil {
+			return false, err.Error()
+		}
+		return st.GetStage() == stage && (more == nil || more(st)), fmt.Sprintf("%+v", st)
+	})
+	return st
+}
+
+// record reads an instance record; nil when there is none.
+func (e *env) record(id string) *vmflowv1.InstanceRecord {
+	e.t.Helper()
+	rec, err := e.st.Get(id)
+	if errors.Is(err, store.ErrNotFound) {
+		return nil
+	}
+	if err != nil {
+		e.t.Fatalf("read record %s: %v", id, err)
+	}
+	return rec
+}
+
+func identityOf(rec *vmflowv1.InstanceRecord) proc.Identity {
+	p := rec.GetProcess()
+	return proc.Identity{PID: int(p.GetPid()), StartTime: p.GetStartTime(), BootID: p.GetBootId()}
+}
+
+// assertNoProcess checks that nothing is left of QEMU pid: no process and
+// no zombie (no /proc entry at all), whatever its identity was.
+func assertNoProcess(t *testing.T, id proc.Identity) {
+	t.Helper()
+	waitFor(t, 10*time.Second, fmt.Sprintf("no trace of QEMU %v", id), func() (bool, string) {
+		st := proc.Inspect(id)
+		if st.Alive {
+			return false, "alive: " + string(st.State)
+		}
+		// The pid may have been reused by a stranger since; only our QEMU
+		// (same start time) as a zombie counts.
+		s, err := proc.ReadStat(id.PID)
+		if err == nil && s.StartTime == id.StartTime {
+			return false, "still in /proc in state " + string(rune(s.State))
+		}
+		return true, ""
+	})
+}
+
+// simDevices lists the vGPU devices the simulator holds: mdev devices and
+// vendor VFs with a type set.
+func (e *env) simDevices() []string {
+	e.t.Helper()
+	var devs []string
+	entries, err := os.ReadDir(e.sim.Path("bus", "mdev", "devices"))
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		e.t.Fatalf("list mdev devices: %v", err)
+	}
+	for _, d := range entries {
+		devs = append(devs, "mdev "+d.Name())
+	}
+	vfs, err := filepath.Glob(e.sim.Path("bus", "pci", "devices", "*", "nvidia", "current_vgpu_type"))
+	if err != nil {
+		e.t.Fatalf("glob vendor VFs: %v", err)
+	}
+	for _, f := range vfs {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			e.t.Fatalf("read %s: %v", f, err)
+		}
+		if v := strings.TrimSpace(string(b)); v != "0" {
+			devs = append(devs, "vf "+filepath.Base(filepath.Dir(filepath.Dir(f)))+" type "+v)
+		}
+	}
+	return devs
+}
+
+// console is QEMU's log (the serial console) of one instance, held open so
+// it can still be read after the delete removed the instance's directory.
+type console struct{ f *os.File }
+
+// openConsole waits until QEMU's log of id exists and opens it.
+func (e *env) openConsole(id string) *console {
+	e.t.Helper()
+	p, err := e.st.Paths(id)
+	if err != nil {
+		e.t.Fatalf("paths: %v", err)
+	}
+	var f *os.File
+	waitFor(e.t, 10*time.Second, "QEMU log of "+id, func() (bool, string) {
+		f, err = os.Open(p.Log)
+		return err == nil, fmt.Sprint(err)
+	})
+	e.t.Cleanup(func() { f.Close() })
+	return &console{f: f}
+}
+
+// has reports whether the console printed line so far, and its last line.
+func (c *console) has(line string) (bool, string) {
+	var last string
+	sc := bufio.NewScanner(io.NewSectionReader(c.f, 0, 1<<30))
+	for sc.Scan() {
+		if strings.Contains(sc.Text(), line) {
+			return true, sc.Text()
+		}
+		if strings.TrimSpace(sc.Text()) != "" {
+			last = sc.Text()
+		}
+	}
+	return false, last
+}
+
+// wait waits until the console printed line.
+func (c *console) wait(t *testing.T, line string, timeout time.Duration) {
+	t.Helper()
+	waitFor(t, timeout, fmt.Sprintf("%q on the serial console", line), func() (bool, string) {
+		ok, last := c.has(line)
+		return ok, "last line: " + last
+	})
+}
+
+// agentStopSteps reads the stop ladder's steps for instance id from the
+// agent's log ("stop step" lines), in order.
+func (e *env) agentStopSteps(id string) []string {
+	e.t.Helper()
+	b, err := os.ReadFile(e.agent.log)
+	if err != nil {
+		e.t.Fatalf("agent log: %v", err)
+	}
+	var steps []string
+	for _, line := range strings.Split(string(b), "\n") {
+		var l struct {
+			Msg        string `json:"msg"`
+			InstanceID string `json:"instance_id"`
+			Step       string `json:"step"`
+		}
+		if json.Unmarshal([]byte(line), &l) == nil && l.Msg == "stop step" && l.InstanceID == id {
+			steps = append(steps, l.Step)
+		}
+	}
+	return steps
+}
+
+// activityResults returns the decoded results of the completed activities
+// of type activityType in a workflow's history, in order.
+func activityResults[T any](t *testing.T, c client.Client, workflowID, activityType string) []*T {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	it := c.GetWorkflowHistory(ctx, workflowID, "", false, enumspb.HISTORY_EVENT_FILTER_TYPE_ALL_EVENT)
+	types := map[int64]string{}
+	var out []*T
+	for it.HasNext() {
+		ev, err := it.Next()
+		if err != nil {
+			t.Fatalf("history of %s: %v", workflowID, err)
+		}
+		if a := ev.GetActivityTaskScheduledEventAttributes(); a != nil {
+			types[ev.GetEventId()] = a.GetActivityType().GetName()
+		}
+		if a := ev.GetActivityTaskCompletedEventAttributes(); a != nil && types[a.GetScheduledEventId()] == activityType {
+			v := new(T)
+			if err := tclient.DataConverter().FromPayloads(a.GetResult(), v); err != nil {
+				t.Fatalf("decode %s result in %s: %v", activityType, workflowID, err)
+			}
+			out = append(out, v)
+		}
+	}
+	return out
+}
+
+// cli runs the temporal CLI against the test's server.
+func (e *env) cli(args ...string) string {
+	e.t.Helper()
+	out, err := e.srv.CLI(e.ctx(30*time.Second), args...)
+	if err != nil {
+		e.t.Fatalf("%v", err)
+	}
+	return string(out)
+}
