@@ -3,13 +3,8 @@ package supervise
 import (
 	"bytes"
 	"context"
-	"errors"
-	"fmt"
-	"io/fs"
-	"net"
 	"os"
 	"strconv"
-	"syscall"
 	"time"
 
 	"go.uber.org/zap"
@@ -293,7 +288,7 @@ func (s *Supervisor) restart(in *instance, gen uint64) {
 // naming pid: QEMU unlinks them on an orderly exit but not when killed.
 func cleanupFiles(ctx context.Context, p vmm.Paths, pid int) {
 	if p.QMPSocket != "" {
-		_ = removeStaleSocket(ctx, p.QMPSocket)
+		_ = vmm.RemoveStaleSocket(ctx, p.QMPSocket)
 	}
 	if b, err := os.ReadFile(p.PIDFile); err == nil {
 		if n, err := strconv.Atoi(string(bytes.TrimSpace(b))); err == nil && n == pid {
@@ -302,28 +297,3 @@ func cleanupFiles(ctx context.Context, p vmm.Paths, pid int) {
 	}
 }
 
-// errSocketInUse: something accepts connections on the socket.
-var errSocketInUse = errors.New("qmp socket in use")
-
-// removeStaleSocket removes path unless something accepts on it (a live
-// QEMU whose record we may have misread must keep its socket).
-func removeStaleSocket(ctx context.Context, path string) error {
-	if _, err := os.Lstat(path); errors.Is(err, fs.ErrNotExist) {
-		return nil
-	}
-	dctx, cancel := context.WithTimeout(ctx, time.Second)
-	defer cancel()
-	var d net.Dialer
-	c, err := d.DialContext(dctx, "unix", path)
-	if err == nil {
-		c.Close()
-		return fmt.Errorf("%s: %w", path, errSocketInUse)
-	}
-	if !errors.Is(err, fs.ErrNotExist) && !errors.Is(err, syscall.ECONNREFUSED) {
-		return fmt.Errorf("probe stale socket %s: %w", path, err)
-	}
-	if err := os.Remove(path); err != nil && !errors.Is(err, fs.ErrNotExist) {
-		return fmt.Errorf("remove stale socket: %w", err)
-	}
-	return nil
-}

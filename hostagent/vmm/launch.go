@@ -125,7 +125,7 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 			return nil, fmt.Errorf("launch: %w", err)
 		}
 	}
-	if err := removeStaleSocket(ctx, cfg.Paths.QMPSocket); err != nil {
+	if err := RemoveStaleSocket(ctx, cfg.Paths.QMPSocket); err != nil {
 		return nil, fmt.Errorf("launch: %w", err)
 	}
 	l.socketOwned = true
@@ -356,9 +356,9 @@ func logTail(path string, from int64) string {
 	return strings.TrimSpace(string(b))
 }
 
-// removeStaleSocket removes a socket file nobody listens on. A socket that
+// RemoveStaleSocket removes a socket file nobody listens on. A socket that
 // accepts a connection belongs to a live QEMU: ErrSocketInUse.
-func removeStaleSocket(ctx context.Context, path string) error {
+func RemoveStaleSocket(ctx context.Context, path string) error {
 	if _, err := os.Lstat(path); errors.Is(err, fs.ErrNotExist) {
 		return nil
 	}

@@ -425,7 +425,7 @@ func (s *ladder) finish(ctx context.Context) error {
 	if p := s.cfg.Paths.QMPSocket; p != "" {
 		// QEMU unlinks its socket on an orderly exit, not when killed. A
 		// socket that still accepts belongs to someone else: leave it.
-		if err := removeStaleSocket(ctx, p); err != nil && !errors.Is(err, ErrSocketInUse) {
+		if err := RemoveStaleSocket(ctx, p); err != nil && !errors.Is(err, ErrSocketInUse) {
 			return fmt.Errorf("stop %v: %w", s.cfg.Identity, err)
 		}
 	}
