@@ -296,4 +296,3 @@ func cleanupFiles(ctx context.Context, p vmm.Paths, pid int) {
 		}
 	}
 }
-
