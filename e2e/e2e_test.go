@@ -1,6 +1,9 @@
 package e2e
 
 import (
+	"fmt"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -13,6 +16,7 @@ import (
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vgpu/vgpusim"
+	"vmflow/internal/devserver"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 	"vmflow/workflows"
 )
@@ -116,4 +120,131 @@ func TestStuckReleaseRetry(t *testing.T) {
 	assert.Less(t, took, 10*time.Second, "finishes within seconds of the retry")
 	assert.Nil(t, e.record(id), "record gone")
 	assert.Empty(t, e.simDevices(), "vGPU released")
+}
+
+// Test 3: the agent dies (SIGKILL) in the middle of the stop ladder. The
+// VM outlives it; the agent started again re-attaches, resumes the ladder
+// from the recorded step, and the delete finishes with nothing leaked.
+func TestAgentKilledDuringStop(t *testing.T) {
+	timeTest(t)
+	e := newEnv(t, envOptions{})
+	id := "e2e-agentkill-" + suffix(t)
+	e.spawn(e.noneSpawn(id, true))
+	qemu := identityOf(e.record(id))
+	delID := workflows.DeleteWorkflowID(id)
+
+	// -machine none ignores the power button, so the ladder sits in its
+	// graceful wait: a window of 8 s to kill the agent in.
+	run := e.startDelete(id, 8)
+	waitFor(t, 30*time.Second, "stop step powerdown_sent in the record", func() (bool, string) {
+		rec := e.record(id)
+		return rec.GetStopStep() == vmflowv1.StopStep_STOP_STEP_POWERDOWN_SENT, rec.GetStopStep().String()
+	})
+	e.waitStage(delID, workflows.StageStopping, 10*time.Second, nil)
+	e.agent.kill9(t)
+	require.True(t, proc.Inspect(qemu).Alive, "QEMU outlives its agent")
+	rec := e.record(id)
+	require.True(t, store.ClaimHeld(rec), "the claim is still recorded")
+
+	e.agent.start(t)
+	var del vmflowv1.DeleteResult
+	require.NoError(t, run.Get(e.ctx(90*time.Second), &del))
+	steps := e.agentStopSteps(id)
+	t.Logf("agent's stop steps over both runs: %v", steps)
+	assert.Contains(t, steps, "quit_sent", "the restarted agent went on to quit")
+	assertNoProcess(t, qemu)
+	e.assertNothingLeft()
+}
+
+// Test 4: the worker dies (SIGKILL) while a spawn is launching; started
+// again, it picks the workflow up from its history and the spawn finishes.
+func TestWorkerKilledMidSpawn(t *testing.T) {
+	timeTest(t)
+	qemuBin := requireQEMU(t)
+	dir := t.TempDir()
+	gate := filepath.Join(dir, "gate")
+	require.NoError(t, os.WriteFile(gate, nil, 0o644))
+	// QEMU's launch waits at the gate (a file the test removes), so the
+	// spawn is mid-launch for as long as the test needs; the agent's 10 s
+	// ready timeout bounds how long that may be.
+	wrapper := writeScript(t, dir, "qemu-gated", fmt.Sprintf(
+		"while [ -e %q ]; do sleep 0.02; done\nexec %q \"$@\"\n", gate, qemuBin))
+	e := newEnv(t, envOptions{qemu: wrapper})
+	id := "e2e-workerkill-" + suffix(t)
+	spawnID := workflows.SpawnWorkflowID(id)
+
+	run := e.startSpawn(e.noneSpawn(id, true))
+	e.waitStage(spawnID, workflows.StageLaunching, 30*time.Second, nil)
+	e.worker.kill9(t)
+	e.worker.start(t)
+	require.NoError(t, os.Remove(gate))
+
+	var res vmflowv1.SpawnResult
+	require.NoError(t, run.Get(e.ctx(90*time.Second), &res))
+	st, err := e.status(spawnID)
+	require.NoError(t, err)
+	assert.Equal(t, workflows.StageRunning, st.GetStage())
+	rec := e.record(id)
+	require.NotNil(t, rec)
+	assert.Equal(t, vmflowv1.InstanceState_INSTANCE_STATE_RUNNING, rec.GetState())
+	assert.Equal(t, res.GetPid(), rec.GetProcess().GetPid())
+	assert.True(t, proc.Inspect(identityOf(rec)).Alive, "QEMU runs")
+	assert.Len(t, e.simDevices(), 1)
+
+	require.NoError(t, e.startDelete(id, 1).Get(e.ctx(60*time.Second), nil))
+	e.assertNothingLeft()
+}
+
+// Test 5: the Temporal server stops and starts again (same SQLite file)
+// while a delete waits for its next release round; the delete survives and
+// finishes on the retry signal.
+func TestServerRestartDuringStuckDelete(t *testing.T) {
+	timeTest(t)
+	devserver.RequireBinary(t)
+	srv := devserver.Start(t, devserver.Options{})
+	// An hour between rounds: only the retry signal can end the wait.
+	e := newEnv(t, envOptions{server: srv, workerArgs: []string{"--release-backoff", "1h", "--release-backoff-max", "1h"}})
+	id := "e2e-srvrestart-" + suffix(t)
+	e.spawn(e.noneSpawn(id, true))
+	e.sim.Set(t, vgpusim.CtlFailRelease, "EIO")
+	delID := workflows.DeleteWorkflowID(id)
+	e.startDelete(id, 1)
+	e.waitStage(delID, workflows.StageReleaseFailed, 60*time.Second, nil)
+
+	begin := time.Now()
+	require.NoError(t, srv.Restart())
+	t.Logf("dev server restarted in %s", time.Since(begin).Round(time.Millisecond))
+	st := e.waitStage(delID, workflows.StageReleaseFailed, 60*time.Second, nil)
+	assert.True(t, st.GetNeedsAttention(), "still needs attention after the restart")
+	require.True(t, store.ClaimHeld(e.record(id)), "claim kept")
+
+	e.sim.Clear(t, vgpusim.CtlFailRelease)
+	begin = time.Now()
+	e.cli("workflow", "signal", "--workflow-id", delID, "--name", workflows.RetrySignal)
+	require.NoError(t, e.c.GetWorkflow(e.ctx(time.Minute), delID, "").Get(e.ctx(time.Minute), nil))
+	t.Logf("retry after the restart → delete finished in %s", time.Since(begin).Round(time.Millisecond))
+	e.assertNothingLeft()
+}
+
+// Test 6: QEMU exits at launch (a bad option). The spawn fails with QEMU's
+// own message and its delete path leaves nothing: no process, no record,
+// no vGPU.
+func TestSpawnQEMUDiesAtLaunch(t *testing.T) {
+	timeTest(t)
+	qemuBin := requireQEMU(t)
+	wrapper := writeScript(t, t.TempDir(), "qemu-bad-option", fmt.Sprintf("exec %q -e2e-no-such-option \"$@\"\n", qemuBin))
+	e := newEnv(t, envOptions{qemu: wrapper})
+	id := "e2e-badlaunch-" + suffix(t)
+
+	err := e.startSpawn(e.noneSpawn(id, true)).Get(e.ctx(2*time.Minute), nil)
+	require.Error(t, err, "the spawn fails")
+	t.Logf("spawn error: %v", err)
+	assert.Contains(t, err.Error(), "-e2e-no-such-option: invalid option", "the error carries QEMU's message")
+	st, qerr := e.status(workflows.SpawnWorkflowID(id))
+	require.NoError(t, qerr)
+	assert.Equal(t, workflows.StageSpawnFailed, st.GetStage())
+	// The spawn starts its delete path as an abandoned child and fails at
+	// once with the original error; the host is clean when that delete is.
+	require.NoError(t, e.c.GetWorkflow(e.ctx(time.Minute), workflows.DeleteWorkflowID(id), "").Get(e.ctx(time.Minute), nil))
+	e.assertNothingLeft()
 }

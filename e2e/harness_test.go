@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -725,4 +726,63 @@ func (e *env) cli(args ...string) string {
 		e.t.Fatalf("%v", err)
 	}
 	return string(out)
+}
+
+// processesOf lists the processes whose command line mentions an instance
+// folder of this test's state dir: every QEMU the agent starts names its QMP
+// socket there (the agent itself only names the state dir).
+func (e *env) processesOf() []string {
+	e.t.Helper()
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		e.t.Fatalf("list /proc: %v", err)
+	}
+	var found []string
+	for _, d := range entries {
+		if _, err := strconv.Atoi(d.Name()); err != nil {
+			continue
+		}
+		b, err := os.ReadFile("/proc/" + d.Name() + "/cmdline")
+		if err != nil || !strings.Contains(string(b), e.stateDir+"/instances/") {
+			continue
+		}
+		state := "?"
+		if pid, err := strconv.Atoi(d.Name()); err == nil {
+			if s, err := proc.ReadStat(pid); err == nil {
+				state = string(rune(s.State))
+			}
+		}
+		found = append(found, fmt.Sprintf("pid %s (%s): %s", d.Name(), state, strings.ReplaceAll(string(b), "\x00", " ")))
+	}
+	return found
+}
+
+// assertNothingLeft checks that no process of this test's state dir is
+// alive or a zombie, no record remains and the simulator holds no device.
+func (e *env) assertNothingLeft() {
+	e.t.Helper()
+	waitFor(e.t, 10*time.Second, "no QEMU of this test's state dir (alive or zombie)", func() (bool, string) {
+		ps := e.processesOf()
+		return len(ps) == 0, strings.Join(ps, "; ")
+	})
+	recs, err := e.st.List()
+	if err != nil {
+		e.t.Errorf("list records: %v", err)
+	}
+	for _, r := range recs {
+		e.t.Errorf("record left: %s in state %s, claim %v", r.GetId(), r.GetState(), r.GetGpuClaim())
+	}
+	if devs := e.simDevices(); len(devs) > 0 {
+		e.t.Errorf("vGPU devices left in the simulator: %v", devs)
+	}
+}
+
+// writeScript writes an executable shell script into dir.
+func writeScript(t *testing.T, dir, name, body string) string {
+	t.Helper()
+	p := filepath.Join(dir, name)
+	if err := os.WriteFile(p, []byte("#!/bin/sh\n"+body), 0o755); err != nil {
+		t.Fatalf("write %s: %v", p, err)
+	}
+	return p
 }
