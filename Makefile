@@ -89,7 +89,14 @@ proto-tools:
 test: tools
 	$(GO) test -race -timeout $(TEST_TIMEOUT) ./...
 
-lint: vet fmt-check staticcheck proto-check workflowcheck
+lint: vet fmt-check staticcheck proto-check workflowcheck units-check
+
+## units-check: the systemd units in deploy/ pass `systemd-analyze verify`
+# in a scratch root with the built binaries at their ExecStart paths.
+.PHONY: units-check
+units-check: build
+	bash -n deploy/setup-temporal.sh
+	deploy/verify-units.sh "$(BIN)"
 
 vet:
 	$(GO) vet ./...
