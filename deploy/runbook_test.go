@@ -79,7 +79,7 @@ func (h *stuckHost) ReleaseVGPU(context.Context, *vmflowv1.InstanceRef) (*vmflow
 	return nil, temporal.NewNonRetryableApplicationError(
 		"write /sys/bus/mdev/devices/0b6f1a9e/remove: device or resource busy", "ReleaseFailed", nil)
 }
-func (*stuckHost) TearDown(context.Context, *vmflowv1.InstanceRef) error    { return nil }
+func (*stuckHost) TearDown(context.Context, *vmflowv1.InstanceRef) error     { return nil }
 func (*stuckHost) DeleteRecord(context.Context, *vmflowv1.InstanceRef) error { return nil }
 func (*stuckHost) ReconcileHost(context.Context, *vmflowv1.ReconcileVGPURequest) (*vmflowv1.ReconcileVGPUResult, error) {
 	return &vmflowv1.ReconcileVGPUResult{}, nil
