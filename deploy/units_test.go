@@ -2,12 +2,16 @@ package deploy_test
 
 import (
 	"bufio"
+	"bytes"
 	"os"
+	"regexp"
 	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"vmflow/hostagent/cli"
 )
 
 // unitKeys reads a unit file into section -> key -> values (a key may
@@ -95,5 +99,21 @@ func TestEnvFilesDocumentEverySetting(t *testing.T) {
 		for _, v := range append(vars, flags...) {
 			assert.Contains(t, string(b), v, "%s does not document %s", file, v)
 		}
+	}
+}
+
+// Every flag `vmflow-hostagent run` has is documented in the env file: the
+// list comes from the flag set itself, so a new flag fails this test until
+// it is written down.
+func TestHostAgentEnvDocumentsEveryFlag(t *testing.T) {
+	var usage bytes.Buffer
+	_, err := cli.ParseRun([]string{"-h"}, &usage)
+	require.Error(t, err)
+	names := regexp.MustCompile(`(?m)^\s+-([a-z-]+)`).FindAllStringSubmatch(usage.String(), -1)
+	require.NotEmpty(t, names)
+	env, err := os.ReadFile("vmflow-hostagent.env")
+	require.NoError(t, err)
+	for _, m := range names {
+		assert.Contains(t, string(env), "--"+m[1], "vmflow-hostagent.env does not document --%s", m[1])
 	}
 }

@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"os/user"
 	"time"
 
 	enumspb "go.temporal.io/api/enums/v1"
@@ -21,6 +22,7 @@ import (
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/supervise"
 	"vmflow/hostagent/vgpu"
+	"vmflow/hostagent/vmm"
 	"vmflow/internal/tclient"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 	"vmflow/workflows"
@@ -88,10 +90,16 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 		Store: st, Host: host, GPUs: gpus, AttachVGPU: cfg.VGPUAttach,
 		DefaultGraceful: cfg.GracefulTimeout, Logger: log, Metrics: am,
 	}
+	runAs, runWith, err := qemuUser(ctx, cfg, log)
+	if err != nil {
+		return err
+	}
 	sup, err := supervise.New(supervise.Config{
 		Store: st, QEMU: cfg.QEMU, Logger: log,
 		GracefulTimeout: cfg.GracefulTimeout, GroupExitCap: cfg.GroupExitCap,
 		SpecFromRecord: acts.SpecFor,
+		RunAs:          runAs, RunWith: runWith,
+		OnExitRecorded: func(d time.Duration) { am.ExitDetect.Observe(d.Seconds()) },
 	})
 	if err != nil {
 		return err
@@ -141,6 +149,26 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 	<-ctx.Done()
 	log.Info("stopping; VMs keep running")
 	return nil
+}
+
+// qemuUser checks --qemu-user and picks QEMU's option for it from the
+// installed QEMU's version: a user that does not exist or a QEMU that does
+// not say its version stops the agent at start, not at the first launch.
+func qemuUser(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) (string, bool, error) {
+	if cfg.QEMUUser == "" {
+		return "", false, nil
+	}
+	if _, err := user.Lookup(cfg.QEMUUser); err != nil {
+		return "", false, fmt.Errorf("--qemu-user %s: %w", cfg.QEMUUser, err)
+	}
+	v, err := vmm.DetectVersion(ctx, cfg.QEMU)
+	if err != nil {
+		return "", false, fmt.Errorf("--qemu-user needs the QEMU version: %w", err)
+	}
+	runWith := vmm.RunWithSupported(v)
+	log.Info("qemu runs unprivileged", zap.String("qemu_user", cfg.QEMUUser), zap.String("qemu_version", v.String()),
+		zap.Strings("option", vmm.RunAsArgs(cfg.QEMUUser, runWith)))
+	return cfg.QEMUUser, runWith, nil
 }
 
 // newClaims sets up the vGPU driver and claims, or returns nil when

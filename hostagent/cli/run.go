@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"vmflow/hostagent/store"
+	"vmflow/hostagent/vmm"
 )
 
 // RunConfig is the command line of "vmflow-hostagent run". The binary's
@@ -23,6 +24,7 @@ type RunConfig struct {
 	DevRoot         string
 	ImageRoots      []string
 	QEMU            string
+	QEMUUser        string // empty: QEMU stays root
 	VGPUAttach      bool
 	VGPUDriver      string // auto, mdev, vendor, none
 	OrphanGrace     time.Duration
@@ -84,6 +86,7 @@ flags:
 	fs.StringVar(&c.DevRoot, "dev-root", "/dev", "where the VFIO device nodes are")
 	fs.Var(&roots, "image-root", "folder kernels, initrds and disks must lie in (repeatable)")
 	fs.StringVar(&c.QEMU, "qemu", "qemu-system-x86_64", "QEMU binary")
+	fs.StringVar(&c.QEMUUser, "qemu-user", "", "run QEMU as this user after setup (-runas before QEMU 9.1, -run-with user= from 9.1, by `qemu --version`); empty: QEMU stays root")
 	fs.BoolVar(&c.VGPUAttach, "vgpu-attach", true, "attach claimed vGPUs to QEMU; false only with the vgpu-sim simulator, whose devices QEMU cannot open")
 	fs.StringVar(&c.VGPUDriver, "vgpu-driver", "auto", "auto, mdev, vendor or none")
 	fs.DurationVar(&c.OrphanGrace, "vgpu-orphan-grace", 5*time.Minute, "an unclaimed vGPU device is removed after this long")
@@ -116,6 +119,9 @@ flags:
 			return c, fmt.Errorf("--%s: %w", d.name, err)
 		}
 		*d.path = abs
+	}
+	if c.QEMUUser != "" && !vmm.ValidRunAs(c.QEMUUser) {
+		return c, fmt.Errorf("--qemu-user %q: not a user name", c.QEMUUser)
 	}
 	switch c.VGPUDriver {
 	case "auto", "mdev", "vendor", "none":

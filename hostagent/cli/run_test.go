@@ -27,6 +27,11 @@ func TestParseRun(t *testing.T) {
 	require.NoError(t, err)
 	assert.True(t, d.VGPUAttach, "production attaches vGPUs")
 	assert.Equal(t, "/var/lib/vmflow", d.StateDir)
+	assert.Empty(t, d.QEMUUser, "QEMU stays root unless asked")
+
+	u, err := cli.ParseRun([]string{"--host-id", "h1", "--qemu-user", "vmflow-qemu"}, io.Discard)
+	require.NoError(t, err)
+	assert.Equal(t, "vmflow-qemu", u.QEMUUser)
 }
 
 func TestParseRunRejects(t *testing.T) {
@@ -38,6 +43,12 @@ func TestParseRunRejects(t *testing.T) {
 		{"--host-id", "h1", "stray"},
 		{"--host-id", "h1", "--workflow-task-queue", ""},
 		{"--host-id", "h1", "--holders-ignore-pid", "one"},
+		// A user name is one argv element after -runas / inside
+		// -run-with user=: nothing that could add a QemuOpts key or a path.
+		{"--host-id", "h1", "--qemu-user", "nobody,chroot=/"},
+		{"--host-id", "h1", "--qemu-user", "../root"},
+		{"--host-id", "h1", "--qemu-user", "Root"},
+		{"--host-id", "h1", "--qemu-user", "-runas"},
 	} {
 		_, err := cli.ParseRun(args, io.Discard)
 		assert.Error(t, err, "%q", args)

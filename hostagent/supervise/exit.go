@@ -81,7 +81,7 @@ func (s *Supervisor) watch(in *instance, vm *vmm.VM) {
 		if !s.waitGone(in, vm) {
 			return
 		}
-		s.handleExit(in, vm)
+		s.handleExit(in, vm, s.detectedAt(vm))
 	})
 	if !ok {
 		_ = vm.Close()
@@ -122,9 +122,22 @@ func (s *Supervisor) waitGone(in *instance, vm *vmm.VM) bool {
 	}
 }
 
+// detectedAt is when vm's exit became observable: when the reaper
+// returned for a child (its Exit.At), otherwise now, right after the pidfd
+// (or the /proc fallback) said the group is gone.
+func (s *Supervisor) detectedAt(vm *vmm.VM) time.Time {
+	if c := vm.Child(); c != nil {
+		if e, ok := c.Exit(); ok && !e.At.IsZero() {
+			return e.At
+		}
+	}
+	return time.Now()
+}
+
 // handleExit records an exit nobody asked for (a crash, a kill from
-// outside, a guest power-off) and applies the restart policy.
-func (s *Supervisor) handleExit(in *instance, vm *vmm.VM) {
+// outside, a guest power-off) and applies the restart policy. detected is
+// when the exit became observable (for OnExitRecorded).
+func (s *Supervisor) handleExit(in *instance, vm *vmm.VM, detected time.Time) {
 	ex := s.exitOf(vm)
 	if err := in.acquire(s.ctx); err != nil {
 		return // closing
@@ -151,6 +164,10 @@ func (s *Supervisor) handleExit(in *instance, vm *vmm.VM) {
 	if err != nil {
 		log.Error("record exit", zap.Error(err))
 		return
+	}
+	if s.cfg.OnExitRecorded != nil {
+		// time.Since: monotonic, unlike the wall-clock exit time recorded.
+		s.cfg.OnExitRecorded(time.Since(detected))
 	}
 	s.applyPolicyLocked(l, in, rec, time.Time{})
 }

@@ -215,6 +215,9 @@ func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *inst
 	if spec.Name == "" {
 		spec.Name = in.id
 	}
+	if spec.RunAs == "" && s.cfg.RunAs != "" {
+		spec.RunAs, spec.RunWith = s.cfg.RunAs, s.cfg.RunWith
+	}
 	log := in.log
 	start := time.Now()
 	log.Info("launching qemu", zap.String("machine", string(spec.Machine)), zap.String("accel", string(spec.Accel)))

@@ -54,6 +54,21 @@ type Config struct {
 	RestartBackoff    time.Duration
 	RestartBackoffMax time.Duration
 
+	// RunAs, when set, is the user every QEMU this supervisor launches
+	// drops to after setup (a spec that names its own RunAs keeps it).
+	// RunWith picks the option for the installed QEMU: see
+	// vmm.RunWithSupported.
+	RunAs   string
+	RunWith bool
+
+	// OnExitRecorded, when set, is called after an exit nobody asked for
+	// (a crash, a kill from outside, a guest power-off) is written to the
+	// record, with the time from the exit being observable (the reaper
+	// returned, or the pidfd became readable) to the record written: the
+	// agent's vmflow_exit_detect_seconds. It runs on the watcher goroutine
+	// and must not block.
+	OnExitRecorded func(detect time.Duration)
+
 	// SpecFromRecord builds the QEMU spec a restart launches when this
 	// process has not launched the instance itself (after an agent
 	// restart). Default: SpecFromRecord, which cannot name a vGPU device.

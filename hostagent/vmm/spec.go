@@ -90,9 +90,15 @@ type VMSpec struct {
 	SerialToLog bool `json:"serial_to_log,omitempty"`
 	// NoReboot makes a guest reboot end QEMU (-no-reboot).
 	NoReboot bool `json:"no_reboot,omitempty"`
-	// RunAs drops QEMU's privileges to this user after setup (-runas).
-	// QEMU 7.2 has -runas; its replacement -run-with does not exist there.
+	// RunAs drops QEMU's privileges to this user after setup: QEMU opens
+	// its QMP socket, pidfile, disks, /dev/kvm and VFIO devices as root,
+	// then switches user. How it is asked depends on the QEMU version
+	// (RunWith).
 	RunAs string `json:"run_as,omitempty"`
+	// RunWith selects "-run-with user=RunAs" (QEMU 9.1 and later, where
+	// -runas is deprecated) over "-runas RunAs" (QEMU before 9.1; 7.2 has
+	// no -run-with). Set it from RunWithSupported(the binary's version).
+	RunWith bool `json:"run_with,omitempty"`
 }
 
 // Paths are the per-instance files QEMU uses.
@@ -322,7 +328,7 @@ func Argv(spec VMSpec, paths Paths) ([]string, error) {
 		a = append(a, "-no-reboot")
 	}
 	if spec.RunAs != "" {
-		a = append(a, "-runas", spec.RunAs)
+		a = append(a, RunAsArgs(spec.RunAs, spec.RunWith)...)
 	}
 	return a, nil
 }
