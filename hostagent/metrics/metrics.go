@@ -50,6 +50,14 @@ func New(reg prometheus.Registerer, st *store.Store) (*Agent, error) {
 			Help: "VMs re-attached after an agent restart.",
 		}),
 	}
+	// The errnos a sysfs release is known to fail with (FACTS: mdev remove
+	// EAGAIN/ENODEV, old kernels EBUSY; EIO from a wedged driver) exist at 0
+	// from the start: the series is there before the first failure, so
+	// increase()/rate() alerts fire on the first one instead of never
+	// seeing a counter start.
+	for _, errno := range []string{"EAGAIN", "EBUSY", "EIO", "ENODEV"} {
+		a.ReleaseFailures.WithLabelValues(errno)
+	}
 	cs := []prometheus.Collector{a.StopDuration, a.ExitDetect, a.LaunchDuration, a.ReleaseFailures, a.Reattach}
 	if st != nil {
 		cs = append(cs, &storeCollector{st: st})

@@ -50,7 +50,10 @@ vmflow_instances{state="running"} 0
 vmflow_vgpu_claims 1
 # HELP vmflow_vgpu_release_failures_total vGPU releases that failed, by errno (or reason when no errno applies).
 # TYPE vmflow_vgpu_release_failures_total counter
+vmflow_vgpu_release_failures_total{errno="EAGAIN"} 0
 vmflow_vgpu_release_failures_total{errno="EBUSY"} 1
+vmflow_vgpu_release_failures_total{errno="EIO"} 0
+vmflow_vgpu_release_failures_total{errno="ENODEV"} 0
 `
 	assert.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(want),
 		"vmflow_instances", "vmflow_vgpu_claims", "vmflow_vgpu_release_failures_total"))

@@ -1,0 +1,178 @@
+package deploy_test
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"vmflow/internal/devserver"
+)
+
+// buildBinary builds one of the module's commands into dir.
+func buildBinary(ctx context.Context, t *testing.T, dir, name, pkg string) string {
+	t.Helper()
+	out := filepath.Join(dir, name)
+	cmd := exec.CommandContext(ctx, "go", "build", "-o", out, pkg)
+	b, err := cmd.CombinedOutput()
+	require.NoError(t, err, "go build %s:\n%s", pkg, b)
+	return out
+}
+
+func freeAddr(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer ln.Close()
+	return ln.Addr().String()
+}
+
+// syncBuffer is a bytes.Buffer safe for a process writing while the test
+// reads it.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// startBinary runs bin until the test ends, then stops it with SIGTERM (as
+// systemd does) and waits for it.
+func startBinary(t *testing.T, env []string, bin string, args ...string) *syncBuffer {
+	t.Helper()
+	out := &syncBuffer{}
+	cmd := exec.Command(bin, args...)
+	cmd.Env = env
+	cmd.Stdout, cmd.Stderr = out, out
+	require.NoError(t, cmd.Start())
+	t.Cleanup(func() {
+		_ = cmd.Process.Signal(syscall.SIGTERM)
+		done := make(chan error, 1)
+		go func() { done <- cmd.Wait() }()
+		select {
+		case err := <-done:
+			assert.NoError(t, err, "%s did not stop cleanly on SIGTERM:\n%s", filepath.Base(bin), out.String())
+		case <-time.After(30 * time.Second):
+			_ = cmd.Process.Kill()
+			<-done
+			t.Errorf("%s ignored SIGTERM for 30s:\n%s", filepath.Base(bin), out.String())
+		}
+	})
+	return out
+}
+
+func scrape(ctx context.Context, addr string) (string, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+addr+"/metrics", nil)
+	if err != nil {
+		return "", err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return "", err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return "", err
+	}
+	if resp.StatusCode != http.StatusOK {
+		return "", fmt.Errorf("GET /metrics: %s", resp.Status)
+	}
+	return string(b), nil
+}
+
+// hasMetric reports whether the exposition has a sample line of name (a
+// histogram counts by its _count).
+func hasMetric(exposition, name string) bool {
+	for _, line := range strings.Split(exposition, "\n") {
+		if strings.HasPrefix(line, name+" ") || strings.HasPrefix(line, name+"{") ||
+			strings.HasPrefix(line, name+"_count ") || strings.HasPrefix(line, name+"_count{") {
+			return true
+		}
+	}
+	return false
+}
+
+// Both binaries, built and run as systemd would run them, against a dev
+// server: each serves /metrics with its names, SDK metrics included.
+func TestBinariesServeMetrics(t *testing.T) {
+	srv := devserver.Start(t, devserver.Options{})
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	dir := t.TempDir()
+	agent := buildBinary(ctx, t, dir, "vmflow-hostagent", "vmflow/hostagent")
+	wrk := buildBinary(ctx, t, dir, "vmflow-worker", "vmflow/worker")
+
+	env := append(os.Environ(),
+		"TEMPORAL_ADDRESS="+srv.Address(), "TEMPORAL_NAMESPACE="+srv.Namespace(),
+		"TEMPORAL_CONFIG_FILE="+filepath.Join(dir, "none.toml"))
+	agentAddr, workerAddr := freeAddr(t), freeAddr(t)
+	images := filepath.Join(dir, "images")
+	require.NoError(t, os.Mkdir(images, 0o755))
+	agentOut := startBinary(t, env, agent, "run", "--host-id", "metrics-host", "--state-dir", filepath.Join(dir, "state"),
+		"--image-root", images, "--vgpu-driver", "none", "--metrics-addr", agentAddr, "--log-level", "info",
+		"--workflow-task-queue", "vmflow-metrics")
+	workerOut := startBinary(t, env, wrk, "--metrics-addr", workerAddr, "--task-queue", "vmflow-metrics")
+
+	for _, tc := range []struct {
+		name, addr string
+		out        *syncBuffer
+		want       []string
+	}{
+		{"vmflow-hostagent", agentAddr, agentOut, []string{
+			"vmflow_instances", "vmflow_stop_duration_seconds", "vmflow_exit_detect_seconds", "vmflow_vgpu_claims",
+			"vmflow_vgpu_release_failures_total", "vmflow_reattach_total",
+			// SDK metrics: the agent's activity worker polls its host queue.
+			"temporal_request_total", "temporal_long_request_total",
+		}},
+		{"vmflow-worker", workerAddr, workerOut, []string{"temporal_request_total", "temporal_long_request_total",
+			"temporal_num_pollers"}},
+	} {
+		var last string
+		var err error
+		ok := assert.Eventually(t, func() bool {
+			last, err = scrape(ctx, tc.addr)
+			if err != nil {
+				return false
+			}
+			for _, name := range tc.want {
+				if !hasMetric(last, name) {
+					return false
+				}
+			}
+			return true
+		}, time.Minute, 200*time.Millisecond, "%s /metrics", tc.name)
+		if !ok {
+			t.Logf("%s: scrape error %v\nlast scrape:\n%s\nlog:\n%s", tc.name, err, last, tc.out.String())
+		}
+	}
+	// Logs are zap JSON with the host id on every agent line.
+	for _, line := range strings.Split(strings.TrimSpace(agentOut.String()), "\n") {
+		if strings.HasPrefix(line, "{") {
+			assert.Contains(t, line, `"host_id":"metrics-host"`, "agent log line without host_id: %s", line)
+		}
+	}
+}
