@@ -97,9 +97,9 @@ func TestStuckReleaseRetry(t *testing.T) {
 	assert.Contains(t, out, delID, "the delete is found by VmNeedsAttention=true")
 	assert.Contains(t, out, "Running")
 
-	desc, err := e.c.DescribeWorkflowExecution(e.ctx(10*time.Second), delID, "")
+	desc, err := e.c.DescribeWorkflow(e.ctx(10*time.Second), delID, "")
 	require.NoError(t, err)
-	assert.Equal(t, enumspb.WORKFLOW_EXECUTION_STATUS_RUNNING, desc.GetWorkflowExecutionInfo().GetStatus())
+	assert.Equal(t, enumspb.WORKFLOW_EXECUTION_STATUS_RUNNING, desc.RawResponse.GetWorkflowExecutionInfo().GetStatus())
 
 	rec := e.record(id)
 	require.NotNil(t, rec, "record kept while the release fails")

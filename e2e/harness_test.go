@@ -200,16 +200,6 @@ func (d *daemon) start(t *testing.T) {
 	d.cmd, d.done = cmd, done
 }
 
-// pid is the running process's pid, or 0.
-func (d *daemon) pid() int {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	if d.cmd == nil {
-		return 0
-	}
-	return d.cmd.Process.Pid
-}
-
 // kill9 sends SIGKILL (a crash: no cleanup in the process) and waits until
 // the process is reaped.
 func (d *daemon) kill9(t *testing.T) {
