@@ -133,6 +133,21 @@ func heartbeat(ctx context.Context, every time.Duration, detail func() string) (
 
 const heartbeatEvery = 2 * time.Second
 
+// MaxGracefulTimeout caps a delete's graceful_timeout_seconds: the field is
+// a uint32 from outside, and 2^32 s (136 years) would park the stop ladder
+// before quit/SIGKILL for good, its vGPU never released. Capped rather than
+// refused: refusing would fail the delete after the manual-stop marker.
+const MaxGracefulTimeout = time.Hour
+
+// gracefulTimeout is the stop ladder's wait after system_powerdown for a
+// requested number of seconds: def for 0, at most MaxGracefulTimeout.
+func gracefulTimeout(seconds uint32, def time.Duration) time.Duration {
+	if seconds == 0 {
+		return def
+	}
+	return min(time.Duration(seconds)*time.Second, MaxGracefulTimeout)
+}
+
 // ValidateSpawn admits the request on this host; nothing is created.
 func (a *Activities) ValidateSpawn(ctx context.Context, req *vmflowv1.SpawnRequest) error {
 	if err := a.Host.Validate(ctx, req); err != nil {
@@ -275,9 +290,10 @@ func (a *Activities) StopVM(ctx context.Context, req *vmflowv1.StopVMRequest) (*
 		return nil, err
 	}
 	defer done()
-	graceful := time.Duration(req.GetGracefulTimeoutSeconds()) * time.Second
-	if graceful <= 0 {
-		graceful = a.DefaultGraceful
+	graceful := gracefulTimeout(req.GetGracefulTimeoutSeconds(), a.DefaultGraceful)
+	if uint64(req.GetGracefulTimeoutSeconds()) > uint64(MaxGracefulTimeout/time.Second) {
+		log.Warn("graceful timeout capped", zap.Uint32("requested_seconds", req.GetGracefulTimeoutSeconds()),
+			zap.Duration("graceful", graceful))
 	}
 	started := time.Now()
 	stop := heartbeat(ctx, heartbeatEvery, func() string {

@@ -33,6 +33,13 @@ func NewClient(c client.Client, taskQueue string) *Client {
 // the id pattern, before anything is sent.
 var ErrInvalidID = errors.New("invalid id")
 
+// ErrInvalidInput is returned for a request field out of its range.
+var ErrInvalidInput = errors.New("invalid input")
+
+// MaxGracefulTimeoutSeconds bounds DeleteRequest.graceful_timeout_seconds
+// (the host agent's activities.MaxGracefulTimeout).
+const MaxGracefulTimeoutSeconds = 3600
+
 func checkIDs(instanceID, hostID string) error {
 	if !ValidID(instanceID) {
 		return fmt.Errorf("instance_id %q: %w: must match %s", instanceID, ErrInvalidID, idPattern)
@@ -77,6 +84,11 @@ func (c *Client) StartSpawn(ctx context.Context, req *vmflowv1.SpawnRequest) (cl
 func (c *Client) StartDelete(ctx context.Context, req *vmflowv1.DeleteRequest) (client.WorkflowRun, error) {
 	if err := checkIDs(req.GetInstanceId(), req.GetHostId()); err != nil {
 		return nil, err
+	}
+	// The host agent caps the wait at an hour anyway; a caller asking for
+	// more has a bug worth hearing about.
+	if g := req.GetGracefulTimeoutSeconds(); g > MaxGracefulTimeoutSeconds {
+		return nil, fmt.Errorf("graceful_timeout_seconds %d: %w: at most %d", g, ErrInvalidInput, MaxGracefulTimeoutSeconds)
 	}
 	run, err := c.c.ExecuteWorkflow(ctx, c.options(DeleteWorkflowID(req.GetInstanceId()), deleteSummary(req), req.GetInstanceId(), req.GetHostId()), DeleteWorkflow, req)
 	if err != nil {

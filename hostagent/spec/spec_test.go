@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -85,6 +86,25 @@ func TestValidateRejects(t *testing.T) {
 		{"cmdline", func(r *vmflowv1.SpawnRequest) { r.Cmdline = "a\nb" }},
 		{"vgpu_profile", func(r *vmflowv1.SpawnRequest) { r.VgpuProfile = "GRID A100-40C" }},
 		{"vgpu_profile", func(r *vmflowv1.SpawnRequest) { r.VgpuProfile = "grid a100-4c" }},
+		// Audit additions (issue 8): each input that reaches a path, an
+		// argv element or a sysfs write has its rejection tested.
+		{"instance_id", func(r *vmflowv1.SpawnRequest) { r.InstanceId = "VM1" }},
+		{"instance_id", func(r *vmflowv1.SpawnRequest) { r.InstanceId = strings.Repeat("a", 64) }},
+		{"instance_id", func(r *vmflowv1.SpawnRequest) { r.InstanceId = "-x" }},
+		{"instance_id", func(r *vmflowv1.SpawnRequest) { r.InstanceId = "vm1/../../etc" }},
+		{"host_id", func(r *vmflowv1.SpawnRequest) { r.HostId = "h1/../h2" }},
+		{"kernel", func(r *vmflowv1.SpawnRequest) { r.Kernel = root }},
+		{"kernel", func(r *vmflowv1.SpawnRequest) { r.Kernel = root + "/vmlinuz/" }},
+		{"kernel", func(r *vmflowv1.SpawnRequest) { r.Kernel = "/dev/null" }},
+		{"initrd", func(r *vmflowv1.SpawnRequest) { r.Initrd = filepath.Join(root, "escape") }},
+		{"disk", func(r *vmflowv1.SpawnRequest) { r.Disk = "disk.raw" }},
+		{"disk", func(r *vmflowv1.SpawnRequest) { r.Disk = "/dev/sda" }},
+		{"disk", func(r *vmflowv1.SpawnRequest) { r.Disk = filepath.Join(root, "dir") }},
+		{"disk", func(r *vmflowv1.SpawnRequest) { r.Disk = root + "/disk.raw,format=qcow2" }},
+		{"cmdline", func(r *vmflowv1.SpawnRequest) { r.Cmdline = "a\x00b" }},
+		{"cmdline", func(r *vmflowv1.SpawnRequest) { r.Kernel, r.Initrd = "", "" }},
+		{"vgpu_profile", func(r *vmflowv1.SpawnRequest) { r.VgpuProfile = "../../../../bus/pci/devices" }},
+		{"vgpu_profile", func(r *vmflowv1.SpawnRequest) { r.VgpuProfile = "GRID A100-4C\n" }},
 	}
 	for _, tt := range tests {
 		r := good(root)
