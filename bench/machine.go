@@ -1,0 +1,104 @@
+package bench
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"runtime"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// Machine describes where the numbers were taken.
+type Machine struct {
+	Cores     int
+	CPUModel  string
+	Kernel    string
+	MemTotal  string
+	KVM       bool // /dev/kvm opens read-write
+	QEMU      string
+	Go        string
+	LoadStart string // /proc/loadavg at the start of the run
+}
+
+// DescribeMachine reads the machine's description; fields it cannot read
+// say why instead of failing the run.
+func DescribeMachine(ctx context.Context) Machine {
+	m := Machine{Cores: runtime.NumCPU(), Go: runtime.Version(), LoadStart: LoadAvg()}
+	var u unix.Utsname
+	if err := unix.Uname(&u); err == nil {
+		m.Kernel = unix.ByteSliceToString(u.Release[:])
+	}
+	m.CPUModel = procField("/proc/cpuinfo", "model name")
+	m.MemTotal = procField("/proc/meminfo", "MemTotal")
+	if f, err := os.OpenFile("/dev/kvm", os.O_RDWR, 0); err == nil {
+		m.KVM = true
+		f.Close()
+	}
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, "qemu-system-x86_64", "--version").Output()
+	if err != nil {
+		m.QEMU = fmt.Sprintf("unknown (%v)", err)
+	} else {
+		m.QEMU = strings.TrimSpace(strings.SplitN(string(out), "\n", 2)[0])
+	}
+	return m
+}
+
+// LoadAvg is the first three fields of /proc/loadavg.
+func LoadAvg() string {
+	b, err := os.ReadFile("/proc/loadavg")
+	if err != nil {
+		return "unknown"
+	}
+	f := strings.Fields(string(b))
+	if len(f) < 3 {
+		return strings.TrimSpace(string(b))
+	}
+	return strings.Join(f[:3], " ")
+}
+
+func procField(path, key string) string {
+	f, err := os.Open(path)
+	if err != nil {
+		return "unknown"
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		k, v, ok := strings.Cut(sc.Text(), ":")
+		if ok && strings.TrimSpace(k) == key {
+			return strings.TrimSpace(v)
+		}
+	}
+	return "unknown"
+}
+
+// VmHWM is the peak resident set size of pid (VmHWM in /proc/<pid>/status),
+// in KiB.
+func VmHWM(pid int) (int64, error) {
+	f, err := os.Open(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return 0, fmt.Errorf("VmHWM of %d: %w", pid, err)
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		if v, ok := strings.CutPrefix(sc.Text(), "VmHWM:"); ok {
+			var kb int64
+			if _, err := fmt.Sscanf(strings.TrimSpace(v), "%d kB", &kb); err != nil {
+				return 0, fmt.Errorf("VmHWM of %d: parse %q: %w", pid, v, err)
+			}
+			return kb, nil
+		}
+	}
+	if err := sc.Err(); err != nil {
+		return 0, fmt.Errorf("VmHWM of %d: %w", pid, err)
+	}
+	return 0, fmt.Errorf("VmHWM of %d: no VmHWM line", pid)
+}
