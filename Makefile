@@ -127,8 +127,9 @@ fuzz: tools
 ## bench: measure vmflow against what it replaces, side by side in one run
 # (exit detection, stop to gone, through Temporal, scale to 200 VMs, hot
 # functions with allocations) and write BENCHMARKS.md. Driver: bench/,
-# gated by VMFLOW_BENCH=1 so `make test` never runs it. ~10 minutes.
-bench: tools guest
+# gated by VMFLOW_BENCH=1 so `make test` never runs it. ~10 minutes. Not
+# all of tools: the benchmarks need no Chromium.
+bench: $(TEMPORAL) qemu guest
 	VMFLOW_BENCH=1 VMFLOW_BENCH_CMD="make bench" $(GO) test -run '^TestBenchmarks$$' -v -count=1 -timeout 15m ./bench
 
 clean:
