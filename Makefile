@@ -31,8 +31,16 @@ build:
 	$(GO) build -o $(BIN)/vmflow-hostagent ./hostagent
 	@if [ -d worker ]; then $(GO) build -o $(BIN)/vmflow-worker ./worker; fi
 
-## tools: the Temporal CLI (dev server + UI) and QEMU.
-tools: $(TEMPORAL) qemu
+## tools: the Temporal CLI (dev server + UI), QEMU and Chromium (e2e Web UI test).
+tools: $(TEMPORAL) qemu chromium
+
+.PHONY: chromium
+chromium:
+	@if ! command -v chromium >/dev/null; then \
+		echo ">> installing Debian's chromium (headless, for the e2e Web UI test)"; \
+		apt-get update -qq; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+	fi
 
 $(TEMPORAL):
 	@echo ">> building the Temporal CLI $(TEMPORAL_VERSION) into bin/ (takes minutes the first time)"
@@ -86,7 +94,7 @@ proto-tools:
 	fi
 
 ## test: the README's test command. Fuzz targets run their seed corpora only.
-test: tools
+test: tools build guest
 	$(GO) test -race -timeout $(TEST_TIMEOUT) ./...
 
 lint: vet fmt-check staticcheck proto-check workflowcheck units-check
@@ -134,3 +142,14 @@ bench: $(TEMPORAL) qemu guest
 
 clean:
 	rm -rf $(BIN)/vmflow-hostagent $(BIN)/vmflow-worker
+
+## dev: run vmflow here in the foreground (deploy/dev.sh): Temporal dev server
+# (UI :8233), vGPU simulator, worker, host agent; Ctrl-C stops it all.
+# Chromium is not needed for it, so not all of tools.
+.PHONY: dev demo
+dev: $(TEMPORAL) qemu build guest
+	GUEST_DIR="$(GUEST_DIR)" deploy/dev.sh
+
+## demo: against a running make dev: spawn the guest with a vGPU, status, delete, with timings.
+demo:
+	GUEST_DIR="$(GUEST_DIR)" deploy/dev/demo.sh

@@ -194,7 +194,9 @@ func TestWebUIShowsStuckDelete(t *testing.T) {
 	e.cli("workflow", "signal", "--workflow-id", delID, "--name", workflows.RetrySignal, "--input", `{"reason":"e2e: UI during a round"}`)
 	blocked := false
 	waitFor(t, 30*time.Second, "a pending release attempt after a failed one", func() (bool, string) {
-		desc, err := e.c.DescribeWorkflow(e.ctx(10*time.Second), delID, "")
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		desc, err := e.c.DescribeWorkflow(ctx, delID, "")
 		if err != nil {
 			return false, err.Error()
 		}

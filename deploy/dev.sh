@@ -1,0 +1,243 @@
+#!/usr/bin/env bash
+# deploy/dev.sh: what `make dev` runs once the binaries, the Temporal CLI and
+# the guest exist. In the foreground, with one prefixed log stream:
+#
+#   temporal   bin/temporal server start-dev (SQLite in .dev/temporal.db,
+#              frontend :7233, UI :8233, vmflow's four search attributes)
+#   vgpu-sim   the FUSE vGPU simulator mounted at .dev/sys (faults: .dev/ctl)
+#   worker     bin/vmflow-worker (task queue vmflow)
+#   agent      bin/vmflow-hostagent run for this host (state in .dev/state)
+#
+# Ctrl-C (or SIGTERM) stops everything it started, in order: the VMs (so
+# their agent reaps them), the agent, the worker, the simulator (unmounted),
+# Temporal. Running it again reuses .dev/: workflows, history and records.
+#
+# Environment: DEV_IP (default 127.0.0.1; 0.0.0.0 serves the UI to other
+# machines), DEV_PORT (7233), DEV_UI_PORT (8233), HOST_ID (the hostname),
+# GUEST_DIR (.cache/guest).
+set -euo pipefail
+
+# shellcheck source=deploy/dev/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/dev/common.sh"
+cd "$ROOT"
+
+DEVLOG="$BIN/vmflow-devlog"
+
+say() { printf '%s\n' "$*" | "$DEVLOG" dev; }
+die() {
+	say "error: $*"
+	shutdown
+	exit 1
+}
+
+# gone PID: the process has exited (no /proc entry, or a zombie waiting
+# for us to reap it; kill -0 would still succeed on a zombie).
+gone() {
+	local st
+	st=$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -d' ' -f1) || return 0
+	[ -z "$st" ] || [ "$st" = Z ]
+}
+
+# wait_ready WHAT TIMEOUT PID CMD...: run CMD until it succeeds; fail if the
+# process PID exits first or TIMEOUT seconds pass.
+wait_ready() {
+	local what=$1 timeout=$2 pid=$3
+	shift 3
+	local start
+	start=$(now)
+	local deadline=$((SECONDS + timeout))
+	until "$@" >/dev/null 2>&1; do
+		if gone "$pid"; then die "$what: the process exited (its log is above)"; fi
+		if ((SECONDS >= deadline)); then die "$what: not ready after ${timeout}s"; fi
+		sleep 0.2 # poll interval of a bounded wait
+	done
+	say "$what: ready in $(since "$start")s"
+}
+
+PIDS=()
+declare -A PID_OF=()
+
+# start NAME CMD...: run CMD in its own session (so the terminal's Ctrl-C
+# reaches only this script, which then stops things in order) with its
+# output going through the prefixer.
+start() {
+	local name=$1
+	shift
+	setsid "$@" > >(exec "$DEVLOG" "$name") 2>&1 &
+	PID_OF[$name]=$!
+	PIDS+=($!)
+}
+
+# stop NAME TIMEOUT: SIGTERM, SIGKILL after TIMEOUT seconds, then reap.
+stop() {
+	local name=$1 timeout=$2 pid=${PID_OF[$1]:-}
+	[ -n "$pid" ] || return 0
+	if ! gone "$pid"; then
+		kill -TERM "$pid" 2>/dev/null || true
+		local deadline=$((SECONDS + timeout))
+		while ! gone "$pid"; do
+			if ((SECONDS >= deadline)); then
+				say "$name did not stop within ${timeout}s: SIGKILL"
+				kill -KILL "$pid" 2>/dev/null || true
+				deadline=$((SECONDS + 10))
+			fi
+			sleep 0.1 # poll interval of a bounded wait
+		done
+	fi
+	wait "$pid" 2>/dev/null || true
+	unset "PID_OF[$name]"
+}
+
+# vm_pids: QEMUs of this dev state dir (their QMP socket lives in it).
+vm_pids() {
+	local d pid
+	for d in /proc/[0-9]*; do
+		pid=${d#/proc/}
+		if tr '\0' ' ' <"$d/cmdline" 2>/dev/null | grep -q -- "$DEV/state/instances/"; then
+			gone "$pid" || echo "$pid"
+		fi
+	done
+}
+
+# stop_vms: SIGTERM every QEMU of .dev/state (QEMU exits cleanly on it);
+# while the agent still runs it reaps them and records their exit.
+stop_vms() {
+	local pids
+	pids=$(vm_pids)
+	[ -n "$pids" ] || return 0
+	say "stopping VMs (QEMU pids $(echo $pids)); their records stay in .dev/state: delete them after the next make dev"
+	# shellcheck disable=SC2086
+	kill -TERM $pids 2>/dev/null || true
+	local deadline=$((SECONDS + 10))
+	while [ -n "$(vm_pids)" ] && ((SECONDS < deadline)); do sleep 0.1; done
+	pids=$(vm_pids)
+	if [ -n "$pids" ]; then
+		say "QEMU still running after 10s: SIGKILL $(echo $pids)"
+		# shellcheck disable=SC2086
+		kill -KILL $pids 2>/dev/null || true
+	fi
+}
+
+unmount_sim() {
+	if awk -v m="$DEV/sys" '$2 == m { found = 1 } END { exit !found }' /proc/mounts; then
+		say "unmounting $DEV/sys"
+		umount "$DEV/sys" 2>/dev/null || umount -l "$DEV/sys"
+	fi
+}
+
+STOPPING=0
+shutdown() {
+	((STOPPING == 0)) || return 0
+	STOPPING=1
+	trap '' INT TERM
+	say "stopping: VMs, agent, worker, simulator, Temporal"
+	[ -z "${PID_OF[agent]:-}" ] || stop_vms
+	stop agent 20
+	stop worker 20
+	stop_vms # any the agent restarted meanwhile (restart policy always)
+	stop vgpu-sim 10
+	unmount_sim
+	stop temporal 30
+	say "stopped; state kept in $DEV (rm -rf .dev for a fresh start)"
+}
+# A requested stop that went cleanly is a success.
+trap 'shutdown; exit 0' INT TERM
+
+# --- checks ---------------------------------------------------------------
+if [ "$(id -u)" != 0 ]; then
+	echo "make dev runs as root: QEMU with KVM, the FUSE simulator, /proc of other processes" >&2
+	exit 1
+fi
+for f in "$TEMPORAL" "$BIN/vmflow-worker" "$BIN/vmflow-hostagent" "$GUEST_DIR/vmlinuz" "$GUEST_DIR/initrd.img"; do
+	if [ ! -e "$f" ]; then
+		echo "missing $f: run make dev (it builds what is missing)" >&2
+		exit 1
+	fi
+done
+go build -o "$DEVLOG" ./deploy/dev/devlog
+port_busy() { (exec 3<>"/dev/tcp/$DEV_IP/$1") 2>/dev/null; }
+for p in "$DEV_PORT" "$DEV_UI_PORT"; do
+	if port_busy "$p"; then
+		echo "port $p on $DEV_IP is in use: is make dev already running? (DEV_PORT / DEV_UI_PORT pick others)" >&2
+		exit 1
+	fi
+done
+mkdir -p "$DEV/sys" "$DEV/ctl" "$DEV/state" "$DEV/dev"
+# A previous run that was killed (-9) left its FUSE mount behind.
+unmount_sim
+
+# --- start ----------------------------------------------------------------
+say "vmflow dev stack in $DEV, host id $HOST_ID"
+start temporal "$TEMPORAL" server start-dev \
+	--db-filename "$DEV/temporal.db" --ip "$DEV_IP" --port "$DEV_PORT" --ui-port "$DEV_UI_PORT" \
+	--log-level warn \
+	--search-attribute VmInstanceId=Keyword --search-attribute VmHostId=Keyword \
+	--search-attribute VmStage=Keyword --search-attribute VmNeedsAttention=Bool
+wait_ready "Temporal on $TEMPORAL_ADDRESS" 120 "${PID_OF[temporal]}" "$TEMPORAL" operator search-attribute list
+
+start vgpu-sim "$BIN/vmflow-hostagent" vgpu-sim --mount "$DEV/sys" --control "$DEV/ctl" --mdev-parents 2 --vendor-vfs 4
+wait_ready "vGPU simulator at $DEV/sys" 30 "${PID_OF[vgpu-sim]}" test -d "$DEV/sys/bus/mdev"
+
+# Release rounds every 10 s at first (production: 30 s) so a stuck delete
+# shows a few rounds while you watch.
+start worker "$BIN/vmflow-worker" --task-queue "$TASK_QUEUE" --release-backoff 10s --release-backoff-max 2m
+
+agent_args=(run --host-id "$HOST_ID" --state-dir "$DEV/state" --sysfs-root "$DEV/sys" --dev-root "$DEV/dev"
+	--image-root "$GUEST_DIR" --vgpu-attach=false --workflow-task-queue "$TASK_QUEUE")
+# Some sandboxes' PID 1 cannot be inspected even by root; the agent would
+# count it as a possible VFIO holder and never release a vGPU.
+if readlink -v /proc/1/fd/0 2>&1 >/dev/null | grep -q 'Permission denied'; then
+	say "PID 1's open files are unreadable here: agent runs with --holders-ignore-pid 1"
+	agent_args+=(--holders-ignore-pid 1)
+fi
+start agent "$BIN/vmflow-hostagent" "${agent_args[@]}"
+
+has_pollers() { "$TEMPORAL" task-queue describe --task-queue "$1" -o json | grep -q '"identity"'; }
+wait_ready "worker on task queue $TASK_QUEUE" 60 "${PID_OF[worker]}" has_pollers "$TASK_QUEUE"
+wait_ready "agent on task queue vmflow-host-$HOST_ID" 60 "${PID_OF[agent]}" has_pollers "vmflow-host-$HOST_ID"
+
+# --- how to use it --------------------------------------------------------
+T=bin/temporal
+GUEST_JSON="\"machine\":\"q35\",\"accel\":\"tcg\",\"kernel\":\"$GUEST_DIR/vmlinuz\",\"initrd\":\"$GUEST_DIR/initrd.img\",\"cmdline\":\"console=ttyS0 panic=-1\""
+cat <<EOF
+
+  vmflow is running (host $HOST_ID). Web UI: http://$DEV_IP:$DEV_UI_PORT/namespaces/default/workflows
+  In another shell, from $ROOT:
+
+  # spawn a VM: the small Debian guest under TCG (~3 s to boot), with a simulated vGPU
+  $T workflow execute --task-queue vmflow --type SpawnInstance --workflow-id spawn/vm1 \\
+    --input '{"instance_id":"vm1","host_id":"$HOST_ID","vcpus":1,"memory_mib":256,$GUEST_JSON,"vgpu_profile":"GRID A100-4C"}'
+  # ... and one without a vGPU
+  $T workflow execute --task-queue vmflow --type SpawnInstance --workflow-id spawn/vm2 \\
+    --input '{"instance_id":"vm2","host_id":"$HOST_ID","vcpus":1,"memory_mib":256,$GUEST_JSON}'
+  # its serial console
+  tail -f .dev/state/instances/vm1/qemu.log
+
+  # delete it (system_powerdown; the guest powers itself off)
+  $T workflow execute --task-queue vmflow --type DeleteInstance --workflow-id delete/vm1 \\
+    --input '{"instance_id":"vm1","host_id":"$HOST_ID","graceful_timeout_seconds":30}'
+  # status of any vmflow workflow
+  $T workflow query --workflow-id delete/vm1 --name status
+
+  # a stuck delete: make vGPU releases fail, delete vm2 (start, not execute: it keeps retrying)
+  echo EBUSY > .dev/ctl/fail-release
+  $T workflow start --task-queue vmflow --type DeleteInstance --workflow-id delete/vm2 \\
+    --input '{"instance_id":"vm2","host_id":"$HOST_ID","graceful_timeout_seconds":30}'
+  $T workflow list --query 'VmNeedsAttention=true'
+  # fix the cause, then retry it at once
+  rm .dev/ctl/fail-release
+  $T workflow signal --workflow-id delete/vm2 --name retry
+
+  make demo runs spawn → status → delete with timings. Ctrl-C here stops everything.
+
+EOF
+
+# --- run until Ctrl-C or until a process dies -----------------------------
+while true; do
+	wait -n "${PIDS[@]}" || true
+	for name in "${!PID_OF[@]}"; do
+		if gone "${PID_OF[$name]}"; then
+			die "$name exited unexpectedly (its log is above)"
+		fi
+	done
+done
