@@ -186,13 +186,17 @@ agent_args=(run --host-id "$HOST_ID" --state-dir "$DEV/state" --sysfs-root "$DEV
 	--image-root "$GUEST_DIR" --vgpu-attach=false --workflow-task-queue "$TASK_QUEUE")
 # Some sandboxes' PID 1 cannot be inspected even by root; the agent would
 # count it as a possible VFIO holder and never release a vGPU.
-if readlink -v /proc/1/fd/0 2>&1 >/dev/null | grep -q 'Permission denied'; then
+init_err=$(readlink -v /proc/1/fd/0 2>&1 >/dev/null || true)
+if [[ $init_err == *"Permission denied"* ]]; then
 	say "PID 1's open files are unreadable here: agent runs with --holders-ignore-pid 1"
 	agent_args+=(--holders-ignore-pid 1)
 fi
 start agent "$BIN/vmflow-hostagent" "${agent_args[@]}"
 
-has_pollers() { "$TEMPORAL" task-queue describe --task-queue "$1" -o json | grep -q '"identity"'; }
+has_pollers() {
+	local out
+	out=$("$TEMPORAL" task-queue describe --task-queue "$1" -o json) && [[ $out == *'"identity"'* ]]
+}
 wait_ready "worker on task queue $TASK_QUEUE" 60 "${PID_OF[worker]}" has_pollers "$TASK_QUEUE"
 wait_ready "agent on task queue vmflow-host-$HOST_ID" 60 "${PID_OF[agent]}" has_pollers "vmflow-host-$HOST_ID"
 

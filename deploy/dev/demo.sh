@@ -19,7 +19,10 @@ fail() {
 	echo "demo: $*" >&2
 	exit 1
 }
-took() { TIMES+=("$(printf '%-34s %6ss' "$1" "$2")"); }
+# results prints the Results part of `temporal workflow execute` (it also
+# lists every history event, too long for a demo).
+results() { sed -n '/^Results:/,$p' <<<"$1"; }
+took() { TIMES+=("$(printf '%-38s %6ss' "$1" "$2")"); }
 
 "$T" operator cluster health >/dev/null 2>&1 ||
 	fail "no Temporal at $TEMPORAL_ADDRESS: start make dev in another shell first"
@@ -27,9 +30,10 @@ took() { TIMES+=("$(printf '%-34s %6ss' "$1" "$2")"); }
 
 step "spawn $ID (guest under TCG, vGPU GRID A100-4C) on host $HOST_ID"
 t0=$(now)
-timeout 120 "$T" workflow execute --task-queue "$TASK_QUEUE" --type SpawnInstance --workflow-id "spawn/$ID" \
-	--input "{\"instance_id\":\"$ID\",\"host_id\":\"$HOST_ID\",\"vcpus\":1,\"memory_mib\":256,\"machine\":\"q35\",\"accel\":\"tcg\",\"kernel\":\"$GUEST_DIR/vmlinuz\",\"initrd\":\"$GUEST_DIR/initrd.img\",\"cmdline\":\"console=ttyS0 panic=-1\",\"vgpu_profile\":\"GRID A100-4C\"}" ||
-	fail "spawn/$ID failed or took over 120 s: $T workflow query --workflow-id spawn/$ID --name status"
+out=$(timeout 120 "$T" workflow execute --task-queue "$TASK_QUEUE" --type SpawnInstance --workflow-id "spawn/$ID" \
+	--input "{\"instance_id\":\"$ID\",\"host_id\":\"$HOST_ID\",\"vcpus\":1,\"memory_mib\":256,\"machine\":\"q35\",\"accel\":\"tcg\",\"kernel\":\"$GUEST_DIR/vmlinuz\",\"initrd\":\"$GUEST_DIR/initrd.img\",\"cmdline\":\"console=ttyS0 panic=-1\",\"vgpu_profile\":\"GRID A100-4C\"}" 2>&1) ||
+	fail "spawn/$ID failed or took over 120 s: $T workflow query --workflow-id spawn/$ID --name status"$'\n'"$out"
+results "$out"
 took "spawn (workflow, QMP running)" "$(since "$t0")"
 
 step "wait for the guest's init: 'vmflow-guest: up' on its serial console"
@@ -38,8 +42,8 @@ until grep -q 'vmflow-guest: up' "$STATE/qemu.log" 2>/dev/null; do
 	((SECONDS < deadline)) || fail "guest not up after 120 s; see $STATE/qemu.log"
 	sleep 0.1 # poll interval of a bounded wait
 done
-took "guest booted (spawn → init up)" "$(since "$t0")"
-tail -n 3 "$STATE/qemu.log"
+took "guest booted (spawn to init up)" "$(since "$t0")"
+grep 'vmflow-guest' "$STATE/qemu.log"
 
 step "status of spawn/$ID"
 t1=$(now)
@@ -49,14 +53,22 @@ echo "record $STATE/record.json (state, process, GPU claim):"
 grep -E '"(state|pid|uuid|profile|phase)"' "$STATE/record.json" | sed 's/^/  /'
 
 step "delete $ID (system_powerdown; the guest powers itself off)"
+# Hold the console log open: the delete removes the instance's folder, and
+# the guest's last words are read through this descriptor afterwards.
+exec 7<"$STATE/qemu.log"
+cat <&7 >/dev/null
 t2=$(now)
 # A delete never fails, it waits (e.g. a vGPU release that keeps failing):
 # bound the demo's wait and say where to look.
-timeout 120 "$T" workflow execute --task-queue "$TASK_QUEUE" --type DeleteInstance --workflow-id "delete/$ID" \
-	--input "{\"instance_id\":\"$ID\",\"host_id\":\"$HOST_ID\",\"graceful_timeout_seconds\":30}" ||
-	fail "delete/$ID not finished after 120 s: $T workflow query --workflow-id delete/$ID --name status"
+out=$(timeout 120 "$T" workflow execute --task-queue "$TASK_QUEUE" --type DeleteInstance --workflow-id "delete/$ID" \
+	--input "{\"instance_id\":\"$ID\",\"host_id\":\"$HOST_ID\",\"graceful_timeout_seconds\":30}" 2>&1) ||
+	fail "delete/$ID not finished after 120 s: $T workflow query --workflow-id delete/$ID --name status"$'\n'"$out"
+results "$out"
 took "delete (stop, release vGPU, record)" "$(since "$t2")"
 "$T" workflow query --workflow-id "delete/$ID" --name status
+echo "the guest's console during the delete:"
+grep -E 'vmflow-guest|reboot' <&7 | sed 's/^/  /' || true
+exec 7<&-
 
 step "host state"
 if [ -e "$STATE/record.json" ]; then fail "record still there: $STATE/record.json"; fi
@@ -66,4 +78,4 @@ echo "no QEMU of $ID"
 
 step "timings"
 printf '  %s\n' "${TIMES[@]}"
-printf '  %-34s %6ss\n' "total" "$(since "$t0")"
+printf '  %-38s %6ss\n' "total" "$(since "$t0")"
