@@ -307,13 +307,27 @@ func (a *Activities) StopVM(ctx context.Context, req *vmflowv1.StopVMRequest) (*
 	if a.Metrics != nil && !res.AlreadyGone {
 		a.Metrics.StopDuration.Observe(res.Total.Seconds())
 	}
-	log.Info("VM stopped", zap.String("step_reached", string(res.Reached)), zap.Bool("already_gone", res.AlreadyGone),
+	step := stepNeeded(res.StopResult)
+	log.Info("VM stopped", zap.String("step_reached", step), zap.Bool("already_gone", res.AlreadyGone),
 		zap.Duration("took", res.Total), zap.Bool("child", res.Child))
-	step := string(res.Reached)
-	if res.AlreadyGone {
-		step = "none"
-	}
 	return &vmflowv1.StopVMResult{StepReached: step, DurationMs: uint32(min(res.Total.Milliseconds(), 1<<31))}, nil
+}
+
+// stepNeeded names the last step of the ladder that was taken before the
+// group was gone: "powerdown" for a guest that powered off by itself,
+// "quit" or "kill" when it had to be forced, "none" when nothing ran.
+func stepNeeded(res vmm.StopResult) string {
+	if res.AlreadyGone {
+		return "none"
+	}
+	names := map[vmm.StopStep]string{vmm.StepPowerdownSent: "powerdown", vmm.StepQuitSent: "quit", vmm.StepKillSent: "kill"}
+	last := "none"
+	for _, st := range res.Steps {
+		if n, ok := names[st.Step]; ok && st.Via != "skipped" {
+			last = n
+		}
+	}
+	return last
 }
 
 // WaitVMExit returns once the VM's whole thread group is gone, heartbeating

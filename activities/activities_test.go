@@ -24,6 +24,7 @@ import (
 	"vmflow/hostagent/vgpu"
 	"vmflow/hostagent/vgpu/vgpusim"
 	"vmflow/hostagent/vgpu/vgpusim/simtest"
+	"vmflow/hostagent/vmm"
 	"vmflow/hostagent/vmm/vmmtest"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 	"vmflow/workflows"
@@ -261,9 +262,27 @@ func TestClassify(t *testing.T) {
 		ae := appError(t, classify(tt.err))
 		assert.Equal(t, tt.typ, ae.Type(), "%v", tt.err)
 		assert.Equal(t, tt.nonRetryable, ae.NonRetryable(), "%v", tt.err)
-		assert.ErrorIs(t, ae, tt.err, "the cause stays reachable")
+		assert.Equal(t, tt.err.Error(), ae.Message(), "the message is the host error's text, once")
+		assert.NoError(t, errors.Unwrap(ae), "no chain of causes to repeat it")
 	}
 	assert.NoError(t, classify(nil))
 	assert.Equal(t, "EBUSY", errnoName(syscall.EBUSY))
 	assert.Equal(t, "vm_alive", errnoName(vgpu.ErrVMAlive))
+}
+
+func TestStepNeeded(t *testing.T) {
+	step := func(s vmm.StopStep, via string) vmm.StepResult { return vmm.StepResult{Step: s, Via: via} }
+	tests := []struct {
+		res  vmm.StopResult
+		want string
+	}{
+		{vmm.StopResult{AlreadyGone: true}, "none"},
+		{vmm.StopResult{Steps: []vmm.StepResult{step(vmm.StepPowerdownSent, "qmp"), step(vmm.StepGone, "")}}, "powerdown"},
+		{vmm.StopResult{Steps: []vmm.StepResult{step(vmm.StepPowerdownSent, "qmp"), step(vmm.StepQuitSent, "qmp"), step(vmm.StepGone, "")}}, "quit"},
+		{vmm.StopResult{Steps: []vmm.StepResult{step(vmm.StepPowerdownSent, "skipped"), step(vmm.StepQuitSent, "sigterm"), step(vmm.StepKillSent, "sigkill")}}, "kill"},
+		{vmm.StopResult{Steps: []vmm.StepResult{step(vmm.StepPowerdownSent, "skipped"), step(vmm.StepGone, "")}}, "none"},
+	}
+	for _, tt := range tests {
+		assert.Equal(t, tt.want, stepNeeded(tt.res), "%+v", tt.res.Steps)
+	}
 }

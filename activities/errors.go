@@ -38,11 +38,14 @@ func classify(err error) error {
 	if errors.As(err, &appErr) {
 		return err
 	}
+	// The message carries the whole chain's text once. No Cause: the SDK
+	// would serialise every wrapped Go error as a failure of its own, and
+	// the CLI and Web UI would print the same text four or five times.
 	nonRetryable := func(typ string) error {
-		return temporal.NewApplicationErrorWithOptions(err.Error(), typ, temporal.ApplicationErrorOptions{NonRetryable: true, Cause: err})
+		return temporal.NewApplicationErrorWithOptions(err.Error(), typ, temporal.ApplicationErrorOptions{NonRetryable: true})
 	}
 	retryable := func(typ string) error {
-		return temporal.NewApplicationErrorWithOptions(err.Error(), typ, temporal.ApplicationErrorOptions{Cause: err})
+		return temporal.NewApplicationErrorWithOptions(err.Error(), typ, temporal.ApplicationErrorOptions{})
 	}
 	switch {
 	case errors.Is(err, spec.ErrInvalid), errors.Is(err, store.ErrInvalidID), errors.Is(err, vmm.ErrInvalidSpec):
@@ -101,6 +104,6 @@ func retype(err error, typ string) error {
 		return err
 	}
 	return temporal.NewApplicationErrorWithOptions(appErr.Message(), typ, temporal.ApplicationErrorOptions{
-		NonRetryable: appErr.NonRetryable(), Cause: errors.Unwrap(appErr),
+		NonRetryable: appErr.NonRetryable(),
 	})
 }
