@@ -209,9 +209,11 @@ func holdersIgnoreInit() []string {
 	return nil
 }
 
-func newStack(t *testing.T) *stack {
+// newStack starts the stack; extra are start-dev arguments (the scale
+// table's dev-server variant).
+func newStack(t *testing.T, extra ...string) *stack {
 	workerBin, agentBin := buildBinaries(t)
-	srv := devserver.Start(t, devserver.Options{})
+	srv := devserver.Start(t, devserver.Options{ExtraArgs: extra})
 	sim := simtest.Start(t, vgpusim.Options{MdevParents: 2, VendorVFs: 2})
 	s := &stack{t: t, srv: srv, c: srv.Client(t), hostID: "bench-h", queue: "bench"}
 	var err error
@@ -232,9 +234,12 @@ func newStack(t *testing.T) *stack {
 	// Cleanups run last-in first-out: this one runs after the agent has
 	// stopped, and kills whatever QEMU a record still names.
 	t.Cleanup(s.killLeftoverVMs)
-	out := os.Getenv("VMFLOW_BENCH_LOGS")
-	if out == "" {
-		out = t.TempDir()
+	out := t.TempDir()
+	if d := os.Getenv("VMFLOW_BENCH_LOGS"); d != "" {
+		out = filepath.Join(d, strings.ReplaceAll(t.Name(), "/", "_"))
+		if err := os.MkdirAll(out, 0o755); err != nil {
+			t.Fatalf("logs: %v", err)
+		}
 	}
 	connEnv := []string{
 		"TEMPORAL_ADDRESS=" + srv.Address(),

@@ -26,6 +26,10 @@ type wfTiming struct {
 	acts   time.Duration
 	perAct map[string]time.Duration
 	tries  int // activity attempts beyond the first (retries inflate acts)
+	// Where the orchestration time goes, from the same history:
+	wfTasks  time.Duration // WorkflowTaskScheduled → WorkflowTaskCompleted, summed
+	dispatch time.Duration // ActivityTaskScheduled → ActivityTaskStarted, summed
+	rounds   int           // workflow tasks: one per activity result, plus the first
 }
 
 func (s *stack) spawnReq(id string, vgpu bool) *vmflowv1.SpawnRequest {
@@ -72,6 +76,8 @@ func (s *stack) history(ctx context.Context, wfID string) (wfTiming, error) {
 	it := s.c.GetWorkflowHistory(ctx, wfID, "", false, enumspb.HISTORY_EVENT_FILTER_TYPE_ALL_EVENT)
 	types := map[int64]string{}
 	started := map[int64]time.Time{} // started event id → time
+	scheduled := map[int64]time.Time{}
+	var wtScheduled time.Time
 	var first, last time.Time
 	for it.HasNext() {
 		ev, err := it.Next()
@@ -85,11 +91,20 @@ func (s *stack) history(ctx context.Context, wfID string) (wfTiming, error) {
 		if ev.GetWorkflowExecutionCompletedEventAttributes() != nil {
 			last = at
 		}
+		if ev.GetWorkflowTaskScheduledEventAttributes() != nil {
+			wtScheduled = at
+		}
+		if ev.GetWorkflowTaskCompletedEventAttributes() != nil {
+			tm.wfTasks += at.Sub(wtScheduled)
+			tm.rounds++
+		}
 		if a := ev.GetActivityTaskScheduledEventAttributes(); a != nil {
 			types[ev.GetEventId()] = a.GetActivityType().GetName()
+			scheduled[ev.GetEventId()] = at
 		}
 		if a := ev.GetActivityTaskStartedEventAttributes(); a != nil {
 			started[ev.GetEventId()] = at
+			tm.dispatch += at.Sub(scheduled[a.GetScheduledEventId()])
 			tm.tries += int(a.GetAttempt()) - 1
 		}
 		if a := ev.GetActivityTaskCompletedEventAttributes(); a != nil {
@@ -105,8 +120,22 @@ func (s *stack) history(ctx context.Context, wfID string) (wfTiming, error) {
 	return tm, nil
 }
 
+// devVariant is a dev-server configuration the Temporal tables run on.
+type devVariant struct {
+	name string
+	args []string
+}
+
+// sqliteWAL is the dev-server tuning the scale profile points at: SQLite's
+// default rollback journal with synchronous=FULL serialises every history
+// write behind fsyncs; WAL with synchronous=NORMAL stays consistent after
+// a crash of the server and loses at most the last commits on power loss
+// (fine for a dev server; production runs a Temporal cluster).
+var sqliteWAL = devVariant{"SQLite WAL", []string{"--sqlite-pragma", "journal_mode=wal", "--sqlite-pragma", "synchronous=normal"}}
+
+var devDefault = devVariant{"SQLite default", nil}
+
 func throughTemporal(t *testing.T) string {
-	s := newStack(t)
 	n := reps(15, 3)
 	type kind struct {
 		name string
@@ -115,59 +144,75 @@ func throughTemporal(t *testing.T) string {
 	kinds := []kind{{"`-machine none`", false}, {"`-machine none` + simulated vGPU", true}}
 	tab := Table{Header: []string{"workflow", "N", "start→completed median / p99 ms", "host-agent activities median / p99 ms", "orchestration = difference, median / p99 ms", "start→completed ÷ activities"}}
 	acts := Table{Header: []string{"workflow", "activity", "median ms"}}
-	var worst time.Duration
+	split := Table{Header: []string{"workflow", "workflow tasks", "orchestration median ms", "in workflow tasks (scheduled → completed)", "in activity dispatch (scheduled → started)", "rest: history writes between, client start + long poll", "per workflow task"}}
+	worst := map[string]time.Duration{}
 	retries := 0
-	for _, k := range kinds {
-		var spawns, deletes []wfTiming
-		for i := range n {
-			id := fmt.Sprintf("t%d-%d", map[bool]int{false: 0, true: 1}[k.vgpu], i)
-			ctx := ctxFor(t, 2*time.Minute)
-			sp, err := s.timed(ctx, workflows.SpawnWorkflowID(id), workflows.SpawnWorkflow, s.spawnReq(id, k.vgpu))
-			if err != nil {
-				t.Fatal(err)
-			}
-			dl, err := s.timed(ctx, workflows.DeleteWorkflowID(id), workflows.DeleteWorkflow, s.deleteReq(id))
-			if err != nil {
-				t.Fatal(err)
-			}
-			spawns, deletes = append(spawns, sp), append(deletes, dl)
-			retries += sp.tries + dl.tries
-		}
-		for _, w := range []struct {
-			name string
-			ts   []wfTiming
-		}{{"SpawnInstance", spawns}, {"DeleteInstance", deletes}} {
-			var wall, act, orch []time.Duration
-			per := map[string][]time.Duration{}
-			for _, x := range w.ts {
-				wall, act, orch = append(wall, x.wall), append(act, x.acts), append(orch, x.wall-x.acts)
-				for a, d := range x.perAct {
-					per[a] = append(per[a], d)
+	for _, v := range []devVariant{devDefault, sqliteWAL} {
+		t.Run(strings.ReplaceAll(v.name, " ", "-"), func(t *testing.T) {
+			s := newStack(t, v.args...)
+			for _, k := range kinds {
+				var spawns, deletes []wfTiming
+				for i := range n {
+					id := fmt.Sprintf("t%d-%d", map[bool]int{false: 0, true: 1}[k.vgpu], i)
+					ctx := ctxFor(t, 2*time.Minute)
+					sp, err := s.timed(ctx, workflows.SpawnWorkflowID(id), workflows.SpawnWorkflow, s.spawnReq(id, k.vgpu))
+					if err != nil {
+						t.Fatal(err)
+					}
+					dl, err := s.timed(ctx, workflows.DeleteWorkflowID(id), workflows.DeleteWorkflow, s.deleteReq(id))
+					if err != nil {
+						t.Fatal(err)
+					}
+					spawns, deletes = append(spawns, sp), append(deletes, dl)
+					retries += sp.tries + dl.tries
+				}
+				for _, w := range []struct {
+					name string
+					ts   []wfTiming
+				}{{"SpawnInstance", spawns}, {"DeleteInstance", deletes}} {
+					var wall, act, orch, wft, disp, rest []time.Duration
+					per := map[string][]time.Duration{}
+					rounds := 0
+					for _, x := range w.ts {
+						wall, act, orch = append(wall, x.wall), append(act, x.acts), append(orch, x.wall-x.acts)
+						wft, disp = append(wft, x.wfTasks), append(disp, x.dispatch)
+						rest = append(rest, x.wall-x.acts-x.wfTasks-x.dispatch)
+						rounds = x.rounds
+						for a, d := range x.perAct {
+							per[a] = append(per[a], d)
+						}
+					}
+					sw, sa, so := Summarize(wall), Summarize(act), Summarize(orch)
+					worst[v.name] = max(worst[v.name], so.Median)
+					label := w.name + ", " + k.name + ", " + v.name
+					tab.Add(label, fmt.Sprint(sw.N), MS(sw.Median)+" / "+MS(sw.P99), MS(sa.Median)+" / "+MS(sa.P99), MS(so.Median)+" / "+MS(so.P99), Ratio(sw.Median, sa.Median))
+					split.Add(label, fmt.Sprint(rounds), MS(so.Median), MS(Summarize(wft).Median), MS(Summarize(disp).Median), MS(Summarize(rest).Median), MS(so.Median/time.Duration(max(rounds, 1))))
+					names := make([]string, 0, len(per))
+					for a := range per {
+						names = append(names, a)
+					}
+					slices.Sort(names)
+					for _, a := range names {
+						if v.name == devDefault.name {
+							acts.Add(label, a, MS(Summarize(per[a]).Median))
+						}
+					}
 				}
 			}
-			sw, sa, so := Summarize(wall), Summarize(act), Summarize(orch)
-			worst = max(worst, so.Median)
-			label := w.name + ", " + k.name
-			tab.Add(label, fmt.Sprint(sw.N), MS(sw.Median)+" / "+MS(sw.P99), MS(sa.Median)+" / "+MS(sa.P99), MS(so.Median)+" / "+MS(so.P99), Ratio(sw.Median, sa.Median))
-			names := make([]string, 0, len(per))
-			for a := range per {
-				names = append(names, a)
-			}
-			slices.Sort(names)
-			for _, a := range names {
-				acts.Add(label, a, MS(Summarize(per[a]).Median))
-			}
-		}
+		})
 	}
 	var b strings.Builder
 	b.WriteString("## 3. Through Temporal\n\n")
-	fmt.Fprintf(&b, "A dev server (`temporal server start-dev`, SQLite), the real `vmflow-worker` and `vmflow-hostagent run` binaries built from this checkout (`--vgpu-attach=false` against the vGPU simulator%s), one workflow at a time. Start→completed is the platform API's view: `ExecuteWorkflow` called → result returned. Host-agent activities is the sum, from the workflow's history, of each activity's ActivityTaskStarted → ActivityTaskCompleted: the host-agent work alone. The difference (per run, then median) is what orchestration costs per workflow: task dispatch to worker and agent, history writes, the client's long poll. Delete asks for a 1 s graceful timeout (the smallest a request can say); `-machine none` ignores the power button, so that second is inside StopVM's activity time, not the orchestration cost.\n\n", map[bool]string{true: ", `--holders-ignore-pid 1` because PID 1's fds are unreadable here", false: ""}[len(holdersIgnoreInit()) > 0])
+	fmt.Fprintf(&b, "A dev server (`temporal server start-dev`, SQLite), the real `vmflow-worker` and `vmflow-hostagent run` binaries built from this checkout (`--vgpu-attach=false` against the vGPU simulator%s), one workflow at a time; all of it twice, on a dev server with SQLite's defaults (rollback journal, synchronous=FULL: what `make dev` and the e2e tests run) and on one with `--sqlite-pragma journal_mode=wal --sqlite-pragma synchronous=normal` (section 4 shows why). Start→completed is the platform API's view: `ExecuteWorkflow` called → result returned. Host-agent activities is the sum, from the workflow's history, of each activity's ActivityTaskStarted → ActivityTaskCompleted: the host-agent work alone. The difference (per run, then median) is what orchestration costs per workflow: task dispatch to worker and agent, history writes, the client's long poll. Delete asks for a 1 s graceful timeout (the smallest a request can say); `-machine none` ignores the power button, so that second is inside StopVM's activity time, not the orchestration cost.\n\n", map[bool]string{true: ", `--holders-ignore-pid 1` because PID 1's fds are unreadable here", false: ""}[len(holdersIgnoreInit()) > 0])
 	b.WriteString(tab.Markdown() + "\n")
+	b.WriteString("Where the orchestration time goes (medians; from the same histories): each activity result costs a workflow task on the worker and a dispatch of the next activity to the agent, each with its history writes on the dev server's SQLite.\n\n")
+	b.WriteString(split.Markdown() + "\n")
 	b.WriteString("Where the host-agent time goes (median per activity):\n\n")
 	b.WriteString(acts.Markdown() + "\n")
 	if retries > 0 {
 		fmt.Fprintf(&b, "Activity retries in these runs: %d (their time counts as host-agent time).\n\n", retries)
 	}
-	b.WriteString(target("Target: orchestration cost under 150 ms per workflow (worst median)", worst, 150*time.Millisecond) + "\n")
+	b.WriteString("- " + target("Target: orchestration cost under 150 ms per workflow (worst median), default dev server", worst[devDefault.name], 150*time.Millisecond) + "\n")
+	b.WriteString("- " + target("The same with the dev server's SQLite in WAL mode (`--sqlite-pragma journal_mode=wal --sqlite-pragma synchronous=normal`)", worst[sqliteWAL.name], 150*time.Millisecond) + "\n")
 	return b.String()
 }
