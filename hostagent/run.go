@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"os/user"
+	"runtime/pprof"
 	"time"
 
 	enumspb "go.temporal.io/api/enums/v1"
@@ -32,6 +33,23 @@ import (
 // for Temporal), then the Temporal worker for this host's queue and the
 // reconcile Schedule, connected in the background with retries.
 func runAgent(ctx context.Context, args []string) int {
+	// VMFLOW_CPUPROFILE=FILE writes a CPU profile of the run, until
+	// SIGTERM or SIGINT, for `go tool pprof` (make bench's profiling aid;
+	// off unless set). A kill -9 loses it.
+	if p := os.Getenv("VMFLOW_CPUPROFILE"); p != "" {
+		f, err := os.Create(p)
+		if err == nil {
+			err = pprof.StartCPUProfile(f)
+		}
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "vmflow-hostagent run: VMFLOW_CPUPROFILE:", err)
+			return cli.ExitUsage
+		}
+		defer func() {
+			pprof.StopCPUProfile()
+			_ = f.Close()
+		}()
+	}
 	cfg, err := cli.ParseRun(args, os.Stderr)
 	if errors.Is(err, flag.ErrHelp) {
 		return cli.ExitOK
