@@ -217,20 +217,22 @@ cat <<EOF
   # its serial console
   tail -f .dev/state/instances/vm1/qemu.log
 
-  # delete it (system_powerdown; the guest powers itself off)
-  $T workflow execute --task-queue vmflow --type DeleteInstance --workflow-id delete/vm1 \\
-    --input '{"instance_id":"vm1","host_id":"$HOST_ID","graceful_timeout_seconds":30}'
-  # status of any vmflow workflow
-  $T workflow query --workflow-id delete/vm1 --name status
-
-  # a stuck delete: make vGPU releases fail, delete vm2 (start, not execute: it keeps retrying)
-  echo EBUSY > .dev/ctl/fail-release
-  $T workflow start --task-queue vmflow --type DeleteInstance --workflow-id delete/vm2 \\
+  # delete vm2 (system_powerdown; the guest powers itself off)
+  $T workflow execute --task-queue vmflow --type DeleteInstance --workflow-id delete/vm2 \\
     --input '{"instance_id":"vm2","host_id":"$HOST_ID","graceful_timeout_seconds":30}'
+  # status of any vmflow workflow
+  $T workflow query --workflow-id delete/vm2 --name status
+
+  # a stuck delete: make vGPU releases fail, then delete vm1, which holds a vGPU
+  # (start, not execute: it keeps retrying; record and claim stay on the host)
+  echo EBUSY > .dev/ctl/fail-release
+  $T workflow start --task-queue vmflow --type DeleteInstance --workflow-id delete/vm1 \\
+    --input '{"instance_id":"vm1","host_id":"$HOST_ID","graceful_timeout_seconds":30}'
   $T workflow list --query 'VmNeedsAttention=true'
+  $T workflow query --workflow-id delete/vm1 --name status
   # fix the cause, then retry it at once
   rm .dev/ctl/fail-release
-  $T workflow signal --workflow-id delete/vm2 --name retry
+  $T workflow signal --workflow-id delete/vm1 --name retry
 
   make demo runs spawn → status → delete with timings. Ctrl-C here stops everything.
 

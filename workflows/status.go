@@ -86,6 +86,9 @@ func (t *tracker) recovered(ctx workflow.Context) {
 	}
 	t.status.NeedsAttention = false
 	t.status.NextRetryTime = ""
+	// The failure is behind us; status says what is wrong now, and the
+	// history keeps what went wrong before.
+	t.status.LastError = ""
 	t.publish(ctx)
 }
 
