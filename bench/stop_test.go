@@ -205,7 +205,6 @@ func stopToGone(t *testing.T) string {
 		}, reps(40, 5)},
 	}
 	tab := Table{Header: []string{"VM", "method", "N", "median ms", "p99 ms", "vmflow ÷ raw (median)", "overhead ms (median)"}}
-	var notes []string
 	worst := time.Duration(0)
 	for _, k := range kinds {
 		var vf, raw []time.Duration
@@ -236,7 +235,6 @@ func stopToGone(t *testing.T) string {
 	s.WriteString("## 2. Stop to gone\n\n")
 	s.WriteString("From the stop call to the whole thread group gone. vmflow: `vmm.Launch` then `vm.Stop` (the stop ladder; it reuses the launch's QMP connection, verifies identity, opens a pidfd, waits for the group and for the reap). Raw: the same `vmm.Argv` command line started by hand, a minimal QMP client already past `qmp_capabilities`, the one command, then `proc.Open(id).Wait` (pidfd). The two alternate, one VM each per round; the guest's stop starts once its init printed `" + guest.UpLine + "` on the serial console.\n\n")
 	s.WriteString(tab.Markdown() + "\n")
-	s.WriteString(strings.Join(notes, "\n"))
 	s.WriteString(target("Target: stop overhead under 50 ms over raw (worst VM type, medians)", max(worst, 0), 50*time.Millisecond) + "\n")
 	return s.String()
 }
