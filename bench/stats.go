@@ -36,10 +36,10 @@ func rank(s []time.Duration, q float64) time.Duration {
 // MS formats d in milliseconds with a precision that suits its size.
 func MS(d time.Duration) string {
 	ms := float64(d) / float64(time.Millisecond)
-	switch {
-	case ms < 1:
+	switch a := max(ms, -ms); {
+	case a < 1:
 		return fmt.Sprintf("%.3f", ms)
-	case ms < 100:
+	case a < 100:
 		return fmt.Sprintf("%.1f", ms)
 	default:
 		return fmt.Sprintf("%.0f", ms)

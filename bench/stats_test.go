@@ -36,6 +36,7 @@ func TestFormat(t *testing.T) {
 	assert.Equal(t, "0.250", MS(250*time.Microsecond))
 	assert.Equal(t, "12.5", MS(12500*time.Microsecond))
 	assert.Equal(t, "1500", MS(1500*time.Millisecond))
+	assert.Equal(t, "-9.2", MS(-9245*time.Microsecond))
 	assert.Equal(t, "2.00×", Ratio(2*time.Second, time.Second))
 	assert.Equal(t, "n/a", Ratio(time.Second, 0))
 	tab := Table{Header: []string{"a", "b"}}

@@ -235,6 +235,7 @@ func stopToGone(t *testing.T) string {
 	s.WriteString("## 2. Stop to gone\n\n")
 	s.WriteString("From the stop call to the whole thread group gone. vmflow: `vmm.Launch` then `vm.Stop` (the stop ladder; it reuses the launch's QMP connection, verifies identity, opens a pidfd, waits for the group and for the reap). Raw: the same `vmm.Argv` command line started by hand, a minimal QMP client already past `qmp_capabilities`, the one command, then `proc.Open(id).Wait` (pidfd). The two alternate, one VM each per round; the guest's stop starts once its init printed `" + guest.UpLine + "` on the serial console.\n\n")
 	s.WriteString(tab.Markdown() + "\n")
+	s.WriteString("A negative overhead is noise: the TCG guest's own shutdown varies from run to run by more than vmflow adds.\n\n")
 	s.WriteString(target("Target: stop overhead under 50 ms over raw (worst VM type, medians)", max(worst, 0), 50*time.Millisecond) + "\n")
 	return s.String()
 }
