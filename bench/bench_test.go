@@ -84,7 +84,7 @@ func TestBenchmarks(t *testing.T) {
 	tab.Add("accelerator", accel)
 	tab.Add("QEMU", m.QEMU)
 	tab.Add("Go", m.Go)
-	tab.Add("load average (1/5/15 min) at start → end", m.LoadStart+" → "+LoadAvg())
+	tab.Add("load average (1/5/15 min) before the run → at its end (its own load included)", m.LoadStart+" → "+LoadAvg())
 	tab.Add("wall time of the run", time.Since(began).Round(time.Second).String())
 	head.WriteString(tab.Markdown() + "\n")
 	head.WriteString("Other engineers' test runs shared this machine; the load average above says how busy it was.\n\n")
