@@ -170,7 +170,7 @@ unmount_sim
 say "vmflow dev stack in $DEV, host id $HOST_ID"
 start temporal "$TEMPORAL" server start-dev \
 	--db-filename "$DEV/temporal.db" --ip "$DEV_IP" --port "$DEV_PORT" --ui-port "$DEV_UI_PORT" \
-	--log-level warn \
+	--log-level warn --sqlite-pragma journal_mode=wal --sqlite-pragma synchronous=normal \
 	--search-attribute VmInstanceId=Keyword --search-attribute VmHostId=Keyword \
 	--search-attribute VmStage=Keyword --search-attribute VmNeedsAttention=Bool
 wait_ready "Temporal on $TEMPORAL_ADDRESS" 120 "${PID_OF[temporal]}" "$TEMPORAL" operator search-attribute list
