@@ -2,7 +2,6 @@ package bench
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -10,6 +9,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"vmflow/internal/stacktest"
 )
 
 // section is one table of the report: it measures, then returns its
@@ -27,7 +28,7 @@ func TestBenchmarks(t *testing.T) {
 	if os.Getenv(envBench) != "1" {
 		t.Skipf("set %s=1 to run the benchmarks (make bench does)", envBench)
 	}
-	root, err := moduleRoot()
+	root, err := stacktest.ModuleRoot()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -92,25 +93,6 @@ func TestBenchmarks(t *testing.T) {
 		t.Fatalf("write %s: %v", out, err)
 	}
 	t.Logf("wrote %s", out)
-}
-
-// moduleRoot walks up from the working directory (go test runs in bench/)
-// to the go.mod of module vmflow.
-func moduleRoot() (string, error) {
-	dir, err := os.Getwd()
-	if err != nil {
-		return "", fmt.Errorf("module root: %w", err)
-	}
-	for {
-		if b, err := os.ReadFile(filepath.Join(dir, "go.mod")); err == nil && strings.HasPrefix(string(b), "module vmflow\n") {
-			return dir, nil
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			return "", errors.New("module root: no go.mod of module vmflow above the working directory")
-		}
-		dir = parent
-	}
 }
 
 // quick shrinks repetition counts for development runs

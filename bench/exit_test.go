@@ -16,6 +16,7 @@ import (
 
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/proc/proctest"
+	"vmflow/internal/stacktest"
 )
 
 // detector waits, its own way, until it believes the process is gone.
@@ -23,20 +24,6 @@ type detector struct {
 	name string
 	what string
 	fn   func(ctx context.Context, id proc.Identity) error
-}
-
-// pollUntil checks gone every period until it says so or ctx ends.
-func pollUntil(ctx context.Context, every time.Duration, gone func() bool) error {
-	t := time.NewTicker(every)
-	defer t.Stop()
-	for !gone() {
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-t.C:
-		}
-	}
-	return nil
 }
 
 var (
@@ -65,7 +52,7 @@ var (
 	// its parent reaps it (here promptly: this process is the parent).
 	detKill0 = detector{"kill(0) poll 500 ms", "`kill(pid, 0)` every 500 ms until ESRCH",
 		func(ctx context.Context, id proc.Identity) error {
-			return pollUntil(ctx, 500*time.Millisecond, func() bool {
+			return stacktest.PollUntil(ctx, 500*time.Millisecond, func() bool {
 				return errors.Is(unix.Kill(id.PID, 0), unix.ESRCH)
 			})
 		}}
@@ -99,7 +86,7 @@ var (
 	// leader is Z or gone" is wrong while another thread lives.
 	detLeader = detector{"naive: leader Z, 10 ms", "leader state in `/proc/<pid>/stat` is Z or the pid is gone (contrast only)",
 		func(ctx context.Context, id proc.Identity) error {
-			return pollUntil(ctx, 10*time.Millisecond, func() bool {
+			return stacktest.PollUntil(ctx, 10*time.Millisecond, func() bool {
 				st, err := proc.ReadStat(id.PID)
 				return err != nil || st.State == 'Z'
 			})

@@ -12,6 +12,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"vmflow/hostagent/proc/proctest"
+	"vmflow/internal/stacktest"
 )
 
 // envBench gates the driver: `make test` runs this package's unit tests
@@ -49,25 +50,20 @@ func TestMain(m *testing.M) {
 	if os.Getenv(envBench) != "1" {
 		os.Exit(m.Run())
 	}
-	if err := unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0); err != nil {
-		fmt.Fprintf(os.Stderr, "bench: prctl(PR_SET_CHILD_SUBREAPER): %v\n", err)
+	if err := stacktest.BecomeSubreaper(); err != nil {
+		fmt.Fprintf(os.Stderr, "bench: %v\n", err)
 		os.Exit(1)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		reapAdopted(ctx)
-	}()
+	stopReaper := stacktest.StartReaper(reapAdopted)
 	code := m.Run()
-	cancel()
-	wg.Wait()
+	stopReaper()
 	os.Exit(code)
 }
 
 // reapAdopted reaps adopted QEMUs once they are zombies. Polling is the
 // only way to wait for some children and not others (wait4(-1) takes any).
+// Not stacktest.ReapOrphanQEMUs: that one takes every zombie QEMU child,
+// including the raw-baseline QEMUs this process starts itself.
 func reapAdopted(ctx context.Context) {
 	tick := time.NewTicker(20 * time.Millisecond)
 	defer tick.Stop()

@@ -15,6 +15,7 @@ import (
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/spec"
 	"vmflow/hostagent/vmm"
+	"vmflow/internal/stacktest"
 	"vmflow/internal/tclient"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
@@ -119,7 +120,7 @@ var benchLine = regexp.MustCompile(`^(Benchmark\S+?)(?:-\d+)?\s+(\d+)\s+([\d.]+)
 // microBenchmarks runs the pure-function (and /proc) Go benchmarks of
 // several packages with -benchmem and tabulates them.
 func microBenchmarks(t *testing.T) string {
-	root, err := moduleRoot()
+	root, err := stacktest.ModuleRoot()
 	if err != nil {
 		t.Fatal(err)
 	}

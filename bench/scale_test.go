@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"vmflow/internal/stacktest"
 	"vmflow/workflows"
 )
 
@@ -169,7 +170,7 @@ func scaleOn(t *testing.T, v devVariant, sizes []int) []scaleRow {
 		ctx := ctxFor(t, 5*time.Minute)
 		var err error
 		srvPid := pidOf("start-dev", s.srv.DBFile())
-		c0 := cpuSplit{server: float64(cpuTicks(srvPid, false)), worker: float64(cpuTicks(s.worker.pid(), false)), agent: float64(cpuTicks(s.agent.pid(), false))}
+		c0 := cpuSplit{server: float64(cpuTicks(srvPid, false)), worker: float64(cpuTicks(s.worker.Pid(), false)), agent: float64(cpuTicks(s.agent.Pid(), false))}
 		r.spawn, err = all(n, func(i int) error {
 			_, err := s.run(ctx, workflows.SpawnWorkflowID(ids[i]), workflows.SpawnWorkflow, s.spawnReq(ids[i], false))
 			return err
@@ -177,13 +178,13 @@ func scaleOn(t *testing.T, v devVariant, sizes []int) []scaleRow {
 		if err != nil {
 			t.Fatalf("spawn %d: %v", n, err)
 		}
-		if r.hwmSpawn, err = VmHWM(s.agent.pid()); err != nil {
+		if r.hwmSpawn, err = VmHWM(s.agent.Pid()); err != nil {
 			t.Fatal(err)
 		}
 		r.cpuSpawn = cpuSplit{
 			server: (float64(cpuTicks(srvPid, false)) - c0.server) / ticks,
-			worker: (float64(cpuTicks(s.worker.pid(), false)) - c0.worker) / ticks,
-			agent:  (float64(cpuTicks(s.agent.pid(), false)) - c0.agent) / ticks,
+			worker: (float64(cpuTicks(s.worker.Pid(), false)) - c0.worker) / ticks,
+			agent:  (float64(cpuTicks(s.agent.Pid(), false)) - c0.agent) / ticks,
 		}
 
 		// kill -9 the agent with n VMs running; they are re-parented to
@@ -198,7 +199,7 @@ func scaleOn(t *testing.T, v devVariant, sizes []int) []scaleRow {
 				r.cpuSpawn.qemu += float64(cpuTicks(int(p.GetPid()), false)) / ticks
 			}
 		}
-		if err := s.agent.signal(syscall.SIGKILL, 10*time.Second); err != nil {
+		if err := s.agent.Signal(syscall.SIGKILL, 10*time.Second); err != nil {
 			t.Fatal(err)
 		}
 		for _, rec := range recs {
@@ -206,22 +207,22 @@ func scaleOn(t *testing.T, v devVariant, sizes []int) []scaleRow {
 				adopt(int(p.GetPid()))
 			}
 		}
-		line := s.agent.watch(func(l string) bool { return strings.Contains(l, `"msg":"supervising"`) })
-		serving := s.agent.watch(func(l string) bool { return strings.Contains(l, `"serving host activities"`) })
-		s.agent.start(t)
-		var got seen
+		line := s.agent.Watch(func(l string) bool { return strings.Contains(l, `"msg":"supervising"`) })
+		serving := s.agent.Watch(func(l string) bool { return strings.Contains(l, `"serving host activities"`) })
+		s.agent.Start(t)
+		var got stacktest.Line
 		select {
 		case got = <-line:
 		case <-time.After(60 * time.Second):
-			t.Fatalf("no supervising line 60 s after the restart; log %s", s.agent.log)
+			t.Fatalf("no supervising line 60 s after the restart; log %s", s.agent.Log)
 		}
-		r.restartToLine = got.at.Sub(s.agent.started)
+		r.restartToLine = got.At.Sub(s.agent.Started())
 		var sl supervising
-		if err := json.Unmarshal([]byte(got.line), &sl); err != nil {
-			t.Fatalf("decode %q: %v", got.line, err)
+		if err := json.Unmarshal([]byte(got.Text), &sl); err != nil {
+			t.Fatalf("decode %q: %v", got.Text, err)
 		}
 		if sl.Attached != n {
-			t.Fatalf("re-attached %d of %d: %s", sl.Attached, n, got.line)
+			t.Fatalf("re-attached %d of %d: %s", sl.Attached, n, got.Text)
 		}
 		if r.reattach, err = sl.took(); err != nil {
 			t.Fatal(err)
@@ -229,11 +230,11 @@ func scaleOn(t *testing.T, v devVariant, sizes []int) []scaleRow {
 		select {
 		case <-serving:
 		case <-time.After(60 * time.Second):
-			t.Fatalf("agent not serving 60 s after the restart; log %s", s.agent.log)
+			t.Fatalf("agent not serving 60 s after the restart; log %s", s.agent.Log)
 		}
 
 		self := os.Getpid()
-		c0 = cpuSplit{server: float64(cpuTicks(srvPid, false)), worker: float64(cpuTicks(s.worker.pid(), false)), agent: float64(cpuTicks(s.agent.pid(), false)),
+		c0 = cpuSplit{server: float64(cpuTicks(srvPid, false)), worker: float64(cpuTicks(s.worker.Pid(), false)), agent: float64(cpuTicks(s.agent.Pid(), false)),
 			qemu: float64(cpuTicks(self, true))}
 		r.del, err = all(n, func(i int) error {
 			_, err := s.run(ctx, workflows.DeleteWorkflowID(ids[i]), workflows.DeleteWorkflow, s.deleteReq(ids[i]))
@@ -242,18 +243,18 @@ func scaleOn(t *testing.T, v devVariant, sizes []int) []scaleRow {
 		if err != nil {
 			t.Fatalf("delete %d: %v", n, err)
 		}
-		if r.hwmDelete, err = VmHWM(s.agent.pid()); err != nil {
+		if r.hwmDelete, err = VmHWM(s.agent.Pid()); err != nil {
 			t.Fatal(err)
 		}
 		// The deleted QEMUs were adopted and reaped here: their CPU time
 		// is in this process's children's time once all are reaped.
-		if err := pollUntil(ctx, 20*time.Millisecond, func() bool { adopted.mu.Lock(); defer adopted.mu.Unlock(); return len(adopted.pids) == 0 }); err != nil {
+		if err := stacktest.PollUntil(ctx, 20*time.Millisecond, func() bool { adopted.mu.Lock(); defer adopted.mu.Unlock(); return len(adopted.pids) == 0 }); err != nil {
 			t.Fatalf("adopted QEMUs not all reaped: %v", err)
 		}
 		r.cpuDelete = cpuSplit{
 			server: (float64(cpuTicks(srvPid, false)) - c0.server) / ticks,
-			worker: (float64(cpuTicks(s.worker.pid(), false)) - c0.worker) / ticks,
-			agent:  (float64(cpuTicks(s.agent.pid(), false)) - c0.agent) / ticks,
+			worker: (float64(cpuTicks(s.worker.Pid(), false)) - c0.worker) / ticks,
+			agent:  (float64(cpuTicks(s.agent.Pid(), false)) - c0.agent) / ticks,
 			qemu:   (float64(cpuTicks(self, true)) - c0.qemu) / ticks,
 		}
 		r.actSpawn = s.activityMedians(t, ids, workflows.SpawnWorkflowID)

@@ -16,6 +16,7 @@ import (
 	"vmflow/guest/build"
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/vmm"
+	"vmflow/internal/stacktest"
 )
 
 // vmKind is one VM type of the stop table.
@@ -71,7 +72,7 @@ func waitConsole(ctx context.Context, log, line string) error {
 
 // pollUntilErr is pollUntil with a description of what was awaited.
 func pollUntilErr(ctx context.Context, every time.Duration, cond func() bool, what func() string) error {
-	if err := pollUntil(ctx, every, cond); err != nil {
+	if err := stacktest.PollUntil(ctx, every, cond); err != nil {
 		return fmt.Errorf("%s: %w", what(), err)
 	}
 	return nil

@@ -11,6 +11,7 @@ import (
 	enumspb "go.temporal.io/api/enums/v1"
 	"go.temporal.io/sdk/client"
 
+	"vmflow/internal/stacktest"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 	"vmflow/workflows"
 )
@@ -205,7 +206,7 @@ func throughTemporal(t *testing.T) string {
 	}
 	var b strings.Builder
 	b.WriteString("## 3. Through Temporal\n\n")
-	fmt.Fprintf(&b, "A dev server (`temporal server start-dev`, SQLite), the real `vmflow-worker` and `vmflow-hostagent run` binaries built from this checkout (`--vgpu-attach=false` against the vGPU simulator%s), one workflow at a time; all of it twice, on a dev server with SQLite's defaults (rollback journal, synchronous=FULL: what `make dev` and the e2e tests run) and on one with `--sqlite-pragma journal_mode=wal --sqlite-pragma synchronous=normal` (section 4 shows why). Start→completed is the platform API's view: `ExecuteWorkflow` called → result returned. Host-agent activities is the sum, from the workflow's history, of each activity's ActivityTaskStarted → ActivityTaskCompleted: the host-agent work alone. The difference (per run, then median) is what orchestration costs per workflow: task dispatch to worker and agent, history writes, the client's long poll. Delete asks for a 1 s graceful timeout (the smallest a request can say); `-machine none` ignores the power button, so that second is inside StopVM's activity time, not the orchestration cost.\n\n", map[bool]string{true: ", `--holders-ignore-pid 1` because PID 1's fds are unreadable here", false: ""}[len(holdersIgnoreInit()) > 0])
+	fmt.Fprintf(&b, "A dev server (`temporal server start-dev`, SQLite), the real `vmflow-worker` and `vmflow-hostagent run` binaries built from this checkout (`--vgpu-attach=false` against the vGPU simulator%s), one workflow at a time; all of it twice, on a dev server with SQLite's defaults (rollback journal, synchronous=FULL: what `make dev` and the e2e tests run) and on one with `--sqlite-pragma journal_mode=wal --sqlite-pragma synchronous=normal` (section 4 shows why). Start→completed is the platform API's view: `ExecuteWorkflow` called → result returned. Host-agent activities is the sum, from the workflow's history, of each activity's ActivityTaskStarted → ActivityTaskCompleted: the host-agent work alone. The difference (per run, then median) is what orchestration costs per workflow: task dispatch to worker and agent, history writes, the client's long poll. Delete asks for a 1 s graceful timeout (the smallest a request can say); `-machine none` ignores the power button, so that second is inside StopVM's activity time, not the orchestration cost.\n\n", map[bool]string{true: ", `--holders-ignore-pid 1` because PID 1's fds are unreadable here", false: ""}[len(stacktest.HoldersIgnoreInit()) > 0])
 	b.WriteString(tab.Markdown() + "\n")
 	b.WriteString("Where the orchestration time goes (medians; from the same histories): each activity result costs a workflow task on the worker and a dispatch of the next activity to the agent, each with its history writes on the dev server's SQLite.\n\n")
 	b.WriteString(split.Markdown() + "\n")

@@ -141,12 +141,12 @@ func TestAgentKilledDuringStop(t *testing.T) {
 		return rec.GetStopStep() == vmflowv1.StopStep_STOP_STEP_POWERDOWN_SENT, rec.GetStopStep().String()
 	})
 	e.waitStage(delID, workflows.StageStopping, 10*time.Second, nil)
-	e.agent.kill9(t)
+	e.agent.Kill(t)
 	require.True(t, proc.Inspect(qemu).Alive, "QEMU outlives its agent")
 	rec := e.record(id)
 	require.True(t, store.ClaimHeld(rec), "the claim is still recorded")
 
-	e.agent.start(t)
+	e.agent.Start(t)
 	var del vmflowv1.DeleteResult
 	require.NoError(t, run.Get(e.ctx(90*time.Second), &del))
 	steps := e.agentStopSteps(id)
@@ -175,8 +175,8 @@ func TestWorkerKilledMidSpawn(t *testing.T) {
 
 	run := e.startSpawn(e.noneSpawn(id, true))
 	e.waitStage(spawnID, workflows.StageLaunching, 30*time.Second, nil)
-	e.worker.kill9(t)
-	e.worker.start(t)
+	e.worker.Kill(t)
+	e.worker.Start(t)
 	require.NoError(t, os.Remove(gate))
 
 	var res vmflowv1.SpawnResult

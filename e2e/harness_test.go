@@ -15,7 +15,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -29,6 +28,7 @@ import (
 	"vmflow/hostagent/vgpu/vgpusim"
 	"vmflow/hostagent/vgpu/vgpusim/simtest"
 	"vmflow/internal/devserver"
+	"vmflow/internal/stacktest"
 	"vmflow/internal/tclient"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 	"vmflow/workflows"
@@ -36,25 +36,6 @@ import (
 
 // poll is how often wait loops look again. Every wait has a deadline.
 const poll = 100 * time.Millisecond
-
-// moduleRoot walks up from the working directory (go test runs in e2e/) to
-// the go.mod of module vmflow.
-func moduleRoot() (string, error) {
-	dir, err := os.Getwd()
-	if err != nil {
-		return "", fmt.Errorf("module root: %w", err)
-	}
-	for {
-		if b, err := os.ReadFile(filepath.Join(dir, "go.mod")); err == nil && strings.HasPrefix(string(b), "module vmflow\n") {
-			return dir, nil
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			return "", errors.New("module root: no go.mod of module vmflow above the working directory")
-		}
-		dir = parent
-	}
-}
 
 // binaries are vmflow-worker and vmflow-hostagent, built once per test
 // binary from this checkout (so the tests never run stale bin/ files).
@@ -69,27 +50,16 @@ var binaries struct {
 func buildBinaries(t *testing.T) (worker, agent string) {
 	t.Helper()
 	binaries.once.Do(func() {
-		root, err := moduleRoot()
-		if err != nil {
-			binaries.err = err
-			return
-		}
 		// Not t.TempDir: the binaries outlive the first test that asks;
 		// TestMain removes the folder.
+		var err error
 		if binaries.dir, err = os.MkdirTemp("", "vmflow-e2e-bin-"); err != nil {
 			binaries.err = fmt.Errorf("build binaries: %w", err)
 			return
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 		defer cancel()
-		cmd := exec.CommandContext(ctx, "go", "build", "-o", binaries.dir+"/", "./worker", "./hostagent")
-		cmd.Dir = root
-		if out, err := cmd.CombinedOutput(); err != nil {
-			binaries.err = fmt.Errorf("go build ./worker ./hostagent: %w\n%s", err, out)
-			return
-		}
-		binaries.worker = filepath.Join(binaries.dir, "worker")
-		binaries.agent = filepath.Join(binaries.dir, "hostagent")
+		binaries.worker, binaries.agent, binaries.err = stacktest.BuildBinaries(ctx, binaries.dir)
 	})
 	if binaries.err != nil {
 		t.Fatalf("%v", binaries.err)
@@ -150,111 +120,6 @@ func outDir(t *testing.T) string {
 	return d
 }
 
-// daemon is a vmflow binary run as a subprocess, restartable, its output
-// appended to one log file.
-type daemon struct {
-	name string
-	bin  string
-	args []string
-	env  []string
-	log  string
-
-	mu   sync.Mutex
-	cmd  *exec.Cmd
-	done chan struct{}
-	runs int
-}
-
-func (d *daemon) start(t *testing.T) {
-	t.Helper()
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	if d.cmd != nil {
-		select {
-		case <-d.done:
-		default:
-			t.Fatalf("%s: already running", d.name)
-		}
-	}
-	f, err := os.OpenFile(d.log, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
-	if err != nil {
-		t.Fatalf("%s log: %v", d.name, err)
-	}
-	d.runs++
-	fmt.Fprintf(f, "=== %s start #%d at %s: %s %s\n", d.name, d.runs, time.Now().Format(time.RFC3339Nano), d.bin, strings.Join(d.args, " "))
-	cmd := exec.Command(d.bin, d.args...)
-	cmd.Env = append(os.Environ(), d.env...)
-	cmd.Stdout, cmd.Stderr = f, f
-	// A crashed or timed-out test binary takes its daemons with it.
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	if err := cmd.Start(); err != nil {
-		f.Close()
-		t.Fatalf("start %s: %v", d.name, err)
-	}
-	done := make(chan struct{})
-	go func() {
-		_ = cmd.Wait() // the exit status is in the log's context; only reaping matters
-		f.Close()
-		close(done)
-	}()
-	d.cmd, d.done = cmd, done
-}
-
-// kill9 sends SIGKILL (a crash: no cleanup in the process) and waits until
-// the process is reaped.
-func (d *daemon) kill9(t *testing.T) {
-	t.Helper()
-	if err := d.signal(syscall.SIGKILL, 10*time.Second); err != nil {
-		t.Fatalf("kill -9 %s: %v", d.name, err)
-	}
-}
-
-// stop sends SIGTERM, then SIGKILL after 20 s, and waits until reaped.
-func (d *daemon) stop() error {
-	err := d.signal(syscall.SIGTERM, 20*time.Second)
-	if err != nil {
-		return errors.Join(err, d.signal(syscall.SIGKILL, 10*time.Second))
-	}
-	return nil
-}
-
-func (d *daemon) signal(sig syscall.Signal, wait time.Duration) error {
-	d.mu.Lock()
-	cmd, done := d.cmd, d.done
-	d.mu.Unlock()
-	if cmd == nil {
-		return nil
-	}
-	select {
-	case <-done:
-		return nil
-	default:
-	}
-	if err := cmd.Process.Signal(sig); err != nil && !errors.Is(err, os.ErrProcessDone) {
-		return fmt.Errorf("%s: %w", sig, err)
-	}
-	timer := time.NewTimer(wait)
-	defer timer.Stop()
-	select {
-	case <-done:
-		return nil
-	case <-timer.C:
-		return fmt.Errorf("%s (pid %d) still running %s after %s", d.name, cmd.Process.Pid, wait, sig)
-	}
-}
-
-// tail is the end of the daemon's log, for failure reports.
-func (d *daemon) tail(n int) string {
-	b, err := os.ReadFile(d.log)
-	if err != nil {
-		return fmt.Sprintf("(no log: %v)", err)
-	}
-	if len(b) > n {
-		b = b[len(b)-n:]
-	}
-	return string(b)
-}
-
 // envOptions shape one test's stack.
 type envOptions struct {
 	// server defaults to the shared headless dev server.
@@ -280,8 +145,8 @@ type env struct {
 	st       *store.Store
 	out      string
 	guest    build.Artifacts
-	agent    *daemon
-	worker   *daemon
+	agent    *stacktest.Daemon
+	worker   *stacktest.Daemon
 }
 
 func newEnv(t *testing.T, o envOptions) *env {
@@ -322,7 +187,7 @@ func newEnv(t *testing.T, o envOptions) *env {
 	}
 	// Runs after the agent has stopped (cleanups run last-in first-out):
 	// whatever QEMU is still alive was started for this test; kill it.
-	t.Cleanup(e.killLeftoverVMs)
+	t.Cleanup(func() { stacktest.KillLeftoverVMs(t, e.st, nil) })
 
 	connEnv := []string{
 		"TEMPORAL_ADDRESS=" + srv.Address(),
@@ -347,8 +212,8 @@ func newEnv(t *testing.T, o envOptions) *env {
 	if o.qemu != "" {
 		agentArgs = append(agentArgs, "--qemu", o.qemu)
 	}
-	agentArgs = append(agentArgs, holdersIgnoreInit()...)
-	e.agent = &daemon{name: "vmflow-hostagent", bin: agentBin, args: agentArgs, env: connEnv, log: filepath.Join(e.out, "hostagent.log")}
+	agentArgs = append(agentArgs, stacktest.HoldersIgnoreInit()...)
+	e.agent = &stacktest.Daemon{Name: "vmflow-hostagent", Bin: agentBin, Args: agentArgs, Env: connEnv, Log: filepath.Join(e.out, "hostagent.log")}
 	workerArgs := append([]string{
 		"--task-queue", e.queue,
 		"--address", srv.Address(),
@@ -361,39 +226,29 @@ func newEnv(t *testing.T, o envOptions) *env {
 		"--unreachable-backoff", "1s",
 		"--unreachable-backoff-max", "2s",
 	}, o.workerArgs...)
-	e.worker = &daemon{name: "vmflow-worker", bin: workerBin, args: workerArgs, env: connEnv, log: filepath.Join(e.out, "worker.log")}
+	e.worker = &stacktest.Daemon{Name: "vmflow-worker", Bin: workerBin, Args: workerArgs, Env: connEnv, Log: filepath.Join(e.out, "worker.log")}
 	t.Cleanup(func() {
-		if err := e.agent.stop(); err != nil {
+		if err := e.agent.Stop(); err != nil {
 			t.Errorf("stop agent: %v", err)
 		}
 		if t.Failed() {
-			t.Logf("--- %s (tail) ---\n%s", e.agent.log, e.agent.tail(6000))
+			t.Logf("--- %s (tail) ---\n%s", e.agent.Log, e.agent.Tail(6000))
 		}
 	})
 	t.Cleanup(func() {
-		if err := e.worker.stop(); err != nil {
+		if err := e.worker.Stop(); err != nil {
 			t.Errorf("stop worker: %v", err)
 		}
 		if t.Failed() {
-			t.Logf("--- %s (tail) ---\n%s", e.worker.log, e.worker.tail(3000))
+			t.Logf("--- %s (tail) ---\n%s", e.worker.Log, e.worker.Tail(3000))
 		}
 	})
 	t.Cleanup(e.deleteSchedule)
 	if !o.noStart {
-		e.agent.start(t)
-		e.worker.start(t)
+		e.agent.Start(t)
+		e.worker.Start(t)
 	}
 	return e
-}
-
-// holdersIgnoreInit passes --holders-ignore-pid 1 only where PID 1's open
-// files cannot be read even by root (this sandbox): the agent would
-// otherwise count it as a possible VFIO holder and never release a vGPU.
-func holdersIgnoreInit() []string {
-	if _, err := os.Readlink("/proc/1/fd/0"); errors.Is(err, os.ErrPermission) {
-		return []string{"--holders-ignore-pid", "1"}
-	}
-	return nil
 }
 
 // deleteSchedule removes the reconcile Schedule the agent created, so the
@@ -403,35 +258,6 @@ func (e *env) deleteSchedule() {
 	defer cancel()
 	// Best effort: a test that never started an agent has none.
 	_ = e.c.ScheduleClient().GetHandle(ctx, workflows.ReconcileScheduleID(e.hostID)).Delete(ctx)
-}
-
-// killLeftoverVMs kills, by verified identity, every QEMU a record of this
-// test still names, and waits until it is gone (the subreaper reaps it).
-func (e *env) killLeftoverVMs() {
-	t := e.t
-	recs, err := e.st.List()
-	if err != nil {
-		t.Errorf("list records: %v", err)
-	}
-	for _, r := range recs {
-		p := r.GetProcess()
-		if p == nil {
-			continue
-		}
-		id := proc.Identity{PID: int(p.GetPid()), StartTime: p.GetStartTime(), BootID: p.GetBootId()}
-		if !proc.Inspect(id).Alive {
-			continue
-		}
-		t.Errorf("instance %s: QEMU %v still running at the end of the test; killing it", r.GetId(), id)
-		if err := proc.Signal(id, syscall.SIGKILL); err != nil {
-			t.Errorf("kill leftover QEMU %v: %v", id, err)
-			continue
-		}
-		waitFor(t, 10*time.Second, fmt.Sprintf("leftover QEMU %v gone", id), func() (bool, string) {
-			st := proc.Inspect(id)
-			return !st.Alive, string(st.State)
-		})
-	}
 }
 
 // waitFor polls cond until it holds or timeout passes; detail describes
@@ -662,7 +488,7 @@ func (c *console) wait(t *testing.T, line string, timeout time.Duration) {
 // agent's log ("stop step" lines), in order.
 func (e *env) agentStopSteps(id string) []string {
 	e.t.Helper()
-	b, err := os.ReadFile(e.agent.log)
+	b, err := os.ReadFile(e.agent.Log)
 	if err != nil {
 		e.t.Fatalf("agent log: %v", err)
 	}

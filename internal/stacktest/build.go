@@ -1,0 +1,56 @@
+package stacktest
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+)
+
+// ModuleRoot walks up from the working directory (go test runs in the
+// package's folder) to the go.mod of module vmflow.
+func ModuleRoot() (string, error) {
+	dir, err := os.Getwd()
+	if err != nil {
+		return "", fmt.Errorf("module root: %w", err)
+	}
+	for {
+		if b, err := os.ReadFile(filepath.Join(dir, "go.mod")); err == nil && strings.HasPrefix(string(b), "module vmflow\n") {
+			return dir, nil
+		}
+		parent := filepath.Dir(dir)
+		if parent == dir {
+			return "", errors.New("module root: no go.mod of module vmflow above the working directory")
+		}
+		dir = parent
+	}
+}
+
+// BuildBinaries builds vmflow-worker and vmflow-hostagent from this
+// checkout into dir (so tests never run stale bin/ files) and returns their
+// paths.
+func BuildBinaries(ctx context.Context, dir string) (worker, agent string, err error) {
+	root, err := ModuleRoot()
+	if err != nil {
+		return "", "", err
+	}
+	cmd := exec.CommandContext(ctx, "go", "build", "-o", dir+"/", "./worker", "./hostagent")
+	cmd.Dir = root
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return "", "", fmt.Errorf("go build ./worker ./hostagent: %w\n%s", err, out)
+	}
+	return filepath.Join(dir, "worker"), filepath.Join(dir, "hostagent"), nil
+}
+
+// HoldersIgnoreInit passes --holders-ignore-pid 1 only where PID 1's open
+// files cannot be read even by root (this sandbox): the agent would
+// otherwise count it as a possible VFIO holder and never release a vGPU.
+func HoldersIgnoreInit() []string {
+	if _, err := os.Readlink("/proc/1/fd/0"); errors.Is(err, os.ErrPermission) {
+		return []string{"--holders-ignore-pid", "1"}
+	}
+	return nil
+}
