@@ -216,11 +216,13 @@ func (s *Server) args() []string {
 		"--port", strconv.Itoa(s.port),
 		"--db-filename", s.opts.DBFile,
 		"--log-level", "warn",
+	}
+	if !slices.Contains(s.opts.ExtraArgs, "--sqlite-pragma") {
 		// SQLite's default journal syncs every history write and admits one
 		// writer at a time; make bench measured the dev server, not vmflow,
 		// as the bottleneck at scale (100 VMs: 43 s default, 20 s WAL).
-		"--sqlite-pragma", "journal_mode=wal",
-		"--sqlite-pragma", "synchronous=normal",
+		// A caller that passes its own pragmas (the bench's baseline) wins.
+		args = append(args, "--sqlite-pragma", "journal_mode=wal", "--sqlite-pragma", "synchronous=normal")
 	}
 	if s.opts.UI {
 		args = append(args, "--ui-port", strconv.Itoa(s.uiPort))
