@@ -394,7 +394,7 @@ func (a *Activities) TearDown(ctx context.Context, ref *vmflowv1.InstanceRef) er
 		return classify(fmt.Errorf("tear down: %w", err))
 	}
 	if p := rec.GetProcess(); p != nil {
-		id := proc.Identity{PID: int(p.GetPid()), StartTime: p.GetStartTime(), BootID: p.GetBootId()}
+		id := store.IdentityOf(p)
 		if st := proc.Inspect(id); st.Alive {
 			return classify(fmt.Errorf("tear down: VM %v still %s: %w", id, st.State, errStillRunning))
 		}

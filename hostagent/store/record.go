@@ -7,6 +7,7 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
 
+	"vmflow/hostagent/proc"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -121,4 +122,20 @@ func fmtValue(v protoreflect.Value) string {
 // cloneRecord deep-copies rec so callers never share memory with the store.
 func cloneRecord(rec *vmflowv1.InstanceRecord) *vmflowv1.InstanceRecord {
 	return proto.Clone(rec).(*vmflowv1.InstanceRecord)
+}
+
+// IdentityOf is the process identity a record holds (the zero identity for
+// nil). One conversion for every reader of records, so no one rebuilds an
+// identity by hand and drops a field (without its boot id an identity is
+// incomplete and can never be acted on).
+func IdentityOf(p *vmflowv1.ProcessIdentity) proc.Identity {
+	if p == nil {
+		return proc.Identity{}
+	}
+	return proc.Identity{PID: int(p.GetPid()), StartTime: p.GetStartTime(), BootID: p.GetBootId()}
+}
+
+// ProcessRecord is the record's form of a process identity.
+func ProcessRecord(id proc.Identity) *vmflowv1.ProcessIdentity {
+	return &vmflowv1.ProcessIdentity{Pid: int32(id.PID), StartTime: id.StartTime, BootId: id.BootID}
 }

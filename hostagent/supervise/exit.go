@@ -52,7 +52,7 @@ func exitFromProc(e proc.Exit) exitInfo {
 // applyExit records in r that the process id ended as ex. A record that
 // names another process is left alone (reported false).
 func applyExit(r *vmflowv1.InstanceRecord, id proc.Identity, ex exitInfo) bool {
-	if r.GetProcess() == nil || identityFromProto(r.GetProcess()) != id {
+	if r.GetProcess() == nil || store.IdentityOf(r.GetProcess()) != id {
 		return false
 	}
 	r.Process = nil

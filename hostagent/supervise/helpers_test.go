@@ -248,7 +248,7 @@ func (e *env) killAll() {
 	recs, _ := e.st.List()
 	for _, rec := range recs {
 		if p := rec.GetProcess(); p != nil {
-			killAndReap(e.t, identityFromProto(p))
+			killAndReap(e.t, store.IdentityOf(p))
 		}
 	}
 }

@@ -75,7 +75,7 @@ func (s *Supervisor) Launch(ctx context.Context, id string, spec vmm.VMSpec) (La
 	}
 
 	if p := rec.GetProcess(); p != nil {
-		pid := identityFromProto(p)
+		pid := store.IdentityOf(p)
 		vm, alive, err := s.liveVMLocked(ctx, l, in, pid)
 		if err != nil {
 			return LaunchResult{}, fmt.Errorf("launch instance %s: %w", id, err)
@@ -231,7 +231,7 @@ func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *inst
 			// Right after the fork: an agent killed from here on leaves a
 			// QEMU its record knows.
 			if _, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
-				r.Process = identityToProto(pid)
+				r.Process = store.ProcessRecord(pid)
 				r.LastStart = s.ts()
 				r.StopStep, r.StopStepAt = vmflowv1.StopStep_STOP_STEP_NONE, nil
 				r.LastError = ""
@@ -247,7 +247,7 @@ func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *inst
 		},
 		OnFailed: func(pid proc.Identity, cause error) error {
 			_, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
-				if pid.Valid() && r.GetProcess() != nil && identityFromProto(r.GetProcess()) == pid {
+				if pid.Valid() && r.GetProcess() != nil && store.IdentityOf(r.GetProcess()) == pid {
 					r.Process = nil
 					r.LastExit, r.LastExitStatus, r.LastExitCode = s.ts(), "launch failed", -1
 				}

@@ -3,6 +3,7 @@ package supervise
 import (
 	"testing"
 	"time"
+	"vmflow/hostagent/store"
 
 	"github.com/stretchr/testify/assert"
 	"google.golang.org/protobuf/types/known/timestamppb"
@@ -81,7 +82,7 @@ func TestApplyExitResetsCounterAfterStable(t *testing.T) {
 	start := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 	rec := func() *vmflowv1.InstanceRecord {
 		return &vmflowv1.InstanceRecord{Id: "vm1", State: vmflowv1.InstanceState_INSTANCE_STATE_RUNNING,
-			Process: identityToProto(id), RestartCount: 4, RestartStableAfterSeconds: 60, LastStart: timestamppb.New(start)}
+			Process: store.ProcessRecord(id), RestartCount: 4, RestartStableAfterSeconds: 60, LastStart: timestamppb.New(start)}
 	}
 	short := rec()
 	assert.True(t, applyExit(short, id, exitInfo{at: start.Add(59 * time.Second), status: "signal: killed", code: -1}))

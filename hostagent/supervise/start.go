@@ -95,7 +95,7 @@ func (s *Supervisor) reattach(ctx context.Context, id string, rep *ReattachRepor
 		return fmt.Errorf("re-attach: %w", err)
 	}
 	if p := rec.GetProcess(); p != nil {
-		pid := identityFromProto(p)
+		pid := store.IdentityOf(p)
 		if in.current(pid) != nil {
 			return nil // already watched (Start called twice)
 		}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"time"
+	"vmflow/hostagent/store"
 
 	"go.uber.org/zap"
 
@@ -94,7 +95,7 @@ func (s *Supervisor) Stop(ctx context.Context, id string, graceful time.Duration
 		return StopResult{StopResult: vmm.StopResult{Reached: vmm.StepGone, AlreadyGone: true}, ResumedFrom: from}, nil
 	}
 
-	pid := identityFromProto(rec.GetProcess())
+	pid := store.IdentityOf(rec.GetProcess())
 	log := in.log.With(zap.Int("pid", pid.PID))
 	if graceful <= 0 {
 		graceful = s.cfg.GracefulTimeout
@@ -168,7 +169,7 @@ func (s *Supervisor) WaitExit(ctx context.Context, id string, progress func(proc
 	if rec.GetProcess() == nil {
 		return nil
 	}
-	pid := identityFromProto(rec.GetProcess())
+	pid := store.IdentityOf(rec.GetProcess())
 	var child *proc.Child
 	if in := s.lookup(id); in != nil {
 		if vm := in.current(pid); vm != nil {

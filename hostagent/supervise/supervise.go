@@ -315,39 +315,33 @@ func vmmPaths(p store.Paths) vmm.Paths {
 	return vmm.Paths{QMPSocket: p.Socket, PIDFile: p.PID, Log: p.Log}
 }
 
-func identityFromProto(p *vmflowv1.ProcessIdentity) proc.Identity {
-	return proc.Identity{PID: int(p.GetPid()), StartTime: p.GetStartTime(), BootID: p.GetBootId()}
+// stopSteps pairs the record's stop steps with vmm's; stepFromProto and
+// stepToProto read it both ways, so the two can never disagree.
+var stopSteps = []struct {
+	rec vmflowv1.StopStep
+	vmm vmm.StopStep
+}{
+	{vmflowv1.StopStep_STOP_STEP_NONE, vmm.StepNone},
+	{vmflowv1.StopStep_STOP_STEP_POWERDOWN_SENT, vmm.StepPowerdownSent},
+	{vmflowv1.StopStep_STOP_STEP_QUIT_SENT, vmm.StepQuitSent},
+	{vmflowv1.StopStep_STOP_STEP_KILLED, vmm.StepKillSent},
+	{vmflowv1.StopStep_STOP_STEP_GONE, vmm.StepGone},
 }
 
-func identityToProto(id proc.Identity) *vmflowv1.ProcessIdentity {
-	return &vmflowv1.ProcessIdentity{Pid: int32(id.PID), StartTime: id.StartTime, BootId: id.BootID}
-}
-
-// stepFromProto and stepToProto map the record's stop step to vmm's.
 func stepFromProto(s vmflowv1.StopStep) vmm.StopStep {
-	switch s {
-	case vmflowv1.StopStep_STOP_STEP_POWERDOWN_SENT:
-		return vmm.StepPowerdownSent
-	case vmflowv1.StopStep_STOP_STEP_QUIT_SENT:
-		return vmm.StepQuitSent
-	case vmflowv1.StopStep_STOP_STEP_KILLED:
-		return vmm.StepKillSent
-	case vmflowv1.StopStep_STOP_STEP_GONE:
-		return vmm.StepGone
+	for _, p := range stopSteps {
+		if p.rec == s {
+			return p.vmm
+		}
 	}
 	return vmm.StepNone
 }
 
 func stepToProto(s vmm.StopStep) vmflowv1.StopStep {
-	switch s {
-	case vmm.StepPowerdownSent:
-		return vmflowv1.StopStep_STOP_STEP_POWERDOWN_SENT
-	case vmm.StepQuitSent:
-		return vmflowv1.StopStep_STOP_STEP_QUIT_SENT
-	case vmm.StepKillSent:
-		return vmflowv1.StopStep_STOP_STEP_KILLED
-	case vmm.StepGone:
-		return vmflowv1.StopStep_STOP_STEP_GONE
+	for _, p := range stopSteps {
+		if p.vmm == s {
+			return p.rec
+		}
 	}
 	return vmflowv1.StopStep_STOP_STEP_NONE
 }
@@ -418,7 +412,7 @@ func (s *Supervisor) Status(id string) (Status, error) {
 		LastExitStatus: rec.GetLastExitStatus(), LastExitCode: rec.GetLastExitCode(), LastError: rec.GetLastError(),
 	}
 	if p := rec.GetProcess(); p != nil {
-		st.Process = identityFromProto(p)
+		st.Process = store.IdentityOf(p)
 		st.Liveness = proc.Inspect(st.Process)
 	}
 	if in := s.lookup(id); in != nil {

@@ -8,6 +8,7 @@ import (
 	"syscall"
 	"testing"
 	"time"
+	"vmflow/hostagent/store"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -36,7 +37,7 @@ func TestLaunchRunningStopGone(t *testing.T) {
 	assert.False(t, res.AlreadyRunning)
 	rec := e.get("vm1")
 	assert.Equal(t, stateRunning, rec.GetState())
-	assert.Equal(t, res.Identity, identityFromProto(rec.GetProcess()), "pid and start time recorded")
+	assert.Equal(t, res.Identity, store.IdentityOf(rec.GetProcess()), "pid and start time recorded")
 	assert.NotNil(t, rec.GetLastStart())
 
 	st, err := sup.QMPStatus(ctxT(t, 5*time.Second), "vm1")
@@ -99,7 +100,7 @@ func TestStopRefusedWithoutMarker(t *testing.T) {
 	rec := e.get("vm1")
 	assert.Equal(t, stepNone, rec.GetStopStep())
 	assert.Equal(t, stateRunning, rec.GetState())
-	assert.Equal(t, res.Identity, identityFromProto(rec.GetProcess()))
+	assert.Equal(t, res.Identity, store.IdentityOf(rec.GetProcess()))
 }
 
 func TestConcurrentStopIsBusy(t *testing.T) {
@@ -154,7 +155,7 @@ func TestAgentRestartReattaches(t *testing.T) {
 	a, pid := startAgent(t, e.dir, "vm1", "", "running")
 	rec := e.get("vm1")
 	require.Equal(t, stateRunning, rec.GetState())
-	qemu := identityFromProto(rec.GetProcess())
+	qemu := store.IdentityOf(rec.GetProcess())
 	require.Equal(t, pid, qemu.PID)
 	adoptOnCleanup(t, qemu)
 	lastStart := rec.GetLastStart().AsTime()
@@ -203,7 +204,7 @@ func TestAgentKilledBetweenForkAndQMP(t *testing.T) {
 		a, pid := startAgent(t, e.dir, "vm1", "after-started", "started")
 		rec := e.get("vm1")
 		require.Equal(t, stateCreating, rec.GetState(), "killed before QMP answered")
-		qemu := identityFromProto(rec.GetProcess())
+		qemu := store.IdentityOf(rec.GetProcess())
 		require.Equal(t, pid, qemu.PID, "the pid is in the record right after the fork")
 		adoptOnCleanup(t, qemu)
 		a.kill9(t)
@@ -232,7 +233,7 @@ func TestAgentKilledBetweenForkAndQMP(t *testing.T) {
 		e := newEnv(t)
 		e.create("vm1", "always", 0)
 		a, _ := startAgent(t, e.dir, "vm1", "after-started", "started")
-		qemu := identityFromProto(e.get("vm1").GetProcess())
+		qemu := store.IdentityOf(e.get("vm1").GetProcess())
 		adoptOnCleanup(t, qemu)
 		a.kill9(t)
 		require.NoError(t, proc.Signal(qemu, 9))
@@ -260,7 +261,7 @@ func killFromOutside(t *testing.T, e *env, id string) proc.Identity {
 	t.Helper()
 	rec := e.get(id)
 	require.Equal(t, stateRunning, rec.GetState())
-	qemu := identityFromProto(rec.GetProcess())
+	qemu := store.IdentityOf(rec.GetProcess())
 	require.NoError(t, proc.Signal(qemu, 9))
 	return qemu
 }
@@ -272,13 +273,13 @@ func TestRestartOnFailureWithBackoff(t *testing.T) {
 	_, err := sup.Launch(ctxT(t, 30*time.Second), "vm1", spec)
 	require.NoError(t, err)
 
-	prev := identityFromProto(e.get("vm1").GetProcess())
+	prev := store.IdentityOf(e.get("vm1").GetProcess())
 	for attempt, backoff := range []time.Duration{time.Second, 2 * time.Second} {
 		killed := killFromOutside(t, e, "vm1")
 		var rec *vmflowv1.InstanceRecord
 		require.Eventually(t, func() bool {
 			rec = e.get("vm1")
-			return rec.GetState() == stateRunning && rec.GetProcess() != nil && identityFromProto(rec.GetProcess()) != killed
+			return rec.GetState() == stateRunning && rec.GetProcess() != nil && store.IdentityOf(rec.GetProcess()) != killed
 		}, 20*time.Second, 5*time.Millisecond, "restart %d", attempt+1)
 		assert.Equal(t, uint32(attempt+1), rec.GetRestartCount())
 		assert.Equal(t, "signal: killed", rec.GetLastExitStatus())
@@ -287,8 +288,8 @@ func TestRestartOnFailureWithBackoff(t *testing.T) {
 		gap := rec.GetLastStart().AsTime().Sub(rec.GetLastExit().AsTime())
 		assert.GreaterOrEqual(t, gap, backoff, "restart %d came %s after the exit", attempt+1, gap)
 		assert.Less(t, gap, backoff+3*time.Second)
-		assert.NotEqual(t, prev, identityFromProto(rec.GetProcess()))
-		prev = identityFromProto(rec.GetProcess())
+		assert.NotEqual(t, prev, store.IdentityOf(rec.GetProcess()))
+		prev = store.IdentityOf(rec.GetProcess())
 		e.waitLog("vm1", "restart scheduled", "restart policy on-failure")
 	}
 	scheduled := e.logs.FilterMessage("restart scheduled").All()
@@ -429,7 +430,7 @@ func TestStartNeverSignalsMismatchedPid(t *testing.T) {
 	recorded := stranger.Identity()
 	recorded.StartTime++
 	_, err = e.st.Update(ctxT(t, 5*time.Second), "vm1", func(r *vmflowv1.InstanceRecord) error {
-		r.Process = identityToProto(recorded)
+		r.Process = store.ProcessRecord(recorded)
 		r.State = stateRunning
 		return nil
 	})

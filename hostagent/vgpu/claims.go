@@ -299,7 +299,7 @@ func (c *Claims) releaseLocked(ctx context.Context, l *store.Locked) (bool, stri
 // gone, and nothing may hold the device's VFIO node.
 func (c *Claims) mayRelease(ctx context.Context, rec *vmflowv1.InstanceRecord, dev Device) error {
 	if p := rec.GetProcess(); p != nil {
-		pid := proc.Identity{PID: int(p.GetPid()), StartTime: p.GetStartTime(), BootID: p.GetBootId()}
+		pid := store.IdentityOf(p)
 		if st := proc.Inspect(pid); st.Alive {
 			return fmt.Errorf("%w: %v is %s with %d tasks", ErrVMAlive, pid, st.State, st.Tasks)
 		}

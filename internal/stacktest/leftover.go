@@ -27,7 +27,7 @@ func KillLeftoverVMs(t testing.TB, st *store.Store, adopt func(pid int)) {
 		if p == nil {
 			continue
 		}
-		id := proc.Identity{PID: int(p.GetPid()), StartTime: p.GetStartTime(), BootID: p.GetBootId()}
+		id := store.IdentityOf(p)
 		if !proc.Inspect(id).Alive {
 			continue
 		}
