@@ -2,21 +2,15 @@ package tclient
 
 import (
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
-	"crypto/x509"
-	"crypto/x509/pkix"
-	"encoding/pem"
 	"errors"
 	"fmt"
-	"math/big"
 	"net"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
+	"vmflow/internal/tclient/tclienttest"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -52,32 +46,8 @@ func env(t *testing.T, e fakeEnv) fakeEnv {
 	return e
 }
 
-// selfSigned returns a PEM certificate and key for "temporal.test".
-func selfSigned(t *testing.T) (certPEM, keyPEM []byte) {
-	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	require.NoError(t, err)
-	tmpl := &x509.Certificate{
-		SerialNumber:          big.NewInt(1),
-		Subject:               pkix.Name{CommonName: "temporal.test"},
-		DNSNames:              []string{"temporal.test"},
-		NotBefore:             time.Now().Add(-time.Hour),
-		NotAfter:              time.Now().Add(time.Hour),
-		IsCA:                  true,
-		BasicConstraintsValid: true,
-		KeyUsage:              x509.KeyUsageCertSign | x509.KeyUsageDigitalSignature,
-		ExtKeyUsage:           []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	require.NoError(t, err)
-	kder, err := x509.MarshalECPrivateKey(key)
-	require.NoError(t, err)
-	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}),
-		pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: kder})
-}
-
 func TestClientOptionsFromEnv(t *testing.T) {
-	certPEM, keyPEM := selfSigned(t)
+	certPEM, keyPEM := tclienttest.SelfSigned(t)
 	dir := t.TempDir()
 	certFile, keyFile := filepath.Join(dir, "client.pem"), filepath.Join(dir, "client.key")
 	require.NoError(t, os.WriteFile(certFile, certPEM, 0o600))
@@ -164,7 +134,7 @@ func TestClientOptionsFromEnv(t *testing.T) {
 }
 
 func TestClientOptionsProfileFile(t *testing.T) {
-	certPEM, _ := selfSigned(t)
+	certPEM, _ := tclienttest.SelfSigned(t)
 	dir := t.TempDir()
 	caFile := filepath.Join(dir, "ca.pem")
 	require.NoError(t, os.WriteFile(caFile, certPEM, 0o600))
