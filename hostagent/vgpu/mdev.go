@@ -94,28 +94,8 @@ func (d *MdevDriver) Profiles(ctx context.Context) ([]Profile, error) {
 
 // Devices implements Driver.
 func (d *MdevDriver) Devices(ctx context.Context) ([]Device, error) {
-	ents, err := os.ReadDir(filepath.Join(d.root, "bus", "mdev", "devices"))
-	if errors.Is(err, os.ErrNotExist) {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, fmt.Errorf("vgpu: list mdev devices: %w", err)
-	}
-	var out []Device
-	for _, e := range ents {
-		if err := ctx.Err(); err != nil {
-			return nil, fmt.Errorf("vgpu: list mdev devices: %w", err)
-		}
-		dev, err := d.device(e.Name())
-		if errors.Is(err, os.ErrNotExist) {
-			continue // removed while we listed
-		}
-		if err != nil {
-			return nil, err
-		}
-		out = append(out, dev)
-	}
-	return out, nil
+	// A device that vanishes while listed was removed meanwhile.
+	return readEntries(ctx, filepath.Join(d.root, "bus", "mdev", "devices"), "mdev devices", d.device)
 }
 
 // device describes an existing mdev from its mdev_type link, which ends in

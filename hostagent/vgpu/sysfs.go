@@ -1,6 +1,9 @@
 package vgpu
 
 import (
+	"context"
+	"errors"
+	"fmt"
 	"os"
 	"strings"
 	"syscall"
@@ -48,4 +51,34 @@ func writeRetryEINTR(fd int, b []byte) (int, error) {
 			return n, err
 		}
 	}
+}
+
+// readEntries reads every entry of the sysfs folder dir with read, in
+// directory order. A missing folder is an empty list, and an entry that
+// vanishes while it is read (a device removed meanwhile, or one that is not
+// of the kind read understands) is skipped; what describes the listing in
+// errors.
+func readEntries[T any](ctx context.Context, dir, what string, read func(name string) (T, error)) ([]T, error) {
+	ents, err := os.ReadDir(dir)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("vgpu: list %s: %w", what, err)
+	}
+	var out []T
+	for _, e := range ents {
+		if err := ctx.Err(); err != nil {
+			return nil, fmt.Errorf("vgpu: list %s: %w", what, err)
+		}
+		v, err := read(e.Name())
+		if errors.Is(err, os.ErrNotExist) {
+			continue
+		}
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, v)
+	}
+	return out, nil
 }

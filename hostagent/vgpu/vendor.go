@@ -80,26 +80,11 @@ func parseCreatable(s string) []vendorType {
 
 // scan reads every VF that has NVIDIA's vendor files.
 func (d *VendorDriver) scan(ctx context.Context) ([]vfState, error) {
-	ents, err := os.ReadDir(filepath.Join(d.root, "bus", "pci", "devices"))
-	if errors.Is(err, os.ErrNotExist) {
-		return nil, nil
-	}
+	// A PCI device without NVIDIA's files is not a vGPU-capable VF (or it
+	// went away): readVF reports ErrNotExist and it is skipped.
+	out, err := readEntries(ctx, filepath.Join(d.root, "bus", "pci", "devices"), "PCI devices", d.readVF)
 	if err != nil {
-		return nil, fmt.Errorf("vgpu: list PCI devices: %w", err)
-	}
-	var out []vfState
-	for _, e := range ents {
-		if err := ctx.Err(); err != nil {
-			return nil, fmt.Errorf("vgpu: scan VFs: %w", err)
-		}
-		vf, err := d.readVF(e.Name())
-		if errors.Is(err, os.ErrNotExist) {
-			continue // not a vGPU-capable VF (or it went away)
-		}
-		if err != nil {
-			return nil, err
-		}
-		out = append(out, vf)
+		return nil, err
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].addr < out[j].addr })
 	return out, nil
