@@ -210,7 +210,7 @@ func claimDevice(c *vmflowv1.GpuClaim) string {
 // LaunchVM starts the instance's QEMU (with its vGPU, when claimed) and
 // returns once QMP says running. A VM already running for the instance is
 // returned as it is.
-func (a *Activities) LaunchVM(ctx context.Context, ref *vmflowv1.InstanceRef) (*vmflowv1.LaunchVMResult, error) {
+func (a *Activities) LaunchVM(ctx context.Context, ref *vmflowv1.LaunchVMRequest) (*vmflowv1.LaunchVMResult, error) {
 	ctx, done, log, err := a.begin(ctx, ref.GetInstanceId())
 	if err != nil {
 		return nil, err
@@ -251,7 +251,7 @@ func (a *Activities) SpecFor(rec *vmflowv1.InstanceRecord) (vmm.VMSpec, error) {
 // BeginDelete writes the manual-stop marker, then moves the record to
 // Deleting: from here on neither the restart policy nor a spawn can bring
 // the VM back (invariant 6). A missing record is "already absent".
-func (a *Activities) BeginDelete(ctx context.Context, ref *vmflowv1.InstanceRef) (*vmflowv1.BeginDeleteResult, error) {
+func (a *Activities) BeginDelete(ctx context.Context, ref *vmflowv1.BeginDeleteRequest) (*vmflowv1.BeginDeleteResult, error) {
 	ctx, done, log, err := a.begin(ctx, ref.GetInstanceId())
 	if err != nil {
 		return nil, err

@@ -62,10 +62,10 @@ func (*stuckHost) CreateRecord(context.Context, *vmflowv1.SpawnRequest) (*vmflow
 func (*stuckHost) ClaimVGPU(context.Context, *vmflowv1.ClaimVGPURequest) (*vmflowv1.ClaimVGPUResult, error) {
 	return &vmflowv1.ClaimVGPUResult{}, nil
 }
-func (*stuckHost) LaunchVM(context.Context, *vmflowv1.InstanceRef) (*vmflowv1.LaunchVMResult, error) {
+func (*stuckHost) LaunchVM(context.Context, *vmflowv1.LaunchVMRequest) (*vmflowv1.LaunchVMResult, error) {
 	return &vmflowv1.LaunchVMResult{}, nil
 }
-func (*stuckHost) BeginDelete(context.Context, *vmflowv1.InstanceRef) (*vmflowv1.BeginDeleteResult, error) {
+func (*stuckHost) BeginDelete(context.Context, *vmflowv1.BeginDeleteRequest) (*vmflowv1.BeginDeleteResult, error) {
 	return &vmflowv1.BeginDeleteResult{HasClaim: true}, nil
 }
 func (*stuckHost) StopVM(context.Context, *vmflowv1.StopVMRequest) (*vmflowv1.StopVMResult, error) {

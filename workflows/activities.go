@@ -17,10 +17,10 @@ type HostActivities interface {
 	CreateRecord(ctx context.Context, req *vmflowv1.SpawnRequest) (*vmflowv1.CreateRecordResult, error)
 	ClaimVGPU(ctx context.Context, req *vmflowv1.ClaimVGPURequest) (*vmflowv1.ClaimVGPUResult, error)
 	// LaunchVM starts QEMU and returns once QMP says running.
-	LaunchVM(ctx context.Context, ref *vmflowv1.InstanceRef) (*vmflowv1.LaunchVMResult, error)
+	LaunchVM(ctx context.Context, req *vmflowv1.LaunchVMRequest) (*vmflowv1.LaunchVMResult, error)
 	// BeginDelete writes the manual-stop marker and moves the record to
 	// Deleting, before any stop action.
-	BeginDelete(ctx context.Context, ref *vmflowv1.InstanceRef) (*vmflowv1.BeginDeleteResult, error)
+	BeginDelete(ctx context.Context, req *vmflowv1.BeginDeleteRequest) (*vmflowv1.BeginDeleteResult, error)
 	StopVM(ctx context.Context, req *vmflowv1.StopVMRequest) (*vmflowv1.StopVMResult, error)
 	// WaitVMExit returns once the VM's whole thread group is gone.
 	WaitVMExit(ctx context.Context, ref *vmflowv1.InstanceRef) error

@@ -29,7 +29,7 @@ func (h *scriptedHost) CreateRecord(context.Context, *vmflowv1.SpawnRequest) (*v
 	return &vmflowv1.CreateRecordResult{InstanceUuid: "u"}, nil
 }
 
-func (h *scriptedHost) LaunchVM(ctx context.Context, _ *vmflowv1.InstanceRef) (*vmflowv1.LaunchVMResult, error) {
+func (h *scriptedHost) LaunchVM(ctx context.Context, _ *vmflowv1.LaunchVMRequest) (*vmflowv1.LaunchVMResult, error) {
 	h.launches.Add(1)
 	select { // long enough for a second start to find the first running
 	case <-time.After(500 * time.Millisecond):
@@ -39,7 +39,7 @@ func (h *scriptedHost) LaunchVM(ctx context.Context, _ *vmflowv1.InstanceRef) (*
 	return &vmflowv1.LaunchVMResult{Pid: 42}, nil
 }
 
-func (h *scriptedHost) BeginDelete(context.Context, *vmflowv1.InstanceRef) (*vmflowv1.BeginDeleteResult, error) {
+func (h *scriptedHost) BeginDelete(context.Context, *vmflowv1.BeginDeleteRequest) (*vmflowv1.BeginDeleteResult, error) {
 	return &vmflowv1.BeginDeleteResult{HasClaim: true}, nil
 }
 

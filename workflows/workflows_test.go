@@ -30,10 +30,10 @@ func (*stubHost) CreateRecord(context.Context, *vmflowv1.SpawnRequest) (*vmflowv
 func (*stubHost) ClaimVGPU(context.Context, *vmflowv1.ClaimVGPURequest) (*vmflowv1.ClaimVGPUResult, error) {
 	return nil, nil
 }
-func (*stubHost) LaunchVM(context.Context, *vmflowv1.InstanceRef) (*vmflowv1.LaunchVMResult, error) {
+func (*stubHost) LaunchVM(context.Context, *vmflowv1.LaunchVMRequest) (*vmflowv1.LaunchVMResult, error) {
 	return nil, nil
 }
-func (*stubHost) BeginDelete(context.Context, *vmflowv1.InstanceRef) (*vmflowv1.BeginDeleteResult, error) {
+func (*stubHost) BeginDelete(context.Context, *vmflowv1.BeginDeleteRequest) (*vmflowv1.BeginDeleteResult, error) {
 	return nil, nil
 }
 func (*stubHost) StopVM(context.Context, *vmflowv1.StopVMRequest) (*vmflowv1.StopVMResult, error) {

@@ -82,8 +82,15 @@ type CreateRecordResult struct {
 	// A record with the same spec was already there (a retried activity or a
 	// second spawn): nothing was created.
 	AlreadyExisted bool `protobuf:"varint,2,opt,name=already_existed,json=alreadyExisted,proto3" json:"already_existed,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// The record names this spawn (workflow id and run id) as its creator: it
+	// was made now or by an earlier attempt of the same spawn. Only then may
+	// the spawn's failure path clean the instance up (invariant 9).
+	CreatedByThisSpawn bool `protobuf:"varint,3,opt,name=created_by_this_spawn,json=createdByThisSpawn,proto3" json:"created_by_this_spawn,omitempty"`
+	// The record's creator, "<workflow id> (run <run id>)", or "" when the
+	// record predates creators.
+	CreatedBy     string `protobuf:"bytes,4,opt,name=created_by,json=createdBy,proto3" json:"created_by,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *CreateRecordResult) Reset() {
@@ -128,6 +135,20 @@ func (x *CreateRecordResult) GetAlreadyExisted() bool {
 		return x.AlreadyExisted
 	}
 	return false
+}
+
+func (x *CreateRecordResult) GetCreatedByThisSpawn() bool {
+	if x != nil {
+		return x.CreatedByThisSpawn
+	}
+	return false
+}
+
+func (x *CreateRecordResult) GetCreatedBy() string {
+	if x != nil {
+		return x.CreatedBy
+	}
+	return ""
 }
 
 // ClaimVGPURequest is the input of ClaimVGPU.
@@ -186,10 +207,13 @@ func (x *ClaimVGPURequest) GetVgpuProfile() string {
 // ClaimVGPUResult is the result of ClaimVGPU.
 type ClaimVGPUResult struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// The mdev UUID, or the VF's PCI address for vendor VFIO.
-	DeviceId      string `protobuf:"bytes,1,opt,name=device_id,json=deviceId,proto3" json:"device_id,omitempty"`
-	Parent        string `protobuf:"bytes,2,opt,name=parent,proto3" json:"parent,omitempty"`
-	Profile       string `protobuf:"bytes,3,opt,name=profile,proto3" json:"profile,omitempty"`
+	// The device QEMU attaches: the mdev UUID, or the VF's PCI address for
+	// vendor VFIO.
+	DeviceId string `protobuf:"bytes,1,opt,name=device_id,json=deviceId,proto3" json:"device_id,omitempty"`
+	Parent   string `protobuf:"bytes,2,opt,name=parent,proto3" json:"parent,omitempty"`
+	Profile  string `protobuf:"bytes,3,opt,name=profile,proto3" json:"profile,omitempty"`
+	// The mdev UUID; empty for a vendor VF (sysfs keeps no UUID for it).
+	VgpuUuid      string `protobuf:"bytes,4,opt,name=vgpu_uuid,json=vgpuUuid,proto3" json:"vgpu_uuid,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -245,6 +269,69 @@ func (x *ClaimVGPUResult) GetProfile() string {
 	return ""
 }
 
+func (x *ClaimVGPUResult) GetVgpuUuid() string {
+	if x != nil {
+		return x.VgpuUuid
+	}
+	return ""
+}
+
+// LaunchVMRequest is the input of LaunchVM.
+type LaunchVMRequest struct {
+	state      protoimpl.MessageState `protogen:"open.v1"`
+	InstanceId string                 `protobuf:"bytes,1,opt,name=instance_id,json=instanceId,proto3" json:"instance_id,omitempty"`
+	// Start nothing: report the instance's QEMU if it runs (same spec, QMP
+	// says running), else fail with InstanceExists naming what is there. A
+	// spawn that found another spawn's record asks this (invariant 9).
+	ExistingOnly  bool `protobuf:"varint,2,opt,name=existing_only,json=existingOnly,proto3" json:"existing_only,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *LaunchVMRequest) Reset() {
+	*x = LaunchVMRequest{}
+	mi := &file_vmflow_v1_activity_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *LaunchVMRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*LaunchVMRequest) ProtoMessage() {}
+
+func (x *LaunchVMRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_vmflow_v1_activity_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use LaunchVMRequest.ProtoReflect.Descriptor instead.
+func (*LaunchVMRequest) Descriptor() ([]byte, []int) {
+	return file_vmflow_v1_activity_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *LaunchVMRequest) GetInstanceId() string {
+	if x != nil {
+		return x.InstanceId
+	}
+	return ""
+}
+
+func (x *LaunchVMRequest) GetExistingOnly() bool {
+	if x != nil {
+		return x.ExistingOnly
+	}
+	return false
+}
+
 // LaunchVMResult is the result of LaunchVM.
 type LaunchVMResult struct {
 	state     protoimpl.MessageState `protogen:"open.v1"`
@@ -252,13 +339,17 @@ type LaunchVMResult struct {
 	QmpSocket string                 `protobuf:"bytes,2,opt,name=qmp_socket,json=qmpSocket,proto3" json:"qmp_socket,omitempty"`
 	// QEMU was already running for this instance (a retried activity).
 	AlreadyRunning bool `protobuf:"varint,3,opt,name=already_running,json=alreadyRunning,proto3" json:"already_running,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// The instance's vGPU as its record holds it; empty without one.
+	VgpuUuid      string `protobuf:"bytes,4,opt,name=vgpu_uuid,json=vgpuUuid,proto3" json:"vgpu_uuid,omitempty"`
+	VgpuDeviceId  string `protobuf:"bytes,5,opt,name=vgpu_device_id,json=vgpuDeviceId,proto3" json:"vgpu_device_id,omitempty"`
+	InstanceUuid  string `protobuf:"bytes,6,opt,name=instance_uuid,json=instanceUuid,proto3" json:"instance_uuid,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *LaunchVMResult) Reset() {
 	*x = LaunchVMResult{}
-	mi := &file_vmflow_v1_activity_proto_msgTypes[4]
+	mi := &file_vmflow_v1_activity_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -270,7 +361,7 @@ func (x *LaunchVMResult) String() string {
 func (*LaunchVMResult) ProtoMessage() {}
 
 func (x *LaunchVMResult) ProtoReflect() protoreflect.Message {
-	mi := &file_vmflow_v1_activity_proto_msgTypes[4]
+	mi := &file_vmflow_v1_activity_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -283,7 +374,7 @@ func (x *LaunchVMResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LaunchVMResult.ProtoReflect.Descriptor instead.
 func (*LaunchVMResult) Descriptor() ([]byte, []int) {
-	return file_vmflow_v1_activity_proto_rawDescGZIP(), []int{4}
+	return file_vmflow_v1_activity_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *LaunchVMResult) GetPid() int32 {
@@ -307,20 +398,109 @@ func (x *LaunchVMResult) GetAlreadyRunning() bool {
 	return false
 }
 
+func (x *LaunchVMResult) GetVgpuUuid() string {
+	if x != nil {
+		return x.VgpuUuid
+	}
+	return ""
+}
+
+func (x *LaunchVMResult) GetVgpuDeviceId() string {
+	if x != nil {
+		return x.VgpuDeviceId
+	}
+	return ""
+}
+
+func (x *LaunchVMResult) GetInstanceUuid() string {
+	if x != nil {
+		return x.InstanceUuid
+	}
+	return ""
+}
+
+// BeginDeleteRequest is the input of BeginDelete.
+type BeginDeleteRequest struct {
+	state      protoimpl.MessageState `protogen:"open.v1"`
+	InstanceId string                 `protobuf:"bytes,1,opt,name=instance_id,json=instanceId,proto3" json:"instance_id,omitempty"`
+	// Set by a failed spawn's clean-up: act only on a record this spawn
+	// created (invariant 9). Empty for a delete the platform asked for.
+	OnlyIfCreatedByWorkflowId string `protobuf:"bytes,2,opt,name=only_if_created_by_workflow_id,json=onlyIfCreatedByWorkflowId,proto3" json:"only_if_created_by_workflow_id,omitempty"`
+	OnlyIfCreatedByRunId      string `protobuf:"bytes,3,opt,name=only_if_created_by_run_id,json=onlyIfCreatedByRunId,proto3" json:"only_if_created_by_run_id,omitempty"`
+	unknownFields             protoimpl.UnknownFields
+	sizeCache                 protoimpl.SizeCache
+}
+
+func (x *BeginDeleteRequest) Reset() {
+	*x = BeginDeleteRequest{}
+	mi := &file_vmflow_v1_activity_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BeginDeleteRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BeginDeleteRequest) ProtoMessage() {}
+
+func (x *BeginDeleteRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_vmflow_v1_activity_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BeginDeleteRequest.ProtoReflect.Descriptor instead.
+func (*BeginDeleteRequest) Descriptor() ([]byte, []int) {
+	return file_vmflow_v1_activity_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *BeginDeleteRequest) GetInstanceId() string {
+	if x != nil {
+		return x.InstanceId
+	}
+	return ""
+}
+
+func (x *BeginDeleteRequest) GetOnlyIfCreatedByWorkflowId() string {
+	if x != nil {
+		return x.OnlyIfCreatedByWorkflowId
+	}
+	return ""
+}
+
+func (x *BeginDeleteRequest) GetOnlyIfCreatedByRunId() string {
+	if x != nil {
+		return x.OnlyIfCreatedByRunId
+	}
+	return ""
+}
+
 // BeginDeleteResult is the result of BeginDelete.
 type BeginDeleteResult struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// No record: nothing to delete on this host.
 	AlreadyAbsent bool `protobuf:"varint,1,opt,name=already_absent,json=alreadyAbsent,proto3" json:"already_absent,omitempty"`
 	// The record holds a GPU claim (so metadata stays until it is released).
-	HasClaim      bool `protobuf:"varint,2,opt,name=has_claim,json=hasClaim,proto3" json:"has_claim,omitempty"`
+	HasClaim bool `protobuf:"varint,2,opt,name=has_claim,json=hasClaim,proto3" json:"has_claim,omitempty"`
+	// The request named a creator and the record has another: nothing was
+	// touched (no marker, no state change).
+	NotOwned bool `protobuf:"varint,3,opt,name=not_owned,json=notOwned,proto3" json:"not_owned,omitempty"`
+	// The record's creator when not_owned.
+	CreatedBy     string `protobuf:"bytes,4,opt,name=created_by,json=createdBy,proto3" json:"created_by,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *BeginDeleteResult) Reset() {
 	*x = BeginDeleteResult{}
-	mi := &file_vmflow_v1_activity_proto_msgTypes[5]
+	mi := &file_vmflow_v1_activity_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -332,7 +512,7 @@ func (x *BeginDeleteResult) String() string {
 func (*BeginDeleteResult) ProtoMessage() {}
 
 func (x *BeginDeleteResult) ProtoReflect() protoreflect.Message {
-	mi := &file_vmflow_v1_activity_proto_msgTypes[5]
+	mi := &file_vmflow_v1_activity_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -345,7 +525,7 @@ func (x *BeginDeleteResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BeginDeleteResult.ProtoReflect.Descriptor instead.
 func (*BeginDeleteResult) Descriptor() ([]byte, []int) {
-	return file_vmflow_v1_activity_proto_rawDescGZIP(), []int{5}
+	return file_vmflow_v1_activity_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *BeginDeleteResult) GetAlreadyAbsent() bool {
@@ -362,6 +542,20 @@ func (x *BeginDeleteResult) GetHasClaim() bool {
 	return false
 }
 
+func (x *BeginDeleteResult) GetNotOwned() bool {
+	if x != nil {
+		return x.NotOwned
+	}
+	return false
+}
+
+func (x *BeginDeleteResult) GetCreatedBy() string {
+	if x != nil {
+		return x.CreatedBy
+	}
+	return ""
+}
+
 // StopVMRequest is the input of StopVM.
 type StopVMRequest struct {
 	state      protoimpl.MessageState `protogen:"open.v1"`
@@ -374,7 +568,7 @@ type StopVMRequest struct {
 
 func (x *StopVMRequest) Reset() {
 	*x = StopVMRequest{}
-	mi := &file_vmflow_v1_activity_proto_msgTypes[6]
+	mi := &file_vmflow_v1_activity_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -386,7 +580,7 @@ func (x *StopVMRequest) String() string {
 func (*StopVMRequest) ProtoMessage() {}
 
 func (x *StopVMRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_vmflow_v1_activity_proto_msgTypes[6]
+	mi := &file_vmflow_v1_activity_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -399,7 +593,7 @@ func (x *StopVMRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StopVMRequest.ProtoReflect.Descriptor instead.
 func (*StopVMRequest) Descriptor() ([]byte, []int) {
-	return file_vmflow_v1_activity_proto_rawDescGZIP(), []int{6}
+	return file_vmflow_v1_activity_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *StopVMRequest) GetInstanceId() string {
@@ -429,7 +623,7 @@ type StopVMResult struct {
 
 func (x *StopVMResult) Reset() {
 	*x = StopVMResult{}
-	mi := &file_vmflow_v1_activity_proto_msgTypes[7]
+	mi := &file_vmflow_v1_activity_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -441,7 +635,7 @@ func (x *StopVMResult) String() string {
 func (*StopVMResult) ProtoMessage() {}
 
 func (x *StopVMResult) ProtoReflect() protoreflect.Message {
-	mi := &file_vmflow_v1_activity_proto_msgTypes[7]
+	mi := &file_vmflow_v1_activity_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -454,7 +648,7 @@ func (x *StopVMResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StopVMResult.ProtoReflect.Descriptor instead.
 func (*StopVMResult) Descriptor() ([]byte, []int) {
-	return file_vmflow_v1_activity_proto_rawDescGZIP(), []int{7}
+	return file_vmflow_v1_activity_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *StopVMResult) GetStepReached() string {
@@ -483,7 +677,7 @@ type ReleaseVGPUResult struct {
 
 func (x *ReleaseVGPUResult) Reset() {
 	*x = ReleaseVGPUResult{}
-	mi := &file_vmflow_v1_activity_proto_msgTypes[8]
+	mi := &file_vmflow_v1_activity_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -495,7 +689,7 @@ func (x *ReleaseVGPUResult) String() string {
 func (*ReleaseVGPUResult) ProtoMessage() {}
 
 func (x *ReleaseVGPUResult) ProtoReflect() protoreflect.Message {
-	mi := &file_vmflow_v1_activity_proto_msgTypes[8]
+	mi := &file_vmflow_v1_activity_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -508,7 +702,7 @@ func (x *ReleaseVGPUResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseVGPUResult.ProtoReflect.Descriptor instead.
 func (*ReleaseVGPUResult) Descriptor() ([]byte, []int) {
-	return file_vmflow_v1_activity_proto_rawDescGZIP(), []int{8}
+	return file_vmflow_v1_activity_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *ReleaseVGPUResult) GetReleased() bool {
@@ -532,26 +726,45 @@ const file_vmflow_v1_activity_proto_rawDesc = "" +
 	"\x18vmflow/v1/activity.proto\x12\tvmflow.v1\".\n" +
 	"\vInstanceRef\x12\x1f\n" +
 	"\vinstance_id\x18\x01 \x01(\tR\n" +
-	"instanceId\"b\n" +
+	"instanceId\"\xb4\x01\n" +
 	"\x12CreateRecordResult\x12#\n" +
 	"\rinstance_uuid\x18\x01 \x01(\tR\finstanceUuid\x12'\n" +
-	"\x0falready_existed\x18\x02 \x01(\bR\x0ealreadyExisted\"V\n" +
+	"\x0falready_existed\x18\x02 \x01(\bR\x0ealreadyExisted\x121\n" +
+	"\x15created_by_this_spawn\x18\x03 \x01(\bR\x12createdByThisSpawn\x12\x1d\n" +
+	"\n" +
+	"created_by\x18\x04 \x01(\tR\tcreatedBy\"V\n" +
 	"\x10ClaimVGPURequest\x12\x1f\n" +
 	"\vinstance_id\x18\x01 \x01(\tR\n" +
 	"instanceId\x12!\n" +
-	"\fvgpu_profile\x18\x02 \x01(\tR\vvgpuProfile\"`\n" +
+	"\fvgpu_profile\x18\x02 \x01(\tR\vvgpuProfile\"}\n" +
 	"\x0fClaimVGPUResult\x12\x1b\n" +
 	"\tdevice_id\x18\x01 \x01(\tR\bdeviceId\x12\x16\n" +
 	"\x06parent\x18\x02 \x01(\tR\x06parent\x12\x18\n" +
-	"\aprofile\x18\x03 \x01(\tR\aprofile\"j\n" +
+	"\aprofile\x18\x03 \x01(\tR\aprofile\x12\x1b\n" +
+	"\tvgpu_uuid\x18\x04 \x01(\tR\bvgpuUuid\"W\n" +
+	"\x0fLaunchVMRequest\x12\x1f\n" +
+	"\vinstance_id\x18\x01 \x01(\tR\n" +
+	"instanceId\x12#\n" +
+	"\rexisting_only\x18\x02 \x01(\bR\fexistingOnly\"\xd2\x01\n" +
 	"\x0eLaunchVMResult\x12\x10\n" +
 	"\x03pid\x18\x01 \x01(\x05R\x03pid\x12\x1d\n" +
 	"\n" +
 	"qmp_socket\x18\x02 \x01(\tR\tqmpSocket\x12'\n" +
-	"\x0falready_running\x18\x03 \x01(\bR\x0ealreadyRunning\"W\n" +
+	"\x0falready_running\x18\x03 \x01(\bR\x0ealreadyRunning\x12\x1b\n" +
+	"\tvgpu_uuid\x18\x04 \x01(\tR\bvgpuUuid\x12$\n" +
+	"\x0evgpu_device_id\x18\x05 \x01(\tR\fvgpuDeviceId\x12#\n" +
+	"\rinstance_uuid\x18\x06 \x01(\tR\finstanceUuid\"\xb1\x01\n" +
+	"\x12BeginDeleteRequest\x12\x1f\n" +
+	"\vinstance_id\x18\x01 \x01(\tR\n" +
+	"instanceId\x12A\n" +
+	"\x1eonly_if_created_by_workflow_id\x18\x02 \x01(\tR\x19onlyIfCreatedByWorkflowId\x127\n" +
+	"\x19only_if_created_by_run_id\x18\x03 \x01(\tR\x14onlyIfCreatedByRunId\"\x93\x01\n" +
 	"\x11BeginDeleteResult\x12%\n" +
 	"\x0ealready_absent\x18\x01 \x01(\bR\ralreadyAbsent\x12\x1b\n" +
-	"\thas_claim\x18\x02 \x01(\bR\bhasClaim\"j\n" +
+	"\thas_claim\x18\x02 \x01(\bR\bhasClaim\x12\x1b\n" +
+	"\tnot_owned\x18\x03 \x01(\bR\bnotOwned\x12\x1d\n" +
+	"\n" +
+	"created_by\x18\x04 \x01(\tR\tcreatedBy\"j\n" +
 	"\rStopVMRequest\x12\x1f\n" +
 	"\vinstance_id\x18\x01 \x01(\tR\n" +
 	"instanceId\x128\n" +
@@ -576,17 +789,19 @@ func file_vmflow_v1_activity_proto_rawDescGZIP() []byte {
 	return file_vmflow_v1_activity_proto_rawDescData
 }
 
-var file_vmflow_v1_activity_proto_msgTypes = make([]protoimpl.MessageInfo, 9)
+var file_vmflow_v1_activity_proto_msgTypes = make([]protoimpl.MessageInfo, 11)
 var file_vmflow_v1_activity_proto_goTypes = []any{
 	(*InstanceRef)(nil),        // 0: vmflow.v1.InstanceRef
 	(*CreateRecordResult)(nil), // 1: vmflow.v1.CreateRecordResult
 	(*ClaimVGPURequest)(nil),   // 2: vmflow.v1.ClaimVGPURequest
 	(*ClaimVGPUResult)(nil),    // 3: vmflow.v1.ClaimVGPUResult
-	(*LaunchVMResult)(nil),     // 4: vmflow.v1.LaunchVMResult
-	(*BeginDeleteResult)(nil),  // 5: vmflow.v1.BeginDeleteResult
-	(*StopVMRequest)(nil),      // 6: vmflow.v1.StopVMRequest
-	(*StopVMResult)(nil),       // 7: vmflow.v1.StopVMResult
-	(*ReleaseVGPUResult)(nil),  // 8: vmflow.v1.ReleaseVGPUResult
+	(*LaunchVMRequest)(nil),    // 4: vmflow.v1.LaunchVMRequest
+	(*LaunchVMResult)(nil),     // 5: vmflow.v1.LaunchVMResult
+	(*BeginDeleteRequest)(nil), // 6: vmflow.v1.BeginDeleteRequest
+	(*BeginDeleteResult)(nil),  // 7: vmflow.v1.BeginDeleteResult
+	(*StopVMRequest)(nil),      // 8: vmflow.v1.StopVMRequest
+	(*StopVMResult)(nil),       // 9: vmflow.v1.StopVMResult
+	(*ReleaseVGPUResult)(nil),  // 10: vmflow.v1.ReleaseVGPUResult
 }
 var file_vmflow_v1_activity_proto_depIdxs = []int32{
 	0, // [0:0] is the sub-list for method output_type
@@ -607,7 +822,7 @@ func file_vmflow_v1_activity_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_vmflow_v1_activity_proto_rawDesc), len(file_vmflow_v1_activity_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   9,
+			NumMessages:   11,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

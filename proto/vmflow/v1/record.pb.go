@@ -577,11 +577,24 @@ type InstanceRecord struct {
 	// unknown (the exit was observed through a pidfd after an agent restart).
 	LastExitCode int32 `protobuf:"varint,15,opt,name=last_exit_code,json=lastExitCode,proto3" json:"last_exit_code,omitempty"`
 	// The last failure worth showing an operator.
-	LastError     string                 `protobuf:"bytes,16,opt,name=last_error,json=lastError,proto3" json:"last_error,omitempty"`
-	CreatedAt     *timestamppb.Timestamp `protobuf:"bytes,17,opt,name=created_at,json=createdAt,proto3" json:"created_at,omitempty"`
-	UpdatedAt     *timestamppb.Timestamp `protobuf:"bytes,18,opt,name=updated_at,json=updatedAt,proto3" json:"updated_at,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	LastError string                 `protobuf:"bytes,16,opt,name=last_error,json=lastError,proto3" json:"last_error,omitempty"`
+	CreatedAt *timestamppb.Timestamp `protobuf:"bytes,17,opt,name=created_at,json=createdAt,proto3" json:"created_at,omitempty"`
+	UpdatedAt *timestamppb.Timestamp `protobuf:"bytes,18,opt,name=updated_at,json=updatedAt,proto3" json:"updated_at,omitempty"`
+	// The spawn that created the record (invariant 9): its workflow id and run
+	// id, from the activity's own workflow info, never from its input. Only
+	// that spawn's failure path may delete the instance; a record without a
+	// creator (written before the field existed) belongs to no spawn.
+	CreatedByWorkflowId string `protobuf:"bytes,19,opt,name=created_by_workflow_id,json=createdByWorkflowId,proto3" json:"created_by_workflow_id,omitempty"`
+	CreatedByRunId      string `protobuf:"bytes,20,opt,name=created_by_run_id,json=createdByRunId,proto3" json:"created_by_run_id,omitempty"`
+	// Write-ahead launch marker (invariant 11): set before QEMU is forked and
+	// cleared in the same write that records its identity (process), or when
+	// the launch is undone. While it is set with no process, a QEMU of this
+	// instance may run that the record does not name yet: the next agent finds
+	// it by its command line (this instance's own QMP socket path) and adopts
+	// or kills it before anything else acts on the instance.
+	LaunchStartedAt *timestamppb.Timestamp `protobuf:"bytes,21,opt,name=launch_started_at,json=launchStartedAt,proto3" json:"launch_started_at,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *InstanceRecord) Reset() {
@@ -740,6 +753,27 @@ func (x *InstanceRecord) GetUpdatedAt() *timestamppb.Timestamp {
 	return nil
 }
 
+func (x *InstanceRecord) GetCreatedByWorkflowId() string {
+	if x != nil {
+		return x.CreatedByWorkflowId
+	}
+	return ""
+}
+
+func (x *InstanceRecord) GetCreatedByRunId() string {
+	if x != nil {
+		return x.CreatedByRunId
+	}
+	return ""
+}
+
+func (x *InstanceRecord) GetLaunchStartedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.LaunchStartedAt
+	}
+	return nil
+}
+
 var File_vmflow_v1_record_proto protoreflect.FileDescriptor
 
 const file_vmflow_v1_record_proto_rawDesc = "" +
@@ -777,7 +811,7 @@ const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\n" +
 	"claimed_at\x18\n" +
 	" \x01(\v2\x1a.google.protobuf.TimestampR\tclaimedAt\x12\x16\n" +
-	"\x06driver\x18\v \x01(\tR\x06driver\"\xe7\x06\n" +
+	"\x06driver\x18\v \x01(\tR\x06driver\"\x8f\b\n" +
 	"\x0eInstanceRecord\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12%\n" +
 	"\x04spec\x18\x02 \x01(\v2\x11.vmflow.v1.VMSpecR\x04spec\x12%\n" +
@@ -802,7 +836,10 @@ const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\n" +
 	"created_at\x18\x11 \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\x129\n" +
 	"\n" +
-	"updated_at\x18\x12 \x01(\v2\x1a.google.protobuf.TimestampR\tupdatedAt*\xc3\x01\n" +
+	"updated_at\x18\x12 \x01(\v2\x1a.google.protobuf.TimestampR\tupdatedAt\x123\n" +
+	"\x16created_by_workflow_id\x18\x13 \x01(\tR\x13createdByWorkflowId\x12)\n" +
+	"\x11created_by_run_id\x18\x14 \x01(\tR\x0ecreatedByRunId\x12F\n" +
+	"\x11launch_started_at\x18\x15 \x01(\v2\x1a.google.protobuf.TimestampR\x0flaunchStartedAt*\xc3\x01\n" +
 	"\rInstanceState\x12\x1e\n" +
 	"\x1aINSTANCE_STATE_UNSPECIFIED\x10\x00\x12\x1b\n" +
 	"\x17INSTANCE_STATE_CREATING\x10\x01\x12\x1a\n" +
@@ -861,11 +898,12 @@ var file_vmflow_v1_record_proto_depIdxs = []int32{
 	7,  // 10: vmflow.v1.InstanceRecord.last_exit:type_name -> google.protobuf.Timestamp
 	7,  // 11: vmflow.v1.InstanceRecord.created_at:type_name -> google.protobuf.Timestamp
 	7,  // 12: vmflow.v1.InstanceRecord.updated_at:type_name -> google.protobuf.Timestamp
-	13, // [13:13] is the sub-list for method output_type
-	13, // [13:13] is the sub-list for method input_type
-	13, // [13:13] is the sub-list for extension type_name
-	13, // [13:13] is the sub-list for extension extendee
-	0,  // [0:13] is the sub-list for field type_name
+	7,  // 13: vmflow.v1.InstanceRecord.launch_started_at:type_name -> google.protobuf.Timestamp
+	14, // [14:14] is the sub-list for method output_type
+	14, // [14:14] is the sub-list for method input_type
+	14, // [14:14] is the sub-list for extension type_name
+	14, // [14:14] is the sub-list for extension extendee
+	0,  // [0:14] is the sub-list for field type_name
 }
 
 func init() { file_vmflow_v1_record_proto_init() }

@@ -283,8 +283,16 @@ type DeleteRequest struct {
 	CarriedAttempts uint32 `protobuf:"varint,4,opt,name=carried_attempts,json=carriedAttempts,proto3" json:"carried_attempts,omitempty"`
 	// RFC 3339; the first failure of the delete. Set by continue-as-new.
 	CarriedFirstFailureTime string `protobuf:"bytes,5,opt,name=carried_first_failure_time,json=carriedFirstFailureTime,proto3" json:"carried_first_failure_time,omitempty"`
-	unknownFields           protoimpl.UnknownFields
-	sizeCache               protoimpl.SizeCache
+	// A stage that has not advanced for this long shows needs_attention with
+	// its last error; 0 means the worker's default, recorded once when the
+	// delete starts and carried across continue-as-new.
+	StuckAfterSeconds uint32 `protobuf:"varint,6,opt,name=stuck_after_seconds,json=stuckAfterSeconds,proto3" json:"stuck_after_seconds,omitempty"`
+	// Set by a failed spawn's clean-up: delete only a record that spawn
+	// created (invariant 9). Leave unset.
+	OnlyIfCreatedByWorkflowId string `protobuf:"bytes,7,opt,name=only_if_created_by_workflow_id,json=onlyIfCreatedByWorkflowId,proto3" json:"only_if_created_by_workflow_id,omitempty"`
+	OnlyIfCreatedByRunId      string `protobuf:"bytes,8,opt,name=only_if_created_by_run_id,json=onlyIfCreatedByRunId,proto3" json:"only_if_created_by_run_id,omitempty"`
+	unknownFields             protoimpl.UnknownFields
+	sizeCache                 protoimpl.SizeCache
 }
 
 func (x *DeleteRequest) Reset() {
@@ -352,6 +360,27 @@ func (x *DeleteRequest) GetCarriedFirstFailureTime() string {
 	return ""
 }
 
+func (x *DeleteRequest) GetStuckAfterSeconds() uint32 {
+	if x != nil {
+		return x.StuckAfterSeconds
+	}
+	return 0
+}
+
+func (x *DeleteRequest) GetOnlyIfCreatedByWorkflowId() string {
+	if x != nil {
+		return x.OnlyIfCreatedByWorkflowId
+	}
+	return ""
+}
+
+func (x *DeleteRequest) GetOnlyIfCreatedByRunId() string {
+	if x != nil {
+		return x.OnlyIfCreatedByRunId
+	}
+	return ""
+}
+
 // DeleteResult is DeleteInstance's result.
 type DeleteResult struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -361,6 +390,10 @@ type DeleteResult struct {
 	// for good; whatever was on it was not cleaned up.
 	Abandoned     bool   `protobuf:"varint,2,opt,name=abandoned,proto3" json:"abandoned,omitempty"`
 	AbandonReason string `protobuf:"bytes,3,opt,name=abandon_reason,json=abandonReason,proto3" json:"abandon_reason,omitempty"`
+	// A spawn's clean-up found a record another spawn created and left it
+	// alone; created_by names that spawn.
+	NotOwned      bool   `protobuf:"varint,4,opt,name=not_owned,json=notOwned,proto3" json:"not_owned,omitempty"`
+	CreatedBy     string `protobuf:"bytes,5,opt,name=created_by,json=createdBy,proto3" json:"created_by,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -412,6 +445,20 @@ func (x *DeleteResult) GetAbandoned() bool {
 func (x *DeleteResult) GetAbandonReason() string {
 	if x != nil {
 		return x.AbandonReason
+	}
+	return ""
+}
+
+func (x *DeleteResult) GetNotOwned() bool {
+	if x != nil {
+		return x.NotOwned
+	}
+	return false
+}
+
+func (x *DeleteResult) GetCreatedBy() string {
+	if x != nil {
+		return x.CreatedBy
 	}
 	return ""
 }
@@ -475,8 +522,12 @@ type ReconcileVGPUResult struct {
 	Failed uint32 `protobuf:"varint,4,opt,name=failed,proto3" json:"failed,omitempty"`
 	// Instance ids whose DeleteInstance was sent retry.
 	RetriedDeletes []string `protobuf:"bytes,5,rep,name=retried_deletes,json=retriedDeletes,proto3" json:"retried_deletes,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// Records that could not be read this round: while there are any, no
+	// orphan device is removed (an unreadable record may claim it), and the
+	// round shows needs_attention.
+	UnreadableRecords uint32 `protobuf:"varint,6,opt,name=unreadable_records,json=unreadableRecords,proto3" json:"unreadable_records,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
 }
 
 func (x *ReconcileVGPUResult) Reset() {
@@ -542,6 +593,13 @@ func (x *ReconcileVGPUResult) GetRetriedDeletes() []string {
 		return x.RetriedDeletes
 	}
 	return nil
+}
+
+func (x *ReconcileVGPUResult) GetUnreadableRecords() uint32 {
+	if x != nil {
+		return x.UnreadableRecords
+	}
+	return 0
 }
 
 // WorkflowStatus is the answer of the status query on every workflow.
@@ -753,26 +811,33 @@ const file_vmflow_v1_workflow_proto_rawDesc = "" +
 	"qmp_socket\x18\x02 \x01(\tR\tqmpSocket\x12\x1b\n" +
 	"\tvgpu_uuid\x18\x03 \x01(\tR\bvgpuUuid\x12$\n" +
 	"\x0evgpu_device_id\x18\x04 \x01(\tR\fvgpuDeviceId\x12#\n" +
-	"\rinstance_uuid\x18\x05 \x01(\tR\finstanceUuid\"\xeb\x01\n" +
+	"\rinstance_uuid\x18\x05 \x01(\tR\finstanceUuid\"\x97\x03\n" +
 	"\rDeleteRequest\x12\x1f\n" +
 	"\vinstance_id\x18\x01 \x01(\tR\n" +
 	"instanceId\x12\x17\n" +
 	"\ahost_id\x18\x02 \x01(\tR\x06hostId\x128\n" +
 	"\x18graceful_timeout_seconds\x18\x03 \x01(\rR\x16gracefulTimeoutSeconds\x12)\n" +
 	"\x10carried_attempts\x18\x04 \x01(\rR\x0fcarriedAttempts\x12;\n" +
-	"\x1acarried_first_failure_time\x18\x05 \x01(\tR\x17carriedFirstFailureTime\"z\n" +
+	"\x1acarried_first_failure_time\x18\x05 \x01(\tR\x17carriedFirstFailureTime\x12.\n" +
+	"\x13stuck_after_seconds\x18\x06 \x01(\rR\x11stuckAfterSeconds\x12A\n" +
+	"\x1eonly_if_created_by_workflow_id\x18\a \x01(\tR\x19onlyIfCreatedByWorkflowId\x127\n" +
+	"\x19only_if_created_by_run_id\x18\b \x01(\tR\x14onlyIfCreatedByRunId\"\xb6\x01\n" +
 	"\fDeleteResult\x12%\n" +
 	"\x0ealready_absent\x18\x01 \x01(\bR\ralreadyAbsent\x12\x1c\n" +
 	"\tabandoned\x18\x02 \x01(\bR\tabandoned\x12%\n" +
-	"\x0eabandon_reason\x18\x03 \x01(\tR\rabandonReason\"/\n" +
+	"\x0eabandon_reason\x18\x03 \x01(\tR\rabandonReason\x12\x1b\n" +
+	"\tnot_owned\x18\x04 \x01(\bR\bnotOwned\x12\x1d\n" +
+	"\n" +
+	"created_by\x18\x05 \x01(\tR\tcreatedBy\"/\n" +
 	"\x14ReconcileVGPURequest\x12\x17\n" +
-	"\ahost_id\x18\x01 \x01(\tR\x06hostId\"\xc2\x01\n" +
+	"\ahost_id\x18\x01 \x01(\tR\x06hostId\"\xf1\x01\n" +
 	"\x13ReconcileVGPUResult\x12'\n" +
 	"\x0fclaims_released\x18\x01 \x01(\rR\x0eclaimsReleased\x12'\n" +
 	"\x0forphans_removed\x18\x02 \x01(\rR\x0eorphansRemoved\x12\x18\n" +
 	"\askipped\x18\x03 \x01(\rR\askipped\x12\x16\n" +
 	"\x06failed\x18\x04 \x01(\rR\x06failed\x12'\n" +
-	"\x0fretried_deletes\x18\x05 \x03(\tR\x0eretriedDeletes\"\xdd\x01\n" +
+	"\x0fretried_deletes\x18\x05 \x03(\tR\x0eretriedDeletes\x12-\n" +
+	"\x12unreadable_records\x18\x06 \x01(\rR\x11unreadableRecords\"\xdd\x01\n" +
 	"\x0eWorkflowStatus\x12\x14\n" +
 	"\x05stage\x18\x01 \x01(\tR\x05stage\x12\x18\n" +
 	"\aattempt\x18\x02 \x01(\rR\aattempt\x12\x1d\n" +
