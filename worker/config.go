@@ -51,6 +51,7 @@ flags:
 	fs.DurationVar(&c.Workflows.UnreachableBackoff, "unreachable-backoff", d.UnreachableBackoff, "first wait after a host was found unreachable; doubles")
 	fs.DurationVar(&c.Workflows.UnreachableBackoffMax, "unreachable-backoff-max", d.UnreachableBackoffMax, "longest wait between tries of an unreachable host")
 	fs.DurationVar(&c.Workflows.SpawnHostWait, "spawn-host-wait", d.SpawnHostWait, "how long a spawn waits for an unreachable host before it fails")
+	fs.DurationVar(&c.Workflows.ActivityTimeoutCap, "activity-timeout-cap", 0, "cap every host activity's StartToClose and heartbeat timeout (tests that kill the agent; 0: off)")
 	if err := fs.Parse(args); err != nil {
 		return c, err
 	}

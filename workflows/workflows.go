@@ -29,6 +29,11 @@ type Config struct {
 	// defaults; the stop activity's timeout is sized from them.
 	GracefulTimeout time.Duration
 	GroupExitCap    time.Duration
+	// ActivityTimeoutCap, when set, caps every host activity's
+	// StartToClose (the heartbeat timeout is capped to it too). A killed
+	// agent is noticed only when an attempt times out, so the crash tests
+	// run with a few seconds here; production leaves it 0.
+	ActivityTimeoutCap time.Duration
 }
 
 // DefaultConfig is the production configuration.
@@ -95,6 +100,20 @@ var (
 )
 
 func (w *Workflows) calls() map[string]hostCall {
+	calls := w.uncappedCalls()
+	if limit := w.cfg.ActivityTimeoutCap; limit > 0 {
+		for name, c := range calls {
+			c.timeout = min(c.timeout, limit)
+			if c.heartbeat > 0 {
+				c.heartbeat = min(c.heartbeat, limit)
+			}
+			calls[name] = c
+		}
+	}
+	return calls
+}
+
+func (w *Workflows) uncappedCalls() map[string]hostCall {
 	stopTimeout := w.cfg.GracefulTimeout + w.cfg.GroupExitCap + 30*time.Second
 	return map[string]hostCall{
 		ActivityValidateSpawn: {name: ActivityValidateSpawn, summary: "validate", timeout: 30 * time.Second, retry: retryFew},
