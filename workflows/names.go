@@ -74,6 +74,16 @@ const (
 	ErrTypeInstanceDeleting = "InstanceDeleting" // spawn of an instance being deleted
 	ErrTypeBusy             = "Busy"             // another attempt works on the instance (retryable)
 	ErrTypeHostUnreachable  = "HostUnreachable"  // the spawn gave up waiting for its host
+	// A spawn found an instance another spawn created that is not running
+	// as asked (exited, paused, hung, a launch in progress, unreadable): it
+	// reports what is there and touches nothing (invariant 9).
+	ErrTypeInstanceExists = "InstanceExists"
+	// The instance's record cannot be read (truncated, hand-edited, from a
+	// newer agent): nothing acts on it until an operator repairs it.
+	ErrTypeRecordUnreadable = "RecordUnreadable"
+	// The instance holds a vGPU claim this agent cannot serve (it runs
+	// with --vgpu-driver=none, or the claim's driver is not the host's).
+	ErrTypeVGPUUnavailable = "VGPUUnavailable"
 )
 
 // Search attributes that make stuck work findable in the Web UI.
@@ -86,21 +96,24 @@ var (
 
 // Stages (the VmStage values and the status query's stage).
 const (
-	StageValidating      = "validating"
-	StageCreatingRecord  = "creating-record"
-	StageClaimingVGPU    = "claiming-vgpu"
-	StageLaunching       = "launching"
-	StageRunning         = "running"
-	StageSpawnFailed     = "spawn-failed"
-	StageMarkingStopped  = "marking-stopped"
-	StageStopping        = "stopping"
-	StageWaitingExit     = "waiting-exit"
-	StageReleasingVGPU   = "releasing-vgpu"
-	StageReleaseFailed   = "release-failed"
-	StageTearingDown     = "tearing-down"
-	StageDeleted         = "deleted"
-	StageAlreadyAbsent   = "already-absent"
-	StageAbandoned       = "abandoned"
+	StageValidating     = "validating"
+	StageCreatingRecord = "creating-record"
+	StageClaimingVGPU   = "claiming-vgpu"
+	StageLaunching      = "launching"
+	StageRunning        = "running"
+	StageSpawnFailed    = "spawn-failed"
+	StageMarkingStopped = "marking-stopped"
+	StageStopping       = "stopping"
+	StageWaitingExit    = "waiting-exit"
+	StageReleasingVGPU  = "releasing-vgpu"
+	StageReleaseFailed  = "release-failed"
+	StageTearingDown    = "tearing-down"
+	StageDeleted        = "deleted"
+	StageAlreadyAbsent  = "already-absent"
+	StageAbandoned      = "abandoned"
+	// A failed spawn's clean-up found a record another spawn created and
+	// left it alone (invariant 9).
+	StageNotOwned        = "not-owned"
 	StageHostUnreachable = "host-unreachable"
 	StageReconciling     = "reconciling"
 	StageReconciled      = "reconciled"
