@@ -21,6 +21,7 @@ import (
 	"vmflow/hostagent/spec"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/supervise"
+	"vmflow/hostagent/vgpu"
 	"vmflow/hostagent/vmm"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 	"vmflow/workflows"
@@ -157,15 +158,20 @@ func (a *Activities) ValidateSpawn(ctx context.Context, req *vmflowv1.SpawnReque
 	return nil
 }
 
-// CreateRecord creates the instance record (Creating). The same spec again
-// returns the existing record; another spec, or a record being deleted, is
-// refused.
+// CreateRecord creates the instance record (Creating), naming the spawn
+// that runs this activity as its creator: the workflow id and run id come
+// from the activity's own info, never from its input, so no caller can claim
+// another spawn's record. The same spec again returns the existing record
+// and says whether this spawn created it (a retried attempt) or another one
+// did (invariant 9: then the spawn's failure path must leave it alone);
+// another spec, or a record being deleted, is refused.
 func (a *Activities) CreateRecord(ctx context.Context, req *vmflowv1.SpawnRequest) (*vmflowv1.CreateRecordResult, error) {
 	ctx, done, log, err := a.begin(ctx, req.GetInstanceId())
 	if err != nil {
 		return nil, err
 	}
 	defer done()
+	wf := activity.GetInfo(ctx).WorkflowExecution
 	_, getErr := a.Store.Get(req.GetInstanceId())
 	existed := getErr == nil
 	rec, err := a.Store.Create(ctx, &vmflowv1.InstanceRecord{
@@ -174,12 +180,23 @@ func (a *Activities) CreateRecord(ctx context.Context, req *vmflowv1.SpawnReques
 		RestartPolicy:             req.GetRestartPolicy(),
 		RestartMaxAttempts:        req.GetRestartMaxAttempts(),
 		RestartStableAfterSeconds: req.GetRestartStableAfterSeconds(),
+		CreatedByWorkflowId:       wf.ID,
+		CreatedByRunId:            wf.RunID,
 	})
 	if err != nil {
 		return nil, classify(fmt.Errorf("create record: %w", err))
 	}
-	log.Info("record created", zap.Bool("already_existed", existed))
-	return &vmflowv1.CreateRecordResult{InstanceUuid: rec.GetSpec().GetUuid(), AlreadyExisted: existed}, nil
+	own := store.CreatedBy(rec, wf.ID, wf.RunID)
+	creator := ""
+	if rec.GetCreatedByWorkflowId() != "" {
+		creator = store.CreatorOf(rec)
+	}
+	log.Info("record created", zap.Bool("already_existed", existed), zap.Bool("created_by_this_spawn", own),
+		zap.String("created_by", store.CreatorOf(rec)))
+	return &vmflowv1.CreateRecordResult{
+		InstanceUuid: rec.GetSpec().GetUuid(), AlreadyExisted: existed,
+		CreatedByThisSpawn: own, CreatedBy: creator,
+	}, nil
 }
 
 // ClaimVGPU claims a vGPU of the requested profile for the instance.
@@ -197,12 +214,25 @@ func (a *Activities) ClaimVGPU(ctx context.Context, req *vmflowv1.ClaimVGPUReque
 		return nil, classify(fmt.Errorf("claim vGPU: %w", err))
 	}
 	log.Info("vGPU claimed", zap.String("device_id", claimDevice(claim)), zap.String("profile", claim.GetProfile()))
-	return &vmflowv1.ClaimVGPUResult{DeviceId: claimDevice(claim), Parent: claim.GetParent(), Profile: claim.GetProfile()}, nil
+	return &vmflowv1.ClaimVGPUResult{
+		DeviceId: claimDevice(claim), Parent: claim.GetParent(), Profile: claim.GetProfile(), VgpuUuid: mdevUUID(claim),
+	}, nil
 }
 
+// claimDevice is the device QEMU attaches: the VF's address for vendor
+// VFIO, the mdev UUID for mdev.
 func claimDevice(c *vmflowv1.GpuClaim) string {
 	if c.GetDeviceId() != "" {
 		return c.GetDeviceId()
+	}
+	return c.GetUuid()
+}
+
+// mdevUUID is the claim's mdev UUID; empty for a vendor VF, whose UUID
+// (QEMU's -uuid) sysfs never holds.
+func mdevUUID(c *vmflowv1.GpuClaim) string {
+	if c.GetDriver() == string(vgpu.KindVendor) {
+		return ""
 	}
 	return c.GetUuid()
 }
@@ -251,27 +281,46 @@ func (a *Activities) SpecFor(rec *vmflowv1.InstanceRecord) (vmm.VMSpec, error) {
 // BeginDelete writes the manual-stop marker, then moves the record to
 // Deleting: from here on neither the restart policy nor a spawn can bring
 // the VM back (invariant 6). A missing record is "already absent".
-func (a *Activities) BeginDelete(ctx context.Context, ref *vmflowv1.BeginDeleteRequest) (*vmflowv1.BeginDeleteResult, error) {
-	ctx, done, log, err := a.begin(ctx, ref.GetInstanceId())
+//
+// A failed spawn's clean-up names its own workflow execution: then the
+// record is touched only if that spawn created it (invariant 9). A record
+// created by anyone else, or one that cannot be read (nobody can prove it
+// is ours), is reported not_owned with nothing written. The check and the
+// writes run under one instance lock, so no create can slip between them.
+func (a *Activities) BeginDelete(ctx context.Context, req *vmflowv1.BeginDeleteRequest) (*vmflowv1.BeginDeleteResult, error) {
+	ctx, done, log, err := a.begin(ctx, req.GetInstanceId())
 	if err != nil {
 		return nil, err
 	}
 	defer done()
-	id := ref.GetInstanceId()
-	if _, err := a.Store.Get(id); errors.Is(err, store.ErrNotFound) {
+	l, err := a.Store.Lock(ctx, req.GetInstanceId())
+	if err != nil {
+		return nil, classify(fmt.Errorf("begin delete: %w", err))
+	}
+	defer func() { _ = l.Unlock() }()
+	rec, err := l.Get()
+	if errors.Is(err, store.ErrNotFound) {
 		log.Info("nothing to delete")
 		return &vmflowv1.BeginDeleteResult{AlreadyAbsent: true}, nil
 	}
-	if err := a.Store.MarkManualStop(ctx, id); err != nil {
-		if errors.Is(err, store.ErrNotFound) {
-			return &vmflowv1.BeginDeleteResult{AlreadyAbsent: true}, nil
+	if wf := req.GetOnlyIfCreatedByWorkflowId(); wf != "" {
+		if err != nil || !store.CreatedBy(rec, wf, req.GetOnlyIfCreatedByRunId()) {
+			owner := "unknown (the record cannot be read)"
+			if err == nil {
+				owner = store.CreatorOf(rec)
+			}
+			log.Info("not deleted: another spawn created it", zap.String("created_by", owner),
+				zap.String("cleanup_for", wf+" (run "+req.GetOnlyIfCreatedByRunId()+")"), zap.NamedError("record_error", err))
+			return &vmflowv1.BeginDeleteResult{NotOwned: true, CreatedBy: owner}, nil
 		}
+	}
+	// The marker goes first even for a record that cannot be read: the
+	// restart policy must never bring the VM back once a delete was asked.
+	if err := l.MarkManualStop(); err != nil {
 		return nil, classify(fmt.Errorf("write manual-stop marker: %w", err))
 	}
-	rec, err := a.Store.Update(ctx, id, func(r *vmflowv1.InstanceRecord) error {
-		switch r.GetState() {
-		case vmflowv1.InstanceState_INSTANCE_STATE_DELETING, vmflowv1.InstanceState_INSTANCE_STATE_RELEASE_FAILED:
-		default:
+	rec, err = l.Update(func(r *vmflowv1.InstanceRecord) error {
+		if !store.IsDeleting(r) {
 			r.State = vmflowv1.InstanceState_INSTANCE_STATE_DELETING
 		}
 		return nil
@@ -358,6 +407,22 @@ func (a *Activities) ReleaseVGPU(ctx context.Context, ref *vmflowv1.InstanceRef)
 	}
 	defer done()
 	if a.GPUs == nil {
+		// Invariant 12 without losing invariant 1: an agent started with
+		// --vgpu-driver=none cannot release a claim, and saying "released"
+		// would leave a delete retrying a record the store refuses to
+		// remove. Say why instead; the delete parks needing attention.
+		rec, err := a.Store.Get(ref.GetInstanceId())
+		if errors.Is(err, store.ErrNotFound) {
+			return &vmflowv1.ReleaseVGPUResult{}, nil
+		}
+		if err != nil {
+			return nil, classify(fmt.Errorf("release vGPU: %w", err))
+		}
+		if store.ClaimHeld(rec) {
+			c := rec.GetGpuClaim()
+			return nil, classify(fmt.Errorf("release vGPU of %s: %w: it holds a %q claim on %s, and this agent runs without a vGPU driver (--vgpu-driver=none or no vGPU sysfs): restart it with the host's driver, then retry",
+				ref.GetInstanceId(), errVGPUUnavailable, c.GetProfile(), claimDevice(c)))
+		}
 		return &vmflowv1.ReleaseVGPUResult{}, nil
 	}
 	stop := heartbeat(ctx, heartbeatEvery, func() string { return "releasing vGPU of " + ref.GetInstanceId() })
@@ -413,6 +478,10 @@ func (a *Activities) TearDown(ctx context.Context, ref *vmflowv1.InstanceRef) er
 }
 
 var errStillRunning = errors.New("VM still running")
+
+// errVGPUUnavailable: the instance holds a vGPU claim this agent has no
+// driver to serve.
+var errVGPUUnavailable = errors.New("vGPU claim cannot be served by this agent")
 
 // DeleteRecord removes the instance record. The store refuses while it holds
 // a GPU claim (invariant 1); a record already gone is success.

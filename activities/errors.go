@@ -56,6 +56,12 @@ func classify(err error) error {
 		return nonRetryable(workflows.ErrTypeInstanceDeleting)
 	case errors.Is(err, proc.ErrIncompleteIdentity):
 		return nonRetryable(workflows.ErrTypeIdentityMismatch)
+	case errors.Is(err, store.ErrInvalidRecord):
+		// A record that cannot be read stays unreadable until an operator
+		// repairs it; retrying forever would only hide it.
+		return nonRetryable(workflows.ErrTypeRecordUnreadable)
+	case errors.Is(err, errVGPUUnavailable):
+		return nonRetryable(workflows.ErrTypeVGPUUnavailable)
 	case errors.Is(err, store.ErrBusy), errors.Is(err, supervise.ErrBusy), errors.Is(err, errBusy):
 		return retryable(workflows.ErrTypeBusy)
 	case errors.Is(err, vmm.ErrStillAlive):

@@ -120,6 +120,8 @@ func (l *Locked) Create(want *vmflowv1.InstanceRecord) (*vmflowv1.InstanceRecord
 		RestartPolicy:             want.GetRestartPolicy(),
 		RestartMaxAttempts:        want.GetRestartMaxAttempts(),
 		RestartStableAfterSeconds: want.GetRestartStableAfterSeconds(),
+		CreatedByWorkflowId:       want.GetCreatedByWorkflowId(),
+		CreatedByRunId:            want.GetCreatedByRunId(),
 		State:                     creating,
 		CreatedAt:                 now,
 		UpdatedAt:                 now,

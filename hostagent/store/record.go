@@ -87,6 +87,24 @@ func ClaimHeld(rec *vmflowv1.InstanceRecord) bool {
 	return c != nil && c.GetReleasedAt() == nil
 }
 
+// CreatedBy reports whether rec was created by the spawn workflow execution
+// workflowID / runID (invariant 9: a spawn's failure path destroys only what
+// it created). A record without a creator (written before creators were
+// recorded) was created by no spawn, and an empty workflowID matches nothing.
+func CreatedBy(rec *vmflowv1.InstanceRecord, workflowID, runID string) bool {
+	return workflowID != "" && runID != "" &&
+		rec.GetCreatedByWorkflowId() == workflowID && rec.GetCreatedByRunId() == runID
+}
+
+// CreatorOf describes rec's creator for messages: "<workflow id> (run <run
+// id>)", or "an unknown spawn (the record predates creators)".
+func CreatorOf(rec *vmflowv1.InstanceRecord) string {
+	if rec.GetCreatedByWorkflowId() == "" {
+		return "an unknown spawn (the record predates creators)"
+	}
+	return rec.GetCreatedByWorkflowId() + " (run " + rec.GetCreatedByRunId() + ")"
+}
+
 // desiredDiff names the fields in which two records' desired configuration
 // (spec and restart settings) differ; empty means the same create request.
 func desiredDiff(have, want *vmflowv1.InstanceRecord) []string {

@@ -62,3 +62,10 @@ func StateName(s vmflowv1.InstanceState) string {
 func isDeleting(s vmflowv1.InstanceState) bool {
 	return s == deleting || s == releaseFailed
 }
+
+// IsDeleting reports whether a delete has begun for rec (Deleting or
+// ReleaseFailed): nothing may launch, restart or claim for it any more. The
+// one definition every package asks, so the rule cannot drift.
+func IsDeleting(rec *vmflowv1.InstanceRecord) bool {
+	return isDeleting(rec.GetState())
+}

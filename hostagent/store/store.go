@@ -177,11 +177,12 @@ func (s *Store) withLock(ctx context.Context, id string, fn func(*Locked) error)
 }
 
 // Create records a new instance in state Creating, under its lock. Only the
-// desired configuration is taken from want: id, spec and the restart
-// settings. If a record already exists with the same configuration, Create
-// returns it (a retried create is not an error); with a different one it
-// fails with ErrConflict naming the differences; while the instance is being
-// deleted it fails with ErrDeleting.
+// desired configuration and the creator are taken from want: id, spec, the
+// restart settings and created_by_*. If a record already exists with the
+// same configuration, Create returns it unchanged, creator included (a
+// retried create is not an error; CreatedBy tells whose it is); with a
+// different one it fails with ErrConflict naming the differences; while the
+// instance is being deleted it fails with ErrDeleting.
 func (s *Store) Create(ctx context.Context, want *vmflowv1.InstanceRecord) (rec *vmflowv1.InstanceRecord, err error) {
 	err = s.withLock(ctx, want.GetId(), func(l *Locked) error {
 		rec, err = l.Create(want)

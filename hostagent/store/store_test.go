@@ -694,3 +694,33 @@ func TestCreateRaceOneWinner(t *testing.T) {
 	}
 	assert.Equal(t, 1, wins)
 }
+
+// TestCreatorRecorded: the record names the spawn that created it, a second
+// create by another spawn (same spec) gets the record back with its first
+// creator, and only the creator's own workflow id and run id match
+// (invariant 9).
+func TestCreatorRecorded(t *testing.T) {
+	s := newStore(t)
+	ctx := context.Background()
+	w := wantRecord("vm1")
+	w.CreatedByWorkflowId, w.CreatedByRunId = "spawn/vm1", "run-a"
+	rec, err := s.Create(ctx, w)
+	require.NoError(t, err)
+	assert.True(t, CreatedBy(rec, "spawn/vm1", "run-a"))
+
+	other := wantRecord("vm1")
+	other.CreatedByWorkflowId, other.CreatedByRunId = "spawn/vm1", "run-b"
+	again, err := s.Create(ctx, other)
+	require.NoError(t, err)
+	assert.Equal(t, "run-a", again.GetCreatedByRunId(), "a second spawn does not take the record over")
+	assert.False(t, CreatedBy(again, "spawn/vm1", "run-b"))
+	assert.True(t, CreatedBy(again, "spawn/vm1", "run-a"), "a retried create of the same spawn still counts as its own")
+	assert.Equal(t, "spawn/vm1 (run run-a)", CreatorOf(again))
+
+	// A record from before creators existed belongs to no spawn, and an
+	// empty creator in the question matches nothing either.
+	legacy := mustCreate(t, s, "vm2")
+	assert.False(t, CreatedBy(legacy, "", ""))
+	assert.False(t, CreatedBy(legacy, "spawn/vm2", "run-a"))
+	assert.Contains(t, CreatorOf(legacy), "unknown spawn")
+}
