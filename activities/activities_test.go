@@ -131,8 +131,8 @@ func TestSpawnAndDeleteThroughActivities(t *testing.T) {
 	assert.Equal(t, claim.GetDeviceId(), again.GetDeviceId())
 
 	var launched vmflowv1.LaunchVMResult
-	require.NoError(t, h.run(t, a.LaunchVM, ref, &launched))
-	require.NoError(t, h.run(t, a.LaunchVM, ref, &launched))
+	require.NoError(t, h.run(t, a.LaunchVM, &vmflowv1.LaunchVMRequest{InstanceId: "vm1"}, &launched))
+	require.NoError(t, h.run(t, a.LaunchVM, &vmflowv1.LaunchVMRequest{InstanceId: "vm1"}, &launched))
 	assert.True(t, launched.GetAlreadyRunning(), "a retried launch returns the running VM")
 	rec, err := h.st.Get("vm1")
 	require.NoError(t, err)
@@ -141,12 +141,12 @@ func TestSpawnAndDeleteThroughActivities(t *testing.T) {
 
 	// Delete.
 	var begun vmflowv1.BeginDeleteResult
-	require.NoError(t, h.run(t, a.BeginDelete, ref, &begun))
+	require.NoError(t, h.run(t, a.BeginDelete, &vmflowv1.BeginDeleteRequest{InstanceId: "vm1"}, &begun))
 	assert.True(t, begun.GetHasClaim())
 	marked, err := h.st.ManualStop("vm1")
 	require.NoError(t, err)
 	assert.True(t, marked, "the marker comes before any stop action")
-	require.NoError(t, h.run(t, a.BeginDelete, ref, &begun))
+	require.NoError(t, h.run(t, a.BeginDelete, &vmflowv1.BeginDeleteRequest{InstanceId: "vm1"}, &begun))
 
 	var stopped vmflowv1.StopVMResult
 	require.NoError(t, h.run(t, a.StopVM, &vmflowv1.StopVMRequest{InstanceId: "vm1", GracefulTimeoutSeconds: 1}, &stopped))
@@ -183,7 +183,7 @@ func TestSpawnAndDeleteThroughActivities(t *testing.T) {
 	require.NoError(t, h.run(t, a.DeleteRecord, ref, nil))
 	_, err = h.st.Get("vm1")
 	assert.ErrorIs(t, err, store.ErrNotFound)
-	require.NoError(t, h.run(t, a.BeginDelete, ref, &begun))
+	require.NoError(t, h.run(t, a.BeginDelete, &vmflowv1.BeginDeleteRequest{InstanceId: "vm1"}, &begun))
 	assert.True(t, begun.GetAlreadyAbsent())
 }
 
@@ -215,7 +215,7 @@ func TestConflictingCreateAndSpawnWhileDeleting(t *testing.T) {
 	assert.Equal(t, workflows.ErrTypeConflict, ae.Type())
 	assert.True(t, ae.NonRetryable())
 
-	require.NoError(t, h.run(t, h.acts.BeginDelete, &vmflowv1.InstanceRef{InstanceId: "vm1"}, nil))
+	require.NoError(t, h.run(t, h.acts.BeginDelete, &vmflowv1.BeginDeleteRequest{InstanceId: "vm1"}, nil))
 	err = h.run(t, h.acts.CreateRecord, req, nil)
 	assert.Equal(t, workflows.ErrTypeInstanceDeleting, appError(t, err).Type())
 }
