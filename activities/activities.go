@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"go.temporal.io/sdk/activity"
+	"go.temporal.io/sdk/temporal"
 	"go.uber.org/zap"
 
 	"vmflow/hostagent/metrics"
@@ -240,13 +241,29 @@ func mdevUUID(c *vmflowv1.GpuClaim) string {
 // LaunchVM starts the instance's QEMU (with its vGPU, when claimed) and
 // returns once QMP says running. A VM already running for the instance is
 // returned as it is.
-func (a *Activities) LaunchVM(ctx context.Context, ref *vmflowv1.LaunchVMRequest) (*vmflowv1.LaunchVMResult, error) {
-	ctx, done, log, err := a.begin(ctx, ref.GetInstanceId())
+//
+// With existing_only it starts nothing: a spawn that found another spawn's
+// record asks only whether that instance runs as asked, and any other
+// answer is a non-retryable InstanceExists saying what is there
+// (invariant 9: nothing touched).
+func (a *Activities) LaunchVM(ctx context.Context, req *vmflowv1.LaunchVMRequest) (*vmflowv1.LaunchVMResult, error) {
+	ctx, done, log, err := a.begin(ctx, req.GetInstanceId())
 	if err != nil {
 		return nil, err
 	}
 	defer done()
-	rec, err := a.Store.Get(ref.GetInstanceId())
+	id := req.GetInstanceId()
+	if req.GetExistingOnly() {
+		res, err := a.existing(ctx, id)
+		if err != nil {
+			log.Info("instance exists and is not running as asked; left alone", zap.Error(err))
+			return nil, temporal.NewApplicationErrorWithOptions(err.Error(), workflows.ErrTypeInstanceExists,
+				temporal.ApplicationErrorOptions{NonRetryable: true})
+		}
+		log.Info("instance exists and runs as asked", zap.Int32("pid", res.GetPid()))
+		return res, nil
+	}
+	rec, err := a.Store.Get(id)
 	if err != nil {
 		return nil, classify(fmt.Errorf("launch: %w", err))
 	}
@@ -255,7 +272,7 @@ func (a *Activities) LaunchVM(ctx context.Context, ref *vmflowv1.LaunchVMRequest
 		return nil, classify(err)
 	}
 	stop := heartbeat(ctx, heartbeatEvery, func() string { return "launching QEMU, waiting for QMP running" })
-	res, err := a.Supervisor.Launch(ctx, ref.GetInstanceId(), vmSpec)
+	res, err := a.Supervisor.Launch(ctx, id, vmSpec)
 	stop()
 	if err != nil {
 		return nil, classify(fmt.Errorf("launch: %w", err))
@@ -263,9 +280,58 @@ func (a *Activities) LaunchVM(ctx context.Context, ref *vmflowv1.LaunchVMRequest
 	if a.Metrics != nil && !res.AlreadyRunning {
 		a.Metrics.LaunchDuration.Observe(res.Duration.Seconds())
 	}
-	paths, _ := a.Store.Paths(ref.GetInstanceId())
 	log.Info("VM running", zap.Int("pid", res.Identity.PID), zap.Bool("already_running", res.AlreadyRunning), zap.Duration("took", res.Duration))
-	return &vmflowv1.LaunchVMResult{Pid: int32(res.Identity.PID), QmpSocket: paths.Socket, AlreadyRunning: res.AlreadyRunning}, nil
+	return a.launchResult(rec, res.Identity.PID, res.AlreadyRunning), nil
+}
+
+// existingTimeout bounds the existing-only check's QMP question: a monitor
+// that does not answer within it is reported as busy or hung.
+const existingTimeout = 3 * time.Second
+
+// existing reports the instance's QEMU if its record is Running and its VM
+// alive and QMP says running; otherwise an error saying what is there. It
+// signals, starts and stops nothing.
+func (a *Activities) existing(ctx context.Context, id string) (*vmflowv1.LaunchVMResult, error) {
+	rec, err := a.Store.Get(id)
+	if err != nil {
+		return nil, fmt.Errorf("instance %s exists but its record cannot be read: %w", id, err)
+	}
+	owner := store.CreatorOf(rec)
+	if rec.GetState() != vmflowv1.InstanceState_INSTANCE_STATE_RUNNING {
+		what := store.StateName(rec.GetState())
+		if rec.GetLastExitStatus() != "" {
+			what += " (last exit: " + rec.GetLastExitStatus() + ")"
+		}
+		return nil, fmt.Errorf("instance %s, created by %s, is %s, not running: left as it is", id, owner, what)
+	}
+	st, err := a.Supervisor.Status(id)
+	if err != nil {
+		return nil, fmt.Errorf("instance %s, created by %s: %w", id, owner, err)
+	}
+	if !st.Liveness.Alive {
+		return nil, fmt.Errorf("instance %s, created by %s, records pid %d, which is %s: left as it is", id, owner, st.Process.PID, st.Liveness.State)
+	}
+	qctx, cancel := context.WithTimeout(ctx, existingTimeout)
+	defer cancel()
+	q, err := a.Supervisor.QMPStatus(qctx, id)
+	if err != nil {
+		return nil, fmt.Errorf("instance %s, created by %s, pid %d: QMP did not answer within %s (monitor busy or hung): %w",
+			id, owner, st.Process.PID, existingTimeout, err)
+	}
+	if !q.Running {
+		return nil, fmt.Errorf("instance %s, created by %s, pid %d: QMP status is %q, not running: left as it is", id, owner, st.Process.PID, q.Status)
+	}
+	return a.launchResult(rec, st.Process.PID, true), nil
+}
+
+// launchResult is LaunchVM's answer for rec's QEMU pid.
+func (a *Activities) launchResult(rec *vmflowv1.InstanceRecord, pid int, already bool) *vmflowv1.LaunchVMResult {
+	paths, _ := a.Store.Paths(rec.GetId())
+	res := &vmflowv1.LaunchVMResult{Pid: int32(pid), QmpSocket: paths.Socket, AlreadyRunning: already, InstanceUuid: rec.GetSpec().GetUuid()}
+	if store.ClaimHeld(rec) {
+		res.VgpuUuid, res.VgpuDeviceId = mdevUUID(rec.GetGpuClaim()), claimDevice(rec.GetGpuClaim())
+	}
+	return res
 }
 
 // SpecFor is QEMU's spec for a record, with its vGPU attached when the

@@ -3,7 +3,9 @@ package activities
 import (
 	"context"
 	"os"
+	"syscall"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -153,4 +155,52 @@ func TestReleaseWithoutDriverKeepsClaim(t *testing.T) {
 	var res vmflowv1.ReleaseVGPUResult
 	require.NoError(t, h.run(t, h.acts.ReleaseVGPU, &vmflowv1.InstanceRef{InstanceId: "vm2"}, &res))
 	assert.False(t, res.GetReleased())
+}
+
+// TestLaunchExistingOnlyTouchesNothing: the existing-only launch a re-sent
+// spawn makes returns a VM that runs as asked, and for a hung VM or an
+// exited one fails non-retryably with InstanceExists saying what is there,
+// leaving the process and the record as they were.
+func TestLaunchExistingOnlyTouchesNothing(t *testing.T) {
+	h := newHost(t)
+	req := spawnReq("vm1")
+	require.NoError(t, h.run(t, h.acts.CreateRecord, req, nil))
+	require.NoError(t, h.run(t, h.acts.ClaimVGPU, &vmflowv1.ClaimVGPURequest{InstanceId: "vm1", VgpuProfile: req.GetVgpuProfile()}, nil))
+	var launched vmflowv1.LaunchVMResult
+	require.NoError(t, h.run(t, h.acts.LaunchVM, &vmflowv1.LaunchVMRequest{InstanceId: "vm1"}, &launched))
+	t.Cleanup(func() { _ = syscall.Kill(int(launched.GetPid()), syscall.SIGKILL) })
+
+	only := &vmflowv1.LaunchVMRequest{InstanceId: "vm1", ExistingOnly: true}
+	var found vmflowv1.LaunchVMResult
+	require.NoError(t, h.run(t, h.acts.LaunchVM, only, &found))
+	assert.True(t, found.GetAlreadyRunning())
+	assert.Equal(t, launched.GetPid(), found.GetPid())
+	assert.NotEmpty(t, found.GetVgpuUuid(), "mdev: the claim's UUID")
+	assert.Equal(t, found.GetVgpuUuid(), found.GetVgpuDeviceId())
+
+	// Hung: QEMU stopped, its monitor silent.
+	pid := int(launched.GetPid())
+	require.NoError(t, syscall.Kill(pid, syscall.SIGSTOP))
+	err := h.run(t, h.acts.LaunchVM, only, nil)
+	require.NoError(t, syscall.Kill(pid, syscall.SIGCONT))
+	ae := appError(t, err)
+	assert.Equal(t, workflows.ErrTypeInstanceExists, ae.Type())
+	assert.True(t, ae.NonRetryable())
+	assert.Contains(t, ae.Error(), "did not answer")
+	assert.NoError(t, syscall.Kill(pid, 0), "the hung VM was not touched")
+
+	// Exited: killed from outside, recorded by the supervisor's watcher.
+	require.NoError(t, syscall.Kill(pid, syscall.SIGKILL))
+	require.Eventually(t, func() bool {
+		rec, err := h.st.Get("vm1")
+		return err == nil && rec.GetState() == vmflowv1.InstanceState_INSTANCE_STATE_EXITED
+	}, 10*time.Second, 10*time.Millisecond)
+	err = h.run(t, h.acts.LaunchVM, only, nil)
+	ae = appError(t, err)
+	assert.Equal(t, workflows.ErrTypeInstanceExists, ae.Type())
+	assert.Contains(t, ae.Error(), "exited")
+	rec, err := h.st.Get("vm1")
+	require.NoError(t, err)
+	assert.Equal(t, vmflowv1.InstanceState_INSTANCE_STATE_EXITED, rec.GetState(), "nothing relaunched it")
+	assert.True(t, store.ClaimHeld(rec), "nothing released its vGPU")
 }

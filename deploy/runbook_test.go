@@ -57,7 +57,7 @@ var _ workflows.HostActivities = (*stuckHost)(nil)
 
 func (*stuckHost) ValidateSpawn(context.Context, *vmflowv1.SpawnRequest) error { return nil }
 func (*stuckHost) CreateRecord(context.Context, *vmflowv1.SpawnRequest) (*vmflowv1.CreateRecordResult, error) {
-	return &vmflowv1.CreateRecordResult{}, nil
+	return &vmflowv1.CreateRecordResult{CreatedByThisSpawn: true}, nil
 }
 func (*stuckHost) ClaimVGPU(context.Context, *vmflowv1.ClaimVGPURequest) (*vmflowv1.ClaimVGPUResult, error) {
 	return &vmflowv1.ClaimVGPUResult{}, nil

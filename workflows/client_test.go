@@ -26,7 +26,7 @@ type scriptedHost struct {
 }
 
 func (h *scriptedHost) CreateRecord(context.Context, *vmflowv1.SpawnRequest) (*vmflowv1.CreateRecordResult, error) {
-	return &vmflowv1.CreateRecordResult{InstanceUuid: "u"}, nil
+	return &vmflowv1.CreateRecordResult{InstanceUuid: "u", CreatedByThisSpawn: true}, nil
 }
 
 func (h *scriptedHost) LaunchVM(ctx context.Context, _ *vmflowv1.LaunchVMRequest) (*vmflowv1.LaunchVMResult, error) {

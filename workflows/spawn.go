@@ -13,10 +13,13 @@ import (
 // SpawnInstance creates an instance on its host: validate, record, claim a
 // vGPU if asked, launch QEMU and wait until QMP says running.
 //
-// Once this spawn has created (or found its own) record, any failure starts
-// the delete path for the instance as a child DeleteInstance that outlives
-// this workflow, so nothing a half-made spawn left on the host leaks, and
-// then fails with the original error.
+// Once this spawn may have created the record, any failure starts the
+// delete path for the instance as a child DeleteInstance that outlives this
+// workflow, so nothing a half-made spawn left on the host leaks, and then
+// fails with the original error. That delete carries this spawn's workflow
+// id and run id, and the host deletes only a record that names them as its
+// creator (invariant 9). A spawn that finds another spawn's instance never
+// starts one: it succeeds with the running VM or fails saying what is there.
 func (w *Workflows) SpawnInstance(ctx workflow.Context, req *vmflowv1.SpawnRequest) (*vmflowv1.SpawnResult, error) {
 	if req == nil {
 		return nil, invalidInput("empty spawn request")
@@ -33,7 +36,6 @@ func (w *Workflows) SpawnInstance(ctx workflow.Context, req *vmflowv1.SpawnReque
 	}
 	h := &hostRunner{w: w, t: t, hostID: req.GetHostId(), giveUp: w.cfg.SpawnHostWait}
 	calls := w.calls()
-	ref := &vmflowv1.InstanceRef{InstanceId: req.GetInstanceId()}
 
 	t.stage(ctx, StageValidating)
 	if err := h.run(ctx, calls[ActivityValidateSpawn], req, nil); err != nil {
@@ -44,14 +46,22 @@ func (w *Workflows) SpawnInstance(ctx workflow.Context, req *vmflowv1.SpawnReque
 	var created vmflowv1.CreateRecordResult
 	if err := h.run(ctx, calls[ActivityCreateRecord], req, &created); err != nil {
 		switch errorType(err) {
-		case ErrTypeInvalidInput, ErrTypeConflict, ErrTypeInstanceDeleting:
-			// The record there is not ours (another spec, or a delete owns
-			// it): deleting it would destroy someone else's VM.
+		case ErrTypeInvalidInput, ErrTypeConflict, ErrTypeInstanceDeleting, ErrTypeRecordUnreadable:
+			// The record there is not ours (another spec, a delete owns
+			// it, or nobody can read it): deleting it would destroy
+			// someone else's VM.
 			return nil, w.spawnFailed(ctx, t, err)
 		}
+		// Whether an attempt of this spawn wrote the record is unknown
+		// here; the clean-up's creator guard decides on the host.
 		return nil, w.cleanUpAfter(ctx, t, req, err)
 	}
 	t.setRetained(ctx, true)
+	// Histories from before creators were recorded replay the old path:
+	// their CreateRecord results carry no created_by_this_spawn.
+	if workflow.GetVersion(ctx, changeSpawnCreator, workflow.DefaultVersion, 1) >= 1 && !created.GetCreatedByThisSpawn() {
+		return w.spawnFoundExisting(ctx, t, h, req, &created)
+	}
 
 	res := &vmflowv1.SpawnResult{InstanceUuid: created.GetInstanceUuid()}
 	if req.GetVgpuProfile() != "" {
@@ -61,17 +71,42 @@ func (w *Workflows) SpawnInstance(ctx workflow.Context, req *vmflowv1.SpawnReque
 		if err := h.run(ctx, calls[ActivityClaimVGPU], in, &claim); err != nil {
 			return nil, w.cleanUpAfter(ctx, t, req, err)
 		}
-		res.VgpuUuid, res.VgpuDeviceId = claim.GetDeviceId(), claim.GetDeviceId()
+		res.VgpuUuid, res.VgpuDeviceId = claim.GetVgpuUuid(), claim.GetDeviceId()
 	}
 
 	t.stage(ctx, StageLaunching)
 	var launched vmflowv1.LaunchVMResult
-	if err := h.run(ctx, calls[ActivityLaunchVM], ref, &launched); err != nil {
+	if err := h.run(ctx, calls[ActivityLaunchVM], &vmflowv1.LaunchVMRequest{InstanceId: req.GetInstanceId()}, &launched); err != nil {
 		return nil, w.cleanUpAfter(ctx, t, req, err)
 	}
 	res.Pid, res.QmpSocket = launched.GetPid(), launched.GetQmpSocket()
 	t.stage(ctx, StageRunning)
 	return res, nil
+}
+
+// changeSpawnCreator is the GetVersion change id of invariant 9's spawn
+// path: a spawn that finds another spawn's record only reports it.
+const changeSpawnCreator = "spawn-creator"
+
+// spawnFoundExisting handles a record another spawn created (a re-sent
+// spawn, or one from before creators were recorded) with the same spec: if
+// its VM runs as asked, this spawn succeeds with it; otherwise it fails
+// with InstanceExists saying what is there. Either way it starts, stops,
+// claims, releases and deletes nothing (invariant 9).
+func (w *Workflows) spawnFoundExisting(ctx workflow.Context, t *tracker, h *hostRunner, req *vmflowv1.SpawnRequest, created *vmflowv1.CreateRecordResult) (*vmflowv1.SpawnResult, error) {
+	t.setRetained(ctx, false) // not this spawn's to keep or lose
+	t.logger.Info("instance exists, created by another spawn", "created_by", created.GetCreatedBy())
+	t.stage(ctx, StageLaunching)
+	var found vmflowv1.LaunchVMResult
+	in := &vmflowv1.LaunchVMRequest{InstanceId: req.GetInstanceId(), ExistingOnly: true}
+	if err := h.run(ctx, w.calls()[ActivityLaunchVM], in, &found); err != nil {
+		return nil, w.spawnFailed(ctx, t, err)
+	}
+	t.stage(ctx, StageRunning)
+	return &vmflowv1.SpawnResult{
+		Pid: found.GetPid(), QmpSocket: found.GetQmpSocket(), VgpuUuid: found.GetVgpuUuid(),
+		VgpuDeviceId: found.GetVgpuDeviceId(), InstanceUuid: created.GetInstanceUuid(),
+	}, nil
 }
 
 // spawnFailed ends a spawn that created nothing on the host.
@@ -91,7 +126,14 @@ func (w *Workflows) spawnFailed(ctx workflow.Context, t *tracker, cause error) e
 func (w *Workflows) cleanUpAfter(ctx workflow.Context, t *tracker, req *vmflowv1.SpawnRequest, cause error) error {
 	t.status.LastError = errorText(cause)
 	t.stage(ctx, StageSpawnFailed)
-	del := &vmflowv1.DeleteRequest{InstanceId: req.GetInstanceId(), HostId: req.GetHostId()}
+	// The guard makes the host delete only a record this very spawn
+	// created (invariant 9): after a failed CreateRecord nobody here knows
+	// whether it did, and the record may be a re-sent spawn's.
+	self := workflow.GetInfo(ctx).WorkflowExecution
+	del := &vmflowv1.DeleteRequest{
+		InstanceId: req.GetInstanceId(), HostId: req.GetHostId(),
+		OnlyIfCreatedByWorkflowId: self.ID, OnlyIfCreatedByRunId: self.RunID,
+	}
 	cctx := workflow.WithChildOptions(ctx, workflow.ChildWorkflowOptions{
 		WorkflowID:            DeleteWorkflowID(req.GetInstanceId()),
 		ParentClosePolicy:     enumspb.PARENT_CLOSE_POLICY_ABANDON,

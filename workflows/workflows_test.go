@@ -81,7 +81,7 @@ func (e *env) counted(names ...string) {
 	for _, n := range names {
 		switch n {
 		case "CreateRecord":
-			e.OnActivity(h.CreateRecord, mock.Anything, mock.Anything).Return(&vmflowv1.CreateRecordResult{}, nil).Maybe()
+			e.OnActivity(h.CreateRecord, mock.Anything, mock.Anything).Return(&vmflowv1.CreateRecordResult{CreatedByThisSpawn: true}, nil).Maybe()
 		case "ValidateSpawn":
 			e.OnActivity(h.ValidateSpawn, mock.Anything, mock.Anything).Return(nil).Maybe()
 		case "StopVM":
@@ -134,9 +134,9 @@ func TestSpawnHappy(t *testing.T) {
 	req := spawnReq()
 	req.VgpuProfile = "GRID A100-4C"
 	e.OnActivity(h.ValidateSpawn, mock.Anything, mock.Anything).Return(nil).Once()
-	e.OnActivity(h.CreateRecord, mock.Anything, mock.Anything).Return(&vmflowv1.CreateRecordResult{InstanceUuid: "u-1"}, nil).Once()
+	e.OnActivity(h.CreateRecord, mock.Anything, mock.Anything).Return(&vmflowv1.CreateRecordResult{InstanceUuid: "u-1", CreatedByThisSpawn: true}, nil).Once()
 	e.OnActivity(h.ClaimVGPU, mock.Anything, &vmflowv1.ClaimVGPURequest{InstanceId: "vm1", VgpuProfile: "GRID A100-4C"}).
-		Return(&vmflowv1.ClaimVGPUResult{DeviceId: "dev-1"}, nil).Once()
+		Return(&vmflowv1.ClaimVGPUResult{DeviceId: "0000:3b:00.4", VgpuUuid: ""}, nil).Once()
 	e.OnActivity(h.LaunchVM, mock.Anything, mock.Anything).Return(&vmflowv1.LaunchVMResult{Pid: 42, QmpSocket: "/s"}, nil).Once()
 
 	e.ExecuteWorkflow(SpawnWorkflow, req)
@@ -145,7 +145,8 @@ func TestSpawnHappy(t *testing.T) {
 	var res vmflowv1.SpawnResult
 	require.NoError(t, e.GetWorkflowResult(&res))
 	assert.EqualValues(t, 42, res.GetPid())
-	assert.Equal(t, "dev-1", res.GetVgpuUuid())
+	assert.Equal(t, "0000:3b:00.4", res.GetVgpuDeviceId())
+	assert.Empty(t, res.GetVgpuUuid(), "a vendor VF has no mdev UUID; the device id is not one")
 	assert.Equal(t, "u-1", res.GetInstanceUuid())
 	st := e.status()
 	assert.Equal(t, StageRunning, st.GetStage())
@@ -212,12 +213,23 @@ func TestSpawnFailureStartsDeletePath(t *testing.T) {
 		{"instance being deleted", func(e *env) {
 			e.OnActivity(h.CreateRecord, mock.Anything, mock.Anything).Return(nil, appErr(ErrTypeInstanceDeleting, true))
 		}, false, ErrTypeInstanceDeleting},
+		{"unreadable record", func(e *env) {
+			e.OnActivity(h.CreateRecord, mock.Anything, mock.Anything).Return(nil, appErr(ErrTypeRecordUnreadable, true))
+		}, false, ErrTypeRecordUnreadable},
+		{"another spawn's instance is not running", func(e *env) {
+			e.OnActivity(h.CreateRecord, mock.Anything, mock.Anything).Return(&vmflowv1.CreateRecordResult{AlreadyExisted: true}, nil)
+			e.OnActivity(h.LaunchVM, mock.Anything, &vmflowv1.LaunchVMRequest{InstanceId: "vm1", ExistingOnly: true}).
+				Return(nil, appErr(ErrTypeInstanceExists, true))
+		}, false, ErrTypeInstanceExists},
+		{"busy on create", func(e *env) {
+			e.OnActivity(h.CreateRecord, mock.Anything, mock.Anything).Return(nil, appErr(ErrTypeBusy, false))
+		}, true, ErrTypeBusy},
 		{"claim fails", func(e *env) {
-			e.OnActivity(h.CreateRecord, mock.Anything, mock.Anything).Return(&vmflowv1.CreateRecordResult{}, nil)
+			e.OnActivity(h.CreateRecord, mock.Anything, mock.Anything).Return(&vmflowv1.CreateRecordResult{CreatedByThisSpawn: true}, nil)
 			e.OnActivity(h.ClaimVGPU, mock.Anything, mock.Anything).Return(nil, appErr("NoCapacity", true))
 		}, true, "NoCapacity"},
 		{"launch fails", func(e *env) {
-			e.OnActivity(h.CreateRecord, mock.Anything, mock.Anything).Return(&vmflowv1.CreateRecordResult{}, nil)
+			e.OnActivity(h.CreateRecord, mock.Anything, mock.Anything).Return(&vmflowv1.CreateRecordResult{CreatedByThisSpawn: true}, nil)
 			e.OnActivity(h.ClaimVGPU, mock.Anything, mock.Anything).Return(&vmflowv1.ClaimVGPUResult{DeviceId: "d"}, nil)
 			e.OnActivity(h.LaunchVM, mock.Anything, mock.Anything).Return(nil, appErr("LaunchExited", true))
 		}, true, "LaunchExited"},
@@ -244,6 +256,9 @@ func TestSpawnFailureStartsDeletePath(t *testing.T) {
 				require.NotNil(t, childReq, "delete path not started")
 				assert.Equal(t, "vm1", childReq.GetInstanceId())
 				assert.Equal(t, "h1", childReq.GetHostId())
+				// The host deletes only what this very spawn created.
+				assert.Equal(t, "default-test-workflow-id", childReq.GetOnlyIfCreatedByWorkflowId())
+				assert.Equal(t, "default-test-run-id", childReq.GetOnlyIfCreatedByRunId())
 			} else {
 				assert.Nil(t, childReq, "a record that is not this spawn's must not be deleted")
 			}
