@@ -127,13 +127,20 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 
 	// Supervision first: VMs are re-attached and restarted with the
 	// network down.
+	// One broken instance never stops the host (invariant 12): records
+	// that cannot be read or re-attached are reported and left alone, and
+	// everything else is supervised and served.
 	rep, err := sup.Start(ctx)
 	if err != nil {
-		return fmt.Errorf("re-attach: %w", err)
+		log.Error("re-attach: some instances need attention; the others are supervised", zap.Error(err),
+			zap.Int("failed", rep.Failed))
 	}
 	am.Reattach.Add(float64(rep.Attached))
 	log.Info("supervising", zap.Int("records", rep.Records), zap.Int("attached", rep.Attached),
-		zap.Int("gone", rep.Gone), zap.Duration("took", rep.Duration))
+		zap.Int("gone", rep.Gone), zap.Int("failed", rep.Failed), zap.Duration("took", rep.Duration))
+	if gpus == nil {
+		reportUnservedClaims(st, am, log)
+	}
 
 	if cfg.MetricsAddr != "" {
 		go func() {
@@ -143,13 +150,10 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 		}()
 	}
 
-	c, err := tclient.Dial(ctx, tclient.Options{Logger: log, Metrics: tm, HostPort: cfg.Address, Namespace: cfg.Namespace,
-		Identity: "vmflow-hostagent@" + cfg.HostID})
+	c, err := dialForever(ctx, tclient.Options{Logger: log, Metrics: tm, HostPort: cfg.Address, Namespace: cfg.Namespace,
+		Identity: "vmflow-hostagent@" + cfg.HostID}, log)
 	if err != nil {
-		if ctx.Err() != nil {
-			return nil // stopped before Temporal answered: supervision ran meanwhile
-		}
-		return err
+		return nil // stopped before Temporal answered: supervision ran meanwhile
 	}
 	defer c.Close()
 	queue := workflows.HostTaskQueue(cfg.HostID)
@@ -167,6 +171,58 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 	<-ctx.Done()
 	log.Info("stopping; VMs keep running")
 	return nil
+}
+
+// dialBackoffMax caps the wait between dial rounds after a refusal.
+const dialBackoffMax = 5 * time.Minute
+
+// dialForever connects to Temporal and keeps trying, whatever the error,
+// until ctx ends (then it returns ctx's error). tclient.Dial already retries
+// an unreachable server; a refusal it gives up on (an expired API key:
+// Unauthenticated, a missing permission) is retried here too, with backoff
+// and its reason in the log, because the agent must never stop supervising
+// the host's VMs over a Temporal problem (invariant 12): an operator fixes
+// the credentials and the agent connects on its next round.
+func dialForever(ctx context.Context, o tclient.Options, log *zap.Logger) (client.Client, error) {
+	wait := 5 * time.Second
+	for round := 1; ; round++ {
+		c, err := tclient.Dial(ctx, o)
+		if err == nil {
+			return c, nil
+		}
+		if ctx.Err() != nil {
+			return nil, ctx.Err()
+		}
+		log.Error("temporal refused the agent; VMs stay supervised, retrying", zap.Error(err),
+			zap.Int("round", round), zap.Duration("retry_in", wait))
+		t := time.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return nil, ctx.Err()
+		case <-t.C:
+		}
+		wait = min(wait*2, dialBackoffMax)
+	}
+}
+
+// reportUnservedClaims names, at start, the instances whose vGPU claims an
+// agent without a vGPU driver cannot release: their deletes will park with
+// that reason (invariant 12 without breaking invariant 1), and the metric
+// makes the host show up on a dashboard before anyone deletes anything.
+func reportUnservedClaims(st *store.Store, am *metrics.Agent, log *zap.Logger) {
+	recs, _ := st.List() // unreadable records are reported by re-attach and their own metric
+	var ids []string
+	for _, r := range recs {
+		if store.ClaimHeld(r) {
+			ids = append(ids, r.GetId())
+		}
+	}
+	am.ClaimsUnserved.Set(float64(len(ids)))
+	if len(ids) > 0 {
+		log.Warn("instances hold vGPU claims but this agent has no vGPU driver: their deletes will wait, needing attention, until the agent runs with the host's driver",
+			zap.Strings("instance_ids", ids), zap.Int("claims", len(ids)))
+	}
 }
 
 // qemuUser checks --qemu-user and picks QEMU's option for it from the

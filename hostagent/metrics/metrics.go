@@ -20,6 +20,10 @@ type Agent struct {
 	LaunchDuration  prometheus.Histogram
 	ReleaseFailures *prometheus.CounterVec
 	Reattach        prometheus.Counter
+	// ClaimsUnserved counts held vGPU claims this agent has no driver for
+	// (--vgpu-driver=none on a host whose records hold claims): their
+	// deletes park needing attention until the agent runs with a driver.
+	ClaimsUnserved prometheus.Gauge
 }
 
 // New registers the agent's metrics with reg. st, when not nil, backs the
@@ -49,6 +53,10 @@ func New(reg prometheus.Registerer, st *store.Store) (*Agent, error) {
 			Name: "vmflow_reattach_total",
 			Help: "VMs re-attached after an agent restart.",
 		}),
+		ClaimsUnserved: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "vmflow_vgpu_claims_unserved",
+			Help: "Held vGPU claims this agent cannot release because it runs without a vGPU driver.",
+		}),
 	}
 	// The errnos a sysfs release is known to fail with (FACTS: mdev remove
 	// EAGAIN/ENODEV, old kernels EBUSY; EIO from a wedged driver) exist at 0
@@ -58,7 +66,7 @@ func New(reg prometheus.Registerer, st *store.Store) (*Agent, error) {
 	for _, errno := range []string{"EAGAIN", "EBUSY", "EIO", "ENODEV"} {
 		a.ReleaseFailures.WithLabelValues(errno)
 	}
-	cs := []prometheus.Collector{a.StopDuration, a.ExitDetect, a.LaunchDuration, a.ReleaseFailures, a.Reattach}
+	cs := []prometheus.Collector{a.StopDuration, a.ExitDetect, a.LaunchDuration, a.ReleaseFailures, a.Reattach, a.ClaimsUnserved}
 	if st != nil {
 		cs = append(cs, &storeCollector{st: st})
 	}
@@ -104,9 +112,5 @@ func (c *storeCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(instancesDesc, prometheus.GaugeValue, n, state)
 	}
 	ch <- prometheus.MustNewConstMetric(claimsDesc, prometheus.GaugeValue, claims)
-	bad := 0.0
-	if err != nil {
-		bad = 1 // List joins one error per unreadable record; the count is a hint, the log has them
-	}
-	ch <- prometheus.MustNewConstMetric(unreadable, prometheus.GaugeValue, bad)
+	ch <- prometheus.MustNewConstMetric(unreadable, prometheus.GaugeValue, float64(store.CountErrors(err)))
 }

@@ -279,6 +279,18 @@ func (s *Store) List() ([]*vmflowv1.InstanceRecord, error) {
 	return recs, errors.Join(errs...)
 }
 
+// CountErrors is how many records List's error says it could not read
+// (List joins one error per record); 0 for nil.
+func CountErrors(err error) int {
+	if err == nil {
+		return 0
+	}
+	if j, ok := err.(interface{ Unwrap() []error }); ok {
+		return len(j.Unwrap())
+	}
+	return 1
+}
+
 // readRecord reads and validates p.Record, which must belong to id.
 func readRecord(p Paths, id string) (*vmflowv1.InstanceRecord, error) {
 	f, err := os.Open(p.Record)

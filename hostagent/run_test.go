@@ -1,0 +1,103 @@
+package main
+
+import (
+	"context"
+	"net"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"vmflow/hostagent/cli"
+	"vmflow/hostagent/spec"
+	"vmflow/hostagent/store"
+	vmflowv1 "vmflow/proto/vmflow/v1"
+)
+
+// refusingTemporal is a gRPC server that answers every call the way a
+// Temporal frontend answers an expired API key.
+func refusingTemporal(t *testing.T) string {
+	t.Helper()
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	srv := grpc.NewServer(grpc.UnknownServiceHandler(func(any, grpc.ServerStream) error {
+		return status.Error(codes.Unauthenticated, "API key expired")
+	}))
+	go func() { _ = srv.Serve(lis) }()
+	t.Cleanup(srv.Stop)
+	return lis.Addr().String()
+}
+
+// TestAgentOutlivesBadRecordAndRefusedCredentials (invariant 12): a
+// truncated record, an agent without a vGPU driver on a host whose records
+// hold claims, and a Temporal that refuses the agent's credentials: the
+// agent keeps supervising, names the instances whose claims it cannot
+// serve, and keeps retrying Temporal with the reason in its log. Before the
+// fix the refused dial (and, before that, the truncated record) ended the
+// agent, and with it supervision of every VM on the host.
+func TestAgentOutlivesBadRecordAndRefusedCredentials(t *testing.T) {
+	dir := t.TempDir()
+	st, err := store.New(dir)
+	require.NoError(t, err)
+	ctx := context.Background()
+	req := &vmflowv1.SpawnRequest{InstanceId: "claimed", Vcpus: 1, MemoryMib: 64, Machine: "none", VgpuProfile: "GRID A100-4C"}
+	_, err = st.Create(ctx, &vmflowv1.InstanceRecord{Id: "claimed", Spec: spec.RecordSpec(req)})
+	require.NoError(t, err)
+	_, err = st.Update(ctx, "claimed", func(r *vmflowv1.InstanceRecord) error {
+		r.GpuClaim = &vmflowv1.GpuClaim{Profile: "GRID A100-4C", Uuid: "8b6a3a57-4f4e-4b41-9a2c-3f1d2e5a6b7c",
+			Phase: vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE, Driver: "mdev"}
+		return nil
+	})
+	require.NoError(t, err)
+	_, err = st.Create(ctx, &vmflowv1.InstanceRecord{Id: "torn", Spec: spec.RecordSpec(req)})
+	require.NoError(t, err)
+	p, err := st.Paths("torn")
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(p.Record, []byte(`{"id": "torn", "sp`), 0o600))
+
+	core, logs := observer.New(zapcore.InfoLevel)
+	cfg := cli.RunConfig{
+		HostID: "h1", StateDir: dir, VGPUDriver: "none", Address: refusingTemporal(t), Namespace: "default",
+		TaskQueue: "vmflow", ReconcileEvery: time.Minute, GracefulTimeout: time.Second, GroupExitCap: time.Second,
+		LogLevel: "info",
+	}
+	actx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- agent(actx, cfg, zap.New(core)) }()
+
+	require.Eventually(t, func() bool {
+		return logs.FilterMessageSnippet("temporal refused the agent").Len() > 0
+	}, 30*time.Second, 20*time.Millisecond, "the refusal is logged with its reason")
+	select {
+	case err := <-done:
+		t.Fatalf("the agent stopped on a refused dial: %v", err)
+	default:
+	}
+	refused := logs.FilterMessageSnippet("temporal refused the agent").All()[0]
+	assert.Contains(t, refused.ContextMap()["error"], "API key expired")
+
+	unserved := logs.FilterMessageSnippet("no vGPU driver").All()
+	require.Len(t, unserved, 1)
+	assert.Equal(t, []interface{}{"claimed"}, unserved[0].ContextMap()["instance_ids"])
+	assert.Positive(t, logs.FilterMessageSnippet("supervising").Len(), "supervision went on past the torn record")
+
+	cancel()
+	select {
+	case err := <-done:
+		assert.NoError(t, err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("the agent did not stop on cancel")
+	}
+	// Nothing was done to the torn record's instance.
+	b, err := os.ReadFile(p.Record)
+	require.NoError(t, err)
+	assert.Equal(t, `{"id": "torn", "sp`, string(b))
+}
