@@ -386,9 +386,7 @@ func (a *Activities) BeginDelete(ctx context.Context, req *vmflowv1.BeginDeleteR
 		return nil, classify(fmt.Errorf("write manual-stop marker: %w", err))
 	}
 	rec, err = l.Update(func(r *vmflowv1.InstanceRecord) error {
-		if !store.IsDeleting(r) {
-			r.State = vmflowv1.InstanceState_INSTANCE_STATE_DELETING
-		}
+		store.BeginDeleting(r)
 		return nil
 	})
 	if err != nil {
@@ -558,14 +556,19 @@ func (a *Activities) DeleteRecord(ctx context.Context, ref *vmflowv1.InstanceRef
 	}
 	defer done()
 	err = a.Store.Delete(ctx, ref.GetInstanceId())
-	if errors.Is(err, store.ErrNotFound) {
-		return nil
-	}
 	if errors.Is(err, store.ErrIllegalTransition) {
-		// ReleaseFailed goes back to Deleting before it can be deleted.
-		if _, terr := a.Store.Transition(ctx, ref.GetInstanceId(), vmflowv1.InstanceState_INSTANCE_STATE_DELETING); terr == nil {
+		// A record left in ReleaseFailed by a release whose success was
+		// recorded elsewhere goes back to Deleting first; the store still
+		// refuses while a claim is held.
+		if _, uerr := a.Store.Update(ctx, ref.GetInstanceId(), func(r *vmflowv1.InstanceRecord) error {
+			store.ReadyToRemove(r)
+			return nil
+		}); uerr == nil {
 			err = a.Store.Delete(ctx, ref.GetInstanceId())
 		}
+	}
+	if errors.Is(err, store.ErrNotFound) {
+		return nil
 	}
 	if err != nil {
 		return classify(fmt.Errorf("delete record: %w", err))

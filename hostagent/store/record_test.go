@@ -214,3 +214,29 @@ func BenchmarkUpdate(b *testing.B) {
 		}
 	}
 }
+
+// TestNamedDeleteMoves: the delete's moves written once in the store. A
+// failed release keeps the claim and shows ReleaseFailed; a confirmed one
+// frees the claim and returns to Deleting; nothing moves a record out of
+// ReleaseFailed while its claim is held.
+func TestNamedDeleteMoves(t *testing.T) {
+	r := &vmflowv1.InstanceRecord{Id: "vm1", State: running,
+		GpuClaim: &vmflowv1.GpuClaim{Phase: vmflowv1.ClaimPhase_CLAIM_PHASE_RELEASING}}
+	BeginDeleting(r)
+	assert.Equal(t, deleting, r.GetState())
+	ReleaseFailed(r, "EBUSY")
+	assert.Equal(t, releaseFailed, r.GetState())
+	assert.Equal(t, vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE, r.GetGpuClaim().GetPhase())
+	assert.EqualValues(t, 1, r.GetGpuClaim().GetReleaseAttempts())
+	assert.Equal(t, "release vGPU: EBUSY", r.GetLastError())
+	BeginDeleting(r)
+	assert.Equal(t, releaseFailed, r.GetState(), "a delete already began")
+	ReadyToRemove(r)
+	assert.Equal(t, releaseFailed, r.GetState(), "still holds its claim")
+	assert.True(t, ClaimHeld(r))
+
+	Released(r, timestamppb.Now())
+	assert.False(t, ClaimHeld(r))
+	assert.Empty(t, r.GetGpuClaim().GetLastReleaseError())
+	assert.Equal(t, deleting, r.GetState())
+}
