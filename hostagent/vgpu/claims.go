@@ -305,7 +305,10 @@ func (c *Claims) takenBy(self string) func(context.Context) (map[string]string, 
 		}
 		m := heldDevices(recs, self, c.drv.Kind())
 		if n > 0 {
-			return m, fmt.Errorf("%w: %d record(s): %w", ErrRecordsUnreadable, n, err)
+			// The records' errors are quoted, not wrapped: they are other
+			// instances' troubles, and a caller branching on
+			// store.ErrInvalidRecord must not take them for its own.
+			return m, fmt.Errorf("%w: %d record(s): %s", ErrRecordsUnreadable, n, strings.ReplaceAll(err.Error(), "\n", "; "))
 		}
 		return m, nil
 	}

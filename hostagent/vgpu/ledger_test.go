@@ -236,6 +236,8 @@ func TestVendorPlacementRefusedWhileRecordUnreadable(t *testing.T) {
 	e.record(t, "vm1")
 	_, err := e.claims.Claim(ctx, "vm1", vendorProfile)
 	require.ErrorIs(t, err, vgpu.ErrRecordsUnreadable)
+	assert.Contains(t, err.Error(), "vm-bad")
+	assert.NotErrorIs(t, err, store.ErrInvalidRecord, "vm-bad's trouble is not vm1's record's")
 	assert.Empty(t, e.devices(t))
 	rec, err := e.st.Get("vm1")
 	require.NoError(t, err)
@@ -403,4 +405,45 @@ func TestReconcileKeepsOrphansWhileRecordUnreadable(t *testing.T) {
 	for _, d := range e.devices(t) {
 		assert.NotEqual(t, orphan.ID, d.ID)
 	}
+}
+
+// TestConcurrentVendorClaimsNeverShareAVF: placement and the intent write
+// run under one host lock, so concurrent claims never name one VF, and no
+// more claims succeed than there are VFs.
+func TestConcurrentVendorClaimsNeverShareAVF(t *testing.T) {
+	e := newClaims(t, vgpusim.Options{VendorVFs: 3})
+	ctx := context.Background()
+	ids := []string{"vm1", "vm2", "vm3", "vm4", "vm5"}
+	errs := make(chan error, len(ids))
+	for _, id := range ids {
+		e.record(t, id)
+	}
+	for _, id := range ids {
+		go func() {
+			_, err := e.claims.Claim(ctx, id, vendorProfile)
+			errs <- err
+		}()
+	}
+	ok := 0
+	for range ids {
+		err := <-errs
+		if err == nil {
+			ok++
+			continue
+		}
+		assert.ErrorIs(t, err, vgpu.ErrNoCapacity)
+	}
+	assert.Equal(t, 3, ok)
+	recs, err := e.st.List()
+	require.NoError(t, err)
+	seen := map[string]string{}
+	for _, r := range recs {
+		if !store.ClaimHeld(r) {
+			continue
+		}
+		vf := r.GetGpuClaim().GetDeviceId()
+		assert.NotContains(t, seen, vf, "%s and %s name one VF", seen[vf], r.GetId())
+		seen[vf] = r.GetId()
+	}
+	assert.Len(t, seen, 3)
 }
