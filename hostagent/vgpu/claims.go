@@ -30,6 +30,14 @@ var (
 	ErrDeviceHeld = errors.New("vgpu: device held open")
 	// ErrClaimConflict: the instance already claims another profile.
 	ErrClaimConflict = errors.New("vgpu: instance already claims another vGPU")
+	// ErrClaimDeviceMissing: an active claim's device is gone (a host
+	// reboot removes mdevs and resets VF types) and could not be
+	// re-created; the error names the instance, profile and device.
+	ErrClaimDeviceMissing = errors.New("vgpu: claimed device missing")
+	// ErrClaimNotActive: the claim is held but not active (an intent whose
+	// spawn has not finished claiming, or a release under way), so there
+	// is no device to launch with yet.
+	ErrClaimNotActive = errors.New("vgpu: claim not active")
 )
 
 // DefaultOrphanGrace is how long an unclaimed device must stay unclaimed
@@ -165,21 +173,25 @@ func (c *Claims) Claim(ctx context.Context, id, profile string) (*vmflowv1.GpuCl
 	case vmflowv1.InstanceState_INSTANCE_STATE_DELETING, vmflowv1.InstanceState_INSTANCE_STATE_RELEASE_FAILED:
 		return nil, fmt.Errorf("claim vGPU for %s: %w", id, store.ErrDeleting)
 	}
-	req := CreateRequest{Profile: profile}
+	req := CreateRequest{Profile: profile, Taken: c.takenBy(id)}
 	if store.ClaimHeld(rec) {
 		have := rec.GetGpuClaim()
 		if have.GetProfile() != profile {
 			return nil, fmt.Errorf("claim %q for %s: %w (%q)", profile, id, ErrClaimConflict, have.GetProfile())
 		}
 		if have.GetPhase() == vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE {
-			return have, nil
+			return c.ensureActive(ctx, l, have)
 		}
 		// An intent whose device may or may not exist: finish it where it
-		// was placed, under the same UUID.
+		// was placed, under the same UUID, if the device is its own.
+		dev := deviceOf(have, c.drv.Kind())
+		if err := c.ownDevice(ctx, id, dev); err != nil {
+			return nil, fmt.Errorf("claim %q for %s: %w", profile, id, err)
+		}
 		req.UUID = have.GetUuid()
-		req.At = &Placement{Profile: profile, TypeID: have.GetTypeId(), Parent: have.GetParent(), VF: have.GetDeviceId()}
-		if exists, err := c.exists(ctx, deviceOf(have, c.drv.Kind())); err == nil && exists {
-			return c.activate(l, deviceOf(have, c.drv.Kind()))
+		req.At = placementOf(have)
+		if exists, err := c.exists(ctx, dev); err == nil && exists {
+			return c.activate(l, dev)
 		}
 	} else {
 		req.UUID = uuid.NewString()
@@ -201,6 +213,122 @@ func (c *Claims) Claim(ctx context.Context, id, profile string) (*vmflowv1.GpuCl
 		return nil, fmt.Errorf("claim %q for %s: %w", profile, id, err)
 	}
 	return c.activate(l, dev)
+}
+
+// EnsureDeviceLocked makes the locked instance's held claim launchable: for
+// an ACTIVE claim it checks that the device exists and is the claim's own
+// (no other instance's held claim names it: ErrClaimedByOther; for vendor
+// VFIO, the VF runs the claim's type) and, when the device is missing (a
+// host reboot removes mdevs and resets VF types), re-creates it under the
+// same UUID (mdev) or on the same VF with the same type (vendor). It
+// returns the claim, or an error wrapping ErrClaimDeviceMissing (naming the
+// instance, profile and device) when the re-creation failed. No held claim:
+// (nil, nil). A held claim that is not active: ErrClaimNotActive. Call it
+// under the instance lock before every launch and restart.
+func (c *Claims) EnsureDeviceLocked(ctx context.Context, l *store.Locked) (*vmflowv1.GpuClaim, error) {
+	rec, err := l.Get()
+	if err != nil {
+		return nil, fmt.Errorf("ensure vGPU of %s: %w", l.ID(), err)
+	}
+	if !store.ClaimHeld(rec) {
+		return nil, nil
+	}
+	return c.ensureActive(ctx, l, rec.GetGpuClaim())
+}
+
+func (c *Claims) ensureActive(ctx context.Context, l *store.Locked, cl *vmflowv1.GpuClaim) (*vmflowv1.GpuClaim, error) {
+	dev := deviceOf(cl, c.drv.Kind())
+	if cl.GetPhase() != vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE {
+		return nil, fmt.Errorf("vGPU of %s (profile %q, device %s) is %s: %w", l.ID(), cl.GetProfile(), dev.ID, cl.GetPhase(), ErrClaimNotActive)
+	}
+	if err := c.ownDevice(ctx, l.ID(), dev); err != nil {
+		return nil, fmt.Errorf("ensure vGPU of %s: %w", l.ID(), err)
+	}
+	exists, err := c.exists(ctx, dev)
+	if err != nil {
+		return nil, fmt.Errorf("ensure vGPU of %s: %w", l.ID(), err)
+	}
+	if exists {
+		return cl, nil
+	}
+	c.log.Warn("vGPU of an active claim is missing, re-creating it", zap.String("instance_id", l.ID()),
+		zap.String("device_id", dev.ID), zap.String("profile", cl.GetProfile()))
+	if _, err := c.drv.Create(ctx, CreateRequest{Profile: cl.GetProfile(), UUID: cl.GetUuid(), At: placementOf(cl), Taken: c.takenBy(l.ID())}); err != nil {
+		return nil, fmt.Errorf("instance %s: vGPU %q device %s: %w: %w", l.ID(), cl.GetProfile(), dev.ID, ErrClaimDeviceMissing, err)
+	}
+	c.log.Info("vGPU re-created", zap.String("instance_id", l.ID()), zap.String("device_id", dev.ID), zap.String("profile", cl.GetProfile()))
+	return cl, nil
+}
+
+// placementOf is where a recorded claim was placed.
+func placementOf(cl *vmflowv1.GpuClaim) *Placement {
+	return &Placement{Profile: cl.GetProfile(), TypeID: cl.GetTypeId(), Parent: cl.GetParent(), VF: cl.GetDeviceId()}
+}
+
+// heldDevices is the record ledger of invariant 10: every device a held
+// claim names (whatever its phase and the record's state: intent, active,
+// releasing, release-failed), mapped to the instance naming it, except
+// self's own claim.
+func heldDevices(recs []*vmflowv1.InstanceRecord, self string, kind Kind) map[string]string {
+	m := map[string]string{}
+	for _, r := range recs {
+		if r.GetId() == self || !store.ClaimHeld(r) {
+			continue
+		}
+		m[deviceOf(r.GetGpuClaim(), kind).ID] = r.GetId()
+	}
+	return m
+}
+
+// unreadableRecords counts the records store.List could not read from its
+// error, the errors.Join of one error per record; listed is false when the
+// listing itself failed (nothing was read).
+func unreadableRecords(err error) (n int, listed bool) {
+	if err == nil {
+		return 0, true
+	}
+	if j, ok := err.(interface{ Unwrap() []error }); ok {
+		return len(j.Unwrap()), true
+	}
+	return 0, false
+}
+
+// takenBy reads the ledger for CreateRequest.Taken: the devices held by
+// instances other than self. When records cannot be read the map holds the
+// readable ones and the error wraps ErrRecordsUnreadable.
+func (c *Claims) takenBy(self string) func(context.Context) (map[string]string, error) {
+	return func(context.Context) (map[string]string, error) {
+		recs, err := c.st.List()
+		n, listed := unreadableRecords(err)
+		if !listed {
+			return nil, fmt.Errorf("vgpu: read claims: %w", err)
+		}
+		m := heldDevices(recs, self, c.drv.Kind())
+		if n > 0 {
+			// The records' errors are quoted, not wrapped: they are other
+			// instances' troubles, and a caller branching on
+			// store.ErrInvalidRecord must not take them for its own.
+			return m, fmt.Errorf("%w: %d record(s): %s", ErrRecordsUnreadable, n, strings.ReplaceAll(err.Error(), "\n", "; "))
+		}
+		return m, nil
+	}
+}
+
+// ownDevice refuses (ErrClaimedByOther, naming both instances) when another
+// instance's held claim names dev: release, adoption and re-creation act
+// only on the claim's own device. A record that cannot be read does not
+// refuse here: placement never puts a claim on a device while a record is
+// unreadable, so one cannot name a device id's held claim has named since
+// it was placed.
+func (c *Claims) ownDevice(ctx context.Context, id string, dev Device) error {
+	taken, err := readTaken(ctx, c.takenBy(id), false)
+	if err != nil {
+		return err
+	}
+	if err := claimedBy(taken, dev.ID); err != nil {
+		return fmt.Errorf("instance %s: %w", id, err)
+	}
+	return nil
 }
 
 func (c *Claims) activate(l *store.Locked, dev Device) (*vmflowv1.GpuClaim, error) {
@@ -228,7 +356,9 @@ func (c *Claims) exists(ctx context.Context, d Device) (bool, error) {
 		return false, err
 	}
 	for _, have := range devs {
-		if have.ID == d.ID && (d.Kind != KindVendor || have.TypeID == d.TypeID) {
+		// A VF running another type, or an mdev of another type under the
+		// same UUID, is not the claim's device.
+		if have.ID == d.ID && (d.TypeID == "" || have.TypeID == d.TypeID) {
 			return true, nil
 		}
 	}
@@ -265,7 +395,13 @@ func (c *Claims) releaseLocked(ctx context.Context, l *store.Locked) (bool, stri
 	}
 	claim := rec.GetGpuClaim()
 	dev := deviceOf(claim, c.drv.Kind())
-	if err := c.mayRelease(ctx, rec, dev); err != nil {
+	// Invariant 10 first: a device another claim names is not ours to
+	// release, whatever sysfs says about it.
+	err = c.ownDevice(ctx, l.ID(), dev)
+	if err == nil {
+		err = c.mayRelease(ctx, rec, dev)
+	}
+	if err != nil {
 		c.recordFailure(l, err)
 		return false, dev.ID, err
 	}
@@ -298,6 +434,14 @@ func (c *Claims) releaseLocked(ctx context.Context, l *store.Locked) (bool, stri
 // mayRelease is invariant 2: the VM's whole thread group must be confirmed
 // gone, and nothing may hold the device's VFIO node.
 func (c *Claims) mayRelease(ctx context.Context, rec *vmflowv1.InstanceRecord, dev Device) error {
+	if at := rec.GetLaunchStartedAt(); at != nil && rec.GetProcess() == nil {
+		// A launch began and its QEMU's pid is not recorded yet: a QEMU
+		// forked just before an agent died may run with the device open,
+		// unnamed. Until the supervisor adopts or kills it and resolves the
+		// marker, "can't tell" counts as alive.
+		return fmt.Errorf("%w: a launch started at %s and its QEMU is not recorded yet",
+			ErrVMAlive, at.AsTime().UTC().Format(time.RFC3339Nano))
+	}
 	if p := rec.GetProcess(); p != nil {
 		pid := store.IdentityOf(p)
 		if st := proc.Inspect(pid); st.Alive {
@@ -420,17 +564,17 @@ func (c *Claims) releaseDone(dev Device, err error) {
 func (c *Claims) Reconcile(ctx context.Context) (*vmflowv1.ReconcileVGPUResult, error) {
 	res := &vmflowv1.ReconcileVGPUResult{}
 	recs, listErr := c.st.List()
+	unreadable, listed := unreadableRecords(listErr)
+	if !listed {
+		return res, fmt.Errorf("reconcile: list records: %w", listErr)
+	}
+	res.UnreadableRecords = uint32(unreadable)
 	if listErr != nil {
 		// An unreadable record might claim any device: removing orphans
 		// now could take a GPU from under it.
-		c.log.Warn("reconcile: unreadable records, orphans left alone", zap.Error(listErr))
+		c.log.Warn("reconcile: unreadable records, orphans left alone", zap.Int("unreadable_records", unreadable), zap.Error(listErr))
 	}
-	claimed := map[string]bool{}
-	for _, r := range recs {
-		if cl := r.GetGpuClaim(); cl != nil {
-			claimed[deviceOf(cl, c.drv.Kind()).ID] = true
-		}
-	}
+	claimed := heldDevices(recs, "", c.drv.Kind())
 	for _, r := range recs {
 		if !store.ClaimHeld(r) {
 			continue
@@ -465,7 +609,7 @@ func (c *Claims) Reconcile(ctx context.Context) (*vmflowv1.ReconcileVGPUResult, 
 	now := c.now()
 	next := map[string]time.Time{}
 	for _, d := range devs {
-		if claimed[d.ID] {
+		if _, ok := claimed[d.ID]; ok {
 			continue
 		}
 		first, ok := seen[d.ID]

@@ -127,6 +127,15 @@ func (d *MdevDriver) Create(ctx context.Context, req CreateRequest) (Device, err
 	}
 	defer unlock()
 
+	// The UUID is the device: fresh (random) or the caller's own claim's,
+	// so the records that can be read decide (see CreateRequest.Taken).
+	taken, err := req.taken(ctx, false)
+	if err != nil {
+		return Device{}, fmt.Errorf("vgpu: create mdev %s: taken UUIDs: %w", id, err)
+	}
+	if err := claimedBy(taken, id); err != nil {
+		return Device{}, fmt.Errorf("vgpu: create mdev: %w", err)
+	}
 	var pl Placement
 	if req.At != nil {
 		pl = *req.At

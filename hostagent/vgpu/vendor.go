@@ -58,6 +58,8 @@ type vfState struct {
 	addr, parent string
 	current      int          // 0 when free
 	creatable    []vendorType // empty while in use
+	// taken: free in sysfs, but another instance's held claim names it.
+	taken bool
 }
 
 // parseCreatable reads "ID : name" lines; the header and anything else
@@ -202,21 +204,33 @@ func (d *VendorDriver) Create(ctx context.Context, req CreateRequest) (Device, e
 	}
 	defer unlock()
 
+	// Sysfs shows a VF free the moment its release write returns, but the
+	// claim naming it is held until its release is recorded: the records,
+	// not sysfs, say which VFs are taken (invariant 10).
+	taken, err := req.taken(ctx, req.At == nil)
+	if err != nil {
+		return Device{}, fmt.Errorf("vgpu: create vendor vGPU %s: taken VFs: %w", id, err)
+	}
 	var pl Placement
 	if req.At != nil {
 		pl = *req.At
 		if !pciAddr.MatchString(pl.VF) {
 			return Device{}, fmt.Errorf("vgpu: create vendor vGPU %s at %+v: %w", id, pl, ErrInvalid)
 		}
+		if err := claimedBy(taken, pl.VF); err != nil {
+			return Device{}, fmt.Errorf("vgpu: create vendor vGPU %s: %w", id, err)
+		}
 	} else {
 		vfs, err := d.scan(ctx)
 		if err != nil {
 			return Device{}, err
 		}
-		pl, err = place(vendorProfiles(vfs, d.typeNames(vfs)), req.Profile)
+		names := d.typeNames(vfs)
+		vfs = withoutTaken(vfs, taken)
+		pl, err = place(vendorProfiles(vfs, names), req.Profile)
 		if errors.Is(err, ErrUnknownProfile) && anyBusy(vfs) {
-			// Busy VFs list nothing and full types drop out of the
-			// lists: the name may be real but not creatable now.
+			// Busy and taken VFs list nothing and full types drop out
+			// of the lists: the name may be real but not creatable now.
 			err = fmt.Errorf("profile %q not creatable now: %w", req.Profile, ErrNoCapacity)
 		}
 		if err != nil {
@@ -234,10 +248,20 @@ func (d *VendorDriver) Create(ctx context.Context, req CreateRequest) (Device, e
 	dev := Device{Kind: KindVendor, ID: pl.VF, UUID: id, Profile: pl.Profile, TypeID: pl.TypeID, Parent: pl.Parent}
 
 	if req.At != nil {
-		// Finishing a recorded intent: the VF may already be ours.
-		if cur, err := d.current(pl.VF); err == nil && cur == typeID {
+		// Finishing a recorded intent or re-creating an active claim's
+		// device: no other claim names the VF (checked above), so a VF
+		// running the type is ours; one running another type is not.
+		cur, err := d.current(pl.VF)
+		if err != nil {
+			return Device{}, fmt.Errorf("vgpu: create vendor vGPU %s on %s: %w", id, pl.VF, err)
+		}
+		switch cur {
+		case typeID:
 			d.releases.forget(dev)
 			return dev, nil
+		case 0:
+		default:
+			return Device{}, fmt.Errorf("vgpu: create vendor vGPU %s on %s: VF runs type %d, not %d: %w", id, pl.VF, cur, typeID, ErrDeviceMismatch)
 		}
 	}
 	if req.Intent != nil {
@@ -262,11 +286,27 @@ func (d *VendorDriver) Create(ctx context.Context, req CreateRequest) (Device, e
 
 func anyBusy(vfs []vfState) bool {
 	for _, vf := range vfs {
-		if vf.current != 0 {
+		if vf.current != 0 || vf.taken {
 			return true
 		}
 	}
 	return false
+}
+
+// withoutTaken is vfs with every free VF that taken names made unavailable
+// (it offers no type), so that placement neither counts nor chooses it.
+func withoutTaken(vfs []vfState, taken map[string]string) []vfState {
+	if len(taken) == 0 {
+		return vfs
+	}
+	out := make([]vfState, 0, len(vfs))
+	for _, vf := range vfs {
+		if _, ok := taken[vf.addr]; ok && vf.current == 0 {
+			vf.creatable, vf.taken = nil, true
+		}
+		out = append(out, vf)
+	}
+	return out
 }
 
 // freeVF is the first free VF on pl.Parent that offers pl.TypeID.

@@ -95,6 +95,50 @@ type CreateRequest struct {
 	// chosen and before the device is created: the place to write the
 	// claim ahead. Its error aborts the create.
 	Intent func(Placement) error
+	// Taken, if set, is called under the host lock (the lock Intent runs
+	// under, so no other placement can interleave) before the device is
+	// chosen or adopted. It returns the devices (mdev UUID, vendor VF
+	// address) that other instances' held claims name, each with the
+	// instance naming it. Invariant 10: the create never chooses, creates
+	// or adopts a device in that map (ErrClaimedByOther). Its error may
+	// wrap ErrRecordsUnreadable, with the map filled from the records it
+	// could read: a vendor placement, which chooses among existing VFs, then
+	// refuses (an unreadable record may name any VF); a create at a name
+	// the caller already owns (At, or a fresh mdev UUID) goes on with the
+	// readable records. Any other error refuses the create.
+	Taken func(ctx context.Context) (map[string]string, error)
+}
+
+// taken calls req.Taken. choosing: the caller picks a device among existing
+// ones, so records it cannot read refuse (see CreateRequest.Taken).
+func (req CreateRequest) taken(ctx context.Context, choosing bool) (map[string]string, error) {
+	return readTaken(ctx, req.Taken, choosing)
+}
+
+// readTaken is the one policy for records that cannot be read: they refuse
+// a choice among existing devices (choosing), and otherwise the readable
+// records decide. A nil taken names nothing.
+func readTaken(ctx context.Context, taken func(context.Context) (map[string]string, error), choosing bool) (map[string]string, error) {
+	if taken == nil {
+		return nil, nil
+	}
+	m, err := taken(ctx)
+	if err != nil && (choosing || !errors.Is(err, ErrRecordsUnreadable)) {
+		return nil, err
+	}
+	return m, nil
+}
+
+// claimedBy is invariant 10's one rule: a device named by another
+// instance's held claim is never chosen, created, adopted, re-created or
+// released for anyone else. taken maps device ids to the instance whose
+// held claim names them; the error (wrapping ErrClaimedByOther) names the
+// device and that instance. The caller adds its own instance.
+func claimedBy(taken map[string]string, deviceID string) error {
+	if other, ok := taken[deviceID]; ok {
+		return fmt.Errorf("device %s is named by instance %s's held claim: %w", deviceID, other, ErrClaimedByOther)
+	}
+	return nil
 }
 
 // Driver creates, lists and releases vGPUs of one Kind.
@@ -128,6 +172,15 @@ var (
 	ErrDeviceMismatch = errors.New("vgpu: device mismatch")
 	// ErrInvalid: a malformed UUID, PCI address or request.
 	ErrInvalid = errors.New("vgpu: invalid argument")
+	// ErrClaimedByOther: another instance's held claim names the device
+	// (invariant 10), so it is neither placed on, adopted, re-created nor
+	// released. Not retryable as is: two records naming one device need an
+	// operator.
+	ErrClaimedByOther = errors.New("vgpu: device claimed by another instance")
+	// ErrRecordsUnreadable: some instance record could not be read, and it
+	// may name the device a vendor placement would choose. Retry once the
+	// record is readable (or quarantined away).
+	ErrRecordsUnreadable = errors.New("vgpu: instance records unreadable")
 )
 
 // Retryable reports whether err is worth retrying later as is: a release
