@@ -255,6 +255,11 @@ func TestClassify(t *testing.T) {
 		{supervise.ErrBusy, workflows.ErrTypeBusy, false},
 		{store.ErrClaimHeld, ErrTypeClaimHeld, false},
 		{vgpu.ErrNoCapacity, ErrTypeNoCapacity, false},
+		{store.ErrInvalidRecord, workflows.ErrTypeRecordUnreadable, true},
+		{errVGPUUnavailable, workflows.ErrTypeVGPUUnavailable, true},
+		{vgpu.ErrClaimedByOther, ErrTypeDeviceClaimedTwice, true},
+		{vgpu.ErrClaimDeviceMissing, ErrTypeClaimDeviceMissing, false},
+		{vgpu.ErrRecordsUnreadable, ErrTypeHost, false},
 		{syscall.EIO, ErrTypeHost, false},
 		{errors.New("anything else"), ErrTypeHost, false},
 	}

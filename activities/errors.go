@@ -22,8 +22,17 @@ const (
 	ErrTypeReleaseFailed = "ReleaseFailed"
 	ErrTypeClaimHeld     = "ClaimHeld"
 	ErrTypeNoCapacity    = "NoVGPUCapacity"
-	ErrTypeHost          = "HostError"
+	// The instance's claimed vGPU is missing (after a reboot) and could not
+	// be re-created where the claim says: the launch waits for it.
+	ErrTypeClaimDeviceMissing = "ClaimDeviceMissing"
+	ErrTypeHost               = "HostError"
 )
+
+// ErrTypeDeviceClaimedTwice: two held claims name one vGPU device
+// (invariant 10 broken by a record from before the ledger, or by hand).
+// Non-retryable: acting on the device could destroy the other instance's
+// vGPU, so an operator decides.
+const ErrTypeDeviceClaimedTwice = "DeviceClaimedTwice"
 
 // classify turns a host error into a Temporal application error. This is
 // the only place where host errors meet Temporal: invalid input and a
@@ -62,6 +71,8 @@ func classify(err error) error {
 		return nonRetryable(workflows.ErrTypeRecordUnreadable)
 	case errors.Is(err, errVGPUUnavailable):
 		return nonRetryable(workflows.ErrTypeVGPUUnavailable)
+	case errors.Is(err, vgpu.ErrClaimedByOther):
+		return nonRetryable(ErrTypeDeviceClaimedTwice)
 	case errors.Is(err, store.ErrBusy), errors.Is(err, supervise.ErrBusy), errors.Is(err, errBusy):
 		return retryable(workflows.ErrTypeBusy)
 	case errors.Is(err, vmm.ErrStillAlive):
@@ -72,6 +83,8 @@ func classify(err error) error {
 		return retryable(ErrTypeClaimHeld)
 	case errors.Is(err, vgpu.ErrNoCapacity):
 		return retryable(ErrTypeNoCapacity)
+	case errors.Is(err, vgpu.ErrClaimDeviceMissing), errors.Is(err, vgpu.ErrClaimNotActive):
+		return retryable(ErrTypeClaimDeviceMissing)
 	}
 	return retryable(ErrTypeHost)
 }
@@ -93,6 +106,8 @@ func errnoName(err error) string {
 		return "vm_alive"
 	case errors.Is(err, vgpu.ErrDeviceHeld):
 		return "device_held"
+	case errors.Is(err, vgpu.ErrClaimedByOther):
+		return "claimed_twice"
 	}
 	return "other"
 }

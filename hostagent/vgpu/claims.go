@@ -169,8 +169,7 @@ func (c *Claims) Claim(ctx context.Context, id, profile string) (*vmflowv1.GpuCl
 	if err != nil {
 		return nil, fmt.Errorf("claim vGPU for %s: %w", id, err)
 	}
-	switch rec.GetState() {
-	case vmflowv1.InstanceState_INSTANCE_STATE_DELETING, vmflowv1.InstanceState_INSTANCE_STATE_RELEASE_FAILED:
+	if store.IsDeleting(rec) {
 		return nil, fmt.Errorf("claim vGPU for %s: %w", id, store.ErrDeleting)
 	}
 	req := CreateRequest{Profile: profile, Taken: c.takenBy(id)}
@@ -416,11 +415,7 @@ func (c *Claims) releaseLocked(ctx context.Context, l *store.Locked) (bool, stri
 		return false, dev.ID, err
 	}
 	if _, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
-		r.GetGpuClaim().ReleasedAt = timestamppb.New(c.now())
-		r.GetGpuClaim().LastReleaseError = ""
-		if r.GetState() == vmflowv1.InstanceState_INSTANCE_STATE_RELEASE_FAILED {
-			r.State = vmflowv1.InstanceState_INSTANCE_STATE_DELETING
-		}
+		store.Released(r, timestamppb.New(c.now()))
 		return nil
 	}); err != nil {
 		// The device is gone but the record still holds the claim: the next
@@ -500,16 +495,7 @@ func (c *Claims) vfioNode(dev Device) (string, error) {
 
 func (c *Claims) recordFailure(l *store.Locked, cause error) {
 	_, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
-		cl := r.GetGpuClaim()
-		cl.ReleaseAttempts++
-		cl.LastReleaseError = cause.Error()
-		if cl.GetPhase() == vmflowv1.ClaimPhase_CLAIM_PHASE_RELEASING {
-			cl.Phase = vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE
-		}
-		r.LastError = "release vGPU: " + cause.Error()
-		if r.GetState() == vmflowv1.InstanceState_INSTANCE_STATE_DELETING {
-			r.State = vmflowv1.InstanceState_INSTANCE_STATE_RELEASE_FAILED
-		}
+		store.ReleaseFailed(r, cause.Error())
 		return nil
 	})
 	if err != nil {
@@ -539,12 +525,7 @@ func (c *Claims) releaseDone(dev Device, err error) {
 				return
 			}
 			_, uerr := c.st.Update(ctx, r.GetId(), func(r *vmflowv1.InstanceRecord) error {
-				if r.GetGpuClaim() != nil && r.GetGpuClaim().GetReleasedAt() == nil {
-					r.GetGpuClaim().ReleasedAt = timestamppb.New(c.now())
-				}
-				if r.GetState() == vmflowv1.InstanceState_INSTANCE_STATE_RELEASE_FAILED {
-					r.State = vmflowv1.InstanceState_INSTANCE_STATE_DELETING
-				}
+				store.Released(r, timestamppb.New(c.now()))
 				return nil
 			})
 			if uerr != nil {
@@ -579,9 +560,7 @@ func (c *Claims) Reconcile(ctx context.Context) (*vmflowv1.ReconcileVGPUResult, 
 		if !store.ClaimHeld(r) {
 			continue
 		}
-		switch r.GetState() {
-		case vmflowv1.InstanceState_INSTANCE_STATE_DELETING, vmflowv1.InstanceState_INSTANCE_STATE_RELEASE_FAILED:
-		default:
+		if !store.IsDeleting(r) {
 			res.Skipped++ // a spawn or a restart owns it
 			continue
 		}

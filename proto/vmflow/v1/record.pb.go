@@ -432,7 +432,8 @@ type GpuClaim struct {
 	// held and the record may be deleted.
 	ReleasedAt *timestamppb.Timestamp `protobuf:"bytes,9,opt,name=released_at,json=releasedAt,proto3" json:"released_at,omitempty"`
 	ClaimedAt  *timestamppb.Timestamp `protobuf:"bytes,10,opt,name=claimed_at,json=claimedAt,proto3" json:"claimed_at,omitempty"`
-	// "mdev" or "nvidia-sriov": which sysfs ABI created the device.
+	// "mdev" or "vendor" (NVIDIA SR-IOV vendor VFIO): which sysfs ABI created
+	// the device.
 	Driver        string `protobuf:"bytes,11,opt,name=driver,proto3" json:"driver,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
