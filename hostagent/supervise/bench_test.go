@@ -9,7 +9,6 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
-
 )
 
 // BenchmarkReattach measures Supervisor.Start over N records of live
