@@ -142,6 +142,7 @@ func TestFailedLaunchLeavesNothing(t *testing.T) {
 	assert.Less(t, time.Since(start), 5*time.Second, "fails fast")
 	rec := e.get("vm1")
 	assert.Nil(t, rec.GetProcess(), "pid cleared")
+	assert.Nil(t, rec.GetLaunchStartedAt(), "launch marker cleared")
 	assert.Equal(t, stateCreating, rec.GetState())
 	assert.Contains(t, rec.GetLastError(), "exited during launch")
 	p, _ := e.st.Paths("vm1")
