@@ -94,6 +94,7 @@ func TestTearDownNeverRemovesLiveSocket(t *testing.T) {
 	e.create("vm1", "", 0)
 	res, err := sup.Launch(ctxT(t, 30*time.Second), "vm1")
 	require.NoError(t, err)
+	t.Cleanup(func() { killAndReap(t, res.Identity) }) // the record forgets it below
 	p, _ := e.st.Paths("vm1")
 
 	err = sup.TearDown(ctxT(t, 10*time.Second), "vm1")
