@@ -380,3 +380,34 @@ func TestSignalGoneProcess(t *testing.T) {
 	require.Error(t, err)
 	assert.True(t, errors.Is(err, proc.ErrNotFound) || errors.Is(err, proc.ErrIdentityMismatch), "%v", err)
 }
+
+// FindByCmdline finds a process by its argv with its identity, and a zombie
+// leader with a live thread still shows its argv (read from its tasks).
+func TestFindByCmdline(t *testing.T) {
+	arg := fmt.Sprintf("3600.%d", os.Getpid()) // unique to this test run
+	c, err := proc.Start(exec.Command("sleep", arg))
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_ = proc.Signal(c.Identity(), syscall.SIGKILL)
+		<-c.Done()
+	})
+	argv, err := proc.ReadCmdline(c.Identity().PID)
+	require.NoError(t, err)
+	assert.Equal(t, []string{"sleep", arg}, argv)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	ids, err := proc.FindByCmdline(ctx, func(a []string) bool {
+		return len(a) == 2 && a[1] == arg
+	})
+	require.NoError(t, err)
+	assert.Equal(t, []proc.Identity{c.Identity()}, ids)
+
+	z := proctest.StartZombie(t)
+	argv, err = proc.ReadCmdline(z.PID)
+	require.NoError(t, err)
+	assert.NotEmpty(t, argv, "a zombie leader's argv is read from its live tasks")
+	z.Release(t)
+
+	_, err = proc.ReadCmdline(1 << 30)
+	assert.ErrorIs(t, err, proc.ErrNotFound)
+}

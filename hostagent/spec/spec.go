@@ -178,7 +178,7 @@ func (h Host) Validate(ctx context.Context, req *vmflowv1.SpawnRequest) error {
 	if len(errs) == 0 {
 		// vmm's own check catches what the above does not know about
 		// (QEMU limits); its message names the spec field.
-		if err := ToVMSpec(req.GetInstanceId(), RecordSpec(req), "").Validate(); err != nil {
+		if err := ForRecord(&vmflowv1.InstanceRecord{Id: req.GetInstanceId(), Spec: RecordSpec(req)}, "").Validate(); err != nil {
 			bad("request", "%v", err)
 		}
 	}
@@ -250,11 +250,14 @@ func RecordSpec(req *vmflowv1.SpawnRequest) *vmflowv1.VMSpec {
 	}
 }
 
-// ToVMSpec is QEMU's spec for a recorded instance. vfio is the vGPU's sysfs
-// device path, empty for none (or when the agent does not attach vGPUs).
-func ToVMSpec(instanceID string, s *vmflowv1.VMSpec, vfio string) vmm.VMSpec {
+// ForRecord is QEMU's spec for a recorded instance: the one conversion from
+// a record to what vmm launches, used by the first launch and by every
+// restart alike. vfioPath is the vGPU's sysfs device path, empty for none
+// (or when the agent does not attach vGPUs).
+func ForRecord(rec *vmflowv1.InstanceRecord, vfioPath string) vmm.VMSpec {
+	s := rec.GetSpec()
 	v := vmm.VMSpec{
-		Name:      instanceID,
+		Name:      rec.GetId(),
 		UUID:      s.GetUuid(),
 		VCPUs:     int(s.GetVcpus()),
 		MemoryMiB: int(s.GetMemoryMib()),
@@ -271,8 +274,8 @@ func ToVMSpec(instanceID string, s *vmflowv1.VMSpec, vfio string) vmm.VMSpec {
 		// QEMU behind the agent's back.
 		NoReboot: true,
 	}
-	if vfio != "" {
-		v.VFIO = []string{vfio}
+	if vfioPath != "" {
+		v.VFIO = []string{vfioPath}
 	}
 	return v
 }

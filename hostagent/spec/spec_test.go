@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"vmflow/hostagent/vmm"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -142,15 +143,17 @@ func TestInstanceUUIDIsStable(t *testing.T) {
 	assert.Len(t, InstanceUUID("vm1"), 36)
 }
 
-func TestToVMSpec(t *testing.T) {
+func TestForRecord(t *testing.T) {
 	_, root := testHost(t)
-	rs := RecordSpec(good(root))
-	v := ToVMSpec("vm1", rs, "/sys/bus/mdev/devices/u")
+	rec := &vmflowv1.InstanceRecord{Id: "vm1", Spec: RecordSpec(good(root))}
+	v := ForRecord(rec, "/sys/bus/mdev/devices/u")
 	assert.Equal(t, "vm1", v.Name)
 	assert.Equal(t, 2, v.VCPUs)
 	assert.Equal(t, []string{"/sys/bus/mdev/devices/u"}, v.VFIO)
 	assert.NoError(t, v.Validate())
-	assert.Empty(t, ToVMSpec("vm1", rs, "").VFIO)
+	assert.True(t, v.NoReboot, "a guest reboot ends QEMU; the restart policy decides")
+	assert.Equal(t, v.Machine != vmm.MachineNone, v.SerialToLog, "console to qemu.log where there is a serial port")
+	assert.Empty(t, ForRecord(rec, "").VFIO)
 	noAccel := good(root)
 	noAccel.Accel = ""
 	assert.Equal(t, "kvm", RecordSpec(noAccel).GetAccel(), "kvm is the default accelerator")

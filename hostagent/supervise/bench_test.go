@@ -9,8 +9,6 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
-
-	"vmflow/hostagent/vmm"
 )
 
 // BenchmarkReattach measures Supervisor.Start over N records of live
@@ -29,10 +27,9 @@ func BenchmarkReattach(b *testing.B) {
 	e := newEnv(b)
 	launcher := e.newSupervisor(nil)
 	ids := make([]string, n)
-	specs := make([]vmm.VMSpec, n)
 	for i := range ids {
 		ids[i] = fmt.Sprintf("vm%d", i)
-		specs[i] = e.create(ids[i], "on-failure", 0)
+		e.create(ids[i], "on-failure", 0)
 	}
 	// Launch in parallel (QEMU takes ~100 ms to answer QMP), a few at a time.
 	sem := make(chan struct{}, 8)
@@ -44,7 +41,7 @@ func BenchmarkReattach(b *testing.B) {
 			defer wg.Done()
 			sem <- struct{}{}
 			defer func() { <-sem }()
-			_, errs[i] = launcher.Launch(ctxT(b, 60*time.Second), ids[i], specs[i])
+			_, errs[i] = launcher.Launch(ctxT(b, 60*time.Second), ids[i])
 		}()
 	}
 	wg.Wait()

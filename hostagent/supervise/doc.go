@@ -6,15 +6,21 @@
 // ended, applies the per-instance restart policy, and runs the stop ladder
 // on behalf of a delete.
 //
-// The rules it keeps (ARCHITECTURE invariants 4-8):
+// The rules it keeps (ARCHITECTURE invariants 4-8, 11, 12):
 //
 //   - Every check-then-act on an instance runs under that instance's store
 //     lock (a lock file, so a second agent on the same state dir is
 //     excluded too) and, inside this process, under a per-instance operation
 //     slot, so a Launch, a Stop, an exit being recorded and a restart never
 //     interleave.
-//   - QEMU's pid and start time are in the record right after the fork; a
-//     failed launch leaves nothing (vmm kills and reaps, the pid is cleared).
+//   - No process without an owner (invariant 11): a launch marker is in the
+//     record before the fork and QEMU's pid and start time replace it right
+//     after; a marker left by a killed agent is resolved by finding the QEMU
+//     by its socket path (adopted) or clearing it. A failed launch leaves
+//     nothing (vmm kills and reaps, the pid and marker are cleared).
+//   - One bad record never stops the host (invariant 12): Start quarantines
+//     an unreadable record and goes on; TearDown removes runtime files only
+//     when no QEMU of the instance can live.
 //   - A VM is restarted only while no manual-stop marker exists and the
 //     record is not being deleted; the check and the launch happen under the
 //     instance lock, so a marker written at any moment (also during a

@@ -29,7 +29,17 @@ var (
 	ErrNotRunning = errors.New("instance has no running VM")
 	// ErrClosed: the supervisor was closed.
 	ErrClosed = errors.New("supervisor closed")
-	// ErrNoSpec: a restart needs a QEMU spec the record alone cannot give
-	// (a vGPU device path); set Config.SpecFromRecord.
+	// ErrNoSpec: a launch needs a QEMU spec the record alone cannot give
+	// (a vGPU device path); set Config.PrepareLaunch.
 	ErrNoSpec = errors.New("no launch spec for the instance")
+	// ErrStillRunning: TearDown refused because a QEMU of the instance may
+	// still live (its recorded process, one a launch marker could not rule
+	// out, or a socket that still accepts connections). Retryable: stop it
+	// first, or wait.
+	ErrStillRunning = errors.New("a QEMU of the instance may still be running")
+	// ErrNotRunningAsAsked: Existing found the instance in another shape
+	// than running: the error's text says what is there (exited, paused,
+	// QMP did not answer, launch in progress, no process, ...). Nothing was
+	// touched. Not retryable for a spawn that did not create the instance.
+	ErrNotRunningAsAsked = errors.New("instance is not running as asked")
 )

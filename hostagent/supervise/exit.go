@@ -242,7 +242,6 @@ func (s *Supervisor) restart(in *instance, gen uint64) {
 		return // cancelled or superseded while waiting
 	}
 	in.timer, in.nextRestart = nil, time.Time{}
-	spec := in.spec
 	in.mu.Unlock()
 
 	ctx, cancel := context.WithTimeout(s.ctx, s.cfg.LockTimeout+s.cfg.ReadyTimeout+s.cfg.GroupExitCap)
@@ -260,6 +259,10 @@ func (s *Supervisor) restart(in *instance, gen uint64) {
 		in.log.Error("restart: read record; not restarting", zap.Error(err))
 		return
 	}
+	if rec, _, err = s.resolveLaunchLocked(ctx, l, in, rec, false); err != nil {
+		in.log.Error("restart: resolve the launch marker; not restarting", zap.Error(err))
+		return
+	}
 	marked, err := l.ManualStop()
 	if err != nil {
 		in.log.Error("restart: cannot read the manual-stop marker; not restarting", zap.Error(err))
@@ -271,22 +274,14 @@ func (s *Supervisor) restart(in *instance, gen uint64) {
 		in.log.Info("restart cancelled", zap.String("reason", d.reason))
 		return
 	}
-	var vs vmm.VMSpec
-	if spec != nil {
-		vs = *spec
-	} else if vs, err = s.cfg.SpecFromRecord(rec); err != nil {
-		in.log.Error("restart: no spec; not restarting", zap.Error(err))
-		_, _ = l.Update(func(r *vmflowv1.InstanceRecord) error { r.LastError = "restart: " + err.Error(); return nil })
-		return
-	}
 	attempt := rec.GetRestartCount() + 1
-	if _, err := l.Update(func(r *vmflowv1.InstanceRecord) error { r.RestartCount = attempt; return nil }); err != nil {
+	if rec, err = l.Update(func(r *vmflowv1.InstanceRecord) error { r.RestartCount = attempt; return nil }); err != nil {
 		in.log.Error("restart: record the attempt; not restarting", zap.Error(err))
 		return
 	}
 	log := in.log.With(zap.Uint32("restart_count", attempt))
 	log.Info("restarting")
-	vm, err := s.launchLocked(ctx, l, in, vs)
+	vm, err := s.launchLocked(ctx, l, in, rec)
 	if err != nil {
 		// A failed restart is an attempt: the policy decides again with the
 		// higher count (so the backoff doubles), from now.
@@ -296,7 +291,7 @@ func (s *Supervisor) restart(in *instance, gen uint64) {
 		}
 		return
 	}
-	in.setVM(vm, &vs)
+	in.setVM(vm)
 	s.watch(in, vm)
 	log.Info("restarted", zap.Int("pid", vm.Identity().PID))
 }

@@ -26,7 +26,6 @@ import (
 
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/store"
-	"vmflow/hostagent/vmm"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -35,7 +34,7 @@ import (
 const (
 	agentEnv      = "VMFLOW_SUPERVISE_AGENT"       // state dir; set: run as the agent
 	agentIDEnv    = "VMFLOW_SUPERVISE_AGENT_ID"    // the instance to launch
-	agentBlockEnv = "VMFLOW_SUPERVISE_AGENT_BLOCK" // "after-started": block between fork and QMP
+	agentBlockEnv = "VMFLOW_SUPERVISE_AGENT_BLOCK" // "after-started": block between fork and QMP; "before-recorded": between fork and the pid's write
 )
 
 func TestMain(m *testing.M) {
@@ -67,12 +66,18 @@ func runAgent(dir, id, block string) {
 		fail(err)
 	}
 	cfg := Config{Store: st}
-	if block == "after-started" {
-		cfg.afterStarted = func(_ string, pid proc.Identity) {
-			fmt.Fprintln(os.Stdout, "started", pid.PID)
+	blockHere := func(word string) func(string, proc.Identity) {
+		return func(_ string, pid proc.Identity) {
+			fmt.Fprintln(os.Stdout, word, pid.PID)
 			_, _ = io.Copy(io.Discard, os.Stdin) // until the test kills us
 			os.Exit(3)
 		}
+	}
+	switch block {
+	case "after-started":
+		cfg.afterStarted = blockHere("started")
+	case "before-recorded":
+		cfg.beforeRecorded = blockHere("forked")
 	}
 	sup, err := New(cfg)
 	if err != nil {
@@ -83,15 +88,7 @@ func runAgent(dir, id, block string) {
 	if _, err := sup.Start(ctx); err != nil {
 		fail(err)
 	}
-	rec, err := st.Get(id)
-	if err != nil {
-		fail(err)
-	}
-	spec, err := SpecFromRecord(rec)
-	if err != nil {
-		fail(err)
-	}
-	res, err := sup.Launch(ctx, id, spec)
+	res, err := sup.Launch(ctx, id)
 	if err != nil {
 		fail(err)
 	}
@@ -220,9 +217,9 @@ func (e *env) newSupervisor(mutate func(*Config)) *Supervisor {
 }
 
 // create records instance id with a -machine none spec and a restart policy.
-func (e *env) create(id, policy string, maxAttempts uint32) vmm.VMSpec {
+func (e *env) create(id, policy string, maxAttempts uint32) {
 	e.t.Helper()
-	rec, err := e.st.Create(ctxT(e.t, 10*time.Second), &vmflowv1.InstanceRecord{
+	_, err := e.st.Create(ctxT(e.t, 10*time.Second), &vmflowv1.InstanceRecord{
 		Id: id,
 		Spec: &vmflowv1.VMSpec{Vcpus: 1, MemoryMib: 64, Machine: "none", Accel: testAccel(),
 			Uuid: "6f1c1b0e-1c1a-4d4e-9f55-0123456789ab"},
@@ -230,9 +227,6 @@ func (e *env) create(id, policy string, maxAttempts uint32) vmm.VMSpec {
 		RestartMaxAttempts: maxAttempts,
 	})
 	require.NoError(e.t, err)
-	spec, err := SpecFromRecord(rec)
-	require.NoError(e.t, err)
-	return spec
 }
 
 func (e *env) get(id string) *vmflowv1.InstanceRecord {

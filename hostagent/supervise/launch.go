@@ -25,25 +25,31 @@ type LaunchResult struct {
 	Duration time.Duration `json:"duration"`
 }
 
-// Launch starts QEMU for instance id with spec and returns once QMP reports
-// it running and the record says Running. The record must exist in Creating
-// (first launch) or Exited (a restart asked for by the caller); Launch
-// refuses with ErrManualStop when the manual-stop marker is on disk and
-// with ErrDeleting in Deleting or ReleaseFailed.
+// Launch starts QEMU for instance id and returns once QMP reports it
+// running and the record says Running. The spec comes from
+// Config.PrepareLaunch, called under the instance lock right before the
+// fork. The record must exist in Creating (first launch) or Exited (a
+// restart asked for by the caller); Launch refuses with ErrManualStop when
+// the manual-stop marker is on disk and with ErrDeleting in Deleting or
+// ReleaseFailed. An unreadable record is an error wrapping
+// store.ErrInvalidRecord, with nothing touched.
 //
-// Everything happens under the instance lock: QEMU's pid and start time are
-// written into the record right after the fork (before anything waits on
-// QEMU), then QMP is awaited, then the record moves to Running. A failed
-// launch leaves nothing: QEMU killed and reaped, socket removed, pid cleared
-// (invariant 5). Launch is idempotent: when the record names a live QEMU
-// with a matching identity (this process's, or one left by a previous
-// agent, say killed between fork and QMP) that answers QMP as running, it
-// returns that one with AlreadyRunning set. An explicit Launch resets the
-// restart counter.
+// Everything happens under the instance lock. Before the fork the record
+// gets the launch marker (launch_started_at); right after it, QEMU's pid and
+// start time replace the marker in one write (before anything waits on
+// QEMU); then QMP is awaited, then the record moves to Running. An agent
+// killed at any instant leaves a record that names its QEMU or says one may
+// exist, and the next agent adopts it by its socket path (invariant 11). A
+// failed launch leaves nothing: QEMU killed and reaped, socket removed, pid
+// and marker cleared (invariant 5). Launch is idempotent: when the record
+// names a live QEMU with a matching identity (this process's, or one left or
+// adopted from a previous agent) that answers QMP as running, it returns
+// that one with AlreadyRunning set. An explicit Launch resets the restart
+// counter.
 //
-// spec.Name defaults to id. ctx bounds the lock waits and the launch; QEMU
-// itself outlives ctx and the agent.
-func (s *Supervisor) Launch(ctx context.Context, id string, spec vmm.VMSpec) (LaunchResult, error) {
+// ctx bounds the lock waits and the launch; QEMU itself outlives ctx and the
+// agent.
+func (s *Supervisor) Launch(ctx context.Context, id string) (LaunchResult, error) {
 	start := time.Now()
 	in, err := s.instance(id)
 	if err != nil {
@@ -61,6 +67,9 @@ func (s *Supervisor) Launch(ctx context.Context, id string, spec vmm.VMSpec) (La
 
 	rec, err := l.Get()
 	if err != nil {
+		return LaunchResult{}, fmt.Errorf("launch: %w", err)
+	}
+	if rec, _, err = s.resolveLaunchLocked(ctx, l, in, rec, false); err != nil {
 		return LaunchResult{}, fmt.Errorf("launch: %w", err)
 	}
 	if st := rec.GetState(); st == vmflowv1.InstanceState_INSTANCE_STATE_DELETING || st == vmflowv1.InstanceState_INSTANCE_STATE_RELEASE_FAILED {
@@ -102,7 +111,7 @@ func (s *Supervisor) Launch(ctx context.Context, id string, spec vmm.VMSpec) (La
 						return LaunchResult{}, fmt.Errorf("launch instance %s: %w", id, err)
 					}
 				}
-				in.setVM(vm, &spec)
+				in.setVM(vm)
 				in.log.Info("already running", zap.Int("pid", pid.PID))
 				return LaunchResult{Identity: pid, AlreadyRunning: true, Duration: time.Since(start)}, nil
 			}
@@ -114,7 +123,7 @@ func (s *Supervisor) Launch(ctx context.Context, id string, spec vmm.VMSpec) (La
 	if rec.GetState() == vmflowv1.InstanceState_INSTANCE_STATE_RUNNING {
 		// Running with no process: a record an older agent left half
 		// written. It ended somehow; say so before starting anew.
-		if _, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
+		if rec, err = l.Update(func(r *vmflowv1.InstanceRecord) error {
 			r.State = vmflowv1.InstanceState_INSTANCE_STATE_EXITED
 			r.LastExit, r.LastExitStatus, r.LastExitCode = s.ts(), "unknown (no process recorded)", -1
 			return nil
@@ -126,15 +135,15 @@ func (s *Supervisor) Launch(ctx context.Context, id string, spec vmm.VMSpec) (La
 	// restart streak.
 	in.cancelRestart()
 	if rec.GetRestartCount() != 0 {
-		if _, err := l.Update(func(r *vmflowv1.InstanceRecord) error { r.RestartCount = 0; return nil }); err != nil {
+		if rec, err = l.Update(func(r *vmflowv1.InstanceRecord) error { r.RestartCount = 0; return nil }); err != nil {
 			return LaunchResult{}, fmt.Errorf("launch instance %s: %w", id, err)
 		}
 	}
-	vm, err := s.launchLocked(ctx, l, in, spec)
+	vm, err := s.launchLocked(ctx, l, in, rec)
 	if err != nil {
 		return LaunchResult{}, fmt.Errorf("launch instance %s: %w", id, err)
 	}
-	in.setVM(vm, &spec)
+	in.setVM(vm)
 	s.watch(in, vm)
 	return LaunchResult{Identity: vm.Identity(), Duration: time.Since(start)}, nil
 }
@@ -194,7 +203,7 @@ func (s *Supervisor) liveVMLocked(ctx context.Context, l *store.Locked, in *inst
 			vm.Close()
 			break
 		}
-		in.setVM(vm, nil)
+		in.setVM(vm)
 		s.watch(in, vm)
 		return vm, true, nil
 	case errors.Is(err, proc.ErrNotFound), errors.Is(err, proc.ErrIdentityMismatch):
@@ -202,16 +211,30 @@ func (s *Supervisor) liveVMLocked(ctx context.Context, l *store.Locked, in *inst
 		return nil, false, err
 	}
 	ex := exitInfo{at: s.cfg.Now(), status: "unknown (gone while not watched)", code: -1}
+	if boot, err := proc.BootID(); err == nil && pid.BootID != boot {
+		// Recorded before the host rebooted: that VM ended with the boot.
+		// Whatever holds the pid now is a stranger and is never signalled.
+		ex.status = "host rebooted (recorded in boot " + pid.BootID + ")"
+	}
 	if _, err := s.recordGoneLocked(ctx, l, pid, ex); err != nil {
 		return nil, false, err
 	}
 	return nil, false, nil
 }
 
-// launchLocked launches QEMU for the locked instance and moves its record
-// to Running. On failure vmm has killed and reaped QEMU and removed the
-// socket, and OnFailed has cleared the pid: nothing remains.
-func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *instance, spec vmm.VMSpec) (*vmm.VM, error) {
+// launchLocked launches QEMU for the locked instance rec and moves its
+// record to Running. The spec comes from Config.PrepareLaunch. On failure
+// vmm has killed and reaped QEMU and removed the socket, and OnFailed has
+// cleared the pid and the launch marker: nothing remains.
+func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *instance, rec *vmflowv1.InstanceRecord) (*vmm.VM, error) {
+	spec, err := s.cfg.PrepareLaunch(ctx, l, rec)
+	if err != nil {
+		err = fmt.Errorf("prepare launch: %w", err)
+		if _, uerr := l.Update(func(r *vmflowv1.InstanceRecord) error { r.LastError = err.Error(); return nil }); uerr != nil {
+			err = errors.Join(err, uerr)
+		}
+		return nil, err
+	}
 	if spec.Name == "" {
 		spec.Name = in.id
 	}
@@ -220,6 +243,13 @@ func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *inst
 	}
 	log := in.log
 	start := time.Now()
+	// The launch marker goes to disk before the fork: an agent killed
+	// between the fork and the pid's write leaves a record that says "a
+	// QEMU of mine may exist", which the next agent resolves by the socket
+	// path QEMU was given (resolveLaunchLocked) instead of finding nothing.
+	if _, err := l.Update(func(r *vmflowv1.InstanceRecord) error { r.LaunchStartedAt = s.ts(); return nil }); err != nil {
+		return nil, fmt.Errorf("record launch marker: %w", err)
+	}
 	log.Info("launching qemu", zap.String("machine", string(spec.Machine)), zap.String("accel", string(spec.Accel)))
 	vm, err := vmm.Launch(ctx, vmm.LaunchConfig{
 		Spec:           spec,
@@ -228,10 +258,15 @@ func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *inst
 		ReadyTimeout:   s.cfg.ReadyTimeout,
 		CleanupTimeout: s.cfg.GroupExitCap,
 		OnStarted: func(pid proc.Identity) error {
-			// Right after the fork: an agent killed from here on leaves a
-			// QEMU its record knows.
+			if s.cfg.beforeRecorded != nil {
+				s.cfg.beforeRecorded(in.id, pid)
+			}
+			// Right after the fork: the pid replaces the marker in one
+			// write, so the record always names the QEMU or says one may
+			// exist.
 			if _, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
 				r.Process = store.ProcessRecord(pid)
+				r.LaunchStartedAt = nil
 				r.LastStart = s.ts()
 				r.StopStep, r.StopStepAt = vmflowv1.StopStep_STOP_STEP_NONE, nil
 				r.LastError = ""
@@ -246,11 +281,14 @@ func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *inst
 			return nil
 		},
 		OnFailed: func(pid proc.Identity, cause error) error {
+			// Called only once QEMU is confirmed gone (or never started):
+			// the marker has nothing left to stand for.
 			_, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
 				if pid.Valid() && r.GetProcess() != nil && store.IdentityOf(r.GetProcess()) == pid {
 					r.Process = nil
 					r.LastExit, r.LastExitStatus, r.LastExitCode = s.ts(), "launch failed", -1
 				}
+				r.LaunchStartedAt = nil
 				r.LastError = cause.Error()
 				return nil
 			})
@@ -282,6 +320,7 @@ func (s *Supervisor) undoLaunchLocked(l *store.Locked, vm *vmm.VM, cause error) 
 	pid := vm.Identity()
 	if _, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
 		applyExit(r, pid, exitInfo{at: s.cfg.Now(), status: "launch undone", code: -1})
+		r.LaunchStartedAt = nil
 		r.LastError = cause.Error()
 		return nil
 	}); err != nil {

@@ -33,9 +33,9 @@ func TestRunAsAndExitRecordedHook(t *testing.T) {
 		c.RunAs, c.RunWith = "nobody", vmm.RunWithSupported(v)
 		c.OnExitRecorded = func(d time.Duration) { detected <- d }
 	})
-	spec := e.create("vm1", "never", 0)
-	require.Empty(t, spec.RunAs, "the record's spec names no user: the supervisor's applies")
-	res, err := sup.Launch(ctxT(t, 30*time.Second), "vm1", spec)
+	// The record's spec names no user: the supervisor's applies.
+	e.create("vm1", "never", 0)
+	res, err := sup.Launch(ctxT(t, 30*time.Second), "vm1")
 	require.NoError(t, err)
 
 	status, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", res.Identity.PID))

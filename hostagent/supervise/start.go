@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
+	"path/filepath"
 	"time"
 
 	"go.uber.org/zap"
@@ -14,23 +16,49 @@ import (
 
 // ReattachReport says what Start found.
 type ReattachReport struct {
-	// Records is how many instance records were read.
+	// Records is how many instance directories holding a record were seen,
+	// readable or not.
 	Records int `json:"records"`
 	// Attached: live QEMUs with a matching identity, now watched (same pid,
-	// not restarted).
+	// not restarted). Adopted ones are counted here too.
 	Attached int `json:"attached"`
+	// Adopted: QEMUs the record did not name yet (a launch marker left by an
+	// agent killed between fork and recording the pid), found by their
+	// socket path and recorded.
+	Adopted int `json:"adopted"`
 	// Gone: records whose QEMU had ended (or whose pid a stranger now holds,
-	// never signalled): identity cleared, Running moved to Exited, stale
-	// socket removed. Creating stays Creating with the pid cleared (the
-	// state machine has no Creating -> Exited; a retried launch starts it).
+	// never signalled, or that were recorded in an earlier boot): identity
+	// cleared, Running moved to Exited, stale socket removed. Creating stays
+	// Creating with the pid cleared (the state machine has no Creating ->
+	// Exited; a retried launch starts it).
 	Gone int `json:"gone"`
 	// RestartsScheduled: restarts the restart policy scheduled (VMs that
 	// died while the agent was down, and restarts pending at its death).
 	RestartsScheduled int `json:"restarts_scheduled"`
-	// Failed: records that could not be handled (see the returned error).
-	Failed int `json:"failed"`
+	// Failed: records that were read but could not be handled (a lock
+	// held too long, a write failing); each is logged with its instance_id
+	// and listed in Failures. The others were handled.
+	Failed   int       `json:"failed"`
+	Failures []Failure `json:"failures,omitempty"`
+	// Unreadable: records that could not be read, quarantined: their
+	// instances were left untouched (nothing signalled, released, restarted
+	// or removed) and need an operator.
+	Unreadable []Quarantined `json:"unreadable,omitempty"`
 	// Duration of the whole Start.
 	Duration time.Duration `json:"duration"`
+}
+
+// Quarantined is an instance whose record could not be read.
+type Quarantined struct {
+	ID   string `json:"instance_id"`
+	Path string `json:"path"`
+	Err  string `json:"error"`
+}
+
+// Failure is an instance whose re-attach failed.
+type Failure struct {
+	ID  string `json:"instance_id"`
+	Err string `json:"error"`
 }
 
 // PerRecord is the mean time per record.
@@ -41,39 +69,91 @@ func (r ReattachReport) PerRecord() time.Duration {
 	return r.Duration / time.Duration(r.Records)
 }
 
-// Start loads every instance record and takes ownership of what outlived
+// errUnreadable tells Start's loop that the record could not be read.
+type errUnreadable struct{ err error }
+
+func (e *errUnreadable) Error() string { return e.err.Error() }
+func (e *errUnreadable) Unwrap() error { return e.err }
+
+// Start reads every instance record and takes ownership of what outlived
 // the previous agent: a record naming a live QEMU with a matching identity
 // (pid, start time, boot id) is re-attached: a pidfd watches its exit, QMP
-// is connected on demand, nothing is signalled. A record whose QEMU is gone
-// or whose pid another process now holds is recorded as gone and its stale
-// socket removed; a mismatched pid is never signalled. Then the restart
-// policy runs for what has exited. Work never waits on the network.
+// is connected on demand, nothing is signalled. A record with a launch
+// marker and no process has its QEMU looked for by socket path and adopted
+// (invariant 11). A record whose QEMU is gone, whose pid another process now
+// holds, or that was written in an earlier boot is recorded as gone and its
+// stale socket removed; nothing is signalled. Then the restart policy runs
+// for what has exited. Work never waits on the network.
 //
-// One record's failure does not stop the others: the report counts every
-// record and the error joins the failures. Call Start once, before serving.
+// One instance never stops the others (invariant 12): a record that cannot
+// be read is quarantined (logged with its path, listed in
+// rep.Unreadable, left untouched), a re-attach that fails is counted and
+// logged, and Start goes on with the rest. Its error is only for the host as
+// a whole: the instances folder cannot be listed. Call Start once, before
+// serving.
 func (s *Supervisor) Start(ctx context.Context) (ReattachReport, error) {
 	start := time.Now()
 	var rep ReattachReport
-	recs, listErr := s.st.List()
-	var errs []error
-	if listErr != nil {
-		errs = append(errs, listErr)
+	ids, err := s.instanceIDs()
+	if err != nil {
+		return rep, fmt.Errorf("start: %w", err)
 	}
-	for _, rec := range recs {
-		rep.Records++
-		if err := s.reattach(ctx, rec.GetId(), &rep); err != nil {
+	for _, id := range ids {
+		// Each instance gets its own bound, so one whose lock is held (or
+		// whose QEMU hangs a read) cannot use up the time of the rest.
+		ictx, cancel := context.WithTimeout(ctx, s.cfg.LockTimeout)
+		err := s.reattach(ictx, id, &rep)
+		cancel()
+		var unreadable *errUnreadable
+		switch {
+		case err == nil:
+		case errors.Is(err, store.ErrNotFound):
+			// A directory without a record: a create that crashed before
+			// its first write. Not an instance yet.
+		case errors.As(err, &unreadable):
+			rep.Records++
+			path := ""
+			if p, perr := s.st.Paths(id); perr == nil {
+				path = p.Record
+			}
+			rep.Unreadable = append(rep.Unreadable, Quarantined{ID: id, Path: path, Err: unreadable.err.Error()})
+			s.log.Error("record unreadable; instance quarantined: not re-attached, signalled, restarted or released",
+				zap.String("instance_id", id), zap.String("path", path), zap.Error(unreadable.err))
+		default:
+			rep.Records++
 			rep.Failed++
-			errs = append(errs, err)
+			rep.Failures = append(rep.Failures, Failure{ID: id, Err: err.Error()})
+			s.log.Error("re-attach failed; the other instances go on", zap.String("instance_id", id), zap.Error(err))
 		}
 	}
 	rep.Duration = time.Since(start)
 	s.log.Info("re-attach done", zap.Int("records", rep.Records), zap.Int("attached", rep.Attached),
-		zap.Int("gone", rep.Gone), zap.Int("restarts_scheduled", rep.RestartsScheduled),
-		zap.Int("failed", rep.Failed), zap.Duration("took", rep.Duration))
-	if err := errors.Join(errs...); err != nil {
-		return rep, fmt.Errorf("start: %w", err)
-	}
+		zap.Int("adopted", rep.Adopted), zap.Int("gone", rep.Gone), zap.Int("restarts_scheduled", rep.RestartsScheduled),
+		zap.Int("failed", rep.Failed), zap.Int("unreadable", len(rep.Unreadable)), zap.Duration("took", rep.Duration))
 	return rep, nil
+}
+
+// instanceIDs lists the instance directories by id, readable records or
+// not (store.List skips what it cannot read; Start must see it to
+// quarantine it). Names that are not ids (the store's trash and temp
+// files) are skipped. The folder is the parent of any instance's folder,
+// so its name stays the store's.
+func (s *Supervisor) instanceIDs() ([]string, error) {
+	p, err := s.st.Paths("x")
+	if err != nil {
+		return nil, err
+	}
+	ents, err := os.ReadDir(filepath.Dir(p.Dir))
+	if err != nil {
+		return nil, fmt.Errorf("list instances: %w", err)
+	}
+	var ids []string
+	for _, e := range ents {
+		if e.IsDir() && store.ValidateID(e.Name()) == nil {
+			ids = append(ids, e.Name())
+		}
+	}
+	return ids, nil // ReadDir sorts by name
 }
 
 func (s *Supervisor) reattach(ctx context.Context, id string, rep *ReattachReport) error {
@@ -90,9 +170,20 @@ func (s *Supervisor) reattach(ctx context.Context, id string, rep *ReattachRepor
 		return fmt.Errorf("re-attach: %w", err)
 	}
 	defer unlock(l, in.log)
-	rec, err := l.Get() // again, under the lock
+	rec, err := l.Get() // under the lock
+	if errors.Is(err, store.ErrNotFound) {
+		return err
+	}
 	if err != nil {
-		return fmt.Errorf("re-attach: %w", err)
+		return &errUnreadable{err}
+	}
+	rep.Records++
+	rec, adopted, err := s.resolveLaunchLocked(ctx, l, in, rec, false)
+	if err != nil {
+		return fmt.Errorf("re-attach instance %s: %w", id, err)
+	}
+	if adopted {
+		rep.Adopted++
 	}
 	if p := rec.GetProcess(); p != nil {
 		pid := store.IdentityOf(p)

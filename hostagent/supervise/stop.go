@@ -5,11 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"time"
-	"vmflow/hostagent/store"
 
 	"go.uber.org/zap"
 
 	"vmflow/hostagent/proc"
+	"vmflow/hostagent/store"
 	"vmflow/hostagent/vmm"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
@@ -38,7 +38,13 @@ type StopResult struct {
 // ladder. Once the group is gone the record says stop step gone, the
 // identity is cleared and a Running record moves to Exited.
 //
-// Idempotent: with no process recorded it returns at once (AlreadyGone). A
+// A QEMU of the instance that its record does not name (an agent died
+// between the fork and recording it: the launch marker, or a record from an
+// agent older than the marker) is found by its socket path, adopted and
+// stopped.
+//
+// Idempotent: with no process recorded or found it returns at once
+// (AlreadyGone). A
 // second Stop while one runs gets ErrBusy (retryable). A *vmm.StillAliveError
 // (errors.Is vmm.ErrStillAlive) means the group outlived the cap: treat the
 // VM as alive and retry.
@@ -76,6 +82,11 @@ func (s *Supervisor) Stop(ctx context.Context, id string, graceful time.Duration
 		return StopResult{}, fmt.Errorf("stop instance %s: %w", id, ErrManualStopRequired)
 	}
 	in.cancelRestart()
+	// Before concluding "nothing runs": a QEMU forked by an agent that died
+	// before recording it is adopted here and stopped like any other.
+	if rec, _, err = s.resolveLaunchLocked(ctx, l, in, rec, true); err != nil {
+		return StopResult{}, fmt.Errorf("stop: %w", err)
+	}
 
 	from := stepFromProto(rec.GetStopStep())
 	if rec.GetProcess() == nil {
@@ -160,11 +171,18 @@ func (s *Supervisor) Stop(ctx context.Context, id string, graceful time.Duration
 // alive. progress, if not nil, is called every Config.ProgressInterval with
 // the group's state ("2 tasks of pid 4242 still running") so an activity can
 // heartbeat; it runs on the caller's goroutine. With no process recorded
-// WaitExit returns at once.
+// WaitExit returns at once, after resolving a launch marker (a QEMU found by
+// its socket path is adopted and waited for).
 func (s *Supervisor) WaitExit(ctx context.Context, id string, progress func(proc.Status)) error {
 	rec, err := s.st.Get(id)
 	if err != nil {
 		return fmt.Errorf("wait exit: %w", err)
+	}
+	if rec.GetLaunchStartedAt() != nil && rec.GetProcess() == nil {
+		// A QEMU may run that the record does not name yet.
+		if rec, err = s.resolve(ctx, id); err != nil {
+			return fmt.Errorf("wait exit: %w", err)
+		}
 	}
 	if rec.GetProcess() == nil {
 		return nil

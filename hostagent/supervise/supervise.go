@@ -12,6 +12,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"vmflow/hostagent/proc"
+	"vmflow/hostagent/spec"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vmm"
 	vmflowv1 "vmflow/proto/vmflow/v1"
@@ -69,13 +70,20 @@ type Config struct {
 	// and must not block.
 	OnExitRecorded func(detect time.Duration)
 
-	// SpecFromRecord builds the QEMU spec a restart launches when this
-	// process has not launched the instance itself (after an agent
-	// restart). Default: SpecFromRecord, which cannot name a vGPU device.
-	SpecFromRecord func(*vmflowv1.InstanceRecord) (vmm.VMSpec, error)
+	// PrepareLaunch returns the QEMU spec of the locked instance rec. It is
+	// called under the instance lock before every launch, the first and
+	// every restart alike, so what it checks or sets up (admission, a vGPU
+	// device that must exist) holds when QEMU starts. It may update the
+	// record through l. Default: DefaultPrepareLaunch, which refuses a
+	// record with a vGPU.
+	PrepareLaunch func(ctx context.Context, l *store.Locked, rec *vmflowv1.InstanceRecord) (vmm.VMSpec, error)
 	// Now stamps records (time.Now when nil).
 	Now func() time.Time
 
+	// beforeRecorded runs inside OnStarted, after the fork and before the
+	// pid is in the record: the agent-kill test blocks here to be killed
+	// while only the launch marker says a QEMU may exist.
+	beforeRecorded func(id string, pid proc.Identity)
 	// afterStarted runs inside OnStarted, after the pid is in the record:
 	// the agent-restart test blocks here to be killed between fork and QMP.
 	afterStarted func(id string, pid proc.Identity)
@@ -113,7 +121,6 @@ type instance struct {
 
 	mu          sync.Mutex
 	vm          *vmm.VM     // the live VM this process watches, nil if none
-	spec        *vmm.VMSpec // the spec last launched here, for restarts
 	timer       *time.Timer // a pending restart
 	restartGen  uint64      // bumped to cancel a pending restart
 	nextRestart time.Time
@@ -148,8 +155,8 @@ func New(cfg Config) (*Supervisor, error) {
 	if cfg.RestartBackoffMax <= 0 {
 		cfg.RestartBackoffMax = DefaultRestartBackoffMax
 	}
-	if cfg.SpecFromRecord == nil {
-		cfg.SpecFromRecord = SpecFromRecord
+	if cfg.PrepareLaunch == nil {
+		cfg.PrepareLaunch = DefaultPrepareLaunch
 	}
 	if cfg.Now == nil {
 		cfg.Now = time.Now
@@ -259,14 +266,11 @@ func (in *instance) isCurrent(vm *vmm.VM) bool {
 	return in.vm == vm
 }
 
-// setVM makes vm the watched VM; spec is kept for restarts when known.
-func (in *instance) setVM(vm *vmm.VM, spec *vmm.VMSpec) {
+// setVM makes vm the watched VM.
+func (in *instance) setVM(vm *vmm.VM) {
 	in.mu.Lock()
 	defer in.mu.Unlock()
 	in.vm = vm
-	if spec != nil {
-		in.spec = spec
-	}
 }
 
 // clearVM forgets vm (if it is still the watched one). Its watcher closes it.
@@ -346,29 +350,19 @@ func stepToProto(s vmm.StopStep) vmflowv1.StopStep {
 	return vmflowv1.StopStep_STOP_STEP_NONE
 }
 
-// SpecFromRecord builds the QEMU spec of rec from its recorded VMSpec. It
-// refuses a record with a vGPU: the device path depends on the vGPU driver
-// and sysfs root, which only the agent's wiring knows (Config.SpecFromRecord).
-func SpecFromRecord(rec *vmflowv1.InstanceRecord) (vmm.VMSpec, error) {
-	sp := rec.GetSpec()
-	if sp == nil {
+// DefaultPrepareLaunch is Config.PrepareLaunch when none is set: the
+// record's spec through spec.ForRecord, without a vGPU. It refuses a record
+// that asks for or holds a vGPU (ErrNoSpec): the device path depends on the
+// vGPU driver and sysfs root, and the device may have to be re-created
+// first, which only the agent's wiring knows.
+func DefaultPrepareLaunch(_ context.Context, _ *store.Locked, rec *vmflowv1.InstanceRecord) (vmm.VMSpec, error) {
+	if rec.GetSpec() == nil {
 		return vmm.VMSpec{}, fmt.Errorf("instance %s: %w: the record has no spec", rec.GetId(), ErrNoSpec)
 	}
-	if sp.GetVgpuProfile() != "" || rec.GetGpuClaim() != nil {
-		return vmm.VMSpec{}, fmt.Errorf("instance %s: %w: it has a vGPU; set Config.SpecFromRecord", rec.GetId(), ErrNoSpec)
+	if rec.GetSpec().GetVgpuProfile() != "" || store.ClaimHeld(rec) {
+		return vmm.VMSpec{}, fmt.Errorf("instance %s: %w: it has a vGPU; set Config.PrepareLaunch", rec.GetId(), ErrNoSpec)
 	}
-	return vmm.VMSpec{
-		Name:      rec.GetId(),
-		UUID:      sp.GetUuid(),
-		VCPUs:     int(sp.GetVcpus()),
-		MemoryMiB: int(sp.GetMemoryMib()),
-		Machine:   vmm.Machine(sp.GetMachine()),
-		Accel:     vmm.Accel(sp.GetAccel()),
-		Kernel:    sp.GetKernel(),
-		Initrd:    sp.GetInitrd(),
-		Cmdline:   sp.GetCmdline(),
-		Disk:      sp.GetDisk(),
-	}, nil
+	return spec.ForRecord(rec, ""), nil
 }
 
 // Status is what the supervisor knows about one instance.

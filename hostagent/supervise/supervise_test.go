@@ -30,9 +30,9 @@ const (
 func TestLaunchRunningStopGone(t *testing.T) {
 	e := newEnv(t)
 	sup := e.newSupervisor(nil)
-	spec := e.create("vm1", "on-failure", 0)
+	e.create("vm1", "on-failure", 0)
 
-	res, err := sup.Launch(ctxT(t, 30*time.Second), "vm1", spec)
+	res, err := sup.Launch(ctxT(t, 30*time.Second), "vm1")
 	require.NoError(t, err)
 	assert.False(t, res.AlreadyRunning)
 	rec := e.get("vm1")
@@ -49,7 +49,7 @@ func TestLaunchRunningStopGone(t *testing.T) {
 	assert.True(t, status.Child)
 	assert.Equal(t, proc.StateRunning, status.Liveness.State)
 
-	again, err := sup.Launch(ctxT(t, 30*time.Second), "vm1", spec)
+	again, err := sup.Launch(ctxT(t, 30*time.Second), "vm1")
 	require.NoError(t, err)
 	assert.True(t, again.AlreadyRunning, "a second launch returns the running VM")
 	assert.Equal(t, res.Identity, again.Identity)
@@ -82,7 +82,7 @@ func TestLaunchRunningStopGone(t *testing.T) {
 	sres, err = sup.Stop(ctxT(t, 10*time.Second), "vm1", 0)
 	require.NoError(t, err)
 	assert.True(t, sres.AlreadyGone)
-	_, err = sup.Launch(ctxT(t, 10*time.Second), "vm1", spec)
+	_, err = sup.Launch(ctxT(t, 10*time.Second), "vm1")
 	assert.ErrorIs(t, err, ErrManualStop)
 	require.NoError(t, sup.WaitExit(ctxT(t, 5*time.Second), "vm1", nil))
 }
@@ -90,8 +90,8 @@ func TestLaunchRunningStopGone(t *testing.T) {
 func TestStopRefusedWithoutMarker(t *testing.T) {
 	e := newEnv(t)
 	sup := e.newSupervisor(nil)
-	spec := e.create("vm1", "", 0)
-	res, err := sup.Launch(ctxT(t, 30*time.Second), "vm1", spec)
+	e.create("vm1", "", 0)
+	res, err := sup.Launch(ctxT(t, 30*time.Second), "vm1")
 	require.NoError(t, err)
 
 	_, err = sup.Stop(ctxT(t, 10*time.Second), "vm1", time.Millisecond)
@@ -106,8 +106,8 @@ func TestStopRefusedWithoutMarker(t *testing.T) {
 func TestConcurrentStopIsBusy(t *testing.T) {
 	e := newEnv(t)
 	sup := e.newSupervisor(nil)
-	spec := e.create("vm1", "", 0)
-	_, err := sup.Launch(ctxT(t, 30*time.Second), "vm1", spec)
+	e.create("vm1", "", 0)
+	_, err := sup.Launch(ctxT(t, 30*time.Second), "vm1")
 	require.NoError(t, err)
 	require.NoError(t, e.st.MarkManualStop(ctxT(t, 5*time.Second), "vm1"))
 
@@ -135,13 +135,14 @@ func TestFailedLaunchLeavesNothing(t *testing.T) {
 	// /bin/false forks fine and exits at once: the pid is recorded, then
 	// the launch fails fast and must clear it.
 	sup := e.newSupervisor(func(c *Config) { c.QEMU = "/bin/false" })
-	spec := e.create("vm1", "always", 0)
+	e.create("vm1", "always", 0)
 	start := time.Now()
-	_, err := sup.Launch(ctxT(t, 30*time.Second), "vm1", spec)
+	_, err := sup.Launch(ctxT(t, 30*time.Second), "vm1")
 	require.ErrorIs(t, err, vmm.ErrLaunchExited)
 	assert.Less(t, time.Since(start), 5*time.Second, "fails fast")
 	rec := e.get("vm1")
 	assert.Nil(t, rec.GetProcess(), "pid cleared")
+	assert.Nil(t, rec.GetLaunchStartedAt(), "launch marker cleared")
 	assert.Equal(t, stateCreating, rec.GetState())
 	assert.Contains(t, rec.GetLastError(), "exited during launch")
 	p, _ := e.st.Paths("vm1")
@@ -200,7 +201,7 @@ func TestAgentRestartReattaches(t *testing.T) {
 func TestAgentKilledBetweenForkAndQMP(t *testing.T) {
 	t.Run("qemu lives", func(t *testing.T) {
 		e := newEnv(t)
-		spec := e.create("vm1", "", 0)
+		e.create("vm1", "", 0)
 		a, pid := startAgent(t, e.dir, "vm1", "after-started", "started")
 		rec := e.get("vm1")
 		require.Equal(t, stateCreating, rec.GetState(), "killed before QMP answered")
@@ -216,7 +217,7 @@ func TestAgentKilledBetweenForkAndQMP(t *testing.T) {
 		assert.Equal(t, stateCreating, e.get("vm1").GetState(), "no Creating -> Exited, and QMP not yet confirmed")
 
 		// The retried launch finds it alive and confirms QMP.
-		res, err := sup.Launch(ctxT(t, 30*time.Second), "vm1", spec)
+		res, err := sup.Launch(ctxT(t, 30*time.Second), "vm1")
 		require.NoError(t, err)
 		assert.True(t, res.AlreadyRunning)
 		assert.Equal(t, qemu, res.Identity, "re-attached, not a second QEMU")
@@ -269,8 +270,8 @@ func killFromOutside(t *testing.T, e *env, id string) proc.Identity {
 func TestRestartOnFailureWithBackoff(t *testing.T) {
 	e := newEnv(t)
 	sup := e.newSupervisor(nil)
-	spec := e.create("vm1", "on-failure", 0)
-	_, err := sup.Launch(ctxT(t, 30*time.Second), "vm1", spec)
+	e.create("vm1", "on-failure", 0)
+	_, err := sup.Launch(ctxT(t, 30*time.Second), "vm1")
 	require.NoError(t, err)
 
 	prev := store.IdentityOf(e.get("vm1").GetProcess())
@@ -302,8 +303,8 @@ func TestRestartOnFailureWithBackoff(t *testing.T) {
 func TestRestartBlockedByManualStop(t *testing.T) {
 	e := newEnv(t)
 	sup := e.newSupervisor(nil)
-	spec := e.create("vm1", "always", 0)
-	_, err := sup.Launch(ctxT(t, 30*time.Second), "vm1", spec)
+	e.create("vm1", "always", 0)
+	_, err := sup.Launch(ctxT(t, 30*time.Second), "vm1")
 	require.NoError(t, err)
 	require.NoError(t, e.st.MarkManualStop(ctxT(t, 5*time.Second), "vm1"))
 
@@ -321,8 +322,8 @@ func TestRestartBlockedByManualStop(t *testing.T) {
 func TestRestartBlockedByManualStopDuringBackoff(t *testing.T) {
 	e := newEnv(t)
 	sup := e.newSupervisor(func(c *Config) { c.RestartBackoff = 2 * time.Second })
-	spec := e.create("vm1", "on-failure", 0)
-	_, err := sup.Launch(ctxT(t, 30*time.Second), "vm1", spec)
+	e.create("vm1", "on-failure", 0)
+	_, err := sup.Launch(ctxT(t, 30*time.Second), "vm1")
 	require.NoError(t, err)
 
 	killFromOutside(t, e, "vm1")
@@ -348,8 +349,8 @@ func TestRestartBlockedByManualStopDuringBackoff(t *testing.T) {
 func TestRestartNeverLeavesExited(t *testing.T) {
 	e := newEnv(t)
 	sup := e.newSupervisor(nil)
-	spec := e.create("vm1", "never", 0)
-	_, err := sup.Launch(ctxT(t, 30*time.Second), "vm1", spec)
+	e.create("vm1", "never", 0)
+	_, err := sup.Launch(ctxT(t, 30*time.Second), "vm1")
 	require.NoError(t, err)
 	killFromOutside(t, e, "vm1")
 	e.waitLog("vm1", "not restarting", "restart policy never")
@@ -366,8 +367,8 @@ func TestRestartNeverLeavesExited(t *testing.T) {
 func TestWaitExitReportsProgress(t *testing.T) {
 	e := newEnv(t)
 	sup := e.newSupervisor(func(c *Config) { c.ProgressInterval = 20 * time.Millisecond })
-	spec := e.create("vm1", "", 0)
-	res, err := sup.Launch(ctxT(t, 30*time.Second), "vm1", spec)
+	e.create("vm1", "", 0)
+	res, err := sup.Launch(ctxT(t, 30*time.Second), "vm1")
 	require.NoError(t, err)
 
 	var mu sync.Mutex
@@ -400,13 +401,13 @@ func TestWaitExitReportsProgress(t *testing.T) {
 func TestCloseLeavesVMsRunning(t *testing.T) {
 	e := newEnv(t)
 	sup := e.newSupervisor(nil)
-	spec := e.create("vm1", "", 0)
-	res, err := sup.Launch(ctxT(t, 30*time.Second), "vm1", spec)
+	e.create("vm1", "", 0)
+	res, err := sup.Launch(ctxT(t, 30*time.Second), "vm1")
 	require.NoError(t, err)
 	require.NoError(t, sup.Close())
 	require.NoError(t, sup.Close())
 	assert.True(t, proc.Inspect(res.Identity).Alive)
-	_, err = sup.Launch(ctxT(t, 5*time.Second), "vm1", spec)
+	_, err = sup.Launch(ctxT(t, 5*time.Second), "vm1")
 	assert.ErrorIs(t, err, ErrClosed)
 
 	// A new supervisor in the same process re-attaches it.
@@ -459,8 +460,8 @@ func TestStartNeverSignalsMismatchedPid(t *testing.T) {
 func TestStopResumesFromRecordedStep(t *testing.T) {
 	e := newEnv(t)
 	sup := e.newSupervisor(nil)
-	spec := e.create("vm1", "", 0)
-	_, err := sup.Launch(ctxT(t, 30*time.Second), "vm1", spec)
+	e.create("vm1", "", 0)
+	_, err := sup.Launch(ctxT(t, 30*time.Second), "vm1")
 	require.NoError(t, err)
 	require.NoError(t, e.st.MarkManualStop(ctxT(t, 5*time.Second), "vm1"))
 	// A previous agent pressed the power button an hour ago and died.

@@ -266,6 +266,11 @@ func (p Paths) Validate() error {
 // comma separates options and ",," is a literal comma.
 func optValue(v string) string { return strings.ReplaceAll(v, ",", ",,") }
 
+// qmpArg is the value of -qmp for a socket path. FindBySocket looks for
+// exactly this string, so Argv and the scan can never disagree.
+// server=on,wait=off: the short "server,nowait" is deprecated.
+func qmpArg(socket string) string { return "unix:" + optValue(socket) + ",server=on,wait=off" }
+
 // Argv returns QEMU's arguments (without argv[0]) for spec with the given
 // paths. It is pure: it validates, builds and returns; it touches no file.
 func Argv(spec VMSpec, paths Paths) ([]string, error) {
@@ -283,8 +288,7 @@ func Argv(spec VMSpec, paths Paths) ([]string, error) {
 		// No default devices, no /etc/qemu config, no window: the argv is
 		// the whole machine.
 		"-nodefaults", "-no-user-config", "-display", "none",
-		// server=on,wait=off: the short "server,nowait" is deprecated.
-		"-qmp", "unix:"+optValue(paths.QMPSocket)+",server=on,wait=off",
+		"-qmp", qmpArg(paths.QMPSocket),
 		"-pidfile", paths.PIDFile,
 		"-m", strconv.Itoa(spec.MemoryMiB),
 		"-smp", strconv.Itoa(spec.VCPUs),
