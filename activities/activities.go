@@ -9,7 +9,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"sync"
 	"time"
 
@@ -41,8 +40,6 @@ type GPUs interface {
 	Release(ctx context.Context, instanceID string) (released bool, deviceID string, err error)
 	// Reconcile runs one reconcile round over the host.
 	Reconcile(ctx context.Context) (*vmflowv1.ReconcileVGPUResult, error)
-	// DevicePath is the sysfs path QEMU's vfio-pci device opens.
-	DevicePath(claim *vmflowv1.GpuClaim) string
 }
 
 // Activities holds the host agent's packages. Register it with
@@ -263,16 +260,8 @@ func (a *Activities) LaunchVM(ctx context.Context, req *vmflowv1.LaunchVMRequest
 		log.Info("instance exists and runs as asked", zap.Int32("pid", res.GetPid()))
 		return res, nil
 	}
-	rec, err := a.Store.Get(id)
-	if err != nil {
-		return nil, classify(fmt.Errorf("launch: %w", err))
-	}
-	vmSpec, err := a.SpecFor(rec)
-	if err != nil {
-		return nil, classify(err)
-	}
 	stop := heartbeat(ctx, heartbeatEvery, func() string { return "launching QEMU, waiting for QMP running" })
-	res, err := a.Supervisor.Launch(ctx, id, vmSpec)
+	res, err := a.Supervisor.Launch(ctx, id)
 	stop()
 	if err != nil {
 		return nil, classify(fmt.Errorf("launch: %w", err))
@@ -281,47 +270,27 @@ func (a *Activities) LaunchVM(ctx context.Context, req *vmflowv1.LaunchVMRequest
 		a.Metrics.LaunchDuration.Observe(res.Duration.Seconds())
 	}
 	log.Info("VM running", zap.Int("pid", res.Identity.PID), zap.Bool("already_running", res.AlreadyRunning), zap.Duration("took", res.Duration))
+	rec, err := a.Store.Get(id)
+	if err != nil {
+		return nil, classify(fmt.Errorf("launch: read the record back: %w", err))
+	}
 	return a.launchResult(rec, res.Identity.PID, res.AlreadyRunning), nil
 }
 
-// existingTimeout bounds the existing-only check's QMP question: a monitor
-// that does not answer within it is reported as busy or hung.
-const existingTimeout = 3 * time.Second
-
-// existing reports the instance's QEMU if its record is Running and its VM
-// alive and QMP says running; otherwise an error saying what is there. It
-// signals, starts and stops nothing.
+// existing reports the instance's QEMU when it runs as asked (its record
+// Running, the process alive by identity, QMP answering "running"), else an
+// error naming the instance's creator and what is there. It starts, stops
+// and signals nothing (supervise.Existing).
 func (a *Activities) existing(ctx context.Context, id string) (*vmflowv1.LaunchVMResult, error) {
 	rec, err := a.Store.Get(id)
 	if err != nil {
 		return nil, fmt.Errorf("instance %s exists but its record cannot be read: %w", id, err)
 	}
-	owner := store.CreatorOf(rec)
-	if rec.GetState() != vmflowv1.InstanceState_INSTANCE_STATE_RUNNING {
-		what := store.StateName(rec.GetState())
-		if rec.GetLastExitStatus() != "" {
-			what += " (last exit: " + rec.GetLastExitStatus() + ")"
-		}
-		return nil, fmt.Errorf("instance %s, created by %s, is %s, not running: left as it is", id, owner, what)
-	}
-	st, err := a.Supervisor.Status(id)
+	res, err := a.Supervisor.Existing(ctx, id)
 	if err != nil {
-		return nil, fmt.Errorf("instance %s, created by %s: %w", id, owner, err)
+		return nil, fmt.Errorf("instance %s, created by %s: %w: left as it is", id, store.CreatorOf(rec), err)
 	}
-	if !st.Liveness.Alive {
-		return nil, fmt.Errorf("instance %s, created by %s, records pid %d, which is %s: left as it is", id, owner, st.Process.PID, st.Liveness.State)
-	}
-	qctx, cancel := context.WithTimeout(ctx, existingTimeout)
-	defer cancel()
-	q, err := a.Supervisor.QMPStatus(qctx, id)
-	if err != nil {
-		return nil, fmt.Errorf("instance %s, created by %s, pid %d: QMP did not answer within %s (monitor busy or hung): %w",
-			id, owner, st.Process.PID, existingTimeout, err)
-	}
-	if !q.Running {
-		return nil, fmt.Errorf("instance %s, created by %s, pid %d: QMP status is %q, not running: left as it is", id, owner, st.Process.PID, q.Status)
-	}
-	return a.launchResult(rec, st.Process.PID, true), nil
+	return a.launchResult(rec, res.Identity.PID, true), nil
 }
 
 // launchResult is LaunchVM's answer for rec's QEMU pid.
@@ -332,16 +301,6 @@ func (a *Activities) launchResult(rec *vmflowv1.InstanceRecord, pid int, already
 		res.VgpuUuid, res.VgpuDeviceId = mdevUUID(rec.GetGpuClaim()), claimDevice(rec.GetGpuClaim())
 	}
 	return res
-}
-
-// SpecFor is QEMU's spec for a record, with its vGPU attached when the
-// agent attaches vGPUs. The supervisor uses it for restarts too.
-func (a *Activities) SpecFor(rec *vmflowv1.InstanceRecord) (vmm.VMSpec, error) {
-	vfio := ""
-	if a.AttachVGPU && a.GPUs != nil && store.ClaimHeld(rec) {
-		vfio = a.GPUs.DevicePath(rec.GetGpuClaim())
-	}
-	return spec.ToVMSpec(rec.GetId(), rec.GetSpec(), vfio), nil
 }
 
 // BeginDelete writes the manual-stop marker, then moves the record to
@@ -507,41 +466,21 @@ func (a *Activities) ReleaseVGPU(ctx context.Context, ref *vmflowv1.InstanceRef)
 }
 
 // TearDown removes what the VM left on the host besides its record: the
-// QMP socket and the pidfile. It refuses while the VM may still live.
+// QMP socket and the pidfile. It refuses while any QEMU of the instance may
+// still live: recorded, or forked by an agent that died before recording it
+// (supervise.TearDown finds and adopts that one first).
 func (a *Activities) TearDown(ctx context.Context, ref *vmflowv1.InstanceRef) error {
 	ctx, done, log, err := a.begin(ctx, ref.GetInstanceId())
 	if err != nil {
 		return err
 	}
 	defer done()
-	_ = ctx
-	rec, err := a.Store.Get(ref.GetInstanceId())
-	if errors.Is(err, store.ErrNotFound) {
-		return nil
-	}
-	if err != nil {
+	if err := a.Supervisor.TearDown(ctx, ref.GetInstanceId()); err != nil {
 		return classify(fmt.Errorf("tear down: %w", err))
-	}
-	if p := rec.GetProcess(); p != nil {
-		id := store.IdentityOf(p)
-		if st := proc.Inspect(id); st.Alive {
-			return classify(fmt.Errorf("tear down: VM %v still %s: %w", id, st.State, errStillRunning))
-		}
-	}
-	paths, err := a.Store.Paths(ref.GetInstanceId())
-	if err != nil {
-		return classify(err)
-	}
-	for _, p := range []string{paths.Socket, paths.PID} {
-		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
-			return classify(fmt.Errorf("tear down: %w", err))
-		}
 	}
 	log.Info("runtime files removed")
 	return nil
 }
-
-var errStillRunning = errors.New("VM still running")
 
 // errVGPUUnavailable: the instance holds a vGPU claim this agent has no
 // driver to serve.

@@ -75,8 +75,10 @@ func classify(err error) error {
 		return nonRetryable(ErrTypeDeviceClaimedTwice)
 	case errors.Is(err, store.ErrBusy), errors.Is(err, supervise.ErrBusy), errors.Is(err, errBusy):
 		return retryable(workflows.ErrTypeBusy)
-	case errors.Is(err, vmm.ErrStillAlive):
+	case errors.Is(err, vmm.ErrStillAlive), errors.Is(err, supervise.ErrStillRunning):
 		return retryable(ErrTypeStillAlive)
+	case errors.Is(err, spec.ErrNoVGPUDriver):
+		return nonRetryable(workflows.ErrTypeVGPUUnavailable)
 	case errors.Is(err, vmm.ErrLaunchExited), errors.Is(err, vmm.ErrLaunchTimeout):
 		return retryable(ErrTypeLaunchFailed)
 	case errors.Is(err, store.ErrClaimHeld):

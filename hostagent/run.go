@@ -87,6 +87,7 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 	}
 
 	var gpus activities.GPUs
+	var devs spec.Devices // nil interface, not a typed nil, without vGPUs
 	var profiles func(context.Context) ([]string, error)
 	if cfg.VGPUDriver != "none" {
 		claims, err := newClaims(cfg, st, log)
@@ -94,7 +95,7 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 			return err
 		}
 		if claims != nil {
-			gpus, profiles = claims, claims.Profiles
+			gpus, devs, profiles = claims, claims, claims.Profiles
 			if !cfg.VGPUAttach {
 				log.Warn("--vgpu-attach=false: vGPUs are claimed and released but not given to QEMU; this is for the vgpu-sim simulator only, never for production")
 			}
@@ -115,8 +116,10 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 	sup, err := supervise.New(supervise.Config{
 		Store: st, QEMU: cfg.QEMU, Logger: log,
 		GracefulTimeout: cfg.GracefulTimeout, GroupExitCap: cfg.GroupExitCap,
-		SpecFromRecord: acts.SpecFor,
-		RunAs:          runAs, RunWith: runWith,
+		// Before every launch and restart: the vGPU device made sure of
+		// (re-created after a reboot), then QEMU's spec from the record.
+		PrepareLaunch: spec.PrepareLaunch(devs, cfg.VGPUAttach),
+		RunAs:         runAs, RunWith: runWith,
 		OnExitRecorded: func(d time.Duration) { am.ExitDetect.Observe(d.Seconds()) },
 	})
 	if err != nil {
