@@ -34,6 +34,12 @@ type Config struct {
 	// agent is noticed only when an attempt times out, so the crash tests
 	// run with a few seconds here; production leaves it 0.
 	ActivityTimeoutCap time.Duration
+	// DeleteStuckAfter is the default bound after which a delete stage
+	// that has not advanced (BeginDelete, StopVM, WaitVMExit, TearDown,
+	// DeleteRecord) shows needs-attention with its last error. A delete
+	// records the value once when it starts (its stuck_after_seconds, or
+	// this), so changing it affects only deletes started afterwards.
+	DeleteStuckAfter time.Duration
 }
 
 // DefaultConfig is the production configuration.
@@ -47,6 +53,9 @@ func DefaultConfig() Config {
 		SpawnHostWait:          10 * time.Minute,
 		GracefulTimeout:        10 * time.Second,
 		GroupExitCap:           30 * time.Second,
+		// A QEMU in D state after SIGKILL during a VFIO reset can take
+		// minutes to leave; longer than that is worth a look.
+		DeleteStuckAfter: 5 * time.Minute,
 	}
 }
 
@@ -71,6 +80,7 @@ func New(cfg Config) *Workflows {
 	set(&cfg.SpawnHostWait, d.SpawnHostWait)
 	set(&cfg.GracefulTimeout, d.GracefulTimeout)
 	set(&cfg.GroupExitCap, d.GroupExitCap)
+	set(&cfg.DeleteStuckAfter, d.DeleteStuckAfter)
 	return &Workflows{cfg: cfg}
 }
 
@@ -88,16 +98,29 @@ func (w *Workflows) Register(r Registry) {
 
 // Retry policies. "Unlimited" ones back off to a minute: the pending
 // activity card in the Web UI shows the attempt and the last failure.
+// RecordUnreadable and VGPUUnavailable never go away by retrying: an
+// operator has to repair the host first.
 var (
 	retryFew = &temporal.RetryPolicy{
 		InitialInterval: time.Second, BackoffCoefficient: 2, MaximumInterval: 10 * time.Second, MaximumAttempts: 3,
-		NonRetryableErrorTypes: []string{ErrTypeInvalidInput, ErrTypeIdentityMismatch, ErrTypeConflict, ErrTypeInstanceDeleting},
+		NonRetryableErrorTypes: []string{ErrTypeInvalidInput, ErrTypeIdentityMismatch, ErrTypeConflict, ErrTypeInstanceDeleting,
+			ErrTypeRecordUnreadable, ErrTypeVGPUUnavailable},
 	}
 	retryForever = &temporal.RetryPolicy{
 		InitialInterval: time.Second, BackoffCoefficient: 2, MaximumInterval: time.Minute,
-		NonRetryableErrorTypes: []string{ErrTypeInvalidInput, ErrTypeIdentityMismatch},
+		NonRetryableErrorTypes: []string{ErrTypeInvalidInput, ErrTypeIdentityMismatch, ErrTypeRecordUnreadable, ErrTypeVGPUUnavailable},
 	}
 )
+
+// slowStart is p with its first retry at p's longest interval: a stage
+// retried again after a stuck period has already backed off, and starting
+// at one second again would spend about twice the activity attempts per
+// period.
+func slowStart(p *temporal.RetryPolicy) *temporal.RetryPolicy {
+	q := *p
+	q.InitialInterval = max(p.InitialInterval, p.MaximumInterval)
+	return &q
+}
 
 func (w *Workflows) calls() map[string]hostCall {
 	calls := w.uncappedCalls()
