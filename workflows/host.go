@@ -185,7 +185,7 @@ func (h *hostRunner) runStage(ctx workflow.Context, c hostCall, in, out any) err
 		if retryable(c.retry, err) {
 			// Only running out of time ends a retryable round.
 			h.t.attention(ctx, stage, fmt.Sprintf("no progress for %s, retrying: %s", h.stuckAfter, errorText(err)), round, time.Time{})
-			c.retry = slowStart(c.retry)
+			c.retry = slowStart(c.retry, h.stuckAfter)
 		} else {
 			h.t.attention(ctx, stage, errorText(err)+
 				" (not retried: repair the host, then signal retry; if the host is gone for good, signal abandon with a reason)",

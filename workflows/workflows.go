@@ -112,13 +112,15 @@ var (
 	}
 )
 
-// slowStart is p with its first retry at p's longest interval: a stage
-// retried again after a stuck period has already backed off, and starting
-// at one second again would spend about twice the activity attempts per
-// period.
-func slowStart(p *temporal.RetryPolicy) *temporal.RetryPolicy {
+// slowStart is p with its first retry at p's longest interval, or at half
+// the stuck bound when that is shorter: a stage retried again after a stuck
+// period has already backed off, and starting at one second again would
+// spend about twice the activity attempts per period; a first interval
+// longer than the period would end every round after one attempt and
+// reschedule at once, a busy loop.
+func slowStart(p *temporal.RetryPolicy, bound time.Duration) *temporal.RetryPolicy {
 	q := *p
-	q.InitialInterval = max(p.InitialInterval, p.MaximumInterval)
+	q.InitialInterval = max(p.InitialInterval, min(p.MaximumInterval, bound/2))
 	return &q
 }
 
