@@ -51,6 +51,7 @@ flags:
 	fs.DurationVar(&c.Workflows.UnreachableBackoff, "unreachable-backoff", d.UnreachableBackoff, "first wait after a host was found unreachable; doubles")
 	fs.DurationVar(&c.Workflows.UnreachableBackoffMax, "unreachable-backoff-max", d.UnreachableBackoffMax, "longest wait between tries of an unreachable host")
 	fs.DurationVar(&c.Workflows.SpawnHostWait, "spawn-host-wait", d.SpawnHostWait, "how long a spawn waits for an unreachable host before it fails")
+	fs.DurationVar(&c.Workflows.DeleteStuckAfter, "delete-stuck-after", d.DeleteStuckAfter, "a delete stage that has not advanced for this long shows needs-attention with its last error (default of DeleteRequest.stuck_after_seconds; recorded when a delete starts)")
 	fs.DurationVar(&c.Workflows.ActivityTimeoutCap, "activity-timeout-cap", 0, "cap every host activity's StartToClose and heartbeat timeout (tests that kill the agent; 0: off)")
 	if err := fs.Parse(args); err != nil {
 		return c, err
@@ -65,10 +66,15 @@ flags:
 		"release-backoff": c.Workflows.ReleaseBackoff, "release-backoff-max": c.Workflows.ReleaseBackoffMax,
 		"host-pickup-timeout": c.Workflows.ScheduleToStartTimeout, "unreachable-backoff": c.Workflows.UnreachableBackoff,
 		"unreachable-backoff-max": c.Workflows.UnreachableBackoffMax, "spawn-host-wait": c.Workflows.SpawnHostWait,
+		"delete-stuck-after": c.Workflows.DeleteStuckAfter,
 	} {
 		if v <= 0 {
 			return c, fmt.Errorf("--%s must be positive, got %s", name, v)
 		}
+	}
+	if c.Workflows.DeleteStuckAfter < time.Second {
+		// Recorded in whole seconds (stuck_after_seconds).
+		return c, fmt.Errorf("--delete-stuck-after %s is below one second", c.Workflows.DeleteStuckAfter)
 	}
 	if c.Workflows.ReleaseBackoffMax < c.Workflows.ReleaseBackoff {
 		return c, fmt.Errorf("--release-backoff-max %s is below --release-backoff %s", c.Workflows.ReleaseBackoffMax, c.Workflows.ReleaseBackoff)

@@ -17,15 +17,17 @@ func TestParseConfigDefaults(t *testing.T) {
 	assert.Equal(t, workflows.DefaultTaskQueue, c.TaskQueue)
 	assert.Equal(t, workflows.DefaultConfig().ReleaseBackoff, c.Workflows.ReleaseBackoff)
 	assert.Equal(t, workflows.DefaultConfig().SpawnHostWait, c.Workflows.SpawnHostWait)
+	assert.Equal(t, 5*time.Minute, c.Workflows.DeleteStuckAfter)
 }
 
 func TestParseConfigFlags(t *testing.T) {
-	c, err := parseConfig([]string{"--task-queue", "q2", "--release-backoff", "1s", "--release-backoff-max", "4s", "--metrics-addr", "127.0.0.1:0"}, io.Discard)
+	c, err := parseConfig([]string{"--task-queue", "q2", "--release-backoff", "1s", "--release-backoff-max", "4s", "--metrics-addr", "127.0.0.1:0", "--delete-stuck-after", "90s"}, io.Discard)
 	require.NoError(t, err)
 	assert.Equal(t, "q2", c.TaskQueue)
 	assert.Equal(t, time.Second, c.Workflows.ReleaseBackoff)
 	assert.Equal(t, 4*time.Second, c.Workflows.ReleaseBackoffMax)
 	assert.Equal(t, "127.0.0.1:0", c.MetricsAddr)
+	assert.Equal(t, 90*time.Second, c.Workflows.DeleteStuckAfter)
 }
 
 func TestParseConfigRejects(t *testing.T) {
@@ -35,6 +37,8 @@ func TestParseConfigRejects(t *testing.T) {
 		{"--release-backoff", "-1s"},
 		{"--release-backoff", "10m", "--release-backoff-max", "1m"},
 		{"--spawn-host-wait", "0"},
+		{"--delete-stuck-after", "0"},
+		{"--delete-stuck-after", "500ms"},
 		{"extra"},
 		{"--no-such-flag"},
 	} {

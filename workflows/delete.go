@@ -20,6 +20,15 @@ import (
 // timer or at once on the retry signal. It never fails because the host is
 // away; only the abandon signal, while the host is unreachable, ends it
 // without cleaning up.
+//
+// Every other stage runs through hostRunner.runStage: one that has not
+// advanced for stuck_after_seconds shows needs-attention with its last
+// error, and one that failed for good waits for retry or abandon, never
+// failing the delete with the record and claim left behind.
+//
+// A failed spawn's clean-up names its spawn (only_if_created_by_*): the
+// host then leaves a record another spawn created alone, and the delete
+// ends at once as not-owned (invariant 9).
 func (w *Workflows) DeleteInstance(ctx workflow.Context, req *vmflowv1.DeleteRequest) (*vmflowv1.DeleteResult, error) {
 	if req == nil {
 		return nil, invalidInput("empty delete request")
@@ -30,13 +39,16 @@ func (w *Workflows) DeleteInstance(ctx workflow.Context, req *vmflowv1.DeleteReq
 	if !ValidID(req.GetHostId()) {
 		return nil, invalidInput("host_id %q: must match %s", req.GetHostId(), idPattern)
 	}
+	stuckAfter := w.stuckBound(ctx, req)
 	t, err := newTracker(ctx, "delete", req.GetInstanceId(), req.GetHostId())
 	if err != nil {
 		return nil, err
 	}
+	t.onlyChanges = stuckAfter > 0 // new runs only: see stuckBound
 	h := &hostRunner{
 		w: w, t: t, hostID: req.GetHostId(), canLoop: true,
-		abandonCh: workflow.GetSignalChannel(ctx, AbandonSignal),
+		abandonCh:  workflow.GetSignalChannel(ctx, AbandonSignal),
+		stuckAfter: stuckAfter,
 	}
 	calls := w.calls()
 	ref := &vmflowv1.InstanceRef{InstanceId: req.GetInstanceId()}
@@ -59,8 +71,22 @@ func (w *Workflows) DeleteInstance(ctx workflow.Context, req *vmflowv1.DeleteReq
 
 	t.stage(ctx, StageMarkingStopped)
 	var begin vmflowv1.BeginDeleteResult
-	if err := h.run(ctx, calls[ActivityBeginDelete], ref, &begin); err != nil {
+	beginIn := &vmflowv1.BeginDeleteRequest{
+		InstanceId:                req.GetInstanceId(),
+		OnlyIfCreatedByWorkflowId: req.GetOnlyIfCreatedByWorkflowId(),
+		OnlyIfCreatedByRunId:      req.GetOnlyIfCreatedByRunId(),
+	}
+	if err := h.runStage(ctx, calls[ActivityBeginDelete], beginIn, &begin); err != nil {
 		return end(err)
+	}
+	if begin.GetNotOwned() {
+		// The host touched nothing; the instance belongs to the spawn
+		// that created it, which is not a failure of this delete.
+		t.logger.Info("record created by another spawn: left alone", "created_by", begin.GetCreatedBy(),
+			"workflow_id", req.GetOnlyIfCreatedByWorkflowId(), "run_id", req.GetOnlyIfCreatedByRunId())
+		t.status.NeedsAttention = false
+		t.stage(ctx, StageNotOwned)
+		return &vmflowv1.DeleteResult{NotOwned: true, CreatedBy: begin.GetCreatedBy()}, nil
 	}
 	if begin.GetAlreadyAbsent() {
 		t.stage(ctx, StageAlreadyAbsent)
@@ -75,12 +101,12 @@ func (w *Workflows) DeleteInstance(ctx workflow.Context, req *vmflowv1.DeleteReq
 		stopCall.timeout += g - w.cfg.GracefulTimeout
 	}
 	var stopped vmflowv1.StopVMResult
-	if err := h.run(ctx, stopCall, stopIn, &stopped); err != nil {
+	if err := h.runStage(ctx, stopCall, stopIn, &stopped); err != nil {
 		return end(err)
 	}
 
 	t.stage(ctx, StageWaitingExit)
-	if err := h.run(ctx, calls[ActivityWaitVMExit], ref, nil); err != nil {
+	if err := h.runStage(ctx, calls[ActivityWaitVMExit], ref, nil); err != nil {
 		return end(err)
 	}
 
@@ -89,10 +115,10 @@ func (w *Workflows) DeleteInstance(ctx workflow.Context, req *vmflowv1.DeleteReq
 	}
 
 	t.stage(ctx, StageTearingDown)
-	if err := h.run(ctx, calls[ActivityTearDown], ref, nil); err != nil {
+	if err := h.runStage(ctx, calls[ActivityTearDown], ref, nil); err != nil {
 		return end(err)
 	}
-	if err := h.run(ctx, calls[ActivityDeleteRecord], ref, nil); err != nil {
+	if err := h.runStage(ctx, calls[ActivityDeleteRecord], ref, nil); err != nil {
 		return end(err)
 	}
 	t.setRetained(ctx, false)
@@ -167,8 +193,43 @@ func (w *Workflows) continueDelete(ctx workflow.Context, t *tracker, req *vmflow
 		GracefulTimeoutSeconds:  req.GetGracefulTimeoutSeconds(),
 		CarriedAttempts:         req.GetCarriedAttempts(),
 		CarriedFirstFailureTime: req.GetCarriedFirstFailureTime(),
+		// The bound recorded when the delete started (0 from a run that
+		// predates it: the next run records the worker's default).
+		StuckAfterSeconds:         req.GetStuckAfterSeconds(),
+		OnlyIfCreatedByWorkflowId: req.GetOnlyIfCreatedByWorkflowId(),
+		OnlyIfCreatedByRunId:      req.GetOnlyIfCreatedByRunId(),
 	}
 	return workflow.NewContinueAsNewError(ctx, DeleteWorkflow, next)
+}
+
+// versionStuckBound marks delete runs that bound their stages (runStage)
+// and upsert search attributes only on change. Runs recorded before it
+// replay with neither.
+const versionStuckBound = "delete-stuck-bound"
+
+// stuckBound returns the run's stuck bound, fixed for the whole delete:
+// the request's stuck_after_seconds, or the worker's default recorded once
+// with SideEffect, so a replay on a worker with another flag value sees the
+// same bound. It stores the value in req, which continue-as-new carries.
+// 0: a run from before the bound existed.
+func (w *Workflows) stuckBound(ctx workflow.Context, req *vmflowv1.DeleteRequest) time.Duration {
+	if workflow.GetVersion(ctx, versionStuckBound, workflow.DefaultVersion, 1) == workflow.DefaultVersion {
+		return 0
+	}
+	secs := req.GetStuckAfterSeconds()
+	if secs == 0 {
+		def := w.cfg.DeleteStuckAfter
+		err := workflow.SideEffect(ctx, func(workflow.Context) any {
+			return uint32(max(def/time.Second, 1))
+		}).Get(&secs)
+		if err != nil || secs == 0 {
+			// Cannot happen with the default converter; a constant keeps
+			// the run deterministic if it does.
+			secs = uint32(DefaultConfig().DeleteStuckAfter / time.Second)
+		}
+		req.StuckAfterSeconds = secs
+	}
+	return time.Duration(secs) * time.Second
 }
 
 func deleteSummary(req *vmflowv1.DeleteRequest) string {

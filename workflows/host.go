@@ -3,6 +3,7 @@ package workflows
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	enumspb "go.temporal.io/api/enums/v1"
@@ -20,6 +21,9 @@ type hostCall struct {
 	timeout   time.Duration // StartToClose of one attempt
 	heartbeat time.Duration // 0: the activity does not heartbeat
 	retry     *temporal.RetryPolicy
+	// scheduleToClose bounds all attempts together; 0: no bound (the
+	// retry policy decides). Set by runStage only.
+	scheduleToClose time.Duration
 }
 
 var (
@@ -45,6 +49,10 @@ type hostRunner struct {
 	giveUp    time.Duration           // 0: wait forever
 	abandonCh workflow.ReceiveChannel // nil: abandon not accepted
 	canLoop   bool                    // continue-as-new may be requested from the wait loop
+	// stuckAfter: a stage run by runStage that has not succeeded for this
+	// long shows needs-attention. 0: runStage is plain run (runs started
+	// before the bound existed replay that way).
+	stuckAfter time.Duration
 
 	unreachableSince time.Time
 	abandonReason    string
@@ -55,6 +63,7 @@ func (h *hostRunner) options(c hostCall) workflow.ActivityOptions {
 		TaskQueue:              HostTaskQueue(h.hostID),
 		ScheduleToStartTimeout: h.w.cfg.ScheduleToStartTimeout,
 		StartToCloseTimeout:    c.timeout,
+		ScheduleToCloseTimeout: c.scheduleToClose,
 		HeartbeatTimeout:       c.heartbeat,
 		RetryPolicy:            c.retry,
 		Summary:                fmt.Sprintf("%s %s", c.summary, h.t.instanceID),
@@ -104,20 +113,7 @@ func (h *hostRunner) run(ctx workflow.Context, c hostCall, in, out any) error {
 			h.rejectStaleAbandons()
 		}
 		abandoned := false
-		h.t.waitRetry(ctx, wait, func(sel workflow.Selector) {
-			if h.abandonCh == nil {
-				return
-			}
-			sel.AddReceive(h.abandonCh, func(ch workflow.ReceiveChannel, more bool) {
-				var sig vmflowv1.AbandonSignal
-				ch.Receive(ctx, &sig)
-				if sig.GetReason() == "" {
-					h.t.logger.Warn("abandon refused: a reason is required")
-					return
-				}
-				abandoned, h.abandonReason = true, sig.GetReason()
-			})
-		})
+		h.t.waitRetry(ctx, wait, h.abandonCase(ctx, &abandoned))
 		if abandoned {
 			return errAbandoned
 		}
@@ -126,6 +122,117 @@ func (h *hostRunner) run(ctx workflow.Context, c hostCall, in, out any) error {
 		}
 		h.t.status.Stage = prev // shown again while the next attempt is scheduled
 	}
+}
+
+// abandonCase adds the abandon signal to a wait's selector (when this
+// runner accepts abandon): one with a reason sets *abandoned and the
+// reason; one without is refused and ends the wait with nothing set.
+func (h *hostRunner) abandonCase(ctx workflow.Context, abandoned *bool) func(workflow.Selector) {
+	return func(sel workflow.Selector) {
+		if h.abandonCh == nil {
+			return
+		}
+		sel.AddReceive(h.abandonCh, func(ch workflow.ReceiveChannel, more bool) {
+			var sig vmflowv1.AbandonSignal
+			ch.Receive(ctx, &sig)
+			if sig.GetReason() == "" {
+				h.t.logger.Warn("abandon refused: a reason is required")
+				return
+			}
+			*abandoned, h.abandonReason = true, sig.GetReason()
+		})
+	}
+}
+
+// runStage runs one stage activity of a delete that retries without limit
+// (BeginDelete, StopVM, WaitVMExit, TearDown, DeleteRecord) so that it is
+// never stuck unseen and never fails the delete:
+//
+//   - Each round of SDK retries is bounded by ScheduleToClose = stuckAfter
+//     (at least one pickup plus one whole attempt). A round that runs out
+//     shows the stage with needs-attention, the round as the attempt and
+//     the last attempt's failure, and the next round starts at once;
+//     needs-attention stays until the stage succeeds.
+//   - A non-retryable failure (IdentityMismatch, RecordUnreadable,
+//     VGPUUnavailable, ...) parks the stage in the same state, with no
+//     timer, until the retry signal (the operator repaired the host) or
+//     abandon with a reason (the host is gone).
+//
+// It returns nil, errAbandoned, errContinueAsNew or the cancel of ctx.
+func (h *hostRunner) runStage(ctx workflow.Context, c hostCall, in, out any) error {
+	if h.stuckAfter <= 0 {
+		return h.run(ctx, c, in, out)
+	}
+	stage := h.t.status.Stage
+	c.scheduleToClose = max(h.stuckAfter, h.w.cfg.ScheduleToStartTimeout+c.timeout)
+	for round := uint32(1); ; round++ {
+		if round > 1 {
+			// Details only: the search attributes have not changed.
+			h.t.status.Stage, h.t.status.Attempt = stage, round
+			h.t.publish(ctx)
+		}
+		err := h.run(ctx, c, in, out)
+		if err == nil {
+			h.t.recovered(ctx)
+			return nil
+		}
+		if errors.Is(err, errAbandoned) || errors.Is(err, errContinueAsNew) || errors.Is(err, errHostGaveUp) {
+			return err
+		}
+		if cerr := ctx.Err(); cerr != nil {
+			return cerr
+		}
+		if retryable(c.retry, err) {
+			// Only running out of time ends a retryable round.
+			h.t.attention(ctx, stage, fmt.Sprintf("no progress for %s, retrying: %s", h.stuckAfter, errorText(err)), round, time.Time{})
+			c.retry = slowStart(c.retry, h.stuckAfter)
+		} else {
+			h.t.attention(ctx, stage, errorText(err)+
+				" (not retried: repair the host, then signal retry; if the host is gone for good, signal abandon with a reason)",
+				round, time.Time{})
+			if err := h.park(ctx); err != nil {
+				return err
+			}
+		}
+		if h.canLoop && workflow.GetInfo(ctx).GetContinueAsNewSuggested() {
+			return errContinueAsNew
+		}
+	}
+}
+
+// park waits, without a timer, for the retry signal (nil) or an abandon
+// with a reason (errAbandoned). Abandons sent before the stage parked are
+// refused, as they are before a host is unreachable.
+func (h *hostRunner) park(ctx workflow.Context) error {
+	if h.abandonCh != nil {
+		h.rejectStaleAbandons()
+	}
+	for {
+		abandoned := false
+		retried := h.t.waitRetry(ctx, 0, h.abandonCase(ctx, &abandoned))
+		switch {
+		case abandoned:
+			return errAbandoned
+		case retried:
+			return nil
+		case ctx.Err() != nil:
+			return ctx.Err()
+		}
+		// An abandon without a reason was refused: keep waiting.
+	}
+}
+
+// retryable reports whether err, returned by an activity that ran under p,
+// is one that p retries: not an application error marked non-retryable or
+// of one of p's non-retryable types. For a policy without an attempt limit
+// such an error comes back only when ScheduleToClose ran out (as the last
+// failure, or as the cause of the timeout).
+func retryable(p *temporal.RetryPolicy, err error) bool {
+	var appErr *temporal.ApplicationError
+	if !errors.As(err, &appErr) {
+		return true
+	}
+	return !appErr.NonRetryable() && (p == nil || !slices.Contains(p.NonRetryableErrorTypes, appErr.Type()))
 }
 
 // rejectStaleAbandons drops abandon signals sent while the host was still
@@ -153,9 +260,16 @@ func errorText(err error) string {
 		}
 		return appErr.Message()
 	}
-	var te *temporal.TimeoutError
-	if errors.As(err, &te) {
-		return "timeout (" + te.TimeoutType().String() + "): " + te.Message()
+	// A ScheduleToClose timeout wraps the last attempt's failure, which may
+	// be a timeout itself (a StopVM that hung): the innermost one says most.
+	var last *temporal.TimeoutError
+	for e := err; e != nil; e = errors.Unwrap(e) {
+		if te, ok := e.(*temporal.TimeoutError); ok {
+			last = te
+		}
+	}
+	if last != nil {
+		return "timeout (" + last.TimeoutType().String() + "): " + last.Message()
 	}
 	return err.Error()
 }

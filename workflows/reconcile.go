@@ -1,6 +1,8 @@
 package workflows
 
 import (
+	"fmt"
+
 	"go.temporal.io/sdk/workflow"
 
 	vmflowv1 "vmflow/proto/vmflow/v1"
@@ -8,7 +10,8 @@ import (
 
 // ReconcileVGPU runs one host's vGPU reconcile (the agent's Schedule starts
 // it every minute) and wakes every delete whose claim it released, so a
-// delete waiting out a long backoff finishes now.
+// delete waiting out a long backoff finishes now. A round that found
+// unreadable records ends with needs-attention set.
 func (w *Workflows) ReconcileVGPU(ctx workflow.Context, req *vmflowv1.ReconcileVGPURequest) (*vmflowv1.ReconcileVGPUResult, error) {
 	if req == nil || !ValidID(req.GetHostId()) {
 		return nil, invalidInput("host_id %q: must match %s", req.GetHostId(), idPattern)
@@ -35,6 +38,16 @@ func (w *Workflows) ReconcileVGPU(ctx workflow.Context, req *vmflowv1.ReconcileV
 		if err != nil {
 			t.logger.Info("retry not delivered", "workflow_id", DeleteWorkflowID(id), "error", err.Error())
 		}
+	}
+	if n := res.GetUnreadableRecords(); n > 0 {
+		// The agent removes no orphan device while a record it cannot
+		// read may claim one; until that record is repaired or removed,
+		// every round says so.
+		t.status.NeedsAttention = true
+		t.status.LastError = fmt.Sprintf("%d instance record(s) on host %s cannot be read: no orphan vGPU device was removed "+
+			"(an unreadable record may claim it); repair or remove the record(s) (see the agent log, vmflow_records_unreadable)",
+			n, req.GetHostId())
+		t.logger.Warn("needs attention", "error", t.status.LastError)
 	}
 	t.stage(ctx, StageReconciled)
 	return &res, nil

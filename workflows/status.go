@@ -24,6 +24,15 @@ type tracker struct {
 	status     *vmflowv1.WorkflowStatus
 	retryCh    workflow.ReceiveChannel
 	logger     log.Logger
+
+	// onlyChanges: upsert the search attributes only when their values
+	// changed (an upsert is a command and a billed action). Runs recorded
+	// before this existed upserted on every publish; they replay with it
+	// off (see DeleteInstance's version check).
+	onlyChanges bool
+	upserted    bool // the values below were sent
+	sentStage   string
+	sentNeeds   bool
 }
 
 func newTracker(ctx workflow.Context, kind, instanceID, hostID string) (*tracker, error) {
@@ -69,11 +78,21 @@ func (t *tracker) stage(ctx workflow.Context, stage string) {
 
 // failed records a failure that the workflow will retry at next.
 func (t *tracker) failed(ctx workflow.Context, stage string, err error, attempt uint32, next time.Time) {
+	t.attention(ctx, stage, errorText(err), attempt, next)
+}
+
+// attention shows stage as needing attention with text as its last error;
+// a zero next means no retry is scheduled (one runs now, or the workflow
+// waits for a signal).
+func (t *tracker) attention(ctx workflow.Context, stage, text string, attempt uint32, next time.Time) {
 	t.status.Stage = stage
 	t.status.Attempt = attempt
-	t.status.LastError = errorText(err)
+	t.status.LastError = text
 	t.status.NeedsAttention = true
-	t.status.NextRetryTime = next.UTC().Format(time.RFC3339)
+	t.status.NextRetryTime = ""
+	if !next.IsZero() {
+		t.status.NextRetryTime = next.UTC().Format(time.RFC3339)
+	}
 	t.publish(ctx)
 	t.logger.Warn("needs attention", "stage", stage, "attempt", attempt, "error", t.status.LastError,
 		"next_retry_time", t.status.NextRetryTime)
@@ -101,13 +120,20 @@ func (t *tracker) setRetained(ctx workflow.Context, retained bool) {
 }
 
 func (t *tracker) publish(ctx workflow.Context) {
+	// Current Details is workflow metadata, not a command: it is always
+	// refreshed, so the attempt and last error stay current for free.
+	workflow.SetCurrentDetails(ctx, t.details())
+	if t.onlyChanges && t.upserted && t.sentStage == t.status.Stage && t.sentNeeds == t.status.NeedsAttention {
+		return
+	}
 	if err := workflow.UpsertTypedSearchAttributes(ctx,
 		SAStage.ValueSet(t.status.Stage),
 		SANeedsAttention.ValueSet(t.status.NeedsAttention),
 	); err != nil {
 		t.logger.Warn("upsert search attributes failed", "error", err.Error())
+		return
 	}
-	workflow.SetCurrentDetails(ctx, t.details())
+	t.upserted, t.sentStage, t.sentNeeds = true, t.status.Stage, t.status.NeedsAttention
 }
 
 // details is the Current Details markdown the Web UI shows between
@@ -135,12 +161,19 @@ func (t *tracker) details() string {
 }
 
 // waitRetry blocks until the retry signal arrives, d passes, or one of the
-// extra selector cases fires. It reports whether the retry signal ended it.
+// extra selector cases fires. d <= 0 starts no timer: only a signal (or a
+// cancel of ctx) ends the wait, which costs nothing however long it lasts.
+// It reports whether the retry signal ended it.
 func (t *tracker) waitRetry(ctx workflow.Context, d time.Duration, extra ...func(workflow.Selector)) bool {
 	timerCtx, cancel := workflow.WithCancel(ctx)
 	defer cancel()
 	sel := workflow.NewSelector(ctx)
-	sel.AddFuture(workflow.NewTimer(timerCtx, d), func(workflow.Future) {})
+	if d > 0 {
+		sel.AddFuture(workflow.NewTimer(timerCtx, d), func(workflow.Future) {})
+	} else {
+		// Without a timer nothing else would end the wait on a cancel.
+		sel.AddReceive(ctx.Done(), func(workflow.ReceiveChannel, bool) {})
+	}
 	signalled := false
 	sel.AddReceive(t.retryCh, func(c workflow.ReceiveChannel, more bool) {
 		var sig vmflowv1.RetrySignal
