@@ -55,7 +55,7 @@ func TestResentSpawnNeverDestroysExistingInstance(t *testing.T) {
 	marked, err := e.st.ManualStop(id)
 	require.NoError(t, err)
 	assert.False(t, marked, "no delete began")
-	_, err = e.c.DescribeWorkflowExecution(e.ctx(10*time.Second), workflows.DeleteWorkflowID(id), "")
+	_, err = e.c.DescribeWorkflow(e.ctx(10*time.Second), workflows.DeleteWorkflowID(id), "")
 	assert.Error(t, err, "no DeleteInstance was started for X")
 
 	// X answers again: a re-sent spawn is X's success, not a second VM.
