@@ -22,6 +22,7 @@ import (
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/supervise"
 	"vmflow/hostagent/vmm"
+	"vmflow/internal/crashpoint"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 	"vmflow/workflows"
 )
@@ -178,6 +179,7 @@ func (a *Activities) CreateRecord(ctx context.Context, req *vmflowv1.SpawnReques
 	if err != nil {
 		return nil, classify(fmt.Errorf("create record: %w", err))
 	}
+	crashpoint.Hit(crashpoint.ActivityCreateRecordDone)
 	log.Info("record created", zap.Bool("already_existed", existed))
 	return &vmflowv1.CreateRecordResult{InstanceUuid: rec.GetSpec().GetUuid(), AlreadyExisted: existed}, nil
 }
@@ -196,6 +198,7 @@ func (a *Activities) ClaimVGPU(ctx context.Context, req *vmflowv1.ClaimVGPUReque
 	if err != nil {
 		return nil, classify(fmt.Errorf("claim vGPU: %w", err))
 	}
+	crashpoint.Hit(crashpoint.ActivityClaimVGPUDone)
 	log.Info("vGPU claimed", zap.String("device_id", claimDevice(claim)), zap.String("profile", claim.GetProfile()))
 	return &vmflowv1.ClaimVGPUResult{DeviceId: claimDevice(claim), Parent: claim.GetParent(), Profile: claim.GetProfile()}, nil
 }
@@ -233,6 +236,7 @@ func (a *Activities) LaunchVM(ctx context.Context, ref *vmflowv1.LaunchVMRequest
 	if a.Metrics != nil && !res.AlreadyRunning {
 		a.Metrics.LaunchDuration.Observe(res.Duration.Seconds())
 	}
+	crashpoint.Hit(crashpoint.ActivityLaunchVMDone)
 	paths, _ := a.Store.Paths(ref.GetInstanceId())
 	log.Info("VM running", zap.Int("pid", res.Identity.PID), zap.Bool("already_running", res.AlreadyRunning), zap.Duration("took", res.Duration))
 	return &vmflowv1.LaunchVMResult{Pid: int32(res.Identity.PID), QmpSocket: paths.Socket, AlreadyRunning: res.AlreadyRunning}, nil
@@ -279,6 +283,7 @@ func (a *Activities) BeginDelete(ctx context.Context, ref *vmflowv1.BeginDeleteR
 	if err != nil {
 		return nil, classify(fmt.Errorf("begin delete: %w", err))
 	}
+	crashpoint.Hit(crashpoint.BeginDeleteRecorded)
 	log.Info("delete begun", zap.String("state", store.StateName(rec.GetState())), zap.Bool("has_claim", store.ClaimHeld(rec)))
 	return &vmflowv1.BeginDeleteResult{HasClaim: store.ClaimHeld(rec)}, nil
 }
@@ -307,6 +312,7 @@ func (a *Activities) StopVM(ctx context.Context, req *vmflowv1.StopVMRequest) (*
 	if a.Metrics != nil && !res.AlreadyGone {
 		a.Metrics.StopDuration.Observe(res.Total.Seconds())
 	}
+	crashpoint.Hit(crashpoint.ActivityStopVMDone)
 	step := stepNeeded(res.StopResult)
 	log.Info("VM stopped", zap.String("step_reached", step), zap.Bool("already_gone", res.AlreadyGone),
 		zap.Duration("took", res.Total), zap.Bool("child", res.Child))
@@ -344,6 +350,7 @@ func (a *Activities) WaitVMExit(ctx context.Context, ref *vmflowv1.InstanceRef) 
 	if err != nil {
 		return classify(fmt.Errorf("wait for exit: %w", err))
 	}
+	crashpoint.Hit(crashpoint.ActivityWaitVMExitDone)
 	log.Info("thread group gone")
 	return nil
 }
@@ -371,6 +378,7 @@ func (a *Activities) ReleaseVGPU(ctx context.Context, ref *vmflowv1.InstanceRef)
 		ce := classify(fmt.Errorf("release vGPU of %s: %w", ref.GetInstanceId(), err))
 		return nil, retype(ce, ErrTypeReleaseFailed)
 	}
+	crashpoint.Hit(crashpoint.ActivityReleaseVGPUDone)
 	if released {
 		log.Info("vGPU released", zap.String("device_id", dev))
 	}
@@ -408,6 +416,7 @@ func (a *Activities) TearDown(ctx context.Context, ref *vmflowv1.InstanceRef) er
 			return classify(fmt.Errorf("tear down: %w", err))
 		}
 	}
+	crashpoint.Hit(crashpoint.TearDownSocketRemoved)
 	log.Info("runtime files removed")
 	return nil
 }
@@ -435,6 +444,7 @@ func (a *Activities) DeleteRecord(ctx context.Context, ref *vmflowv1.InstanceRef
 	if err != nil {
 		return classify(fmt.Errorf("delete record: %w", err))
 	}
+	crashpoint.Hit(crashpoint.ActivityDeleteRecordDone)
 	log.Info("record deleted")
 	return nil
 }
