@@ -21,6 +21,7 @@ import (
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vgpu/vgpusim"
 	"vmflow/internal/crashpoint"
+	"vmflow/internal/stacktest"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 	"vmflow/workflows"
 )
@@ -63,6 +64,26 @@ type crashCase struct {
 	workflow string // worker cases: "spawn" or "delete"
 	activity string // worker cases: killed after this activity completed
 	scenario scenario
+	vendor   bool // the agent runs the vendor-VFIO driver (else mdev)
+}
+
+// vendorProfile is a profile of the simulator's vendor-VFIO VFs; the mdev
+// runs use noneSpawn's.
+const vendorProfile = "NVIDIA L40-1Q"
+
+// agentLogLine is the agent's log message when each activity succeeded: a
+// worker case kills the worker as soon as the agent says it (the history
+// shows the completion only after the worker may already have moved on).
+var agentLogLine = map[string]string{
+	workflows.ActivityCreateRecord: "record created",
+	workflows.ActivityClaimVGPU:    "vGPU claimed",
+	workflows.ActivityLaunchVM:     "VM running",
+	workflows.ActivityBeginDelete:  "delete begun",
+	workflows.ActivityStopVM:       "VM stopped",
+	workflows.ActivityWaitVMExit:   "thread group gone",
+	workflows.ActivityReleaseVGPU:  "vGPU released",
+	workflows.ActivityTearDown:     "runtime files removed",
+	workflows.ActivityDeleteRecord: "record deleted",
 }
 
 // crashOutcome is one row of the matrix's table.
@@ -80,15 +101,20 @@ type crashOutcome struct {
 
 func crashCases() []crashCase {
 	var cases []crashCase
-	for _, p := range crashpoint.All {
-		c := crashCase{name: "agent/" + p, point: p}
-		switch p {
-		case crashpoint.StopKillSent:
-			c.scenario = stuckRun
-		case crashpoint.ReconcileReleased:
-			c.scenario = reconcileRun
+	for _, vendor := range []bool{false, true} {
+		for _, p := range crashpoint.All {
+			c := crashCase{name: "agent/" + p, point: p, vendor: vendor}
+			if vendor {
+				c.name = "agent-vendor/" + p
+			}
+			switch p {
+			case crashpoint.StopKillSent:
+				c.scenario = stuckRun
+			case crashpoint.ReconcileReleased:
+				c.scenario = reconcileRun
+			}
+			cases = append(cases, c)
 		}
-		cases = append(cases, c)
 	}
 	// The generic atomic write is hit by every record write: arm it at
 	// later writes too (the 2nd is the claim's intent, the 4th the pid,
@@ -211,25 +237,35 @@ func runCrashCase(t *testing.T, c crashCase, o *crashOutcome) {
 		workerArgs = append(workerArgs, "--release-backoff", "1h", "--release-backoff-max", "1h")
 	}
 	e := newEnv(t, envOptions{noStart: true, workerArgs: workerArgs})
+	if c.vendor {
+		e.agent.Args = append(e.agent.Args, "--vgpu-driver", "vendor") // the last flag wins
+	}
 	id := "crash-" + suffix(t)
 	plainEnv := slices.Clone(e.agent.Env)
 	if c.point != "" {
 		e.agent.Env = append(e.agent.Env, crashpoint.EnvVar+"="+c.point)
 	}
-	d := &crashDriver{e: e, c: c, o: o, plainEnv: plainEnv}
+	d := &crashDriver{e: e, c: c, o: o, plainEnv: plainEnv, neighbour: "crash-nb-" + suffix(t)}
+	if msg, ok := agentLogLine[c.activity]; ok {
+		e.agent.LineWatch = true
+		d.logSaid = e.agent.Watch(func(line string) bool { return strings.Contains(line, `"msg":"`+msg+`"`) })
+	}
 	e.agent.Start(t)
 	e.worker.Start(t)
 
 	// Spawn.
-	spawnRun := e.startSpawn(e.noneSpawn(id, true))
+	spawnRun := e.startSpawn(d.spawnRequest(id))
 	var res vmflowv1.SpawnResult
 	err := d.drive(spawnRun, "spawn", &res)
 	o.spawn = outcomeOf(err)
 	if err != nil {
-		o.violations = append(o.violations, "spawn failed: "+err.Error())
-	} else {
+		o.violations = append(o.violations, "spawn failed: "+short(err))
+	}
+	d.waitNeighbour()
+	if err == nil {
 		o.violations = append(o.violations, d.checkSpawned(id)...)
 	}
+	o.violations = append(o.violations, d.checkNeighbour("after spawn")...)
 
 	// Delete.
 	var qemu proc.Identity
@@ -253,9 +289,18 @@ func runCrashCase(t *testing.T, c crashCase, o *crashOutcome) {
 	err = d.drive(delRun, "delete", nil)
 	o.delete = outcomeOf(err)
 	if err != nil {
-		o.violations = append(o.violations, "delete failed: "+err.Error())
+		o.violations = append(o.violations, "delete failed: "+short(err))
 	}
+	d.waitNeighbour()
 	o.violations = append(o.violations, d.checkDeleted(id)...)
+	o.violations = append(o.violations, d.checkNeighbour("after delete")...)
+	if d.neighbourRun != nil {
+		// The neighbour's own delete, unarmed: the host ends empty.
+		if err := e.startDelete(d.neighbour, 1).Get(e.ctx(crashWorkflowWait), nil); err != nil {
+			o.violations = append(o.violations, "neighbour's delete failed: "+short(err))
+		}
+		o.violations = append(o.violations, d.checkDeleted(d.neighbour)...)
+	}
 	o.hit = d.hitWord()
 	o.restarts = d.restarts
 	o.done = true
@@ -265,6 +310,16 @@ func runCrashCase(t *testing.T, c crashCase, o *crashOutcome) {
 	for _, n := range o.notes {
 		t.Logf("note: %s", n)
 	}
+}
+
+// short is the end of an error's text: the wrapping workflow and activity
+// errors say little, the innermost cause is last.
+func short(err error) string {
+	s := err.Error()
+	if len(s) > 220 {
+		s = "…" + s[len(s)-219:]
+	}
+	return s
 }
 
 func outcomeOf(err error) string {
@@ -294,20 +349,65 @@ type crashDriver struct {
 
 	restarts     int
 	workerKilled bool
+	// logSaid receives the agent's log line of the case's activity.
+	logSaid <-chan stacktest.Line
+
+	// neighbour is a second instance spawned right after the first agent
+	// restart: whatever the crashed run's retries do must leave it alone
+	// (one device, one claim; destroy only what you created).
+	neighbour    string
+	neighbourRun client.WorkflowRun
+	neighbourErr error
+	neighbourOK  bool
+	// neighbourReported: its failed spawn is in the violations once.
+	neighbourReported bool
+}
+
+func (d *crashDriver) spawnRequest(id string) *vmflowv1.SpawnRequest {
+	r := d.e.noneSpawn(id, true)
+	if d.c.vendor {
+		r.VgpuProfile = vendorProfile
+	}
+	return r
+}
+
+// waitNeighbour waits for the neighbour's spawn, once.
+func (d *crashDriver) waitNeighbour() {
+	if d.neighbourRun == nil || d.neighbourOK || d.neighbourErr != nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), crashWorkflowWait)
+	defer cancel()
+	result := make(chan error, 1)
+	go func() { result <- d.neighbourRun.Get(ctx, nil) }()
+	for {
+		select {
+		case err := <-result:
+			d.neighbourErr = err
+			d.neighbourOK = err == nil
+			return
+		case <-time.After(poll): // the poll of a deadline-bounded wait
+		}
+		d.restartAgentIfDead()
+	}
 }
 
 // drive waits for run's result, restarting a dead agent unarmed and, in a
 // worker case, killing and restarting the worker once the case's activity
 // completed in this workflow.
 func (d *crashDriver) drive(run client.WorkflowRun, which string, valuePtr any) error {
-	t := d.e.t
 	ctx, cancel := context.WithTimeout(context.Background(), crashWorkflowWait)
 	defer cancel()
 	result := make(chan error, 1)
 	go func() { result <- run.Get(ctx, valuePtr) }()
 	tick := time.NewTicker(poll)
 	defer tick.Stop()
+	mine := d.c.workflow == which
 	for {
+		var logSaid <-chan stacktest.Line
+		if mine && !d.workerKilled {
+			logSaid = d.logSaid
+		}
 		select {
 		case err := <-result:
 			if ctx.Err() != nil {
@@ -317,17 +417,28 @@ func (d *crashDriver) drive(run client.WorkflowRun, which string, valuePtr any) 
 				}
 				return &timeoutError{stage: stage}
 			}
+			if mine && !d.workerKilled {
+				d.o.notes = append(d.o.notes, "the workflow finished before the worker could be killed")
+			}
 			return err
+		case <-logSaid:
+			// At once: the worker must die before it handles the
+			// workflow task the completion schedules.
+			d.killWorker()
+			continue
 		case <-tick.C: // the poll of a deadline-bounded wait
 		}
 		d.restartAgentIfDead()
-		if d.c.workflow == which && !d.workerKilled && d.activityCompleted(run.GetID(), d.c.activity) {
-			d.workerKilled = true
-			d.e.worker.Kill(t)
-			d.e.worker.Start(t)
-			d.o.hit = "yes"
+		if mine && !d.workerKilled && d.logSaid == nil && d.activityCompleted(run.GetID(), d.c.activity) {
+			d.killWorker()
 		}
 	}
+}
+
+func (d *crashDriver) killWorker() {
+	d.workerKilled = true
+	d.e.worker.Kill(d.e.t)
+	d.e.worker.Start(d.e.t)
 }
 
 func (d *crashDriver) restartAgentIfDead() {
@@ -337,6 +448,9 @@ func (d *crashDriver) restartAgentIfDead() {
 	d.e.agent.Env = d.plainEnv
 	d.e.agent.Start(d.e.t)
 	d.restarts++
+	if d.neighbourRun == nil {
+		d.neighbourRun = d.e.startSpawn(d.spawnRequest(d.neighbour))
+	}
 }
 
 // hitWord says whether the armed point fired, from the agent's log.
@@ -433,22 +547,33 @@ func (d *crashDriver) reconcileDuringDelete(id string) {
 	}
 }
 
-// liveQEMUs lists the processes of this run's state dir that are alive
-// (not zombies).
-func (d *crashDriver) liveQEMUs() []string {
-	var live []string
+// qemusOf lists the processes of instance id (alive or zombie); live
+// drops the zombies.
+func (d *crashDriver) qemusOf(id string, live bool) []string {
+	var out []string
 	for _, p := range d.e.processesOf() {
-		if !strings.Contains(p, " (Z): ") {
-			live = append(live, p)
+		if !strings.Contains(p, "/instances/"+id+"/") || (live && strings.Contains(p, " (Z): ")) {
+			continue
 		}
+		out = append(out, p)
 	}
-	return live
+	return out
 }
 
-// checkSpawned: exactly one QEMU of the instance, alive and the one its
-// record names; one device, named by the record's active claim; one record,
-// Running.
-func (d *crashDriver) checkSpawned(id string) []string {
+// claimListed reports whether the simulator's device list (simDevices)
+// holds the claim's device.
+func claimListed(devs []string, cl *vmflowv1.GpuClaim) bool {
+	for _, dv := range devs {
+		if dv == "mdev "+cl.GetUuid() || (cl.GetDeviceId() != "" && strings.HasPrefix(dv, "vf "+cl.GetDeviceId()+" type ")) {
+			return true
+		}
+	}
+	return false
+}
+
+// checkInstance: exactly one live QEMU of id, the one its record names; the
+// record Running with an active claim whose device exists.
+func (d *crashDriver) checkInstance(when, id string) []string {
 	e := d.e
 	var v []string
 	var qemus []string
@@ -456,68 +581,113 @@ func (d *crashDriver) checkSpawned(id string) []string {
 	// a leaked one stays.
 	deadline := time.Now().Add(5 * time.Second)
 	for {
-		qemus = d.liveQEMUs()
+		qemus = d.qemusOf(id, true)
 		if len(qemus) == 1 || time.Now().After(deadline) {
 			break
 		}
 		time.Sleep(poll) // the poll of a deadline-bounded wait
 	}
 	if len(qemus) != 1 {
-		v = append(v, fmt.Sprintf("after spawn: %d live QEMUs, want 1: %s", len(qemus), strings.Join(qemus, "; ")))
-	}
-	recs, err := e.st.List()
-	if err != nil {
-		v = append(v, "after spawn: unreadable record: "+err.Error())
-	}
-	if len(recs) != 1 {
-		v = append(v, fmt.Sprintf("after spawn: %d records, want 1", len(recs)))
+		v = append(v, fmt.Sprintf("%s: %s has %d live QEMUs, want 1: %s", when, id, len(qemus), strings.Join(qemus, "; ")))
 	}
 	rec, err := e.st.Get(id)
-	switch {
-	case err != nil:
-		v = append(v, "after spawn: record: "+err.Error())
-	default:
-		if rec.GetState() != vmflowv1.InstanceState_INSTANCE_STATE_RUNNING {
-			v = append(v, "after spawn: record state "+store.StateName(rec.GetState()))
-		}
-		if cl := rec.GetGpuClaim(); !store.ClaimHeld(rec) || cl.GetPhase() != vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE {
-			v = append(v, fmt.Sprintf("after spawn: claim not active: %v", cl))
-		}
-		if p := rec.GetProcess(); p == nil {
-			v = append(v, "after spawn: record names no QEMU")
-		} else {
-			qid := store.IdentityOf(p)
-			if !proc.Inspect(qid).Alive {
-				v = append(v, fmt.Sprintf("after spawn: recorded QEMU %v is not alive", qid))
-			} else if len(qemus) == 1 && !strings.HasPrefix(qemus[0], fmt.Sprintf("pid %d ", qid.PID)) {
-				v = append(v, fmt.Sprintf("after spawn: the live QEMU is not the recorded one (%v): %s", qid, qemus[0]))
-			}
-		}
+	if err != nil {
+		return append(v, fmt.Sprintf("%s: record of %s: %v", when, id, err))
 	}
-	if devs := e.simDevices(); len(devs) != 1 {
-		v = append(v, fmt.Sprintf("after spawn: %d vGPU devices, want 1: %v", len(devs), devs))
+	if rec.GetState() != vmflowv1.InstanceState_INSTANCE_STATE_RUNNING {
+		v = append(v, fmt.Sprintf("%s: %s is %s, want running", when, id, store.StateName(rec.GetState())))
+	}
+	cl := rec.GetGpuClaim()
+	if !store.ClaimHeld(rec) || cl.GetPhase() != vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE {
+		v = append(v, fmt.Sprintf("%s: claim of %s not active: %v", when, id, cl))
+	} else if devs := e.simDevices(); !claimListed(devs, cl) {
+		v = append(v, fmt.Sprintf("%s: the device of %s's claim (%s %s) is gone; devices: %v", when, id, cl.GetUuid(), cl.GetDeviceId(), devs))
+	}
+	if p := rec.GetProcess(); p == nil {
+		v = append(v, fmt.Sprintf("%s: record of %s names no QEMU", when, id))
+	} else {
+		qid := store.IdentityOf(p)
+		if !proc.Inspect(qid).Alive {
+			v = append(v, fmt.Sprintf("%s: recorded QEMU %v of %s is not alive", when, qid, id))
+		} else if len(qemus) == 1 && !strings.HasPrefix(qemus[0], fmt.Sprintf("pid %d ", qid.PID)) {
+			v = append(v, fmt.Sprintf("%s: the live QEMU of %s is not the recorded one (%v): %s", when, id, qid, qemus[0]))
+		}
 	}
 	return v
 }
 
-// checkDeleted: no QEMU of the instance (alive or zombie), no device, no
-// record, no socket, no instance directory or trash.
+// checkLedger: the records are readable, no two held claims name one
+// device, and the simulator holds exactly the held claims' devices.
+func (d *crashDriver) checkLedger(when string) []string {
+	e := d.e
+	var v []string
+	recs, err := e.st.List()
+	if err != nil {
+		v = append(v, fmt.Sprintf("%s: unreadable record: %v", when, err))
+	}
+	devs := e.simDevices()
+	owner := map[string]string{}
+	held := 0
+	for _, r := range recs {
+		if !store.ClaimHeld(r) {
+			continue
+		}
+		held++
+		cl := r.GetGpuClaim()
+		key := cl.GetDeviceId()
+		if key == "" {
+			key = cl.GetUuid()
+		}
+		if other, ok := owner[key]; ok {
+			v = append(v, fmt.Sprintf("%s: %s and %s both claim device %s", when, other, r.GetId(), key))
+		}
+		owner[key] = r.GetId()
+	}
+	if len(devs) != held {
+		v = append(v, fmt.Sprintf("%s: %d vGPU devices for %d held claims: %v", when, len(devs), held, devs))
+	}
+	return v
+}
+
+// checkSpawned: the instance runs as it should and the ledger adds up.
+func (d *crashDriver) checkSpawned(id string) []string {
+	return append(d.checkInstance("after spawn", id), d.checkLedger("after spawn")...)
+}
+
+// checkNeighbour: the neighbour, if one was spawned, spawned and still runs
+// untouched.
+func (d *crashDriver) checkNeighbour(when string) []string {
+	switch {
+	case d.neighbourRun == nil:
+		return nil
+	case d.neighbourErr != nil:
+		if d.neighbourReported {
+			return nil
+		}
+		d.neighbourReported = true
+		return []string{"neighbour's spawn failed: " + short(d.neighbourErr)}
+	}
+	return d.checkInstance(when+" (neighbour)", d.neighbour)
+}
+
+// checkDeleted: no QEMU of id (alive or zombie), no record, no socket; the
+// ledger of what remains adds up.
 func (d *crashDriver) checkDeleted(id string) []string {
 	e := d.e
 	var v []string
 	var qemus []string
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		qemus = e.processesOf()
+		qemus = d.qemusOf(id, false)
 		if len(qemus) == 0 || time.Now().After(deadline) {
 			break
 		}
 		time.Sleep(poll) // the poll of a deadline-bounded wait
 	}
 	if len(qemus) > 0 {
-		v = append(v, fmt.Sprintf("after delete: QEMU left: %s", strings.Join(qemus, "; ")))
-		// Leave the host clean for the next run: kill what leaked, by
-		// the pid just read (this test's own state dir names it).
+		v = append(v, fmt.Sprintf("after delete: QEMU of %s left: %s", id, strings.Join(qemus, "; ")))
+		// Leave the host clean: kill what leaked, by the identity just
+		// read (this run's own state dir names it).
 		for _, q := range qemus {
 			var pid int
 			if _, err := fmt.Sscanf(q, "pid %d ", &pid); err == nil {
@@ -527,21 +697,19 @@ func (d *crashDriver) checkDeleted(id string) []string {
 			}
 		}
 	}
-	recs, err := e.st.List()
-	if err != nil {
-		v = append(v, "after delete: unreadable record: "+err.Error())
-	}
-	for _, r := range recs {
-		v = append(v, fmt.Sprintf("after delete: record left in state %s, claim %v", store.StateName(r.GetState()), r.GetGpuClaim()))
-	}
-	if devs := e.simDevices(); len(devs) > 0 {
-		v = append(v, fmt.Sprintf("after delete: vGPU devices left: %v", devs))
+	rec, err := e.st.Get(id)
+	switch {
+	case err == nil:
+		v = append(v, fmt.Sprintf("after delete: record of %s left in state %s, claim %v", id, store.StateName(rec.GetState()), rec.GetGpuClaim()))
+	case !errors.Is(err, store.ErrNotFound):
+		v = append(v, fmt.Sprintf("after delete: record of %s: %v", id, err))
 	}
 	if p, err := e.st.Paths(id); err == nil {
 		if _, err := os.Lstat(p.Socket); err == nil {
 			v = append(v, "after delete: QMP socket left: "+p.Socket)
 		}
 	}
+	v = append(v, d.checkLedger("after delete of "+id)...)
 	trash, _ := filepath.Glob(filepath.Join(e.stateDir, "instances", ".deleted-*"))
 	if len(trash) > 0 {
 		d.o.notes = append(d.o.notes, fmt.Sprintf("trash left until the next agent start: %v", trash))
