@@ -23,6 +23,7 @@ import (
 	"vmflow/hostagent/supervise"
 	"vmflow/hostagent/vgpu"
 	"vmflow/hostagent/vmm"
+	"vmflow/internal/crashpoint"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 	"vmflow/workflows"
 )
@@ -184,6 +185,7 @@ func (a *Activities) CreateRecord(ctx context.Context, req *vmflowv1.SpawnReques
 	if err != nil {
 		return nil, classify(fmt.Errorf("create record: %w", err))
 	}
+	crashpoint.Hit(crashpoint.ActivityCreateRecordDone)
 	own := store.CreatedBy(rec, wf.ID, wf.RunID)
 	creator := ""
 	if rec.GetCreatedByWorkflowId() != "" {
@@ -211,6 +213,7 @@ func (a *Activities) ClaimVGPU(ctx context.Context, req *vmflowv1.ClaimVGPUReque
 	if err != nil {
 		return nil, classify(fmt.Errorf("claim vGPU: %w", err))
 	}
+	crashpoint.Hit(crashpoint.ActivityClaimVGPUDone)
 	log.Info("vGPU claimed", zap.String("device_id", claimDevice(claim)), zap.String("profile", claim.GetProfile()))
 	return &vmflowv1.ClaimVGPUResult{
 		DeviceId: claimDevice(claim), Parent: claim.GetParent(), Profile: claim.GetProfile(), VgpuUuid: mdevUUID(claim),
@@ -269,6 +272,7 @@ func (a *Activities) LaunchVM(ctx context.Context, req *vmflowv1.LaunchVMRequest
 	if a.Metrics != nil && !res.AlreadyRunning {
 		a.Metrics.LaunchDuration.Observe(res.Duration.Seconds())
 	}
+	crashpoint.Hit(crashpoint.ActivityLaunchVMDone)
 	log.Info("VM running", zap.Int("pid", res.Identity.PID), zap.Bool("already_running", res.AlreadyRunning), zap.Duration("took", res.Duration))
 	rec, err := a.Store.Get(id)
 	if err != nil {
@@ -351,6 +355,7 @@ func (a *Activities) BeginDelete(ctx context.Context, req *vmflowv1.BeginDeleteR
 	if err != nil {
 		return nil, classify(fmt.Errorf("begin delete: %w", err))
 	}
+	crashpoint.Hit(crashpoint.BeginDeleteRecorded)
 	log.Info("delete begun", zap.String("state", store.StateName(rec.GetState())), zap.Bool("has_claim", store.ClaimHeld(rec)))
 	return &vmflowv1.BeginDeleteResult{HasClaim: store.ClaimHeld(rec)}, nil
 }
@@ -379,6 +384,7 @@ func (a *Activities) StopVM(ctx context.Context, req *vmflowv1.StopVMRequest) (*
 	if a.Metrics != nil && !res.AlreadyGone {
 		a.Metrics.StopDuration.Observe(res.Total.Seconds())
 	}
+	crashpoint.Hit(crashpoint.ActivityStopVMDone)
 	step := stepNeeded(res.StopResult)
 	log.Info("VM stopped", zap.String("step_reached", step), zap.Bool("already_gone", res.AlreadyGone),
 		zap.Duration("took", res.Total), zap.Bool("child", res.Child))
@@ -416,6 +422,7 @@ func (a *Activities) WaitVMExit(ctx context.Context, ref *vmflowv1.InstanceRef) 
 	if err != nil {
 		return classify(fmt.Errorf("wait for exit: %w", err))
 	}
+	crashpoint.Hit(crashpoint.ActivityWaitVMExitDone)
 	log.Info("thread group gone")
 	return nil
 }
@@ -459,6 +466,7 @@ func (a *Activities) ReleaseVGPU(ctx context.Context, ref *vmflowv1.InstanceRef)
 		ce := classify(fmt.Errorf("release vGPU of %s: %w", ref.GetInstanceId(), err))
 		return nil, retype(ce, ErrTypeReleaseFailed)
 	}
+	crashpoint.Hit(crashpoint.ActivityReleaseVGPUDone)
 	if released {
 		log.Info("vGPU released", zap.String("device_id", dev))
 	}
@@ -512,6 +520,7 @@ func (a *Activities) DeleteRecord(ctx context.Context, ref *vmflowv1.InstanceRef
 	if err != nil {
 		return classify(fmt.Errorf("delete record: %w", err))
 	}
+	crashpoint.Hit(crashpoint.ActivityDeleteRecordDone)
 	log.Info("record deleted")
 	return nil
 }

@@ -24,6 +24,7 @@ import (
 	"vmflow/hostagent/supervise"
 	"vmflow/hostagent/vgpu"
 	"vmflow/hostagent/vmm"
+	"vmflow/internal/crashpoint"
 	"vmflow/internal/tclient"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 	"vmflow/workflows"
@@ -138,6 +139,7 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 		log.Error("re-attach: some instances need attention; the others are supervised", zap.Error(err),
 			zap.Int("failed", rep.Failed))
 	}
+	crashpoint.Hit(crashpoint.AgentReattached)
 	am.Reattach.Add(float64(rep.Attached))
 	log.Info("supervising", zap.Int("records", rep.Records), zap.Int("attached", rep.Attached),
 		zap.Int("gone", rep.Gone), zap.Int("failed", rep.Failed), zap.Duration("took", rep.Duration))

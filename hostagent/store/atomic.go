@@ -7,6 +7,8 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+
+	"vmflow/internal/crashpoint"
 )
 
 // tmpPrefix starts the name of every temp file the store writes. It begins
@@ -48,10 +50,12 @@ func writeFileAtomic(dir, name string, data []byte, afterTemp func(tmp string)) 
 	if afterTemp != nil {
 		afterTemp(tmp)
 	}
+	crashpoint.Hit(crashpoint.StoreWriteTemp)
 	target := filepath.Join(dir, name)
 	if err = os.Rename(tmp, target); err != nil {
 		return fmt.Errorf("rename %s to %s: %w", tmp, target, err)
 	}
+	crashpoint.Hit(crashpoint.StoreWriteRenamed)
 	if err = syncDir(dir); err != nil {
 		// The new content is in place but maybe not durable yet; say so
 		// rather than pretend, so the caller retries the (idempotent) write.

@@ -11,6 +11,7 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
+	"vmflow/internal/crashpoint"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -113,6 +114,7 @@ func (l *Locked) Create(want *vmflowv1.InstanceRecord) (*vmflowv1.InstanceRecord
 	if err := syncDir(l.s.instances); err != nil {
 		return nil, fmt.Errorf("create instance %s: %w", l.id, err)
 	}
+	crashpoint.Hit(crashpoint.StoreCreateDir)
 	now := timestamppb.Now()
 	rec := &vmflowv1.InstanceRecord{
 		Id:                        l.id,
@@ -239,6 +241,7 @@ func (l *Locked) MarkManualStop() error {
 	if err := writeFileAtomic(l.paths.Dir, ManualStopFile, body, nil); err != nil {
 		return fmt.Errorf("mark manual stop of instance %s: %w", l.id, err)
 	}
+	crashpoint.Hit(crashpoint.MarkerWritten)
 	return nil
 }
 
@@ -274,6 +277,7 @@ func (l *Locked) Delete() error {
 		_ = os.Remove(trash) // best effort; New removes trash anyway
 		return fmt.Errorf("delete instance %s: %w", l.id, err)
 	}
+	crashpoint.Hit(crashpoint.RecordTrashed)
 	// From here the instance is gone for readers; finish removing its files
 	// even if the fsync failed (New removes whatever a crash leaves).
 	var errs []error

@@ -11,6 +11,7 @@ import (
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vmm"
+	"vmflow/internal/crashpoint"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -305,6 +306,7 @@ func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *inst
 		// than leave a VM the record does not describe (invariant 5).
 		return nil, s.undoLaunchLocked(l, vm, fmt.Errorf("record running: %w", err))
 	}
+	crashpoint.Hit(crashpoint.LaunchRunningRecorded)
 	log.Info("running", zap.Int("pid", pid.PID), zap.Duration("took", time.Since(start)))
 	return vm, nil
 }

@@ -12,6 +12,7 @@ import (
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vmm"
+	"vmflow/internal/crashpoint"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -179,6 +180,7 @@ func (s *Supervisor) TearDown(ctx context.Context, id string) error {
 	if err := os.Remove(p.PID); err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return fmt.Errorf("tear down instance %s: %w", id, err)
 	}
+	crashpoint.Hit(crashpoint.TearDownSocketRemoved)
 	in.log.Info("runtime files removed")
 	return nil
 }

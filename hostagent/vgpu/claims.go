@@ -17,6 +17,7 @@ import (
 
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/store"
+	"vmflow/internal/crashpoint"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -202,6 +203,7 @@ func (c *Claims) Claim(ctx context.Context, id, profile string) (*vmflowv1.GpuCl
 				}
 				return nil
 			})
+			crashpoint.Hit(crashpoint.ClaimIntentWritten)
 			return err
 		}
 	}
@@ -211,6 +213,7 @@ func (c *Claims) Claim(ctx context.Context, id, profile string) (*vmflowv1.GpuCl
 		// released as "already gone" by the delete path or reconcile.
 		return nil, fmt.Errorf("claim %q for %s: %w", profile, id, err)
 	}
+	crashpoint.Hit(crashpoint.ClaimDeviceCreated)
 	return c.activate(l, dev)
 }
 
@@ -345,6 +348,7 @@ func (c *Claims) activate(l *store.Locked, dev Device) (*vmflowv1.GpuClaim, erro
 	if err != nil {
 		return nil, fmt.Errorf("activate claim of %s: %w", l.ID(), err)
 	}
+	crashpoint.Hit(crashpoint.ClaimActivated)
 	c.log.Info("vGPU claimed", zap.String("instance_id", l.ID()), zap.String("device_id", dev.ID), zap.String("profile", dev.Profile))
 	return rec.GetGpuClaim(), nil
 }
@@ -410,10 +414,12 @@ func (c *Claims) releaseLocked(ctx context.Context, l *store.Locked) (bool, stri
 	}); err != nil {
 		return false, dev.ID, err
 	}
+	crashpoint.Hit(crashpoint.ReleaseReleasing)
 	if err := c.drv.Release(ctx, dev); err != nil {
 		c.recordFailure(l, err)
 		return false, dev.ID, err
 	}
+	crashpoint.Hit(crashpoint.ReleaseWritten)
 	if _, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
 		store.Released(r, timestamppb.New(c.now()))
 		return nil
@@ -422,6 +428,7 @@ func (c *Claims) releaseLocked(ctx context.Context, l *store.Locked) (bool, stri
 		// release finds it "already gone" and records it then.
 		return false, dev.ID, fmt.Errorf("record release of %s: %w", dev.ID, err)
 	}
+	crashpoint.Hit(crashpoint.ReleaseRecorded)
 	c.log.Info("vGPU released", zap.String("instance_id", l.ID()), zap.String("device_id", dev.ID))
 	return true, dev.ID, nil
 }
@@ -570,6 +577,7 @@ func (c *Claims) Reconcile(ctx context.Context) (*vmflowv1.ReconcileVGPUResult, 
 			res.Failed++
 			c.log.Info("reconcile: claim not released", zap.String("instance_id", r.GetId()), zap.String("device_id", dev), zap.Error(err))
 		case released:
+			crashpoint.Hit(crashpoint.ReconcileReleased)
 			res.ClaimsReleased++
 			res.RetriedDeletes = append(res.RetriedDeletes, r.GetId())
 		}

@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"vmflow/hostagent/proc"
+	"vmflow/internal/crashpoint"
 )
 
 // Defaults for LaunchConfig.
@@ -141,6 +142,7 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 	// An *os.File as stdout/stderr is handed to QEMU as its fd 1 and 2 with
 	// no copying goroutine here: QEMU keeps logging after the agent exits.
 	cmd := &exec.Cmd{Path: bin, Args: append([]string{bin}, argv...), Stdout: logf, Stderr: logf}
+	crashpoint.Hit(crashpoint.LaunchBeforeFork)
 	child, err := proc.Start(cmd)
 	logf.Close()
 	if err != nil {
@@ -148,6 +150,7 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 	}
 	l.child = child
 	id := child.Identity()
+	crashpoint.Hit(crashpoint.LaunchForked)
 
 	if cfg.OnStarted != nil {
 		if err := cfg.OnStarted(id); err != nil {
@@ -155,6 +158,7 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 		}
 	}
 
+	crashpoint.Hit(crashpoint.LaunchPIDRecorded)
 	h, err := proc.Open(id)
 	if err != nil {
 		// Gone already (reaped by proc's reaper, the pid maybe even
@@ -187,6 +191,7 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 	if !st.Running {
 		return nil, fmt.Errorf("launch %v: query-status is %q: %w", id, st.Status, ErrNotRunning)
 	}
+	crashpoint.Hit(crashpoint.LaunchQMPReady)
 	return &VM{id: id, child: child, h: h, paths: cfg.Paths, mon: mon}, nil
 }
 

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"vmflow/hostagent/proc"
+	"vmflow/internal/crashpoint"
 )
 
 // StopStep is how far the stop ladder got. The caller records it (OnStep)
@@ -314,6 +315,7 @@ func (s *ladder) hook(step StopStep) error {
 	if err := s.cfg.OnStep(step); err != nil {
 		return fmt.Errorf("stop %v: OnStep(%s): %w: %w", s.cfg.Identity, step, ErrHook, err)
 	}
+	crashpoint.Hit(crashpoint.StopStep(string(step)))
 	return nil
 }
 

@@ -154,6 +154,24 @@ func (d *Daemon) Pid() int {
 	return d.cmd.Process.Pid
 }
 
+// Exited reports whether the daemon's last start has exited (and been
+// reaped); false before the first start. A crash test polls it to restart
+// a daemon that killed itself.
+func (d *Daemon) Exited() bool {
+	d.mu.Lock()
+	done := d.done
+	d.mu.Unlock()
+	if done == nil {
+		return false
+	}
+	select {
+	case <-done:
+		return true
+	default:
+		return false
+	}
+}
+
 // Started is when the daemon's last start exec'd it.
 func (d *Daemon) Started() time.Time {
 	d.mu.Lock()

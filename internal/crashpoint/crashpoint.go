@@ -1,0 +1,205 @@
+// Package crashpoint kills the host agent at a named step, so the crash
+// tests can prove that every persisted step survives a kill -9 (ARCHITECTURE
+// invariant 8).
+//
+// The hooks are compiled in always: a Hit costs one load and one compare of
+// a string when nothing is armed. The environment variable VMFLOW_CRASHPOINT
+// arms one point, read once when the process starts:
+//
+//	VMFLOW_CRASHPOINT=vmm.launch.forked      die at the first hit
+//	VMFLOW_CRASHPOINT=store.write.renamed@3  die at the third hit
+//
+// An armed point writes one line to stderr ("crashpoint NAME: SIGKILL") and
+// sends SIGKILL to its own process: no deferred function, no cleanup, no
+// log sync runs, as in a real crash. gofail was not used: it has no kill
+// action and rewrites the sources when enabled.
+//
+// Every point is a constant below and listed in All; the e2e crash matrix
+// arms each one in turn and reports a point no run hits.
+package crashpoint
+
+import (
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// EnvVar names the point to arm: "name" or "name@N" (the N-th hit, from 1).
+const EnvVar = "VMFLOW_CRASHPOINT"
+
+// The points, in the order a spawn-with-vGPU then a delete reaches them.
+// Each one is placed right after a step is persisted (or right before a
+// step that creates something outside the record), so a kill there leaves
+// the host exactly in the state that step's write describes.
+const (
+	// AgentReattached: the agent re-attached its records at start, before
+	// it serves activities.
+	AgentReattached = "agent.reattached"
+
+	// StoreCreateDir: Create made the instance directory durable; no
+	// record is in it yet.
+	StoreCreateDir = "store.create.dir"
+	// StoreWriteTemp: an atomic write (record or marker) has its temp file
+	// written and fsynced, not yet renamed over the target.
+	StoreWriteTemp = "store.write.temp"
+	// StoreWriteRenamed: an atomic write renamed its temp file over the
+	// target; the directory is not fsynced yet.
+	StoreWriteRenamed = "store.write.renamed"
+	// ActivityCreateRecordDone: CreateRecord did its work and is about to
+	// report it (the worker never hears of it when the agent dies here).
+	ActivityCreateRecordDone = "activity.create_record.done"
+
+	// ClaimIntentWritten: the claim's intent (placement, UUID) is in the
+	// record; the device is not created yet.
+	ClaimIntentWritten = "vgpu.claim.intent_written"
+	// ClaimDeviceCreated: the device exists in sysfs; the claim is still
+	// an intent in the record.
+	ClaimDeviceCreated = "vgpu.claim.device_created"
+	// ClaimActivated: the record says the claim is active.
+	ClaimActivated = "vgpu.claim.activated"
+	// ActivityClaimVGPUDone: ClaimVGPU is about to report success.
+	ActivityClaimVGPUDone = "activity.claim_vgpu.done"
+
+	// LaunchBeforeFork: QEMU's argv and log are ready; nothing forked.
+	LaunchBeforeFork = "vmm.launch.before_fork"
+	// LaunchForked: QEMU is forked; its pid is not recorded yet.
+	LaunchForked = "vmm.launch.forked"
+	// LaunchPIDRecorded: QEMU's identity is in the record; QMP not awaited.
+	LaunchPIDRecorded = "vmm.launch.pid_recorded"
+	// LaunchQMPReady: QMP said running; the record still says Creating.
+	LaunchQMPReady = "vmm.launch.qmp_ready"
+	// LaunchRunningRecorded: the record says Running.
+	LaunchRunningRecorded = "supervise.launch.running_recorded"
+	// ActivityLaunchVMDone: LaunchVM is about to report success.
+	ActivityLaunchVMDone = "activity.launch_vm.done"
+
+	// MarkerWritten: the manual-stop marker is on disk.
+	MarkerWritten = "store.marker.written"
+	// BeginDeleteRecorded: the record says Deleting.
+	BeginDeleteRecorded = "activity.begin_delete.recorded"
+
+	// StopPowerdownSent .. StopGone: the stop ladder recorded that step
+	// (StopStep names them from vmm's step names).
+	StopPowerdownSent = "vmm.stop.powerdown_sent"
+	StopQuitSent      = "vmm.stop.quit_sent"
+	StopKillSent      = "vmm.stop.kill_sent"
+	StopGone          = "vmm.stop.gone"
+	// ActivityStopVMDone: StopVM is about to report success.
+	ActivityStopVMDone = "activity.stop_vm.done"
+	// ActivityWaitVMExitDone: WaitVMExit is about to report success.
+	ActivityWaitVMExitDone = "activity.wait_vm_exit.done"
+
+	// ReleaseReleasing: the claim's phase says Releasing; nothing written
+	// to sysfs yet.
+	ReleaseReleasing = "vgpu.release.releasing_recorded"
+	// ReleaseWritten: the release write to sysfs returned; the record
+	// still holds the claim.
+	ReleaseWritten = "vgpu.release.written"
+	// ReleaseRecorded: the record says the claim is released.
+	ReleaseRecorded = "vgpu.release.recorded"
+	// ActivityReleaseVGPUDone: ReleaseVGPU is about to report success.
+	ActivityReleaseVGPUDone = "activity.release_vgpu.done"
+	// ReconcileReleased: a reconcile round released (and recorded) the
+	// claim of an instance being deleted.
+	ReconcileReleased = "vgpu.reconcile.released"
+
+	// TearDownSocketRemoved: TearDown removed the QMP socket and pidfile.
+	TearDownSocketRemoved = "activity.tear_down.socket_removed"
+	// RecordTrashed: Delete renamed the instance directory to the trash;
+	// its files are not removed yet.
+	RecordTrashed = "store.delete.trashed"
+	// ActivityDeleteRecordDone: DeleteRecord is about to report success.
+	ActivityDeleteRecordDone = "activity.delete_record.done"
+)
+
+// All lists every point, in the order of the constants above.
+var All = []string{
+	AgentReattached,
+	StoreCreateDir, StoreWriteTemp, StoreWriteRenamed, ActivityCreateRecordDone,
+	ClaimIntentWritten, ClaimDeviceCreated, ClaimActivated, ActivityClaimVGPUDone,
+	LaunchBeforeFork, LaunchForked, LaunchPIDRecorded, LaunchQMPReady, LaunchRunningRecorded, ActivityLaunchVMDone,
+	MarkerWritten, BeginDeleteRecorded,
+	StopPowerdownSent, StopQuitSent, StopKillSent, StopGone, ActivityStopVMDone, ActivityWaitVMExitDone,
+	ReleaseReleasing, ReleaseWritten, ReleaseRecorded, ActivityReleaseVGPUDone, ReconcileReleased,
+	TearDownSocketRemoved, RecordTrashed, ActivityDeleteRecordDone,
+}
+
+// StopStep is the point of a stop-ladder step, named as vmm names its steps
+// ("powerdown_sent", "quit_sent", "kill_sent", "gone").
+func StopStep(step string) string { return "vmm.stop." + step }
+
+// armed is the point named by EnvVar ("" when none), at hit number at.
+var (
+	armed string
+	at    int64 = 1
+	hits  atomic.Int64
+)
+
+func init() { arm(os.Getenv(EnvVar)) }
+
+// arm parses spec ("name" or "name@N"); a malformed one is reported on
+// stderr and arms nothing, so a typo shows instead of passing silently.
+func arm(spec string) {
+	armed, at = "", 1
+	hits.Store(0)
+	if spec == "" {
+		return
+	}
+	name, n, err := Parse(spec)
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "crashpoint: %s: %v; nothing armed\n", EnvVar, err)
+		return
+	}
+	armed, at = name, n
+}
+
+// Parse splits an EnvVar value into the point's name and the hit number.
+// The name must be one of All.
+func Parse(spec string) (name string, n int64, err error) {
+	name, count, hasCount := strings.Cut(spec, "@")
+	n = 1
+	if hasCount {
+		if n, err = strconv.ParseInt(count, 10, 64); err != nil || n < 1 {
+			return "", 0, fmt.Errorf("%q: the hit number after @ must be a positive integer", spec)
+		}
+	}
+	if !Known(name) {
+		return "", 0, fmt.Errorf("%q: no such crash point", name)
+	}
+	return name, n, nil
+}
+
+// Known reports whether name is one of All.
+func Known(name string) bool {
+	for _, p := range All {
+		if p == name {
+			return true
+		}
+	}
+	return false
+}
+
+// Hit kills the process with SIGKILL if name is the armed point and this
+// is its armed hit; otherwise it returns at once.
+func Hit(name string) {
+	if armed == "" || name != armed {
+		return
+	}
+	if hits.Add(1) != at {
+		return
+	}
+	// One write, unbuffered: the test reads it from the log to know the
+	// point was reached.
+	_, _ = os.Stderr.WriteString("crashpoint " + name + ": SIGKILL\n")
+	_ = unix.Kill(os.Getpid(), unix.SIGKILL)
+	// SIGKILL to oneself is delivered before kill(2) returns to user space
+	// on Linux, but never let this goroutine go on if it were not.
+	for {
+		time.Sleep(time.Hour)
+	}
+}

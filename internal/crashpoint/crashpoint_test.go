@@ -1,0 +1,180 @@
+package crashpoint
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// helperEnv switches the re-executed test binary into the helper: it hits
+// LaunchForked three times and StopGone once, printing a line before each.
+const helperEnv = "VMFLOW_CRASHPOINT_TEST_HELPER"
+
+func TestMain(m *testing.M) {
+	if os.Getenv(helperEnv) != "" {
+		for i := 1; i <= 3; i++ {
+			fmt.Printf("before %s #%d\n", LaunchForked, i)
+			Hit(LaunchForked)
+		}
+		fmt.Printf("before %s #1\n", StopGone)
+		Hit(StopGone)
+		fmt.Println("survived")
+		os.Exit(0)
+	}
+	os.Exit(m.Run())
+}
+
+func runHelper(t *testing.T, spec string) (stdout, stderr string, err error) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), helperEnv+"=1", EnvVar+"="+spec)
+	var out, errOut strings.Builder
+	cmd.Stdout, cmd.Stderr = &out, &errOut
+	err = cmd.Run()
+	return out.String(), errOut.String(), err
+}
+
+func killedBySIGKILL(t *testing.T, err error) {
+	t.Helper()
+	var ee *exec.ExitError
+	require.True(t, errors.As(err, &ee), "the helper exited abnormally: %v", err)
+	ws, ok := ee.Sys().(syscall.WaitStatus)
+	require.True(t, ok)
+	require.True(t, ws.Signaled(), "killed by a signal, not exit: %v", ws)
+	assert.Equal(t, syscall.SIGKILL, ws.Signal())
+}
+
+func TestHitKillsAtTheArmedHit(t *testing.T) {
+	for _, tc := range []struct {
+		spec     string
+		lastLine string // the last line printed before the kill
+	}{
+		{LaunchForked, "before " + LaunchForked + " #1"},
+		{LaunchForked + "@2", "before " + LaunchForked + " #2"},
+		{LaunchForked + "@3", "before " + LaunchForked + " #3"},
+		{StopGone, "before " + StopGone + " #1"},
+	} {
+		t.Run(tc.spec, func(t *testing.T) {
+			out, errOut, err := runHelper(t, tc.spec)
+			killedBySIGKILL(t, err)
+			lines := strings.Split(strings.TrimSpace(out), "\n")
+			assert.Equal(t, tc.lastLine, lines[len(lines)-1], "died at the armed hit and not before")
+			name, _, _ := strings.Cut(tc.spec, "@")
+			assert.Equal(t, "crashpoint "+name+": SIGKILL\n", errOut)
+		})
+	}
+}
+
+func TestHitUnarmedOrNeverReached(t *testing.T) {
+	for _, spec := range []string{"", LaunchForked + "@4", StopGone + "@2", AgentReattached} {
+		t.Run("spec="+spec, func(t *testing.T) {
+			out, errOut, err := runHelper(t, spec)
+			require.NoError(t, err, "stderr: %s", errOut)
+			assert.Contains(t, out, "survived")
+			assert.Empty(t, errOut)
+		})
+	}
+}
+
+func TestMalformedSpecArmsNothingAndSaysSo(t *testing.T) {
+	for _, spec := range []string{"no.such.point", LaunchForked + "@0", LaunchForked + "@x"} {
+		t.Run(spec, func(t *testing.T) {
+			out, errOut, err := runHelper(t, spec)
+			require.NoError(t, err)
+			assert.Contains(t, out, "survived")
+			assert.Contains(t, errOut, "crashpoint: "+EnvVar)
+		})
+	}
+}
+
+func TestParse(t *testing.T) {
+	name, n, err := Parse(StoreWriteRenamed + "@7")
+	require.NoError(t, err)
+	assert.Equal(t, StoreWriteRenamed, name)
+	assert.Equal(t, int64(7), n)
+	_, n, err = Parse(StoreWriteRenamed)
+	require.NoError(t, err)
+	assert.Equal(t, int64(1), n)
+}
+
+func TestAllIsUniqueAndNamesTheStopSteps(t *testing.T) {
+	seen := map[string]bool{}
+	for _, p := range All {
+		assert.False(t, seen[p], "%s listed twice", p)
+		seen[p] = true
+	}
+	assert.GreaterOrEqual(t, len(All), 30)
+	for step, want := range map[string]string{
+		"powerdown_sent": StopPowerdownSent, "quit_sent": StopQuitSent, "kill_sent": StopKillSent, "gone": StopGone,
+	} {
+		assert.Equal(t, want, StopStep(step))
+	}
+}
+
+// TestEveryPointIsPlaced reads the module's sources: every point in All is
+// hit somewhere (a point nobody calls would make the matrix report it as
+// never hit, but only after minutes), and every call names a listed point.
+func TestEveryPointIsPlaced(t *testing.T) {
+	// go test runs in the package folder: the module is two levels up.
+	root, err := filepath.Abs(filepath.Join("..", ".."))
+	require.NoError(t, err)
+	_, err = os.Stat(filepath.Join(root, "go.mod"))
+	require.NoError(t, err, "module root")
+	call := regexp.MustCompile(`crashpoint\.Hit\(crashpoint\.(\w+)\)`)
+	placed := map[string]bool{}
+	err = filepath.WalkDir(root, func(path string, d os.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if d.IsDir() && (d.Name() == ".cache" || d.Name() == ".git") {
+			return filepath.SkipDir
+		}
+		if d.IsDir() || !strings.HasSuffix(path, ".go") || strings.HasSuffix(path, "_test.go") {
+			return nil
+		}
+		b, err := os.ReadFile(path)
+		if err != nil {
+			return err
+		}
+		for _, m := range call.FindAllStringSubmatch(string(b), -1) {
+			placed[m[1]] = true
+		}
+		if strings.Contains(string(b), "crashpoint.Hit(crashpoint.StopStep(") {
+			placed["StopPowerdownSent"], placed["StopQuitSent"], placed["StopKillSent"], placed["StopGone"] = true, true, true, true
+		}
+		return nil
+	})
+	require.NoError(t, err)
+	for _, name := range constNames(t) {
+		assert.True(t, placed[name], "crashpoint.%s is never hit", name)
+	}
+}
+
+// constNames are the identifiers of this package's point constants.
+func constNames(t *testing.T) []string {
+	t.Helper()
+	b, err := os.ReadFile("crashpoint.go")
+	require.NoError(t, err)
+	re := regexp.MustCompile(`(?m)^\t([A-Z]\w+)\s+= "`)
+	var names []string
+	for _, m := range re.FindAllStringSubmatch(string(b), -1) {
+		if m[1] != "EnvVar" {
+			names = append(names, m[1])
+		}
+	}
+	require.Len(t, names, len(All), "every constant is in All")
+	return names
+}
