@@ -565,6 +565,14 @@ func (c *Claims) Reconcile(ctx context.Context) (*vmflowv1.ReconcileVGPUResult, 
 	claimed := heldDevices(recs, "", c.drv.Kind())
 	for _, r := range recs {
 		if !store.ClaimHeld(r) {
+			if store.IsDeleting(r) && r.GetGpuClaim() != nil {
+				// Released, but its delete may still wait out a backoff:
+				// the round that released it (this one's predecessor, or
+				// the delete's own) may have died before the wake-up was
+				// sent. Waking it again is harmless; never waking it
+				// leaves the record for up to 15 minutes.
+				res.RetriedDeletes = append(res.RetriedDeletes, r.GetId())
+			}
 			continue
 		}
 		if !store.IsDeleting(r) {

@@ -259,7 +259,17 @@ func TestCrashBetweenIntentAndCreate(t *testing.T) {
 	require.NoError(t, err)
 	assert.EqualValues(t, 1, res.GetClaimsReleased())
 	assert.Equal(t, []string{"vm2"}, res.GetRetriedDeletes())
+
+	// The round that released it died before its wake-up reached the
+	// delete: the next round wakes the delete again, releasing nothing.
+	res, err = e.claims.Reconcile(ctx)
+	require.NoError(t, err)
+	assert.Zero(t, res.GetClaimsReleased())
+	assert.Equal(t, []string{"vm2"}, res.GetRetriedDeletes(), "a lost wake-up is sent again")
 	require.NoError(t, e.st.Delete(ctx, "vm2"), "nothing left to hold the record")
+	res, err = e.claims.Reconcile(ctx)
+	require.NoError(t, err)
+	assert.Empty(t, res.GetRetriedDeletes(), "nothing to wake once the record is gone")
 }
 
 // TestCrashBetweenRemovalAndRecordUpdate: the device is gone but the record
