@@ -73,7 +73,7 @@ func (s *Supervisor) Existing(ctx context.Context, id string) (LaunchResult, err
 	switch {
 	case rec.GetLaunchStartedAt() != nil:
 		return notAsAsked("launch in progress (started at %s)", rec.GetLaunchStartedAt().AsTime().Format(time.RFC3339))
-	case state == vmflowv1.InstanceState_INSTANCE_STATE_DELETING || state == vmflowv1.InstanceState_INSTANCE_STATE_RELEASE_FAILED:
+	case store.IsDeleting(rec):
 		return notAsAsked("being deleted (state %s)", store.StateName(state))
 	case rec.GetProcess() == nil && state == vmflowv1.InstanceState_INSTANCE_STATE_EXITED:
 		return notAsAsked("exited (last exit: %s)", lastExit(rec))

@@ -73,8 +73,8 @@ func (s *Supervisor) Launch(ctx context.Context, id string) (LaunchResult, error
 	if rec, _, err = s.resolveLaunchLocked(ctx, l, in, rec, false); err != nil {
 		return LaunchResult{}, fmt.Errorf("launch: %w", err)
 	}
-	if st := rec.GetState(); st == vmflowv1.InstanceState_INSTANCE_STATE_DELETING || st == vmflowv1.InstanceState_INSTANCE_STATE_RELEASE_FAILED {
-		return LaunchResult{}, fmt.Errorf("launch instance %s: %w (state %s)", id, ErrDeleting, store.StateName(st))
+	if store.IsDeleting(rec) {
+		return LaunchResult{}, fmt.Errorf("launch instance %s: %w (state %s)", id, ErrDeleting, store.StateName(rec.GetState()))
 	}
 	marked, err := l.ManualStop()
 	if err != nil {

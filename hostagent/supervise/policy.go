@@ -82,8 +82,7 @@ func decide(rec *vmflowv1.InstanceRecord, marked bool, base, max time.Duration) 
 	switch {
 	case marked:
 		return decision{reason: "manual-stop marker present"}
-	case rec.GetState() == vmflowv1.InstanceState_INSTANCE_STATE_DELETING,
-		rec.GetState() == vmflowv1.InstanceState_INSTANCE_STATE_RELEASE_FAILED:
+	case store.IsDeleting(rec):
 		return decision{reason: "instance is being deleted"}
 	case rec.GetState() != vmflowv1.InstanceState_INSTANCE_STATE_EXITED:
 		return decision{reason: "state is " + store.StateName(rec.GetState())}
