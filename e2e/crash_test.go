@@ -544,7 +544,10 @@ func (d *crashDriver) reconcileDuringDelete(id string) {
 		time.Sleep(poll) // the poll of a deadline-bounded wait
 	}
 	if !woken {
-		d.o.notes = append(d.o.notes, "reconcile's wake-up of the parked delete was lost; woken by the retry signal")
+		// The retried reconcile wakes every deleting record whose claim is
+		// released, so a lost wake-up is a defect: the delete would wait out
+		// its backoff. The signal only lets the run finish.
+		d.o.violations = append(d.o.violations, "reconcile's wake-up of the parked delete was lost (woken by hand to finish the run)")
 		e.cli("workflow", "signal", "--workflow-id", delID, "--name", workflows.RetrySignal, "--input", `{"reason":"crash matrix: reconcile released the claim"}`)
 	}
 }
