@@ -11,6 +11,7 @@ import (
 	"sort"
 	"strings"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"pgregory.net/rapid"
@@ -102,7 +103,41 @@ type host struct {
 	corrupt        map[string][]byte    // records the model truncated, with their bytes
 	unclaimedSince map[string]time.Time // mirrors the reconcile ledger for unclaimed devices
 	prev           snapshot
-	restarts       int
+	events         map[string]int // outcome counts over the whole run, for the log
+}
+
+// reason names an error by the sentinel callers branch on.
+func reason(err error) string {
+	for _, r := range []struct {
+		err  error
+		name string
+	}{
+		{vgpu.ErrVMAlive, "VM alive"}, {vgpu.ErrDeviceHeld, "device held"}, {vgpu.ErrReleaseInProgress, "in progress"},
+		{vgpu.ErrNoCapacity, "no capacity"}, {vgpu.ErrDeviceMismatch, "device mismatch"},
+		{store.ErrDeleting, "deleting"}, {store.ErrClaimHeld, "claim held"}, {store.ErrIllegalTransition, "illegal transition"},
+		{store.ErrInvalidRecord, "unreadable record"}, {store.ErrNotFound, "no record"}, {syscall.EIO, "EIO"},
+	} {
+		if errors.Is(err, r.err) {
+			return r.name
+		}
+	}
+	if e, ok := vgpu.Errno(err); ok {
+		return e.Error()
+	}
+	return "other"
+}
+
+// event counts an action's outcome: done, refused (with the error's
+// sentinel when it has one) or a no-op.
+func (h *host) event(name string, done bool, err error) {
+	switch {
+	case err != nil:
+		h.events[name+" refused ("+reason(err)+")"]++
+	case done:
+		h.events[name+" done"]++
+	default:
+		h.events[name+" no-op"]++
+	}
 }
 
 func newHost(t *rapid.T, dc driverCase) *host {
@@ -113,7 +148,7 @@ func newHost(t *rapid.T, dc driverCase) *host {
 	h := &host{
 		dc: dc, sys: filepath.Join(dir, "sys"), ctl: filepath.Join(dir, "ctl"),
 		state: filepath.Join(dir, "state"), devDir: filepath.Join(dir, "dev"),
-		helpers: map[string]*helper{}, corrupt: map[string][]byte{}, unclaimedSince: map[string]time.Time{},
+		events: map[string]int{}, helpers: map[string]*helper{}, corrupt: map[string][]byte{}, unclaimedSince: map[string]time.Time{},
 	}
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	for _, d := range []string{h.sys, h.ctl, h.state, filepath.Join(h.devDir, "vfio")} {
