@@ -212,9 +212,9 @@ func (h *host) claim(t *rapid.T) {
 	h.event("claim", cl != nil, err)
 }
 
-// launch starts a QEMU stand-in for id, holding its claim's device open
-// when the device exists, and records its identity with state Running. A
-// claim whose device is missing fails the launch, as QEMU would.
+// launch starts a QEMU stand-in for id, holding its claim's device open,
+// and records its identity with state Running. A claim whose device is
+// missing fails the launch, as QEMU would.
 func (h *host) launch(t *rapid.T) {
 	id := h.existingID(t)
 	if hp := h.helpers[id]; hp != nil && hp.alive() {
@@ -225,15 +225,18 @@ func (h *host) launch(t *rapid.T) {
 		t.Logf("launch %s: %v", id, err)
 		return
 	}
-	node := ""
-	if store.ClaimHeld(rec) {
-		key := claimKey(rec.GetGpuClaim())
-		if !h.devices(t)[key] {
-			t.Logf("launch %s: claimed device %s does not exist", id, key)
-			return
-		}
-		node = h.vfioNode(t, key)
+	// Every model instance asks for a vGPU, so QEMU starts only with an
+	// active claim whose device exists, and holds its VFIO node open.
+	cl := rec.GetGpuClaim()
+	if !store.ClaimHeld(rec) || cl.GetPhase() != vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE {
+		t.Logf("launch %s: no active claim", id)
+		return
 	}
+	if !h.devices(t)[claimKey(cl)] {
+		t.Logf("launch %s: claimed device %s does not exist", id, claimKey(cl))
+		return
+	}
+	node := h.vfioNode(t, claimKey(cl))
 	hp, err := startHelper(node)
 	if err != nil {
 		t.Fatalf("launch %s: %v", id, err)
@@ -257,9 +260,6 @@ func (h *host) launch(t *rapid.T) {
 	h.helpers[id] = hp
 	t.Logf("launch %s: pid %d holding %q", id, ident.PID, node)
 	h.events["launched"]++
-	if node != "" {
-		h.events["launched with device"]++
-	}
 }
 
 // exit ends id's process group and records Exited, as the supervisor's exit
@@ -451,6 +451,13 @@ func (h *host) reconcile(t *rapid.T) {
 		return
 	}
 	after := h.devices(t)
+	// Like the reconcile ledger, forget devices that are gone: a new one
+	// with the same id (a VF reused) starts its grace afresh.
+	for d := range h.unclaimedSince {
+		if !after[d] {
+			delete(h.unclaimedSince, d)
+		}
+	}
 	for _, d := range unclaimed {
 		if after[d] && now.Sub(h.unclaimedSince[d]) >= grace && !h.heldOpen(t, d) {
 			t.Fatalf("VIOLATION orphan device: %s, named by no held claim since %s (%s ago), survived a reconcile",
