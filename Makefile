@@ -123,7 +123,13 @@ workflowcheck: $(WORKFLOWCHECK)
 $(WORKFLOWCHECK):
 	$(GO) install go.temporal.io/sdk/contrib/tools/workflowcheck@$(WORKFLOWCHECK_VERSION)
 
-## fuzz: every fuzz target for FUZZTIME each (go test runs one target at a time).
+## fuzz: every fuzz target for FUZZTIME each (go test runs one target at a time),
+# then a long run of the host model (hostagent/hostmodel: rapid state machine
+# of store + vGPU claims + drivers over the simulator, MODEL_CHECKS checks per
+# driver kind; `make test` runs a short one). Replay a failure with the
+# -rapid.seed it prints: go test -run 'TestHostModel/vendor' ./hostagent/hostmodel -rapid.seed=N
+MODEL_CHECKS ?= 2000
+MODEL_TIMEOUT ?= 3h
 fuzz: tools
 	@grep -rl --include='*_test.go' '^func Fuzz' . | xargs -n1 dirname | sort -u | while read -r pkg; do \
 		for f in $$(grep -ho '^func Fuzz[A-Za-z0-9_]*' $$pkg/*_test.go | sed 's/func //'); do \
@@ -131,6 +137,7 @@ fuzz: tools
 			$(GO) test -run='^$$' -fuzz="^$$f$$" -fuzztime=$(FUZZTIME) $$pkg; \
 		done; \
 	done
+	VMFLOW_MODEL_CHECKS=$(MODEL_CHECKS) $(GO) test -race -count=1 -v -timeout $(MODEL_TIMEOUT) -run '^TestHostModel$$' ./hostagent/hostmodel
 
 ## bench: measure vmflow against what it replaces, side by side in one run
 # (exit detection, stop to gone, through Temporal, scale to 200 VMs, hot

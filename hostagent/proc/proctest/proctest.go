@@ -172,6 +172,13 @@ func helperCmd(mode string, extraEnv ...string) *exec.Cmd {
 	return cmd
 }
 
+// ZombieCommand is the unstarted command StartZombie runs, for callers that
+// manage the helper's lifetime themselves (a rapid state machine: its checks
+// are not a testing.TB, so StartZombie's cleanups cannot attach to them).
+// Start it with proc.Start and a stdin pipe; the leader becomes a zombie with
+// one live thread at once, and the whole group exits when stdin closes.
+func ZombieCommand(extraEnv ...string) *exec.Cmd { return helperCmd(helperZombie, extraEnv...) }
+
 // StartZombie starts a zombie-leader helper as a child of this process and
 // waits until its leader is a zombie.
 func StartZombie(t testing.TB, extraEnv ...string) *Zombie {

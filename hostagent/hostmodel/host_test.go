@@ -1,0 +1,400 @@
+package hostmodel_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"slices"
+	"sort"
+	"strings"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"pgregory.net/rapid"
+
+	"vmflow/hostagent/proc"
+	"vmflow/hostagent/proc/proctest"
+	"vmflow/hostagent/store"
+	"vmflow/hostagent/vgpu"
+	"vmflow/hostagent/vgpu/vgpusim"
+	vmflowv1 "vmflow/proto/vmflow/v1"
+)
+
+// grace is the orphan grace the model's Claims run with; the clock only
+// moves when a reconcile step advances it past the grace.
+const grace = time.Minute
+
+// opTimeout bounds every call into the system under test: a hang is a
+// failure the model reports, never a stuck test.
+const opTimeout = 20 * time.Second
+
+// driverCase is one vGPU ABI the model runs over. The simulated host is
+// small on purpose (few VFs, one mdev parent) so that placements collide.
+type driverCase struct {
+	kind    vgpu.Kind
+	opts    vgpusim.Options
+	profile string
+}
+
+var driverCases = []driverCase{
+	{kind: vgpu.KindMdev, opts: vgpusim.Options{MdevParents: 1}, profile: "GRID A100-4C"},
+	{kind: vgpu.KindVendor, opts: vgpusim.Options{VendorVFs: 3}, profile: "NVIDIA L40-4Q"},
+}
+
+// instanceIDs is the model's whole id space: few ids, so actions meet.
+var instanceIDs = []string{"vm-a", "vm-b", "vm-c"}
+
+// helper is one QEMU stand-in: a zombie leader with a live thread that
+// holds its instance's VFIO node open, as QEMU's workers do.
+type helper struct {
+	child *proc.Child
+	stdin io.WriteCloser
+}
+
+func (h *helper) alive() bool {
+	select {
+	case <-h.child.Done():
+		return false
+	default:
+		return true
+	}
+}
+
+// end closes the helper's stdin (its last thread then exits the group) and
+// waits until the reaper saw the whole group go.
+func (h *helper) end() error {
+	_ = h.stdin.Close()
+	select {
+	case <-h.child.Done():
+		return nil
+	case <-time.After(opTimeout):
+		return fmt.Errorf("helper %v did not exit", h.child.Identity())
+	}
+}
+
+// snapshot is what the system looked like after a step: the only state the
+// model carries from one step to the next.
+type snapshot struct {
+	devices map[string]bool               // sysfs: device ids that exist
+	holders map[string][]string           // device key -> instances whose held claims name it
+	procs   map[string]proc.Identity      // instance -> recorded process
+	held    map[string]*vmflowv1.GpuClaim // instance -> its held claim
+}
+
+// host is one simulated host under test, fresh for every rapid check.
+type host struct {
+	dc     driverCase
+	srv    *vgpusim.Server
+	sys    string // sysfs root (the simulator's mount)
+	ctl    string // the simulator's fault-injection directory
+	state  string
+	devDir string
+	ignore []int
+
+	st     *store.Store
+	claims *vgpu.Claims
+	now    atomic.Int64 // unix nanos; read by Claims from its goroutines
+
+	helpers        map[string]*helper   // the latest helper of each instance
+	corrupt        map[string][]byte    // records the model truncated, with their bytes
+	unclaimedSince map[string]time.Time // mirrors the reconcile ledger for unclaimed devices
+	prev           snapshot
+	events         map[string]int // outcome counts over the whole run, for the log
+}
+
+// reason names an error by the sentinel callers branch on.
+func reason(err error) string {
+	for _, r := range []struct {
+		err  error
+		name string
+	}{
+		{vgpu.ErrVMAlive, "VM alive"}, {vgpu.ErrDeviceHeld, "device held"}, {vgpu.ErrReleaseInProgress, "in progress"},
+		{vgpu.ErrNoCapacity, "no capacity"}, {vgpu.ErrDeviceMismatch, "device mismatch"},
+		{store.ErrDeleting, "deleting"}, {store.ErrClaimHeld, "claim held"}, {store.ErrIllegalTransition, "illegal transition"},
+		{store.ErrInvalidRecord, "unreadable record"}, {store.ErrNotFound, "no record"}, {syscall.EIO, "EIO"},
+	} {
+		if errors.Is(err, r.err) {
+			return r.name
+		}
+	}
+	if e, ok := vgpu.Errno(err); ok {
+		return e.Error()
+	}
+	return "other"
+}
+
+// event counts an action's outcome: done, refused (with the error's
+// sentinel when it has one) or a no-op.
+func (h *host) event(name string, done bool, err error) {
+	switch {
+	case err != nil:
+		h.events[name+" refused ("+reason(err)+")"]++
+	case done:
+		h.events[name+" done"]++
+	default:
+		h.events[name+" no-op"]++
+	}
+}
+
+func newHost(t *rapid.T, dc driverCase) *host {
+	dir, err := os.MkdirTemp("/tmp", "hm")
+	if err != nil {
+		t.Fatalf("setup: %v", err)
+	}
+	h := &host{
+		dc: dc, sys: filepath.Join(dir, "sys"), ctl: filepath.Join(dir, "ctl"),
+		state: filepath.Join(dir, "state"), devDir: filepath.Join(dir, "dev"),
+		events: map[string]int{}, helpers: map[string]*helper{}, corrupt: map[string][]byte{}, unclaimedSince: map[string]time.Time{},
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	for _, d := range []string{h.sys, h.ctl, h.state, filepath.Join(h.devDir, "vfio")} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			t.Fatalf("setup: %v", err)
+		}
+	}
+	opts := dc.opts
+	opts.Control = h.ctl
+	h.srv, err = vgpusim.Mount(h.sys, opts)
+	if err != nil {
+		t.Fatalf("setup: %v", err)
+	}
+	// Registered after the directory's removal, so it runs first: helpers
+	// end, then the simulator unmounts (lifting any block), then the files go.
+	t.Cleanup(func() {
+		if err := h.srv.Unmount(); err != nil {
+			t.Errorf("cleanup: %v", err)
+		}
+	})
+	t.Cleanup(func() {
+		for id, hp := range h.helpers {
+			if err := hp.end(); err != nil {
+				t.Errorf("cleanup %s: %v", id, err)
+			}
+		}
+	})
+	// pid 1 of a sandbox can be more privileged than root here; it is
+	// ignored only when it really cannot be inspected (as in vgpu's tests).
+	if _, err := os.Readlink("/proc/1/fd/0"); err != nil {
+		h.ignore = []int{1}
+	}
+	h.now.Store(time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC).UnixNano())
+	h.st, err = store.New(h.state)
+	if err != nil {
+		t.Fatalf("setup: %v", err)
+	}
+	h.startAgent(t)
+	h.prev = h.observe(t)
+	return h
+}
+
+// startAgent builds the Claims the way the agent does at start, over the
+// same store, sysfs and state directory (the orphan ledger persists).
+func (h *host) startAgent(t *rapid.T) {
+	c, err := vgpu.NewClaims(vgpu.ClaimsConfig{
+		Driver: vgpu.Config{SysfsRoot: h.sys, StateDir: h.state, Kind: h.dc.kind},
+		Store:  h.st, DevRoot: h.devDir, OrphanGrace: grace, IgnoreUninspectable: h.ignore,
+		Now: func() time.Time { return time.Unix(0, h.now.Load()).UTC() },
+	})
+	if err != nil || c == nil {
+		t.Fatalf("start agent: %v", err)
+	}
+	h.claims = c
+}
+
+func (h *host) clock() time.Time { return time.Unix(0, h.now.Load()).UTC() }
+
+func ctx() (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.Background(), opTimeout)
+}
+
+func (h *host) setFault(t *rapid.T, name, content string) {
+	if err := os.WriteFile(filepath.Join(h.ctl, name), []byte(content+"\n"), 0o644); err != nil {
+		t.Fatalf("fault %s: %v", name, err)
+	}
+}
+
+func (h *host) clearFault(t *rapid.T, name string) {
+	if err := os.Remove(filepath.Join(h.ctl, name)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("fault %s: %v", name, err)
+	}
+}
+
+// waitFor polls cond until it holds or the deadline passes.
+func waitFor(cond func() bool) bool {
+	deadline := time.Now().Add(opTimeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	return true
+}
+
+// claimKey names the device a claim is about the way the claims layer
+// does: the device id (mdev UUID once active, the VF for vendor), else the
+// UUID (an mdev intent).
+func claimKey(cl *vmflowv1.GpuClaim) string {
+	if cl.GetDeviceId() != "" {
+		return cl.GetDeviceId()
+	}
+	return cl.GetUuid()
+}
+
+func (h *host) devices(t *rapid.T) map[string]bool {
+	c, cancel := ctx()
+	defer cancel()
+	ds, err := h.claims.Driver().Devices(c)
+	if err != nil {
+		t.Fatalf("list devices: %v", err)
+	}
+	out := map[string]bool{}
+	for _, d := range ds {
+		out[d.ID] = true
+	}
+	return out
+}
+
+// records lists the store. Only records the model corrupted may be
+// unreadable; anything else is a failure of the store.
+func (h *host) records(t *rapid.T) (recs []*vmflowv1.InstanceRecord, unreadable bool) {
+	recs, err := h.st.List()
+	if err != nil && len(h.corrupt) == 0 {
+		t.Fatalf("store.List: %v, and no record was corrupted", err)
+	}
+	return recs, err != nil
+}
+
+// observe reads the real system. Instances whose records are unreadable
+// keep what was last seen of them: the model cannot read them either.
+func (h *host) observe(t *rapid.T) snapshot {
+	s := snapshot{devices: h.devices(t), holders: map[string][]string{}, procs: map[string]proc.Identity{}, held: map[string]*vmflowv1.GpuClaim{}}
+	recs, _ := h.records(t)
+	for _, r := range recs {
+		if p := r.GetProcess(); p != nil {
+			s.procs[r.GetId()] = store.IdentityOf(p)
+		}
+		if store.ClaimHeld(r) {
+			s.held[r.GetId()] = r.GetGpuClaim()
+		}
+	}
+	for id := range h.corrupt {
+		if cl, ok := h.prev.held[id]; ok {
+			s.held[id] = cl
+		}
+		if p, ok := h.prev.procs[id]; ok {
+			s.procs[id] = p
+		}
+	}
+	for id, cl := range s.held {
+		s.holders[claimKey(cl)] = append(s.holders[claimKey(cl)], id)
+	}
+	for _, ids := range s.holders {
+		sort.Strings(ids)
+	}
+	return s
+}
+
+// vfioNode is the VFIO node of device id under the model's /dev, created
+// so that a helper can hold it open; "" when the device has no IOMMU group.
+func (h *host) vfioNode(t *rapid.T, id string) string {
+	var link string
+	if h.dc.kind == vgpu.KindVendor {
+		link = filepath.Join(h.sys, "bus", "pci", "devices", id, "iommu_group")
+	} else {
+		link = filepath.Join(h.sys, "bus", "mdev", "devices", id, "iommu_group")
+	}
+	target, err := os.Readlink(link)
+	if err != nil {
+		return ""
+	}
+	node := filepath.Join(h.devDir, "vfio", filepath.Base(target))
+	if _, err := os.Stat(node); errors.Is(err, os.ErrNotExist) {
+		if err := os.WriteFile(node, nil, 0o600); err != nil {
+			t.Fatalf("vfio node %s: %v", node, err)
+		}
+	}
+	return node
+}
+
+// held reports whether anything has the device's VFIO node open, as the
+// claims layer decides it (an uninspectable process counts, except ignored
+// ones).
+func (h *host) heldOpen(t *rapid.T, id string) bool {
+	node := h.vfioNode(t, id)
+	if node == "" {
+		return false
+	}
+	c, cancel := ctx()
+	defer cancel()
+	hs, err := proc.Holders(c, node)
+	if err != nil {
+		return true
+	}
+	for _, x := range hs {
+		if !(x.Uncertain && slices.Contains(h.ignore, x.PID)) {
+			return true
+		}
+	}
+	return false
+}
+
+// startHelper starts a QEMU stand-in holding node open (none when "").
+func startHelper(node string) (*helper, error) {
+	var env []string
+	if node != "" {
+		env = append(env, proctest.HoldFileEnv+"="+node)
+	}
+	cmd := proctest.ZombieCommand(env...)
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		return nil, err
+	}
+	cmd.Stdout = nil
+	child, err := proc.Start(cmd)
+	if err != nil {
+		return nil, err
+	}
+	hp := &helper{child: child, stdin: stdin}
+	// A zombie leader means the helper opened its file and runs on in its
+	// one live thread: the state a QEMU with VFIO workers is in.
+	if !waitFor(func() bool {
+		st, err := proc.ReadStat(child.Identity().PID)
+		return (err == nil && st.State == 'Z') || !hp.alive()
+	}) || !hp.alive() {
+		_ = hp.end()
+		return nil, fmt.Errorf("helper %v never became a zombie leader with a live thread", child.Identity())
+	}
+	return hp, nil
+}
+
+// describe is a one-line view of the store for the step log.
+func (h *host) describe(t *rapid.T) string {
+	recs, _ := h.records(t)
+	var b strings.Builder
+	for _, r := range recs {
+		fmt.Fprintf(&b, "%s:%s", r.GetId(), store.StateName(r.GetState()))
+		if cl := r.GetGpuClaim(); cl != nil {
+			fmt.Fprintf(&b, "[%s %s held=%t]", claimKey(cl), strings.TrimPrefix(cl.GetPhase().String(), "CLAIM_PHASE_"), store.ClaimHeld(r))
+		}
+		if p := r.GetProcess(); p != nil {
+			fmt.Fprintf(&b, "(pid %d alive=%t)", p.GetPid(), proc.Inspect(store.IdentityOf(p)).Alive)
+		}
+		b.WriteString(" ")
+	}
+	for id := range h.corrupt {
+		fmt.Fprintf(&b, "%s:UNREADABLE ", id)
+	}
+	devs := h.devices(t)
+	keys := make([]string, 0, len(devs))
+	for d := range devs {
+		keys = append(keys, d)
+	}
+	sort.Strings(keys)
+	fmt.Fprintf(&b, "devices=%v", keys)
+	return b.String()
+}
