@@ -34,20 +34,6 @@ const defaultChecks = 15
 // defaultSteps is the mean number of actions per check (rapid.steps).
 const defaultSteps = 60
 
-// skipKnownVFDoubleClaim turns off the single invariant that today's vendor
-// placement breaks (issue 11 hole 2: freeVF looks only at sysfs, so a VF
-// named by another record's intent or releasing claim is handed out again).
-// The model finds it within a few checks; set this to false once placement
-// checks the records.
-const skipKnownVFDoubleClaim = true
-
-// skipKnownReleasedClaimNamesOrphan turns off the orphan invariant for a
-// device that only a released claim still names: Reconcile counts every
-// claim in a record as the owner of its device id, released or not, so an
-// unclaimed device on a VF that a lingering record's released claim names
-// is never removed. Set to false once reconcile looks at held claims only.
-const skipKnownReleasedClaimNamesOrphan = true
-
 func TestMain(m *testing.M) {
 	proctest.RunHelperIfRequested()
 	flag.Parse()
@@ -415,12 +401,10 @@ func (h *host) reconcile(t *rapid.T) {
 	if !unreadable {
 		named := map[string]bool{}
 		for _, r := range recs {
-			if cl := r.GetGpuClaim(); cl != nil {
-				if store.ClaimHeld(r) {
-					named[claimKey(cl)] = true
-				} else if skipKnownReleasedClaimNamesOrphan {
-					named[claimKey(cl)] = true // see the constant
-				}
+			// Only held claims own their device: a released claim that
+			// still names a VF must not shield a stray device on it.
+			if cl := r.GetGpuClaim(); cl != nil && store.ClaimHeld(r) {
+				named[claimKey(cl)] = true
 			}
 		}
 		next := map[string]time.Time{}
@@ -589,7 +573,7 @@ func (h *host) check(t *rapid.T) {
 	// One device, one claim (invariant 10).
 	uuids := map[string]string{}
 	for key, ids := range now.holders {
-		if len(ids) > 1 && !(skipKnownVFDoubleClaim && h.dc.kind == vgpu.KindVendor) {
+		if len(ids) > 1 {
 			t.Fatalf("VIOLATION two held claims name one device: %s is claimed by %v", key, ids)
 		}
 		for _, id := range ids {
@@ -617,13 +601,11 @@ func (h *host) check(t *rapid.T) {
 		}
 		// ... and only through its own claim's release: a claim that was
 		// active before the step and is still active (readable, not being
-		// released) has lost its device to someone else's write. With two
-		// claims on the device that is hole 2's consequence, skipped with it.
-		shared := len(h.prev.holders[d]) > 1
+		// released) has lost its device to someone else's write.
 		for _, id := range h.prev.holders[d] {
 			_, unreadable := h.corrupt[id]
 			was, is := h.prev.held[id], now.held[id]
-			if !unreadable && !(shared && skipKnownVFDoubleClaim) &&
+			if !unreadable &&
 				was.GetPhase() == vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE && is.GetPhase() == vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE {
 				t.Fatalf("VIOLATION device of an active claim destroyed: %s of %s is gone and its claim still says active", d, id)
 			}
