@@ -112,5 +112,6 @@ func (c *storeCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(instancesDesc, prometheus.GaugeValue, n, state)
 	}
 	ch <- prometheus.MustNewConstMetric(claimsDesc, prometheus.GaugeValue, claims)
-	ch <- prometheus.MustNewConstMetric(unreadable, prometheus.GaugeValue, float64(store.CountErrors(err)))
+	bad, _ := store.Unreadable(err)
+	ch <- prometheus.MustNewConstMetric(unreadable, prometheus.GaugeValue, float64(len(bad)))
 }

@@ -250,16 +250,17 @@ func (s *Store) Get(id string) (*vmflowv1.InstanceRecord, error) {
 
 // List reads every instance record, sorted by id, for re-attach when the
 // agent starts. A record that cannot be read does not hide the others: List
-// returns every record it could read together with an error joining the
-// failures. A directory without a record (a create that crashed before its
-// first write) is skipped.
+// returns every record it could read together with a *ListError naming the
+// ones it could not (Unreadable reads it back). Any other error means the
+// listing itself failed and nothing was read. A directory without a record
+// (a create that crashed before its first write) is skipped.
 func (s *Store) List() ([]*vmflowv1.InstanceRecord, error) {
 	entries, err := os.ReadDir(s.instances)
 	if err != nil {
 		return nil, fmt.Errorf("list instances: %w", err)
 	}
 	var recs []*vmflowv1.InstanceRecord
-	var errs []error
+	var bad []UnreadableRecord
 	for _, e := range entries {
 		id := e.Name()
 		if !e.IsDir() || ValidateID(id) != nil {
@@ -270,25 +271,61 @@ func (s *Store) List() ([]*vmflowv1.InstanceRecord, error) {
 			continue
 		}
 		if err != nil {
-			errs = append(errs, err)
+			p, _ := s.Paths(id)
+			bad = append(bad, UnreadableRecord{ID: id, Path: p.Record, Err: err})
 			continue
 		}
 		recs = append(recs, rec)
 	}
 	slices.SortFunc(recs, func(a, b *vmflowv1.InstanceRecord) int { return strings.Compare(a.GetId(), b.GetId()) })
-	return recs, errors.Join(errs...)
+	if len(bad) > 0 {
+		return recs, &ListError{Unreadable: bad}
+	}
+	return recs, nil
 }
 
-// CountErrors is how many records List's error says it could not read
-// (List joins one error per record); 0 for nil.
-func CountErrors(err error) int {
+// UnreadableRecord is one record List could not read.
+type UnreadableRecord struct {
+	ID   string
+	Path string
+	Err  error
+}
+
+// ListError is List's error when some records could not be read; the
+// records it returns beside it are all the others.
+type ListError struct {
+	Unreadable []UnreadableRecord
+}
+
+func (e *ListError) Error() string {
+	msgs := make([]string, len(e.Unreadable))
+	for i, u := range e.Unreadable {
+		msgs[i] = u.Err.Error()
+	}
+	return fmt.Sprintf("%d unreadable record(s): %s", len(e.Unreadable), strings.Join(msgs, "; "))
+}
+
+// Unwrap makes errors.Is see each record's error (ErrInvalidRecord, ...).
+func (e *ListError) Unwrap() []error {
+	errs := make([]error, len(e.Unreadable))
+	for i, u := range e.Unreadable {
+		errs[i] = u.Err
+	}
+	return errs
+}
+
+// Unreadable reads List's error: the records it could not read, and
+// whether the listing itself worked (false: nothing was read at all). The
+// one reading of that error, for every caller.
+func Unreadable(err error) (bad []UnreadableRecord, listed bool) {
 	if err == nil {
-		return 0
+		return nil, true
 	}
-	if j, ok := err.(interface{ Unwrap() []error }); ok {
-		return len(j.Unwrap())
+	var le *ListError
+	if errors.As(err, &le) {
+		return le.Unreadable, true
 	}
-	return 1
+	return nil, false
 }
 
 // readRecord reads and validates p.Record, which must belong to id.

@@ -282,26 +282,14 @@ func heldDevices(recs []*vmflowv1.InstanceRecord, self string, kind Kind) map[st
 	return m
 }
 
-// unreadableRecords counts the records store.List could not read from its
-// error, the errors.Join of one error per record; listed is false when the
-// listing itself failed (nothing was read).
-func unreadableRecords(err error) (n int, listed bool) {
-	if err == nil {
-		return 0, true
-	}
-	if j, ok := err.(interface{ Unwrap() []error }); ok {
-		return len(j.Unwrap()), true
-	}
-	return 0, false
-}
-
 // takenBy reads the ledger for CreateRequest.Taken: the devices held by
 // instances other than self. When records cannot be read the map holds the
 // readable ones and the error wraps ErrRecordsUnreadable.
 func (c *Claims) takenBy(self string) func(context.Context) (map[string]string, error) {
 	return func(context.Context) (map[string]string, error) {
 		recs, err := c.st.List()
-		n, listed := unreadableRecords(err)
+		bad, listed := store.Unreadable(err)
+		n := len(bad)
 		if !listed {
 			return nil, fmt.Errorf("vgpu: read claims: %w", err)
 		}
@@ -552,7 +540,8 @@ func (c *Claims) releaseDone(dev Device, err error) {
 func (c *Claims) Reconcile(ctx context.Context) (*vmflowv1.ReconcileVGPUResult, error) {
 	res := &vmflowv1.ReconcileVGPUResult{}
 	recs, listErr := c.st.List()
-	unreadable, listed := unreadableRecords(listErr)
+	bad, listed := store.Unreadable(listErr)
+	unreadable := len(bad)
 	if !listed {
 		return res, fmt.Errorf("reconcile: list records: %w", listErr)
 	}
