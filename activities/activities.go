@@ -256,7 +256,6 @@ func (a *Activities) LaunchVM(ctx context.Context, req *vmflowv1.LaunchVMRequest
 	if req.GetExistingOnly() {
 		res, err := a.existing(ctx, id)
 		if err != nil {
-			log.Info("instance exists and is not running as asked; left alone", zap.Error(err))
 			return nil, temporal.NewApplicationErrorWithOptions(err.Error(), workflows.ErrTypeInstanceExists,
 				temporal.ApplicationErrorOptions{NonRetryable: true})
 		}

@@ -134,10 +134,9 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 	// One broken instance never stops the host (invariant 12): records
 	// that cannot be read or re-attached are reported and left alone, and
 	// everything else is supervised and served.
-	rep, err := sup.Start(ctx)
+	rep, err := startSupervision(ctx, sup, log)
 	if err != nil {
-		log.Error("re-attach: some instances need attention; the others are supervised", zap.Error(err),
-			zap.Int("failed", rep.Failed))
+		return nil // stopped before the records could be listed
 	}
 	crashpoint.Hit(crashpoint.AgentReattached)
 	am.Reattach.Add(float64(rep.Attached))
@@ -211,12 +210,45 @@ func dialForever(ctx context.Context, o tclient.Options, log *zap.Logger) (clien
 	}
 }
 
+// startSupervision runs the supervisor's re-attach until it could list the
+// instance records. Start absorbs every per-instance failure (an unreadable
+// record is quarantined, a failed re-attach counted); its error means the
+// instances folder itself could not be read (EIO, EMFILE, a mount not up
+// yet), so nothing is supervised: serving activities then would leave every
+// VM unwatched and every restart policy dead, so it waits and tries again,
+// saying why.
+func startSupervision(ctx context.Context, sup *supervise.Supervisor, log *zap.Logger) (supervise.ReattachReport, error) {
+	wait := time.Second
+	for {
+		rep, err := sup.Start(ctx)
+		if err == nil {
+			return rep, nil
+		}
+		log.Error("cannot read the instance records; nothing is supervised yet, retrying", zap.Error(err),
+			zap.Duration("retry_in", wait))
+		t := time.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return rep, ctx.Err()
+		case <-t.C:
+		}
+		wait = min(wait*2, 30*time.Second)
+	}
+}
+
 // reportUnservedClaims names, at start, the instances whose vGPU claims an
 // agent without a vGPU driver cannot release: their deletes will park with
 // that reason (invariant 12 without breaking invariant 1), and the metric
 // makes the host show up on a dashboard before anyone deletes anything.
 func reportUnservedClaims(st *store.Store, am *metrics.Agent, log *zap.Logger) {
-	recs, _ := st.List() // unreadable records are reported by re-attach and their own metric
+	recs, err := st.List()
+	if _, listed := store.Unreadable(err); !listed {
+		log.Error("cannot list the records to find vGPU claims this agent cannot serve", zap.Error(err))
+		return
+	}
+	// Claims inside unreadable records cannot be counted; re-attach names
+	// those records and vmflow_records_unreadable counts them.
 	var ids []string
 	for _, r := range recs {
 		if store.ClaimHeld(r) {

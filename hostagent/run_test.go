@@ -4,6 +4,7 @@ import (
 	"context"
 	"net"
 	"os"
+	"path/filepath"
 	"testing"
 	"time"
 
@@ -19,6 +20,7 @@ import (
 	"vmflow/hostagent/cli"
 	"vmflow/hostagent/spec"
 	"vmflow/hostagent/store"
+	"vmflow/hostagent/supervise"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -100,4 +102,43 @@ func TestAgentOutlivesBadRecordAndRefusedCredentials(t *testing.T) {
 	b, err := os.ReadFile(p.Record)
 	require.NoError(t, err)
 	assert.Equal(t, `{"id": "torn", "sp`, string(b))
+}
+
+// TestSupervisionWaitsUntilRecordsCanBeListed: when the instances folder
+// itself cannot be read (after the store opened), nothing is supervised, so
+// the agent does not go on to serve as if the host were empty: it says why
+// and retries, and supervises once the folder is back.
+func TestSupervisionWaitsUntilRecordsCanBeListed(t *testing.T) {
+	dir := t.TempDir()
+	st, err := store.New(dir)
+	require.NoError(t, err)
+	sup, err := supervise.New(supervise.Config{Store: st})
+	require.NoError(t, err)
+	defer sup.Close()
+	instances := filepath.Join(dir, "instances")
+	require.NoError(t, os.Rename(instances, instances+".away"))
+	require.NoError(t, os.WriteFile(instances, nil, 0o600)) // ENOTDIR for the listing
+
+	core, logs := observer.New(zapcore.InfoLevel)
+	done := make(chan error, 1)
+	go func() {
+		_, err := startSupervision(context.Background(), sup, zap.New(core))
+		done <- err
+	}()
+	require.Eventually(t, func() bool {
+		return logs.FilterMessageSnippet("cannot read the instance records").Len() > 0
+	}, 30*time.Second, 20*time.Millisecond)
+	select {
+	case err := <-done:
+		t.Fatalf("supervision went on without the records: %v", err)
+	default:
+	}
+	require.NoError(t, os.Remove(instances))
+	require.NoError(t, os.Rename(instances+".away", instances))
+	select {
+	case err := <-done:
+		assert.NoError(t, err, "supervises once the folder is readable")
+	case <-time.After(30 * time.Second):
+		t.Fatal("still waiting after the folder came back")
+	}
 }
