@@ -37,10 +37,11 @@ type Instance struct {
 	Process     *proc.Status `json:"process,omitempty"`
 	ClaimPhase  string       `json:"claim_phase,omitempty"`
 	ClaimDevice string       `json:"claim_device,omitempty"`
-	ClaimHeld   bool         `json:"claim_held"`
-	ManualStop  bool         `json:"manual_stop"`
-	CreatedAt   *time.Time   `json:"created_at,omitempty"`
-	AgeSeconds  int64        `json:"age_seconds,omitempty"`
+	// ClaimHeld is absent when the record cannot be read: unknown, not no.
+	ClaimHeld  *bool      `json:"claim_held,omitempty"`
+	ManualStop bool       `json:"manual_stop"`
+	CreatedAt  *time.Time `json:"created_at,omitempty"`
+	AgeSeconds int64      `json:"age_seconds,omitempty"`
 	// NeedsAttention names every reason an operator should look; empty
 	// (never null in JSON) when there is none.
 	NeedsAttention []string `json:"needs_attention"`
@@ -85,6 +86,8 @@ func inspectInstance(st *store.Store, id string, now time.Time) *Instance {
 	}
 	in.rec = rec
 	in.State = store.StateName(rec.GetState())
+	held := store.ClaimHeld(rec)
+	in.ClaimHeld = &held
 	if rec.GetCreatedAt() != nil {
 		t := rec.GetCreatedAt().AsTime()
 		in.CreatedAt = &t
@@ -97,8 +100,7 @@ func inspectInstance(st *store.Store, id string, now time.Time) *Instance {
 	if c := rec.GetGpuClaim(); c != nil {
 		in.ClaimPhase = claimPhaseName(c.GetPhase())
 		in.ClaimDevice = claimDevice(c)
-		in.ClaimHeld = store.ClaimHeld(rec)
-		if !in.ClaimHeld {
+		if !held {
 			in.ClaimPhase = "released"
 		}
 	}
@@ -143,16 +145,18 @@ func (in *Instance) checkRecord(rec *vmflowv1.InstanceRecord, now time.Time) {
 func markSharedDevices(insts []*Instance) {
 	byDevice := map[string][]string{}
 	for _, in := range insts {
-		if in.ClaimHeld && in.ClaimDevice != "" {
+		if in.claimHeld() && in.ClaimDevice != "" {
 			byDevice[in.ClaimDevice] = append(byDevice[in.ClaimDevice], in.ID)
 		}
 	}
 	for _, in := range insts {
-		if ids := byDevice[in.ClaimDevice]; in.ClaimHeld && len(ids) > 1 {
+		if ids := byDevice[in.ClaimDevice]; in.claimHeld() && len(ids) > 1 {
 			in.attention(fmt.Sprintf("vGPU %s is claimed by %d instances: %s", in.ClaimDevice, len(ids), strings.Join(ids, ", ")))
 		}
 	}
 }
+
+func (in *Instance) claimHeld() bool { return in.ClaimHeld != nil && *in.ClaimHeld }
 
 func (in *Instance) attention(reason string) { in.NeedsAttention = append(in.NeedsAttention, reason) }
 

@@ -161,7 +161,7 @@ type lsRow struct {
 	} `json:"process"`
 	ClaimPhase     string   `json:"claim_phase"`
 	ClaimDevice    string   `json:"claim_device"`
-	ClaimHeld      bool     `json:"claim_held"`
+	ClaimHeld      *bool    `json:"claim_held"`
 	ManualStop     bool     `json:"manual_stop"`
 	AgeSeconds     int64    `json:"age_seconds"`
 	NeedsAttention []string `json:"needs_attention"`
@@ -205,7 +205,7 @@ func TestLsReportsEveryInstance(t *testing.T) {
 	assert.True(t, r.Process.Alive)
 	assert.Equal(t, "active", r.ClaimPhase)
 	assert.Equal(t, "0000:3b:00.4", r.ClaimDevice, "a vendor claim is its VF")
-	assert.True(t, r.ClaimHeld)
+	assert.Equal(t, ptr(true), r.ClaimHeld)
 	assert.InDelta(t, 2*3600, r.AgeSeconds, 60)
 	assert.Empty(t, r.NeedsAttention)
 	assert.NotNil(t, r.NeedsAttention, "[] in JSON, never null")
@@ -223,12 +223,13 @@ func TestLsReportsEveryInstance(t *testing.T) {
 	assert.Equal(t, cli.StateUnreadable, r.State)
 	assert.Equal(t, f.recordPath(t, idBad), r.RecordPath)
 	assert.Contains(t, r.Error, "invalid instance record")
+	assert.Nil(t, r.ClaimHeld, "unknown, not false")
 	assertAttention(t, r, "record unreadable: "+f.recordPath(t, idBad))
 
 	r = rows[idRelFail]
 	assert.Equal(t, "release_failed", r.State)
 	assert.True(t, r.ManualStop)
-	assert.True(t, r.ClaimHeld)
+	assert.Equal(t, ptr(true), r.ClaimHeld)
 	assertAttention(t, r, "vGPU release failed 1 time(s): write remove: device or resource busy")
 
 	r = rows[idDeleting]
@@ -246,8 +247,11 @@ func TestLsReportsEveryInstance(t *testing.T) {
 	r = rows[idCreating]
 	assert.Equal(t, "creating", r.State)
 	assert.Nil(t, r.Process)
+	assert.Equal(t, ptr(false), r.ClaimHeld)
 	assert.Empty(t, r.NeedsAttention)
 }
+
+func ptr[T any](v T) *T { return &v }
 
 func assertAttention(t *testing.T, r lsRow, parts ...string) {
 	t.Helper()
