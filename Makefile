@@ -97,7 +97,14 @@ proto-tools:
 test: tools build guest
 	$(GO) test -race -timeout $(TEST_TIMEOUT) ./...
 
-lint: vet fmt-check staticcheck proto-check workflowcheck units-check
+lint: vet fmt-check tidy-check staticcheck proto-check workflowcheck units-check
+
+## tidy-check: go.mod and go.sum are exactly what `go mod tidy` makes (direct
+# requirements not marked indirect, nothing nobody imports); -diff exits
+# non-zero and prints the change when they are not.
+.PHONY: tidy-check
+tidy-check:
+	$(GO) mod tidy -diff
 
 ## units-check: the systemd units in deploy/ pass `systemd-analyze verify`
 # in a scratch root with the built binaries at their ExecStart paths.

@@ -16,6 +16,8 @@ const usage = `usage: vmflow-hostagent <command> [flags]
 
 commands:
   run        run the host agent: supervise VMs, serve host activities
+  ls         list this host's instances from their records (read-only)
+  show       show one instance: record, process liveness, vGPU claim (read-only)
   proc       inspect a process's thread group, or wait until it is gone
   vgpu-sim   mount a FUSE file system that behaves like the kernel's vGPU sysfs
 `
@@ -33,6 +35,10 @@ func main() {
 	switch os.Args[1] {
 	case "run":
 		code = runAgent(ctx, args)
+	case "ls":
+		code = cli.Ls(args, io)
+	case "show":
+		code = cli.Show(args, io)
 	case "proc":
 		code = cli.Proc(ctx, args, io)
 	case "vgpu-sim":

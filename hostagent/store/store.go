@@ -255,17 +255,13 @@ func (s *Store) Get(id string) (*vmflowv1.InstanceRecord, error) {
 // listing itself failed and nothing was read. A directory without a record
 // (a create that crashed before its first write) is skipped.
 func (s *Store) List() ([]*vmflowv1.InstanceRecord, error) {
-	entries, err := os.ReadDir(s.instances)
+	ids, err := s.IDs()
 	if err != nil {
-		return nil, fmt.Errorf("list instances: %w", err)
+		return nil, err
 	}
 	var recs []*vmflowv1.InstanceRecord
 	var bad []UnreadableRecord
-	for _, e := range entries {
-		id := e.Name()
-		if !e.IsDir() || ValidateID(id) != nil {
-			continue // trash, temp files, strangers: not instances
-		}
+	for _, id := range ids {
 		rec, err := s.Get(id)
 		if errors.Is(err, ErrNotFound) {
 			continue

@@ -13,4 +13,7 @@
 // Exit is only ever concluded from the pidfd (proc.Handle.Wait), never from
 // the QMP monitor's EOF: QEMU closes the monitor before its thread group,
 // which on KVM includes the kernel's kvm-nx-lpage-re task, is gone.
+//
+// go-qemu's qmp monitor is not used (qmp.go says more): no per-call deadline or context, an
+// unbuffered event channel that stalls replies, and a greeting read that races early events.
 package vmm

@@ -133,24 +133,15 @@ func isPermissionDenied(err error) bool {
 	return errors.As(err, &svc) && svc.Status().Code() == codes.PermissionDenied
 }
 
-// createCommands is what an admin runs to create attrs: the CLI's create
-// takes several --name but one --type, so one command per type.
+// createCommands is what an admin runs to create attrs: one command per
+// attribute, joined with " && ". One command with several --name and one
+// --type does not work: CLI v1.5.1 pairs names and types by index, so it
+// creates the first name only and the next start fails the same way.
 func createCommands(namespace string, attrs map[string]enumspb.IndexedValueType) string {
-	byType := map[string][]string{}
-	for name, t := range attrs {
-		byType[IndexedTypeName(t)] = append(byType[IndexedTypeName(t)], name)
-	}
 	var cmds []string
-	for _, t := range slices.Sorted(maps.Keys(byType)) {
-		names := byType[t]
-		slices.Sort(names)
-		var b strings.Builder
-		fmt.Fprintf(&b, "temporal operator search-attribute create --namespace %s", namespace)
-		for _, n := range names {
-			fmt.Fprintf(&b, " --name %s", n)
-		}
-		fmt.Fprintf(&b, " --type %s", t)
-		cmds = append(cmds, b.String())
+	for _, name := range slices.Sorted(maps.Keys(attrs)) {
+		cmds = append(cmds, fmt.Sprintf("temporal operator search-attribute create --namespace %s --name %s --type %s",
+			namespace, name, IndexedTypeName(attrs[name])))
 	}
 	return strings.Join(cmds, " && ")
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"maps"
+	"strings"
 	"sync"
 	"testing"
 
@@ -96,8 +97,10 @@ func TestEnsureSearchAttributes(t *testing.T) {
 		assert.ErrorIs(t, err, ErrSearchAttributePermission)
 		msg := err.Error()
 		assert.Contains(t, msg, "lacks the right to create search attributes VmHostId, VmNeedsAttention, VmStage in namespace prod")
-		assert.Contains(t, msg, "temporal operator search-attribute create --namespace prod --name VmNeedsAttention --type Bool")
-		assert.Contains(t, msg, "temporal operator search-attribute create --namespace prod --name VmHostId --name VmStage --type Keyword")
+		assert.Contains(t, msg, "run: temporal operator search-attribute create --namespace prod --name VmHostId --type Keyword"+
+			" && temporal operator search-attribute create --namespace prod --name VmNeedsAttention --type Bool"+
+			" && temporal operator search-attribute create --namespace prod --name VmStage --type Keyword: ")
+		assert.Equal(t, 3, strings.Count(msg, "--type"), "one command per attribute (TestCreateCommandsRunAgainstDevServer runs them)")
 		assert.NotContains(t, msg, "--name VmInstanceId", "only the missing ones")
 		var denied *serviceerror.PermissionDenied
 		assert.ErrorAs(t, err, &denied, "the server's error is kept")

@@ -1,0 +1,331 @@
+package cli
+
+import (
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"vmflow/hostagent/proc"
+	"vmflow/hostagent/store"
+	vmflowv1 "vmflow/proto/vmflow/v1"
+)
+
+// States ls and show print for an instance without a readable record, beside
+// the record states (store.StateName).
+const (
+	StateUnreadable = "unreadable" // record.json exists but cannot be read or decoded
+	StateNoRecord   = "no-record"  // a directory without record.json
+)
+
+// Instance is what ls and show report about one instance. It is built from
+// the record without the instance lock and without writing anything, so it
+// is safe to take while the agent runs; it is a snapshot, not a decision.
+type Instance struct {
+	ID         string `json:"id"`
+	State      string `json:"state"`
+	RecordPath string `json:"record_path"`
+	// Error says why the record could not be read (State unreadable).
+	Error string `json:"error,omitempty"`
+	// Process is the liveness of the recorded QEMU identity (pid, start
+	// time and boot id all matched; a reused pid reads as exited).
+	Process     *proc.Status `json:"process,omitempty"`
+	ClaimPhase  string       `json:"claim_phase,omitempty"`
+	ClaimDevice string       `json:"claim_device,omitempty"`
+	// ClaimHeld is absent when the record cannot be read: unknown, not no.
+	ClaimHeld  *bool      `json:"claim_held,omitempty"`
+	ManualStop bool       `json:"manual_stop"`
+	CreatedAt  *time.Time `json:"created_at,omitempty"`
+	AgeSeconds int64      `json:"age_seconds,omitempty"`
+	// NeedsAttention names every reason an operator should look; empty
+	// (never null in JSON) when there is none.
+	NeedsAttention []string `json:"needs_attention"`
+
+	rec *vmflowv1.InstanceRecord
+}
+
+// inspectHost reads every instance directory of st. A record that cannot be
+// read is an Instance of its own (invariant 12: one broken record never
+// hides the others); the error is only for a state dir that cannot be listed.
+func inspectHost(st *store.Store, now time.Time) ([]*Instance, error) {
+	ids, err := st.IDs()
+	if err != nil {
+		return nil, err
+	}
+	insts := make([]*Instance, 0, len(ids))
+	for _, id := range ids {
+		insts = append(insts, inspectInstance(st, id, now))
+	}
+	markSharedDevices(insts)
+	return insts, nil
+}
+
+// inspectInstance reads one instance; a missing record is StateNoRecord.
+func inspectInstance(st *store.Store, id string, now time.Time) *Instance {
+	p, _ := st.Paths(id) // ids come from IDs or were validated by the caller
+	in := &Instance{ID: id, RecordPath: p.Record, NeedsAttention: []string{}}
+	if marked, err := st.ManualStop(id); err == nil {
+		in.ManualStop = marked
+	}
+	rec, err := st.Get(id)
+	switch {
+	case errors.Is(err, store.ErrNotFound):
+		in.State = StateNoRecord
+		in.attention("directory without record.json (a create that stopped before its first write)")
+		return in
+	case err != nil:
+		in.State = StateUnreadable
+		in.Error = err.Error()
+		in.attention("record unreadable: " + p.Record)
+		return in
+	}
+	in.rec = rec
+	in.State = store.StateName(rec.GetState())
+	held := store.ClaimHeld(rec)
+	in.ClaimHeld = &held
+	if rec.GetCreatedAt() != nil {
+		t := rec.GetCreatedAt().AsTime()
+		in.CreatedAt = &t
+		in.AgeSeconds = int64(now.Sub(t).Seconds())
+	}
+	if rec.GetProcess() != nil {
+		s := proc.Inspect(store.IdentityOf(rec.GetProcess()))
+		in.Process = &s
+	}
+	if c := rec.GetGpuClaim(); c != nil {
+		in.ClaimPhase = claimPhaseName(c.GetPhase())
+		in.ClaimDevice = claimDevice(c)
+		if !held {
+			in.ClaimPhase = "released"
+		}
+	}
+	in.checkRecord(rec, now)
+	return in
+}
+
+// checkRecord adds the reasons a readable record needs an operator. A held
+// claim in Deleting is named even though every delete passes through it: a
+// delete that stays there is the stuck one (ReleaseFailed says so itself).
+func (in *Instance) checkRecord(rec *vmflowv1.InstanceRecord, now time.Time) {
+	c := rec.GetGpuClaim()
+	if rec.GetState() == vmflowv1.InstanceState_INSTANCE_STATE_RELEASE_FAILED {
+		in.attention(fmt.Sprintf("vGPU release failed %d time(s): %s", c.GetReleaseAttempts(), orNone(c.GetLastReleaseError())))
+	}
+	if rec.GetState() == vmflowv1.InstanceState_INSTANCE_STATE_DELETING && store.ClaimHeld(rec) {
+		in.attention(fmt.Sprintf("being deleted with its vGPU claim still held (phase %s)", in.ClaimPhase))
+	}
+	if ls := rec.GetLaunchStartedAt(); ls != nil && rec.GetProcess() == nil {
+		in.attention(fmt.Sprintf("launch marker without a process (set %s ago): a QEMU may run that the record does not name; the agent adopts or kills it at re-attach",
+			fmtAge(now.Sub(ls.AsTime()))))
+	}
+	if s := in.Process; s != nil {
+		switch {
+		case s.State == proc.StateUnknown:
+			in.attention("liveness of the recorded process unknown (counted as alive): " + s.Err)
+		case !s.Alive:
+			why := "gone"
+			if boot, err := proc.BootID(); err == nil && rec.GetProcess().GetBootId() != boot {
+				why = "from an earlier boot"
+			}
+			in.attention(fmt.Sprintf("recorded QEMU pid %d is %s (the agent is down or has not recorded the exit yet)", s.PID, why))
+		}
+	}
+	if rec.GetState() == vmflowv1.InstanceState_INSTANCE_STATE_RUNNING && rec.GetProcess() == nil {
+		in.attention("state running without a recorded process")
+	}
+}
+
+// markSharedDevices flags a device named by more than one held claim
+// (invariant 10: one device, one claim) on every instance involved.
+func markSharedDevices(insts []*Instance) {
+	byDevice := map[string][]string{}
+	for _, in := range insts {
+		if in.claimHeld() && in.ClaimDevice != "" {
+			byDevice[in.ClaimDevice] = append(byDevice[in.ClaimDevice], in.ID)
+		}
+	}
+	for _, in := range insts {
+		if ids := byDevice[in.ClaimDevice]; in.claimHeld() && len(ids) > 1 {
+			in.attention(fmt.Sprintf("vGPU %s is claimed by %d instances: %s", in.ClaimDevice, len(ids), strings.Join(ids, ", ")))
+		}
+	}
+}
+
+func (in *Instance) claimHeld() bool { return in.ClaimHeld != nil && *in.ClaimHeld }
+
+func (in *Instance) attention(reason string) { in.NeedsAttention = append(in.NeedsAttention, reason) }
+
+// claimDevice names the device a claim holds the way the vGPU ledger keys
+// it (hostagent/vgpu deviceOf): the SR-IOV VF when there is one, else the
+// mdev UUID.
+func claimDevice(c *vmflowv1.GpuClaim) string {
+	if c.GetDeviceId() != "" {
+		return c.GetDeviceId()
+	}
+	return c.GetUuid()
+}
+
+// claimPhaseName is "intent", "active", "releasing", or the number of a
+// phase this build does not know.
+func claimPhaseName(p vmflowv1.ClaimPhase) string {
+	name, ok := vmflowv1.ClaimPhase_name[int32(p)]
+	if !ok {
+		return "phase(" + strconv.Itoa(int(p)) + ")"
+	}
+	return strings.ToLower(strings.TrimPrefix(name, "CLAIM_PHASE_"))
+}
+
+// fmtAge is a duration the way ls shows ages: 45s, 12m, 3h5m, 2d4h.
+func fmtAge(d time.Duration) string {
+	if d < 0 {
+		d = 0
+	}
+	switch {
+	case d < time.Minute:
+		return strconv.Itoa(int(d.Seconds())) + "s"
+	case d < time.Hour:
+		return strconv.Itoa(int(d.Minutes())) + "m"
+	case d < 24*time.Hour:
+		return fmt.Sprintf("%dh%dm", int(d.Hours()), int(d.Minutes())%60)
+	default:
+		return fmt.Sprintf("%dd%dh", int(d.Hours())/24, int(d.Hours())%24)
+	}
+}
+
+func orNone(s string) string {
+	if s == "" {
+		return "(no error recorded)"
+	}
+	return s
+}
+
+// viewFlags are the flags ls and show share.
+type viewFlags struct {
+	stateDir string
+	output   string
+}
+
+func (v *viewFlags) register(fs *flag.FlagSet) {
+	fs.StringVar(&v.stateDir, "state-dir", store.DefaultStateDir, "the agent's state directory (as given to run)")
+	fs.StringVar(&v.output, "o", "table", "output: table or json")
+}
+
+func (v *viewFlags) check() error {
+	if v.output != "table" && v.output != "json" {
+		return fmt.Errorf("-o %q: want table or json", v.output)
+	}
+	return nil
+}
+
+const lsHelp = `usage: vmflow-hostagent ls [--state-dir DIR] [-o table|json]
+
+Lists this host's instances from their records, like virsh list: id, state,
+QEMU pid and whether that process (pid, start time and boot id) is alive,
+the vGPU claim's phase and device, age, and why the instance needs attention
+(an unreadable record, a failed vGPU release, a launch marker without a
+process, a claim held by a record being deleted, a recorded process that is
+gone, a device claimed twice). A record that cannot be read is listed as
+"unreadable" with its path; it never hides the others.
+
+Read-only and lock-free: safe while the agent runs (records are replaced by
+rename, so a read sees the old one or the new one). Run as root.
+
+exit status: 0 listed, 1 the state directory cannot be read, 2 usage error
+`
+
+// Ls implements "vmflow-hostagent ls".
+func Ls(args []string, out IO) int {
+	fs := flag.NewFlagSet("ls", flag.ContinueOnError)
+	fs.SetOutput(out.Stderr)
+	fs.Usage = func() { fmt.Fprint(out.Stderr, lsHelp) }
+	var v viewFlags
+	v.register(fs)
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return ExitOK
+		}
+		return ExitUsage
+	}
+	if err := v.check(); err != nil {
+		fmt.Fprintf(out.Stderr, "ls: %v\n", err)
+		return ExitUsage
+	}
+	if fs.NArg() > 0 {
+		fmt.Fprintf(out.Stderr, "ls: unexpected arguments %q\n", fs.Args())
+		return ExitUsage
+	}
+	st, err := store.Open(v.stateDir)
+	if err != nil {
+		fmt.Fprintf(out.Stderr, "ls: %v\n", err)
+		return ExitError
+	}
+	insts, err := inspectHost(st, time.Now())
+	if err != nil {
+		fmt.Fprintf(out.Stderr, "ls: %v\n", err)
+		return ExitError
+	}
+	if v.output == "json" {
+		writeJSON(out.Stdout, insts)
+		return ExitOK
+	}
+	writeTable(out.Stdout, insts)
+	return ExitOK
+}
+
+func writeTable(w io.Writer, insts []*Instance) {
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "ID\tSTATE\tPID\tALIVE\tVGPU\tAGE\tNEEDS ATTENTION")
+	for _, in := range insts {
+		pid, alive := "-", "-"
+		if in.Process != nil {
+			pid = strconv.Itoa(in.Process.PID)
+			alive = aliveWord(*in.Process)
+		}
+		gpu := "-"
+		if in.ClaimPhase != "" {
+			gpu = in.ClaimPhase + " " + orDash(in.ClaimDevice)
+		}
+		age := "-"
+		if in.CreatedAt != nil {
+			age = fmtAge(time.Duration(in.AgeSeconds) * time.Second)
+		}
+		attn := "-"
+		if len(in.NeedsAttention) > 0 {
+			attn = strings.Join(in.NeedsAttention, "; ")
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\n", in.ID, in.State, pid, alive, gpu, age, attn)
+	}
+	_ = tw.Flush() // a write error to stdout has nowhere better to go
+}
+
+// aliveWord is the ALIVE column: yes, no, or "unknown" (counted as alive).
+func aliveWord(s proc.Status) string {
+	switch {
+	case s.State == proc.StateUnknown:
+		return "unknown"
+	case s.State == proc.StateZombieLeader:
+		return "yes (zombie leader)"
+	case s.Alive:
+		return "yes"
+	default:
+		return "no"
+	}
+}
+
+func orDash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
+}
+
+func writeJSON(w io.Writer, v any) {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	_ = enc.Encode(v) // Instances always marshal; stdout errors have nowhere to go
+}

@@ -1,0 +1,209 @@
+package cli
+
+import (
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"vmflow/hostagent/store"
+	vmflowv1 "vmflow/proto/vmflow/v1"
+)
+
+const showHelp = `usage: vmflow-hostagent show [--state-dir DIR] [-o table|json] <instance-id>
+
+Shows one instance, like virsh dominfo: its state and stop step, the
+liveness of its recorded QEMU process (pid, start time and boot id), the
+vGPU claim, restarts and the last exit, the last error, the spawn that
+created it, why it needs attention, and the record itself. A record that
+cannot be read is shown as "unreadable" with the reason and the file's path.
+
+Read-only and lock-free: safe while the agent runs, also while the agent
+holds the instance's lock. Run as root.
+
+exit status: 0 shown (also an unreadable record), 1 no such instance or the
+state directory cannot be read, 2 usage error (or an invalid id)
+`
+
+// Show implements "vmflow-hostagent show".
+func Show(args []string, out IO) int {
+	fs := flag.NewFlagSet("show", flag.ContinueOnError)
+	fs.SetOutput(out.Stderr)
+	fs.Usage = func() { fmt.Fprint(out.Stderr, showHelp) }
+	var v viewFlags
+	v.register(fs)
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return ExitOK
+		}
+		return ExitUsage
+	}
+	if err := v.check(); err != nil {
+		fmt.Fprintf(out.Stderr, "show: %v\n", err)
+		return ExitUsage
+	}
+	if fs.NArg() != 1 {
+		fs.Usage()
+		return ExitUsage
+	}
+	id := fs.Arg(0)
+	if err := store.ValidateID(id); err != nil {
+		fmt.Fprintf(out.Stderr, "show: %v\n", err)
+		return ExitUsage
+	}
+	st, err := store.Open(v.stateDir)
+	if err != nil {
+		fmt.Fprintf(out.Stderr, "show: %v\n", err)
+		return ExitError
+	}
+	// The whole host, not just id: a device claimed twice shows only
+	// against the other records.
+	insts, err := inspectHost(st, time.Now())
+	if err != nil {
+		fmt.Fprintf(out.Stderr, "show: %v\n", err)
+		return ExitError
+	}
+	var in *Instance
+	for _, i := range insts {
+		if i.ID == id {
+			in = i
+		}
+	}
+	if in == nil {
+		fmt.Fprintf(out.Stderr, "show: instance %s: %v under %s\n", id, store.ErrNotFound, st.StateDir())
+		return ExitError
+	}
+	if v.output == "json" {
+		writeJSON(out.Stdout, showJSON(in))
+		return ExitOK
+	}
+	writeShow(out.Stdout, in)
+	return ExitOK
+}
+
+// ShowOutput is show's JSON: the Instance ls prints, plus what only show
+// says. Record is record.json as the store writes it (snake_case), absent
+// when it cannot be read.
+type ShowOutput struct {
+	*Instance
+	Creator   string          `json:"creator,omitempty"`
+	LastError string          `json:"last_error,omitempty"`
+	Record    json.RawMessage `json:"record,omitempty"`
+}
+
+func showJSON(in *Instance) ShowOutput {
+	o := ShowOutput{Instance: in}
+	if in.rec != nil {
+		o.Creator = store.CreatorOf(in.rec)
+		o.LastError = in.rec.GetLastError()
+		if b, err := store.EncodeRecord(in.rec); err == nil {
+			o.Record = b
+		}
+	}
+	return o
+}
+
+func writeShow(w io.Writer, in *Instance) {
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	row := func(k, format string, a ...any) { fmt.Fprintf(tw, "%s\t%s\n", k, fmt.Sprintf(format, a...)) }
+	row("instance", "%s", in.ID)
+	rec := in.rec
+	state := in.State
+	if rec != nil && rec.GetStopStep() != vmflowv1.StopStep_STOP_STEP_NONE {
+		state += ", stop step " + strings.ToLower(strings.TrimPrefix(rec.GetStopStep().String(), "STOP_STEP_"))
+	}
+	row("state", "%s", state)
+	row("record", "%s", in.RecordPath)
+	if in.Error != "" {
+		row("error", "%s", in.Error)
+	}
+	row("manual stop", "%s", yesNo(in.ManualStop))
+	if rec != nil {
+		created := "-"
+		if in.CreatedAt != nil {
+			created = fmt.Sprintf("%s (%s ago)", in.CreatedAt.UTC().Format(time.RFC3339), fmtAge(time.Duration(in.AgeSeconds)*time.Second))
+		}
+		row("created", "%s by %s", created, store.CreatorOf(rec))
+		row("process", "%s", processLine(in))
+		row("vGPU", "%s", claimLine(in))
+		row("restarts", "%d (policy %s, max %d)", rec.GetRestartCount(), orDefault(rec.GetRestartPolicy(), "never"), rec.GetRestartMaxAttempts())
+		if rec.GetLastExit() != nil || rec.GetLastExitStatus() != "" {
+			row("last exit", "%s (code %d) at %s", orDefault(rec.GetLastExitStatus(), "-"), rec.GetLastExitCode(),
+				rec.GetLastExit().AsTime().UTC().Format(time.RFC3339))
+		}
+		row("last error", "%s", orDefault(rec.GetLastError(), "-"))
+	}
+	if len(in.NeedsAttention) == 0 {
+		row("needs attention", "no")
+	} else {
+		row("needs attention", "yes")
+		for _, r := range in.NeedsAttention {
+			row("", "- %s", r)
+		}
+	}
+	_ = tw.Flush()
+	if rec != nil {
+		if b, err := store.EncodeRecord(rec); err == nil {
+			fmt.Fprintf(w, "\n%s:\n%s", store.RecordFile, b)
+		}
+	}
+}
+
+func processLine(in *Instance) string {
+	if in.Process == nil {
+		if in.rec.GetLaunchStartedAt() != nil {
+			return "none recorded; a launch began at " + in.rec.GetLaunchStartedAt().AsTime().UTC().Format(time.RFC3339)
+		}
+		return "none"
+	}
+	s := in.Process
+	line := fmt.Sprintf("%s: %s, alive %s", s.Identity, s.State, aliveWord(*s))
+	if s.Tasks > 0 {
+		line += fmt.Sprintf(", %d task(s)", s.Tasks)
+	}
+	if s.Err != "" {
+		line += " (" + s.Err + ")"
+	}
+	return line
+}
+
+func claimLine(in *Instance) string {
+	c := in.rec.GetGpuClaim()
+	if c == nil {
+		return "none"
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "%s %s: profile %q, driver %s, parent %s, type %s", in.ClaimPhase, orDash(in.ClaimDevice),
+		c.GetProfile(), orDash(c.GetDriver()), orDash(c.GetParent()), orDash(c.GetTypeId()))
+	if c.GetUuid() != "" && c.GetUuid() != in.ClaimDevice {
+		fmt.Fprintf(&b, ", uuid %s", c.GetUuid())
+	}
+	if c.GetClaimedAt() != nil {
+		fmt.Fprintf(&b, ", claimed %s", c.GetClaimedAt().AsTime().UTC().Format(time.RFC3339))
+	}
+	if c.GetReleasedAt() != nil {
+		fmt.Fprintf(&b, ", released %s", c.GetReleasedAt().AsTime().UTC().Format(time.RFC3339))
+	}
+	if c.GetReleaseAttempts() > 0 {
+		fmt.Fprintf(&b, ", %d failed release(s), last: %s", c.GetReleaseAttempts(), orNone(c.GetLastReleaseError()))
+	}
+	return b.String()
+}
+
+func yesNo(b bool) string {
+	if b {
+		return "yes"
+	}
+	return "no"
+}
+
+func orDefault(s, d string) string {
+	if s == "" {
+		return d
+	}
+	return s
+}
