@@ -214,19 +214,10 @@ func (a *Activities) ClaimVGPU(ctx context.Context, req *vmflowv1.ClaimVGPUReque
 		return nil, classify(fmt.Errorf("claim vGPU: %w", err))
 	}
 	crashpoint.Hit(crashpoint.ActivityClaimVGPUDone)
-	log.Info("vGPU claimed", zap.String("device_id", claimDevice(claim)), zap.String("profile", claim.GetProfile()))
+	log.Info("vGPU claimed", zap.String("device_id", store.ClaimDevice(claim)), zap.String("profile", claim.GetProfile()))
 	return &vmflowv1.ClaimVGPUResult{
-		DeviceId: claimDevice(claim), Parent: claim.GetParent(), Profile: claim.GetProfile(), VgpuUuid: mdevUUID(claim),
+		DeviceId: store.ClaimDevice(claim), Parent: claim.GetParent(), Profile: claim.GetProfile(), VgpuUuid: mdevUUID(claim),
 	}, nil
-}
-
-// claimDevice is the device QEMU attaches: the VF's address for vendor
-// VFIO, the mdev UUID for mdev.
-func claimDevice(c *vmflowv1.GpuClaim) string {
-	if c.GetDeviceId() != "" {
-		return c.GetDeviceId()
-	}
-	return c.GetUuid()
 }
 
 // mdevUUID is the claim's mdev UUID; empty for a vendor VF, whose UUID
@@ -301,7 +292,7 @@ func (a *Activities) launchResult(rec *vmflowv1.InstanceRecord, pid int, already
 	paths, _ := a.Store.Paths(rec.GetId())
 	res := &vmflowv1.LaunchVMResult{Pid: int32(pid), QmpSocket: paths.Socket, AlreadyRunning: already, InstanceUuid: rec.GetSpec().GetUuid()}
 	if store.ClaimHeld(rec) {
-		res.VgpuUuid, res.VgpuDeviceId = mdevUUID(rec.GetGpuClaim()), claimDevice(rec.GetGpuClaim())
+		res.VgpuUuid, res.VgpuDeviceId = mdevUUID(rec.GetGpuClaim()), store.ClaimDevice(rec.GetGpuClaim())
 	}
 	return res
 }
@@ -450,7 +441,7 @@ func (a *Activities) ReleaseVGPU(ctx context.Context, ref *vmflowv1.InstanceRef)
 		if store.ClaimHeld(rec) {
 			c := rec.GetGpuClaim()
 			return nil, classify(fmt.Errorf("release vGPU of %s: %w: it holds a %q claim on %s, and this agent runs without a vGPU driver (--vgpu-driver=none or no vGPU sysfs): restart it with the host's driver, then retry",
-				ref.GetInstanceId(), errVGPUUnavailable, c.GetProfile(), claimDevice(c)))
+				ref.GetInstanceId(), errVGPUUnavailable, c.GetProfile(), store.ClaimDevice(c)))
 		}
 		return &vmflowv1.ReleaseVGPUResult{}, nil
 	}

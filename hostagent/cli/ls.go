@@ -99,7 +99,7 @@ func inspectInstance(st *store.Store, id string, now time.Time) *Instance {
 	}
 	if c := rec.GetGpuClaim(); c != nil {
 		in.ClaimPhase = claimPhaseName(c.GetPhase())
-		in.ClaimDevice = claimDevice(c)
+		in.ClaimDevice = store.ClaimDevice(c)
 		if !held {
 			in.ClaimPhase = "released"
 		}
@@ -159,16 +159,6 @@ func markSharedDevices(insts []*Instance) {
 func (in *Instance) claimHeld() bool { return in.ClaimHeld != nil && *in.ClaimHeld }
 
 func (in *Instance) attention(reason string) { in.NeedsAttention = append(in.NeedsAttention, reason) }
-
-// claimDevice names the device a claim holds the way the vGPU ledger keys
-// it (hostagent/vgpu deviceOf): the SR-IOV VF when there is one, else the
-// mdev UUID.
-func claimDevice(c *vmflowv1.GpuClaim) string {
-	if c.GetDeviceId() != "" {
-		return c.GetDeviceId()
-	}
-	return c.GetUuid()
-}
 
 // claimPhaseName is "intent", "active", "releasing", or the number of a
 // phase this build does not know.

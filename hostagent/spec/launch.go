@@ -43,7 +43,7 @@ func PrepareLaunch(devs Devices, attach bool) func(context.Context, *store.Locke
 		}
 		if devs == nil {
 			c := rec.GetGpuClaim()
-			return vmm.VMSpec{}, fmt.Errorf("instance %s (claim %q on %s): %w", rec.GetId(), c.GetProfile(), claimName(c), ErrNoVGPUDriver)
+			return vmm.VMSpec{}, fmt.Errorf("instance %s (claim %q on %s): %w", rec.GetId(), c.GetProfile(), store.ClaimDevice(c), ErrNoVGPUDriver)
 		}
 		claim, err := devs.EnsureDeviceLocked(ctx, l)
 		if err != nil {
@@ -55,11 +55,4 @@ func PrepareLaunch(devs Devices, attach bool) func(context.Context, *store.Locke
 		}
 		return ForRecord(rec, vfio), nil
 	}
-}
-
-func claimName(c *vmflowv1.GpuClaim) string {
-	if c.GetDeviceId() != "" {
-		return c.GetDeviceId()
-	}
-	return c.GetUuid()
 }

@@ -261,7 +261,7 @@ func (l *Locked) Delete() error {
 	if ClaimHeld(rec) {
 		c := rec.GetGpuClaim()
 		return fmt.Errorf("delete instance %s: %w (profile %q, device %s, phase %s); release it first",
-			l.id, ErrClaimHeld, c.GetProfile(), claimDevice(c), c.GetPhase())
+			l.id, ErrClaimHeld, c.GetProfile(), ClaimDevice(c), c.GetPhase())
 	}
 	if rec.GetState() != deleting {
 		return fmt.Errorf("delete instance %s: %w: %s -> deleted (only a record in deleting can be removed)",
@@ -293,12 +293,13 @@ func (l *Locked) Delete() error {
 	return nil
 }
 
-func claimDevice(c *vmflowv1.GpuClaim) string {
-	if c.GetUuid() != "" {
-		return c.GetUuid()
-	}
+// ClaimDevice names the device a claim holds: the SR-IOV VF when there is
+// one, else the mdev UUID (the mdev's sysfs name and QEMU's sysfsdev). The
+// one rule every package names claims by, so messages, the ledger and the
+// CLI agree.
+func ClaimDevice(c *vmflowv1.GpuClaim) string {
 	if c.GetDeviceId() != "" {
 		return c.GetDeviceId()
 	}
-	return "(not yet created)"
+	return c.GetUuid()
 }

@@ -148,10 +148,7 @@ func deviceOf(claim *vmflowv1.GpuClaim, kind Kind) Device {
 	if claim.GetDriver() != "" {
 		d.Kind = Kind(claim.GetDriver())
 	}
-	d.ID = claim.GetDeviceId()
-	if d.ID == "" {
-		d.ID = claim.GetUuid()
-	}
+	d.ID = store.ClaimDevice(claim)
 	return d
 }
 
