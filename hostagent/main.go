@@ -10,6 +10,7 @@ import (
 	"syscall"
 
 	"vmflow/hostagent/cli"
+	"vmflow/internal/service"
 )
 
 const usage = `usage: vmflow-hostagent <command> [flags]
@@ -20,6 +21,7 @@ commands:
   show       show one instance: record, process liveness, vGPU claim (read-only)
   proc       inspect a process's thread group, or wait until it is gone
   vgpu-sim   mount a FUSE file system that behaves like the kernel's vGPU sysfs
+  version    print the build's version and revision (also --version)
 `
 
 func main() {
@@ -43,6 +45,8 @@ func main() {
 		code = cli.Proc(ctx, args, io)
 	case "vgpu-sim":
 		code = cli.VGPUSim(ctx, args, io)
+	case "version", "--version", "-version":
+		fmt.Fprintln(os.Stdout, service.Info().String("vmflow-hostagent"))
 	case "-h", "--help", "help":
 		fmt.Fprint(os.Stdout, usage)
 	default:

@@ -25,6 +25,7 @@ import (
 	"vmflow/hostagent/vgpu"
 	"vmflow/hostagent/vmm"
 	"vmflow/internal/crashpoint"
+	"vmflow/internal/service"
 	"vmflow/internal/tclient"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 	"vmflow/workflows"
@@ -66,6 +67,7 @@ func runAgent(ctx context.Context, args []string) int {
 	}
 	log = log.With(zap.String("host_id", cfg.HostID))
 	defer func() { _ = log.Sync() }()
+	log.Info("vmflow-hostagent starting", service.Info().Fields()...)
 	if err := agent(ctx, cfg, log); err != nil {
 		log.Error("agent stopped", zap.Error(err))
 		return cli.ExitError
@@ -73,7 +75,26 @@ func runAgent(ctx context.Context, args []string) int {
 	return cli.ExitOK
 }
 
+// Readiness conditions of the agent's /readyz.
+const (
+	readyReattach = "reattach"
+	readyTemporal = "temporal"
+	readyStopping = "stopping"
+)
+
+// agent runs until ctx ends (SIGTERM), then stops gracefully: no new
+// activities, running ones get cfg.StopTimeout to finish, VMs keep running.
 func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
+	// The metrics server and the watchdog outlive ctx: they serve until
+	// the graceful stop is over and agent returns.
+	life, endLife := context.WithCancel(context.Background())
+	defer endLife()
+	go func() {
+		if err := service.Watchdog(life, log); err != nil {
+			log.Error("systemd watchdog", zap.Error(err))
+		}
+	}()
+
 	st, err := store.New(cfg.StateDir)
 	if err != nil {
 		return err
@@ -82,9 +103,19 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 	if err != nil {
 		return err
 	}
+	tm.Readiness.NotReady(readyReattach, "re-attaching the host's VMs")
+	tm.Readiness.NotReady(readyTemporal, "the Temporal worker is not polling yet")
 	am, err := metrics.New(tm.Registry, st)
 	if err != nil {
 		return err
+	}
+	// /healthz answers while re-attach runs; /readyz says what it waits for.
+	if cfg.MetricsAddr != "" {
+		go func() {
+			if err := tm.Serve(life, cfg.MetricsAddr); err != nil {
+				log.Error("metrics server stopped", zap.Error(err))
+			}
+		}()
 	}
 
 	var gpus activities.GPUs
@@ -145,35 +176,45 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 	if gpus == nil {
 		reportUnservedClaims(st, am, log)
 	}
-
-	if cfg.MetricsAddr != "" {
-		go func() {
-			if err := tm.Serve(ctx, cfg.MetricsAddr); err != nil {
-				log.Error("metrics server stopped", zap.Error(err))
-			}
-		}()
-	}
+	// Ready for systemd means supervising: re-attach is done, whatever
+	// Temporal's state or the state of single records (invariant 12).
+	tm.Readiness.Ready(readyReattach)
+	service.NotifyReady(log)
 
 	c, err := dialForever(ctx, tclient.Options{Logger: log, Metrics: tm, HostPort: cfg.Address, Namespace: cfg.Namespace,
 		Identity: "vmflow-hostagent@" + cfg.HostID}, log)
 	if err != nil {
-		return nil // stopped before Temporal answered: supervision ran meanwhile
+		service.NotifyStopping(log)
+		log.Info("stopping before Temporal answered; VMs keep running")
+		return nil // supervision ran meanwhile
 	}
 	defer c.Close()
 	queue := workflows.HostTaskQueue(cfg.HostID)
-	w := worker.New(c, queue, worker.Options{})
+	// WorkerStopTimeout: on SIGTERM the SDK stops polling and lets running
+	// activities (a stop ladder, a release) finish for this long before it
+	// cancels them; 0, the SDK's default, cancels them at once and every
+	// agent upgrade would cut them off. One still running then is
+	// cancelled; its retry resumes the ladder from the step the record
+	// holds.
+	w := worker.New(c, queue, worker.Options{WorkerStopTimeout: cfg.StopTimeout})
 	w.RegisterActivity(acts)
 	if err := w.Start(); err != nil {
 		return fmt.Errorf("start worker on %s: %w", queue, err)
 	}
-	defer w.Stop()
+	tm.Readiness.Ready(readyTemporal)
 	log.Info("serving host activities", zap.String("task_queue", queue))
 	if err := ensureReconcileSchedule(ctx, c, cfg); err != nil {
 		// The host works without it; reconcile is a safety net.
 		log.Error("reconcile schedule", zap.Error(err))
 	}
 	<-ctx.Done()
-	log.Info("stopping; VMs keep running")
+	tm.Readiness.NotReady(readyStopping, "stopping: running activities finish, no new ones are taken")
+	service.NotifyStopping(log)
+	log.Info("stopping: no new activities, running ones may finish; VMs keep running",
+		zap.Duration("stop_timeout", cfg.StopTimeout))
+	began := time.Now()
+	w.Stop()
+	log.Info("worker stopped", zap.Duration("took", time.Since(began)))
 	return nil
 }
 

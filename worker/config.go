@@ -7,6 +7,7 @@ import (
 	"io"
 	"time"
 
+	"vmflow/internal/service"
 	"vmflow/workflows"
 )
 
@@ -21,6 +22,11 @@ type config struct {
 	Address     string
 	Namespace   string
 	Workflows   workflows.Config
+	// StopTimeout: after SIGTERM, how long running tasks may finish
+	// before they are cancelled (under the unit's TimeoutStopSec).
+	StopTimeout time.Duration
+	// Version: print the build and exit.
+	Version bool
 }
 
 func parseConfig(args []string, stderr io.Writer) (config, error) {
@@ -52,12 +58,20 @@ flags:
 	fs.DurationVar(&c.Workflows.UnreachableBackoffMax, "unreachable-backoff-max", d.UnreachableBackoffMax, "longest wait between tries of an unreachable host")
 	fs.DurationVar(&c.Workflows.SpawnHostWait, "spawn-host-wait", d.SpawnHostWait, "how long a spawn waits for an unreachable host before it fails")
 	fs.DurationVar(&c.Workflows.DeleteStuckAfter, "delete-stuck-after", d.DeleteStuckAfter, "a delete stage that has not advanced for this long shows needs-attention with its last error (default of DeleteRequest.stuck_after_seconds; recorded when a delete starts)")
+	fs.DurationVar(&c.StopTimeout, "stop-timeout", service.StopTimeout, "on SIGTERM, stop polling and let running tasks finish this long before cancelling them; keep it under the unit's TimeoutStopSec")
+	fs.BoolVar(&c.Version, "version", false, "print the build's version and revision, and exit")
 	fs.DurationVar(&c.Workflows.ActivityTimeoutCap, "activity-timeout-cap", 0, "cap every host activity's StartToClose and heartbeat timeout (tests that kill the agent; 0: off)")
 	if err := fs.Parse(args); err != nil {
 		return c, err
 	}
 	if fs.NArg() > 0 {
 		return c, fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	if c.Version {
+		return c, nil
+	}
+	if c.StopTimeout < 0 {
+		return c, fmt.Errorf("--stop-timeout %s is negative", c.StopTimeout)
 	}
 	if c.TaskQueue == "" {
 		return c, errors.New("--task-queue must not be empty")

@@ -16,6 +16,7 @@ import (
 	"go.temporal.io/sdk/worker"
 	"go.uber.org/zap"
 
+	"vmflow/internal/service"
 	"vmflow/internal/tclient"
 	"vmflow/workflows"
 )
@@ -33,12 +34,17 @@ func run() int {
 		fmt.Fprintln(os.Stderr, "vmflow-worker:", err)
 		return 2
 	}
+	if cfg.Version {
+		fmt.Fprintln(os.Stdout, service.Info().String("vmflow-worker"))
+		return 0
+	}
 	log, err := tclient.NewLogger(cfg.LogLevel)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "vmflow-worker:", err)
 		return 2
 	}
 	defer func() { _ = log.Sync() }()
+	log.Info("vmflow-worker starting", service.Info().Fields()...)
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
@@ -48,9 +54,14 @@ func run() int {
 		log.Error("metrics", zap.Error(err))
 		return 1
 	}
+	metrics.Readiness.NotReady("worker", "the Temporal worker has not started")
+	// The metrics server outlives ctx (SIGTERM): it serves until run
+	// returns, through the graceful stop.
+	life, endLife := context.WithCancel(context.Background())
+	defer endLife()
 	if cfg.MetricsAddr != "" {
 		go func() {
-			if err := metrics.Serve(ctx, cfg.MetricsAddr); err != nil {
+			if err := metrics.Serve(life, cfg.MetricsAddr); err != nil {
 				log.Error("metrics server stopped", zap.Error(err))
 			}
 		}()
@@ -78,16 +89,20 @@ func run() int {
 		return 1
 	}
 
-	w := worker.New(c, cfg.TaskQueue, worker.Options{})
+	// WorkerStopTimeout: on SIGTERM the SDK stops polling and lets running
+	// tasks finish for this long before it cancels them (0 cancels at once).
+	w := worker.New(c, cfg.TaskQueue, worker.Options{WorkerStopTimeout: cfg.StopTimeout})
 	workflows.New(cfg.Workflows).Register(w)
 	if err := w.Start(); err != nil {
 		log.Error("start worker", zap.Error(err), zap.String("task_queue", cfg.TaskQueue))
 		return 1
 	}
+	metrics.Readiness.Ready("worker")
 	log.Info("worker running", zap.String("task_queue", cfg.TaskQueue), zap.String("namespace", ns),
 		zap.Duration("release_backoff", cfg.Workflows.ReleaseBackoff))
 	<-ctx.Done()
-	log.Info("stopping worker")
+	metrics.Readiness.NotReady("stopping", "stopping: running tasks finish, no new ones are taken")
+	log.Info("stopping worker: no new tasks, running ones may finish", zap.Duration("stop_timeout", cfg.StopTimeout))
 	w.Stop()
 	return 0
 }

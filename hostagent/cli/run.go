@@ -12,6 +12,7 @@ import (
 
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vmm"
+	"vmflow/internal/service"
 )
 
 // RunConfig is the command line of "vmflow-hostagent run". The binary's
@@ -36,6 +37,9 @@ type RunConfig struct {
 	Address         string
 	Namespace       string
 	TaskQueue       string // where the reconcile schedule starts ReconcileVGPU
+	// StopTimeout: after SIGTERM, how long running activities may finish
+	// before they are cancelled (under the unit's TimeoutStopSec).
+	StopTimeout time.Duration
 	// IgnoreUninspectable: pids whose open files cannot be read yet known
 	// not to hold VFIO devices (a sandbox's init). Empty in production.
 	IgnoreUninspectable []int
@@ -98,6 +102,7 @@ flags:
 	fs.StringVar(&c.Address, "address", "", "Temporal frontend host:port (overrides TEMPORAL_ADDRESS)")
 	fs.StringVar(&c.Namespace, "namespace", "", "Temporal namespace (overrides TEMPORAL_NAMESPACE)")
 	fs.StringVar(&c.TaskQueue, "workflow-task-queue", "vmflow", "task queue of the workflow worker (where the reconcile schedule starts workflows)")
+	fs.DurationVar(&c.StopTimeout, "stop-timeout", service.StopTimeout, "on SIGTERM, stop polling and let running activities finish this long before cancelling them; keep it under the unit's TimeoutStopSec")
 	fs.Var(&ignore, "holders-ignore-pid", "a pid whose open files cannot be read but that holds no VFIO device (repeatable; for sandboxes whose init outranks the agent, never in production)")
 	if err := fs.Parse(args); err != nil {
 		return c, err
@@ -119,6 +124,9 @@ flags:
 			return c, fmt.Errorf("--%s: %w", d.name, err)
 		}
 		*d.path = abs
+	}
+	if c.StopTimeout < 0 {
+		return c, fmt.Errorf("--stop-timeout %s is negative", c.StopTimeout)
 	}
 	if c.QEMUUser != "" && !vmm.ValidRunAs(c.QEMUUser) {
 		return c, fmt.Errorf("--qemu-user %q: not a user name", c.QEMUUser)

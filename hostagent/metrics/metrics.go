@@ -10,10 +10,12 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"vmflow/hostagent/store"
+	"vmflow/internal/service"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
-// Agent holds the agent's own metrics.
+// Agent holds the agent's own metrics. Every histogram resolves 1 ms to
+// 10 min (service.LatencyBuckets), the same bounds as the SDK's latencies.
 type Agent struct {
 	StopDuration    prometheus.Histogram
 	ExitDetect      prometheus.Histogram
@@ -33,17 +35,18 @@ func New(reg prometheus.Registerer, st *store.Store) (*Agent, error) {
 		StopDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "vmflow_stop_duration_seconds",
 			Help:    "Time from the start of the stop ladder until the VM's whole thread group was gone.",
-			Buckets: []float64{.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 15, 30, 60},
+			Buckets: service.LatencyBuckets(),
 		}),
 		ExitDetect: prometheus.NewHistogram(prometheus.HistogramOpts{
-			Name:    "vmflow_exit_detect_seconds",
-			Help:    "Time from a VM's exit (QEMU reaped, or the pidfd readable) until the agent recorded it.",
-			Buckets: []float64{.0001, .0005, .001, .005, .01, .05, .1, .5, 1},
+			Name: "vmflow_exit_detect_seconds",
+			Help: "Time from a VM's exit (QEMU reaped, or the pidfd readable) until the agent recorded it.",
+			// Below 1 ms too: a pidfd wake-up is seen in tens of µs.
+			Buckets: append([]float64{.0001, .0005}, service.LatencyBuckets()...),
 		}),
 		LaunchDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "vmflow_launch_duration_seconds",
 			Help:    "Time from fork until QMP reported the VM running.",
-			Buckets: []float64{.025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30},
+			Buckets: service.LatencyBuckets(),
 		}),
 		ReleaseFailures: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "vmflow_vgpu_release_failures_total",

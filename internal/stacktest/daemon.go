@@ -12,6 +12,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"vmflow/internal/service"
 )
 
 // Daemon is a vmflow binary run as a subprocess, restartable, its output
@@ -188,9 +190,11 @@ func (d *Daemon) Kill(t testing.TB) {
 	}
 }
 
-// Stop sends SIGTERM, then SIGKILL after 20 s, and waits until reaped.
+// Stop sends SIGTERM, then SIGKILL after the binaries' default graceful
+// stop (service.StopTimeout, running activities finish) and 5 s more, and
+// waits until reaped.
 func (d *Daemon) Stop() error {
-	if err := d.Signal(syscall.SIGTERM, 20*time.Second); err != nil {
+	if err := d.Signal(syscall.SIGTERM, service.StopTimeout+5*time.Second); err != nil {
 		return errors.Join(err, d.Signal(syscall.SIGKILL, 10*time.Second))
 	}
 	return nil

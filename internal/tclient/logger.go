@@ -156,8 +156,14 @@ func snakeCase(s string) string {
 }
 
 // NewLogger is the zap JSON logger both binaries write with: ISO 8601
-// times under "ts", the level given by --log-level.
+// times under "ts", the level given by --log-level, on stderr.
 func NewLogger(level string) (*zap.Logger, error) {
+	return newLogger(level, "stderr")
+}
+
+// newLogger is NewLogger writing to the given zap output paths (tests pass
+// a file).
+func newLogger(level string, outputs ...string) (*zap.Logger, error) {
 	lvl, err := zapcore.ParseLevel(level)
 	if err != nil {
 		return nil, fmt.Errorf("--log-level: %w", err)
@@ -166,5 +172,12 @@ func NewLogger(level string) (*zap.Logger, error) {
 	zc.Level = zap.NewAtomicLevelAt(lvl)
 	zc.EncoderConfig.TimeKey = "ts"
 	zc.EncoderConfig.EncodeTime = zapcore.ISO8601TimeEncoder
+	// No sampling: the production config keeps 100 identical lines a
+	// second and then every 100th, and the lines that repeat are exactly
+	// an incident's ("release failed" for every instance of a wedged
+	// GPU). vmflow's volume is bounded by its work, so every line stays.
+	zc.Sampling = nil
+	zc.OutputPaths = outputs
+	zc.ErrorOutputPaths = []string{"stderr"}
 	return zc.Build()
 }

@@ -16,6 +16,8 @@ import (
 	"go.temporal.io/sdk/client"
 	temporalotel "go.temporal.io/sdk/contrib/opentelemetry"
 	"go.uber.org/zap"
+
+	"vmflow/internal/service"
 )
 
 // Metrics is one Prometheus registry shared by the SDK's metrics (through
@@ -24,6 +26,8 @@ import (
 type Metrics struct {
 	// Registry is where vmflow's own collectors register.
 	Registry *prometheus.Registry
+	// Readiness is what /readyz answers; each binary names its conditions.
+	Readiness *service.Readiness
 
 	provider *sdkmetric.MeterProvider
 	sdk      client.MetricsHandler
@@ -44,10 +48,10 @@ func WithMetricsLogger(l *zap.Logger) MetricsOption {
 }
 
 // NewMetrics builds the registry (with the Go runtime and process
-// collectors), an OTel MeterProvider exporting into it, and the SDK's
-// metrics handler over that provider.
+// collectors and vmflow_build_info), an OTel MeterProvider exporting into
+// it, and the SDK's metrics handler over that provider.
 func NewMetrics(opts ...MetricsOption) (*Metrics, error) {
-	m := &Metrics{Registry: prometheus.NewRegistry(), log: zap.NewNop()}
+	m := &Metrics{Registry: prometheus.NewRegistry(), Readiness: service.NewReadiness(), log: zap.NewNop()}
 	for _, o := range opts {
 		o(m)
 	}
@@ -56,6 +60,9 @@ func NewMetrics(opts ...MetricsOption) (*Metrics, error) {
 	}
 	if err := m.Registry.Register(collectors.NewProcessCollector(collectors.ProcessCollectorOpts{})); err != nil {
 		return nil, fmt.Errorf("register process collector: %w", err)
+	}
+	if err := m.Registry.Register(service.Info().BuildInfoCollector()); err != nil {
+		return nil, fmt.Errorf("register build info: %w", err)
 	}
 	exporter, err := otelprom.New(
 		otelprom.WithRegisterer(m.Registry),
@@ -67,7 +74,7 @@ func NewMetrics(opts ...MetricsOption) (*Metrics, error) {
 	if err != nil {
 		return nil, fmt.Errorf("otel prometheus exporter: %w", err)
 	}
-	m.provider = sdkmetric.NewMeterProvider(sdkmetric.WithReader(exporter))
+	m.provider = sdkmetric.NewMeterProvider(sdkmetric.WithReader(exporter), sdkmetric.WithView(latencyView()))
 	m.sdk = temporalotel.NewMetricsHandler(temporalotel.MetricsHandlerOptions{
 		Meter: m.provider.Meter("temporal-sdk-go"),
 		OnError: func(err error) {
@@ -80,6 +87,18 @@ func NewMetrics(opts ...MetricsOption) (*Metrics, error) {
 	return m, nil
 }
 
+// latencyView gives every histogram the SDK records vmflow's latency
+// bounds. The SDK's histograms are all timers recorded in seconds (the
+// contrib handler's Timer: unit "s", d.Seconds()); OTel's default bounds
+// (0, 5, 10, ... 10000) are meant for milliseconds and would put almost
+// every SDK latency in one bucket.
+func latencyView() sdkmetric.View {
+	return sdkmetric.NewView(
+		sdkmetric.Instrument{Kind: sdkmetric.InstrumentKindHistogram},
+		sdkmetric.Stream{Aggregation: sdkmetric.AggregationExplicitBucketHistogram{Boundaries: service.LatencyBuckets()}},
+	)
+}
+
 // SDKHandler is what client.Options.MetricsHandler takes.
 func (m *Metrics) SDKHandler() client.MetricsHandler { return m.sdk }
 
@@ -88,7 +107,7 @@ func (m *Metrics) Handler() http.Handler {
 	return promhttp.HandlerFor(m.Registry, promhttp.HandlerOpts{Registry: m.Registry})
 }
 
-// Serve serves /metrics on addr until ctx is done, then shuts the server
+// Serve serves /metrics, /healthz and /readyz on addr until ctx is done, then shuts the server
 // down (with a short grace for a scrape in flight) and returns nil. A listen
 // failure is returned at once.
 func (m *Metrics) Serve(ctx context.Context, addr string) error {
@@ -104,6 +123,8 @@ func (m *Metrics) Serve(ctx context.Context, addr string) error {
 func (m *Metrics) ServeListener(ctx context.Context, ln net.Listener) error {
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", m.Handler())
+	mux.HandleFunc("/healthz", service.Healthz)
+	mux.Handle("/readyz", m.Readiness)
 	srv := &http.Server{
 		Handler:           mux,
 		ReadHeaderTimeout: 10 * time.Second,

@@ -1,0 +1,12 @@
+package service
+
+import "time"
+
+// StopTimeout is how long a binary lets running activities and workflow
+// tasks finish after SIGTERM before it cancels them (the SDK's
+// worker.Options.WorkerStopTimeout, each binary's --stop-timeout default).
+// It is a few seconds under the units' TimeoutStopSec (30 s in
+// deploy/vmflow-*.service; deploy's tests hold them together), so the
+// binary cancels what is left, closes its client and exits before systemd
+// sends SIGKILL.
+const StopTimeout = 25 * time.Second
