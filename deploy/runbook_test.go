@@ -146,11 +146,20 @@ func TestRunbookCommands(t *testing.T) {
 
 	env := cliEnv(t, srv, srv.Namespace())
 	fill := strings.NewReplacer("<instance_id>", instanceID, "<host_id>", hostID)
-	var abandon []string
+	var abandonUpdate, abandonSignal []string
 	for _, raw := range cmds {
 		line := fill.Replace(raw)
 		if strings.Contains(line, "--name abandon") {
-			abandon = append(abandon, line) // needs an unreachable host: last
+			// Abandon needs an unreachable host: last. The update is
+			// also run now, where it must be refused with the reason.
+			if strings.HasPrefix(line, "temporal workflow update") {
+				abandonUpdate = append(abandonUpdate, line)
+				out, err := tryLine(ctx, env, line)
+				require.Error(t, err, "abandon while the host answers must fail: %s\n%s", line, out)
+				assert.Contains(t, out, "abandon refused: host "+hostID+" is reachable (stage "+workflows.StageReleaseFailed+")", "%s", line)
+			} else {
+				abandonSignal = append(abandonSignal, line)
+			}
 			continue
 		}
 		before := host.releases.Load()
@@ -168,20 +177,69 @@ func TestRunbookCommands(t *testing.T) {
 			assert.Contains(t, out, "device or resource busy", "%s: the failure must be readable here", line)
 		case strings.HasPrefix(line, "temporal workflow describe"):
 			assert.Contains(t, out, workflows.StageReleaseFailed, "%s: VmStage", line)
+		case strings.HasPrefix(line, "temporal workflow update") && strings.Contains(line, "--name retry"):
+			// The update answers once the round it asked for started.
+			assert.Contains(t, out, workflows.StageReleasingVGPU, "%s: the new status", line)
+			waitStage(workflows.StageReleaseFailed, before+1)
 		case strings.Contains(line, "--name retry"):
 			// The signal starts a round at once (the timer is an hour);
 			// the fault is still there, so the delete is stuck again.
 			waitStage(workflows.StageReleaseFailed, before+1)
 		}
 	}
-	require.Len(t, abandon, 1, "the runbook shows abandon once")
+	require.Len(t, abandonUpdate, 1, "the runbook shows the abandon update once")
+	require.Len(t, abandonSignal, 1, "the runbook shows the abandon signal (the fallback) once")
+	// The signal, sent while the host answers, is accepted by the server
+	// and refused by the workflow: it must not abandon the delete later.
+	runLine(ctx, t, env, abandonSignal[0])
 
 	// The host goes away for good: the next round is not picked up.
 	stopHost.Do(hw.Stop)
 	require.NoError(t, vc.Retry(ctx, wid, "test: start a round the host will not pick up"))
 	st = waitStage(workflows.StageHostUnreachable, 0)
 	assert.True(t, st.GetMetadataRetained())
-	runLine(ctx, t, env, abandon[0])
+	out := runLine(ctx, t, env, abandonUpdate[0])
+	assert.Contains(t, out, workflows.StageAbandoned, "the update answers with the final status")
+	var res vmflowv1.DeleteResult
+	require.NoError(t, run.Get(ctx, &res))
+	assert.True(t, res.GetAbandoned())
+	assert.Contains(t, res.GetAbandonReason(), hostID+" decommissioned")
+}
+
+// TestRunbookAbandonSignalFallback: the runbook's abandon signal, sent
+// while the host is unreachable, ends the delete as abandoned.
+func TestRunbookAbandonSignalFallback(t *testing.T) {
+	const (
+		queue      = "vmflow-runbook-signal"
+		hostID     = "rb-gone"
+		instanceID = "rb-vm2"
+	)
+	var line string
+	for _, l := range runbookCommands(t) {
+		if strings.HasPrefix(l, "temporal workflow signal") && strings.Contains(l, "--name abandon") {
+			line = strings.NewReplacer("<instance_id>", instanceID, "<host_id>", hostID).Replace(l)
+		}
+	}
+	require.NotEmpty(t, line, "RUNBOOK.md shows no abandon signal")
+	srv := devserver.Start(t, devserver.Options{})
+	c := srv.Client(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	w := worker.New(c, queue, worker.Options{})
+	workflows.New(workflows.Config{
+		ScheduleToStartTimeout: time.Second,
+		UnreachableBackoff:     time.Hour, UnreachableBackoffMax: time.Hour,
+	}).Register(w)
+	require.NoError(t, w.Start())
+	defer w.Stop()
+	vc := workflows.NewClient(c, queue)
+	run, err := vc.StartDelete(ctx, &vmflowv1.DeleteRequest{InstanceId: instanceID, HostId: hostID})
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		st, err := vc.Status(ctx, workflows.DeleteWorkflowID(instanceID))
+		return err == nil && st.GetStage() == workflows.StageHostUnreachable
+	}, time.Minute, 100*time.Millisecond)
+	runLine(ctx, t, cliEnv(t, srv, srv.Namespace()), line)
 	var res vmflowv1.DeleteResult
 	require.NoError(t, run.Get(ctx, &res))
 	assert.True(t, res.GetAbandoned())
@@ -191,11 +249,17 @@ func TestRunbookCommands(t *testing.T) {
 // runLine runs one runbook line with bash, as an operator would paste it.
 func runLine(ctx context.Context, t *testing.T, env []string, line string) string {
 	t.Helper()
+	out, err := tryLine(ctx, env, line)
+	require.NoError(t, err, "runbook line failed: %s\n%s", line, out)
+	return out
+}
+
+// tryLine runs one runbook line and returns its output and exit error.
+func tryLine(ctx context.Context, env []string, line string) (string, error) {
 	cctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	cmd := exec.CommandContext(cctx, "bash", "-euo", "pipefail", "-c", line)
 	cmd.Env = env
 	out, err := cmd.CombinedOutput()
-	require.NoError(t, err, "runbook line failed: %s\n%s", line, out)
-	return string(out)
+	return string(out), err
 }

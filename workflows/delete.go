@@ -30,6 +30,12 @@ import (
 // host then leaves a record another spawn created alone, and the delete
 // ends at once as not-owned (invariant 9).
 func (w *Workflows) DeleteInstance(ctx workflow.Context, req *vmflowv1.DeleteRequest) (*vmflowv1.DeleteResult, error) {
+	res, err := w.deleteInstance(ctx, req)
+	awaitHandlers(ctx)
+	return res, err
+}
+
+func (w *Workflows) deleteInstance(ctx workflow.Context, req *vmflowv1.DeleteRequest) (*vmflowv1.DeleteResult, error) {
 	if req == nil {
 		return nil, invalidInput("empty delete request")
 	}
@@ -45,6 +51,7 @@ func (w *Workflows) DeleteInstance(ctx workflow.Context, req *vmflowv1.DeleteReq
 		return nil, err
 	}
 	t.onlyChanges = stuckAfter > 0 // new runs only: see stuckBound
+	t.canAbandon = true
 	h := &hostRunner{
 		w: w, t: t, hostID: req.GetHostId(), canLoop: true,
 		abandonCh:  workflow.GetSignalChannel(ctx, AbandonSignal),
@@ -159,7 +166,7 @@ func (w *Workflows) releaseLoop(ctx workflow.Context, t *tracker, h *hostRunner,
 		req.CarriedAttempts = attempts
 		wait := backoff(w.cfg.ReleaseBackoff, w.cfg.ReleaseBackoffMax, attempts)
 		t.failed(ctx, StageReleaseFailed, err, attempts, workflow.Now(ctx).Add(wait))
-		t.waitRetry(ctx, wait)
+		t.waitRetry(ctx, wait, nil)
 		if err := ctx.Err(); err != nil {
 			return err
 		}
@@ -218,15 +225,7 @@ func (w *Workflows) stuckBound(ctx workflow.Context, req *vmflowv1.DeleteRequest
 	}
 	secs := req.GetStuckAfterSeconds()
 	if secs == 0 {
-		def := w.cfg.DeleteStuckAfter
-		err := workflow.SideEffect(ctx, func(workflow.Context) any {
-			return uint32(max(def/time.Second, 1))
-		}).Get(&secs)
-		if err != nil || secs == 0 {
-			// Cannot happen with the default converter; a constant keeps
-			// the run deterministic if it does.
-			secs = uint32(DefaultConfig().DeleteStuckAfter / time.Second)
-		}
+		secs = recorded(ctx, uint32(max(w.cfg.DeleteStuckAfter/time.Second, 1)), uint32(DefaultConfig().DeleteStuckAfter/time.Second))
 		req.StuckAfterSeconds = secs
 	}
 	return time.Duration(secs) * time.Second

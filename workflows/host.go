@@ -43,10 +43,14 @@ var (
 // or the retry signal, and schedules the activity again. ScheduleToStart
 // timeouts are never retried by the server, so this loop is the retry.
 type hostRunner struct {
-	w         *Workflows
-	t         *tracker
-	hostID    string
-	giveUp    time.Duration           // 0: wait forever
+	w      *Workflows
+	t      *tracker
+	hostID string
+	// giveUp is the worker's limit on how long the host may stay
+	// unreachable before run fails with errHostGaveUp (0: wait forever).
+	// It decides which commands follow, so run uses it only through
+	// hostWait, which fixes it for the run.
+	giveUp    time.Duration
 	abandonCh workflow.ReceiveChannel // nil: abandon not accepted
 	canLoop   bool                    // continue-as-new may be requested from the wait loop
 	// stuckAfter: a stage run by runStage that has not succeeded for this
@@ -56,6 +60,32 @@ type hostRunner struct {
 
 	unreachableSince time.Time
 	abandonReason    string
+	fixedGiveUp      *time.Duration // hostWait's value, once fixed
+}
+
+// changeHostWait is the GetVersion change id of runs that record the host
+// wait limit (--spawn-host-wait for a spawn, the ScheduleToStart timeout
+// for a reconcile) the first time their host is unreachable.
+const changeHostWait = "host-wait-recorded"
+
+// hostWait returns the run's limit on an unreachable host, fixed the first
+// time it is needed: recorded with SideEffect, so a worker with another
+// flag value replays the same decision. Only runs whose host was away pay
+// for the record (a version marker, its search-attribute upsert and the
+// side-effect marker); runs recorded before it replay with the worker's
+// value, as they always did.
+func (h *hostRunner) hostWait(ctx workflow.Context) time.Duration {
+	if h.giveUp <= 0 {
+		return 0
+	}
+	if h.fixedGiveUp == nil {
+		v := h.giveUp
+		if workflow.GetVersion(ctx, changeHostWait, workflow.DefaultVersion, 1) >= 1 {
+			v = recorded(ctx, h.giveUp, DefaultConfig().SpawnHostWait)
+		}
+		h.fixedGiveUp = &v
+	}
+	return *h.fixedGiveUp
 }
 
 func (h *hostRunner) options(c hostCall) workflow.ActivityOptions {
@@ -97,13 +127,14 @@ func (h *hostRunner) run(ctx workflow.Context, c hostCall, in, out any) error {
 		if h.unreachableSince.IsZero() {
 			h.unreachableSince = now
 		}
-		if h.giveUp > 0 && now.Sub(h.unreachableSince) >= h.giveUp {
+		giveUp := h.hostWait(ctx)
+		if giveUp > 0 && now.Sub(h.unreachableSince) >= giveUp {
 			return fmt.Errorf("%w: no agent polled %s for %s", errHostGaveUp, HostTaskQueue(h.hostID), now.Sub(h.unreachableSince).Round(time.Second))
 		}
 		attempt++
 		wait := backoff(h.w.cfg.UnreachableBackoff, h.w.cfg.UnreachableBackoffMax, attempt)
-		if h.giveUp > 0 {
-			wait = min(wait, h.giveUp-now.Sub(h.unreachableSince))
+		if giveUp > 0 {
+			wait = min(wait, giveUp-now.Sub(h.unreachableSince))
 		}
 		prev := h.t.status.Stage
 		h.t.failed(ctx, StageHostUnreachable,
@@ -112,35 +143,14 @@ func (h *hostRunner) run(ctx workflow.Context, c hostCall, in, out any) error {
 		if h.abandonCh != nil {
 			h.rejectStaleAbandons()
 		}
-		abandoned := false
-		h.t.waitRetry(ctx, wait, h.abandonCase(ctx, &abandoned))
-		if abandoned {
+		if _, reason := h.t.waitRetry(ctx, wait, h.abandonCh); reason != "" {
+			h.abandonReason = reason
 			return errAbandoned
 		}
 		if h.canLoop && workflow.GetInfo(ctx).GetContinueAsNewSuggested() {
 			return errContinueAsNew
 		}
 		h.t.status.Stage = prev // shown again while the next attempt is scheduled
-	}
-}
-
-// abandonCase adds the abandon signal to a wait's selector (when this
-// runner accepts abandon): one with a reason sets *abandoned and the
-// reason; one without is refused and ends the wait with nothing set.
-func (h *hostRunner) abandonCase(ctx workflow.Context, abandoned *bool) func(workflow.Selector) {
-	return func(sel workflow.Selector) {
-		if h.abandonCh == nil {
-			return
-		}
-		sel.AddReceive(h.abandonCh, func(ch workflow.ReceiveChannel, more bool) {
-			var sig vmflowv1.AbandonSignal
-			ch.Receive(ctx, &sig)
-			if sig.GetReason() == "" {
-				h.t.logger.Warn("abandon refused: a reason is required")
-				return
-			}
-			*abandoned, h.abandonReason = true, sig.GetReason()
-		})
 	}
 }
 
@@ -208,10 +218,10 @@ func (h *hostRunner) park(ctx workflow.Context) error {
 		h.rejectStaleAbandons()
 	}
 	for {
-		abandoned := false
-		retried := h.t.waitRetry(ctx, 0, h.abandonCase(ctx, &abandoned))
+		retried, reason := h.t.waitRetry(ctx, 0, h.abandonCh)
 		switch {
-		case abandoned:
+		case reason != "":
+			h.abandonReason = reason
 			return errAbandoned
 		case retried:
 			return nil
@@ -284,4 +294,19 @@ func errorType(err error) string {
 
 func invalidInput(format string, args ...any) error {
 	return temporal.NewNonRetryableApplicationError(fmt.Sprintf(format, args...), ErrTypeInvalidInput, nil)
+}
+
+// recorded returns v as this run recorded it with SideEffect: the first
+// execution records the worker's v; a replay returns the recorded value,
+// whatever v is on the replaying worker. Values that decide which commands
+// a workflow issues (a give-up limit, a stuck bound) come from here or
+// from the input, never straight from Config. fallback, a constant, stands
+// in if the record cannot be decoded (the JSON converter always can), so
+// the run stays deterministic even then.
+func recorded[T comparable](ctx workflow.Context, v, fallback T) T {
+	var out, zero T
+	if err := workflow.SideEffect(ctx, func(workflow.Context) any { return v }).Get(&out); err != nil || out == zero {
+		return fallback
+	}
+	return out
 }

@@ -36,10 +36,13 @@ func DeleteWorkflowID(instanceID string) string { return "delete/" + instanceID 
 // ReconcileScheduleID is the id of a host's reconcile schedule.
 func ReconcileScheduleID(hostID string) string { return "reconcile-vgpu/" + hostID }
 
-// Messages.
+// Messages. retry and abandon are both an update (answers with the new
+// status or the reason it was refused) and a signal (tctl, the reconcile).
 const (
 	RetrySignal   = "retry"
 	AbandonSignal = "abandon"
+	RetryUpdate   = RetrySignal
+	AbandonUpdate = AbandonSignal
 	StatusQuery   = "status"
 )
 
@@ -84,6 +87,10 @@ const (
 	// The instance holds a vGPU claim this agent cannot serve (it runs
 	// with --vgpu-driver=none, or the claim's driver is not the host's).
 	ErrTypeVGPUUnavailable = "VGPUUnavailable"
+	// An operator action (the retry or abandon update) was refused; the
+	// message says why ("abandon refused: host h1 is reachable (stage
+	// stopping)").
+	ErrTypeRefused = "Refused"
 )
 
 // Search attributes that make stuck work findable in the Web UI.

@@ -13,6 +13,12 @@ import (
 // delete waiting out a long backoff finishes now. A round that found
 // unreadable records ends with needs-attention set.
 func (w *Workflows) ReconcileVGPU(ctx workflow.Context, req *vmflowv1.ReconcileVGPURequest) (*vmflowv1.ReconcileVGPUResult, error) {
+	res, err := w.reconcileVGPU(ctx, req)
+	awaitHandlers(ctx)
+	return res, err
+}
+
+func (w *Workflows) reconcileVGPU(ctx workflow.Context, req *vmflowv1.ReconcileVGPURequest) (*vmflowv1.ReconcileVGPUResult, error) {
 	if req == nil || !ValidID(req.GetHostId()) {
 		return nil, invalidInput("host_id %q: must match %s", req.GetHostId(), idPattern)
 	}

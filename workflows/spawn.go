@@ -21,6 +21,12 @@ import (
 // creator (invariant 9). A spawn that finds another spawn's instance never
 // starts one: it succeeds with the running VM or fails saying what is there.
 func (w *Workflows) SpawnInstance(ctx workflow.Context, req *vmflowv1.SpawnRequest) (*vmflowv1.SpawnResult, error) {
+	res, err := w.spawnInstance(ctx, req)
+	awaitHandlers(ctx)
+	return res, err
+}
+
+func (w *Workflows) spawnInstance(ctx workflow.Context, req *vmflowv1.SpawnRequest) (*vmflowv1.SpawnResult, error) {
 	if req == nil {
 		return nil, invalidInput("empty spawn request")
 	}

@@ -25,6 +25,14 @@ type tracker struct {
 	retryCh    workflow.ReceiveChannel
 	logger     log.Logger
 
+	// Operator actions (operator.go): ops carries accepted retry and
+	// abandon updates to the wait in progress; wait is that wait (nil
+	// while the workflow is running a step); canAbandon is set by a
+	// delete, the only workflow abandon is for.
+	ops        workflow.Channel
+	wait       *waitState
+	canAbandon bool
+
 	// onlyChanges: upsert the search attributes only when their values
 	// changed (an upsert is a command and a billed action). Runs recorded
 	// before this existed upserted on every publish; they replay with it
@@ -42,12 +50,16 @@ func newTracker(ctx workflow.Context, kind, instanceID, hostID string) (*tracker
 		hostID:     hostID,
 		status:     &vmflowv1.WorkflowStatus{},
 		retryCh:    workflow.GetSignalChannel(ctx, RetrySignal),
+		ops:        workflow.NewBufferedChannel(ctx, maxPendingOps),
 		logger:     log.With(workflow.GetLogger(ctx), "instance_id", instanceID, "host_id", hostID),
 	}
 	if err := workflow.SetQueryHandler(ctx, StatusQuery, func() (*vmflowv1.WorkflowStatus, error) {
 		return proto.Clone(t.status).(*vmflowv1.WorkflowStatus), nil
 	}); err != nil {
 		return nil, fmt.Errorf("register status query: %w", err)
+	}
+	if err := t.registerUpdates(ctx); err != nil {
+		return nil, err
 	}
 	var sa []temporal.SearchAttributeUpdate
 	if instanceID != "" {
@@ -149,7 +161,7 @@ func (t *tracker) details() string {
 		b.WriteString(fmt.Sprintf("- last error: %s\n", t.status.LastError))
 	}
 	if t.status.NextRetryTime != "" {
-		b.WriteString(fmt.Sprintf("- next retry: %s (or now: `temporal workflow signal --workflow-id <id> --name retry`)\n", t.status.NextRetryTime))
+		b.WriteString(fmt.Sprintf("- next retry: %s (or now: `temporal workflow update execute --workflow-id <id> --name retry`)\n", t.status.NextRetryTime))
 	}
 	if t.status.MetadataRetained {
 		b.WriteString("- metadata retained: the instance record and its GPU claim are kept on the host\n")
@@ -158,34 +170,6 @@ func (t *tracker) details() string {
 		b.WriteString("- **needs attention**\n")
 	}
 	return b.String()
-}
-
-// waitRetry blocks until the retry signal arrives, d passes, or one of the
-// extra selector cases fires. d <= 0 starts no timer: only a signal (or a
-// cancel of ctx) ends the wait, which costs nothing however long it lasts.
-// It reports whether the retry signal ended it.
-func (t *tracker) waitRetry(ctx workflow.Context, d time.Duration, extra ...func(workflow.Selector)) bool {
-	timerCtx, cancel := workflow.WithCancel(ctx)
-	defer cancel()
-	sel := workflow.NewSelector(ctx)
-	if d > 0 {
-		sel.AddFuture(workflow.NewTimer(timerCtx, d), func(workflow.Future) {})
-	} else {
-		// Without a timer nothing else would end the wait on a cancel.
-		sel.AddReceive(ctx.Done(), func(workflow.ReceiveChannel, bool) {})
-	}
-	signalled := false
-	sel.AddReceive(t.retryCh, func(c workflow.ReceiveChannel, more bool) {
-		var sig vmflowv1.RetrySignal
-		c.Receive(ctx, &sig)
-		signalled = true
-		t.logger.Info("retry signal", "reason", sig.GetReason())
-	})
-	for _, add := range extra {
-		add(sel)
-	}
-	sel.Select(ctx)
-	return signalled
 }
 
 // drainRetries consumes retry signals already delivered, so a continue-as-new

@@ -8,8 +8,16 @@ import (
 )
 
 // Config holds the worker-side knobs of the workflows. The worker sets them
-// from flags; they shape timers and timeouts, never the commands a workflow
-// issues, so changing them between deploys does not break replay.
+// from flags, and workers of one queue may run with different values (a
+// rollout, a hand-edited unit): a replay must not depend on them. Most
+// shape only durations (timers, activity timeouts, retry intervals),
+// which replay does not compare. The three that decide which commands
+// follow are read once per run and recorded (recorded, a SideEffect):
+// DeleteStuckAfter when a delete starts (carried across continue-as-new in
+// stuck_after_seconds), SpawnHostWait and, for a reconcile, the
+// ScheduleToStartTimeout as its give-up limit, the first time the host is
+// unreachable. TestReplayIgnoresWorkerFlags and TestReplayRecordedHistories
+// replay with other values.
 type Config struct {
 	// ReleaseBackoff is the first wait after a failed vGPU release round;
 	// it doubles up to ReleaseBackoffMax.

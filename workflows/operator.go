@@ -1,0 +1,231 @@
+package workflows
+
+import (
+	"fmt"
+	"time"
+
+	"go.temporal.io/sdk/temporal"
+	"go.temporal.io/sdk/workflow"
+	"google.golang.org/protobuf/proto"
+
+	vmflowv1 "vmflow/proto/vmflow/v1"
+)
+
+// Operator actions: retry and abandon, each both a Workflow Update (the
+// caller gets the new status, or the reason it was refused) and a signal
+// (tctl has no update command; ReconcileVGPU signals deletes). Both paths
+// end a wait through tracker.waitRetry and judge abandon with
+// tracker.abandonRefusal; they differ only where the signal's recorded
+// behaviour must replay unchanged: a retry signal sent while nothing waits
+// stays buffered and ends the next wait at once, and an abandon signal is
+// weighed when the next wait that accepts abandon begins
+// (hostRunner.rejectStaleAbandons). An update is judged at once.
+//
+// Neither the handlers nor their validators are commands: an accepted
+// update is a protocol message the server records as
+// WorkflowExecutionUpdateAccepted/Completed, a rejected one is not recorded
+// at all, and the wait they end issues the same commands as a signal
+// would. So they need no GetVersion; histories recorded before them replay
+// as they were (TestReplayRecordedHistories).
+
+// maxPendingOps bounds accepted updates not yet taken by the wait. One wait
+// takes one; the rest are settled when it ends (settle), so the buffer
+// holds at most the updates of one workflow task.
+const maxPendingOps = 64
+
+type opKind int
+
+const (
+	opRetry opKind = iota + 1
+	opAbandon
+)
+
+// operatorOp is one accepted update on its way to the wait.
+type operatorOp struct {
+	kind   opKind
+	reason string
+	done   bool  // the workflow acted on it
+	err    error // refused after it was accepted: the wait ended first
+}
+
+// waitState is the wait in progress: what retry and abandon may end.
+type waitState struct {
+	abandon bool // abandon with a reason ends it (host unreachable, or parked)
+}
+
+// registerUpdates registers the retry and abandon updates. Both return the
+// workflow's status after it acted: for retry, once the next attempt is
+// scheduled; for abandon, once the delete has ended as abandoned.
+func (t *tracker) registerUpdates(ctx workflow.Context) error {
+	err := workflow.SetUpdateHandlerWithOptions(ctx, RetryUpdate,
+		func(ctx workflow.Context, req *vmflowv1.RetrySignal) (*vmflowv1.WorkflowStatus, error) {
+			return t.operate(ctx, &operatorOp{kind: opRetry, reason: req.GetReason()})
+		},
+		workflow.UpdateHandlerOptions{Validator: func(_ workflow.Context, _ *vmflowv1.RetrySignal) error {
+			return t.retryRefusal()
+		}})
+	if err != nil {
+		return fmt.Errorf("register %s update: %w", RetryUpdate, err)
+	}
+	err = workflow.SetUpdateHandlerWithOptions(ctx, AbandonUpdate,
+		func(ctx workflow.Context, req *vmflowv1.AbandonSignal) (*vmflowv1.WorkflowStatus, error) {
+			return t.operate(ctx, &operatorOp{kind: opAbandon, reason: req.GetReason()})
+		},
+		workflow.UpdateHandlerOptions{Validator: func(_ workflow.Context, req *vmflowv1.AbandonSignal) error {
+			return t.abandonRefusal(req.GetReason())
+		}})
+	if err != nil {
+		return fmt.Errorf("register %s update: %w", AbandonUpdate, err)
+	}
+	return nil
+}
+
+// refused is the error a validator rejects with: non-retryable, its type
+// the one callers branch on, its message the reason for the operator.
+func refused(format string, args ...any) error {
+	return temporal.NewNonRetryableApplicationError(fmt.Sprintf(format, args...), ErrTypeRefused, nil)
+}
+
+// retryRefusal says why a retry cannot act now: only a wait (a backoff
+// after a failed round, an unreachable host, a parked stage) can be cut
+// short. A step in progress already retries by itself.
+func (t *tracker) retryRefusal() error {
+	if t.wait == nil {
+		return refused("retry refused: nothing is waiting (stage %s)", t.status.Stage)
+	}
+	return nil
+}
+
+// abandonRefusal says why an abandon with reason cannot act now: abandon
+// is for a delete whose host is gone for good, so it needs a reason and a
+// wait that accepts it (the host does not pick up work, or the delete is
+// parked on a failure only an operator can fix).
+func (t *tracker) abandonRefusal(reason string) error {
+	switch {
+	case !t.canAbandon:
+		return refused("abandon refused: only a delete can be abandoned (this is a %s)", t.kind)
+	case reason == "":
+		return refused("abandon refused: a reason is required")
+	case t.wait == nil || !t.wait.abandon:
+		return refused("abandon refused: host %s is reachable (stage %s)", t.hostID, t.status.Stage)
+	}
+	return nil
+}
+
+// operate hands an accepted update to the wait and returns the status once
+// the workflow acted on it (the update's result).
+func (t *tracker) operate(ctx workflow.Context, op *operatorOp) (*vmflowv1.WorkflowStatus, error) {
+	if t.wait == nil {
+		// The wait the validator saw ended before this handler ran (a
+		// timer in the same workflow task).
+		t.settle(op)
+	} else if !t.ops.SendAsync(op) {
+		return nil, refused("%s refused: too many operator actions at once; send it again", op.name())
+	}
+	if err := workflow.Await(ctx, func() bool { return op.done || op.err != nil }); err != nil {
+		return nil, err
+	}
+	if op.err != nil {
+		return nil, op.err
+	}
+	return proto.Clone(t.status).(*vmflowv1.WorkflowStatus), nil
+}
+
+func (op *operatorOp) name() string {
+	if op.kind == opAbandon {
+		return AbandonUpdate
+	}
+	return RetryUpdate
+}
+
+// settle ends an accepted update whose wait ended without taking it: a
+// retry is done (the wait it meant to cut short is over and the next
+// attempt runs), an abandon is refused (the workflow went on).
+func (t *tracker) settle(op *operatorOp) {
+	if op.kind == opRetry {
+		op.done = true
+		t.logger.Info("retry update: the wait had already ended", "reason", op.reason)
+		return
+	}
+	op.err = refused("abandon refused: the wait ended before it took effect (stage %s); send it again if host %s is still unreachable",
+		t.status.Stage, t.hostID)
+}
+
+// waitRetry blocks until a retry (signal or update) arrives, d passes, or,
+// when abandonCh is not nil, an abandon with a reason arrives. d <= 0
+// starts no timer: only an operator (or a cancel of ctx) ends the wait,
+// which costs nothing however long it lasts. It reports whether a retry
+// ended it and the abandon reason ("" unless abandoned). An abandon signal
+// without a reason is refused and ends the wait with neither, as it always
+// has (the caller goes on as after the timer).
+func (t *tracker) waitRetry(ctx workflow.Context, d time.Duration, abandonCh workflow.ReceiveChannel) (retried bool, abandonReason string) {
+	timerCtx, cancel := workflow.WithCancel(ctx)
+	defer cancel()
+	t.wait = &waitState{abandon: abandonCh != nil}
+	defer t.endWait()
+	// The order of the cases is the order of the recorded histories:
+	// timer (or cancel), retry signal, abandon signal; updates last.
+	sel := workflow.NewSelector(ctx)
+	if d > 0 {
+		sel.AddFuture(workflow.NewTimer(timerCtx, d), func(workflow.Future) {})
+	} else {
+		// Without a timer nothing else would end the wait on a cancel.
+		sel.AddReceive(ctx.Done(), func(workflow.ReceiveChannel, bool) {})
+	}
+	sel.AddReceive(t.retryCh, func(c workflow.ReceiveChannel, more bool) {
+		var sig vmflowv1.RetrySignal
+		c.Receive(ctx, &sig)
+		retried = true
+		t.logger.Info("retry", "via", "signal", "reason", sig.GetReason())
+	})
+	if abandonCh != nil {
+		sel.AddReceive(abandonCh, func(c workflow.ReceiveChannel, more bool) {
+			var sig vmflowv1.AbandonSignal
+			c.Receive(ctx, &sig)
+			if err := t.abandonRefusal(sig.GetReason()); err != nil {
+				t.logger.Warn(errorText(err), "via", "signal")
+				return
+			}
+			abandonReason = sig.GetReason()
+			t.logger.Warn("abandon", "via", "signal", "reason", abandonReason)
+		})
+	}
+	sel.AddReceive(t.ops, func(c workflow.ReceiveChannel, more bool) {
+		var op *operatorOp
+		c.Receive(ctx, &op)
+		op.done = true
+		if op.kind == opAbandon {
+			abandonReason = op.reason
+			t.logger.Warn("abandon", "via", "update", "reason", abandonReason)
+			return
+		}
+		retried = true
+		t.logger.Info("retry", "via", "update", "reason", op.reason)
+	})
+	sel.Select(ctx)
+	return retried, abandonReason
+}
+
+// endWait closes the wait: updates accepted during it but not taken (the
+// timer or another action ended it first) are settled, so none waits for
+// a wait that is over and none ends a later one.
+func (t *tracker) endWait() {
+	t.wait = nil
+	t.status.NextRetryTime = "" // the timer, if any, is over
+	for {
+		var op *operatorOp
+		if !t.ops.ReceiveAsync(&op) {
+			return
+		}
+		t.settle(op)
+	}
+}
+
+// awaitHandlers lets update handlers still running finish before the run
+// ends (completes, fails or continues as new): an accepted update answers
+// with the status after the workflow acted, which may be its last. It
+// issues no command and, with no update in flight, returns at once.
+func awaitHandlers(ctx workflow.Context) {
+	// A cancelled ctx ends the wait early; the run ends anyway.
+	_ = workflow.Await(ctx, func() bool { return workflow.AllHandlersFinished(ctx) })
+}

@@ -1,0 +1,239 @@
+package workflows
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/mock"
+	"github.com/stretchr/testify/require"
+	"go.temporal.io/sdk/temporal"
+	"go.temporal.io/sdk/testsuite"
+
+	vmflowv1 "vmflow/proto/vmflow/v1"
+)
+
+// Tests of the retry and abandon updates (issue 12, "Operator actions
+// answer synchronously"). Before them both were signals only: an abandon
+// without a reason, or while the host answered, was dropped with a log
+// line and the sender saw success.
+
+// updateOutcome is what an update's caller sees.
+type updateOutcome struct {
+	accepted bool
+	rejected error // the validator's refusal
+	status   *vmflowv1.WorkflowStatus
+	err      error // the handler's error after it was accepted
+	done     bool
+}
+
+// update sends an update now and records its outcome.
+func (e *env) update(name string, arg any) *updateOutcome {
+	o := &updateOutcome{}
+	e.UpdateWorkflow(name, "", &testsuite.TestUpdateCallback{
+		OnAccept: func() { o.accepted = true },
+		OnReject: func(err error) { o.rejected = err; o.done = true },
+		OnComplete: func(v any, err error) {
+			o.done, o.err = true, err
+			if st, ok := v.(*vmflowv1.WorkflowStatus); ok {
+				o.status = st
+			}
+		},
+	}, arg)
+	return o
+}
+
+// refusal asserts o was rejected by the validator with msg.
+func refusal(t *testing.T, o *updateOutcome, msg string) {
+	t.Helper()
+	require.NotNil(t, o, "update never sent")
+	require.True(t, o.done, "update got no answer")
+	assert.False(t, o.accepted, "a refused update is not accepted (and not recorded)")
+	require.Error(t, o.rejected)
+	assert.Contains(t, o.rejected.Error(), msg)
+	var ae *temporal.ApplicationError
+	if assert.ErrorAs(t, o.rejected, &ae) {
+		assert.Equal(t, ErrTypeRefused, ae.Type())
+	}
+}
+
+// TestUpdatesRefusedWithReason: while a step runs (nothing waits, the host
+// answers) retry and abandon are refused with the reason an operator
+// needs, and the delete goes on untouched.
+func TestUpdatesRefusedWithReason(t *testing.T) {
+	e := newEnv(t)
+	e.happyDelete()
+	e.OnActivity(h.ReleaseVGPU, mock.Anything, mock.Anything).After(time.Minute).Return(&vmflowv1.ReleaseVGPUResult{Released: true}, nil)
+	var retry, abandon, noReason *updateOutcome
+	e.RegisterDelayedCallback(func() {
+		retry = e.update(RetryUpdate, &vmflowv1.RetrySignal{Reason: "impatient"})
+		abandon = e.update(AbandonUpdate, &vmflowv1.AbandonSignal{Reason: "h1 is dead"})
+		noReason = e.update(AbandonUpdate, &vmflowv1.AbandonSignal{})
+	}, 10*time.Second)
+	e.ExecuteWorkflow(DeleteWorkflow, deleteReq())
+	require.NoError(t, e.GetWorkflowError())
+	refusal(t, retry, "retry refused: nothing is waiting (stage releasing-vgpu)")
+	refusal(t, abandon, "abandon refused: host h1 is reachable (stage releasing-vgpu)")
+	refusal(t, noReason, "abandon refused: a reason is required")
+	var res vmflowv1.DeleteResult
+	require.NoError(t, e.GetWorkflowResult(&res))
+	assert.False(t, res.GetAbandoned())
+	assert.Equal(t, StageDeleted, e.status().GetStage())
+}
+
+// TestRetryUpdateStartsRoundAndAnswersWithStatus: a delete waiting out a
+// release backoff starts the next round on the retry update, and the
+// update answers with the status of that round (releasing-vgpu, the next
+// attempt), not with the status before it acted. Abandon is refused in
+// release-failed: the host answers, it just cannot release yet.
+func TestRetryUpdateStartsRoundAndAnswersWithStatus(t *testing.T) {
+	e := newEnv(t)
+	e.happyDelete()
+	failing := true
+	e.OnActivity(h.ReleaseVGPU, mock.Anything, mock.Anything).Return(
+		func(context.Context, *vmflowv1.InstanceRef) (*vmflowv1.ReleaseVGPUResult, error) {
+			if failing {
+				return nil, releaseErr
+			}
+			return &vmflowv1.ReleaseVGPUResult{Released: true}, nil
+		})
+	var before *vmflowv1.WorkflowStatus
+	var abandon, retry *updateOutcome
+	var sentAt time.Time
+	// Rounds at 0, 30s, 1m30, 3m30, 7m30: at 10 min the wait runs to 15m30.
+	e.RegisterDelayedCallback(func() {
+		before = e.status()
+		abandon = e.update(AbandonUpdate, &vmflowv1.AbandonSignal{Reason: "h1 is dead"})
+		failing = false
+		sentAt = e.Now()
+		retry = e.update(RetryUpdate, &vmflowv1.RetrySignal{Reason: "GPU freed by hand"})
+	}, 10*time.Minute)
+	e.ExecuteWorkflow(DeleteWorkflow, deleteReq())
+	require.NoError(t, e.GetWorkflowError())
+	require.NotNil(t, before)
+	assert.Equal(t, StageReleaseFailed, before.GetStage())
+	refusal(t, abandon, "abandon refused: host h1 is reachable (stage release-failed)")
+
+	require.True(t, retry.done)
+	require.True(t, retry.accepted)
+	require.NoError(t, retry.err)
+	require.NotNil(t, retry.status)
+	assert.Equal(t, StageReleasingVGPU, retry.status.GetStage(), "answers after the round started")
+	assert.Equal(t, before.GetAttempt()+1, retry.status.GetAttempt())
+	assert.Empty(t, retry.status.GetNextRetryTime(), "no timer pending while the round runs")
+	assert.Less(t, e.Now().Sub(sentAt), time.Minute, "the round ran at once, not after the backoff")
+	assert.Equal(t, StageDeleted, e.status().GetStage())
+}
+
+// TestAbandonUpdateWhileHostUnreachable: abandon with a reason, while the
+// host does not pick up work, ends the delete and answers with the
+// abandoned status; the delete's result carries the reason.
+func TestAbandonUpdateWhileHostUnreachable(t *testing.T) {
+	e := newEnv(t)
+	e.OnActivity(h.BeginDelete, mock.Anything, mock.Anything).Return(&vmflowv1.BeginDeleteResult{HasClaim: true}, nil)
+	e.OnActivity(h.StopVM, mock.Anything, mock.Anything).Return(nil, scheduleToStart())
+	e.counted("ReleaseVGPU")
+	var abandon *updateOutcome
+	e.RegisterDelayedCallback(func() {
+		abandon = e.update(AbandonUpdate, &vmflowv1.AbandonSignal{Reason: "host h1 decommissioned"})
+	}, 10*time.Minute)
+	e.ExecuteWorkflow(DeleteWorkflow, deleteReq())
+	require.NoError(t, e.GetWorkflowError())
+	require.NotNil(t, abandon)
+	require.True(t, abandon.done, "the handler finished before the workflow closed")
+	require.True(t, abandon.accepted)
+	require.NoError(t, abandon.err)
+	require.NotNil(t, abandon.status)
+	assert.Equal(t, StageAbandoned, abandon.status.GetStage())
+	assert.Contains(t, abandon.status.GetLastError(), "host h1 decommissioned")
+	var res vmflowv1.DeleteResult
+	require.NoError(t, e.GetWorkflowResult(&res))
+	assert.True(t, res.GetAbandoned())
+	assert.Equal(t, "host h1 decommissioned", res.GetAbandonReason())
+	e.AssertActivityNumberOfCalls(t, "ReleaseVGPU", 0)
+}
+
+// TestAbandonUpdateWhileParked: a delete parked on a failure retrying
+// cannot fix accepts abandon (its host may be gone for good); retry on it
+// answers with the stage running again.
+func TestAbandonUpdateWhileParked(t *testing.T) {
+	e := newEnv(t)
+	e.OnActivity(h.BeginDelete, mock.Anything, mock.Anything).Return(&vmflowv1.BeginDeleteResult{HasClaim: true}, nil)
+	e.OnActivity(h.StopVM, mock.Anything, mock.Anything).Return(nil, appErr(ErrTypeIdentityMismatch, true))
+	e.counted("ReleaseVGPU")
+	var retry, abandon *updateOutcome
+	e.RegisterDelayedCallback(func() {
+		retry = e.update(RetryUpdate, &vmflowv1.RetrySignal{Reason: "record fixed"})
+	}, time.Hour)
+	e.RegisterDelayedCallback(func() {
+		abandon = e.update(AbandonUpdate, &vmflowv1.AbandonSignal{Reason: "host h1 scrapped"})
+	}, 2*time.Hour)
+	e.ExecuteWorkflow(DeleteWorkflow, deleteReq())
+	require.NoError(t, e.GetWorkflowError())
+	require.NotNil(t, retry)
+	require.NoError(t, retry.err)
+	require.NotNil(t, retry.status)
+	assert.Equal(t, StageStopping, retry.status.GetStage())
+	assert.EqualValues(t, 2, retry.status.GetAttempt(), "the second round runs")
+	require.NotNil(t, abandon)
+	require.NoError(t, abandon.err)
+	assert.Equal(t, StageAbandoned, abandon.status.GetStage())
+	e.AssertActivityNumberOfCalls(t, "ReleaseVGPU", 0)
+}
+
+// TestAbandonUpdateRefusedOnSpawn: abandon is a delete's; a spawn says so.
+// Retry on a spawn waiting for its host answers with the next attempt.
+func TestUpdatesOnSpawn(t *testing.T) {
+	e := newEnv(t)
+	e.OnActivity(h.ValidateSpawn, mock.Anything, mock.Anything).Return(scheduleToStart()).Once()
+	e.OnActivity(h.ValidateSpawn, mock.Anything, mock.Anything).After(time.Minute).Return(nil)
+	e.OnActivity(h.CreateRecord, mock.Anything, mock.Anything).Return(&vmflowv1.CreateRecordResult{CreatedByThisSpawn: true}, nil)
+	e.OnActivity(h.LaunchVM, mock.Anything, mock.Anything).Return(&vmflowv1.LaunchVMResult{Pid: 7}, nil)
+	var abandon, retry *updateOutcome
+	e.RegisterDelayedCallback(func() {
+		abandon = e.update(AbandonUpdate, &vmflowv1.AbandonSignal{Reason: "x"})
+		retry = e.update(RetryUpdate, &vmflowv1.RetrySignal{})
+	}, 5*time.Second)
+	e.ExecuteWorkflow(SpawnWorkflow, spawnReq())
+	require.NoError(t, e.GetWorkflowError())
+	refusal(t, abandon, "abandon refused: only a delete can be abandoned (this is a spawn)")
+	require.NotNil(t, retry)
+	require.NoError(t, retry.err)
+	require.NotNil(t, retry.status)
+	assert.Equal(t, StageValidating, retry.status.GetStage(), "the validation was scheduled again")
+}
+
+// TestRetryUpdateAsTheWaitEnds: an update accepted in the same instant
+// the backoff timer ends the wait is answered (the round it asked for
+// runs) and is not left behind to cut the next wait short.
+func TestRetryUpdateAsTheWaitEnds(t *testing.T) {
+	e := newEnv(t)
+	e.happyDelete()
+	rounds := 0
+	e.OnActivity(h.ReleaseVGPU, mock.Anything, mock.Anything).Return(
+		func(context.Context, *vmflowv1.InstanceRef) (*vmflowv1.ReleaseVGPUResult, error) {
+			rounds++
+			if rounds <= 2*int(retryFew.MaximumAttempts) {
+				return nil, releaseErr
+			}
+			return &vmflowv1.ReleaseVGPUResult{Released: true}, nil
+		})
+	var retry *updateOutcome
+	roundsLater := -1
+	// The first round's attempts fail at 0, 1s and 3s; its 30s wait ends
+	// at 33s, when the update comes.
+	e.RegisterDelayedCallback(func() {
+		retry = e.update(RetryUpdate, &vmflowv1.RetrySignal{Reason: "update"})
+	}, 33*time.Second)
+	// The second round fails at ~36s and waits a minute: a leftover retry
+	// would end that wait at once and run a third round.
+	e.RegisterDelayedCallback(func() { roundsLater = rounds }, 60*time.Second)
+	e.ExecuteWorkflow(DeleteWorkflow, deleteReq())
+	require.NoError(t, e.GetWorkflowError())
+	require.NotNil(t, retry)
+	require.True(t, retry.done, "the update was answered")
+	assert.NoError(t, retry.err)
+	assert.Equal(t, 2*int(retryFew.MaximumAttempts), roundsLater, "no retry was left over for the next wait")
+	assert.Equal(t, StageDeleted, e.status().GetStage())
+}
