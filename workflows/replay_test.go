@@ -7,7 +7,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.temporal.io/sdk/worker"
 
-	"vmflow/internal/tclient"
+	"vmflow/platform"
 )
 
 // TestReplayRecordedHistories replays histories recorded from real runs on
@@ -21,7 +21,7 @@ func TestReplayRecordedHistories(t *testing.T) {
 	require.NotEmpty(t, files, "no recorded histories in testdata/")
 	for _, f := range files {
 		t.Run(filepath.Base(f), func(t *testing.T) {
-			r, err := worker.NewWorkflowReplayerWithOptions(worker.WorkflowReplayerOptions{DataConverter: tclient.DataConverter()})
+			r, err := worker.NewWorkflowReplayerWithOptions(worker.WorkflowReplayerOptions{DataConverter: platform.DataConverter()})
 			require.NoError(t, err)
 			New(Config{}).Register(r)
 			require.NoError(t, r.ReplayWorkflowHistoryFromJSONFile(nil, f))
