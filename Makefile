@@ -19,6 +19,12 @@ PROTOC_GEN_GO_VERSION := v1.36.12
 PROTOC_GEN_GO := $(BIN)/protoc-gen-go
 PROTO_FILES := $(wildcard proto/vmflow/v1/*.proto)
 
+# A platform API's module (own go.mod, replace to this one): `go test ./...`
+# and `go vet ./...` skip nested modules, so test, vet and staticcheck run it
+# explicitly. It proves the public surface (vmflow/platform, workflows) is
+# enough and that a client on the SDK's default data converter works.
+PLATFORMAPI := examples/platformapi
+
 # The whole suite, e2e included, must stay well inside CI's 90 minutes.
 TEST_TIMEOUT ?= 25m
 FUZZTIME     ?= 30s
@@ -108,6 +114,7 @@ proto-tools:
 ## test: the README's test command. Fuzz targets run their seed corpora only.
 test: tools build guest
 	$(GO) test -race -timeout $(TEST_TIMEOUT) ./...
+	cd $(PLATFORMAPI) && VMFLOW_TEMPORAL=$(TEMPORAL) $(GO) test -race -timeout 5m ./...
 
 lint: vet fmt-check tidy-check staticcheck proto-check workflowcheck units-check
 
@@ -127,6 +134,7 @@ units-check: build
 
 vet:
 	$(GO) vet ./...
+	cd $(PLATFORMAPI) && $(GO) vet ./...
 
 fmt-check:
 	@out=$$(gofmt -l $$(git ls-files --cached --others --exclude-standard '*.go')); \
@@ -134,6 +142,7 @@ fmt-check:
 
 staticcheck: $(STATICCHECK)
 	$(STATICCHECK) ./...
+	cd $(PLATFORMAPI) && $(STATICCHECK) ./...
 
 ## workflowcheck: workflow code must be deterministic (Temporal replays it).
 workflowcheck: $(WORKFLOWCHECK)

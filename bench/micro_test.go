@@ -16,7 +16,7 @@ import (
 	"vmflow/hostagent/spec"
 	"vmflow/hostagent/vmm"
 	"vmflow/internal/stacktest"
-	"vmflow/internal/tclient"
+	"vmflow/platform"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -91,7 +91,7 @@ var spawnJSON = []byte(`{"instance_id":"vm1","host_id":"h1","vcpus":1,"memory_mi
 // the strict converter (unknown-key walk, then protojson), into **T as the
 // SDK passes a workflow argument.
 func BenchmarkFromPayload(b *testing.B) {
-	c := tclient.NewStrictJSONPayloadConverter()
+	c := platform.NewStrictJSONPayloadConverter()
 	p := &commonpb.Payload{Metadata: map[string][]byte{"encoding": []byte("json/plain")}, Data: spawnJSON}
 	b.ReportAllocs()
 	for b.Loop() {
@@ -104,7 +104,7 @@ func BenchmarkFromPayload(b *testing.B) {
 
 // BenchmarkToPayload encodes a spawn request.
 func BenchmarkToPayload(b *testing.B) {
-	c := tclient.NewStrictJSONPayloadConverter()
+	c := platform.NewStrictJSONPayloadConverter()
 	req := &vmflowv1.SpawnRequest{InstanceId: "vm1", HostId: "h1", Vcpus: 1, MemoryMib: 128, Machine: "none", VgpuProfile: "GRID A100-4C"}
 	b.ReportAllocs()
 	for b.Loop() {

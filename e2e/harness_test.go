@@ -29,7 +29,7 @@ import (
 	"vmflow/hostagent/vgpu/vgpusim/simtest"
 	"vmflow/internal/devserver"
 	"vmflow/internal/stacktest"
-	"vmflow/internal/tclient"
+	"vmflow/platform"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 	"vmflow/workflows"
 )
@@ -525,7 +525,7 @@ func activityResults[T any](t *testing.T, c client.Client, workflowID, activityT
 		}
 		if a := ev.GetActivityTaskCompletedEventAttributes(); a != nil && types[a.GetScheduledEventId()] == activityType {
 			v := new(T)
-			if err := tclient.DataConverter().FromPayloads(a.GetResult(), v); err != nil {
+			if err := platform.DataConverter().FromPayloads(a.GetResult(), v); err != nil {
 				t.Fatalf("decode %s result in %s: %v", activityType, workflowID, err)
 			}
 			out = append(out, v)

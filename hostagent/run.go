@@ -27,6 +27,7 @@ import (
 	"vmflow/internal/crashpoint"
 	"vmflow/internal/service"
 	"vmflow/internal/tclient"
+	"vmflow/platform"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 	"vmflow/workflows"
 )
@@ -181,7 +182,7 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 	tm.Readiness.Ready(readyReattach)
 	service.NotifyReady(log)
 
-	c, err := dialForever(ctx, tclient.Options{Logger: log, Metrics: tm, HostPort: cfg.Address, Namespace: cfg.Namespace,
+	c, err := dialForever(ctx, platform.Options{Logger: log, MetricsHandler: tm.SDKHandler(), HostPort: cfg.Address, Namespace: cfg.Namespace,
 		Identity: "vmflow-hostagent@" + cfg.HostID}, log)
 	if err != nil {
 		service.NotifyStopping(log)
@@ -222,16 +223,16 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 const dialBackoffMax = 5 * time.Minute
 
 // dialForever connects to Temporal and keeps trying, whatever the error,
-// until ctx ends (then it returns ctx's error). tclient.Dial already retries
+// until ctx ends (then it returns ctx's error). platform.Dial already retries
 // an unreachable server; a refusal it gives up on (an expired API key:
 // Unauthenticated, a missing permission) is retried here too, with backoff
 // and its reason in the log, because the agent must never stop supervising
 // the host's VMs over a Temporal problem (invariant 12): an operator fixes
 // the credentials and the agent connects on its next round.
-func dialForever(ctx context.Context, o tclient.Options, log *zap.Logger) (client.Client, error) {
+func dialForever(ctx context.Context, o platform.Options, log *zap.Logger) (client.Client, error) {
 	wait := 5 * time.Second
 	for round := 1; ; round++ {
-		c, err := tclient.Dial(ctx, o)
+		c, err := platform.Dial(ctx, o)
 		if err == nil {
 			return c, nil
 		}

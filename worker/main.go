@@ -18,6 +18,7 @@ import (
 
 	"vmflow/internal/service"
 	"vmflow/internal/tclient"
+	"vmflow/platform"
 	"vmflow/workflows"
 )
 
@@ -67,8 +68,8 @@ func run() int {
 		}()
 	}
 
-	topts := tclient.Options{Logger: log, Metrics: metrics, HostPort: cfg.Address, Namespace: cfg.Namespace}
-	copts, err := tclient.ClientOptions(topts)
+	topts := platform.Options{Logger: log, MetricsHandler: metrics.SDKHandler(), HostPort: cfg.Address, Namespace: cfg.Namespace}
+	copts, err := platform.ClientOptions(topts)
 	if err != nil {
 		log.Error("temporal configuration", zap.Error(err))
 		return 2
@@ -77,7 +78,7 @@ func run() int {
 	if ns == "" {
 		ns = client.DefaultNamespace
 	}
-	c, err := tclient.Dial(ctx, topts)
+	c, err := platform.Dial(ctx, topts)
 	if err != nil {
 		log.Error("connect to Temporal", zap.Error(err))
 		return 1

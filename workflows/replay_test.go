@@ -16,7 +16,7 @@ import (
 	"go.temporal.io/sdk/worker"
 
 	"vmflow/internal/devserver"
-	"vmflow/internal/tclient"
+	"vmflow/platform"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -46,7 +46,7 @@ func otherFlags() map[string]Config {
 
 func newReplayer(t *testing.T, cfg Config) worker.WorkflowReplayer {
 	t.Helper()
-	r, err := worker.NewWorkflowReplayerWithOptions(worker.WorkflowReplayerOptions{DataConverter: tclient.DataConverter()})
+	r, err := worker.NewWorkflowReplayerWithOptions(worker.WorkflowReplayerOptions{DataConverter: platform.DataConverter()})
 	require.NoError(t, err)
 	New(cfg).Register(r)
 	return r

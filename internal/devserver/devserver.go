@@ -32,6 +32,7 @@ import (
 	"go.uber.org/zap/zapcore"
 
 	"vmflow/internal/tclient"
+	"vmflow/platform"
 )
 
 // EnvBinary overrides where the temporal CLI is found.
@@ -355,10 +356,10 @@ func (s *Server) BinaryPath() string { return s.bin }
 // LogFile is where the server's stdout and stderr go.
 func (s *Server) LogFile() string { return filepath.Join(s.dir, "temporal.log") }
 
-// TClientOptions are tclient.Options that reach this server, for tests that
+// TClientOptions are platform.Options that reach this server, for tests that
 // dial with their own logger or metrics.
-func (s *Server) TClientOptions() tclient.Options {
-	return tclient.Options{
+func (s *Server) TClientOptions() platform.Options {
+	return platform.Options{
 		HostPort:  s.Address(),
 		Namespace: s.opts.Namespace,
 		Logger:    testLogger(),
@@ -376,7 +377,7 @@ func (s *Server) Client(t testing.TB) client.Client {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	c, err := tclient.Dial(ctx, s.TClientOptions())
+	c, err := platform.Dial(ctx, s.TClientOptions())
 	if err != nil {
 		t.Fatalf("devserver client: %v", err)
 	}

@@ -23,6 +23,7 @@ import (
 	"go.temporal.io/sdk/workflow"
 
 	"vmflow/internal/tclient"
+	"vmflow/platform"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -95,10 +96,10 @@ func TestStrictConverterEndToEnd(t *testing.T) {
 	metrics, err := tclient.NewMetrics()
 	require.NoError(t, err)
 	opts := s.TClientOptions()
-	opts.Metrics = metrics
+	opts.MetricsHandler = metrics.SDKHandler()
 	dctx, dcancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer dcancel()
-	c, err := tclient.Dial(dctx, opts)
+	c, err := platform.Dial(dctx, opts)
 	require.NoError(t, err)
 	t.Cleanup(c.Close)
 

@@ -17,6 +17,7 @@ import (
 	"go.temporal.io/sdk/client"
 
 	"vmflow/internal/tclient"
+	"vmflow/platform"
 )
 
 // tlsProxy terminates TLS on a loopback port and forwards the bytes to the
@@ -98,7 +99,7 @@ func TestDialTLSThroughProxy(t *testing.T) {
 		"TEMPORAL_TLS_SERVER_CA_CERT_DATA": string(caPEM),
 		"TEMPORAL_TLS_SERVER_NAME":         "temporal.test",
 	}
-	c, err := tclient.Dial(ctx, opts)
+	c, err := platform.Dial(ctx, opts)
 	require.NoError(t, err)
 	defer c.Close()
 	_, err = c.CheckHealth(ctx, &client.CheckHealthRequest{})
@@ -118,7 +119,7 @@ func TestDialTLSThroughProxy(t *testing.T) {
 	opts.AttemptTimeout = 500 * time.Millisecond
 	short, scancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer scancel()
-	_, err = tclient.Dial(short, opts)
+	_, err = platform.Dial(short, opts)
 	require.Error(t, err)
 	assert.True(t, errors.Is(err, context.DeadlineExceeded), err.Error())
 	assert.Contains(t, err.Error(), "certificate")

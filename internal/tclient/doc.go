@@ -1,9 +1,6 @@
-// Package tclient is the plumbing both vmflow binaries use to talk to
-// Temporal: the one data converter for every vmflow payload (snake_case JSON,
-// decoded strictly), the SDK logger routed to zap, the connection built from
-// the SDK's envconfig with retries, the Prometheus metrics handler the SDK
-// reports into, and the search-attribute setup.
-//
-// Nothing here knows about workflows or activities; it only decides how bytes
-// cross the wire and how the binaries reach the server.
+// Package tclient is the plumbing the vmflow binaries share around their
+// Temporal connection: the SDK logger routed to zap, the Prometheus metrics
+// handler the SDK reports into, and the search-attribute setup. The
+// connection itself (Dial) and the data converter are public, in
+// vmflow/platform, so a platform API in another module can use them.
 package tclient

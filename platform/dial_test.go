@@ -1,4 +1,4 @@
-package tclient
+package platform
 
 import (
 	"context"
@@ -10,7 +10,6 @@ import (
 	"strings"
 	"testing"
 	"time"
-	"vmflow/internal/tclient/tclienttest"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -21,6 +20,9 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+
+	"vmflow/internal/tclient"
+	"vmflow/internal/tclient/tclienttest"
 )
 
 // fakeEnv is an environment for envconfig that is not the process's, so
@@ -125,7 +127,7 @@ func TestClientOptionsFromEnv(t *testing.T) {
 			tlsOn := got.ConnectionOptions.TLS != nil && !got.ConnectionOptions.TLSDisabled
 			assert.Equal(t, tc.tls, tlsOn, "TLS")
 			assert.Same(t, DataConverter(), got.DataConverter)
-			assert.IsType(t, &ZapLogger{}, got.Logger)
+			assert.IsType(t, &tclient.ZapLogger{}, got.Logger)
 			if tc.check != nil {
 				tc.check(t, got)
 			}

@@ -1,4 +1,4 @@
-package tclient
+package platform
 
 import (
 	"bytes"
@@ -25,6 +25,15 @@ import (
 // a misspelled key silently (FACTS.md), and protojson on its own accepts the
 // camelCase json_name as well as the proto name, so neither is enough alone.
 //
+// It also decodes what Temporal's official SDKs send with their default
+// converters, so a platform API needs no vmflow code to start a spawn:
+// json/protobuf (the Go, Java, Python and .NET SDKs' encoding for a proto
+// message: ProtoJSON, whose spec accepts both the proto name and the
+// lowerCamel name of a field; unknown fields are refused), binary/protobuf,
+// and json/plain objects with snake_case keys (the TypeScript SDK). It
+// encodes only json/plain: results and query answers stay snake_case JSON,
+// readable in the Web UI and the CLI.
+//
 // Everything that is not a proto message (strings, numbers, plain structs,
 // nil, []byte) is handled exactly as by the SDK's default converter.
 func DataConverter() converter.DataConverter {
@@ -36,13 +45,69 @@ var dataConverter = converter.NewCompositeDataConverter(
 	converter.NewByteSlicePayloadConverter(),
 	// One converter owns json/plain: the composite converter picks the decoder
 	// by the payload's encoding, so a second json/plain converter would replace
-	// this one for decoding.
+	// this one for decoding. It encodes every value that gets this far, so the
+	// converters below only ever decode.
 	NewStrictJSONPayloadConverter(),
-	// Decode-only in practice (the converter above encodes every proto message
-	// first): binary protobuf has no spelling ambiguity, so accepting it costs
+	NewProtoJSONDecoder(),
+	// Binary protobuf has no spelling ambiguity, so accepting it costs
 	// nothing and lets a client that sends binary protos still talk to us.
 	converter.NewProtoPayloadConverter(),
 )
+
+// ProtoJSONDecoder is the payload converter for json/protobuf, the encoding
+// the official SDKs' default converters give a proto message. It decodes
+// with protojson (proto names and lowerCamel names both accepted, as the
+// ProtoJSON spec says a parser must; unknown fields are errors) and never
+// encodes: ToPayload declines every value, so vmflow's own payloads stay
+// json/plain.
+type ProtoJSONDecoder struct {
+	unmarshal protojson.UnmarshalOptions
+}
+
+var _ converter.PayloadConverter = (*ProtoJSONDecoder)(nil)
+
+// NewProtoJSONDecoder returns the json/protobuf decoder DataConverter uses,
+// for callers that compose their own DataConverter.
+func NewProtoJSONDecoder() *ProtoJSONDecoder {
+	// DiscardUnknown false: a field this build does not know is a caller
+	// error (a typo, or a newer contract than the worker), never dropped.
+	return &ProtoJSONDecoder{unmarshal: protojson.UnmarshalOptions{DiscardUnknown: false}}
+}
+
+// Encoding is json/protobuf.
+func (c *ProtoJSONDecoder) Encoding() string { return converter.MetadataEncodingProtoJSON }
+
+// ToString returns the JSON text.
+func (c *ProtoJSONDecoder) ToString(p *commonpb.Payload) string { return string(p.GetData()) }
+
+// ToPayload declines (nil, nil): vmflow encodes proto messages as json/plain.
+func (c *ProtoJSONDecoder) ToPayload(any) (*commonpb.Payload, error) { return nil, nil }
+
+// FromPayload decodes a json/protobuf payload into a proto message (*T or
+// **T, as StrictJSONPayloadConverter.FromPayload). A messageType in the
+// metadata (the SDKs set it) must name the target's type: a DeleteRequest
+// sent to SpawnInstance is refused even when its fields happen to fit.
+func (c *ProtoJSONDecoder) FromPayload(payload *commonpb.Payload, valuePtr any) error {
+	target, set, ok := messageTarget(valuePtr)
+	if !ok {
+		return fmt.Errorf("%w: %s payload into %T: only a proto message decodes from it",
+			converter.ErrUnableToDecode, converter.MetadataEncodingProtoJSON, valuePtr)
+	}
+	name := target.ProtoReflect().Descriptor().FullName()
+	if mt, has := payload.GetMetadata()[converter.MetadataMessageType]; has && string(mt) != string(name) {
+		return fmt.Errorf("%w: payload holds %s, %s expected", converter.ErrUnableToDecode, mt, name)
+	}
+	data := payload.GetData()
+	if bytes.Equal(bytes.TrimSpace(data), []byte("null")) {
+		set(nil)
+		return nil
+	}
+	if err := c.unmarshal.Unmarshal(data, target); err != nil {
+		return fmt.Errorf("%w: %s: %w", converter.ErrUnableToDecode, name, err)
+	}
+	set(target)
+	return nil
+}
 
 // StrictJSONPayloadConverter encodes proto messages as snake_case JSON under
 // the json/plain encoding and decodes them strictly; any other value goes to

@@ -1,4 +1,4 @@
-package tclient
+package platform
 
 import (
 	"encoding/json"
@@ -14,7 +14,7 @@ import (
 // FuzzFromPayload: workflow inputs and signal payloads come from outside
 // (the CLI's --input, the platform API, a replayed history). Decoding any
 // bytes with either encoding into any vmflow input type must not panic; a
-// json/plain payload that decodes was valid JSON, and its decoded message
+// payload that decodes (json/plain or json/protobuf) was valid JSON, and its decoded message
 // survives an encode/decode round trip unchanged (nothing half-decoded).
 func FuzzFromPayload(f *testing.F) {
 	for _, s := range []string{
@@ -47,7 +47,7 @@ func FuzzFromPayload(f *testing.F) {
 			if err := dc.FromPayload(p, msg); err != nil {
 				continue
 			}
-			if !protoJSON && !json.Valid(data) {
+			if !json.Valid(data) {
 				t.Fatalf("%T decoded from invalid JSON %q", msg, data)
 			}
 			back, err := dc.ToPayload(msg)

@@ -1,4 +1,4 @@
-package tclient
+package platform
 
 import (
 	"errors"
@@ -255,4 +255,111 @@ func TestKeyErrorJoined(t *testing.T) {
 	var ke *UnknownKeyError
 	require.True(t, errors.As(err, &ke))
 	assert.Equal(t, "a", ke.Key, "keys are reported sorted, so the message is stable")
+}
+
+// sdkDefault is what a client on the SDK's default converter sends: the Go
+// SDK encodes a proto message as json/protobuf with lowerCamel names and a
+// messageType (Java, Python and .NET do the same by default).
+func sdkDefault(t *testing.T, v any) *commonpb.Payload {
+	t.Helper()
+	p, err := converter.GetDefaultDataConverter().ToPayload(v)
+	require.NoError(t, err)
+	require.Equal(t, converter.MetadataEncodingProtoJSON, string(p.GetMetadata()[converter.MetadataEncoding]))
+	return p
+}
+
+// protoJSONPayload is a json/protobuf payload as another SDK might write it.
+func protoJSONPayload(json, messageType string) *commonpb.Payload {
+	md := map[string][]byte{converter.MetadataEncoding: []byte(converter.MetadataEncodingProtoJSON)}
+	if messageType != "" {
+		md[converter.MetadataMessageType] = []byte(messageType)
+	}
+	return &commonpb.Payload{Metadata: md, Data: []byte(json)}
+}
+
+func TestDecodeSDKDefaultConverter(t *testing.T) {
+	dc := DataConverter()
+	for _, in := range []proto.Message{
+		&vmflowv1.SpawnRequest{InstanceId: "vm1", HostId: "h1", Vcpus: 2, MemoryMib: 128, Machine: "none",
+			VgpuProfile: "GRID A100-4C", RestartPolicy: "on-failure", RestartMaxAttempts: 3, RestartStableAfterSeconds: 60},
+		&vmflowv1.DeleteRequest{InstanceId: "vm1", HostId: "h1", GracefulTimeoutSeconds: 5, OnlyIfCreatedByWorkflowId: "spawn/vm1"},
+		&vmflowv1.RetrySignal{Reason: "GPU reset by hand"},
+		&vmflowv1.AbandonSignal{Reason: "host h1 scrapped"},
+		&vmflowv1.ReconcileVGPURequest{HostId: "h1"},
+	} {
+		p := sdkDefault(t, in)
+		assert.NotRegexp(t, `"[a-z]+_[a-z_]+":`, string(p.GetData()), "the SDK writes lowerCamel keys")
+		// As the SDK hands a workflow argument over: **T.
+		pp := reflect.New(reflect.TypeOf(in))
+		require.NoError(t, dc.FromPayload(p, pp.Interface()), "%T", in)
+		assert.True(t, proto.Equal(in, pp.Elem().Interface().(proto.Message)), "%T: got %v", in, pp.Elem().Interface())
+		// And as *T.
+		out := in.ProtoReflect().New().Interface()
+		require.NoError(t, dc.FromPayload(p, out))
+		assert.True(t, proto.Equal(in, out), "%T: got %v", in, out)
+	}
+}
+
+func TestDecodeProtoJSONProtoNames(t *testing.T) {
+	// ProtoJSON parsers accept the proto name as well as lowerCamel (Python's
+	// preserving_proto_field_name, a hand-written payload), mixed too.
+	var req *vmflowv1.SpawnRequest
+	err := DataConverter().FromPayload(protoJSONPayload(`{"instance_id":"vm1","hostId":"h1","memory_mib":64}`, "vmflow.v1.SpawnRequest"), &req)
+	require.NoError(t, err)
+	assert.Equal(t, "vm1", req.GetInstanceId())
+	assert.Equal(t, "h1", req.GetHostId())
+	assert.EqualValues(t, 64, req.GetMemoryMib())
+}
+
+func TestDecodeProtoJSONRefuses(t *testing.T) {
+	dc := DataConverter()
+	for _, tc := range []struct {
+		name string
+		p    *commonpb.Payload
+		want string
+	}{
+		{"unknown field", protoJSONPayload(`{"instanceId":"vm1","vcpu":2}`, "vmflow.v1.SpawnRequest"), `unknown field "vcpu"`},
+		{"another message type", protoJSONPayload(`{"instanceId":"vm1"}`, "vmflow.v1.DeleteRequest"), "payload holds vmflow.v1.DeleteRequest, vmflow.v1.SpawnRequest expected"},
+		{"wrong value type", protoJSONPayload(`{"vcpus":"two"}`, ""), "vmflow.v1.SpawnRequest"},
+		{"not JSON", protoJSONPayload(`{`, ""), "vmflow.v1.SpawnRequest"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var req *vmflowv1.SpawnRequest
+			err := dc.FromPayload(tc.p, &req)
+			require.Error(t, err)
+			assert.ErrorIs(t, err, converter.ErrUnableToDecode)
+			assert.Contains(t, err.Error(), tc.want)
+			assert.Nil(t, req, "a refused payload leaves the target untouched")
+		})
+	}
+	// json/protobuf is for proto messages only.
+	var s string
+	err := dc.FromPayload(protoJSONPayload(`"x"`, ""), &s)
+	assert.ErrorIs(t, err, converter.ErrUnableToDecode)
+	// A JSON null is a nil message, as the SDK's converter reads it.
+	req := &vmflowv1.SpawnRequest{InstanceId: "old"}
+	require.NoError(t, dc.FromPayload(protoJSONPayload(`null`, ""), &req))
+	assert.Nil(t, req)
+}
+
+func TestEncodesOnlyPlainJSON(t *testing.T) {
+	// Results and query answers stay json/plain snake_case (the Web UI and
+	// the CLI show them as JSON), and a client on the SDK's default
+	// converter reads them into the generated structs: every field of the
+	// messages the workflows return is a string, a 32-bit number or a bool,
+	// which encoding/json decodes from protojson's output.
+	for _, out := range []proto.Message{
+		&vmflowv1.SpawnResult{Pid: 42, QmpSocket: "/run/q.sock", VgpuUuid: "u", VgpuDeviceId: "d", InstanceUuid: "i"},
+		&vmflowv1.DeleteResult{AlreadyAbsent: true, Abandoned: true, AbandonReason: "r", NotOwned: true, CreatedBy: "spawn/vm1"},
+		&vmflowv1.WorkflowStatus{Stage: "release-failed", Attempt: 3, LastError: "EBUSY", NextRetryTime: "2030-01-01T00:00:00Z", MetadataRetained: true, NeedsAttention: true},
+		&vmflowv1.ReconcileVGPUResult{ClaimsReleased: 1, OrphansRemoved: 2, Skipped: 3, Failed: 4, RetriedDeletes: []string{"delete/vm1"}, UnreadableRecords: 5},
+	} {
+		p, err := DataConverter().ToPayload(out)
+		require.NoError(t, err)
+		assert.Equal(t, converter.MetadataEncodingJSON, string(p.GetMetadata()[converter.MetadataEncoding]), "%T", out)
+		assert.NotRegexp(t, `"[a-z]+[A-Z]`, string(p.GetData()), "%T: snake_case keys only", out)
+		got := out.ProtoReflect().New().Interface()
+		require.NoError(t, converter.GetDefaultDataConverter().FromPayload(p, got), "%T", out)
+		assert.True(t, proto.Equal(out, got), "%T: the SDK's default converter read %v", out, got)
+	}
 }

@@ -1,4 +1,4 @@
-package tclient
+package platform
 
 import (
 	"context"
@@ -12,6 +12,8 @@ import (
 	"go.uber.org/zap"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+
+	"vmflow/internal/tclient"
 )
 
 // Options configure ClientOptions and Dial. The connection itself (address,
@@ -20,11 +22,12 @@ import (
 // variables, so production, the dev stack and CI configure both binaries the
 // same way the temporal CLI is configured.
 type Options struct {
-	// Logger receives vmflow's dial messages and, through ZapLogger, the
-	// SDK's own logs. Nil logs nothing.
+	// Logger receives vmflow's dial messages and the SDK's own logs. Nil
+	// logs nothing.
 	Logger *zap.Logger
-	// Metrics, when set, is where the SDK reports its metrics.
-	Metrics *Metrics
+	// MetricsHandler, when set, is where the SDK reports its metrics (the
+	// vmflow binaries pass their Prometheus registry's handler).
+	MetricsHandler client.MetricsHandler
 	// Identity names this process in the server's view (pollers, history);
 	// empty lets the SDK use pid@hostname.
 	Identity string
@@ -79,9 +82,9 @@ func ClientOptions(o Options) (client.Options, error) {
 	// converter with the SDK default, and workers would call it on every
 	// replay. vmflow payloads are not encrypted.
 	copts.DataConverter = DataConverter()
-	copts.Logger = NewZapLogger(o.Logger)
-	if o.Metrics != nil {
-		copts.MetricsHandler = o.Metrics.SDKHandler()
+	copts.Logger = tclient.NewZapLogger(o.Logger)
+	if o.MetricsHandler != nil {
+		copts.MetricsHandler = o.MetricsHandler
 	}
 	copts.Identity = o.Identity
 	return copts, nil
@@ -123,7 +126,7 @@ func Dial(ctx context.Context, o Options) (client.Client, error) {
 		cancel()
 		if err == nil {
 			log.Info("connected to temporal",
-				zap.String("address", copts.HostPort), zap.String(KeyNamespace, copts.Namespace),
+				zap.String("address", copts.HostPort), zap.String(tclient.KeyNamespace, copts.Namespace),
 				zap.Bool("tls", tlsOn), zap.Int("attempt", attempt))
 			return c, nil
 		}
@@ -135,7 +138,7 @@ func Dial(ctx context.Context, o Options) (client.Client, error) {
 				copts.HostPort, attempt, ctx.Err(), err)
 		}
 		log.Warn("temporal not reachable yet; retrying",
-			zap.String("address", copts.HostPort), zap.String(KeyNamespace, copts.Namespace),
+			zap.String("address", copts.HostPort), zap.String(tclient.KeyNamespace, copts.Namespace),
 			zap.Int("attempt", attempt), zap.Duration("retry_in", wait), zap.Error(err))
 		t := time.NewTimer(wait)
 		select {
