@@ -110,6 +110,7 @@ func (s *Supervisor) Start(ctx context.Context) (ReattachReport, error) {
 		var unreadable *errUnreadable
 		switch {
 		case err == nil:
+			rep.Records++
 		case errors.Is(err, store.ErrNotFound):
 			// A directory without a record: a create that crashed before
 			// its first write. Not an instance yet.
@@ -233,7 +234,6 @@ func (s *Supervisor) reattach(ctx context.Context, id string, rep *ReattachRepor
 	if err != nil {
 		return &errUnreadable{err}
 	}
-	rep.Records++
 	rec, adopted, err := s.resolveLaunchLocked(ctx, l, in, rec, false)
 	if err != nil {
 		return fmt.Errorf("re-attach instance %s: %w", id, err)
