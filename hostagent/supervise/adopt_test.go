@@ -9,6 +9,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"vmflow/hostagent/proc"
@@ -35,8 +36,16 @@ func impostor(t *testing.T, e *env, id string, env []string, wrap ...string) pro
 	c, err := proc.Start(cmd)
 	require.NoError(t, err)
 	t.Cleanup(func() {
-		_ = syscall.Kill(-c.Identity().PID, syscall.SIGKILL)
+		_ = syscall.Kill(-c.Identity().PID, syscall.SIGKILL) // its whole process group
 		<-c.Done()
+		// A wrapped QEMU was reparented to this process (the subreaper)
+		// when its wrapper died: reap it too.
+		for {
+			var ws unix.WaitStatus
+			if _, err := unix.Wait4(-c.Identity().PID, &ws, 0, nil); err != nil {
+				return // ECHILD: none left
+			}
+		}
 	})
 	require.Eventually(t, func() bool {
 		_, err := os.Stat(p.Socket)

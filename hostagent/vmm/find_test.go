@@ -13,6 +13,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"vmflow/hostagent/proc"
 )
@@ -80,6 +81,13 @@ func TestFindUnrecordedIgnoresImpostors(t *testing.T) {
 	t.Cleanup(func() {
 		_ = syscall.Kill(-wc.Identity().PID, syscall.SIGKILL) // its whole process group
 		<-wc.Done()
+		// The wrapped QEMU, if it was reparented to this process: reap it.
+		for {
+			var ws unix.WaitStatus
+			if _, err := unix.Wait4(-wc.Identity().PID, &ws, 0, nil); err != nil {
+				return // ECHILD: none left (or not ours)
+			}
+		}
 	})
 	require.Eventually(t, func() bool {
 		_, err := os.Stat(cfg.Paths.QMPSocket)
