@@ -8,6 +8,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -381,10 +382,10 @@ func TestSignalGoneProcess(t *testing.T) {
 	assert.True(t, errors.Is(err, proc.ErrNotFound) || errors.Is(err, proc.ErrIdentityMismatch), "%v", err)
 }
 
-// FindByCmdline finds a process by its argv with its identity, and a zombie
-// leader with a live thread still shows its argv (read from its tasks).
-func TestFindByCmdline(t *testing.T) {
-	arg := fmt.Sprintf("3600.%d", os.Getpid()) // unique to this test run
+// ReadCmdline reads a process's argv, and a zombie leader with a live
+// thread still shows its argv (read from its tasks).
+func TestReadCmdline(t *testing.T) {
+	arg := fmt.Sprintf("3600.%d", os.Getpid())
 	c, err := proc.Start(exec.Command("sleep", arg))
 	require.NoError(t, err)
 	t.Cleanup(func() {
@@ -394,13 +395,6 @@ func TestFindByCmdline(t *testing.T) {
 	argv, err := proc.ReadCmdline(c.Identity().PID)
 	require.NoError(t, err)
 	assert.Equal(t, []string{"sleep", arg}, argv)
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	ids, err := proc.FindByCmdline(ctx, func(a []string) bool {
-		return len(a) == 2 && a[1] == arg
-	})
-	require.NoError(t, err)
-	assert.Equal(t, []proc.Identity{c.Identity()}, ids)
 
 	z := proctest.StartZombie(t)
 	argv, err = proc.ReadCmdline(z.PID)
@@ -410,4 +404,141 @@ func TestFindByCmdline(t *testing.T) {
 
 	_, err = proc.ReadCmdline(1 << 30)
 	assert.ErrorIs(t, err, proc.ErrNotFound)
+}
+
+// startSleep starts `sleep arg` with env as its whole environment, in a
+// session of its own (proc.Start) or, with leader false, in this one.
+func startSleep(t *testing.T, arg string, leader bool, env ...string) proc.Identity {
+	t.Helper()
+	cmd := exec.Command("sleep", arg)
+	cmd.Env = env
+	if leader {
+		c, err := proc.Start(cmd)
+		require.NoError(t, err)
+		t.Cleanup(func() {
+			_ = proc.Signal(c.Identity(), syscall.SIGKILL)
+			<-c.Done()
+		})
+		return c.Identity()
+	}
+	require.NoError(t, cmd.Start())
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+	})
+	id, err := proc.ReadIdentity(cmd.Process.Pid)
+	require.NoError(t, err)
+	return id
+}
+
+// Find reports a process only when every check passes: the executable
+// (device and inode), the session leadership, the exact environment entry
+// and the argv; a command line alone never makes a match.
+func TestFind(t *testing.T) {
+	bin, err := exec.LookPath("sleep")
+	require.NoError(t, err)
+	sleepExe, err := proc.StatExecutable(bin)
+	require.NoError(t, err)
+	trueBin, err := exec.LookPath("true")
+	require.NoError(t, err)
+	trueExe, err := proc.StatExecutable(trueBin)
+	require.NoError(t, err)
+
+	comm := proc.CommOf(bin)
+	arg := fmt.Sprintf("3601.%d", os.Getpid()) // unique to this test run
+	nonce := "VMFLOW_TEST_NONCE=" + arg
+	leader := startSleep(t, arg, true, nonce)
+	impostor := startSleep(t, arg, true, "VMFLOW_TEST_NONCE=other") // same argv, same exe, same session shape
+	member := startSleep(t, arg, false, nonce)                      // the nonce, but not a session leader
+	ctx := ctxT(t, 10*time.Second)
+
+	byArg := func(a []string) bool { return len(a) == 2 && a[1] == arg }
+	for _, tt := range []struct {
+		name string
+		q    proc.FindQuery
+		want []proc.Identity
+	}{
+		{"nonce", proc.FindQuery{Exe: sleepExe, Comm: comm, SessionLeader: true, Env: nonce}, []proc.Identity{leader}},
+		{"nonce with hint", proc.FindQuery{Exe: sleepExe, Comm: comm, SessionLeader: true, Env: nonce, Hint: leader.PID}, []proc.Identity{leader}},
+		{"nonce with a wrong hint", proc.FindQuery{Exe: sleepExe, Comm: comm, SessionLeader: true, Env: nonce, Hint: impostor.PID}, []proc.Identity{leader}},
+		{"argv alone matches every copy", proc.FindQuery{Exe: sleepExe, Comm: comm, SessionLeader: true, Argv: byArg}, []proc.Identity{leader, impostor}},
+		{"not only leaders", proc.FindQuery{Exe: sleepExe, Comm: comm, Env: nonce}, []proc.Identity{leader, member}},
+		{"another executable", proc.FindQuery{Exe: trueExe, Comm: proc.CommOf(trueBin), Env: nonce}, nil},
+		{"a nonce nobody has", proc.FindQuery{Exe: sleepExe, Comm: comm, Env: "VMFLOW_TEST_NONCE=nobody"}, nil},
+		{"a prefix of the nonce is not the nonce", proc.FindQuery{Exe: sleepExe, Comm: comm, Env: nonce[:len(nonce)-1]}, nil},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			got, err := proc.Find(ctx, tt.q)
+			require.NoError(t, err)
+			assert.ElementsMatch(t, tt.want, got)
+		})
+	}
+
+	// The same inode under another path (a hard link) is not the binary
+	// the agent launches: the path must match too, then the inode.
+	other := sleepExe
+	other.Ino++
+	got, err := proc.Find(ctx, proc.FindQuery{Exe: other, Comm: comm, Env: nonce})
+	require.NoError(t, err)
+	assert.Empty(t, got, "same path, another inode: the binary was replaced, and this is not a process of it")
+
+	// A zombie leader with a live thread: exe and environ come from its task.
+	self, err := proc.StatExecutable("/proc/self/exe")
+	require.NoError(t, err)
+	z := proctest.StartZombie(t, "VMFLOW_TEST_NONCE=zombie"+arg)
+	zid, err := proc.ReadIdentity(z.PID)
+	require.NoError(t, err)
+	got, err = proc.Find(ctx, proc.FindQuery{Exe: self, Comm: proc.CommOf(os.Args[0]), SessionLeader: true, Env: "VMFLOW_TEST_NONCE=zombie" + arg})
+	require.NoError(t, err)
+	assert.Equal(t, []proc.Identity{zid}, got)
+	z.Release(t)
+
+	_, err = proc.Find(ctx, proc.FindQuery{})
+	assert.Error(t, err, "an executable is required")
+	assert.Equal(t, "qemu-system-x86", proc.CommOf("/usr/bin/qemu-system-x86_64"), "cut to 15 bytes")
+}
+
+// A candidate whose memory cannot be read (the kernel's read blocks while
+// the target's mmap lock is held: VFIO teardown, a fault on a hung mount)
+// bounds the search by ctx, answers "can't tell" (never "none"), and the
+// blocked read is shared by every search that meets it meanwhile.
+func TestFindBlockedReadIsBounded(t *testing.T) {
+	bin, err := exec.LookPath("sleep")
+	require.NoError(t, err)
+	exe, err := proc.StatExecutable(bin)
+	require.NoError(t, err)
+	arg := fmt.Sprintf("3602.%d", os.Getpid())
+	nonce := "VMFLOW_TEST_NONCE=" + arg
+	id := startSleep(t, arg, true, nonce)
+
+	unblock := make(chan struct{})
+	var reads atomic.Int32
+	blocking := func(path string) ([]byte, error) {
+		if path == fmt.Sprintf("/proc/%d/environ", id.PID) {
+			reads.Add(1)
+			<-unblock
+		}
+		return os.ReadFile(path)
+	}
+	q := proc.FindQuery{Exe: exe, Comm: proc.CommOf(bin), SessionLeader: true, Env: nonce, ReadMem: blocking}
+	for range 3 {
+		ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+		got, err := proc.Find(ctx, q)
+		cancel()
+		require.ErrorIs(t, err, proc.ErrCannotTell)
+		assert.ErrorIs(t, err, context.DeadlineExceeded)
+		assert.Empty(t, got)
+	}
+	assert.Equal(t, int32(1), reads.Load(), "one read in flight per process and file, however often asked")
+	close(unblock)
+	got, err := proc.Find(ctxT(t, 10*time.Second), q)
+	require.NoError(t, err)
+	assert.Equal(t, []proc.Identity{id}, got, "found once the read can finish")
+}
+
+func ctxT(tb testing.TB, d time.Duration) context.Context {
+	tb.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	tb.Cleanup(cancel)
+	return ctx
 }

@@ -40,7 +40,8 @@ type LaunchResult struct {
 // start time replace the marker in one write (before anything waits on
 // QEMU); then QMP is awaited, then the record moves to Running. An agent
 // killed at any instant leaves a record that names its QEMU or says one may
-// exist, and the next agent adopts it by its socket path (invariant 11). A
+// exist, and the next agent adopts it by the marker's nonce in its
+// environment (invariant 11). A
 // failed launch leaves nothing: QEMU killed and reaped, socket removed, pid
 // and marker cleared (invariant 5). Launch is idempotent: when the record
 // names a live QEMU with a matching identity (this process's, or one left or
@@ -246,9 +247,18 @@ func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *inst
 	start := time.Now()
 	// The launch marker goes to disk before the fork: an agent killed
 	// between the fork and the pid's write leaves a record that says "a
-	// QEMU of mine may exist", which the next agent resolves by the socket
-	// path QEMU was given (resolveLaunchLocked) instead of finding nothing.
-	if _, err := l.Update(func(r *vmflowv1.InstanceRecord) error { r.LaunchStartedAt = s.ts(); return nil }); err != nil {
+	// QEMU of mine may exist", which the next agent resolves
+	// (resolveLaunchLocked) instead of finding nothing. Its nonce, written
+	// in the same write, goes into QEMU's environment: what proves that a
+	// process found later is this launch's QEMU, not a copy of its argv.
+	nonce, err := vmm.NewLaunchNonce()
+	if err != nil {
+		return nil, err
+	}
+	if _, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
+		r.LaunchStartedAt, r.LaunchNonce = s.ts(), nonce
+		return nil
+	}); err != nil {
 		return nil, fmt.Errorf("record launch marker: %w", err)
 	}
 	log.Info("launching qemu", zap.String("machine", string(spec.Machine)), zap.String("accel", string(spec.Accel)))
@@ -256,6 +266,7 @@ func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *inst
 		Spec:           spec,
 		Paths:          vmmPaths(l.Paths()),
 		Binary:         s.cfg.QEMU,
+		Nonce:          nonce,
 		ReadyTimeout:   s.cfg.ReadyTimeout,
 		CleanupTimeout: s.cfg.GroupExitCap,
 		OnStarted: func(pid proc.Identity) error {
@@ -267,7 +278,7 @@ func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *inst
 			// exist.
 			if _, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
 				r.Process = store.ProcessRecord(pid)
-				r.LaunchStartedAt = nil
+				_ = clearLaunchMarker(r)
 				r.LastStart = s.ts()
 				r.StopStep, r.StopStepAt = vmflowv1.StopStep_STOP_STEP_NONE, nil
 				r.LastError = ""
@@ -289,7 +300,7 @@ func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *inst
 					r.Process = nil
 					r.LastExit, r.LastExitStatus, r.LastExitCode = s.ts(), "launch failed", -1
 				}
-				r.LaunchStartedAt = nil
+				_ = clearLaunchMarker(r)
 				r.LastError = cause.Error()
 				return nil
 			})
@@ -322,7 +333,7 @@ func (s *Supervisor) undoLaunchLocked(l *store.Locked, vm *vmm.VM, cause error) 
 	pid := vm.Identity()
 	if _, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
 		applyExit(r, pid, exitInfo{at: s.cfg.Now(), status: "launch undone", code: -1})
-		r.LaunchStartedAt = nil
+		_ = clearLaunchMarker(r)
 		r.LastError = cause.Error()
 		return nil
 	}); err != nil {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io/fs"
 	"os"
+	"time"
 
 	"go.uber.org/zap"
 
@@ -16,58 +17,95 @@ import (
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
+// ErrUnrecordedAmbiguous: more than one process passes as the instance's
+// unrecorded QEMU (a record without a launch nonce, from an agent older than
+// it, matched by its -qmp argument: a wrapper such as `timeout 60 qemu ...`
+// plus the QEMU it runs, or a copy started by hand). One record cannot own
+// them all and the agent cannot tell which is its own: nothing is signalled,
+// recorded or removed, and the instance needs an operator. Not retryable:
+// retrying sees the same processes.
+var ErrUnrecordedAmbiguous = errors.New("several processes pass as the instance's unrecorded qemu")
+
+// findTimeout bounds one look for an unrecorded QEMU. Reading a healthy
+// process's environ or cmdline takes microseconds; one that blocks (its
+// mmap lock held) does so for as long as the lock is held, and the answer
+// is then "can't tell", whatever the wait.
+const findTimeout = 5 * time.Second
+
 // resolveLaunchLocked makes the locked record name every QEMU of the
 // instance (invariant 11). A record with the launch marker and no process
 // was left by an agent killed between writing the marker and recording the
 // fork's pid: QEMU may run, or may never have started. The process table
-// decides: a QEMU whose -qmp argument is this instance's socket is adopted
-// (its identity recorded, the marker cleared), and the caller's normal path
-// then re-attaches or stops it by that identity; none found clears the
-// marker. With scan set the table is consulted even without the marker,
-// for callers about to conclude "nothing runs" (Stop, TearDown): that also
-// covers a record an agent older than the marker left behind.
+// decides (vmm.FindUnrecorded): a process running the configured QEMU
+// binary, leading its own session, whose environment holds the marker's
+// nonce is adopted (its identity recorded, the marker and nonce cleared),
+// and the caller's normal path then re-attaches or stops it by that
+// identity; none found clears the marker. A marker without a nonce (an older
+// agent's) and, with scan set, a record without a marker are matched by
+// the instance's -qmp argument instead of the nonce; scan is for callers
+// about to conclude "nothing runs" (Stop, TearDown), and covers a record an
+// agent older than the marker left behind; a record whose stop step is gone
+// is not looked at again (a Stop looked before writing it).
+//
+// Errors: a candidate that cannot be read in time (proc.ErrCannotTell) or
+// any other failure to look wraps ErrStillRunning (retryable; the marker
+// stays). More than one match wraps ErrUnrecordedAmbiguous (not retryable;
+// nothing touched).
 //
 // The scan runs under the instance lock, which also closes the pre-exec
-// window (see vmm.FindBySocket): a child forked but not yet exec'd holds the
-// lock's open file, so nobody gets here until it is QEMU or gone.
+// window (see vmm.FindUnrecorded): a child forked but not yet exec'd holds
+// the lock's open file, so nobody gets here until it is QEMU or gone.
 //
 // It returns the record as it now is and whether a QEMU was adopted.
 func (s *Supervisor) resolveLaunchLocked(ctx context.Context, l *store.Locked, in *instance, rec *vmflowv1.InstanceRecord, scan bool) (*vmflowv1.InstanceRecord, bool, error) {
 	marked := rec.GetLaunchStartedAt() != nil
 	if rec.GetProcess() != nil {
-		if !marked {
+		if !marked && rec.GetLaunchNonce() == "" {
 			return rec, false, nil
 		}
 		// OnStarted writes the pid and clears the marker in one write, so
 		// this is a hand-edited record; the recorded process rules.
-		rec, err := l.Update(func(r *vmflowv1.InstanceRecord) error { r.LaunchStartedAt = nil; return nil })
+		rec, err := l.Update(clearLaunchMarker)
 		return rec, false, err
 	}
-	if !marked && !scan {
+	if !marked && (!scan || rec.GetStopStep() == vmflowv1.StopStep_STOP_STEP_GONE) {
+		// Stop step gone: a Stop already looked (it writes gone only after
+		// resolving, or after the recorded process was confirmed gone),
+		// under the manual-stop marker, after which nothing is launched.
 		return rec, false, nil
 	}
-	found, err := vmm.FindBySocket(ctx, l.Paths().Socket)
+	nonce := ""
+	if marked {
+		nonce = rec.GetLaunchNonce()
+	}
+	fctx, cancel := context.WithTimeout(ctx, findTimeout)
+	defer cancel()
+	found, err := vmm.FindUnrecorded(fctx, vmm.FindConfig{
+		Binary: s.cfg.QEMU, Paths: vmmPaths(l.Paths()), Nonce: nonce, ReadMem: s.cfg.readProcMem,
+	})
 	if err != nil {
-		return nil, false, fmt.Errorf("instance %s: look for an unrecorded qemu: %w", in.id, err)
+		// Can't tell counts as "may run": never as "none".
+		return nil, false, fmt.Errorf("instance %s: %w: look for an unrecorded qemu: %w", in.id, ErrStillRunning, err)
 	}
 	switch len(found) {
 	case 0:
 		if !marked {
 			return rec, false, nil
 		}
-		in.log.Info("launch marker: no qemu of the instance runs; clearing the marker")
-		rec, err := l.Update(func(r *vmflowv1.InstanceRecord) error { r.LaunchStartedAt = nil; return nil })
+		in.log.Info("launch marker: no qemu of the instance runs; clearing the marker", zap.Bool("nonce", nonce != ""))
+		rec, err := l.Update(clearLaunchMarker)
 		return rec, false, err
 	case 1:
 		pid := found[0]
 		in.log.Warn("adopting a qemu its record did not name (its agent died between fork and recording it)",
-			zap.Int("pid", pid.PID), zap.Uint64("start_time", pid.StartTime), zap.Bool("launch_marker", marked))
+			zap.Int("pid", pid.PID), zap.Uint64("start_time", pid.StartTime), zap.Bool("launch_marker", marked),
+			zap.Bool("nonce", nonce != ""))
 		rec, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
 			r.Process = store.ProcessRecord(pid)
 			if r.GetLaunchStartedAt() != nil {
 				r.LastStart = r.GetLaunchStartedAt()
 			}
-			r.LaunchStartedAt = nil
+			_ = clearLaunchMarker(r)
 			r.StopStep, r.StopStepAt = vmflowv1.StopStep_STOP_STEP_NONE, nil
 			return nil
 		})
@@ -76,13 +114,24 @@ func (s *Supervisor) resolveLaunchLocked(ctx context.Context, l *store.Locked, i
 		}
 		return rec, true, nil
 	default:
-		// QEMU's lock on its pidfile and the launch's busy-socket check keep
-		// this from happening; if it does, one record cannot own them all.
-		// Nothing is signalled or removed, the marker stays, and every
-		// caller sees the error until an operator looks.
-		return nil, false, fmt.Errorf("instance %s: %w: %d unrecorded qemus use its socket %s: %v",
-			in.id, ErrStillRunning, len(found), l.Paths().Socket, found)
+		// With a nonce this cannot happen (one process was given it);
+		// without one, a command line is all there is to go on, and one
+		// record cannot own them all. Nothing is signalled or removed,
+		// the marker stays, and every caller sees the error until an
+		// operator looks.
+		in.log.Error("several processes pass as the instance's unrecorded qemu; left alone, needs an operator",
+			zap.Int("count", len(found)), zap.String("socket", l.Paths().Socket), zap.Bool("nonce", nonce != ""),
+			zap.Stringers("processes", found))
+		return nil, false, fmt.Errorf("instance %s: %w: %d processes run %s with its socket %s: %v",
+			in.id, ErrUnrecordedAmbiguous, len(found), s.cfg.QEMU, l.Paths().Socket, found)
 	}
+}
+
+// clearLaunchMarker removes the launch marker and its nonce (always
+// together).
+func clearLaunchMarker(r *vmflowv1.InstanceRecord) error {
+	r.LaunchStartedAt, r.LaunchNonce = nil, ""
+	return nil
 }
 
 // resolve takes instance id's slot and lock and resolves its launch marker
@@ -124,8 +173,8 @@ func (s *Supervisor) resolve(ctx context.Context, id string) (*vmflowv1.Instance
 
 // TearDown removes instance id's qemu.sock and qemu.pid, and only once no
 // QEMU of the instance can be alive: the launch marker resolved (an
-// unrecorded QEMU found by its socket path is adopted, so TearDown refuses
-// and a Stop can end it), the recorded process confirmed gone (then recorded
+// unrecorded QEMU found is adopted, so TearDown refuses and a Stop can end
+// it; see resolveLaunchLocked; more than one is ErrUnrecordedAmbiguous), the recorded process confirmed gone (then recorded
 // as gone), and the socket not accepting connections. Otherwise it returns
 // an error wrapping ErrStillRunning (retryable) and removes nothing. A
 // missing record is nil (already torn down); an unreadable one is an error

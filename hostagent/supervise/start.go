@@ -23,8 +23,8 @@ type ReattachReport struct {
 	// not restarted). Adopted ones are counted here too.
 	Attached int `json:"attached"`
 	// Adopted: QEMUs the record did not name yet (a launch marker left by an
-	// agent killed between fork and recording the pid), found by their
-	// socket path and recorded.
+	// agent killed between fork and recording the pid), found by the
+	// marker's nonce in their environment and recorded.
 	Adopted int `json:"adopted"`
 	// Gone: records whose QEMU had ended (or whose pid a stranger now holds,
 	// never signalled, or that were recorded in an earlier boot): identity
@@ -79,8 +79,8 @@ func (e *errUnreadable) Unwrap() error { return e.err }
 // the previous agent: a record naming a live QEMU with a matching identity
 // (pid, start time, boot id) is re-attached: a pidfd watches its exit, QMP
 // is connected on demand, nothing is signalled. A record with a launch
-// marker and no process has its QEMU looked for by socket path and adopted
-// (invariant 11). A record whose QEMU is gone, whose pid another process now
+// marker and no process has its QEMU looked for (by the marker's nonce) and
+// adopted (invariant 11). A record whose QEMU is gone, whose pid another process now
 // holds, or that was written in an earlier boot is recorded as gone and its
 // stale socket removed; nothing is signalled. Then the restart policy runs
 // for what has exited. Work never waits on the network.
@@ -88,7 +88,10 @@ func (e *errUnreadable) Unwrap() error { return e.err }
 // One instance never stops the others (invariant 12): a record that cannot
 // be read is quarantined (logged with its path, listed in
 // rep.Unreadable, left untouched), a re-attach that fails is counted and
-// logged, and Start goes on with the rest. Its error is only for the host as
+// logged and retried in the background (reattachLater; not a record whose
+// unrecorded QEMU is ambiguous, ErrUnrecordedAmbiguous), and Start goes on
+// with the rest. Each record's work is bounded by Config.LockTimeout, the
+// look for an unrecorded QEMU by a few seconds. Its error is only for the host as
 // a whole: the instances folder cannot be listed. Call Start once, before
 // serving.
 func (s *Supervisor) Start(ctx context.Context) (ReattachReport, error) {
@@ -107,6 +110,7 @@ func (s *Supervisor) Start(ctx context.Context) (ReattachReport, error) {
 		var unreadable *errUnreadable
 		switch {
 		case err == nil:
+			rep.Records++
 		case errors.Is(err, store.ErrNotFound):
 			// A directory without a record: a create that crashed before
 			// its first write. Not an instance yet.
@@ -123,7 +127,12 @@ func (s *Supervisor) Start(ctx context.Context) (ReattachReport, error) {
 			rep.Records++
 			rep.Failed++
 			rep.Failures = append(rep.Failures, Failure{ID: id, Err: err.Error()})
-			s.log.Error("re-attach failed; the other instances go on", zap.String("instance_id", id), zap.Error(err))
+			retry := !errors.Is(err, ErrUnrecordedAmbiguous)
+			s.log.Error("re-attach failed; the other instances go on", zap.String("instance_id", id), zap.Error(err),
+				zap.Bool("retried_in_background", retry))
+			if retry {
+				s.reattachLater(id)
+			}
 		}
 	}
 	rep.Duration = time.Since(start)
@@ -131,6 +140,54 @@ func (s *Supervisor) Start(ctx context.Context) (ReattachReport, error) {
 		zap.Int("adopted", rep.Adopted), zap.Int("gone", rep.Gone), zap.Int("restarts_scheduled", rep.RestartsScheduled),
 		zap.Int("failed", rep.Failed), zap.Int("unreadable", len(rep.Unreadable)), zap.Duration("took", rep.Duration))
 	return rep, nil
+}
+
+// Backoff of a re-attach retried in the background.
+const (
+	reattachRetryInitial = 500 * time.Millisecond
+	reattachRetryMax     = 30 * time.Second
+)
+
+// reattachLater retries the re-attach of instance id in the background,
+// with backoff, until it succeeds, the record is gone or unreadable, or the
+// supervisor closes: Start does not wait for an instance it could not
+// settle in its bound (a lock held, a QEMU whose memory cannot be read), so
+// the others are served meanwhile. A Launch, Stop or TearDown of the
+// instance meanwhile resolves it on its own (each takes the same slot and
+// lock), and the retry then finds nothing left to do.
+func (s *Supervisor) reattachLater(id string) {
+	s.goBackground(func() {
+		log := s.log.With(zap.String("instance_id", id))
+		wait := reattachRetryInitial
+		t := time.NewTimer(wait)
+		defer t.Stop()
+		for attempt := 2; ; attempt++ {
+			select {
+			case <-s.ctx.Done():
+				return
+			case <-t.C:
+			}
+			ctx, cancel := context.WithTimeout(s.ctx, s.cfg.LockTimeout)
+			var rep ReattachReport
+			err := s.reattach(ctx, id, &rep)
+			cancel()
+			var unreadable *errUnreadable
+			switch {
+			case err == nil:
+				log.Info("re-attach done in the background", zap.Int("attempt", attempt), zap.Int("adopted", rep.Adopted),
+					zap.Int("attached", rep.Attached), zap.Int("gone", rep.Gone), zap.Int("restarts_scheduled", rep.RestartsScheduled))
+				return
+			case errors.Is(err, store.ErrNotFound), errors.Is(err, ErrClosed), s.ctx.Err() != nil:
+				return
+			case errors.As(err, &unreadable), errors.Is(err, ErrUnrecordedAmbiguous):
+				log.Error("re-attach failed; not retried, needs an operator", zap.Int("attempt", attempt), zap.Error(err))
+				return
+			}
+			wait = min(2*wait, reattachRetryMax)
+			log.Warn("re-attach failed; retrying in the background", zap.Int("attempt", attempt), zap.Duration("next_in", wait), zap.Error(err))
+			t.Reset(wait)
+		}
+	})
 }
 
 // instanceIDs lists the instance directories by id, readable records or
@@ -177,7 +234,6 @@ func (s *Supervisor) reattach(ctx context.Context, id string, rep *ReattachRepor
 	if err != nil {
 		return &errUnreadable{err}
 	}
-	rep.Records++
 	rec, adopted, err := s.resolveLaunchLocked(ctx, l, in, rec, false)
 	if err != nil {
 		return fmt.Errorf("re-attach instance %s: %w", id, err)

@@ -87,6 +87,11 @@ type Config struct {
 	// afterStarted runs inside OnStarted, after the pid is in the record:
 	// the agent-restart test blocks here to be killed between fork and QMP.
 	afterStarted func(id string, pid proc.Identity)
+	// readProcMem stands in for reading another process's environ or
+	// cmdline while looking for an unrecorded QEMU (nil: the real read):
+	// the bounded-scan test blocks here as the kernel's read does while the
+	// target's mmap lock is held.
+	readProcMem func(path string) ([]byte, error)
 }
 
 // Supervisor owns the VMs of one host. Create it with New, call Start once

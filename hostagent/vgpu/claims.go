@@ -434,6 +434,36 @@ func (c *Claims) mayRelease(ctx context.Context, rec *vmflowv1.InstanceRecord, d
 		if st := proc.Inspect(pid); st.Alive {
 			return fmt.Errorf("%w: %v is %s with %d tasks", ErrVMAlive, pid, st.State, st.Tasks)
 		}
+	} else if rec.GetId() != "" && rec.GetStopStep() != vmflowv1.StopStep_STOP_STEP_GONE {
+		// No process and no marker is not proof that none runs: an agent
+		// older than the marker that died between the fork and the pid's
+		// write left exactly this record with its QEMU running. A Stop
+		// looks for such a QEMU (adopting and stopping it) before it writes
+		// stop step gone, so until then "can't tell" counts as alive,
+		// unless the instance never launched: no start or exit recorded
+		// and none of QEMU's runtime files on disk (QEMU creates its QMP
+		// socket while it sets up its backends, before it opens any VFIO
+		// device; both files stay until TearDown, which runs after the
+		// release). (A record without an id is reconcile's stand-in for
+		// an orphan device: no instance, only the holders rule.)
+		launched := rec.GetLastStart() != nil || rec.GetLastExit() != nil
+		if !launched {
+			paths, err := c.st.Paths(rec.GetId())
+			if err != nil {
+				return fmt.Errorf("%w: %w", ErrVMAlive, err)
+			}
+			for _, f := range []string{paths.Socket, paths.PID} {
+				if _, err := os.Lstat(f); err == nil {
+					launched = true
+				} else if !errors.Is(err, os.ErrNotExist) {
+					return fmt.Errorf("%w: cannot tell whether a QEMU was started: %w", ErrVMAlive, err)
+				}
+			}
+		}
+		if launched {
+			return fmt.Errorf("%w: no process recorded and no stop has confirmed that none runs (stop step %s)",
+				ErrVMAlive, rec.GetStopStep())
+		}
 	}
 	node, err := c.vfioNode(dev)
 	if err != nil {

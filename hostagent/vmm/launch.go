@@ -52,6 +52,11 @@ type LaunchConfig struct {
 	// CleanupTimeout bounds kill-and-reap of a failed launch.
 	CleanupTimeout time.Duration
 
+	// Nonce, when set, is given to QEMU in its environment as
+	// LaunchNonceEnv=<Nonce>: the launch marker's proof that a process is
+	// this launch's QEMU (FindUnrecorded).
+	Nonce string
+
 	// OnStarted is called right after the fork, before anything waits on
 	// QEMU, so the caller can record the pid and start time: an agent
 	// killed at any later instant leaves no QEMU that no record knows. An
@@ -117,14 +122,9 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 	if cfg.Paths.Log == "" {
 		return nil, fmt.Errorf("launch: %w", invalid("log path is required"))
 	}
-	bin := cfg.Binary
-	if bin == "" {
-		bin = DefaultBinary
-	}
-	if !strings.Contains(bin, "/") {
-		if bin, err = exec.LookPath(bin); err != nil {
-			return nil, fmt.Errorf("launch: %w", err)
-		}
+	bin, err := resolveBinary(cfg.Binary)
+	if err != nil {
+		return nil, fmt.Errorf("launch: %w", err)
 	}
 	if err := RemoveStaleSocket(ctx, cfg.Paths.QMPSocket); err != nil {
 		return nil, fmt.Errorf("launch: %w", err)
@@ -141,7 +141,7 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 	}
 	// An *os.File as stdout/stderr is handed to QEMU as its fd 1 and 2 with
 	// no copying goroutine here: QEMU keeps logging after the agent exits.
-	cmd := &exec.Cmd{Path: bin, Args: append([]string{bin}, argv...), Stdout: logf, Stderr: logf}
+	cmd := &exec.Cmd{Path: bin, Args: append([]string{bin}, argv...), Env: qemuEnv(cfg.Nonce), Stdout: logf, Stderr: logf}
 	crashpoint.Hit(crashpoint.LaunchBeforeFork)
 	child, err := proc.Start(cmd)
 	logf.Close()
@@ -193,6 +193,25 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 	}
 	crashpoint.Hit(crashpoint.LaunchQMPReady)
 	return &VM{id: id, child: child, h: h, paths: cfg.Paths, mon: mon}, nil
+}
+
+// defaultPath is QEMU's PATH when the agent has none.
+const defaultPath = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+// qemuEnv is QEMU's whole environment: PATH (the agent's, for the helpers
+// QEMU may run), HOME=/ and the launch nonce. Not the agent's environment:
+// a nil Env would hand QEMU everything the agent was started with (API
+// keys and credentials included).
+func qemuEnv(nonce string) []string {
+	path := os.Getenv("PATH")
+	if path == "" {
+		path = defaultPath
+	}
+	env := []string{"PATH=" + path, "HOME=/"}
+	if nonce != "" {
+		env = append(env, LaunchNonceEnv+"="+nonce)
+	}
+	return env
 }
 
 func (l *launch) exited() bool {

@@ -591,11 +591,18 @@ type InstanceRecord struct {
 	// cleared in the same write that records its identity (process), or when
 	// the launch is undone. While it is set with no process, a QEMU of this
 	// instance may run that the record does not name yet: the next agent finds
-	// it by its command line (this instance's own QMP socket path) and adopts
-	// or kills it before anything else acts on the instance.
+	// it by launch_nonce in its environment (and its executable and session)
+	// and adopts or kills it before anything else acts on the instance.
 	LaunchStartedAt *timestamppb.Timestamp `protobuf:"bytes,21,opt,name=launch_started_at,json=launchStartedAt,proto3" json:"launch_started_at,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// The launch marker's proof of identity: a random value (32 hex digits)
+	// written in the same write as launch_started_at and cleared with it. The
+	// agent gives it to QEMU in its environment (VMFLOW_LAUNCH_NONCE), and
+	// adoption requires /proc/<pid>/environ to carry it: a command line can be
+	// copied by anyone, this value only by whoever read the record or QEMU's
+	// memory. Empty on a marker written by an agent older than the field.
+	LaunchNonce   string `protobuf:"bytes,22,opt,name=launch_nonce,json=launchNonce,proto3" json:"launch_nonce,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *InstanceRecord) Reset() {
@@ -775,6 +782,13 @@ func (x *InstanceRecord) GetLaunchStartedAt() *timestamppb.Timestamp {
 	return nil
 }
 
+func (x *InstanceRecord) GetLaunchNonce() string {
+	if x != nil {
+		return x.LaunchNonce
+	}
+	return ""
+}
+
 var File_vmflow_v1_record_proto protoreflect.FileDescriptor
 
 const file_vmflow_v1_record_proto_rawDesc = "" +
@@ -812,7 +826,7 @@ const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\n" +
 	"claimed_at\x18\n" +
 	" \x01(\v2\x1a.google.protobuf.TimestampR\tclaimedAt\x12\x16\n" +
-	"\x06driver\x18\v \x01(\tR\x06driver\"\x8f\b\n" +
+	"\x06driver\x18\v \x01(\tR\x06driver\"\xb2\b\n" +
 	"\x0eInstanceRecord\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12%\n" +
 	"\x04spec\x18\x02 \x01(\v2\x11.vmflow.v1.VMSpecR\x04spec\x12%\n" +
@@ -840,7 +854,8 @@ const file_vmflow_v1_record_proto_rawDesc = "" +
 	"updated_at\x18\x12 \x01(\v2\x1a.google.protobuf.TimestampR\tupdatedAt\x123\n" +
 	"\x16created_by_workflow_id\x18\x13 \x01(\tR\x13createdByWorkflowId\x12)\n" +
 	"\x11created_by_run_id\x18\x14 \x01(\tR\x0ecreatedByRunId\x12F\n" +
-	"\x11launch_started_at\x18\x15 \x01(\v2\x1a.google.protobuf.TimestampR\x0flaunchStartedAt*\xc3\x01\n" +
+	"\x11launch_started_at\x18\x15 \x01(\v2\x1a.google.protobuf.TimestampR\x0flaunchStartedAt\x12!\n" +
+	"\flaunch_nonce\x18\x16 \x01(\tR\vlaunchNonce*\xc3\x01\n" +
 	"\rInstanceState\x12\x1e\n" +
 	"\x1aINSTANCE_STATE_UNSPECIFIED\x10\x00\x12\x1b\n" +
 	"\x17INSTANCE_STATE_CREATING\x10\x01\x12\x1a\n" +

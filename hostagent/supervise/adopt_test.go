@@ -1,0 +1,219 @@
+package supervise
+
+import (
+	"os"
+	"os/exec"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	"vmflow/hostagent/proc"
+	"vmflow/hostagent/store"
+	"vmflow/hostagent/vmm"
+	"vmflow/hostagent/vmm/vmmtest"
+	vmflowv1 "vmflow/proto/vmflow/v1"
+)
+
+// impostor starts a real QEMU (-machine none) whose command line carries
+// instance id's own "-qmp unix:<socket>,server=on,wait=off", in a session
+// of its own (proc.Start), with env as its environment; wrap, when given,
+// runs in front of it (`timeout 600 qemu ...`). It is killed (its whole
+// process group) and reaped at cleanup.
+func impostor(t *testing.T, e *env, id string, env []string, wrap ...string) proc.Identity {
+	t.Helper()
+	qemu := vmmtest.RequiresQEMU(t)
+	p, err := e.st.Paths(id)
+	require.NoError(t, err)
+	argv := append(wrap, qemu, "-machine", "none", "-accel", testAccel(), "-nodefaults", "-no-user-config",
+		"-display", "none", "-qmp", "unix:"+p.Socket+",server=on,wait=off")
+	cmd := exec.Command(argv[0], argv[1:]...)
+	cmd.Env = env
+	c, err := proc.Start(cmd)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_ = syscall.Kill(-c.Identity().PID, syscall.SIGKILL) // its whole process group
+		<-c.Done()
+		// A wrapped QEMU was reparented to this process (the subreaper)
+		// when its wrapper died: reap it too.
+		for {
+			var ws unix.WaitStatus
+			if _, err := unix.Wait4(-c.Identity().PID, &ws, 0, nil); err != nil {
+				return // ECHILD: none left
+			}
+		}
+	})
+	require.Eventually(t, func() bool {
+		_, err := os.Stat(p.Socket)
+		return err == nil
+	}, 20*time.Second, 5*time.Millisecond, "the impostor's QEMU listens on %s", p.Socket)
+	return c.Identity()
+}
+
+// setMarker gives instance id a launch marker with a fresh nonce, as
+// launchLocked writes it before the fork.
+func setMarker(t *testing.T, e *env, id string) string {
+	t.Helper()
+	nonce, err := vmm.NewLaunchNonce()
+	require.NoError(t, err)
+	_, err = e.st.Update(ctxT(t, 5*time.Second), id, func(r *vmflowv1.InstanceRecord) error {
+		r.LaunchStartedAt, r.LaunchNonce = timestamppb.Now(), nonce
+		return nil
+	})
+	require.NoError(t, err)
+	return nonce
+}
+
+// Hole 3 follow-up (HIGH 1): a process that copies the instance's QEMU
+// command line, runs the QEMU binary and leads its own session, but was not
+// given the launch's nonce, is neither adopted nor signalled: the marker
+// is resolved as "no QEMU of mine". Fails on the code before the nonce,
+// which adopted whatever carried the -qmp argument (rep.Adopted == 1).
+func TestMarkerImpostorNotAdopted(t *testing.T) {
+	e := newEnv(t)
+	e.create("vm1", "", 0)
+	setMarker(t, e, "vm1")
+	imp := impostor(t, e, "vm1", []string{"PATH=" + os.Getenv("PATH"), vmm.LaunchNonceEnv + "=" + "0123456789abcdef0123456789abcdef"})
+
+	sup := e.newSupervisor(nil)
+	rep, err := sup.Start(ctxT(t, 30*time.Second))
+	require.NoError(t, err)
+	assert.Zero(t, rep.Adopted, "a copied command line is not an identity")
+	assert.Zero(t, rep.Failed)
+	rec := e.get("vm1")
+	assert.Nil(t, rec.GetProcess(), "the impostor's identity is not written into the record")
+	assert.Nil(t, rec.GetLaunchStartedAt(), "no QEMU of the launch runs: marker cleared")
+	assert.Empty(t, rec.GetLaunchNonce(), "cleared with the marker")
+	assert.True(t, proc.Inspect(imp).Alive, "not signalled")
+}
+
+// HIGH 1, legacy records (no marker, from an agent older than it): a
+// debugging wrapper `timeout 600 qemu <the instance's -qmp>` is two
+// processes with the socket argument. Neither is the instance's QEMU (the
+// wrapper is not the QEMU binary; its QEMU does not lead a session), so
+// Stop adopts and signals nothing and finishes; TearDown still refuses to
+// remove a socket something listens on. Fails on the code before: both
+// matched the command line, and Stop returned the retryable
+// ErrStillRunning forever.
+func TestLegacyStopIgnoresWrappedCopy(t *testing.T) {
+	e := newEnv(t)
+	e.create("vm1", "", 0)
+	imp := impostor(t, e, "vm1", []string{"PATH=" + os.Getenv("PATH")}, "timeout", "600")
+	sup := e.newSupervisor(nil)
+	require.NoError(t, e.st.MarkManualStop(ctxT(t, 5*time.Second), "vm1"))
+
+	res, err := sup.Stop(ctxT(t, 30*time.Second), "vm1", time.Millisecond)
+	require.NoError(t, err)
+	assert.True(t, res.AlreadyGone)
+	rec := e.get("vm1")
+	assert.Nil(t, rec.GetProcess())
+	assert.Equal(t, vmflowv1.StopStep_STOP_STEP_GONE, rec.GetStopStep())
+	assert.True(t, proc.Inspect(imp).Alive, "the wrapper was not signalled")
+	err = sup.TearDown(ctxT(t, 10*time.Second), "vm1")
+	require.ErrorIs(t, err, ErrStillRunning, "a live listener's socket is never removed")
+	p, _ := e.st.Paths("vm1")
+	assert.FileExists(t, p.Socket)
+}
+
+// HIGH 1, legacy records: two processes that each pass every legacy check
+// (the QEMU binary, a session leader, the instance's socket argument) are
+// ambiguous. Stop and TearDown refuse with ErrUnrecordedAmbiguous, which
+// is not the retryable ErrStillRunning, and touch nothing.
+func TestLegacyAmbiguousIsNotRetryable(t *testing.T) {
+	e := newEnv(t)
+	e.create("vm1", "", 0)
+	env := []string{"PATH=" + os.Getenv("PATH")}
+	a := impostor(t, e, "vm1", env)
+	b := impostor(t, e, "vm1", env)
+	sup := e.newSupervisor(nil)
+	require.NoError(t, e.st.MarkManualStop(ctxT(t, 5*time.Second), "vm1"))
+
+	_, err := sup.Stop(ctxT(t, 30*time.Second), "vm1", time.Millisecond)
+	require.ErrorIs(t, err, ErrUnrecordedAmbiguous)
+	assert.NotErrorIs(t, err, ErrStillRunning, "retrying sees the same two processes: not retryable")
+	err = sup.TearDown(ctxT(t, 10*time.Second), "vm1")
+	require.ErrorIs(t, err, ErrUnrecordedAmbiguous)
+	rec := e.get("vm1")
+	assert.Nil(t, rec.GetProcess(), "neither adopted")
+	assert.NotEqual(t, vmflowv1.StopStep_STOP_STEP_GONE, rec.GetStopStep(), "not said to be gone")
+	assert.True(t, proc.Inspect(a).Alive && proc.Inspect(b).Alive, "neither signalled")
+}
+
+// HIGH 2: the look for an unrecorded QEMU reads its environ, which blocks
+// while the target's mmap lock is held (VFIO teardown, a hung mount). A
+// record whose look blocks fails its re-attach within its bound, Start
+// re-attaches the other instances, and the blocked one is adopted in the
+// background once the read can finish. The reader is stood in (a real
+// held mmap lock needs a FUSE-backed argument area): the code before had
+// no bound at all, the read ran inline under the instance lock.
+func TestStartBoundsBlockedAdoption(t *testing.T) {
+	e := newEnv(t)
+	e.create("vm1", "", 0)
+	e.create("vm2", "", 0)
+	// vm1: a real agent killed between the fork and the pid's write.
+	a, pid := startAgent(t, e.dir, "vm1", "before-recorded", "forked")
+	qemu1, err := proc.ReadIdentity(pid)
+	require.NoError(t, err)
+	adoptOnCleanup(t, qemu1)
+	a.kill9(t)
+	require.NotEmpty(t, e.get("vm1").GetLaunchNonce(), "the marker carries its nonce")
+	// vm2: running, recorded.
+	launcher := e.newSupervisor(nil)
+	res2, err := launcher.Launch(ctxT(t, 30*time.Second), "vm2")
+	require.NoError(t, err)
+	require.NoError(t, launcher.Close())
+
+	unblock := make(chan struct{})
+	var unblockOnce bool
+	t.Cleanup(func() {
+		if !unblockOnce {
+			close(unblock)
+		}
+	})
+	sup := e.newSupervisor(func(c *Config) {
+		c.LockTimeout = 300 * time.Millisecond // each record's bound in Start
+		c.readProcMem = func(path string) ([]byte, error) {
+			<-unblock // as the kernel's read while the mmap lock is held
+			return os.ReadFile(path)
+		}
+	})
+	rep, err := sup.Start(ctxT(t, 30*time.Second))
+	require.NoError(t, err)
+	assert.Equal(t, 2, rep.Records, "each record counted once, failed or not")
+	assert.Equal(t, 1, rep.Attached, "vm2 re-attached although vm1's look blocks")
+	assert.Equal(t, 1, rep.Failed)
+	require.Len(t, rep.Failures, 1)
+	assert.Equal(t, "vm1", rep.Failures[0].ID)
+	assert.Contains(t, rep.Failures[0].Err, proc.ErrCannotTell.Error(), "can't tell, never none")
+	st, err := sup.Status("vm2")
+	require.NoError(t, err)
+	assert.True(t, st.Watched)
+	assert.Equal(t, res2.Identity, st.Process)
+	rec := e.get("vm1")
+	assert.Nil(t, rec.GetProcess())
+	assert.NotNil(t, rec.GetLaunchStartedAt(), "can't tell keeps the marker")
+	assert.True(t, proc.Inspect(qemu1).Alive)
+
+	close(unblock)
+	unblockOnce = true
+	require.Eventually(t, func() bool {
+		rec := e.get("vm1")
+		return rec.GetProcess() != nil && store.IdentityOf(rec.GetProcess()) == qemu1
+	}, 20*time.Second, 10*time.Millisecond, "vm1's QEMU adopted by the background re-attach")
+	require.Eventually(t, func() bool {
+		st, err := sup.Status("vm1")
+		return err == nil && st.Watched
+	}, 10*time.Second, 10*time.Millisecond)
+	assert.Nil(t, e.get("vm1").GetLaunchStartedAt())
+
+	// And it is stopped by identity like any other.
+	require.NoError(t, e.st.MarkManualStop(ctxT(t, 5*time.Second), "vm1"))
+	sres, err := sup.Stop(ctxT(t, 30*time.Second), "vm1", time.Millisecond)
+	require.NoError(t, err)
+	assert.Equal(t, qemu1, sres.Identity)
+	reapAdopted(t, qemu1)
+}
