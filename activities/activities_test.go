@@ -258,6 +258,8 @@ func TestClassify(t *testing.T) {
 		{store.ErrInvalidRecord, workflows.ErrTypeRecordUnreadable, true},
 		{errVGPUUnavailable, workflows.ErrTypeVGPUUnavailable, true},
 		{vgpu.ErrClaimedByOther, ErrTypeDeviceClaimedTwice, true},
+		{supervise.ErrUnrecordedAmbiguous, ErrTypeAmbiguousQEMU, true},
+		{supervise.ErrStillRunning, ErrTypeStillAlive, false},
 		{vgpu.ErrClaimDeviceMissing, ErrTypeClaimDeviceMissing, false},
 		{vgpu.ErrRecordsUnreadable, ErrTypeHost, false},
 		{syscall.EIO, ErrTypeHost, false},

@@ -34,6 +34,11 @@ const (
 // vGPU, so an operator decides.
 const ErrTypeDeviceClaimedTwice = "DeviceClaimedTwice"
 
+// ErrTypeAmbiguousQEMU: more than one process looks like the instance's
+// unrecorded QEMU (a record from an agent before launch markers, and a copy
+// someone started by hand). Nothing is signalled; an operator decides.
+const ErrTypeAmbiguousQEMU = "AmbiguousQEMU"
+
 // classify turns a host error into a Temporal application error. This is
 // the only place where host errors meet Temporal: invalid input and a
 // stranger's pid can never succeed, so they are non-retryable with a type;
@@ -73,6 +78,8 @@ func classify(err error) error {
 		return nonRetryable(workflows.ErrTypeVGPUUnavailable)
 	case errors.Is(err, vgpu.ErrClaimedByOther):
 		return nonRetryable(ErrTypeDeviceClaimedTwice)
+	case errors.Is(err, supervise.ErrUnrecordedAmbiguous):
+		return nonRetryable(ErrTypeAmbiguousQEMU)
 	case errors.Is(err, store.ErrBusy), errors.Is(err, supervise.ErrBusy), errors.Is(err, errBusy):
 		return retryable(workflows.ErrTypeBusy)
 	case errors.Is(err, vmm.ErrStillAlive), errors.Is(err, supervise.ErrStillRunning):
