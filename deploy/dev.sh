@@ -132,8 +132,8 @@ shutdown() {
 	trap '' INT TERM
 	say "stopping: VMs, agent, worker, simulator, Temporal"
 	[ -z "${PID_OF[agent]:-}" ] || stop_vms
-	stop agent 20
-	stop worker 20
+	stop agent 35 # over the agent's --stop-timeout (25 s): let a running activity finish
+	stop worker 35
 	stop_vms # any the agent restarted meanwhile (restart policy always)
 	stop vgpu-sim 10
 	unmount_sim
