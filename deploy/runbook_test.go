@@ -195,7 +195,8 @@ func TestRunbookCommands(t *testing.T) {
 
 	// The host goes away for good: the next round is not picked up.
 	stopHost.Do(hw.Stop)
-	require.NoError(t, vc.Retry(ctx, wid, "test: start a round the host will not pick up"))
+	_, err = vc.Retry(ctx, wid, "test: start a round the host will not pick up")
+	require.NoError(t, err)
 	st = waitStage(workflows.StageHostUnreachable, 0)
 	assert.True(t, st.GetMetadataRetained())
 	out := runLine(ctx, t, env, abandonUpdate[0])

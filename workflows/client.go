@@ -97,26 +97,40 @@ func (c *Client) StartDelete(ctx context.Context, req *vmflowv1.DeleteRequest) (
 	return run, nil
 }
 
-// Retry sends the retry signal to a workflow (delete/<id> for a stuck
-// delete), cutting its backoff short.
-func (c *Client) Retry(ctx context.Context, workflowID, reason string) error {
-	if err := c.c.SignalWorkflow(ctx, workflowID, "", RetrySignal, &vmflowv1.RetrySignal{Reason: reason}); err != nil {
-		return fmt.Errorf("signal %s to %s: %w", RetrySignal, workflowID, err)
-	}
-	return nil
+// Retry cuts a workflow's wait short (a backoff after a failed release
+// round, an unreachable host, a parked stage) with the retry update, and
+// returns the workflow's status once it acted (the next attempt is
+// scheduled). When nothing is waiting the workflow refuses, and the error is
+// an application error of type ErrTypeRefused saying why.
+func (c *Client) Retry(ctx context.Context, workflowID, reason string) (*vmflowv1.WorkflowStatus, error) {
+	return c.update(ctx, workflowID, RetryUpdate, &vmflowv1.RetrySignal{Reason: reason})
 }
 
-// Abandon ends a delete whose host is gone for good. It is accepted only
-// while the delete waits for an unreachable host; reason is required.
-func (c *Client) Abandon(ctx context.Context, instanceID, reason string) error {
+// Abandon ends a delete whose host is gone for good, with the abandon
+// update, and returns its final status. The workflow accepts it only while
+// the delete waits for an unreachable host or is parked; reason is required.
+func (c *Client) Abandon(ctx context.Context, instanceID, reason string) (*vmflowv1.WorkflowStatus, error) {
 	if reason == "" {
-		return errors.New("abandon: a reason is required")
+		return nil, errors.New("abandon: a reason is required")
 	}
-	id := DeleteWorkflowID(instanceID)
-	if err := c.c.SignalWorkflow(ctx, id, "", AbandonSignal, &vmflowv1.AbandonSignal{Reason: reason}); err != nil {
-		return fmt.Errorf("signal %s to %s: %w", AbandonSignal, id, err)
+	return c.update(ctx, DeleteWorkflowID(instanceID), AbandonUpdate, &vmflowv1.AbandonSignal{Reason: reason})
+}
+
+// update runs a Workflow Update and waits for its result: operator actions
+// answer synchronously, with the status or the workflow's refusal.
+func (c *Client) update(ctx context.Context, workflowID, name string, arg any) (*vmflowv1.WorkflowStatus, error) {
+	h, err := c.c.UpdateWorkflow(ctx, client.UpdateWorkflowOptions{
+		WorkflowID: workflowID, UpdateName: name, Args: []any{arg},
+		WaitForStage: client.WorkflowUpdateStageCompleted,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("%s %s: %w", name, workflowID, err)
 	}
-	return nil
+	var st vmflowv1.WorkflowStatus
+	if err := h.Get(ctx, &st); err != nil {
+		return nil, fmt.Errorf("%s %s: %w", name, workflowID, err)
+	}
+	return &st, nil
 }
 
 // Status queries a workflow's status (any of the three).

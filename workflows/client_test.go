@@ -100,9 +100,17 @@ func TestClientAgainstDevServer(t *testing.T) {
 	assert.True(t, st.GetMetadataRetained())
 	assert.Contains(t, st.GetLastError(), "device or resource busy")
 
-	require.Error(t, vc.Abandon(ctx, "vm1", ""), "abandon needs a reason")
+	_, err = vc.Abandon(ctx, "vm1", "")
+	require.Error(t, err, "abandon needs a reason")
+	_, err = vc.Abandon(ctx, "vm1", "test: host is fine")
+	var refusal *temporal.ApplicationError
+	require.ErrorAs(t, err, &refusal, "abandon while the host answers is refused, synchronously")
+	assert.Equal(t, ErrTypeRefused, refusal.Type())
+	assert.Contains(t, refusal.Error(), "host h1 is reachable")
 	host.failRelease.Store(false)
-	require.NoError(t, vc.Retry(ctx, DeleteWorkflowID("vm1"), "test: fault cleared"))
+	after, err := vc.Retry(ctx, DeleteWorkflowID("vm1"), "test: fault cleared")
+	require.NoError(t, err)
+	assert.NotEqual(t, StageReleaseFailed, after.GetStage(), "the update answers once the workflow acted")
 	done, cancelDone := context.WithTimeout(ctx, 30*time.Second)
 	defer cancelDone()
 	var dres vmflowv1.DeleteResult
@@ -112,5 +120,8 @@ func TestClientAgainstDevServer(t *testing.T) {
 	assert.Equal(t, StageDeleted, st.GetStage())
 	assert.False(t, st.GetNeedsAttention())
 
-	assert.Error(t, vc.Retry(ctx, DeleteWorkflowID("nope"), ""), "no such workflow")
+	_, err = vc.Retry(ctx, DeleteWorkflowID("vm1"), "")
+	assert.Error(t, err, "a finished delete has nothing to retry")
+	_, err = vc.Retry(ctx, DeleteWorkflowID("nope"), "")
+	assert.Error(t, err, "no such workflow")
 }
