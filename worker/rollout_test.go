@@ -190,6 +190,28 @@ func TestRolloutMovesParkedDeleteToNewBuild(t *testing.T) {
 	setCurrent(v2)
 	t.Logf("build 2 current after %s", time.Since(began).Round(time.Millisecond))
 
+	// UPGRADES.md's checks before build 1 may stop: its version drains,
+	// and the one workflow pinned to it is the running spawn (the
+	// delete, AutoUpgrade, is not held there).
+	pinnedOnV1 := func() string {
+		out, err := srv.CLI(ctx, "workflow", "list", "--query",
+			`ExecutionStatus = "Running" AND TemporalWorkflowVersioningBehavior = "Pinned" AND TemporalWorkerDeploymentVersion = "vmflow:`+v1+`"`)
+		require.NoError(t, err)
+		return string(out)
+	}
+	var last string
+	require.Eventually(t, func() bool {
+		out, err := srv.CLI(ctx, "worker", "deployment", "describe-version", "--deployment-name", DefaultDeploymentName, "--build-id", v1)
+		require.NoError(t, err)
+		last = string(out)
+		return strings.Contains(last, "draining")
+	}, time.Minute, 500*time.Millisecond, "build 1 does not show draining:\n%s", last)
+	require.Eventually(t, func() bool {
+		last = pinnedOnV1()
+		return strings.Contains(last, workflows.SpawnWorkflowID("ro-spawn"))
+	}, time.Minute, 500*time.Millisecond, "the spawn is not listed as pinned to build 1:\n%s", last)
+	assert.NotContains(t, last, workflows.DeleteWorkflowID("ro-vm"), "the delete is AutoUpgrade, never pinned")
+
 	// The pinned spawn finishes on build 1, which still runs.
 	close(host.launch)
 	var sres vmflowv1.SpawnResult
@@ -209,6 +231,10 @@ func TestRolloutMovesParkedDeleteToNewBuild(t *testing.T) {
 		builds, _ := taskBuilds(ctx, t, c, workflows.DeleteWorkflowID("ro-vm"))
 		return len(builds) > 0 && builds[len(builds)-1] == "vmflow/"+v2
 	}, time.Minute, 200*time.Millisecond, "the parked delete never ran a workflow task on build 2\n%s", logs(w1, w2))
+	require.Eventually(t, func() bool {
+		last = pinnedOnV1()
+		return !strings.Contains(last, workflows.SpawnWorkflowID("ro-spawn"))
+	}, time.Minute, 500*time.Millisecond, "the spawn still shows as running on build 1:\n%s", last)
 	require.NoError(t, w1.Stop(), "stop build 1")
 	host.failRelease.Store(false)
 	var dres vmflowv1.DeleteResult
