@@ -35,6 +35,10 @@ type rolloutHost struct {
 
 var _ workflows.HostActivities = (*rolloutHost)(nil)
 
+// failLaunch is the instance whose launch fails: its spawn starts its
+// clean-up delete as a child.
+const failLaunch = "ro-fail"
+
 func (*rolloutHost) ValidateSpawn(context.Context, *vmflowv1.SpawnRequest) error { return nil }
 func (*rolloutHost) CreateRecord(context.Context, *vmflowv1.SpawnRequest) (*vmflowv1.CreateRecordResult, error) {
 	return &vmflowv1.CreateRecordResult{InstanceUuid: "u", CreatedByThisSpawn: true}, nil
@@ -42,7 +46,10 @@ func (*rolloutHost) CreateRecord(context.Context, *vmflowv1.SpawnRequest) (*vmfl
 func (*rolloutHost) ClaimVGPU(context.Context, *vmflowv1.ClaimVGPURequest) (*vmflowv1.ClaimVGPUResult, error) {
 	return &vmflowv1.ClaimVGPUResult{}, nil
 }
-func (h *rolloutHost) LaunchVM(ctx context.Context, _ *vmflowv1.LaunchVMRequest) (*vmflowv1.LaunchVMResult, error) {
+func (h *rolloutHost) LaunchVM(ctx context.Context, req *vmflowv1.LaunchVMRequest) (*vmflowv1.LaunchVMResult, error) {
+	if req.GetInstanceId() == failLaunch {
+		return nil, temporal.NewNonRetryableApplicationError("qemu exited with status 1", "LaunchFailed", nil)
+	}
 	select {
 	case <-h.launch:
 		return &vmflowv1.LaunchVMResult{Pid: 42}, nil
@@ -85,18 +92,19 @@ func buildStamped(ctx context.Context, t *testing.T, dir, version string) string
 
 // taskBuilds are the build ids of a workflow's completed workflow tasks, in
 // history order, and the versioning behaviour each reported.
-func taskBuilds(ctx context.Context, t *testing.T, c client.Client, workflowID string) (builds []string, behaviors []enumspb.VersioningBehavior) {
-	t.Helper()
+func taskBuilds(ctx context.Context, c client.Client, workflowID string) (builds []string, behaviors []enumspb.VersioningBehavior, err error) {
 	it := c.GetWorkflowHistory(ctx, workflowID, "", false, enumspb.HISTORY_EVENT_FILTER_TYPE_ALL_EVENT)
 	for it.HasNext() {
 		ev, err := it.Next()
-		require.NoError(t, err)
+		if err != nil {
+			return nil, nil, fmt.Errorf("history of %s: %w", workflowID, err)
+		}
 		if a := ev.GetWorkflowTaskCompletedEventAttributes(); a != nil {
 			builds = append(builds, completedBuild(a))
 			behaviors = append(behaviors, a.GetVersioningBehavior())
 		}
 	}
-	return builds, behaviors
+	return builds, behaviors, nil
 }
 
 func completedBuild(a *historypb.WorkflowTaskCompletedEventAttributes) string {
@@ -109,7 +117,8 @@ func completedBuild(a *historypb.WorkflowTaskCompletedEventAttributes) string {
 // A delete parked in release-failed on build 1 moves to build 2 once build 2
 // is the deployment's current version, and finishes there after build 1 is
 // stopped; a spawn that started on build 1 is pinned and finishes on build
-// 1 although build 2 is current. Both builds are vmflow-worker binaries
+// 1 although build 2 is current; a failed spawn's clean-up delete, a child
+// of a pinned spawn, moves like any delete. Both builds are vmflow-worker binaries
 // stamped like `make build`, joined with --versioning and made current with
 // the CLI command UPGRADES.md gives; the host polls unversioned.
 func TestRolloutMovesParkedDeleteToNewBuild(t *testing.T) {
@@ -170,6 +179,8 @@ func TestRolloutMovesParkedDeleteToNewBuild(t *testing.T) {
 	require.NoError(t, err)
 	del, err := vc.StartDelete(ctx, &vmflowv1.DeleteRequest{InstanceId: "ro-vm", HostId: hostID})
 	require.NoError(t, err)
+	failed, err := vc.StartSpawn(ctx, &vmflowv1.SpawnRequest{InstanceId: failLaunch, HostId: hostID, Vcpus: 1, MemoryMib: 64, Machine: "none"})
+	require.NoError(t, err)
 	stageIs := func(workflowID, stage string) func() bool {
 		return func() bool {
 			st, err := vc.Status(ctx, workflowID)
@@ -180,6 +191,10 @@ func TestRolloutMovesParkedDeleteToNewBuild(t *testing.T) {
 		"spawn never reached launching\n%s", logs(w1))
 	require.Eventually(t, stageIs(workflows.DeleteWorkflowID("ro-vm"), workflows.StageReleaseFailed), time.Minute, 100*time.Millisecond,
 		"delete never parked in release-failed\n%s", logs(w1))
+
+	require.Error(t, failed.Get(ctx, nil), "the spawn whose launch fails fails")
+	require.Eventually(t, stageIs(workflows.DeleteWorkflowID(failLaunch), workflows.StageReleaseFailed), time.Minute, 100*time.Millisecond,
+		"the failed spawn's clean-up delete never parked in release-failed\n%s", logs(w1))
 
 	// Build 2 joins; until it is current it gets no workflow tasks, and it
 	// says so with the command that makes it current.
@@ -193,18 +208,21 @@ func TestRolloutMovesParkedDeleteToNewBuild(t *testing.T) {
 	// UPGRADES.md's checks before build 1 may stop: its version drains,
 	// and the one workflow pinned to it is the running spawn (the
 	// delete, AutoUpgrade, is not held there).
+	// (No require inside the Eventually conditions: they run on another
+	// goroutine; an error is the output the failure message shows.)
 	pinnedOnV1 := func() string {
 		out, err := srv.CLI(ctx, "workflow", "list", "--query",
 			`ExecutionStatus = "Running" AND TemporalWorkflowVersioningBehavior = "Pinned" AND TemporalWorkerDeploymentVersion = "vmflow:`+v1+`"`)
-		require.NoError(t, err)
+		if err != nil {
+			return err.Error()
+		}
 		return string(out)
 	}
 	var last string
 	require.Eventually(t, func() bool {
 		out, err := srv.CLI(ctx, "worker", "deployment", "describe-version", "--deployment-name", DefaultDeploymentName, "--build-id", v1)
-		require.NoError(t, err)
 		last = string(out)
-		return strings.Contains(last, "draining")
+		return err == nil && strings.Contains(last, "draining")
 	}, time.Minute, 500*time.Millisecond, "build 1 does not show draining:\n%s", last)
 	require.Eventually(t, func() bool {
 		last = pinnedOnV1()
@@ -217,7 +235,8 @@ func TestRolloutMovesParkedDeleteToNewBuild(t *testing.T) {
 	var sres vmflowv1.SpawnResult
 	require.NoError(t, spawn.Get(ctx, &sres), logs(w1, w2))
 	assert.EqualValues(t, 42, sres.GetPid())
-	builds, behaviors := taskBuilds(ctx, t, c, workflows.SpawnWorkflowID("ro-spawn"))
+	builds, behaviors, err := taskBuilds(ctx, c, workflows.SpawnWorkflowID("ro-spawn"))
+	require.NoError(t, err)
 	require.NotEmpty(t, builds)
 	for i, b := range builds {
 		assert.Equal(t, "vmflow/"+v1, b, "spawn workflow task %d", i)
@@ -228,23 +247,41 @@ func TestRolloutMovesParkedDeleteToNewBuild(t *testing.T) {
 	// while build 1 is still up: it moved because build 2 is current, not
 	// because build 1 went away.
 	require.Eventually(t, func() bool {
-		builds, _ := taskBuilds(ctx, t, c, workflows.DeleteWorkflowID("ro-vm"))
-		return len(builds) > 0 && builds[len(builds)-1] == "vmflow/"+v2
+		builds, _, err := taskBuilds(ctx, c, workflows.DeleteWorkflowID("ro-vm"))
+		return err == nil && len(builds) > 0 && builds[len(builds)-1] == "vmflow/"+v2
 	}, time.Minute, 200*time.Millisecond, "the parked delete never ran a workflow task on build 2\n%s", logs(w1, w2))
 	require.Eventually(t, func() bool {
 		last = pinnedOnV1()
 		return !strings.Contains(last, workflows.SpawnWorkflowID("ro-spawn"))
 	}, time.Minute, 500*time.Millisecond, "the spawn still shows as running on build 1:\n%s", last)
+	require.Eventually(t, func() bool {
+		builds, _, err := taskBuilds(ctx, c, workflows.DeleteWorkflowID(failLaunch))
+		return err == nil && len(builds) > 0 && builds[len(builds)-1] == "vmflow/"+v2
+	}, time.Minute, time.Second, "the failed spawn's clean-up delete never ran a workflow task on build 2\n%s", logs(w1, w2))
 	require.NoError(t, w1.Stop(), "stop build 1")
 	host.failRelease.Store(false)
 	var dres vmflowv1.DeleteResult
 	require.NoError(t, del.Get(ctx, &dres), logs(w2))
-	builds, behaviors = taskBuilds(ctx, t, c, workflows.DeleteWorkflowID("ro-vm"))
+	builds, behaviors, err = taskBuilds(ctx, c, workflows.DeleteWorkflowID("ro-vm"))
+	require.NoError(t, err)
 	require.NotEmpty(t, builds)
 	assert.Equal(t, "vmflow/"+v1, builds[0], "the delete started on build 1")
 	assert.Equal(t, "vmflow/"+v2, builds[len(builds)-1], "the delete finished on build 2")
 	for i, b := range behaviors {
 		assert.Equal(t, enumspb.VERSIONING_BEHAVIOR_AUTO_UPGRADE, b, "delete workflow task %d", i)
+	}
+	// The failed spawn's clean-up delete started as a child of a Pinned
+	// spawn on build 1 (a child inherits its parent's pinned version at
+	// start), yet it is AutoUpgrade from its first task and finished on
+	// build 2 like any other delete.
+	require.NoError(t, c.GetWorkflow(ctx, workflows.DeleteWorkflowID(failLaunch), "").Get(ctx, nil), logs(w2))
+	builds, behaviors, err = taskBuilds(ctx, c, workflows.DeleteWorkflowID(failLaunch))
+	require.NoError(t, err)
+	require.NotEmpty(t, builds)
+	assert.Equal(t, "vmflow/"+v1, builds[0], "the clean-up delete started on build 1")
+	assert.Equal(t, "vmflow/"+v2, builds[len(builds)-1], "the clean-up delete finished on build 2")
+	for i, b := range behaviors {
+		assert.Equal(t, enumspb.VERSIONING_BEHAVIOR_AUTO_UPGRADE, b, "clean-up delete workflow task %d", i)
 	}
 	desc, err := c.DescribeWorkflowExecution(ctx, workflows.DeleteWorkflowID("ro-vm"), "")
 	require.NoError(t, err)
