@@ -283,9 +283,9 @@ func TestRolloutMovesParkedDeleteToNewBuild(t *testing.T) {
 	for i, b := range behaviors {
 		assert.Equal(t, enumspb.VERSIONING_BEHAVIOR_AUTO_UPGRADE, b, "clean-up delete workflow task %d", i)
 	}
-	desc, err := c.DescribeWorkflowExecution(ctx, workflows.DeleteWorkflowID("ro-vm"), "")
+	desc, err := c.DescribeWorkflow(ctx, workflows.DeleteWorkflowID("ro-vm"), "")
 	require.NoError(t, err)
-	vi := desc.GetWorkflowExecutionInfo().GetVersioningInfo()
+	vi := desc.RawResponse.GetWorkflowExecutionInfo().GetVersioningInfo()
 	assert.Equal(t, v2, vi.GetDeploymentVersion().GetBuildId())
 	assert.Equal(t, enumspb.VERSIONING_BEHAVIOR_AUTO_UPGRADE, vi.GetBehavior())
 	st, err := vc.Status(ctx, workflows.DeleteWorkflowID("ro-vm"))
