@@ -5,7 +5,10 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"strings"
 	"time"
+
+	"go.temporal.io/sdk/worker"
 
 	"vmflow/internal/service"
 	"vmflow/workflows"
@@ -27,7 +30,19 @@ type config struct {
 	StopTimeout time.Duration
 	// Version: print the build and exit.
 	Version bool
+	// Deployment is the worker deployment version this worker joins when
+	// Versioning is set (deploy/UPGRADES.md, "Rolling the worker").
+	Versioning bool
+	Deployment worker.WorkerDeploymentVersion
 }
+
+// DefaultDeploymentName is the worker deployment vmflow-worker joins with
+// --versioning.
+const DefaultDeploymentName = "vmflow"
+
+// unstampedVersion is what service.Info reports for a plain `go build`:
+// every such binary would share it, so it cannot tell two builds apart.
+const unstampedVersion = "dev"
 
 func parseConfig(args []string, stderr io.Writer) (config, error) {
 	d := workflows.DefaultConfig()
@@ -60,6 +75,9 @@ flags:
 	fs.DurationVar(&c.Workflows.DeleteStuckAfter, "delete-stuck-after", d.DeleteStuckAfter, "a delete stage that has not advanced for this long shows needs-attention with its last error (default of DeleteRequest.stuck_after_seconds; recorded when a delete starts)")
 	fs.DurationVar(&c.StopTimeout, "stop-timeout", service.StopTimeout, "on SIGTERM, stop polling and let running tasks finish this long before cancelling them; keep it under the unit's TimeoutStopSec")
 	fs.BoolVar(&c.Version, "version", false, "print the build's version and revision, and exit")
+	fs.BoolVar(&c.Versioning, "versioning", false, "join the worker deployment --deployment-name as build --build-id (Worker Versioning): this build gets workflow tasks only once it is the deployment's current version; off: poll unversioned")
+	fs.StringVar(&c.Deployment.DeploymentName, "deployment-name", DefaultDeploymentName, "worker deployment to join with --versioning")
+	fs.StringVar(&c.Deployment.BuildID, "build-id", service.Info().Version, "build id within the deployment with --versioning (default: the version `make build` stamped)")
 	fs.DurationVar(&c.Workflows.ActivityTimeoutCap, "activity-timeout-cap", 0, "cap every host activity's StartToClose and heartbeat timeout (tests that kill the agent; 0: off)")
 	if err := fs.Parse(args); err != nil {
 		return c, err
@@ -69,6 +87,11 @@ flags:
 	}
 	if c.Version {
 		return c, nil
+	}
+	if c.Versioning {
+		if err := checkDeployment(c.Deployment); err != nil {
+			return c, err
+		}
 	}
 	if c.StopTimeout < 0 {
 		return c, fmt.Errorf("--stop-timeout %s is negative", c.StopTimeout)
@@ -94,4 +117,22 @@ flags:
 		return c, fmt.Errorf("--release-backoff-max %s is below --release-backoff %s", c.Workflows.ReleaseBackoffMax, c.Workflows.ReleaseBackoff)
 	}
 	return c, nil
+}
+
+// checkDeployment refuses a deployment version the server would refuse, or
+// one that cannot tell builds apart.
+func checkDeployment(v worker.WorkerDeploymentVersion) error {
+	switch {
+	case v.DeploymentName == "":
+		return errors.New("--deployment-name must not be empty with --versioning")
+	case strings.Contains(v.DeploymentName, "."):
+		return fmt.Errorf("--deployment-name %q: a deployment name cannot contain \".\"", v.DeploymentName)
+	case v.BuildID == "":
+		return errors.New("--build-id must not be empty with --versioning")
+	case v.BuildID == unstampedVersion:
+		// Two different unstamped builds would share the id, and a
+		// pinned spawn could move to code that cannot replay it.
+		return fmt.Errorf("--versioning: build id %q is not a build: build with `make build` (stamps the version) or pass --build-id", v.BuildID)
+	}
+	return nil
 }

@@ -46,3 +46,37 @@ func TestParseConfigRejects(t *testing.T) {
 		assert.Error(t, err, "%q", args)
 	}
 }
+
+// Versioning is off unless asked for (the e2e harness, `make dev` and a
+// worker run by hand poll unversioned and get tasks at once); with it, the
+// deployment defaults to "vmflow" and the build id to the stamped version,
+// and an unstamped build must name its build id.
+func TestParseConfigVersioning(t *testing.T) {
+	c, err := parseConfig(nil, io.Discard)
+	require.NoError(t, err)
+	assert.False(t, c.Versioning)
+	assert.Zero(t, workerOptions(c).DeploymentOptions, "an unversioned worker sends no deployment options")
+	assert.Equal(t, "vmflow", c.Deployment.DeploymentName)
+
+	c, err = parseConfig([]string{"--versioning", "--build-id", "v1.2.3-4-gabcdef0"}, io.Discard)
+	require.NoError(t, err)
+	o := workerOptions(c).DeploymentOptions
+	assert.True(t, o.UseVersioning)
+	assert.Equal(t, "vmflow", o.Version.DeploymentName)
+	assert.Equal(t, "v1.2.3-4-gabcdef0", o.Version.BuildID)
+
+	c, err = parseConfig([]string{"--versioning", "--deployment-name", "vmflow-eu", "--build-id", "b7"}, io.Discard)
+	require.NoError(t, err)
+	assert.Equal(t, "vmflow-eu", workerOptions(c).DeploymentOptions.Version.DeploymentName)
+
+	for _, args := range [][]string{
+		{"--versioning"}, // a test binary is unstamped: "dev"
+		{"--versioning", "--build-id", "dev"},
+		{"--versioning", "--build-id", ""},
+		{"--versioning", "--build-id", "b1", "--deployment-name", ""},
+		{"--versioning", "--build-id", "b1", "--deployment-name", "vm.flow"},
+	} {
+		_, err := parseConfig(args, io.Discard)
+		assert.Error(t, err, "%q", args)
+	}
+}

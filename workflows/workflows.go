@@ -97,11 +97,22 @@ type Registry interface {
 	RegisterWorkflowWithOptions(w interface{}, options workflow.RegisterOptions)
 }
 
-// Register registers the three workflows under their public names.
+// Register registers the three workflows under their public names, each
+// with its Worker Versioning behaviour (used only by a worker that joins a
+// worker deployment; an unversioned worker ignores it):
+//
+//   - SpawnInstance is Pinned: a spawn takes minutes and finishes on the
+//     build it started on, so a change to it needs no GetVersion branch.
+//   - DeleteInstance and ReconcileVGPU are AutoUpgrade: a delete can wait
+//     in release-failed for days, and must move to the current build
+//     rather than keep an old one running (server 1.29.1 cannot upgrade a
+//     pinned run at continue-as-new). Their changes go behind
+//     workflow.GetVersion, since a new build replays histories the old
+//     one wrote (deploy/UPGRADES.md).
 func (w *Workflows) Register(r Registry) {
-	r.RegisterWorkflowWithOptions(w.SpawnInstance, workflow.RegisterOptions{Name: SpawnWorkflow})
-	r.RegisterWorkflowWithOptions(w.DeleteInstance, workflow.RegisterOptions{Name: DeleteWorkflow})
-	r.RegisterWorkflowWithOptions(w.ReconcileVGPU, workflow.RegisterOptions{Name: ReconcileWorkflow})
+	r.RegisterWorkflowWithOptions(w.SpawnInstance, workflow.RegisterOptions{Name: SpawnWorkflow, VersioningBehavior: workflow.VersioningBehaviorPinned})
+	r.RegisterWorkflowWithOptions(w.DeleteInstance, workflow.RegisterOptions{Name: DeleteWorkflow, VersioningBehavior: workflow.VersioningBehaviorAutoUpgrade})
+	r.RegisterWorkflowWithOptions(w.ReconcileVGPU, workflow.RegisterOptions{Name: ReconcileWorkflow, VersioningBehavior: workflow.VersioningBehaviorAutoUpgrade})
 }
 
 // Retry policies. "Unlimited" ones back off to a minute: the pending
