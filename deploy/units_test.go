@@ -92,7 +92,7 @@ func TestEnvFilesDocumentEverySetting(t *testing.T) {
 			"--vgpu-attach", "--holders-ignore-pid"},
 		"vmflow-worker.env": {"--task-queue", "--metrics-addr", "--log-level", "--address", "--namespace",
 			"--release-backoff", "--release-backoff-max", "--host-pickup-timeout", "--unreachable-backoff",
-			"--unreachable-backoff-max", "--spawn-host-wait", "--delete-stuck-after", "--stop-timeout",
+			"--unreachable-backoff-max", "--spawn-host-wait", "--delete-stuck-after", "--activity-timeout-cap", "--stop-timeout",
 			"--versioning", "--deployment-name", "--build-id"},
 	} {
 		b, err := os.ReadFile(file)
