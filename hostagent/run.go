@@ -90,11 +90,6 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 	// the graceful stop is over and agent returns.
 	life, endLife := context.WithCancel(context.Background())
 	defer endLife()
-	go func() {
-		if err := service.Watchdog(life, log); err != nil {
-			log.Error("systemd watchdog", zap.Error(err))
-		}
-	}()
 
 	st, err := store.New(cfg.StateDir)
 	if err != nil {
@@ -181,6 +176,14 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 	// Temporal's state or the state of single records (invariant 12).
 	tm.Readiness.Ready(readyReattach)
 	service.NotifyReady(log)
+	// systemd arms the watchdog once READY=1 is sent; each ping asks the
+	// supervisor and the store first (invariant 12's other half: a wedged
+	// agent is restarted rather than reported healthy).
+	go func() {
+		if err := service.Watchdog(life, log, sup.Alive); err != nil {
+			log.Error("systemd watchdog", zap.Error(err))
+		}
+	}()
 
 	c, err := dialForever(ctx, platform.Options{Logger: log, MetricsHandler: tm.SDKHandler(), HostPort: cfg.Address, Namespace: cfg.Namespace,
 		Identity: "vmflow-hostagent@" + cfg.HostID}, log)

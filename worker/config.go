@@ -129,10 +129,10 @@ func checkDeployment(v worker.WorkerDeploymentVersion) error {
 		return fmt.Errorf("--deployment-name %q: a deployment name cannot contain \".\"", v.DeploymentName)
 	case v.BuildID == "":
 		return errors.New("--build-id must not be empty with --versioning")
-	case v.BuildID == unstampedVersion:
-		// Two different unstamped builds would share the id, and a
-		// pinned spawn could move to code that cannot replay it.
-		return fmt.Errorf("--versioning: build id %q is not a build: build with `make build` (stamps the version) or pass --build-id", v.BuildID)
+	case v.BuildID == unstampedVersion, strings.HasSuffix(v.BuildID, "-dirty"):
+		// Two different unstamped (or uncommitted) builds would share the
+		// id, and a pinned spawn could move to code that cannot replay it.
+		return fmt.Errorf("--versioning: build id %q does not name one build: build a commit with `make build` (stamps the version) or pass --build-id", v.BuildID)
 	}
 	return nil
 }

@@ -72,6 +72,7 @@ func TestParseConfigVersioning(t *testing.T) {
 	for _, args := range [][]string{
 		{"--versioning"}, // a test binary is unstamped: "dev"
 		{"--versioning", "--build-id", "dev"},
+		{"--versioning", "--build-id", "v1.2.0-3-gabcdef0-dirty"}, // uncommitted: not one build
 		{"--versioning", "--build-id", ""},
 		{"--versioning", "--build-id", "b1", "--deployment-name", ""},
 		{"--versioning", "--build-id", "b1", "--deployment-name", "vm.flow"},

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	enumspb "go.temporal.io/api/enums/v1"
 	"go.temporal.io/sdk/client"
@@ -116,9 +117,20 @@ func (c *Client) Abandon(ctx context.Context, instanceID, reason string) (*vmflo
 	return c.update(ctx, DeleteWorkflowID(instanceID), AbandonUpdate, &vmflowv1.AbandonSignal{Reason: reason})
 }
 
+// UpdateTimeout bounds Retry and Abandon when the caller's context has no
+// deadline: an update waits for a worker to run it, and with no worker
+// polling (or, under Worker Versioning, no current build) it would wait for
+// ever without a word.
+const UpdateTimeout = 2 * time.Minute
+
 // update runs a Workflow Update and waits for its result: operator actions
 // answer synchronously, with the status or the workflow's refusal.
 func (c *Client) update(ctx context.Context, workflowID, name string, arg any) (*vmflowv1.WorkflowStatus, error) {
+	if _, ok := ctx.Deadline(); !ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, UpdateTimeout)
+		defer cancel()
+	}
 	h, err := c.c.UpdateWorkflow(ctx, client.UpdateWorkflowOptions{
 		WorkflowID: workflowID, UpdateName: name, Args: []any{arg},
 		WaitForStage: client.WorkflowUpdateStageCompleted,

@@ -102,7 +102,9 @@ type Registry interface {
 // worker deployment; an unversioned worker ignores it):
 //
 //   - SpawnInstance is Pinned: a spawn takes minutes and finishes on the
-//     build it started on, so a change to it needs no GetVersion branch.
+//     build it started on. That spares a GetVersion branch only on a fleet
+//     whose every worker runs --versioning; unversioned workers (the
+//     binary's default) replay old spawns, so keep GetVersion until then.
 //   - DeleteInstance and ReconcileVGPU are AutoUpgrade: a delete can wait
 //     in release-failed for days, and must move to the current build
 //     rather than keep an old one running (server 1.29.1 cannot upgrade a

@@ -370,6 +370,34 @@ func DefaultPrepareLaunch(_ context.Context, _ *store.Locked, rec *vmflowv1.Inst
 	return spec.ForRecord(rec, ""), nil
 }
 
+// Alive answers when the supervisor can still do its job: its own state is
+// not wedged (the lock every launch, exit and restart takes is free within
+// ctx) and the store's instances can be listed. The agent's systemd
+// watchdog pings only after it answers.
+func (s *Supervisor) Alive(ctx context.Context) error {
+	done := make(chan error, 1)
+	go func() {
+		s.mu.Lock()
+		closed := s.closed
+		s.mu.Unlock()
+		if closed {
+			done <- ErrClosed
+			return
+		}
+		_, err := s.st.IDs()
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		if err != nil {
+			return fmt.Errorf("supervisor: %w", err)
+		}
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("supervisor does not answer: %w", ctx.Err())
+	}
+}
+
 // Status is what the supervisor knows about one instance.
 type Status struct {
 	ID    string                 `json:"instance_id"`

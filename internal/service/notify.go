@@ -26,10 +26,13 @@ func notify(log *zap.Logger, state string) {
 }
 
 // Watchdog sends WATCHDOG=1 every half of WATCHDOG_USEC (systemd's
-// WatchdogSec, set for this process) until ctx ends. Without a watchdog it
-// returns at once. Half the interval is systemd's own advice: one ping may
-// come late without the service being killed.
-func Watchdog(ctx context.Context, log *zap.Logger) error {
+// WatchdogSec, set for this process) until ctx ends, but only while alive
+// answers within a quarter of the interval: a ping proves the work the
+// service exists for still moves, not that some goroutine still ticks, so a
+// wedged service is restarted by systemd. Without a watchdog it returns at
+// once. Half the interval is systemd's own advice: one ping may come late
+// without the service being killed.
+func Watchdog(ctx context.Context, log *zap.Logger, alive func(context.Context) error) error {
 	every, err := daemon.SdWatchdogEnabled(false)
 	if err != nil {
 		return fmt.Errorf("watchdog: %w", err)
@@ -41,11 +44,34 @@ func Watchdog(ctx context.Context, log *zap.Logger) error {
 	defer t.Stop()
 	log.Info("systemd watchdog on", zap.Duration("watchdog_sec", every), zap.Duration("ping_every", every/2))
 	for {
-		notify(log, daemon.SdNotifyWatchdog)
+		if err := probe(ctx, every/4, alive); err != nil {
+			log.Error("watchdog: not pinging systemd, the service does not answer", zap.Error(err))
+		} else {
+			notify(log, daemon.SdNotifyWatchdog)
+		}
 		select {
 		case <-ctx.Done():
 			return nil
 		case <-t.C:
 		}
+	}
+}
+
+// probe runs alive bounded by timeout. A probe that never returns (a
+// mutex held for good, a read stuck in D state) is left behind: the process
+// is about to be killed by systemd anyway.
+func probe(ctx context.Context, timeout time.Duration, alive func(context.Context) error) error {
+	if alive == nil {
+		return nil
+	}
+	pctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- alive(pctx) }()
+	select {
+	case err := <-done:
+		return err
+	case <-pctx.Done():
+		return fmt.Errorf("no answer within %s: %w", timeout, pctx.Err())
 	}
 }

@@ -122,12 +122,18 @@ func (m *Metrics) Serve(ctx context.Context, addr string) error {
 // read its address).
 func (m *Metrics) ServeListener(ctx context.Context, ln net.Listener) error {
 	mux := http.NewServeMux()
-	mux.Handle("/metrics", m.Handler())
+	// A scrape reads the state dir (the agent's gauges come from the
+	// records): bounded, so a hung filesystem costs one timed-out scrape,
+	// not a goroutine per scrape for ever, and health probes still answer.
+	mux.Handle("/metrics", http.TimeoutHandler(m.Handler(), 20*time.Second, "metrics scrape timed out\n"))
 	mux.HandleFunc("/healthz", service.Healthz)
 	mux.Handle("/readyz", m.Readiness)
 	srv := &http.Server{
 		Handler:           mux,
 		ReadHeaderTimeout: 10 * time.Second,
+		ReadTimeout:       30 * time.Second,
+		WriteTimeout:      30 * time.Second,
+		IdleTimeout:       2 * time.Minute,
 	}
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
