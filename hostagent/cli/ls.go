@@ -212,6 +212,26 @@ func (v *viewFlags) check() error {
 	return nil
 }
 
+// parseView parses the flags of a read-only view command (ls, show). ok
+// false: the command ends with code (help printed, or a usage error said).
+func parseView(name, help string, args []string, out IO) (fs *flag.FlagSet, v viewFlags, code int, ok bool) {
+	fs = flag.NewFlagSet(name, flag.ContinueOnError)
+	fs.SetOutput(out.Stderr)
+	fs.Usage = func() { fmt.Fprint(out.Stderr, help) }
+	v.register(fs)
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return fs, v, ExitOK, false
+		}
+		return fs, v, ExitUsage, false
+	}
+	if err := v.check(); err != nil {
+		fmt.Fprintf(out.Stderr, "%s: %v\n", name, err)
+		return fs, v, ExitUsage, false
+	}
+	return fs, v, 0, true
+}
+
 const lsHelp = `usage: vmflow-hostagent ls [--state-dir DIR] [-o table|json]
 
 Lists this host's instances from their records, like virsh list: id, state,
@@ -230,20 +250,9 @@ exit status: 0 listed, 1 the state directory cannot be read, 2 usage error
 
 // Ls implements "vmflow-hostagent ls".
 func Ls(args []string, out IO) int {
-	fs := flag.NewFlagSet("ls", flag.ContinueOnError)
-	fs.SetOutput(out.Stderr)
-	fs.Usage = func() { fmt.Fprint(out.Stderr, lsHelp) }
-	var v viewFlags
-	v.register(fs)
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return ExitOK
-		}
-		return ExitUsage
-	}
-	if err := v.check(); err != nil {
-		fmt.Fprintf(out.Stderr, "ls: %v\n", err)
-		return ExitUsage
+	fs, v, code, ok := parseView("ls", lsHelp, args, out)
+	if !ok {
+		return code
 	}
 	if fs.NArg() > 0 {
 		fmt.Fprintf(out.Stderr, "ls: unexpected arguments %q\n", fs.Args())

@@ -2,8 +2,6 @@ package cli
 
 import (
 	"encoding/json"
-	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"strings"
@@ -31,20 +29,9 @@ state directory cannot be read, 2 usage error (or an invalid id)
 
 // Show implements "vmflow-hostagent show".
 func Show(args []string, out IO) int {
-	fs := flag.NewFlagSet("show", flag.ContinueOnError)
-	fs.SetOutput(out.Stderr)
-	fs.Usage = func() { fmt.Fprint(out.Stderr, showHelp) }
-	var v viewFlags
-	v.register(fs)
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return ExitOK
-		}
-		return ExitUsage
-	}
-	if err := v.check(); err != nil {
-		fmt.Fprintf(out.Stderr, "show: %v\n", err)
-		return ExitUsage
+	fs, v, code, ok := parseView("show", showHelp, args, out)
+	if !ok {
+		return code
 	}
 	if fs.NArg() != 1 {
 		fs.Usage()
