@@ -180,6 +180,7 @@ clean:
 
 ## dev: run vmflow here in the foreground (deploy/dev.sh): Temporal dev server
 # (UI :8233), vGPU simulator, worker, host agent; Ctrl-C stops it all.
+# HOSTS=N (default 1): N agents here, each its own host (deploy/dev.sh).
 # Chromium is not needed for it, so not all of tools.
 .PHONY: dev demo
 dev: $(TEMPORAL) qemu build guest

@@ -8,13 +8,19 @@
 #   worker     bin/vmflow-worker (task queue vmflow)
 #   agent      bin/vmflow-hostagent run for this host (state in .dev/state)
 #
+# HOSTS=N (default 1) runs N agents on this machine, as N hosts: host 1 is
+# the one above (host id $HOST_ID, .dev/state, .dev/sys, .dev/ctl); host i
+# from 2 on has host id $HOST_ID-i and its own state dir, simulator mount and
+# fault folder in .dev/hosts/i/ (its processes log as agent-i, vgpu-sim-i).
+# .dev/hosts.list names them, one "host-id state-dir" a line, for make demo.
+#
 # Ctrl-C (or SIGTERM) stops everything it started, in order: the VMs (so
 # their agent reaps them), the agent, the worker, the simulator (unmounted),
 # Temporal. Running it again reuses .dev/: workflows, history and records.
 #
 # Environment: DEV_IP (default 127.0.0.1; 0.0.0.0 serves the UI to other
 # machines), DEV_PORT (7233), DEV_UI_PORT (8233), HOST_ID (the hostname),
-# GUEST_DIR (.cache/guest).
+# GUEST_DIR (.cache/guest), HOSTS (1).
 set -euo pipefail
 
 # shellcheck source=deploy/dev/common.sh
@@ -88,24 +94,24 @@ stop() {
 	unset "PID_OF[$name]"
 }
 
-# vm_pids: QEMUs of this dev state dir (their QMP socket lives in it).
+# vm_pids: QEMUs of this dev's state dirs (their QMP socket lives in one).
 vm_pids() {
 	local d pid
 	for d in /proc/[0-9]*; do
 		pid=${d#/proc/}
-		if tr '\0' ' ' <"$d/cmdline" 2>/dev/null | grep -q -- "$DEV/state/instances/"; then
+		if tr '\0' ' ' <"$d/cmdline" 2>/dev/null | grep -qE -- "$DEV/(state|hosts/[0-9]+/state)/instances/"; then
 			gone "$pid" || echo "$pid"
 		fi
 	done
 }
 
-# stop_vms: SIGTERM every QEMU of .dev/state (QEMU exits cleanly on it);
-# while the agent still runs it reaps them and records their exit.
+# stop_vms: SIGTERM every QEMU of the dev's hosts (QEMU exits cleanly on
+# it); while the agents still run they reap them and record their exit.
 stop_vms() {
 	local pids
 	pids=$(vm_pids)
 	[ -n "$pids" ] || return 0
-	say "stopping VMs (QEMU pids $(echo $pids)); their records stay in .dev/state: delete them after the next make dev"
+	say "stopping VMs (QEMU pids $(echo $pids)); their records stay in their state dirs: delete them after the next make dev"
 	# shellcheck disable=SC2086
 	kill -TERM $pids 2>/dev/null || true
 	local deadline=$((SECONDS + 10))
@@ -118,11 +124,39 @@ stop_vms() {
 	fi
 }
 
-unmount_sim() {
-	if awk -v m="$DEV/sys" '$2 == m { found = 1 } END { exit !found }' /proc/mounts; then
-		say "unmounting $DEV/sys"
-		umount "$DEV/sys" 2>/dev/null || umount -l "$DEV/sys"
+# HOSTS=N: host 1 keeps the single-host layout (and records); host i >= 2
+# lives in .dev/hosts/i. The arrays are indexed by host number.
+HOSTS=${HOSTS:-1}
+if ! [[ $HOSTS =~ ^[1-9][0-9]*$ ]] || ((HOSTS > 16)); then
+	echo "HOSTS=$HOSTS: give a number of hosts from 1 to 16" >&2
+	exit 1
+fi
+declare -a H_ID H_STATE H_SYS H_CTL H_DEV H_AGENT H_SIM
+for ((i = 1; i <= HOSTS; i++)); do
+	if ((i == 1)); then
+		H_ID[i]=$HOST_ID H_STATE[i]=$DEV/state H_SYS[i]=$DEV/sys H_CTL[i]=$DEV/ctl H_DEV[i]=$DEV/dev
+		H_AGENT[i]=agent H_SIM[i]=vgpu-sim
+	else
+		# Host ids are at most 63 characters: room for the -i.
+		H_ID[i]="${HOST_ID:0:60}-$i" H_STATE[i]=$DEV/hosts/$i/state H_SYS[i]=$DEV/hosts/$i/sys
+		H_CTL[i]=$DEV/hosts/$i/ctl H_DEV[i]=$DEV/hosts/$i/dev H_AGENT[i]=agent-$i H_SIM[i]=vgpu-sim-$i
 	fi
+done
+
+# unmount_sim MOUNT: unmount one simulator if it is mounted.
+unmount_sim() {
+	if awk -v m="$1" '$2 == m { found = 1 } END { exit !found }' /proc/mounts; then
+		say "unmounting $1"
+		umount "$1" 2>/dev/null || umount -l "$1"
+	fi
+}
+
+any_agent() {
+	local i
+	for ((i = 1; i <= HOSTS; i++)); do
+		[ -z "${PID_OF[${H_AGENT[i]}]:-}" ] || return 0
+	done
+	return 1
 }
 
 STOPPING=0
@@ -130,13 +164,23 @@ shutdown() {
 	((STOPPING == 0)) || return 0
 	STOPPING=1
 	trap '' INT TERM
-	say "stopping: VMs, agent, worker, simulator, Temporal"
-	[ -z "${PID_OF[agent]:-}" ] || stop_vms
-	stop agent 35 # over the agent's --stop-timeout (25 s): let a running activity finish
+	say "stopping: VMs, agents, worker, simulators, Temporal"
+	! any_agent || stop_vms
+	local i
+	# All agents at once (each drains its running activities), then reaped
+	# one by one: N agents take one --stop-timeout, not N.
+	for ((i = 1; i <= HOSTS; i++)); do
+		[ -z "${PID_OF[${H_AGENT[i]}]:-}" ] || kill -TERM "${PID_OF[${H_AGENT[i]}]}" 2>/dev/null || true
+	done
+	for ((i = 1; i <= HOSTS; i++)); do
+		stop "${H_AGENT[i]}" 35 # over the agent's --stop-timeout (25 s): let a running activity finish
+	done
 	stop worker 35
-	stop_vms # any the agent restarted meanwhile (restart policy always)
-	stop vgpu-sim 10
-	unmount_sim
+	stop_vms # any an agent restarted meanwhile (restart policy always)
+	for ((i = 1; i <= HOSTS; i++)); do
+		stop "${H_SIM[i]}" 10
+		unmount_sim "${H_SYS[i]}"
+	done
 	stop temporal 30
 	say "stopped; state kept in $DEV (rm -rf .dev for a fresh start)"
 }
@@ -162,12 +206,15 @@ for p in "$DEV_PORT" "$DEV_UI_PORT"; do
 		exit 1
 	fi
 done
-mkdir -p "$DEV/sys" "$DEV/ctl" "$DEV/state" "$DEV/dev"
-# A previous run that was killed (-9) left its FUSE mount behind.
-unmount_sim
+for ((i = 1; i <= HOSTS; i++)); do
+	mkdir -p "${H_SYS[i]}" "${H_CTL[i]}" "${H_STATE[i]}" "${H_DEV[i]}"
+	# A previous run that was killed (-9) left its FUSE mount behind.
+	unmount_sim "${H_SYS[i]}"
+done
+for ((i = 1; i <= HOSTS; i++)); do echo "${H_ID[i]} ${H_STATE[i]}"; done >"$DEV/hosts.list"
 
 # --- start ----------------------------------------------------------------
-say "vmflow dev stack in $DEV, host id $HOST_ID"
+say "vmflow dev stack in $DEV, host id(s) ${H_ID[*]}"
 start temporal "$TEMPORAL" server start-dev \
 	--db-filename "$DEV/temporal.db" --ip "$DEV_IP" --port "$DEV_PORT" --ui-port "$DEV_UI_PORT" \
 	--log-level warn --sqlite-pragma journal_mode=wal --sqlite-pragma synchronous=normal \
@@ -175,15 +222,16 @@ start temporal "$TEMPORAL" server start-dev \
 	--search-attribute VmStage=Keyword --search-attribute VmNeedsAttention=Bool
 wait_ready "Temporal on $TEMPORAL_ADDRESS" 120 "${PID_OF[temporal]}" "$TEMPORAL" operator search-attribute list
 
-start vgpu-sim "$BIN/vmflow-hostagent" vgpu-sim --mount "$DEV/sys" --control "$DEV/ctl" --mdev-parents 2 --vendor-vfs 4
-wait_ready "vGPU simulator at $DEV/sys" 30 "${PID_OF[vgpu-sim]}" test -d "$DEV/sys/bus/mdev"
+for ((i = 1; i <= HOSTS; i++)); do
+	start "${H_SIM[i]}" "$BIN/vmflow-hostagent" vgpu-sim --mount "${H_SYS[i]}" --control "${H_CTL[i]}" --mdev-parents 2 --vendor-vfs 4
+	wait_ready "vGPU simulator at ${H_SYS[i]}" 30 "${PID_OF[${H_SIM[i]}]}" test -d "${H_SYS[i]}/bus/mdev"
+done
 
 # Release rounds every 10 s at first (production: 30 s) so a stuck delete
 # shows a few rounds while you watch.
 start worker "$BIN/vmflow-worker" --task-queue "$TASK_QUEUE" --release-backoff 10s --release-backoff-max 2m
 
-agent_args=(run --host-id "$HOST_ID" --state-dir "$DEV/state" --sysfs-root "$DEV/sys" --dev-root "$DEV/dev"
-	--image-root "$GUEST_DIR" --vgpu-attach=false --workflow-task-queue "$TASK_QUEUE")
+agent_args=(--image-root "$GUEST_DIR" --vgpu-attach=false --workflow-task-queue "$TASK_QUEUE")
 # Some sandboxes' PID 1 cannot be inspected even by root; the agent would
 # count it as a possible VFIO holder and never release a vGPU.
 init_err=$(readlink -v /proc/1/fd/0 2>&1 >/dev/null || true)
@@ -191,21 +239,26 @@ if [[ $init_err == *"Permission denied"* ]]; then
 	say "PID 1's open files are unreadable here: agent runs with --holders-ignore-pid 1"
 	agent_args+=(--holders-ignore-pid 1)
 fi
-start agent "$BIN/vmflow-hostagent" "${agent_args[@]}"
+for ((i = 1; i <= HOSTS; i++)); do
+	start "${H_AGENT[i]}" "$BIN/vmflow-hostagent" run --host-id "${H_ID[i]}" --state-dir "${H_STATE[i]}" \
+		--sysfs-root "${H_SYS[i]}" --dev-root "${H_DEV[i]}" "${agent_args[@]}"
+done
 
 has_pollers() {
 	local out
 	out=$("$TEMPORAL" task-queue describe --task-queue "$1" -o json) && [[ $out == *'"identity"'* ]]
 }
 wait_ready "worker on task queue $TASK_QUEUE" 60 "${PID_OF[worker]}" has_pollers "$TASK_QUEUE"
-wait_ready "agent on task queue vmflow-host-$HOST_ID" 60 "${PID_OF[agent]}" has_pollers "vmflow-host-$HOST_ID"
+for ((i = 1; i <= HOSTS; i++)); do
+	wait_ready "${H_AGENT[i]} on task queue vmflow-host-${H_ID[i]}" 60 "${PID_OF[${H_AGENT[i]}]}" has_pollers "vmflow-host-${H_ID[i]}"
+done
 
 # --- how to use it --------------------------------------------------------
 T=bin/temporal
 GUEST_JSON="\"machine\":\"q35\",\"accel\":\"tcg\",\"kernel\":\"$GUEST_DIR/vmlinuz\",\"initrd\":\"$GUEST_DIR/initrd.img\",\"cmdline\":\"console=ttyS0 panic=-1\""
 cat <<EOF
 
-  vmflow is running (host $HOST_ID). Web UI: http://$DEV_IP:$DEV_UI_PORT/namespaces/default/workflows
+  vmflow is running (host$( ((HOSTS == 1)) || echo s) ${H_ID[*]}). Web UI: http://$DEV_IP:$DEV_UI_PORT/namespaces/default/workflows
   In another shell, from $ROOT:
 
   # spawn a VM: the small Debian guest under TCG (~3 s to boot), with a simulated vGPU
@@ -234,7 +287,7 @@ cat <<EOF
   rm .dev/ctl/fail-release
   $T workflow signal --workflow-id delete/vm1 --name retry
 
-  make demo runs spawn → status → delete with timings. Ctrl-C here stops everything.
+  make demo runs spawn → status → delete with timings$( ((HOSTS == 1)) || echo ", one guest per host"). Ctrl-C here stops everything.
 
 EOF
 

@@ -130,6 +130,10 @@ type envOptions struct {
 	qemu string
 	// noStart leaves the agent and worker stopped.
 	noStart bool
+	// shareWith makes this env another host of that env's stack: its
+	// server, task queue and worker (this env starts no worker of its own),
+	// with its own agent, host id, state dir and simulator.
+	shareWith *env
 }
 
 // env is one test's vmflow stack: its own simulator, host id, state dir,
@@ -154,6 +158,9 @@ func newEnv(t *testing.T, o envOptions) *env {
 	requireQEMU(t)
 	g := requireGuest(t)
 	srv := o.server
+	if o.shareWith != nil {
+		srv = o.shareWith.srv
+	}
 	if srv == nil {
 		srv = devserver.Shared(t)
 	}
@@ -162,6 +169,9 @@ func newEnv(t *testing.T, o envOptions) *env {
 	tag := suffix(t)
 	e.hostID = "e2e-h-" + tag
 	e.queue = "e2e-" + tag
+	if o.shareWith != nil {
+		e.queue = o.shareWith.queue
+	}
 	e.sim = simtest.Start(t, vgpusim.Options{MdevParents: 2, VendorVFs: 2})
 
 	// A short state dir: QMP socket paths must fit in 107 bytes.
@@ -246,7 +256,9 @@ func newEnv(t *testing.T, o envOptions) *env {
 	t.Cleanup(e.deleteSchedule)
 	if !o.noStart {
 		e.agent.Start(t)
-		e.worker.Start(t)
+		if o.shareWith == nil {
+			e.worker.Start(t)
+		}
 	}
 	return e
 }

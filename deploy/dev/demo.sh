@@ -3,6 +3,10 @@
 # small guest with a simulated vGPU, waits until it is up, shows its status
 # and its record, deletes it (the guest powers itself off on the ACPI
 # button), checks the host is clean, and prints each step's time.
+#
+# Against `make dev HOSTS=N` (it lists its hosts in .dev/hosts.list) it does
+# this on every host at once, one guest per host, and prints each host's
+# run after the other.
 set -euo pipefail
 
 # shellcheck source=deploy/dev/common.sh
@@ -12,6 +16,7 @@ cd "$ROOT"
 T="$TEMPORAL"
 ID="demo-$(date +%H%M%S)"
 STATE="$DEV/state/instances/$ID"
+SYS="$DEV/sys"
 TIMES=()
 
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
@@ -27,6 +32,32 @@ took() { TIMES+=("$(printf '%-38s %6ss' "$1" "$2")"); }
 "$T" operator cluster health >/dev/null 2>&1 ||
 	fail "no Temporal at $TEMPORAL_ADDRESS: start make dev in another shell first"
 [ -e "$GUEST_DIR/vmlinuz" ] || fail "no guest in $GUEST_DIR: make guest"
+
+# Several hosts: run this script once per host, all at once, each with its
+# host's id and state dir (DEMO_HOST, DEMO_STATE), then show their outputs.
+if [ -z "${DEMO_HOST:-}" ] && [ -s "$DEV/hosts.list" ] && (($(wc -l <"$DEV/hosts.list") > 1)); then
+	tmp=$(mktemp -d)
+	trap 'rm -rf "$tmp"' EXIT
+	pids=() names=()
+	n=0
+	while read -r host state; do
+		n=$((n + 1))
+		DEMO_HOST=$host DEMO_STATE=$state DEMO_ID="$ID-$n" "$0" >"$tmp/$n" 2>&1 &
+		pids+=($!) names+=("$host")
+	done <"$DEV/hosts.list"
+	echo "demo: one guest on each of ${#pids[@]} hosts (${names[*]}), all at once"
+	rc=0
+	for i in "${!pids[@]}"; do
+		wait "${pids[i]}" || rc=1
+		printf '\n\033[1m######## host %s\033[0m\n' "${names[i]}"
+		cat "$tmp/$((i + 1))"
+	done
+	exit "$rc"
+fi
+if [ -n "${DEMO_HOST:-}" ]; then
+	HOST_ID=$DEMO_HOST ID=$DEMO_ID
+	STATE="$DEMO_STATE/instances/$ID" SYS="$(dirname "$DEMO_STATE")/sys"
+fi
 
 step "spawn $ID (guest under TCG, vGPU GRID A100-4C) on host $HOST_ID"
 t0=$(now)
@@ -72,7 +103,7 @@ exec 7<&-
 
 step "host state"
 if [ -e "$STATE/record.json" ]; then fail "record still there: $STATE/record.json"; fi
-echo "record gone; vGPU devices left in the simulator: $(find "$DEV/sys/bus/mdev/devices" -mindepth 1 -maxdepth 1 | wc -l)"
+echo "record gone; vGPU devices left in the simulator: $(find "$SYS/bus/mdev/devices" -mindepth 1 -maxdepth 1 | wc -l)"
 if pgrep -f -- "$STATE/" >/dev/null; then fail "a QEMU of $ID still runs"; fi
 echo "no QEMU of $ID"
 
