@@ -119,10 +119,12 @@ func (h *hostRunner) run(ctx workflow.Context, c hostCall, in, out any) error {
 			if attempt > 0 {
 				h.t.logger.Info("host reachable again", "activity", c.name)
 				h.unreachableSince = time.Time{}
+				h.t.hostAnswered()
 				h.t.recovered(ctx)
 			}
 			return err
 		}
+		h.t.hostDown = h.abandonCh != nil
 		now := workflow.Now(ctx)
 		if h.unreachableSince.IsZero() {
 			h.unreachableSince = now

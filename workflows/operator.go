@@ -106,6 +106,9 @@ func (t *tracker) abandonRefusal(reason string) error {
 		return refused("abandon refused: only a delete can be abandoned (this is a %s)", t.kind)
 	case reason == "":
 		return refused("abandon refused: a reason is required")
+	case t.hostDown:
+		// Known unreachable, also while the next try waits to be picked
+		// up: the abandon is queued and taken by the next wait.
 	case t.wait == nil || !t.wait.abandon:
 		return refused("abandon refused: host %s is reachable (stage %s)", t.hostID, t.status.Stage)
 	}
@@ -115,7 +118,8 @@ func (t *tracker) abandonRefusal(reason string) error {
 // operate hands an accepted update to the wait and returns the status once
 // the workflow acted on it (the update's result).
 func (t *tracker) operate(ctx workflow.Context, op *operatorOp) (*vmflowv1.WorkflowStatus, error) {
-	if t.wait == nil {
+	queue := t.wait != nil || (op.kind == opAbandon && t.hostDown)
+	if !queue {
 		// The wait the validator saw ended before this handler ran (a
 		// timer in the same workflow task).
 		t.settle(op)
@@ -193,6 +197,12 @@ func (t *tracker) waitRetry(ctx workflow.Context, d time.Duration, abandonCh wor
 	sel.AddReceive(t.ops, func(c workflow.ReceiveChannel, more bool) {
 		var op *operatorOp
 		c.Receive(ctx, &op)
+		if op.kind == opAbandon && abandonCh == nil {
+			// Only a wait that can end in abandon takes one; any other
+			// refuses it rather than report an abandon that never was.
+			t.settle(op)
+			return
+		}
 		op.done = true
 		if op.kind == opAbandon {
 			abandonReason = op.reason
@@ -204,6 +214,27 @@ func (t *tracker) waitRetry(ctx workflow.Context, d time.Duration, abandonCh wor
 	})
 	sel.Select(ctx)
 	return retried, abandonReason
+}
+
+// hostAnswered refuses abandons queued while the host was unreachable: it
+// answered again, so the delete goes on and an abandon would leave a host
+// that is not gone.
+func (t *tracker) hostAnswered() {
+	t.hostDown = false
+	if t.wait != nil {
+		return // the wait's own end settles what it holds
+	}
+	for {
+		var op *operatorOp
+		if !t.ops.ReceiveAsync(&op) {
+			return
+		}
+		if op.kind == opAbandon {
+			op.err = refused("abandon refused: host %s answered again (stage %s)", t.hostID, t.status.Stage)
+			continue
+		}
+		t.settle(op)
+	}
 }
 
 // endWait closes the wait: updates accepted during it but not taken (the

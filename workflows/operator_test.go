@@ -237,3 +237,58 @@ func TestRetryUpdateAsTheWaitEnds(t *testing.T) {
 	assert.Equal(t, 2*int(retryFew.MaximumAttempts), roundsLater, "no retry was left over for the next wait")
 	assert.Equal(t, StageDeleted, e.status().GetStage())
 }
+
+// TestAbandonUpdateDuringATryOfAnUnreachableHost: once the host has missed
+// a pickup, abandon is accepted also while the next try waits to be picked
+// up (most of the time, with a one-minute pickup timeout): it is queued and
+// taken by the next wait. Before, it was refused as "host is reachable"
+// unless it landed in the short backoff between tries (the three-host e2e
+// test saw 33 refusals in a row).
+func TestAbandonUpdateDuringATryOfAnUnreachableHost(t *testing.T) {
+	e := newEnv(t)
+	e.OnActivity(h.BeginDelete, mock.Anything, mock.Anything).Return(&vmflowv1.BeginDeleteResult{HasClaim: true}, nil)
+	// Each try waits out its pickup timeout before it fails.
+	e.OnActivity(h.StopVM, mock.Anything, mock.Anything).After(time.Minute).Return(nil, scheduleToStart())
+	var abandon *updateOutcome
+	var stageThen string
+	// First try ends at 1 min, the backoff (30 s) ends at 1.5 min, the
+	// second try runs until 2.5 min: send in the middle of it.
+	e.RegisterDelayedCallback(func() {
+		stageThen = e.status().GetStage()
+		abandon = e.update(AbandonUpdate, &vmflowv1.AbandonSignal{Reason: "host h1 is gone"})
+	}, 2*time.Minute)
+	e.ExecuteWorkflow(DeleteWorkflow, deleteReq())
+	require.NoError(t, e.GetWorkflowError())
+	require.NotNil(t, abandon)
+	assert.NotEqual(t, StageHostUnreachable, stageThen, "sent while a try was in flight, not in the backoff")
+	require.True(t, abandon.accepted, "accepted: the host is known unreachable")
+	require.NoError(t, abandon.err)
+	assert.Equal(t, StageAbandoned, abandon.status.GetStage())
+	var res vmflowv1.DeleteResult
+	require.NoError(t, e.GetWorkflowResult(&res))
+	assert.True(t, res.GetAbandoned())
+}
+
+// TestQueuedAbandonRefusedWhenHostAnswers: an abandon queued while the host
+// was unreachable is refused, not carried out, when the host picks up the
+// next try: the host is not gone.
+func TestQueuedAbandonRefusedWhenHostAnswers(t *testing.T) {
+	e := newEnv(t)
+	e.OnActivity(h.BeginDelete, mock.Anything, mock.Anything).Return(&vmflowv1.BeginDeleteResult{}, nil)
+	e.OnActivity(h.StopVM, mock.Anything, mock.Anything).After(time.Minute).Return(nil, scheduleToStart()).Once()
+	e.OnActivity(h.StopVM, mock.Anything, mock.Anything).After(time.Minute).Return(&vmflowv1.StopVMResult{StepReached: "quit"}, nil).Once()
+	e.happyDelete()
+	var abandon *updateOutcome
+	e.RegisterDelayedCallback(func() {
+		abandon = e.update(AbandonUpdate, &vmflowv1.AbandonSignal{Reason: "host h1 is gone"})
+	}, 2*time.Minute)
+	e.ExecuteWorkflow(DeleteWorkflow, deleteReq())
+	require.NoError(t, e.GetWorkflowError())
+	require.NotNil(t, abandon)
+	require.True(t, abandon.accepted)
+	require.Error(t, abandon.err)
+	assert.Contains(t, abandon.err.Error(), "answered again")
+	var res vmflowv1.DeleteResult
+	require.NoError(t, e.GetWorkflowResult(&res))
+	assert.False(t, res.GetAbandoned(), "the delete went on")
+}

@@ -32,6 +32,9 @@ type tracker struct {
 	ops        workflow.Channel
 	wait       *waitState
 	canAbandon bool
+	// hostDown: the host did not pick up the last try and has not answered
+	// since; abandon is accepted (and queued for the next wait) meanwhile.
+	hostDown bool
 
 	// onlyChanges: upsert the search attributes only when their values
 	// changed (an upsert is a command and a billed action). Runs recorded
