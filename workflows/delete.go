@@ -65,7 +65,9 @@ func (w *Workflows) deleteInstance(ctx workflow.Context, req *vmflowv1.DeleteReq
 		switch {
 		case errors.Is(err, errAbandoned):
 			t.stage(ctx, StageAbandoned)
-			t.status.LastError = "abandoned: " + h.abandonReason
+			// Abandon cleans nothing up: say where what is left stays.
+			t.status.LastError = fmt.Sprintf("abandoned: %s (the instance's record and any vGPU claim stay on host %s; if it comes back, a new delete finishes the job)",
+				h.abandonReason, req.GetHostId())
 			t.status.NeedsAttention = false
 			t.publish(ctx)
 			return &vmflowv1.DeleteResult{Abandoned: true, AbandonReason: h.abandonReason}, nil
