@@ -1,0 +1,134 @@
+package workflows
+
+import (
+	"context"
+	"maps"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	commonpb "go.temporal.io/api/common/v1"
+	"go.temporal.io/sdk/client"
+	"go.temporal.io/sdk/converter"
+	"go.temporal.io/sdk/worker"
+
+	"vmflow/internal/devserver"
+	vmflowv1 "vmflow/proto/vmflow/v1"
+)
+
+// visible is what an operator's visibility query sees of one workflow: its
+// search attributes as the server holds them.
+type visible struct {
+	stage, instance, host string
+	needs                 bool
+}
+
+func searchAttrs(ctx context.Context, t *testing.T, c client.Client, id string) visible {
+	t.Helper()
+	d, err := c.DescribeWorkflowExecution(ctx, id, "")
+	require.NoError(t, err)
+	f := d.GetWorkflowExecutionInfo().GetSearchAttributes().GetIndexedFields()
+	var v visible
+	decode := func(p *commonpb.Payload, into any) {
+		if p != nil {
+			require.NoError(t, converter.GetDefaultDataConverter().FromPayload(p, into))
+		}
+	}
+	decode(f[SAStage.GetName()], &v.stage)
+	decode(f[SAInstanceID.GetName()], &v.instance)
+	decode(f[SAHostID.GetName()], &v.host)
+	decode(f[SANeedsAttention.GetName()], &v.needs)
+	return v
+}
+
+// TestSpawnDeleteActions runs a spawn with a vGPU and a clean delete with
+// the real workflows on a dev server (host activities stubbed) and counts
+// their billed actions from the histories, with the server's own `action`
+// counter beside them. Before lazy search attributes (one upsert per stage
+// change) the pair cost 29 actions; the goal is at most 20. It also checks
+// that what a visibility query sees is exact where it must be: at the end,
+// and while a delete waits in release-failed.
+func TestSpawnDeleteActions(t *testing.T) {
+	srv := devserver.Start(t, devserver.Options{Metrics: true})
+	c := srv.Client(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+
+	const queue = "vmflow-actions-test"
+	w := worker.New(c, queue, worker.Options{})
+	New(Config{ReleaseBackoff: time.Hour, ReleaseBackoffMax: time.Hour}).Register(w)
+	require.NoError(t, w.Start())
+	defer w.Stop()
+	host := &scriptedHost{}
+	hw := worker.New(c, HostTaskQueue("h1"), worker.Options{})
+	hw.RegisterActivity(host)
+	require.NoError(t, hw.Start())
+	defer hw.Stop()
+	vc := NewClient(c, queue)
+
+	before, err := srv.Actions(ctx, srv.Namespace())
+	require.NoError(t, err)
+	req := &vmflowv1.SpawnRequest{InstanceId: "vm1", HostId: "h1", Vcpus: 1, MemoryMib: 64, Machine: "none", VgpuProfile: "p"}
+	run, err := vc.StartSpawn(ctx, req)
+	require.NoError(t, err)
+	require.NoError(t, run.Get(ctx, nil))
+	del, err := vc.StartDelete(ctx, &vmflowv1.DeleteRequest{InstanceId: "vm1", HostId: "h1"})
+	require.NoError(t, err)
+	require.NoError(t, del.Get(ctx, nil))
+	// The server's counter is exported on a reporting interval: wait until
+	// it shows both starts and then holds still.
+	var after map[string]float64
+	require.Eventually(t, func() bool {
+		prev := after
+		after, err = srv.Actions(ctx, srv.Namespace())
+		require.NoError(t, err)
+		return after["grpc_StartWorkflowExecution"]-before["grpc_StartWorkflowExecution"] >= 2 && maps.Equal(prev, after)
+	}, time.Minute, 2*time.Second, "the server's action counter never showed both starts")
+
+	total := 0
+	for _, id := range []string{SpawnWorkflowID("vm1"), DeleteWorkflowID("vm1")} {
+		events, err := devserver.History(ctx, c, id, "")
+		require.NoError(t, err)
+		n := devserver.BilledActions(events)
+		t.Logf("%s: %d billed actions from its history: %v", id, devserver.Sum(n), n)
+		total += devserver.Sum(n)
+	}
+	server := 0.0
+	for typ, v := range after {
+		if d := v - before[typ]; d > 0 {
+			t.Logf("server action counter: %s +%.0f", typ, d)
+			server += d
+		}
+	}
+	t.Logf("spawn (vGPU) + clean delete: %d billed actions from histories, %.0f on the server's action counter (namespace %s)",
+		total, server, srv.Namespace())
+	assert.LessOrEqual(t, total, 20, "a spawn plus a clean delete costs at most 20 actions")
+
+	want := visible{stage: StageRunning, instance: "vm1", host: "h1"}
+	assert.Equal(t, want, searchAttrs(ctx, t, c, SpawnWorkflowID("vm1")), "a finished spawn")
+	want.stage = StageDeleted
+	assert.Equal(t, want, searchAttrs(ctx, t, c, DeleteWorkflowID("vm1")), "a finished delete")
+
+	// A delete that waits in release-failed shows it, with needs-attention,
+	// until a retry lets it finish.
+	host.failRelease.Store(true)
+	del2, err := vc.StartDelete(ctx, &vmflowv1.DeleteRequest{InstanceId: "vm2", HostId: "h1"})
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		st, err := vc.Status(ctx, DeleteWorkflowID("vm2"))
+		return err == nil && st.GetStage() == StageReleaseFailed
+	}, time.Minute, 100*time.Millisecond, "delete never reached release-failed")
+	assert.Equal(t, visible{stage: StageReleaseFailed, instance: "vm2", host: "h1", needs: true},
+		searchAttrs(ctx, t, c, DeleteWorkflowID("vm2")), "a delete waiting in release-failed")
+	host.failRelease.Store(false)
+	_, err = vc.Retry(ctx, DeleteWorkflowID("vm2"), "test: fault cleared")
+	require.NoError(t, err)
+	require.NoError(t, del2.Get(ctx, nil))
+	assert.Equal(t, visible{stage: StageDeleted, instance: "vm2", host: "h1"},
+		searchAttrs(ctx, t, c, DeleteWorkflowID("vm2")), "a delete finished after release-failed")
+	events, err := devserver.History(ctx, c, DeleteWorkflowID("vm2"), "")
+	require.NoError(t, err)
+	n := devserver.BilledActions(events)
+	t.Logf("delete with one failed release round: %d billed actions: %v", devserver.Sum(n), n)
+}
