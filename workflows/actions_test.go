@@ -26,9 +26,9 @@ type visible struct {
 
 func searchAttrs(ctx context.Context, t *testing.T, c client.Client, id string) visible {
 	t.Helper()
-	d, err := c.DescribeWorkflowExecution(ctx, id, "")
+	d, err := c.DescribeWorkflow(ctx, id, "")
 	require.NoError(t, err)
-	f := d.GetWorkflowExecutionInfo().GetSearchAttributes().GetIndexedFields()
+	f := d.RawResponse.GetWorkflowExecutionInfo().GetSearchAttributes().GetIndexedFields()
 	var v visible
 	decode := func(p *commonpb.Payload, into any) {
 		if p != nil {
@@ -40,6 +40,21 @@ func searchAttrs(ctx context.Context, t *testing.T, c client.Client, id string) 
 	decode(f[SAHostID.GetName()], &v.host)
 	decode(f[SANeedsAttention.GetName()], &v.needs)
 	return v
+}
+
+// settledActions reads the server's action counter once it holds still:
+// the server exports it on a reporting interval, behind the calls.
+func settledActions(ctx context.Context, t *testing.T, srv *devserver.Server) map[string]float64 {
+	t.Helper()
+	var cur map[string]float64
+	require.Eventually(t, func() bool {
+		prev := cur
+		var err error
+		cur, err = srv.Actions(ctx, srv.Namespace())
+		require.NoError(t, err)
+		return prev != nil && maps.Equal(prev, cur)
+	}, time.Minute, 2*time.Second, "the server's action counter never held still")
+	return cur
 }
 
 // TestSpawnDeleteActions runs a spawn with a vGPU and a clean delete with
@@ -67,8 +82,7 @@ func TestSpawnDeleteActions(t *testing.T) {
 	defer hw.Stop()
 	vc := NewClient(c, queue)
 
-	before, err := srv.Actions(ctx, srv.Namespace())
-	require.NoError(t, err)
+	before := settledActions(ctx, t, srv)
 	req := &vmflowv1.SpawnRequest{InstanceId: "vm1", HostId: "h1", Vcpus: 1, MemoryMib: 64, Machine: "none", VgpuProfile: "p"}
 	run, err := vc.StartSpawn(ctx, req)
 	require.NoError(t, err)
@@ -131,4 +145,96 @@ func TestSpawnDeleteActions(t *testing.T) {
 	require.NoError(t, err)
 	n := devserver.BilledActions(events)
 	t.Logf("delete with one failed release round: %d billed actions: %v", devserver.Sum(n), n)
+}
+
+// reconcilingHost is scriptedHost whose reconcile releases the claim of
+// every delete in wake (what the agent's round does for a deleting
+// instance whose VM is gone).
+type reconcilingHost struct {
+	scriptedHost
+	wake []string
+}
+
+func (h *reconcilingHost) ReconcileHost(context.Context, *vmflowv1.ReconcileVGPURequest) (*vmflowv1.ReconcileVGPUResult, error) {
+	h.failRelease.Store(false)
+	return &vmflowv1.ReconcileVGPUResult{ClaimsReleased: uint32(len(h.wake)), RetriedDeletes: h.wake}, nil
+}
+
+// TestTriggeredReconcileActions: one ReconcileVGPU run started by its
+// Schedule (as the agent's scan triggers it) costs a handful of billed
+// actions, counted from its history with the server's counter beside, and
+// still wakes a delete waiting in release-failed whose claim it released.
+func TestTriggeredReconcileActions(t *testing.T) {
+	srv := devserver.Start(t, devserver.Options{Metrics: true})
+	c := srv.Client(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	const queue = "vmflow-reconcile-actions-test"
+	w := worker.New(c, queue, worker.Options{})
+	New(Config{ReleaseBackoff: time.Hour, ReleaseBackoffMax: time.Hour}).Register(w)
+	require.NoError(t, w.Start())
+	defer w.Stop()
+	host := &reconcilingHost{wake: []string{"vm3"}}
+	hw := worker.New(c, HostTaskQueue("h1"), worker.Options{})
+	hw.RegisterActivity(host)
+	require.NoError(t, hw.Start())
+	defer hw.Stop()
+	vc := NewClient(c, queue)
+
+	host.failRelease.Store(true)
+	del, err := vc.StartDelete(ctx, &vmflowv1.DeleteRequest{InstanceId: "vm3", HostId: "h1"})
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		st, err := vc.Status(ctx, DeleteWorkflowID("vm3"))
+		return err == nil && st.GetStage() == StageReleaseFailed
+	}, time.Minute, 100*time.Millisecond, "delete never reached release-failed")
+
+	id := ReconcileScheduleID("h1")
+	sched, err := c.ScheduleClient().Create(ctx, client.ScheduleOptions{
+		ID:     id,
+		Spec:   client.ScheduleSpec{Intervals: []client.ScheduleIntervalSpec{{Every: 24 * time.Hour}}},
+		Paused: true, // only the trigger starts a run here
+		Action: &client.ScheduleWorkflowAction{
+			ID: id, Workflow: ReconcileWorkflow, TaskQueue: queue,
+			Args: []any{&vmflowv1.ReconcileVGPURequest{HostId: "h1"}},
+		},
+	})
+	require.NoError(t, err)
+	before := settledActions(ctx, t, srv)
+	require.NoError(t, sched.Trigger(ctx, client.ScheduleTriggerOptions{}))
+	done, cancelDone := context.WithTimeout(ctx, 30*time.Second)
+	defer cancelDone()
+	require.NoError(t, del.Get(done, nil), "the reconcile woke the delete waiting out its hour")
+
+	var runID string
+	require.Eventually(t, func() bool {
+		d, err := sched.Describe(ctx)
+		require.NoError(t, err)
+		if len(d.Info.RecentActions) == 0 {
+			return false
+		}
+		res := d.Info.RecentActions[0].StartWorkflowResult
+		runID = res.WorkflowID
+		r, err := c.DescribeWorkflow(ctx, res.WorkflowID, res.FirstExecutionRunID)
+		return err == nil && r.WorkflowCloseTime != nil
+	}, time.Minute, 200*time.Millisecond, "the triggered reconcile never finished")
+	events, err := devserver.History(ctx, c, runID, "")
+	require.NoError(t, err)
+	n := devserver.BilledActions(events)
+	t.Logf("triggered ReconcileVGPU run: %d billed actions from its history: %v", devserver.Sum(n), n)
+	assert.Equal(t, visible{stage: StageReconciled, host: "h1"}, searchAttrs(ctx, t, c, runID), "a finished reconcile")
+	assert.LessOrEqual(t, devserver.Sum(n), 7, "a reconcile run stays a handful of actions")
+
+	var after map[string]float64
+	require.Eventually(t, func() bool {
+		prev := after
+		after, err = srv.Actions(ctx, srv.Namespace())
+		require.NoError(t, err)
+		return after["grpc_StartWorkflowExecution"]+after["schedule_action"] > before["grpc_StartWorkflowExecution"]+before["schedule_action"] && maps.Equal(prev, after)
+	}, time.Minute, 2*time.Second, "the server's action counter never moved")
+	for typ, v := range after {
+		if d := v - before[typ]; d > 0 {
+			t.Logf("server action counter during the reconcile (and the delete it woke): %s +%.0f", typ, d)
+		}
+	}
 }
