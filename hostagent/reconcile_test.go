@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"sync"
 	"testing"
 	"time"
 
@@ -11,6 +12,7 @@ import (
 	"go.uber.org/zap"
 
 	"vmflow/hostagent/cli"
+	"vmflow/hostagent/vgpu"
 	"vmflow/internal/devserver"
 	"vmflow/workflows"
 )
@@ -48,4 +50,41 @@ func TestReconcileScheduleUpdatedToConfiguredInterval(t *testing.T) {
 
 	require.NoError(t, ensureReconcileSchedule(ctx, c, cfg, zap.NewNop()), "a schedule that already runs daily is left alone")
 	assert.Equal(t, []time.Duration{cli.DefaultReconcileEvery}, every())
+}
+
+// TestScanTriggersOnlyLastingWork: the agent triggers a reconcile only for
+// work two scans in a row found; work seen by one scan (a delete in
+// progress passing through its release) costs nothing.
+func TestScanTriggersOnlyLastingWork(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	work := vgpu.Work{Items: []string{"release:vm1"}}
+	script := []vgpu.Work{{}, work, {}, work, work}
+	var mu sync.Mutex
+	scans, triggeredAt := 0, []int{}
+	scan := func(context.Context) (vgpu.Work, error) {
+		mu.Lock()
+		defer mu.Unlock()
+		scans++
+		if scans <= len(script) {
+			return script[scans-1], nil
+		}
+		return work, nil
+	}
+	trigger := func(context.Context) error {
+		mu.Lock()
+		defer mu.Unlock()
+		triggeredAt = append(triggeredAt, scans)
+		cancel() // one trigger is what this test looks at
+		return nil
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		scanForReconcile(ctx, scan, time.Millisecond, time.Hour, trigger, zap.NewNop())
+	}()
+	<-done
+	mu.Lock()
+	defer mu.Unlock()
+	assert.Equal(t, []int{5}, triggeredAt, "the first work seen by two scans in a row is the 4th and 5th scan's")
 }

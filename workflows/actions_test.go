@@ -3,6 +3,8 @@ package workflows
 import (
 	"context"
 	"maps"
+	"os"
+	"path/filepath"
 	"testing"
 	"time"
 
@@ -145,6 +147,18 @@ func TestSpawnDeleteActions(t *testing.T) {
 	require.NoError(t, err)
 	n := devserver.BilledActions(events)
 	t.Logf("delete with one failed release round: %d billed actions: %v", devserver.Sum(n), n)
+	if os.Getenv("VMFLOW_RECORD_HISTORIES") != "" {
+		// Histories of the lazy path, for TestReplayRecordedHistories.
+		for file, id := range map[string]string{
+			"spawn-vgpu-lazy-sa.json":                       SpawnWorkflowID("vm1"),
+			"delete-lazy-sa.json":                           DeleteWorkflowID("vm1"),
+			"delete-release-failed-then-retry-lazy-sa.json": DeleteWorkflowID("vm2"),
+		} {
+			out, err := srv.CLI(ctx, "workflow", "show", "--workflow-id", id, "--output", "json")
+			require.NoError(t, err)
+			require.NoError(t, os.WriteFile(filepath.Join("testdata", file), out, 0o644))
+		}
+	}
 }
 
 // reconcilingHost is scriptedHost whose reconcile releases the claim of
