@@ -23,7 +23,16 @@ func (w *Workflows) reconcileVGPU(ctx workflow.Context, req *vmflowv1.ReconcileV
 	if req == nil || !ValidID(req.GetHostId()) {
 		return nil, invalidInput("host_id %q: must match %s", req.GetHostId(), idPattern)
 	}
-	t, err := newTracker(ctx, "reconcile", "", req.GetHostId())
+	// Runs recorded before lazy search attributes replay with one upsert
+	// per stage. (GetVersion's own TemporalChangeVersion upsert is not
+	// billed.)
+	var t *tracker
+	var err error
+	if workflow.GetVersion(ctx, changeLazySA, workflow.DefaultVersion, 1) >= 1 {
+		t, err = newLazyTracker(ctx, "reconcile", "", req.GetHostId(), StageReconciling)
+	} else {
+		t, err = newTracker(ctx, "reconcile", "", req.GetHostId())
+	}
 	if err != nil {
 		return nil, err
 	}

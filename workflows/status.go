@@ -51,7 +51,7 @@ type tracker struct {
 	sentNeeds bool
 }
 
-// changeLazySA is the GetVersion change id of spawn runs
+// changeLazySA is the GetVersion change id of spawn and reconcile runs
 // whose tracker is lazy (see tracker.lazy). Deletes use versionStuckBound
 // version 2 instead, which they record anyway.
 const changeLazySA = "sa-on-wait"

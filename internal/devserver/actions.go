@@ -3,6 +3,7 @@ package devserver
 import (
 	"context"
 	"fmt"
+	"strings"
 
 	enumspb "go.temporal.io/api/enums/v1"
 	historypb "go.temporal.io/api/history/v1"
@@ -11,10 +12,13 @@ import (
 
 // BilledActions counts a history's actions the way Temporal Cloud bills
 // them (docs.temporal.io/cloud/actions), by kind: workflow started (plus
-// the schedule action when a Schedule started it), activity attempt,
-// timer, signal, update, search-attribute upsert, continue-as-new, child
-// start, local-activity marker. Two billed kinds leave no event, so they
-// are not here: activity heartbeats that reach the server, and queries.
+// the schedule action when a Schedule started it; continue-as-new and
+// child starts show as the new run's start), activity attempt, timer,
+// signal received, update accepted, search-attribute upsert (not the SDK's
+// TemporalChangeVersion upsert, which Cloud exempts: it is listed under a
+// "(not billed)" key that Sum skips), side effect, local activity. Billed
+// kinds that leave no event are not here: activity heartbeats that reach
+// the server, queries, rejected updates.
 func BilledActions(events []*historypb.HistoryEvent) map[string]int {
 	out := map[string]int{}
 	for _, e := range events {
@@ -35,14 +39,21 @@ func BilledActions(events []*historypb.HistoryEvent) map[string]int {
 		case enumspb.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED:
 			out["update"]++
 		case enumspb.EVENT_TYPE_UPSERT_WORKFLOW_SEARCH_ATTRIBUTES:
+			// The SDK's upsert of TemporalChangeVersion (GetVersion's) is
+			// exempt.
+			f := e.GetUpsertWorkflowSearchAttributesEventAttributes().GetSearchAttributes().GetIndexedFields()
+			if _, ok := f["TemporalChangeVersion"]; ok && len(f) == 1 {
+				out["change-version-upsert (not billed)"]++
+				continue
+			}
 			out["search-attribute-upsert"]++
-		case enumspb.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW:
-			out["continue-as-new"]++
-		case enumspb.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED:
-			out["child-start"]++
 		case enumspb.EVENT_TYPE_MARKER_RECORDED:
-			if e.GetMarkerRecordedEventAttributes().GetMarkerName() == "LocalActivity" {
+			// Version markers are not billed.
+			switch e.GetMarkerRecordedEventAttributes().GetMarkerName() {
+			case "LocalActivity":
 				out["local-activity"]++
+			case "SideEffect", "MutableSideEffect":
+				out["side-effect"]++
 			}
 		}
 	}
@@ -52,8 +63,10 @@ func BilledActions(events []*historypb.HistoryEvent) map[string]int {
 // Sum adds up a BilledActions count.
 func Sum(m map[string]int) int {
 	n := 0
-	for _, v := range m {
-		n += v
+	for k, v := range m {
+		if !strings.HasSuffix(k, "(not billed)") {
+			n += v
+		}
 	}
 	return n
 }

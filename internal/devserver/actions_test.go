@@ -29,10 +29,27 @@ func TestBilledActions(t *testing.T) {
 	}}
 	retried := ev(enumspb.EVENT_TYPE_ACTIVITY_TASK_STARTED)
 	retried.Attributes = &historypb.HistoryEvent_ActivityTaskStartedEventAttributes{ActivityTaskStartedEventAttributes: &historypb.ActivityTaskStartedEventAttributes{Attempt: 3}}
+	marker := func(name string) *historypb.HistoryEvent {
+		e := ev(enumspb.EVENT_TYPE_MARKER_RECORDED)
+		e.Attributes = &historypb.HistoryEvent_MarkerRecordedEventAttributes{MarkerRecordedEventAttributes: &historypb.MarkerRecordedEventAttributes{MarkerName: name}}
+		return e
+	}
+	upsert := func(names ...string) *historypb.HistoryEvent {
+		e := ev(enumspb.EVENT_TYPE_UPSERT_WORKFLOW_SEARCH_ATTRIBUTES)
+		f := map[string]*commonpb.Payload{}
+		for _, n := range names {
+			f[n] = &commonpb.Payload{}
+		}
+		e.Attributes = &historypb.HistoryEvent_UpsertWorkflowSearchAttributesEventAttributes{UpsertWorkflowSearchAttributesEventAttributes: &historypb.UpsertWorkflowSearchAttributesEventAttributes{
+			SearchAttributes: &commonpb.SearchAttributes{IndexedFields: f}}}
+		return e
+	}
 	n := BilledActions([]*historypb.HistoryEvent{
 		started, ev(enumspb.EVENT_TYPE_WORKFLOW_TASK_COMPLETED), ev(enumspb.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED), retried,
-		ev(enumspb.EVENT_TYPE_UPSERT_WORKFLOW_SEARCH_ATTRIBUTES), ev(enumspb.EVENT_TYPE_MARKER_RECORDED), ev(enumspb.EVENT_TYPE_TIMER_STARTED),
+		upsert("VmStage", "VmNeedsAttention"), marker("Version"), upsert("TemporalChangeVersion"), marker("SideEffect"),
+		ev(enumspb.EVENT_TYPE_TIMER_STARTED),
 	})
-	assert.Equal(t, map[string]int{"workflow-started": 1, "schedule-action": 1, "activity-attempt": 3, "search-attribute-upsert": 1, "timer": 1}, n)
-	assert.Equal(t, 7, Sum(n))
+	assert.Equal(t, map[string]int{"workflow-started": 1, "schedule-action": 1, "activity-attempt": 3, "search-attribute-upsert": 1,
+		"change-version-upsert (not billed)": 1, "side-effect": 1, "timer": 1}, n)
+	assert.Equal(t, 8, Sum(n))
 }
