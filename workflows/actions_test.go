@@ -63,7 +63,9 @@ func settledActions(ctx context.Context, t *testing.T, srv *devserver.Server) ma
 // the real workflows on a dev server (host activities stubbed) and counts
 // their billed actions from the histories, with the server's own `action`
 // counter beside them. Before lazy search attributes (one upsert per stage
-// change) the pair cost 29 actions; the goal is at most 20. It also checks
+// change) the pair cost 27 billed actions; now 15 (the client sets the
+// first upsert's values at start, which is not billed); the goal is at
+// most 20. It also checks
 // that what a visibility query sees is exact where it must be: at the end,
 // and while a delete waits in release-failed.
 func TestSpawnDeleteActions(t *testing.T) {

@@ -103,6 +103,18 @@ func newTrackerSA(ctx workflow.Context, kind, instanceID, hostID, firstStage str
 		t.status.Stage, t.status.Attempt = firstStage, 1
 		sa = append(sa, SAStage.ValueSet(firstStage), SANeedsAttention.ValueSet(false))
 		workflow.SetCurrentDetails(ctx, t.details())
+		// Set at start already (vmflow's client does): nothing to upsert.
+		// The start's attributes are in the history: replay decides the same.
+		start := workflow.GetTypedSearchAttributes(ctx)
+		if v, _ := start.GetKeyword(SAInstanceID); v == instanceID || instanceID == "" {
+			if h, _ := start.GetKeyword(SAHostID); h == hostID {
+				st, _ := start.GetKeyword(SAStage)
+				needs, ok := start.GetBool(SANeedsAttention)
+				if st == firstStage && ok && !needs {
+					sa = nil
+				}
+			}
+		}
 	}
 	if len(sa) > 0 {
 		if err := workflow.UpsertTypedSearchAttributes(ctx, sa...); err != nil {
