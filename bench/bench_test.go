@@ -46,6 +46,7 @@ func TestBenchmarks(t *testing.T) {
 		{"stop", stopToGone},
 		{"temporal", throughTemporal},
 		{"scale", scale},
+		{"actions", actionsPerHost},
 		{"micro", microBenchmarks},
 	}
 	var only []string

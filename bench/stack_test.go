@@ -30,6 +30,7 @@ type stack struct {
 	st       *store.Store
 	agent    *stacktest.Daemon
 	worker   *stacktest.Daemon
+	sim      *simtest.Sim
 }
 
 // newStack starts the stack; extra are start-dev arguments (the scale
@@ -39,9 +40,10 @@ func newStack(t *testing.T, extra ...string) *stack {
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv := devserver.Start(t, devserver.Options{ExtraArgs: extra})
+	// Metrics: the actions section reads the server's own `action` counter.
+	srv := devserver.Start(t, devserver.Options{ExtraArgs: extra, Metrics: true})
 	sim := simtest.Start(t, vgpusim.Options{MdevParents: 2, VendorVFs: 2})
-	s := &stack{t: t, srv: srv, c: srv.Client(t), hostID: "bench-h", queue: "bench"}
+	s := &stack{t: t, srv: srv, c: srv.Client(t), hostID: "bench-h", queue: "bench", sim: sim}
 	if s.stateDir, err = os.MkdirTemp("/tmp", "vfb"); err != nil {
 		t.Fatalf("state dir: %v", err)
 	}

@@ -117,12 +117,14 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 	var gpus activities.GPUs
 	var devs spec.Devices // nil interface, not a typed nil, without vGPUs
 	var profiles func(context.Context) ([]string, error)
+	var vgpus *vgpu.Claims // nil without vGPUs: no reconcile work to scan for
 	if cfg.VGPUDriver != "none" {
 		claims, err := newClaims(cfg, st, log)
 		if err != nil {
 			return err
 		}
 		if claims != nil {
+			vgpus = claims
 			gpus, devs, profiles = claims, claims, claims.Profiles
 			if !cfg.VGPUAttach {
 				log.Warn("--vgpu-attach=false: vGPUs are claimed and released but not given to QEMU; this is for the vgpu-sim simulator only, never for production")
@@ -207,9 +209,14 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 	}
 	tm.Readiness.Ready(readyTemporal)
 	log.Info("serving host activities", zap.String("task_queue", queue))
-	if err := ensureReconcileSchedule(ctx, c, cfg); err != nil {
+	if err := ensureReconcileSchedule(ctx, c, cfg, log); err != nil {
 		// The host works without it; reconcile is a safety net.
 		log.Error("reconcile schedule", zap.Error(err))
+	}
+	if vgpus != nil && cfg.ReconcileScanEvery > 0 {
+		sched := workflows.ReconcileScheduleID(cfg.HostID)
+		go scanForReconcile(ctx, vgpus.Scan, cfg.ReconcileScanEvery, cfg.ReconcileEvery,
+			func(ctx context.Context) error { return triggerReconcile(ctx, c, sched) }, log)
 	}
 	<-ctx.Done()
 	tm.Readiness.NotReady(readyStopping, "stopping: running activities finish, no new ones are taken")
@@ -351,14 +358,17 @@ func newClaims(cfg cli.RunConfig, st *store.Store, log *zap.Logger) (*vgpu.Claim
 
 // ensureReconcileSchedule creates the Schedule that runs ReconcileVGPU for
 // this host every cfg.ReconcileEvery, skipping a run while one is going.
-// An existing schedule is left as it is.
-func ensureReconcileSchedule(ctx context.Context, c client.Client, cfg cli.RunConfig) error {
+// An existing schedule with another spec (every host upgraded from a build
+// whose schedule ran every minute, about 13,000 billed actions a day) is
+// updated to that interval; one that already has it is left as it is.
+func ensureReconcileSchedule(ctx context.Context, c client.Client, cfg cli.RunConfig, log *zap.Logger) error {
 	id := workflows.ReconcileScheduleID(cfg.HostID)
 	cctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
+	spec := client.ScheduleSpec{Intervals: []client.ScheduleIntervalSpec{{Every: cfg.ReconcileEvery}}}
 	_, err := c.ScheduleClient().Create(cctx, client.ScheduleOptions{
 		ID:      id,
-		Spec:    client.ScheduleSpec{Intervals: []client.ScheduleIntervalSpec{{Every: cfg.ReconcileEvery}}},
+		Spec:    spec,
 		Overlap: enumspb.SCHEDULE_OVERLAP_POLICY_SKIP,
 		Action: &client.ScheduleWorkflowAction{
 			ID:                       id,
@@ -368,11 +378,88 @@ func ensureReconcileSchedule(ctx context.Context, c client.Client, cfg cli.RunCo
 			WorkflowExecutionTimeout: 10 * time.Minute,
 		},
 	})
-	if errors.Is(err, temporal.ErrScheduleAlreadyRunning) {
+	if err == nil {
 		return nil
 	}
-	if err != nil {
+	if !errors.Is(err, temporal.ErrScheduleAlreadyRunning) {
 		return fmt.Errorf("create schedule %s: %w", id, err)
 	}
+	h := c.ScheduleClient().GetHandle(cctx, id)
+	d, err := h.Describe(cctx)
+	if err != nil {
+		return fmt.Errorf("describe schedule %s: %w", id, err)
+	}
+	if hasOnlyInterval(d.Schedule.Spec, cfg.ReconcileEvery) {
+		return nil
+	}
+	err = h.Update(cctx, client.ScheduleUpdateOptions{
+		DoUpdate: func(in client.ScheduleUpdateInput) (*client.ScheduleUpdate, error) {
+			s := in.Description.Schedule
+			s.Spec = &spec
+			return &client.ScheduleUpdate{Schedule: &s}, nil
+		},
+	})
+	if err != nil {
+		return fmt.Errorf("update schedule %s to every %s: %w", id, cfg.ReconcileEvery, err)
+	}
+	log.Info("reconcile schedule updated", zap.String("schedule_id", id), zap.Duration("every", cfg.ReconcileEvery))
 	return nil
+}
+
+// hasOnlyInterval says whether spec runs exactly every d and nothing else.
+func hasOnlyInterval(spec *client.ScheduleSpec, d time.Duration) bool {
+	return spec != nil && len(spec.Intervals) == 1 && spec.Intervals[0].Every == d && spec.Intervals[0].Offset == 0 &&
+		len(spec.Calendars) == 0 && len(spec.CronExpressions) == 0 && len(spec.Skip) == 0
+}
+
+// triggerReconcile starts a ReconcileVGPU run of the host's schedule now
+// (one schedule action and the run's own actions), unless one is running.
+func triggerReconcile(ctx context.Context, c client.Client, scheduleID string) error {
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	err := c.ScheduleClient().GetHandle(ctx, scheduleID).Trigger(ctx, client.ScheduleTriggerOptions{
+		Overlap: enumspb.SCHEDULE_OVERLAP_POLICY_SKIP,
+	})
+	if err != nil {
+		return fmt.Errorf("trigger schedule %s: %w", scheduleID, err)
+	}
+	return nil
+}
+
+// scanForReconcile runs the host's read-only scan every `every` until ctx
+// ends; it costs no Temporal action. Work that two scans in a row found (a
+// delete in progress passes through a scan's findings for a moment) triggers
+// a reconcile round, the same work again no sooner than `every`, then twice
+// as long each time up to `safety` (the schedule's period). A scan that
+// fails is logged and tried again next tick: the schedule still runs.
+func scanForReconcile(ctx context.Context, scan func(context.Context) (vgpu.Work, error), every, safety time.Duration,
+	trigger func(context.Context) error, log *zap.Logger) {
+	gate := &vgpu.Gate{Min: every, Max: safety}
+	var prev vgpu.Work
+	tick := time.NewTicker(every)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+		sctx, cancel := context.WithTimeout(ctx, every)
+		cur, err := scan(sctx)
+		cancel()
+		if err != nil {
+			log.Warn("reconcile scan failed; the schedule still runs", zap.Error(err))
+			continue
+		}
+		due := vgpu.Due(prev, cur)
+		prev = cur
+		if !gate.Should(time.Now(), due) {
+			continue
+		}
+		if err := trigger(ctx); err != nil {
+			log.Warn("reconcile scan found work, trigger failed; the schedule still runs", zap.Strings("work", due), zap.Error(err))
+			continue
+		}
+		log.Info("reconcile scan found work: reconcile triggered", zap.Strings("work", due))
+	}
 }

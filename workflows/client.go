@@ -51,7 +51,10 @@ func checkIDs(instanceID, hostID string) error {
 	return nil
 }
 
-func (c *Client) options(id, summary, instanceID, hostID string) client.StartWorkflowOptions {
+// options: the search attributes set at start (not billed, unlike an
+// upsert) are what the workflow's first upsert would set, so a lazy
+// tracker finds them and skips it (newTrackerSA).
+func (c *Client) options(id, summary, instanceID, hostID, firstStage string) client.StartWorkflowOptions {
 	return client.StartWorkflowOptions{
 		ID:        id,
 		TaskQueue: c.taskQueue,
@@ -62,6 +65,7 @@ func (c *Client) options(id, summary, instanceID, hostID string) client.StartWor
 		StaticSummary:            summary,
 		TypedSearchAttributes: temporal.NewSearchAttributes(
 			SAInstanceID.ValueSet(instanceID), SAHostID.ValueSet(hostID),
+			SAStage.ValueSet(firstStage), SANeedsAttention.ValueSet(false),
 		),
 	}
 }
@@ -73,7 +77,7 @@ func (c *Client) StartSpawn(ctx context.Context, req *vmflowv1.SpawnRequest) (cl
 		return nil, err
 	}
 	summary := fmt.Sprintf("spawn %s on %s", req.GetInstanceId(), req.GetHostId())
-	run, err := c.c.ExecuteWorkflow(ctx, c.options(SpawnWorkflowID(req.GetInstanceId()), summary, req.GetInstanceId(), req.GetHostId()), SpawnWorkflow, req)
+	run, err := c.c.ExecuteWorkflow(ctx, c.options(SpawnWorkflowID(req.GetInstanceId()), summary, req.GetInstanceId(), req.GetHostId(), StageValidating), SpawnWorkflow, req)
 	if err != nil {
 		return nil, fmt.Errorf("start %s: %w", SpawnWorkflowID(req.GetInstanceId()), err)
 	}
@@ -91,7 +95,7 @@ func (c *Client) StartDelete(ctx context.Context, req *vmflowv1.DeleteRequest) (
 	if g := req.GetGracefulTimeoutSeconds(); g > MaxGracefulTimeoutSeconds {
 		return nil, fmt.Errorf("graceful_timeout_seconds %d: %w: at most %d", g, ErrInvalidInput, MaxGracefulTimeoutSeconds)
 	}
-	run, err := c.c.ExecuteWorkflow(ctx, c.options(DeleteWorkflowID(req.GetInstanceId()), deleteSummary(req), req.GetInstanceId(), req.GetHostId()), DeleteWorkflow, req)
+	run, err := c.c.ExecuteWorkflow(ctx, c.options(DeleteWorkflowID(req.GetInstanceId()), deleteSummary(req), req.GetInstanceId(), req.GetHostId(), StageMarkingStopped), DeleteWorkflow, req)
 	if err != nil {
 		return nil, fmt.Errorf("start %s: %w", DeleteWorkflowID(req.GetInstanceId()), err)
 	}

@@ -45,8 +45,14 @@ func (w *Workflows) deleteInstance(ctx workflow.Context, req *vmflowv1.DeleteReq
 	if !ValidID(req.GetHostId()) {
 		return nil, invalidInput("host_id %q: must match %s", req.GetHostId(), idPattern)
 	}
-	stuckAfter := w.stuckBound(ctx, req)
-	t, err := newTracker(ctx, "delete", req.GetInstanceId(), req.GetHostId())
+	stuckAfter, version := w.stuckBound(ctx, req)
+	var t *tracker
+	var err error
+	if version >= 2 {
+		t, err = newLazyTracker(ctx, "delete", req.GetInstanceId(), req.GetHostId(), StageMarkingStopped)
+	} else {
+		t, err = newTracker(ctx, "delete", req.GetInstanceId(), req.GetHostId())
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -212,7 +218,8 @@ func (w *Workflows) continueDelete(ctx workflow.Context, t *tracker, req *vmflow
 }
 
 // versionStuckBound marks delete runs that bound their stages (runStage)
-// and upsert search attributes only on change. Runs recorded before it
+// and upsert search attributes only on change (version 1), and only where
+// they must be exact (version 2, a lazy tracker). Runs recorded before it
 // replay with neither.
 const versionStuckBound = "delete-stuck-bound"
 
@@ -220,17 +227,19 @@ const versionStuckBound = "delete-stuck-bound"
 // the request's stuck_after_seconds, or the worker's default recorded once
 // with SideEffect, so a replay on a worker with another flag value sees the
 // same bound. It stores the value in req, which continue-as-new carries.
-// 0: a run from before the bound existed.
-func (w *Workflows) stuckBound(ctx workflow.Context, req *vmflowv1.DeleteRequest) time.Duration {
-	if workflow.GetVersion(ctx, versionStuckBound, workflow.DefaultVersion, 1) == workflow.DefaultVersion {
-		return 0
+// 0: a run from before the bound existed. It also returns the run's
+// version of versionStuckBound.
+func (w *Workflows) stuckBound(ctx workflow.Context, req *vmflowv1.DeleteRequest) (time.Duration, workflow.Version) {
+	v := workflow.GetVersion(ctx, versionStuckBound, workflow.DefaultVersion, 2)
+	if v == workflow.DefaultVersion {
+		return 0, v
 	}
 	secs := req.GetStuckAfterSeconds()
 	if secs == 0 {
 		secs = recorded(ctx, uint32(max(w.cfg.DeleteStuckAfter/time.Second, 1)), uint32(DefaultConfig().DeleteStuckAfter/time.Second))
 		req.StuckAfterSeconds = secs
 	}
-	return time.Duration(secs) * time.Second
+	return time.Duration(secs) * time.Second, v
 }
 
 func deleteSummary(req *vmflowv1.DeleteRequest) string {

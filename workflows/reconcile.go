@@ -8,8 +8,9 @@ import (
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
-// ReconcileVGPU runs one host's vGPU reconcile (the agent's Schedule starts
-// it every minute) and wakes every delete whose claim it released, so a
+// ReconcileVGPU runs one host's vGPU reconcile (the agent triggers it when
+// its local scan finds work; its slow Schedule runs it as a safety net) and
+// wakes every delete whose claim it released, so a
 // delete waiting out a long backoff finishes now. A round that found
 // unreadable records ends with needs-attention set.
 func (w *Workflows) ReconcileVGPU(ctx workflow.Context, req *vmflowv1.ReconcileVGPURequest) (*vmflowv1.ReconcileVGPUResult, error) {
@@ -22,12 +23,21 @@ func (w *Workflows) reconcileVGPU(ctx workflow.Context, req *vmflowv1.ReconcileV
 	if req == nil || !ValidID(req.GetHostId()) {
 		return nil, invalidInput("host_id %q: must match %s", req.GetHostId(), idPattern)
 	}
-	t, err := newTracker(ctx, "reconcile", "", req.GetHostId())
+	// Runs recorded before lazy search attributes replay with one upsert
+	// per stage. (GetVersion's own TemporalChangeVersion upsert is not
+	// billed.)
+	var t *tracker
+	var err error
+	if workflow.GetVersion(ctx, changeLazySA, workflow.DefaultVersion, 1) >= 1 {
+		t, err = newLazyTracker(ctx, "reconcile", "", req.GetHostId(), StageReconciling)
+	} else {
+		t, err = newTracker(ctx, "reconcile", "", req.GetHostId())
+	}
 	if err != nil {
 		return nil, err
 	}
-	// The next scheduled run comes in a minute: don't wait long for a host
-	// that is away.
+	// The agent triggers the next run when it finds work: don't wait long
+	// for a host that is away.
 	h := &hostRunner{w: w, t: t, hostID: req.GetHostId(), giveUp: w.cfg.ScheduleToStartTimeout}
 	t.stage(ctx, StageReconciling)
 	var res vmflowv1.ReconcileVGPUResult

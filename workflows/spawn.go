@@ -36,7 +36,17 @@ func (w *Workflows) spawnInstance(ctx workflow.Context, req *vmflowv1.SpawnReque
 	if !ValidID(req.GetHostId()) {
 		return nil, invalidInput("host_id %q: must match %s", req.GetHostId(), idPattern)
 	}
-	t, err := newTracker(ctx, "spawn", req.GetInstanceId(), req.GetHostId())
+	// Runs recorded before lazy search attributes replay with one upsert
+	// per stage; new runs also always take invariant 9's path, so they
+	// record no second version marker (each costs a billed upsert).
+	lazy := workflow.GetVersion(ctx, changeLazySA, workflow.DefaultVersion, 1) >= 1
+	var t *tracker
+	var err error
+	if lazy {
+		t, err = newLazyTracker(ctx, "spawn", req.GetInstanceId(), req.GetHostId(), StageValidating)
+	} else {
+		t, err = newTracker(ctx, "spawn", req.GetInstanceId(), req.GetHostId())
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -65,7 +75,7 @@ func (w *Workflows) spawnInstance(ctx workflow.Context, req *vmflowv1.SpawnReque
 	t.setRetained(ctx, true)
 	// Histories from before creators were recorded replay the old path:
 	// their CreateRecord results carry no created_by_this_spawn.
-	if workflow.GetVersion(ctx, changeSpawnCreator, workflow.DefaultVersion, 1) >= 1 && !created.GetCreatedByThisSpawn() {
+	if (lazy || workflow.GetVersion(ctx, changeSpawnCreator, workflow.DefaultVersion, 1) >= 1) && !created.GetCreatedByThisSpawn() {
 		return w.spawnFoundExisting(ctx, t, h, req, &created)
 	}
 

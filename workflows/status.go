@@ -41,20 +41,51 @@ type tracker struct {
 	// before this existed upserted on every publish; they replay with it
 	// off (see DeleteInstance's version check).
 	onlyChanges bool
-	upserted    bool // the values below were sent
-	sentStage   string
-	sentNeeds   bool
+	// lazy (runs recorded with changeLazySA, or delete version 2): the
+	// search attributes are upserted only where an operator's query must
+	// be exact: at the start (ids, first stage), whenever VmNeedsAttention
+	// changes, when the workflow waits (attention: backoff, host
+	// unreachable, release failed, stuck, parked) and when it ends
+	// (terminal stages). Stage progress in between goes to Current
+	// Details only, which is not billed. It implies onlyChanges.
+	lazy      bool
+	upserted  bool // the values below were sent
+	sentStage string
+	sentNeeds bool
+}
+
+// changeLazySA is the GetVersion change id of spawn and reconcile runs
+// whose tracker is lazy (see tracker.lazy). Deletes use versionStuckBound
+// version 2 instead, which they record anyway.
+const changeLazySA = "sa-on-wait"
+
+// newLazyTracker is newTracker for runs recorded with lazy search
+// attributes: one upsert sets the ids, the first stage and
+// VmNeedsAttention=false together.
+func newLazyTracker(ctx workflow.Context, kind, instanceID, hostID, firstStage string) (*tracker, error) {
+	t, err := newTrackerSA(ctx, kind, instanceID, hostID, firstStage, true)
+	if err != nil {
+		return nil, err
+	}
+	t.logger.Info("stage", "stage", firstStage)
+	return t, nil
 }
 
 func newTracker(ctx workflow.Context, kind, instanceID, hostID string) (*tracker, error) {
+	return newTrackerSA(ctx, kind, instanceID, hostID, "", false)
+}
+
+func newTrackerSA(ctx workflow.Context, kind, instanceID, hostID, firstStage string, lazy bool) (*tracker, error) {
 	t := &tracker{
-		kind:       kind,
-		instanceID: instanceID,
-		hostID:     hostID,
-		status:     &vmflowv1.WorkflowStatus{},
-		retryCh:    workflow.GetSignalChannel(ctx, RetrySignal),
-		ops:        workflow.NewBufferedChannel(ctx, maxPendingOps),
-		logger:     log.With(workflow.GetLogger(ctx), "instance_id", instanceID, "host_id", hostID),
+		kind:        kind,
+		instanceID:  instanceID,
+		hostID:      hostID,
+		status:      &vmflowv1.WorkflowStatus{},
+		retryCh:     workflow.GetSignalChannel(ctx, RetrySignal),
+		ops:         workflow.NewBufferedChannel(ctx, maxPendingOps),
+		logger:      log.With(workflow.GetLogger(ctx), "instance_id", instanceID, "host_id", hostID),
+		lazy:        lazy,
+		onlyChanges: lazy,
 	}
 	if err := workflow.SetQueryHandler(ctx, StatusQuery, func() (*vmflowv1.WorkflowStatus, error) {
 		return proto.Clone(t.status).(*vmflowv1.WorkflowStatus), nil
@@ -71,10 +102,30 @@ func newTracker(ctx workflow.Context, kind, instanceID, hostID string) (*tracker
 	if hostID != "" {
 		sa = append(sa, SAHostID.ValueSet(hostID))
 	}
+	if lazy {
+		t.status.Stage, t.status.Attempt = firstStage, 1
+		sa = append(sa, SAStage.ValueSet(firstStage), SANeedsAttention.ValueSet(false))
+		workflow.SetCurrentDetails(ctx, t.details())
+		// Set at start already (vmflow's client does): nothing to upsert.
+		// The start's attributes are in the history: replay decides the same.
+		start := workflow.GetTypedSearchAttributes(ctx)
+		if v, _ := start.GetKeyword(SAInstanceID); v == instanceID || instanceID == "" {
+			if h, _ := start.GetKeyword(SAHostID); h == hostID {
+				st, _ := start.GetKeyword(SAStage)
+				needs, ok := start.GetBool(SANeedsAttention)
+				if st == firstStage && ok && !needs {
+					sa = nil
+				}
+			}
+		}
+	}
 	if len(sa) > 0 {
 		if err := workflow.UpsertTypedSearchAttributes(ctx, sa...); err != nil {
 			return nil, fmt.Errorf("set search attributes: %w", err)
 		}
+	}
+	if lazy {
+		t.upserted, t.sentStage, t.sentNeeds = true, firstStage, false
 	}
 	return t, nil
 }
@@ -87,7 +138,7 @@ func (t *tracker) stage(ctx workflow.Context, stage string) {
 	t.status.Stage = stage
 	t.status.Attempt = 1
 	t.status.NextRetryTime = ""
-	t.publish(ctx)
+	t.publishSA(ctx, terminalStage(stage))
 	t.logger.Info("stage", "stage", stage)
 }
 
@@ -108,7 +159,7 @@ func (t *tracker) attention(ctx workflow.Context, stage, text string, attempt ui
 	if !next.IsZero() {
 		t.status.NextRetryTime = next.UTC().Format(time.RFC3339)
 	}
-	t.publish(ctx)
+	t.publishSA(ctx, true) // the workflow waits, or starts a stuck round
 	t.logger.Warn("needs attention", "stage", stage, "attempt", attempt, "error", t.status.LastError,
 		"next_retry_time", t.status.NextRetryTime)
 }
@@ -134,11 +185,32 @@ func (t *tracker) setRetained(ctx workflow.Context, retained bool) {
 	t.publish(ctx)
 }
 
+// terminalStage: a stage a workflow ends in, whose VmStage must be exact.
+func terminalStage(stage string) bool {
+	switch stage {
+	case StageRunning, StageSpawnFailed, StageDeleted, StageAlreadyAbsent, StageNotOwned, StageAbandoned, StageReconciled:
+		return true
+	}
+	return false
+}
+
+// publish refreshes Current Details and, unless the tracker is lazy,
+// the search attributes.
 func (t *tracker) publish(ctx workflow.Context) {
+	t.publishSA(ctx, false)
+}
+
+// publishSA is publish where exact says the search attributes must match
+// the status now (the workflow waits or ends); a lazy tracker upserts only
+// then or when VmNeedsAttention changed.
+func (t *tracker) publishSA(ctx workflow.Context, exact bool) {
 	// Current Details is workflow metadata, not a command: it is always
 	// refreshed, so the attempt and last error stay current for free.
 	workflow.SetCurrentDetails(ctx, t.details())
 	if t.onlyChanges && t.upserted && t.sentStage == t.status.Stage && t.sentNeeds == t.status.NeedsAttention {
+		return
+	}
+	if t.lazy && !exact && t.sentNeeds == t.status.NeedsAttention {
 		return
 	}
 	if err := workflow.UpsertTypedSearchAttributes(ctx,

@@ -15,28 +15,36 @@ import (
 	"vmflow/internal/service"
 )
 
+// DefaultReconcileEvery is the reconcile Schedule's period: a safety net
+// (about 9 billed actions a run) behind the agent's local scan, which
+// triggers a round whenever it finds work.
+const DefaultReconcileEvery = 24 * time.Hour
+
 // RunConfig is the command line of "vmflow-hostagent run". The binary's
 // main turns it into a running agent; parsing lives here so it is tested
 // without Temporal.
 type RunConfig struct {
-	HostID          string
-	StateDir        string
-	SysfsRoot       string
-	DevRoot         string
-	ImageRoots      []string
-	QEMU            string
-	QEMUUser        string // empty: QEMU stays root
-	VGPUAttach      bool
-	VGPUDriver      string // auto, mdev, vendor, none
-	OrphanGrace     time.Duration
-	ReconcileEvery  time.Duration
-	GracefulTimeout time.Duration
-	GroupExitCap    time.Duration
-	MetricsAddr     string
-	LogLevel        string
-	Address         string
-	Namespace       string
-	TaskQueue       string // where the reconcile schedule starts ReconcileVGPU
+	HostID         string
+	StateDir       string
+	SysfsRoot      string
+	DevRoot        string
+	ImageRoots     []string
+	QEMU           string
+	QEMUUser       string // empty: QEMU stays root
+	VGPUAttach     bool
+	VGPUDriver     string // auto, mdev, vendor, none
+	OrphanGrace    time.Duration
+	ReconcileEvery time.Duration
+	// ReconcileScanEvery: how often the agent's local scan (no Temporal
+	// call) looks for reconcile work; 0 turns it off.
+	ReconcileScanEvery time.Duration
+	GracefulTimeout    time.Duration
+	GroupExitCap       time.Duration
+	MetricsAddr        string
+	LogLevel           string
+	Address            string
+	Namespace          string
+	TaskQueue          string // where the reconcile schedule starts ReconcileVGPU
 	// StopTimeout: after SIGTERM, how long running activities may finish
 	// before they are cancelled (under the unit's TimeoutStopSec).
 	StopTimeout time.Duration
@@ -73,8 +81,10 @@ func ParseRun(args []string, stderr io.Writer) (RunConfig, error) {
 
 Runs the host agent: supervises this host's VMs first (re-attaches them, applies
 restart policies; this never waits for Temporal), then serves the host
-activities on task queue vmflow-host-<host-id> and keeps the Schedule
-reconcile-vgpu/<host-id> running ReconcileVGPU every minute.
+activities on task queue vmflow-host-<host-id>. A local scan (every
+--reconcile-scan-every, no Temporal call) triggers ReconcileVGPU when it finds
+work; the Schedule reconcile-vgpu/<host-id> runs it every --reconcile-every
+as a safety net (an existing schedule with another interval is updated).
 Temporal connection: TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE, TEMPORAL_TLS_*,
 TEMPORAL_API_KEY or a TEMPORAL_CONFIG_FILE profile.
 
@@ -94,7 +104,8 @@ flags:
 	fs.BoolVar(&c.VGPUAttach, "vgpu-attach", true, "attach claimed vGPUs to QEMU; false only with the vgpu-sim simulator, whose devices QEMU cannot open")
 	fs.StringVar(&c.VGPUDriver, "vgpu-driver", "auto", "auto, mdev, vendor or none")
 	fs.DurationVar(&c.OrphanGrace, "vgpu-orphan-grace", 5*time.Minute, "an unclaimed vGPU device is removed after this long")
-	fs.DurationVar(&c.ReconcileEvery, "reconcile-every", time.Minute, "how often the Schedule runs ReconcileVGPU")
+	fs.DurationVar(&c.ReconcileEvery, "reconcile-every", DefaultReconcileEvery, "how often the Schedule runs ReconcileVGPU, the safety net behind the local scan")
+	fs.DurationVar(&c.ReconcileScanEvery, "reconcile-scan-every", time.Minute, "how often the agent scans the host for reconcile work (read-only, no Temporal call) and, finding some, triggers ReconcileVGPU; 0: off")
 	fs.DurationVar(&c.GracefulTimeout, "graceful-timeout", 10*time.Second, "default wait after system_powerdown before quit")
 	fs.DurationVar(&c.GroupExitCap, "group-exit-cap", 30*time.Second, "how long the stop ladder waits for the whole thread group after SIGKILL")
 	fs.StringVar(&c.MetricsAddr, "metrics-addr", "", "serve Prometheus /metrics on this address; empty: off")
@@ -141,6 +152,9 @@ flags:
 		if v <= 0 {
 			return c, fmt.Errorf("--%s must be positive, got %s", name, v)
 		}
+	}
+	if c.ReconcileScanEvery < 0 {
+		return c, fmt.Errorf("--reconcile-scan-every %s is negative", c.ReconcileScanEvery)
 	}
 	if c.TaskQueue == "" {
 		return c, errors.New("--workflow-task-queue must not be empty")

@@ -81,6 +81,7 @@ type Claims struct {
 	ignore  []int
 	log     *zap.Logger
 	now     func() time.Time
+	seen    scanSeen // Scan's own first sightings of unclaimed devices
 }
 
 // NewClaims sets up the driver and the claims over st.

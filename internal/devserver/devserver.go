@@ -13,13 +13,16 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"maps"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -55,6 +58,10 @@ type Options struct {
 	// ExtraArgs are appended to start-dev's arguments
 	// (e.g. --dynamic-config-value).
 	ExtraArgs []string
+	// Metrics serves the server's Prometheus metrics (--metrics-port, on
+	// MetricsAddress), among them its own billing counter `action`
+	// (see Actions).
+	Metrics bool
 }
 
 // Server is one running dev server process.
@@ -65,6 +72,8 @@ type Server struct {
 	ip     string
 	port   int
 	uiPort int
+	// metricsPort is 0 unless Options.Metrics.
+	metricsPort int
 
 	mu   sync.Mutex
 	cmd  *exec.Cmd
@@ -194,6 +203,11 @@ func start(bin string, o Options, dir string) (*Server, error) {
 		if s.uiPort, err = freePort(s.ip); err != nil {
 			return nil, err
 		}
+		if o.Metrics {
+			if s.metricsPort, err = freePort(s.ip); err != nil {
+				return nil, err
+			}
+		}
 		if lastErr = s.launch(); lastErr == nil {
 			return s, nil
 		}
@@ -229,6 +243,9 @@ func (s *Server) args() []string {
 		args = append(args, "--ui-port", strconv.Itoa(s.uiPort))
 	} else {
 		args = append(args, "--headless")
+	}
+	if s.metricsPort != 0 {
+		args = append(args, "--metrics-port", strconv.Itoa(s.metricsPort))
 	}
 	if s.opts.Namespace != client.DefaultNamespace {
 		args = append(args, "--namespace", s.opts.Namespace)
@@ -496,3 +513,83 @@ type emptyEnv struct{}
 
 func (emptyEnv) LookupEnv(string) (string, bool) { return "", false }
 func (emptyEnv) Environ() []string               { return nil }
+
+// MetricsAddress is host:port of the Prometheus metrics, "" unless
+// Options.Metrics.
+func (s *Server) MetricsAddress() string {
+	if s.metricsPort == 0 {
+		return ""
+	}
+	return net.JoinHostPort(s.ip, strconv.Itoa(s.metricsPort))
+}
+
+// ErrNoMetrics: the server was started without Options.Metrics.
+var ErrNoMetrics = errors.New("devserver: started without metrics (Options.Metrics)")
+
+// Actions reads the server's own `action` counter, the one Temporal Cloud's
+// billing mirrors, summed per action_type over namespace (all namespaces
+// when namespace is ""). It includes what the server itself does, e.g. its
+// internal scheduler workflows in temporal_system.
+func (s *Server) Actions(ctx context.Context, namespace string) (map[string]float64, error) {
+	if s.metricsPort == 0 {
+		return nil, ErrNoMetrics
+	}
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+s.MetricsAddress()+"/metrics", nil)
+	if err != nil {
+		return nil, fmt.Errorf("metrics request: %w", err)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return nil, fmt.Errorf("read metrics: %w", err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("read metrics: %s", resp.Status)
+	}
+	body, err := io.ReadAll(io.LimitReader(resp.Body, 64<<20))
+	if err != nil {
+		return nil, fmt.Errorf("read metrics: %w", err)
+	}
+	return parseActions(string(body), namespace), nil
+}
+
+// parseActions sums the Prometheus text lines of the counter `action` by
+// their action_type label.
+func parseActions(text, namespace string) map[string]float64 {
+	out := map[string]float64{}
+	for _, line := range strings.Split(text, "\n") {
+		if !strings.HasPrefix(line, "action{") {
+			continue
+		}
+		end := strings.LastIndexByte(line, '}')
+		if end < 0 {
+			continue
+		}
+		labels, value := line[len("action{"):end], strings.TrimSpace(line[end+1:])
+		v, err := strconv.ParseFloat(value, 64)
+		if err != nil {
+			continue
+		}
+		typ := ""
+		skip := false
+		for _, kv := range strings.Split(labels, ",") {
+			k, val, ok := strings.Cut(kv, "=")
+			if !ok {
+				continue
+			}
+			val = strings.Trim(val, `"`)
+			switch k {
+			case "action_type":
+				typ = val
+			case "namespace":
+				skip = namespace != "" && val != namespace
+			}
+		}
+		if !skip {
+			out[typ] += v
+		}
+	}
+	return out
+}

@@ -1,0 +1,261 @@
+package workflows
+
+import (
+	"context"
+	"maps"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	commonpb "go.temporal.io/api/common/v1"
+	"go.temporal.io/sdk/client"
+	"go.temporal.io/sdk/converter"
+	"go.temporal.io/sdk/worker"
+
+	"vmflow/internal/devserver"
+	vmflowv1 "vmflow/proto/vmflow/v1"
+)
+
+// visible is what an operator's visibility query sees of one workflow: its
+// search attributes as the server holds them.
+type visible struct {
+	stage, instance, host string
+	needs                 bool
+}
+
+func searchAttrs(ctx context.Context, t *testing.T, c client.Client, id string) visible {
+	t.Helper()
+	d, err := c.DescribeWorkflow(ctx, id, "")
+	require.NoError(t, err)
+	f := d.RawResponse.GetWorkflowExecutionInfo().GetSearchAttributes().GetIndexedFields()
+	var v visible
+	decode := func(p *commonpb.Payload, into any) {
+		if p != nil {
+			require.NoError(t, converter.GetDefaultDataConverter().FromPayload(p, into))
+		}
+	}
+	decode(f[SAStage.GetName()], &v.stage)
+	decode(f[SAInstanceID.GetName()], &v.instance)
+	decode(f[SAHostID.GetName()], &v.host)
+	decode(f[SANeedsAttention.GetName()], &v.needs)
+	return v
+}
+
+// settledActions reads the server's action counter once it holds still:
+// the server exports it on a reporting interval, behind the calls.
+func settledActions(ctx context.Context, t *testing.T, srv *devserver.Server) map[string]float64 {
+	t.Helper()
+	var cur map[string]float64
+	require.Eventually(t, func() bool {
+		prev := cur
+		var err error
+		cur, err = srv.Actions(ctx, srv.Namespace())
+		require.NoError(t, err)
+		return prev != nil && maps.Equal(prev, cur)
+	}, time.Minute, 2*time.Second, "the server's action counter never held still")
+	return cur
+}
+
+// TestSpawnDeleteActions runs a spawn with a vGPU and a clean delete with
+// the real workflows on a dev server (host activities stubbed) and counts
+// their billed actions from the histories, with the server's own `action`
+// counter beside them. Before lazy search attributes (one upsert per stage
+// change) the pair cost 27 billed actions; now 15 (the client sets the
+// first upsert's values at start, which is not billed); the goal is at
+// most 20. It also checks
+// that what a visibility query sees is exact where it must be: at the end,
+// and while a delete waits in release-failed.
+func TestSpawnDeleteActions(t *testing.T) {
+	srv := devserver.Start(t, devserver.Options{Metrics: true})
+	c := srv.Client(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+
+	const queue = "vmflow-actions-test"
+	w := worker.New(c, queue, worker.Options{})
+	New(Config{ReleaseBackoff: time.Hour, ReleaseBackoffMax: time.Hour}).Register(w)
+	require.NoError(t, w.Start())
+	defer w.Stop()
+	host := &scriptedHost{}
+	hw := worker.New(c, HostTaskQueue("h1"), worker.Options{})
+	hw.RegisterActivity(host)
+	require.NoError(t, hw.Start())
+	defer hw.Stop()
+	vc := NewClient(c, queue)
+
+	before := settledActions(ctx, t, srv)
+	req := &vmflowv1.SpawnRequest{InstanceId: "vm1", HostId: "h1", Vcpus: 1, MemoryMib: 64, Machine: "none", VgpuProfile: "p"}
+	run, err := vc.StartSpawn(ctx, req)
+	require.NoError(t, err)
+	require.NoError(t, run.Get(ctx, nil))
+	del, err := vc.StartDelete(ctx, &vmflowv1.DeleteRequest{InstanceId: "vm1", HostId: "h1"})
+	require.NoError(t, err)
+	require.NoError(t, del.Get(ctx, nil))
+	// The server's counter is exported on a reporting interval: wait until
+	// it shows both starts and then holds still.
+	var after map[string]float64
+	require.Eventually(t, func() bool {
+		prev := after
+		after, err = srv.Actions(ctx, srv.Namespace())
+		require.NoError(t, err)
+		return after["grpc_StartWorkflowExecution"]-before["grpc_StartWorkflowExecution"] >= 2 && maps.Equal(prev, after)
+	}, time.Minute, 2*time.Second, "the server's action counter never showed both starts")
+
+	total := 0
+	for _, id := range []string{SpawnWorkflowID("vm1"), DeleteWorkflowID("vm1")} {
+		events, err := devserver.History(ctx, c, id, "")
+		require.NoError(t, err)
+		n := devserver.BilledActions(events)
+		t.Logf("%s: %d billed actions from its history: %v", id, devserver.Sum(n), n)
+		total += devserver.Sum(n)
+	}
+	server := 0.0
+	for typ, v := range after {
+		if d := v - before[typ]; d > 0 {
+			t.Logf("server action counter: %s +%.0f", typ, d)
+			server += d
+		}
+	}
+	t.Logf("spawn (vGPU) + clean delete: %d billed actions from histories, %.0f on the server's action counter (namespace %s)",
+		total, server, srv.Namespace())
+	assert.LessOrEqual(t, total, 20, "a spawn plus a clean delete costs at most 20 actions")
+
+	want := visible{stage: StageRunning, instance: "vm1", host: "h1"}
+	assert.Equal(t, want, searchAttrs(ctx, t, c, SpawnWorkflowID("vm1")), "a finished spawn")
+	want.stage = StageDeleted
+	assert.Equal(t, want, searchAttrs(ctx, t, c, DeleteWorkflowID("vm1")), "a finished delete")
+
+	// A delete that waits in release-failed shows it, with needs-attention,
+	// until a retry lets it finish.
+	host.failRelease.Store(true)
+	del2, err := vc.StartDelete(ctx, &vmflowv1.DeleteRequest{InstanceId: "vm2", HostId: "h1"})
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		st, err := vc.Status(ctx, DeleteWorkflowID("vm2"))
+		return err == nil && st.GetStage() == StageReleaseFailed
+	}, time.Minute, 100*time.Millisecond, "delete never reached release-failed")
+	assert.Equal(t, visible{stage: StageReleaseFailed, instance: "vm2", host: "h1", needs: true},
+		searchAttrs(ctx, t, c, DeleteWorkflowID("vm2")), "a delete waiting in release-failed")
+	host.failRelease.Store(false)
+	_, err = vc.Retry(ctx, DeleteWorkflowID("vm2"), "test: fault cleared")
+	require.NoError(t, err)
+	require.NoError(t, del2.Get(ctx, nil))
+	assert.Equal(t, visible{stage: StageDeleted, instance: "vm2", host: "h1"},
+		searchAttrs(ctx, t, c, DeleteWorkflowID("vm2")), "a delete finished after release-failed")
+	events, err := devserver.History(ctx, c, DeleteWorkflowID("vm2"), "")
+	require.NoError(t, err)
+	n := devserver.BilledActions(events)
+	t.Logf("delete with one failed release round: %d billed actions: %v", devserver.Sum(n), n)
+	if os.Getenv("VMFLOW_RECORD_HISTORIES") != "" {
+		// Histories of the lazy path, for TestReplayRecordedHistories.
+		for file, id := range map[string]string{
+			"spawn-vgpu-lazy-sa.json":                       SpawnWorkflowID("vm1"),
+			"delete-lazy-sa.json":                           DeleteWorkflowID("vm1"),
+			"delete-release-failed-then-retry-lazy-sa.json": DeleteWorkflowID("vm2"),
+		} {
+			out, err := srv.CLI(ctx, "workflow", "show", "--workflow-id", id, "--output", "json")
+			require.NoError(t, err)
+			require.NoError(t, os.WriteFile(filepath.Join("testdata", file), out, 0o644))
+		}
+	}
+}
+
+// reconcilingHost is scriptedHost whose reconcile releases the claim of
+// every delete in wake (what the agent's round does for a deleting
+// instance whose VM is gone).
+type reconcilingHost struct {
+	scriptedHost
+	wake []string
+}
+
+func (h *reconcilingHost) ReconcileHost(context.Context, *vmflowv1.ReconcileVGPURequest) (*vmflowv1.ReconcileVGPUResult, error) {
+	h.failRelease.Store(false)
+	return &vmflowv1.ReconcileVGPUResult{ClaimsReleased: uint32(len(h.wake)), RetriedDeletes: h.wake}, nil
+}
+
+// TestTriggeredReconcileActions: one ReconcileVGPU run started by its
+// Schedule (as the agent's scan triggers it) costs a handful of billed
+// actions, counted from its history with the server's counter beside, and
+// still wakes a delete waiting in release-failed whose claim it released.
+func TestTriggeredReconcileActions(t *testing.T) {
+	srv := devserver.Start(t, devserver.Options{Metrics: true})
+	c := srv.Client(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	const queue = "vmflow-reconcile-actions-test"
+	w := worker.New(c, queue, worker.Options{})
+	New(Config{ReleaseBackoff: time.Hour, ReleaseBackoffMax: time.Hour}).Register(w)
+	require.NoError(t, w.Start())
+	defer w.Stop()
+	host := &reconcilingHost{wake: []string{"vm3"}}
+	hw := worker.New(c, HostTaskQueue("h1"), worker.Options{})
+	hw.RegisterActivity(host)
+	require.NoError(t, hw.Start())
+	defer hw.Stop()
+	vc := NewClient(c, queue)
+
+	host.failRelease.Store(true)
+	del, err := vc.StartDelete(ctx, &vmflowv1.DeleteRequest{InstanceId: "vm3", HostId: "h1"})
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		st, err := vc.Status(ctx, DeleteWorkflowID("vm3"))
+		return err == nil && st.GetStage() == StageReleaseFailed
+	}, time.Minute, 100*time.Millisecond, "delete never reached release-failed")
+
+	id := ReconcileScheduleID("h1")
+	sched, err := c.ScheduleClient().Create(ctx, client.ScheduleOptions{
+		ID:     id,
+		Spec:   client.ScheduleSpec{Intervals: []client.ScheduleIntervalSpec{{Every: 24 * time.Hour}}},
+		Paused: true, // only the trigger starts a run here
+		Action: &client.ScheduleWorkflowAction{
+			ID: id, Workflow: ReconcileWorkflow, TaskQueue: queue,
+			Args: []any{&vmflowv1.ReconcileVGPURequest{HostId: "h1"}},
+		},
+	})
+	require.NoError(t, err)
+	before := settledActions(ctx, t, srv)
+	require.NoError(t, sched.Trigger(ctx, client.ScheduleTriggerOptions{}))
+	done, cancelDone := context.WithTimeout(ctx, 30*time.Second)
+	defer cancelDone()
+	require.NoError(t, del.Get(done, nil), "the reconcile woke the delete waiting out its hour")
+
+	var runID string
+	require.Eventually(t, func() bool {
+		d, err := sched.Describe(ctx)
+		require.NoError(t, err)
+		if len(d.Info.RecentActions) == 0 {
+			return false
+		}
+		res := d.Info.RecentActions[0].StartWorkflowResult
+		runID = res.WorkflowID
+		r, err := c.DescribeWorkflow(ctx, res.WorkflowID, res.FirstExecutionRunID)
+		return err == nil && r.WorkflowCloseTime != nil
+	}, time.Minute, 200*time.Millisecond, "the triggered reconcile never finished")
+	events, err := devserver.History(ctx, c, runID, "")
+	require.NoError(t, err)
+	n := devserver.BilledActions(events)
+	t.Logf("triggered ReconcileVGPU run: %d billed actions from its history: %v", devserver.Sum(n), n)
+	assert.Equal(t, visible{stage: StageReconciled, host: "h1"}, searchAttrs(ctx, t, c, runID), "a finished reconcile")
+	assert.LessOrEqual(t, devserver.Sum(n), 5, "a reconcile run: schedule action, start, activity, two upserts")
+	if os.Getenv("VMFLOW_RECORD_HISTORIES") != "" {
+		out, err := srv.CLI(ctx, "workflow", "show", "--workflow-id", runID, "--output", "json")
+		require.NoError(t, err)
+		require.NoError(t, os.WriteFile(filepath.Join("testdata", "reconcile-woke-delete-lazy-sa.json"), out, 0o644))
+	}
+
+	var after map[string]float64
+	require.Eventually(t, func() bool {
+		prev := after
+		after, err = srv.Actions(ctx, srv.Namespace())
+		require.NoError(t, err)
+		return after["grpc_StartWorkflowExecution"]+after["schedule_action"] > before["grpc_StartWorkflowExecution"]+before["schedule_action"] && maps.Equal(prev, after)
+	}, time.Minute, 2*time.Second, "the server's action counter never moved")
+	for typ, v := range after {
+		if d := v - before[typ]; d > 0 {
+			t.Logf("server action counter during the reconcile (and the delete it woke): %s +%.0f", typ, d)
+		}
+	}
+}
