@@ -225,8 +225,10 @@ func actionsPerHost(t *testing.T) string {
 
 	// Idle: after (the agent's local scan, no schedule run in the window)
 	// and before (the schedule every minute, as every agent before this
-	// release left it), one window each.
-	window := 3 * time.Minute
+	// release left it), one window each. 90 s holds one or two runs of
+	// the every-minute schedule; longer windows would push make bench past
+	// its 15-minute timeout.
+	window := 90 * time.Second
 	if quick() {
 		window = 40 * time.Second
 	}
