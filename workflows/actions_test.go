@@ -13,7 +13,6 @@ import (
 	commonpb "go.temporal.io/api/common/v1"
 	"go.temporal.io/sdk/client"
 	"go.temporal.io/sdk/converter"
-	"go.temporal.io/sdk/worker"
 
 	"vmflow/internal/devserver"
 	vmflowv1 "vmflow/proto/vmflow/v1"
@@ -75,16 +74,8 @@ func TestSpawnDeleteActions(t *testing.T) {
 	defer cancel()
 
 	const queue = "vmflow-actions-test"
-	w := worker.New(c, queue, worker.Options{})
-	New(Config{ReleaseBackoff: time.Hour, ReleaseBackoffMax: time.Hour}).Register(w)
-	require.NoError(t, w.Start())
-	defer w.Stop()
 	host := &scriptedHost{}
-	hw := worker.New(c, HostTaskQueue("h1"), worker.Options{})
-	hw.RegisterActivity(host)
-	require.NoError(t, hw.Start())
-	defer hw.Stop()
-	vc := NewClient(c, queue)
+	vc := startStack(t, c, queue, Config{ReleaseBackoff: time.Hour, ReleaseBackoffMax: time.Hour}, "h1", host)
 
 	before := settledActions(ctx, t, srv)
 	req := &vmflowv1.SpawnRequest{InstanceId: "vm1", HostId: "h1", Vcpus: 1, MemoryMib: 64, Machine: "none", VgpuProfile: "p"}
@@ -186,16 +177,8 @@ func TestTriggeredReconcileActions(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	const queue = "vmflow-reconcile-actions-test"
-	w := worker.New(c, queue, worker.Options{})
-	New(Config{ReleaseBackoff: time.Hour, ReleaseBackoffMax: time.Hour}).Register(w)
-	require.NoError(t, w.Start())
-	defer w.Stop()
 	host := &reconcilingHost{wake: []string{"vm3"}}
-	hw := worker.New(c, HostTaskQueue("h1"), worker.Options{})
-	hw.RegisterActivity(host)
-	require.NoError(t, hw.Start())
-	defer hw.Stop()
-	vc := NewClient(c, queue)
+	vc := startStack(t, c, queue, Config{ReleaseBackoff: time.Hour, ReleaseBackoffMax: time.Hour}, "h1", host)
 
 	host.failRelease.Store(true)
 	del, err := vc.StartDelete(ctx, &vmflowv1.DeleteRequest{InstanceId: "vm3", HostId: "h1"})

@@ -9,7 +9,6 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"go.temporal.io/sdk/temporal"
-	"go.temporal.io/sdk/worker"
 
 	"vmflow/internal/devserver"
 	vmflowv1 "vmflow/proto/vmflow/v1"
@@ -61,19 +60,11 @@ func TestClientAgainstDevServer(t *testing.T) {
 	defer cancel()
 
 	const queue = "vmflow-client-test"
-	w := worker.New(c, queue, worker.Options{})
-	// Backoff of an hour: only the retry signal can finish the delete in
-	// this test's time.
-	New(Config{ReleaseBackoff: time.Hour, ReleaseBackoffMax: time.Hour}).Register(w)
-	require.NoError(t, w.Start())
-	defer w.Stop()
 	host := &scriptedHost{}
-	hw := worker.New(c, HostTaskQueue("h1"), worker.Options{})
-	hw.RegisterActivity(host)
-	require.NoError(t, hw.Start())
-	defer hw.Stop()
+	// Backoff of an hour: only the retry can finish the delete in this
+	// test's time.
+	vc := startStack(t, c, queue, Config{ReleaseBackoff: time.Hour, ReleaseBackoffMax: time.Hour}, "h1", host)
 
-	vc := NewClient(c, queue)
 	_, err := vc.StartSpawn(ctx, &vmflowv1.SpawnRequest{InstanceId: "../x", HostId: "h1"})
 	require.ErrorIs(t, err, ErrInvalidID)
 

@@ -10,7 +10,6 @@ import (
 	"github.com/stretchr/testify/require"
 	enumspb "go.temporal.io/api/enums/v1"
 	"go.temporal.io/sdk/client"
-	"go.temporal.io/sdk/worker"
 
 	"vmflow/internal/devserver"
 	vmflowv1 "vmflow/proto/vmflow/v1"
@@ -45,18 +44,11 @@ func TestContinuedDeleteShowsInstanceAndHost(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	const queue = "vmflow-continued"
-	w := worker.New(c, queue, worker.Options{})
-	New(Config{ReleaseBackoff: 50 * time.Millisecond, ReleaseBackoffMax: 50 * time.Millisecond}).Register(w)
-	require.NoError(t, w.Start())
-	defer w.Stop()
 	host := &continuingHost{}
 	host.failRelease.Store(true)
-	hw := worker.New(c, HostTaskQueue("h7"), worker.Options{})
-	hw.RegisterActivity(host)
-	require.NoError(t, hw.Start())
-	defer hw.Stop()
+	vc := startStack(t, c, queue, Config{ReleaseBackoff: 50 * time.Millisecond, ReleaseBackoffMax: 50 * time.Millisecond}, "h7", host)
 
-	run, err := NewClient(c, queue).StartDelete(ctx, &vmflowv1.DeleteRequest{InstanceId: "vm7", HostId: "h7"})
+	run, err := vc.StartDelete(ctx, &vmflowv1.DeleteRequest{InstanceId: "vm7", HostId: "h7"})
 	require.NoError(t, err)
 	first := run.GetRunID()
 	var latest string
