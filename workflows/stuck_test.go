@@ -10,7 +10,6 @@ import (
 	"github.com/stretchr/testify/require"
 	sdkpb "go.temporal.io/api/sdk/v1"
 	"go.temporal.io/sdk/temporal"
-	"go.temporal.io/sdk/testsuite"
 	"go.temporal.io/sdk/workflow"
 
 	vmflowv1 "vmflow/proto/vmflow/v1"
@@ -19,24 +18,6 @@ import (
 // Tests of hole 5 (issue 11): delete stages stuck outside the release loop
 // show needs-attention, non-retryable failures park instead of failing the
 // delete; and of the creator guard and reconcile's unreadable records.
-
-// newEnvWith is newEnv with a worker configuration of the test's own.
-func newEnvWith(t *testing.T, cfg Config) *env {
-	var s testsuite.WorkflowTestSuite
-	e := &env{TestWorkflowEnvironment: s.NewTestWorkflowEnvironment(), t: t, lastSeen: map[string]any{}}
-	New(cfg).Register(e)
-	e.RegisterActivity(&stubHost{})
-	e.OnUpsertTypedSearchAttributes(mock.Anything).Run(func(args mock.Arguments) {
-		sa := args.Get(0).(temporal.SearchAttributes)
-		m := map[string]any{}
-		for k, v := range sa.GetUntypedValues() {
-			m[k.GetName()] = v
-			e.lastSeen[k.GetName()] = v
-		}
-		e.upserts = append(e.upserts, m)
-	}).Return(nil).Maybe()
-	return e
-}
 
 // currentDetails is what the Web UI shows as Current Details.
 func (e *env) currentDetails() string {

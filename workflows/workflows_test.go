@@ -58,10 +58,13 @@ type env struct {
 	lastSeen map[string]any
 }
 
-func newEnv(t *testing.T) *env {
+func newEnv(t *testing.T) *env { return newEnvWith(t, Config{}) }
+
+// newEnvWith is newEnv with a worker configuration of the test's own.
+func newEnvWith(t *testing.T, cfg Config) *env {
 	var s testsuite.WorkflowTestSuite
 	e := &env{TestWorkflowEnvironment: s.NewTestWorkflowEnvironment(), t: t, lastSeen: map[string]any{}}
-	New(Config{}).Register(e)
+	New(cfg).Register(e)
 	e.RegisterActivity(&stubHost{})
 	e.OnUpsertTypedSearchAttributes(mock.Anything).Run(func(args mock.Arguments) {
 		sa := args.Get(0).(temporal.SearchAttributes)
