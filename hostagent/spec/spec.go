@@ -1,5 +1,6 @@
-// Package spec admits a spawn request on this host: it checks every field
-// that will reach a path, an argv or a sysfs write against the host (image
+// Package spec admits a spawn request on this host, and a recorded instance
+// again before every launch and restart: it checks every field that will
+// reach a path, an argv or a sysfs write against the host (bounds, image
 // roots, size, the vGPU profiles it offers), and turns an admitted request
 // into the record's spec and QEMU's typed spec.
 //
