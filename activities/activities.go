@@ -148,8 +148,17 @@ func gracefulTimeout(seconds uint32, def time.Duration) time.Duration {
 	return min(time.Duration(seconds)*time.Second, MaxGracefulTimeout)
 }
 
-// ValidateSpawn admits the request on this host; nothing is created.
+// ValidateSpawn admits the request on this host; nothing is created. It is
+// an early check: CreateRecord admits again (admitSpawn), since a caller can
+// schedule it without this one.
 func (a *Activities) ValidateSpawn(ctx context.Context, req *vmflowv1.SpawnRequest) error {
+	return a.admitSpawn(ctx, req)
+}
+
+// admitSpawn is the admission of a spawn request against this host's
+// policy (spec.Host.Validate), for every activity that takes one: a refusal
+// is a non-retryable InvalidInput.
+func (a *Activities) admitSpawn(ctx context.Context, req *vmflowv1.SpawnRequest) error {
 	if err := a.Host.Validate(ctx, req); err != nil {
 		a.log().Info("spawn rejected", zap.String("instance_id", req.GetInstanceId()), zap.Error(err))
 		return classify(err)
@@ -164,12 +173,20 @@ func (a *Activities) ValidateSpawn(ctx context.Context, req *vmflowv1.SpawnReque
 // and says whether this spawn created it (a retried attempt) or another one
 // did (invariant 9: then the spawn's failure path must leave it alone);
 // another spec, or a record being deleted, is refused.
+//
+// The request is admitted first, exactly as ValidateSpawn does: the agent
+// takes work from anyone who can schedule activities in the namespace, and
+// a caller's own workflow may schedule CreateRecord without ValidateSpawn.
+// Nothing is written for a refused request.
 func (a *Activities) CreateRecord(ctx context.Context, req *vmflowv1.SpawnRequest) (*vmflowv1.CreateRecordResult, error) {
 	ctx, done, log, err := a.begin(ctx, req.GetInstanceId())
 	if err != nil {
 		return nil, err
 	}
 	defer done()
+	if err := a.admitSpawn(ctx, req); err != nil {
+		return nil, err
+	}
 	wf := activity.GetInfo(ctx).WorkflowExecution
 	_, getErr := a.Store.Get(req.GetInstanceId())
 	existed := getErr == nil
@@ -206,6 +223,9 @@ func (a *Activities) ClaimVGPU(ctx context.Context, req *vmflowv1.ClaimVGPUReque
 		return nil, err
 	}
 	defer done()
+	if err := spec.CheckBound("vgpu_profile", req.GetVgpuProfile()); err != nil {
+		return nil, classify(fmt.Errorf("claim vGPU: %w", err))
+	}
 	if a.GPUs == nil {
 		return nil, classify(fmt.Errorf("vgpu_profile %q: %w: this host has no vGPUs", req.GetVgpuProfile(), spec.ErrInvalid))
 	}
@@ -231,7 +251,9 @@ func mdevUUID(c *vmflowv1.GpuClaim) string {
 
 // LaunchVM starts the instance's QEMU (with its vGPU, when claimed) and
 // returns once QMP says running. A VM already running for the instance is
-// returned as it is.
+// returned as it is. Before the fork the record is admitted against the
+// host's current policy (spec.PrepareLaunch): a refusal is a non-retryable
+// AdmissionRefused, with nothing opened or started.
 //
 // With existing_only it starts nothing: a spawn that found another spawn's
 // record asks only whether that instance runs as asked, and any other
@@ -312,6 +334,14 @@ func (a *Activities) BeginDelete(ctx context.Context, req *vmflowv1.BeginDeleteR
 		return nil, err
 	}
 	defer done()
+	for _, f := range []struct{ field, v string }{
+		{"only_if_created_by_workflow_id", req.GetOnlyIfCreatedByWorkflowId()},
+		{"only_if_created_by_run_id", req.GetOnlyIfCreatedByRunId()},
+	} {
+		if err := spec.CheckBound(f.field, f.v); err != nil {
+			return nil, classify(fmt.Errorf("begin delete: %w", err))
+		}
+	}
 	l, err := a.Store.Lock(ctx, req.GetInstanceId())
 	if err != nil {
 		return nil, classify(fmt.Errorf("begin delete: %w", err))
@@ -517,6 +547,9 @@ func (a *Activities) DeleteRecord(ctx context.Context, ref *vmflowv1.InstanceRef
 
 // ReconcileHost runs one vGPU reconcile round over this host.
 func (a *Activities) ReconcileHost(ctx context.Context, req *vmflowv1.ReconcileVGPURequest) (*vmflowv1.ReconcileVGPUResult, error) {
+	if err := store.ValidateID(req.GetHostId()); err != nil {
+		return nil, classify(fmt.Errorf("reconcile: host_id: %w", err))
+	}
 	if a.GPUs == nil {
 		return &vmflowv1.ReconcileVGPUResult{}, nil
 	}

@@ -57,6 +57,13 @@ type hostEnv struct {
 // dir, a supervisor running real QEMU, vGPU claims over the simulator.
 func newHost(t *testing.T) *hostEnv {
 	t.Helper()
+	return newHostPolicy(t, nil)
+}
+
+// newHostPolicy is newHost with the host's admission policy changed by
+// policy (nil: the machine's own, no image roots).
+func newHostPolicy(t *testing.T, policy func(*spec.Host)) *hostEnv {
+	t.Helper()
 	vmmtest.RequiresQEMU(t)
 	h := &hostEnv{sim: simtest.Start(t, vgpusim.Options{MdevParents: 1})}
 	dir := vmmtest.ShortDir(t, "ac")
@@ -75,8 +82,11 @@ func newHost(t *testing.T) *hostEnv {
 	require.NoError(t, err)
 	host, err := spec.SystemHost(nil, claims.Profiles)
 	require.NoError(t, err)
+	if policy != nil {
+		policy(&host)
+	}
 	h.acts = &Activities{Store: h.st, Host: host, GPUs: claims, AttachVGPU: false, DefaultGraceful: time.Second, Logger: log}
-	sup, err := supervise.New(supervise.Config{Store: h.st, Logger: log, GracefulTimeout: time.Second, PrepareLaunch: spec.PrepareLaunch(claims, false)})
+	sup, err := supervise.New(supervise.Config{Store: h.st, Logger: log, GracefulTimeout: time.Second, PrepareLaunch: spec.PrepareLaunch(host, claims, false)})
 	require.NoError(t, err)
 	t.Cleanup(func() { sup.Close() })
 	h.acts.Supervisor = sup

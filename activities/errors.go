@@ -62,7 +62,12 @@ func classify(err error) error {
 		return temporal.NewApplicationErrorWithOptions(err.Error(), typ, temporal.ApplicationErrorOptions{})
 	}
 	switch {
-	case errors.Is(err, spec.ErrInvalid), errors.Is(err, store.ErrInvalidID), errors.Is(err, vmm.ErrInvalidSpec):
+	case errors.Is(err, spec.ErrAdmissionRefused):
+		// Before ErrInvalid, which its field errors also match: a launch
+		// refused by the host's policy, not a bad request.
+		return nonRetryable(workflows.ErrTypeAdmissionRefused)
+	case errors.Is(err, spec.ErrInvalid), errors.Is(err, store.ErrInvalidID), errors.Is(err, vmm.ErrInvalidSpec),
+		errors.Is(err, store.ErrRecordTooLarge):
 		return nonRetryable(workflows.ErrTypeInvalidInput)
 	case errors.Is(err, store.ErrConflict):
 		return nonRetryable(workflows.ErrTypeConflict)

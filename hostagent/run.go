@@ -146,11 +146,13 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 	sup, err := supervise.New(supervise.Config{
 		Store: st, QEMU: cfg.QEMU, Logger: log,
 		GracefulTimeout: cfg.GracefulTimeout, GroupExitCap: cfg.GroupExitCap,
-		// Before every launch and restart: the vGPU device made sure of
-		// (re-created after a reboot), then QEMU's spec from the record.
-		PrepareLaunch: spec.PrepareLaunch(devs, cfg.VGPUAttach),
+		// Before every launch and restart: the record admitted against
+		// this host's policy, the vGPU device made sure of (re-created
+		// after a reboot), then QEMU's spec from the record.
+		PrepareLaunch: spec.PrepareLaunch(host, devs, cfg.VGPUAttach),
 		RunAs:         runAs, RunWith: runWith,
-		OnExitRecorded: func(d time.Duration) { am.ExitDetect.Observe(d.Seconds()) },
+		OnExitRecorded:   func(d time.Duration) { am.ExitDetect.Observe(d.Seconds()) },
+		OnRestartRefused: am.RestartsRefused.Inc,
 	})
 	if err != nil {
 		return err

@@ -91,6 +91,11 @@ const (
 	// message says why ("abandon refused: host h1 is reachable (stage
 	// stopping)").
 	ErrTypeRefused = "Refused"
+	// The host's admission policy refused to launch a recorded instance:
+	// its spec is outside the policy the agent runs with now (an image
+	// root removed, a lower maximum), or the record was written by a
+	// caller that skipped admission. Nothing was started or opened.
+	ErrTypeAdmissionRefused = "AdmissionRefused"
 )
 
 // Search attributes that make stuck work findable in the Web UI.

@@ -61,7 +61,10 @@ func (t *tracker) registerUpdates(ctx workflow.Context) error {
 		func(ctx workflow.Context, req *vmflowv1.RetrySignal) (*vmflowv1.WorkflowStatus, error) {
 			return t.operate(ctx, &operatorOp{kind: opRetry, reason: req.GetReason()})
 		},
-		workflow.UpdateHandlerOptions{Validator: func(_ workflow.Context, _ *vmflowv1.RetrySignal) error {
+		workflow.UpdateHandlerOptions{Validator: func(_ workflow.Context, req *vmflowv1.RetrySignal) error {
+			if err := reasonRefusal(RetryUpdate, req.GetReason()); err != nil {
+				return err
+			}
 			return t.retryRefusal()
 		}})
 	if err != nil {
@@ -72,6 +75,9 @@ func (t *tracker) registerUpdates(ctx workflow.Context) error {
 			return t.operate(ctx, &operatorOp{kind: opAbandon, reason: req.GetReason()})
 		},
 		workflow.UpdateHandlerOptions{Validator: func(_ workflow.Context, req *vmflowv1.AbandonSignal) error {
+			if err := reasonRefusal(AbandonUpdate, req.GetReason()); err != nil {
+				return err
+			}
 			return t.abandonRefusal(req.GetReason())
 		}})
 	if err != nil {
@@ -84,6 +90,20 @@ func (t *tracker) registerUpdates(ctx workflow.Context) error {
 // the one callers branch on, its message the reason for the operator.
 func refused(format string, args ...any) error {
 	return temporal.NewNonRetryableApplicationError(fmt.Sprintf(format, args...), ErrTypeRefused, nil)
+}
+
+// MaxReasonBytes bounds an operator's reason: it is kept in the workflow's
+// status, its result and the Web UI's details, and every payload counts
+// against the history's size limit.
+const MaxReasonBytes = 1024
+
+// reasonRefusal refuses an update whose reason is longer than
+// MaxReasonBytes. A validator's check, so a refused update is not recorded.
+func reasonRefusal(update, reason string) error {
+	if len(reason) > MaxReasonBytes {
+		return refused("%s refused: the reason is %d bytes, longer than %d", update, len(reason), MaxReasonBytes)
+	}
+	return nil
 }
 
 // retryRefusal says why a retry cannot act now: only a wait (a backoff

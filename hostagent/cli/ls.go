@@ -119,6 +119,14 @@ func (in *Instance) checkRecord(rec *vmflowv1.InstanceRecord, now time.Time) {
 	if rec.GetState() == vmflowv1.InstanceState_INSTANCE_STATE_DELETING && store.ClaimHeld(rec) {
 		in.attention(fmt.Sprintf("being deleted with its vGPU claim still held (phase %s)", in.ClaimPhase))
 	}
+	if r := rec.GetNeedsAttention(); r != "" {
+		// Written by the agent when it stopped acting by itself (a restart
+		// the host's admission policy refused).
+		if at := rec.GetNeedsAttentionAt(); at != nil {
+			r += fmt.Sprintf(" (%s ago)", fmtAge(now.Sub(at.AsTime())))
+		}
+		in.attention(r)
+	}
 	if ls := rec.GetLaunchStartedAt(); ls != nil && rec.GetProcess() == nil {
 		in.attention(fmt.Sprintf("launch marker without a process (set %s ago): a QEMU may run that the record does not name; the agent adopts or kills it at re-attach",
 			fmtAge(now.Sub(ls.AsTime()))))
@@ -239,7 +247,8 @@ QEMU pid and whether that process (pid, start time and boot id) is alive,
 the vGPU claim's phase and device, age, and why the instance needs attention
 (an unreadable record, a failed vGPU release, a launch marker without a
 process, a claim held by a record being deleted, a recorded process that is
-gone, a device claimed twice). A record that cannot be read is listed as
+gone, a device claimed twice, a restart the host's admission policy
+refused). A record that cannot be read is listed as
 "unreadable" with its path; it never hides the others.
 
 Read-only and lock-free: safe while the agent runs (records are replaced by

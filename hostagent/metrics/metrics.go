@@ -26,6 +26,10 @@ type Agent struct {
 	// (--vgpu-driver=none on a host whose records hold claims): their
 	// deletes park needing attention until the agent runs with a driver.
 	ClaimsUnserved prometheus.Gauge
+	// RestartsRefused counts restarts the host's admission policy refused
+	// (the recorded spec is outside the policy the agent runs with): each
+	// leaves its instance needing attention.
+	RestartsRefused prometheus.Counter
 }
 
 // New registers the agent's metrics with reg. st, when not nil, backs the
@@ -60,6 +64,10 @@ func New(reg prometheus.Registerer, st *store.Store) (*Agent, error) {
 			Name: "vmflow_vgpu_claims_unserved",
 			Help: "Held vGPU claims this agent cannot release because it runs without a vGPU driver.",
 		}),
+		RestartsRefused: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "vmflow_restarts_refused_total",
+			Help: "Restarts refused because the host's admission policy no longer admits the instance's recorded spec.",
+		}),
 	}
 	// The errnos a sysfs release is known to fail with (FACTS: mdev remove
 	// EAGAIN/ENODEV, old kernels EBUSY; EIO from a wedged driver) exist at 0
@@ -69,7 +77,7 @@ func New(reg prometheus.Registerer, st *store.Store) (*Agent, error) {
 	for _, errno := range []string{"EAGAIN", "EBUSY", "EIO", "ENODEV"} {
 		a.ReleaseFailures.WithLabelValues(errno)
 	}
-	cs := []prometheus.Collector{a.StopDuration, a.ExitDetect, a.LaunchDuration, a.ReleaseFailures, a.Reattach, a.ClaimsUnserved}
+	cs := []prometheus.Collector{a.StopDuration, a.ExitDetect, a.LaunchDuration, a.ReleaseFailures, a.Reattach, a.ClaimsUnserved, a.RestartsRefused}
 	if st != nil {
 		cs = append(cs, &storeCollector{st: st})
 	}

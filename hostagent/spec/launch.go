@@ -24,14 +24,19 @@ var ErrNoVGPUDriver = errors.New("the instance holds a vGPU claim and this agent
 
 // PrepareLaunch returns the supervisor's Config.PrepareLaunch for a host:
 // before every launch and every restart, under the instance lock, the
-// record's vGPU device is made sure of (missing after a host reboot: re-created
+// record is admitted against the host's current policy (h.AdmitRecord: a
+// refusal wraps ErrAdmissionRefused, and nothing is opened, created or
+// started), then the record's vGPU device is made sure of (missing after a host reboot: re-created
 // under the same UUID or on the same VF, or the launch fails naming the
 // claim), then QEMU's spec is built from the record with the device
 // attached when attach is set (vgpu-sim devices cannot be opened by QEMU).
 // devs is nil on a host without vGPUs; a record holding a claim is then
 // refused with ErrNoVGPUDriver rather than started without its GPU.
-func PrepareLaunch(devs Devices, attach bool) func(context.Context, *store.Locked, *vmflowv1.InstanceRecord) (vmm.VMSpec, error) {
+func PrepareLaunch(h Host, devs Devices, attach bool) func(context.Context, *store.Locked, *vmflowv1.InstanceRecord) (vmm.VMSpec, error) {
 	return func(ctx context.Context, l *store.Locked, rec *vmflowv1.InstanceRecord) (vmm.VMSpec, error) {
+		if err := h.AdmitRecord(ctx, rec); err != nil {
+			return vmm.VMSpec{}, err
+		}
 		if !store.ClaimHeld(rec) {
 			if rec.GetSpec().GetVgpuProfile() != "" {
 				// The spawn's claim has not been made (or was released):

@@ -1,5 +1,6 @@
-// Package spec admits a spawn request on this host: it checks every field
-// that will reach a path, an argv or a sysfs write against the host (image
+// Package spec admits a spawn request on this host, and a recorded instance
+// again before every launch and restart: it checks every field that will
+// reach a path, an argv or a sysfs write against the host (bounds, image
 // roots, size, the vGPU profiles it offers), and turns an admitted request
 // into the record's spec and QEMU's typed spec.
 //
@@ -104,36 +105,97 @@ func memTotalMiB() (uint32, error) {
 	return 0, fmt.Errorf("host memory: no MemTotal in /proc/meminfo")
 }
 
+// ErrAdmissionRefused: this host's current policy does not admit a recorded
+// instance (AdmitRecord). The record was admitted when it was written, so
+// the policy changed since (an image root removed, a lower maximum), or the
+// record was written by someone who skipped admission; either way nothing
+// is started for it. Refusals also match ErrInvalid through their
+// FieldErrors.
+var ErrAdmissionRefused = errors.New("refused by this host's admission policy")
+
 // Validate checks req against the host. It returns every field error found,
 // joined, each matching ErrInvalid; a failure to list the host's profiles is
-// returned as is (retryable: the request may be fine).
+// returned as is (retryable: the request may be fine). The checks are the
+// ones AdmitRecord runs on a record (admit), plus host_id and the vGPU
+// profile against the profiles the host offers now.
 func (h Host) Validate(ctx context.Context, req *vmflowv1.SpawnRequest) error {
 	if req == nil {
 		return &FieldError{"request", "empty"}
 	}
 	var errs []error
+	if err := CheckBound("host_id", req.GetHostId()); err != nil {
+		errs = append(errs, err)
+	} else if err := store.ValidateID(req.GetHostId()); err != nil {
+		errs = append(errs, &FieldError{"host_id", fmt.Sprintf("%q does not match %s", req.GetHostId(), store.IDPattern)})
+	}
+	fieldErrs, err := h.admit(ctx, req.GetInstanceId(), req.GetRestartPolicy(), RecordSpec(req), true)
+	if err != nil {
+		return err
+	}
+	return errors.Join(append(errs, fieldErrs...)...)
+}
+
+// AdmitRecord checks a recorded instance against this host's current
+// policy with the checks Validate runs on a spawn request (admit): before
+// every launch and restart, since the record may have been admitted under
+// an older policy (an image root since removed, a lower maximum) or written
+// by a caller that skipped admission. The vGPU profile is bounded but not
+// listed again: a held claim's device is what the launch attaches, and
+// PrepareLaunch makes sure of it. A refusal wraps ErrAdmissionRefused and
+// every FieldError found.
+func (h Host) AdmitRecord(ctx context.Context, rec *vmflowv1.InstanceRecord) error {
+	if rec == nil || rec.GetSpec() == nil {
+		return fmt.Errorf("%w: %w", ErrAdmissionRefused, &FieldError{"spec", "the record has none"})
+	}
+	fieldErrs, err := h.admit(ctx, rec.GetId(), rec.GetRestartPolicy(), rec.GetSpec(), false)
+	if err == nil && len(fieldErrs) > 0 {
+		err = errors.Join(fieldErrs...)
+	}
+	if err != nil {
+		return fmt.Errorf("instance %s %w: %w", rec.GetId(), ErrAdmissionRefused, err)
+	}
+	return nil
+}
+
+// admit is the one list of admission checks, for a spawn request (as the
+// record spec it becomes) and a record alike. It returns the field errors
+// found; err is a failure to list the host's vGPU profiles (only with
+// listProfiles), which says nothing about the request.
+func (h Host) admit(ctx context.Context, id, restartPolicy string, s *vmflowv1.VMSpec, listProfiles bool) (fieldErrs []error, err error) {
+	var errs []error
 	bad := func(field, format string, args ...any) {
 		errs = append(errs, &FieldError{field, fmt.Sprintf(format, args...)})
 	}
-	if err := store.ValidateID(req.GetInstanceId()); err != nil {
-		bad("instance_id", "%q does not match %s", req.GetInstanceId(), store.IDPattern)
+	// Bounds first: nothing else looks at (or resolves) an oversized value.
+	for _, f := range []struct{ field, v string }{
+		{"machine", s.GetMachine()}, {"accel", s.GetAccel()}, {"restart_policy", restartPolicy},
+		{"kernel", s.GetKernel()}, {"initrd", s.GetInitrd()}, {"cmdline", s.GetCmdline()},
+		{"disk", s.GetDisk()}, {"vgpu_profile", s.GetVgpuProfile()}, {"uuid", s.GetUuid()},
+		{"instance_id", id},
+	} {
+		if err := CheckBound(f.field, f.v); err != nil {
+			errs = append(errs, err)
+		}
 	}
-	if err := store.ValidateID(req.GetHostId()); err != nil {
-		bad("host_id", "%q does not match %s", req.GetHostId(), store.IDPattern)
+	if len(errs) > 0 {
+		return errs, nil
+	}
+	if err := store.ValidateID(id); err != nil {
+		bad("instance_id", "%q does not match %s", id, store.IDPattern)
 	}
 	switch {
-	case req.GetVcpus() == 0:
+	case s.GetVcpus() == 0:
 		bad("vcpus", "must be at least 1")
-	case req.GetVcpus() > h.MaxVCPUs:
-		bad("vcpus", "%d exceeds this host's %d CPUs", req.GetVcpus(), h.MaxVCPUs)
-	case req.GetMachine() == "none" && req.GetVcpus() != 1:
+	case s.GetVcpus() > h.MaxVCPUs:
+		bad("vcpus", "%d exceeds this host's %d CPUs", s.GetVcpus(), h.MaxVCPUs)
+	case s.GetMachine() == "none" && s.GetVcpus() != 1:
 		bad("vcpus", "machine \"none\" has exactly 1 vCPU")
 	}
 	switch {
-	case req.GetMemoryMib() == 0:
+	case s.GetMemoryMib() == 0:
 		bad("memory_mib", "must be at least 1")
-	case req.GetMemoryMib() > h.MaxMemoryMiB:
-		bad("memory_mib", "%d exceeds this host's %d MiB", req.GetMemoryMib(), h.MaxMemoryMiB)
+	case s.GetMemoryMib() > h.MaxMemoryMiB:
+		bad("memory_mib", "%d exceeds this host's %d MiB", s.GetMemoryMib(), h.MaxMemoryMiB)
 	}
 	oneOf := func(field, v string, allowed []string, emptyOK bool) {
 		if (v == "" && emptyOK) || slices.Contains(allowed, v) {
@@ -141,11 +203,11 @@ func (h Host) Validate(ctx context.Context, req *vmflowv1.SpawnRequest) error {
 		}
 		bad(field, "%q is not one of %s", v, strings.Join(allowed, ", "))
 	}
-	oneOf("machine", req.GetMachine(), Machines, false)
-	oneOf("accel", req.GetAccel(), Accels, true)
-	oneOf("restart_policy", req.GetRestartPolicy(), RestartPolicys, true)
+	oneOf("machine", s.GetMachine(), Machines, false)
+	oneOf("accel", s.GetAccel(), Accels, true)
+	oneOf("restart_policy", restartPolicy, RestartPolicys, true)
 
-	for _, p := range []struct{ field, path string }{{"kernel", req.GetKernel()}, {"initrd", req.GetInitrd()}, {"disk", req.GetDisk()}} {
+	for _, p := range []struct{ field, path string }{{"kernel", s.GetKernel()}, {"initrd", s.GetInitrd()}, {"disk", s.GetDisk()}} {
 		if p.path == "" {
 			continue
 		}
@@ -153,22 +215,22 @@ func (h Host) Validate(ctx context.Context, req *vmflowv1.SpawnRequest) error {
 			bad(p.field, "%v", err)
 		}
 	}
-	if req.GetInitrd() != "" && req.GetKernel() == "" {
+	if s.GetInitrd() != "" && s.GetKernel() == "" {
 		bad("initrd", "needs kernel")
 	}
-	if req.GetCmdline() != "" && req.GetKernel() == "" {
+	if s.GetCmdline() != "" && s.GetKernel() == "" {
 		bad("cmdline", "needs kernel")
 	}
-	if strings.ContainsRune(req.GetCmdline(), 0) || strings.ContainsAny(req.GetCmdline(), "\n") {
+	if strings.ContainsAny(s.GetCmdline(), "\x00\n\r") {
 		bad("cmdline", "must be one line of text")
 	}
-	if p := req.GetVgpuProfile(); p != "" {
+	if p := s.GetVgpuProfile(); p != "" && listProfiles {
 		if h.Profiles == nil {
 			bad("vgpu_profile", "%q: this host has no vGPUs", p)
 		} else {
 			offered, err := h.Profiles(ctx)
 			if err != nil {
-				return fmt.Errorf("list vGPU profiles: %w", err)
+				return nil, fmt.Errorf("list vGPU profiles: %w", err)
 			}
 			if !slices.Contains(offered, p) {
 				bad("vgpu_profile", "%q is not offered by this host (offered: %s)", p, strings.Join(offered, ", "))
@@ -178,11 +240,11 @@ func (h Host) Validate(ctx context.Context, req *vmflowv1.SpawnRequest) error {
 	if len(errs) == 0 {
 		// vmm's own check catches what the above does not know about
 		// (QEMU limits); its message names the spec field.
-		if err := ForRecord(&vmflowv1.InstanceRecord{Id: req.GetInstanceId(), Spec: RecordSpec(req)}, "").Validate(); err != nil {
+		if err := ForRecord(&vmflowv1.InstanceRecord{Id: id, Spec: s}, "").Validate(); err != nil {
 			bad("request", "%v", err)
 		}
 	}
-	return errors.Join(errs...)
+	return errs, nil
 }
 
 // checkImage admits a path only if it is absolute, clean, and, with every

@@ -33,6 +33,11 @@ var (
 	// ErrInvalidRecord: a record failed to decode or breaks a rule of the
 	// store (wrong id, unknown enum value, missing spec, ...).
 	ErrInvalidRecord = errors.New("invalid instance record")
+	// ErrRecordTooLarge: a write was refused, with nothing written, because
+	// the encoded record would be larger than the store reads back: a
+	// record written anyway could never be read again, and its instance
+	// never deleted.
+	ErrRecordTooLarge = errors.New("instance record too large")
 	// ErrBusy: the instance's lock could not be taken before the context
 	// ended; another goroutine or agent is working on it. The error also
 	// wraps the context's error.

@@ -107,14 +107,6 @@ func (l *Locked) Create(want *vmflowv1.InstanceRecord) (*vmflowv1.InstanceRecord
 		return nil, fmt.Errorf("create instance %s: %w", l.id, err)
 	}
 
-	if err := os.Mkdir(l.paths.Dir, 0o700); err != nil && !errors.Is(err, fs.ErrExist) {
-		return nil, fmt.Errorf("create instance %s: %w", l.id, err)
-	}
-	// The new directory entry must be durable before a record in it counts.
-	if err := syncDir(l.s.instances); err != nil {
-		return nil, fmt.Errorf("create instance %s: %w", l.id, err)
-	}
-	crashpoint.Hit(crashpoint.StoreCreateDir)
 	now := timestamppb.Now()
 	rec := &vmflowv1.InstanceRecord{
 		Id:                        l.id,
@@ -128,6 +120,19 @@ func (l *Locked) Create(want *vmflowv1.InstanceRecord) (*vmflowv1.InstanceRecord
 		CreatedAt:                 now,
 		UpdatedAt:                 now,
 	}
+	// A record too large to read back is refused before its directory
+	// exists: nothing is left behind.
+	if _, err := encodeForWrite(rec); err != nil {
+		return nil, fmt.Errorf("create instance %s: %w", l.id, err)
+	}
+	if err := os.Mkdir(l.paths.Dir, 0o700); err != nil && !errors.Is(err, fs.ErrExist) {
+		return nil, fmt.Errorf("create instance %s: %w", l.id, err)
+	}
+	// The new directory entry must be durable before a record in it counts.
+	if err := syncDir(l.s.instances); err != nil {
+		return nil, fmt.Errorf("create instance %s: %w", l.id, err)
+	}
+	crashpoint.Hit(crashpoint.StoreCreateDir)
 	if err := l.write(rec); err != nil {
 		return nil, fmt.Errorf("create instance %s: %w", l.id, err)
 	}
@@ -204,9 +209,10 @@ func (l *Locked) Transition(to vmflowv1.InstanceState) (*vmflowv1.InstanceRecord
 }
 
 // write stores rec atomically. Under the lock no other writer has a temp file
-// in flight, so leftovers of a crashed writer are removed first.
+// in flight, so leftovers of a crashed writer are removed first. A record
+// too large to read back is refused with the old one left as it was.
 func (l *Locked) write(rec *vmflowv1.InstanceRecord) error {
-	b, err := EncodeRecord(rec)
+	b, err := encodeForWrite(rec)
 	if err != nil {
 		return err
 	}

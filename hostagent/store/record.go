@@ -12,7 +12,9 @@ import (
 )
 
 // maxRecordSize bounds what the store reads back: a record is a few hundred
-// bytes, so anything near this is not a record and must not be slurped.
+// bytes, so anything near this is not a record and must not be slurped. The
+// writers refuse to write more (encodeForWrite): what is written must be
+// readable.
 const maxRecordSize = 1 << 20
 
 var (
@@ -32,6 +34,19 @@ func EncodeRecord(rec *vmflowv1.InstanceRecord) ([]byte, error) {
 		return nil, fmt.Errorf("encode record %s: %w", quoteID(rec.GetId()), err)
 	}
 	return append(b, '\n'), nil
+}
+
+// encodeForWrite encodes rec for the disk, refusing (ErrRecordTooLarge) a
+// record DecodeRecord would refuse for its size.
+func encodeForWrite(rec *vmflowv1.InstanceRecord) ([]byte, error) {
+	b, err := EncodeRecord(rec)
+	if err != nil {
+		return nil, err
+	}
+	if len(b) > maxRecordSize {
+		return nil, fmt.Errorf("%w: %d bytes encoded, larger than the %d the store reads back", ErrRecordTooLarge, len(b), maxRecordSize)
+	}
+	return b, nil
 }
 
 // DecodeRecord parses record.json content strictly and validates it with

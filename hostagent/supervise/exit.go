@@ -3,6 +3,7 @@ package supervise
 import (
 	"bytes"
 	"context"
+	"errors"
 	"os"
 	"strconv"
 	"time"
@@ -11,6 +12,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"vmflow/hostagent/proc"
+	"vmflow/hostagent/spec"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vmm"
 	vmflowv1 "vmflow/proto/vmflow/v1"
@@ -282,6 +284,10 @@ func (s *Supervisor) restart(in *instance, gen uint64) {
 	log := in.log.With(zap.Uint32("restart_count", attempt))
 	log.Info("restarting")
 	vm, err := s.launchLocked(ctx, l, in, rec)
+	if errors.Is(err, spec.ErrAdmissionRefused) {
+		s.refuseRestartLocked(l, in, attempt-1, err)
+		return
+	}
 	if err != nil {
 		// A failed restart is an attempt: the policy decides again with the
 		// higher count (so the backoff doubles), from now.
@@ -294,6 +300,28 @@ func (s *Supervisor) restart(in *instance, gen uint64) {
 	in.setVM(vm)
 	s.watch(in, vm)
 	log.Info("restarted", zap.Int("pid", vm.Identity().PID))
+}
+
+// refuseRestartLocked records a restart the host's admission policy
+// refused: needs_attention says so (last_error was written by launchLocked),
+// and the restart count goes back to count, since nothing was started. No
+// restart is scheduled: the policy is the agent's configuration, which
+// changes only with a new agent, whose re-attach applies the restart policy
+// again (and admits again).
+func (s *Supervisor) refuseRestartLocked(l *store.Locked, in *instance, count uint32, cause error) {
+	in.log.Error("restart refused by the host's admission policy; not restarting until an agent runs with a policy that admits it",
+		zap.Error(cause))
+	if _, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
+		r.RestartCount = count
+		r.NeedsAttention = "restart refused: " + cause.Error()
+		r.NeedsAttentionAt = s.ts()
+		return nil
+	}); err != nil {
+		in.log.Error("restart refused: cannot record it", zap.Error(err))
+	}
+	if s.cfg.OnRestartRefused != nil {
+		s.cfg.OnRestartRefused()
+	}
 }
 
 // cleanupFiles removes a QMP socket nobody listens on and a pidfile still

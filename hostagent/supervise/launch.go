@@ -282,6 +282,8 @@ func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *inst
 				r.LastStart = s.ts()
 				r.StopStep, r.StopStepAt = vmflowv1.StopStep_STOP_STEP_NONE, nil
 				r.LastError = ""
+				// Admitted and started: a refusal recorded earlier is over.
+				r.NeedsAttention, r.NeedsAttentionAt = "", nil
 				return nil
 			}); err != nil {
 				return err

@@ -69,13 +69,22 @@ type Config struct {
 	// agent's vmflow_exit_detect_seconds. It runs on the watcher goroutine
 	// and must not block.
 	OnExitRecorded func(detect time.Duration)
+	// OnRestartRefused, when set, is called after a restart was refused
+	// because PrepareLaunch's admission no longer admits the record
+	// (spec.ErrAdmissionRefused) and the refusal is written to the record:
+	// the agent's vmflow_restarts_refused_total. It must not block.
+	OnRestartRefused func()
 
 	// PrepareLaunch returns the QEMU spec of the locked instance rec. It is
 	// called under the instance lock before every launch, the first and
 	// every restart alike, so what it checks or sets up (admission, a vGPU
 	// device that must exist) holds when QEMU starts. It may update the
-	// record through l. Default: DefaultPrepareLaunch, which refuses a
-	// record with a vGPU.
+	// record through l. An error wrapping spec.ErrAdmissionRefused stops a
+	// restart for good: the record gets last_error and needs_attention and
+	// nothing is rescheduled (the policy will not change until the agent
+	// restarts). Default: DefaultPrepareLaunch, which admits nothing
+	// against a host policy and refuses a record with a vGPU: the agent
+	// sets spec.PrepareLaunch.
 	PrepareLaunch func(ctx context.Context, l *store.Locked, rec *vmflowv1.InstanceRecord) (vmm.VMSpec, error)
 	// Now stamps records (time.Now when nil).
 	Now func() time.Time

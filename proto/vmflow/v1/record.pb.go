@@ -600,9 +600,19 @@ type InstanceRecord struct {
 	// adoption requires /proc/<pid>/environ to carry it: a command line can be
 	// copied by anyone, this value only by whoever read the record or QEMU's
 	// memory. Empty on a marker written by an agent older than the field.
-	LaunchNonce   string `protobuf:"bytes,22,opt,name=launch_nonce,json=launchNonce,proto3" json:"launch_nonce,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	LaunchNonce string `protobuf:"bytes,22,opt,name=launch_nonce,json=launchNonce,proto3" json:"launch_nonce,omitempty"`
+	// Why the agent stopped acting on the instance by itself and an operator
+	// must look: set (with last_error) when a restart was refused because
+	// the host's current admission policy no longer admits the recorded spec
+	// (an image root removed, a lower maximum). The restart policy then
+	// schedules nothing more until an agent runs with a policy that admits
+	// it; the next launch that passes admission clears it. Shown by ls and
+	// show.
+	NeedsAttention string `protobuf:"bytes,23,opt,name=needs_attention,json=needsAttention,proto3" json:"needs_attention,omitempty"`
+	// When needs_attention was set.
+	NeedsAttentionAt *timestamppb.Timestamp `protobuf:"bytes,24,opt,name=needs_attention_at,json=needsAttentionAt,proto3" json:"needs_attention_at,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *InstanceRecord) Reset() {
@@ -789,6 +799,20 @@ func (x *InstanceRecord) GetLaunchNonce() string {
 	return ""
 }
 
+func (x *InstanceRecord) GetNeedsAttention() string {
+	if x != nil {
+		return x.NeedsAttention
+	}
+	return ""
+}
+
+func (x *InstanceRecord) GetNeedsAttentionAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.NeedsAttentionAt
+	}
+	return nil
+}
+
 var File_vmflow_v1_record_proto protoreflect.FileDescriptor
 
 const file_vmflow_v1_record_proto_rawDesc = "" +
@@ -826,7 +850,7 @@ const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\n" +
 	"claimed_at\x18\n" +
 	" \x01(\v2\x1a.google.protobuf.TimestampR\tclaimedAt\x12\x16\n" +
-	"\x06driver\x18\v \x01(\tR\x06driver\"\xb2\b\n" +
+	"\x06driver\x18\v \x01(\tR\x06driver\"\xa5\t\n" +
 	"\x0eInstanceRecord\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12%\n" +
 	"\x04spec\x18\x02 \x01(\v2\x11.vmflow.v1.VMSpecR\x04spec\x12%\n" +
@@ -855,7 +879,9 @@ const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\x16created_by_workflow_id\x18\x13 \x01(\tR\x13createdByWorkflowId\x12)\n" +
 	"\x11created_by_run_id\x18\x14 \x01(\tR\x0ecreatedByRunId\x12F\n" +
 	"\x11launch_started_at\x18\x15 \x01(\v2\x1a.google.protobuf.TimestampR\x0flaunchStartedAt\x12!\n" +
-	"\flaunch_nonce\x18\x16 \x01(\tR\vlaunchNonce*\xc3\x01\n" +
+	"\flaunch_nonce\x18\x16 \x01(\tR\vlaunchNonce\x12'\n" +
+	"\x0fneeds_attention\x18\x17 \x01(\tR\x0eneedsAttention\x12H\n" +
+	"\x12needs_attention_at\x18\x18 \x01(\v2\x1a.google.protobuf.TimestampR\x10needsAttentionAt*\xc3\x01\n" +
 	"\rInstanceState\x12\x1e\n" +
 	"\x1aINSTANCE_STATE_UNSPECIFIED\x10\x00\x12\x1b\n" +
 	"\x17INSTANCE_STATE_CREATING\x10\x01\x12\x1a\n" +
@@ -915,11 +941,12 @@ var file_vmflow_v1_record_proto_depIdxs = []int32{
 	7,  // 11: vmflow.v1.InstanceRecord.created_at:type_name -> google.protobuf.Timestamp
 	7,  // 12: vmflow.v1.InstanceRecord.updated_at:type_name -> google.protobuf.Timestamp
 	7,  // 13: vmflow.v1.InstanceRecord.launch_started_at:type_name -> google.protobuf.Timestamp
-	14, // [14:14] is the sub-list for method output_type
-	14, // [14:14] is the sub-list for method input_type
-	14, // [14:14] is the sub-list for extension type_name
-	14, // [14:14] is the sub-list for extension extendee
-	0,  // [0:14] is the sub-list for field type_name
+	7,  // 14: vmflow.v1.InstanceRecord.needs_attention_at:type_name -> google.protobuf.Timestamp
+	15, // [15:15] is the sub-list for method output_type
+	15, // [15:15] is the sub-list for method input_type
+	15, // [15:15] is the sub-list for extension type_name
+	15, // [15:15] is the sub-list for extension extendee
+	0,  // [0:15] is the sub-list for field type_name
 }
 
 func init() { file_vmflow_v1_record_proto_init() }

@@ -1,0 +1,186 @@
+package spec
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
+
+	"vmflow/hostagent/store"
+	vmflowv1 "vmflow/proto/vmflow/v1"
+)
+
+// TestCmdlineBound: the kernel's boot header holds 2047 bytes of command
+// line. Fails before the bound (any length passed).
+func TestCmdlineBound(t *testing.T) {
+	h, root := testHost(t)
+	r := good(root)
+	r.Cmdline = strings.Repeat("x", MaxCmdlineBytes)
+	assert.NoError(t, h.Validate(context.Background(), r))
+	r.Cmdline += "x"
+	err := h.Validate(context.Background(), r)
+	require.ErrorIs(t, err, ErrInvalid)
+	assert.Contains(t, err.Error(), "cmdline: 2048 bytes, longer than 2047")
+}
+
+// oversized sets every string field of m to a 1 MiB value and returns the
+// field names; each must then be refused by name, with a short message
+// (an oversized value is never quoted back).
+func oversizedFields(t *testing.T, m proto.Message, check func(field string) error) {
+	t.Helper()
+	fields := m.ProtoReflect().Descriptor().Fields()
+	for i := 0; i < fields.Len(); i++ {
+		f := fields.Get(i)
+		if f.Kind() != protoreflect.StringKind || f.IsList() {
+			continue
+		}
+		name := string(f.Name())
+		err := check(name)
+		if !assert.Error(t, err, "%s: a 1 MiB value was accepted", name) {
+			continue
+		}
+		assert.ErrorIs(t, err, ErrInvalid, name)
+		assert.Contains(t, err.Error(), name+":", "the refusal names the field")
+		assert.Less(t, len(err.Error()), 4096, "%s: the refusal quotes the value back", name)
+	}
+}
+
+func setString(m proto.Message, field, v string) {
+	r := m.ProtoReflect()
+	r.Set(r.Descriptor().Fields().ByName(protoreflect.Name(field)), protoreflect.ValueOfString(v))
+}
+
+// TestEveryStringFieldIsBounded walks the descriptors, so a string field
+// added later is covered without a change here: each of SpawnRequest's and
+// VMSpec's string fields, 1 MiB long, is refused by name with a short
+// message. Fails before the bounds (paths were resolved and quoted whole).
+func TestEveryStringFieldIsBounded(t *testing.T) {
+	h, root := testHost(t)
+	huge := strings.Repeat("a", 1<<20)
+	oversizedFields(t, &vmflowv1.SpawnRequest{}, func(field string) error {
+		r := good(root)
+		setString(r, field, huge)
+		return h.Validate(context.Background(), r)
+	})
+	oversizedFields(t, &vmflowv1.VMSpec{}, func(field string) error {
+		rec := &vmflowv1.InstanceRecord{Id: "vm1", RestartPolicy: "on-failure", Spec: RecordSpec(good(root))}
+		setString(rec.Spec, field, huge)
+		return h.AdmitRecord(context.Background(), rec)
+	})
+	// The other host activities' requests: every string field is an id
+	// (store.IDPattern) or has its bound in the one table.
+	for _, m := range []proto.Message{&vmflowv1.ClaimVGPURequest{}, &vmflowv1.BeginDeleteRequest{}, &vmflowv1.LaunchVMRequest{},
+		&vmflowv1.StopVMRequest{}, &vmflowv1.InstanceRef{}, &vmflowv1.ReconcileVGPURequest{}} {
+		fields := m.ProtoReflect().Descriptor().Fields()
+		for i := 0; i < fields.Len(); i++ {
+			f := fields.Get(i)
+			if f.Kind() != protoreflect.StringKind || f.Name() == "instance_id" || f.Name() == "host_id" {
+				continue
+			}
+			assert.Contains(t, MaxBytes, string(f.Name()), "%s.%s has no bound", m.ProtoReflect().Descriptor().Name(), f.Name())
+		}
+	}
+	assert.Error(t, CheckBound("no_such_field", ""), "a field without a bound is refused")
+}
+
+// TestAdmitRecord: a record is admitted with the checks a spawn request
+// gets, against the host's policy as it is now.
+func TestAdmitRecord(t *testing.T) {
+	h, root := testHost(t)
+	ctx := context.Background()
+	rec := func() *vmflowv1.InstanceRecord {
+		return &vmflowv1.InstanceRecord{Id: "vm1", RestartPolicy: "on-failure", Spec: RecordSpec(good(root))}
+	}
+	require.NoError(t, h.AdmitRecord(ctx, rec()))
+
+	refused := func(h Host, r *vmflowv1.InstanceRecord, field string) {
+		t.Helper()
+		err := h.AdmitRecord(ctx, r)
+		require.ErrorIs(t, err, ErrAdmissionRefused)
+		assert.ErrorIs(t, err, ErrInvalid)
+		assert.Contains(t, err.Error(), field+":")
+	}
+	lowered := h
+	lowered.MaxVCPUs = 1
+	refused(lowered, rec(), "vcpus")
+	lowered = h
+	lowered.MaxMemoryMiB = 128
+	refused(lowered, rec(), "memory_mib")
+	// The image root removed from the configuration.
+	other := h
+	other.ImageRoots = []string{t.TempDir()}
+	refused(other, rec(), "kernel")
+	// The image itself gone, or replaced by a symlink leaving the root.
+	r := rec()
+	r.Spec.Disk = filepath.Join(root, "escape")
+	refused(h, r, "disk")
+	require.NoError(t, os.Remove(filepath.Join(root, "initrd.img")))
+	refused(h, rec(), "initrd")
+
+	r = rec()
+	r.Spec = nil
+	assert.ErrorIs(t, h.AdmitRecord(ctx, r), ErrAdmissionRefused)
+	assert.ErrorIs(t, h.AdmitRecord(ctx, nil), ErrAdmissionRefused)
+}
+
+// TestValidateAndAdmitRecordAgree: one list of checks. Every request
+// Validate refuses for a field the record keeps is refused by AdmitRecord
+// once recorded, and what one admits the other admits.
+func TestValidateAndAdmitRecordAgree(t *testing.T) {
+	h, root := testHost(t)
+	ctx := context.Background()
+	for _, mutate := range []func(r *vmflowv1.SpawnRequest){
+		func(*vmflowv1.SpawnRequest) {},
+		func(r *vmflowv1.SpawnRequest) { r.Vcpus = 9 },
+		func(r *vmflowv1.SpawnRequest) { r.MemoryMib = 0 },
+		func(r *vmflowv1.SpawnRequest) { r.Machine = "virt" },
+		func(r *vmflowv1.SpawnRequest) { r.Accel = "hvf" },
+		func(r *vmflowv1.SpawnRequest) { r.RestartPolicy = "sometimes" },
+		func(r *vmflowv1.SpawnRequest) { r.Kernel = "/etc/passwd" },
+		func(r *vmflowv1.SpawnRequest) { r.Disk = filepath.Join(root, "escape") },
+		func(r *vmflowv1.SpawnRequest) { r.Cmdline = "a\nb" },
+		func(r *vmflowv1.SpawnRequest) { r.Cmdline = strings.Repeat("c", 4000) },
+		func(r *vmflowv1.SpawnRequest) { r.InstanceId = "VM1" },
+		func(r *vmflowv1.SpawnRequest) { r.Kernel, r.Initrd, r.Cmdline = "", "", "" },
+	} {
+		req := good(root)
+		mutate(req)
+		rec := &vmflowv1.InstanceRecord{Id: req.GetInstanceId(), RestartPolicy: req.GetRestartPolicy(), Spec: RecordSpec(req)}
+		verr, aerr := h.Validate(ctx, req), h.AdmitRecord(ctx, rec)
+		assert.Equal(t, verr == nil, aerr == nil, "Validate: %v\nAdmitRecord: %v", verr, aerr)
+	}
+}
+
+// fakeDevices counts how often a launch got as far as the vGPU device.
+type fakeDevices struct{ ensured int }
+
+func (f *fakeDevices) EnsureDeviceLocked(context.Context, *store.Locked) (*vmflowv1.GpuClaim, error) {
+	f.ensured++
+	return &vmflowv1.GpuClaim{}, nil
+}
+func (f *fakeDevices) DevicePath(*vmflowv1.GpuClaim) string { return "/sys/bus/mdev/devices/x" }
+
+// TestPrepareLaunchAdmitsFirst: admission comes before anything is made
+// or opened for the launch, the vGPU device included.
+func TestPrepareLaunchAdmitsFirst(t *testing.T) {
+	h, root := testHost(t)
+	rec := &vmflowv1.InstanceRecord{Id: "vm1", Spec: RecordSpec(good(root)),
+		GpuClaim: &vmflowv1.GpuClaim{Profile: "GRID A100-4C", Phase: vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE}}
+	devs := &fakeDevices{}
+	v, err := PrepareLaunch(h, devs, true)(context.Background(), nil, rec)
+	require.NoError(t, err)
+	assert.Equal(t, []string{"/sys/bus/mdev/devices/x"}, v.VFIO)
+	assert.Equal(t, 1, devs.ensured)
+
+	lowered := h
+	lowered.MaxVCPUs = 1
+	_, err = PrepareLaunch(lowered, devs, true)(context.Background(), nil, rec)
+	require.ErrorIs(t, err, ErrAdmissionRefused)
+	assert.Equal(t, 1, devs.ensured, "refused before the vGPU device was touched")
+}
