@@ -76,7 +76,7 @@ func newHost(t *testing.T) *hostEnv {
 	host, err := spec.SystemHost(nil, claims.Profiles)
 	require.NoError(t, err)
 	h.acts = &Activities{Store: h.st, Host: host, GPUs: claims, AttachVGPU: false, DefaultGraceful: time.Second, Logger: log}
-	sup, err := supervise.New(supervise.Config{Store: h.st, Logger: log, GracefulTimeout: time.Second, PrepareLaunch: spec.PrepareLaunch(claims, false)})
+	sup, err := supervise.New(supervise.Config{Store: h.st, Logger: log, GracefulTimeout: time.Second, PrepareLaunch: spec.PrepareLaunch(host, claims, false)})
 	require.NoError(t, err)
 	t.Cleanup(func() { sup.Close() })
 	h.acts.Supervisor = sup
