@@ -98,12 +98,12 @@ func (h Host) OpenImages(ctx context.Context, paths store.Paths, rec *vmflowv1.I
 			}
 			var lerr error
 			if ref, lerr = h.Images.Locate(path); lerr != nil {
-				return nil, nil, &FieldError{field, lerr.Error()}
+				return nil, nil, fieldError(field, lerr)
 			}
 		}
 		f, err := h.Images.Open(ref, boot)
 		if err != nil {
-			return nil, nil, &FieldError{field, err.Error()}
+			return nil, nil, fieldError(field, err)
 		}
 		opened = append(opened, f)
 		return f, ref, nil

@@ -41,12 +41,23 @@ var ErrInvalid = errors.New("invalid spawn request")
 type FieldError struct {
 	Field  string
 	Reason string
+	// Err is the cause when there is one (ErrEscapesRoot, ...): errors.Is
+	// reaches it. Reason is its text.
+	Err error
+}
+
+// fieldError is a FieldError for field caused by err.
+func fieldError(field string, err error) *FieldError {
+	return &FieldError{Field: field, Reason: err.Error(), Err: err}
 }
 
 func (e *FieldError) Error() string { return fmt.Sprintf("%s: %s", e.Field, e.Reason) }
 
 // Is makes errors.Is(err, ErrInvalid) true for every field error.
 func (e *FieldError) Is(target error) bool { return target == ErrInvalid }
+
+// Unwrap is the cause, if any.
+func (e *FieldError) Unwrap() error { return e.Err }
 
 // Host is what admission checks against.
 type Host struct {
@@ -104,11 +115,11 @@ func memTotalMiB() (uint32, error) {
 // returned as is (retryable: the request may be fine).
 func (h Host) Validate(ctx context.Context, req *vmflowv1.SpawnRequest) error {
 	if req == nil {
-		return &FieldError{"request", "empty"}
+		return &FieldError{Field: "request", Reason: "empty"}
 	}
 	var errs []error
 	bad := func(field, format string, args ...any) {
-		errs = append(errs, &FieldError{field, fmt.Sprintf(format, args...)})
+		errs = append(errs, &FieldError{Field: field, Reason: fmt.Sprintf(format, args...)})
 	}
 	if err := store.ValidateID(req.GetInstanceId()); err != nil {
 		bad("instance_id", "%q does not match %s", req.GetInstanceId(), store.IDPattern)
@@ -154,7 +165,7 @@ func (h Host) Validate(ctx context.Context, req *vmflowv1.SpawnRequest) error {
 		}
 		f, err := h.checkImage(p.path, p.field != "disk")
 		if err != nil {
-			bad(p.field, "%v", err)
+			errs = append(errs, fieldError(p.field, err))
 			continue
 		}
 		images[p.field] = f
@@ -252,7 +263,7 @@ func (h Host) RecordSpec(req *vmflowv1.SpawnRequest) (*vmflowv1.VMSpec, error) {
 		}
 		ref, err := h.Images.Locate(im.path)
 		if err != nil {
-			errs = append(errs, &FieldError{im.field, err.Error()})
+			errs = append(errs, fieldError(im.field, err))
 			continue
 		}
 		*im.ref = ref
