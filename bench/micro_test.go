@@ -161,7 +161,7 @@ func microBenchmarks(t *testing.T) string {
 	}
 	var b strings.Builder
 	b.WriteString("## 5. Hot functions (Go benchmarks, allocations)\n\n")
-	b.WriteString("`go test -run '^$' -bench '" + pattern + "' -benchmem -benchtime " + benchtime + " " + strings.Join(pkgs, " ") + "`. Inspect and ReadIdentity read `/proc` (of this process); HostValidate resolves two image paths on disk; the rest are pure. A regression shows as a jump in allocs/op first.\n\n")
+	b.WriteString("`go test -run '^$' -bench '" + pattern + "' -benchmem -benchtime " + benchtime + " " + strings.Join(pkgs, " ") + "`. Inspect and ReadIdentity read `/proc` (of this process); HostValidate opens two images beneath the image root (openat2); the rest are pure. A regression shows as a jump in allocs/op first.\n\n")
 	b.WriteString(tab.Markdown())
 	return b.String()
 }
