@@ -3,6 +3,7 @@ package spec_test
 import (
 	"bytes"
 	"context"
+	"errors"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -83,10 +84,23 @@ func (s *stack) launch(t *testing.T, id string) proc.Identity {
 	res, err := s.sup.Launch(ctxT(t, 30*time.Second), id)
 	require.NoError(t, err)
 	t.Cleanup(func() {
-		_ = s.st.MarkManualStop(context.Background(), id)
-		_, _ = s.sup.Stop(ctxT(t, 20*time.Second), id, time.Millisecond)
+		stopInstance(t, s.st, s.sup, id)
 	})
 	return res.Identity
+}
+
+// stopInstance stops a launched instance at the end of a test; a record
+// already deleted is fine. Stop needs the manual-stop marker first.
+func stopInstance(t *testing.T, st *store.Store, sup *supervise.Supervisor, id string) {
+	if err := st.MarkManualStop(context.Background(), id); errors.Is(err, store.ErrNotFound) {
+		return
+	} else if err != nil {
+		t.Errorf("mark manual stop of %s: %v", id, err)
+		return
+	}
+	if _, err := sup.Stop(ctxT(t, 20*time.Second), id, time.Millisecond); err != nil {
+		t.Errorf("stop %s: %v", id, err)
+	}
 }
 
 // crash kills QEMU from outside (no manual stop: the instance may be
@@ -304,7 +318,7 @@ func TestLaunchKernelByFD(t *testing.T) {
 	require.NoError(t, err)
 	res, err := sup.Launch(ctxT(t, 30*time.Second), "boot")
 	require.NoError(t, err)
-	defer func() { _, _ = sup.Stop(ctxT(t, 20*time.Second), "boot", time.Millisecond) }()
+	defer stopInstance(t, st, sup, "boot")
 	assert.NotContains(t, vmmtest.Cmdline(t, res.Identity.PID), dir)
 	paths, err := st.Paths("boot")
 	require.NoError(t, err)
