@@ -70,6 +70,12 @@ qemu:
 		apt-get update -qq; \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends qemu-system-x86; \
 	fi
+	@# qemu-img creates each instance's qcow2 overlay over its read-only base.
+	@if ! command -v qemu-img >/dev/null; then \
+		echo ">> installing Debian's qemu-utils (qemu-img)"; \
+		apt-get update -qq; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends qemu-utils; \
+	fi
 
 ## guest: the small real guest (Debian cloud kernel via apt-get download +
 # dpkg-deb, initramfs with the Go init of guest/init) into GUEST_DIR. Reuses

@@ -188,11 +188,17 @@ func (a *Activities) CreateRecord(ctx context.Context, req *vmflowv1.SpawnReques
 		return nil, err
 	}
 	wf := activity.GetInfo(ctx).WorkflowExecution
+	// The record keeps each image's root and its path below it: what every
+	// launch opens.
+	recSpec, err := a.Host.RecordSpec(req)
+	if err != nil {
+		return nil, classify(fmt.Errorf("create record: %w", err))
+	}
 	_, getErr := a.Store.Get(req.GetInstanceId())
 	existed := getErr == nil
 	rec, err := a.Store.Create(ctx, &vmflowv1.InstanceRecord{
 		Id:                        req.GetInstanceId(),
-		Spec:                      spec.RecordSpec(req),
+		Spec:                      recSpec,
 		RestartPolicy:             req.GetRestartPolicy(),
 		RestartMaxAttempts:        req.GetRestartMaxAttempts(),
 		RestartStableAfterSeconds: req.GetRestartStableAfterSeconds(),

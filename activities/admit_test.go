@@ -55,7 +55,10 @@ func TestAdmissionWithoutValidateSpawn(t *testing.T) {
 	require.NoError(t, err)
 	secret := filepath.Join(t.TempDir(), "secret.raw")
 	require.NoError(t, os.WriteFile(secret, make([]byte, 1<<20), 0o600))
-	h := newHostPolicy(t, func(host *spec.Host) { host.ImageRoots = []string{images} })
+	roots, err := spec.OpenImageRoots([]string{images})
+	require.NoError(t, err)
+	t.Cleanup(func() { roots.Close() })
+	h := newHostPolicy(t, func(host *spec.Host) { host.Images = roots })
 	opened := watchOpens(t, secret)
 
 	// q35 under TCG: a machine that takes a disk, as in the report (QEMU

@@ -30,6 +30,26 @@ type vmKind struct {
 	raw string
 	// cfg is the ladder vmflow runs.
 	cfg vmm.StopConfig
+	// kernel and initrd are opened into the spec for each launch (QEMU is
+	// given the files, never their paths; Launch closes them).
+	kernel, initrd string
+}
+
+// vmSpec is the kind's spec with its boot files opened.
+func (k vmKind) vmSpec() (vmm.VMSpec, error) {
+	s := k.spec
+	if k.kernel == "" {
+		return s, nil
+	}
+	var err error
+	if s.Kernel, err = os.Open(k.kernel); err != nil {
+		return s, err
+	}
+	if s.Initrd, err = os.Open(k.initrd); err != nil {
+		s.Kernel.Close()
+		return s, err
+	}
+	return s, nil
 }
 
 func kvmOrTCG() vmm.Accel {
@@ -85,7 +105,11 @@ func stopVmflow(t *testing.T, kind vmKind) (time.Duration, error) {
 	p := paths(dir)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	vm, err := vmm.Launch(ctx, vmm.LaunchConfig{Spec: kind.spec, Paths: p, ReadyTimeout: 30 * time.Second})
+	spec, err := kind.vmSpec()
+	if err != nil {
+		return 0, fmt.Errorf("open boot files: %w", err)
+	}
+	vm, err := vmm.Launch(ctx, vmm.LaunchConfig{Spec: spec, Paths: p, ReadyTimeout: 30 * time.Second})
 	if err != nil {
 		return 0, fmt.Errorf("launch: %w", err)
 	}
@@ -126,7 +150,13 @@ func stopRaw(t *testing.T, kind vmKind) (time.Duration, error) {
 	p := paths(dir)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	argv, err := vmm.Argv(kind.spec, p)
+	spec, err := kind.vmSpec()
+	if err != nil {
+		return 0, fmt.Errorf("open boot files: %w", err)
+	}
+	defer spec.Close()
+	var fds vmm.FDTable
+	argv, err := vmm.BuildArgv(spec, p, &fds)
 	if err != nil {
 		return 0, fmt.Errorf("argv: %w", err)
 	}
@@ -139,7 +169,7 @@ func stopRaw(t *testing.T, kind vmKind) (time.Duration, error) {
 		return 0, fmt.Errorf("log: %w", err)
 	}
 	cmd := exec.Command(bin, argv...)
-	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.Stdout, cmd.Stderr, cmd.ExtraFiles = logf, logf, fds.Files()
 	child, err := proc.Start(cmd) // reaps it in the background
 	logf.Close()
 	if err != nil {
@@ -194,7 +224,8 @@ func stopToGone(t *testing.T) string {
 		{vmKind{
 			name: "real guest (q35, TCG, 256 MiB)",
 			spec: vmm.VMSpec{Name: "bench-guest", VCPUs: 1, MemoryMiB: 256, Machine: vmm.MachineQ35, Accel: vmm.AccelTCG,
-				Kernel: g.Kernel, Initrd: g.Initrd, Cmdline: guest.KernelCmdline, SerialToLog: true, NoReboot: true},
+				Cmdline: guest.KernelCmdline, SerialToLog: true, NoReboot: true},
+			kernel: g.Kernel, initrd: g.Initrd,
 			boots: true, raw: "system_powerdown",
 			cfg: vmm.StopConfig{GracefulTimeout: 30 * time.Second},
 		}, reps(8, 2)},

@@ -131,10 +131,13 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 			}
 		}
 	}
+	// The image roots are opened here and held for the agent's life: every
+	// image is opened beneath them.
 	host, err := spec.SystemHost(cfg.ImageRoots, profiles)
 	if err != nil {
 		return err
 	}
+	defer host.Images.Close()
 	acts := &activities.Activities{
 		Store: st, Host: host, GPUs: gpus, AttachVGPU: cfg.VGPUAttach,
 		DefaultGraceful: cfg.GracefulTimeout, Logger: log, Metrics: am,
@@ -146,8 +149,9 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 	sup, err := supervise.New(supervise.Config{
 		Store: st, QEMU: cfg.QEMU, Logger: log,
 		GracefulTimeout: cfg.GracefulTimeout, GroupExitCap: cfg.GroupExitCap,
-		// Before every launch and restart: the record admitted against
-		// this host's policy, the vGPU device made sure of (re-created
+		// Before every launch and restart: the record admitted against this
+		// host's policy, the images opened beneath their roots (the disk's
+		// overlay made at the first), the vGPU device made sure of (re-created
 		// after a reboot), then QEMU's spec from the record.
 		PrepareLaunch: spec.PrepareLaunch(host, devs, cfg.VGPUAttach),
 		RunAs:         runAs, RunWith: runWith,

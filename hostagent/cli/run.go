@@ -98,7 +98,7 @@ flags:
 	fs.StringVar(&c.StateDir, "state-dir", store.DefaultStateDir, "instance records, QMP sockets and logs")
 	fs.StringVar(&c.SysfsRoot, "sysfs-root", "/sys", "where the vGPU sysfs files are (the simulator's mount in tests)")
 	fs.StringVar(&c.DevRoot, "dev-root", "/dev", "where the VFIO device nodes are")
-	fs.Var(&roots, "image-root", "folder kernels, initrds and disks must lie in (repeatable)")
+	fs.Var(&roots, "image-root", "folder kernels, initrds and disks must lie in, root-owned and not group/other-writable; images are opened beneath it (repeatable)")
 	fs.StringVar(&c.QEMU, "qemu", "qemu-system-x86_64", "QEMU binary")
 	fs.StringVar(&c.QEMUUser, "qemu-user", "", "run QEMU as this user after setup (-runas before QEMU 9.1, -run-with user= from 9.1, by `qemu --version`); empty: QEMU stays root")
 	fs.BoolVar(&c.VGPUAttach, "vgpu-attach", true, "attach claimed vGPUs to QEMU; false only with the vgpu-sim simulator, whose devices QEMU cannot open")

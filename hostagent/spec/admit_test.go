@@ -114,7 +114,10 @@ func TestAdmitRecord(t *testing.T) {
 	refused(lowered, rec(), "memory_mib")
 	// The image root removed from the configuration.
 	other := h
-	other.ImageRoots = []string{t.TempDir()}
+	elsewhere, err := OpenImageRoots([]string{t.TempDir()})
+	require.NoError(t, err)
+	t.Cleanup(func() { elsewhere.Close() })
+	other.Images = elsewhere
 	refused(other, rec(), "kernel")
 	// The image itself gone, or replaced by a symlink leaving the root.
 	r := rec()
@@ -172,15 +175,22 @@ func TestPrepareLaunchAdmitsFirst(t *testing.T) {
 	h, root := testHost(t)
 	rec := &vmflowv1.InstanceRecord{Id: "vm1", Spec: RecordSpec(good(root)),
 		GpuClaim: &vmflowv1.GpuClaim{Profile: "GRID A100-4C", Phase: vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE}}
+	rec.Spec.Disk = "" // no overlay to make: this test has no instance directory
 	devs := &fakeDevices{}
-	v, err := PrepareLaunch(h, devs, true)(context.Background(), nil, rec)
+	st, err := store.New(t.TempDir())
 	require.NoError(t, err)
+	l, err := st.Lock(context.Background(), "vm1")
+	require.NoError(t, err)
+	defer l.Unlock()
+	v, err := PrepareLaunch(h, devs, true)(context.Background(), l, rec)
+	require.NoError(t, err)
+	t.Cleanup(func() { v.Close() })
 	assert.Equal(t, []string{"/sys/bus/mdev/devices/x"}, v.VFIO)
 	assert.Equal(t, 1, devs.ensured)
 
 	lowered := h
 	lowered.MaxVCPUs = 1
-	_, err = PrepareLaunch(lowered, devs, true)(context.Background(), nil, rec)
+	_, err = PrepareLaunch(lowered, devs, true)(context.Background(), l, rec)
 	require.ErrorIs(t, err, ErrAdmissionRefused)
 	assert.Equal(t, 1, devs.ensured, "refused before the vGPU device was touched")
 }

@@ -57,10 +57,10 @@ var MaxBytes = map[string]int{
 func CheckBound(field, value string) error {
 	max, ok := MaxBytes[field]
 	if !ok {
-		return &FieldError{field, "has no bound in spec.MaxBytes"}
+		return &FieldError{Field: field, Reason: "has no bound in spec.MaxBytes"}
 	}
 	if len(value) > max {
-		return &FieldError{field, fmt.Sprintf("%d bytes, longer than %d", len(value), max)}
+		return &FieldError{Field: field, Reason: fmt.Sprintf("%d bytes, longer than %d", len(value), max)}
 	}
 	return nil
 }

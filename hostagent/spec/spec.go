@@ -5,8 +5,9 @@
 // into the record's spec and QEMU's typed spec.
 //
 // The agent runs as root, so nothing from a workflow input is trusted: a
-// kernel path is followed through its symlinks and must still lie under an
-// --image-root, and every rejection names its field.
+// kernel, initrd or disk path must lie under an --image-root and is opened
+// beneath it (ImageRoots), at admission and again at every launch, and every
+// rejection names its field.
 package spec
 
 import (
@@ -15,7 +16,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"path/filepath"
 	"runtime"
 	"slices"
 	"strconv"
@@ -42,6 +42,14 @@ var ErrInvalid = errors.New("invalid spawn request")
 type FieldError struct {
 	Field  string
 	Reason string
+	// Err is the cause when there is one (ErrEscapesRoot, ...): errors.Is
+	// reaches it. Reason is its text.
+	Err error
+}
+
+// fieldError is a FieldError for field caused by err.
+func fieldError(field string, err error) *FieldError {
+	return &FieldError{Field: field, Reason: err.Error(), Err: err}
 }
 
 func (e *FieldError) Error() string { return fmt.Sprintf("%s: %s", e.Field, e.Reason) }
@@ -49,11 +57,17 @@ func (e *FieldError) Error() string { return fmt.Sprintf("%s: %s", e.Field, e.Re
 // Is makes errors.Is(err, ErrInvalid) true for every field error.
 func (e *FieldError) Is(target error) bool { return target == ErrInvalid }
 
+// Unwrap is the cause, if any.
+func (e *FieldError) Unwrap() error { return e.Err }
+
 // Host is what admission checks against.
 type Host struct {
-	// ImageRoots are the folders kernel, initrd and disk must lie in,
-	// after symlinks are resolved.
-	ImageRoots []string
+	// Images are the folders kernel, initrd and disk must lie in, opened
+	// once (see ImageRoots); nil means none.
+	Images *ImageRoots
+	// QEMUImg is the qemu-img binary that creates disk overlays;
+	// vmm.DefaultQEMUImg in PATH when empty.
+	QEMUImg string
 	// MaxVCPUs and MaxMemoryMiB bound one VM: the host's size.
 	MaxVCPUs     uint32
 	MaxMemoryMiB uint32
@@ -63,7 +77,7 @@ type Host struct {
 }
 
 // SystemHost describes this machine: its CPU count, its memory and the
-// given image roots (which must exist).
+// given image roots (which must exist), opened for the agent's life.
 func SystemHost(imageRoots []string, profiles func(context.Context) ([]string, error)) (Host, error) {
 	h := Host{MaxVCPUs: uint32(runtime.NumCPU()), Profiles: profiles}
 	mem, err := memTotalMiB()
@@ -71,16 +85,8 @@ func SystemHost(imageRoots []string, profiles func(context.Context) ([]string, e
 		return Host{}, err
 	}
 	h.MaxMemoryMiB = mem
-	for _, r := range imageRoots {
-		abs, err := filepath.Abs(r)
-		if err != nil {
-			return Host{}, fmt.Errorf("image root %q: %w", r, err)
-		}
-		resolved, err := filepath.EvalSymlinks(abs)
-		if err != nil {
-			return Host{}, fmt.Errorf("image root %q: %w", r, err)
-		}
-		h.ImageRoots = append(h.ImageRoots, resolved)
+	if h.Images, err = OpenImageRoots(imageRoots); err != nil {
+		return Host{}, err
 	}
 	return h, nil
 }
@@ -120,13 +126,13 @@ var ErrAdmissionRefused = errors.New("refused by this host's admission policy")
 // profile against the profiles the host offers now.
 func (h Host) Validate(ctx context.Context, req *vmflowv1.SpawnRequest) error {
 	if req == nil {
-		return &FieldError{"request", "empty"}
+		return &FieldError{Field: "request", Reason: "empty"}
 	}
 	var errs []error
 	if err := CheckBound("host_id", req.GetHostId()); err != nil {
 		errs = append(errs, err)
 	} else if err := store.ValidateID(req.GetHostId()); err != nil {
-		errs = append(errs, &FieldError{"host_id", fmt.Sprintf("%q does not match %s", req.GetHostId(), store.IDPattern)})
+		errs = append(errs, &FieldError{Field: "host_id", Reason: fmt.Sprintf("%q does not match %s", req.GetHostId(), store.IDPattern)})
 	}
 	fieldErrs, err := h.admit(ctx, req.GetInstanceId(), req.GetRestartPolicy(), RecordSpec(req), true)
 	if err != nil {
@@ -145,7 +151,7 @@ func (h Host) Validate(ctx context.Context, req *vmflowv1.SpawnRequest) error {
 // every FieldError found.
 func (h Host) AdmitRecord(ctx context.Context, rec *vmflowv1.InstanceRecord) error {
 	if rec == nil || rec.GetSpec() == nil {
-		return fmt.Errorf("%w: %w", ErrAdmissionRefused, &FieldError{"spec", "the record has none"})
+		return fmt.Errorf("%w: %w", ErrAdmissionRefused, &FieldError{Field: "spec", Reason: "the record has none"})
 	}
 	fieldErrs, err := h.admit(ctx, rec.GetId(), rec.GetRestartPolicy(), rec.GetSpec(), false)
 	if err == nil && len(fieldErrs) > 0 {
@@ -164,7 +170,7 @@ func (h Host) AdmitRecord(ctx context.Context, rec *vmflowv1.InstanceRecord) err
 func (h Host) admit(ctx context.Context, id, restartPolicy string, s *vmflowv1.VMSpec, listProfiles bool) (fieldErrs []error, err error) {
 	var errs []error
 	bad := func(field, format string, args ...any) {
-		errs = append(errs, &FieldError{field, fmt.Sprintf(format, args...)})
+		errs = append(errs, &FieldError{Field: field, Reason: fmt.Sprintf(format, args...)})
 	}
 	// Bounds first: nothing else looks at (or resolves) an oversized value.
 	for _, f := range []struct{ field, v string }{
@@ -207,13 +213,24 @@ func (h Host) admit(ctx context.Context, id, restartPolicy string, s *vmflowv1.V
 	oneOf("accel", s.GetAccel(), Accels, true)
 	oneOf("restart_policy", restartPolicy, RestartPolicys, true)
 
+	// The images are opened as a launch opens them, and handed to vmm's
+	// check below (which knows which machines take a kernel or a disk).
+	images := map[string]*os.File{}
+	defer func() {
+		for _, f := range images {
+			f.Close()
+		}
+	}()
 	for _, p := range []struct{ field, path string }{{"kernel", s.GetKernel()}, {"initrd", s.GetInitrd()}, {"disk", s.GetDisk()}} {
 		if p.path == "" {
 			continue
 		}
-		if err := h.checkImage(p.path); err != nil {
-			bad(p.field, "%v", err)
+		f, err := h.checkImage(p.path, p.field != "disk")
+		if err != nil {
+			errs = append(errs, fieldError(p.field, err))
+			continue
 		}
+		images[p.field] = f
 	}
 	if s.GetInitrd() != "" && s.GetKernel() == "" {
 		bad("initrd", "needs kernel")
@@ -240,47 +257,27 @@ func (h Host) admit(ctx context.Context, id, restartPolicy string, s *vmflowv1.V
 	if len(errs) == 0 {
 		// vmm's own check catches what the above does not know about
 		// (QEMU limits); its message names the spec field.
-		if err := ForRecord(&vmflowv1.InstanceRecord{Id: id, Spec: s}, "").Validate(); err != nil {
+		v := ForRecord(&vmflowv1.InstanceRecord{Id: id, Spec: s}, "")
+		v.Kernel, v.Initrd = images["kernel"], images["initrd"]
+		if base := images["disk"]; base != nil {
+			v.Disk = &vmm.Disk{Base: base} // the overlay is made at launch
+		}
+		if err := v.Validate(); err != nil {
 			bad("request", "%v", err)
 		}
 	}
 	return errs, nil
 }
 
-// checkImage admits a path only if it is absolute, clean, and, with every
-// symlink followed, a regular file under one of the image roots.
-func (h Host) checkImage(p string) error {
-	if !filepath.IsAbs(p) {
-		return fmt.Errorf("%q is not an absolute path", p)
-	}
-	if filepath.Clean(p) != p || strings.Contains(p, "/../") || strings.HasSuffix(p, "/..") {
-		return fmt.Errorf("%q is not a clean path (no .., //, or trailing /)", p)
-	}
-	if len(h.ImageRoots) == 0 {
-		return fmt.Errorf("%q: this host has no --image-root", p)
-	}
-	resolved, err := filepath.EvalSymlinks(p)
+// checkImage admits a path only if it is absolute, clean, under one of the
+// image roots, and opens beneath it as a launch would open it (see
+// ImageRoots.Open; boot for a kernel or initrd). It returns the open file.
+func (h Host) checkImage(p string, boot bool) (*os.File, error) {
+	ref, err := h.Images.Locate(p)
 	if err != nil {
-		return fmt.Errorf("%q: %w", p, err)
+		return nil, err
 	}
-	inside := false
-	for _, root := range h.ImageRoots {
-		if rel, err := filepath.Rel(root, resolved); err == nil && rel != ".." && !strings.HasPrefix(rel, "../") && rel != "." {
-			inside = true
-			break
-		}
-	}
-	if !inside {
-		return fmt.Errorf("%q resolves to %q, outside the image roots %s", p, resolved, strings.Join(h.ImageRoots, ", "))
-	}
-	fi, err := os.Stat(resolved)
-	if err != nil {
-		return fmt.Errorf("%q: %w", p, err)
-	}
-	if !fi.Mode().IsRegular() {
-		return fmt.Errorf("%q is not a regular file", p)
-	}
-	return nil
+	return h.Images.Open(ref, boot)
 }
 
 // instanceNamespace seeds the instance UUIDs: a fixed namespace, so the same
@@ -312,10 +309,38 @@ func RecordSpec(req *vmflowv1.SpawnRequest) *vmflowv1.VMSpec {
 	}
 }
 
-// ForRecord is QEMU's spec for a recorded instance: the one conversion from
-// a record to what vmm launches, used by the first launch and by every
-// restart alike. vfioPath is the vGPU's sysfs device path, empty for none
-// (or when the agent does not attach vGPUs).
+// RecordSpec is the record's copy of an admitted request on this host: as
+// the package-level RecordSpec, plus, for each image, the root it lies in and
+// its path below it (what every launch opens).
+func (h Host) RecordSpec(req *vmflowv1.SpawnRequest) (*vmflowv1.VMSpec, error) {
+	s := RecordSpec(req)
+	var errs []error
+	for _, im := range []struct {
+		field string
+		path  string
+		ref   **vmflowv1.ImageRef
+	}{{"kernel", s.GetKernel(), &s.KernelImage}, {"initrd", s.GetInitrd(), &s.InitrdImage}, {"disk", s.GetDisk(), &s.DiskImage}} {
+		if im.path == "" {
+			continue
+		}
+		ref, err := h.Images.Locate(im.path)
+		if err != nil {
+			errs = append(errs, fieldError(im.field, err))
+			continue
+		}
+		*im.ref = ref
+	}
+	if len(errs) > 0 {
+		return nil, errors.Join(errs...)
+	}
+	return s, nil
+}
+
+// ForRecord is QEMU's spec for a recorded instance without its images (the
+// files PrepareLaunch opens): the one conversion from a record to what vmm
+// launches, used by the first launch and by every restart alike. vfioPath is
+// the vGPU's sysfs device path, empty for none (or when the agent does not
+// attach vGPUs).
 func ForRecord(rec *vmflowv1.InstanceRecord, vfioPath string) vmm.VMSpec {
 	s := rec.GetSpec()
 	v := vmm.VMSpec{
@@ -325,10 +350,7 @@ func ForRecord(rec *vmflowv1.InstanceRecord, vfioPath string) vmm.VMSpec {
 		MemoryMiB: int(s.GetMemoryMib()),
 		Machine:   vmm.Machine(s.GetMachine()),
 		Accel:     vmm.Accel(s.GetAccel()),
-		Kernel:    s.GetKernel(),
-		Initrd:    s.GetInitrd(),
 		Cmdline:   s.GetCmdline(),
-		Disk:      s.GetDisk(),
 		// The guest's console goes to qemu.log; -machine none has no
 		// serial port to connect.
 		SerialToLog: s.GetMachine() != "none",

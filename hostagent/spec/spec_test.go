@@ -19,12 +19,15 @@ func testHost(t *testing.T) (Host, string) {
 	t.Helper()
 	root := t.TempDir()
 	outside := t.TempDir()
-	for _, f := range []string{"vmlinuz", "initrd.img", "disk.raw"} {
-		require.NoError(t, os.WriteFile(filepath.Join(root, f), []byte("x"), 0o600))
+	// Kernel and initrd world-readable (QEMU re-opens them by their mode),
+	// the disk not (QEMU gets its fd).
+	for f, mode := range map[string]os.FileMode{"vmlinuz": 0o644, "initrd.img": 0o644, "disk.raw": 0o600} {
+		require.NoError(t, os.WriteFile(filepath.Join(root, f), []byte("x"), mode))
+		require.NoError(t, os.Chmod(filepath.Join(root, f), mode))
 	}
-	require.NoError(t, os.WriteFile(filepath.Join(outside, "shadow"), []byte("x"), 0o600))
+	require.NoError(t, os.WriteFile(filepath.Join(outside, "shadow"), []byte("x"), 0o644))
 	require.NoError(t, os.Symlink(filepath.Join(outside, "shadow"), filepath.Join(root, "escape")))
-	require.NoError(t, os.Symlink(filepath.Join(root, "vmlinuz"), filepath.Join(root, "link-inside")))
+	require.NoError(t, os.Symlink("vmlinuz", filepath.Join(root, "link-inside")))
 	require.NoError(t, os.Mkdir(filepath.Join(root, "dir"), 0o700))
 	h, err := SystemHost([]string{root}, func(context.Context) ([]string, error) {
 		return []string{"GRID A100-4C", "NVIDIA L40-4Q"}, nil
@@ -46,7 +49,7 @@ func TestValidateAccepts(t *testing.T) {
 	h, root := testHost(t)
 	assert.NoError(t, h.Validate(context.Background(), good(root)))
 	r := good(root)
-	r.Kernel = filepath.Join(root, "link-inside") // a symlink that stays inside is fine
+	r.Kernel = filepath.Join(root, "link-inside") // a relative symlink that stays inside is fine
 	assert.NoError(t, h.Validate(context.Background(), r))
 	minimal := &vmflowv1.SpawnRequest{InstanceId: "vm1", HostId: "h1", Vcpus: 1, MemoryMib: 128, Machine: "none"}
 	assert.NoError(t, h.Validate(context.Background(), minimal))
@@ -150,7 +153,7 @@ func TestForRecord(t *testing.T) {
 	assert.Equal(t, "vm1", v.Name)
 	assert.Equal(t, 2, v.VCPUs)
 	assert.Equal(t, []string{"/sys/bus/mdev/devices/u"}, v.VFIO)
-	assert.NoError(t, v.Validate())
+	assert.True(t, v.Kernel == nil && v.Initrd == nil && v.Disk == nil, "the images are opened by PrepareLaunch, not here")
 	assert.True(t, v.NoReboot, "a guest reboot ends QEMU; the restart policy decides")
 	assert.Equal(t, v.Machine != vmm.MachineNone, v.SerialToLog, "console to qemu.log where there is a serial port")
 	assert.Empty(t, ForRecord(rec, "").VFIO)

@@ -1,7 +1,7 @@
 // Package store keeps the host agent's instance records: one directory per
 // instance under <state-dir>/instances/<id>/ holding record.json (the
 // vmflowv1.InstanceRecord as snake_case protojson), qemu.sock, qemu.log,
-// qemu.pid and the manual-stop marker.
+// qemu.pid, the manual-stop marker and the disk overlay (disk.qcow2).
 //
 // The store is where the host-side invariants are enforced rather than
 // trusted to callers: every record write is atomic and durable (invariant 7);
@@ -39,6 +39,10 @@ const (
 	LogFile        = "qemu.log"
 	PIDFile        = "qemu.pid"
 	ManualStopFile = "manual-stop"
+	// OverlayFile is the instance's writable disk: a qcow2 overlay over its
+	// read-only base image, kept across restarts and removed with the
+	// instance directory.
+	OverlayFile = "disk.qcow2"
 )
 
 // MaxSocketPathLen is the longest path a Unix socket address can hold:
@@ -117,6 +121,10 @@ type Paths struct {
 	Log        string // qemu.log, QEMU's stdout and stderr
 	PID        string // qemu.pid, QEMU's -pidfile
 	ManualStop string // manual-stop marker
+	Overlay    string // disk.qcow2, the writable qcow2 overlay over the base image
+	// OverlayTemp is the overlay while it is created, renamed to Overlay
+	// once complete; a crashed creator's leftover is a stale temp file.
+	OverlayTemp string
 }
 
 // Paths returns the paths of instance id, after validating the id. It does
@@ -127,12 +135,14 @@ func (s *Store) Paths(id string) (Paths, error) {
 	}
 	dir := filepath.Join(s.instances, id)
 	return Paths{
-		Dir:        dir,
-		Record:     filepath.Join(dir, RecordFile),
-		Socket:     filepath.Join(dir, SocketFile),
-		Log:        filepath.Join(dir, LogFile),
-		PID:        filepath.Join(dir, PIDFile),
-		ManualStop: filepath.Join(dir, ManualStopFile),
+		Dir:         dir,
+		Record:      filepath.Join(dir, RecordFile),
+		Socket:      filepath.Join(dir, SocketFile),
+		Log:         filepath.Join(dir, LogFile),
+		PID:         filepath.Join(dir, PIDFile),
+		ManualStop:  filepath.Join(dir, ManualStopFile),
+		Overlay:     filepath.Join(dir, OverlayFile),
+		OverlayTemp: filepath.Join(dir, tmpPrefix+OverlayFile),
 	}, nil
 }
 

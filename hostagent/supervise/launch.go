@@ -237,6 +237,9 @@ func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *inst
 		}
 		return nil, err
 	}
+	// The spec holds the images the agent opened: vmm.Launch closes them
+	// after the fork; this covers the returns before it.
+	defer spec.Close()
 	if spec.Name == "" {
 		spec.Name = in.id
 	}

@@ -365,16 +365,21 @@ func stepToProto(s vmm.StopStep) vmflowv1.StopStep {
 }
 
 // DefaultPrepareLaunch is Config.PrepareLaunch when none is set: the
-// record's spec through spec.ForRecord, without a vGPU. It refuses a record
-// that asks for or holds a vGPU (ErrNoSpec): the device path depends on the
-// vGPU driver and sysfs root, and the device may have to be re-created
-// first, which only the agent's wiring knows.
+// record's spec through spec.ForRecord, without a vGPU or images. It
+// refuses a record that asks for or holds a vGPU (ErrNoSpec): the device
+// path depends on the vGPU driver and sysfs root, and the device may have to
+// be re-created first, which only the agent's wiring knows. It refuses a
+// record with a kernel, initrd or disk too: those are opened beneath the
+// agent's image roots (spec.PrepareLaunch).
 func DefaultPrepareLaunch(_ context.Context, _ *store.Locked, rec *vmflowv1.InstanceRecord) (vmm.VMSpec, error) {
 	if rec.GetSpec() == nil {
 		return vmm.VMSpec{}, fmt.Errorf("instance %s: %w: the record has no spec", rec.GetId(), ErrNoSpec)
 	}
 	if rec.GetSpec().GetVgpuProfile() != "" || store.ClaimHeld(rec) {
 		return vmm.VMSpec{}, fmt.Errorf("instance %s: %w: it has a vGPU; set Config.PrepareLaunch", rec.GetId(), ErrNoSpec)
+	}
+	if s := rec.GetSpec(); s.GetKernel() != "" || s.GetInitrd() != "" || s.GetDisk() != "" {
+		return vmm.VMSpec{}, fmt.Errorf("instance %s: %w: it has images; set Config.PrepareLaunch", rec.GetId(), ErrNoSpec)
 	}
 	return spec.ForRecord(rec, ""), nil
 }

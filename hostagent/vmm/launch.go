@@ -41,6 +41,8 @@ const exitGrace = 500 * time.Millisecond
 
 // LaunchConfig is what Launch needs.
 type LaunchConfig struct {
+	// Spec is QEMU's spec. Launch owns its files (kernel, initrd, disk)
+	// and closes them before it returns, whatever happens.
 	Spec  VMSpec
 	Paths Paths // Log is required
 
@@ -92,6 +94,9 @@ type VM struct {
 // ctx bounds the launch only: QEMU is deliberately not tied to it (no
 // exec.CommandContext), since it must outlive the call and the agent.
 func Launch(ctx context.Context, cfg LaunchConfig) (*VM, error) {
+	// The agent's copies of the images are not needed past the fork (QEMU
+	// has its own) nor by a launch that never forks.
+	defer cfg.Spec.Close()
 	l := &launch{cfg: cfg}
 	vm, err := l.run(ctx)
 	if err != nil {
@@ -115,7 +120,10 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, fmt.Errorf("launch: %w", err) // never fork for a caller that gave up
 	}
-	argv, err := Argv(cfg.Spec, cfg.Paths)
+	// Every file QEMU gets by number is in fds: ExtraFiles[i] is its fd 3+i.
+	fds := &FDTable{}
+	defer fds.Close()
+	argv, err := BuildArgv(cfg.Spec, cfg.Paths, fds)
 	if err != nil {
 		return nil, fmt.Errorf("launch: %w", err)
 	}
@@ -141,10 +149,14 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 	}
 	// An *os.File as stdout/stderr is handed to QEMU as its fd 1 and 2 with
 	// no copying goroutine here: QEMU keeps logging after the agent exits.
-	cmd := &exec.Cmd{Path: bin, Args: append([]string{bin}, argv...), Env: qemuEnv(cfg.Nonce), Stdout: logf, Stderr: logf}
+	cmd := &exec.Cmd{Path: bin, Args: append([]string{bin}, argv...), Env: qemuEnv(cfg.Nonce), Stdout: logf, Stderr: logf,
+		ExtraFiles: fds.Files()}
 	crashpoint.Hit(crashpoint.LaunchBeforeFork)
 	child, err := proc.Start(cmd)
 	logf.Close()
+	// QEMU has its own copies from the fork on: the agent must not hold
+	// every VM's images for its life.
+	_ = fds.Close()
 	if err != nil {
 		return nil, fmt.Errorf("launch: %w", err)
 	}

@@ -3,6 +3,7 @@ package vmm
 import (
 	"errors"
 	"fmt"
+	"os"
 	"path/filepath"
 	"regexp"
 	"strconv"
@@ -34,15 +35,6 @@ const (
 	AccelTCG Accel = "tcg"
 )
 
-// DiskFormat is the image format of VMSpec.Disk.
-type DiskFormat string
-
-// The disk formats Argv accepts.
-const (
-	DiskRaw   DiskFormat = "raw"
-	DiskQCOW2 DiskFormat = "qcow2"
-)
-
 // Limits Validate enforces. They keep argv sane, not host capacity:
 // capacity is the scheduler's business.
 const (
@@ -72,14 +64,18 @@ type VMSpec struct {
 	// Accel is the accelerator (-accel).
 	Accel Accel `json:"accel"`
 	// Kernel, Initrd and Cmdline boot a kernel directly (-kernel, -initrd,
-	// -append). Initrd and Cmdline need Kernel. Absolute paths.
-	Kernel  string `json:"kernel,omitempty"`
-	Initrd  string `json:"initrd,omitempty"`
-	Cmdline string `json:"cmdline,omitempty"`
-	// Disk is an absolute path to the boot disk image, attached as virtio-blk.
-	Disk string `json:"disk,omitempty"`
-	// DiskFormat is the image format of Disk; raw when empty.
-	DiskFormat DiskFormat `json:"disk_format,omitempty"`
+	// -append). Initrd and Cmdline need Kernel. Kernel and Initrd are files
+	// the agent opened (read-only): QEMU inherits them and is given
+	// /proc/self/fd/N, never a path it would resolve again. QEMU re-opens
+	// that magic link with a permission check on the file's own mode, which
+	// is why the agent requires them world-readable (QEMU 7.2's -kernel does
+	// not take /dev/fdset/N).
+	Kernel  *os.File `json:"-"`
+	Initrd  *os.File `json:"-"`
+	Cmdline string   `json:"cmdline,omitempty"`
+	// Disk is the boot disk, attached as virtio-blk: a read-only raw base
+	// under the instance's own qcow2 overlay.
+	Disk *Disk `json:"-"`
 	// VFIO lists sysfs device paths passed through with
 	// -device vfio-pci,sysfsdev=PATH: an mdev
 	// (/sys/bus/mdev/devices/<uuid>) or an SR-IOV VF
@@ -99,6 +95,30 @@ type VMSpec struct {
 	// -runas is deprecated) over "-runas RunAs" (QEMU before 9.1; 7.2 has
 	// no -run-with). Set it from RunWithSupported(the binary's version).
 	RunWith bool `json:"run_with,omitempty"`
+}
+
+// Disk is a boot disk as QEMU gets it: two files the agent opened, passed
+// with -add-fd and named /dev/fdset/N in an explicit -blockdev chain, so
+// QEMU resolves no path and probes no format.
+type Disk struct {
+	// Base is the shared image, opened read-only: driver=file with
+	// read-only=on under driver=raw. No VM can write it, and its format is
+	// never probed (a raw image whose first bytes look like qcow2 stays raw).
+	Base *os.File
+	// Overlay is the instance's writable qcow2 over Base, opened
+	// read-write; its backing is given as the base node (backing=), never
+	// taken from the backing file name in its header.
+	Overlay *os.File
+}
+
+// Close closes the spec's files (the agent's copies; a launched QEMU has
+// its own). Already closed files are fine, so every holder may call it.
+func (s VMSpec) Close() error {
+	errs := []error{closeFile(s.Kernel), closeFile(s.Initrd)}
+	if s.Disk != nil {
+		errs = append(errs, closeFile(s.Disk.Base), closeFile(s.Disk.Overlay))
+	}
+	return errors.Join(errs...)
 }
 
 // Paths are the per-instance files QEMU uses.
@@ -170,39 +190,19 @@ func (s VMSpec) Validate() error {
 	if s.MemoryMiB < 1 || s.MemoryMiB > MaxMemoryMiB {
 		return invalid("memory %d MiB: want 1..%d", s.MemoryMiB, MaxMemoryMiB)
 	}
-	if s.Kernel != "" {
-		if err := checkPath("kernel", s.Kernel); err != nil {
-			return err
-		}
-	}
-	if s.Initrd != "" {
-		if s.Kernel == "" {
-			return invalid("initrd without kernel")
-		}
-		if err := checkPath("initrd", s.Initrd); err != nil {
-			return err
-		}
+	if s.Initrd != nil && s.Kernel == nil {
+		return invalid("initrd without kernel")
 	}
 	if s.Cmdline != "" {
-		if s.Kernel == "" {
+		if s.Kernel == nil {
 			return invalid("cmdline without kernel")
 		}
 		if strings.ContainsAny(s.Cmdline, "\x00\n\r") {
 			return invalid("cmdline contains a NUL or newline")
 		}
 	}
-	if s.Disk != "" {
-		if err := checkPath("disk", s.Disk); err != nil {
-			return err
-		}
-	}
-	switch s.DiskFormat {
-	case "", DiskRaw, DiskQCOW2:
-	default:
-		return invalid("disk format %q: want raw or qcow2", s.DiskFormat)
-	}
-	if s.DiskFormat != "" && s.Disk == "" {
-		return invalid("disk format without disk")
+	if s.Disk != nil && s.Disk.Base == nil {
+		return invalid("disk without a base image")
 	}
 	seen := map[string]bool{}
 	for i, p := range s.VFIO {
@@ -225,13 +225,13 @@ func (s VMSpec) Validate() error {
 		if s.VCPUs != 1 {
 			return invalid("machine none supports exactly 1 vcpu, not %d", s.VCPUs)
 		}
-		if s.Kernel != "" || s.Disk != "" || len(s.VFIO) > 0 || s.SerialToLog {
+		if s.Kernel != nil || s.Disk != nil || len(s.VFIO) > 0 || s.SerialToLog {
 			return invalid("machine none takes no kernel, disk, vfio device or serial port")
 		}
 	case MachineMicroVM:
 		// microvm has no firmware boot path worth supporting and no PCI bus
 		// unless asked for; vmflow uses it only for direct kernel boot.
-		if s.Kernel == "" {
+		if s.Kernel == nil {
 			return invalid("machine microvm needs a kernel")
 		}
 		if len(s.VFIO) > 0 {
@@ -262,6 +262,47 @@ func (p Paths) Validate() error {
 	return nil
 }
 
+// procSelfFD names inherited fd n for an option that takes only a path.
+func procSelfFD(n int) string { return "/proc/self/fd/" + strconv.Itoa(n) }
+
+// Node names of the disk's -blockdev chain, and the device's id.
+const (
+	nodeBaseFile    = "base-file"
+	nodeBase        = "base"
+	nodeOverlayFile = "overlay-file"
+	nodeDisk        = "disk0"
+	// DiskDeviceID is the virtio-blk device's id (QOM path
+	// /machine/peripheral/vda).
+	DiskDeviceID = "vda"
+)
+
+// diskArgs attaches d as an explicit -blockdev chain over two fdsets, one
+// per file (the set id is the fd's own number, unique by construction):
+//
+//	base-file (file, read-only) <- base (raw, read-only) <- backing of
+//	disk0 (qcow2) -> file: overlay-file (file, read-write)
+//
+// QEMU dups from an fdset the fd whose access mode matches what it opens:
+// the base's only fd is O_RDONLY, so nothing in QEMU can get it writable.
+// The guest writes go to the overlay; the base is shared by every VM.
+func diskArgs(d *Disk, m Machine, fds *FDTable) []string {
+	base := fds.Add(d.Base)
+	overlay := fds.Add(d.Overlay)
+	dev := "virtio-blk-pci"
+	if m == MachineMicroVM {
+		dev = "virtio-blk-device" // virtio-mmio: microvm has no PCI bus by default
+	}
+	return []string{
+		"-add-fd", fmt.Sprintf("fd=%d,set=%d", base, base),
+		"-add-fd", fmt.Sprintf("fd=%d,set=%d", overlay, overlay),
+		"-blockdev", fmt.Sprintf("driver=file,node-name=%s,filename=/dev/fdset/%d,read-only=on", nodeBaseFile, base),
+		"-blockdev", fmt.Sprintf("driver=raw,node-name=%s,file=%s,read-only=on", nodeBase, nodeBaseFile),
+		"-blockdev", fmt.Sprintf("driver=file,node-name=%s,filename=/dev/fdset/%d", nodeOverlayFile, overlay),
+		"-blockdev", fmt.Sprintf("driver=qcow2,node-name=%s,file=%s,backing=%s", nodeDisk, nodeOverlayFile, nodeBase),
+		"-device", fmt.Sprintf("%s,drive=%s,id=%s", dev, nodeDisk, DiskDeviceID),
+	}
+}
+
 // optValue escapes a value for QEMU's option parser (QemuOpts), where a
 // comma separates options and ",," is a literal comma.
 func optValue(v string) string { return strings.ReplaceAll(v, ",", ",,") }
@@ -272,13 +313,28 @@ func optValue(v string) string { return strings.ReplaceAll(v, ",", ",,") }
 func qmpArg(socket string) string { return "unix:" + optValue(socket) + ",server=on,wait=off" }
 
 // Argv returns QEMU's arguments (without argv[0]) for spec with the given
-// paths. It is pure: it validates, builds and returns; it touches no file.
+// paths, numbering the spec's files from a table of its own: BuildArgv with
+// a fresh FDTable. It is pure: it validates, builds and returns; it touches
+// no file.
 func Argv(spec VMSpec, paths Paths) ([]string, error) {
+	return BuildArgv(spec, paths, &FDTable{})
+}
+
+// BuildArgv returns QEMU's arguments for spec with the given paths, adding
+// each file of the spec to fds as the argv names it (kernel, initrd, disk
+// base, disk overlay, in that order): fds.Files() are then the
+// exec.Cmd.ExtraFiles that make those numbers real. It touches no file.
+func BuildArgv(spec VMSpec, paths Paths, fds *FDTable) ([]string, error) {
 	if err := spec.Validate(); err != nil {
 		return nil, err
 	}
 	if err := paths.Validate(); err != nil {
 		return nil, err
+	}
+	if spec.Disk != nil && spec.Disk.Overlay == nil {
+		// Only the overlay is writable: without one the guest would get
+		// no disk it can write, and never the base.
+		return nil, invalid("disk without an overlay")
 	}
 	a := make([]string, 0, 32+2*len(spec.VFIO))
 	a = append(a,
@@ -296,28 +352,17 @@ func Argv(spec VMSpec, paths Paths) ([]string, error) {
 	if spec.UUID != "" {
 		a = append(a, "-uuid", strings.ToLower(spec.UUID))
 	}
-	if spec.Kernel != "" {
-		a = append(a, "-kernel", spec.Kernel)
+	if spec.Kernel != nil {
+		a = append(a, "-kernel", procSelfFD(fds.Add(spec.Kernel)))
 	}
-	if spec.Initrd != "" {
-		a = append(a, "-initrd", spec.Initrd)
+	if spec.Initrd != nil {
+		a = append(a, "-initrd", procSelfFD(fds.Add(spec.Initrd)))
 	}
 	if spec.Cmdline != "" {
 		a = append(a, "-append", spec.Cmdline)
 	}
-	if spec.Disk != "" {
-		format := spec.DiskFormat
-		if format == "" {
-			format = DiskRaw
-		}
-		dev := "virtio-blk-pci"
-		if spec.Machine == MachineMicroVM {
-			dev = "virtio-blk-device" // virtio-mmio: microvm has no PCI bus by default
-		}
-		a = append(a,
-			"-drive", "id=disk0,if=none,format="+string(format)+",file="+optValue(spec.Disk),
-			"-device", dev+",drive=disk0",
-		)
+	if spec.Disk != nil {
+		a = append(a, diskArgs(spec.Disk, spec.Machine, fds)...)
 	}
 	for _, p := range spec.VFIO {
 		a = append(a, "-device", "vfio-pci,sysfsdev="+optValue(p))

@@ -2,6 +2,7 @@ package vmm
 
 import (
 	"errors"
+	"os"
 	"strings"
 	"testing"
 
@@ -10,6 +11,15 @@ import (
 )
 
 var testPaths = Paths{QMPSocket: "/run/vm/a/qemu.sock", PIDFile: "/run/vm/a/qemu.pid", Log: "/run/vm/a/qemu.log"}
+
+// nullFile is an open file standing in for an image: Argv only numbers it.
+func nullFile(tb testing.TB) *os.File {
+	tb.Helper()
+	f, err := os.Open(os.DevNull)
+	require.NoError(tb, err)
+	tb.Cleanup(func() { f.Close() })
+	return f
+}
 
 func noneSpec() VMSpec {
 	return VMSpec{Name: "a", VCPUs: 1, MemoryMiB: 128, Machine: MachineNone, Accel: AccelKVM}
@@ -54,35 +64,44 @@ func TestArgv(t *testing.T) {
 			spec: func() VMSpec {
 				s := q35
 				s.Accel = AccelTCG
-				s.Kernel, s.Initrd, s.Cmdline = "/boot/vmlinuz", "/boot/initrd.img", "console=ttyS0 panic=-1"
+				s.Kernel, s.Initrd, s.Cmdline = nullFile(t), nullFile(t), "console=ttyS0 panic=-1"
 				s.SerialToLog, s.NoReboot, s.RunAs = true, true, "qemu"
 				return s
 			}(),
 			want: []string{"-m", "4096", "-smp", "4",
-				"-kernel", "/boot/vmlinuz", "-initrd", "/boot/initrd.img", "-append", "console=ttyS0 panic=-1",
+				"-kernel", "/proc/self/fd/3", "-initrd", "/proc/self/fd/4", "-append", "console=ttyS0 panic=-1",
 				"-chardev", "stdio,id=serial0,signal=off", "-serial", "chardev:serial0",
 				"-no-reboot", "-runas", "qemu"},
 		},
 		{
-			name: "q35 disk with a comma in its path, two vfio devices",
+			name: "q35 disk as a read-only base under an overlay, two vfio devices",
 			spec: func() VMSpec {
 				s := q35
-				s.Disk, s.DiskFormat = "/var/lib/img/a,b.qcow2", DiskQCOW2
+				s.Disk = &Disk{Base: nullFile(t), Overlay: nullFile(t)}
 				s.VFIO = []string{"/sys/bus/mdev/devices/5e1b5c4a-2c55-4b1e-9a34-7d0c3f2a9b10", "/sys/bus/pci/devices/0000:41:00.4"}
 				return s
 			}(),
 			want: []string{"-m", "4096", "-smp", "4",
-				"-drive", "id=disk0,if=none,format=qcow2,file=/var/lib/img/a,,b.qcow2",
-				"-device", "virtio-blk-pci,drive=disk0",
+				"-add-fd", "fd=3,set=3", "-add-fd", "fd=4,set=4",
+				"-blockdev", "driver=file,node-name=base-file,filename=/dev/fdset/3,read-only=on",
+				"-blockdev", "driver=raw,node-name=base,file=base-file,read-only=on",
+				"-blockdev", "driver=file,node-name=overlay-file,filename=/dev/fdset/4",
+				"-blockdev", "driver=qcow2,node-name=disk0,file=overlay-file,backing=base",
+				"-device", "virtio-blk-pci,drive=disk0,id=vda",
 				"-device", "vfio-pci,sysfsdev=/sys/bus/mdev/devices/5e1b5c4a-2c55-4b1e-9a34-7d0c3f2a9b10",
 				"-device", "vfio-pci,sysfsdev=/sys/bus/pci/devices/0000:41:00.4"},
 		},
 		{
-			name: "microvm disk is virtio-mmio, raw by default",
+			name: "microvm disk is virtio-mmio",
 			spec: VMSpec{Name: "m", VCPUs: 2, MemoryMiB: 256, Machine: MachineMicroVM, Accel: AccelKVM,
-				Kernel: "/k", Disk: "/d.img"},
-			want: []string{"-m", "256", "-smp", "2", "-kernel", "/k",
-				"-drive", "id=disk0,if=none,format=raw,file=/d.img", "-device", "virtio-blk-device,drive=disk0"},
+				Kernel: nullFile(t), Disk: &Disk{Base: nullFile(t), Overlay: nullFile(t)}},
+			want: []string{"-m", "256", "-smp", "2", "-kernel", "/proc/self/fd/3",
+				"-add-fd", "fd=4,set=4", "-add-fd", "fd=5,set=5",
+				"-blockdev", "driver=file,node-name=base-file,filename=/dev/fdset/4,read-only=on",
+				"-blockdev", "driver=raw,node-name=base,file=base-file,read-only=on",
+				"-blockdev", "driver=file,node-name=overlay-file,filename=/dev/fdset/5",
+				"-blockdev", "driver=qcow2,node-name=disk0,file=overlay-file,backing=base",
+				"-device", "virtio-blk-device,drive=disk0,id=vda"},
 		},
 		{
 			name: "pc",
@@ -97,6 +116,34 @@ func TestArgv(t *testing.T) {
 			assert.Equal(t, append(common(tt.spec), tt.want...), got)
 		})
 	}
+}
+
+// TestBuildArgvFDTable: the files QEMU inherits are the spec's, in the order
+// the argv numbers them (ExtraFiles[i] is fd 3+i), and no path of theirs is
+// in the argv.
+func TestBuildArgvFDTable(t *testing.T) {
+	k, i, b, o := nullFile(t), nullFile(t), nullFile(t), nullFile(t)
+	s := VMSpec{Name: "q", VCPUs: 1, MemoryMiB: 64, Machine: MachineQ35, Accel: AccelTCG,
+		Kernel: k, Initrd: i, Disk: &Disk{Base: b, Overlay: o}}
+	var fds FDTable
+	argv, err := BuildArgv(s, testPaths, &fds)
+	require.NoError(t, err)
+	assert.Equal(t, []*os.File{k, i, b, o}, fds.Files())
+	assert.Subset(t, argv, []string{"/proc/self/fd/3", "/proc/self/fd/4", "fd=5,set=5", "fd=6,set=6"})
+	assert.NotContains(t, strings.Join(argv, " "), os.DevNull, "QEMU is given numbers, never the images' paths")
+
+	// A table shared with another user (the QMP listener) keeps counting.
+	var shared FDTable
+	assert.Equal(t, 3, shared.Add(nullFile(t)))
+	argv, err = BuildArgv(s, testPaths, &shared)
+	require.NoError(t, err)
+	assert.Contains(t, argv, "/proc/self/fd/4")
+	assert.Len(t, shared.Files(), 5)
+
+	require.NoError(t, fds.Close())
+	_, err = k.Stat()
+	assert.ErrorIs(t, err, os.ErrClosed, "Close closes the agent's copies")
+	assert.NoError(t, s.Close(), "closing again is not an error")
 }
 
 func TestArgvSocketPathComma(t *testing.T) {
@@ -138,20 +185,17 @@ func TestArgvRejects(t *testing.T) {
 		{"negative memory", mod(func(s *VMSpec) { s.MemoryMiB = -1 }), testPaths, "memory"},
 		{"huge memory", mod(func(s *VMSpec) { s.MemoryMiB = MaxMemoryMiB + 1 }), testPaths, "memory"},
 		{"none with 2 vcpus", mod(func(s *VMSpec) { s.VCPUs = 2 }), testPaths, "exactly 1 vcpu"},
-		{"none with kernel", mod(func(s *VMSpec) { s.Kernel = "/k" }), testPaths, "machine none"},
+		{"none with kernel", mod(func(s *VMSpec) { s.Kernel = nullFile(t) }), testPaths, "machine none"},
 		{"none with serial", mod(func(s *VMSpec) { s.SerialToLog = true }), testPaths, "machine none"},
-		{"relative kernel", q35(func(s *VMSpec) { s.Kernel = "vmlinuz" }), testPaths, "not absolute"},
-		{"unclean kernel", q35(func(s *VMSpec) { s.Kernel = "/boot/../etc/shadow" }), testPaths, "not clean"},
-		{"initrd without kernel", q35(func(s *VMSpec) { s.Initrd = "/i" }), testPaths, "initrd without kernel"},
+		{"initrd without kernel", q35(func(s *VMSpec) { s.Initrd = nullFile(t) }), testPaths, "initrd without kernel"},
 		{"cmdline without kernel", q35(func(s *VMSpec) { s.Cmdline = "quiet" }), testPaths, "cmdline without kernel"},
-		{"cmdline newline", q35(func(s *VMSpec) { s.Kernel, s.Cmdline = "/k", "a\nb" }), testPaths, "newline"},
-		{"disk NUL", q35(func(s *VMSpec) { s.Disk = "/d\x00" }), testPaths, "NUL"},
-		{"bad disk format", q35(func(s *VMSpec) { s.Disk, s.DiskFormat = "/d", "vmdk" }), testPaths, "disk format"},
-		{"format without disk", q35(func(s *VMSpec) { s.DiskFormat = DiskRaw }), testPaths, "without disk"},
+		{"cmdline newline", q35(func(s *VMSpec) { s.Kernel, s.Cmdline = nullFile(t), "a\nb" }), testPaths, "newline"},
+		{"disk without base", q35(func(s *VMSpec) { s.Disk = &Disk{Overlay: nullFile(t)} }), testPaths, "without a base"},
+		{"disk without overlay", q35(func(s *VMSpec) { s.Disk = &Disk{Base: nullFile(t)} }), testPaths, "without an overlay"},
 		{"relative vfio", q35(func(s *VMSpec) { s.VFIO = []string{"sys/bus/pci/devices/x"} }), testPaths, "vfio[0]"},
 		{"duplicate vfio", q35(func(s *VMSpec) { s.VFIO = []string{"/sys/a", "/sys/a"} }), testPaths, "twice"},
 		{"microvm without kernel", VMSpec{Name: "m", VCPUs: 1, MemoryMiB: 64, Machine: MachineMicroVM, Accel: AccelKVM}, testPaths, "needs a kernel"},
-		{"microvm vfio", VMSpec{Name: "m", VCPUs: 1, MemoryMiB: 64, Machine: MachineMicroVM, Accel: AccelKVM, Kernel: "/k", VFIO: []string{"/sys/a"}}, testPaths, "no PCI bus"},
+		{"microvm vfio", VMSpec{Name: "m", VCPUs: 1, MemoryMiB: 64, Machine: MachineMicroVM, Accel: AccelKVM, Kernel: nullFile(t), VFIO: []string{"/sys/a"}}, testPaths, "no PCI bus"},
 		{"bad runas", q35(func(s *VMSpec) { s.RunAs = "root;rm" }), testPaths, "run_as"},
 		{"empty socket", noneSpec(), Paths{PIDFile: "/p"}, "qmp socket"},
 		{"long socket", noneSpec(), Paths{QMPSocket: "/" + strings.Repeat("s", MaxSocketPath), PIDFile: "/p"}, "at most 107"},
@@ -170,11 +214,18 @@ func TestArgvRejects(t *testing.T) {
 
 // FuzzArgv: no input panics, and whatever Argv accepts is a well-formed argv.
 func FuzzArgv(f *testing.F) {
-	f.Add("a", "", 1, 128, "none", "kvm", "", "", "", "/s", false)
-	f.Add("web-1", "6f1c1b0e-1c1a-4d4e-9f55-0123456789ab", 4, 4096, "q35", "tcg", "/k", "quiet", "/d,x", "/sys/a", true)
-	f.Fuzz(func(t *testing.T, name, id string, vcpus, mem int, machine, accel, kernel, cmdline, disk, vfio string, serial bool) {
+	f.Add("a", "", 1, 128, "none", "kvm", false, "", false, "/s", false)
+	f.Add("web-1", "6f1c1b0e-1c1a-4d4e-9f55-0123456789ab", 4, 4096, "q35", "tcg", true, "quiet", true, "/sys/a", true)
+	image := nullFile(f)
+	f.Fuzz(func(t *testing.T, name, id string, vcpus, mem int, machine, accel string, kernel bool, cmdline string, disk bool, vfio string, serial bool) {
 		s := VMSpec{Name: name, UUID: id, VCPUs: vcpus, MemoryMiB: mem, Machine: Machine(machine), Accel: Accel(accel),
-			Kernel: kernel, Cmdline: cmdline, Disk: disk, SerialToLog: serial}
+			Cmdline: cmdline, SerialToLog: serial}
+		if kernel {
+			s.Kernel = image
+		}
+		if disk {
+			s.Disk = &Disk{Base: image, Overlay: image}
+		}
 		if vfio != "" {
 			s.VFIO = []string{vfio}
 		}
@@ -195,8 +246,8 @@ func FuzzArgv(f *testing.F) {
 
 func BenchmarkArgv(b *testing.B) {
 	s := VMSpec{Name: "web-1", UUID: "6f1c1b0e-1c1a-4d4e-9f55-0123456789ab", VCPUs: 4, MemoryMiB: 4096,
-		Machine: MachineQ35, Accel: AccelKVM, Kernel: "/boot/vmlinuz", Cmdline: "console=ttyS0",
-		Disk: "/var/lib/img/a.qcow2", DiskFormat: DiskQCOW2,
+		Machine: MachineQ35, Accel: AccelKVM, Kernel: nullFile(b), Cmdline: "console=ttyS0",
+		Disk: &Disk{Base: nullFile(b), Overlay: nullFile(b)},
 		VFIO: []string{"/sys/bus/mdev/devices/5e1b5c4a-2c55-4b1e-9a34-7d0c3f2a9b10"}, SerialToLog: true}
 	b.ReportAllocs()
 	for b.Loop() {

@@ -206,9 +206,14 @@ func TestLaunchBadOptionFailsFast(t *testing.T) {
 	wrapper := filepath.Join(wrapDir, "qemu-bogus")
 	require.NoError(t, os.WriteFile(wrapper, []byte("#!/bin/sh\nexec "+qemu+" -bogus \"$@\"\n"), 0o755))
 
-	missingKernel := testLaunchConfig(t, "nokernel")
-	missingKernel.Spec.Machine, missingKernel.Spec.Accel = MachineQ35, AccelTCG
-	missingKernel.Spec.Kernel = "/nonexistent/vmlinuz"
+	// Not a kernel: QEMU reads the inherited fd and refuses its header.
+	junk := filepath.Join(wrapDir, "junk")
+	require.NoError(t, os.WriteFile(junk, bytes.Repeat([]byte{0xa5}, 4096), 0o644))
+	badKernel := testLaunchConfig(t, "badkernel")
+	badKernel.Spec.Machine, badKernel.Spec.Accel = MachineQ35, AccelTCG
+	kf, err := os.Open(junk)
+	require.NoError(t, err)
+	badKernel.Spec.Kernel = kf
 
 	bogus := testLaunchConfig(t, "bogus")
 	bogus.Binary = wrapper
@@ -219,7 +224,7 @@ func TestLaunchBadOptionFailsFast(t *testing.T) {
 		want string
 	}{
 		{"invalid option", bogus, "-bogus: invalid option"},
-		{"missing kernel", missingKernel, "/nonexistent/vmlinuz"},
+		{"bad kernel", badKernel, "invalid kernel header"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			var hooks hookLog

@@ -4,8 +4,12 @@
 package vmmtest
 
 import (
+	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
 	"testing"
 
 	"vmflow/hostagent/vmm"
@@ -52,4 +56,69 @@ func ShortDir(tb testing.TB, prefix string) string {
 	}
 	tb.Cleanup(func() { os.RemoveAll(d) })
 	return d
+}
+
+// RequiresQEMUImg skips tb when qemu-img (Debian's qemu-utils, which
+// `make qemu` installs) is missing, and returns its path otherwise.
+func RequiresQEMUImg(tb testing.TB) string {
+	tb.Helper()
+	p, err := exec.LookPath(vmm.DefaultQEMUImg)
+	if err != nil {
+		tb.Skipf("needs %s (make qemu installs qemu-utils): %v", vmm.DefaultQEMUImg, err)
+	}
+	return p
+}
+
+// OpenFile is one file descriptor a process holds.
+type OpenFile struct {
+	FD     int
+	Target string // the /proc/<pid>/fd/<fd> link: a path, or "pipe:[...]" and the like
+	Flags  int    // the open flags from /proc/<pid>/fdinfo/<fd> (O_ACCMODE etc.)
+}
+
+// OpenFiles lists the file descriptors of process pid.
+func OpenFiles(tb testing.TB, pid int) []OpenFile {
+	tb.Helper()
+	dir := fmt.Sprintf("/proc/%d/fd", pid)
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		tb.Fatalf("list %s: %v", dir, err)
+	}
+	var out []OpenFile
+	for _, e := range entries {
+		fd, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		target, err := os.Readlink(filepath.Join(dir, e.Name()))
+		if err != nil {
+			continue // closed meanwhile
+		}
+		info, err := os.ReadFile(fmt.Sprintf("/proc/%d/fdinfo/%d", pid, fd))
+		if err != nil {
+			continue
+		}
+		of := OpenFile{FD: fd, Target: target, Flags: -1}
+		for _, line := range strings.Split(string(info), "\n") {
+			if v, ok := strings.CutPrefix(line, "flags:"); ok {
+				// fdinfo prints the flags in octal.
+				if n, err := strconv.ParseInt(strings.TrimSpace(v), 8, 64); err == nil {
+					of.Flags = int(n)
+				}
+			}
+		}
+		out = append(out, of)
+	}
+	return out
+}
+
+// Cmdline is process pid's argv as one string, arguments separated by
+// spaces.
+func Cmdline(tb testing.TB, pid int) string {
+	tb.Helper()
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+	if err != nil {
+		tb.Fatalf("read cmdline of %d: %v", pid, err)
+	}
+	return strings.ReplaceAll(strings.TrimRight(string(b), "\x00"), "\x00", " ")
 }

@@ -239,7 +239,16 @@ type VMSpec struct {
 	// The instance UUID passed to QEMU's -uuid (an NVIDIA vGPU guest needs it).
 	// Callers must derive it deterministically (for example from the instance
 	// id) so a retried create carries the same spec.
-	Uuid          string `protobuf:"bytes,10,opt,name=uuid,proto3" json:"uuid,omitempty"`
+	Uuid string `protobuf:"bytes,10,opt,name=uuid,proto3" json:"uuid,omitempty"`
+	// Fields 26-30: where the agent opens the images (issue 14). kernel,
+	// initrd and disk above keep the absolute paths as requested (shown by
+	// ls/show); these keep the --image-root each lies in and the path relative
+	// to it, which is what every launch opens (openat2 beneath the root). A
+	// record written before they existed has only the absolute paths: the
+	// agent resolves those against its roots at launch.
+	KernelImage   *ImageRef `protobuf:"bytes,26,opt,name=kernel_image,json=kernelImage,proto3" json:"kernel_image,omitempty"`
+	InitrdImage   *ImageRef `protobuf:"bytes,27,opt,name=initrd_image,json=initrdImage,proto3" json:"initrd_image,omitempty"`
+	DiskImage     *ImageRef `protobuf:"bytes,28,opt,name=disk_image,json=diskImage,proto3" json:"disk_image,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -344,6 +353,84 @@ func (x *VMSpec) GetUuid() string {
 	return ""
 }
 
+func (x *VMSpec) GetKernelImage() *ImageRef {
+	if x != nil {
+		return x.KernelImage
+	}
+	return nil
+}
+
+func (x *VMSpec) GetInitrdImage() *ImageRef {
+	if x != nil {
+		return x.InitrdImage
+	}
+	return nil
+}
+
+func (x *VMSpec) GetDiskImage() *ImageRef {
+	if x != nil {
+		return x.DiskImage
+	}
+	return nil
+}
+
+// ImageRef is an image file as the agent opens it: beneath one of its
+// --image-root folders.
+type ImageRef struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The --image-root, absolute, as the agent was configured.
+	Root string `protobuf:"bytes,1,opt,name=root,proto3" json:"root,omitempty"`
+	// The path below root: relative, clean, no "..". Symlinks in it are
+	// followed only while they stay beneath root.
+	Path          string `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ImageRef) Reset() {
+	*x = ImageRef{}
+	mi := &file_vmflow_v1_record_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ImageRef) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ImageRef) ProtoMessage() {}
+
+func (x *ImageRef) ProtoReflect() protoreflect.Message {
+	mi := &file_vmflow_v1_record_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ImageRef.ProtoReflect.Descriptor instead.
+func (*ImageRef) Descriptor() ([]byte, []int) {
+	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *ImageRef) GetRoot() string {
+	if x != nil {
+		return x.Root
+	}
+	return ""
+}
+
+func (x *ImageRef) GetPath() string {
+	if x != nil {
+		return x.Path
+	}
+	return ""
+}
+
 // ProcessIdentity names one QEMU process across its life (invariant 3): a
 // pid alone is reused, pid + start time is unique within a boot, and the boot
 // id rules out a record that survived a reboot.
@@ -360,7 +447,7 @@ type ProcessIdentity struct {
 
 func (x *ProcessIdentity) Reset() {
 	*x = ProcessIdentity{}
-	mi := &file_vmflow_v1_record_proto_msgTypes[1]
+	mi := &file_vmflow_v1_record_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -372,7 +459,7 @@ func (x *ProcessIdentity) String() string {
 func (*ProcessIdentity) ProtoMessage() {}
 
 func (x *ProcessIdentity) ProtoReflect() protoreflect.Message {
-	mi := &file_vmflow_v1_record_proto_msgTypes[1]
+	mi := &file_vmflow_v1_record_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -385,7 +472,7 @@ func (x *ProcessIdentity) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ProcessIdentity.ProtoReflect.Descriptor instead.
 func (*ProcessIdentity) Descriptor() ([]byte, []int) {
-	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{1}
+	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *ProcessIdentity) GetPid() int32 {
@@ -441,7 +528,7 @@ type GpuClaim struct {
 
 func (x *GpuClaim) Reset() {
 	*x = GpuClaim{}
-	mi := &file_vmflow_v1_record_proto_msgTypes[2]
+	mi := &file_vmflow_v1_record_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -453,7 +540,7 @@ func (x *GpuClaim) String() string {
 func (*GpuClaim) ProtoMessage() {}
 
 func (x *GpuClaim) ProtoReflect() protoreflect.Message {
-	mi := &file_vmflow_v1_record_proto_msgTypes[2]
+	mi := &file_vmflow_v1_record_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -466,7 +553,7 @@ func (x *GpuClaim) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GpuClaim.ProtoReflect.Descriptor instead.
 func (*GpuClaim) Descriptor() ([]byte, []int) {
-	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{2}
+	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *GpuClaim) GetProfile() string {
@@ -617,7 +704,7 @@ type InstanceRecord struct {
 
 func (x *InstanceRecord) Reset() {
 	*x = InstanceRecord{}
-	mi := &file_vmflow_v1_record_proto_msgTypes[3]
+	mi := &file_vmflow_v1_record_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -629,7 +716,7 @@ func (x *InstanceRecord) String() string {
 func (*InstanceRecord) ProtoMessage() {}
 
 func (x *InstanceRecord) ProtoReflect() protoreflect.Message {
-	mi := &file_vmflow_v1_record_proto_msgTypes[3]
+	mi := &file_vmflow_v1_record_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -642,7 +729,7 @@ func (x *InstanceRecord) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InstanceRecord.ProtoReflect.Descriptor instead.
 func (*InstanceRecord) Descriptor() ([]byte, []int) {
-	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{3}
+	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *InstanceRecord) GetId() string {
@@ -817,7 +904,7 @@ var File_vmflow_v1_record_proto protoreflect.FileDescriptor
 
 const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\n" +
-	"\x16vmflow/v1/record.proto\x12\tvmflow.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x82\x02\n" +
+	"\x16vmflow/v1/record.proto\x12\tvmflow.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xa6\x03\n" +
 	"\x06VMSpec\x12\x14\n" +
 	"\x05vcpus\x18\x01 \x01(\rR\x05vcpus\x12\x1d\n" +
 	"\n" +
@@ -830,7 +917,14 @@ const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\x04disk\x18\b \x01(\tR\x04disk\x12!\n" +
 	"\fvgpu_profile\x18\t \x01(\tR\vvgpuProfile\x12\x12\n" +
 	"\x04uuid\x18\n" +
-	" \x01(\tR\x04uuid\"[\n" +
+	" \x01(\tR\x04uuid\x126\n" +
+	"\fkernel_image\x18\x1a \x01(\v2\x13.vmflow.v1.ImageRefR\vkernelImage\x126\n" +
+	"\finitrd_image\x18\x1b \x01(\v2\x13.vmflow.v1.ImageRefR\vinitrdImage\x122\n" +
+	"\n" +
+	"disk_image\x18\x1c \x01(\v2\x13.vmflow.v1.ImageRefR\tdiskImage\"2\n" +
+	"\bImageRef\x12\x12\n" +
+	"\x04root\x18\x01 \x01(\tR\x04root\x12\x12\n" +
+	"\x04path\x18\x02 \x01(\tR\x04path\"[\n" +
 	"\x0fProcessIdentity\x12\x10\n" +
 	"\x03pid\x18\x01 \x01(\x05R\x03pid\x12\x1d\n" +
 	"\n" +
@@ -915,38 +1009,42 @@ func file_vmflow_v1_record_proto_rawDescGZIP() []byte {
 }
 
 var file_vmflow_v1_record_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_vmflow_v1_record_proto_msgTypes = make([]protoimpl.MessageInfo, 4)
+var file_vmflow_v1_record_proto_msgTypes = make([]protoimpl.MessageInfo, 5)
 var file_vmflow_v1_record_proto_goTypes = []any{
 	(InstanceState)(0),            // 0: vmflow.v1.InstanceState
 	(StopStep)(0),                 // 1: vmflow.v1.StopStep
 	(ClaimPhase)(0),               // 2: vmflow.v1.ClaimPhase
 	(*VMSpec)(nil),                // 3: vmflow.v1.VMSpec
-	(*ProcessIdentity)(nil),       // 4: vmflow.v1.ProcessIdentity
-	(*GpuClaim)(nil),              // 5: vmflow.v1.GpuClaim
-	(*InstanceRecord)(nil),        // 6: vmflow.v1.InstanceRecord
-	(*timestamppb.Timestamp)(nil), // 7: google.protobuf.Timestamp
+	(*ImageRef)(nil),              // 4: vmflow.v1.ImageRef
+	(*ProcessIdentity)(nil),       // 5: vmflow.v1.ProcessIdentity
+	(*GpuClaim)(nil),              // 6: vmflow.v1.GpuClaim
+	(*InstanceRecord)(nil),        // 7: vmflow.v1.InstanceRecord
+	(*timestamppb.Timestamp)(nil), // 8: google.protobuf.Timestamp
 }
 var file_vmflow_v1_record_proto_depIdxs = []int32{
-	2,  // 0: vmflow.v1.GpuClaim.phase:type_name -> vmflow.v1.ClaimPhase
-	7,  // 1: vmflow.v1.GpuClaim.released_at:type_name -> google.protobuf.Timestamp
-	7,  // 2: vmflow.v1.GpuClaim.claimed_at:type_name -> google.protobuf.Timestamp
-	3,  // 3: vmflow.v1.InstanceRecord.spec:type_name -> vmflow.v1.VMSpec
-	0,  // 4: vmflow.v1.InstanceRecord.state:type_name -> vmflow.v1.InstanceState
-	1,  // 5: vmflow.v1.InstanceRecord.stop_step:type_name -> vmflow.v1.StopStep
-	7,  // 6: vmflow.v1.InstanceRecord.stop_step_at:type_name -> google.protobuf.Timestamp
-	4,  // 7: vmflow.v1.InstanceRecord.process:type_name -> vmflow.v1.ProcessIdentity
-	5,  // 8: vmflow.v1.InstanceRecord.gpu_claim:type_name -> vmflow.v1.GpuClaim
-	7,  // 9: vmflow.v1.InstanceRecord.last_start:type_name -> google.protobuf.Timestamp
-	7,  // 10: vmflow.v1.InstanceRecord.last_exit:type_name -> google.protobuf.Timestamp
-	7,  // 11: vmflow.v1.InstanceRecord.created_at:type_name -> google.protobuf.Timestamp
-	7,  // 12: vmflow.v1.InstanceRecord.updated_at:type_name -> google.protobuf.Timestamp
-	7,  // 13: vmflow.v1.InstanceRecord.launch_started_at:type_name -> google.protobuf.Timestamp
-	7,  // 14: vmflow.v1.InstanceRecord.needs_attention_at:type_name -> google.protobuf.Timestamp
-	15, // [15:15] is the sub-list for method output_type
-	15, // [15:15] is the sub-list for method input_type
-	15, // [15:15] is the sub-list for extension type_name
-	15, // [15:15] is the sub-list for extension extendee
-	0,  // [0:15] is the sub-list for field type_name
+	4,  // 0: vmflow.v1.VMSpec.kernel_image:type_name -> vmflow.v1.ImageRef
+	4,  // 1: vmflow.v1.VMSpec.initrd_image:type_name -> vmflow.v1.ImageRef
+	4,  // 2: vmflow.v1.VMSpec.disk_image:type_name -> vmflow.v1.ImageRef
+	2,  // 3: vmflow.v1.GpuClaim.phase:type_name -> vmflow.v1.ClaimPhase
+	8,  // 4: vmflow.v1.GpuClaim.released_at:type_name -> google.protobuf.Timestamp
+	8,  // 5: vmflow.v1.GpuClaim.claimed_at:type_name -> google.protobuf.Timestamp
+	3,  // 6: vmflow.v1.InstanceRecord.spec:type_name -> vmflow.v1.VMSpec
+	0,  // 7: vmflow.v1.InstanceRecord.state:type_name -> vmflow.v1.InstanceState
+	1,  // 8: vmflow.v1.InstanceRecord.stop_step:type_name -> vmflow.v1.StopStep
+	8,  // 9: vmflow.v1.InstanceRecord.stop_step_at:type_name -> google.protobuf.Timestamp
+	5,  // 10: vmflow.v1.InstanceRecord.process:type_name -> vmflow.v1.ProcessIdentity
+	6,  // 11: vmflow.v1.InstanceRecord.gpu_claim:type_name -> vmflow.v1.GpuClaim
+	8,  // 12: vmflow.v1.InstanceRecord.last_start:type_name -> google.protobuf.Timestamp
+	8,  // 13: vmflow.v1.InstanceRecord.last_exit:type_name -> google.protobuf.Timestamp
+	8,  // 14: vmflow.v1.InstanceRecord.created_at:type_name -> google.protobuf.Timestamp
+	8,  // 15: vmflow.v1.InstanceRecord.updated_at:type_name -> google.protobuf.Timestamp
+	8,  // 16: vmflow.v1.InstanceRecord.launch_started_at:type_name -> google.protobuf.Timestamp
+	8,  // 17: vmflow.v1.InstanceRecord.needs_attention_at:type_name -> google.protobuf.Timestamp
+	18, // [18:18] is the sub-list for method output_type
+	18, // [18:18] is the sub-list for method input_type
+	18, // [18:18] is the sub-list for extension type_name
+	18, // [18:18] is the sub-list for extension extendee
+	0,  // [0:18] is the sub-list for field type_name
 }
 
 func init() { file_vmflow_v1_record_proto_init() }
@@ -960,7 +1058,7 @@ func file_vmflow_v1_record_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_vmflow_v1_record_proto_rawDesc), len(file_vmflow_v1_record_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   4,
+			NumMessages:   5,
 			NumExtensions: 0,
 			NumServices:   0,
 		},
