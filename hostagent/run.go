@@ -187,8 +187,19 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 		}
 	}()
 
-	c, err := dialForever(ctx, platform.Options{Logger: log, MetricsHandler: tm.SDKHandler(), HostPort: cfg.Address, Namespace: cfg.Namespace,
-		Identity: "vmflow-hostagent@" + cfg.HostID}, log)
+	topts := platform.Options{Logger: log, MetricsHandler: tm.SDKHandler(), HostPort: cfg.Address, Namespace: cfg.Namespace,
+		Identity: "vmflow-hostagent@" + cfg.HostID, Insecure: cfg.Insecure}
+	if _, err := platform.ClientOptions(topts); errors.Is(err, tclient.ErrInsecureTransport) {
+		// Permanent until an operator changes the configuration: said once,
+		// and on /readyz, while the host's VMs stay supervised (invariant 12).
+		log.Error("not connecting to Temporal: insecure transport refused; VMs stay supervised, host activities are not served until the configuration is fixed (or --insecure given)",
+			zap.Error(err))
+		tm.Readiness.NotReady(readyTemporal, err.Error())
+		<-ctx.Done()
+		service.NotifyStopping(log)
+		return nil
+	}
+	c, err := dialForever(ctx, topts, log)
 	if err != nil {
 		service.NotifyStopping(log)
 		log.Info("stopping before Temporal answered; VMs keep running")

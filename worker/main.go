@@ -131,7 +131,8 @@ func run() int {
 		}()
 	}
 
-	topts := platform.Options{Logger: log, MetricsHandler: metrics.SDKHandler(), HostPort: cfg.Address, Namespace: cfg.Namespace}
+	topts := platform.Options{Logger: log, MetricsHandler: metrics.SDKHandler(), HostPort: cfg.Address, Namespace: cfg.Namespace,
+		Insecure: cfg.Insecure}
 	copts, err := platform.ClientOptions(topts)
 	if err != nil {
 		log.Error("temporal configuration", zap.Error(err))
