@@ -105,6 +105,11 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 	if err != nil {
 		return err
 	}
+	// Scrapes serve a snapshot of the store; this keeps it current.
+	go am.RunStoreRefresh(life, metrics.DefaultStoreRefresh)
+	// The SDK labels activity metrics with names callers choose: only the
+	// agent's own activities and vmflow's workflows keep theirs.
+	tm.AllowTypes(workflows.WorkflowNames, workflows.HostActivityNames)
 	// /healthz answers while re-attach runs; /readyz says what it waits for.
 	if cfg.MetricsAddr != "" {
 		go func() {
@@ -169,6 +174,7 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 	}
 	crashpoint.Hit(crashpoint.AgentReattached)
 	am.Reattach.Add(float64(rep.Attached))
+	am.RefreshStore() // re-attach rewrote records: the gauges show it now
 	log.Info("supervising", zap.Int("records", rep.Records), zap.Int("attached", rep.Attached),
 		zap.Int("gone", rep.Gone), zap.Int("failed", rep.Failed), zap.Duration("took", rep.Duration))
 	if gpus == nil {

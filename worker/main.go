@@ -119,6 +119,9 @@ func run() int {
 		return 1
 	}
 	metrics.Readiness.NotReady("worker", "the Temporal worker has not started")
+	// The SDK labels metrics with workflow and activity names callers
+	// choose: only vmflow's keep theirs.
+	metrics.AllowTypes(workflows.WorkflowNames, workflows.HostActivityNames)
 	// The metrics server outlives ctx (SIGTERM): it serves until run
 	// returns, through the graceful stop.
 	life, endLife := context.WithCancel(context.Background())
