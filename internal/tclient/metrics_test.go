@@ -3,8 +3,8 @@ package tclient
 import (
 	"context"
 	"fmt"
-	"math/rand/v2"
 	"io"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"net/http/httptest"
