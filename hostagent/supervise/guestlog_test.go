@@ -90,10 +90,10 @@ func TestReattachKeepsCapturingGuestLog(t *testing.T) {
 	paths, err := e.st.Paths("vm1")
 	require.NoError(t, err)
 
-	l := waitLogGrows(t, paths.Log, floodLog{}, vmm.DefaultLogMaxBytes/4, 3*time.Minute)
+	waitLogGrows(t, paths.Log, floodLog{}, vmm.DefaultLogMaxBytes/4, 3*time.Minute)
 	// The agent goes away: nobody reads the pipe.
 	require.NoError(t, sup.Close())
-	l = readFloodLog(t, paths.Log)
+	l := readFloodLog(t, paths.Log)
 
 	sup2 := e.newSupervisor(flood)
 	rep, err := sup2.Start(ctxT(t, 30*time.Second))
