@@ -51,8 +51,10 @@ func CheckTransport(copts client.Options, insecure bool) error {
 }
 
 // IsLoopback reports whether a Temporal host:port (optionally with a gRPC
-// resolver scheme such as dns:///) names this machine only: "localhost" or a
-// loopback IP. Any other name may resolve anywhere.
+// resolver scheme such as dns:///) names this machine only: "localhost", a
+// loopback IP, or the unspecified address (0.0.0.0, ::), which Linux
+// connects to this machine: `make dev` with DEV_IP=0.0.0.0 dials it. Any
+// other name may resolve anywhere.
 func IsLoopback(hostPort string) bool {
 	if i := strings.Index(hostPort, ":///"); i >= 0 {
 		hostPort = hostPort[i+len(":///"):]
@@ -65,5 +67,5 @@ func IsLoopback(hostPort string) bool {
 		return true
 	}
 	ip := net.ParseIP(host)
-	return ip != nil && ip.IsLoopback()
+	return ip != nil && (ip.IsLoopback() || ip.IsUnspecified())
 }

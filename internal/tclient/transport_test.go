@@ -21,6 +21,7 @@ func TestCheckTransport(t *testing.T) {
 		{"loopback plaintext", client.Options{HostPort: "127.0.0.1:7233"}, 0},
 		{"localhost plaintext", client.Options{HostPort: "localhost:7233"}, 0},
 		{"ipv6 loopback plaintext", client.Options{HostPort: "[::1]:7233"}, 0},
+		{"unspecified address (make dev with DEV_IP=0.0.0.0)", client.Options{HostPort: "0.0.0.0:7233"}, 0},
 		{"resolver scheme to loopback", client.Options{HostPort: "dns:///localhost:7233"}, 0},
 		{"remote TLS with a key", client.Options{HostPort: "ns.tmprl.cloud:7233", Credentials: key,
 			ConnectionOptions: client.ConnectionOptions{TLS: verified}}, 0},
