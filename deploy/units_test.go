@@ -3,6 +3,7 @@ package deploy_test
 import (
 	"bufio"
 	"bytes"
+	"net"
 	"os"
 	"regexp"
 	"strings"
@@ -90,7 +91,7 @@ func TestEnvFilesDocumentEverySetting(t *testing.T) {
 			"--sysfs-root", "--dev-root", "--vgpu-orphan-grace", "--reconcile-every", "--graceful-timeout",
 			"--group-exit-cap", "--metrics-addr", "--log-level", "--address", "--namespace", "--workflow-task-queue",
 			"--vgpu-attach", "--holders-ignore-pid"},
-		"vmflow-worker.env": {"--task-queue", "--metrics-addr", "--log-level", "--address", "--namespace",
+		"vmflow-worker.env": {"--task-queue", "--metrics-addr", "--log-level", "--address", "--namespace", "--insecure",
 			"--release-backoff", "--release-backoff-max", "--host-pickup-timeout", "--unreachable-backoff",
 			"--unreachable-backoff-max", "--spawn-host-wait", "--delete-stuck-after", "--activity-timeout-cap", "--stop-timeout",
 			"--versioning", "--deployment-name", "--build-id"},
@@ -116,5 +117,35 @@ func TestHostAgentEnvDocumentsEveryFlag(t *testing.T) {
 	require.NoError(t, err)
 	for _, m := range names {
 		assert.Contains(t, string(env), "--"+m[1], "vmflow-hostagent.env does not document --%s", m[1])
+	}
+}
+
+// Both env files serve metrics on loopback only: /metrics, /healthz and
+// /readyz have no authentication (README.md, "Exposing metrics"). Fails on
+// the main of 2026-11-30, whose files bound :9464 and :9465 (every
+// interface).
+func TestEnvFilesBindMetricsToLoopback(t *testing.T) {
+	for file, want := range map[string]string{"vmflow-hostagent.env": "127.0.0.1:9464", "vmflow-worker.env": "127.0.0.1:9465"} {
+		b, err := os.ReadFile(file)
+		require.NoError(t, err)
+		var flags []string
+		for _, line := range strings.Split(string(b), "\n") {
+			if k, v, ok := strings.Cut(line, "="); ok && strings.HasPrefix(k, "VMFLOW_") && strings.HasSuffix(k, "_FLAGS") {
+				flags = strings.Fields(v)
+			}
+		}
+		addr := ""
+		for i, f := range flags {
+			if f == "--metrics-addr" && i+1 < len(flags) {
+				addr = flags[i+1]
+			} else if v, ok := strings.CutPrefix(f, "--metrics-addr="); ok {
+				addr = v
+			}
+		}
+		assert.Equal(t, want, addr, "%s --metrics-addr", file)
+		host, _, err := net.SplitHostPort(addr)
+		require.NoError(t, err)
+		ip := net.ParseIP(host)
+		assert.True(t, ip != nil && ip.IsLoopback(), "%s binds %q, not loopback", file, addr)
 	}
 }

@@ -105,6 +105,11 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 	if err != nil {
 		return err
 	}
+	// Scrapes serve a snapshot of the store; this keeps it current.
+	go am.RunStoreRefresh(life, metrics.DefaultStoreRefresh)
+	// The SDK labels activity metrics with names callers choose: only the
+	// agent's own activities and vmflow's workflows keep theirs.
+	tm.AllowTypes(workflows.WorkflowNames, workflows.HostActivityNames)
 	// /healthz answers while re-attach runs; /readyz says what it waits for.
 	if cfg.MetricsAddr != "" {
 		go func() {
@@ -175,6 +180,7 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 	}
 	crashpoint.Hit(crashpoint.AgentReattached)
 	am.Reattach.Add(float64(rep.Attached))
+	am.RefreshStore() // re-attach rewrote records: the gauges show it now
 	log.Info("supervising", zap.Int("records", rep.Records), zap.Int("attached", rep.Attached),
 		zap.Int("gone", rep.Gone), zap.Int("failed", rep.Failed), zap.Duration("took", rep.Duration))
 	if gpus == nil {
@@ -193,8 +199,19 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 		}
 	}()
 
-	c, err := dialForever(ctx, platform.Options{Logger: log, MetricsHandler: tm.SDKHandler(), HostPort: cfg.Address, Namespace: cfg.Namespace,
-		Identity: "vmflow-hostagent@" + cfg.HostID}, log)
+	topts := platform.Options{Logger: log, MetricsHandler: tm.SDKHandler(), HostPort: cfg.Address, Namespace: cfg.Namespace,
+		Identity: "vmflow-hostagent@" + cfg.HostID, Insecure: cfg.Insecure}
+	if _, err := platform.ClientOptions(topts); errors.Is(err, tclient.ErrInsecureTransport) {
+		// Permanent until an operator changes the configuration: said once,
+		// and on /readyz, while the host's VMs stay supervised (invariant 12).
+		log.Error("not connecting to Temporal: insecure transport refused; VMs stay supervised, host activities are not served until the configuration is fixed (or --insecure given)",
+			zap.Error(err))
+		tm.Readiness.NotReady(readyTemporal, err.Error())
+		<-ctx.Done()
+		service.NotifyStopping(log)
+		return nil
+	}
+	c, err := dialForever(ctx, topts, log)
 	if err != nil {
 		service.NotifyStopping(log)
 		log.Info("stopping before Temporal answered; VMs keep running")

@@ -2,9 +2,12 @@ package main
 
 import (
 	"context"
+	"io"
 	"net"
+	"net/http"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -140,5 +143,60 @@ func TestSupervisionWaitsUntilRecordsCanBeListed(t *testing.T) {
 		assert.NoError(t, err, "supervises once the folder is readable")
 	case <-time.After(30 * time.Second):
 		t.Fatal("still waiting after the folder came back")
+	}
+}
+
+// TestAgentRefusesInsecureTransportAndKeepsSupervising: plaintext to a
+// non-loopback Temporal without --insecure is refused, said once in the log
+// and on /readyz, and the agent goes on supervising without a connection
+// (invariant 12) until it is stopped. Fails on the main of 2026-11-30,
+// which dialed it.
+func TestAgentRefusesInsecureTransportAndKeepsSupervising(t *testing.T) {
+	dir := t.TempDir()
+	core, logs := observer.New(zapcore.InfoLevel)
+	metricsAddr := freeAddr(t)
+	cfg := cli.RunConfig{
+		// TEST-NET-1: never routed; a dial would hang, not fail.
+		HostID: "h1", StateDir: dir, VGPUDriver: "none", Address: "192.0.2.1:7233", Namespace: "default",
+		TaskQueue: "vmflow", ReconcileEvery: time.Minute, GracefulTimeout: time.Second, GroupExitCap: time.Second,
+		LogLevel: "info", MetricsAddr: metricsAddr,
+	}
+	t.Setenv("TEMPORAL_CONFIG_FILE", filepath.Join(dir, "absent.toml"))
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- agent(ctx, cfg, zap.New(core)) }()
+
+	var ready string
+	require.Eventually(t, func() bool {
+		resp, err := http.Get("http://" + metricsAddr + "/readyz")
+		if err != nil {
+			return false
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		ready = string(b)
+		return resp.StatusCode == http.StatusServiceUnavailable && strings.Contains(ready, "temporal:") &&
+			!strings.Contains(ready, "reattach")
+	}, 30*time.Second, 20*time.Millisecond, "readyz: %s", ready)
+	assert.Contains(t, ready, "not a loopback address")
+	assert.Contains(t, ready, "--insecure")
+
+	refused := logs.FilterMessageSnippet("insecure transport refused")
+	require.Equal(t, 1, refused.Len(), "said once")
+	assert.Contains(t, refused.All()[0].ContextMap()["error"], "192.0.2.1:7233")
+	assert.Positive(t, logs.FilterMessageSnippet("supervising").Len())
+	assert.Zero(t, logs.FilterMessageSnippet("temporal not reachable").Len(), "never dialed")
+	select {
+	case err := <-done:
+		t.Fatalf("the agent stopped on a refused transport: %v", err)
+	default:
+	}
+	cancel()
+	select {
+	case err := <-done:
+		assert.NoError(t, err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("the agent did not stop on cancel")
 	}
 }

@@ -45,6 +45,12 @@ type Options struct {
 	HostPort  string
 	Namespace string
 
+	// Insecure allows what tclient.TransportRisks names (an API key over
+	// plaintext, TLS skip-verify, plaintext to a non-loopback address): the
+	// binaries' --insecure flag. Without it ClientOptions and Dial refuse
+	// such a connection with tclient.ErrInsecureTransport.
+	Insecure bool
+
 	// Dial retry schedule: the first wait is RetryInitial (default 500 ms),
 	// doubling up to RetryMax (default 30 s). Each attempt gets
 	// AttemptTimeout (default 10 s).
@@ -55,6 +61,8 @@ type Options struct {
 
 // ClientOptions builds the SDK client options from envconfig and o, with
 // vmflow's data converter, logger and metrics handler. It does not connect.
+// A transport tclient.CheckTransport refuses (o.Insecure unset) is an error
+// wrapping tclient.ErrInsecureTransport.
 func ClientOptions(o Options) (client.Options, error) {
 	copts, err := envconfig.LoadClientOptions(envconfig.LoadClientOptionsRequest{
 		ConfigFilePath:    o.ConfigFile,
@@ -77,6 +85,13 @@ func ClientOptions(o Options) (client.Options, error) {
 	}
 	if copts.Namespace == "" {
 		copts.Namespace = client.DefaultNamespace
+	}
+	if err := tclient.CheckTransport(copts, o.Insecure); err != nil {
+		return client.Options{}, err
+	}
+	if risks := tclient.TransportRisks(copts); len(risks) > 0 && o.Logger != nil {
+		o.Logger.Warn("insecure Temporal transport allowed by --insecure", zap.String("address", copts.HostPort),
+			zap.Strings("risks", risks))
 	}
 	// IncludeRemoteCodec stays false: a remote codec would replace our
 	// converter with the SDK default, and workers would call it on every

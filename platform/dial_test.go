@@ -69,8 +69,9 @@ func TestClientOptionsFromEnv(t *testing.T) {
 			address: "localhost:7233", namespace: "default", tls: false,
 		},
 		{
-			name:    "address and namespace",
+			name:    "address and namespace (plaintext to a remote host needs --insecure)",
 			env:     fakeEnv{"TEMPORAL_ADDRESS": "temporal.internal:7233", "TEMPORAL_NAMESPACE": "vmflow"},
+			opts:    Options{Insecure: true},
 			address: "temporal.internal:7233", namespace: "vmflow", tls: false,
 		},
 		{
@@ -112,7 +113,7 @@ func TestClientOptionsFromEnv(t *testing.T) {
 		{
 			name:    "flags override the environment",
 			env:     fakeEnv{"TEMPORAL_ADDRESS": "env:7233", "TEMPORAL_NAMESPACE": "env"},
-			opts:    Options{HostPort: "flag:7233", Namespace: "flag", Identity: "hostagent@h1"},
+			opts:    Options{HostPort: "flag:7233", Namespace: "flag", Identity: "hostagent@h1", Insecure: true},
 			address: "flag:7233", namespace: "flag",
 			check: func(t *testing.T, o client.Options) { assert.Equal(t, "hostagent@h1", o.Identity) },
 		},
@@ -237,4 +238,41 @@ func TestPermanentErrors(t *testing.T) {
 	assert.False(t, permanent(serviceerror.NewNamespaceNotFound("vmflow")))
 	assert.False(t, permanent(errors.New("connection refused")))
 	assert.False(t, permanent(context.DeadlineExceeded))
+}
+
+// TestClientOptionsRefusesInsecureTransport: what envconfig accepted as
+// given (an API key over plaintext, skip-verify, plaintext to a remote
+// host) is refused unless --insecure says so; loopback plaintext without
+// credentials (make dev) stays allowed. Fails on the main of 2026-11-30,
+// which connected with one info line.
+func TestClientOptionsRefusesInsecureTransport(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		env  fakeEnv
+		risk string // "" : allowed without --insecure
+	}{
+		{"loopback plaintext (make dev)", fakeEnv{"TEMPORAL_ADDRESS": "127.0.0.1:7233"}, ""},
+		{"localhost plaintext", fakeEnv{}, ""},
+		{"remote with TLS and an API key", fakeEnv{"TEMPORAL_ADDRESS": "ns.tmprl.cloud:7233", "TEMPORAL_API_KEY": "k"}, ""},
+		{"API key over plaintext, even to loopback", fakeEnv{"TEMPORAL_API_KEY": "k", "TEMPORAL_TLS": "false"}, "API key) over plaintext"},
+		{"skip-verify", fakeEnv{"TEMPORAL_ADDRESS": "t:7233", "TEMPORAL_TLS": "true", "TEMPORAL_TLS_DISABLE_HOST_VERIFICATION": "true"}, "skip-verify"},
+		{"plaintext to a remote host", fakeEnv{"TEMPORAL_ADDRESS": "10.1.2.3:7233"}, "not a loopback address"},
+		{"plaintext to a name", fakeEnv{"TEMPORAL_ADDRESS": "temporal.internal:7233"}, "not a loopback address"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := ClientOptions(Options{Env: env(t, tc.env)})
+			if tc.risk == "" {
+				require.NoError(t, err)
+				return
+			}
+			require.ErrorIs(t, err, tclient.ErrInsecureTransport)
+			assert.ErrorContains(t, err, tc.risk)
+			assert.ErrorContains(t, err, "--insecure")
+			_, err = Dial(context.Background(), Options{Env: env(t, tc.env), RetryInitial: time.Millisecond})
+			assert.ErrorIs(t, err, tclient.ErrInsecureTransport, "Dial refuses without dialing")
+
+			_, err = ClientOptions(Options{Env: env(t, tc.env), Insecure: true})
+			assert.NoError(t, err, "--insecure allows it")
+		})
+	}
 }

@@ -24,7 +24,10 @@ type config struct {
 	LogLevel    string
 	Address     string
 	Namespace   string
-	Workflows   workflows.Config
+	// Insecure allows an API key over plaintext, TLS skip-verify and
+	// plaintext to a non-loopback Temporal (tclient.TransportRisks).
+	Insecure  bool
+	Workflows workflows.Config
 	// StopTimeout: after SIGTERM, how long running tasks may finish
 	// before they are cancelled (under the unit's TimeoutStopSec).
 	StopTimeout time.Duration
@@ -66,6 +69,7 @@ flags:
 	fs.StringVar(&c.LogLevel, "log-level", "info", "debug, info, warn or error")
 	fs.StringVar(&c.Address, "address", "", "Temporal frontend host:port (overrides TEMPORAL_ADDRESS)")
 	fs.StringVar(&c.Namespace, "namespace", "", "Temporal namespace (overrides TEMPORAL_NAMESPACE)")
+	fs.BoolVar(&c.Insecure, "insecure", false, "allow an insecure Temporal transport: an API key over plaintext, TLS without server verification, or plaintext to a non-loopback address (refused otherwise: the worker exits with the reason)")
 	fs.DurationVar(&c.Workflows.ReleaseBackoff, "release-backoff", d.ReleaseBackoff, "first wait after a failed vGPU release round; doubles each round")
 	fs.DurationVar(&c.Workflows.ReleaseBackoffMax, "release-backoff-max", d.ReleaseBackoffMax, "longest wait between vGPU release rounds")
 	fs.DurationVar(&c.Workflows.ScheduleToStartTimeout, "host-pickup-timeout", d.ScheduleToStartTimeout, "a host activity not picked up within this marks the host unreachable")

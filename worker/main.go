@@ -119,6 +119,9 @@ func run() int {
 		return 1
 	}
 	metrics.Readiness.NotReady("worker", "the Temporal worker has not started")
+	// The SDK labels metrics with workflow and activity names callers
+	// choose: only vmflow's keep theirs.
+	metrics.AllowTypes(workflows.WorkflowNames, workflows.HostActivityNames)
 	// The metrics server outlives ctx (SIGTERM): it serves until run
 	// returns, through the graceful stop.
 	life, endLife := context.WithCancel(context.Background())
@@ -131,7 +134,8 @@ func run() int {
 		}()
 	}
 
-	topts := platform.Options{Logger: log, MetricsHandler: metrics.SDKHandler(), HostPort: cfg.Address, Namespace: cfg.Namespace}
+	topts := platform.Options{Logger: log, MetricsHandler: metrics.SDKHandler(), HostPort: cfg.Address, Namespace: cfg.Namespace,
+		Insecure: cfg.Insecure}
 	copts, err := platform.ClientOptions(topts)
 	if err != nil {
 		log.Error("temporal configuration", zap.Error(err))

@@ -21,6 +21,9 @@ const (
 	ReconcileWorkflow = "ReconcileVGPU"
 )
 
+// WorkflowNames lists every workflow type the worker registers.
+var WorkflowNames = []string{SpawnWorkflow, DeleteWorkflow, ReconcileWorkflow}
+
 // DefaultTaskQueue is where the workflows run (the worker's --task-queue).
 const DefaultTaskQueue = "vmflow"
 

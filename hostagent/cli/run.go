@@ -44,7 +44,10 @@ type RunConfig struct {
 	LogLevel           string
 	Address            string
 	Namespace          string
-	TaskQueue          string // where the reconcile schedule starts ReconcileVGPU
+	// Insecure allows an API key over plaintext, TLS skip-verify and
+	// plaintext to a non-loopback Temporal (tclient.TransportRisks).
+	Insecure  bool
+	TaskQueue string // where the reconcile schedule starts ReconcileVGPU
 	// StopTimeout: after SIGTERM, how long running activities may finish
 	// before they are cancelled (under the unit's TimeoutStopSec).
 	StopTimeout time.Duration
@@ -112,6 +115,7 @@ flags:
 	fs.StringVar(&c.LogLevel, "log-level", "info", "debug, info, warn or error")
 	fs.StringVar(&c.Address, "address", "", "Temporal frontend host:port (overrides TEMPORAL_ADDRESS)")
 	fs.StringVar(&c.Namespace, "namespace", "", "Temporal namespace (overrides TEMPORAL_NAMESPACE)")
+	fs.BoolVar(&c.Insecure, "insecure", false, "allow an insecure Temporal transport: an API key over plaintext, TLS without server verification, or plaintext to a non-loopback address (refused otherwise: the agent supervises without Temporal and says why)")
 	fs.StringVar(&c.TaskQueue, "workflow-task-queue", "vmflow", "task queue of the workflow worker (where the reconcile schedule starts workflows)")
 	fs.DurationVar(&c.StopTimeout, "stop-timeout", service.StopTimeout, "on SIGTERM, stop polling and let running activities finish this long before cancelling them; keep it under the unit's TimeoutStopSec")
 	fs.Var(&ignore, "holders-ignore-pid", "a pid whose open files cannot be read but that holds no VFIO device (repeatable; for sandboxes whose init outranks the agent, never in production)")

@@ -2,11 +2,18 @@
 // operator graphs and alerts on (instances by state, how long stops take,
 // how fast exits are seen, vGPU claims and release failures, re-attaches).
 //
-// Gauges that describe the host (instances, claims) are read from the store
-// at scrape time, so they can never drift from the records.
+// Gauges that describe the host (instances, claims, unreadable records) come
+// from a snapshot of the store taken at start and refreshed in the background
+// (RunStoreRefresh), never at scrape time: a scrape reads no record, so its
+// cost does not grow with the records and anyone who can reach /metrics
+// cannot make the agent read the whole state directory at will.
 package metrics
 
 import (
+	"context"
+	"sync"
+	"time"
+
 	"github.com/prometheus/client_golang/prometheus"
 
 	"vmflow/hostagent/store"
@@ -30,10 +37,17 @@ type Agent struct {
 	// (the recorded spec is outside the policy the agent runs with): each
 	// leaves its instance needing attention.
 	RestartsRefused prometheus.Counter
+
+	store *storeCollector // nil without a store
 }
 
+// DefaultStoreRefresh is how often RunStoreRefresh re-reads the store: the
+// most the store gauges lag the records.
+const DefaultStoreRefresh = 15 * time.Second
+
 // New registers the agent's metrics with reg. st, when not nil, backs the
-// vmflow_instances and vmflow_vgpu_claims gauges.
+// vmflow_instances, vmflow_vgpu_claims and vmflow_records_unreadable gauges:
+// New reads the store once for them; RunStoreRefresh keeps them current.
 func New(reg prometheus.Registerer, st *store.Store) (*Agent, error) {
 	a := &Agent{
 		StopDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
@@ -79,7 +93,9 @@ func New(reg prometheus.Registerer, st *store.Store) (*Agent, error) {
 	}
 	cs := []prometheus.Collector{a.StopDuration, a.ExitDetect, a.LaunchDuration, a.ReleaseFailures, a.Reattach, a.ClaimsUnserved, a.RestartsRefused}
 	if st != nil {
-		cs = append(cs, &storeCollector{st: st})
+		a.store = &storeCollector{st: st}
+		a.store.refresh()
+		cs = append(cs, a.store)
 	}
 	for _, c := range cs {
 		if err := reg.Register(c); err != nil {
@@ -95,8 +111,50 @@ var (
 	unreadable    = prometheus.NewDesc("vmflow_records_unreadable", "Instance records that could not be read.", nil, nil)
 )
 
-// storeCollector reads the store at each scrape.
-type storeCollector struct{ st *store.Store }
+// RefreshStore re-reads the store into the gauges' snapshot now (every
+// record: O(records) reads). A no-op without a store.
+func (a *Agent) RefreshStore() {
+	if a.store != nil {
+		a.store.refresh()
+	}
+}
+
+// RunStoreRefresh calls RefreshStore every `every` (DefaultStoreRefresh when
+// not positive) until ctx ends. A refresh that hangs (a hung filesystem)
+// delays the next one, never a scrape: scrapes keep serving the last
+// snapshot.
+func (a *Agent) RunStoreRefresh(ctx context.Context, every time.Duration) {
+	if every <= 0 {
+		every = DefaultStoreRefresh
+	}
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			a.RefreshStore()
+		}
+	}
+}
+
+// storeSnapshot is what the store gauges report.
+type storeSnapshot struct {
+	byState    map[string]float64
+	claims     float64
+	unreadable float64
+}
+
+// storeCollector serves the last snapshot of the store; refresh takes a new
+// one. A scrape (Collect) never touches the store.
+type storeCollector struct {
+	st *store.Store
+
+	refreshMu sync.Mutex // one refresh at a time
+	mu        sync.Mutex
+	snap      storeSnapshot
+}
 
 func (c *storeCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- instancesDesc
@@ -104,25 +162,36 @@ func (c *storeCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- unreadable
 }
 
-func (c *storeCollector) Collect(ch chan<- prometheus.Metric) {
+func (c *storeCollector) refresh() {
+	c.refreshMu.Lock()
+	defer c.refreshMu.Unlock()
 	recs, err := c.st.List()
-	byState := map[string]float64{}
+	snap := storeSnapshot{byState: map[string]float64{}}
 	for _, s := range vmflowv1.InstanceState_value {
 		if st := vmflowv1.InstanceState(s); st != vmflowv1.InstanceState_INSTANCE_STATE_UNSPECIFIED {
-			byState[store.StateName(st)] = 0
+			snap.byState[store.StateName(st)] = 0
 		}
 	}
-	claims := 0.0
 	for _, r := range recs {
-		byState[store.StateName(r.GetState())]++
+		snap.byState[store.StateName(r.GetState())]++
 		if store.ClaimHeld(r) {
-			claims++
+			snap.claims++
 		}
 	}
-	for state, n := range byState {
+	bad, _ := store.Unreadable(err)
+	snap.unreadable = float64(len(bad))
+	c.mu.Lock()
+	c.snap = snap
+	c.mu.Unlock()
+}
+
+func (c *storeCollector) Collect(ch chan<- prometheus.Metric) {
+	c.mu.Lock()
+	snap := c.snap
+	c.mu.Unlock()
+	for state, n := range snap.byState {
 		ch <- prometheus.MustNewConstMetric(instancesDesc, prometheus.GaugeValue, n, state)
 	}
-	ch <- prometheus.MustNewConstMetric(claimsDesc, prometheus.GaugeValue, claims)
-	bad, _ := store.Unreadable(err)
-	ch <- prometheus.MustNewConstMetric(unreadable, prometheus.GaugeValue, float64(len(bad)))
+	ch <- prometheus.MustNewConstMetric(claimsDesc, prometheus.GaugeValue, snap.claims)
+	ch <- prometheus.MustNewConstMetric(unreadable, prometheus.GaugeValue, snap.unreadable)
 }

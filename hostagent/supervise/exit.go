@@ -79,7 +79,14 @@ func applyExit(r *vmflowv1.InstanceRecord, id proc.Identity, ex exitInfo) bool {
 // a re-attached VM through its pidfd: event driven, no periodic scan.
 func (s *Supervisor) watch(in *instance, vm *vmm.VM) {
 	ok := s.goBackground(func() {
-		defer vm.Close()
+		defer func() {
+			vm.Close()
+			if st, ok := vm.LogStats(); ok && st.Dropped > 0 {
+				in.log.Warn("guest output dropped: the log's disk was full, failing or behind",
+					zap.Int("pid", vm.Identity().PID), zap.Uint64("dropped_bytes", st.Dropped),
+					zap.Uint64("read_bytes", st.Read), zap.String("last_error", st.LastErr))
+			}
+		}()
 		if !s.waitGone(in, vm) {
 			return
 		}

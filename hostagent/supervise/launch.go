@@ -205,6 +205,7 @@ func (s *Supervisor) liveVMLocked(ctx context.Context, l *store.Locked, in *inst
 			vm.Close()
 			break
 		}
+		captureLog(in, vm)
 		in.setVM(vm)
 		s.watch(in, vm)
 		return vm, true, nil
@@ -222,6 +223,21 @@ func (s *Supervisor) liveVMLocked(ctx context.Context, l *store.Locked, in *inst
 		return nil, false, err
 	}
 	return nil, false, nil
+}
+
+// captureLog resumes pumping a re-attached VM's guest output into its
+// bounded log. A failure costs the log only: the VM is supervised all the
+// same (invariant 12).
+func captureLog(in *instance, vm *vmm.VM) {
+	err := vm.CaptureLog()
+	switch {
+	case err == nil:
+	case errors.Is(err, vmm.ErrLogNotPipe):
+		in.log.Info("guest log not captured: this QEMU writes qemu.log itself (launched before the bounded log); bounded from its next launch",
+			zap.Int("pid", vm.Identity().PID))
+	default:
+		in.log.Warn("guest log not captured; the VM is supervised all the same", zap.Error(err))
+	}
 }
 
 // launchLocked launches QEMU for the locked instance rec and moves its

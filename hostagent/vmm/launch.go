@@ -5,13 +5,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"io/fs"
 	"net"
 	"os"
 	"os/exec"
 	"strconv"
-	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -81,12 +79,14 @@ type VM struct {
 	h     *proc.Handle
 	paths Paths
 
-	mu  sync.Mutex
-	mon *Monitor
+	mu   sync.Mutex
+	mon  *Monitor
+	glog *GuestLog // the guest-output pump; nil when not capturing
 }
 
 // Launch starts QEMU for cfg.Spec in a session of its own, with stdout and
-// stderr appended to cfg.Paths.Log, and returns once QMP reports it
+// stderr going through a pipe into the bounded, rotating log at
+// cfg.Paths.Log (DefaultLogFiles of DefaultLogMaxBytes), and returns once QMP reports it
 // running. On any failure it kills and reaps QEMU, removes the socket, calls
 // OnFailed and only then returns the error (invariant 5). A launch may be
 // retried with the same paths: a stale socket is removed first.
@@ -110,6 +110,7 @@ type launch struct {
 	child *proc.Child
 	h     *proc.Handle
 	mon   *Monitor
+	glog  *GuestLog
 	// socketOwned: the socket path was free (or stale) when the launch
 	// began, so whatever is there at failure time belongs to this QEMU.
 	socketOwned bool
@@ -139,21 +140,15 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 	}
 	l.socketOwned = true
 
-	logf, err := os.OpenFile(cfg.Paths.Log, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
+	cmd := &exec.Cmd{Path: bin, Args: append([]string{bin}, argv...), Env: qemuEnv(cfg.Nonce)}
+	out, err := l.setGuestOutput(cmd)
 	if err != nil {
-		return nil, fmt.Errorf("launch: open log: %w", err)
+		return nil, fmt.Errorf("launch: %w", err)
 	}
-	var logStart int64
-	if fi, err := logf.Stat(); err == nil {
-		logStart = fi.Size() // quote only this attempt's output on failure
-	}
-	// An *os.File as stdout/stderr is handed to QEMU as its fd 1 and 2 with
-	// no copying goroutine here: QEMU keeps logging after the agent exits.
-	cmd := &exec.Cmd{Path: bin, Args: append([]string{bin}, argv...), Env: qemuEnv(cfg.Nonce), Stdout: logf, Stderr: logf,
-		ExtraFiles: fds.Files()}
+	cmd.ExtraFiles = fds.Files()
 	crashpoint.Hit(crashpoint.LaunchBeforeFork)
 	child, err := proc.Start(cmd)
-	logf.Close()
+	out.Close() // QEMU holds the write end now; the pump sees EOF when QEMU is gone
 	// QEMU has its own copies from the fork on: the agent must not hold
 	// every VM's images for its life.
 	_ = fds.Close()
@@ -176,7 +171,7 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 		// Gone already (reaped by proc's reaper, the pid maybe even
 		// reused): report how it ended.
 		if errors.Is(err, proc.ErrNotFound) || errors.Is(err, proc.ErrIdentityMismatch) {
-			return nil, l.exitedError(id, logStart)
+			return nil, l.exitedError(id)
 		}
 		return nil, fmt.Errorf("launch %v: %w", id, err)
 	}
@@ -188,7 +183,7 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 	}
 	rctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
-	mon, err := l.waitQMP(rctx, logStart)
+	mon, err := l.waitQMP(rctx)
 	if err != nil {
 		return nil, err
 	}
@@ -196,7 +191,7 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 	st, err := mon.Status(rctx)
 	if err != nil {
 		if l.exited() {
-			return nil, l.exitedError(id, logStart)
+			return nil, l.exitedError(id)
 		}
 		return nil, fmt.Errorf("launch %v: %w", id, err)
 	}
@@ -204,7 +199,22 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 		return nil, fmt.Errorf("launch %v: query-status is %q: %w", id, st.Status, ErrNotRunning)
 	}
 	crashpoint.Hit(crashpoint.LaunchQMPReady)
-	return &VM{id: id, child: child, h: h, paths: cfg.Paths, mon: mon}, nil
+	return &VM{id: id, child: child, h: h, paths: cfg.Paths, mon: mon, glog: l.glog}, nil
+}
+
+// setGuestOutput gives QEMU its stdout and stderr: one pipe into the
+// bounded, rotating log at Paths.Log (guestOutput), pumped by this process
+// and, after a restart, by the next agent (VM.CaptureLog). It returns the
+// parent's copy of the write end, which the caller closes once QEMU is
+// forked. The pump is l's to stop on failure.
+func (l *launch) setGuestOutput(cmd *exec.Cmd) (*os.File, error) {
+	w, g, err := guestOutput(l.cfg.Paths.Log)
+	if err != nil {
+		return nil, err
+	}
+	l.glog = g
+	cmd.Stdout, cmd.Stderr = w, w
+	return w, nil
 }
 
 // defaultPath is QEMU's PATH when the agent has none.
@@ -237,7 +247,7 @@ func (l *launch) exited() bool {
 
 // waitQMP waits for the socket to accept and QMP to finish its handshake,
 // or for QEMU to exit, whichever comes first.
-func (l *launch) waitQMP(ctx context.Context, logStart int64) (*Monitor, error) {
+func (l *launch) waitQMP(ctx context.Context) (*Monitor, error) {
 	id := l.child.Identity()
 	t := time.NewTicker(socketPollInterval)
 	defer t.Stop()
@@ -247,7 +257,7 @@ func (l *launch) waitQMP(ctx context.Context, logStart int64) (*Monitor, error) 
 			return mon, nil
 		}
 		if l.exited() {
-			return nil, l.exitedError(id, logStart)
+			return nil, l.exitedError(id)
 		}
 		if !notYetListening(err) && ctx.Err() == nil {
 			// The socket answered but QMP failed: usually QEMU dying
@@ -257,7 +267,7 @@ func (l *launch) waitQMP(ctx context.Context, logStart int64) (*Monitor, error) 
 			defer grace.Stop()
 			select {
 			case <-l.child.Done():
-				return nil, l.exitedError(id, logStart)
+				return nil, l.exitedError(id)
 			case <-grace.C:
 			case <-ctx.Done():
 			}
@@ -265,7 +275,7 @@ func (l *launch) waitQMP(ctx context.Context, logStart int64) (*Monitor, error) 
 		}
 		select {
 		case <-l.child.Done():
-			return nil, l.exitedError(id, logStart)
+			return nil, l.exitedError(id)
 		case <-ctx.Done():
 			return nil, fmt.Errorf("launch %v: waiting for qmp on %s: %w: %w",
 				id, l.cfg.Paths.QMPSocket, ErrLaunchTimeout, ctx.Err())
@@ -283,7 +293,7 @@ func notYetListening(err error) bool {
 		errors.Is(err, os.ErrDeadlineExceeded) || errors.Is(err, context.DeadlineExceeded)
 }
 
-func (l *launch) exitedError(id proc.Identity, logStart int64) error {
+func (l *launch) exitedError(id proc.Identity) error {
 	// Callers saw the exit (pidfd, EOF, ESRCH) possibly a moment before the
 	// reaper published the status.
 	t := time.NewTimer(exitGrace)
@@ -296,11 +306,10 @@ func (l *launch) exitedError(id proc.Identity, logStart int64) error {
 	if e, ok := l.child.Exit(); ok {
 		exit = e.String()
 	}
-	tail := logTail(l.cfg.Paths.Log, logStart)
-	if tail == "" {
-		tail = "(qemu.log is empty)"
-	}
-	return fmt.Errorf("launch %v: %w (%s): %s", id, ErrLaunchExited, exit, tail)
+	// QEMU's last words (its error message) are in the pipe until the
+	// pump reads its EOF.
+	l.glog.waitEOF(exitGrace)
+	return fmt.Errorf("launch %v: %w (%s): %s", id, ErrLaunchExited, exit, QuoteLog(l.glog.Tail()))
 }
 
 // fail undoes a launch: kill through the pidfd, reap, remove the socket,
@@ -319,6 +328,10 @@ func (l *launch) fail(cause error) error {
 	}
 	if l.h != nil {
 		l.h.Close()
+	}
+	if l.glog != nil {
+		// QEMU is gone (or never started): whatever it wrote is in the pipe.
+		l.glog.Stop(guestLogDrain)
 	}
 	if l.socketOwned {
 		if err := os.Remove(l.cfg.Paths.QMPSocket); err != nil && !errors.Is(err, fs.ErrNotExist) {
@@ -366,30 +379,6 @@ func (l *launch) killAndReap() error {
 	case <-t.C:
 		return &StillAliveError{Identity: id, Step: StepKillSent, Waited: timeout, Status: proc.Inspect(id)}
 	}
-}
-
-// logTail returns up to logTailBytes of path from offset on, trimmed.
-func logTail(path string, from int64) string {
-	f, err := os.Open(path)
-	if err != nil {
-		return fmt.Sprintf("(read qemu.log: %v)", err)
-	}
-	defer f.Close()
-	fi, err := f.Stat()
-	if err != nil {
-		return fmt.Sprintf("(read qemu.log: %v)", err)
-	}
-	if fi.Size()-from > logTailBytes {
-		from = fi.Size() - logTailBytes
-	}
-	if from < 0 || from > fi.Size() {
-		from = 0
-	}
-	b, err := io.ReadAll(io.NewSectionReader(f, from, fi.Size()-from))
-	if err != nil {
-		return fmt.Sprintf("(read qemu.log: %v)", err)
-	}
-	return strings.TrimSpace(string(b))
 }
 
 // RemoveStaleSocket removes a socket file nobody listens on. A socket that
@@ -525,13 +514,66 @@ func (v *VM) Stop(ctx context.Context, cfg StopConfig) (StopResult, error) {
 	return res, err
 }
 
-// Close releases the monitor connection and the pidfd. QEMU keeps running.
+// CaptureLog starts pumping the guest output of an attached VM (one this
+// process did not start) into its bounded log, reading QEMU's stdout pipe
+// through /proc/<pid>/fd/1: what QEMU wrote while no agent read is lost
+// beyond what the pipe still held. A VM already capturing (a launched one)
+// is left as it is. ErrLogNotPipe: a QEMU launched by an agent from before
+// the bounded log writes qemu.log itself; nothing to capture until its next
+// launch.
+func (v *VM) CaptureLog() error {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	if v.glog != nil {
+		return nil
+	}
+	r, err := openStdoutPipe(v.id.PID)
+	if err != nil {
+		return fmt.Errorf("capture guest log of %v: %w", v.id, err)
+	}
+	// The pidfd was opened and verified before the open: while that process
+	// lives its pid cannot name another, so alive now means the pipe is its.
+	if gone, err := v.h.Exited(); err != nil || gone {
+		r.Close()
+		if err == nil {
+			err = proc.ErrNotFound
+		}
+		return fmt.Errorf("capture guest log of %v: %w", v.id, err)
+	}
+	v.glog = startGuestLog(r, v.paths.Log)
+	return nil
+}
+
+// LogStats says what the guest-output pump read and dropped; ok is false
+// when the VM has none (an attached VM without CaptureLog).
+func (v *VM) LogStats() (st LogStats, ok bool) {
+	v.mu.Lock()
+	g := v.glog
+	v.mu.Unlock()
+	if g == nil {
+		return LogStats{}, false
+	}
+	return g.Stats(), true
+}
+
+// Close releases the monitor connection, the guest-output pump and the
+// pidfd. QEMU keeps running; its output waits in the pipe (and is lost
+// beyond its buffer) until a re-attach captures it again. For a VM that has
+// exited, the pump first reads what QEMU left in the pipe.
 func (v *VM) Close() error {
 	v.mu.Lock()
 	if v.mon != nil {
 		v.mon.Close()
 		v.mon = nil
 	}
+	g := v.glog
 	v.mu.Unlock()
+	if g != nil {
+		var drain time.Duration
+		if gone, err := v.h.Exited(); err == nil && gone {
+			drain = guestLogDrain
+		}
+		g.Stop(drain)
+	}
 	return v.h.Close()
 }

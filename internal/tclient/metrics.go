@@ -4,8 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"net/http"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -32,6 +34,24 @@ type Metrics struct {
 	provider *sdkmetric.MeterProvider
 	sdk      client.MetricsHandler
 	log      *zap.Logger
+	allowed  atomic.Pointer[typeNames]
+}
+
+// OtherType is the workflow_type or activity_type label of a name this
+// process did not register (AllowTypes).
+const OtherType = "other"
+
+// The SDK's tag names for the two caller-chosen labels
+// (go.temporal.io/sdk/internal/common/metrics: WorkflowTypeNameTagName,
+// ActivityTypeNameTagName; internal, so not importable).
+const (
+	workflowTypeTag = "workflow_type"
+	activityTypeTag = "activity_type"
+)
+
+// typeNames are the workflow and activity names whose labels are kept.
+type typeNames struct {
+	workflows, activities map[string]bool
 }
 
 // MetricsOption configures NewMetrics.
@@ -99,8 +119,62 @@ func latencyView() sdkmetric.View {
 	)
 }
 
-// SDKHandler is what client.Options.MetricsHandler takes.
-func (m *Metrics) SDKHandler() client.MetricsHandler { return m.sdk }
+// AllowTypes names the workflow and activity types this process registered:
+// SDK metrics labelled with any other workflow_type or activity_type are
+// reported as OtherType. Anyone who can schedule in the namespace chooses
+// those names (an activity nobody registered still reaches the worker that
+// polls the queue, and is labelled with its name), so without a bound each
+// new name is a new series for ever. Until AllowTypes is called every name is
+// "other". Safe to call at any time; it replaces the previous lists.
+func (m *Metrics) AllowTypes(workflowTypes, activityTypes []string) {
+	n := &typeNames{workflows: map[string]bool{}, activities: map[string]bool{}}
+	for _, w := range workflowTypes {
+		n.workflows[w] = true
+	}
+	for _, a := range activityTypes {
+		n.activities[a] = true
+	}
+	m.allowed.Store(n)
+}
+
+// SDKHandler is what client.Options.MetricsHandler takes: the SDK's OTel
+// handler, with its workflow_type and activity_type labels bounded to the
+// names AllowTypes lists.
+func (m *Metrics) SDKHandler() client.MetricsHandler { return boundedHandler{h: m.sdk, m: m} }
+
+// boundedHandler maps the caller-chosen labels of the SDK's metrics to
+// OtherType unless AllowTypes named them. The SDK sets them through WithTags
+// only.
+type boundedHandler struct {
+	h client.MetricsHandler
+	m *Metrics
+}
+
+func (b boundedHandler) WithTags(tags map[string]string) client.MetricsHandler {
+	var known typeNames
+	if n := b.m.allowed.Load(); n != nil {
+		known = *n
+	}
+	copied := false
+	for key, names := range map[string]map[string]bool{workflowTypeTag: known.workflows, activityTypeTag: known.activities} {
+		v, ok := tags[key]
+		if !ok || v == OtherType || names[v] {
+			continue
+		}
+		if !copied { // the SDK's map is not ours to change
+			tags, copied = maps.Clone(tags), true
+		}
+		tags[key] = OtherType
+	}
+	return boundedHandler{h: b.h.WithTags(tags), m: b.m}
+}
+
+func (b boundedHandler) Counter(name string) client.MetricsCounter { return b.h.Counter(name) }
+func (b boundedHandler) Gauge(name string) client.MetricsGauge     { return b.h.Gauge(name) }
+func (b boundedHandler) Timer(name string) client.MetricsTimer     { return b.h.Timer(name) }
+
+// Unwrap is the SDK's convention for a handler that wraps another.
+func (b boundedHandler) Unwrap() client.MetricsHandler { return b.h }
 
 // Handler serves the registry in the Prometheus text format.
 func (m *Metrics) Handler() http.Handler {
@@ -122,9 +196,9 @@ func (m *Metrics) Serve(ctx context.Context, addr string) error {
 // read its address).
 func (m *Metrics) ServeListener(ctx context.Context, ln net.Listener) error {
 	mux := http.NewServeMux()
-	// A scrape reads the state dir (the agent's gauges come from the
-	// records): bounded, so a hung filesystem costs one timed-out scrape,
-	// not a goroutine per scrape for ever, and health probes still answer.
+	// Bounded, so a collector that hangs costs one timed-out scrape, not a
+	// goroutine per scrape for ever, and health probes still answer. (The
+	// agent's store gauges are a snapshot: a scrape reads no record.)
 	mux.Handle("/metrics", http.TimeoutHandler(m.Handler(), 20*time.Second, "metrics scrape timed out\n"))
 	mux.HandleFunc("/healthz", service.Healthz)
 	mux.Handle("/readyz", m.Readiness)

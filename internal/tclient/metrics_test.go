@@ -2,7 +2,9 @@ package tclient
 
 import (
 	"context"
+	"fmt"
 	"io"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -74,4 +76,46 @@ func TestMetricsServe(t *testing.T) {
 	defer busy.Close()
 	err = m.Serve(context.Background(), busy.Addr().String())
 	assert.ErrorContains(t, err, "metrics listen")
+}
+
+// TestSDKLabelsBounded: a caller scheduling 1,000 random activity names
+// (from 1,000 random workflow types) adds at most one series per metric
+// beside the registered names. Fails on the main of 2026-11-30, where each
+// name became a series of its own.
+func TestSDKLabelsBounded(t *testing.T) {
+	m, err := NewMetrics()
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = m.Shutdown(context.Background()) })
+	m.AllowTypes([]string{"SpawnInstance"}, []string{"LaunchVM"})
+
+	record := func(wf, act string) {
+		tags := map[string]string{"namespace": "default", "task_queue": "vmflow-host-h1", "workflow_type": wf, "activity_type": act}
+		h := m.SDKHandler().WithTags(tags)
+		h.Counter("temporal_activity_execution_failed").Inc(1)
+		h.Timer("temporal_activity_execution_latency").Record(time.Millisecond)
+		assert.Equal(t, act, tags["activity_type"], "the SDK's map is left as it was")
+	}
+	record("SpawnInstance", "LaunchVM")
+	for i := range 1000 {
+		record(fmt.Sprintf("wf-%d-%x", i, rand.Uint64()), fmt.Sprintf("act-%d-%x", i, rand.Uint64()))
+	}
+
+	mfs, err := m.Registry.Gather()
+	require.NoError(t, err)
+	series := map[string]int{}
+	seen := map[string]bool{}
+	for _, mf := range mfs {
+		for _, s := range mf.GetMetric() {
+			series[mf.GetName()]++
+			for _, l := range s.GetLabel() {
+				if l.GetName() == "activity_type" || l.GetName() == "workflow_type" {
+					seen[l.GetName()+"="+l.GetValue()] = true
+				}
+			}
+		}
+	}
+	assert.Equal(t, 2, series["temporal_activity_execution_failed_total"], "LaunchVM and other")
+	assert.Equal(t, 2, series["temporal_activity_execution_latency_seconds"])
+	assert.Equal(t, map[string]bool{"activity_type=LaunchVM": true, "activity_type=other": true,
+		"workflow_type=SpawnInstance": true, "workflow_type=other": true}, seen)
 }

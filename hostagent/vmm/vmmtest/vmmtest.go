@@ -122,3 +122,38 @@ func Cmdline(tb testing.TB, pid int) string {
 	}
 	return strings.ReplaceAll(strings.TrimRight(string(b), "\x00"), "\x00", " ")
 }
+
+// floodCode is real-mode x86 at the reset vector: write 'A' to COM1's
+// transmit register (port 0x3f8) for ever. No firmware, no kernel, no disk:
+// under TCG it writes the serial port as fast as QEMU lets it (~1 MB/s here),
+// the guest that fills a host's disk through an unbounded log.
+//
+//	mov dx, 0x3f8 ; mov al, 'A' ; l: out dx, al ; jmp l
+var floodCode = []byte{0xBA, 0xF8, 0x03, 0xB0, 0x41, 0xEE, 0xEB, 0xFD}
+
+// SerialFlood returns a QEMU binary (a wrapper adding -bios with floodCode as
+// the firmware) and a spec whose guest writes its serial port in a tight
+// loop into the log, without end. The files are world-readable, in a
+// world-searchable directory, so a QEMU of another uid can use them.
+func SerialFlood(tb testing.TB, name string) (binary string, spec vmm.VMSpec) {
+	tb.Helper()
+	qemu := RequiresQEMU(tb)
+	d := ShortDir(tb, "fl")
+	if err := os.Chmod(d, 0o755); err != nil {
+		tb.Fatal(err)
+	}
+	bios := make([]byte, 64<<10) // mapped below 1 MiB and 4 GiB; the CPU starts 16 bytes below the top
+	for i := range bios {
+		bios[i] = 0xF4 // hlt
+	}
+	copy(bios[len(bios)-16:], floodCode)
+	biosPath := filepath.Join(d, "flood.bin")
+	binary = filepath.Join(d, "qemu-flood")
+	if err := os.WriteFile(biosPath, bios, 0o644); err != nil {
+		tb.Fatal(err)
+	}
+	if err := os.WriteFile(binary, []byte("#!/bin/sh\nexec "+qemu+" -bios "+biosPath+" \"$@\"\n"), 0o755); err != nil {
+		tb.Fatal(err)
+	}
+	return binary, vmm.VMSpec{Name: name, VCPUs: 1, MemoryMiB: 64, Machine: vmm.MachineQ35, Accel: vmm.AccelTCG, SerialToLog: true}
+}

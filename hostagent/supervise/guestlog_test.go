@@ -1,0 +1,109 @@
+package supervise
+
+import (
+	"context"
+	"os"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"vmflow/hostagent/store"
+	"vmflow/hostagent/vmm"
+	"vmflow/hostagent/vmm/vmmtest"
+	vmflowv1 "vmflow/proto/vmflow/v1"
+)
+
+// floodLog is the state of a guest log and its rotations: their total and
+// the newest file's identity and size, checked against the bound.
+type floodLog struct {
+	total int64
+	ino   uint64
+	size  int64
+}
+
+func readFloodLog(t *testing.T, path string) floodLog {
+	t.Helper()
+	var l floodLog
+	for i, f := range vmm.LogFiles(path) {
+		fi, err := os.Stat(f)
+		if err != nil {
+			continue
+		}
+		require.LessOrEqual(t, fi.Size(), int64(vmm.DefaultLogMaxBytes), "%s is over one file's bound", f)
+		l.total += fi.Size()
+		if i == 0 {
+			l.ino, l.size = fi.Sys().(*syscall.Stat_t).Ino, fi.Size()
+		}
+	}
+	require.LessOrEqual(t, l.total, int64(vmm.DefaultLogFiles*vmm.DefaultLogMaxBytes), "qemu.log and its rotations are over the bound")
+	return l
+}
+
+// waitLogGrows waits, checking the bound at every look, until qemu.log has
+// taken more than `more` bytes of new output since from. A rotation between
+// two looks counts what the old file had left to fill.
+func waitLogGrows(t *testing.T, path string, from floodLog, more int64, within time.Duration) floodLog {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	prev, grown := from, int64(0)
+	for {
+		l := readFloodLog(t, path)
+		switch {
+		case l.ino == prev.ino:
+			grown += l.size - prev.size
+		case prev.ino == 0:
+			grown += l.size
+		default:
+			grown += int64(vmm.DefaultLogMaxBytes) - prev.size + l.size
+		}
+		prev = l
+		if grown > more {
+			return l
+		}
+		require.True(t, time.Now().Before(deadline), "%s took %d bytes of new guest output in %s, want %d", path, grown, within, more)
+		time.Sleep(20 * time.Millisecond) // polling a file size: there is no event for it
+	}
+}
+
+// An agent restart does not end the capture: the next agent re-opens QEMU's
+// stdout pipe through /proc/<pid>/fd/1 and the log stays bounded. Fails on
+// the main of 2026-11-30, where QEMU appended to qemu.log without bound.
+func TestReattachKeepsCapturingGuestLog(t *testing.T) {
+	e := newEnv(t)
+	bin, spec := vmmtest.SerialFlood(t, "flood")
+	flood := func(c *Config) {
+		c.QEMU = bin
+		c.ReadyTimeout = 30 * time.Second
+		c.PrepareLaunch = func(context.Context, *store.Locked, *vmflowv1.InstanceRecord) (vmm.VMSpec, error) {
+			return spec, nil
+		}
+	}
+	e.create("vm1", "never", 0)
+	sup := e.newSupervisor(flood)
+	_, err := sup.Start(ctxT(t, 10*time.Second))
+	require.NoError(t, err)
+	res, err := sup.Launch(ctxT(t, 60*time.Second), "vm1")
+	require.NoError(t, err)
+	paths, err := e.st.Paths("vm1")
+	require.NoError(t, err)
+
+	waitLogGrows(t, paths.Log, floodLog{}, vmm.DefaultLogMaxBytes/4, 3*time.Minute)
+	// The agent goes away: nobody reads the pipe.
+	require.NoError(t, sup.Close())
+	l := readFloodLog(t, paths.Log)
+
+	sup2 := e.newSupervisor(flood)
+	rep, err := sup2.Start(ctxT(t, 30*time.Second))
+	require.NoError(t, err)
+	require.Equal(t, 1, rep.Attached, "%+v", rep)
+	st, err := sup2.Status("vm1")
+	require.NoError(t, err)
+	require.Equal(t, res.Identity, st.Process, "the same QEMU, re-attached")
+	assert.True(t, st.Liveness.Alive, "QEMU survived writing to a pipe nobody read (it ignores SIGPIPE)")
+
+	// A whole file's worth of new output: captured, rotated, bounded.
+	waitLogGrows(t, paths.Log, l, vmm.DefaultLogMaxBytes, 3*time.Minute)
+}
