@@ -591,16 +591,27 @@ type InstanceRecord struct {
 	// cleared in the same write that records its identity (process), or when
 	// the launch is undone. While it is set with no process, a QEMU of this
 	// instance may run that the record does not name yet: the next agent finds
-	// it by launch_nonce in its environment (and its executable and session)
-	// and adopts or kills it before anything else acts on the instance.
+	// it by qemu_uid and its -name (launch_nonce in its environment for a
+	// marker an older agent wrote), its executable and session, and adopts or
+	// kills it before anything else acts on the instance.
 	LaunchStartedAt *timestamppb.Timestamp `protobuf:"bytes,21,opt,name=launch_started_at,json=launchStartedAt,proto3" json:"launch_started_at,omitempty"`
 	// The launch marker's proof of identity: a random value (32 hex digits)
 	// written in the same write as launch_started_at and cleared with it. The
 	// agent gives it to QEMU in its environment (VMFLOW_LAUNCH_NONCE), and
 	// adoption requires /proc/<pid>/environ to carry it: a command line can be
 	// copied by anyone, this value only by whoever read the record or QEMU's
-	// memory. Empty on a marker written by an agent older than the field.
-	LaunchNonce   string `protobuf:"bytes,22,opt,name=launch_nonce,json=launchNonce,proto3" json:"launch_nonce,omitempty"`
+	// memory. Empty on a marker written by an agent older than the field, and
+	// on every marker since QEMU gets no environment of the agent's (it is
+	// found by qemu_uid instead): only read, for markers older agents left.
+	LaunchNonce string `protobuf:"bytes,22,opt,name=launch_nonce,json=launchNonce,proto3" json:"launch_nonce,omitempty"`
+	// The uid (and primary gid) this instance's QEMU runs as: one of the
+	// agent's --qemu-uid-range, appearing in no other record, assigned under
+	// the store's host-wide uid lock in the launch marker's write (before the
+	// fork) and kept across restarts. It is what adopts an unrecorded QEMU
+	// (its uid, executable, session and -name guest=<id>): only the agent,
+	// as root, can start a process with it. 0 before the first launch of
+	// this agent version.
+	QemuUid       uint32 `protobuf:"varint,31,opt,name=qemu_uid,json=qemuUid,proto3" json:"qemu_uid,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -789,6 +800,13 @@ func (x *InstanceRecord) GetLaunchNonce() string {
 	return ""
 }
 
+func (x *InstanceRecord) GetQemuUid() uint32 {
+	if x != nil {
+		return x.QemuUid
+	}
+	return 0
+}
+
 var File_vmflow_v1_record_proto protoreflect.FileDescriptor
 
 const file_vmflow_v1_record_proto_rawDesc = "" +
@@ -826,7 +844,7 @@ const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\n" +
 	"claimed_at\x18\n" +
 	" \x01(\v2\x1a.google.protobuf.TimestampR\tclaimedAt\x12\x16\n" +
-	"\x06driver\x18\v \x01(\tR\x06driver\"\xb2\b\n" +
+	"\x06driver\x18\v \x01(\tR\x06driver\"\xcd\b\n" +
 	"\x0eInstanceRecord\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12%\n" +
 	"\x04spec\x18\x02 \x01(\v2\x11.vmflow.v1.VMSpecR\x04spec\x12%\n" +
@@ -855,7 +873,8 @@ const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\x16created_by_workflow_id\x18\x13 \x01(\tR\x13createdByWorkflowId\x12)\n" +
 	"\x11created_by_run_id\x18\x14 \x01(\tR\x0ecreatedByRunId\x12F\n" +
 	"\x11launch_started_at\x18\x15 \x01(\v2\x1a.google.protobuf.TimestampR\x0flaunchStartedAt\x12!\n" +
-	"\flaunch_nonce\x18\x16 \x01(\tR\vlaunchNonce*\xc3\x01\n" +
+	"\flaunch_nonce\x18\x16 \x01(\tR\vlaunchNonce\x12\x19\n" +
+	"\bqemu_uid\x18\x1f \x01(\rR\aqemuUid*\xc3\x01\n" +
 	"\rInstanceState\x12\x1e\n" +
 	"\x1aINSTANCE_STATE_UNSPECIFIED\x10\x00\x12\x1b\n" +
 	"\x17INSTANCE_STATE_CREATING\x10\x01\x12\x1a\n" +
