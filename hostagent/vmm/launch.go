@@ -52,10 +52,9 @@ type LaunchConfig struct {
 	// CleanupTimeout bounds kill-and-reap of a failed launch.
 	CleanupTimeout time.Duration
 
-	// Nonce, when set, is given to QEMU in its environment as
-	// LaunchNonceEnv=<Nonce>: the launch marker's proof that a process is
-	// this launch's QEMU (FindUnrecorded).
-	Nonce string
+	// Confine is how QEMU is confined: its own uid (required), /dev/kvm's
+	// group. See confine.go.
+	Confine Confinement
 
 	// OnStarted is called right after the fork, before anything waits on
 	// QEMU, so the caller can record the pid and start time: an agent
@@ -122,6 +121,9 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 	if cfg.Paths.Log == "" {
 		return nil, fmt.Errorf("launch: %w", invalid("log path is required"))
 	}
+	if err := cfg.Confine.check(cfg.Spec.Accel); err != nil {
+		return nil, fmt.Errorf("launch: %w", err)
+	}
 	bin, err := resolveBinary(cfg.Binary)
 	if err != nil {
 		return nil, fmt.Errorf("launch: %w", err)
@@ -130,6 +132,17 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 		return nil, fmt.Errorf("launch: %w", err)
 	}
 	l.socketOwned = true
+	qmpListener, err := listenQMP(cfg.Paths.QMPSocket)
+	if err != nil {
+		return nil, fmt.Errorf("launch: %w", err)
+	}
+	// QEMU holds the listener from the fork on; the agent's copy goes, so
+	// a QEMU that dies leaves no listener behind a pending dial.
+	defer qmpListener.Close()
+	wrapper, err := exec.LookPath(LimitWrapper)
+	if err != nil {
+		return nil, fmt.Errorf("launch: %w", err)
+	}
 
 	logf, err := os.OpenFile(cfg.Paths.Log, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
 	if err != nil {
@@ -141,10 +154,15 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 	}
 	// An *os.File as stdout/stderr is handed to QEMU as its fd 1 and 2 with
 	// no copying goroutine here: QEMU keeps logging after the agent exits.
-	cmd := &exec.Cmd{Path: bin, Args: append([]string{bin}, argv...), Env: qemuEnv(cfg.Nonce), Stdout: logf, Stderr: logf}
+	// QEMU is exec'd by the rlimit wrapper, which is exec'd as QEMU's uid:
+	// the process is the wrapper for the time of one exec, then QEMU with
+	// its own argv[0] and argv (FindUnrecorded looks for both).
+	cmd := &exec.Cmd{Path: wrapper, Args: wrapperArgs(LimitsFor(cfg.Spec), bin, argv), Stdout: logf, Stderr: logf}
+	confineCmd(cmd, cfg.Confine, cfg.Spec.Accel, qmpListener)
 	crashpoint.Hit(crashpoint.LaunchBeforeFork)
 	child, err := proc.Start(cmd)
 	logf.Close()
+	qmpListener.Close()
 	if err != nil {
 		return nil, fmt.Errorf("launch: %w", err)
 	}
@@ -195,23 +213,15 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 	return &VM{id: id, child: child, h: h, paths: cfg.Paths, mon: mon}, nil
 }
 
-// defaultPath is QEMU's PATH when the agent has none.
-const defaultPath = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-
-// qemuEnv is QEMU's whole environment: PATH (the agent's, for the helpers
-// QEMU may run), HOME=/ and the launch nonce. Not the agent's environment:
-// a nil Env would hand QEMU everything the agent was started with (API
-// keys and credentials included).
-func qemuEnv(nonce string) []string {
-	path := os.Getenv("PATH")
-	if path == "" {
-		path = defaultPath
-	}
-	env := []string{"PATH=" + path, "HOME=/"}
-	if nonce != "" {
-		env = append(env, LaunchNonceEnv+"="+nonce)
-	}
-	return env
+// confineCmd sets what confines QEMU on cmd (confine.go): its minimal
+// environment, its uid, gid and only supplementary group, the QMP listener
+// as fd QMPFD, and / as its working directory (never the instance
+// directory, which QEMU's uid cannot read).
+func confineCmd(cmd *exec.Cmd, c Confinement, accel Accel, qmp *os.File) {
+	cmd.Env = qemuEnv()
+	cmd.Dir = "/"
+	cmd.SysProcAttr = c.sysProcAttr(accel)
+	cmd.ExtraFiles = []*os.File{qmp} // fd 3 == QMPFD
 }
 
 func (l *launch) exited() bool {

@@ -90,15 +90,6 @@ type VMSpec struct {
 	SerialToLog bool `json:"serial_to_log,omitempty"`
 	// NoReboot makes a guest reboot end QEMU (-no-reboot).
 	NoReboot bool `json:"no_reboot,omitempty"`
-	// RunAs drops QEMU's privileges to this user after setup: QEMU opens
-	// its QMP socket, pidfile, disks, /dev/kvm and VFIO devices as root,
-	// then switches user. How it is asked depends on the QEMU version
-	// (RunWith).
-	RunAs string `json:"run_as,omitempty"`
-	// RunWith selects "-run-with user=RunAs" (QEMU 9.1 and later, where
-	// -runas is deprecated) over "-runas RunAs" (QEMU before 9.1; 7.2 has
-	// no -run-with). Set it from RunWithSupported(the binary's version).
-	RunWith bool `json:"run_with,omitempty"`
 }
 
 // Paths are the per-instance files QEMU uses.
@@ -106,8 +97,10 @@ type Paths struct {
 	// QMPSocket is the Unix socket QEMU listens on for QMP; at most
 	// MaxSocketPath bytes.
 	QMPSocket string `json:"qmp_socket"`
-	// PIDFile is QEMU's -pidfile (QEMU also holds a POSIX lock on it, so two
-	// QEMUs cannot share one).
+	// PIDFile is where an older agent had QEMU write its -pidfile. QEMU
+	// gets none now (it could not write into the root-only instance
+	// directory, and must not): the path is only read (a hint when
+	// adopting a QEMU an older agent started) and removed. Optional.
 	PIDFile string `json:"pid_file"`
 	// Log receives QEMU's stdout and stderr (and the serial console with
 	// VMSpec.SerialToLog). Argv does not use it; Launch does.
@@ -118,8 +111,7 @@ type Paths struct {
 var ErrInvalidSpec = errors.New("invalid VM spec")
 
 var (
-	nameRe  = regexp.MustCompile(`^[a-z0-9][a-z0-9._-]{0,62}$`)
-	runAsRe = regexp.MustCompile(`^[a-z_][a-z0-9_-]{0,31}$`)
+	nameRe = regexp.MustCompile(`^[a-z0-9][a-z0-9._-]{0,62}$`)
 )
 
 func invalid(format string, a ...any) error {
@@ -214,9 +206,6 @@ func (s VMSpec) Validate() error {
 		}
 		seen[p] = true
 	}
-	if s.RunAs != "" && !runAsRe.MatchString(s.RunAs) {
-		return invalid("run_as %q: not a user name", s.RunAs)
-	}
 	switch s.Machine {
 	case MachineNone:
 		// -machine none has one CPU slot, no buses, no serial port and
@@ -251,8 +240,10 @@ func (p Paths) Validate() error {
 		return invalid("qmp socket path is %d bytes, a unix socket path holds at most %d: %q",
 			len(p.QMPSocket), MaxSocketPath, p.QMPSocket)
 	}
-	if err := checkPath("pid file", p.PIDFile); err != nil {
-		return err
+	if p.PIDFile != "" {
+		if err := checkPath("pid file", p.PIDFile); err != nil {
+			return err
+		}
 	}
 	if p.Log != "" {
 		if err := checkPath("log", p.Log); err != nil {
@@ -266,10 +257,10 @@ func (p Paths) Validate() error {
 // comma separates options and ",," is a literal comma.
 func optValue(v string) string { return strings.ReplaceAll(v, ",", ",,") }
 
-// qmpArg is the value of -qmp for a socket path. FindBySocket looks for
-// exactly this string, so Argv and the scan can never disagree.
-// server=on,wait=off: the short "server,nowait" is deprecated.
-func qmpArg(socket string) string { return "unix:" + optValue(socket) + ",server=on,wait=off" }
+// legacyQMPArg is the value of -qmp agents before the QMP fd gave QEMU
+// for a socket path: FindUnrecorded looks for exactly this string to adopt
+// a QEMU such an agent started and did not record.
+func legacyQMPArg(socket string) string { return "unix:" + optValue(socket) + ",server=on,wait=off" }
 
 // Argv returns QEMU's arguments (without argv[0]) for spec with the given
 // paths. It is pure: it validates, builds and returns; it touches no file.
@@ -288,11 +279,12 @@ func Argv(spec VMSpec, paths Paths) ([]string, error) {
 		// No default devices, no /etc/qemu config, no window: the argv is
 		// the whole machine.
 		"-nodefaults", "-no-user-config", "-display", "none",
-		"-qmp", qmpArg(paths.QMPSocket),
-		"-pidfile", paths.PIDFile,
-		"-m", strconv.Itoa(spec.MemoryMiB),
-		"-smp", strconv.Itoa(spec.VCPUs),
 	)
+	// QMP on the listener Launch passes as fd QMPFD, no -pidfile (QEMU
+	// writes nothing by path), and always the sandbox.
+	a = append(a, qmpArgs(QMPFD)...)
+	a = append(a, sandboxArgs()...)
+	a = append(a, "-m", strconv.Itoa(spec.MemoryMiB), "-smp", strconv.Itoa(spec.VCPUs))
 	if spec.UUID != "" {
 		a = append(a, "-uuid", strings.ToLower(spec.UUID))
 	}
@@ -330,9 +322,6 @@ func Argv(spec VMSpec, paths Paths) ([]string, error) {
 	}
 	if spec.NoReboot {
 		a = append(a, "-no-reboot")
-	}
-	if spec.RunAs != "" {
-		a = append(a, RunAsArgs(spec.RunAs, spec.RunWith)...)
 	}
 	return a, nil
 }

@@ -22,8 +22,10 @@ func common(s VMSpec) []string {
 		"-machine", string(s.Machine),
 		"-accel", string(s.Accel),
 		"-nodefaults", "-no-user-config", "-display", "none",
-		"-qmp", "unix:/run/vm/a/qemu.sock,server=on,wait=off",
-		"-pidfile", "/run/vm/a/qemu.pid",
+		// QMP on the agent's listener (fd 3), never a path; no pidfile;
+		// always the sandbox.
+		"-chardev", "socket,id=qmp,fd=3,server=on,wait=off", "-mon", "chardev=qmp,mode=control",
+		"-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
 	}
 }
 
@@ -50,18 +52,18 @@ func TestArgv(t *testing.T) {
 			want: []string{"-m", "128", "-smp", "1", "-uuid", "6f1c1b0e-1c1a-4d4e-9f55-0123456789ab"},
 		},
 		{
-			name: "q35 direct kernel boot, serial, no-reboot, runas",
+			name: "q35 direct kernel boot, serial, no-reboot",
 			spec: func() VMSpec {
 				s := q35
 				s.Accel = AccelTCG
 				s.Kernel, s.Initrd, s.Cmdline = "/boot/vmlinuz", "/boot/initrd.img", "console=ttyS0 panic=-1"
-				s.SerialToLog, s.NoReboot, s.RunAs = true, true, "qemu"
+				s.SerialToLog, s.NoReboot = true, true
 				return s
 			}(),
 			want: []string{"-m", "4096", "-smp", "4",
 				"-kernel", "/boot/vmlinuz", "-initrd", "/boot/initrd.img", "-append", "console=ttyS0 panic=-1",
 				"-chardev", "stdio,id=serial0,signal=off", "-serial", "chardev:serial0",
-				"-no-reboot", "-runas", "qemu"},
+				"-no-reboot"},
 		},
 		{
 			name: "q35 disk with a comma in its path, two vfio devices",
@@ -99,13 +101,18 @@ func TestArgv(t *testing.T) {
 	}
 }
 
-func TestArgvSocketPathComma(t *testing.T) {
-	p := testPaths
-	p.QMPSocket = "/run/vm/a,b/qemu.sock"
-	got, err := Argv(noneSpec(), p)
+// No path of the instance directory reaches QEMU's argv: QEMU's uid
+// cannot open them (the directory is root's, 0700) and must not (it could
+// rewrite its record).
+func TestArgvNamesNoInstancePath(t *testing.T) {
+	got, err := Argv(noneSpec(), testPaths)
 	require.NoError(t, err)
-	assert.Contains(t, got, "unix:/run/vm/a,,b/qemu.sock,server=on,wait=off",
-		"a comma in the path must not end QemuOpts' value")
+	for _, a := range got {
+		assert.NotContains(t, a, "/run/vm/a")
+	}
+	for _, opt := range []string{"-qmp", "-pidfile", "-runas", "-run-with", "-daemonize"} {
+		assert.NotContains(t, got, opt)
+	}
 }
 
 func TestArgvRejects(t *testing.T) {
@@ -152,7 +159,6 @@ func TestArgvRejects(t *testing.T) {
 		{"duplicate vfio", q35(func(s *VMSpec) { s.VFIO = []string{"/sys/a", "/sys/a"} }), testPaths, "twice"},
 		{"microvm without kernel", VMSpec{Name: "m", VCPUs: 1, MemoryMiB: 64, Machine: MachineMicroVM, Accel: AccelKVM}, testPaths, "needs a kernel"},
 		{"microvm vfio", VMSpec{Name: "m", VCPUs: 1, MemoryMiB: 64, Machine: MachineMicroVM, Accel: AccelKVM, Kernel: "/k", VFIO: []string{"/sys/a"}}, testPaths, "no PCI bus"},
-		{"bad runas", q35(func(s *VMSpec) { s.RunAs = "root;rm" }), testPaths, "run_as"},
 		{"empty socket", noneSpec(), Paths{PIDFile: "/p"}, "qmp socket"},
 		{"long socket", noneSpec(), Paths{QMPSocket: "/" + strings.Repeat("s", MaxSocketPath), PIDFile: "/p"}, "at most 107"},
 		{"relative pidfile", noneSpec(), Paths{QMPSocket: "/s", PIDFile: "p"}, "pid file"},

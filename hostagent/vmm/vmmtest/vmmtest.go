@@ -22,9 +22,13 @@ func RequiresQEMU(tb testing.TB) string {
 	return p
 }
 
-// Accel is KVM where /dev/kvm opens, TCG otherwise: -machine none runs the
-// same either way, only faster under KVM.
+// Accel is KVM where /dev/kvm opens (and its group can open it: QEMU runs
+// as a uid of its own with that group), TCG otherwise: -machine none runs
+// the same either way, only faster under KVM.
 func Accel() vmm.Accel {
+	if vmm.CheckKVM("").Err != nil {
+		return vmm.AccelTCG
+	}
 	f, err := os.OpenFile("/dev/kvm", os.O_RDWR, 0)
 	if err != nil {
 		return vmm.AccelTCG
