@@ -2,6 +2,7 @@ package supervise
 
 import (
 	"bytes"
+	"context"
 	"fmt"
 	"os"
 	"os/exec"
@@ -15,6 +16,8 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"vmflow/hostagent/proc"
+	"vmflow/hostagent/store"
 	"vmflow/hostagent/vmm"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
@@ -153,4 +156,45 @@ func TestKVMGroupCannotOpen(t *testing.T) {
 	require.NoError(t, sup.Alive(ctxT(t, 5*time.Second)))
 	_, err = sup.Launch(ctxT(t, 30*time.Second), "tcg")
 	require.NoError(t, err, "TCG needs no /dev/kvm")
+}
+
+// A VFIO device's group node is the instance uid's while its QEMU may run
+// and root's again once the launch failed (or the QEMU is recorded gone);
+// the record lists the node in between, so whichever agent records the end
+// takes it back. The device here is a fake sysfs entry QEMU cannot open,
+// so the launch fails after the fork.
+func TestVFIOGroupNodeGivenAndTakenBack(t *testing.T) {
+	requiresRoot(t)
+	e := newEnv(t)
+	sys, dev := t.TempDir(), t.TempDir()
+	sysfsdev := filepath.Join(sys, "bus", "mdev", "devices", "5e1b5c4a-2c55-4b1e-9a34-7d0c3f2a9b10")
+	require.NoError(t, os.MkdirAll(sysfsdev, 0o755))
+	require.NoError(t, os.Symlink("../../../../kernel/iommu_groups/7", filepath.Join(sysfsdev, "iommu_group")))
+	node := filepath.Join(dev, "vfio", "7")
+	require.NoError(t, os.MkdirAll(filepath.Dir(node), 0o755))
+	require.NoError(t, os.WriteFile(node, nil, 0o600))
+
+	ownerAtFork := make(chan uint32, 1)
+	sup := e.newSupervisor(func(c *Config) {
+		c.DevRoot = dev
+		c.PrepareLaunch = func(_ context.Context, _ *store.Locked, rec *vmflowv1.InstanceRecord) (vmm.VMSpec, error) {
+			return vmm.VMSpec{Name: rec.GetId(), VCPUs: 1, MemoryMiB: 64, Machine: vmm.MachineQ35, Accel: vmm.AccelTCG,
+				VFIO: []string{sysfsdev}}, nil
+		}
+		c.beforeRecorded = func(string, proc.Identity) {
+			fi, err := os.Stat(node)
+			if err == nil {
+				ownerAtFork <- fi.Sys().(*syscall.Stat_t).Uid
+			}
+		}
+	})
+	e.create("vm1", "", 0)
+	_, err := sup.Launch(ctxT(t, 30*time.Second), "vm1")
+	require.Error(t, err, "QEMU cannot open a fake sysfs device")
+	rec := e.get("vm1")
+	assert.Equal(t, rec.GetQemuUid(), <-ownerAtFork, "the node is the instance uid's while its QEMU may run")
+	fi, err := os.Stat(node)
+	require.NoError(t, err)
+	assert.Equal(t, uint32(0), fi.Sys().(*syscall.Stat_t).Uid, "root's again after the failed launch")
+	assert.Empty(t, rec.GetVfioGroupNodes())
 }

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
+	"slices"
 	"time"
 
 	"go.uber.org/zap"
@@ -249,8 +251,19 @@ func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *inst
 	// uid is assigned in the same write (under the store's host-wide uid
 	// lock): what proves later that a process is this instance's QEMU, as
 	// only the agent can start a process with it.
+	nodes, err := s.vfioNodes(spec)
+	if err != nil {
+		return nil, err
+	}
 	rec, err = l.AssignQEMUUID(ctx, s.cfg.QEMUUIDs, proc.UIDsInUse, func(r *vmflowv1.InstanceRecord) error {
 		r.LaunchStartedAt, r.LaunchNonce = s.ts(), ""
+		// Listed before they are given, so whoever records this QEMU
+		// gone takes them back (takeBackVFIO).
+		for _, n := range nodes {
+			if !slices.Contains(r.VfioGroupNodes, n) {
+				r.VfioGroupNodes = append(r.VfioGroupNodes, n)
+			}
+		}
 		return nil
 	})
 	if err != nil {
@@ -258,6 +271,17 @@ func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *inst
 	}
 	uid := rec.GetQemuUid()
 	log = log.With(zap.Uint32("qemu_uid", uid))
+	for _, n := range nodes {
+		if err := vmm.GiveVFIOGroup(n, uid); err != nil {
+			err = fmt.Errorf("give vfio group: %w", err)
+			_, uerr := l.Update(func(r *vmflowv1.InstanceRecord) error {
+				takeBackVFIO(r)
+				r.LastError = err.Error()
+				return clearLaunchMarker(r)
+			})
+			return nil, errors.Join(err, uerr)
+		}
+	}
 	log.Info("launching qemu", zap.String("machine", string(spec.Machine)), zap.String("accel", string(spec.Accel)))
 	vm, err := vmm.Launch(ctx, vmm.LaunchConfig{
 		Spec:           spec,
@@ -298,6 +322,7 @@ func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *inst
 					r.LastExit, r.LastExitStatus, r.LastExitCode = s.ts(), "launch failed", -1
 				}
 				_ = clearLaunchMarker(r)
+				takeBackVFIO(r)
 				r.LastError = cause.Error()
 				return nil
 			})
@@ -317,6 +342,24 @@ func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *inst
 	crashpoint.Hit(crashpoint.LaunchRunningRecorded)
 	log.Info("running", zap.Int("pid", pid.PID), zap.Duration("took", time.Since(start)))
 	return vm, nil
+}
+
+// vfioNodes are the VFIO group nodes of spec's devices that exist (the
+// vGPU simulator's devices have none).
+func (s *Supervisor) vfioNodes(spec vmm.VMSpec) ([]string, error) {
+	var nodes []string
+	for _, dev := range spec.VFIO {
+		n, err := vmm.VFIOGroupNode(s.cfg.DevRoot, dev)
+		if err != nil {
+			return nil, fmt.Errorf("prepare launch: %w", err)
+		}
+		if n != "" {
+			if _, err := os.Lstat(n); err == nil {
+				nodes = append(nodes, n)
+			}
+		}
+	}
+	return nodes, nil
 }
 
 func (s *Supervisor) undoLaunchLocked(l *store.Locked, vm *vmm.VM, cause error) error {

@@ -611,9 +611,14 @@ type InstanceRecord struct {
 	// (its uid, executable, session and -name guest=<id>): only the agent,
 	// as root, can start a process with it. 0 before the first launch of
 	// this agent version.
-	QemuUid       uint32 `protobuf:"varint,31,opt,name=qemu_uid,json=qemuUid,proto3" json:"qemu_uid,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	QemuUid uint32 `protobuf:"varint,31,opt,name=qemu_uid,json=qemuUid,proto3" json:"qemu_uid,omitempty"`
+	// VFIO group nodes (/dev/vfio/<group>) given to qemu_uid for this
+	// instance's QEMU: written with the launch marker, before the chown, and
+	// cleared once they are root's again, which happens as soon as the QEMU
+	// is recorded gone (or its launch failed), whichever agent records it.
+	VfioGroupNodes []string `protobuf:"bytes,32,rep,name=vfio_group_nodes,json=vfioGroupNodes,proto3" json:"vfio_group_nodes,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *InstanceRecord) Reset() {
@@ -807,6 +812,13 @@ func (x *InstanceRecord) GetQemuUid() uint32 {
 	return 0
 }
 
+func (x *InstanceRecord) GetVfioGroupNodes() []string {
+	if x != nil {
+		return x.VfioGroupNodes
+	}
+	return nil
+}
+
 var File_vmflow_v1_record_proto protoreflect.FileDescriptor
 
 const file_vmflow_v1_record_proto_rawDesc = "" +
@@ -844,7 +856,7 @@ const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\n" +
 	"claimed_at\x18\n" +
 	" \x01(\v2\x1a.google.protobuf.TimestampR\tclaimedAt\x12\x16\n" +
-	"\x06driver\x18\v \x01(\tR\x06driver\"\xcd\b\n" +
+	"\x06driver\x18\v \x01(\tR\x06driver\"\xf7\b\n" +
 	"\x0eInstanceRecord\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12%\n" +
 	"\x04spec\x18\x02 \x01(\v2\x11.vmflow.v1.VMSpecR\x04spec\x12%\n" +
@@ -874,7 +886,8 @@ const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\x11created_by_run_id\x18\x14 \x01(\tR\x0ecreatedByRunId\x12F\n" +
 	"\x11launch_started_at\x18\x15 \x01(\v2\x1a.google.protobuf.TimestampR\x0flaunchStartedAt\x12!\n" +
 	"\flaunch_nonce\x18\x16 \x01(\tR\vlaunchNonce\x12\x19\n" +
-	"\bqemu_uid\x18\x1f \x01(\rR\aqemuUid*\xc3\x01\n" +
+	"\bqemu_uid\x18\x1f \x01(\rR\aqemuUid\x12(\n" +
+	"\x10vfio_group_nodes\x18  \x03(\tR\x0evfioGroupNodes*\xc3\x01\n" +
 	"\rInstanceState\x12\x1e\n" +
 	"\x1aINSTANCE_STATE_UNSPECIFIED\x10\x00\x12\x1b\n" +
 	"\x17INSTANCE_STATE_CREATING\x10\x01\x12\x1a\n" +
