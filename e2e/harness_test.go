@@ -223,6 +223,7 @@ func newEnv(t *testing.T, o envOptions) *env {
 		agentArgs = append(agentArgs, "--qemu", o.qemu)
 	}
 	agentArgs = append(agentArgs, stacktest.HoldersIgnoreInit()...)
+	agentArgs = append(agentArgs, stacktest.QEMUUIDRange()...) // agents of shared-server tests run side by side
 	e.agent = &stacktest.Daemon{Name: "vmflow-hostagent", Bin: agentBin, Args: agentArgs, Env: connEnv, Log: filepath.Join(e.out, "hostagent.log")}
 	workerArgs := append([]string{
 		"--task-queue", e.queue,

@@ -8,6 +8,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 )
 
 // ModuleRoot walks up from the working directory (go test runs in the
@@ -53,4 +54,16 @@ func HoldersIgnoreInit() []string {
 		return []string{"--holders-ignore-pid", "1"}
 	}
 	return nil
+}
+
+// agentUIDs counts the agents this test process started.
+var agentUIDs atomic.Uint32
+
+// QEMUUIDRange is "--qemu-uid-range FIRST-LAST" for one agent: a range of
+// its own, disjoint from every other agent this process or another test
+// process (keyed by pid) starts, as agents sharing a machine must have.
+// Far above the default range and below the vmm and supervise tests' own.
+func QEMUUIDRange() []string {
+	first := 1_000_000_000 + uint32(os.Getpid()%100_000)*10_000 + (agentUIDs.Add(1)%100)*100
+	return []string{"--qemu-uid-range", fmt.Sprintf("%d-%d", first, first+99)}
 }
