@@ -613,5 +613,12 @@ func writeScript(t *testing.T, dir, name, body string) string {
 	if err := os.WriteFile(p, []byte("#!/bin/sh\n"+body), 0o755); err != nil {
 		t.Fatalf("write %s: %v", p, err)
 	}
+	// A QEMU stand-in is exec'd as the VM's own uid: t.TempDir's folders
+	// (0700, root's) must let it through.
+	for _, d := range []string{dir, filepath.Dir(dir)} {
+		if err := os.Chmod(d, 0o755); err != nil {
+			t.Fatalf("chmod %s: %v", d, err)
+		}
+	}
 	return p
 }
