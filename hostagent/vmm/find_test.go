@@ -5,7 +5,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
-	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -139,4 +138,3 @@ func TestFindUnrecordedIgnoresImpostors(t *testing.T) {
 	assert.True(t, proc.Inspect(cc.Identity()).Alive && proc.Inspect(wc.Identity()).Alive, "nothing was signalled")
 }
 
-func itoa(n int) string { return strconv.Itoa(n) }
