@@ -9,6 +9,8 @@ import (
 	"path/filepath"
 	"strings"
 	"sync/atomic"
+
+	"vmflow/hostagent/store"
 )
 
 // ModuleRoot walks up from the working directory (go test runs in the
@@ -59,11 +61,13 @@ func HoldersIgnoreInit() []string {
 // agentUIDs counts the agents this test process started.
 var agentUIDs atomic.Uint32
 
-// QEMUUIDRange is "--qemu-uid-range FIRST-LAST" for one agent: a range of
-// its own, disjoint from every other agent this process or another test
+// QEMUUIDRange is a QEMU uid range (--qemu-uid-range) for one agent: its
+// own, disjoint from every other agent this process or another test
 // process (keyed by pid) starts, as agents sharing a machine must have.
 // Far above the default range and below the vmm and supervise tests' own.
-func QEMUUIDRange() []string {
+// A process with a uid in it is a QEMU (or its rlimit wrapper) of that
+// agent: how a test finds them, QEMU's argv naming no instance path.
+func QEMUUIDRange() store.UIDRange {
 	first := 1_000_000_000 + uint32(os.Getpid()%100_000)*10_000 + (agentUIDs.Add(1)%100)*100
-	return []string{"--qemu-uid-range", fmt.Sprintf("%d-%d", first, first+99)}
+	return store.UIDRange{First: first, Last: first + 99}
 }
