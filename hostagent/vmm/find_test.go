@@ -137,4 +137,3 @@ func TestFindUnrecordedIgnoresImpostors(t *testing.T) {
 	assert.Empty(t, ids, "uid search: a copied command line as another uid is not the instance's")
 	assert.True(t, proc.Inspect(cc.Identity()).Alive && proc.Inspect(wc.Identity()).Alive, "nothing was signalled")
 }
-
