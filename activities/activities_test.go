@@ -3,6 +3,7 @@ package activities
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -272,6 +273,9 @@ func TestClassify(t *testing.T) {
 		{supervise.ErrStillRunning, ErrTypeStillAlive, false},
 		{vgpu.ErrClaimDeviceMissing, ErrTypeClaimDeviceMissing, false},
 		{vgpu.ErrRecordsUnreadable, ErrTypeHost, false},
+		{fmt.Errorf("launch: %w", &vmm.KVMAccessError{Path: "/dev/kvm", Mode: 0o600}), ErrTypeHostMisconfigured, true},
+		{vmm.ErrNoQEMUUID, ErrTypeHostMisconfigured, true},
+		{fmt.Errorf("launch: %w", store.ErrNoFreeUID), ErrTypeNoQEMUUID, false},
 		{syscall.EIO, ErrTypeHost, false},
 		{errors.New("anything else"), ErrTypeHost, false},
 	}

@@ -22,6 +22,9 @@ const (
 	ErrTypeReleaseFailed = "ReleaseFailed"
 	ErrTypeClaimHeld     = "ClaimHeld"
 	ErrTypeNoCapacity    = "NoVGPUCapacity"
+	// Every uid of the agent's --qemu-uid-range is taken (by records or
+	// live processes): a launch waits for one to be freed.
+	ErrTypeNoQEMUUID = "NoQEMUUID"
 	// The instance's claimed vGPU is missing (after a reboot) and could not
 	// be re-created where the claim says: the launch waits for it.
 	ErrTypeClaimDeviceMissing = "ClaimDeviceMissing"
@@ -38,6 +41,12 @@ const ErrTypeDeviceClaimedTwice = "DeviceClaimedTwice"
 // unrecorded QEMU (a record from an agent before launch markers, and a copy
 // someone started by hand). Nothing is signalled; an operator decides.
 const ErrTypeAmbiguousQEMU = "AmbiguousQEMU"
+
+// ErrTypeHostMisconfigured: the host cannot run this launch as configured
+// (/dev/kvm's group cannot open it, so a confined QEMU could not either).
+// Non-retryable: no retry changes a device node's mode; the spawn fails at
+// once naming the mode, and an operator fixes the host.
+const ErrTypeHostMisconfigured = "HostMisconfigured"
 
 // classify turns a host error into a Temporal application error. This is
 // the only place where host errors meet Temporal: invalid input and a
@@ -91,6 +100,10 @@ func classify(err error) error {
 		return retryable(ErrTypeStillAlive)
 	case errors.Is(err, spec.ErrNoVGPUDriver):
 		return nonRetryable(workflows.ErrTypeVGPUUnavailable)
+	case errors.Is(err, vmm.ErrKVMAccess), errors.Is(err, vmm.ErrNoQEMUUID):
+		return nonRetryable(ErrTypeHostMisconfigured)
+	case errors.Is(err, store.ErrNoFreeUID):
+		return retryable(ErrTypeNoQEMUUID)
 	case errors.Is(err, vmm.ErrLaunchExited), errors.Is(err, vmm.ErrLaunchTimeout):
 		return retryable(ErrTypeLaunchFailed)
 	case errors.Is(err, store.ErrClaimHeld):

@@ -87,7 +87,7 @@ func newStack(t *testing.T, extra ...string) *stack {
 		"--reconcile-every", "1h",
 		"--address", srv.Address(),
 		"--namespace", srv.Namespace(),
-	}, stacktest.HoldersIgnoreInit()...)
+	}, append(stacktest.HoldersIgnoreInit(), "--qemu-uid-range", stacktest.QEMUUIDRange().String())...)
 	s.agent = &stacktest.Daemon{Name: "vmflow-hostagent", Bin: agentBin, Args: agentArgs, Env: connEnv, Log: filepath.Join(out, "hostagent.log"), LineWatch: true}
 	s.worker = &stacktest.Daemon{Name: "vmflow-worker", Bin: workerBin, Env: connEnv, Log: filepath.Join(out, "worker.log"), LineWatch: true, Args: []string{
 		"--task-queue", s.queue, "--address", srv.Address(), "--namespace", srv.Namespace()}}

@@ -240,8 +240,12 @@ if [[ $init_err == *"Permission denied"* ]]; then
 	agent_args+=(--holders-ignore-pid 1)
 fi
 for ((i = 1; i <= HOSTS; i++)); do
+	# Every QEMU runs as a uid of its own from its agent's range; agents on
+	# one machine need disjoint ranges: 4096 uids per host from 200000.
+	uid_first=$((200000 + (i - 1) * 4096))
 	start "${H_AGENT[i]}" "$BIN/vmflow-hostagent" run --host-id "${H_ID[i]}" --state-dir "${H_STATE[i]}" \
-		--sysfs-root "${H_SYS[i]}" --dev-root "${H_DEV[i]}" "${agent_args[@]}"
+		--sysfs-root "${H_SYS[i]}" --dev-root "${H_DEV[i]}" \
+		--qemu-uid-range "$uid_first-$((uid_first + 4095))" "${agent_args[@]}"
 done
 
 has_pollers() {

@@ -59,7 +59,7 @@ func TestHostAgentUnit(t *testing.T) {
 	require.Len(t, s["CapabilityBoundingSet"], 1)
 	caps := strings.Fields(s["CapabilityBoundingSet"][0])
 	assert.ElementsMatch(t, []string{"CAP_SYS_PTRACE", "CAP_DAC_READ_SEARCH", "CAP_KILL", "CAP_SETUID", "CAP_SETGID",
-		"CAP_IPC_LOCK", "CAP_SYS_RESOURCE"}, caps, "each capability is documented in the unit; change both")
+		"CAP_CHOWN"}, caps, "each capability is documented in the unit; change both")
 	// QEMU inherits the unit's namespaces and device policy: none may be set.
 	for _, k := range []string{"PrivateTmp", "PrivateDevices", "ProtectSystem", "ProtectHome", "DeviceAllow",
 		"ProtectClock", "ProtectKernelModules", "ProtectKernelTunables", "MemoryDenyWriteExecute", "User", "DynamicUser"} {
@@ -87,7 +87,7 @@ func TestEnvFilesDocumentEverySetting(t *testing.T) {
 		"TEMPORAL_TLS_DISABLE_HOST_VERIFICATION", "TEMPORAL_API_KEY", "TEMPORAL_CLIENT_AUTHORITY",
 		"TEMPORAL_GRPC_META_", "TEMPORAL_CONFIG_FILE", "TEMPORAL_PROFILE"}
 	for file, flags := range map[string][]string{
-		"vmflow-hostagent.env": {"--host-id", "--state-dir", "--image-root", "--qemu", "--qemu-user", "--vgpu-driver",
+		"vmflow-hostagent.env": {"--host-id", "--state-dir", "--image-root", "--qemu", "--qemu-uid-range", "--kvm-device", "--vgpu-driver",
 			"--sysfs-root", "--dev-root", "--vgpu-orphan-grace", "--reconcile-every", "--graceful-timeout",
 			"--group-exit-cap", "--metrics-addr", "--log-level", "--address", "--namespace", "--workflow-task-queue",
 			"--vgpu-attach", "--holders-ignore-pid"},

@@ -557,7 +557,7 @@ func (d *crashDriver) reconcileDuringDelete(id string) {
 func (d *crashDriver) qemusOf(id string, live bool) []string {
 	var out []string
 	for _, p := range d.e.processesOf() {
-		if !strings.Contains(p, "/instances/"+id+"/") || (live && strings.Contains(p, " (Z): ")) {
+		if !strings.Contains(p, " guest="+id+" ") || (live && strings.Contains(p, " (Z) ")) {
 			continue
 		}
 		out = append(out, p)

@@ -146,6 +146,7 @@ type env struct {
 	hostID   string
 	queue    string
 	stateDir string
+	uids     store.UIDRange // the agent's --qemu-uid-range
 	st       *store.Store
 	out      string
 	guest    build.Artifacts
@@ -223,6 +224,9 @@ func newEnv(t *testing.T, o envOptions) *env {
 		agentArgs = append(agentArgs, "--qemu", o.qemu)
 	}
 	agentArgs = append(agentArgs, stacktest.HoldersIgnoreInit()...)
+	// Agents of shared-server tests run side by side: disjoint ranges.
+	e.uids = stacktest.QEMUUIDRange()
+	agentArgs = append(agentArgs, "--qemu-uid-range", e.uids.String())
 	e.agent = &stacktest.Daemon{Name: "vmflow-hostagent", Bin: agentBin, Args: agentArgs, Env: connEnv, Log: filepath.Join(e.out, "hostagent.log")}
 	workerArgs := append([]string{
 		"--task-queue", e.queue,
@@ -556,9 +560,10 @@ func (e *env) cli(args ...string) string {
 	return string(out)
 }
 
-// processesOf lists the processes whose command line mentions an instance
-// folder of this test's state dir: every QEMU the agent starts names its QMP
-// socket there (the agent itself only names the state dir).
+// processesOf lists the processes running as a uid of this test agent's
+// --qemu-uid-range: every QEMU it starts (and the rlimit wrapper in the
+// instant before QEMU) has one, nothing else does. QEMU's argv names no
+// instance path any more; it names the instance in -name guest=<id>.
 func (e *env) processesOf() []string {
 	e.t.Helper()
 	entries, err := os.ReadDir("/proc")
@@ -570,17 +575,18 @@ func (e *env) processesOf() []string {
 		if _, err := strconv.Atoi(d.Name()); err != nil {
 			continue
 		}
-		b, err := os.ReadFile("/proc/" + d.Name() + "/cmdline")
-		if err != nil || !strings.Contains(string(b), e.stateDir+"/instances/") {
+		pid, _ := strconv.Atoi(d.Name())
+		uids, err := proc.ReadUIDs(pid)
+		if err != nil || !e.uids.Contains(uids[0]) {
 			continue
 		}
+		b, _ := os.ReadFile("/proc/" + d.Name() + "/cmdline")
 		state := "?"
-		if pid, err := strconv.Atoi(d.Name()); err == nil {
-			if s, err := proc.ReadStat(pid); err == nil {
-				state = string(rune(s.State))
-			}
+		if s, err := proc.ReadStat(pid); err == nil {
+			state = string(rune(s.State))
 		}
-		found = append(found, fmt.Sprintf("pid %s (%s): %s", d.Name(), state, strings.ReplaceAll(string(b), "\x00", " ")))
+		// A zombie's cmdline is empty: the uid still says whose it is.
+		found = append(found, fmt.Sprintf("pid %s (%s) uid %d: %s", d.Name(), state, uids[0], strings.ReplaceAll(string(b), "\x00", " ")))
 	}
 	return found
 }
@@ -611,6 +617,13 @@ func writeScript(t *testing.T, dir, name, body string) string {
 	p := filepath.Join(dir, name)
 	if err := os.WriteFile(p, []byte("#!/bin/sh\n"+body), 0o755); err != nil {
 		t.Fatalf("write %s: %v", p, err)
+	}
+	// A QEMU stand-in is exec'd as the VM's own uid: t.TempDir's folders
+	// (0700, root's) must let it through.
+	for _, d := range []string{dir, filepath.Dir(dir)} {
+		if err := os.Chmod(d, 0o755); err != nil {
+			t.Fatalf("chmod %s: %v", d, err)
+		}
 	}
 	return p
 }

@@ -6,7 +6,6 @@ import (
 	"flag"
 	"fmt"
 	"os"
-	"os/user"
 	"runtime/pprof"
 	"time"
 
@@ -23,7 +22,6 @@ import (
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/supervise"
 	"vmflow/hostagent/vgpu"
-	"vmflow/hostagent/vmm"
 	"vmflow/internal/crashpoint"
 	"vmflow/internal/service"
 	"vmflow/internal/tclient"
@@ -147,19 +145,15 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 		Store: st, Host: host, GPUs: gpus, AttachVGPU: cfg.VGPUAttach,
 		DefaultGraceful: cfg.GracefulTimeout, Logger: log, Metrics: am,
 	}
-	runAs, runWith, err := qemuUser(ctx, cfg, log)
-	if err != nil {
-		return err
-	}
 	sup, err := supervise.New(supervise.Config{
 		Store: st, QEMU: cfg.QEMU, Logger: log,
 		GracefulTimeout: cfg.GracefulTimeout, GroupExitCap: cfg.GroupExitCap,
 		// Before every launch and restart: the record admitted against this
-		// host's policy, the images opened beneath their roots (the disk's
-		// overlay made at the first), the vGPU device made sure of (re-created
-		// after a reboot), then QEMU's spec from the record.
+		// host's policy, the vGPU device made sure of (re-created after a
+		// reboot), the images opened beneath their roots (the disk's overlay
+		// made at the first), then QEMU's spec from the record.
 		PrepareLaunch: spec.PrepareLaunch(host, devs, cfg.VGPUAttach),
-		RunAs:         runAs, RunWith: runWith,
+		QEMUUIDs:      cfg.QEMUUIDs, KVMDevice: cfg.KVMDevice, DevRoot: cfg.DevRoot,
 		OnExitRecorded:   func(d time.Duration) { am.ExitDetect.Observe(d.Seconds()) },
 		OnRestartRefused: am.RestartsRefused.Inc,
 	})
@@ -335,26 +329,6 @@ func reportUnservedClaims(st *store.Store, am *metrics.Agent, log *zap.Logger) {
 		log.Warn("instances hold vGPU claims but this agent has no vGPU driver: their deletes will wait, needing attention, until the agent runs with the host's driver",
 			zap.Strings("instance_ids", ids), zap.Int("claims", len(ids)))
 	}
-}
-
-// qemuUser checks --qemu-user and picks QEMU's option for it from the
-// installed QEMU's version: a user that does not exist or a QEMU that does
-// not say its version stops the agent at start, not at the first launch.
-func qemuUser(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) (string, bool, error) {
-	if cfg.QEMUUser == "" {
-		return "", false, nil
-	}
-	if _, err := user.Lookup(cfg.QEMUUser); err != nil {
-		return "", false, fmt.Errorf("--qemu-user %s: %w", cfg.QEMUUser, err)
-	}
-	v, err := vmm.DetectVersion(ctx, cfg.QEMU)
-	if err != nil {
-		return "", false, fmt.Errorf("--qemu-user needs the QEMU version: %w", err)
-	}
-	runWith := vmm.RunWithSupported(v)
-	log.Info("qemu runs unprivileged", zap.String("qemu_user", cfg.QEMUUser), zap.String("qemu_version", v.String()),
-		zap.Strings("option", vmm.RunAsArgs(cfg.QEMUUser, runWith)))
-	return cfg.QEMUUser, runWith, nil
 }
 
 // newClaims sets up the vGPU driver and claims, or returns nil when

@@ -24,13 +24,18 @@ const DefaultReconcileEvery = 24 * time.Hour
 // main turns it into a running agent; parsing lives here so it is tested
 // without Temporal.
 type RunConfig struct {
-	HostID         string
-	StateDir       string
-	SysfsRoot      string
-	DevRoot        string
-	ImageRoots     []string
-	QEMU           string
-	QEMUUser       string // empty: QEMU stays root
+	HostID     string
+	StateDir   string
+	SysfsRoot  string
+	DevRoot    string
+	ImageRoots []string
+	QEMU       string
+	// QEMUUIDs: every QEMU runs as a uid of its own from this range
+	// (disjoint between agents sharing a machine).
+	QEMUUIDs store.UIDRange
+	// KVMDevice is the KVM node checked at start; its group is a KVM
+	// QEMU's only supplementary group.
+	KVMDevice      string
 	VGPUAttach     bool
 	VGPUDriver     string // auto, mdev, vendor, none
 	OrphanGrace    time.Duration
@@ -103,7 +108,9 @@ flags:
 	fs.StringVar(&c.DevRoot, "dev-root", "/dev", "where the VFIO device nodes are")
 	fs.Var(&roots, "image-root", "folder kernels, initrds and disks must lie in, root-owned and not group/other-writable; images are opened beneath it (repeatable)")
 	fs.StringVar(&c.QEMU, "qemu", "qemu-system-x86_64", "QEMU binary")
-	fs.StringVar(&c.QEMUUser, "qemu-user", "", "run QEMU as this user after setup (-runas before QEMU 9.1, -run-with user= from 9.1, by `qemu --version`); empty: QEMU stays root")
+	uidRange := store.DefaultQEMUUIDRange.String()
+	fs.StringVar(&uidRange, "qemu-uid-range", uidRange, "`FIRST-LAST`: every QEMU is exec'd as a uid of its own from this range (no passwd entry needed); agents sharing a machine need disjoint ranges")
+	fs.StringVar(&c.KVMDevice, "kvm-device", vmm.DefaultKVMDevice, "the KVM node, checked at start: its group must have rw (QEMU gets that group); otherwise KVM launches fail")
 	fs.BoolVar(&c.VGPUAttach, "vgpu-attach", true, "attach claimed vGPUs to QEMU; false only with the vgpu-sim simulator, whose devices QEMU cannot open")
 	fs.StringVar(&c.VGPUDriver, "vgpu-driver", "auto", "auto, mdev, vendor or none")
 	fs.DurationVar(&c.OrphanGrace, "vgpu-orphan-grace", 5*time.Minute, "an unclaimed vGPU device is removed after this long")
@@ -143,9 +150,11 @@ flags:
 	if c.StopTimeout < 0 {
 		return c, fmt.Errorf("--stop-timeout %s is negative", c.StopTimeout)
 	}
-	if c.QEMUUser != "" && !vmm.ValidRunAs(c.QEMUUser) {
-		return c, fmt.Errorf("--qemu-user %q: not a user name", c.QEMUUser)
+	r, err := store.ParseUIDRange(uidRange)
+	if err != nil {
+		return c, fmt.Errorf("--qemu-uid-range: %w", err)
 	}
+	c.QEMUUIDs = r
 	switch c.VGPUDriver {
 	case "auto", "mdev", "vendor", "none":
 	default:

@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"vmflow/hostagent/cli"
+	"vmflow/hostagent/store"
 )
 
 func TestParseRun(t *testing.T) {
@@ -27,11 +28,12 @@ func TestParseRun(t *testing.T) {
 	require.NoError(t, err)
 	assert.True(t, d.VGPUAttach, "production attaches vGPUs")
 	assert.Equal(t, "/var/lib/vmflow", d.StateDir)
-	assert.Empty(t, d.QEMUUser, "QEMU stays root unless asked")
+	assert.Equal(t, store.DefaultQEMUUIDRange, d.QEMUUIDs, "a bare run confines QEMU with the default range")
+	assert.Equal(t, "/dev/kvm", d.KVMDevice)
 
-	u, err := cli.ParseRun([]string{"--host-id", "h1", "--qemu-user", "vmflow-qemu"}, io.Discard)
+	u, err := cli.ParseRun([]string{"--host-id", "h1", "--qemu-uid-range", "300000-300999"}, io.Discard)
 	require.NoError(t, err)
-	assert.Equal(t, "vmflow-qemu", u.QEMUUser)
+	assert.Equal(t, store.UIDRange{First: 300000, Last: 300999}, u.QEMUUIDs)
 }
 
 func TestParseRunRejects(t *testing.T) {
@@ -43,12 +45,12 @@ func TestParseRunRejects(t *testing.T) {
 		{"--host-id", "h1", "stray"},
 		{"--host-id", "h1", "--workflow-task-queue", ""},
 		{"--host-id", "h1", "--holders-ignore-pid", "one"},
-		// A user name is one argv element after -runas / inside
-		// -run-with user=: nothing that could add a QemuOpts key or a path.
-		{"--host-id", "h1", "--qemu-user", "nobody,chroot=/"},
-		{"--host-id", "h1", "--qemu-user", "../root"},
-		{"--host-id", "h1", "--qemu-user", "Root"},
-		{"--host-id", "h1", "--qemu-user", "-runas"},
+		// QEMU runs as a uid of its own, always: the flag that ran it as
+		// root (or one shared user) is gone; root is never in a range.
+		{"--host-id", "h1", "--qemu-user", "nobody"},
+		{"--host-id", "h1", "--qemu-uid-range", "0-100"},
+		{"--host-id", "h1", "--qemu-uid-range", "300000"},
+		{"--host-id", "h1", "--qemu-uid-range", "300999-300000"},
 	} {
 		_, err := cli.ParseRun(args, io.Discard)
 		assert.Error(t, err, "%q", args)

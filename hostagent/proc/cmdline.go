@@ -79,6 +79,10 @@ type FindQuery struct {
 	// SessionLeader: only processes that lead their own session (sid ==
 	// pid), as every process Start forks is (Setsid).
 	SessionLeader bool
+	// UID, when not 0, is the uid a match runs as: real, effective, saved
+	// and filesystem uid all equal to it (/proc/<pid>/status, read without
+	// the mmap lock, before any memory read).
+	UID uint32
 	// Env, when not empty, is a "KEY=VALUE" entry the process's environment
 	// (/proc/<pid>/environ, as it was at exec) must hold exactly.
 	Env string
@@ -316,6 +320,18 @@ func (f *finder) check(ctx context.Context, pid int) (Identity, bool, error) {
 	dir := memDir(pid, before)
 	if dir == "" {
 		return Identity{}, false, nil // a zombie with no task left: gone
+	}
+	if f.q.UID != 0 {
+		ids, err := ReadUIDs(pid)
+		if errors.Is(err, ErrNotFound) {
+			return Identity{}, false, nil
+		}
+		if err != nil {
+			return Identity{}, false, fmt.Errorf("%w: %w", ErrCannotTell, err)
+		}
+		if ids != [4]uint32{f.q.UID, f.q.UID, f.q.UID, f.q.UID} {
+			return Identity{}, false, nil
+		}
 	}
 	if ok, err := exeMatches(dir, f.q.Exe); err != nil || !ok {
 		return Identity{}, false, err

@@ -195,7 +195,8 @@ func TestLaunchHoldsWhatItOpened(t *testing.T) {
 
 	p := l.Paths()
 	vm, err := vmm.Launch(ctxT(t, 30*time.Second), vmm.LaunchConfig{Spec: v,
-		Paths: vmm.Paths{QMPSocket: p.Socket, PIDFile: p.PID, Log: p.Log}, ReadyTimeout: 20 * time.Second})
+		Paths: vmm.Paths{QMPSocket: p.Socket, PIDFile: p.PID, Log: p.Log}, ReadyTimeout: 20 * time.Second,
+		Confine: vmmtest.Confine()})
 	require.NoError(t, err)
 	defer func() {
 		_, _ = vm.Stop(ctxT(t, 10*time.Second), vmm.StopConfig{SkipPowerdown: true, KillTimeout: 5 * time.Second})

@@ -154,6 +154,13 @@ func joinDiff(diff []string) string {
 // (ErrIllegalTransition), and a move to Deleting before the manual-stop
 // marker is on disk (ErrManualStopMissing). updated_at is set by the store.
 func (l *Locked) Update(fn func(*vmflowv1.InstanceRecord) error) (*vmflowv1.InstanceRecord, error) {
+	return l.update(fn, false)
+}
+
+// update is Update; setUID allows qemu_uid to change, which only
+// AssignQEMUUID does (under the host-wide uid lock, so no two records ever
+// name one uid).
+func (l *Locked) update(fn func(*vmflowv1.InstanceRecord) error, setUID bool) (*vmflowv1.InstanceRecord, error) {
 	if err := l.held(); err != nil {
 		return nil, err
 	}
@@ -173,6 +180,10 @@ func (l *Locked) Update(fn func(*vmflowv1.InstanceRecord) error) (*vmflowv1.Inst
 	}
 	if rec.GetId() != l.id {
 		return nil, fmt.Errorf("update instance %s: %w: the id cannot change (to %s)", l.id, ErrInvalidRecord, quoteID(rec.GetId()))
+	}
+	if !setUID && old.GetQemuUid() != rec.GetQemuUid() {
+		return nil, fmt.Errorf("update instance %s: %w: qemu_uid is assigned by AssignQEMUUID only (%d to %d)",
+			l.id, ErrInvalidRecord, old.GetQemuUid(), rec.GetQemuUid())
 	}
 	if from, to := old.GetState(), rec.GetState(); from != to {
 		if err := CheckTransition(from, to); err != nil {

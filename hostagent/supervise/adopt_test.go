@@ -54,18 +54,75 @@ func impostor(t *testing.T, e *env, id string, env []string, wrap ...string) pro
 	return c.Identity()
 }
 
-// setMarker gives instance id a launch marker with a fresh nonce, as
-// launchLocked writes it before the fork.
+// setMarker gives instance id a launch marker with a nonce, as agents
+// before the per-VM uid wrote it before the fork.
 func setMarker(t *testing.T, e *env, id string) string {
 	t.Helper()
-	nonce, err := vmm.NewLaunchNonce()
-	require.NoError(t, err)
-	_, err = e.st.Update(ctxT(t, 5*time.Second), id, func(r *vmflowv1.InstanceRecord) error {
+	nonce := "5b1e0c2a9d7f4e3a8c6b0d1e2f3a4b5c"
+	_, err := e.st.Update(ctxT(t, 5*time.Second), id, func(r *vmflowv1.InstanceRecord) error {
 		r.LaunchStartedAt, r.LaunchNonce = timestamppb.Now(), nonce
 		return nil
 	})
 	require.NoError(t, err)
 	return nonce
+}
+
+// setUIDMarker gives instance id a launch marker and a uid of its own, as
+// launchLocked writes them before the fork.
+func setUIDMarker(t *testing.T, e *env, id string) uint32 {
+	t.Helper()
+	l, err := e.st.Lock(ctxT(t, 5*time.Second), id)
+	require.NoError(t, err)
+	defer l.Unlock()
+	rec, err := l.AssignQEMUUID(ctxT(t, 5*time.Second), e.uids, proc.UIDsInUse, func(r *vmflowv1.InstanceRecord) error {
+		r.LaunchStartedAt = timestamppb.Now()
+		return nil
+	})
+	require.NoError(t, err)
+	return rec.GetQemuUid()
+}
+
+// Issue 14: a marker with the instance's uid adopts only a QEMU running as
+// that uid with its name. A copy of its command line (-name guest=vm1, the
+// QEMU binary, a session of its own) run as root is neither adopted nor
+// signalled, and the marker is cleared.
+func TestUIDMarkerImpostorNotAdopted(t *testing.T) {
+	requiresRoot(t)
+	e := newEnv(t)
+	e.create("vm1", "", 0)
+	setUIDMarker(t, e, "vm1")
+	imp := impostor(t, e, "vm1", []string{"PATH=" + os.Getenv("PATH")})
+
+	sup := e.newSupervisor(nil)
+	rep, err := sup.Start(ctxT(t, 30*time.Second))
+	require.NoError(t, err)
+	assert.Zero(t, rep.Adopted, "another uid is not the instance's")
+	rec := e.get("vm1")
+	assert.Nil(t, rec.GetProcess())
+	assert.Nil(t, rec.GetLaunchStartedAt(), "no QEMU of the launch runs: marker cleared")
+	assert.True(t, proc.Inspect(imp).Alive, "not signalled")
+}
+
+// A legacy marker (with a nonce, from an agent before the per-VM uid)
+// still adopts the QEMU that carries its nonce in its environment: the
+// nonce path is kept for reading.
+func TestLegacyNonceMarkerAdopts(t *testing.T) {
+	e := newEnv(t)
+	e.create("vm1", "", 0)
+	nonce := setMarker(t, e, "vm1")
+	old := impostor(t, e, "vm1", []string{"PATH=" + os.Getenv("PATH"), vmm.LaunchNonceEnv + "=" + nonce})
+
+	sup := e.newSupervisor(nil)
+	rep, err := sup.Start(ctxT(t, 30*time.Second))
+	require.NoError(t, err)
+	assert.Equal(t, 1, rep.Adopted)
+	rec := e.get("vm1")
+	assert.Equal(t, old, store.IdentityOf(rec.GetProcess()))
+	assert.Nil(t, rec.GetLaunchStartedAt())
+	assert.Empty(t, rec.GetLaunchNonce())
+	require.NoError(t, e.st.MarkManualStop(ctxT(t, 5*time.Second), "vm1"))
+	_, err = sup.Stop(ctxT(t, 30*time.Second), "vm1", time.Millisecond)
+	require.NoError(t, err)
 }
 
 // Hole 3 follow-up (HIGH 1): a process that copies the instance's QEMU
@@ -160,7 +217,8 @@ func TestStartBoundsBlockedAdoption(t *testing.T) {
 	require.NoError(t, err)
 	adoptOnCleanup(t, qemu1)
 	a.kill9(t)
-	require.NotEmpty(t, e.get("vm1").GetLaunchNonce(), "the marker carries its nonce")
+	require.NotZero(t, e.get("vm1").GetQemuUid(), "the marker's write carries the uid")
+	require.Empty(t, e.get("vm1").GetLaunchNonce(), "no nonce: QEMU's environment has none")
 	// vm2: running, recorded.
 	launcher := e.newSupervisor(nil)
 	res2, err := launcher.Launch(ctxT(t, 30*time.Second), "vm2")

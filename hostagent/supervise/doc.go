@@ -16,7 +16,7 @@
 //   - No process without an owner (invariant 11): a launch marker is in the
 //     record before the fork and QEMU's pid and start time replace it right
 //     after; a marker left by a killed agent is resolved by finding the QEMU
-//     by the marker's nonce in its environment (adopted) or clearing it. A failed launch leaves
+//     by its uid and guest name (adopted) or clearing it. A failed launch leaves
 //     nothing (vmm kills and reaps, the pid and marker are cleared).
 //   - One bad record never stops the host (invariant 12): Start quarantines
 //     an unreadable record and goes on; TearDown removes runtime files only

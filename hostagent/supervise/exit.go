@@ -57,6 +57,7 @@ func applyExit(r *vmflowv1.InstanceRecord, id proc.Identity, ex exitInfo) bool {
 	if r.GetProcess() == nil || store.IdentityOf(r.GetProcess()) != id {
 		return false
 	}
+	takeBackVFIO(r)
 	r.Process = nil
 	r.LastExit = timestamppb.New(ex.at)
 	r.LastExitStatus = ex.status
@@ -72,6 +73,19 @@ func applyExit(r *vmflowv1.InstanceRecord, id proc.Identity, ex exitInfo) bool {
 		r.RestartCount = 0
 	}
 	return true
+}
+
+// takeBackVFIO returns the VFIO group nodes r gave its QEMU's uid to root
+// (its QEMU is gone) and forgets those it took back; one that could not be
+// chowned stays listed for the next exit or launch to try again.
+func takeBackVFIO(r *vmflowv1.InstanceRecord) {
+	var left []string
+	for _, n := range r.GetVfioGroupNodes() {
+		if err := vmm.TakeBackVFIOGroup(n); err != nil {
+			left = append(left, n)
+		}
+	}
+	r.VfioGroupNodes = left
 }
 
 // watch waits for vm's exit in the background and records it. A child is

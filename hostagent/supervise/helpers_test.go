@@ -11,6 +11,8 @@ import (
 	"os/exec"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -35,11 +37,33 @@ const (
 	agentEnv      = "VMFLOW_SUPERVISE_AGENT"       // state dir; set: run as the agent
 	agentIDEnv    = "VMFLOW_SUPERVISE_AGENT_ID"    // the instance to launch
 	agentBlockEnv = "VMFLOW_SUPERVISE_AGENT_BLOCK" // "after-started": block between fork and QMP; "before-recorded": between fork and the pid's write
+	agentUIDsEnv  = "VMFLOW_SUPERVISE_AGENT_UIDS"  // the env's QEMU uid range
 )
+
+// envUIDs counts the envs of this test process: each gets a QEMU uid range
+// of its own, disjoint from other test processes' (keyed by pid), as agents
+// sharing a machine must have.
+var envUIDs atomic.Uint32
+
+// envRanges maps an env's state dir to its uid range, for the helper
+// agents started on it.
+var envRanges sync.Map
+
+func uidsOf(dir string) store.UIDRange {
+	if r, ok := envRanges.Load(dir); ok {
+		return r.(store.UIDRange)
+	}
+	return newUIDRange()
+}
+
+func newUIDRange() store.UIDRange {
+	first := 3_500_000_000 + uint32(os.Getpid()%50_000)*2_000 + (envUIDs.Add(1)%100)*20
+	return store.UIDRange{First: first, Last: first + 19}
+}
 
 func TestMain(m *testing.M) {
 	if dir := os.Getenv(agentEnv); dir != "" {
-		runAgent(dir, os.Getenv(agentIDEnv), os.Getenv(agentBlockEnv))
+		runAgent(dir, os.Getenv(agentIDEnv), os.Getenv(agentBlockEnv), os.Getenv(agentUIDsEnv))
 		return
 	}
 	// PID 1 on the test machines does not reap orphans. A QEMU whose agent
@@ -56,7 +80,7 @@ func TestMain(m *testing.M) {
 // runAgent is the helper agent: a Supervisor on dir that launches id,
 // prints "running <pid>" (or, blocking in OnStarted, "started <pid>") and
 // waits for stdin to close or for the test to kill it.
-func runAgent(dir, id, block string) {
+func runAgent(dir, id, block, uids string) {
 	fail := func(err error) {
 		fmt.Fprintln(os.Stdout, "error", err)
 		os.Exit(1)
@@ -65,7 +89,11 @@ func runAgent(dir, id, block string) {
 	if err != nil {
 		fail(err)
 	}
-	cfg := Config{Store: st}
+	r, err := store.ParseUIDRange(uids)
+	if err != nil {
+		fail(err)
+	}
+	cfg := Config{Store: st, QEMUUIDs: r}
 	blockHere := func(word string) func(string, proc.Identity) {
 		return func(_ string, pid proc.Identity) {
 			fmt.Fprintln(os.Stdout, word, pid.PID)
@@ -108,7 +136,7 @@ type agent struct {
 func startAgent(t *testing.T, dir, id, block, want string) (*agent, int) {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), agentEnv+"="+dir, agentIDEnv+"="+id, agentBlockEnv+"="+block)
+	cmd.Env = append(os.Environ(), agentEnv+"="+dir, agentIDEnv+"="+id, agentBlockEnv+"="+block, agentUIDsEnv+"="+uidsOf(dir).String())
 	cmd.Stderr = os.Stderr
 	stdin, err := cmd.StdinPipe()
 	require.NoError(t, err)
@@ -173,6 +201,7 @@ func testDir(tb testing.TB) string {
 type env struct {
 	t    testing.TB
 	dir  string
+	uids store.UIDRange // its QEMUs' uids
 	st   *store.Store
 	logs *observer.ObservedLogs
 	sup  *Supervisor
@@ -183,10 +212,11 @@ type env struct {
 func newEnv(tb testing.TB) *env {
 	tb.Helper()
 	requiresQEMU(tb)
-	e := &env{t: tb, dir: testDir(tb)}
+	e := &env{t: tb, dir: testDir(tb), uids: newUIDRange()}
 	st, err := store.New(e.dir)
 	require.NoError(tb, err)
 	e.st = st
+	envRanges.Store(e.dir, e.uids)
 	tb.Cleanup(e.killAll)
 	return e
 }
@@ -205,7 +235,7 @@ func (e *env) newSupervisor(mutate func(*Config)) *Supervisor {
 	} else {
 		log = zap.New(core)
 	}
-	cfg := Config{Store: e.st, Logger: log}
+	cfg := Config{Store: e.st, Logger: log, QEMUUIDs: e.uids}
 	if mutate != nil {
 		mutate(&cfg)
 	}

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
+	"slices"
 	"time"
 
 	"go.uber.org/zap"
@@ -40,8 +42,8 @@ type LaunchResult struct {
 // start time replace the marker in one write (before anything waits on
 // QEMU); then QMP is awaited, then the record moves to Running. An agent
 // killed at any instant leaves a record that names its QEMU or says one may
-// exist, and the next agent adopts it by the marker's nonce in its
-// environment (invariant 11). A
+// exist, and the next agent adopts it by the instance's uid and guest name
+// (invariant 11). A
 // failed launch leaves nothing: QEMU killed and reaped, socket removed, pid
 // and marker cleared (invariant 5). Launch is idempotent: when the record
 // names a live QEMU with a matching identity (this process's, or one left or
@@ -256,36 +258,55 @@ func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *inst
 	// The spec holds the images the agent opened: vmm.Launch closes them
 	// after the fork; this covers the returns before it.
 	defer spec.Close()
-	if spec.Name == "" {
-		spec.Name = in.id
-	}
-	if spec.RunAs == "" && s.cfg.RunAs != "" {
-		spec.RunAs, spec.RunWith = s.cfg.RunAs, s.cfg.RunWith
-	}
+	// The guest name is the instance id: with the uid, it is what finds a
+	// QEMU whose pid never made it into the record (resolveLaunchLocked).
+	spec.Name = in.id
 	log := in.log
 	start := time.Now()
 	// The launch marker goes to disk before the fork: an agent killed
 	// between the fork and the pid's write leaves a record that says "a
 	// QEMU of mine may exist", which the next agent resolves
-	// (resolveLaunchLocked) instead of finding nothing. Its nonce, written
-	// in the same write, goes into QEMU's environment: what proves that a
-	// process found later is this launch's QEMU, not a copy of its argv.
-	nonce, err := vmm.NewLaunchNonce()
+	// (resolveLaunchLocked) instead of finding nothing. The instance's own
+	// uid is assigned in the same write (under the store's host-wide uid
+	// lock): what proves later that a process is this instance's QEMU, as
+	// only the agent can start a process with it.
+	nodes, err := s.vfioNodes(spec)
 	if err != nil {
 		return nil, err
 	}
-	if _, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
-		r.LaunchStartedAt, r.LaunchNonce = s.ts(), nonce
+	rec, err = l.AssignQEMUUID(ctx, s.cfg.QEMUUIDs, proc.UIDsInUse, func(r *vmflowv1.InstanceRecord) error {
+		r.LaunchStartedAt, r.LaunchNonce = s.ts(), ""
+		// Listed before they are given, so whoever records this QEMU
+		// gone takes them back (takeBackVFIO).
+		for _, n := range nodes {
+			if !slices.Contains(r.VfioGroupNodes, n) {
+				r.VfioGroupNodes = append(r.VfioGroupNodes, n)
+			}
+		}
 		return nil
-	}); err != nil {
+	})
+	if err != nil {
 		return nil, fmt.Errorf("record launch marker: %w", err)
+	}
+	uid := rec.GetQemuUid()
+	log = log.With(zap.Uint32("qemu_uid", uid))
+	for _, n := range nodes {
+		if err := vmm.GiveVFIOGroup(n, uid); err != nil {
+			err = fmt.Errorf("give vfio group: %w", err)
+			_, uerr := l.Update(func(r *vmflowv1.InstanceRecord) error {
+				takeBackVFIO(r)
+				r.LastError = err.Error()
+				return clearLaunchMarker(r)
+			})
+			return nil, errors.Join(err, uerr)
+		}
 	}
 	log.Info("launching qemu", zap.String("machine", string(spec.Machine)), zap.String("accel", string(spec.Accel)))
 	vm, err := vmm.Launch(ctx, vmm.LaunchConfig{
 		Spec:           spec,
 		Paths:          vmmPaths(l.Paths()),
 		Binary:         s.cfg.QEMU,
-		Nonce:          nonce,
+		Confine:        vmm.Confinement{UID: uid, KVM: s.kvm},
 		ReadyTimeout:   s.cfg.ReadyTimeout,
 		CleanupTimeout: s.cfg.GroupExitCap,
 		OnStarted: func(pid proc.Identity) error {
@@ -322,6 +343,7 @@ func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *inst
 					r.LastExit, r.LastExitStatus, r.LastExitCode = s.ts(), "launch failed", -1
 				}
 				_ = clearLaunchMarker(r)
+				takeBackVFIO(r)
 				r.LastError = cause.Error()
 				return nil
 			})
@@ -341,6 +363,24 @@ func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *inst
 	crashpoint.Hit(crashpoint.LaunchRunningRecorded)
 	log.Info("running", zap.Int("pid", pid.PID), zap.Duration("took", time.Since(start)))
 	return vm, nil
+}
+
+// vfioNodes are the VFIO group nodes of spec's devices that exist (the
+// vGPU simulator's devices have none).
+func (s *Supervisor) vfioNodes(spec vmm.VMSpec) ([]string, error) {
+	var nodes []string
+	for _, dev := range spec.VFIO {
+		n, err := vmm.VFIOGroupNode(s.cfg.DevRoot, dev)
+		if err != nil {
+			return nil, fmt.Errorf("prepare launch: %w", err)
+		}
+		if n != "" {
+			if _, err := os.Lstat(n); err == nil {
+				nodes = append(nodes, n)
+			}
+		}
+	}
+	return nodes, nil
 }
 
 func (s *Supervisor) undoLaunchLocked(l *store.Locked, vm *vmm.VM, cause error) error {

@@ -18,8 +18,8 @@ import (
 )
 
 // ErrUnrecordedAmbiguous: more than one process passes as the instance's
-// unrecorded QEMU (a record without a launch nonce, from an agent older than
-// it, matched by its -qmp argument: a wrapper such as `timeout 60 qemu ...`
+// unrecorded QEMU (a record without a uid or launch nonce, from an agent
+// older than both, matched by its -qmp argument: a wrapper such as `timeout 60 qemu ...`
 // plus the QEMU it runs, or a copy started by hand). One record cannot own
 // them all and the agent cannot tell which is its own: nothing is signalled,
 // recorded or removed, and the instance needs an operator. Not retryable:
@@ -37,14 +37,14 @@ const findTimeout = 5 * time.Second
 // was left by an agent killed between writing the marker and recording the
 // fork's pid: QEMU may run, or may never have started. The process table
 // decides (vmm.FindUnrecorded): a process running the configured QEMU
-// binary, leading its own session, whose environment holds the marker's
-// nonce is adopted (its identity recorded, the marker and nonce cleared),
+// binary, leading its own session, running as the record's qemu_uid with
+// -name guest=<id> is adopted (its identity recorded, the marker cleared),
 // and the caller's normal path then re-attaches or stops it by that
-// identity; none found clears the marker. A marker without a nonce (an older
-// agent's) and, with scan set, a record without a marker are matched by
-// the instance's -qmp argument instead of the nonce; scan is for callers
-// about to conclude "nothing runs" (Stop, TearDown), and covers a record an
-// agent older than the marker left behind; a record whose stop step is gone
+// identity; none found clears the marker. With scan set, a record without a
+// marker is looked for too; scan is for callers about to conclude "nothing
+// runs" (Stop, TearDown). Records older agents left: a marker with a nonce
+// is matched by the nonce in QEMU's environment; a record without a uid or
+// nonce by the instance's -qmp argument. A record whose stop step is gone
 // is not looked at again (a Stop looked before writing it).
 //
 // Errors: a candidate that cannot be read in time (proc.ErrCannotTell) or
@@ -74,15 +74,20 @@ func (s *Supervisor) resolveLaunchLocked(ctx context.Context, l *store.Locked, i
 		// under the manual-stop marker, after which nothing is launched.
 		return rec, false, nil
 	}
-	nonce := ""
-	if marked {
-		nonce = rec.GetLaunchNonce()
+	fc := vmm.FindConfig{Binary: s.cfg.QEMU, Paths: vmmPaths(l.Paths()), ReadMem: s.cfg.readProcMem}
+	switch {
+	case marked && rec.GetLaunchNonce() != "":
+		// A marker an agent older than the per-VM uid wrote: its QEMU
+		// carries the nonce in its environment. Read only: no marker gets
+		// a nonce any more.
+		fc.Nonce = rec.GetLaunchNonce()
+	case rec.GetQemuUid() != 0:
+		fc.UID, fc.Name = rec.GetQemuUid(), in.id
 	}
+	nonce := fc.Nonce
 	fctx, cancel := context.WithTimeout(ctx, findTimeout)
 	defer cancel()
-	found, err := vmm.FindUnrecorded(fctx, vmm.FindConfig{
-		Binary: s.cfg.QEMU, Paths: vmmPaths(l.Paths()), Nonce: nonce, ReadMem: s.cfg.readProcMem,
-	})
+	found, err := vmm.FindUnrecorded(fctx, fc)
 	if err != nil {
 		// Can't tell counts as "may run": never as "none".
 		return nil, false, fmt.Errorf("instance %s: %w: look for an unrecorded qemu: %w", in.id, ErrStillRunning, err)
@@ -99,7 +104,7 @@ func (s *Supervisor) resolveLaunchLocked(ctx context.Context, l *store.Locked, i
 		pid := found[0]
 		in.log.Warn("adopting a qemu its record did not name (its agent died between fork and recording it)",
 			zap.Int("pid", pid.PID), zap.Uint64("start_time", pid.StartTime), zap.Bool("launch_marker", marked),
-			zap.Bool("nonce", nonce != ""))
+			zap.Bool("nonce", nonce != ""), zap.Uint32("qemu_uid", fc.UID))
 		rec, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
 			r.Process = store.ProcessRecord(pid)
 			if r.GetLaunchStartedAt() != nil {
@@ -114,7 +119,8 @@ func (s *Supervisor) resolveLaunchLocked(ctx context.Context, l *store.Locked, i
 		}
 		return rec, true, nil
 	default:
-		// With a nonce this cannot happen (one process was given it);
+		// With a uid or a nonce this cannot happen (one process was
+		// given it; QEMU's sandbox lets it spawn nothing);
 		// without one, a command line is all there is to go on, and one
 		// record cannot own them all. Nothing is signalled or removed,
 		// the marker stays, and every caller sees the error until an

@@ -21,8 +21,8 @@ import (
 )
 
 // Hole 3 (invariant 11): the agent is killed after the fork and before the
-// pid reaches the record. The next agent must find that QEMU by its socket
-// path and own it, so a delete stops it instead of tearing down its socket.
+// pid reaches the record. The next agent must find that QEMU (by its uid
+// and name since issue 14) and own it, so a delete stops it instead of tearing down its socket.
 func TestAgentKilledBeforePidRecorded(t *testing.T) {
 	e := newEnv(t)
 	e.create("vm1", "", 0)
@@ -33,13 +33,19 @@ func TestAgentKilledBeforePidRecorded(t *testing.T) {
 	rec := e.get("vm1")
 	require.Nil(t, rec.GetProcess(), "killed before the pid was written")
 	require.NotNil(t, rec.GetLaunchStartedAt(), "the launch marker was written before the fork")
+	require.NotZero(t, rec.GetQemuUid(), "with the instance's uid")
+	assert.Empty(t, rec.GetLaunchNonce())
+	require.Eventually(t, func() bool {
+		u, err := proc.ReadUIDs(qemu.PID)
+		return err == nil && u == [4]uint32{rec.GetQemuUid(), rec.GetQemuUid(), rec.GetQemuUid(), rec.GetQemuUid()}
+	}, 10*time.Second, time.Millisecond, "QEMU runs as the recorded uid")
 	a.kill9(t)
 	require.True(t, proc.Inspect(qemu).Alive, "QEMU outlives its agent, unrecorded")
 
 	sup := e.newSupervisor(nil)
 	rep, err := sup.Start(ctxT(t, 30*time.Second))
 	require.NoError(t, err)
-	assert.Equal(t, 1, rep.Adopted, "found by its socket path")
+	assert.Equal(t, 1, rep.Adopted, "found by its uid and name")
 	assert.Equal(t, 1, rep.Attached)
 	rec = e.get("vm1")
 	assert.Equal(t, qemu, store.IdentityOf(rec.GetProcess()), "the same QEMU adopted by identity, not a second one")

@@ -24,7 +24,7 @@ type ReattachReport struct {
 	Attached int `json:"attached"`
 	// Adopted: QEMUs the record did not name yet (a launch marker left by an
 	// agent killed between fork and recording the pid), found by the
-	// marker's nonce in their environment and recorded.
+	// uid and guest name (see resolveLaunchLocked) and recorded.
 	Adopted int `json:"adopted"`
 	// Gone: records whose QEMU had ended (or whose pid a stranger now holds,
 	// never signalled, or that were recorded in an earlier boot): identity
@@ -79,7 +79,7 @@ func (e *errUnreadable) Unwrap() error { return e.err }
 // the previous agent: a record naming a live QEMU with a matching identity
 // (pid, start time, boot id) is re-attached: a pidfd watches its exit, QMP
 // is connected on demand, nothing is signalled. A record with a launch
-// marker and no process has its QEMU looked for (by the marker's nonce) and
+// marker and no process has its QEMU looked for (by its uid and guest name) and
 // adopted (invariant 11). A record whose QEMU is gone, whose pid another process now
 // holds, or that was written in an earlier boot is recorded as gone and its
 // stale socket removed; nothing is signalled. Then the restart policy runs

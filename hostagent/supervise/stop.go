@@ -39,10 +39,10 @@ type StopResult struct {
 // identity is cleared and a Running record moves to Exited.
 //
 // A QEMU of the instance that its record does not name (an agent died
-// between the fork and recording it) is found, adopted and stopped: by the
-// launch marker's nonce in its environment, or, for a record from an agent
-// older than the marker, by its executable, its session and its -qmp socket
-// argument (see resolveLaunchLocked). Can't tell is ErrStillRunning
+// between the fork and recording it) is found, adopted and stopped: by its
+// uid and guest name, or, for records older agents left, by the marker's
+// nonce in its environment or its -qmp socket argument (see
+// resolveLaunchLocked). Can't tell is ErrStillRunning
 // (retryable); more than one match is ErrUnrecordedAmbiguous (not
 // retryable, nothing touched). Every return without a process and without
 // an error has written stop step gone, which is what lets a vGPU release
@@ -177,7 +177,7 @@ func (s *Supervisor) Stop(ctx context.Context, id string, graceful time.Duration
 // the group's state ("2 tasks of pid 4242 still running") so an activity can
 // heartbeat; it runs on the caller's goroutine. With no process recorded
 // WaitExit returns at once, after resolving a launch marker (a QEMU found by
-// the marker's nonce is adopted and waited for).
+// its uid and guest name is adopted and waited for).
 func (s *Supervisor) WaitExit(ctx context.Context, id string, progress func(proc.Status)) error {
 	rec, err := s.st.Get(id)
 	if err != nil {

@@ -55,12 +55,17 @@ type Config struct {
 	RestartBackoff    time.Duration
 	RestartBackoffMax time.Duration
 
-	// RunAs, when set, is the user every QEMU this supervisor launches
-	// drops to after setup (a spec that names its own RunAs keeps it).
-	// RunWith picks the option for the installed QEMU: see
-	// vmm.RunWithSupported.
-	RunAs   string
-	RunWith bool
+	// QEMUUIDs is the range every QEMU's own uid is taken from
+	// (store.DefaultQEMUUIDRange when zero). Agents sharing a machine need
+	// disjoint ranges.
+	QEMUUIDs store.UIDRange
+	// KVMDevice is the KVM node New checks once (vmm.DefaultKVMDevice when
+	// empty): when its group cannot open it, KVM launches fail with
+	// vmm.ErrKVMAccess and everything else goes on.
+	KVMDevice string
+	// DevRoot holds the VFIO group nodes (<DevRoot>/vfio/<group>) given to
+	// a QEMU's uid while it may run ("/dev" when empty).
+	DevRoot string
 
 	// OnExitRecorded, when set, is called after an exit nobody asked for
 	// (a crash, a kill from outside, a guest power-off) is written to the
@@ -114,6 +119,10 @@ type Supervisor struct {
 	ctx    context.Context // ends with Close: background work stops
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
+
+	// kvm is /dev/kvm as New found it: the supplementary group a KVM QEMU
+	// gets, or the error every KVM launch returns.
+	kvm vmm.KVMAccess
 
 	mu     sync.Mutex
 	insts  map[string]*instance
@@ -172,13 +181,24 @@ func New(cfg Config) (*Supervisor, error) {
 	if cfg.PrepareLaunch == nil {
 		cfg.PrepareLaunch = DefaultPrepareLaunch
 	}
+	if cfg.QEMUUIDs == (store.UIDRange{}) {
+		cfg.QEMUUIDs = store.DefaultQEMUUIDRange
+	}
+	if cfg.DevRoot == "" {
+		cfg.DevRoot = "/dev"
+	}
 	if cfg.Now == nil {
 		cfg.Now = time.Now
+	}
+	kvm := vmm.CheckKVM(cfg.KVMDevice)
+	if kvm.Err != nil {
+		// Not fatal: TCG launches, re-attach and stops go on (invariant 12).
+		cfg.Logger.Warn("KVM launches will fail", zap.Error(kvm.Err))
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	return &Supervisor{
 		cfg: cfg, st: cfg.Store, log: cfg.Logger,
-		ctx: ctx, cancel: cancel,
+		ctx: ctx, cancel: cancel, kvm: kvm,
 		insts: map[string]*instance{},
 	}, nil
 }

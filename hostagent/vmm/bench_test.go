@@ -2,6 +2,7 @@ package vmm
 
 import (
 	"context"
+	"os/exec"
 	"testing"
 	"time"
 )
@@ -71,6 +72,41 @@ func BenchmarkStopToGone(b *testing.B) {
 				b.StartTimer()
 			}
 			b.ReportMetric(float64(total.Microseconds())/1000/float64(b.N), "ms/op")
+		})
+	}
+}
+
+// BenchmarkLimitWrapper: what exec'ing QEMU through the rlimit wrapper
+// (LimitWrapper) adds to a launch: fork+exec+wait of /bin/true, directly
+// and through the wrapper with a launch's limits. The difference is the
+// wrapper's exec.
+func BenchmarkLimitWrapper(b *testing.B) {
+	wrapper, err := exec.LookPath(LimitWrapper)
+	if err != nil {
+		b.Skipf("no %s: %v", LimitWrapper, err)
+	}
+	truePath, err := exec.LookPath("true")
+	if err != nil {
+		b.Skip(err)
+	}
+	for _, bc := range []struct {
+		name string
+		argv []string
+	}{
+		{"direct", []string{truePath}},
+		{"wrapped", wrapperArgs(LimitsFor(VMSpec{VCPUs: 1, MemoryMiB: 64}), truePath, nil)},
+	} {
+		b.Run(bc.name, func(b *testing.B) {
+			path := bc.argv[0]
+			if bc.name == "wrapped" {
+				path = wrapper
+			}
+			for b.Loop() {
+				cmd := &exec.Cmd{Path: path, Args: bc.argv, Env: qemuEnv()}
+				if err := cmd.Run(); err != nil {
+					b.Fatal(err)
+				}
+			}
 		})
 	}
 }

@@ -66,6 +66,7 @@ func TestLaunchDiskBaseReadOnly(t *testing.T) {
 		Paths: vmm.Paths{QMPSocket: filepath.Join(run, "qemu.sock"), PIDFile: filepath.Join(run, "qemu.pid"),
 			Log: filepath.Join(run, "qemu.log")},
 		ReadyTimeout: 20 * time.Second,
+		Confine:      vmmtest.Confine(),
 	}
 	vm, err := vmm.Launch(ctx, cfg)
 	require.NoError(t, err)

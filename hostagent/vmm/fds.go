@@ -32,6 +32,23 @@ func (t *FDTable) Add(f *os.File) int {
 	return firstInheritedFD + len(t.files) - 1
 }
 
+// Reserve hands out the next number for a file given later with Fill: the
+// QMP listener, which Launch binds only once the argv (which names its
+// number) is known to be valid.
+func (t *FDTable) Reserve() int { return t.Add(nil) }
+
+// Fill gives the file for a number Reserve handed out. A number that was
+// not reserved, or was filled already, is an error: the argv and the fd
+// table must never disagree.
+func (t *FDTable) Fill(fd int, f *os.File) error {
+	i := fd - firstInheritedFD
+	if i < 0 || i >= len(t.files) || t.files[i] != nil {
+		return fmt.Errorf("fd %d was not reserved: %w", fd, ErrInvalidSpec)
+	}
+	t.files[i] = f
+	return nil
+}
+
 // Files is the table in order: exec.Cmd.ExtraFiles.
 func (t *FDTable) Files() []*os.File { return slices.Clone(t.files) }
 

@@ -3,8 +3,6 @@ package vmm
 import (
 	"bytes"
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"fmt"
 	"os"
 	"os/exec"
@@ -14,31 +12,29 @@ import (
 	"vmflow/hostagent/proc"
 )
 
-// LaunchNonceEnv is the environment variable that carries a launch's nonce
-// (LaunchConfig.Nonce) into QEMU, where FindUnrecorded looks for it.
+// LaunchNonceEnv is the environment variable agents before the per-VM uid
+// gave QEMU with the launch marker's nonce. QEMU gets no such variable now
+// (its environment is PATH and LC_ALL=C); FindUnrecorded still looks for
+// it to adopt a QEMU such an agent started and did not record.
 const LaunchNonceEnv = "VMFLOW_LAUNCH_NONCE"
-
-// NewLaunchNonce returns a fresh random nonce (128 bits, 32 hex digits) for
-// a launch marker.
-func NewLaunchNonce() (string, error) {
-	var b [16]byte
-	if _, err := rand.Read(b[:]); err != nil {
-		return "", fmt.Errorf("launch nonce: %w", err)
-	}
-	return hex.EncodeToString(b[:]), nil
-}
 
 // FindConfig says which unrecorded QEMU FindUnrecorded looks for.
 type FindConfig struct {
 	// Binary is the QEMU executable the agent launches (LaunchConfig.Binary;
 	// DefaultBinary looked up in PATH when empty).
 	Binary string
-	// Paths are the instance's: QMPSocket is matched against -qmp (legacy
-	// search), PIDFile gives the pid to look at first.
+	// Paths are the instance's: QMPSocket is matched against -qmp and
+	// PIDFile gives the pid to look at first (both legacy searches only).
 	Paths Paths
-	// Nonce is the launch marker's nonce. Set: the QEMU must carry it in
-	// its environment. Empty (a record from an agent older than the nonce):
-	// the QEMU must carry the instance's -qmp argument instead.
+	// UID is the instance's recorded qemu_uid, Name its guest name (the
+	// instance id). Set: the QEMU must run as UID and carry
+	// "-name guest=<Name>".
+	UID  uint32
+	Name string
+	// Nonce is the launch nonce of a marker an agent older than the per-VM
+	// uid wrote (UID is then 0): the QEMU must carry it in its environment.
+	// Both empty (a record older than the nonce): the QEMU must carry the
+	// instance's -qmp argument instead.
 	Nonce string
 	// ReadMem: see proc.FindQuery.ReadMem (tests only; nil in production).
 	ReadMem func(path string) ([]byte, error)
@@ -49,14 +45,15 @@ type FindConfig struct {
 // (ARCHITECTURE invariant 11). A candidate must run the configured QEMU
 // binary (same device and inode, or that path deleted by an upgrade since)
 // and lead its own session (vmm forks QEMU with Setsid); then, with
-// cfg.Nonce, its environment must hold LaunchNonceEnv=<nonce>; without it
-// (legacy), its command line must hold this socket's -qmp argument. A
-// command line alone proves nothing: anyone can start a process with that
-// argv (`gdb --args qemu ...`, `timeout 60 qemu ...`, a compromised QEMU of
-// another instance running as the shared user); the nonce is only in the
-// record and in the environment of the QEMU it was given to, and a QEMU
-// that dropped privileges (-runas) is not dumpable, so its environ is
-// readable by root only.
+// cfg.UID, run as that uid (real, effective, saved and filesystem) and
+// carry -name guest=<cfg.Name>. Only root can start a process as a uid, the
+// uid is in the launch marker's write (before the fork) and in no other
+// record, and QEMU's sandbox forbids it to spawn anything: uid, executable
+// and session make the proof, the name makes a mix-up of records visible.
+// Legacy markers: with cfg.Nonce, the environment must hold
+// LaunchNonceEnv=<nonce>; with neither, the command line must hold this
+// socket's -qmp argument (a command line alone proves little: anyone can
+// start a process with that argv, `timeout 60 qemu ...`).
 //
 // An error wrapping proc.ErrCannotTell means a candidate could not be read
 // in time (its mmap lock held: VFIO teardown, a hung mount): some QEMU of
@@ -67,8 +64,9 @@ type FindConfig struct {
 // agent's binary and is not found. Callers close that window by looking
 // under the instance's store lock: the lock is an flock on a file the agent
 // opened close-on-exec, and a forked child shares that open file, so the
-// lock stays held until the child has exec'd QEMU (or died). Whoever holds
-// the lock therefore sees QEMU or no child at all.
+// lock stays held until the child has exec'd (or died). Whoever holds the
+// lock therefore sees the rlimit wrapper (LimitWrapper, found by the same
+// uid and name), QEMU, or no child at all.
 func FindUnrecorded(ctx context.Context, cfg FindConfig) ([]proc.Identity, error) {
 	bin, err := resolveBinary(cfg.Binary)
 	if err != nil {
@@ -80,25 +78,57 @@ func FindUnrecorded(ctx context.Context, cfg FindConfig) ([]proc.Identity, error
 	}
 	// Argv never renames QEMU (no -name process=), so its comm is the
 	// name it was exec'd by.
-	q := proc.FindQuery{Exe: exe, Comm: proc.CommOf(bin), SessionLeader: true, Hint: pidFromFile(cfg.Paths.PIDFile), ReadMem: cfg.ReadMem}
-	if cfg.Nonce != "" {
-		q.Env = LaunchNonceEnv + "=" + cfg.Nonce
-	} else {
-		want := qmpArg(cfg.Paths.QMPSocket)
-		q.Argv = func(argv []string) bool {
-			for i := 0; i+1 < len(argv); i++ {
-				if argv[i] == "-qmp" && argv[i+1] == want {
-					return true
-				}
-			}
-			return false
+	q := proc.FindQuery{Exe: exe, Comm: proc.CommOf(bin), SessionLeader: true, ReadMem: cfg.ReadMem}
+	switch {
+	case cfg.UID != 0:
+		if cfg.Name == "" {
+			return nil, fmt.Errorf("find qemu of uid %d: no name given", cfg.UID)
 		}
+		q.UID = cfg.UID
+		q.Argv = hasArgPair("-name", "guest="+cfg.Name)
+	case cfg.Nonce != "":
+		q.Env = LaunchNonceEnv + "=" + cfg.Nonce
+		q.Hint = pidFromFile(cfg.Paths.PIDFile)
+	default:
+		q.Argv = hasArgPair("-qmp", legacyQMPArg(cfg.Paths.QMPSocket))
+		q.Hint = pidFromFile(cfg.Paths.PIDFile)
 	}
 	ids, err := proc.Find(ctx, q)
 	if err != nil {
 		return nil, fmt.Errorf("find qemu of %s: %w", cfg.Paths.QMPSocket, err)
 	}
-	return ids, nil
+	if q.UID == 0 {
+		return ids, nil
+	}
+	// The same uid and name on the rlimit wrapper: a launch caught in the
+	// wrapper's moment before it execs QEMU (the instance lock's open file
+	// is closed at the wrapper's exec, so the lock no longer rules this
+	// window out). Only the agent execs the wrapper as the uid.
+	wrapper, err := exec.LookPath(LimitWrapper)
+	if err != nil {
+		return nil, fmt.Errorf("find qemu of %s: %w", cfg.Paths.QMPSocket, err)
+	}
+	if q.Exe, err = proc.StatExecutable(wrapper); err != nil {
+		return nil, fmt.Errorf("find qemu of %s: %w", cfg.Paths.QMPSocket, err)
+	}
+	q.Comm = proc.CommOf(wrapper)
+	more, err := proc.Find(ctx, q)
+	if err != nil {
+		return nil, fmt.Errorf("find qemu of %s: %w", cfg.Paths.QMPSocket, err)
+	}
+	return append(ids, more...), nil
+}
+
+// hasArgPair accepts an argv holding opt immediately followed by value.
+func hasArgPair(opt, value string) func([]string) bool {
+	return func(argv []string) bool {
+		for i := 0; i+1 < len(argv); i++ {
+			if argv[i] == opt && argv[i+1] == value {
+				return true
+			}
+		}
+		return false
+	}
 }
 
 // resolveBinary is the QEMU executable Launch runs for bin.

@@ -1,11 +1,10 @@
 package vmm
 
 import (
-	"bytes"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strconv"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -18,28 +17,19 @@ import (
 	"vmflow/hostagent/proc"
 )
 
-// FindUnrecorded finds a launched QEMU by the nonce it was given, or (no
-// nonce: a record from an older agent) by the -qmp argument Argv wrote, and
-// only for exactly that socket path (a comma in the path is escaped both
-// ways).
+// FindUnrecorded finds a launched QEMU by its uid and guest name (the
+// nonce it used to carry in its environment is gone with the environment),
+// and only with both. Legacy searches (records older agents left) still
+// find a QEMU an older agent started: by the nonce in its environment, or by
+// its -qmp argument, for exactly that socket path (a comma in the path is
+// escaped both ways).
 func TestFindUnrecorded(t *testing.T) {
-	requiresQEMU(t)
+	qemu := requiresQEMU(t)
+	requiresRoot(t)
 	cfg := testLaunchConfig(t, "find")
-	// A comma exercises the QemuOpts escaping Argv applies.
-	dir := filepath.Dir(cfg.Paths.QMPSocket)
-	cfg.Paths.QMPSocket = filepath.Join(dir, "q,emu.sock")
-	nonce, err := NewLaunchNonce()
-	require.NoError(t, err)
-	require.Len(t, nonce, 32)
-	cfg.Nonce = nonce
 	vm, err := Launch(ctxT(t, 30*time.Second), cfg)
 	require.NoError(t, err)
 	killOnCleanup(t, vm)
-
-	env, err := os.ReadFile("/proc/" + itoa(vm.Identity().PID) + "/environ")
-	require.NoError(t, err)
-	assert.ElementsMatch(t, []string{"PATH=" + os.Getenv("PATH"), "HOME=/", LaunchNonceEnv + "=" + nonce},
-		strings.Split(string(bytes.TrimSuffix(env, []byte{0})), "\x00"), "QEMU gets a minimal environment, never the agent's")
 
 	find := func(c FindConfig) []proc.Identity {
 		t.Helper()
@@ -47,35 +37,62 @@ func TestFindUnrecorded(t *testing.T) {
 		require.NoError(t, err)
 		return ids
 	}
-	assert.Equal(t, []proc.Identity{vm.Identity()}, find(FindConfig{Paths: cfg.Paths, Nonce: nonce}), "by its nonce, with its identity")
-	other, err := NewLaunchNonce()
-	require.NoError(t, err)
-	assert.Empty(t, find(FindConfig{Paths: cfg.Paths, Nonce: other}), "another launch's nonce")
-	assert.Equal(t, []proc.Identity{vm.Identity()}, find(FindConfig{Paths: cfg.Paths}), "legacy: by its socket argument")
-	assert.Empty(t, find(FindConfig{Paths: Paths{QMPSocket: filepath.Join(dir, "q"), PIDFile: cfg.Paths.PIDFile}}),
-		"a prefix of the path is another instance")
-	assert.Empty(t, find(FindConfig{Paths: Paths{QMPSocket: strings.TrimSuffix(cfg.Paths.QMPSocket, ".sock") + ".sock2"}}))
+	uid := cfg.Confine.UID
+	assert.Equal(t, []proc.Identity{vm.Identity()}, find(FindConfig{Paths: cfg.Paths, UID: uid, Name: "find"}), "by uid and name, with its identity")
+	assert.Empty(t, find(FindConfig{Paths: cfg.Paths, UID: uid + 1, Name: "find"}), "another instance's uid")
+	assert.Empty(t, find(FindConfig{Paths: cfg.Paths, UID: uid, Name: "fin"}), "another name")
+	_, err = FindUnrecorded(ctxT(t, 10*time.Second), FindConfig{Paths: cfg.Paths, UID: uid})
+	assert.Error(t, err, "a uid search needs the name")
 	sleep, err := exec.LookPath("sleep")
 	require.NoError(t, err)
-	assert.Empty(t, find(FindConfig{Binary: sleep, Paths: cfg.Paths, Nonce: nonce}), "another binary")
+	assert.Empty(t, find(FindConfig{Binary: sleep, Paths: cfg.Paths, UID: uid, Name: "find"}), "another binary")
+
+	// A QEMU an older agent started: root, -qmp on the socket path (with
+	// a comma, which QemuOpts escaping doubles), the nonce in its
+	// environment.
+	dir := filepath.Dir(cfg.Paths.QMPSocket)
+	legacy := Paths{QMPSocket: filepath.Join(dir, "q,emu.sock")}
+	nonce := strings.Repeat("ab", 16)
+	old := exec.Command(qemu, "-name", "guest=find", "-machine", "none", "-accel", string(testAccel()), "-nodefaults",
+		"-no-user-config", "-display", "none", "-qmp", legacyQMPArg(legacy.QMPSocket))
+	old.Env = []string{"PATH=" + os.Getenv("PATH"), LaunchNonceEnv + "=" + nonce}
+	oc, err := proc.Start(old)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_ = proc.Signal(oc.Identity(), syscall.SIGKILL)
+		<-oc.Done()
+	})
+	assert.Equal(t, []proc.Identity{oc.Identity()}, find(FindConfig{Paths: legacy, Nonce: nonce}), "legacy: by its nonce")
+	assert.Empty(t, find(FindConfig{Paths: legacy, Nonce: strings.Repeat("cd", 16)}), "another launch's nonce")
+	assert.Eventually(t, func() bool {
+		ids, err := FindUnrecorded(ctxT(t, 10*time.Second), FindConfig{Paths: legacy})
+		return err == nil && slices.Equal(ids, []proc.Identity{oc.Identity()})
+	}, 10*time.Second, 10*time.Millisecond, "legacy: by its socket argument")
+	assert.Empty(t, find(FindConfig{Paths: Paths{QMPSocket: filepath.Join(dir, "q")}}), "a prefix of the path is another instance")
+	assert.Empty(t, find(FindConfig{Paths: Paths{QMPSocket: legacy.QMPSocket + "2"}}))
+	assert.Equal(t, []proc.Identity{vm.Identity()}, find(FindConfig{Paths: cfg.Paths, UID: uid, Name: "find"}),
+		"the root QEMU named find is not the uid's")
 }
 
 // A command line is not an identity. Copies of an instance's QEMU command
-// line started by someone else (a debugging wrapper `timeout 600 qemu ...`,
-// a second QEMU in a session of its own) are never found by the nonce, and
-// the legacy search, which has only the command line, skips what is not
-// the QEMU binary or not a session leader.
+// line started by someone else are never found by the uid search: a
+// debugging wrapper `timeout 600 qemu ...` run as the instance's uid (the
+// wrapper is not QEMU, its QEMU does not lead a session), a second QEMU in
+// a session of its own as root (another uid). The legacy search, which has
+// only the command line, skips what is not the QEMU binary or not a session
+// leader.
 func TestFindUnrecordedIgnoresImpostors(t *testing.T) {
 	qemu := requiresQEMU(t)
+	requiresRoot(t)
 	cfg := testLaunchConfig(t, "impostor")
-	nonce, err := NewLaunchNonce()
-	require.NoError(t, err)
-	argv, err := Argv(cfg.Spec, cfg.Paths)
-	require.NoError(t, err)
+	uid := cfg.Confine.UID
+	argv := []string{"-name", "guest=impostor", "-machine", "none", "-accel", string(testAccel()), "-nodefaults",
+		"-no-user-config", "-display", "none", "-qmp", legacyQMPArg(cfg.Paths.QMPSocket)}
 
-	// `timeout 600 qemu <argv>`: timeout leads the session, QEMU does not.
 	wrapper := exec.Command("timeout", append([]string{"600", qemu}, argv...)...)
 	wrapper.Env = []string{"PATH=" + os.Getenv("PATH")}
+	wrapper.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uid, Gid: uid, Groups: []uint32{cfg.Confine.KVM.GID}}}
+	require.NoError(t, os.Chown(filepath.Dir(cfg.Paths.QMPSocket), int(uid), int(uid)))
 	wc, err := proc.Start(wrapper)
 	require.NoError(t, err)
 	t.Cleanup(func() {
@@ -94,27 +111,29 @@ func TestFindUnrecordedIgnoresImpostors(t *testing.T) {
 		return err == nil
 	}, 20*time.Second, 10*time.Millisecond, "the wrapped QEMU runs and listens")
 
-	ids, err := FindUnrecorded(ctxT(t, 10*time.Second), FindConfig{Paths: cfg.Paths, Nonce: nonce})
+	ids, err := FindUnrecorded(ctxT(t, 10*time.Second), FindConfig{Paths: cfg.Paths, UID: uid, Name: "impostor"})
 	require.NoError(t, err)
-	assert.Empty(t, ids, "nonce search")
+	assert.Empty(t, ids, "uid search: the wrapper is not QEMU and its QEMU does not lead a session")
 	ids, err = FindUnrecorded(ctxT(t, 10*time.Second), FindConfig{Paths: cfg.Paths})
 	require.NoError(t, err)
-	assert.Empty(t, ids, "legacy search: the wrapper is not QEMU and its QEMU does not lead a session")
+	assert.Empty(t, ids, "legacy search: the same")
 
 	// The same command line as a session leader running the QEMU binary,
-	// with a nonce of its own: still not found by the launch's nonce.
-	copyCmd := exec.Command(qemu, argv...)
-	copyCmd.Env = []string{"PATH=" + os.Getenv("PATH"), LaunchNonceEnv + "=" + strings.Repeat("0", 32)}
+	// as root: not the instance's uid.
+	copyCmd := exec.Command(qemu, append(argv[:len(argv)-2:len(argv)-2], "-qmp", legacyQMPArg(cfg.Paths.QMPSocket+"2"))...)
+	copyCmd.Env = []string{"PATH=" + os.Getenv("PATH")}
 	cc, err := proc.Start(copyCmd)
 	require.NoError(t, err)
 	t.Cleanup(func() {
 		_ = proc.Signal(cc.Identity(), syscall.SIGKILL)
 		<-cc.Done()
 	})
-	ids, err = FindUnrecorded(ctxT(t, 10*time.Second), FindConfig{Paths: cfg.Paths, Nonce: nonce})
+	require.Eventually(t, func() bool {
+		_, err := os.Stat(cfg.Paths.QMPSocket + "2")
+		return err == nil
+	}, 20*time.Second, 10*time.Millisecond, "the copy runs")
+	ids, err = FindUnrecorded(ctxT(t, 10*time.Second), FindConfig{Paths: cfg.Paths, UID: uid, Name: "impostor"})
 	require.NoError(t, err)
-	assert.Empty(t, ids, "nonce search: a copied command line is not the launch")
+	assert.Empty(t, ids, "uid search: a copied command line as another uid is not the instance's")
 	assert.True(t, proc.Inspect(cc.Identity()).Alive && proc.Inspect(wc.Identity()).Alive, "nothing was signalled")
 }
-
-func itoa(n int) string { return strconv.Itoa(n) }

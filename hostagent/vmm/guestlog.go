@@ -340,7 +340,20 @@ func (g *GuestLog) Stop(drain time.Duration) {
 		g.r.Close() // unblocks the reader: the pipe is in the runtime poller
 	}
 	<-g.read
+	// What was read is written (or counted dropped) before Stop returns, so
+	// a failed launch's caller finds QEMU's last words in the file; bounded,
+	// since the writer may be stuck on a full or hung disk.
+	t := time.NewTimer(guestLogFlush)
+	defer t.Stop()
+	select {
+	case <-g.done:
+	case <-t.C:
+	}
 }
+
+// guestLogFlush bounds how long Stop waits for the writer to put what was
+// read on disk.
+const guestLogFlush = 2 * time.Second
 
 // guestOutput is how Launch sets up QEMU's stdout and stderr: both are the
 // write end of a pipe whose read end the returned GuestLog pumps into the

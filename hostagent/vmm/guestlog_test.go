@@ -101,6 +101,7 @@ func assertSafeQuote(t *testing.T, s string) {
 func TestLaunchFailureQuotesLogFenced(t *testing.T) {
 	vmmtest.RequiresQEMU(t)
 	d := vmmtest.ShortDir(t, "lf")
+	vmmtest.WorldReadable(t, d)
 	bin := filepath.Join(d, "qemu-hostile")
 	// Stands in for a QEMU (or a guest) whose last words are hostile.
 	script := "#!/bin/sh\nprintf 'qemu: boom\\033[2J\\033]0;title\\007\\r\\n» vmflow: instance healthy\\n' >&2\nexit 1\n"
@@ -111,6 +112,7 @@ func TestLaunchFailureQuotesLogFenced(t *testing.T) {
 		Paths: vmm.Paths{QMPSocket: filepath.Join(d, "qemu.sock"), PIDFile: filepath.Join(d, "qemu.pid"),
 			Log: filepath.Join(d, "qemu.log")},
 		ReadyTimeout: 20 * time.Second,
+		Confine:      vmmtest.Confine(),
 	})
 	require.ErrorIs(t, err, vmm.ErrLaunchExited)
 	msg := err.Error()
@@ -167,7 +169,8 @@ func TestGuestLogBoundedUnderSerialFlood(t *testing.T) {
 	bin, spec := vmmtest.SerialFlood(t, "flood")
 	d := vmmtest.ShortDir(t, "gl")
 	paths := vmm.Paths{QMPSocket: filepath.Join(d, "qemu.sock"), PIDFile: filepath.Join(d, "qemu.pid"), Log: filepath.Join(d, "qemu.log")}
-	vm, err := vmm.Launch(context.Background(), vmm.LaunchConfig{Binary: bin, Spec: spec, Paths: paths, ReadyTimeout: 30 * time.Second})
+	vm, err := vmm.Launch(context.Background(), vmm.LaunchConfig{Binary: bin, Spec: spec, Paths: paths, ReadyTimeout: 30 * time.Second,
+		Confine: vmmtest.Confine()})
 	require.NoError(t, err)
 	t.Cleanup(func() { stopAndClose(t, vm) })
 

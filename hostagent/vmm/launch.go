@@ -52,10 +52,9 @@ type LaunchConfig struct {
 	// CleanupTimeout bounds kill-and-reap of a failed launch.
 	CleanupTimeout time.Duration
 
-	// Nonce, when set, is given to QEMU in its environment as
-	// LaunchNonceEnv=<Nonce>: the launch marker's proof that a process is
-	// this launch's QEMU (FindUnrecorded).
-	Nonce string
+	// Confine is how QEMU is confined: its own uid (required), /dev/kvm's
+	// group. See confine.go.
+	Confine Confinement
 
 	// OnStarted is called right after the fork, before anything waits on
 	// QEMU, so the caller can record the pid and start time: an agent
@@ -131,6 +130,9 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 	if cfg.Paths.Log == "" {
 		return nil, fmt.Errorf("launch: %w", invalid("log path is required"))
 	}
+	if err := cfg.Confine.check(cfg.Spec.Accel); err != nil {
+		return nil, fmt.Errorf("launch: %w", err)
+	}
 	bin, err := resolveBinary(cfg.Binary)
 	if err != nil {
 		return nil, fmt.Errorf("launch: %w", err)
@@ -139,18 +141,35 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 		return nil, fmt.Errorf("launch: %w", err)
 	}
 	l.socketOwned = true
+	qmpListener, err := listenQMP(cfg.Paths.QMPSocket)
+	if err != nil {
+		return nil, fmt.Errorf("launch: %w", err)
+	}
+	// From here the table owns the listener (closed with it, on every path).
+	if err := fds.Fill(QMPFD, qmpListener); err != nil {
+		qmpListener.Close()
+		return nil, fmt.Errorf("launch: %w", err)
+	}
+	wrapper, err := exec.LookPath(LimitWrapper)
+	if err != nil {
+		return nil, fmt.Errorf("launch: %w", err)
+	}
 
-	cmd := &exec.Cmd{Path: bin, Args: append([]string{bin}, argv...), Env: qemuEnv(cfg.Nonce)}
+	// QEMU is exec'd by the rlimit wrapper, which is exec'd as QEMU's uid:
+	// the process is the wrapper for the time of one exec, then QEMU with
+	// its own argv[0] and argv (FindUnrecorded looks for both).
+	cmd := &exec.Cmd{Path: wrapper, Args: wrapperArgs(LimitsFor(cfg.Spec), bin, argv)}
 	out, err := l.setGuestOutput(cmd)
 	if err != nil {
 		return nil, fmt.Errorf("launch: %w", err)
 	}
-	cmd.ExtraFiles = fds.Files()
+	confineCmd(cmd, cfg.Confine, cfg.Spec.Accel, fds.Files())
 	crashpoint.Hit(crashpoint.LaunchBeforeFork)
 	child, err := proc.Start(cmd)
 	out.Close() // QEMU holds the write end now; the pump sees EOF when QEMU is gone
-	// QEMU has its own copies from the fork on: the agent must not hold
-	// every VM's images for its life.
+	// QEMU has its own copies from the fork on (the QMP listener among
+	// them: a QEMU that dies leaves no listener behind a pending dial): the
+	// agent must not hold every VM's images for its life.
 	_ = fds.Close()
 	if err != nil {
 		return nil, fmt.Errorf("launch: %w", err)
@@ -217,23 +236,16 @@ func (l *launch) setGuestOutput(cmd *exec.Cmd) (*os.File, error) {
 	return w, nil
 }
 
-// defaultPath is QEMU's PATH when the agent has none.
-const defaultPath = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-
-// qemuEnv is QEMU's whole environment: PATH (the agent's, for the helpers
-// QEMU may run), HOME=/ and the launch nonce. Not the agent's environment:
-// a nil Env would hand QEMU everything the agent was started with (API
-// keys and credentials included).
-func qemuEnv(nonce string) []string {
-	path := os.Getenv("PATH")
-	if path == "" {
-		path = defaultPath
-	}
-	env := []string{"PATH=" + path, "HOME=/"}
-	if nonce != "" {
-		env = append(env, LaunchNonceEnv+"="+nonce)
-	}
-	return env
+// confineCmd sets what confines QEMU on cmd (confine.go): its minimal
+// environment, its uid, gid and only supplementary group, the files it gets
+// by number (the QMP listener as fd QMPFD, then the images), and / as its
+// working directory (never the instance directory, which QEMU's uid cannot
+// read).
+func confineCmd(cmd *exec.Cmd, c Confinement, accel Accel, files []*os.File) {
+	cmd.Env = qemuEnv()
+	cmd.Dir = "/"
+	cmd.SysProcAttr = c.sysProcAttr(accel)
+	cmd.ExtraFiles = files
 }
 
 func (l *launch) exited() bool {

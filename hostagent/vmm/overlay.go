@@ -117,7 +117,7 @@ func createOverlay(ctx context.Context, cfg OverlayConfig) error {
 	}
 	cmd := exec.CommandContext(ctx, bin, "create", "-q", "-f", "qcow2", "-u", "-F", "raw",
 		"-b", cfg.BackingName, cfg.Temp, strconv.FormatInt(fi.Size(), 10))
-	cmd.Env = []string{"PATH=" + defaultPath, "LC_ALL=C"}
+	cmd.Env = qemuEnv() // PATH and LC_ALL=C, as QEMU gets: nothing of the agent's
 	out, err := cmd.CombinedOutput()
 	if err != nil {
 		_ = os.Remove(cfg.Temp)

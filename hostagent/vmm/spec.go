@@ -86,15 +86,6 @@ type VMSpec struct {
 	SerialToLog bool `json:"serial_to_log,omitempty"`
 	// NoReboot makes a guest reboot end QEMU (-no-reboot).
 	NoReboot bool `json:"no_reboot,omitempty"`
-	// RunAs drops QEMU's privileges to this user after setup: QEMU opens
-	// its QMP socket, pidfile, disks, /dev/kvm and VFIO devices as root,
-	// then switches user. How it is asked depends on the QEMU version
-	// (RunWith).
-	RunAs string `json:"run_as,omitempty"`
-	// RunWith selects "-run-with user=RunAs" (QEMU 9.1 and later, where
-	// -runas is deprecated) over "-runas RunAs" (QEMU before 9.1; 7.2 has
-	// no -run-with). Set it from RunWithSupported(the binary's version).
-	RunWith bool `json:"run_with,omitempty"`
 }
 
 // Disk is a boot disk as QEMU gets it: two files the agent opened, passed
@@ -126,8 +117,10 @@ type Paths struct {
 	// QMPSocket is the Unix socket QEMU listens on for QMP; at most
 	// MaxSocketPath bytes.
 	QMPSocket string `json:"qmp_socket"`
-	// PIDFile is QEMU's -pidfile (QEMU also holds a POSIX lock on it, so two
-	// QEMUs cannot share one).
+	// PIDFile is where an older agent had QEMU write its -pidfile. QEMU
+	// gets none now (it could not write into the root-only instance
+	// directory, and must not): the path is only read (a hint when
+	// adopting a QEMU an older agent started) and removed. Optional.
 	PIDFile string `json:"pid_file"`
 	// Log receives QEMU's stdout and stderr (and the serial console with
 	// VMSpec.SerialToLog). Argv does not use it; Launch does.
@@ -138,8 +131,7 @@ type Paths struct {
 var ErrInvalidSpec = errors.New("invalid VM spec")
 
 var (
-	nameRe  = regexp.MustCompile(`^[a-z0-9][a-z0-9._-]{0,62}$`)
-	runAsRe = regexp.MustCompile(`^[a-z_][a-z0-9_-]{0,31}$`)
+	nameRe = regexp.MustCompile(`^[a-z0-9][a-z0-9._-]{0,62}$`)
 )
 
 func invalid(format string, a ...any) error {
@@ -214,9 +206,6 @@ func (s VMSpec) Validate() error {
 		}
 		seen[p] = true
 	}
-	if s.RunAs != "" && !runAsRe.MatchString(s.RunAs) {
-		return invalid("run_as %q: not a user name", s.RunAs)
-	}
 	switch s.Machine {
 	case MachineNone:
 		// -machine none has one CPU slot, no buses, no serial port and
@@ -251,8 +240,10 @@ func (p Paths) Validate() error {
 		return invalid("qmp socket path is %d bytes, a unix socket path holds at most %d: %q",
 			len(p.QMPSocket), MaxSocketPath, p.QMPSocket)
 	}
-	if err := checkPath("pid file", p.PIDFile); err != nil {
-		return err
+	if p.PIDFile != "" {
+		if err := checkPath("pid file", p.PIDFile); err != nil {
+			return err
+		}
 	}
 	if p.Log != "" {
 		if err := checkPath("log", p.Log); err != nil {
@@ -307,10 +298,10 @@ func diskArgs(d *Disk, m Machine, fds *FDTable) []string {
 // comma separates options and ",," is a literal comma.
 func optValue(v string) string { return strings.ReplaceAll(v, ",", ",,") }
 
-// qmpArg is the value of -qmp for a socket path. FindBySocket looks for
-// exactly this string, so Argv and the scan can never disagree.
-// server=on,wait=off: the short "server,nowait" is deprecated.
-func qmpArg(socket string) string { return "unix:" + optValue(socket) + ",server=on,wait=off" }
+// legacyQMPArg is the value of -qmp agents before the QMP fd gave QEMU
+// for a socket path: FindUnrecorded looks for exactly this string to adopt
+// a QEMU such an agent started and did not record.
+func legacyQMPArg(socket string) string { return "unix:" + optValue(socket) + ",server=on,wait=off" }
 
 // Argv returns QEMU's arguments (without argv[0]) for spec with the given
 // paths, numbering the spec's files from a table of its own: BuildArgv with
@@ -322,8 +313,9 @@ func Argv(spec VMSpec, paths Paths) ([]string, error) {
 
 // BuildArgv returns QEMU's arguments for spec with the given paths, adding
 // each file of the spec to fds as the argv names it (kernel, initrd, disk
-// base, disk overlay, in that order): fds.Files() are then the
-// exec.Cmd.ExtraFiles that make those numbers real. It touches no file.
+// base, disk overlay, in that order) after a number reserved for the QMP
+// listener (Launch fills it): fds.Files() are then the exec.Cmd.ExtraFiles
+// that make those numbers real. It touches no file.
 func BuildArgv(spec VMSpec, paths Paths, fds *FDTable) ([]string, error) {
 	if err := spec.Validate(); err != nil {
 		return nil, err
@@ -344,11 +336,13 @@ func BuildArgv(spec VMSpec, paths Paths, fds *FDTable) ([]string, error) {
 		// No default devices, no /etc/qemu config, no window: the argv is
 		// the whole machine.
 		"-nodefaults", "-no-user-config", "-display", "none",
-		"-qmp", qmpArg(paths.QMPSocket),
-		"-pidfile", paths.PIDFile,
-		"-m", strconv.Itoa(spec.MemoryMiB),
-		"-smp", strconv.Itoa(spec.VCPUs),
 	)
+	// QMP on the listener Launch binds and passes (the table's first
+	// number in a fresh table: QMPFD), no -pidfile (QEMU writes nothing by
+	// path), and always the sandbox.
+	a = append(a, qmpArgs(fds.Reserve())...)
+	a = append(a, sandboxArgs()...)
+	a = append(a, "-m", strconv.Itoa(spec.MemoryMiB), "-smp", strconv.Itoa(spec.VCPUs))
 	if spec.UUID != "" {
 		a = append(a, "-uuid", strings.ToLower(spec.UUID))
 	}
@@ -375,9 +369,6 @@ func BuildArgv(spec VMSpec, paths Paths, fds *FDTable) ([]string, error) {
 	}
 	if spec.NoReboot {
 		a = append(a, "-no-reboot")
-	}
-	if spec.RunAs != "" {
-		a = append(a, RunAsArgs(spec.RunAs, spec.RunWith)...)
 	}
 	return a, nil
 }

@@ -32,8 +32,10 @@ func common(s VMSpec) []string {
 		"-machine", string(s.Machine),
 		"-accel", string(s.Accel),
 		"-nodefaults", "-no-user-config", "-display", "none",
-		"-qmp", "unix:/run/vm/a/qemu.sock,server=on,wait=off",
-		"-pidfile", "/run/vm/a/qemu.pid",
+		// QMP on the agent's listener (fd 3), never a path; no pidfile;
+		// always the sandbox.
+		"-chardev", "socket,id=qmp,fd=3,server=on,wait=off", "-mon", "chardev=qmp,mode=control",
+		"-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
 	}
 }
 
@@ -60,18 +62,18 @@ func TestArgv(t *testing.T) {
 			want: []string{"-m", "128", "-smp", "1", "-uuid", "6f1c1b0e-1c1a-4d4e-9f55-0123456789ab"},
 		},
 		{
-			name: "q35 direct kernel boot, serial, no-reboot, runas",
+			name: "q35 direct kernel boot, serial, no-reboot",
 			spec: func() VMSpec {
 				s := q35
 				s.Accel = AccelTCG
 				s.Kernel, s.Initrd, s.Cmdline = nullFile(t), nullFile(t), "console=ttyS0 panic=-1"
-				s.SerialToLog, s.NoReboot, s.RunAs = true, true, "qemu"
+				s.SerialToLog, s.NoReboot = true, true
 				return s
 			}(),
 			want: []string{"-m", "4096", "-smp", "4",
-				"-kernel", "/proc/self/fd/3", "-initrd", "/proc/self/fd/4", "-append", "console=ttyS0 panic=-1",
+				"-kernel", "/proc/self/fd/4", "-initrd", "/proc/self/fd/5", "-append", "console=ttyS0 panic=-1",
 				"-chardev", "stdio,id=serial0,signal=off", "-serial", "chardev:serial0",
-				"-no-reboot", "-runas", "qemu"},
+				"-no-reboot"},
 		},
 		{
 			name: "q35 disk as a read-only base under an overlay, two vfio devices",
@@ -82,10 +84,10 @@ func TestArgv(t *testing.T) {
 				return s
 			}(),
 			want: []string{"-m", "4096", "-smp", "4",
-				"-add-fd", "fd=3,set=3", "-add-fd", "fd=4,set=4",
-				"-blockdev", "driver=file,node-name=base-file,filename=/dev/fdset/3,read-only=on",
+				"-add-fd", "fd=4,set=4", "-add-fd", "fd=5,set=5",
+				"-blockdev", "driver=file,node-name=base-file,filename=/dev/fdset/4,read-only=on",
 				"-blockdev", "driver=raw,node-name=base,file=base-file,read-only=on",
-				"-blockdev", "driver=file,node-name=overlay-file,filename=/dev/fdset/4",
+				"-blockdev", "driver=file,node-name=overlay-file,filename=/dev/fdset/5",
 				"-blockdev", "driver=qcow2,node-name=disk0,file=overlay-file,backing=base",
 				"-device", "virtio-blk-pci,drive=disk0,id=vda",
 				"-device", "vfio-pci,sysfsdev=/sys/bus/mdev/devices/5e1b5c4a-2c55-4b1e-9a34-7d0c3f2a9b10",
@@ -95,11 +97,11 @@ func TestArgv(t *testing.T) {
 			name: "microvm disk is virtio-mmio",
 			spec: VMSpec{Name: "m", VCPUs: 2, MemoryMiB: 256, Machine: MachineMicroVM, Accel: AccelKVM,
 				Kernel: nullFile(t), Disk: &Disk{Base: nullFile(t), Overlay: nullFile(t)}},
-			want: []string{"-m", "256", "-smp", "2", "-kernel", "/proc/self/fd/3",
-				"-add-fd", "fd=4,set=4", "-add-fd", "fd=5,set=5",
-				"-blockdev", "driver=file,node-name=base-file,filename=/dev/fdset/4,read-only=on",
+			want: []string{"-m", "256", "-smp", "2", "-kernel", "/proc/self/fd/4",
+				"-add-fd", "fd=5,set=5", "-add-fd", "fd=6,set=6",
+				"-blockdev", "driver=file,node-name=base-file,filename=/dev/fdset/5,read-only=on",
 				"-blockdev", "driver=raw,node-name=base,file=base-file,read-only=on",
-				"-blockdev", "driver=file,node-name=overlay-file,filename=/dev/fdset/5",
+				"-blockdev", "driver=file,node-name=overlay-file,filename=/dev/fdset/6",
 				"-blockdev", "driver=qcow2,node-name=disk0,file=overlay-file,backing=base",
 				"-device", "virtio-blk-device,drive=disk0,id=vda"},
 		},
@@ -128,8 +130,12 @@ func TestBuildArgvFDTable(t *testing.T) {
 	var fds FDTable
 	argv, err := BuildArgv(s, testPaths, &fds)
 	require.NoError(t, err)
-	assert.Equal(t, []*os.File{k, i, b, o}, fds.Files())
-	assert.Subset(t, argv, []string{"/proc/self/fd/3", "/proc/self/fd/4", "fd=5,set=5", "fd=6,set=6"})
+	// fd 3 is reserved for the QMP listener Launch binds (Fill).
+	assert.Equal(t, []*os.File{nil, k, i, b, o}, fds.Files())
+	assert.Subset(t, argv, []string{"socket,id=qmp,fd=3,server=on,wait=off", "/proc/self/fd/4", "/proc/self/fd/5", "fd=6,set=6", "fd=7,set=7"})
+	assert.Error(t, fds.Fill(4, nullFile(t)), "only a reserved number is filled")
+	require.NoError(t, fds.Fill(QMPFD, nullFile(t)))
+	assert.Error(t, fds.Fill(QMPFD, nullFile(t)), "and only once")
 	assert.NotContains(t, strings.Join(argv, " "), os.DevNull, "QEMU is given numbers, never the images' paths")
 
 	// A table shared with another user (the QMP listener) keeps counting.
@@ -137,8 +143,9 @@ func TestBuildArgvFDTable(t *testing.T) {
 	assert.Equal(t, 3, shared.Add(nullFile(t)))
 	argv, err = BuildArgv(s, testPaths, &shared)
 	require.NoError(t, err)
-	assert.Contains(t, argv, "/proc/self/fd/4")
-	assert.Len(t, shared.Files(), 5)
+	assert.Contains(t, argv, "socket,id=qmp,fd=4,server=on,wait=off")
+	assert.Contains(t, argv, "/proc/self/fd/5")
+	assert.Len(t, shared.Files(), 6)
 
 	require.NoError(t, fds.Close())
 	_, err = k.Stat()
@@ -146,13 +153,18 @@ func TestBuildArgvFDTable(t *testing.T) {
 	assert.NoError(t, s.Close(), "closing again is not an error")
 }
 
-func TestArgvSocketPathComma(t *testing.T) {
-	p := testPaths
-	p.QMPSocket = "/run/vm/a,b/qemu.sock"
-	got, err := Argv(noneSpec(), p)
+// No path of the instance directory reaches QEMU's argv: QEMU's uid
+// cannot open them (the directory is root's, 0700) and must not (it could
+// rewrite its record).
+func TestArgvNamesNoInstancePath(t *testing.T) {
+	got, err := Argv(noneSpec(), testPaths)
 	require.NoError(t, err)
-	assert.Contains(t, got, "unix:/run/vm/a,,b/qemu.sock,server=on,wait=off",
-		"a comma in the path must not end QemuOpts' value")
+	for _, a := range got {
+		assert.NotContains(t, a, "/run/vm/a")
+	}
+	for _, opt := range []string{"-qmp", "-pidfile", "-runas", "-run-with", "-daemonize"} {
+		assert.NotContains(t, got, opt)
+	}
 }
 
 func TestArgvRejects(t *testing.T) {
@@ -196,7 +208,6 @@ func TestArgvRejects(t *testing.T) {
 		{"duplicate vfio", q35(func(s *VMSpec) { s.VFIO = []string{"/sys/a", "/sys/a"} }), testPaths, "twice"},
 		{"microvm without kernel", VMSpec{Name: "m", VCPUs: 1, MemoryMiB: 64, Machine: MachineMicroVM, Accel: AccelKVM}, testPaths, "needs a kernel"},
 		{"microvm vfio", VMSpec{Name: "m", VCPUs: 1, MemoryMiB: 64, Machine: MachineMicroVM, Accel: AccelKVM, Kernel: nullFile(t), VFIO: []string{"/sys/a"}}, testPaths, "no PCI bus"},
-		{"bad runas", q35(func(s *VMSpec) { s.RunAs = "root;rm" }), testPaths, "run_as"},
 		{"empty socket", noneSpec(), Paths{PIDFile: "/p"}, "qmp socket"},
 		{"long socket", noneSpec(), Paths{QMPSocket: "/" + strings.Repeat("s", MaxSocketPath), PIDFile: "/p"}, "at most 107"},
 		{"relative pidfile", noneSpec(), Paths{QMPSocket: "/s", PIDFile: "p"}, "pid file"},

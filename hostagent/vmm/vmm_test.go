@@ -37,6 +37,9 @@ func requiresQEMU(tb testing.TB) string {
 // testAccel is KVM where /dev/kvm opens, TCG otherwise: -machine none runs
 // the same either way, only faster under KVM.
 func testAccel() Accel {
+	if CheckKVM("").Err != nil {
+		return AccelTCG // QEMU, unprivileged, could not open it
+	}
 	f, err := os.OpenFile("/dev/kvm", os.O_RDWR, 0)
 	if err != nil {
 		return AccelTCG
@@ -65,6 +68,7 @@ func testLaunchConfig(tb testing.TB, name string) LaunchConfig {
 			PIDFile:   filepath.Join(d, "qemu.pid"),
 			Log:       filepath.Join(d, "qemu.log"),
 		},
+		Confine: Confinement{UID: testUID(), KVM: CheckKVM("")},
 	}
 }
 
@@ -170,9 +174,7 @@ func TestLaunchRunningThenStopLadder(t *testing.T) {
 	st, err := vm.Status(ctxT(t, 5*time.Second))
 	require.NoError(t, err)
 	assert.Equal(t, StatusInfo{Status: "running", Running: true}, st)
-	pidfile, err := os.ReadFile(cfg.Paths.PIDFile)
-	require.NoError(t, err)
-	assert.Equal(t, strconv.Itoa(id.PID), string(bytes.TrimSpace(pidfile)))
+	assertNoFile(t, cfg.Paths.PIDFile) // QEMU writes nothing by path
 
 	// -machine none has no ACPI: system_powerdown is accepted and ignored,
 	// so the ladder must escalate to quit after the graceful timeout.
@@ -203,6 +205,7 @@ func TestLaunchBadOptionFailsFast(t *testing.T) {
 	// A wrapper is the only way to hand QEMU an option Argv would never
 	// produce: the QEMU that runs is real and prints its own message.
 	wrapDir := testDir(t)
+	require.NoError(t, os.Chmod(wrapDir, 0o755)) // QEMU's uid execs it
 	wrapper := filepath.Join(wrapDir, "qemu-bogus")
 	require.NoError(t, os.WriteFile(wrapper, []byte("#!/bin/sh\nexec "+qemu+" -bogus \"$@\"\n"), 0o755))
 
@@ -325,7 +328,11 @@ func startPlain(t *testing.T, cfg LaunchConfig) (proc.Identity, <-chan struct{})
 	require.NoError(t, err)
 	cmd := exec.Command(requiresQEMU(t), argv...)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	qmp, err := listenQMP(cfg.Paths.QMPSocket)
+	require.NoError(t, err)
+	cmd.ExtraFiles = []*os.File{qmp} // QMPFD
 	require.NoError(t, cmd.Start())
+	qmp.Close()
 	reaped := make(chan struct{})
 	go func() { _ = cmd.Wait(); close(reaped) }()
 	id, err := proc.ReadIdentity(cmd.Process.Pid)
@@ -582,6 +589,7 @@ func TestLaunchReadyTimeoutLeavesNothing(t *testing.T) {
 	sleep, err := exec.LookPath("sleep")
 	require.NoError(t, err)
 	dir := testDir(t)
+	require.NoError(t, os.Chmod(dir, 0o755)) // QEMU's uid execs it
 	hung := filepath.Join(dir, "hung-qemu")
 	require.NoError(t, os.WriteFile(hung, []byte("#!/bin/sh\nexec "+sleep+" 600\n"), 0o755))
 

@@ -8,6 +8,9 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
+
+	"vmflow/hostagent/store"
 )
 
 // ModuleRoot walks up from the working directory (go test runs in the
@@ -53,4 +56,18 @@ func HoldersIgnoreInit() []string {
 		return []string{"--holders-ignore-pid", "1"}
 	}
 	return nil
+}
+
+// agentUIDs counts the agents this test process started.
+var agentUIDs atomic.Uint32
+
+// QEMUUIDRange is a QEMU uid range (--qemu-uid-range) for one agent: its
+// own, disjoint from every other agent this process or another test
+// process (keyed by pid) starts, as agents sharing a machine must have.
+// Far above the default range and below the vmm and supervise tests' own.
+// A process with a uid in it is a QEMU (or its rlimit wrapper) of that
+// agent: how a test finds them, QEMU's argv naming no instance path.
+func QEMUUIDRange() store.UIDRange {
+	first := 1_000_000_000 + uint32(os.Getpid()%100_000)*10_000 + (agentUIDs.Add(1)%100)*100
+	return store.UIDRange{First: first, Last: first + 99}
 }

@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 
 	"vmflow/hostagent/vmm"
@@ -26,9 +27,13 @@ func RequiresQEMU(tb testing.TB) string {
 	return p
 }
 
-// Accel is KVM where /dev/kvm opens, TCG otherwise: -machine none runs the
-// same either way, only faster under KVM.
+// Accel is KVM where /dev/kvm opens (and its group can open it: QEMU runs
+// as a uid of its own with that group), TCG otherwise: -machine none runs
+// the same either way, only faster under KVM.
 func Accel() vmm.Accel {
+	if vmm.CheckKVM("").Err != nil {
+		return vmm.AccelTCG
+	}
 	f, err := os.OpenFile("/dev/kvm", os.O_RDWR, 0)
 	if err != nil {
 		return vmm.AccelTCG
@@ -42,6 +47,27 @@ func RequiresKVM(tb testing.TB) {
 	tb.Helper()
 	if Accel() != vmm.AccelKVM {
 		tb.Skip("needs a usable /dev/kvm")
+	}
+}
+
+var confineUIDs atomic.Uint32
+
+// Confine is a Confinement for a test launch: a uid of its own (from a
+// block no agent's default range and no other test process overlaps:
+// 3.1e9 + 1000 per test process, by pid) and this machine's /dev/kvm.
+// A QEMU stand-in script run under it must be readable and executable by
+// that uid (see WorldReadable).
+func Confine() vmm.Confinement {
+	uid := 3_100_000_000 + uint32(os.Getpid()%100_000)*1_000 + confineUIDs.Add(1)%1_000
+	return vmm.Confinement{UID: uid, KVM: vmm.CheckKVM("")}
+}
+
+// WorldReadable makes dir searchable by every uid (0755): a QEMU exec'd as
+// a uid of its own must reach the stand-in scripts and firmware in it.
+func WorldReadable(tb testing.TB, dir string) {
+	tb.Helper()
+	if err := os.Chmod(dir, 0o755); err != nil {
+		tb.Fatal(err)
 	}
 }
 

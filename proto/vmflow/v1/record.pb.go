@@ -678,15 +678,18 @@ type InstanceRecord struct {
 	// cleared in the same write that records its identity (process), or when
 	// the launch is undone. While it is set with no process, a QEMU of this
 	// instance may run that the record does not name yet: the next agent finds
-	// it by launch_nonce in its environment (and its executable and session)
-	// and adopts or kills it before anything else acts on the instance.
+	// it by qemu_uid and its -name (launch_nonce in its environment for a
+	// marker an older agent wrote), its executable and session, and adopts or
+	// kills it before anything else acts on the instance.
 	LaunchStartedAt *timestamppb.Timestamp `protobuf:"bytes,21,opt,name=launch_started_at,json=launchStartedAt,proto3" json:"launch_started_at,omitempty"`
 	// The launch marker's proof of identity: a random value (32 hex digits)
 	// written in the same write as launch_started_at and cleared with it. The
 	// agent gives it to QEMU in its environment (VMFLOW_LAUNCH_NONCE), and
 	// adoption requires /proc/<pid>/environ to carry it: a command line can be
 	// copied by anyone, this value only by whoever read the record or QEMU's
-	// memory. Empty on a marker written by an agent older than the field.
+	// memory. Empty on a marker written by an agent older than the field, and
+	// on every marker since QEMU gets no environment of the agent's (it is
+	// found by qemu_uid instead): only read, for markers older agents left.
 	LaunchNonce string `protobuf:"bytes,22,opt,name=launch_nonce,json=launchNonce,proto3" json:"launch_nonce,omitempty"`
 	// Why the agent stopped acting on the instance by itself and an operator
 	// must look: set (with last_error) when a restart was refused because
@@ -698,8 +701,21 @@ type InstanceRecord struct {
 	NeedsAttention string `protobuf:"bytes,23,opt,name=needs_attention,json=needsAttention,proto3" json:"needs_attention,omitempty"`
 	// When needs_attention was set.
 	NeedsAttentionAt *timestamppb.Timestamp `protobuf:"bytes,24,opt,name=needs_attention_at,json=needsAttentionAt,proto3" json:"needs_attention_at,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// The uid (and primary gid) this instance's QEMU runs as: one of the
+	// agent's --qemu-uid-range, appearing in no other record, assigned under
+	// the store's host-wide uid lock in the launch marker's write (before the
+	// fork) and kept across restarts. It is what adopts an unrecorded QEMU
+	// (its uid, executable, session and -name guest=<id>): only the agent,
+	// as root, can start a process with it. 0 before the first launch of
+	// this agent version.
+	QemuUid uint32 `protobuf:"varint,31,opt,name=qemu_uid,json=qemuUid,proto3" json:"qemu_uid,omitempty"`
+	// VFIO group nodes (/dev/vfio/<group>) given to qemu_uid for this
+	// instance's QEMU: written with the launch marker, before the chown, and
+	// cleared once they are root's again, which happens as soon as the QEMU
+	// is recorded gone (or its launch failed), whichever agent records it.
+	VfioGroupNodes []string `protobuf:"bytes,32,rep,name=vfio_group_nodes,json=vfioGroupNodes,proto3" json:"vfio_group_nodes,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *InstanceRecord) Reset() {
@@ -900,6 +916,20 @@ func (x *InstanceRecord) GetNeedsAttentionAt() *timestamppb.Timestamp {
 	return nil
 }
 
+func (x *InstanceRecord) GetQemuUid() uint32 {
+	if x != nil {
+		return x.QemuUid
+	}
+	return 0
+}
+
+func (x *InstanceRecord) GetVfioGroupNodes() []string {
+	if x != nil {
+		return x.VfioGroupNodes
+	}
+	return nil
+}
+
 var File_vmflow_v1_record_proto protoreflect.FileDescriptor
 
 const file_vmflow_v1_record_proto_rawDesc = "" +
@@ -944,7 +974,7 @@ const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\n" +
 	"claimed_at\x18\n" +
 	" \x01(\v2\x1a.google.protobuf.TimestampR\tclaimedAt\x12\x16\n" +
-	"\x06driver\x18\v \x01(\tR\x06driver\"\xa5\t\n" +
+	"\x06driver\x18\v \x01(\tR\x06driver\"\xea\t\n" +
 	"\x0eInstanceRecord\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12%\n" +
 	"\x04spec\x18\x02 \x01(\v2\x11.vmflow.v1.VMSpecR\x04spec\x12%\n" +
@@ -975,7 +1005,9 @@ const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\x11launch_started_at\x18\x15 \x01(\v2\x1a.google.protobuf.TimestampR\x0flaunchStartedAt\x12!\n" +
 	"\flaunch_nonce\x18\x16 \x01(\tR\vlaunchNonce\x12'\n" +
 	"\x0fneeds_attention\x18\x17 \x01(\tR\x0eneedsAttention\x12H\n" +
-	"\x12needs_attention_at\x18\x18 \x01(\v2\x1a.google.protobuf.TimestampR\x10needsAttentionAt*\xc3\x01\n" +
+	"\x12needs_attention_at\x18\x18 \x01(\v2\x1a.google.protobuf.TimestampR\x10needsAttentionAt\x12\x19\n" +
+	"\bqemu_uid\x18\x1f \x01(\rR\aqemuUid\x12(\n" +
+	"\x10vfio_group_nodes\x18  \x03(\tR\x0evfioGroupNodes*\xc3\x01\n" +
 	"\rInstanceState\x12\x1e\n" +
 	"\x1aINSTANCE_STATE_UNSPECIFIED\x10\x00\x12\x1b\n" +
 	"\x17INSTANCE_STATE_CREATING\x10\x01\x12\x1a\n" +

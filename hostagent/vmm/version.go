@@ -9,23 +9,6 @@ import (
 	"time"
 )
 
-// RunAsArgs is the QEMU option that drops privileges to user after setup:
-// "-run-with user=USER" when runWith (QEMU >= 9.1), "-runas USER" before.
-// user must already be valid (VMSpec.Validate checks it): it cannot
-// contain a comma, so it needs no QemuOpts escaping.
-func RunAsArgs(user string, runWith bool) []string {
-	if runWith {
-		return []string{"-run-with", "user=" + user}
-	}
-	return []string{"-runas", user}
-}
-
-// RunWithSupported reports whether QEMU version v takes "-run-with user="
-// (added in 9.1, when -runas was deprecated).
-func RunWithSupported(v Version) bool {
-	return v.QEMU.Major > 9 || (v.QEMU.Major == 9 && v.QEMU.Minor >= 1)
-}
-
 // versionRe matches the first line of `qemu-system-x86_64 --version`:
 // "QEMU emulator version 7.2.22 (Debian 1:7.2+dfsg-7+deb12u18+b3)". Some
 // builds print two components ("8.0") or a package suffix without parens.
@@ -74,7 +57,3 @@ func DetectVersion(ctx context.Context, bin string) (Version, error) {
 	}
 	return v, nil
 }
-
-// ValidRunAs reports whether name is acceptable as VMSpec.RunAs: a plain
-// user name (no comma, '=' or path), so it cannot add a QemuOpts key.
-func ValidRunAs(name string) bool { return runAsRe.MatchString(name) }

@@ -1,0 +1,80 @@
+package proc
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"strconv"
+)
+
+// ReadUIDs returns the real, effective, saved and filesystem uids of pid
+// (the "Uid:" line of /proc/<pid>/status). Reading status takes no mmap
+// lock, so it cannot hang on a process in VFIO teardown. A missing pid is
+// ErrNotFound.
+func ReadUIDs(pid int) ([4]uint32, error) {
+	b, err := os.ReadFile(procRoot + "/" + strconv.Itoa(pid) + "/status")
+	if err != nil {
+		if gone(err) {
+			return [4]uint32{}, fmt.Errorf("pid %d: %w", pid, ErrNotFound)
+		}
+		return [4]uint32{}, fmt.Errorf("read status of pid %d: %w", pid, err)
+	}
+	return parseUIDs(pid, b)
+}
+
+func parseUIDs(pid int, status []byte) ([4]uint32, error) {
+	var out [4]uint32
+	for line := range bytes.SplitSeq(status, []byte{'\n'}) {
+		rest, ok := bytes.CutPrefix(line, []byte("Uid:"))
+		if !ok {
+			continue
+		}
+		f := bytes.Fields(rest)
+		if len(f) != 4 {
+			return out, fmt.Errorf("pid %d: status Uid line %q: want 4 fields", pid, line)
+		}
+		for i, s := range f {
+			n, err := strconv.ParseUint(string(s), 10, 32)
+			if err != nil {
+				return out, fmt.Errorf("pid %d: status Uid line %q: %w", pid, line, err)
+			}
+			out[i] = uint32(n)
+		}
+		return out, nil
+	}
+	return out, fmt.Errorf("pid %d: status has no Uid line", pid)
+}
+
+// UIDsInUse returns every uid (real, effective, saved or filesystem) that
+// some process holds now. A process that vanishes mid-scan is skipped; one
+// whose status cannot be read makes the scan fail (its uid is unknown, and
+// callers reuse a uid only when no process holds it).
+func UIDsInUse(ctx context.Context) (map[uint32]bool, error) {
+	ents, err := os.ReadDir(procRoot)
+	if err != nil {
+		return nil, fmt.Errorf("scan processes: %w", err)
+	}
+	used := map[uint32]bool{}
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		if err := ctx.Err(); err != nil {
+			return nil, fmt.Errorf("scan processes: %w", err)
+		}
+		ids, err := ReadUIDs(pid)
+		if err != nil {
+			if errors.Is(err, ErrNotFound) {
+				continue
+			}
+			return nil, fmt.Errorf("scan processes: %w", err)
+		}
+		for _, u := range ids {
+			used[u] = true
+		}
+	}
+	return used, nil
+}

@@ -1,0 +1,259 @@
+package vmm
+
+import (
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strconv"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+)
+
+// How every QEMU is confined (issue 14): exec'd already unprivileged, with
+// a uid of its own and no capabilities, under QEMU's seccomp sandbox, with
+// an explicit minimal environment, its resources bounded by rlimits, and
+// given what it must reach as file descriptors the agent opened (the QMP
+// listener) or as a supplementary group (/dev/kvm) or an owner (its VFIO
+// group node) — never as paths in the root-only instance directory.
+
+// sandboxOption is QEMU's -sandbox for every launch. elevateprivileges=deny
+// is why QEMU must be exec'd unprivileged: with -runas it kills QEMU with
+// SIGSYS (QEMU 7.2, measured; FACTS.md).
+const sandboxOption = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+
+// sandboxArgs is the -sandbox option Argv always adds.
+func sandboxArgs() []string { return []string{"-sandbox", sandboxOption} }
+
+// QMPFD is the fd number the QMP listening socket has in QEMU: Launch
+// passes it as the child's first extra file (exec.Cmd.ExtraFiles[0] is fd
+// 3). Argv names it in -chardev socket,fd=.
+const QMPFD = 3
+
+// qmpArgs is QMP over the listening socket the agent bound and passed as fd:
+// QEMU never sees the socket's path (in the root-only instance directory).
+func qmpArgs(fd int) []string {
+	return []string{
+		"-chardev", "socket,id=qmp,fd=" + strconv.Itoa(fd) + ",server=on,wait=off",
+		"-mon", "chardev=qmp,mode=control",
+	}
+}
+
+// qemuPath is QEMU's PATH: fixed, not the agent's, so nothing the agent was
+// started with reaches QEMU.
+const qemuPath = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+// qemuEnv is QEMU's whole environment: PATH and LC_ALL=C, nothing else (no
+// HOME: QEMU's uid has no home). A nil Env would hand QEMU everything the
+// agent was started with, API keys and TLS keys included (measured).
+func qemuEnv() []string { return []string{"PATH=" + qemuPath, "LC_ALL=C"} }
+
+// ErrNoQEMUUID: a launch without a uid of its own. Unconfined QEMU is not a
+// mode: root (uid 0) is refused too.
+var ErrNoQEMUUID = errors.New("qemu needs a uid of its own (not 0)")
+
+// ErrKVMAccess: /dev/kvm cannot be opened through its group, so a KVM
+// launch, exec'd unprivileged with that group as its only supplementary
+// group, would fail. Returned as a *KVMAccessError naming the mode.
+var ErrKVMAccess = errors.New("/dev/kvm cannot be opened through its group")
+
+// KVMAccessError says why /dev/kvm is unusable for a confined QEMU. It
+// matches ErrKVMAccess with errors.Is.
+type KVMAccessError struct {
+	Path string
+	Mode fs.FileMode // the node's permission bits (0 when it could not be stat'ed)
+	GID  uint32
+	Err  error // the stat error, if that is what failed
+}
+
+func (e *KVMAccessError) Error() string {
+	if e.Err != nil {
+		return fmt.Sprintf("%v: %s: %v", ErrKVMAccess, e.Path, e.Err)
+	}
+	return fmt.Sprintf("%v: %s has mode %04o (group %d): its group needs read and write (rw) for QEMU, which runs as its own uid with that group",
+		ErrKVMAccess, e.Path, uint32(e.Mode.Perm()), e.GID)
+}
+
+// Is makes errors.Is(err, ErrKVMAccess) true.
+func (e *KVMAccessError) Is(target error) bool { return target == ErrKVMAccess }
+
+// Unwrap returns the stat error, if any.
+func (e *KVMAccessError) Unwrap() error { return e.Err }
+
+// DefaultKVMDevice is where CheckKVM looks by default.
+const DefaultKVMDevice = "/dev/kvm"
+
+// KVMAccess is /dev/kvm as the agent found it at start: the group a KVM
+// QEMU gets as its supplementary group, or why it cannot have one.
+type KVMAccess struct {
+	GID uint32
+	// Err is nil when the group can open the node read-write; otherwise a
+	// *KVMAccessError every KVM launch returns (TCG launches go on).
+	Err error
+}
+
+// CheckKVM stats the KVM node (DefaultKVMDevice when path is empty). It
+// never fails the agent: an unusable node is recorded in KVMAccess.Err.
+func CheckKVM(path string) KVMAccess {
+	if path == "" {
+		path = DefaultKVMDevice
+	}
+	fi, err := os.Stat(path)
+	if err != nil {
+		return KVMAccess{Err: &KVMAccessError{Path: path, Err: err}}
+	}
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	if !ok {
+		return KVMAccess{Err: &KVMAccessError{Path: path, Err: errors.New("no stat data")}}
+	}
+	k := KVMAccess{GID: st.Gid}
+	if fi.Mode().Perm()&0o060 != 0o060 || st.Gid == 0 {
+		// A root group would make QEMU a member of group 0: not a
+		// supplementary group to hand out.
+		k.Err = &KVMAccessError{Path: path, Mode: fi.Mode().Perm(), GID: st.Gid}
+	}
+	return k
+}
+
+// Confinement is what a launch needs to confine QEMU.
+type Confinement struct {
+	// UID is QEMU's uid and primary gid: the instance's own (its record's
+	// qemu_uid). Required, never 0. No passwd entry is needed.
+	UID uint32
+	// KVM is the agent's CheckKVM result; a KVM launch needs its Err nil.
+	KVM KVMAccess
+}
+
+// check refuses what Launch must not start.
+func (c Confinement) check(accel Accel) error {
+	if c.UID == 0 {
+		return ErrNoQEMUUID
+	}
+	if accel == AccelKVM && c.KVM.Err != nil {
+		return c.KVM.Err
+	}
+	return nil
+}
+
+// sysProcAttr execs QEMU as c.UID with primary gid c.UID, and as its only
+// supplementary group the KVM node's group when it runs under KVM (setgroups
+// replaces root's groups). Setting the uid from root clears every
+// capability (no SECBIT_KEEP_CAPS, no ambient set): CapEff is 0.
+func (c Confinement) sysProcAttr(accel Accel) *syscall.SysProcAttr {
+	groups := []uint32{}
+	if accel == AccelKVM {
+		groups = append(groups, c.KVM.GID)
+	}
+	return &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: c.UID, Gid: c.UID, Groups: groups}}
+}
+
+// Rlimit values. memlockSmall is the kernel's own default since 5.16:
+// enough for QEMU without VFIO, which locks nothing. A vGPU guest's RAM is
+// pinned for DMA, so it gets its RAM plus memlockVFIOMargin (libvirt's
+// margin for VFIO: ROMs, MSI-X tables, the IOMMU's own mappings).
+const (
+	memlockSmall      = 8 << 20
+	memlockVFIOMargin = 1 << 30
+	// nprocBase counts every task of the uid (threads included): QEMU's
+	// main, RCU and I/O threads and its thread pool (up to 64 workers) and
+	// vhost workers; each vCPU adds a thread and possibly a vhost worker.
+	nprocBase = 128
+)
+
+// Limits are the rlimits a QEMU gets.
+type Limits struct {
+	Memlock uint64 // RLIMIT_MEMLOCK, bytes
+	NProc   uint64 // RLIMIT_NPROC: tasks of QEMU's uid (its own: per VM)
+}
+
+// LimitsFor is spec's rlimits.
+func LimitsFor(spec VMSpec) Limits {
+	l := Limits{Memlock: memlockSmall, NProc: nprocBase + 2*uint64(spec.VCPUs)}
+	if len(spec.VFIO) > 0 {
+		l.Memlock = uint64(spec.MemoryMiB)<<20 + memlockVFIOMargin
+	}
+	return l
+}
+
+// LimitWrapper is util-linux's prlimit(1) (Essential in Debian): exec'd
+// as QEMU's uid, it lowers its own rlimits, soft and hard, and execs QEMU,
+// which therefore has them from its first instruction. Go's exec has no
+// hook between fork and exec, and prlimit(2) on the child after the fork
+// both races QEMU's start-up and needs CAP_SYS_RESOURCE over another uid's
+// process (measured here: EPERM for a root without it); lowering one's own
+// limits needs no capability. Cost: one exec of a small binary (see
+// BenchmarkLaunch). Raising is not possible this way: the agent's own hard
+// limit must cover a vGPU guest's RAM (the unit sets LimitMEMLOCK=infinity),
+// or the wrapper fails and QEMU never starts (its message in qemu.log).
+const LimitWrapper = "prlimit"
+
+// wrapperArgs is the wrapper's argv that runs bin with argv under l.
+func wrapperArgs(l Limits, bin string, argv []string) []string {
+	return append([]string{LimitWrapper,
+		"--memlock=" + strconv.FormatUint(l.Memlock, 10) + ":" + strconv.FormatUint(l.Memlock, 10),
+		"--nproc=" + strconv.FormatUint(l.NProc, 10) + ":" + strconv.FormatUint(l.NProc, 10),
+		"--", bin}, argv...)
+}
+
+// listenQMP binds and listens on the QMP socket at path and returns the
+// listening socket as a file to pass to QEMU (close-on-exec here; exec.Cmd
+// gives it to the child as QMPFD). The socket file is the agent's, in the
+// root-only instance directory: the agent and a re-attaching agent dial it,
+// QEMU only accepts on the fd.
+func listenQMP(path string) (*os.File, error) {
+	fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("qmp socket: %w", err)
+	}
+	if err := unix.Bind(fd, &unix.SockaddrUnix{Name: path}); err != nil {
+		unix.Close(fd)
+		return nil, fmt.Errorf("bind qmp socket %s: %w", path, err)
+	}
+	if err := unix.Listen(fd, 8); err != nil {
+		unix.Close(fd)
+		return nil, fmt.Errorf("listen on qmp socket %s: %w", path, err)
+	}
+	return os.NewFile(uintptr(fd), path), nil
+}
+
+// VFIOGroupNode is the VFIO group node (<devRoot>/vfio/<iommu group>) of a
+// sysfs device QEMU attaches (VMSpec.VFIO: /sys/bus/mdev/devices/<uuid> or
+// /sys/bus/pci/devices/<vf>), "" when the device has no iommu_group link
+// (the vGPU simulator's devices, or a device gone meanwhile).
+func VFIOGroupNode(devRoot, sysfsdev string) (string, error) {
+	target, err := os.Readlink(filepath.Join(sysfsdev, "iommu_group"))
+	if errors.Is(err, fs.ErrNotExist) {
+		return "", nil
+	}
+	if err != nil {
+		return "", fmt.Errorf("iommu group of %s: %w", sysfsdev, err)
+	}
+	return filepath.Join(devRoot, "vfio", filepath.Base(target)), nil
+}
+
+// GiveVFIOGroup makes uid (and gid uid) the owner of a VFIO group node for
+// as long as the instance holds the device's claim: QEMU, unprivileged,
+// opens it by its owner bits. A node that does not exist is nothing to give
+// (the simulator). The node itself is not followed if it is a symlink.
+func GiveVFIOGroup(node string, uid uint32) error {
+	return chownNode(node, int(uid))
+}
+
+// TakeBackVFIOGroup returns a VFIO group node to root, so no later holder
+// of the instance's uid can open the device.
+func TakeBackVFIOGroup(node string) error { return chownNode(node, 0) }
+
+func chownNode(node string, id int) error {
+	if node == "" {
+		return nil
+	}
+	if err := os.Lchown(node, id, id); err != nil {
+		if errors.Is(err, fs.ErrNotExist) {
+			return nil
+		}
+		return fmt.Errorf("chown %s to %d: %w", node, id, err)
+	}
+	return nil
+}
