@@ -4,8 +4,14 @@
 // attributes registered. Tests that need Temporal call Start (a server of
 // their own, e.g. to restart it) or Shared (one server per test binary).
 //
+// The same shape runs the production backend: StartPostgres and
+// SharedPostgres run the self-hosted Temporal server (bin/temporal-server,
+// go.temporal.io/server v1.29.1) on a PostgreSQL cluster of their own,
+// configured and set up by the files under deploy/ an operator uses. Both
+// satisfy Temporal, so a test can run on either.
+//
 // The SDK's testsuite.StartDevServer would download a CLI, which this
-// machine cannot; this package only ever runs the binary `make tools` built.
+// machine cannot; this package only ever runs the binaries `make tools` built.
 package devserver
 
 import (
@@ -326,7 +332,9 @@ func (s *Server) waitReady(ctx context.Context, exited <-chan struct{}) error {
 	}
 }
 
-func (s *Server) ready(ctx context.Context) error { return checkReady(ctx, s.Address(), s.opts.Namespace) }
+func (s *Server) ready(ctx context.Context) error {
+	return checkReady(ctx, s.Address(), s.opts.Namespace)
+}
 
 // checkReady: the server at addr answers its health check, knows namespace
 // and has vmflow's search attributes in it.

@@ -271,7 +271,12 @@ func startPostgres(o PostgresOptions) (*PostgresServer, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), s.opts.StartTimeout)
 	defer cancel()
 	if err := s.start(ctx); err != nil {
-		return nil, errors.Join(err, s.Stop())
+		// The error carries the logs' tails: nothing else is worth keeping.
+		err = errors.Join(err, s.Stop())
+		if s.dir != "" {
+			err = errors.Join(err, os.RemoveAll(s.dir))
+		}
+		return nil, err
 	}
 	return s, nil
 }
@@ -343,7 +348,9 @@ history.persistenceMaxQPS:
   - value: 45000
 `
 
-func (s *PostgresServer) dynamicConfigFile() string { return filepath.Join(s.dir, "dynamicconfig.yaml") }
+func (s *PostgresServer) dynamicConfigFile() string {
+	return filepath.Join(s.dir, "dynamicconfig.yaml")
+}
 
 // unprivileged is the user PostgreSQL runs as when the tests run as root.
 func unprivileged() (*syscall.Credential, error) {
