@@ -166,6 +166,7 @@ tidy-check:
 .PHONY: units-check
 units-check: build
 	bash -n deploy/setup-temporal.sh
+	bash -n deploy/temporal/setup-postgres.sh
 	deploy/verify-units.sh "$(BIN)"
 
 vet:

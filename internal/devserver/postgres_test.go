@@ -69,6 +69,12 @@ func TestPostgresBackend(t *testing.T) {
 		return nil
 	})
 
+	// setup-postgres.sh runs on every deploy: again on a live cluster, it
+	// changes nothing the server needs.
+	require.NoError(t, s.setupDatabases(ctx), "setup-postgres.sh is idempotent")
+	_, err = c.DescribeWorkflowExecution(ctx, "pg/1", "")
+	require.NoError(t, err, "the workflow is still there after a second setup-postgres.sh")
+
 	srvPid, pgPid := s.ServerPid(), s.PostgresPid()
 	require.NoError(t, s.Stop())
 	for _, pid := range []int{srvPid, pgPid} {
