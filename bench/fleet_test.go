@@ -77,9 +77,9 @@ func TestBenchFleet(t *testing.T) {
 	s.pg = pg
 
 	var rows []scaleRow
-	t.Run("scale", func(t *testing.T) { rows = scaleOn(t, s, "PostgreSQL", sizes) })
+	scaleOK := t.Run("scale", func(t *testing.T) { rows = scaleOn(t, s, "PostgreSQL", sizes) })
 	var fl *fleetRow
-	t.Run("fleet", func(t *testing.T) { fl = fleetOn(t, s, vms, hosts) })
+	fleetOK := t.Run("fleet", func(t *testing.T) { fl = fleetOn(t, s, vms, hosts) })
 
 	var b strings.Builder
 	b.WriteString(fleetBegin + "\n")
@@ -123,6 +123,12 @@ func TestBenchFleet(t *testing.T) {
 		fmt.Fprintf(&b, "Reading: spawning %d VMs over %d hosts cost %.1f CPU-seconds of orchestration, %.0f%% of it in the Temporal server and %.0f%% in PostgreSQL, %.0f%% in vmflow (worker %.1f s, agents %.1f s). On this one machine the server, its database and vmflow share 2 cores with the VMs; in production the server and PostgreSQL run on their own machines and each agent on its host, so a host pays only its agent's share.\n",
 			fl.n, fl.hosts, orch, 100*o.server/orch, 100*o.db/orch, 100*(o.worker+o.agent)/orch, o.worker, o.agent)
 	}
+	if !scaleOK || !fleetOK {
+		fmt.Fprintf(&b, "\n**Part of this run failed (scale: %v, fleet of %d over %d: %v); see the test log.**\n", okWord(scaleOK), vms, hosts, okWord(fleetOK))
+	}
+	if n := s.startRetries.Load(); n > 0 {
+		fmt.Fprintf(&b, "\n%d workflow starts hit the SDK's 10 s RPC deadline on the loaded server and were sent again (same workflow id: nothing started twice).\n", n)
+	}
 	b.WriteString(fleetEnd)
 
 	doc, err := os.ReadFile(out)
@@ -133,6 +139,13 @@ func TestBenchFleet(t *testing.T) {
 		t.Fatalf("write %s: %v", out, err)
 	}
 	t.Logf("wrote the fleet section of %s (%s)", out, time.Since(began).Round(time.Second))
+}
+
+func okWord(ok bool) string {
+	if ok {
+		return "passed"
+	}
+	return "FAILED"
 }
 
 func envInt(t *testing.T, name string, def int) int {

@@ -5,6 +5,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -40,6 +41,9 @@ type stack struct {
 	agentBin string
 	connEnv  []string
 	out      string
+	// startRetries counts workflow starts sent again after the SDK's RPC
+	// deadline (see run); shared by the hosts of one stack.
+	startRetries *atomic.Int64
 }
 
 // newStack starts the stack on a dev server of its own; extra are start-dev
@@ -58,7 +62,7 @@ func newStackOn(t *testing.T, srv devserver.Temporal, hostID, queue string) *sta
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := &stack{t: t, srv: srv, c: srv.Client(t), queue: queue, agentBin: agentBin, out: t.TempDir()}
+	s := &stack{t: t, srv: srv, c: srv.Client(t), queue: queue, agentBin: agentBin, out: t.TempDir(), startRetries: new(atomic.Int64)}
 	if d := os.Getenv("VMFLOW_BENCH_LOGS"); d != "" {
 		s.out = filepath.Join(d, strings.ReplaceAll(t.Name(), "/", "_"))
 		if err := os.MkdirAll(s.out, 0o755); err != nil {
@@ -88,7 +92,7 @@ func newStackOn(t *testing.T, srv devserver.Temporal, hostID, queue string) *sta
 // simulator) on s's server and task queue, served by s's worker.
 func (s *stack) addHost(hostID string) *stack {
 	h := &stack{t: s.t, srv: s.srv, dev: s.dev, pg: s.pg, c: s.c, queue: s.queue, worker: s.worker,
-		agentBin: s.agentBin, connEnv: s.connEnv, out: s.out}
+		agentBin: s.agentBin, connEnv: s.connEnv, out: s.out, startRetries: s.startRetries}
 	h.startHost(hostID)
 	return h
 }
