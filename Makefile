@@ -216,8 +216,8 @@ bench: $(TEMPORAL) qemu guest
 # PostgreSQL (durable defaults): 100 and 200 VMs on one host, then 1,000
 # `-machine none` VMs (~8 MiB each) over 10 host agents, with workflows per
 # second and each process's CPU; writes its own section of BENCHMARKS.md
-# (make bench keeps it). Not part of make bench (its 15 minutes). Expected
-# about 15 minutes here (2 cores), hence its own 45-minute timeout.
+# (make bench keeps it). Not part of make bench (its 15 minutes). Measured
+# 8 to 10 minutes here (2 cores, shared), hence its own 45-minute timeout.
 .PHONY: bench-fleet
 bench-fleet: $(TEMPORAL) temporal-server postgresql qemu
 	VMFLOW_BENCH=1 $(GO) test -run '^TestBenchFleet$$' -v -count=1 -timeout 45m ./bench
