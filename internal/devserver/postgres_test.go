@@ -72,7 +72,7 @@ func TestPostgresBackend(t *testing.T) {
 	// setup-postgres.sh runs on every deploy: again on a live cluster, it
 	// changes nothing the server needs.
 	require.NoError(t, s.setupDatabases(ctx), "setup-postgres.sh is idempotent")
-	_, err = c.DescribeWorkflowExecution(ctx, "pg/1", "")
+	_, err = c.DescribeWorkflow(ctx, "pg/1", "")
 	require.NoError(t, err, "the workflow is still there after a second setup-postgres.sh")
 
 	srvPid, pgPid := s.ServerPid(), s.PostgresPid()
