@@ -34,7 +34,7 @@ type actionCount struct {
 func (s *stack) settled(ctx context.Context) (map[string]float64, error) {
 	var prev map[string]float64
 	for {
-		cur, err := s.srv.Actions(ctx, s.srv.Namespace())
+		cur, err := s.dev.Actions(ctx, s.srv.Namespace())
 		if err != nil {
 			return nil, err
 		}

@@ -90,7 +90,14 @@ func TestBenchmarks(t *testing.T) {
 	tab.Add("wall time of the run", time.Since(began).Round(time.Second).String())
 	head.WriteString(tab.Markdown() + "\n")
 	head.WriteString("Other engineers' test runs shared this machine; the load average above says how busy it was.\n\n")
-	if err := os.WriteFile(out, []byte(head.String()+body.String()), 0o644); err != nil {
+	doc := head.String() + body.String()
+	// The fleet section comes from make bench-fleet: keep it.
+	if old, err := os.ReadFile(out); err == nil {
+		if blk := fleetBlock(string(old)); blk != "" {
+			doc = withFleetBlock(doc, blk)
+		}
+	}
+	if err := os.WriteFile(out, []byte(doc), 0o644); err != nil {
 		t.Fatalf("write %s: %v", out, err)
 	}
 	t.Logf("wrote %s", out)

@@ -82,6 +82,42 @@ func cpuTicks(pid int, children bool) int64 {
 	return sum
 }
 
+// treeTicks is the CPU a process tree has used: pid itself, its reaped
+// children, and its live children (one level: PostgreSQL's backends are
+// the postmaster's children) with their own reaped children.
+func treeTicks(pid int) int64 {
+	if pid <= 0 {
+		return 0
+	}
+	sum := cpuTicks(pid, false) + cpuTicks(pid, true)
+	for _, c := range childrenOf(pid) {
+		sum += cpuTicks(c, false) + cpuTicks(c, true)
+	}
+	return sum
+}
+
+// childrenOf lists the live processes whose parent is pid.
+func childrenOf(pid int) []int {
+	entries, _ := os.ReadDir("/proc")
+	var out []int
+	for _, e := range entries {
+		p, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		b, err := os.ReadFile("/proc/" + e.Name() + "/stat")
+		if err != nil {
+			continue
+		}
+		st := string(b)
+		f := strings.Fields(st[strings.LastIndexByte(st, ')')+2:])
+		if len(f) > 1 && f[1] == strconv.Itoa(pid) {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
 // ticks is the kernel's USER_HZ: 100 on every Linux that matters here.
 const ticks = 100
 
@@ -108,8 +144,9 @@ func pidOf(needles ...string) int {
 	return 0
 }
 
-// cpuSplit is the CPU seconds each part used during one phase.
-type cpuSplit struct{ server, worker, agent, qemu float64 }
+// cpuSplit is the CPU seconds each part used during one phase (db: the
+// Temporal server's PostgreSQL, zero on the dev server).
+type cpuSplit struct{ server, db, worker, agent, qemu float64 }
 
 func (c cpuSplit) String() string {
 	return fmt.Sprintf("%.1f / %.1f / %.1f / %.1f", c.server, c.worker, c.agent, c.qemu)
@@ -151,26 +188,25 @@ func scale(t *testing.T) string {
 			continue
 		}
 		t.Run(strings.ReplaceAll(run.v.name, " ", "-"), func(t *testing.T) {
-			rows = append(rows, scaleOn(t, run.v, run.sizes)...)
+			rows = append(rows, scaleOn(t, newStack(t, run.v.args...), run.v.name, run.sizes)...)
 		})
 	}
 	return scaleReport(rows)
 }
 
-// scaleOn runs the scale rounds on one dev-server variant.
-func scaleOn(t *testing.T, v devVariant, sizes []int) []scaleRow {
-	s := newStack(t, v.args...)
+// scaleOn runs the scale rounds on one stack (label: its server, for the
+// table).
+func scaleOn(t *testing.T, s *stack, label string, sizes []int) []scaleRow {
 	var rows []scaleRow
 	for _, n := range sizes {
-		r := scaleRow{n: n, dev: v.name}
+		r := scaleRow{n: n, dev: label}
 		ids := make([]string, n)
 		for i := range ids {
 			ids[i] = fmt.Sprintf("s%d-%d", n, i)
 		}
 		ctx := ctxFor(t, 5*time.Minute)
 		var err error
-		srvPid := pidOf("start-dev", s.srv.DBFile())
-		c0 := cpuSplit{server: float64(cpuTicks(srvPid, false)), worker: float64(cpuTicks(s.worker.Pid(), false)), agent: float64(cpuTicks(s.agent.Pid(), false))}
+		c0 := s.cpuNow(false)
 		r.spawn, err = all(n, func(i int) error {
 			_, err := s.run(ctx, workflows.SpawnWorkflowID(ids[i]), workflows.SpawnWorkflow, s.spawnReq(ids[i], false))
 			return err
@@ -181,11 +217,7 @@ func scaleOn(t *testing.T, v devVariant, sizes []int) []scaleRow {
 		if r.hwmSpawn, err = VmHWM(s.agent.Pid()); err != nil {
 			t.Fatal(err)
 		}
-		r.cpuSpawn = cpuSplit{
-			server: (float64(cpuTicks(srvPid, false)) - c0.server) / ticks,
-			worker: (float64(cpuTicks(s.worker.Pid(), false)) - c0.worker) / ticks,
-			agent:  (float64(cpuTicks(s.agent.Pid(), false)) - c0.agent) / ticks,
-		}
+		r.cpuSpawn = s.cpuNow(false).since(c0)
 
 		// kill -9 the agent with n VMs running; they are re-parented to
 		// this process (a child subreaper), which reaps them once deleted.
@@ -233,9 +265,7 @@ func scaleOn(t *testing.T, v devVariant, sizes []int) []scaleRow {
 			t.Fatalf("agent not serving 60 s after the restart; log %s", s.agent.Log)
 		}
 
-		self := os.Getpid()
-		c0 = cpuSplit{server: float64(cpuTicks(srvPid, false)), worker: float64(cpuTicks(s.worker.Pid(), false)), agent: float64(cpuTicks(s.agent.Pid(), false)),
-			qemu: float64(cpuTicks(self, true))}
+		c0 = s.cpuNow(true)
 		r.del, err = all(n, func(i int) error {
 			_, err := s.run(ctx, workflows.DeleteWorkflowID(ids[i]), workflows.DeleteWorkflow, s.deleteReq(ids[i]))
 			return err
@@ -251,12 +281,7 @@ func scaleOn(t *testing.T, v devVariant, sizes []int) []scaleRow {
 		if err := stacktest.PollUntil(ctx, 20*time.Millisecond, func() bool { adopted.mu.Lock(); defer adopted.mu.Unlock(); return len(adopted.pids) == 0 }); err != nil {
 			t.Fatalf("adopted QEMUs not all reaped: %v", err)
 		}
-		r.cpuDelete = cpuSplit{
-			server: (float64(cpuTicks(srvPid, false)) - c0.server) / ticks,
-			worker: (float64(cpuTicks(s.worker.Pid(), false)) - c0.worker) / ticks,
-			agent:  (float64(cpuTicks(s.agent.Pid(), false)) - c0.agent) / ticks,
-			qemu:   (float64(cpuTicks(self, true)) - c0.qemu) / ticks,
-		}
+		r.cpuDelete = s.cpuNow(true).since(c0)
 		r.actSpawn = s.activityMedians(t, ids, workflows.SpawnWorkflowID)
 		r.actDelete = s.activityMedians(t, ids, workflows.DeleteWorkflowID)
 		left, err := s.st.List()
@@ -266,6 +291,27 @@ func scaleOn(t *testing.T, v devVariant, sizes []int) []scaleRow {
 		rows = append(rows, r)
 	}
 	return rows
+}
+
+// cpuNow reads the CPU ticks used so far by the server (and its database),
+// the worker and the agent; with adopted, qemu is what this process's
+// reaped children used (the QEMUs of a killed agent, adopted here).
+func (s *stack) cpuNow(adopted bool) cpuSplit {
+	server, db := s.serverTicks()
+	c := cpuSplit{server: float64(server), db: float64(db), worker: float64(cpuTicks(s.worker.Pid(), false)), agent: float64(cpuTicks(s.agent.Pid(), false))}
+	if adopted {
+		c.qemu = float64(cpuTicks(os.Getpid(), true))
+	}
+	return c
+}
+
+// since is the CPU seconds used from c0 to c (both in ticks).
+func (c cpuSplit) since(c0 cpuSplit) cpuSplit {
+	return cpuSplit{
+		server: (c.server - c0.server) / ticks, db: (c.db - c0.db) / ticks,
+		worker: (c.worker - c0.worker) / ticks, agent: (c.agent - c0.agent) / ticks,
+		qemu: (c.qemu - c0.qemu) / ticks,
+	}
 }
 
 // scaleReport renders section 4.

@@ -2,9 +2,11 @@ package deploy_test
 
 import (
 	"context"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"testing"
 	"time"
 
@@ -20,7 +22,7 @@ import (
 // temporal CLI against srv: the bin folder first in PATH, the connection in
 // the TEMPORAL_* variables (as in production), and no config file, so a
 // developer's profile cannot send the commands elsewhere.
-func cliEnv(t *testing.T, srv *devserver.Server, namespace string) []string {
+func cliEnv(t *testing.T, srv devserver.Temporal, namespace string) []string {
 	t.Helper()
 	return append(os.Environ(),
 		"PATH="+filepath.Dir(srv.BinaryPath())+string(os.PathListSeparator)+os.Getenv("PATH"),
@@ -34,25 +36,37 @@ func cliEnv(t *testing.T, srv *devserver.Server, namespace string) []string {
 // setup-temporal.sh creates a missing namespace and the four search
 // attributes, and a second run changes nothing and succeeds; on the dev
 // server's default namespace (attributes already there) it succeeds too.
+// On the self-hosted server on PostgreSQL, started bare (no namespace at
+// all, as after deploy/temporal/setup-postgres.sh), it creates "default"
+// too: the production path.
 func TestSetupTemporalScript(t *testing.T) {
-	srv := devserver.Start(t, devserver.Options{})
+	t.Run("dev", func(t *testing.T) {
+		srv := devserver.Start(t, devserver.Options{})
+		checkSetupScript(t, srv, map[string]bool{"vmflow-setup-test": true, "default": false})
+	})
+	t.Run("postgres", func(t *testing.T) {
+		srv := devserver.StartPostgres(t, devserver.PostgresOptions{NoSetup: true})
+		checkSetupScript(t, srv, map[string]bool{"vmflow-setup-test": true, "default": true})
+	})
+}
+
+// checkSetupScript runs setup-temporal.sh twice for each namespace, which
+// the first run must create when created[ns], and checks the attributes.
+func checkSetupScript(t *testing.T, srv devserver.Temporal, created map[string]bool) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	c := srv.Client(t)
-
-	for _, ns := range []string{"vmflow-setup-test", "default"} {
+	for _, ns := range slices.Sorted(maps.Keys(created)) {
 		for run := 1; run <= 2; run++ {
 			cmd := exec.CommandContext(ctx, "bash", "setup-temporal.sh")
 			cmd.Env = cliEnv(t, srv, ns)
 			out, err := cmd.CombinedOutput()
 			require.NoError(t, err, "namespace %s, run %d:\n%s", ns, run, out)
 			assert.Contains(t, string(out), "namespace "+ns+" ready for vmflow")
-			if ns != "default" {
-				if run == 1 {
-					assert.Contains(t, string(out), "creating namespace "+ns)
-				} else {
-					assert.Contains(t, string(out), "namespace "+ns+" exists")
-				}
+			if run == 1 && created[ns] {
+				assert.Contains(t, string(out), "creating namespace "+ns)
+			} else {
+				assert.Contains(t, string(out), "namespace "+ns+" exists")
 			}
 		}
 		resp, err := c.OperatorService().ListSearchAttributes(ctx, &operatorservice.ListSearchAttributesRequest{Namespace: ns})

@@ -21,12 +21,13 @@ import (
 	"vmflow/workflows"
 )
 
-// Test 1: the graceful path for real. The guest powers itself off on the
-// ACPI button (QMP system_powerdown), QEMU exits, the agent reaps it, the
-// vGPU is released and the record removed.
-func TestGuestGracefulDelete(t *testing.T) {
-	timeTest(t)
-	e := newEnv(t, envOptions{})
+// Test 1 (on both backends): the graceful path for real. The guest powers
+// itself off on the ACPI button (QMP system_powerdown), QEMU exits, the
+// agent reaps it, the vGPU is released and the record removed.
+func TestGuestGracefulDelete(t *testing.T) { onBackends(t, testGuestGracefulDelete) }
+
+func testGuestGracefulDelete(t *testing.T, srv devserver.Temporal) {
+	e := newEnv(t, envOptions{server: srv})
 	id := "e2e-grace-" + suffix(t)
 
 	res := e.spawn(e.guestSpawn(id, true))
@@ -73,12 +74,13 @@ func TestGuestGracefulDelete(t *testing.T) {
 	assert.False(t, st.GetNeedsAttention())
 }
 
-// Test 2: a release that keeps failing keeps the record and its claim,
-// shows up as needing attention, and finishes at once on `retry` after the
-// fault is gone.
-func TestStuckReleaseRetry(t *testing.T) {
-	timeTest(t)
-	e := newEnv(t, envOptions{})
+// Test 2 (on both backends): a release that keeps failing keeps the record
+// and its claim, shows up as needing attention, and finishes at once on
+// `retry` after the fault is gone.
+func TestStuckReleaseRetry(t *testing.T) { onBackends(t, testStuckReleaseRetry) }
+
+func testStuckReleaseRetry(t *testing.T, srv devserver.Temporal) {
+	e := newEnv(t, envOptions{server: srv})
 	id := "e2e-stuck-" + suffix(t)
 	res := e.spawn(e.noneSpawn(id, true))
 	qemu := identityOf(e.record(id))
@@ -122,12 +124,14 @@ func TestStuckReleaseRetry(t *testing.T) {
 	assert.Empty(t, e.simDevices(), "vGPU released")
 }
 
-// Test 3: the agent dies (SIGKILL) in the middle of the stop ladder. The
-// VM outlives it; the agent started again re-attaches, resumes the ladder
-// from the recorded step, and the delete finishes with nothing leaked.
-func TestAgentKilledDuringStop(t *testing.T) {
-	timeTest(t)
-	e := newEnv(t, envOptions{})
+// Test 3 (on both backends): the agent dies (SIGKILL) in the middle of the
+// stop ladder. The VM outlives it; the agent started again re-attaches,
+// resumes the ladder from the recorded step, and the delete finishes with
+// nothing leaked.
+func TestAgentKilledDuringStop(t *testing.T) { onBackends(t, testAgentKilledDuringStop) }
+
+func testAgentKilledDuringStop(t *testing.T, srv devserver.Temporal) {
+	e := newEnv(t, envOptions{server: srv})
 	id := "e2e-agentkill-" + suffix(t)
 	e.spawn(e.noneSpawn(id, true))
 	qemu := identityOf(e.record(id))

@@ -123,7 +123,7 @@ func outDir(t *testing.T) string {
 // envOptions shape one test's stack.
 type envOptions struct {
 	// server defaults to the shared headless dev server.
-	server *devserver.Server
+	server devserver.Temporal
 	// workerArgs are added to the worker's flags (later flags win).
 	workerArgs []string
 	// qemu replaces the agent's QEMU binary.
@@ -140,7 +140,7 @@ type envOptions struct {
 // task queue, agent and worker, against a dev server.
 type env struct {
 	t        *testing.T
-	srv      *devserver.Server
+	srv      devserver.Temporal
 	c        client.Client
 	sim      *simtest.Sim
 	hostID   string
@@ -274,6 +274,25 @@ func (e *env) deleteSchedule() {
 	defer cancel()
 	// Best effort: a test that never started an agent has none.
 	_ = e.c.ScheduleClient().GetHandle(ctx, workflows.ReconcileScheduleID(e.hostID)).Delete(ctx)
+}
+
+// onBackends runs body once per Temporal backend, as subtests named after
+// it: the shared dev server (SQLite) and the shared self-hosted server on
+// PostgreSQL, production's backend. Each subtest's time is recorded.
+func onBackends(t *testing.T, body func(t *testing.T, srv devserver.Temporal)) {
+	backends := []struct {
+		name  string
+		start func(testing.TB) devserver.Temporal
+	}{
+		{"dev", func(t testing.TB) devserver.Temporal { return devserver.Shared(t) }},
+		{"postgres", func(t testing.TB) devserver.Temporal { return devserver.SharedPostgres(t) }},
+	}
+	for _, b := range backends {
+		t.Run(b.name, func(t *testing.T) {
+			timeTest(t)
+			body(t, b.start(t))
+		})
+	}
 }
 
 // waitFor polls cond until it holds or timeout passes; detail describes

@@ -4,8 +4,14 @@
 // attributes registered. Tests that need Temporal call Start (a server of
 // their own, e.g. to restart it) or Shared (one server per test binary).
 //
+// The same shape runs the production backend: StartPostgres and
+// SharedPostgres run the self-hosted Temporal server (bin/temporal-server,
+// go.temporal.io/server v1.29.1) on a PostgreSQL cluster of their own,
+// configured and set up by the files under deploy/ an operator uses. Both
+// satisfy Temporal, so a test can run on either.
+//
 // The SDK's testsuite.StartDevServer would download a CLI, which this
-// machine cannot; this package only ever runs the binary `make tools` built.
+// machine cannot; this package only ever runs the binaries `make tools` built.
 package devserver
 
 import (
@@ -167,17 +173,24 @@ func Shared(t testing.TB) *Server {
 	return shared.srv
 }
 
-// StopShared stops the shared server, if one was started, and removes its
-// files. For TestMain, after m.Run.
+// StopShared stops the shared servers (dev server and PostgreSQL backend),
+// those that were started, and removes their files. For TestMain, after
+// m.Run.
 func StopShared() error {
-	if shared.srv == nil {
-		return nil
+	var errs []error
+	if shared.srv != nil {
+		errs = append(errs, shared.srv.Stop())
+		if err := os.RemoveAll(shared.dir); err != nil {
+			errs = append(errs, fmt.Errorf("remove %s: %w", shared.dir, err))
+		}
 	}
-	err := shared.srv.Stop()
-	if rmErr := os.RemoveAll(shared.dir); rmErr != nil && err == nil {
-		err = fmt.Errorf("remove %s: %w", shared.dir, rmErr)
+	if sharedPG.srv != nil {
+		errs = append(errs, sharedPG.srv.Stop())
+		if err := os.RemoveAll(sharedPG.srv.dir); err != nil {
+			errs = append(errs, fmt.Errorf("remove %s: %w", sharedPG.srv.dir, err))
+		}
 	}
-	return err
+	return errors.Join(errs...)
 }
 
 func start(bin string, o Options, dir string) (*Server, error) {
@@ -320,11 +333,17 @@ func (s *Server) waitReady(ctx context.Context, exited <-chan struct{}) error {
 }
 
 func (s *Server) ready(ctx context.Context) error {
+	return checkReady(ctx, s.Address(), s.opts.Namespace)
+}
+
+// checkReady: the server at addr answers its health check, knows namespace
+// and has vmflow's search attributes in it.
+func checkReady(ctx context.Context, addr, namespace string) error {
 	cctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
 	c, err := client.DialContext(cctx, client.Options{
-		HostPort:  s.Address(),
-		Namespace: s.opts.Namespace,
+		HostPort:  addr,
+		Namespace: namespace,
 		Logger:    tclient.NewZapLogger(nil),
 	})
 	if err != nil {
@@ -334,10 +353,10 @@ func (s *Server) ready(ctx context.Context) error {
 	if _, err := c.CheckHealth(cctx, &client.CheckHealthRequest{}); err != nil {
 		return fmt.Errorf("health: %w", err)
 	}
-	if _, err := c.WorkflowService().DescribeNamespace(cctx, &workflowservice.DescribeNamespaceRequest{Namespace: s.opts.Namespace}); err != nil {
-		return fmt.Errorf("namespace %s: %w", s.opts.Namespace, err)
+	if _, err := c.WorkflowService().DescribeNamespace(cctx, &workflowservice.DescribeNamespaceRequest{Namespace: namespace}); err != nil {
+		return fmt.Errorf("namespace %s: %w", namespace, err)
 	}
-	resp, err := c.OperatorService().ListSearchAttributes(cctx, &operatorservice.ListSearchAttributesRequest{Namespace: s.opts.Namespace})
+	resp, err := c.OperatorService().ListSearchAttributes(cctx, &operatorservice.ListSearchAttributesRequest{Namespace: namespace})
 	if err != nil {
 		return fmt.Errorf("search attributes: %w", err)
 	}
@@ -373,17 +392,26 @@ func (s *Server) BinaryPath() string { return s.bin }
 // LogFile is where the server's stdout and stderr go.
 func (s *Server) LogFile() string { return filepath.Join(s.dir, "temporal.log") }
 
+// Backend is "dev".
+func (s *Server) Backend() string { return "dev" }
+
 // TClientOptions are platform.Options that reach this server, for tests that
 // dial with their own logger or metrics.
 func (s *Server) TClientOptions() platform.Options {
+	return tclientOptions(s.Address(), s.opts.Namespace, s.dir)
+}
+
+// tclientOptions reach addr and namespace; dir holds the (absent) config
+// file the client is pointed at.
+func tclientOptions(addr, namespace, dir string) platform.Options {
 	return platform.Options{
-		HostPort:  s.Address(),
-		Namespace: s.opts.Namespace,
+		HostPort:  addr,
+		Namespace: namespace,
 		Logger:    testLogger(),
 		// An empty fake environment: a developer's TEMPORAL_* variables or
 		// config file must not send tests elsewhere.
 		Env:          emptyEnv{},
-		ConfigFile:   filepath.Join(s.dir, "no-temporal-config.toml"),
+		ConfigFile:   filepath.Join(dir, "no-temporal-config.toml"),
 		RetryInitial: 100 * time.Millisecond,
 		RetryMax:     time.Second,
 	}
@@ -392,9 +420,14 @@ func (s *Server) TClientOptions() platform.Options {
 // Client returns a client with vmflow's converter, closed when t ends.
 func (s *Server) Client(t testing.TB) client.Client {
 	t.Helper()
+	return dialClient(t, s.TClientOptions())
+}
+
+func dialClient(t testing.TB, o platform.Options) client.Client {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	c, err := platform.Dial(ctx, s.TClientOptions())
+	c, err := platform.Dial(ctx, o)
 	if err != nil {
 		t.Fatalf("devserver client: %v", err)
 	}
@@ -405,11 +438,15 @@ func (s *Server) Client(t testing.TB) client.Client {
 // CLI runs the temporal CLI against this server (address and namespace
 // added) and returns its combined output.
 func (s *Server) CLI(ctx context.Context, args ...string) ([]byte, error) {
-	args = append(args, "--address", s.Address(), "--namespace", s.opts.Namespace)
-	cmd := exec.CommandContext(ctx, s.bin, args...)
+	return runCLI(ctx, s.bin, s.dir, s.Address(), s.opts.Namespace, args)
+}
+
+func runCLI(ctx context.Context, bin, dir, addr, namespace string, args []string) ([]byte, error) {
+	args = append(args, "--address", addr, "--namespace", namespace)
+	cmd := exec.CommandContext(ctx, bin, args...)
 	// TEMPORAL_* from the developer's shell would override nothing we pass,
 	// but a config file profile could add TLS: point the CLI at none.
-	cmd.Env = append(os.Environ(), "TEMPORAL_CONFIG_FILE="+filepath.Join(s.dir, "no-temporal-config.toml"))
+	cmd.Env = append(os.Environ(), "TEMPORAL_CONFIG_FILE="+filepath.Join(dir, "no-temporal-config.toml"))
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
 	if err := cmd.Run(); err != nil {
@@ -488,17 +525,7 @@ func (s *Server) waitErr() error {
 }
 
 // logTail is the end of the server's log, for start failures.
-func (s *Server) logTail() string {
-	b, err := os.ReadFile(s.LogFile())
-	if err != nil {
-		return fmt.Sprintf("(no log: %v)", err)
-	}
-	const tail = 4000
-	if len(b) > tail {
-		b = b[len(b)-tail:]
-	}
-	return string(b)
-}
+func (s *Server) logTail() string { return logTail(s.LogFile()) }
 
 // testLogger logs warnings and errors to stderr: go test shows them only
 // for a failing package, and unlike zaptest it is safe to use from SDK
