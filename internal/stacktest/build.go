@@ -67,7 +67,8 @@ var agentUIDs atomic.Uint32
 // Far above the default range and below the vmm and supervise tests' own.
 // A process with a uid in it is a QEMU (or its rlimit wrapper) of that
 // agent: how a test finds them, QEMU's argv naming no instance path.
+// 1,000 uids each: bench-fleet runs 200 VMs on one agent.
 func QEMUUIDRange() store.UIDRange {
-	first := 1_000_000_000 + uint32(os.Getpid()%100_000)*10_000 + (agentUIDs.Add(1)%100)*100
-	return store.UIDRange{First: first, Last: first + 99}
+	first := 1_000_000_000 + uint32(os.Getpid()%1_000)*100_000 + (agentUIDs.Add(1)%100)*1_000
+	return store.UIDRange{First: first, Last: first + 999}
 }
