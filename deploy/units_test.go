@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"net"
 	"os"
+	"path/filepath"
 	"regexp"
 	"strings"
 	"testing"
@@ -147,5 +148,35 @@ func TestEnvFilesBindMetricsToLoopback(t *testing.T) {
 		require.NoError(t, err)
 		ip := net.ParseIP(host)
 		assert.True(t, ip != nil && ip.IsLoopback(), "%s binds %q, not loopback", file, addr)
+	}
+}
+
+// TestREADMENamesTestsThatExist: the threat model (and every other
+// paragraph of deploy/README.md) points at test files as its evidence; a
+// test renamed or removed must not leave the document pointing at nothing.
+// Brace lists (`dir/{a,b}_test.go`) are expanded.
+func TestREADMENamesTestsThatExist(t *testing.T) {
+	b, err := os.ReadFile("README.md")
+	require.NoError(t, err)
+	re := regexp.MustCompile("`([a-z0-9_/.-]*(?:\\{[a-z0-9_,]+\\})?[a-z0-9_]*_test\\.go)`")
+	var names []string
+	for _, m := range re.FindAllStringSubmatch(string(b), -1) {
+		p := m[1]
+		if i := strings.IndexByte(p, '{'); i >= 0 {
+			j := strings.IndexByte(p, '}')
+			for _, alt := range strings.Split(p[i+1:j], ",") {
+				names = append(names, p[:i]+alt+p[j+1:])
+			}
+			continue
+		}
+		names = append(names, p)
+	}
+	require.NotEmpty(t, names)
+	for _, n := range names {
+		if !strings.Contains(n, "/") {
+			n = filepath.Join("deploy", n) // this folder's own tests
+		}
+		_, err := os.Stat(filepath.Join("..", n))
+		assert.NoError(t, err, "deploy/README.md names %s", n)
 	}
 }
