@@ -69,7 +69,7 @@ tools: $(TEMPORAL) temporal-server postgresql qemu chromium
 temporal-server:
 	@for p in server:$(TEMPORAL_SERVER) tools/sql:$(TEMPORAL_SQL_TOOL); do \
 		pkg=$${p%%:*} out=$${p#*:}; \
-		have=$$($(GO) version -m "$$out" 2>/dev/null | awk '$$1 == "path" {p = $$2} $$1 == "mod" {print p " " $$2 "@" $$3}'); \
+		have=$$( { $(GO) version -m "$$out" 2>/dev/null || true; } | awk '$$1 == "path" {p = $$2} $$1 == "mod" {print p " " $$2 "@" $$3}'); \
 		if [ "$$have" != "go.temporal.io/server/cmd/$$pkg go.temporal.io/server@$(TEMPORAL_SERVER_VERSION)" ]; then \
 			echo ">> building go.temporal.io/server/cmd/$$pkg@$(TEMPORAL_SERVER_VERSION) into $$out (minutes the first time)"; \
 			tmp=$$(mktemp -d); \
