@@ -46,7 +46,7 @@ type StopResult struct {
 // (retryable); more than one match is ErrUnrecordedAmbiguous (not
 // retryable, nothing touched). Every return without a process and without
 // an error has written stop step gone, which is what lets a vGPU release
-// go ahead (vgpu's mayRelease).
+// go ahead (mayRelease in vgpu/claims).
 //
 // Idempotent: with no process recorded or found it returns at once
 // (AlreadyGone). A
