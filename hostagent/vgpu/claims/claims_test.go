@@ -180,7 +180,7 @@ func TestReleaseRefusedWhileDeviceHeld(t *testing.T) {
 	t.Cleanup(func() { _ = proc.Signal(child.Identity(), syscall.SIGKILL); <-child.Done() })
 	require.Eventually(t, func() bool {
 		hs, err := proc.Holders(ctx, node)
-		return err == nil && len(proc.Certain(hs)) > 0
+		return err == nil && len(proctest.Certain(hs)) > 0
 	}, 10*time.Second, 5*time.Millisecond)
 
 	_, _, err = e.claims.Release(ctx, "vm1")
