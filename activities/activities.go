@@ -160,7 +160,6 @@ func (a *Activities) ValidateSpawn(ctx context.Context, req *vmflowv1.SpawnReque
 // is a non-retryable InvalidInput.
 func (a *Activities) admitSpawn(ctx context.Context, req *vmflowv1.SpawnRequest) error {
 	if err := a.Host.Validate(ctx, req); err != nil {
-		a.log().Info("spawn rejected", zap.String("instance_id", req.GetInstanceId()), zap.Error(err))
 		return classify(err)
 	}
 	return nil
@@ -488,7 +487,8 @@ func (a *Activities) ReleaseVGPU(ctx context.Context, ref *vmflowv1.InstanceRef)
 		if a.Metrics != nil {
 			a.Metrics.ReleaseFailures.WithLabelValues(errnoName(err)).Inc()
 		}
-		log.Warn("vGPU release failed; claim and record kept", zap.Error(err))
+		// The claim and the record are kept; the error goes back to the
+		// workflow, which retries (logged by the SDK, not here).
 		ce := classify(fmt.Errorf("release vGPU of %s: %w", ref.GetInstanceId(), err))
 		return nil, retype(ce, ErrTypeReleaseFailed)
 	}

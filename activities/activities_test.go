@@ -23,6 +23,7 @@ import (
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/supervise"
 	"vmflow/hostagent/vgpu"
+	"vmflow/hostagent/vgpu/claims"
 	"vmflow/hostagent/vgpu/vgpusim"
 	"vmflow/hostagent/vgpu/vgpusim/simtest"
 	"vmflow/hostagent/vmm"
@@ -76,18 +77,18 @@ func newHostPolicy(t *testing.T, policy func(*spec.Host)) *hostEnv {
 	if _, err := os.Readlink("/proc/1/fd/0"); err != nil {
 		ignore = []int{1} // this sandbox's init outranks root
 	}
-	claims, err := vgpu.NewClaims(vgpu.ClaimsConfig{
+	gpus, err := claims.New(claims.Config{
 		Driver: vgpu.Config{SysfsRoot: h.sim.Root, StateDir: dir}, Store: h.st, DevRoot: t.TempDir(),
 		Logger: log, IgnoreUninspectable: ignore,
 	})
 	require.NoError(t, err)
-	host, err := spec.SystemHost(nil, claims.Profiles)
+	host, err := spec.SystemHost(nil, gpus.Profiles)
 	require.NoError(t, err)
 	if policy != nil {
 		policy(&host)
 	}
-	h.acts = &Activities{Store: h.st, Host: host, GPUs: claims, AttachVGPU: false, DefaultGraceful: time.Second, Logger: log}
-	sup, err := supervise.New(supervise.Config{Store: h.st, Logger: log, GracefulTimeout: time.Second, PrepareLaunch: spec.PrepareLaunch(host, claims, false)})
+	h.acts = &Activities{Store: h.st, Host: host, GPUs: gpus, AttachVGPU: false, DefaultGraceful: time.Second, Logger: log}
+	sup, err := supervise.New(supervise.Config{Store: h.st, Logger: log, GracefulTimeout: time.Second, PrepareLaunch: spec.PrepareLaunch(host, gpus, false)})
 	require.NoError(t, err)
 	t.Cleanup(func() { sup.Close() })
 	h.acts.Supervisor = sup
@@ -271,7 +272,7 @@ func TestClassify(t *testing.T) {
 		{vgpu.ErrClaimedByOther, ErrTypeDeviceClaimedTwice, true},
 		{supervise.ErrUnrecordedAmbiguous, ErrTypeAmbiguousQEMU, true},
 		{supervise.ErrStillRunning, ErrTypeStillAlive, false},
-		{vgpu.ErrClaimDeviceMissing, ErrTypeClaimDeviceMissing, false},
+		{claims.ErrClaimDeviceMissing, ErrTypeClaimDeviceMissing, false},
 		{vgpu.ErrRecordsUnreadable, ErrTypeHost, false},
 		{fmt.Errorf("launch: %w", &vmm.KVMAccessError{Path: "/dev/kvm", Mode: 0o600}), ErrTypeHostMisconfigured, true},
 		{vmm.ErrNoQEMUUID, ErrTypeHostMisconfigured, true},
@@ -288,7 +289,7 @@ func TestClassify(t *testing.T) {
 	}
 	assert.NoError(t, classify(nil))
 	assert.Equal(t, "EBUSY", errnoName(syscall.EBUSY))
-	assert.Equal(t, "vm_alive", errnoName(vgpu.ErrVMAlive))
+	assert.Equal(t, "vm_alive", errnoName(claims.ErrVMAlive))
 }
 
 func TestStepNeeded(t *testing.T) {

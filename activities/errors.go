@@ -11,6 +11,7 @@ import (
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/supervise"
 	"vmflow/hostagent/vgpu"
+	"vmflow/hostagent/vgpu/claims"
 	"vmflow/hostagent/vmm"
 	"vmflow/workflows"
 )
@@ -110,7 +111,7 @@ func classify(err error) error {
 		return retryable(ErrTypeClaimHeld)
 	case errors.Is(err, vgpu.ErrNoCapacity):
 		return retryable(ErrTypeNoCapacity)
-	case errors.Is(err, vgpu.ErrClaimDeviceMissing), errors.Is(err, vgpu.ErrClaimNotActive):
+	case errors.Is(err, claims.ErrClaimDeviceMissing), errors.Is(err, claims.ErrClaimNotActive):
 		return retryable(ErrTypeClaimDeviceMissing)
 	}
 	return retryable(ErrTypeHost)
@@ -119,8 +120,7 @@ func classify(err error) error {
 // errnoName is the errno of a failed release for the metric label, or
 // "other".
 func errnoName(err error) string {
-	var errno syscall.Errno
-	if errors.As(err, &errno) {
+	if errno, ok := vgpu.Errno(err); ok {
 		if name := errnoNames[errno]; name != "" {
 			return name
 		}
@@ -129,9 +129,9 @@ func errnoName(err error) string {
 	switch {
 	case errors.Is(err, vgpu.ErrReleaseInProgress):
 		return "in_progress"
-	case errors.Is(err, vgpu.ErrVMAlive):
+	case errors.Is(err, claims.ErrVMAlive):
 		return "vm_alive"
-	case errors.Is(err, vgpu.ErrDeviceHeld):
+	case errors.Is(err, claims.ErrDeviceHeld):
 		return "device_held"
 	case errors.Is(err, vgpu.ErrClaimedByOther):
 		return "claimed_twice"

@@ -12,7 +12,7 @@ import (
 	"go.uber.org/zap"
 
 	"vmflow/hostagent/cli"
-	"vmflow/hostagent/vgpu"
+	"vmflow/hostagent/vgpu/claims"
 	"vmflow/internal/devserver"
 	"vmflow/workflows"
 )
@@ -58,11 +58,11 @@ func TestReconcileScheduleUpdatedToConfiguredInterval(t *testing.T) {
 func TestScanTriggersOnlyLastingWork(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	work := vgpu.Work{Items: []string{"release:vm1"}}
-	script := []vgpu.Work{{}, work, {}, work, work}
+	work := claims.Work{Items: []string{"release:vm1"}}
+	script := []claims.Work{{}, work, {}, work, work}
 	var mu sync.Mutex
 	scans, triggeredAt := 0, []int{}
-	scan := func(context.Context) (vgpu.Work, error) {
+	scan := func(context.Context) (claims.Work, error) {
 		mu.Lock()
 		defer mu.Unlock()
 		scans++

@@ -20,6 +20,7 @@ import (
 	"vmflow/hostagent/proc/proctest"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vgpu"
+	"vmflow/hostagent/vgpu/claims"
 	"vmflow/hostagent/vgpu/vgpusim"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
@@ -96,7 +97,7 @@ type host struct {
 	ignore []int
 
 	st     *store.Store
-	claims *vgpu.Claims
+	claims *claims.Claims
 	now    atomic.Int64 // unix nanos; read by Claims from its goroutines
 
 	helpers        map[string]*helper   // the latest helper of each instance
@@ -112,7 +113,7 @@ func reason(err error) string {
 		err  error
 		name string
 	}{
-		{vgpu.ErrVMAlive, "VM alive"}, {vgpu.ErrDeviceHeld, "device held"}, {vgpu.ErrReleaseInProgress, "in progress"},
+		{claims.ErrVMAlive, "VM alive"}, {claims.ErrDeviceHeld, "device held"}, {vgpu.ErrReleaseInProgress, "in progress"},
 		{vgpu.ErrNoCapacity, "no capacity"}, {vgpu.ErrDeviceMismatch, "device mismatch"},
 		{store.ErrDeleting, "deleting"}, {store.ErrClaimHeld, "claim held"}, {store.ErrIllegalTransition, "illegal transition"},
 		{store.ErrInvalidRecord, "unreadable record"}, {store.ErrNotFound, "no record"}, {syscall.EIO, "EIO"},
@@ -177,7 +178,7 @@ func newHost(t *rapid.T, dc driverCase) *host {
 		}
 	})
 	// pid 1 of a sandbox can be more privileged than root here; it is
-	// ignored only when it really cannot be inspected (as in vgpu's tests).
+	// ignored only when it really cannot be inspected (as in vgpu/claims' tests).
 	if _, err := os.Readlink("/proc/1/fd/0"); err != nil {
 		h.ignore = []int{1}
 	}
@@ -194,7 +195,7 @@ func newHost(t *rapid.T, dc driverCase) *host {
 // startAgent builds the Claims the way the agent does at start, over the
 // same store, sysfs and state directory (the orphan ledger persists).
 func (h *host) startAgent(t *rapid.T) {
-	c, err := vgpu.NewClaims(vgpu.ClaimsConfig{
+	c, err := claims.New(claims.Config{
 		Driver: vgpu.Config{SysfsRoot: h.sys, StateDir: h.state, Kind: h.dc.kind},
 		Store:  h.st, DevRoot: h.devDir, OrphanGrace: grace, IgnoreUninspectable: h.ignore,
 		Now: func() time.Time { return time.Unix(0, h.now.Load()).UTC() },

@@ -112,15 +112,3 @@ func holdersOfPID(pid int, target string) []Holder {
 	}
 	return out
 }
-
-// Certain returns the holders that were seen holding the file, dropping the
-// processes that could not be inspected.
-func Certain(hs []Holder) []Holder {
-	var out []Holder
-	for _, h := range hs {
-		if !h.Uncertain {
-			out = append(out, h)
-		}
-	}
-	return out
-}

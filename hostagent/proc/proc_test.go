@@ -318,7 +318,7 @@ func TestHolders(t *testing.T) {
 
 	hs, err := proc.Holders(context.Background(), f)
 	require.NoError(t, err)
-	assert.Empty(t, proc.Certain(hs), "nobody holds a new file")
+	assert.Empty(t, proctest.Certain(hs), "nobody holds a new file")
 	for _, h := range hs {
 		// Processes more privileged than this one (the sandbox's own init,
 		// here) cannot be inspected even by root: reported, never skipped.
@@ -336,7 +336,7 @@ func TestHolders(t *testing.T) {
 	}
 	hs, err = proc.Holders(context.Background(), f)
 	require.NoError(t, err)
-	hs = proc.Certain(hs)
+	hs = proctest.Certain(hs)
 	require.Len(t, hs, 1, "%v", hs)
 	assert.Equal(t, z.PID, hs[0].PID)
 	assert.False(t, hs[0].Uncertain)
@@ -344,7 +344,7 @@ func TestHolders(t *testing.T) {
 	z.Release(t)
 	require.Eventually(t, func() bool {
 		hs, err := proc.Holders(context.Background(), f)
-		return err == nil && len(proc.Certain(hs)) == 0
+		return err == nil && len(proctest.Certain(hs)) == 0
 	}, 10*time.Second, 5*time.Millisecond, "the file is still reported held after its holder exited")
 }
 

@@ -14,7 +14,7 @@ import (
 
 // Devices is the vGPU side a launch needs: the claim's device made sure of
 // (re-created after a reboot) under the instance lock, and its sysfs path.
-// vgpu.Claims implements it.
+// claims.Claims implements it.
 type Devices interface {
 	EnsureDeviceLocked(ctx context.Context, l *store.Locked) (*vmflowv1.GpuClaim, error)
 	DevicePath(claim *vmflowv1.GpuClaim) string

@@ -30,9 +30,9 @@ import (
 
 // Accepted values of the enum-like string fields.
 var (
-	Machines       = []string{"none", "q35", "microvm"}
-	Accels         = []string{"kvm", "tcg"}
-	RestartPolicys = []string{"never", "on-failure", "always"}
+	Machines        = []string{"none", "q35", "microvm"}
+	Accels          = []string{"kvm", "tcg"}
+	RestartPolicies = []string{"never", "on-failure", "always"}
 )
 
 // ErrInvalid marks every admission failure; FieldError says which field.
@@ -211,7 +211,7 @@ func (h Host) admit(ctx context.Context, id, restartPolicy string, s *vmflowv1.V
 	}
 	oneOf("machine", s.GetMachine(), Machines, false)
 	oneOf("accel", s.GetAccel(), Accels, true)
-	oneOf("restart_policy", restartPolicy, RestartPolicys, true)
+	oneOf("restart_policy", restartPolicy, RestartPolicies, true)
 
 	// The images are opened as a launch opens them, and handed to vmm's
 	// check below (which knows which machines take a kernel or a disk).

@@ -1,10 +1,6 @@
 package supervise
 
-import (
-	"errors"
-
-	"vmflow/hostagent/store"
-)
+import "errors"
 
 // Sentinel errors callers branch on with errors.Is.
 var (
@@ -22,9 +18,6 @@ var (
 	// ErrDeleting: the record is in Deleting or ReleaseFailed; nothing is
 	// launched for it any more.
 	ErrDeleting = errors.New("instance is being deleted")
-	// ErrNotFound: no record exists for the instance. It is the store's
-	// sentinel, so errors.Is works with either name.
-	ErrNotFound = store.ErrNotFound
 	// ErrNotRunning: the instance has no live VM (for QMP on demand).
 	ErrNotRunning = errors.New("instance has no running VM")
 	// ErrClosed: the supervisor was closed.

@@ -351,7 +351,8 @@ func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *inst
 		},
 	})
 	if err != nil {
-		log.Warn("launch failed", zap.Error(err), zap.Duration("took", time.Since(start)))
+		// Returned, not logged: the caller logs it (a restart) or returns
+		// it (a Launch, to its activity).
 		return nil, err
 	}
 	pid := vm.Identity()

@@ -14,8 +14,9 @@ import (
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
-// StopResult is what Stop did.
-type StopResult struct {
+// StopReport is what Stop did: the ladder's vmm.StopResult and which QEMU
+// it was run on.
+type StopReport struct {
 	vmm.StopResult
 	// Identity is the QEMU that was stopped; zero when none was recorded.
 	Identity proc.Identity `json:"identity"`
@@ -46,24 +47,24 @@ type StopResult struct {
 // (retryable); more than one match is ErrUnrecordedAmbiguous (not
 // retryable, nothing touched). Every return without a process and without
 // an error has written stop step gone, which is what lets a vGPU release
-// go ahead (vgpu's mayRelease).
+// go ahead (mayRelease in vgpu/claims).
 //
 // Idempotent: with no process recorded or found it returns at once
 // (AlreadyGone). A
 // second Stop while one runs gets ErrBusy (retryable). A *vmm.StillAliveError
 // (errors.Is vmm.ErrStillAlive) means the group outlived the cap: treat the
 // VM as alive and retry.
-func (s *Supervisor) Stop(ctx context.Context, id string, graceful time.Duration) (StopResult, error) {
+func (s *Supervisor) Stop(ctx context.Context, id string, graceful time.Duration) (StopReport, error) {
 	in, err := s.instance(id)
 	if err != nil {
-		return StopResult{}, fmt.Errorf("stop: %w", err)
+		return StopReport{}, fmt.Errorf("stop: %w", err)
 	}
 	if !in.stopping.CompareAndSwap(false, true) {
-		return StopResult{}, fmt.Errorf("stop instance %s: %w: a stop is already running", id, ErrBusy)
+		return StopReport{}, fmt.Errorf("stop instance %s: %w: a stop is already running", id, ErrBusy)
 	}
 	defer in.stopping.Store(false)
 	if err := in.acquire(ctx); err != nil {
-		return StopResult{}, fmt.Errorf("stop: %w", err)
+		return StopReport{}, fmt.Errorf("stop: %w", err)
 	}
 	defer in.release()
 	// The store lock is held for the whole ladder: every step is a
@@ -71,26 +72,26 @@ func (s *Supervisor) Stop(ctx context.Context, id string, graceful time.Duration
 	// ladder of its own meanwhile.
 	l, err := s.lock(ctx, id)
 	if err != nil {
-		return StopResult{}, fmt.Errorf("stop: %w", err)
+		return StopReport{}, fmt.Errorf("stop: %w", err)
 	}
 	defer unlock(l, in.log)
 
 	rec, err := l.Get()
 	if err != nil {
-		return StopResult{}, fmt.Errorf("stop: %w", err)
+		return StopReport{}, fmt.Errorf("stop: %w", err)
 	}
 	marked, err := l.ManualStop()
 	if err != nil {
-		return StopResult{}, fmt.Errorf("stop: %w", err)
+		return StopReport{}, fmt.Errorf("stop: %w", err)
 	}
 	if !marked {
-		return StopResult{}, fmt.Errorf("stop instance %s: %w", id, ErrManualStopRequired)
+		return StopReport{}, fmt.Errorf("stop instance %s: %w", id, ErrManualStopRequired)
 	}
 	in.cancelRestart()
 	// Before concluding "nothing runs": a QEMU forked by an agent that died
 	// before recording it is adopted here and stopped like any other.
 	if rec, _, err = s.resolveLaunchLocked(ctx, l, in, rec, true); err != nil {
-		return StopResult{}, fmt.Errorf("stop: %w", err)
+		return StopReport{}, fmt.Errorf("stop: %w", err)
 	}
 
 	from := stepFromProto(rec.GetStopStep())
@@ -106,9 +107,9 @@ func (s *Supervisor) Stop(ctx context.Context, id string, graceful time.Duration
 			}
 			return nil
 		}); err != nil {
-			return StopResult{}, fmt.Errorf("stop instance %s: %w", id, err)
+			return StopReport{}, fmt.Errorf("stop instance %s: %w", id, err)
 		}
-		return StopResult{StopResult: vmm.StopResult{Reached: vmm.StepGone, AlreadyGone: true}, ResumedFrom: from}, nil
+		return StopReport{StopResult: vmm.StopResult{Reached: vmm.StepGone, AlreadyGone: true}, ResumedFrom: from}, nil
 	}
 
 	pid := store.IdentityOf(rec.GetProcess())
@@ -154,9 +155,10 @@ func (s *Supervisor) Stop(ctx context.Context, id string, graceful time.Duration
 		cfg.Identity, cfg.Paths = pid, vmmPaths(l.Paths())
 		res, err = vmm.Stop(ctx, cfg)
 	}
-	out := StopResult{StopResult: res, Identity: pid, Child: child, ResumedFrom: from}
+	out := StopReport{StopResult: res, Identity: pid, Child: child, ResumedFrom: from}
 	if err != nil {
-		log.Warn("stop incomplete", zap.String("reached", string(res.Reached)), zap.Error(err))
+		// Returned, not logged (its caller, the StopVM activity, returns
+		// it); the record's last_error keeps it too.
 		if _, uerr := l.Update(func(r *vmflowv1.InstanceRecord) error { r.LastError = "stop: " + err.Error(); return nil }); uerr != nil {
 			err = errors.Join(err, uerr)
 		}

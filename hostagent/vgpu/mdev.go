@@ -25,7 +25,7 @@ var _ Driver = (*MdevDriver)(nil)
 
 // NewMdev returns an mdev driver; cfg.Kind is ignored.
 func NewMdev(cfg Config) *MdevDriver {
-	cfg = cfg.withDefaults()
+	cfg = cfg.WithDefaults()
 	return &MdevDriver{root: cfg.SysfsRoot, lock: newHostLock(cfg.StateDir), releases: newReleases(cfg.OnReleaseDone)}
 }
 
@@ -36,14 +36,10 @@ func (d *MdevDriver) typesDir(parent string) string {
 	return filepath.Join(d.root, "class", "mdev_bus", parent, "mdev_supported_types")
 }
 
-func (d *MdevDriver) devDir(id string) string {
-	return filepath.Join(d.root, "bus", "mdev", "devices", id)
-}
+func (d *MdevDriver) devDir(id string) string { return mdevPath(d.root, id) }
 
-// QEMUDeviceArg implements Driver.
-func (d *MdevDriver) QEMUDeviceArg(dev Device) string {
-	return "vfio-pci,sysfsdev=" + d.devDir(dev.ID)
-}
+// DevicePath implements Driver.
+func (d *MdevDriver) DevicePath(dev Device) string { return d.devDir(dev.ID) }
 
 // Profiles implements Driver.
 func (d *MdevDriver) Profiles(ctx context.Context) ([]Profile, error) {

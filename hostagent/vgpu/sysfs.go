@@ -5,9 +5,27 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
 	"strings"
 	"syscall"
 )
+
+// DevicePath is dev's directory under sysfsRoot, chosen by dev.Kind (mdev
+// when empty): the path QEMU's vfio-pci device opens, and where the
+// device's iommu_group link is. It is Driver.DevicePath for a device of
+// either ABI, whatever the host's driver.
+func DevicePath(sysfsRoot string, dev Device) string {
+	if dev.Kind == KindVendor {
+		return vfPath(sysfsRoot, dev.ID)
+	}
+	return mdevPath(sysfsRoot, dev.ID)
+}
+
+// mdevPath is an mdev's directory: bus/mdev/devices/<uuid>.
+func mdevPath(root, id string) string { return filepath.Join(root, "bus", "mdev", "devices", id) }
+
+// vfPath is a PCI function's directory: bus/pci/devices/<address>.
+func vfPath(root, vf string) string { return filepath.Join(root, "bus", "pci", "devices", vf) }
 
 // readAttr reads a sysfs attribute, trimmed of its newline.
 func readAttr(path string) (string, error) {

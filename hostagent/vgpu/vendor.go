@@ -32,21 +32,17 @@ var _ Driver = (*VendorDriver)(nil)
 
 // NewVendor returns a vendor-VFIO driver; cfg.Kind is ignored.
 func NewVendor(cfg Config) *VendorDriver {
-	cfg = cfg.withDefaults()
+	cfg = cfg.WithDefaults()
 	return &VendorDriver{root: cfg.SysfsRoot, lock: newHostLock(cfg.StateDir), releases: newReleases(cfg.OnReleaseDone), names: map[int]string{}}
 }
 
 // Kind implements Driver.
 func (d *VendorDriver) Kind() Kind { return KindVendor }
 
-func (d *VendorDriver) vfDir(vf string) string {
-	return filepath.Join(d.root, "bus", "pci", "devices", vf)
-}
+func (d *VendorDriver) vfDir(vf string) string { return vfPath(d.root, vf) }
 
-// QEMUDeviceArg implements Driver. The guest also needs -uuid dev.UUID.
-func (d *VendorDriver) QEMUDeviceArg(dev Device) string {
-	return "vfio-pci,sysfsdev=" + d.vfDir(dev.ID)
-}
+// DevicePath implements Driver. The guest also needs -uuid dev.UUID.
+func (d *VendorDriver) DevicePath(dev Device) string { return d.vfDir(dev.ID) }
 
 type vendorType struct {
 	id   int

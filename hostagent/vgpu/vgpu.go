@@ -4,12 +4,18 @@
 // production, a vgpusim mount in tests) and have no other seams, so the code
 // that runs in tests is the code that runs on hardware.
 //
-// The Driver interface is deliberately small so that the claim layer (write
-// the intent to the instance record, refuse a release while the VM or a
-// VFIO holder lives, reconcile) can wrap it: CreateRequest.Intent runs
-// under the host lock after placement and before the device exists, and
-// Config.OnReleaseDone reports the outcome of every release write, including
-// those that finished after every caller stopped waiting.
+// This package is the kernel ABI only: sysfs paths and files, placement,
+// the Driver interface and its errors. It knows nothing of instance records
+// or processes, and nothing of QEMU: a driver names a device by its sysfs
+// path, and vmm alone turns that into QEMU's syntax.
+//
+// The Driver interface is deliberately small so that the claim layer
+// (package vgpu/claims: write the intent to the instance record, refuse a
+// release while the VM or a VFIO holder lives, reconcile) can wrap it:
+// CreateRequest.Intent runs under the host lock after placement and before
+// the device exists, and Config.OnReleaseDone reports the outcome of every
+// release write, including those that finished after every caller stopped
+// waiting.
 package vgpu
 
 import (
@@ -129,6 +135,19 @@ func readTaken(ctx context.Context, taken func(context.Context) (map[string]stri
 	return m, nil
 }
 
+// NotClaimedByOther is invariant 10's check on a device the caller already
+// names (an adoption, a re-creation, a release): it reads taken as a create
+// at a known name does (records that cannot be read do not refuse; see
+// CreateRequest.Taken) and refuses with ErrClaimedByOther when another
+// instance's held claim names deviceID. A nil taken names nothing.
+func NotClaimedByOther(ctx context.Context, taken func(context.Context) (map[string]string, error), deviceID string) error {
+	m, err := readTaken(ctx, taken, false)
+	if err != nil {
+		return err
+	}
+	return claimedBy(m, deviceID)
+}
+
 // claimedBy is invariant 10's one rule: a device named by another
 // instance's held claim is never chosen, created, adopted, re-created or
 // released for anyone else. taken maps device ids to the instance whose
@@ -153,8 +172,9 @@ type Driver interface {
 	// Release removes a vGPU. "Already gone" is success. ctx bounds the
 	// wait, not the write: see ReleaseInProgressError.
 	Release(ctx context.Context, dev Device) error
-	// QEMUDeviceArg is the value of QEMU's -device option for dev.
-	QEMUDeviceArg(dev Device) string
+	// DevicePath is dev's directory in sysfs: what QEMU's vfio-pci device
+	// opens (vmm writes the option) and where its iommu_group link is.
+	DevicePath(dev Device) string
 }
 
 // Errors callers branch on. Kernel errnos stay reachable too:
@@ -183,15 +203,6 @@ var (
 	ErrRecordsUnreadable = errors.New("vgpu: instance records unreadable")
 )
 
-// Retryable reports whether err is worth retrying later as is: a release
-// still in flight, or a kernel "busy / try again" errno.
-func Retryable(err error) bool {
-	return errors.Is(err, ErrReleaseInProgress) ||
-		errors.Is(err, syscall.EBUSY) ||
-		errors.Is(err, syscall.EAGAIN) ||
-		errors.Is(err, syscall.EINTR)
-}
-
 // Errno returns the kernel errno inside err, if any.
 func Errno(err error) (syscall.Errno, bool) {
 	var e syscall.Errno
@@ -217,7 +228,8 @@ type Config struct {
 	OnReleaseDone func(dev Device, err error)
 }
 
-func (c Config) withDefaults() Config {
+// WithDefaults is c with every empty field that has a default set to it.
+func (c Config) WithDefaults() Config {
 	if c.SysfsRoot == "" {
 		c.SysfsRoot = DefaultSysfsRoot
 	}
@@ -245,7 +257,7 @@ func Detect(sysfsRoot string) (Kind, error) {
 
 // New returns the driver for cfg.Kind, detecting it when empty.
 func New(cfg Config) (Driver, error) {
-	cfg = cfg.withDefaults()
+	cfg = cfg.WithDefaults()
 	kind := cfg.Kind
 	if kind == "" {
 		k, err := Detect(cfg.SysfsRoot)

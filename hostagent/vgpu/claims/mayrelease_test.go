@@ -1,4 +1,4 @@
-package vgpu_test
+package claims_test
 
 import (
 	"context"
@@ -10,7 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
-	"vmflow/hostagent/vgpu"
+	"vmflow/hostagent/vgpu/claims"
 	"vmflow/hostagent/vgpu/vgpusim"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
@@ -67,7 +67,7 @@ func TestReleaseWithoutProcessNeedsStopOrNoLaunch(t *testing.T) {
 
 			released, _, err := e.claims.Release(ctx, "vm1")
 			if !tc.released {
-				require.ErrorIs(t, err, vgpu.ErrVMAlive)
+				require.ErrorIs(t, err, claims.ErrVMAlive)
 				assert.False(t, released)
 				assert.Len(t, e.devices(t), 1, "the device stays while an unrecorded QEMU may hold it")
 				rec, err := e.st.Get("vm1")

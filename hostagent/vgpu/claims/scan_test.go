@@ -1,4 +1,4 @@
-package vgpu_test
+package claims_test
 
 import (
 	"context"
@@ -13,6 +13,7 @@ import (
 	"vmflow/hostagent/proc/proctest"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vgpu"
+	"vmflow/hostagent/vgpu/claims"
 	"vmflow/hostagent/vgpu/vgpusim"
 )
 
@@ -24,7 +25,7 @@ import (
 func TestScanFindsReconcileWork(t *testing.T) {
 	e := newClaims(t, vgpusim.Options{MdevParents: 1})
 	ctx := context.Background()
-	scan := func() vgpu.Work {
+	scan := func() claims.Work {
 		t.Helper()
 		w, err := e.claims.Scan(ctx)
 		require.NoError(t, err)
@@ -74,14 +75,14 @@ func TestScanFindsReconcileWork(t *testing.T) {
 }
 
 func TestDueNeedsTwoScans(t *testing.T) {
-	prev := vgpu.Work{Items: []string{"orphan:d1", "release:vm1"}}
-	cur := vgpu.Work{Items: []string{"release:vm1", "release:vm2"}}
-	assert.Equal(t, []string{"release:vm1"}, vgpu.Due(prev, cur))
-	assert.Empty(t, vgpu.Due(vgpu.Work{}, cur), "work seen once may be a delete in progress")
+	prev := claims.Work{Items: []string{"orphan:d1", "release:vm1"}}
+	cur := claims.Work{Items: []string{"release:vm1", "release:vm2"}}
+	assert.Equal(t, []string{"release:vm1"}, claims.Due(prev, cur))
+	assert.Empty(t, claims.Due(claims.Work{}, cur), "work seen once may be a delete in progress")
 }
 
 func TestGateSpacesOutTriggersForTheSameWork(t *testing.T) {
-	g := &vgpu.Gate{Min: time.Minute, Max: 4 * time.Minute}
+	g := &claims.Gate{Min: time.Minute, Max: 4 * time.Minute}
 	t0 := time.Unix(0, 0)
 	due := []string{"release:vm1"}
 	assert.False(t, g.Should(t0, nil), "no work")

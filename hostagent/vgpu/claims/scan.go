@@ -1,4 +1,4 @@
-package vgpu
+package claims
 
 import (
 	"context"

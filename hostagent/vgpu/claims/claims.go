@@ -1,4 +1,11 @@
-package vgpu
+// Package claims keeps vGPU claims in the instance records, over a
+// vgpu.Driver: a claim's intent is written before its device is created and
+// kept until its release is confirmed; a release is refused while the VM or
+// a VFIO holder may live (invariant 2); a device another instance's held
+// claim names is never touched (invariant 10); and Reconcile and Scan
+// finish or undo what a crash left. It joins the store and proc to the
+// kernel ABI of package vgpu, which knows neither.
+package claims
 
 import (
 	"context"
@@ -17,6 +24,7 @@ import (
 
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/store"
+	"vmflow/hostagent/vgpu"
 	"vmflow/internal/crashpoint"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
@@ -45,16 +53,16 @@ var (
 // before reconcile removes it.
 const DefaultOrphanGrace = 5 * time.Minute
 
-// ClaimsConfig configures Claims.
-type ClaimsConfig struct {
-	Driver Config
+// Config configures Claims.
+type Config struct {
+	Driver vgpu.Config
 	Store  *store.Store
 	// DevRoot holds the VFIO nodes (<DevRoot>/vfio/<iommu group>).
 	DevRoot string
 	// OrphanGrace: see DefaultOrphanGrace.
 	OrphanGrace time.Duration
 	Logger      *zap.Logger
-	// Optional: when no vGPU sysfs is found, NewClaims returns nil, nil
+	// Optional: when no vGPU sysfs is found, New returns nil, nil
 	// (a host without vGPUs) instead of an error.
 	Optional bool
 	// IgnoreUninspectable lists pids whose open files cannot be read and
@@ -72,7 +80,7 @@ type ClaimsConfig struct {
 // nothing; never a device no record knows, and never a record deleted while
 // its GPU is still allocated (invariant 1: the store refuses too).
 type Claims struct {
-	drv     Driver
+	drv     vgpu.Driver
 	st      *store.Store
 	devRoot string
 	sysfs   string
@@ -84,10 +92,10 @@ type Claims struct {
 	seen    scanSeen // Scan's own first sightings of unclaimed devices
 }
 
-// NewClaims sets up the driver and the claims over st.
-func NewClaims(cfg ClaimsConfig) (*Claims, error) {
+// New sets up the driver and the claims over cfg.Store.
+func New(cfg Config) (*Claims, error) {
 	if cfg.Store == nil {
-		return nil, fmt.Errorf("vgpu claims: %w: no store", ErrInvalid)
+		return nil, fmt.Errorf("vgpu claims: %w: no store", vgpu.ErrInvalid)
 	}
 	c := &Claims{
 		st: cfg.Store, devRoot: cfg.DevRoot, grace: cfg.OrphanGrace, ignore: cfg.IgnoreUninspectable,
@@ -105,11 +113,11 @@ func NewClaims(cfg ClaimsConfig) (*Claims, error) {
 	if c.now == nil {
 		c.now = time.Now
 	}
-	dc := cfg.Driver.withDefaults()
+	dc := cfg.Driver.WithDefaults()
 	c.sysfs = dc.SysfsRoot
 	c.ledger = filepath.Join(cfg.Store.StateDir(), "vgpu-unclaimed.json")
 	dc.OnReleaseDone = c.releaseDone
-	drv, err := New(dc)
+	drv, err := vgpu.New(dc)
 	if err != nil {
 		if cfg.Optional {
 			c.log.Info("no vGPUs on this host", zap.String("sysfs_root", dc.SysfsRoot), zap.Error(err))
@@ -122,7 +130,7 @@ func NewClaims(cfg ClaimsConfig) (*Claims, error) {
 }
 
 // Driver is the driver the claims use.
-func (c *Claims) Driver() Driver { return c.drv }
+func (c *Claims) Driver() vgpu.Driver { return c.drv }
 
 // Profiles lists the profile names the host offers, each once.
 func (c *Claims) Profiles(ctx context.Context) ([]string, error) {
@@ -141,13 +149,13 @@ func (c *Claims) Profiles(ctx context.Context) ([]string, error) {
 
 // DevicePath is the sysfs path QEMU's vfio-pci device opens for a claim.
 func (c *Claims) DevicePath(claim *vmflowv1.GpuClaim) string {
-	return strings.TrimPrefix(c.drv.QEMUDeviceArg(deviceOf(claim, c.drv.Kind())), "vfio-pci,sysfsdev=")
+	return c.drv.DevicePath(deviceOf(claim, c.drv.Kind()))
 }
 
-func deviceOf(claim *vmflowv1.GpuClaim, kind Kind) Device {
-	d := Device{Kind: kind, UUID: claim.GetUuid(), Profile: claim.GetProfile(), TypeID: claim.GetTypeId(), Parent: claim.GetParent()}
+func deviceOf(claim *vmflowv1.GpuClaim, kind vgpu.Kind) vgpu.Device {
+	d := vgpu.Device{Kind: kind, UUID: claim.GetUuid(), Profile: claim.GetProfile(), TypeID: claim.GetTypeId(), Parent: claim.GetParent()}
 	if claim.GetDriver() != "" {
-		d.Kind = Kind(claim.GetDriver())
+		d.Kind = vgpu.Kind(claim.GetDriver())
 	}
 	d.ID = store.ClaimDevice(claim)
 	return d
@@ -171,7 +179,7 @@ func (c *Claims) Claim(ctx context.Context, id, profile string) (*vmflowv1.GpuCl
 	if store.IsDeleting(rec) {
 		return nil, fmt.Errorf("claim vGPU for %s: %w", id, store.ErrDeleting)
 	}
-	req := CreateRequest{Profile: profile, Taken: c.takenBy(id)}
+	req := vgpu.CreateRequest{Profile: profile, Taken: c.takenBy(id)}
 	if store.ClaimHeld(rec) {
 		have := rec.GetGpuClaim()
 		if have.GetProfile() != profile {
@@ -193,7 +201,7 @@ func (c *Claims) Claim(ctx context.Context, id, profile string) (*vmflowv1.GpuCl
 		}
 	} else {
 		req.UUID = uuid.NewString()
-		req.Intent = func(pl Placement) error {
+		req.Intent = func(pl vgpu.Placement) error {
 			_, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
 				r.GpuClaim = &vmflowv1.GpuClaim{
 					Profile: pl.Profile, Parent: pl.Parent, TypeId: pl.TypeID, Uuid: req.UUID, DeviceId: pl.VF,
@@ -253,7 +261,7 @@ func (c *Claims) ensureActive(ctx context.Context, l *store.Locked, cl *vmflowv1
 	}
 	c.log.Warn("vGPU of an active claim is missing, re-creating it", zap.String("instance_id", l.ID()),
 		zap.String("device_id", dev.ID), zap.String("profile", cl.GetProfile()))
-	if _, err := c.drv.Create(ctx, CreateRequest{Profile: cl.GetProfile(), UUID: cl.GetUuid(), At: placementOf(cl), Taken: c.takenBy(l.ID())}); err != nil {
+	if _, err := c.drv.Create(ctx, vgpu.CreateRequest{Profile: cl.GetProfile(), UUID: cl.GetUuid(), At: placementOf(cl), Taken: c.takenBy(l.ID())}); err != nil {
 		return nil, fmt.Errorf("instance %s: vGPU %q device %s: %w: %w", l.ID(), cl.GetProfile(), dev.ID, ErrClaimDeviceMissing, err)
 	}
 	c.log.Info("vGPU re-created", zap.String("instance_id", l.ID()), zap.String("device_id", dev.ID), zap.String("profile", cl.GetProfile()))
@@ -261,15 +269,15 @@ func (c *Claims) ensureActive(ctx context.Context, l *store.Locked, cl *vmflowv1
 }
 
 // placementOf is where a recorded claim was placed.
-func placementOf(cl *vmflowv1.GpuClaim) *Placement {
-	return &Placement{Profile: cl.GetProfile(), TypeID: cl.GetTypeId(), Parent: cl.GetParent(), VF: cl.GetDeviceId()}
+func placementOf(cl *vmflowv1.GpuClaim) *vgpu.Placement {
+	return &vgpu.Placement{Profile: cl.GetProfile(), TypeID: cl.GetTypeId(), Parent: cl.GetParent(), VF: cl.GetDeviceId()}
 }
 
 // heldDevices is the record ledger of invariant 10: every device a held
 // claim names (whatever its phase and the record's state: intent, active,
 // releasing, release-failed), mapped to the instance naming it, except
 // self's own claim.
-func heldDevices(recs []*vmflowv1.InstanceRecord, self string, kind Kind) map[string]string {
+func heldDevices(recs []*vmflowv1.InstanceRecord, self string, kind vgpu.Kind) map[string]string {
 	m := map[string]string{}
 	for _, r := range recs {
 		if r.GetId() == self || !store.ClaimHeld(r) {
@@ -280,9 +288,9 @@ func heldDevices(recs []*vmflowv1.InstanceRecord, self string, kind Kind) map[st
 	return m
 }
 
-// takenBy reads the ledger for CreateRequest.Taken: the devices held by
+// takenBy reads the ledger for vgpu.CreateRequest.Taken: the devices held by
 // instances other than self. When records cannot be read the map holds the
-// readable ones and the error wraps ErrRecordsUnreadable.
+// readable ones and the error wraps vgpu.ErrRecordsUnreadable.
 func (c *Claims) takenBy(self string) func(context.Context) (map[string]string, error) {
 	return func(context.Context) (map[string]string, error) {
 		recs, err := c.st.List()
@@ -296,7 +304,7 @@ func (c *Claims) takenBy(self string) func(context.Context) (map[string]string, 
 			// The records' errors are quoted, not wrapped: they are other
 			// instances' troubles, and a caller branching on
 			// store.ErrInvalidRecord must not take them for its own.
-			return m, fmt.Errorf("%w: %d record(s): %s", ErrRecordsUnreadable, n, strings.ReplaceAll(err.Error(), "\n", "; "))
+			return m, fmt.Errorf("%w: %d record(s): %s", vgpu.ErrRecordsUnreadable, n, strings.ReplaceAll(err.Error(), "\n", "; "))
 		}
 		return m, nil
 	}
@@ -308,18 +316,15 @@ func (c *Claims) takenBy(self string) func(context.Context) (map[string]string, 
 // refuse here: placement never puts a claim on a device while a record is
 // unreadable, so one cannot name a device id's held claim has named since
 // it was placed.
-func (c *Claims) ownDevice(ctx context.Context, id string, dev Device) error {
-	taken, err := readTaken(ctx, c.takenBy(id), false)
-	if err != nil {
-		return err
-	}
-	if err := claimedBy(taken, dev.ID); err != nil {
+func (c *Claims) ownDevice(ctx context.Context, id string, dev vgpu.Device) error {
+	err := vgpu.NotClaimedByOther(ctx, c.takenBy(id), dev.ID)
+	if errors.Is(err, vgpu.ErrClaimedByOther) {
 		return fmt.Errorf("instance %s: %w", id, err)
 	}
-	return nil
+	return err
 }
 
-func (c *Claims) activate(l *store.Locked, dev Device) (*vmflowv1.GpuClaim, error) {
+func (c *Claims) activate(l *store.Locked, dev vgpu.Device) (*vmflowv1.GpuClaim, error) {
 	rec, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
 		cl := r.GetGpuClaim()
 		if cl == nil {
@@ -339,7 +344,7 @@ func (c *Claims) activate(l *store.Locked, dev Device) (*vmflowv1.GpuClaim, erro
 	return rec.GetGpuClaim(), nil
 }
 
-func (c *Claims) exists(ctx context.Context, d Device) (bool, error) {
+func (c *Claims) exists(ctx context.Context, d vgpu.Device) (bool, error) {
 	devs, err := c.drv.Devices(ctx)
 	if err != nil {
 		return false, err
@@ -421,7 +426,7 @@ func (c *Claims) releaseLocked(ctx context.Context, l *store.Locked) (bool, stri
 
 // mayRelease is invariant 2: the VM's whole thread group must be confirmed
 // gone, and nothing may hold the device's VFIO node.
-func (c *Claims) mayRelease(ctx context.Context, rec *vmflowv1.InstanceRecord, dev Device) error {
+func (c *Claims) mayRelease(ctx context.Context, rec *vmflowv1.InstanceRecord, dev vgpu.Device) error {
 	if at := rec.GetLaunchStartedAt(); at != nil && rec.GetProcess() == nil {
 		// A launch began and its QEMU's pid is not recorded yet: a QEMU
 		// forked just before an agent died may run with the device open,
@@ -492,17 +497,11 @@ func (c *Claims) mayRelease(ctx context.Context, rec *vmflowv1.InstanceRecord, d
 
 // vfioNode is <DevRoot>/vfio/<iommu group> of the device, or "" when the
 // device no longer exists.
-func (c *Claims) vfioNode(dev Device) (string, error) {
-	var link string
-	switch dev.Kind {
-	case KindVendor:
-		link = filepath.Join(c.sysfs, "bus", "pci", "devices", dev.ID, "iommu_group")
-	default:
-		link = filepath.Join(c.sysfs, "bus", "mdev", "devices", dev.ID, "iommu_group")
-	}
+func (c *Claims) vfioNode(dev vgpu.Device) (string, error) {
+	link := filepath.Join(vgpu.DevicePath(c.sysfs, dev), "iommu_group")
 	target, err := os.Readlink(link)
 	if errors.Is(err, os.ErrNotExist) {
-		if dev.Kind == KindVendor {
+		if dev.Kind == vgpu.KindVendor {
 			if _, serr := os.Stat(filepath.Dir(link)); serr == nil {
 				// The VF exists without an IOMMU group: cannot tell.
 				return "", fmt.Errorf("%w: %s has no iommu_group", ErrDeviceHeld, dev.ID)
@@ -529,7 +528,7 @@ func (c *Claims) recordFailure(l *store.Locked, cause error) {
 // releaseDone records the outcome of a release write that returned after
 // every caller stopped waiting (a blocked mdev remove), so the record says
 // what happened even if no one asks again.
-func (c *Claims) releaseDone(dev Device, err error) {
+func (c *Claims) releaseDone(dev vgpu.Device, err error) {
 	go func() {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 		defer cancel()

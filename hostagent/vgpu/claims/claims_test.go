@@ -1,4 +1,4 @@
-package vgpu_test
+package claims_test
 
 import (
 	"context"
@@ -16,6 +16,7 @@ import (
 	"vmflow/hostagent/proc/proctest"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vgpu"
+	"vmflow/hostagent/vgpu/claims"
 	"vmflow/hostagent/vgpu/vgpusim"
 	"vmflow/hostagent/vgpu/vgpusim/simtest"
 	vmflowv1 "vmflow/proto/vmflow/v1"
@@ -31,7 +32,7 @@ const profile = "GRID A100-4C"
 type claimsEnv struct {
 	sim    *simtest.Sim
 	st     *store.Store
-	claims *vgpu.Claims
+	claims *claims.Claims
 	devDir string
 	now    time.Time
 }
@@ -53,7 +54,7 @@ func newClaims(t *testing.T, opts vgpusim.Options) *claimsEnv {
 	if _, err := os.Readlink("/proc/1/fd/0"); err != nil {
 		ignore = []int{1}
 	}
-	e.claims, err = vgpu.NewClaims(vgpu.ClaimsConfig{
+	e.claims, err = claims.New(claims.Config{
 		Driver: vgpu.Config{SysfsRoot: e.sim.Root, StateDir: state}, Store: e.st, DevRoot: e.devDir,
 		OrphanGrace: time.Minute, IgnoreUninspectable: ignore, Now: func() time.Time { return e.now },
 	})
@@ -121,7 +122,7 @@ func TestClaimWritesIntentThenActive(t *testing.T) {
 	assert.Len(t, e.devices(t), 1)
 
 	_, err = e.claims.Claim(ctx, "vm1", "GRID A100-8C")
-	assert.ErrorIs(t, err, vgpu.ErrClaimConflict)
+	assert.ErrorIs(t, err, claims.ErrClaimConflict)
 }
 
 // TestReleaseRefusedWhileVMAlive: invariant 2, with a real zombie leader
@@ -140,7 +141,7 @@ func TestReleaseRefusedWhileVMAlive(t *testing.T) {
 	e.beginDelete(t, "vm1")
 
 	released, _, err := e.claims.Release(ctx, "vm1")
-	require.ErrorIs(t, err, vgpu.ErrVMAlive)
+	require.ErrorIs(t, err, claims.ErrVMAlive)
 	assert.Contains(t, err.Error(), "zombie-leader")
 	assert.False(t, released)
 	assert.Len(t, e.devices(t), 1, "the device must stay while the VM may live")
@@ -179,11 +180,11 @@ func TestReleaseRefusedWhileDeviceHeld(t *testing.T) {
 	t.Cleanup(func() { _ = proc.Signal(child.Identity(), syscall.SIGKILL); <-child.Done() })
 	require.Eventually(t, func() bool {
 		hs, err := proc.Holders(ctx, node)
-		return err == nil && len(proc.Certain(hs)) > 0
+		return err == nil && len(proctest.Certain(hs)) > 0
 	}, 10*time.Second, 5*time.Millisecond)
 
 	_, _, err = e.claims.Release(ctx, "vm1")
-	require.ErrorIs(t, err, vgpu.ErrDeviceHeld)
+	require.ErrorIs(t, err, claims.ErrDeviceHeld)
 	assert.Contains(t, err.Error(), "pid ")
 	assert.Len(t, e.devices(t), 1)
 

@@ -1,4 +1,4 @@
-package vgpu_test
+package claims_test
 
 import (
 	"context"
@@ -15,6 +15,7 @@ import (
 
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vgpu"
+	"vmflow/hostagent/vgpu/claims"
 	"vmflow/hostagent/vgpu/vgpusim"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
@@ -271,7 +272,7 @@ func TestReleaseRefusedWhileLaunchUnrecorded(t *testing.T) {
 	e.beginDelete(t, "vm1")
 
 	released, _, err := e.claims.Release(ctx, "vm1")
-	require.ErrorIs(t, err, vgpu.ErrVMAlive)
+	require.ErrorIs(t, err, claims.ErrVMAlive)
 	assert.Contains(t, err.Error(), "not recorded")
 	assert.False(t, released)
 	assert.Len(t, e.devices(t), 1)
@@ -335,13 +336,13 @@ func TestEnsureDeviceRecreatesAfterReboot(t *testing.T) {
 			e.removeBehindBack(t, c)
 			e.fault(t, vgpusim.CtlFailCreate, "EIO")
 			_, err = e.ensure(t, "vm1")
-			require.ErrorIs(t, err, vgpu.ErrClaimDeviceMissing)
+			require.ErrorIs(t, err, claims.ErrClaimDeviceMissing)
 			assert.ErrorIs(t, err, syscall.EIO)
 			for _, s := range []string{"vm1", tc.profile, c.GetDeviceId()} {
 				assert.Contains(t, err.Error(), s)
 			}
 			_, err = e.claims.Claim(ctx, "vm1", tc.profile)
-			require.ErrorIs(t, err, vgpu.ErrClaimDeviceMissing)
+			require.ErrorIs(t, err, claims.ErrClaimDeviceMissing)
 			e.clearFault(t, vgpusim.CtlFailCreate)
 
 			// An intent: the spawn has not finished claiming.
@@ -351,7 +352,7 @@ func TestEnsureDeviceRecreatesAfterReboot(t *testing.T) {
 			require.Error(t, err)
 			e.clearFault(t, vgpusim.CtlFailCreate)
 			_, err = e.ensure(t, "vm2")
-			require.ErrorIs(t, err, vgpu.ErrClaimNotActive)
+			require.ErrorIs(t, err, claims.ErrClaimNotActive)
 		})
 	}
 }
@@ -368,7 +369,7 @@ func TestEnsureRefusesVFRunningAnotherType(t *testing.T) {
 	// Something else (no record) puts another type on the VF.
 	require.NoError(t, os.WriteFile(filepath.Join(e.sim.Root, "bus/pci/devices", c.GetDeviceId(), "nvidia/current_vgpu_type"), []byte("594"), 0o200))
 	_, err = e.ensure(t, "vm1")
-	require.ErrorIs(t, err, vgpu.ErrClaimDeviceMissing)
+	require.ErrorIs(t, err, claims.ErrClaimDeviceMissing)
 	assert.ErrorIs(t, err, vgpu.ErrDeviceMismatch)
 	assert.Equal(t, "594", e.vfType(t, c.GetDeviceId()), "left alone")
 }

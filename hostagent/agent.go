@@ -22,6 +22,7 @@ import (
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/supervise"
 	"vmflow/hostagent/vgpu"
+	"vmflow/hostagent/vgpu/claims"
 	"vmflow/internal/crashpoint"
 	"vmflow/internal/service"
 	"vmflow/internal/tclient"
@@ -120,15 +121,15 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 	var gpus activities.GPUs
 	var devs spec.Devices // nil interface, not a typed nil, without vGPUs
 	var profiles func(context.Context) ([]string, error)
-	var vgpus *vgpu.Claims // nil without vGPUs: no reconcile work to scan for
+	var vgpus *claims.Claims // nil without vGPUs: no reconcile work to scan for
 	if cfg.VGPUDriver != "none" {
-		claims, err := newClaims(cfg, st, log)
+		c, err := newClaims(cfg, st, log)
 		if err != nil {
 			return err
 		}
-		if claims != nil {
-			vgpus = claims
-			gpus, devs, profiles = claims, claims, claims.Profiles
+		if c != nil {
+			vgpus = c
+			gpus, devs, profiles = c, c, c.Profiles
 			if !cfg.VGPUAttach {
 				log.Warn("--vgpu-attach=false: vGPUs are claimed and released but not given to QEMU; this is for the vgpu-sim simulator only, never for production")
 			}
@@ -333,7 +334,7 @@ func reportUnservedClaims(st *store.Store, am *metrics.Agent, log *zap.Logger) {
 
 // newClaims sets up the vGPU driver and claims, or returns nil when
 // --vgpu-driver=auto finds no vGPU sysfs on the host.
-func newClaims(cfg cli.RunConfig, st *store.Store, log *zap.Logger) (*vgpu.Claims, error) {
+func newClaims(cfg cli.RunConfig, st *store.Store, log *zap.Logger) (*claims.Claims, error) {
 	kind := vgpu.Kind("")
 	switch cfg.VGPUDriver {
 	case "mdev":
@@ -341,7 +342,7 @@ func newClaims(cfg cli.RunConfig, st *store.Store, log *zap.Logger) (*vgpu.Claim
 	case "vendor":
 		kind = vgpu.KindVendor
 	}
-	return vgpu.NewClaims(vgpu.ClaimsConfig{
+	return claims.New(claims.Config{
 		Driver:      vgpu.Config{SysfsRoot: cfg.SysfsRoot, StateDir: cfg.StateDir, Kind: kind},
 		Store:       st,
 		DevRoot:     cfg.DevRoot,
@@ -429,10 +430,10 @@ func triggerReconcile(ctx context.Context, c client.Client, scheduleID string) e
 // a reconcile round, the same work again no sooner than `every`, then twice
 // as long each time up to `safety` (the schedule's period). A scan that
 // fails is logged and tried again next tick: the schedule still runs.
-func scanForReconcile(ctx context.Context, scan func(context.Context) (vgpu.Work, error), every, safety time.Duration,
+func scanForReconcile(ctx context.Context, scan func(context.Context) (claims.Work, error), every, safety time.Duration,
 	trigger func(context.Context) error, log *zap.Logger) {
-	gate := &vgpu.Gate{Min: every, Max: safety}
-	var prev vgpu.Work
+	gate := &claims.Gate{Min: every, Max: safety}
+	var prev claims.Work
 	tick := time.NewTicker(every)
 	defer tick.Stop()
 	for {
@@ -448,7 +449,7 @@ func scanForReconcile(ctx context.Context, scan func(context.Context) (vgpu.Work
 			log.Warn("reconcile scan failed; the schedule still runs", zap.Error(err))
 			continue
 		}
-		due := vgpu.Due(prev, cur)
+		due := claims.Due(prev, cur)
 		prev = cur
 		if !gate.Should(time.Now(), due) {
 			continue
