@@ -12,7 +12,6 @@ import (
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/proto"
 
-	"vmflow/hostagent/vgpu/vgpusim/simtest"
 	"vmflow/internal/fsx/powercut"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
@@ -20,15 +19,6 @@ import (
 // A SIGKILL keeps the page cache: only a power cut proves the fsyncs of
 // invariant 7. These tests run the store on powercut, a FUSE file system
 // that forgets every write not yet fsynced when told to lose power.
-
-func powerCutFS(t *testing.T) *powercut.FS {
-	t.Helper()
-	simtest.RequiresFUSE(t)
-	pc, err := powercut.Mount(t.TempDir())
-	require.NoError(t, err)
-	t.Cleanup(func() { assert.NoError(t, pc.Unmount()) })
-	return pc
-}
 
 // seqOf is the write number a power-cut writer put in the record.
 func seqOf(t *testing.T, r *vmflowv1.InstanceRecord) int {
@@ -54,7 +44,7 @@ func setSeq(ctx context.Context, s *Store, id string, n int) error {
 // record comes back empty) and without the directory's (the created record
 // is missing, the updated one is the old one).
 func TestPowerCutAfterWriteReturned(t *testing.T) {
-	pc := powerCutFS(t)
+	pc := powercut.Start(t)
 	ctx := context.Background()
 	state := filepath.Join(pc.Dir(), "state")
 	s, err := New(state)
@@ -83,7 +73,7 @@ func TestPowerCutAfterWriteReturned(t *testing.T) {
 // last write that returned or the one in flight: never older, never empty,
 // torn or missing.
 func TestPowerCutDuringWrites(t *testing.T) {
-	pc := powerCutFS(t)
+	pc := powercut.Start(t)
 	state := filepath.Join(pc.Dir(), "state")
 	s, err := New(state)
 	require.NoError(t, err)

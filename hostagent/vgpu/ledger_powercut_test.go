@@ -24,13 +24,12 @@ import (
 // orphan. Fails when the ledger is written without fsync (temp + rename
 // only: it comes back missing or empty and the grace period starts over).
 func TestOrphanLedgerSurvivesPowerCut(t *testing.T) {
-	e := &claimsEnv{sim: simtest.Start(t, vgpusim.Options{MdevParents: 1}), now: time.Now()}
-	pc, err := powercut.Mount(t.TempDir())
-	require.NoError(t, err)
-	t.Cleanup(func() { assert.NoError(t, pc.Unmount()) })
+	e := &claimsEnv{sim: simtest.Start(t, vgpusim.Options{MdevParents: 1}), now: newClock()}
+	pc := powercut.Start(t)
 	state := filepath.Join(pc.Dir(), "state")
 	e.devDir = t.TempDir()
 	require.NoError(t, os.Mkdir(filepath.Join(e.devDir, "vfio"), 0o755))
+	var err error
 	var ignore []int
 	if _, err := os.Readlink("/proc/1/fd/0"); err != nil {
 		ignore = []int{1} // see newClaims
@@ -40,7 +39,7 @@ func TestOrphanLedgerSurvivesPowerCut(t *testing.T) {
 		require.NoError(t, err)
 		e.claims, err = vgpu.NewClaims(vgpu.ClaimsConfig{
 			Driver: vgpu.Config{SysfsRoot: e.sim.Root, StateDir: state}, Store: e.st, DevRoot: e.devDir,
-			OrphanGrace: time.Minute, IgnoreUninspectable: ignore, Now: func() time.Time { return e.now },
+			OrphanGrace: time.Minute, IgnoreUninspectable: ignore, Now: e.now.Now,
 		})
 		require.NoError(t, err)
 	}
@@ -54,7 +53,7 @@ func TestOrphanLedgerSurvivesPowerCut(t *testing.T) {
 
 	require.NoError(t, pc.Restart())
 	open()
-	e.now = e.now.Add(2 * time.Minute)
+	e.now.Advance(2 * time.Minute)
 	res, err = e.claims.Reconcile(ctx)
 	require.NoError(t, err)
 	assert.EqualValues(t, 1, res.GetOrphansRemoved(), "the ledger remembered when the orphan was first seen")

@@ -30,13 +30,18 @@ func TestSameFileAfterUnlink(t *testing.T) {
 	assert.False(t, same, "replaced by another inode")
 }
 
+// lockTest is a lock path in a fresh directory and a context bounding the test.
+func lockTest(t *testing.T) (context.Context, string) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	t.Cleanup(cancel)
+	return ctx, filepath.Join(t.TempDir(), "a.lock")
+}
+
 // TestLockFileExcludesAndGivesUp: a second LockFile on a held lock gives up
 // with ErrLockHeld and the context's error when the context ends, and gets
 // the lock once the holder releases it.
 func TestLockFileExcludesAndGivesUp(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "a.lock")
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
+	ctx, path := lockTest(t)
 	held, err := LockFile(ctx, path)
 	require.NoError(t, err)
 
@@ -68,9 +73,7 @@ func TestLockFileExcludesAndGivesUp(t *testing.T) {
 // TestLockFileAfterRemove: a lock released with remove unlinks its file,
 // and the next LockFile locks a new file at the same path.
 func TestLockFileAfterRemove(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "a.lock")
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
+	ctx, path := lockTest(t)
 	l, err := LockFile(ctx, path)
 	require.NoError(t, err)
 	require.NoError(t, l.Release(true))

@@ -28,11 +28,14 @@ import (
 	"sort"
 	"sync"
 	"syscall"
+	"testing"
 	"time"
 
 	"github.com/hanwen/go-fuse/v2/fs"
 	"github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sys/unix"
+
+	"vmflow/hostagent/vgpu/vgpusim/simtest"
 )
 
 // node is one file or directory, both as it is now and as it was at its
@@ -70,6 +73,24 @@ func Mount(dir string) (*FS, error) {
 		return nil, err
 	}
 	return f, nil
+}
+
+// Start mounts a file system in a fresh temporary directory for t and
+// unmounts it when t ends; it skips t where FUSE is missing.
+func Start(t testing.TB) *FS {
+	t.Helper()
+	simtest.RequiresFUSE(t)
+	f, err := Mount(t.TempDir())
+	if err != nil {
+		t.Fatalf("powercut: %v", err)
+	}
+	// Registered after TempDir's cleanup, so it runs before the removal.
+	t.Cleanup(func() {
+		if err := f.Unmount(); err != nil {
+			t.Errorf("powercut: %v", err)
+		}
+	})
+	return f
 }
 
 // Dir is the mount point.
