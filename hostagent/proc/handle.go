@@ -18,6 +18,10 @@ const DefaultPollInterval = 10 * time.Millisecond
 type options struct {
 	forcePoll    bool
 	pollInterval time.Duration
+	// beforePidfd runs right before pidfd_open: the window in which the
+	// recorded process may die and its pid go to a stranger. Tests reuse
+	// the pid there to prove Open verifies after opening (export_test.go).
+	beforePidfd func()
 }
 
 // Option changes how Open watches a process.
@@ -64,6 +68,9 @@ func Open(id Identity, opts ...Option) (*Handle, error) {
 		return nil, fmt.Errorf("open %v: %w", id, ErrIncompleteIdentity)
 	}
 	if !h.opts.forcePoll {
+		if h.opts.beforePidfd != nil {
+			h.opts.beforePidfd()
+		}
 		fd, err := unix.PidfdOpen(id.PID, unix.PIDFD_NONBLOCK)
 		switch {
 		case err == nil:

@@ -23,6 +23,7 @@ import (
 
 func TestMain(m *testing.M) {
 	proctest.RunHelperIfRequested()
+	runReuseHelperIfRequested()
 	os.Exit(m.Run())
 }
 

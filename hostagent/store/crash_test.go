@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/proto"
 
+	"vmflow/internal/fsx"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -126,7 +127,7 @@ func TestConcurrentUpdatesProcesses(t *testing.T) {
 	entries, err := os.ReadDir(filepath.Join(s.StateDir(), "instances", "vm1"))
 	require.NoError(t, err)
 	for _, e := range entries {
-		assert.False(t, strings.HasPrefix(e.Name(), tmpPrefix), "no temp file left: %s", e.Name())
+		assert.False(t, strings.HasPrefix(e.Name(), fsx.TempPrefix), "no temp file left: %s", e.Name())
 	}
 }
 
@@ -169,7 +170,7 @@ func TestLockFileUnlinkedWhileWaiting(t *testing.T) {
 	defer cancel()
 	_, err = s.Lock(tctx, "vm1")
 	require.ErrorIs(t, err, ErrBusy)
-	same, err := sameFile(w.l.lock.f, filepath.Join(s.StateDir(), "locks", "vm1.lock"))
+	same, err := w.l.lock.Names(filepath.Join(s.StateDir(), "locks", "vm1.lock"))
 	require.NoError(t, err)
 	assert.True(t, same, "the waiter's lock is on the file the path names")
 }

@@ -12,6 +12,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"vmflow/internal/crashpoint"
+	"vmflow/internal/fsx"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -23,7 +24,7 @@ type Locked struct {
 	s     *Store
 	id    string
 	paths Paths
-	lock  *fileLock
+	lock  *fsx.Lock
 }
 
 // ID is the locked instance's id.
@@ -42,7 +43,7 @@ func (l *Locked) Unlock() error {
 	}
 	_, err := os.Lstat(l.paths.Dir)
 	gone := errors.Is(err, fs.ErrNotExist)
-	rerr := l.lock.release(gone)
+	rerr := l.lock.Release(gone)
 	l.lock = nil
 	if rerr != nil {
 		return fmt.Errorf("instance %s: %w", l.id, rerr)
@@ -129,7 +130,7 @@ func (l *Locked) Create(want *vmflowv1.InstanceRecord) (*vmflowv1.InstanceRecord
 		return nil, fmt.Errorf("create instance %s: %w", l.id, err)
 	}
 	// The new directory entry must be durable before a record in it counts.
-	if err := syncDir(l.s.instances); err != nil {
+	if err := fsx.SyncDir(l.s.instances); err != nil {
 		return nil, fmt.Errorf("create instance %s: %w", l.id, err)
 	}
 	crashpoint.Hit(crashpoint.StoreCreateDir)
@@ -227,7 +228,7 @@ func (l *Locked) write(rec *vmflowv1.InstanceRecord) error {
 	if err != nil {
 		return err
 	}
-	if err := removeStaleTemps(l.paths.Dir); err != nil {
+	if err := fsx.RemoveStaleTemps(l.paths.Dir); err != nil {
 		return err
 	}
 	return writeFileAtomic(l.paths.Dir, RecordFile, b, l.s.afterTemp)
@@ -298,7 +299,7 @@ func (l *Locked) Delete() error {
 	// From here the instance is gone for readers; finish removing its files
 	// even if the fsync failed (New removes whatever a crash leaves).
 	var errs []error
-	if err := syncDir(l.s.instances); err != nil {
+	if err := fsx.SyncDir(l.s.instances); err != nil {
 		errs = append(errs, err)
 	}
 	if err := os.RemoveAll(trash); err != nil {

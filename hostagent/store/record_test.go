@@ -1,7 +1,6 @@
 package store
 
 import (
-	"os"
 	"path/filepath"
 	"regexp"
 	"strings"
@@ -89,24 +88,6 @@ func TestClaimHeld(t *testing.T) {
 	assert.False(t, ClaimHeld(&vmflowv1.InstanceRecord{}))
 	assert.True(t, ClaimHeld(&vmflowv1.InstanceRecord{GpuClaim: &vmflowv1.GpuClaim{}}), "even an empty INTENT counts")
 	assert.False(t, ClaimHeld(&vmflowv1.InstanceRecord{GpuClaim: &vmflowv1.GpuClaim{ReleasedAt: timestamppb.Now()}}))
-}
-
-func TestSameFileAfterUnlink(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "x.lock")
-	f, err := os.Create(path)
-	require.NoError(t, err)
-	defer f.Close()
-	same, err := sameFile(f, path)
-	require.NoError(t, err)
-	assert.True(t, same)
-	require.NoError(t, os.Remove(path))
-	same, err = sameFile(f, path)
-	require.NoError(t, err)
-	assert.False(t, same, "unlinked")
-	require.NoError(t, os.WriteFile(path, nil, 0o600))
-	same, err = sameFile(f, path)
-	require.NoError(t, err)
-	assert.False(t, same, "replaced by another inode")
 }
 
 var idRE = regexp.MustCompile(IDPattern)

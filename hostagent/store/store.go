@@ -26,6 +26,7 @@ import (
 	"slices"
 	"strings"
 
+	"vmflow/internal/fsx"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -95,7 +96,9 @@ func New(stateDir string, opts ...Option) (*Store, error) {
 		o(s)
 	}
 	for _, d := range []string{s.instances, s.locks} {
-		if err := os.MkdirAll(d, 0o700); err != nil {
+		// Durably: a record written into a directory whose own entry a
+		// power cut drops is lost with it.
+		if err := fsx.MkdirAll(d, 0o700); err != nil {
 			return nil, fmt.Errorf("open store: %w", err)
 		}
 		// MkdirAll leaves an existing directory's mode alone; tighten it.
@@ -142,7 +145,7 @@ func (s *Store) Paths(id string) (Paths, error) {
 		PID:         filepath.Join(dir, PIDFile),
 		ManualStop:  filepath.Join(dir, ManualStopFile),
 		Overlay:     filepath.Join(dir, OverlayFile),
-		OverlayTemp: filepath.Join(dir, tmpPrefix+OverlayFile),
+		OverlayTemp: filepath.Join(dir, fsx.TempPrefix+OverlayFile),
 	}, nil
 }
 
@@ -165,11 +168,21 @@ func (s *Store) Lock(ctx context.Context, id string) (*Locked, error) {
 	if err != nil {
 		return nil, err
 	}
-	fl, err := acquireFileLock(ctx, filepath.Join(s.locks, id+".lock"))
+	fl, err := lockFile(ctx, filepath.Join(s.locks, id+".lock"))
 	if err != nil {
 		return nil, fmt.Errorf("instance %s: %w", id, err)
 	}
 	return &Locked{s: s, id: id, paths: p, lock: fl}, nil
+}
+
+// lockFile takes the lock file at path; one still held by another when ctx
+// ends gives ErrBusy, which callers retry.
+func lockFile(ctx context.Context, path string) (*fsx.Lock, error) {
+	l, err := fsx.LockFile(ctx, path)
+	if errors.Is(err, fsx.ErrLockHeld) {
+		return nil, fmt.Errorf("%w: %w", ErrBusy, err)
+	}
+	return l, err
 }
 
 // withLock runs fn under instance id's lock.

@@ -84,11 +84,11 @@ func (l *Locked) AssignQEMUUID(ctx context.Context, r UIDRange, inUse func(conte
 	if r.First == 0 || r.First > r.Last {
 		return nil, fmt.Errorf("assign qemu uid to %s: invalid range %s", l.id, r)
 	}
-	hl, err := acquireFileLock(ctx, filepath.Join(l.s.root, uidLockFile))
+	hl, err := lockFile(ctx, filepath.Join(l.s.root, uidLockFile))
 	if err != nil {
 		return nil, fmt.Errorf("assign qemu uid to %s: %w", l.id, err)
 	}
-	defer hl.release(false)
+	defer hl.Release(false)
 
 	recs, err := l.s.List()
 	if _, listed := Unreadable(err); !listed {

@@ -1,10 +1,8 @@
 package supervise
 
 import (
-	"bytes"
 	"context"
 	"errors"
-	"os"
 	"strconv"
 	"time"
 
@@ -15,6 +13,7 @@ import (
 	"vmflow/hostagent/spec"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vmm"
+	"vmflow/internal/fsx"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -351,9 +350,5 @@ func cleanupFiles(ctx context.Context, p vmm.Paths, pid int) {
 	if p.QMPSocket != "" {
 		_ = vmm.RemoveStaleSocket(ctx, p.QMPSocket)
 	}
-	if b, err := os.ReadFile(p.PIDFile); err == nil {
-		if n, err := strconv.Atoi(string(bytes.TrimSpace(b))); err == nil && n == pid {
-			_ = os.Remove(p.PIDFile)
-		}
-	}
+	fsx.RemovePIDFile(p.PIDFile, pid)
 }

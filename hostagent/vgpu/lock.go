@@ -2,18 +2,17 @@ package vgpu
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
-	"syscall"
-	"time"
+
+	"vmflow/internal/fsx"
 )
 
 // hostLock serialises placement host-wide so that two spawns cannot take
 // the last slot twice: a channel for goroutines of this process (waiting on
-// it honours ctx) and flock(2) on a file in the state dir for other
-// processes (flock cannot be cancelled, so it is polled non-blocking).
+// it honours ctx without polling) and fsx's flock(2) on a file in the state
+// dir for other processes.
 type hostLock struct {
 	path string
 	sem  chan struct{}
@@ -35,37 +34,13 @@ func (l *hostLock) lock(ctx context.Context) (func(), error) {
 		release()
 		return nil, fmt.Errorf("vgpu: host lock: %w", err)
 	}
-	f, err := os.OpenFile(l.path, os.O_RDWR|os.O_CREATE, 0o600)
+	fl, err := fsx.LockFile(ctx, l.path)
 	if err != nil {
 		release()
 		return nil, fmt.Errorf("vgpu: host lock: %w", err)
 	}
-	delay := time.Millisecond
-	for {
-		err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB)
-		if err == nil {
-			break
-		}
-		if !errors.Is(err, syscall.EWOULDBLOCK) && !errors.Is(err, syscall.EINTR) {
-			f.Close()
-			release()
-			return nil, fmt.Errorf("vgpu: host lock %s: %w", l.path, err)
-		}
-		t := time.NewTimer(delay)
-		select {
-		case <-ctx.Done():
-			t.Stop()
-			f.Close()
-			release()
-			return nil, fmt.Errorf("vgpu: host lock %s: %w", l.path, ctx.Err())
-		case <-t.C:
-		}
-		if delay < 50*time.Millisecond {
-			delay *= 2
-		}
-	}
 	return func() {
-		f.Close() // drops the flock
+		_ = fl.Release(false) // closing drops the flock; nothing to report
 		release()
 	}, nil
 }

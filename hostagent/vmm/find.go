@@ -1,15 +1,13 @@
 package vmm
 
 import (
-	"bytes"
 	"context"
 	"fmt"
-	"os"
 	"os/exec"
-	"strconv"
 	"strings"
 
 	"vmflow/hostagent/proc"
+	"vmflow/internal/fsx"
 )
 
 // LaunchNonceEnv is the environment variable agents before the per-VM uid
@@ -88,10 +86,10 @@ func FindUnrecorded(ctx context.Context, cfg FindConfig) ([]proc.Identity, error
 		q.Argv = hasArgPair("-name", "guest="+cfg.Name)
 	case cfg.Nonce != "":
 		q.Env = LaunchNonceEnv + "=" + cfg.Nonce
-		q.Hint = pidFromFile(cfg.Paths.PIDFile)
+		q.Hint = fsx.ReadPIDFile(cfg.Paths.PIDFile)
 	default:
 		q.Argv = hasArgPair("-qmp", legacyQMPArg(cfg.Paths.QMPSocket))
-		q.Hint = pidFromFile(cfg.Paths.PIDFile)
+		q.Hint = fsx.ReadPIDFile(cfg.Paths.PIDFile)
 	}
 	ids, err := proc.Find(ctx, q)
 	if err != nil {
@@ -144,21 +142,4 @@ func resolveBinary(bin string) (string, error) {
 		return "", err
 	}
 	return p, nil
-}
-
-// pidFromFile is the pid a QEMU -pidfile names, 0 when there is none. Only
-// a hint: proc.Find checks the process like any other.
-func pidFromFile(path string) int {
-	if path == "" {
-		return 0
-	}
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return 0
-	}
-	n, err := strconv.Atoi(string(bytes.TrimSpace(b)))
-	if err != nil || n <= 0 {
-		return 0
-	}
-	return n
 }

@@ -1,7 +1,6 @@
 package vmm
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -9,7 +8,6 @@ import (
 	"net"
 	"os"
 	"os/exec"
-	"strconv"
 	"sync"
 	"syscall"
 	"time"
@@ -350,9 +348,6 @@ func (l *launch) fail(cause error) error {
 			cause = errors.Join(cause, fmt.Errorf("remove qmp socket: %w", err))
 		}
 	}
-	if l.child != nil {
-		removePIDFile(l.cfg.Paths.PIDFile, id.PID)
-	}
 	if l.cfg.OnFailed != nil {
 		if err := l.cfg.OnFailed(id, cause); err != nil {
 			cause = errors.Join(cause, fmt.Errorf("OnFailed: %w: %w", ErrHook, err))
@@ -414,19 +409,6 @@ func RemoveStaleSocket(ctx context.Context, path string) error {
 		return fmt.Errorf("remove stale socket: %w", err)
 	}
 	return nil
-}
-
-// removePIDFile removes QEMU's pidfile if it still names pid. QEMU removes
-// it on a clean exit but not when killed; a file naming another pid belongs
-// to another QEMU (QEMU's lock on it is what refused our launch) and stays.
-func removePIDFile(path string, pid int) {
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return
-	}
-	if n, err := strconv.Atoi(string(bytes.TrimSpace(b))); err == nil && n == pid {
-		_ = os.Remove(path)
-	}
 }
 
 // Attach returns a VM for a QEMU this process did not start (after an agent

@@ -12,6 +12,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"vmflow/internal/fsx"
 )
 
 // DefaultQEMUImg is the qemu-img binary (Debian's qemu-utils) looked up in
@@ -123,26 +125,9 @@ func createOverlay(ctx context.Context, cfg OverlayConfig) error {
 		_ = os.Remove(cfg.Temp)
 		return fmt.Errorf("%w: qemu-img create %s: %w: %s", ErrOverlay, cfg.Temp, err, strings.TrimSpace(string(out)))
 	}
-	if err := syncFile(cfg.Temp); err != nil {
+	if err := fsx.Install(cfg.Temp, cfg.Path, nil); err != nil {
 		_ = os.Remove(cfg.Temp)
-		return err
-	}
-	if err := os.Rename(cfg.Temp, cfg.Path); err != nil {
-		_ = os.Remove(cfg.Temp)
-		return fmt.Errorf("%w: rename %s: %w", ErrOverlay, cfg.Temp, err)
-	}
-	return syncFile(filepath.Dir(cfg.Path))
-}
-
-// syncFile fsyncs a file or directory by path.
-func syncFile(path string) error {
-	f, err := os.Open(path)
-	if err != nil {
-		return fmt.Errorf("%w: fsync %s: %w", ErrOverlay, path, err)
-	}
-	defer f.Close()
-	if err := f.Sync(); err != nil {
-		return fmt.Errorf("%w: fsync %s: %w", ErrOverlay, path, err)
+		return fmt.Errorf("%w: %w", ErrOverlay, err)
 	}
 	return nil
 }

@@ -9,6 +9,7 @@ import (
 
 	"vmflow/hostagent/proc"
 	"vmflow/internal/crashpoint"
+	"vmflow/internal/fsx"
 )
 
 // StopStep is how far the stop ladder got. The caller records it (OnStep)
@@ -56,7 +57,7 @@ type StopConfig struct {
 	// until proc's reaper has reaped it, so no <defunct> entry remains.
 	Child *proc.Child
 	// Paths: QMPSocket for the QMP steps (empty: go straight to signals);
-	// the socket and a pidfile still naming QEMU are removed once it is gone.
+	// the socket and a pidfile an older agent had QEMU write are removed once it is gone.
 	Paths Paths
 	// Monitor is an open QMP connection to reuse. QEMU serves one QMP client
 	// per socket, so a second dial would wait behind this one until
@@ -432,7 +433,7 @@ func (s *ladder) finish(ctx context.Context) error {
 		}
 	}
 	if p := s.cfg.Paths.PIDFile; p != "" {
-		removePIDFile(p, s.cfg.Identity.PID)
+		fsx.RemovePIDFile(p, s.cfg.Identity.PID) // only a QEMU an older agent started has one
 	}
 	s.res.Reached = StepGone
 	return s.hook(StepGone)

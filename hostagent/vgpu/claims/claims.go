@@ -26,6 +26,7 @@ import (
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vgpu"
 	"vmflow/internal/crashpoint"
+	"vmflow/internal/fsx"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -677,11 +678,9 @@ func (c *Claims) saveLedger(m map[string]time.Time) error {
 	if err != nil {
 		return err
 	}
-	tmp := c.ledger + ".tmp"
-	if err := os.WriteFile(tmp, b, 0o600); err != nil {
-		return fmt.Errorf("reconcile ledger: %w", err)
-	}
-	if err := os.Rename(tmp, c.ledger); err != nil {
+	// Durable like a record: a power cut must not restart the grace period
+	// of every orphan, nor leave an empty ledger.
+	if err := fsx.WriteFile(c.ledger, b, nil); err != nil {
 		return fmt.Errorf("reconcile ledger: %w", err)
 	}
 	return nil

@@ -5,6 +5,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -29,12 +30,33 @@ func TestMain(m *testing.M) {
 
 const profile = "GRID A100-4C"
 
+// clock is the test's time for Claims: read by goroutines Claims starts
+// (a late release records its time), so it is guarded.
+type clock struct {
+	mu sync.Mutex
+	t  time.Time
+}
+
+func newClock() *clock { return &clock{t: time.Now()} }
+
+func (c *clock) Now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.t
+}
+
+func (c *clock) Advance(d time.Duration) {
+	c.mu.Lock()
+	c.t = c.t.Add(d)
+	c.mu.Unlock()
+}
+
 type claimsEnv struct {
 	sim    *simtest.Sim
 	st     *store.Store
 	claims *claims.Claims
 	devDir string
-	now    time.Time
+	now    *clock
 }
 
 // newClaims mounts a simulator and sets up a store and claims over it. pid 1
@@ -42,7 +64,7 @@ type claimsEnv struct {
 // when it really cannot be inspected.
 func newClaims(t *testing.T, opts vgpusim.Options) *claimsEnv {
 	t.Helper()
-	e := &claimsEnv{sim: simtest.Start(t, opts), now: time.Now()}
+	e := &claimsEnv{sim: simtest.Start(t, opts), now: newClock()}
 	state, err := os.MkdirTemp("/tmp", "cl")
 	require.NoError(t, err)
 	t.Cleanup(func() { os.RemoveAll(state) })
@@ -56,7 +78,7 @@ func newClaims(t *testing.T, opts vgpusim.Options) *claimsEnv {
 	}
 	e.claims, err = claims.New(claims.Config{
 		Driver: vgpu.Config{SysfsRoot: e.sim.Root, StateDir: state}, Store: e.st, DevRoot: e.devDir,
-		OrphanGrace: time.Minute, IgnoreUninspectable: ignore, Now: func() time.Time { return e.now },
+		OrphanGrace: time.Minute, IgnoreUninspectable: ignore, Now: e.now.Now,
 	})
 	require.NoError(t, err)
 	require.NotNil(t, e.claims)
@@ -320,7 +342,7 @@ func TestReconcileOrphans(t *testing.T) {
 	node := e.vfioNode(t, orphan.ID)
 	f, err := os.Open(node)
 	require.NoError(t, err)
-	e.now = e.now.Add(2 * time.Minute)
+	e.now.Advance(2 * time.Minute)
 	res, err = e.claims.Reconcile(ctx)
 	require.NoError(t, err)
 	assert.Zero(t, res.GetOrphansRemoved(), "held open: left alone")

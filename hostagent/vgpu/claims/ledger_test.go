@@ -391,7 +391,7 @@ func TestReconcileKeepsOrphansWhileRecordUnreadable(t *testing.T) {
 		require.NoError(t, err)
 		assert.EqualValues(t, 1, res.GetUnreadableRecords())
 		assert.Zero(t, res.GetOrphansRemoved())
-		e.now = e.now.Add(2 * time.Minute)
+		e.now.Advance(2 * time.Minute)
 	}
 	require.Len(t, e.devices(t), 1, "the orphan survives while a record is unreadable")
 
@@ -399,7 +399,7 @@ func TestReconcileKeepsOrphansWhileRecordUnreadable(t *testing.T) {
 	res, err := e.claims.Reconcile(ctx)
 	require.NoError(t, err)
 	assert.Zero(t, res.GetUnreadableRecords())
-	e.now = e.now.Add(2 * time.Minute)
+	e.now.Advance(2 * time.Minute)
 	res, err = e.claims.Reconcile(ctx)
 	require.NoError(t, err)
 	assert.EqualValues(t, 1, res.GetOrphansRemoved())

@@ -67,7 +67,7 @@ func TestScanFindsReconcileWork(t *testing.T) {
 	node := e.vfioNode(t, orphan.ID)
 	f, err := os.Open(node)
 	require.NoError(t, err)
-	e.now = e.now.Add(2 * time.Minute)
+	e.now.Advance(2 * time.Minute)
 	assert.False(t, scan().Any(), "an orphan past its grace but held open")
 	require.NoError(t, f.Close())
 	assert.Equal(t, []string{"orphan:" + orphan.ID}, scan().Items, "an orphan past its grace, held by nobody")

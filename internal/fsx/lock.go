@@ -1,4 +1,4 @@
-package store
+package fsx
 
 import (
 	"context"
@@ -11,28 +11,33 @@ import (
 	"golang.org/x/sys/unix"
 )
 
+// ErrLockHeld is wrapped (with the context's error) when LockFile gives up
+// because another holder kept the lock until the context ended.
+var ErrLockHeld = errors.New("lock held by another")
+
 // Lock polling bounds. flock has no timeout and a blocked flock(2) cannot be
-// interrupted by a context, so the store polls LOCK_NB with a capped backoff
+// interrupted by a context, so LockFile polls LOCK_NB with a capped backoff
 // and gives up when the context ends.
 const (
 	lockPollMin = time.Millisecond
 	lockPollMax = 20 * time.Millisecond
 )
 
-// fileLock is an exclusive flock(2) on a lock file. flock locks belong to the
-// open file description, so two goroutines of one agent (each opening the file)
-// exclude each other just as two agents on one state dir do. Go opens files
-// close-on-exec, so a QEMU started under the lock does not inherit it.
-type fileLock struct {
+// Lock is an exclusive flock(2) on a lock file. flock locks belong to the
+// open file description, so two goroutines of one process (each opening the
+// file) exclude each other just as two processes do. Go opens files
+// close-on-exec, so a QEMU started under the lock does not inherit it; the
+// kernel drops it when its holder dies.
+type Lock struct {
 	f *os.File
 }
 
-// acquireFileLock takes an exclusive lock on path, creating the file if
-// needed, polling until ctx ends. The lock file may be unlinked by a holder
-// (Unlock removes it once the instance is gone), so after locking it checks
-// that the path still names the locked inode; a lock on an unlinked file
-// excludes nobody, so it then starts over on the new file.
-func acquireFileLock(ctx context.Context, path string) (*fileLock, error) {
+// LockFile takes an exclusive lock on path, creating the file (0600) if
+// needed, polling until ctx ends; then the error wraps ErrLockHeld and
+// ctx.Err(). A holder may unlink the lock file (Release(true)), so after
+// locking it checks that path still names the locked inode; a lock on an
+// unlinked file excludes nobody, so it then starts over on the new file.
+func LockFile(ctx context.Context, path string) (*Lock, error) {
 	wait := lockPollMin
 	var timer *time.Timer
 	defer func() {
@@ -42,7 +47,7 @@ func acquireFileLock(ctx context.Context, path string) (*fileLock, error) {
 	}()
 	for {
 		if err := ctx.Err(); err != nil {
-			return nil, fmt.Errorf("lock %s: %w: %w", path, ErrBusy, err)
+			return nil, fmt.Errorf("lock %s: %w: %w", path, ErrLockHeld, err)
 		}
 		l, err := tryLock(path)
 		if err != nil {
@@ -58,7 +63,7 @@ func acquireFileLock(ctx context.Context, path string) (*fileLock, error) {
 		}
 		select {
 		case <-ctx.Done():
-			return nil, fmt.Errorf("lock %s: %w: %w", path, ErrBusy, ctx.Err())
+			return nil, fmt.Errorf("lock %s: %w: %w", path, ErrLockHeld, ctx.Err())
 		case <-timer.C:
 		}
 		wait = min(wait*2, lockPollMax)
@@ -67,7 +72,7 @@ func acquireFileLock(ctx context.Context, path string) (*fileLock, error) {
 
 // tryLock makes one attempt: a held lock, nil without error when another
 // holder has it (or it was unlinked under us), or an error.
-func tryLock(path string) (*fileLock, error) {
+func tryLock(path string) (*Lock, error) {
 	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o600)
 	if err != nil {
 		return nil, fmt.Errorf("open lock file: %w", err)
@@ -91,7 +96,7 @@ func tryLock(path string) (*fileLock, error) {
 	if !same {
 		return nil, closeWith(f, nil)
 	}
-	return &fileLock{f: f}, nil
+	return &Lock{f: f}, nil
 }
 
 // sameFile reports whether path still names the file f has open.
@@ -117,10 +122,10 @@ func closeWith(f *os.File, err error) error {
 	return err
 }
 
-// release unlinks the lock file first when remove is set (only safe while
+// Release unlinks the lock file first when remove is set (only safe while
 // holding the lock: waiters re-check the inode), then drops the lock by
 // closing the file.
-func (l *fileLock) release(remove bool) error {
+func (l *Lock) Release(remove bool) error {
 	var errs []error
 	if remove {
 		if err := os.Remove(l.f.Name()); err != nil && !errors.Is(err, fs.ErrNotExist) {
@@ -132,3 +137,6 @@ func (l *fileLock) release(remove bool) error {
 	}
 	return errors.Join(errs...)
 }
+
+// Names reports whether path names the file l locks now.
+func (l *Lock) Names(path string) (bool, error) { return sameFile(l.f, path) }
