@@ -1,4 +1,4 @@
-package vgpu_test
+package claims_test
 
 import (
 	"context"
@@ -12,6 +12,7 @@ import (
 
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vgpu"
+	"vmflow/hostagent/vgpu/claims"
 	"vmflow/hostagent/vgpu/vgpusim"
 	"vmflow/hostagent/vgpu/vgpusim/simtest"
 	"vmflow/internal/fsx/powercut"
@@ -37,7 +38,7 @@ func TestOrphanLedgerSurvivesPowerCut(t *testing.T) {
 	open := func() {
 		e.st, err = store.New(state)
 		require.NoError(t, err)
-		e.claims, err = vgpu.NewClaims(vgpu.ClaimsConfig{
+		e.claims, err = claims.New(claims.Config{
 			Driver: vgpu.Config{SysfsRoot: e.sim.Root, StateDir: state}, Store: e.st, DevRoot: e.devDir,
 			OrphanGrace: time.Minute, IgnoreUninspectable: ignore, Now: e.now.Now,
 		})
