@@ -23,6 +23,7 @@ import (
 	"vmflow/hostagent/supervise"
 	"vmflow/hostagent/vgpu"
 	"vmflow/hostagent/vmm"
+	"vmflow/internal/contract"
 	"vmflow/internal/crashpoint"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 	"vmflow/workflows"
@@ -133,19 +134,15 @@ func heartbeat(ctx context.Context, every time.Duration, detail func() string) (
 
 const heartbeatEvery = 2 * time.Second
 
-// MaxGracefulTimeout caps a delete's graceful_timeout_seconds: the field is
-// a uint32 from outside, and 2^32 s (136 years) would park the stop ladder
-// before quit/SIGKILL for good, its vGPU never released. Capped rather than
-// refused: refusing would fail the delete after the manual-stop marker.
-const MaxGracefulTimeout = time.Hour
-
 // gracefulTimeout is the stop ladder's wait after system_powerdown for a
-// requested number of seconds: def for 0, at most MaxGracefulTimeout.
+// requested number of seconds: def for 0, at most contract.MaxGracefulTimeout
+// (capped rather than refused: refusing would fail the delete after the
+// manual-stop marker).
 func gracefulTimeout(seconds uint32, def time.Duration) time.Duration {
 	if seconds == 0 {
 		return def
 	}
-	return min(time.Duration(seconds)*time.Second, MaxGracefulTimeout)
+	return min(time.Duration(seconds)*time.Second, contract.MaxGracefulTimeout)
 }
 
 // ValidateSpawn admits the request on this host; nothing is created. It is
@@ -394,7 +391,7 @@ func (a *Activities) StopVM(ctx context.Context, req *vmflowv1.StopVMRequest) (*
 	}
 	defer done()
 	graceful := gracefulTimeout(req.GetGracefulTimeoutSeconds(), a.DefaultGraceful)
-	if uint64(req.GetGracefulTimeoutSeconds()) > uint64(MaxGracefulTimeout/time.Second) {
+	if uint64(req.GetGracefulTimeoutSeconds()) > uint64(contract.MaxGracefulTimeout/time.Second) {
 		log.Warn("graceful timeout capped", zap.Uint32("requested_seconds", req.GetGracefulTimeoutSeconds()),
 			zap.Duration("graceful", graceful))
 	}

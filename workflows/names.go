@@ -12,6 +12,8 @@ import (
 	"regexp"
 
 	"go.temporal.io/sdk/temporal"
+
+	"vmflow/internal/contract"
 )
 
 // Workflow type names, as the CLI and the platform API spell them.
@@ -24,11 +26,12 @@ const (
 // WorkflowNames lists every workflow type the worker registers.
 var WorkflowNames = []string{SpawnWorkflow, DeleteWorkflow, ReconcileWorkflow}
 
-// DefaultTaskQueue is where the workflows run (the worker's --task-queue).
-const DefaultTaskQueue = "vmflow"
+// DefaultTaskQueue is where the workflows run (the worker's --task-queue,
+// the agent's --workflow-task-queue).
+const DefaultTaskQueue = contract.DefaultTaskQueue
 
 // HostTaskQueue is the task queue of one host's agent.
-func HostTaskQueue(hostID string) string { return "vmflow-host-" + hostID }
+func HostTaskQueue(hostID string) string { return contract.HostTaskQueuePrefix + hostID }
 
 // SpawnWorkflowID is the id of an instance's spawn workflow.
 func SpawnWorkflowID(instanceID string) string { return "spawn/" + instanceID }
@@ -103,10 +106,10 @@ const (
 
 // Search attributes that make stuck work findable in the Web UI.
 var (
-	SAInstanceID     = temporal.NewSearchAttributeKeyKeyword("VmInstanceId")
-	SAHostID         = temporal.NewSearchAttributeKeyKeyword("VmHostId")
-	SAStage          = temporal.NewSearchAttributeKeyKeyword("VmStage")
-	SANeedsAttention = temporal.NewSearchAttributeKeyBool("VmNeedsAttention")
+	SAInstanceID     = temporal.NewSearchAttributeKeyKeyword(contract.SAInstanceID)
+	SAHostID         = temporal.NewSearchAttributeKeyKeyword(contract.SAHostID)
+	SAStage          = temporal.NewSearchAttributeKeyKeyword(contract.SAStage)
+	SANeedsAttention = temporal.NewSearchAttributeKeyBool(contract.SANeedsAttention)
 )
 
 // Stages (the VmStage values and the status query's stage).
@@ -134,7 +137,7 @@ const (
 	StageReconciled      = "reconciled"
 )
 
-var idPattern = regexp.MustCompile(`^[a-z0-9][a-z0-9-]{0,62}$`)
+var idPattern = regexp.MustCompile(contract.IDPattern)
 
 // ValidID reports whether s is a valid instance or host id.
 func ValidID(s string) bool { return idPattern.MatchString(s) }

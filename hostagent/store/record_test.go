@@ -13,6 +13,7 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
+	"vmflow/internal/contract"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -109,7 +110,7 @@ func TestSameFileAfterUnlink(t *testing.T) {
 	assert.False(t, same, "replaced by another inode")
 }
 
-var idRE = regexp.MustCompile(IDPattern)
+var idRE = regexp.MustCompile(contract.IDPattern)
 
 func FuzzValidateID(f *testing.F) {
 	for _, seed := range []string{"", "a", "vm1", "vm-1", "-a", "..", ".", "/", "a/b", "VM", "a\x00",

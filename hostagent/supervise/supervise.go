@@ -15,13 +15,12 @@ import (
 	"vmflow/hostagent/spec"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vmm"
+	"vmflow/internal/contract"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
 // Defaults for Config.
 const (
-	DefaultGracefulTimeout  = vmm.DefaultGracefulTimeout
-	DefaultGroupExitCap     = 30 * time.Second
 	DefaultLockTimeout      = time.Minute
 	DefaultProgressInterval = 5 * time.Second
 )
@@ -36,11 +35,11 @@ type Config struct {
 	Logger *zap.Logger
 
 	// GracefulTimeout is Stop's wait after system_powerdown when the caller
-	// passes none (DefaultGracefulTimeout).
+	// passes none (contract.DefaultGracefulTimeout).
 	GracefulTimeout time.Duration
 	// GroupExitCap bounds the wait for the whole thread group after SIGKILL,
-	// and the kill-and-reap of a failed launch (DefaultGroupExitCap: VFIO
-	// teardown can take seconds).
+	// and the kill-and-reap of a failed launch (contract.DefaultGroupExitCap:
+	// VFIO teardown can take seconds).
 	GroupExitCap time.Duration
 	// ReadyTimeout bounds fork to QMP "running" (vmm.DefaultReadyTimeout).
 	ReadyTimeout time.Duration
@@ -158,10 +157,10 @@ func New(cfg Config) (*Supervisor, error) {
 		cfg.Logger = zap.NewNop()
 	}
 	if cfg.GracefulTimeout <= 0 {
-		cfg.GracefulTimeout = DefaultGracefulTimeout
+		cfg.GracefulTimeout = contract.DefaultGracefulTimeout
 	}
 	if cfg.GroupExitCap <= 0 {
-		cfg.GroupExitCap = DefaultGroupExitCap
+		cfg.GroupExitCap = contract.DefaultGroupExitCap
 	}
 	if cfg.ReadyTimeout <= 0 {
 		cfg.ReadyTimeout = vmm.DefaultReadyTimeout
