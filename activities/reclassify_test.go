@@ -1,7 +1,6 @@
 package activities
 
 import (
-	"os"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -47,42 +46,4 @@ func TestLaunchWithoutSpecIsNotRetried(t *testing.T) {
 	assert.Equal(t, workflows.ErrTypeHostMisconfigured, ae.Type())
 	assert.True(t, ae.NonRetryable())
 	assert.ErrorContains(t, err, "no launch spec")
-}
-
-// TestUnreadableRecordEveryActivity: every activity that reads the
-// instance's record reports an unreadable one as a non-retryable
-// RecordUnreadable (store.ErrInvalidRecord), whichever host package it
-// went through; none turns it into a retryable HostError.
-func TestUnreadableRecordEveryActivity(t *testing.T) {
-	h := newHost(t)
-	require.NoError(t, h.run(t, h.acts.CreateRecord, spawnReq("vm1"), nil))
-	p, err := h.st.Paths("vm1")
-	require.NoError(t, err)
-	require.NoError(t, os.WriteFile(p.Record, []byte("{"), 0o600))
-	require.NoError(t, h.st.MarkManualStop(t.Context(), "vm1"), "the marker does not need the record")
-
-	ref := &vmflowv1.InstanceRef{InstanceId: "vm1"}
-	for _, c := range []struct {
-		name string
-		fn   any
-		in   any
-	}{
-		{"CreateRecord", h.acts.CreateRecord, spawnReq("vm1")},
-		{"ClaimVGPU", h.acts.ClaimVGPU, &vmflowv1.ClaimVGPURequest{InstanceId: "vm1", VgpuProfile: spawnReq("vm1").GetVgpuProfile()}},
-		{"LaunchVM", h.acts.LaunchVM, &vmflowv1.LaunchVMRequest{InstanceId: "vm1"}},
-		{"BeginDelete", h.acts.BeginDelete, &vmflowv1.BeginDeleteRequest{InstanceId: "vm1"}},
-		{"StopVM", h.acts.StopVM, &vmflowv1.StopVMRequest{InstanceId: "vm1"}},
-		{"WaitVMExit", h.acts.WaitVMExit, ref},
-		{"ReleaseVGPU", h.acts.ReleaseVGPU, ref},
-		{"TearDown", h.acts.TearDown, ref},
-		{"DeleteRecord", h.acts.DeleteRecord, ref},
-	} {
-		err := h.run(t, c.fn, c.in, nil)
-		if !assert.Error(t, err, c.name) {
-			continue
-		}
-		ae := appError(t, err)
-		assert.Equal(t, workflows.ErrTypeRecordUnreadable, ae.Type(), "%s: %v", c.name, err)
-		assert.True(t, ae.NonRetryable(), c.name)
-	}
 }
