@@ -23,6 +23,7 @@ import (
 	"vmflow/hostagent/supervise"
 	"vmflow/hostagent/vgpu"
 	"vmflow/hostagent/vmm"
+	"vmflow/internal/contract"
 	"vmflow/internal/crashpoint"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 	"vmflow/workflows"
@@ -60,44 +61,24 @@ type Activities struct {
 	DefaultGraceful time.Duration
 	Logger          *zap.Logger
 	Metrics         *metrics.Agent // nil: no metrics
-
-	mu       sync.Mutex
-	inflight map[string]string // instance id -> activity running on it
 }
 
 var _ workflows.HostActivities = (*Activities)(nil)
 
-// errBusy: another attempt of an activity still works on the instance.
-var errBusy = errors.New("instance busy")
-
-// begin marks the instance as worked on by activity name, so an attempt that
-// overlaps a previous attempt still running (its heartbeat timed out, the
-// server retried) gets a retryable busy rather than a second concurrent run.
-func (a *Activities) begin(ctx context.Context, id string) (context.Context, func(), *zap.Logger, error) {
+// begin checks the instance id and returns the activity's logger. It takes
+// no lock of its own: an attempt that overlaps a previous attempt still
+// running on the instance (its heartbeat timed out, the server retried) is
+// kept apart by the host's two layers (see supervise's instance type): a
+// second StopVM fails fast with a retryable Busy, anything else waits for
+// the store's lock within its own deadline and is Busy if it ends first.
+func (a *Activities) begin(ctx context.Context, id string) (*zap.Logger, error) {
 	info := activity.GetInfo(ctx)
-	ctx, done, log, err := a.beginNamed(ctx, id, info.ActivityType.Name)
-	return ctx, done, log.With(zap.String("workflow_id", info.WorkflowExecution.ID)), err
-}
-
-func (a *Activities) beginNamed(ctx context.Context, id, name string) (context.Context, func(), *zap.Logger, error) {
-	log := a.log().With(zap.String("instance_id", id), zap.String("activity", name))
+	log := a.log().With(zap.String("instance_id", id), zap.String("activity", info.ActivityType.Name),
+		zap.String("workflow_id", info.WorkflowExecution.ID))
 	if err := store.ValidateID(id); err != nil {
-		return ctx, func() {}, log, classify(err)
+		return log, classify(err)
 	}
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	if a.inflight == nil {
-		a.inflight = map[string]string{}
-	}
-	if other, ok := a.inflight[id]; ok {
-		return ctx, func() {}, log, classify(fmt.Errorf("%w: %s on %s is still running", errBusy, other, id))
-	}
-	a.inflight[id] = name
-	return ctx, func() {
-		a.mu.Lock()
-		delete(a.inflight, id)
-		a.mu.Unlock()
-	}, log, nil
+	return log, nil
 }
 
 func (a *Activities) log() *zap.Logger {
@@ -133,19 +114,15 @@ func heartbeat(ctx context.Context, every time.Duration, detail func() string) (
 
 const heartbeatEvery = 2 * time.Second
 
-// MaxGracefulTimeout caps a delete's graceful_timeout_seconds: the field is
-// a uint32 from outside, and 2^32 s (136 years) would park the stop ladder
-// before quit/SIGKILL for good, its vGPU never released. Capped rather than
-// refused: refusing would fail the delete after the manual-stop marker.
-const MaxGracefulTimeout = time.Hour
-
 // gracefulTimeout is the stop ladder's wait after system_powerdown for a
-// requested number of seconds: def for 0, at most MaxGracefulTimeout.
+// requested number of seconds: def for 0, at most contract.MaxGracefulTimeout
+// (capped rather than refused: refusing would fail the delete after the
+// manual-stop marker).
 func gracefulTimeout(seconds uint32, def time.Duration) time.Duration {
 	if seconds == 0 {
 		return def
 	}
-	return min(time.Duration(seconds)*time.Second, MaxGracefulTimeout)
+	return min(time.Duration(seconds)*time.Second, contract.MaxGracefulTimeout)
 }
 
 // ValidateSpawn admits the request on this host; nothing is created. It is
@@ -178,11 +155,10 @@ func (a *Activities) admitSpawn(ctx context.Context, req *vmflowv1.SpawnRequest)
 // a caller's own workflow may schedule CreateRecord without ValidateSpawn.
 // Nothing is written for a refused request.
 func (a *Activities) CreateRecord(ctx context.Context, req *vmflowv1.SpawnRequest) (*vmflowv1.CreateRecordResult, error) {
-	ctx, done, log, err := a.begin(ctx, req.GetInstanceId())
+	log, err := a.begin(ctx, req.GetInstanceId())
 	if err != nil {
 		return nil, err
 	}
-	defer done()
 	if err := a.admitSpawn(ctx, req); err != nil {
 		return nil, err
 	}
@@ -223,11 +199,10 @@ func (a *Activities) CreateRecord(ctx context.Context, req *vmflowv1.SpawnReques
 
 // ClaimVGPU claims a vGPU of the requested profile for the instance.
 func (a *Activities) ClaimVGPU(ctx context.Context, req *vmflowv1.ClaimVGPURequest) (*vmflowv1.ClaimVGPUResult, error) {
-	ctx, done, log, err := a.begin(ctx, req.GetInstanceId())
+	log, err := a.begin(ctx, req.GetInstanceId())
 	if err != nil {
 		return nil, err
 	}
-	defer done()
 	if err := spec.CheckBound("vgpu_profile", req.GetVgpuProfile()); err != nil {
 		return nil, classify(fmt.Errorf("claim vGPU: %w", err))
 	}
@@ -265,11 +240,10 @@ func mdevUUID(c *vmflowv1.GpuClaim) string {
 // answer is a non-retryable InstanceExists saying what is there
 // (invariant 9: nothing touched).
 func (a *Activities) LaunchVM(ctx context.Context, req *vmflowv1.LaunchVMRequest) (*vmflowv1.LaunchVMResult, error) {
-	ctx, done, log, err := a.begin(ctx, req.GetInstanceId())
+	log, err := a.begin(ctx, req.GetInstanceId())
 	if err != nil {
 		return nil, err
 	}
-	defer done()
 	id := req.GetInstanceId()
 	if req.GetExistingOnly() {
 		res, err := a.existing(ctx, id)
@@ -334,11 +308,10 @@ func (a *Activities) launchResult(rec *vmflowv1.InstanceRecord, pid int, already
 // is ours), is reported not_owned with nothing written. The check and the
 // writes run under one instance lock, so no create can slip between them.
 func (a *Activities) BeginDelete(ctx context.Context, req *vmflowv1.BeginDeleteRequest) (*vmflowv1.BeginDeleteResult, error) {
-	ctx, done, log, err := a.begin(ctx, req.GetInstanceId())
+	log, err := a.begin(ctx, req.GetInstanceId())
 	if err != nil {
 		return nil, err
 	}
-	defer done()
 	for _, f := range []struct{ field, v string }{
 		{"only_if_created_by_workflow_id", req.GetOnlyIfCreatedByWorkflowId()},
 		{"only_if_created_by_run_id", req.GetOnlyIfCreatedByRunId()},
@@ -387,13 +360,12 @@ func (a *Activities) BeginDelete(ctx context.Context, req *vmflowv1.BeginDeleteR
 
 // StopVM runs the stop ladder (resuming where the record says it was).
 func (a *Activities) StopVM(ctx context.Context, req *vmflowv1.StopVMRequest) (*vmflowv1.StopVMResult, error) {
-	ctx, done, log, err := a.begin(ctx, req.GetInstanceId())
+	log, err := a.begin(ctx, req.GetInstanceId())
 	if err != nil {
 		return nil, err
 	}
-	defer done()
 	graceful := gracefulTimeout(req.GetGracefulTimeoutSeconds(), a.DefaultGraceful)
-	if uint64(req.GetGracefulTimeoutSeconds()) > uint64(MaxGracefulTimeout/time.Second) {
+	if uint64(req.GetGracefulTimeoutSeconds()) > uint64(contract.MaxGracefulTimeout/time.Second) {
 		log.Warn("graceful timeout capped", zap.Uint32("requested_seconds", req.GetGracefulTimeoutSeconds()),
 			zap.Duration("graceful", graceful))
 	}
@@ -436,11 +408,10 @@ func stepNeeded(res vmm.StopResult) string {
 // WaitVMExit returns once the VM's whole thread group is gone, heartbeating
 // what it still sees ("2 tasks of pid 4242 still running").
 func (a *Activities) WaitVMExit(ctx context.Context, ref *vmflowv1.InstanceRef) error {
-	ctx, done, log, err := a.begin(ctx, ref.GetInstanceId())
+	log, err := a.begin(ctx, ref.GetInstanceId())
 	if err != nil {
 		return err
 	}
-	defer done()
 	err = a.Supervisor.WaitExit(ctx, ref.GetInstanceId(), func(st proc.Status) {
 		activity.RecordHeartbeat(ctx, fmt.Sprintf("%d tasks of pid %d still running (%s)", st.Tasks, st.PID, st.State))
 	})
@@ -456,11 +427,10 @@ func (a *Activities) WaitVMExit(ctx context.Context, ref *vmflowv1.InstanceRef) 
 // A failure keeps the claim and the record (invariant 1); the workflow
 // retries.
 func (a *Activities) ReleaseVGPU(ctx context.Context, ref *vmflowv1.InstanceRef) (*vmflowv1.ReleaseVGPUResult, error) {
-	ctx, done, log, err := a.begin(ctx, ref.GetInstanceId())
+	log, err := a.begin(ctx, ref.GetInstanceId())
 	if err != nil {
 		return nil, err
 	}
-	defer done()
 	if a.GPUs == nil {
 		// Invariant 12 without losing invariant 1: an agent started with
 		// --vgpu-driver=none cannot release a claim, and saying "released"
@@ -490,7 +460,7 @@ func (a *Activities) ReleaseVGPU(ctx context.Context, ref *vmflowv1.InstanceRef)
 		// The claim and the record are kept; the error goes back to the
 		// workflow, which retries (logged by the SDK, not here).
 		ce := classify(fmt.Errorf("release vGPU of %s: %w", ref.GetInstanceId(), err))
-		return nil, retype(ce, ErrTypeReleaseFailed)
+		return nil, retype(ce, workflows.ErrTypeReleaseFailed)
 	}
 	crashpoint.Hit(crashpoint.ActivityReleaseVGPUDone)
 	if released {
@@ -504,11 +474,10 @@ func (a *Activities) ReleaseVGPU(ctx context.Context, ref *vmflowv1.InstanceRef)
 // still live: recorded, or forked by an agent that died before recording it
 // (supervise.TearDown finds and adopts that one first).
 func (a *Activities) TearDown(ctx context.Context, ref *vmflowv1.InstanceRef) error {
-	ctx, done, log, err := a.begin(ctx, ref.GetInstanceId())
+	log, err := a.begin(ctx, ref.GetInstanceId())
 	if err != nil {
 		return err
 	}
-	defer done()
 	if err := a.Supervisor.TearDown(ctx, ref.GetInstanceId()); err != nil {
 		return classify(fmt.Errorf("tear down: %w", err))
 	}
@@ -523,11 +492,10 @@ var errVGPUUnavailable = errors.New("vGPU claim cannot be served by this agent")
 // DeleteRecord removes the instance record. The store refuses while it holds
 // a GPU claim (invariant 1); a record already gone is success.
 func (a *Activities) DeleteRecord(ctx context.Context, ref *vmflowv1.InstanceRef) error {
-	ctx, done, log, err := a.begin(ctx, ref.GetInstanceId())
+	log, err := a.begin(ctx, ref.GetInstanceId())
 	if err != nil {
 		return err
 	}
-	defer done()
 	err = a.Store.Delete(ctx, ref.GetInstanceId())
 	if errors.Is(err, store.ErrIllegalTransition) {
 		// A record left in ReleaseFailed by a release whose success was

@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.temporal.io/sdk/temporal"
 	"go.temporal.io/sdk/testsuite"
+	"go.temporal.io/sdk/worker"
 	"go.uber.org/zap/zaptest"
 
 	"vmflow/hostagent/proc"
@@ -174,11 +175,11 @@ func TestSpawnAndDeleteThroughActivities(t *testing.T) {
 	require.NoError(t, os.WriteFile(fault, []byte("EBUSY"), 0o644))
 	err = h.run(t, a.ReleaseVGPU, ref, nil)
 	ae := appError(t, err)
-	assert.Equal(t, ErrTypeReleaseFailed, ae.Type())
+	assert.Equal(t, workflows.ErrTypeReleaseFailed, ae.Type())
 	assert.False(t, ae.NonRetryable())
 	assert.Contains(t, err.Error(), "device or resource busy")
 	err = h.run(t, a.DeleteRecord, ref, nil)
-	assert.Equal(t, ErrTypeClaimHeld, appError(t, err).Type())
+	assert.Equal(t, workflows.ErrTypeClaimHeld, appError(t, err).Type())
 	rec, err = h.st.Get("vm1")
 	require.NoError(t, err)
 	assert.True(t, store.ClaimHeld(rec))
@@ -232,25 +233,56 @@ func TestConflictingCreateAndSpawnWhileDeleting(t *testing.T) {
 	assert.Equal(t, workflows.ErrTypeInstanceDeleting, appError(t, err).Type())
 }
 
-// TestOverlappingAttemptIsBusy: a retry that overlaps a still-running
-// attempt on the same instance gets a retryable busy, not a second run.
-func TestOverlappingAttemptIsBusy(t *testing.T) {
-	a := &Activities{}
-	ctx := context.Background()
-	_, done, _, err := a.beginNamed(ctx, "vm1", "StopVM")
-	require.NoError(t, err)
-	_, _, _, err = a.beginNamed(ctx, "vm1", "StopVM")
+// TestOverlappingStopIsBusy: a StopVM attempt that overlaps a previous
+// attempt still running its ladder (the heartbeat timed out, the server
+// retried) fails fast with a retryable Busy instead of running a second
+// ladder; the first goes on to the end.
+func TestOverlappingStopIsBusy(t *testing.T) {
+	h := newHost(t)
+	req := spawnReq("vm1")
+	req.VgpuProfile = ""
+	require.NoError(t, h.run(t, h.acts.CreateRecord, req, nil))
+	require.NoError(t, h.run(t, h.acts.LaunchVM, &vmflowv1.LaunchVMRequest{InstanceId: "vm1"}, nil))
+	require.NoError(t, h.run(t, h.acts.BeginDelete, &vmflowv1.BeginDeleteRequest{InstanceId: "vm1"}, nil))
+
+	// machine none ignores the power button: the first ladder sits in its
+	// graceful wait while the second attempt arrives.
+	first := newActivityEnv(t, h.acts, 30*time.Second)
+	done := make(chan error, 1)
+	go func() {
+		_, err := first.ExecuteActivity(h.acts.StopVM, &vmflowv1.StopVMRequest{InstanceId: "vm1", GracefulTimeoutSeconds: 5})
+		done <- err
+	}()
+	require.Eventually(t, func() bool {
+		rec, err := h.st.Get("vm1")
+		return err == nil && rec.GetStopStep() == vmflowv1.StopStep_STOP_STEP_POWERDOWN_SENT
+	}, 10*time.Second, 5*time.Millisecond)
+	_, err := newActivityEnv(t, h.acts, 30*time.Second).ExecuteActivity(h.acts.StopVM, &vmflowv1.StopVMRequest{InstanceId: "vm1"})
 	ae := appError(t, err)
 	assert.Equal(t, workflows.ErrTypeBusy, ae.Type())
 	assert.False(t, ae.NonRetryable())
-	assert.Contains(t, err.Error(), "StopVM on vm1 is still running")
-	_, done2, _, err := a.beginNamed(ctx, "vm2", "StopVM")
-	require.NoError(t, err, "other instances are not blocked")
-	done2()
-	done()
-	_, done3, _, err := a.beginNamed(ctx, "vm1", "StopVM")
-	require.NoError(t, err, "free again once the first attempt returned")
-	done3()
+	select {
+	case err := <-done:
+		t.Fatalf("the second attempt waited for the first (which returned %v) instead of failing fast", err)
+	default:
+	}
+	require.NoError(t, <-done)
+	rec, err := h.st.Get("vm1")
+	require.NoError(t, err)
+	assert.Equal(t, vmflowv1.StopStep_STOP_STEP_GONE, rec.GetStopStep())
+}
+
+// newActivityEnv is an activity test environment of its own for acts (one
+// per concurrent call), whose activities' contexts end after timeout (the
+// test environment's own StartToClose is ten minutes).
+func newActivityEnv(t *testing.T, acts *Activities, timeout time.Duration) *testsuite.TestActivityEnvironment {
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	t.Cleanup(cancel)
+	var s testsuite.WorkflowTestSuite
+	env := s.NewTestActivityEnvironment()
+	env.SetWorkerOptions(worker.Options{BackgroundActivityContext: ctx})
+	env.RegisterActivity(acts)
+	return env
 }
 
 func TestClassify(t *testing.T) {
@@ -263,22 +295,25 @@ func TestClassify(t *testing.T) {
 		{store.ErrInvalidID, workflows.ErrTypeInvalidInput, true},
 		{store.ErrConflict, workflows.ErrTypeConflict, true},
 		{supervise.ErrManualStop, workflows.ErrTypeInstanceDeleting, true},
+		{fmt.Errorf("launch instance vm1: %w (state deleting)", store.ErrDeleting), workflows.ErrTypeInstanceDeleting, true},
+		{fmt.Errorf("stop instance vm1: %w", store.ErrManualStopMissing), workflows.ErrTypeManualStopMissing, true},
+		{fmt.Errorf("launch: instance vm1: %w: it has a vGPU", supervise.ErrNoSpec), workflows.ErrTypeHostMisconfigured, true},
 		{proc.ErrIncompleteIdentity, workflows.ErrTypeIdentityMismatch, true},
-		{supervise.ErrBusy, workflows.ErrTypeBusy, false},
-		{store.ErrClaimHeld, ErrTypeClaimHeld, false},
-		{vgpu.ErrNoCapacity, ErrTypeNoCapacity, false},
+		{store.ErrBusy, workflows.ErrTypeBusy, false},
+		{store.ErrClaimHeld, workflows.ErrTypeClaimHeld, false},
+		{vgpu.ErrNoCapacity, workflows.ErrTypeNoCapacity, false},
 		{store.ErrInvalidRecord, workflows.ErrTypeRecordUnreadable, true},
 		{errVGPUUnavailable, workflows.ErrTypeVGPUUnavailable, true},
-		{vgpu.ErrClaimedByOther, ErrTypeDeviceClaimedTwice, true},
-		{supervise.ErrUnrecordedAmbiguous, ErrTypeAmbiguousQEMU, true},
-		{supervise.ErrStillRunning, ErrTypeStillAlive, false},
-		{claims.ErrClaimDeviceMissing, ErrTypeClaimDeviceMissing, false},
-		{vgpu.ErrRecordsUnreadable, ErrTypeHost, false},
-		{fmt.Errorf("launch: %w", &vmm.KVMAccessError{Path: "/dev/kvm", Mode: 0o600}), ErrTypeHostMisconfigured, true},
-		{vmm.ErrNoQEMUUID, ErrTypeHostMisconfigured, true},
-		{fmt.Errorf("launch: %w", store.ErrNoFreeUID), ErrTypeNoQEMUUID, false},
-		{syscall.EIO, ErrTypeHost, false},
-		{errors.New("anything else"), ErrTypeHost, false},
+		{vgpu.ErrClaimedByOther, workflows.ErrTypeDeviceClaimedTwice, true},
+		{supervise.ErrUnrecordedAmbiguous, workflows.ErrTypeAmbiguousQEMU, true},
+		{supervise.ErrStillRunning, workflows.ErrTypeStillAlive, false},
+		{claims.ErrClaimDeviceMissing, workflows.ErrTypeClaimDeviceMissing, false},
+		{vgpu.ErrRecordsUnreadable, workflows.ErrTypeHost, false},
+		{fmt.Errorf("launch: %w", &vmm.KVMAccessError{Path: "/dev/kvm", Mode: 0o600}), workflows.ErrTypeHostMisconfigured, true},
+		{vmm.ErrNoQEMUUID, workflows.ErrTypeHostMisconfigured, true},
+		{fmt.Errorf("launch: %w", store.ErrNoFreeUID), workflows.ErrTypeNoQEMUUID, false},
+		{syscall.EIO, workflows.ErrTypeHost, false},
+		{errors.New("anything else"), workflows.ErrTypeHost, false},
 	}
 	for _, tt := range tests {
 		ae := appError(t, classify(tt.err))

@@ -7,6 +7,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 
+	"vmflow/internal/contract"
 	"vmflow/workflows"
 )
 
@@ -23,6 +24,6 @@ func TestGracefulTimeoutCapped(t *testing.T) {
 	} {
 		assert.Equal(t, tc.want, gracefulTimeout(tc.in, def), "%d s", tc.in)
 	}
-	assert.Equal(t, MaxGracefulTimeout, time.Duration(workflows.MaxGracefulTimeoutSeconds)*time.Second,
+	assert.Equal(t, contract.MaxGracefulTimeout, time.Duration(workflows.MaxGracefulTimeoutSeconds)*time.Second,
 		"the client's bound and the agent's cap are the same")
 }

@@ -126,6 +126,28 @@ func TestUnreadableRecordIsNotRetried(t *testing.T) {
 
 	err = h.run(t, h.acts.CreateRecord, spawnReq("vm1"), nil)
 	assert.Equal(t, workflows.ErrTypeRecordUnreadable, appError(t, err).Type(), "a spawn finding it is told, not retried")
+
+	// Every other activity that reads the record says the same, whichever
+	// host package it went through: none turns it into a retryable
+	// HostError.
+	ref := &vmflowv1.InstanceRef{InstanceId: "vm1"}
+	for _, c := range []struct {
+		name string
+		fn   any
+		in   any
+	}{
+		{"ClaimVGPU", h.acts.ClaimVGPU, &vmflowv1.ClaimVGPURequest{InstanceId: "vm1", VgpuProfile: spawnReq("vm1").GetVgpuProfile()}},
+		{"LaunchVM", h.acts.LaunchVM, &vmflowv1.LaunchVMRequest{InstanceId: "vm1"}},
+		{"StopVM", h.acts.StopVM, &vmflowv1.StopVMRequest{InstanceId: "vm1"}},
+		{"WaitVMExit", h.acts.WaitVMExit, ref},
+		{"ReleaseVGPU", h.acts.ReleaseVGPU, ref},
+		{"TearDown", h.acts.TearDown, ref},
+		{"DeleteRecord", h.acts.DeleteRecord, ref},
+	} {
+		ae := appError(t, h.run(t, c.fn, c.in, nil))
+		assert.Equal(t, workflows.ErrTypeRecordUnreadable, ae.Type(), "%s: %v", c.name, ae)
+		assert.True(t, ae.NonRetryable(), c.name)
+	}
 }
 
 // TestReleaseWithoutDriverKeepsClaim: an agent without a vGPU driver does

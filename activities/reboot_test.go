@@ -12,6 +12,7 @@ import (
 
 	"vmflow/hostagent/vgpu/vgpusim"
 	vmflowv1 "vmflow/proto/vmflow/v1"
+	"vmflow/workflows"
 )
 
 // TestLaunchRecreatesVGPULostInReboot (hole 6): mdev devices do not survive
@@ -42,7 +43,7 @@ func TestLaunchRecreatesVGPULostInReboot(t *testing.T) {
 	h.sim.Set(t, vgpusim.CtlFailCreate, "EIO")
 	err := h.run(t, h.acts.LaunchVM, &vmflowv1.LaunchVMRequest{InstanceId: "vm1"}, nil)
 	ae := appError(t, err)
-	assert.Equal(t, ErrTypeClaimDeviceMissing, ae.Type())
+	assert.Equal(t, workflows.ErrTypeClaimDeviceMissing, ae.Type())
 	assert.Contains(t, ae.Error(), claim.GetVgpuUuid())
 	rec, err := h.st.Get("vm1")
 	require.NoError(t, err)

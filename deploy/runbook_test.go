@@ -77,7 +77,7 @@ func (h *stuckHost) ReleaseVGPU(context.Context, *vmflowv1.InstanceRef) (*vmflow
 	// NonRetryable: each round is one attempt, so the workflow (not the
 	// activity retry policy) shows release-failed at once.
 	return nil, temporal.NewNonRetryableApplicationError(
-		"write /sys/bus/mdev/devices/0b6f1a9e/remove: device or resource busy", "ReleaseFailed", nil)
+		"write /sys/bus/mdev/devices/0b6f1a9e/remove: device or resource busy", workflows.ErrTypeReleaseFailed, nil)
 }
 func (*stuckHost) TearDown(context.Context, *vmflowv1.InstanceRef) error     { return nil }
 func (*stuckHost) DeleteRecord(context.Context, *vmflowv1.InstanceRef) error { return nil }

@@ -48,7 +48,7 @@ func (*rolloutHost) ClaimVGPU(context.Context, *vmflowv1.ClaimVGPURequest) (*vmf
 }
 func (h *rolloutHost) LaunchVM(ctx context.Context, req *vmflowv1.LaunchVMRequest) (*vmflowv1.LaunchVMResult, error) {
 	if req.GetInstanceId() == failLaunch {
-		return nil, temporal.NewNonRetryableApplicationError("qemu exited with status 1", "LaunchFailed", nil)
+		return nil, temporal.NewNonRetryableApplicationError("qemu exited with status 1", workflows.ErrTypeLaunchFailed, nil)
 	}
 	select {
 	case <-h.launch:
@@ -68,7 +68,7 @@ func (h *rolloutHost) ReleaseVGPU(context.Context, *vmflowv1.InstanceRef) (*vmfl
 	if h.failRelease.Load() {
 		// NonRetryable: each round is one attempt, so the delete parks
 		// in release-failed at once.
-		return nil, temporal.NewNonRetryableApplicationError("write remove: device or resource busy", "ReleaseFailed", nil)
+		return nil, temporal.NewNonRetryableApplicationError("write remove: device or resource busy", workflows.ErrTypeReleaseFailed, nil)
 	}
 	return &vmflowv1.ReleaseVGPUResult{Released: true}, nil
 }

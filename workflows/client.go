@@ -10,6 +10,7 @@ import (
 	"go.temporal.io/sdk/client"
 	"go.temporal.io/sdk/temporal"
 
+	"vmflow/internal/contract"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -37,9 +38,9 @@ var ErrInvalidID = errors.New("invalid id")
 // ErrInvalidInput is returned for a request field out of its range.
 var ErrInvalidInput = errors.New("invalid input")
 
-// MaxGracefulTimeoutSeconds bounds DeleteRequest.graceful_timeout_seconds
-// (the host agent's activities.MaxGracefulTimeout).
-const MaxGracefulTimeoutSeconds = 3600
+// MaxGracefulTimeoutSeconds bounds DeleteRequest.graceful_timeout_seconds:
+// contract.MaxGracefulTimeout, which the agent also caps at.
+const MaxGracefulTimeoutSeconds = uint32(contract.MaxGracefulTimeout / time.Second)
 
 func checkIDs(instanceID, hostID string) error {
 	if !ValidID(instanceID) {

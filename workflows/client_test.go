@@ -48,7 +48,7 @@ func (h *scriptedHost) StopVM(context.Context, *vmflowv1.StopVMRequest) (*vmflow
 
 func (h *scriptedHost) ReleaseVGPU(context.Context, *vmflowv1.InstanceRef) (*vmflowv1.ReleaseVGPUResult, error) {
 	if h.failRelease.Load() {
-		return nil, temporal.NewApplicationError("write remove: device or resource busy", "ReleaseFailed")
+		return nil, temporal.NewApplicationError("write remove: device or resource busy", ErrTypeReleaseFailed)
 	}
 	return &vmflowv1.ReleaseVGPUResult{Released: true}, nil
 }

@@ -12,6 +12,8 @@ import (
 	"regexp"
 
 	"go.temporal.io/sdk/temporal"
+
+	"vmflow/internal/contract"
 )
 
 // Workflow type names, as the CLI and the platform API spell them.
@@ -24,11 +26,12 @@ const (
 // WorkflowNames lists every workflow type the worker registers.
 var WorkflowNames = []string{SpawnWorkflow, DeleteWorkflow, ReconcileWorkflow}
 
-// DefaultTaskQueue is where the workflows run (the worker's --task-queue).
-const DefaultTaskQueue = "vmflow"
+// DefaultTaskQueue is where the workflows run (the worker's --task-queue,
+// the agent's --workflow-task-queue).
+const DefaultTaskQueue = contract.DefaultTaskQueue
 
 // HostTaskQueue is the task queue of one host's agent.
-func HostTaskQueue(hostID string) string { return "vmflow-host-" + hostID }
+func HostTaskQueue(hostID string) string { return contract.HostTaskQueuePrefix + hostID }
 
 // SpawnWorkflowID is the id of an instance's spawn workflow.
 func SpawnWorkflowID(instanceID string) string { return "spawn/" + instanceID }
@@ -71,14 +74,17 @@ var HostActivityNames = []string{
 	ActivityTearDown, ActivityDeleteRecord, ActivityReconcileHost,
 }
 
-// Error types of non-retryable application errors: the activities set them,
-// the workflows branch on them.
+// Error types: the Type of every application error a host activity
+// returns (activities.classify sets them), which the workflows branch on
+// and the Web UI shows. This is the one list. A host error of no class
+// here is HostError, retryable.
 const (
+	// Non-retryable: no retry can change the answer.
+
 	ErrTypeInvalidInput     = "InvalidInput"
 	ErrTypeIdentityMismatch = "IdentityMismatch"
 	ErrTypeConflict         = "Conflict"         // a record with another spec exists
 	ErrTypeInstanceDeleting = "InstanceDeleting" // spawn of an instance being deleted
-	ErrTypeBusy             = "Busy"             // another attempt works on the instance (retryable)
 	ErrTypeHostUnreachable  = "HostUnreachable"  // the spawn gave up waiting for its host
 	// A spawn found an instance another spawn created that is not running
 	// as asked (exited, paused, hung, a launch in progress, unreadable): it
@@ -99,14 +105,55 @@ const (
 	// root removed, a lower maximum), or the record was written by a
 	// caller that skipped admission. Nothing was started or opened.
 	ErrTypeAdmissionRefused = "AdmissionRefused"
+	// Two held claims name one vGPU device (invariant 10 broken by a
+	// record from before the ledger, or by hand). Acting on the device
+	// could destroy the other instance's vGPU, so an operator decides.
+	ErrTypeDeviceClaimedTwice = "DeviceClaimedTwice"
+	// More than one process looks like the instance's unrecorded QEMU (a
+	// record from an agent before launch markers, and a copy someone
+	// started by hand). Nothing is signalled; an operator decides.
+	ErrTypeAmbiguousQEMU = "AmbiguousQEMU"
+	// The host cannot run this launch as configured: /dev/kvm's group
+	// cannot open it (so a confined QEMU could not either), a launch came
+	// without a uid of its own for QEMU, or the agent's wiring gives no
+	// launch spec for the record (supervise.ErrNoSpec). No retry changes that; the spawn fails at once
+	// saying why, and an operator fixes the host.
+	ErrTypeHostMisconfigured = "HostMisconfigured"
+	// A stop or a move to deleting was asked for without the manual-stop
+	// marker (invariant 6): the caller skipped BeginDelete, or the marker
+	// was removed by hand. Stopping anyway would let the restart policy
+	// bring the VM back.
+	ErrTypeManualStopMissing = "ManualStopMissing"
+
+	// Retryable: the host may answer otherwise later.
+
+	ErrTypeBusy = "Busy" // another operation works on the instance
+	// The VM's thread group outlived the stop ladder: treat it as alive.
+	ErrTypeStillAlive = "VMStillAlive"
+	// QEMU exited or did not answer QMP in time during a launch.
+	ErrTypeLaunchFailed = "LaunchFailed"
+	// A vGPU release failed; the claim and the record are kept.
+	ErrTypeReleaseFailed = "ReleaseFailed"
+	// The record still holds a vGPU claim (invariant 1).
+	ErrTypeClaimHeld = "ClaimHeld"
+	// No vGPU of the profile is free on the host.
+	ErrTypeNoCapacity = "NoVGPUCapacity"
+	// Every uid of the agent's --qemu-uid-range is taken (by records or
+	// live processes): a launch waits for one to be freed.
+	ErrTypeNoQEMUUID = "NoQEMUUID"
+	// The instance's claimed vGPU is missing (after a reboot) and could not
+	// be re-created where the claim says: the launch waits for it.
+	ErrTypeClaimDeviceMissing = "ClaimDeviceMissing"
+	// Anything else that failed on the host.
+	ErrTypeHost = "HostError"
 )
 
 // Search attributes that make stuck work findable in the Web UI.
 var (
-	SAInstanceID     = temporal.NewSearchAttributeKeyKeyword("VmInstanceId")
-	SAHostID         = temporal.NewSearchAttributeKeyKeyword("VmHostId")
-	SAStage          = temporal.NewSearchAttributeKeyKeyword("VmStage")
-	SANeedsAttention = temporal.NewSearchAttributeKeyBool("VmNeedsAttention")
+	SAInstanceID     = temporal.NewSearchAttributeKeyKeyword(contract.SAInstanceID)
+	SAHostID         = temporal.NewSearchAttributeKeyKeyword(contract.SAHostID)
+	SAStage          = temporal.NewSearchAttributeKeyKeyword(contract.SAStage)
+	SANeedsAttention = temporal.NewSearchAttributeKeyBool(contract.SANeedsAttention)
 )
 
 // Stages (the VmStage values and the status query's stage).
@@ -134,7 +181,7 @@ const (
 	StageReconciled      = "reconciled"
 )
 
-var idPattern = regexp.MustCompile(`^[a-z0-9][a-z0-9-]{0,62}$`)
+var idPattern = regexp.MustCompile(contract.IDPattern)
 
 // ValidID reports whether s is a valid instance or host id.
 func ValidID(s string) bool { return idPattern.MatchString(s) }

@@ -5,6 +5,8 @@ import (
 
 	"go.temporal.io/sdk/temporal"
 	"go.temporal.io/sdk/workflow"
+
+	"vmflow/internal/contract"
 )
 
 // Config holds the worker-side knobs of the workflows. The worker sets them
@@ -33,8 +35,9 @@ type Config struct {
 	// SpawnHostWait: how long a spawn waits for an unreachable host before
 	// it fails.
 	SpawnHostWait time.Duration
-	// GracefulTimeout and GroupExitCap mirror the agent's stop ladder
-	// defaults; the stop activity's timeout is sized from them.
+	// GracefulTimeout and GroupExitCap are the agent's stop ladder
+	// defaults (contract's, unless the agent's flags change them); the
+	// stop activity's timeout is sized from them.
 	GracefulTimeout time.Duration
 	GroupExitCap    time.Duration
 	// ActivityTimeoutCap, when set, caps every host activity's
@@ -59,8 +62,8 @@ func DefaultConfig() Config {
 		UnreachableBackoff:     30 * time.Second,
 		UnreachableBackoffMax:  5 * time.Minute,
 		SpawnHostWait:          10 * time.Minute,
-		GracefulTimeout:        10 * time.Second,
-		GroupExitCap:           30 * time.Second,
+		GracefulTimeout:        contract.DefaultGracefulTimeout,
+		GroupExitCap:           contract.DefaultGroupExitCap,
 		// A QEMU in D state after SIGKILL during a VFIO reset can take
 		// minutes to leave; longer than that is worth a look.
 		DeleteStuckAfter: 5 * time.Minute,

@@ -122,7 +122,7 @@ func appErr(typ string, nonRetryable bool) error {
 	return temporal.NewApplicationErrorWithOptions("boom: "+typ, typ, temporal.ApplicationErrorOptions{NonRetryable: nonRetryable})
 }
 
-var releaseErr = temporal.NewApplicationError("release vGPU 1234: write remove: device or resource busy (EBUSY)", "ReleaseFailed")
+var releaseErr = temporal.NewApplicationError("release vGPU 1234: write remove: device or resource busy (EBUSY)", ErrTypeReleaseFailed)
 
 func (e *env) happyDelete() {
 	e.OnActivity(h.BeginDelete, mock.Anything, mock.Anything).Return(&vmflowv1.BeginDeleteResult{HasClaim: true}, nil).Once()

@@ -65,7 +65,7 @@ func (*host) StopVM(context.Context, *vmflowv1.StopVMRequest) (*vmflowv1.StopVMR
 func (*host) WaitVMExit(context.Context, *vmflowv1.InstanceRef) error { return nil }
 func (h *host) ReleaseVGPU(context.Context, *vmflowv1.InstanceRef) (*vmflowv1.ReleaseVGPUResult, error) {
 	if h.failRelease.Load() {
-		return nil, temporal.NewApplicationError("write remove: device or resource busy", "ReleaseFailed")
+		return nil, temporal.NewApplicationError("write remove: device or resource busy", workflows.ErrTypeReleaseFailed)
 	}
 	return &vmflowv1.ReleaseVGPUResult{Released: true}, nil
 }

@@ -13,6 +13,7 @@ import (
 
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/store"
+	"vmflow/internal/contract"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -209,7 +210,7 @@ type viewFlags struct {
 }
 
 func (v *viewFlags) register(fs *flag.FlagSet) {
-	fs.StringVar(&v.stateDir, "state-dir", store.DefaultStateDir, "the agent's state directory (as given to run)")
+	fs.StringVar(&v.stateDir, "state-dir", contract.DefaultStateDir, "the agent's state directory (as given to run)")
 	fs.StringVar(&v.output, "o", "table", "output: table or json")
 }
 

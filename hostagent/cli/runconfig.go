@@ -12,6 +12,7 @@ import (
 
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vmm"
+	"vmflow/internal/contract"
 	"vmflow/internal/service"
 )
 
@@ -102,8 +103,8 @@ flags:
 	}
 	var roots multiFlag
 	var ignore pidsFlag
-	fs.StringVar(&c.HostID, "host-id", host, "this host's id (^[a-z0-9][a-z0-9-]{0,62}$)")
-	fs.StringVar(&c.StateDir, "state-dir", store.DefaultStateDir, "instance records, QMP sockets and logs")
+	fs.StringVar(&c.HostID, "host-id", host, "this host's id ("+contract.IDPattern+")")
+	fs.StringVar(&c.StateDir, "state-dir", contract.DefaultStateDir, "instance records, QMP sockets and logs")
 	fs.StringVar(&c.SysfsRoot, "sysfs-root", "/sys", "where the vGPU sysfs files are (the simulator's mount in tests)")
 	fs.StringVar(&c.DevRoot, "dev-root", "/dev", "where the VFIO device nodes are")
 	fs.Var(&roots, "image-root", "folder kernels, initrds and disks must lie in, root-owned and not group/other-writable; images are opened beneath it (repeatable)")
@@ -116,14 +117,14 @@ flags:
 	fs.DurationVar(&c.OrphanGrace, "vgpu-orphan-grace", 5*time.Minute, "an unclaimed vGPU device is removed after this long")
 	fs.DurationVar(&c.ReconcileEvery, "reconcile-every", DefaultReconcileEvery, "how often the Schedule runs ReconcileVGPU, the safety net behind the local scan")
 	fs.DurationVar(&c.ReconcileScanEvery, "reconcile-scan-every", time.Minute, "how often the agent scans the host for reconcile work (read-only, no Temporal call) and, finding some, triggers ReconcileVGPU; 0: off")
-	fs.DurationVar(&c.GracefulTimeout, "graceful-timeout", 10*time.Second, "default wait after system_powerdown before quit")
-	fs.DurationVar(&c.GroupExitCap, "group-exit-cap", 30*time.Second, "how long the stop ladder waits for the whole thread group after SIGKILL")
+	fs.DurationVar(&c.GracefulTimeout, "graceful-timeout", contract.DefaultGracefulTimeout, "default wait after system_powerdown before quit")
+	fs.DurationVar(&c.GroupExitCap, "group-exit-cap", contract.DefaultGroupExitCap, "how long the stop ladder waits for the whole thread group after SIGKILL")
 	fs.StringVar(&c.MetricsAddr, "metrics-addr", "", "serve Prometheus /metrics on this address; empty: off")
 	fs.StringVar(&c.LogLevel, "log-level", "info", "debug, info, warn or error")
 	fs.StringVar(&c.Address, "address", "", "Temporal frontend host:port (overrides TEMPORAL_ADDRESS)")
 	fs.StringVar(&c.Namespace, "namespace", "", "Temporal namespace (overrides TEMPORAL_NAMESPACE)")
 	fs.BoolVar(&c.Insecure, "insecure", false, "allow an insecure Temporal transport: an API key over plaintext, TLS without server verification, or plaintext to a non-loopback address (refused otherwise: the agent supervises without Temporal and says why)")
-	fs.StringVar(&c.TaskQueue, "workflow-task-queue", "vmflow", "task queue of the workflow worker (where the reconcile schedule starts workflows)")
+	fs.StringVar(&c.TaskQueue, "workflow-task-queue", contract.DefaultTaskQueue, "task queue of the workflow worker (where the reconcile schedule starts workflows)")
 	fs.DurationVar(&c.StopTimeout, "stop-timeout", service.StopTimeout, "on SIGTERM, stop polling and let running activities finish this long before cancelling them; keep it under the unit's TimeoutStopSec")
 	fs.Var(&ignore, "holders-ignore-pid", "a pid whose open files cannot be read but that holds no VFIO device (repeatable; for sandboxes whose init outranks the agent, never in production)")
 	if err := fs.Parse(args); err != nil {

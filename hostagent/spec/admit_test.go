@@ -74,7 +74,7 @@ func TestEveryStringFieldIsBounded(t *testing.T) {
 		return h.AdmitRecord(context.Background(), rec)
 	})
 	// The other host activities' requests: every string field is an id
-	// (store.IDPattern) or has its bound in the one table.
+	// (contract.IDPattern) or has its bound in the one table.
 	for _, m := range []proto.Message{&vmflowv1.ClaimVGPURequest{}, &vmflowv1.BeginDeleteRequest{}, &vmflowv1.LaunchVMRequest{},
 		&vmflowv1.StopVMRequest{}, &vmflowv1.InstanceRef{}, &vmflowv1.ReconcileVGPURequest{}} {
 		fields := m.ProtoReflect().Descriptor().Fields()

@@ -33,7 +33,7 @@ const (
 // MaxBytes is the one table of bounds: every string field of a request that
 // reaches the agent (SpawnRequest, the record's VMSpec, ClaimVGPURequest,
 // BeginDeleteRequest) by its proto name. Ids must also match
-// store.IDPattern. A record built from bounded fields stays far below the
+// contract.IDPattern. A record built from bounded fields stays far below the
 // store's record size limit.
 var MaxBytes = map[string]int{
 	"instance_id":                    store.MaxIDLen,

@@ -25,6 +25,7 @@ import (
 
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vmm"
+	"vmflow/internal/contract"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -132,7 +133,7 @@ func (h Host) Validate(ctx context.Context, req *vmflowv1.SpawnRequest) error {
 	if err := CheckBound("host_id", req.GetHostId()); err != nil {
 		errs = append(errs, err)
 	} else if err := store.ValidateID(req.GetHostId()); err != nil {
-		errs = append(errs, &FieldError{Field: "host_id", Reason: fmt.Sprintf("%q does not match %s", req.GetHostId(), store.IDPattern)})
+		errs = append(errs, &FieldError{Field: "host_id", Reason: fmt.Sprintf("%q does not match %s", req.GetHostId(), contract.IDPattern)})
 	}
 	fieldErrs, err := h.admit(ctx, req.GetInstanceId(), req.GetRestartPolicy(), RecordSpec(req), true)
 	if err != nil {
@@ -187,7 +188,7 @@ func (h Host) admit(ctx context.Context, id, restartPolicy string, s *vmflowv1.V
 		return errs, nil
 	}
 	if err := store.ValidateID(id); err != nil {
-		bad("instance_id", "%q does not match %s", id, store.IDPattern)
+		bad("instance_id", "%q does not match %s", id, contract.IDPattern)
 	}
 	switch {
 	case s.GetVcpus() == 0:

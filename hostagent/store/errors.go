@@ -10,7 +10,7 @@ import (
 // Sentinel errors callers branch on with errors.Is. Every error the store
 // returns wraps one of these (or an os/syscall error) with context.
 var (
-	// ErrInvalidID: the instance id does not match IDPattern.
+	// ErrInvalidID: the instance id does not match contract.IDPattern.
 	ErrInvalidID = errors.New("invalid instance id")
 	// ErrSocketPathTooLong: <state-dir>/instances/<id>/qemu.sock would not
 	// fit a Unix socket address (107 bytes plus the terminating NUL).

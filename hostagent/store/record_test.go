@@ -12,6 +12,7 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
+	"vmflow/internal/contract"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -90,7 +91,7 @@ func TestClaimHeld(t *testing.T) {
 	assert.False(t, ClaimHeld(&vmflowv1.InstanceRecord{GpuClaim: &vmflowv1.GpuClaim{ReleasedAt: timestamppb.Now()}}))
 }
 
-var idRE = regexp.MustCompile(IDPattern)
+var idRE = regexp.MustCompile(contract.IDPattern)
 
 func FuzzValidateID(f *testing.F) {
 	for _, seed := range []string{"", "a", "vm1", "vm-1", "-a", "..", ".", "/", "a/b", "VM", "a\x00",

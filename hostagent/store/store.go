@@ -30,9 +30,6 @@ import (
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
-// DefaultStateDir is the agent's --state-dir default.
-const DefaultStateDir = "/var/lib/vmflow"
-
 // File names inside an instance directory.
 const (
 	RecordFile     = "record.json"

@@ -2,22 +2,19 @@ package supervise
 
 import "errors"
 
-// Sentinel errors callers branch on with errors.Is.
+// Sentinel errors callers branch on with errors.Is. Where the store has
+// one for the same fact, supervise wraps the store's rather than minting
+// its own: store.ErrBusy (another operation on the instance is in progress:
+// a second Stop while one runs, or the caller's context ended while
+// waiting for a Launch, Stop or restart to finish; retryable),
+// store.ErrDeleting (Launch of a record in Deleting or ReleaseFailed) and
+// store.ErrManualStopMissing (Stop without the manual-stop marker: the
+// restart policy could bring the VM back; write it first with
+// store.MarkManualStop).
 var (
-	// ErrBusy: another operation on the instance is in progress (a second
-	// Stop while one runs, or the caller's context ended while waiting for
-	// a Launch, Stop or restart to finish). Retryable.
-	ErrBusy = errors.New("instance busy: another operation is in progress")
 	// ErrManualStop: Launch refused because the instance's manual-stop
 	// marker is on disk (a delete has begun; invariant 6). Not retryable.
 	ErrManualStop = errors.New("manual-stop marker present")
-	// ErrManualStopRequired: Stop refused because the manual-stop marker is
-	// not on disk; without it the restart policy could bring the VM back.
-	// Write it first (store.MarkManualStop).
-	ErrManualStopRequired = errors.New("manual-stop marker not written")
-	// ErrDeleting: the record is in Deleting or ReleaseFailed; nothing is
-	// launched for it any more.
-	ErrDeleting = errors.New("instance is being deleted")
 	// ErrNotRunning: the instance has no live VM (for QMP on demand).
 	ErrNotRunning = errors.New("instance has no running VM")
 	// ErrClosed: the supervisor was closed.

@@ -53,8 +53,8 @@ func (s *Supervisor) Existing(ctx context.Context, id string) (LaunchResult, err
 		return notAsAsked("launch in progress (another operation on the instance is running)")
 	}
 	defer in.release()
-	l, err := s.lock(wctx, id)
-	if errors.Is(err, ErrBusy) {
+	l, err := s.st.Lock(wctx, id)
+	if errors.Is(err, store.ErrBusy) {
 		return notAsAsked("launch in progress (the instance is locked by another operation)")
 	}
 	if err != nil {

@@ -174,7 +174,7 @@ func (s *Supervisor) handleExit(in *instance, vm *vmm.VM, detected time.Time) {
 
 	ctx, cancel := context.WithTimeout(s.ctx, s.cfg.LockTimeout)
 	defer cancel()
-	l, err := s.lock(ctx, in.id)
+	l, err := s.st.Lock(ctx, in.id)
 	if err != nil {
 		// The pid stays in the record; whoever next looks (Launch, Stop,
 		// the next Start) finds it gone and clears it.
@@ -269,7 +269,7 @@ func (s *Supervisor) restart(in *instance, gen uint64) {
 	ctx, cancel := context.WithTimeout(s.ctx, s.cfg.LockTimeout+s.cfg.ReadyTimeout+s.cfg.GroupExitCap)
 	defer cancel()
 	lctx, lcancel := context.WithTimeout(ctx, s.cfg.LockTimeout)
-	l, err := s.lock(lctx, in.id)
+	l, err := s.st.Lock(lctx, in.id)
 	lcancel()
 	if err != nil {
 		in.log.Error("restart: cannot lock the instance; not restarting", zap.Error(err))

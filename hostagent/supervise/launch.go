@@ -33,7 +33,7 @@ type LaunchResult struct {
 // Config.PrepareLaunch, called under the instance lock right before the
 // fork. The record must exist in Creating (first launch) or Exited (a
 // restart asked for by the caller); Launch refuses with ErrManualStop when
-// the manual-stop marker is on disk and with ErrDeleting in Deleting or
+// the manual-stop marker is on disk and with store.ErrDeleting in Deleting or
 // ReleaseFailed. An unreadable record is an error wrapping
 // store.ErrInvalidRecord, with nothing touched.
 //
@@ -63,7 +63,7 @@ func (s *Supervisor) Launch(ctx context.Context, id string) (LaunchResult, error
 		return LaunchResult{}, fmt.Errorf("launch: %w", err)
 	}
 	defer in.release()
-	l, err := s.lock(ctx, id)
+	l, err := s.st.Lock(ctx, id)
 	if err != nil {
 		return LaunchResult{}, fmt.Errorf("launch: %w", err)
 	}
@@ -77,7 +77,7 @@ func (s *Supervisor) Launch(ctx context.Context, id string) (LaunchResult, error
 		return LaunchResult{}, fmt.Errorf("launch: %w", err)
 	}
 	if store.IsDeleting(rec) {
-		return LaunchResult{}, fmt.Errorf("launch instance %s: %w (state %s)", id, ErrDeleting, store.StateName(rec.GetState()))
+		return LaunchResult{}, fmt.Errorf("launch instance %s: %w (state %s)", id, store.ErrDeleting, store.StateName(rec.GetState()))
 	}
 	marked, err := l.ManualStop()
 	if err != nil {

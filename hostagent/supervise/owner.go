@@ -152,7 +152,7 @@ func (s *Supervisor) resolve(ctx context.Context, id string) (*vmflowv1.Instance
 		return nil, err
 	}
 	defer in.release()
-	l, err := s.lock(ctx, id)
+	l, err := s.st.Lock(ctx, id)
 	if err != nil {
 		return nil, err
 	}
@@ -194,7 +194,7 @@ func (s *Supervisor) TearDown(ctx context.Context, id string) error {
 		return fmt.Errorf("tear down: %w", err)
 	}
 	defer in.release()
-	l, err := s.lock(ctx, id)
+	l, err := s.st.Lock(ctx, id)
 	if err != nil {
 		return fmt.Errorf("tear down: %w", err)
 	}

@@ -222,7 +222,7 @@ func (s *Supervisor) reattach(ctx context.Context, id string, rep *ReattachRepor
 		return fmt.Errorf("re-attach: %w", err)
 	}
 	defer in.release()
-	l, err := s.lock(ctx, id)
+	l, err := s.st.Lock(ctx, id)
 	if err != nil {
 		return fmt.Errorf("re-attach: %w", err)
 	}

@@ -31,7 +31,7 @@ type StopReport struct {
 // graceful (Config.GracefulTimeout when <= 0), quit, SIGKILL through a
 // verified pidfd, wait up to Config.GroupExitCap for the whole thread group.
 //
-// It requires the manual-stop marker (ErrManualStopRequired otherwise): the
+// It requires the manual-stop marker (store.ErrManualStopMissing otherwise): the
 // delete writes it first so the restart policy can never bring the VM back
 // (invariant 6); a pending restart is cancelled. It resumes from the step
 // the record says was reached and writes each step to the record as it is
@@ -51,7 +51,7 @@ type StopReport struct {
 //
 // Idempotent: with no process recorded or found it returns at once
 // (AlreadyGone). A
-// second Stop while one runs gets ErrBusy (retryable). A *vmm.StillAliveError
+// second Stop while one runs gets store.ErrBusy (retryable). A *vmm.StillAliveError
 // (errors.Is vmm.ErrStillAlive) means the group outlived the cap: treat the
 // VM as alive and retry.
 func (s *Supervisor) Stop(ctx context.Context, id string, graceful time.Duration) (StopReport, error) {
@@ -60,7 +60,7 @@ func (s *Supervisor) Stop(ctx context.Context, id string, graceful time.Duration
 		return StopReport{}, fmt.Errorf("stop: %w", err)
 	}
 	if !in.stopping.CompareAndSwap(false, true) {
-		return StopReport{}, fmt.Errorf("stop instance %s: %w: a stop is already running", id, ErrBusy)
+		return StopReport{}, fmt.Errorf("stop instance %s: %w: a stop is already running", id, store.ErrBusy)
 	}
 	defer in.stopping.Store(false)
 	if err := in.acquire(ctx); err != nil {
@@ -70,7 +70,7 @@ func (s *Supervisor) Stop(ctx context.Context, id string, graceful time.Duration
 	// The store lock is held for the whole ladder: every step is a
 	// check-then-act on the record, and a second agent must not run a
 	// ladder of its own meanwhile.
-	l, err := s.lock(ctx, id)
+	l, err := s.st.Lock(ctx, id)
 	if err != nil {
 		return StopReport{}, fmt.Errorf("stop: %w", err)
 	}
@@ -85,7 +85,7 @@ func (s *Supervisor) Stop(ctx context.Context, id string, graceful time.Duration
 		return StopReport{}, fmt.Errorf("stop: %w", err)
 	}
 	if !marked {
-		return StopReport{}, fmt.Errorf("stop instance %s: %w", id, ErrManualStopRequired)
+		return StopReport{}, fmt.Errorf("stop instance %s: %w", id, store.ErrManualStopMissing)
 	}
 	in.cancelRestart()
 	// Before concluding "nothing runs": a QEMU forked by an agent that died

@@ -15,13 +15,12 @@ import (
 	"vmflow/hostagent/spec"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vmm"
+	"vmflow/internal/contract"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
 // Defaults for Config.
 const (
-	DefaultGracefulTimeout  = vmm.DefaultGracefulTimeout
-	DefaultGroupExitCap     = 30 * time.Second
 	DefaultLockTimeout      = time.Minute
 	DefaultProgressInterval = 5 * time.Second
 )
@@ -36,11 +35,11 @@ type Config struct {
 	Logger *zap.Logger
 
 	// GracefulTimeout is Stop's wait after system_powerdown when the caller
-	// passes none (DefaultGracefulTimeout).
+	// passes none (contract.DefaultGracefulTimeout).
 	GracefulTimeout time.Duration
 	// GroupExitCap bounds the wait for the whole thread group after SIGKILL,
-	// and the kill-and-reap of a failed launch (DefaultGroupExitCap: VFIO
-	// teardown can take seconds).
+	// and the kill-and-reap of a failed launch (contract.DefaultGroupExitCap:
+	// VFIO teardown can take seconds).
 	GroupExitCap time.Duration
 	// ReadyTimeout bounds fork to QMP "running" (vmm.DefaultReadyTimeout).
 	ReadyTimeout time.Duration
@@ -131,15 +130,30 @@ type Supervisor struct {
 
 // instance is this process's view of one instance. The record on disk is
 // the truth; this holds what cannot be on disk (the open VM, the timer).
+//
+// Work on one instance is serialised by two layers, and only these two:
+//
+//   - The store's lock file (store.Lock, a flock) guards the record and the
+//     instance's files: every check-then-act on them runs under it, against
+//     every other goroutine and every other agent process on the state dir.
+//     Store-only work (create, claim, begin delete, release, delete record)
+//     takes it alone.
+//   - This struct's op slot and stopping flag are the one in-process layer,
+//     for the work that also touches in-memory state (vm, timer): Launch,
+//     Stop, TearDown, Existing, the re-attach, the exit watcher and a
+//     restart take op first, then the store lock, so they run one at a time
+//     and always in that lock order, and the watcher sees a VM a Stop or
+//     Launch already handled as no longer current. stopping makes a second
+//     Stop fail fast instead of queueing a second ladder.
+//
+// Either layer failing within the caller's context is the same error,
+// store.ErrBusy, which the activities report as a retryable Busy.
 type instance struct {
 	id  string
 	log *zap.Logger
-	// op is a one-slot semaphore: Launch, Stop, Start's re-attach, the
-	// exit watcher and a restart take it before the store lock, so they run
-	// one at a time and always in that lock order.
+	// op is a one-slot semaphore (see above).
 	op chan struct{}
-	// stopping is set while a Stop runs, so a second one fails fast with
-	// ErrBusy instead of waiting to run the ladder again.
+	// stopping is set while a Stop runs (see above).
 	stopping atomic.Bool
 
 	mu          sync.Mutex
@@ -158,10 +172,10 @@ func New(cfg Config) (*Supervisor, error) {
 		cfg.Logger = zap.NewNop()
 	}
 	if cfg.GracefulTimeout <= 0 {
-		cfg.GracefulTimeout = DefaultGracefulTimeout
+		cfg.GracefulTimeout = contract.DefaultGracefulTimeout
 	}
 	if cfg.GroupExitCap <= 0 {
-		cfg.GroupExitCap = DefaultGroupExitCap
+		cfg.GroupExitCap = contract.DefaultGroupExitCap
 	}
 	if cfg.ReadyTimeout <= 0 {
 		cfg.ReadyTimeout = vmm.DefaultReadyTimeout
@@ -268,17 +282,18 @@ func (s *Supervisor) goBackground(fn func()) bool {
 	return true
 }
 
-// acquire takes the instance's operation slot, or fails with ErrBusy when
-// ctx ends first.
+// acquire takes the instance's operation slot, or fails with store.ErrBusy
+// when ctx ends first: to a caller, a slot and a store lock held by
+// another operation are the same "busy".
 func (in *instance) acquire(ctx context.Context) error {
 	if err := ctx.Err(); err != nil {
-		return fmt.Errorf("instance %s: %w: %w", in.id, ErrBusy, err)
+		return fmt.Errorf("instance %s: %w: %w", in.id, store.ErrBusy, err)
 	}
 	select {
 	case in.op <- struct{}{}:
 		return nil
 	case <-ctx.Done():
-		return fmt.Errorf("instance %s: %w: %w", in.id, ErrBusy, ctx.Err())
+		return fmt.Errorf("instance %s: %w: %w", in.id, store.ErrBusy, ctx.Err())
 	}
 }
 
@@ -325,19 +340,6 @@ func (in *instance) cancelRestart() {
 		in.timer = nil
 	}
 	in.nextRestart = time.Time{}
-}
-
-// lock takes the instance's store lock, mapping the store's busy error to
-// ErrBusy.
-func (s *Supervisor) lock(ctx context.Context, id string) (*store.Locked, error) {
-	l, err := s.st.Lock(ctx, id)
-	if err != nil {
-		if errors.Is(err, store.ErrBusy) {
-			return nil, fmt.Errorf("%w: %w", ErrBusy, err)
-		}
-		return nil, err
-	}
-	return l, nil
 }
 
 func unlock(l *store.Locked, log *zap.Logger) {

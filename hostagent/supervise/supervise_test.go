@@ -95,7 +95,7 @@ func TestStopRefusedWithoutMarker(t *testing.T) {
 	require.NoError(t, err)
 
 	_, err = sup.Stop(ctxT(t, 10*time.Second), "vm1", time.Millisecond)
-	require.ErrorIs(t, err, ErrManualStopRequired)
+	require.ErrorIs(t, err, store.ErrManualStopMissing)
 	assert.True(t, proc.Inspect(res.Identity).Alive, "nothing was sent")
 	rec := e.get("vm1")
 	assert.Equal(t, stepNone, rec.GetStopStep())
@@ -124,7 +124,7 @@ func TestConcurrentStopIsBusy(t *testing.T) {
 		return e.get("vm1").GetStopStep() == vmflowv1.StopStep_STOP_STEP_POWERDOWN_SENT
 	}, 10*time.Second, 5*time.Millisecond)
 	_, err = sup.Stop(ctxT(t, 10*time.Second), "vm1", time.Millisecond)
-	require.ErrorIs(t, err, ErrBusy)
+	require.ErrorIs(t, err, store.ErrBusy)
 	wg.Wait()
 	require.NoError(t, firstErr)
 	assert.Equal(t, stepGone, e.get("vm1").GetStopStep())

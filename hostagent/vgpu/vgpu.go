@@ -28,6 +28,8 @@ import (
 	"syscall"
 
 	"github.com/google/uuid"
+
+	"vmflow/internal/contract"
 )
 
 // Kind names a vGPU sysfs ABI.
@@ -39,11 +41,9 @@ const (
 	KindVendor Kind = "vendor"
 )
 
-// Defaults for Config.
-const (
-	DefaultSysfsRoot = "/sys"
-	DefaultStateDir  = "/var/lib/vmflow"
-)
+// DefaultSysfsRoot is Config.SysfsRoot's default; StateDir's is
+// contract.DefaultStateDir, the agent's.
+const DefaultSysfsRoot = "/sys"
 
 // Profile is one vGPU type on one physical GPU.
 type Profile struct {
@@ -234,7 +234,7 @@ func (c Config) WithDefaults() Config {
 		c.SysfsRoot = DefaultSysfsRoot
 	}
 	if c.StateDir == "" {
-		c.StateDir = DefaultStateDir
+		c.StateDir = contract.DefaultStateDir
 	}
 	return c
 }

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"vmflow/hostagent/proc"
+	"vmflow/internal/contract"
 	"vmflow/internal/crashpoint"
 	"vmflow/internal/fsx"
 )
@@ -41,11 +42,13 @@ func (s StopStep) rank() int {
 	return -1
 }
 
-// Defaults for StopConfig.
+// Defaults for StopConfig. The graceful timeout and the kill timeout (the
+// group exit cap) are contract's: the workflows size their stop activity
+// from the same values.
 const (
-	DefaultGracefulTimeout = 10 * time.Second
+	DefaultGracefulTimeout = contract.DefaultGracefulTimeout
 	DefaultQuitTimeout     = 5 * time.Second
-	DefaultKillTimeout     = 30 * time.Second
+	DefaultKillTimeout     = contract.DefaultGroupExitCap
 	DefaultStopQMPTimeout  = 2 * time.Second
 )
 

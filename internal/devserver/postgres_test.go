@@ -15,14 +15,14 @@ import (
 	"go.temporal.io/sdk/worker"
 	"go.temporal.io/sdk/workflow"
 
-	"vmflow/internal/tclient"
+	"vmflow/internal/contract"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
 // upsertStage sets VmStage (a search attribute setup-temporal.sh registered)
 // and returns.
 func upsertStage(ctx workflow.Context, req *vmflowv1.SpawnRequest) (*vmflowv1.SpawnResult, error) {
-	key := temporal.NewSearchAttributeKeyKeyword(tclient.SearchAttrStage)
+	key := temporal.NewSearchAttributeKeyKeyword(contract.SAStage)
 	if err := workflow.UpsertTypedSearchAttributes(ctx, key.ValueSet("pg-"+req.GetInstanceId())); err != nil {
 		return nil, err
 	}
@@ -59,7 +59,7 @@ func TestPostgresBackend(t *testing.T) {
 
 	// Visibility on PostgreSQL is eventually consistent: wait for the row.
 	eventually(t, 30*time.Second, "visibility query by VmStage", func() error {
-		out, err := s.CLI(ctx, "workflow", "list", "--query", tclient.SearchAttrStage+"='pg-vm1'")
+		out, err := s.CLI(ctx, "workflow", "list", "--query", contract.SAStage+"='pg-vm1'")
 		if err != nil {
 			return err
 		}

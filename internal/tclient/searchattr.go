@@ -13,26 +13,21 @@ import (
 	"go.temporal.io/api/serviceerror"
 	"go.temporal.io/sdk/client"
 	"google.golang.org/grpc/codes"
+
+	"vmflow/internal/contract"
 )
 
-// Search attributes that make stuck vmflow work findable in the Web UI
-// (ARCHITECTURE.md "Messages"). Both binaries ensure them at start; the dev
-// server registers them with --search-attribute.
-const (
-	SearchAttrInstanceID     = "VmInstanceId"
-	SearchAttrHostID         = "VmHostId"
-	SearchAttrStage          = "VmStage"
-	SearchAttrNeedsAttention = "VmNeedsAttention"
-)
-
-// SearchAttributes returns vmflow's search attributes and their types (a new
-// map each call, so callers may change it).
+// SearchAttributes returns vmflow's search attributes (named in contract)
+// and their types, a new map each call, so callers may change it. Both
+// binaries ensure them at start; the dev server registers them with
+// --search-attribute. The workflows' typed keys (workflows.SearchAttributes)
+// must agree; a test there checks.
 func SearchAttributes() map[string]enumspb.IndexedValueType {
 	return map[string]enumspb.IndexedValueType{
-		SearchAttrInstanceID:     enumspb.INDEXED_VALUE_TYPE_KEYWORD,
-		SearchAttrHostID:         enumspb.INDEXED_VALUE_TYPE_KEYWORD,
-		SearchAttrStage:          enumspb.INDEXED_VALUE_TYPE_KEYWORD,
-		SearchAttrNeedsAttention: enumspb.INDEXED_VALUE_TYPE_BOOL,
+		contract.SAInstanceID:     enumspb.INDEXED_VALUE_TYPE_KEYWORD,
+		contract.SAHostID:         enumspb.INDEXED_VALUE_TYPE_KEYWORD,
+		contract.SAStage:          enumspb.INDEXED_VALUE_TYPE_KEYWORD,
+		contract.SANeedsAttention: enumspb.INDEXED_VALUE_TYPE_BOOL,
 	}
 }
 

@@ -14,6 +14,8 @@ import (
 	"go.temporal.io/api/operatorservice/v1"
 	"go.temporal.io/api/serviceerror"
 	"google.golang.org/grpc"
+
+	"vmflow/internal/contract"
 )
 
 // fakeOperator keeps search attributes in memory. Embedding the interface
@@ -60,7 +62,7 @@ func TestEnsureSearchAttributes(t *testing.T) {
 	ctx := context.Background()
 
 	t.Run("creates missing, then idempotent", func(t *testing.T) {
-		f := &fakeOperator{attrs: map[string]enumspb.IndexedValueType{SearchAttrStage: enumspb.INDEXED_VALUE_TYPE_KEYWORD}}
+		f := &fakeOperator{attrs: map[string]enumspb.IndexedValueType{contract.SAStage: enumspb.INDEXED_VALUE_TYPE_KEYWORD}}
 		require.NoError(t, ensureSearchAttributes(ctx, f, "default", SearchAttributes()))
 		assert.Equal(t, SearchAttributes(), f.attrs)
 		assert.Equal(t, 1, f.adds)
@@ -80,7 +82,7 @@ func TestEnsureSearchAttributes(t *testing.T) {
 	})
 
 	t.Run("wrong type", func(t *testing.T) {
-		f := &fakeOperator{attrs: map[string]enumspb.IndexedValueType{SearchAttrStage: enumspb.INDEXED_VALUE_TYPE_TEXT}}
+		f := &fakeOperator{attrs: map[string]enumspb.IndexedValueType{contract.SAStage: enumspb.INDEXED_VALUE_TYPE_TEXT}}
 		err := ensureSearchAttributes(ctx, f, "default", SearchAttributes())
 		require.Error(t, err)
 		assert.Contains(t, err.Error(), "VmStage is Text, vmflow needs Keyword")
@@ -89,7 +91,7 @@ func TestEnsureSearchAttributes(t *testing.T) {
 
 	t.Run("permission denied names the attributes and the fix", func(t *testing.T) {
 		f := &fakeOperator{
-			attrs:  map[string]enumspb.IndexedValueType{SearchAttrInstanceID: enumspb.INDEXED_VALUE_TYPE_KEYWORD},
+			attrs:  map[string]enumspb.IndexedValueType{contract.SAInstanceID: enumspb.INDEXED_VALUE_TYPE_KEYWORD},
 			addErr: serviceerror.NewPermissionDenied("Request unauthorized.", ""),
 		}
 		err := ensureSearchAttributes(ctx, f, "prod", SearchAttributes())

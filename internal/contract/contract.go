@@ -1,0 +1,59 @@
+// Package contract holds the facts both sides of the Temporal line must
+// agree on: the workflow side (workflows/, the worker, the platform client)
+// and the host agent's packages (hostagent/...), which may not import
+// go.temporal.io and so cannot import workflows/. Each value is defined here
+// once and imported by both, instead of copies kept in step by comments.
+//
+// It imports nothing outside the standard library, so any package can.
+package contract
+
+import "time"
+
+// DefaultTaskQueue is where the workflows run: the worker's --task-queue
+// and the agent's --workflow-task-queue (where its reconcile Schedule
+// starts workflows).
+const DefaultTaskQueue = "vmflow"
+
+// HostTaskQueuePrefix starts the task queue of one host's agent:
+// vmflow-host-<host_id>.
+const HostTaskQueuePrefix = DefaultTaskQueue + "-host-"
+
+// IDPattern is the shape of every instance and host id, checked by the
+// workflows' client before a workflow starts and by the agent's store
+// before any path is built from an id.
+const IDPattern = `^[a-z0-9][a-z0-9-]{0,62}$`
+
+// DefaultStateDir is the agent's --state-dir: instance records, QMP
+// sockets, guest logs, the vGPU ledger.
+const DefaultStateDir = "/var/lib/vmflow"
+
+// Stop ladder defaults. The agent runs the ladder with them (its
+// --graceful-timeout and --group-exit-cap flags, vmm's StopConfig); the
+// workflows size the StopVM and WaitVMExit activity timeouts from them.
+const (
+	// DefaultGracefulTimeout is the wait after system_powerdown before
+	// quit when a delete asks for none.
+	DefaultGracefulTimeout = 10 * time.Second
+	// DefaultGroupExitCap bounds the wait for the whole thread group after
+	// SIGKILL (VFIO teardown can take seconds).
+	DefaultGroupExitCap = 30 * time.Second
+)
+
+// MaxGracefulTimeout caps a delete's graceful_timeout_seconds: the field is
+// a uint32 from outside, and 2^32 s (136 years) would park the stop ladder
+// before quit/SIGKILL for good, its vGPU never released. The platform
+// client refuses more; the agent caps what reaches it anyway (refusing
+// there would fail the delete after the manual-stop marker).
+const MaxGracefulTimeout = time.Hour
+
+// Search attributes that make stuck work findable in the Web UI
+// (ARCHITECTURE.md "Messages"): the workflows write them (typed keys in
+// workflows/names.go), both binaries and the dev server create them
+// (tclient.SearchAttributes, which must give the same types: a test in
+// workflows compares the two).
+const (
+	SAInstanceID     = "VmInstanceId"     // Keyword
+	SAHostID         = "VmHostId"         // Keyword
+	SAStage          = "VmStage"          // Keyword
+	SANeedsAttention = "VmNeedsAttention" // Bool
+)
