@@ -25,6 +25,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"time"
 
 	"vmflow/internal/fsx"
 	vmflowv1 "vmflow/proto/vmflow/v1"
@@ -173,14 +174,26 @@ func (s *Store) Lock(ctx context.Context, id string) (*Locked, error) {
 }
 
 // lockFile takes the lock file at path; one still held by another when ctx
-// ends gives ErrBusy, which callers retry.
+// ends gives ErrBusy, which callers retry. The wait ends a little before
+// ctx's deadline (a tenth of the time left, at most lockWaitMargin): a
+// caller whose time runs out while another holds the instance (an activity
+// overlapping a stop ladder) returns the typed, retryable ErrBusy rather
+// than being cut off by its own deadline with nothing to say.
 func lockFile(ctx context.Context, path string) (*fsx.Lock, error) {
+	if dl, ok := ctx.Deadline(); ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithDeadline(ctx, dl.Add(-min(time.Until(dl)/10, lockWaitMargin)))
+		defer cancel()
+	}
 	l, err := fsx.LockFile(ctx, path)
 	if errors.Is(err, fsx.ErrLockHeld) {
 		return nil, fmt.Errorf("%w: %w", ErrBusy, err)
 	}
 	return l, err
 }
+
+// lockWaitMargin is the most a lock wait leaves of its caller's time.
+const lockWaitMargin = time.Second
 
 // withLock runs fn under instance id's lock.
 func (s *Store) withLock(ctx context.Context, id string, fn func(*Locked) error) (err error) {

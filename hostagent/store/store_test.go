@@ -639,6 +639,24 @@ func TestLockHonoursContext(t *testing.T) {
 	require.ErrorIs(t, err, context.Canceled)
 }
 
+// TestLockWaitEndsBeforeCallerDeadline: a caller that waits for an
+// instance another holds hears ErrBusy while its own time still runs, so
+// an activity overlapping a stop ladder fails with the typed, retryable
+// Busy instead of a bare StartToClose timeout (the one in-process layer
+// fails fast for the supervisor's own operations; this is the store's).
+func TestLockWaitEndsBeforeCallerDeadline(t *testing.T) {
+	s := newStore(t)
+	l, err := s.Lock(context.Background(), "vm1")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = l.Unlock() })
+
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	_, err = s.Update(ctx, "vm1", func(*vmflowv1.InstanceRecord) error { return nil })
+	require.ErrorIs(t, err, ErrBusy)
+	assert.NoError(t, ctx.Err(), "Busy came back before the caller's deadline")
+}
+
 // TestConcurrentUpdatesGoroutines: read-modify-write from many goroutines on
 // one instance loses nothing.
 func TestConcurrentUpdatesGoroutines(t *testing.T) {
