@@ -56,8 +56,9 @@ print-ldflags:
 	@echo '$(LDFLAGS)'
 
 ## tools: the Temporal CLI (dev server + UI), the Temporal server on
-# PostgreSQL, QEMU and Chromium (e2e Web UI test).
-tools: $(TEMPORAL) temporal-server postgresql qemu chromium
+# PostgreSQL, QEMU, Chromium (e2e Web UI test) and GNU cpio (the guest's
+# initramfs writer is checked against it).
+tools: $(TEMPORAL) temporal-server postgresql qemu chromium cpio
 
 ## temporal-server: bin/temporal-server and bin/temporal-sql-tool from the
 # module proxy (go.temporal.io/server, no replace directives), rebuilt only
@@ -94,6 +95,14 @@ chromium:
 		echo ">> installing Debian's chromium (headless, for the e2e Web UI test)"; \
 		apt-get update -qq; \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+	fi
+
+.PHONY: cpio
+cpio:
+	@if ! command -v cpio >/dev/null; then \
+		echo ">> installing Debian's cpio (guest/build's archive is checked against GNU cpio)"; \
+		apt-get update -qq; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends cpio; \
 	fi
 
 $(TEMPORAL):
