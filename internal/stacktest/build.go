@@ -36,16 +36,48 @@ func ModuleRoot() (string, error) {
 // checkout into dir (so tests never run stale bin/ files) and returns their
 // paths.
 func BuildBinaries(ctx context.Context, dir string) (worker, agent string, err error) {
-	root, err := ModuleRoot()
-	if err != nil {
+	if err := goBuild(ctx, "-o", dir+"/", "./worker", "./hostagent"); err != nil {
 		return "", "", err
 	}
-	cmd := exec.CommandContext(ctx, "go", "build", "-o", dir+"/", "./worker", "./hostagent")
+	return filepath.Join(dir, "worker"), filepath.Join(dir, "hostagent"), nil
+}
+
+// Stamp is the version and revision a build says it is.
+type Stamp struct{ Version, Revision string }
+
+// Build builds package pkg of this checkout ("./worker") into the file out.
+// With a stamp it gets `make build`'s -ldflags for that version and
+// revision, read from `make print-ldflags` so that the flags live in the
+// Makefile alone.
+func Build(ctx context.Context, out, pkg string, stamp *Stamp) error {
+	args := []string{"-o", out}
+	if stamp != nil {
+		root, err := ModuleRoot()
+		if err != nil {
+			return err
+		}
+		b, err := exec.CommandContext(ctx, "make", "-s", "-C", root, "print-ldflags",
+			"VERSION="+stamp.Version, "REVISION="+stamp.Revision).CombinedOutput()
+		if err != nil {
+			return fmt.Errorf("make print-ldflags: %w\n%s", err, b)
+		}
+		args = append(args, "-ldflags", strings.TrimSpace(string(b)))
+	}
+	return goBuild(ctx, append(args, pkg)...)
+}
+
+// goBuild runs go build with args in the module root.
+func goBuild(ctx context.Context, args ...string) error {
+	root, err := ModuleRoot()
+	if err != nil {
+		return err
+	}
+	cmd := exec.CommandContext(ctx, "go", append([]string{"build"}, args...)...)
 	cmd.Dir = root
 	if out, err := cmd.CombinedOutput(); err != nil {
-		return "", "", fmt.Errorf("go build ./worker ./hostagent: %w\n%s", err, out)
+		return fmt.Errorf("go build %s: %w\n%s", strings.Join(args, " "), err, out)
 	}
-	return filepath.Join(dir, "worker"), filepath.Join(dir, "hostagent"), nil
+	return nil
 }
 
 // HoldersIgnoreInit passes --holders-ignore-pid 1 only where PID 1's open
