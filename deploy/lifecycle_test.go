@@ -17,8 +17,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"vmflow/internal/devserver"
-	"vmflow/internal/stacktest"
 	"vmflow/internal/service"
+	"vmflow/internal/stacktest"
 )
 
 // unitDuration parses the systemd time spans the units use ("30s", "5min").
