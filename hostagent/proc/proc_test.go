@@ -532,9 +532,4 @@ func TestFindBlockedReadIsBounded(t *testing.T) {
 	assert.Equal(t, []proc.Identity{id}, got, "found once the read can finish")
 }
 
-func ctxT(tb testing.TB, d time.Duration) context.Context {
-	tb.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), d)
-	tb.Cleanup(cancel)
-	return ctx
-}
+var ctxT = proctest.Context

@@ -117,7 +117,7 @@ func TestLaunchConfined(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, fs.ModeDir|0o700, fi.Mode())
 	assert.Equal(t, uint32(0), fi.Sys().(*syscall.Stat_t).Uid)
-	assertNoFile(t, cfg.Paths.PIDFile)
+	assert.NoFileExists(t, cfg.Paths.PIDFile)
 	ents, err := os.ReadDir(dir)
 	require.NoError(t, err)
 	for _, e := range ents {
@@ -146,7 +146,7 @@ func TestLaunchRefusesUnconfined(t *testing.T) {
 	_, err := Launch(ctxT(t, 10*time.Second), cfg)
 	require.ErrorIs(t, err, ErrNoQEMUUID)
 	assert.Equal(t, 1, failed)
-	assertNoFile(t, cfg.Paths.QMPSocket)
+	assert.NoFileExists(t, cfg.Paths.QMPSocket)
 }
 
 // A KVM node its group cannot open (here 0604 and 0600) makes CheckKVM
