@@ -67,18 +67,14 @@ func newHostPolicy(t *testing.T, policy func(*spec.Host)) *hostEnv {
 	t.Helper()
 	vmmtest.RequiresQEMU(t)
 	h := &hostEnv{sim: simtest.Start(t, vgpusim.Options{MdevParents: 1})}
-	dir := vmmtest.ShortDir(t, "ac")
+	dir := proctest.ShortDir(t, "ac")
 	var err error
 	h.st, err = store.New(dir)
 	require.NoError(t, err)
 	log := zaptest.NewLogger(t)
-	var ignore []int
-	if _, err := os.Readlink("/proc/1/fd/0"); err != nil {
-		ignore = []int{1} // this sandbox's init outranks root
-	}
 	claims, err := vgpu.NewClaims(vgpu.ClaimsConfig{
 		Driver: vgpu.Config{SysfsRoot: h.sim.Root, StateDir: dir}, Store: h.st, DevRoot: t.TempDir(),
-		Logger: log, IgnoreUninspectable: ignore,
+		Logger: log, IgnoreUninspectable: proctest.UninspectableInit(),
 	})
 	require.NoError(t, err)
 	host, err := spec.SystemHost(nil, claims.Profiles)

@@ -7,9 +7,11 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync/atomic"
 
+	"vmflow/hostagent/proc/proctest"
 	"vmflow/hostagent/store"
 )
 
@@ -81,13 +83,13 @@ func goBuild(ctx context.Context, args ...string) error {
 }
 
 // HoldersIgnoreInit passes --holders-ignore-pid 1 only where PID 1's open
-// files cannot be read even by root (this sandbox): the agent would
-// otherwise count it as a possible VFIO holder and never release a vGPU.
+// files cannot be read even by root (proctest.UninspectableInit).
 func HoldersIgnoreInit() []string {
-	if _, err := os.Readlink("/proc/1/fd/0"); errors.Is(err, os.ErrPermission) {
-		return []string{"--holders-ignore-pid", "1"}
+	var args []string
+	for _, pid := range proctest.UninspectableInit() {
+		args = append(args, "--holders-ignore-pid", strconv.Itoa(pid))
 	}
-	return nil
+	return args
 }
 
 // agentUIDs counts the agents this test process started.

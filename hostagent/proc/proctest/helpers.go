@@ -2,6 +2,7 @@ package proctest
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -114,4 +115,15 @@ func AssertNoZombieChildren(t testing.TB) {
 	t.Helper()
 	assert.Eventually(t, func() bool { return len(ZombieChildren()) == 0 }, 5*time.Second, 5*time.Millisecond,
 		"<defunct> children left: %v", ZombieChildren())
+}
+
+// UninspectableInit is the pids to pass as IgnoreUninspectable (the agent's
+// --holders-ignore-pid): PID 1 where its open files cannot be read even by
+// root (this sandbox's init outranks root), none elsewhere. A vGPU release
+// would otherwise count PID 1 as a possible VFIO holder and never go ahead.
+func UninspectableInit() []int {
+	if _, err := os.Readlink("/proc/1/fd/0"); errors.Is(err, os.ErrPermission) {
+		return []int{1}
+	}
+	return nil
 }
