@@ -222,12 +222,9 @@ func TestValidationErrorsAreNonRetryable(t *testing.T) {
 // the delete to wake; a second round (a retry) releases nothing more.
 func TestReconcileHostReleasesParkedDelete(t *testing.T) {
 	h := newHost(t)
-	a := h.acts
-	req := spawnReq("vm1")
-	ref := &vmflowv1.InstanceRef{InstanceId: "vm1"}
+	a, req, ref := h.acts, spawnReq("vm1"), &vmflowv1.InstanceRef{InstanceId: "vm1"}
 	require.NoError(t, h.run(t, a.CreateRecord, req, nil))
-	var claim vmflowv1.ClaimVGPUResult
-	require.NoError(t, h.run(t, a.ClaimVGPU, &vmflowv1.ClaimVGPURequest{InstanceId: "vm1", VgpuProfile: req.GetVgpuProfile()}, &claim))
+	require.NoError(t, h.run(t, a.ClaimVGPU, &vmflowv1.ClaimVGPURequest{InstanceId: "vm1", VgpuProfile: req.GetVgpuProfile()}, nil))
 	devices := func() []os.DirEntry {
 		t.Helper()
 		entries, err := os.ReadDir(h.sim.Path("bus", "mdev", "devices"))
