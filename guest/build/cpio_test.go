@@ -158,7 +158,7 @@ func TestCPIOWriterStickyError(t *testing.T) {
 // (Debian does not install it by default; `make tools` does, so CI runs it).
 func TestCPIOWriterAgainstGNUCpio(t *testing.T) {
 	if _, err := exec.LookPath("cpio"); err != nil {
-		t.Skipf("GNU cpio not installed (%v): `make tools` installs Debian's cpio", err)
+		t.Skipf("GNU cpio not installed (%v): `make qemu` installs Debian's cpio", err)
 	}
 	var buf bytes.Buffer
 	w := newCPIOWriter(&buf)
