@@ -56,7 +56,7 @@ print-ldflags:
 	@echo '$(LDFLAGS)'
 
 ## tools: the Temporal CLI (dev server + UI), the Temporal server on
-# PostgreSQL, QEMU and Chromium (e2e Web UI test).
+# PostgreSQL, QEMU (and GNU cpio) and Chromium (e2e Web UI test).
 tools: $(TEMPORAL) temporal-server postgresql qemu chromium
 
 ## temporal-server: bin/temporal-server and bin/temporal-sql-tool from the
@@ -106,11 +106,12 @@ qemu:
 		apt-get update -qq; \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends qemu-system-x86; \
 	fi
-	@# qemu-img creates each instance's qcow2 overlay over its read-only base.
-	@if ! command -v qemu-img >/dev/null; then \
-		echo ">> installing Debian's qemu-utils (qemu-img)"; \
+	@# qemu-img creates each instance's qcow2 overlay over its read-only base;
+	@# GNU cpio checks the guest's initramfs writer (guest/build's tests).
+	@if ! command -v qemu-img >/dev/null || ! command -v cpio >/dev/null; then \
+		echo ">> installing Debian's qemu-utils (qemu-img) and cpio"; \
 		apt-get update -qq; \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends qemu-utils; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends qemu-utils cpio; \
 	fi
 
 ## guest: the small real guest (Debian cloud kernel via apt-get download +

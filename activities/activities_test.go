@@ -69,18 +69,14 @@ func newHostPolicy(t *testing.T, policy func(*spec.Host)) *hostEnv {
 	t.Helper()
 	vmmtest.RequiresQEMU(t)
 	h := &hostEnv{sim: simtest.Start(t, vgpusim.Options{MdevParents: 1})}
-	dir := vmmtest.ShortDir(t, "ac")
+	dir := proctest.ShortDir(t, "ac")
 	var err error
 	h.st, err = store.New(dir)
 	require.NoError(t, err)
 	log := zaptest.NewLogger(t)
-	var ignore []int
-	if _, err := os.Readlink("/proc/1/fd/0"); err != nil {
-		ignore = []int{1} // this sandbox's init outranks root
-	}
 	gpus, err := claims.New(claims.Config{
 		Driver: vgpu.Config{SysfsRoot: h.sim.Root, StateDir: dir}, Store: h.st, DevRoot: t.TempDir(),
-		Logger: log, IgnoreUninspectable: ignore,
+		Logger: log, IgnoreUninspectable: proctest.UninspectableInit(),
 	})
 	require.NoError(t, err)
 	host, err := spec.SystemHost(nil, gpus.Profiles)
@@ -122,13 +118,15 @@ func (h *hostEnv) run(t *testing.T, fn any, in any, out any) error {
 
 // TestSpawnAndDeleteThroughActivities runs every activity of both paths,
 // each twice, against the real packages: the second run of each is a
-// retry and must succeed without doing the work again.
+// retry and must succeed without doing the work again. (ReleaseVGPU runs
+// a third time: first it fails, on an injected fault.)
 func TestSpawnAndDeleteThroughActivities(t *testing.T) {
 	h := newHost(t)
 	a := h.acts
 	req := spawnReq("vm1")
 	ref := &vmflowv1.InstanceRef{InstanceId: "vm1"}
 
+	require.NoError(t, h.run(t, a.ValidateSpawn, req, nil))
 	require.NoError(t, h.run(t, a.ValidateSpawn, req, nil))
 	var created vmflowv1.CreateRecordResult
 	require.NoError(t, h.run(t, a.CreateRecord, req, &created))
@@ -149,7 +147,7 @@ func TestSpawnAndDeleteThroughActivities(t *testing.T) {
 	assert.True(t, launched.GetAlreadyRunning(), "a retried launch returns the running VM")
 	rec, err := h.st.Get("vm1")
 	require.NoError(t, err)
-	vm := proc.Identity{PID: int(rec.GetProcess().GetPid()), StartTime: rec.GetProcess().GetStartTime(), BootID: rec.GetProcess().GetBootId()}
+	vm := store.IdentityOf(rec.GetProcess())
 	require.True(t, proc.Inspect(vm).Alive)
 
 	// Delete.
@@ -168,11 +166,11 @@ func TestSpawnAndDeleteThroughActivities(t *testing.T) {
 	assert.Equal(t, "none", stopped.GetStepReached(), "nothing left to stop")
 	require.NoError(t, h.run(t, a.WaitVMExit, ref, nil))
 	assert.False(t, proc.Inspect(vm).Alive)
+	require.NoError(t, h.run(t, a.WaitVMExit, ref, nil))
 
 	// A failed release: typed, retryable, record and claim kept, and the
 	// record cannot be deleted.
-	fault := filepath.Join(h.sim.Control, vgpusim.CtlFailRelease)
-	require.NoError(t, os.WriteFile(fault, []byte("EBUSY"), 0o644))
+	h.sim.Set(t, vgpusim.CtlFailRelease, "EBUSY")
 	err = h.run(t, a.ReleaseVGPU, ref, nil)
 	ae := appError(t, err)
 	assert.Equal(t, workflows.ErrTypeReleaseFailed, ae.Type())
@@ -184,13 +182,14 @@ func TestSpawnAndDeleteThroughActivities(t *testing.T) {
 	require.NoError(t, err)
 	assert.True(t, store.ClaimHeld(rec))
 
-	require.NoError(t, os.Remove(fault))
+	h.sim.Clear(t, vgpusim.CtlFailRelease)
 	var rel vmflowv1.ReleaseVGPUResult
 	require.NoError(t, h.run(t, a.ReleaseVGPU, ref, &rel))
 	assert.True(t, rel.GetReleased())
 	require.NoError(t, h.run(t, a.ReleaseVGPU, ref, &rel))
 	assert.False(t, rel.GetReleased(), "nothing left to release")
 
+	require.NoError(t, h.run(t, a.TearDown, ref, nil))
 	require.NoError(t, h.run(t, a.TearDown, ref, nil))
 	require.NoError(t, h.run(t, a.DeleteRecord, ref, nil))
 	require.NoError(t, h.run(t, a.DeleteRecord, ref, nil))
@@ -209,12 +208,68 @@ func TestValidationErrorsAreNonRetryable(t *testing.T) {
 	assert.Equal(t, workflows.ErrTypeInvalidInput, ae.Type())
 	assert.True(t, ae.NonRetryable())
 	assert.Contains(t, err.Error(), "vgpu_profile")
-	entries, _ := os.ReadDir(filepath.Join(h.st.StateDir(), "instances"))
+	entries, err := os.ReadDir(filepath.Join(h.st.StateDir(), "instances"))
+	require.NoError(t, err, "store.New made the instances folder")
 	assert.Empty(t, entries, "nothing created for a rejected request")
 
 	// An id that would be a path never reaches one.
 	err = h.run(t, h.acts.CreateRecord, spawnReq("../etc"), nil)
 	assert.Equal(t, workflows.ErrTypeInvalidInput, appError(t, err).Type())
+}
+
+// TestReconcileHostReleasesParkedDelete runs ReconcileHost, the activity
+// behind the host's reconcile Schedule, over a delete parked on a failed
+// release: while the fault lasts it releases nothing and keeps the claim;
+// once it is gone the round releases the claim (the device goes) and names
+// the delete to wake; a second round (a retry) releases nothing more.
+func TestReconcileHostReleasesParkedDelete(t *testing.T) {
+	h := newHost(t)
+	a, req, ref := h.acts, spawnReq("vm1"), &vmflowv1.InstanceRef{InstanceId: "vm1"}
+	require.NoError(t, h.run(t, a.CreateRecord, req, nil))
+	require.NoError(t, h.run(t, a.ClaimVGPU, &vmflowv1.ClaimVGPURequest{InstanceId: "vm1", VgpuProfile: req.GetVgpuProfile()}, nil))
+	devices := func() []os.DirEntry {
+		t.Helper()
+		entries, err := os.ReadDir(h.sim.Path("bus", "mdev", "devices"))
+		require.NoError(t, err)
+		return entries
+	}
+	require.Len(t, devices(), 1)
+	// A delete of an instance that never launched: the ladder has nothing
+	// to stop and says gone, which lets a release go ahead.
+	require.NoError(t, h.run(t, a.BeginDelete, &vmflowv1.BeginDeleteRequest{InstanceId: "vm1"}, nil))
+	_, err := h.st.ManualStop("vm1")
+	require.NoError(t, err)
+	require.NoError(t, h.run(t, a.StopVM, &vmflowv1.StopVMRequest{InstanceId: "vm1"}, nil))
+	h.sim.Set(t, vgpusim.CtlFailRelease, "EIO")
+	require.Error(t, h.run(t, a.ReleaseVGPU, ref, nil))
+
+	host := &vmflowv1.ReconcileVGPURequest{HostId: "h1"}
+	var res vmflowv1.ReconcileVGPUResult
+	require.NoError(t, h.run(t, a.ReconcileHost, host, &res))
+	assert.Equal(t, uint32(1), res.GetFailed(), "the release still fails")
+	assert.Zero(t, res.GetClaimsReleased())
+	rec, err := h.st.Get("vm1")
+	require.NoError(t, err)
+	assert.True(t, store.ClaimHeld(rec), "claim kept while the release fails")
+	assert.Len(t, devices(), 1)
+
+	h.sim.Clear(t, vgpusim.CtlFailRelease)
+	res = vmflowv1.ReconcileVGPUResult{}
+	require.NoError(t, h.run(t, a.ReconcileHost, host, &res))
+	assert.Equal(t, uint32(1), res.GetClaimsReleased())
+	assert.Equal(t, []string{"vm1"}, res.GetRetriedDeletes(), "the parked delete is named, to be woken")
+	rec, err = h.st.Get("vm1")
+	require.NoError(t, err)
+	assert.False(t, store.ClaimHeld(rec), "claim released")
+	assert.Empty(t, devices(), "device removed")
+
+	res = vmflowv1.ReconcileVGPUResult{}
+	require.NoError(t, h.run(t, a.ReconcileHost, host, &res))
+	assert.Zero(t, res.GetClaimsReleased(), "nothing left to release")
+	assert.Zero(t, res.GetFailed())
+	var rel vmflowv1.ReleaseVGPUResult
+	require.NoError(t, h.run(t, a.ReleaseVGPU, ref, &rel))
+	assert.False(t, rel.GetReleased(), "the delete's own release finds it done")
 }
 
 func TestConflictingCreateAndSpawnWhileDeleting(t *testing.T) {

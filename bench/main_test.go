@@ -4,13 +4,13 @@ import (
 	"context"
 	"fmt"
 	"os"
-	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"golang.org/x/sys/unix"
 
+	"vmflow/hostagent/proc"
 	"vmflow/hostagent/proc/proctest"
 	"vmflow/internal/stacktest"
 )
@@ -50,7 +50,7 @@ func TestMain(m *testing.M) {
 	if os.Getenv(envBench) != "1" {
 		os.Exit(m.Run())
 	}
-	if err := stacktest.BecomeSubreaper(); err != nil {
+	if err := proctest.BecomeSubreaper(); err != nil {
 		fmt.Fprintf(os.Stderr, "bench: %v\n", err)
 		os.Exit(1)
 	}
@@ -97,11 +97,6 @@ func reapAdopted(ctx context.Context) {
 
 // isNotChild: pid's parent is not this process (or pid is gone).
 func isNotChild(pid int) bool {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return true
-	}
-	s := string(b)
-	f := strings.Fields(s[strings.LastIndexByte(s, ')')+1:])
-	return len(f) < 2 || f[1] != fmt.Sprint(os.Getpid())
+	st, err := proc.ReadStat(pid)
+	return err != nil || st.PPID != os.Getpid()
 }

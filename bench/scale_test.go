@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"vmflow/hostagent/proc/proctest"
 	"vmflow/internal/stacktest"
 	"vmflow/workflows"
 )
@@ -98,22 +99,9 @@ func treeTicks(pid int) int64 {
 
 // childrenOf lists the live processes whose parent is pid.
 func childrenOf(pid int) []int {
-	entries, _ := os.ReadDir("/proc")
 	var out []int
-	for _, e := range entries {
-		p, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		b, err := os.ReadFile("/proc/" + e.Name() + "/stat")
-		if err != nil {
-			continue
-		}
-		st := string(b)
-		f := strings.Fields(st[strings.LastIndexByte(st, ')')+2:])
-		if len(f) > 1 && f[1] == strconv.Itoa(pid) {
-			out = append(out, p)
-		}
+	for _, st := range proctest.Children(pid) {
+		out = append(out, st.PID)
 	}
 	return out
 }

@@ -15,6 +15,7 @@ import (
 	"vmflow/guest"
 	"vmflow/guest/build"
 	"vmflow/hostagent/proc"
+	"vmflow/hostagent/proc/proctest"
 	"vmflow/hostagent/vmm"
 	"vmflow/internal/stacktest"
 )
@@ -62,14 +63,7 @@ func kvmOrTCG() vmm.Accel {
 
 // shortDir is a fresh folder under /tmp (a QMP socket path holds at most
 // 107 bytes), removed when t ends.
-func shortDir(t *testing.T, prefix string) string {
-	d, err := os.MkdirTemp("/tmp", prefix)
-	if err != nil {
-		t.Fatalf("temp dir: %v", err)
-	}
-	t.Cleanup(func() { os.RemoveAll(d) })
-	return d
-}
+var shortDir = proctest.ShortDir
 
 func paths(dir string) vmm.Paths {
 	return vmm.Paths{QMPSocket: filepath.Join(dir, "qmp.sock"), PIDFile: filepath.Join(dir, "qemu.pid"), Log: filepath.Join(dir, "qemu.log")}

@@ -18,6 +18,7 @@ import (
 
 	"vmflow/internal/devserver"
 	"vmflow/internal/service"
+	"vmflow/internal/stacktest"
 )
 
 // unitDuration parses the systemd time spans the units use ("30s", "5min").
@@ -97,17 +98,10 @@ func TestBinariesSayWhatTheyAre(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 	const version, revision = "v9.9.9-test", "0123456789abcdef0123456789abcdef01234567"
-	out, err := exec.CommandContext(ctx, "make", "-s", "-C", "..", "print-ldflags", "VERSION="+version, "REVISION="+revision).CombinedOutput()
-	require.NoError(t, err, "make print-ldflags:\n%s", out)
-	ldflags := strings.TrimSpace(string(out))
 	dir := t.TempDir()
-	build := func(name, pkg string) string {
-		p := filepath.Join(dir, name)
-		b, err := exec.CommandContext(ctx, "go", "build", "-ldflags", ldflags, "-o", p, pkg).CombinedOutput()
-		require.NoError(t, err, "go build %s:\n%s", pkg, b)
-		return p
-	}
-	agent, wrk := build("vmflow-hostagent", "vmflow/hostagent"), build("vmflow-worker", "vmflow/worker")
+	stamp := &stacktest.Stamp{Version: version, Revision: revision}
+	agent := buildBinary(ctx, t, dir, "vmflow-hostagent", "./hostagent", stamp)
+	wrk := buildBinary(ctx, t, dir, "vmflow-worker", "./worker", stamp)
 	want := "(revision " + revision + ", " + runtime.Version() + ")"
 	for _, c := range [][]string{{agent, "--version"}, {agent, "version"}, {wrk, "--version"}} {
 		b, err := exec.CommandContext(ctx, c[0], c[1:]...).CombinedOutput()
@@ -118,12 +112,11 @@ func TestBinariesSayWhatTheyAre(t *testing.T) {
 	env := append(os.Environ(),
 		"TEMPORAL_ADDRESS="+srv.Address(), "TEMPORAL_NAMESPACE="+srv.Namespace(),
 		"TEMPORAL_CONFIG_FILE="+filepath.Join(dir, "none.toml"))
-	agentAddr, workerAddr := freeAddr(t), freeAddr(t)
 	images := filepath.Join(dir, "images")
 	require.NoError(t, os.Mkdir(images, 0o755))
-	agentOut := startBinary(t, env, agent, "run", "--host-id", "version-host", "--state-dir", filepath.Join(dir, "state"),
-		"--image-root", images, "--vgpu-driver", "none", "--metrics-addr", agentAddr, "--workflow-task-queue", "vmflow-version")
-	workerOut := startBinary(t, env, wrk, "--metrics-addr", workerAddr, "--task-queue", "vmflow-version")
+	agentOut, agentAddr := startServing(t, env, agent, "run", "--host-id", "version-host", "--state-dir", filepath.Join(dir, "state"),
+		"--image-root", images, "--vgpu-driver", "none", "--workflow-task-queue", "vmflow-version")
+	workerOut, workerAddr := startServing(t, env, wrk, "--task-queue", "vmflow-version")
 	info := `vmflow_build_info{go_version="` + runtime.Version() + `",revision="` + revision + `",version="` + version + `"} 1`
 	for _, tc := range []struct {
 		name, addr string

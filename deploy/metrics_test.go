@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -20,18 +21,19 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"vmflow/internal/devserver"
+	"vmflow/internal/stacktest"
 )
 
-// buildBinary builds one of the module's commands into dir.
-func buildBinary(ctx context.Context, t *testing.T, dir, name, pkg string) string {
+// buildBinary builds one of the module's commands ("./worker") into dir
+// as name, stamped like `make build` when stamp is set.
+func buildBinary(ctx context.Context, t *testing.T, dir, name, pkg string, stamp *stacktest.Stamp) string {
 	t.Helper()
 	out := filepath.Join(dir, name)
-	cmd := exec.CommandContext(ctx, "go", "build", "-o", out, pkg)
-	b, err := cmd.CombinedOutput()
-	require.NoError(t, err, "go build %s:\n%s", pkg, b)
+	require.NoError(t, stacktest.Build(ctx, out, pkg, stamp))
 	return out
 }
 
+// freeAddr is a loopback address nothing listened on a moment ago.
 func freeAddr(t *testing.T) string {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -59,29 +61,58 @@ func (s *syncBuffer) String() string {
 	return s.b.String()
 }
 
-// startBinary runs bin until the test ends, then stops it with SIGTERM (as
-// systemd does) and waits for it.
-func startBinary(t *testing.T, env []string, bin string, args ...string) *syncBuffer {
+// startServing runs bin with args and --metrics-addr on a free loopback
+// port until the test ends, then stops it with SIGTERM (as systemd does)
+// and waits for it. It returns once bin serves /healthz there, with bin's
+// output and the address. The port was free when probed, but another
+// process can bind it before bin does: bin then logs the listen failure,
+// and startServing stops it and tries a new port.
+func startServing(t *testing.T, env []string, bin string, args ...string) (*syncBuffer, string) {
 	t.Helper()
-	out := &syncBuffer{}
-	cmd := exec.Command(bin, args...)
-	cmd.Env = env
-	cmd.Stdout, cmd.Stderr = out, out
-	require.NoError(t, cmd.Start())
-	t.Cleanup(func() {
-		_ = cmd.Process.Signal(syscall.SIGTERM)
+	const attempts = 5
+	for attempt := 1; ; attempt++ {
+		addr := freeAddr(t)
+		out := &syncBuffer{}
+		cmd := exec.Command(bin, append(slices.Clone(args), "--metrics-addr", addr)...)
+		cmd.Env = env
+		cmd.Stdout, cmd.Stderr = out, out
+		require.NoError(t, cmd.Start())
 		done := make(chan error, 1)
 		go func() { done <- cmd.Wait() }()
-		select {
-		case err := <-done:
-			assert.NoError(t, err, "%s did not stop cleanly on SIGTERM:\n%s", filepath.Base(bin), out.String())
-		case <-time.After(30 * time.Second):
+		taken := false
+		ok := assert.Eventually(t, func() bool {
+			if strings.Contains(out.String(), "metrics listen "+addr) {
+				taken = true
+				return true
+			}
+			// Bounded: whoever else holds the port may accept and never answer.
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+			defer cancel()
+			code, _, err := get(ctx, addr, "/healthz")
+			return err == nil && code == http.StatusOK
+		}, time.Minute, 50*time.Millisecond, "%s serves /healthz on %s", filepath.Base(bin), addr)
+		if !ok || taken {
 			_ = cmd.Process.Kill()
 			<-done
-			t.Errorf("%s ignored SIGTERM for 30s:\n%s", filepath.Base(bin), out.String())
+			if ok && attempt < attempts {
+				t.Logf("%s: %s was taken before it bound it; another port", filepath.Base(bin), addr)
+				continue
+			}
+			t.Fatalf("%s never served /metrics (attempt %d):\n%s", filepath.Base(bin), attempt, out.String())
 		}
-	})
-	return out
+		t.Cleanup(func() {
+			_ = cmd.Process.Signal(syscall.SIGTERM)
+			select {
+			case err := <-done:
+				assert.NoError(t, err, "%s did not stop cleanly on SIGTERM:\n%s", filepath.Base(bin), out.String())
+			case <-time.After(30 * time.Second):
+				_ = cmd.Process.Kill()
+				<-done
+				t.Errorf("%s ignored SIGTERM for 30s:\n%s", filepath.Base(bin), out.String())
+			}
+		})
+		return out, addr
+	}
 }
 
 func scrape(ctx context.Context, addr string) (string, error) {
@@ -123,19 +154,18 @@ func TestBinariesServeMetrics(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 	dir := t.TempDir()
-	agent := buildBinary(ctx, t, dir, "vmflow-hostagent", "vmflow/hostagent")
-	wrk := buildBinary(ctx, t, dir, "vmflow-worker", "vmflow/worker")
+	agent := buildBinary(ctx, t, dir, "vmflow-hostagent", "./hostagent", nil)
+	wrk := buildBinary(ctx, t, dir, "vmflow-worker", "./worker", nil)
 
 	env := append(os.Environ(),
 		"TEMPORAL_ADDRESS="+srv.Address(), "TEMPORAL_NAMESPACE="+srv.Namespace(),
 		"TEMPORAL_CONFIG_FILE="+filepath.Join(dir, "none.toml"))
-	agentAddr, workerAddr := freeAddr(t), freeAddr(t)
 	images := filepath.Join(dir, "images")
 	require.NoError(t, os.Mkdir(images, 0o755))
-	agentOut := startBinary(t, env, agent, "run", "--host-id", "metrics-host", "--state-dir", filepath.Join(dir, "state"),
-		"--image-root", images, "--vgpu-driver", "none", "--metrics-addr", agentAddr, "--log-level", "info",
+	agentOut, agentAddr := startServing(t, env, agent, "run", "--host-id", "metrics-host", "--state-dir", filepath.Join(dir, "state"),
+		"--image-root", images, "--vgpu-driver", "none", "--log-level", "info",
 		"--workflow-task-queue", "vmflow-metrics")
-	workerOut := startBinary(t, env, wrk, "--metrics-addr", workerAddr, "--task-queue", "vmflow-metrics")
+	workerOut, workerAddr := startServing(t, env, wrk, "--task-queue", "vmflow-metrics")
 
 	for _, tc := range []struct {
 		name, addr string

@@ -57,11 +57,10 @@ func testGuestGracefulDelete(t *testing.T, srv devserver.Temporal) {
 	stops := activityResults[vmflowv1.StopVMResult](t, e.c, workflows.DeleteWorkflowID(id), workflows.ActivityStopVM)
 	require.Len(t, stops, 1)
 	t.Logf("StopVM result: %v; agent's stop steps: %v", stops[0], e.agentStopSteps(id))
-	// StopVMResult.step_reached says "gone" for every successful stop
-	// (reported as a bug: its doc promises the last step needed), so the
-	// agent's log of the ladder's steps is the evidence: the power button
-	// and nothing after it.
-	assert.NotContains(t, []string{"quit", "kill", "quit_sent", "kill_sent"}, stops[0].GetStepReached())
+	// StopVMResult.step_reached is the last step the ladder needed, and the
+	// agent's log has every step it took: the power button and nothing
+	// after it, in both.
+	assert.Equal(t, "powerdown", stops[0].GetStepReached(), "the last step needed was the power button")
 	assert.Equal(t, []string{"powerdown_sent", "gone"}, e.agentStopSteps(id), "the guest powered off on the ACPI button: no quit, no kill")
 	ok, _ := con.has(guest.PowerOffLine)
 	assert.True(t, ok, "the guest's init saw the power button")
@@ -161,7 +160,9 @@ func testAgentKilledDuringStop(t *testing.T, srv devserver.Temporal) {
 	require.NoError(t, run.Get(e.ctx(90*time.Second), &del))
 	steps := e.agentStopSteps(id)
 	t.Logf("agent's stop steps over both runs: %v", steps)
-	assert.Contains(t, steps, "quit_sent", "the restarted agent went on to quit")
+	// One press of the button (the killed agent's), then the restarted
+	// agent's quit: a ladder started over would press it again.
+	assert.Equal(t, []string{"powerdown_sent", "quit_sent", "gone"}, steps, "the restarted agent resumed after powerdown_sent")
 	assertNoProcess(t, qemu)
 	e.assertNothingLeft()
 }

@@ -10,7 +10,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -27,6 +26,7 @@ import (
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vgpu/vgpusim"
 	"vmflow/hostagent/vgpu/vgpusim/simtest"
+	"vmflow/hostagent/vmm/vmmtest"
 	"vmflow/internal/devserver"
 	"vmflow/internal/stacktest"
 	"vmflow/platform"
@@ -68,14 +68,7 @@ func buildBinaries(t *testing.T) (worker, agent string) {
 }
 
 // requireQEMU skips t when QEMU is missing (`make tools` installs it).
-func requireQEMU(t *testing.T) string {
-	t.Helper()
-	p, err := exec.LookPath("qemu-system-x86_64")
-	if err != nil {
-		t.Skipf("qemu-system-x86_64 not found (%v): `make tools` installs Debian's qemu-system-x86", err)
-	}
-	return p
-}
+var requireQEMU = vmmtest.RequiresQEMU
 
 // requireGuest returns the built guest, or skips t when `make guest` has
 // not built it (the tests never download a kernel themselves).
@@ -424,8 +417,7 @@ func (e *env) record(id string) *vmflowv1.InstanceRecord {
 }
 
 func identityOf(rec *vmflowv1.InstanceRecord) proc.Identity {
-	p := rec.GetProcess()
-	return proc.Identity{PID: int(p.GetPid()), StartTime: p.GetStartTime(), BootID: p.GetBootId()}
+	return store.IdentityOf(rec.GetProcess())
 }
 
 // assertNoProcess checks that nothing is left of QEMU pid: no process and

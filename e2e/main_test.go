@@ -8,17 +8,18 @@ import (
 	"testing"
 	"time"
 
+	"vmflow/hostagent/proc/proctest"
 	"vmflow/internal/devserver"
 	"vmflow/internal/stacktest"
 )
 
 // TestMain makes the test process a child subreaper before any test starts
-// a host agent (stacktest.BecomeSubreaper says why), and reaps the QEMUs it
+// a host agent (proctest.BecomeSubreaper says why), and reaps the QEMUs it
 // inherits. The reaper waits only for QEMU zombies: the test's own children
 // (dev server, agent, worker, Chromium) are reaped by their exec.Cmd, and
 // waiting for them here would steal their exit status.
 func TestMain(m *testing.M) {
-	if err := stacktest.BecomeSubreaper(); err != nil {
+	if err := proctest.BecomeSubreaper(); err != nil {
 		fmt.Fprintf(os.Stderr, "e2e: %v\n", err)
 		os.Exit(1)
 	}

@@ -1,13 +1,9 @@
 package guest_test
 
 import (
-	"bufio"
 	"context"
-	"encoding/json"
-	"errors"
 	"fmt"
 	"log/slog"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -20,6 +16,8 @@ import (
 
 	"vmflow/guest"
 	"vmflow/guest/build"
+	"vmflow/hostagent/vmm"
+	"vmflow/hostagent/vmm/vmmtest"
 )
 
 const (
@@ -27,16 +25,6 @@ const (
 	upTimeout    = 60 * time.Second // TCG boot to the init is ~3-4 s here
 	exitTimeout  = 30 * time.Second
 )
-
-// requiresQEMU skips when QEMU is missing (make tools installs it).
-func requiresQEMU(t *testing.T) string {
-	t.Helper()
-	p, err := exec.LookPath("qemu-system-x86_64")
-	if err != nil {
-		t.Skip("qemu-system-x86_64 not installed (make qemu installs Debian's qemu-system-x86)")
-	}
-	return p
-}
 
 type testWriter struct{ t *testing.T }
 
@@ -50,7 +38,7 @@ func (w testWriter) Write(p []byte) (int, error) {
 // init to be up, presses the ACPI power button over QMP and demands that
 // QEMU exits by itself, status 0, after the init said it powers off.
 func TestPowerButtonPowersOff(t *testing.T) {
-	qemu := requiresQEMU(t)
+	qemu := vmmtest.RequiresQEMU(t)
 	ctx, cancel := context.WithTimeout(context.Background(), buildTimeout)
 	defer cancel()
 	a, err := build.Build(ctx, build.Options{Log: slog.New(slog.NewTextHandler(testWriter{t}, nil))})
@@ -96,15 +84,13 @@ func TestPowerButtonPowersOff(t *testing.T) {
 	require.NoError(t, waitForLine(logPath, guest.UpLine, exited, upTimeout), diag())
 	upAfter := time.Since(spawned)
 
-	conn, err := net.DialTimeout("unix", sock, 5*time.Second)
+	qctx, qcancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer qcancel()
+	mon, err := vmm.DialQMP(qctx, sock)
 	require.NoError(t, err, diag())
-	defer conn.Close()
-	require.NoError(t, conn.SetDeadline(time.Now().Add(exitTimeout+10*time.Second)))
-	q := &qmp{r: bufio.NewScanner(conn), w: conn}
-	require.NoError(t, q.greeting(), diag())
-	require.NoError(t, q.execute("qmp_capabilities"), diag())
+	defer mon.Close()
 	pressed := time.Now()
-	require.NoError(t, q.execute("system_powerdown"), diag())
+	require.NoError(t, mon.SystemPowerdown(qctx), diag())
 
 	select {
 	case <-exited:
@@ -115,10 +101,14 @@ func TestPowerButtonPowersOff(t *testing.T) {
 	require.NoError(t, waitErr, "QEMU exit status%s", diag())
 	assert.Equal(t, 0, cmd.ProcessState.ExitCode())
 
-	// The monitor closes when QEMU exits: the rest of the stream holds the
+	// The monitor closes when QEMU exits: the stream up to then holds the
 	// SHUTDOWN event, which says the guest (not the host) ended it.
-	q.drain()
-	assert.True(t, q.sawGuestShutdown(), "no SHUTDOWN event with guest=true; events: %v", q.events)
+	select {
+	case <-mon.Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("QMP connection still open after QEMU exited")
+	}
+	assert.True(t, sawGuestShutdown(mon), "no SHUTDOWN event with guest=true")
 	out, err := os.ReadFile(logPath)
 	require.NoError(t, err)
 	assert.Contains(t, string(out), guest.PowerOffLine)
@@ -160,80 +150,17 @@ func tail(s string, n int) string {
 	return s
 }
 
-// qmp is the smallest QMP client a test needs: one JSON object per line,
-// events kept aside (they may come before the greeting and between a
-// command and its reply).
-type qmp struct {
-	r      *bufio.Scanner
-	w      net.Conn
-	events []map[string]any
-}
-
-func (q *qmp) next() (map[string]any, error) {
-	if !q.r.Scan() {
-		if err := q.r.Err(); err != nil {
-			return nil, fmt.Errorf("qmp read: %w", err)
-		}
-		return nil, errors.New("qmp: connection closed")
-	}
-	var msg map[string]any
-	if err := json.Unmarshal(q.r.Bytes(), &msg); err != nil {
-		return nil, fmt.Errorf("qmp decode %q: %w", q.r.Text(), err)
-	}
-	return msg, nil
-}
-
-func (q *qmp) greeting() error {
+// sawGuestShutdown reads the events mon holds for a SHUTDOWN that the guest
+// caused.
+func sawGuestShutdown(mon *vmm.Monitor) bool {
 	for {
-		msg, err := q.next()
-		if err != nil {
-			return err
-		}
-		if _, ok := msg["QMP"]; ok {
-			return nil
-		}
-		q.events = append(q.events, msg)
-	}
-}
-
-func (q *qmp) execute(command string) error {
-	if _, err := fmt.Fprintf(q.w, "{\"execute\": %q}\n", command); err != nil {
-		return fmt.Errorf("qmp %s: %w", command, err)
-	}
-	for {
-		msg, err := q.next()
-		if err != nil {
-			return fmt.Errorf("qmp %s: %w", command, err)
-		}
-		if _, ok := msg["return"]; ok {
-			return nil
-		}
-		if e, ok := msg["error"]; ok {
-			return fmt.Errorf("qmp %s: %v", command, e)
-		}
-		q.events = append(q.events, msg)
-	}
-}
-
-// drain keeps the events up to EOF (or the connection deadline).
-func (q *qmp) drain() {
-	for {
-		msg, err := q.next()
-		if err != nil {
-			return
-		}
-		q.events = append(q.events, msg)
-	}
-}
-
-func (q *qmp) sawGuestShutdown() bool {
-	for _, ev := range q.events {
-		if ev["event"] != "SHUTDOWN" {
-			continue
-		}
-		if data, ok := ev["data"].(map[string]any); ok && data["guest"] == true {
-			return true
+		select {
+		case ev := <-mon.Events():
+			if ev.Event == "SHUTDOWN" && ev.Data["guest"] == true {
+				return true
+			}
+		default:
+			return false
 		}
 	}
-	return false
 }

@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"fmt"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync/atomic"
@@ -82,11 +81,8 @@ func (*rolloutHost) ReconcileHost(context.Context, *vmflowv1.ReconcileVGPUReques
 // and returns its path: the build id a --versioning worker joins with.
 func buildStamped(ctx context.Context, t *testing.T, dir, version string) string {
 	t.Helper()
-	out, err := exec.CommandContext(ctx, "make", "-s", "-C", "..", "print-ldflags", "VERSION="+version, "REVISION=0000000000000000000000000000000000000000").CombinedOutput()
-	require.NoError(t, err, "make print-ldflags:\n%s", out)
 	p := filepath.Join(dir, "vmflow-worker-"+version)
-	b, err := exec.CommandContext(ctx, "go", "build", "-ldflags", strings.TrimSpace(string(out)), "-o", p, "vmflow/worker").CombinedOutput()
-	require.NoError(t, err, "go build vmflow/worker:\n%s", b)
+	require.NoError(t, stacktest.Build(ctx, p, "./worker", &stacktest.Stamp{Version: version, Revision: "0000000000000000000000000000000000000000"}))
 	return p
 }
 

@@ -179,9 +179,7 @@ func newHost(t *rapid.T, dc driverCase) *host {
 	})
 	// pid 1 of a sandbox can be more privileged than root here; it is
 	// ignored only when it really cannot be inspected (as in vgpu/claims' tests).
-	if _, err := os.Readlink("/proc/1/fd/0"); err != nil {
-		h.ignore = []int{1}
-	}
+	h.ignore = proctest.UninspectableInit()
 	h.now.Store(time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC).UnixNano())
 	h.st, err = store.New(h.state)
 	if err != nil {

@@ -18,6 +18,7 @@ import (
 	"vmflow/guest"
 	"vmflow/guest/build"
 	"vmflow/hostagent/proc"
+	"vmflow/hostagent/proc/proctest"
 	"vmflow/hostagent/spec"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/supervise"
@@ -42,7 +43,7 @@ func newStack(t *testing.T) *stack {
 	t.Helper()
 	vmmtest.RequiresQEMU(t)
 	vmmtest.RequiresQEMUImg(t)
-	s := &stack{root: vmmtest.ShortDir(t, "img"), outside: vmmtest.ShortDir(t, "out")}
+	s := &stack{root: proctest.ShortDir(t, "img"), outside: proctest.ShortDir(t, "out")}
 	require.NoError(t, os.Chmod(s.root, 0o755))
 	for name, b := range map[string]byte{"real.raw": 0x22, "other.raw": 0x33} {
 		require.NoError(t, os.WriteFile(filepath.Join(s.root, name), bytes.Repeat([]byte{b}, imageSize), 0o600))
@@ -53,7 +54,7 @@ func newStack(t *testing.T) *stack {
 	s.host, err = spec.SystemHost([]string{s.root}, nil)
 	require.NoError(t, err)
 	t.Cleanup(func() { s.host.Images.Close() })
-	s.st, err = store.New(vmmtest.ShortDir(t, "st"))
+	s.st, err = store.New(proctest.ShortDir(t, "st"))
 	require.NoError(t, err)
 	s.sup, err = supervise.New(supervise.Config{Store: s.st, PrepareLaunch: spec.PrepareLaunch(s.host, nil, false),
 		GracefulTimeout: time.Second})
@@ -111,11 +112,7 @@ func (s *stack) crash(t *testing.T, id string, pid proc.Identity) {
 	require.NoError(t, s.sup.WaitExit(ctxT(t, 20*time.Second), id, nil))
 }
 
-func ctxT(t *testing.T, d time.Duration) context.Context {
-	ctx, cancel := context.WithTimeout(context.Background(), d)
-	t.Cleanup(cancel)
-	return ctx
-}
+var ctxT = proctest.Context
 
 // fdsOn lists QEMU's fds whose file is path (same inode), with their flags.
 func fdsOn(t *testing.T, pid int, path string) []vmmtest.OpenFile {
@@ -305,7 +302,7 @@ func TestLaunchKernelByFD(t *testing.T) {
 	h, err := spec.SystemHost([]string{dir}, nil)
 	require.NoError(t, err)
 	defer h.Images.Close()
-	st, err := store.New(vmmtest.ShortDir(t, "st"))
+	st, err := store.New(proctest.ShortDir(t, "st"))
 	require.NoError(t, err)
 	sup, err := supervise.New(supervise.Config{Store: st, PrepareLaunch: spec.PrepareLaunch(h, nil, false)})
 	require.NoError(t, err)

@@ -3,16 +3,15 @@ package supervise
 import (
 	"os"
 	"os/exec"
-	"syscall"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
-	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"vmflow/hostagent/proc"
+	"vmflow/hostagent/proc/proctest"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vmm"
 	"vmflow/hostagent/vmm/vmmtest"
@@ -35,18 +34,7 @@ func impostor(t *testing.T, e *env, id string, env []string, wrap ...string) pro
 	cmd.Env = env
 	c, err := proc.Start(cmd)
 	require.NoError(t, err)
-	t.Cleanup(func() {
-		_ = syscall.Kill(-c.Identity().PID, syscall.SIGKILL) // its whole process group
-		<-c.Done()
-		// A wrapped QEMU was reparented to this process (the subreaper)
-		// when its wrapper died: reap it too.
-		for {
-			var ws unix.WaitStatus
-			if _, err := unix.Wait4(-c.Identity().PID, &ws, 0, nil); err != nil {
-				return // ECHILD: none left
-			}
-		}
-	})
+	proctest.KillGroupOnCleanup(t, c)
 	require.Eventually(t, func() bool {
 		_, err := os.Stat(p.Socket)
 		return err == nil

@@ -17,6 +17,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"vmflow/hostagent/proc"
+	"vmflow/hostagent/proc/proctest"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vmm"
 	vmflowv1 "vmflow/proto/vmflow/v1"
@@ -30,18 +31,7 @@ func requiresRoot(t *testing.T) {
 }
 
 // statusOf returns the named fields of /proc/<pid>/status.
-func statusOf(t *testing.T, pid int) map[string]string {
-	t.Helper()
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
-	require.NoError(t, err)
-	out := map[string]string{}
-	for _, line := range strings.Split(string(b), "\n") {
-		if k, v, ok := strings.Cut(line, ":"); ok {
-			out[k] = strings.Join(strings.Fields(v), " ")
-		}
-	}
-	return out
-}
+var statusOf = proctest.Status
 
 func uids4(u uint32) string {
 	s := strconv.FormatUint(uint64(u), 10)

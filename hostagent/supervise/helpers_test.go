@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"io/fs"
 	"os"
 	"os/exec"
 	"strconv"
@@ -18,7 +17,6 @@ import (
 	"time"
 	"vmflow/hostagent/vmm/vmmtest"
 
-	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -27,6 +25,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"vmflow/hostagent/proc"
+	"vmflow/hostagent/proc/proctest"
 	"vmflow/hostagent/store"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
@@ -66,12 +65,10 @@ func TestMain(m *testing.M) {
 		runAgent(dir, os.Getenv(agentIDEnv), os.Getenv(agentBlockEnv), os.Getenv(agentUIDsEnv))
 		return
 	}
-	// PID 1 on the test machines does not reap orphans. A QEMU whose agent
-	// was killed is reparented to the nearest subreaper: this process, as
-	// it would be to systemd in production, so the tests can reap it and
-	// demand that no zombie is left.
-	if err := unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0); err != nil {
-		fmt.Fprintln(os.Stderr, "prctl(PR_SET_CHILD_SUBREAPER):", err)
+	// A QEMU whose agent was killed is reparented to this process, so the
+	// tests can reap it and demand that no zombie is left.
+	if err := proctest.BecomeSubreaper(); err != nil {
+		fmt.Fprintln(os.Stderr, err)
 		os.Exit(2)
 	}
 	os.Exit(m.Run())
@@ -190,13 +187,12 @@ func requiresQEMU(tb testing.TB) { vmmtest.RequiresQEMU(tb) }
 func testAccel() string { return string(vmmtest.Accel()) }
 
 // testDir is a short directory: a unix socket path holds at most 107 bytes.
-func testDir(tb testing.TB) string {
-	tb.Helper()
-	d, err := os.MkdirTemp("/tmp", "sv")
-	require.NoError(tb, err)
-	tb.Cleanup(func() { os.RemoveAll(d) })
-	return d
-}
+func testDir(tb testing.TB) string { return proctest.ShortDir(tb, "sv") }
+
+var (
+	ctxT                   = proctest.Context
+	assertNoZombieChildren = proctest.AssertNoZombieChildren
+)
 
 type env struct {
 	t    testing.TB
@@ -319,41 +315,6 @@ func adoptOnCleanup(t *testing.T, id proc.Identity) {
 			_, _ = unix.Wait4(id.PID, &ws, 0, nil)
 		}
 	})
-}
-
-// assertNoZombieChildren: no <defunct> process whose parent is this test.
-func assertNoZombieChildren(t *testing.T) {
-	t.Helper()
-	assert.Eventually(t, func() bool { return len(zombieChildren()) == 0 }, 5*time.Second, 5*time.Millisecond,
-		"<defunct> children left: %v", zombieChildren())
-}
-
-func zombieChildren() []string {
-	var out []string
-	ents, _ := os.ReadDir("/proc")
-	for _, e := range ents {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		st, err := proc.ReadStat(pid)
-		if err == nil && st.PPID == os.Getpid() && st.State == 'Z' {
-			out = append(out, fmt.Sprintf("%d(%s)", pid, st.Comm))
-		}
-	}
-	return out
-}
-
-func assertNoFile(t *testing.T, path string) {
-	t.Helper()
-	_, err := os.Lstat(path)
-	assert.True(t, errors.Is(err, fs.ErrNotExist), "%s still exists (%v)", path, err)
-}
-
-func ctxT(tb testing.TB, d time.Duration) context.Context {
-	ctx, cancel := context.WithTimeout(context.Background(), d)
-	tb.Cleanup(cancel)
-	return ctx
 }
 
 // waitLog waits for a log line msg about instance id whose reason field

@@ -65,8 +65,8 @@ func TestAgentKilledBeforePidRecorded(t *testing.T) {
 	reapAdopted(t, qemu)
 	assert.False(t, proc.Inspect(qemu).Alive)
 	p, _ := e.st.Paths("vm1")
-	assertNoFile(t, p.Socket)
-	assertNoFile(t, p.PID)
+	assert.NoFileExists(t, p.Socket)
+	assert.NoFileExists(t, p.PID)
 	assertNoZombieChildren(t)
 }
 
@@ -127,8 +127,8 @@ func TestTearDownNeverRemovesLiveSocket(t *testing.T) {
 	_, err = sup.Stop(ctxT(t, 30*time.Second), "vm1", time.Millisecond)
 	require.NoError(t, err)
 	require.NoError(t, sup.TearDown(ctxT(t, 10*time.Second), "vm1"))
-	assertNoFile(t, p.Socket)
-	assertNoFile(t, p.PID)
+	assert.NoFileExists(t, p.Socket)
+	assert.NoFileExists(t, p.PID)
 
 	// A listener nobody recorded (not even a QEMU): still refused.
 	ln, err := net.Listen("unix", p.Socket)

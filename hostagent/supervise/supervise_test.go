@@ -75,8 +75,8 @@ func TestLaunchRunningStopGone(t *testing.T) {
 	assert.ErrorIs(t, err, proc.ErrNotFound, "reaped: no <defunct> entry")
 	assertNoZombieChildren(t)
 	p, _ := e.st.Paths("vm1")
-	assertNoFile(t, p.Socket)
-	assertNoFile(t, p.PID)
+	assert.NoFileExists(t, p.Socket)
+	assert.NoFileExists(t, p.PID)
 
 	// Idempotent, and the marker keeps the VM down.
 	sres, err = sup.Stop(ctxT(t, 10*time.Second), "vm1", 0)
@@ -146,7 +146,7 @@ func TestFailedLaunchLeavesNothing(t *testing.T) {
 	assert.Equal(t, stateCreating, rec.GetState())
 	assert.Contains(t, rec.GetLastError(), "exited during launch")
 	p, _ := e.st.Paths("vm1")
-	assertNoFile(t, p.Socket)
+	assert.NoFileExists(t, p.Socket)
 	assertNoZombieChildren(t)
 }
 
@@ -250,7 +250,7 @@ func TestAgentKilledBetweenForkAndQMP(t *testing.T) {
 		assert.Equal(t, stateCreating, rec.GetState(), "stays Creating: the spawn retries the launch")
 		assert.Nil(t, rec.GetProcess(), "pid cleared")
 		p, _ := e.st.Paths("vm1")
-		assertNoFile(t, p.Socket)
+		assert.NoFileExists(t, p.Socket)
 		reapAdopted(t, qemu)
 		assertNoZombieChildren(t)
 	})
@@ -359,8 +359,8 @@ func TestRestartNeverLeavesExited(t *testing.T) {
 	assert.Nil(t, rec.GetProcess())
 	assert.Equal(t, "signal: killed", rec.GetLastExitStatus())
 	p, _ := e.st.Paths("vm1")
-	assertNoFile(t, p.Socket)
-	assertNoFile(t, p.PID)
+	assert.NoFileExists(t, p.Socket)
+	assert.NoFileExists(t, p.PID)
 	assertNoZombieChildren(t)
 }
 
@@ -451,7 +451,7 @@ func TestStartNeverSignalsMismatchedPid(t *testing.T) {
 	assert.Equal(t, stateExited, rec.GetState())
 	assert.Nil(t, rec.GetProcess())
 	assert.Equal(t, int32(-1), rec.GetLastExitCode())
-	assertNoFile(t, p.Socket)
+	assert.NoFileExists(t, p.Socket)
 	_, exited := stranger.Exit()
 	assert.False(t, exited, "the stranger was not signalled")
 	assert.True(t, proc.Inspect(stranger.Identity()).Alive)

@@ -304,8 +304,14 @@ func TestBlockedReleaseBoundedJoinedAndCompleted(t *testing.T) {
 		assert.Equal(t, 1, e.sim.Server.Blocked())
 
 		// A second caller joins the write in flight rather than starting one.
+		// The first caller gave up: nobody waits on the write any more.
+		require.Equal(t, 0, vgpu.ReleaseWaiters(e.drv, dev))
 		joined := make(chan error, 1)
 		go func() { joined <- e.drv.Release(context.Background(), dev) }()
+		// Waiting on the one write, with no second write started.
+		require.Eventually(t, func() bool { return vgpu.ReleaseWaiters(e.drv, dev) == 1 }, waitFor, time.Millisecond,
+			"the second caller never waited on the write in flight")
+		assert.Equal(t, 1, e.sim.Server.Blocked(), "one write blocked, not two")
 		select {
 		case err := <-joined:
 			t.Fatalf("joined release returned while blocked: %v", err)

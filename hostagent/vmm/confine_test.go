@@ -18,6 +18,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"vmflow/hostagent/proc"
+	"vmflow/hostagent/proc/proctest"
 )
 
 // testUIDs hands each launch of this test process a uid of its own, far
@@ -30,18 +31,7 @@ func testUID() uint32 {
 }
 
 // procStatus returns the named fields of /proc/<pid>/status.
-func procStatus(t *testing.T, pid int) map[string]string {
-	t.Helper()
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
-	require.NoError(t, err)
-	out := map[string]string{}
-	for _, line := range strings.Split(string(b), "\n") {
-		if k, v, ok := strings.Cut(line, ":"); ok {
-			out[k] = strings.Join(strings.Fields(v), " ")
-		}
-	}
-	return out
-}
+var procStatus = proctest.Status
 
 // procLimit returns the soft and hard value of a /proc/<pid>/limits row.
 func procLimit(t *testing.T, pid int, row string) (string, string) {
@@ -117,7 +107,7 @@ func TestLaunchConfined(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, fs.ModeDir|0o700, fi.Mode())
 	assert.Equal(t, uint32(0), fi.Sys().(*syscall.Stat_t).Uid)
-	assertNoFile(t, cfg.Paths.PIDFile)
+	assert.NoFileExists(t, cfg.Paths.PIDFile)
 	ents, err := os.ReadDir(dir)
 	require.NoError(t, err)
 	for _, e := range ents {
@@ -146,7 +136,7 @@ func TestLaunchRefusesUnconfined(t *testing.T) {
 	_, err := Launch(ctxT(t, 10*time.Second), cfg)
 	require.ErrorIs(t, err, ErrNoQEMUUID)
 	assert.Equal(t, 1, failed)
-	assertNoFile(t, cfg.Paths.QMPSocket)
+	assert.NoFileExists(t, cfg.Paths.QMPSocket)
 }
 
 // A KVM node its group cannot open (here 0604 and 0600) makes CheckKVM

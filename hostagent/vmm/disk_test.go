@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"vmflow/hostagent/proc/proctest"
 	"vmflow/hostagent/vmm"
 	"vmflow/hostagent/vmm/vmmtest"
 )
@@ -43,8 +44,8 @@ func TestLaunchDiskBaseReadOnly(t *testing.T) {
 	vmmtest.RequiresQEMUImg(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
-	run := vmmtest.ShortDir(t, "vmrun")
-	dir := vmmtest.ShortDir(t, "vmimg") // the images, apart from the socket
+	run := proctest.ShortDir(t, "vmrun")
+	dir := proctest.ShortDir(t, "vmimg") // the images, apart from the socket
 	const size = 4 << 20
 	basePath := baseImage(t, dir, size, 0x5a)
 	before, err := os.Stat(basePath)

@@ -12,9 +12,9 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
-	"golang.org/x/sys/unix"
 
 	"vmflow/hostagent/proc"
+	"vmflow/hostagent/proc/proctest"
 )
 
 // FindUnrecorded finds a launched QEMU by its uid and guest name (the
@@ -95,17 +95,7 @@ func TestFindUnrecordedIgnoresImpostors(t *testing.T) {
 	require.NoError(t, os.Chown(filepath.Dir(cfg.Paths.QMPSocket), int(uid), int(uid)))
 	wc, err := proc.Start(wrapper)
 	require.NoError(t, err)
-	t.Cleanup(func() {
-		_ = syscall.Kill(-wc.Identity().PID, syscall.SIGKILL) // its whole process group
-		<-wc.Done()
-		// The wrapped QEMU, if it was reparented to this process: reap it.
-		for {
-			var ws unix.WaitStatus
-			if _, err := unix.Wait4(-wc.Identity().PID, &ws, 0, nil); err != nil {
-				return // ECHILD: none left (or not ours)
-			}
-		}
-	})
+	proctest.KillGroupOnCleanup(t, wc)
 	require.Eventually(t, func() bool {
 		_, err := os.Stat(cfg.Paths.QMPSocket)
 		return err == nil

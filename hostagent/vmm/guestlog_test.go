@@ -18,6 +18,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"vmflow/hostagent/proc"
+	"vmflow/hostagent/proc/proctest"
 	"vmflow/hostagent/vmm"
 	"vmflow/hostagent/vmm/vmmtest"
 )
@@ -100,7 +101,7 @@ func assertSafeQuote(t *testing.T, s string) {
 // sequences, BEL, CR) and unfenced.
 func TestLaunchFailureQuotesLogFenced(t *testing.T) {
 	vmmtest.RequiresQEMU(t)
-	d := vmmtest.ShortDir(t, "lf")
+	d := proctest.ShortDir(t, "lf")
 	vmmtest.WorldReadable(t, d)
 	bin := filepath.Join(d, "qemu-hostile")
 	// Stands in for a QEMU (or a guest) whose last words are hostile.
@@ -167,7 +168,7 @@ func floodRotations(t *testing.T, path string, rotations int, within time.Durati
 // bound (the guest passes 6 MiB in a few seconds).
 func TestGuestLogBoundedUnderSerialFlood(t *testing.T) {
 	bin, spec := vmmtest.SerialFlood(t, "flood")
-	d := vmmtest.ShortDir(t, "gl")
+	d := proctest.ShortDir(t, "gl")
 	paths := vmm.Paths{QMPSocket: filepath.Join(d, "qemu.sock"), PIDFile: filepath.Join(d, "qemu.pid"), Log: filepath.Join(d, "qemu.log")}
 	vm, err := vmm.Launch(context.Background(), vmm.LaunchConfig{Binary: bin, Spec: spec, Paths: paths, ReadyTimeout: 30 * time.Second,
 		Confine: vmmtest.Confine()})

@@ -81,12 +81,6 @@ func fakeQMP(t *testing.T, serve func(f *fakeConn)) (path string, done <-chan st
 	return path, ch
 }
 
-func ctxT(t *testing.T, d time.Duration) context.Context {
-	ctx, cancel := context.WithTimeout(context.Background(), d)
-	t.Cleanup(cancel)
-	return ctx
-}
-
 func TestQMPEventBeforeGreeting(t *testing.T) {
 	path, done := fakeQMP(t, func(f *fakeConn) {
 		// QEMU can emit an event before its greeting and between a command

@@ -11,7 +11,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
-	"strconv"
 	"sync"
 	"syscall"
 	"testing"
@@ -21,42 +20,33 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"vmflow/hostagent/proc"
+	"vmflow/hostagent/proc/proctest"
 )
 
+// These tests are package vmm's own and cannot import vmmtest (it imports
+// vmm): what they share with it lives in proctest.
+
 // requiresQEMU skips the test when qemu-system-x86_64 is not installed.
-// CI installs it (make qemu), so nothing is skipped there.
 func requiresQEMU(tb testing.TB) string {
 	tb.Helper()
-	p, err := exec.LookPath(DefaultBinary)
-	if err != nil {
-		tb.Skipf("needs %s (make qemu installs it): %v", DefaultBinary, err)
-	}
-	return p
+	return proctest.RequiresBinary(tb, DefaultBinary, "make qemu installs it")
 }
 
-// testAccel is KVM where /dev/kvm opens, TCG otherwise: -machine none runs
-// the same either way, only faster under KVM.
+// testAccel is vmmtest.Accel: KVM where /dev/kvm opens, TCG otherwise.
 func testAccel() Accel {
-	if CheckKVM("").Err != nil {
-		return AccelTCG // QEMU, unprivileged, could not open it
-	}
-	f, err := os.OpenFile("/dev/kvm", os.O_RDWR, 0)
-	if err != nil {
+	if CheckKVM("").Err != nil || !proctest.KVMOpens() {
 		return AccelTCG
 	}
-	f.Close()
 	return AccelKVM
 }
 
-// testDir is a short directory under /tmp: a unix socket path holds at most
-// 107 bytes, and t.TempDir's paths can exceed that.
-func testDir(tb testing.TB) string {
-	tb.Helper()
-	d, err := os.MkdirTemp("/tmp", "vm")
-	require.NoError(tb, err)
-	tb.Cleanup(func() { os.RemoveAll(d) })
-	return d
-}
+// testDir is a short directory under /tmp (proctest.ShortDir).
+func testDir(tb testing.TB) string { return proctest.ShortDir(tb, "vm") }
+
+var (
+	ctxT                   = proctest.Context
+	assertNoZombieChildren = proctest.AssertNoZombieChildren
+)
 
 func testLaunchConfig(tb testing.TB, name string) LaunchConfig {
 	d := testDir(tb)
@@ -92,32 +82,6 @@ func assertGone(t *testing.T, id proc.Identity) {
 	}
 	assert.Equal(t, proc.StateExited, proc.Inspect(id).State)
 	assertNoZombieChildren(t)
-}
-
-// assertNoZombieChildren scans /proc for zombies whose parent is this test.
-func assertNoZombieChildren(t *testing.T) {
-	t.Helper()
-	ents, err := os.ReadDir("/proc")
-	require.NoError(t, err)
-	for _, e := range ents {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		st, err := proc.ReadStat(pid)
-		if err != nil {
-			continue
-		}
-		if st.PPID == os.Getpid() && st.State == 'Z' {
-			t.Errorf("<defunct> child left: pid %d (%s)", pid, st.Comm)
-		}
-	}
-}
-
-func assertNoFile(t *testing.T, path string) {
-	t.Helper()
-	_, err := os.Lstat(path)
-	assert.True(t, errors.Is(err, fs.ErrNotExist), "%s still exists (%v)", path, err)
 }
 
 type hookLog struct {
@@ -174,7 +138,7 @@ func TestLaunchRunningThenStopLadder(t *testing.T) {
 	st, err := vm.Status(ctxT(t, 5*time.Second))
 	require.NoError(t, err)
 	assert.Equal(t, StatusInfo{Status: "running", Running: true}, st)
-	assertNoFile(t, cfg.Paths.PIDFile) // QEMU writes nothing by path
+	assert.NoFileExists(t, cfg.Paths.PIDFile) // QEMU writes nothing by path
 
 	// -machine none has no ACPI: system_powerdown is accepted and ignored,
 	// so the ladder must escalate to quit after the graceful timeout.
@@ -195,8 +159,8 @@ func TestLaunchRunningThenStopLadder(t *testing.T) {
 	assert.Equal(t, 0, res.Exit.Code)
 
 	assertGone(t, id)
-	assertNoFile(t, cfg.Paths.QMPSocket)
-	assertNoFile(t, cfg.Paths.PIDFile)
+	assert.NoFileExists(t, cfg.Paths.QMPSocket)
+	assert.NoFileExists(t, cfg.Paths.PIDFile)
 	t.Logf("stop: %+v", res)
 }
 
@@ -259,7 +223,7 @@ func TestLaunchBadOptionFailsFast(t *testing.T) {
 			assert.True(t, goneAtOnFailed)
 			assert.True(t, errors.Is(socketAtOnFailed, fs.ErrNotExist), "socket at OnFailed: %v", socketAtOnFailed)
 			assertGone(t, hooks.started[0])
-			assertNoFile(t, cfg.Paths.QMPSocket)
+			assert.NoFileExists(t, cfg.Paths.QMPSocket)
 			t.Logf("failed in %s: %v", took, err)
 		})
 	}
@@ -280,7 +244,7 @@ func TestLaunchOnStartedErrorLeavesNothing(t *testing.T) {
 	require.ErrorIs(t, err, ErrHook)
 	require.Len(t, hooks.failed, 1)
 	assertGone(t, hooks.started[0])
-	assertNoFile(t, cfg.Paths.QMPSocket)
+	assert.NoFileExists(t, cfg.Paths.QMPSocket)
 }
 
 func TestLaunchRetryRemovesStaleSocket(t *testing.T) {
@@ -381,7 +345,7 @@ func TestStopNonChild(t *testing.T) {
 		t.Fatal("the test's reaper never saw the exit")
 	}
 	assertGone(t, id)
-	assertNoFile(t, cfg.Paths.QMPSocket)
+	assert.NoFileExists(t, cfg.Paths.QMPSocket)
 }
 
 func TestStopNonChildWithoutQMPUsesSignals(t *testing.T) {
@@ -429,8 +393,8 @@ func TestStopResumesFromQuitSent(t *testing.T) {
 	require.NotNil(t, res.Exit)
 	assert.Equal(t, "killed", res.Exit.Signal)
 	assertGone(t, vm.Identity())
-	assertNoFile(t, cfg.Paths.QMPSocket)
-	assertNoFile(t, cfg.Paths.PIDFile)
+	assert.NoFileExists(t, cfg.Paths.QMPSocket)
+	assert.NoFileExists(t, cfg.Paths.PIDFile)
 }
 
 func TestStopStillAliveIsAnErrorAndResumable(t *testing.T) {

@@ -82,10 +82,7 @@ type Server struct {
 	metricsPort int
 
 	mu   sync.Mutex
-	cmd  *exec.Cmd
-	done chan struct{} // closed when cmd has been reaped
-	werr error         // cmd.Wait's result, valid after done
-	log  *os.File
+	proc *child // nil before the first start
 }
 
 // Binary finds the temporal CLI: $VMFLOW_TEMPORAL, or bin/temporal in the
@@ -273,39 +270,20 @@ func (s *Server) args() []string {
 // launch starts the process and waits until it serves: health check, the
 // namespace, and the search attributes all answer.
 func (s *Server) launch() error {
-	logf, err := os.OpenFile(filepath.Join(s.dir, "temporal.log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
-	if err != nil {
-		return fmt.Errorf("open server log: %w", err)
-	}
-	cmd := exec.Command(s.bin, s.args()...)
-	cmd.Stdout, cmd.Stderr = logf, logf
-	cmd.SysProcAttr = &syscall.SysProcAttr{
-		// If the test binary dies (timeout panic, kill -9) the server goes
-		// with it instead of holding ports and the DB for the next run.
-		Pdeathsig: syscall.SIGKILL,
-	}
 	begin := time.Now()
-	if err := cmd.Start(); err != nil {
-		_ = logf.Close()
-		return fmt.Errorf("start %s: %w", s.bin, err)
+	// startChild reaps the process in one goroutine (no zombie even if a
+	// test forgets Stop), and it dies with the test binary.
+	c, err := startChild("dev server", exec.Command(s.bin, s.args()...), s.LogFile(), nil)
+	if err != nil {
+		return err
 	}
-	done := make(chan struct{})
 	s.mu.Lock()
-	s.cmd, s.done, s.log = cmd, done, logf
+	s.proc = c
 	s.mu.Unlock()
-	// The one goroutine that reaps the process (no zombie even if a test
-	// forgets Stop).
-	go func() {
-		err := cmd.Wait()
-		s.mu.Lock()
-		s.werr = err
-		s.mu.Unlock()
-		close(done)
-	}()
 
 	ctx, cancel := context.WithTimeout(context.Background(), s.opts.StartTimeout)
 	defer cancel()
-	if err := s.waitReady(ctx, done); err != nil {
+	if err := s.waitReady(ctx, c.exited()); err != nil {
 		stopErr := s.Stop()
 		return errors.Join(fmt.Errorf("dev server on %s not ready after %s: %w\n--- server log ---\n%s",
 			s.Address(), time.Since(begin).Round(time.Millisecond), err, s.logTail()), stopErr)
@@ -457,71 +435,56 @@ func runCLI(ctx context.Context, bin, dir, addr, namespace string, args []string
 
 // Stop ends the server: SIGTERM, then SIGKILL if it has not exited within
 // 15 s, and waits until it is reaped. Stopping a stopped server is a no-op.
-func (s *Server) Stop() error {
+func (s *Server) Stop() error { return s.signal(syscall.SIGTERM) }
+
+// Kill ends the server with SIGKILL, as a crash or the OOM killer would
+// (no shutdown of its own), and waits until it is reaped.
+func (s *Server) Kill() error { return s.signal(syscall.SIGKILL) }
+
+func (s *Server) signal(sig syscall.Signal) error {
 	s.mu.Lock()
-	cmd, done, logf := s.cmd, s.done, s.log
-	s.cmd, s.log = nil, nil
+	c := s.proc
 	s.mu.Unlock()
-	if cmd == nil {
+	if c == nil {
 		return nil
 	}
-	defer func() { _ = logf.Close() }()
-	select {
-	case <-done:
-		return nil // already exited (and reaped)
-	default:
-	}
-	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil && !errors.Is(err, os.ErrProcessDone) {
-		return fmt.Errorf("SIGTERM dev server: %w", err)
-	}
-	grace := time.NewTimer(15 * time.Second)
-	defer grace.Stop()
-	select {
-	case <-done:
-		return nil
-	case <-grace.C:
-	}
-	if err := cmd.Process.Kill(); err != nil && !errors.Is(err, os.ErrProcessDone) {
-		return fmt.Errorf("SIGKILL dev server: %w", err)
-	}
-	reap := time.NewTimer(15 * time.Second)
-	defer reap.Stop()
-	select {
-	case <-done:
-		return nil
-	case <-reap.C:
-		return fmt.Errorf("dev server pid %d not reaped 15 s after SIGKILL", cmd.Process.Pid)
-	}
+	return c.stop(sig, 15*time.Second)
 }
 
-// Restart stops the server and starts it again on the same ports with the
-// same DB file, so running workflows continue and clients reconnect.
+// Restart kills the server (SIGKILL: the crash a restart test means, not a
+// clean shutdown) and starts it again on the same ports with the same DB
+// file, so running workflows continue and clients reconnect. The ports
+// must be the same, so a start that fails (another process may have bound
+// one of them meanwhile, if only for a moment) is retried on them until
+// Options.StartTimeout has passed.
 func (s *Server) Restart() error {
-	if err := s.Stop(); err != nil {
+	if err := s.Kill(); err != nil {
 		return err
 	}
-	return s.launch()
+	deadline := time.Now().Add(s.opts.StartTimeout)
+	for {
+		err := s.launch()
+		if err == nil || time.Now().After(deadline) {
+			return err
+		}
+		time.Sleep(time.Second) // between attempts of a deadline-bounded retry
+	}
 }
 
 // Running reports whether the server process is alive.
 func (s *Server) Running() bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.cmd == nil {
-		return false
-	}
-	select {
-	case <-s.done:
-		return false
-	default:
-		return true
-	}
+	return s.proc != nil && s.proc.running()
 }
 
 func (s *Server) waitErr() error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.werr
+	if s.proc == nil {
+		return nil
+	}
+	return s.proc.waitErr()
 }
 
 // logTail is the end of the server's log, for start failures.

@@ -8,8 +8,10 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -17,6 +19,7 @@ import (
 	"github.com/stretchr/testify/require"
 	enumspb "go.temporal.io/api/enums/v1"
 	historypb "go.temporal.io/api/history/v1"
+	"go.temporal.io/api/operatorservice/v1"
 	"go.temporal.io/sdk/client"
 	"go.temporal.io/sdk/converter"
 	"go.temporal.io/sdk/worker"
@@ -177,6 +180,12 @@ func TestStrictConverterEndToEnd(t *testing.T) {
 	})
 
 	t.Run("SDK metrics reach the registry", func(t *testing.T) {
+		// A workflow of its own: the subtest passes alone too (-run
+		// .../SDK), not only after the others completed theirs.
+		run, err := c.ExecuteWorkflow(ctx, client.StartWorkflowOptions{ID: "echo/metrics", TaskQueue: queue},
+			"EchoSpawn", &vmflowv1.SpawnRequest{InstanceId: "vm2", HostId: "h2", Vcpus: 1})
+		require.NoError(t, err)
+		require.NoError(t, run.Get(ctx, nil))
 		rec := httptest.NewRecorder()
 		metrics.Handler().ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/metrics", nil))
 		assert.Contains(t, rec.Body.String(), "temporal_workflow_completed_total")
@@ -212,9 +221,17 @@ func TestRestartKeepsRunningWorkflow(t *testing.T) {
 	})
 
 	begin = time.Now()
+	before := s.proc
 	require.NoError(t, s.Restart())
 	t.Logf("dev server restarted in %s", time.Since(begin).Round(time.Millisecond))
 	require.True(t, s.Running())
+	// A crash, not a shutdown: the old server got no chance to flush or
+	// say goodbye.
+	var exit *exec.ExitError
+	require.ErrorAs(t, before.waitErr(), &exit)
+	ws, ok := exit.Sys().(syscall.WaitStatus)
+	require.True(t, ok)
+	assert.Equal(t, syscall.SIGKILL, ws.Signal(), "the restart killed the old server: %v", exit)
 
 	// The same client and worker carry on after the restart.
 	eventually(t, 30*time.Second, "signal after restart", func() error {
@@ -250,8 +267,16 @@ func TestUI(t *testing.T) {
 		}
 		return nil
 	})
-	// The search attributes are there for the UI's saved queries.
-	require.NoError(t, tclient.EnsureSearchAttributes(ctx, s.Client(t), s.Namespace(), tclient.SearchAttributes()))
+	// The search attributes are there for the UI's saved queries, with
+	// their types: listed, not ensured (which would create them).
+	resp, err := s.Client(t).OperatorService().ListSearchAttributes(ctx, &operatorservice.ListSearchAttributesRequest{Namespace: s.Namespace()})
+	require.NoError(t, err)
+	for name, typ := range tclient.SearchAttributes() {
+		got, ok := resp.GetCustomAttributes()[name]
+		if assert.True(t, ok, "search attribute %s registered", name) {
+			assert.Equal(t, typ, got, "type of %s", name)
+		}
+	}
 }
 
 func TestBinaryFromEnv(t *testing.T) {

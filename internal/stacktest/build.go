@@ -7,9 +7,11 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync/atomic"
 
+	"vmflow/hostagent/proc/proctest"
 	"vmflow/hostagent/store"
 )
 
@@ -36,26 +38,58 @@ func ModuleRoot() (string, error) {
 // checkout into dir (so tests never run stale bin/ files) and returns their
 // paths.
 func BuildBinaries(ctx context.Context, dir string) (worker, agent string, err error) {
-	root, err := ModuleRoot()
-	if err != nil {
+	if err := goBuild(ctx, "-o", dir+"/", "./worker", "./hostagent"); err != nil {
 		return "", "", err
-	}
-	cmd := exec.CommandContext(ctx, "go", "build", "-o", dir+"/", "./worker", "./hostagent")
-	cmd.Dir = root
-	if out, err := cmd.CombinedOutput(); err != nil {
-		return "", "", fmt.Errorf("go build ./worker ./hostagent: %w\n%s", err, out)
 	}
 	return filepath.Join(dir, "worker"), filepath.Join(dir, "hostagent"), nil
 }
 
-// HoldersIgnoreInit passes --holders-ignore-pid 1 only where PID 1's open
-// files cannot be read even by root (this sandbox): the agent would
-// otherwise count it as a possible VFIO holder and never release a vGPU.
-func HoldersIgnoreInit() []string {
-	if _, err := os.Readlink("/proc/1/fd/0"); errors.Is(err, os.ErrPermission) {
-		return []string{"--holders-ignore-pid", "1"}
+// Stamp is the version and revision a build says it is.
+type Stamp struct{ Version, Revision string }
+
+// Build builds package pkg of this checkout ("./worker") into the file out.
+// With a stamp it gets `make build`'s -ldflags for that version and
+// revision, read from `make print-ldflags` so that the flags live in the
+// Makefile alone.
+func Build(ctx context.Context, out, pkg string, stamp *Stamp) error {
+	args := []string{"-o", out}
+	if stamp != nil {
+		root, err := ModuleRoot()
+		if err != nil {
+			return err
+		}
+		b, err := exec.CommandContext(ctx, "make", "-s", "-C", root, "print-ldflags",
+			"VERSION="+stamp.Version, "REVISION="+stamp.Revision).CombinedOutput()
+		if err != nil {
+			return fmt.Errorf("make print-ldflags: %w\n%s", err, b)
+		}
+		args = append(args, "-ldflags", strings.TrimSpace(string(b)))
+	}
+	return goBuild(ctx, append(args, pkg)...)
+}
+
+// goBuild runs go build with args in the module root.
+func goBuild(ctx context.Context, args ...string) error {
+	root, err := ModuleRoot()
+	if err != nil {
+		return err
+	}
+	cmd := exec.CommandContext(ctx, "go", append([]string{"build"}, args...)...)
+	cmd.Dir = root
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("go build %s: %w\n%s", strings.Join(args, " "), err, out)
 	}
 	return nil
+}
+
+// HoldersIgnoreInit passes --holders-ignore-pid 1 only where PID 1's open
+// files cannot be read even by root (proctest.UninspectableInit).
+func HoldersIgnoreInit() []string {
+	var args []string
+	for _, pid := range proctest.UninspectableInit() {
+		args = append(args, "--holders-ignore-pid", strconv.Itoa(pid))
+	}
+	return args
 }
 
 // agentUIDs counts the agents this test process started.

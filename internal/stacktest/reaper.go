@@ -2,28 +2,15 @@ package stacktest
 
 import (
 	"context"
-	"fmt"
 	"os"
-	"strconv"
 	"strings"
 	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
-)
 
-// BecomeSubreaper makes this process a child subreaper: a QEMU whose agent
-// was killed with SIGKILL is re-parented to the nearest subreaper instead of
-// to PID 1, and PID 1 of this sandbox never reaps orphans (FACTS.md), so
-// without it every such QEMU would stay a zombie. In production systemd
-// (PID 1) plays this part. Call it in TestMain before any test starts a host
-// agent, and run a reaper (StartReaper).
-func BecomeSubreaper() error {
-	if err := unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0); err != nil {
-		return fmt.Errorf("prctl(PR_SET_CHILD_SUBREAPER): %w", err)
-	}
-	return nil
-}
+	"vmflow/hostagent/proc/proctest"
+)
 
 // StartReaper runs reap in a goroutine until stop is called; stop waits
 // until reap has returned.
@@ -71,32 +58,11 @@ func ReapOrphanQEMUs(ctx context.Context) {
 
 // zombieQEMUChildren lists the pids of zombie QEMUs whose parent is ppid.
 func zombieQEMUChildren(ppid int) []int {
-	entries, err := os.ReadDir("/proc")
-	if err != nil {
-		return nil
-	}
 	var pids []int
-	for _, e := range entries {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
+	for _, st := range proctest.Children(ppid) {
+		if st.State == 'Z' && strings.HasPrefix(st.Comm, "qemu-system") {
+			pids = append(pids, st.PID)
 		}
-		b, err := os.ReadFile("/proc/" + e.Name() + "/stat")
-		if err != nil {
-			continue
-		}
-		// comm may hold spaces and parentheses: fields follow the last ')'.
-		s := string(b)
-		open, end := strings.IndexByte(s, '('), strings.LastIndexByte(s, ')')
-		if open < 0 || end < open {
-			continue
-		}
-		comm := s[open+1 : end]
-		f := strings.Fields(s[end+1:])
-		if len(f) < 2 || f[0] != "Z" || f[1] != strconv.Itoa(ppid) || !strings.HasPrefix(comm, "qemu-system") {
-			continue
-		}
-		pids = append(pids, pid)
 	}
 	return pids
 }

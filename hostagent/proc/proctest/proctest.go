@@ -266,3 +266,36 @@ func MonotonicNow() time.Duration {
 	_ = unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts)
 	return time.Duration(ts.Nano())
 }
+
+// Status returns the fields of /proc/<pid>/status by name, each value with
+// its runs of blanks made single spaces.
+func Status(tb testing.TB, pid int) map[string]string {
+	tb.Helper()
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		tb.Fatal(err)
+	}
+	out := map[string]string{}
+	for _, line := range strings.Split(string(b), "\n") {
+		if k, v, ok := strings.Cut(line, ":"); ok {
+			out[k] = strings.Join(strings.Fields(v), " ")
+		}
+	}
+	return out
+}
+
+// KillGroupOnCleanup kills c's whole process group when tb ends and reaps
+// what this (subreaper) process inherits of it: a wrapper's QEMU is
+// reparented here when the wrapper dies.
+func KillGroupOnCleanup(tb testing.TB, c *proc.Child) {
+	tb.Cleanup(func() {
+		_ = syscall.Kill(-c.Identity().PID, syscall.SIGKILL)
+		<-c.Done()
+		for {
+			var ws unix.WaitStatus
+			if _, err := unix.Wait4(-c.Identity().PID, &ws, 0, nil); err != nil {
+				return // ECHILD: none left (or not ours)
+			}
+		}
+	})
+}

@@ -72,13 +72,9 @@ func newClaims(t *testing.T, opts vgpusim.Options) *claimsEnv {
 	require.NoError(t, err)
 	e.devDir = t.TempDir()
 	require.NoError(t, os.Mkdir(filepath.Join(e.devDir, "vfio"), 0o755))
-	var ignore []int
-	if _, err := os.Readlink("/proc/1/fd/0"); err != nil {
-		ignore = []int{1}
-	}
 	e.claims, err = claims.New(claims.Config{
 		Driver: vgpu.Config{SysfsRoot: e.sim.Root, StateDir: state}, Store: e.st, DevRoot: e.devDir,
-		OrphanGrace: time.Minute, IgnoreUninspectable: ignore, Now: e.now.Now,
+		OrphanGrace: time.Minute, IgnoreUninspectable: proctest.UninspectableInit(), Now: e.now.Now,
 	})
 	require.NoError(t, err)
 	require.NotNil(t, e.claims)
@@ -225,7 +221,7 @@ func TestFailedReleaseKeepsRecordAndClaim(t *testing.T) {
 	_, err := e.claims.Claim(ctx, "vm1", profile)
 	require.NoError(t, err)
 	e.beginDelete(t, "vm1")
-	require.NoError(t, os.WriteFile(filepath.Join(e.sim.Control, "fail-release"), []byte("EIO"), 0o644))
+	e.sim.Set(t, vgpusim.CtlFailRelease, "EIO")
 
 	for i := 1; i <= 3; i++ {
 		_, _, err = e.claims.Release(ctx, "vm1")
@@ -237,7 +233,7 @@ func TestFailedReleaseKeepsRecordAndClaim(t *testing.T) {
 		assert.Contains(t, rec.GetGpuClaim().GetLastReleaseError(), "input/output error")
 		assert.ErrorIs(t, e.st.Delete(ctx, "vm1"), store.ErrClaimHeld, "the store refuses to forget a claimed GPU")
 	}
-	require.NoError(t, os.Remove(filepath.Join(e.sim.Control, "fail-release")))
+	e.sim.Clear(t, vgpusim.CtlFailRelease)
 	released, _, err := e.claims.Release(ctx, "vm1")
 	require.NoError(t, err)
 	assert.True(t, released)
@@ -251,7 +247,7 @@ func TestCrashBetweenIntentAndCreate(t *testing.T) {
 	e := newClaims(t, vgpusim.Options{MdevParents: 1})
 	ctx := context.Background()
 	e.record(t, "vm1")
-	require.NoError(t, os.WriteFile(filepath.Join(e.sim.Control, "fail-create"), []byte("EIO"), 0o644))
+	e.sim.Set(t, vgpusim.CtlFailCreate, "EIO")
 	_, err := e.claims.Claim(ctx, "vm1", profile)
 	require.ErrorIs(t, err, syscall.EIO)
 	rec, err := e.st.Get("vm1")
@@ -266,7 +262,7 @@ func TestCrashBetweenIntentAndCreate(t *testing.T) {
 	assert.Zero(t, res.GetClaimsReleased())
 
 	// Retried claim finishes the intent at its recorded UUID.
-	require.NoError(t, os.Remove(filepath.Join(e.sim.Control, "fail-create")))
+	e.sim.Clear(t, vgpusim.CtlFailCreate)
 	c, err := e.claims.Claim(ctx, "vm1", profile)
 	require.NoError(t, err)
 	assert.Equal(t, rec.GetGpuClaim().GetUuid(), c.GetUuid())
@@ -274,7 +270,7 @@ func TestCrashBetweenIntentAndCreate(t *testing.T) {
 
 	// The other way out: the instance is deleted with an intent only.
 	e.record(t, "vm2")
-	require.NoError(t, os.WriteFile(filepath.Join(e.sim.Control, "fail-create"), []byte("EIO"), 0o644))
+	e.sim.Set(t, vgpusim.CtlFailCreate, "EIO")
 	_, err = e.claims.Claim(ctx, "vm2", profile)
 	require.Error(t, err)
 	e.beginDelete(t, "vm2")

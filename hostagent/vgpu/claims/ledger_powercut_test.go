@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"vmflow/hostagent/proc/proctest"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vgpu"
 	"vmflow/hostagent/vgpu/claims"
@@ -31,16 +32,12 @@ func TestOrphanLedgerSurvivesPowerCut(t *testing.T) {
 	e.devDir = t.TempDir()
 	require.NoError(t, os.Mkdir(filepath.Join(e.devDir, "vfio"), 0o755))
 	var err error
-	var ignore []int
-	if _, err := os.Readlink("/proc/1/fd/0"); err != nil {
-		ignore = []int{1} // see newClaims
-	}
 	open := func() {
 		e.st, err = store.New(state)
 		require.NoError(t, err)
 		e.claims, err = claims.New(claims.Config{
 			Driver: vgpu.Config{SysfsRoot: e.sim.Root, StateDir: state}, Store: e.st, DevRoot: e.devDir,
-			OrphanGrace: time.Minute, IgnoreUninspectable: ignore, Now: e.now.Now,
+			OrphanGrace: time.Minute, IgnoreUninspectable: proctest.UninspectableInit(), Now: e.now.Now,
 		})
 		require.NoError(t, err)
 	}

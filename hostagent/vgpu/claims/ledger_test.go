@@ -43,15 +43,9 @@ func (e *claimsEnv) removeBehindBack(t *testing.T, c *vmflowv1.GpuClaim) {
 	require.NoError(t, os.WriteFile(path, []byte(val), 0o200))
 }
 
-func (e *claimsEnv) fault(t *testing.T, name, errno string) {
-	t.Helper()
-	require.NoError(t, os.WriteFile(filepath.Join(e.sim.Control, name), []byte(errno), 0o644))
-}
+func (e *claimsEnv) fault(t *testing.T, name, errno string) { t.Helper(); e.sim.Set(t, name, errno) }
 
-func (e *claimsEnv) clearFault(t *testing.T, name string) {
-	t.Helper()
-	require.NoError(t, os.Remove(filepath.Join(e.sim.Control, name)))
-}
+func (e *claimsEnv) clearFault(t *testing.T, name string) { t.Helper(); e.sim.Clear(t, name) }
 
 // truncate makes id's record.json unreadable; the returned func restores it.
 func (e *claimsEnv) truncate(t *testing.T, id string) (restore func()) {

@@ -6,13 +6,13 @@ package vmmtest
 import (
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
 	"sync/atomic"
 	"testing"
 
+	"vmflow/hostagent/proc/proctest"
 	"vmflow/hostagent/vmm"
 )
 
@@ -20,25 +20,16 @@ import (
 // returns its path otherwise.
 func RequiresQEMU(tb testing.TB) string {
 	tb.Helper()
-	p, err := exec.LookPath(vmm.DefaultBinary)
-	if err != nil {
-		tb.Skipf("needs %s (make qemu installs it): %v", vmm.DefaultBinary, err)
-	}
-	return p
+	return proctest.RequiresBinary(tb, vmm.DefaultBinary, "make qemu installs it")
 }
 
 // Accel is KVM where /dev/kvm opens (and its group can open it: QEMU runs
 // as a uid of its own with that group), TCG otherwise: -machine none runs
 // the same either way, only faster under KVM.
 func Accel() vmm.Accel {
-	if vmm.CheckKVM("").Err != nil {
+	if vmm.CheckKVM("").Err != nil || !proctest.KVMOpens() {
 		return vmm.AccelTCG
 	}
-	f, err := os.OpenFile("/dev/kvm", os.O_RDWR, 0)
-	if err != nil {
-		return vmm.AccelTCG
-	}
-	f.Close()
 	return vmm.AccelKVM
 }
 
@@ -71,28 +62,11 @@ func WorldReadable(tb testing.TB, dir string) {
 	}
 }
 
-// ShortDir is a fresh directory under /tmp, removed after the test: a unix
-// socket path (the QMP socket inside it) holds at most 107 bytes, which
-// t.TempDir's long names can exceed.
-func ShortDir(tb testing.TB, prefix string) string {
-	tb.Helper()
-	d, err := os.MkdirTemp("/tmp", prefix)
-	if err != nil {
-		tb.Fatal(err)
-	}
-	tb.Cleanup(func() { os.RemoveAll(d) })
-	return d
-}
-
 // RequiresQEMUImg skips tb when qemu-img (Debian's qemu-utils, which
 // `make qemu` installs) is missing, and returns its path otherwise.
 func RequiresQEMUImg(tb testing.TB) string {
 	tb.Helper()
-	p, err := exec.LookPath(vmm.DefaultQEMUImg)
-	if err != nil {
-		tb.Skipf("needs %s (make qemu installs qemu-utils): %v", vmm.DefaultQEMUImg, err)
-	}
-	return p
+	return proctest.RequiresBinary(tb, vmm.DefaultQEMUImg, "make qemu installs qemu-utils")
 }
 
 // OpenFile is one file descriptor a process holds.
@@ -164,7 +138,7 @@ var floodCode = []byte{0xBA, 0xF8, 0x03, 0xB0, 0x41, 0xEE, 0xEB, 0xFD}
 func SerialFlood(tb testing.TB, name string) (binary string, spec vmm.VMSpec) {
 	tb.Helper()
 	qemu := RequiresQEMU(tb)
-	d := ShortDir(tb, "fl")
+	d := proctest.ShortDir(tb, "fl")
 	if err := os.Chmod(d, 0o755); err != nil {
 		tb.Fatal(err)
 	}

@@ -1,0 +1,129 @@
+package proctest
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"golang.org/x/sys/unix"
+
+	"vmflow/hostagent/proc"
+)
+
+// The helpers below are shared by every package whose tests run real
+// processes, vmm's own in-package tests among them: those cannot import
+// vmmtest (it imports vmm), so what they share with it lives here, below
+// both.
+
+// RequiresBinary skips tb when program is not on PATH, saying how to get
+// it (hint: "make qemu installs it"), and returns its path otherwise. CI
+// installs every program the tests need, so nothing is skipped there.
+func RequiresBinary(tb testing.TB, program, hint string) string {
+	tb.Helper()
+	p, err := exec.LookPath(program)
+	if err != nil {
+		tb.Skipf("needs %s (%s): %v", program, hint, err)
+	}
+	return p
+}
+
+// KVMOpens reports whether this process can open /dev/kvm read-write.
+func KVMOpens() bool {
+	f, err := os.OpenFile("/dev/kvm", os.O_RDWR, 0)
+	if err != nil {
+		return false
+	}
+	f.Close()
+	return true
+}
+
+// ShortDir is a fresh directory under /tmp, removed after the test: a unix
+// socket path (a QMP socket inside it) holds at most 107 bytes, which
+// t.TempDir's long names can exceed.
+func ShortDir(tb testing.TB, prefix string) string {
+	tb.Helper()
+	d, err := os.MkdirTemp("/tmp", prefix)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { os.RemoveAll(d) })
+	return d
+}
+
+// Context is a context for one step of a test: it ends after d, or with
+// the test.
+func Context(tb testing.TB, d time.Duration) context.Context {
+	tb.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	tb.Cleanup(cancel)
+	return ctx
+}
+
+// BecomeSubreaper makes this process a child subreaper: a QEMU whose agent
+// was killed with SIGKILL is re-parented to the nearest subreaper instead of
+// to PID 1, and PID 1 of this sandbox never reaps orphans (FACTS.md), so
+// without it every such QEMU would stay a zombie. In production systemd
+// (PID 1) plays this part. Call it in TestMain before any test starts an
+// agent, and reap what it adopts.
+func BecomeSubreaper() error {
+	if err := unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0); err != nil {
+		return fmt.Errorf("prctl(PR_SET_CHILD_SUBREAPER): %w", err)
+	}
+	return nil
+}
+
+// Children lists the processes whose parent is ppid, as proc reads them
+// (a process gone meanwhile is left out).
+func Children(ppid int) []proc.Stat {
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		return nil
+	}
+	var out []proc.Stat
+	for _, e := range entries {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		if st, err := proc.ReadStat(pid); err == nil && st.PPID == ppid {
+			out = append(out, st)
+		}
+	}
+	return out
+}
+
+// ZombieChildren lists this process's <defunct> children as "pid(comm)".
+func ZombieChildren() []string {
+	var out []string
+	for _, st := range Children(os.Getpid()) {
+		if st.State == 'Z' {
+			out = append(out, fmt.Sprintf("%d(%s)", st.PID, st.Comm))
+		}
+	}
+	return out
+}
+
+// AssertNoZombieChildren checks that no <defunct> child of this test is
+// left, allowing a reaper that runs meanwhile a few seconds.
+func AssertNoZombieChildren(t testing.TB) {
+	t.Helper()
+	assert.Eventually(t, func() bool { return len(ZombieChildren()) == 0 }, 5*time.Second, 5*time.Millisecond,
+		"<defunct> children left: %v", ZombieChildren())
+}
+
+// UninspectableInit is the pids to pass as IgnoreUninspectable (the agent's
+// --holders-ignore-pid): PID 1 where its open files cannot be read even by
+// root (this sandbox's init outranks root), none elsewhere. A vGPU release
+// would otherwise count PID 1 as a possible VFIO holder and never go ahead.
+func UninspectableInit() []int {
+	if _, err := os.Readlink("/proc/1/fd/0"); errors.Is(err, os.ErrPermission) {
+		return []int{1}
+	}
+	return nil
+}
