@@ -20,22 +20,30 @@ type section struct {
 	run  func(t *testing.T) string
 }
 
-// TestBenchmarks is the `make bench` driver: it runs every section in one
-// process, one after the other (they would disturb each other's timing on
-// 2 cores), and writes BENCHMARKS.md. VMFLOW_BENCH_ONLY=exit,stop limits
-// the sections (for development); VMFLOW_BENCH_OUT overrides the file.
-func TestBenchmarks(t *testing.T) {
+// benchOutput skips t unless the benchmarks were asked for (target names
+// the make target that asks), and returns the file they are written to:
+// VMFLOW_BENCH_OUT, or BENCHMARKS.md at the module root.
+func benchOutput(t *testing.T, target string) string {
+	t.Helper()
 	if os.Getenv(envBench) != "1" {
-		t.Skipf("set %s=1 to run the benchmarks (make bench does)", envBench)
+		t.Skipf("set %s=1 to run the benchmarks (%s does)", envBench, target)
+	}
+	if out := os.Getenv("VMFLOW_BENCH_OUT"); out != "" {
+		return out
 	}
 	root, err := stacktest.ModuleRoot()
 	if err != nil {
 		t.Fatal(err)
 	}
-	out := os.Getenv("VMFLOW_BENCH_OUT")
-	if out == "" {
-		out = filepath.Join(root, "BENCHMARKS.md")
-	}
+	return filepath.Join(root, "BENCHMARKS.md")
+}
+
+// TestBenchmarks is the `make bench` driver: it runs every section in one
+// process, one after the other (they would disturb each other's timing on
+// 2 cores), and writes BENCHMARKS.md. VMFLOW_BENCH_ONLY=exit,stop limits
+// the sections (for development); VMFLOW_BENCH_OUT overrides the file.
+func TestBenchmarks(t *testing.T) {
+	out := benchOutput(t, "make bench")
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	m := DescribeMachine(ctx)
 	cancel()

@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"fmt"
 	"os"
-	"path/filepath"
 	"runtime"
 	"strconv"
 	"strings"
@@ -12,7 +11,6 @@ import (
 	"time"
 
 	"vmflow/internal/devserver"
-	"vmflow/internal/stacktest"
 	"vmflow/workflows"
 )
 
@@ -52,17 +50,7 @@ func withFleetBlock(doc, block string) string {
 // VMFLOW_FLEET_VMS and VMFLOW_FLEET_HOSTS change the fleet (default 1000
 // over 10); VMFLOW_BENCH_QUICK=1 shrinks everything for development.
 func TestBenchFleet(t *testing.T) {
-	if os.Getenv(envBench) != "1" {
-		t.Skipf("set %s=1 to run the benchmarks (make bench-fleet does)", envBench)
-	}
-	root, err := stacktest.ModuleRoot()
-	if err != nil {
-		t.Fatal(err)
-	}
-	out := os.Getenv("VMFLOW_BENCH_OUT")
-	if out == "" {
-		out = filepath.Join(root, "BENCHMARKS.md")
-	}
+	out := benchOutput(t, "make bench-fleet")
 	began := time.Now()
 	load0 := LoadAvg()
 	sizes, vms, hosts := []int{100, 200}, envInt(t, "VMFLOW_FLEET_VMS", 1000), envInt(t, "VMFLOW_FLEET_HOSTS", 10)
