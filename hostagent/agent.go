@@ -23,6 +23,7 @@ import (
 	"vmflow/hostagent/supervise"
 	"vmflow/hostagent/vgpu"
 	"vmflow/hostagent/vgpu/claims"
+	"vmflow/hostagent/vmm"
 	"vmflow/internal/crashpoint"
 	"vmflow/internal/service"
 	"vmflow/internal/tclient"
@@ -142,6 +143,16 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 		return err
 	}
 	defer host.Images.Close()
+	// Which QEMU this agent launches, in its start log: the confinement
+	// relies on QEMU 7.2's -sandbox options and its fd passing, and an
+	// operator reading a launch failure wants the version beside it. A QEMU
+	// that does not answer is only warned about: the agent still supervises
+	// what runs, and each launch then fails naming the binary.
+	if v, err := vmm.DetectVersion(ctx, cfg.QEMU); err != nil {
+		log.Warn("qemu --version failed; launches will fail until it answers", zap.String("qemu", cfg.QEMU), zap.Error(err))
+	} else {
+		log.Info("qemu", zap.String("qemu", cfg.QEMU), zap.String("qemu_version", v.String()))
+	}
 	acts := &activities.Activities{
 		Store: st, Host: host, GPUs: gpus, AttachVGPU: cfg.VGPUAttach,
 		DefaultGraceful: cfg.GracefulTimeout, Logger: log, Metrics: am,
