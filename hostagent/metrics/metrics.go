@@ -37,6 +37,10 @@ type Agent struct {
 	// (the recorded spec is outside the policy the agent runs with): each
 	// leaves its instance needing attention.
 	RestartsRefused prometheus.Counter
+	// GuestLogDropped counts guest output bytes that never reached
+	// qemu.log (its disk full, failing or behind): output is dropped rather
+	// than QEMU blocked.
+	GuestLogDropped prometheus.Counter
 
 	store *storeCollector // nil without a store
 }
@@ -82,6 +86,10 @@ func New(reg prometheus.Registerer, st *store.Store) (*Agent, error) {
 			Name: "vmflow_restarts_refused_total",
 			Help: "Restarts refused because the host's admission policy no longer admits the instance's recorded spec.",
 		}),
+		GuestLogDropped: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "vmflow_guest_log_dropped_bytes_total",
+			Help: "Guest output bytes dropped instead of written to qemu.log (disk full, failing or behind), counted when a VM's log pump ends.",
+		}),
 	}
 	// The errnos a sysfs release is known to fail with (FACTS: mdev remove
 	// EAGAIN/ENODEV, old kernels EBUSY; EIO from a wedged driver) exist at 0
@@ -91,7 +99,7 @@ func New(reg prometheus.Registerer, st *store.Store) (*Agent, error) {
 	for _, errno := range []string{"EAGAIN", "EBUSY", "EIO", "ENODEV"} {
 		a.ReleaseFailures.WithLabelValues(errno)
 	}
-	cs := []prometheus.Collector{a.StopDuration, a.ExitDetect, a.LaunchDuration, a.ReleaseFailures, a.Reattach, a.ClaimsUnserved, a.RestartsRefused}
+	cs := []prometheus.Collector{a.StopDuration, a.ExitDetect, a.LaunchDuration, a.ReleaseFailures, a.Reattach, a.ClaimsUnserved, a.RestartsRefused, a.GuestLogDropped}
 	if st != nil {
 		a.store = &storeCollector{st: st}
 		a.store.refresh()

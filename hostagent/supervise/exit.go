@@ -98,6 +98,9 @@ func (s *Supervisor) watch(in *instance, vm *vmm.VM) {
 				in.log.Warn("guest output dropped: the log's disk was full, failing or behind",
 					zap.Int("pid", vm.Identity().PID), zap.Uint64("dropped_bytes", st.Dropped),
 					zap.Uint64("read_bytes", st.Read), zap.String("last_error", st.LastErr))
+				if s.cfg.OnGuestLogDropped != nil {
+					s.cfg.OnGuestLogDropped(st.Dropped)
+				}
 			}
 		}()
 		if !s.waitGone(in, vm) {

@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"vmflow/hostagent/proc"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vmm"
 	"vmflow/hostagent/vmm/vmmtest"
@@ -106,4 +107,41 @@ func TestReattachKeepsCapturingGuestLog(t *testing.T) {
 
 	// A whole file's worth of new output: captured, rotated, bounded.
 	waitLogGrows(t, paths.Log, l, vmm.DefaultLogMaxBytes, 3*time.Minute)
+}
+
+// Guest output the log cannot take is dropped, never blocking QEMU, and
+// counted for the operator: OnGuestLogDropped (the agent's
+// vmflow_guest_log_dropped_bytes_total) gets the bytes lost once the VM's
+// log pump ends. qemu.log made a directory stands in for a failing disk.
+func TestGuestLogDropsAreCounted(t *testing.T) {
+	e := newEnv(t)
+	bin, spec := vmmtest.SerialFlood(t, "flood")
+	dropped := make(chan uint64, 1)
+	e.create("vm1", "never", 0)
+	paths, err := e.st.Paths("vm1")
+	require.NoError(t, err)
+	require.NoError(t, os.Mkdir(paths.Log, 0o700))
+	sup := e.newSupervisor(func(c *Config) {
+		c.QEMU = bin
+		c.ReadyTimeout = 30 * time.Second
+		c.PrepareLaunch = func(context.Context, *store.Locked, *vmflowv1.InstanceRecord) (vmm.VMSpec, error) {
+			return spec, nil
+		}
+		c.OnGuestLogDropped = func(n uint64) { dropped <- n }
+	})
+	_, err = sup.Start(ctxT(t, 10*time.Second))
+	require.NoError(t, err)
+	res, err := sup.Launch(ctxT(t, 60*time.Second), "vm1")
+	require.NoError(t, err)
+	time.Sleep(500 * time.Millisecond) // let the guest write for a while: the amount is what is measured, not an order of events
+	st, err := sup.Status("vm1")
+	require.NoError(t, err)
+	require.True(t, st.Liveness.Alive, "QEMU is not blocked by a log that cannot be written")
+	require.NoError(t, proc.Signal(res.Identity, syscall.SIGKILL))
+	select {
+	case n := <-dropped:
+		assert.Greater(t, n, uint64(0))
+	case <-time.After(30 * time.Second):
+		t.Fatal("OnGuestLogDropped was not called for a VM whose output could not be written")
+	}
 }

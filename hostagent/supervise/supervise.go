@@ -78,6 +78,11 @@ type Config struct {
 	// (spec.ErrAdmissionRefused) and the refusal is written to the record:
 	// the agent's vmflow_restarts_refused_total. It must not block.
 	OnRestartRefused func()
+	// OnGuestLogDropped, when set, is called once per VM whose guest output
+	// lost bytes (the log's disk full, failing or behind), with how many,
+	// when its log pump ends: the agent's
+	// vmflow_guest_log_dropped_bytes_total. It must not block.
+	OnGuestLogDropped func(bytes uint64)
 
 	// PrepareLaunch returns the QEMU spec of the locked instance rec. It is
 	// called under the instance lock before every launch, the first and
