@@ -7,6 +7,9 @@ import (
 	"os"
 	"path/filepath"
 
+	"golang.org/x/sys/unix"
+	"google.golang.org/protobuf/proto"
+
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vmm"
 	vmflowv1 "vmflow/proto/vmflow/v1"
@@ -49,8 +52,55 @@ func PrepareLaunch(h Host, devs Devices, attach bool) func(context.Context, *sto
 		if err := h.OpenImages(ctx, l.Paths(), rec, &v); err != nil {
 			return vmm.VMSpec{}, fmt.Errorf("prepare launch of %s: %w", rec.GetId(), err)
 		}
+		if err := checkDiskBase(l, rec, v.Disk); err != nil {
+			v.Close()
+			return vmm.VMSpec{}, fmt.Errorf("prepare launch of %s: %w", rec.GetId(), err)
+		}
 		return v, nil
 	}
+}
+
+// checkDiskBase holds the instance's overlay to the base it was made on: the
+// first launch with a disk records the base's identity (disk_base), every
+// later one must find the same file unchanged. A base replaced at its path
+// or rewritten would make the overlay read as a corrupt disk, so that launch
+// is refused like one admission refuses (ErrAdmissionRefused: a restart
+// parks the instance needing attention), naming both identities. An
+// overlay made before the field existed is trusted at its next launch.
+func checkDiskBase(l *store.Locked, rec *vmflowv1.InstanceRecord, d *vmm.Disk) error {
+	if d == nil {
+		return nil
+	}
+	now, err := fileIdentity(d.Base)
+	if err != nil {
+		return fmt.Errorf("disk base: %w", err)
+	}
+	was := rec.GetDiskBase()
+	if was == nil {
+		_, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
+			r.DiskBase = now
+			return nil
+		})
+		return err
+	}
+	if !proto.Equal(was, now) {
+		return fmt.Errorf("%w: %w", ErrAdmissionRefused, &FieldError{Field: "disk", Reason: fmt.Sprintf(
+			"the base image changed since the instance's overlay was made on it (was dev %d inode %d, %d bytes, mtime %d; now dev %d inode %d, %d bytes, mtime %d): "+
+				"the overlay would read as a corrupt disk; restore the base, or delete the instance",
+			was.GetDev(), was.GetIno(), was.GetSize(), was.GetMtimeUnixNano(), now.GetDev(), now.GetIno(), now.GetSize(), now.GetMtimeUnixNano())})
+	}
+	return nil
+}
+
+// fileIdentity is f's FileIdentity, from fstat of the open file (the one
+// QEMU will get, not whatever its path names by now).
+func fileIdentity(f *os.File) (*vmflowv1.FileIdentity, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return nil, fmt.Errorf("fstat %s: %w", f.Name(), err)
+	}
+	return &vmflowv1.FileIdentity{Dev: st.Dev, Ino: st.Ino, Size: uint64(st.Size),
+		MtimeUnixNano: st.Mtim.Sec*1e9 + st.Mtim.Nsec}, nil
 }
 
 // prepareDevice is QEMU's spec for rec without its images, with its vGPU

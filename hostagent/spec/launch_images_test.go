@@ -347,3 +347,42 @@ func guestDir(t *testing.T) string {
 	}
 	return dir
 }
+
+// TestLaunchRefusesChangedDiskBase: the first launch records the base its
+// overlay is made on (disk_base); a base replaced at its path afterwards
+// (a new file renamed over it, as an image update would do) is refused at
+// the next launch as admission refuses, naming both identities, and QEMU
+// never starts on an overlay whose blocks belong to another image. The
+// base put back launches again. Fails without the check: the restart
+// boots the overlay over the new base.
+func TestLaunchRefusesChangedDiskBase(t *testing.T) {
+	s := newStack(t)
+	s.create(t, s.request("based"))
+	id := s.launch(t, "based")
+	rec, err := s.st.Get("based")
+	require.NoError(t, err)
+	was := rec.GetDiskBase()
+	require.NotNil(t, was, "the first launch records the base")
+	real := filepath.Join(s.root, "real.raw")
+	fi, err := os.Stat(real)
+	require.NoError(t, err)
+	assert.EqualValues(t, fi.Sys().(*syscall.Stat_t).Ino, was.GetIno())
+	s.crash(t, "based", id)
+
+	// An image update: a new file, renamed over the old one.
+	saved := filepath.Join(s.outside, "real.raw.saved")
+	require.NoError(t, os.Link(real, saved))
+	tmp := filepath.Join(s.root, ".real.raw.new")
+	require.NoError(t, os.WriteFile(tmp, bytes.Repeat([]byte{0x44}, imageSize), 0o600))
+	require.NoError(t, os.Rename(tmp, real))
+	_, err = s.sup.Launch(ctxT(t, 30*time.Second), "based")
+	require.ErrorIs(t, err, spec.ErrAdmissionRefused)
+	assert.ErrorContains(t, err, "base image changed")
+	st, err := s.sup.Status("based")
+	require.NoError(t, err)
+	assert.False(t, st.Liveness.Alive, "no QEMU on the wrong base")
+
+	// The old base back (same inode, size and mtime): it launches.
+	require.NoError(t, os.Rename(saved, real))
+	s.launch(t, "based")
+}

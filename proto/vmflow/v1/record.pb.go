@@ -376,6 +376,77 @@ func (x *VMSpec) GetDiskImage() *ImageRef {
 
 // ImageRef is an image file as the agent opens it: beneath one of its
 // --image-root folders.
+// FileIdentity names one file's content as the kernel sees it: a file
+// replaced (a new inode) or rewritten in place (size or mtime) no longer
+// matches.
+type FileIdentity struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Dev           uint64                 `protobuf:"varint,1,opt,name=dev,proto3" json:"dev,omitempty"`
+	Ino           uint64                 `protobuf:"varint,2,opt,name=ino,proto3" json:"ino,omitempty"`
+	Size          uint64                 `protobuf:"varint,3,opt,name=size,proto3" json:"size,omitempty"`
+	MtimeUnixNano int64                  `protobuf:"varint,4,opt,name=mtime_unix_nano,json=mtimeUnixNano,proto3" json:"mtime_unix_nano,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *FileIdentity) Reset() {
+	*x = FileIdentity{}
+	mi := &file_vmflow_v1_record_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *FileIdentity) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*FileIdentity) ProtoMessage() {}
+
+func (x *FileIdentity) ProtoReflect() protoreflect.Message {
+	mi := &file_vmflow_v1_record_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use FileIdentity.ProtoReflect.Descriptor instead.
+func (*FileIdentity) Descriptor() ([]byte, []int) {
+	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *FileIdentity) GetDev() uint64 {
+	if x != nil {
+		return x.Dev
+	}
+	return 0
+}
+
+func (x *FileIdentity) GetIno() uint64 {
+	if x != nil {
+		return x.Ino
+	}
+	return 0
+}
+
+func (x *FileIdentity) GetSize() uint64 {
+	if x != nil {
+		return x.Size
+	}
+	return 0
+}
+
+func (x *FileIdentity) GetMtimeUnixNano() int64 {
+	if x != nil {
+		return x.MtimeUnixNano
+	}
+	return 0
+}
+
 type ImageRef struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The --image-root, absolute, as the agent was configured.
@@ -389,7 +460,7 @@ type ImageRef struct {
 
 func (x *ImageRef) Reset() {
 	*x = ImageRef{}
-	mi := &file_vmflow_v1_record_proto_msgTypes[1]
+	mi := &file_vmflow_v1_record_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -401,7 +472,7 @@ func (x *ImageRef) String() string {
 func (*ImageRef) ProtoMessage() {}
 
 func (x *ImageRef) ProtoReflect() protoreflect.Message {
-	mi := &file_vmflow_v1_record_proto_msgTypes[1]
+	mi := &file_vmflow_v1_record_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -414,7 +485,7 @@ func (x *ImageRef) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImageRef.ProtoReflect.Descriptor instead.
 func (*ImageRef) Descriptor() ([]byte, []int) {
-	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{1}
+	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *ImageRef) GetRoot() string {
@@ -447,7 +518,7 @@ type ProcessIdentity struct {
 
 func (x *ProcessIdentity) Reset() {
 	*x = ProcessIdentity{}
-	mi := &file_vmflow_v1_record_proto_msgTypes[2]
+	mi := &file_vmflow_v1_record_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -459,7 +530,7 @@ func (x *ProcessIdentity) String() string {
 func (*ProcessIdentity) ProtoMessage() {}
 
 func (x *ProcessIdentity) ProtoReflect() protoreflect.Message {
-	mi := &file_vmflow_v1_record_proto_msgTypes[2]
+	mi := &file_vmflow_v1_record_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -472,7 +543,7 @@ func (x *ProcessIdentity) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ProcessIdentity.ProtoReflect.Descriptor instead.
 func (*ProcessIdentity) Descriptor() ([]byte, []int) {
-	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{2}
+	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *ProcessIdentity) GetPid() int32 {
@@ -528,7 +599,7 @@ type GpuClaim struct {
 
 func (x *GpuClaim) Reset() {
 	*x = GpuClaim{}
-	mi := &file_vmflow_v1_record_proto_msgTypes[3]
+	mi := &file_vmflow_v1_record_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -540,7 +611,7 @@ func (x *GpuClaim) String() string {
 func (*GpuClaim) ProtoMessage() {}
 
 func (x *GpuClaim) ProtoReflect() protoreflect.Message {
-	mi := &file_vmflow_v1_record_proto_msgTypes[3]
+	mi := &file_vmflow_v1_record_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -553,7 +624,7 @@ func (x *GpuClaim) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GpuClaim.ProtoReflect.Descriptor instead.
 func (*GpuClaim) Descriptor() ([]byte, []int) {
-	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{3}
+	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *GpuClaim) GetProfile() string {
@@ -714,13 +785,20 @@ type InstanceRecord struct {
 	// cleared once they are root's again, which happens as soon as the QEMU
 	// is recorded gone (or its launch failed), whichever agent records it.
 	VfioGroupNodes []string `protobuf:"bytes,32,rep,name=vfio_group_nodes,json=vfioGroupNodes,proto3" json:"vfio_group_nodes,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// The disk's base image as it was when this instance's qcow2 overlay was
+	// first launched on it. The overlay holds only the blocks the guest wrote:
+	// over any other base it reads as a corrupt disk, so a launch whose base
+	// no longer matches (replaced at its path, or rewritten) is refused and the
+	// instance needs attention. Written at the first launch with an overlay
+	// (for an overlay older than the field: at its next launch).
+	DiskBase      *FileIdentity `protobuf:"bytes,33,opt,name=disk_base,json=diskBase,proto3" json:"disk_base,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *InstanceRecord) Reset() {
 	*x = InstanceRecord{}
-	mi := &file_vmflow_v1_record_proto_msgTypes[4]
+	mi := &file_vmflow_v1_record_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -732,7 +810,7 @@ func (x *InstanceRecord) String() string {
 func (*InstanceRecord) ProtoMessage() {}
 
 func (x *InstanceRecord) ProtoReflect() protoreflect.Message {
-	mi := &file_vmflow_v1_record_proto_msgTypes[4]
+	mi := &file_vmflow_v1_record_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -745,7 +823,7 @@ func (x *InstanceRecord) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InstanceRecord.ProtoReflect.Descriptor instead.
 func (*InstanceRecord) Descriptor() ([]byte, []int) {
-	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{4}
+	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *InstanceRecord) GetId() string {
@@ -930,6 +1008,13 @@ func (x *InstanceRecord) GetVfioGroupNodes() []string {
 	return nil
 }
 
+func (x *InstanceRecord) GetDiskBase() *FileIdentity {
+	if x != nil {
+		return x.DiskBase
+	}
+	return nil
+}
+
 var File_vmflow_v1_record_proto protoreflect.FileDescriptor
 
 const file_vmflow_v1_record_proto_rawDesc = "" +
@@ -951,7 +1036,12 @@ const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\fkernel_image\x18\x1a \x01(\v2\x13.vmflow.v1.ImageRefR\vkernelImage\x126\n" +
 	"\finitrd_image\x18\x1b \x01(\v2\x13.vmflow.v1.ImageRefR\vinitrdImage\x122\n" +
 	"\n" +
-	"disk_image\x18\x1c \x01(\v2\x13.vmflow.v1.ImageRefR\tdiskImage\"2\n" +
+	"disk_image\x18\x1c \x01(\v2\x13.vmflow.v1.ImageRefR\tdiskImage\"n\n" +
+	"\fFileIdentity\x12\x10\n" +
+	"\x03dev\x18\x01 \x01(\x04R\x03dev\x12\x10\n" +
+	"\x03ino\x18\x02 \x01(\x04R\x03ino\x12\x12\n" +
+	"\x04size\x18\x03 \x01(\x04R\x04size\x12&\n" +
+	"\x0fmtime_unix_nano\x18\x04 \x01(\x03R\rmtimeUnixNano\"2\n" +
 	"\bImageRef\x12\x12\n" +
 	"\x04root\x18\x01 \x01(\tR\x04root\x12\x12\n" +
 	"\x04path\x18\x02 \x01(\tR\x04path\"[\n" +
@@ -974,7 +1064,8 @@ const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\n" +
 	"claimed_at\x18\n" +
 	" \x01(\v2\x1a.google.protobuf.TimestampR\tclaimedAt\x12\x16\n" +
-	"\x06driver\x18\v \x01(\tR\x06driver\"\xea\t\n" +
+	"\x06driver\x18\v \x01(\tR\x06driver\"\xa0\n" +
+	"\n" +
 	"\x0eInstanceRecord\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12%\n" +
 	"\x04spec\x18\x02 \x01(\v2\x11.vmflow.v1.VMSpecR\x04spec\x12%\n" +
@@ -1007,7 +1098,8 @@ const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\x0fneeds_attention\x18\x17 \x01(\tR\x0eneedsAttention\x12H\n" +
 	"\x12needs_attention_at\x18\x18 \x01(\v2\x1a.google.protobuf.TimestampR\x10needsAttentionAt\x12\x19\n" +
 	"\bqemu_uid\x18\x1f \x01(\rR\aqemuUid\x12(\n" +
-	"\x10vfio_group_nodes\x18  \x03(\tR\x0evfioGroupNodes*\xc3\x01\n" +
+	"\x10vfio_group_nodes\x18  \x03(\tR\x0evfioGroupNodes\x124\n" +
+	"\tdisk_base\x18! \x01(\v2\x17.vmflow.v1.FileIdentityR\bdiskBase*\xc3\x01\n" +
 	"\rInstanceState\x12\x1e\n" +
 	"\x1aINSTANCE_STATE_UNSPECIFIED\x10\x00\x12\x1b\n" +
 	"\x17INSTANCE_STATE_CREATING\x10\x01\x12\x1a\n" +
@@ -1041,42 +1133,44 @@ func file_vmflow_v1_record_proto_rawDescGZIP() []byte {
 }
 
 var file_vmflow_v1_record_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_vmflow_v1_record_proto_msgTypes = make([]protoimpl.MessageInfo, 5)
+var file_vmflow_v1_record_proto_msgTypes = make([]protoimpl.MessageInfo, 6)
 var file_vmflow_v1_record_proto_goTypes = []any{
 	(InstanceState)(0),            // 0: vmflow.v1.InstanceState
 	(StopStep)(0),                 // 1: vmflow.v1.StopStep
 	(ClaimPhase)(0),               // 2: vmflow.v1.ClaimPhase
 	(*VMSpec)(nil),                // 3: vmflow.v1.VMSpec
-	(*ImageRef)(nil),              // 4: vmflow.v1.ImageRef
-	(*ProcessIdentity)(nil),       // 5: vmflow.v1.ProcessIdentity
-	(*GpuClaim)(nil),              // 6: vmflow.v1.GpuClaim
-	(*InstanceRecord)(nil),        // 7: vmflow.v1.InstanceRecord
-	(*timestamppb.Timestamp)(nil), // 8: google.protobuf.Timestamp
+	(*FileIdentity)(nil),          // 4: vmflow.v1.FileIdentity
+	(*ImageRef)(nil),              // 5: vmflow.v1.ImageRef
+	(*ProcessIdentity)(nil),       // 6: vmflow.v1.ProcessIdentity
+	(*GpuClaim)(nil),              // 7: vmflow.v1.GpuClaim
+	(*InstanceRecord)(nil),        // 8: vmflow.v1.InstanceRecord
+	(*timestamppb.Timestamp)(nil), // 9: google.protobuf.Timestamp
 }
 var file_vmflow_v1_record_proto_depIdxs = []int32{
-	4,  // 0: vmflow.v1.VMSpec.kernel_image:type_name -> vmflow.v1.ImageRef
-	4,  // 1: vmflow.v1.VMSpec.initrd_image:type_name -> vmflow.v1.ImageRef
-	4,  // 2: vmflow.v1.VMSpec.disk_image:type_name -> vmflow.v1.ImageRef
+	5,  // 0: vmflow.v1.VMSpec.kernel_image:type_name -> vmflow.v1.ImageRef
+	5,  // 1: vmflow.v1.VMSpec.initrd_image:type_name -> vmflow.v1.ImageRef
+	5,  // 2: vmflow.v1.VMSpec.disk_image:type_name -> vmflow.v1.ImageRef
 	2,  // 3: vmflow.v1.GpuClaim.phase:type_name -> vmflow.v1.ClaimPhase
-	8,  // 4: vmflow.v1.GpuClaim.released_at:type_name -> google.protobuf.Timestamp
-	8,  // 5: vmflow.v1.GpuClaim.claimed_at:type_name -> google.protobuf.Timestamp
+	9,  // 4: vmflow.v1.GpuClaim.released_at:type_name -> google.protobuf.Timestamp
+	9,  // 5: vmflow.v1.GpuClaim.claimed_at:type_name -> google.protobuf.Timestamp
 	3,  // 6: vmflow.v1.InstanceRecord.spec:type_name -> vmflow.v1.VMSpec
 	0,  // 7: vmflow.v1.InstanceRecord.state:type_name -> vmflow.v1.InstanceState
 	1,  // 8: vmflow.v1.InstanceRecord.stop_step:type_name -> vmflow.v1.StopStep
-	8,  // 9: vmflow.v1.InstanceRecord.stop_step_at:type_name -> google.protobuf.Timestamp
-	5,  // 10: vmflow.v1.InstanceRecord.process:type_name -> vmflow.v1.ProcessIdentity
-	6,  // 11: vmflow.v1.InstanceRecord.gpu_claim:type_name -> vmflow.v1.GpuClaim
-	8,  // 12: vmflow.v1.InstanceRecord.last_start:type_name -> google.protobuf.Timestamp
-	8,  // 13: vmflow.v1.InstanceRecord.last_exit:type_name -> google.protobuf.Timestamp
-	8,  // 14: vmflow.v1.InstanceRecord.created_at:type_name -> google.protobuf.Timestamp
-	8,  // 15: vmflow.v1.InstanceRecord.updated_at:type_name -> google.protobuf.Timestamp
-	8,  // 16: vmflow.v1.InstanceRecord.launch_started_at:type_name -> google.protobuf.Timestamp
-	8,  // 17: vmflow.v1.InstanceRecord.needs_attention_at:type_name -> google.protobuf.Timestamp
-	18, // [18:18] is the sub-list for method output_type
-	18, // [18:18] is the sub-list for method input_type
-	18, // [18:18] is the sub-list for extension type_name
-	18, // [18:18] is the sub-list for extension extendee
-	0,  // [0:18] is the sub-list for field type_name
+	9,  // 9: vmflow.v1.InstanceRecord.stop_step_at:type_name -> google.protobuf.Timestamp
+	6,  // 10: vmflow.v1.InstanceRecord.process:type_name -> vmflow.v1.ProcessIdentity
+	7,  // 11: vmflow.v1.InstanceRecord.gpu_claim:type_name -> vmflow.v1.GpuClaim
+	9,  // 12: vmflow.v1.InstanceRecord.last_start:type_name -> google.protobuf.Timestamp
+	9,  // 13: vmflow.v1.InstanceRecord.last_exit:type_name -> google.protobuf.Timestamp
+	9,  // 14: vmflow.v1.InstanceRecord.created_at:type_name -> google.protobuf.Timestamp
+	9,  // 15: vmflow.v1.InstanceRecord.updated_at:type_name -> google.protobuf.Timestamp
+	9,  // 16: vmflow.v1.InstanceRecord.launch_started_at:type_name -> google.protobuf.Timestamp
+	9,  // 17: vmflow.v1.InstanceRecord.needs_attention_at:type_name -> google.protobuf.Timestamp
+	4,  // 18: vmflow.v1.InstanceRecord.disk_base:type_name -> vmflow.v1.FileIdentity
+	19, // [19:19] is the sub-list for method output_type
+	19, // [19:19] is the sub-list for method input_type
+	19, // [19:19] is the sub-list for extension type_name
+	19, // [19:19] is the sub-list for extension extendee
+	0,  // [0:19] is the sub-list for field type_name
 }
 
 func init() { file_vmflow_v1_record_proto_init() }
@@ -1090,7 +1184,7 @@ func file_vmflow_v1_record_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_vmflow_v1_record_proto_rawDesc), len(file_vmflow_v1_record_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   5,
+			NumMessages:   6,
 			NumExtensions: 0,
 			NumServices:   0,
 		},
