@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -17,6 +18,7 @@ import (
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/proc/proctest"
 	"vmflow/hostagent/vmm"
+	"vmflow/hostagent/vmm/vmmtest"
 	"vmflow/internal/stacktest"
 )
 
@@ -103,7 +105,8 @@ func stopVmflow(t *testing.T, kind vmKind) (time.Duration, error) {
 	if err != nil {
 		return 0, fmt.Errorf("open boot files: %w", err)
 	}
-	vm, err := vmm.Launch(ctx, vmm.LaunchConfig{Spec: spec, Paths: p, ReadyTimeout: 30 * time.Second})
+	vm, err := vmm.Launch(ctx, vmm.LaunchConfig{Spec: spec, Paths: p, ReadyTimeout: 30 * time.Second,
+		Confine: vmmtest.Confine()}) // confined as the agent launches it
 	if err != nil {
 		return 0, fmt.Errorf("launch: %w", err)
 	}
@@ -153,6 +156,22 @@ func stopRaw(t *testing.T, kind vmKind) (time.Duration, error) {
 	argv, err := vmm.BuildArgv(spec, p, &fds)
 	if err != nil {
 		return 0, fmt.Errorf("argv: %w", err)
+	}
+	// The argv's QMP is a listener passed as fd vmm.QMPFD, as vmflow binds
+	// it: bind one the same way.
+	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: p.QMPSocket, Net: "unix"})
+	if err != nil {
+		return 0, fmt.Errorf("qmp listener: %w", err)
+	}
+	l.SetUnlinkOnClose(false)
+	lf, err := l.File()
+	l.Close()
+	if err != nil {
+		return 0, fmt.Errorf("qmp listener: %w", err)
+	}
+	defer lf.Close()
+	if err := fds.Fill(vmm.QMPFD, lf); err != nil {
+		return 0, err
 	}
 	bin, err := exec.LookPath(vmm.DefaultBinary)
 	if err != nil {
