@@ -25,18 +25,8 @@ import (
 	"vmflow/internal/tclient/tclienttest"
 )
 
-// fakeEnv is an environment for envconfig that is not the process's, so
-// tests neither read nor change the real one.
-type fakeEnv map[string]string
-
-func (e fakeEnv) LookupEnv(k string) (string, bool) { v, ok := e[k]; return v, ok }
-func (e fakeEnv) Environ() []string {
-	out := make([]string, 0, len(e))
-	for k, v := range e {
-		out = append(out, k+"="+v)
-	}
-	return out
-}
+// fakeEnv is an environment for envconfig that is not the process's.
+type fakeEnv = tclienttest.Env
 
 // env returns e with TEMPORAL_CONFIG_FILE pointing at a file that does not
 // exist, so the developer's own ~/.config/temporalio is never read.

@@ -71,16 +71,7 @@ func tlsProxy(t *testing.T, backend string) (addr string, caPEM []byte) {
 	return ln.Addr().String(), caPEM
 }
 
-type mapEnv map[string]string
-
-func (e mapEnv) LookupEnv(k string) (string, bool) { v, ok := e[k]; return v, ok }
-func (e mapEnv) Environ() []string {
-	var out []string
-	for k, v := range e {
-		out = append(out, k+"="+v)
-	}
-	return out
-}
+type mapEnv = tclienttest.Env
 
 func TestDialTLSThroughProxy(t *testing.T) {
 	s := Shared(t)

@@ -43,3 +43,20 @@ func SelfSigned(t testing.TB) (certPEM, keyPEM []byte) {
 	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}),
 		pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: kder})
 }
+
+// Env is an environment for envconfig that is not the process's (it
+// implements envconfig's EnvLookup), so tests neither read nor change the
+// real one.
+type Env map[string]string
+
+// LookupEnv is os.LookupEnv over e.
+func (e Env) LookupEnv(k string) (string, bool) { v, ok := e[k]; return v, ok }
+
+// Environ is os.Environ over e.
+func (e Env) Environ() []string {
+	out := make([]string, 0, len(e))
+	for k, v := range e {
+		out = append(out, k+"="+v)
+	}
+	return out
+}
