@@ -37,7 +37,7 @@ FUZZTIME     ?= 30s
 
 export GOBIN := $(BIN)
 
-.PHONY: build tools qemu test lint fmt-check vet staticcheck workflowcheck fuzz bench clean proto proto-check proto-tools
+.PHONY: build tools qemu test lint fmt-check vet staticcheck workflowcheck fuzz bench bench-smoke clean proto proto-check proto-tools
 
 ## build: both binaries, stamped with VERSION (git describe) and REVISION
 # (the commit): `--version` prints them, the start line logs them, and
@@ -158,6 +158,16 @@ proto-tools:
 test: tools build guest
 	$(GO) test -race -timeout $(TEST_TIMEOUT) ./...
 	cd $(PLATFORMAPI) && VMFLOW_TEMPORAL=$(TEMPORAL) $(GO) test -race -timeout 5m ./...
+	$(MAKE) --no-print-directory bench-smoke
+
+## bench-smoke: the benchmark sections that need no Temporal (exit detection,
+# stop ladder, hot functions), in quick mode (~20 s), into a scratch file:
+# the bench's code keeps working between `make bench` runs (the stop section
+# once broke unnoticed). Measures nothing; BENCHMARKS.md is untouched.
+bench-smoke: qemu guest
+	@out=$$(mktemp); trap 'rm -f "$$out"' EXIT; \
+	VMFLOW_BENCH=1 VMFLOW_BENCH_QUICK=1 VMFLOW_BENCH_ONLY=exit,stop,micro VMFLOW_BENCH_OUT="$$out" \
+		$(GO) test -count=1 -run '^TestBenchmarks$$' -timeout 5m ./bench
 
 lint: vet fmt-check tidy-check staticcheck proto-check workflowcheck units-check
 
