@@ -220,6 +220,10 @@ func newEnv(t *testing.T, o envOptions) *env {
 	// Agents of shared-server tests run side by side: disjoint ranges.
 	e.uids = stacktest.QEMUUIDRange()
 	agentArgs = append(agentArgs, "--qemu-uid-range", e.uids.String())
+	// Runs after the agent has stopped, as KillLeftoverVMs does: a QEMU of
+	// this agent's uids that no record names is killed too.
+	uids := e.uids
+	t.Cleanup(func() { stacktest.KillUIDRange(t, uids) })
 	e.agent = &stacktest.Daemon{Name: "vmflow-hostagent", Bin: agentBin, Args: agentArgs, Env: connEnv, Log: filepath.Join(e.out, "hostagent.log")}
 	workerArgs := append([]string{
 		"--task-queue", e.queue,

@@ -2,6 +2,8 @@ package stacktest
 
 import (
 	"context"
+	"os"
+	"strconv"
 	"syscall"
 	"testing"
 	"time"
@@ -42,6 +44,45 @@ func KillLeftoverVMs(t testing.TB, st *store.Store, adopt func(pid int)) {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		if err := PollUntil(ctx, 20*time.Millisecond, func() bool { return !proc.Inspect(id).Alive }); err != nil {
 			t.Errorf("leftover QEMU %v: %v", id, err)
+		}
+		cancel()
+	}
+}
+
+// KillUIDRange kills, by verified identity, every live process whose real
+// uid is in r, and waits until each is gone; each one it finds is a test
+// error. Run it after the host agent has stopped: a QEMU of the agent's
+// --qemu-uid-range still alive then was started for this test but escaped
+// KillLeftoverVMs, which only knows the QEMUs records name (a record
+// deleted while its QEMU ran, a launch whose pid never reached the record).
+// Such a QEMU is an orphan of PID 1; nobody else would ever stop it.
+func KillUIDRange(t testing.TB, r store.UIDRange) {
+	ents, err := os.ReadDir("/proc")
+	if err != nil {
+		t.Errorf("scan processes: %v", err)
+		return
+	}
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		uids, err := proc.ReadUIDs(pid)
+		if err != nil || !r.Contains(uids[0]) {
+			continue // gone meanwhile, or not of the range
+		}
+		id, err := proc.ReadIdentity(pid)
+		if err != nil || !proc.Inspect(id).Alive {
+			continue // exited meanwhile, or a zombie
+		}
+		t.Errorf("process %v of the agent's uid range %s still running at the end of the test; killing it", id, r)
+		if err := proc.Signal(id, syscall.SIGKILL); err != nil {
+			t.Errorf("kill leftover %v: %v", id, err)
+			continue
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		if err := PollUntil(ctx, 20*time.Millisecond, func() bool { return !proc.Inspect(id).Alive }); err != nil {
+			t.Errorf("leftover %v: %v", id, err)
 		}
 		cancel()
 	}
