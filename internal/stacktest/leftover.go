@@ -37,15 +37,21 @@ func KillLeftoverVMs(t testing.TB, st *store.Store, adopt func(pid int)) {
 		if adopt != nil {
 			adopt(id.PID)
 		}
-		if err := proc.Signal(id, syscall.SIGKILL); err != nil {
-			t.Errorf("kill leftover QEMU %v: %v", id, err)
-			continue
-		}
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		if err := PollUntil(ctx, 20*time.Millisecond, func() bool { return !proc.Inspect(id).Alive }); err != nil {
-			t.Errorf("leftover QEMU %v: %v", id, err)
-		}
-		cancel()
+		killAndWait(t, id)
+	}
+}
+
+// killAndWait sends SIGKILL to the leftover id by its verified identity and
+// waits (10 s at most) until it is gone, reporting what fails.
+func killAndWait(t testing.TB, id proc.Identity) {
+	if err := proc.Signal(id, syscall.SIGKILL); err != nil {
+		t.Errorf("kill leftover %v: %v", id, err)
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := PollUntil(ctx, 20*time.Millisecond, func() bool { return !proc.Inspect(id).Alive }); err != nil {
+		t.Errorf("leftover %v: %v", id, err)
 	}
 }
 
@@ -76,14 +82,6 @@ func KillUIDRange(t testing.TB, r store.UIDRange) {
 			continue // exited meanwhile, or a zombie
 		}
 		t.Errorf("process %v of the agent's uid range %s still running at the end of the test; killing it", id, r)
-		if err := proc.Signal(id, syscall.SIGKILL); err != nil {
-			t.Errorf("kill leftover %v: %v", id, err)
-			continue
-		}
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		if err := PollUntil(ctx, 20*time.Millisecond, func() bool { return !proc.Inspect(id).Alive }); err != nil {
-			t.Errorf("leftover %v: %v", id, err)
-		}
-		cancel()
+		killAndWait(t, id)
 	}
 }

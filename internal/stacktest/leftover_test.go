@@ -19,7 +19,9 @@ type errorsTB struct {
 	errs []string
 }
 
-func (e *errorsTB) Errorf(format string, args ...any) { e.errs = append(e.errs, fmt.Sprintf(format, args...)) }
+func (e *errorsTB) Errorf(format string, args ...any) {
+	e.errs = append(e.errs, fmt.Sprintf(format, args...))
+}
 
 // A process of the agent's uid range still alive at the end of a test is
 // reported and killed; a range nothing runs in reports nothing.
