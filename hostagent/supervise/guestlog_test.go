@@ -2,7 +2,10 @@ package supervise
 
 import (
 	"context"
+	"fmt"
 	"os"
+	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -133,7 +136,10 @@ func TestGuestLogDropsAreCounted(t *testing.T) {
 	require.NoError(t, err)
 	res, err := sup.Launch(ctxT(t, 60*time.Second), "vm1")
 	require.NoError(t, err)
-	time.Sleep(500 * time.Millisecond) // let the guest write for a while: the amount is what is measured, not an order of events
+	// The guest has written (QEMU's write counter in /proc/<pid>/io) before
+	// anything is asked of the count.
+	require.Eventually(t, func() bool { return qemuWrote(res.Identity.PID) > 64<<10 }, 30*time.Second, 10*time.Millisecond,
+		"the flood guest wrote its serial port")
 	st, err := sup.Status("vm1")
 	require.NoError(t, err)
 	require.True(t, st.Liveness.Alive, "QEMU is not blocked by a log that cannot be written")
@@ -144,4 +150,20 @@ func TestGuestLogDropsAreCounted(t *testing.T) {
 	case <-time.After(30 * time.Second):
 		t.Fatal("OnGuestLogDropped was not called for a VM whose output could not be written")
 	}
+}
+
+// qemuWrote is the bytes process pid has written so far (wchar of
+// /proc/<pid>/io), 0 when it cannot be read.
+func qemuWrote(pid int) uint64 {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/io", pid))
+	if err != nil {
+		return 0
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "wchar: "); ok {
+			n, _ := strconv.ParseUint(v, 10, 64)
+			return n
+		}
+	}
+	return 0
 }
