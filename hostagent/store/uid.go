@@ -95,8 +95,12 @@ func (l *Locked) AssignQEMUUID(ctx context.Context, r UIDRange, inUse func(conte
 		return nil, fmt.Errorf("assign qemu uid to %s: %w", l.id, err)
 	}
 	taken := map[uint32]string{}
+	var cur *vmflowv1.InstanceRecord // this instance's, read by List under l's lock
 	for _, rec := range recs {
-		if u := rec.GetQemuUid(); u != 0 && rec.GetId() != l.id {
+		switch u := rec.GetQemuUid(); {
+		case rec.GetId() == l.id:
+			cur = rec
+		case u != 0:
 			taken[u] = rec.GetId()
 		}
 	}
@@ -104,9 +108,11 @@ func (l *Locked) AssignQEMUUID(ctx context.Context, r UIDRange, inUse func(conte
 	if err != nil {
 		return nil, fmt.Errorf("assign qemu uid to %s: %w", l.id, err)
 	}
-	cur, err := l.Get()
-	if err != nil {
-		return nil, fmt.Errorf("assign qemu uid: %w", err)
+	if cur == nil {
+		// Not listed: unreadable (or gone); Get says which.
+		if cur, err = l.Get(); err != nil {
+			return nil, fmt.Errorf("assign qemu uid: %w", err)
+		}
 	}
 	free := func(u uint32) bool { _, t := taken[u]; return !t && !busy[u] }
 	uid := cur.GetQemuUid()

@@ -27,10 +27,11 @@ const sandboxOption = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resour
 // sandboxArgs is the -sandbox option Argv always adds.
 func sandboxArgs() []string { return []string{"-sandbox", sandboxOption} }
 
-// QMPFD is the fd number the QMP listening socket has in QEMU: Launch
-// passes it as the child's first extra file (exec.Cmd.ExtraFiles[0] is fd
-// 3). Argv names it in -chardev socket,fd=.
-const QMPFD = 3
+// QMPFD is the fd number the QMP listening socket has in QEMU: BuildArgv
+// reserves it first in a fresh FDTable (so it is the table's first number,
+// exec.Cmd.ExtraFiles[0]) and names it in -chardev socket,fd=; Launch fills
+// it once the listener is bound.
+const QMPFD = firstInheritedFD
 
 // qmpArgs is QMP over the listening socket the agent bound and passed as fd:
 // QEMU never sees the socket's path (in the root-only instance directory).
