@@ -41,6 +41,7 @@ import (
 	"go.uber.org/zap/zapcore"
 
 	"vmflow/internal/tclient"
+	"vmflow/internal/tclient/tclienttest"
 	"vmflow/platform"
 )
 
@@ -388,7 +389,7 @@ func tclientOptions(addr, namespace, dir string) platform.Options {
 		Logger:    testLogger(),
 		// An empty fake environment: a developer's TEMPORAL_* variables or
 		// config file must not send tests elsewhere.
-		Env:          emptyEnv{},
+		Env:          tclienttest.Env{},
 		ConfigFile:   filepath.Join(dir, "no-temporal-config.toml"),
 		RetryInitial: 100 * time.Millisecond,
 		RetryMax:     time.Second,
@@ -498,11 +499,6 @@ func testLogger() *zap.Logger {
 	core := zapcore.NewCore(zapcore.NewConsoleEncoder(cfg), zapcore.Lock(os.Stderr), zapcore.WarnLevel)
 	return zap.New(core)
 }
-
-type emptyEnv struct{}
-
-func (emptyEnv) LookupEnv(string) (string, bool) { return "", false }
-func (emptyEnv) Environ() []string               { return nil }
 
 // MetricsAddress is host:port of the Prometheus metrics, "" unless
 // Options.Metrics.

@@ -116,9 +116,9 @@ type PostgresServer struct {
 	pg, srv *child
 }
 
-// PostgresBinaries finds temporal-server and temporal-sql-tool
+// postgresBinaries finds temporal-server and temporal-sql-tool
 // (`make temporal-server` builds both into bin/).
-func PostgresBinaries() (server, sqlTool string, err error) {
+func postgresBinaries() (server, sqlTool string, err error) {
 	server = os.Getenv(EnvServerBinary)
 	if server == "" {
 		root, err := stacktest.ModuleRoot()
@@ -194,7 +194,7 @@ func newPostgres(o PostgresOptions) (*PostgresServer, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrNoPostgres, err)
 	}
-	server, sqlTool, err := PostgresBinaries()
+	server, sqlTool, err := postgresBinaries()
 	if err != nil {
 		return nil, err
 	}
@@ -318,7 +318,7 @@ func (s *PostgresServer) start(ctx context.Context) error {
 	if s.opts.NoSetup {
 		return nil
 	}
-	if err := s.SetupNamespace(ctx, s.opts.Namespace); err != nil {
+	if err := s.setupNamespace(ctx, s.opts.Namespace); err != nil {
 		return err
 	}
 	if err := waitFor(ctx, s.srv.exited(), func(ctx context.Context) error { return checkReady(ctx, s.Address(), s.opts.Namespace) }); err != nil {
@@ -567,10 +567,10 @@ func (s *PostgresServer) serving(ctx context.Context) error {
 	return nil
 }
 
-// SetupNamespace runs deploy/setup-temporal.sh against this server for
+// setupNamespace runs deploy/setup-temporal.sh against this server for
 // namespace (the namespace and vmflow's search attributes) and returns
 // its error with its output.
-func (s *PostgresServer) SetupNamespace(ctx context.Context, namespace string) error {
+func (s *PostgresServer) setupNamespace(ctx context.Context, namespace string) error {
 	cmd := exec.CommandContext(ctx, "bash", filepath.Join(s.root, setupTemporalPath))
 	cmd.Env = append(os.Environ(),
 		"TEMPORAL="+s.cli,
