@@ -208,7 +208,11 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 
 	topts := platform.Options{Logger: log, MetricsHandler: tm.SDKHandler(), HostPort: cfg.Address, Namespace: cfg.Namespace,
 		Identity: "vmflow-hostagent@" + cfg.HostID, Insecure: cfg.Insecure}
-	if _, err := platform.ClientOptions(topts); errors.Is(err, tclient.ErrInsecureTransport) {
+	// The transport check alone, before dialing: no logger, so an allowed
+	// --insecure is warned about once, by the dial, not here as well.
+	check := topts
+	check.Logger = nil
+	if _, err := platform.ClientOptions(check); errors.Is(err, tclient.ErrInsecureTransport) {
 		// Permanent until an operator changes the configuration: said once,
 		// and on /readyz, while the host's VMs stay supervised (invariant 12).
 		log.Error("not connecting to Temporal: insecure transport refused; VMs stay supervised, host activities are not served until the configuration is fixed (or --insecure given)",
