@@ -79,7 +79,7 @@ func newHostPolicy(t *testing.T, policy func(*spec.Host)) *hostEnv {
 		Logger: log, IgnoreUninspectable: proctest.UninspectableInit(),
 	})
 	require.NoError(t, err)
-	host, err := spec.SystemHost(nil, gpus.Profiles)
+	host, err := spec.SystemHost(nil, "", gpus.Profiles)
 	require.NoError(t, err)
 	if policy != nil {
 		policy(&host)

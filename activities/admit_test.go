@@ -16,6 +16,7 @@ import (
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/spec"
 	"vmflow/hostagent/store"
+	"vmflow/hostagent/vmm"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 	"vmflow/workflows"
 )
@@ -159,4 +160,27 @@ func TestHostActivityInputsAreBounded(t *testing.T) {
 
 	err = h.run(t, h.acts.ReconcileHost, &vmflowv1.ReconcileVGPURequest{HostId: strings.Repeat("h", 1<<16)}, nil)
 	assert.Equal(t, workflows.ErrTypeInvalidInput, appError(t, err).Type())
+}
+
+// On a host without KVM a spawn that leaves accel empty (KVM) is refused by
+// ValidateSpawn and by CreateRecord alike, as invalid input (no retry),
+// saying the host has no KVM and that accel "tcg" exists; nothing is
+// written. Without the check both pass and LaunchVM fails after the record
+// was created.
+func TestNoKVMSpawnRefused(t *testing.T) {
+	h := newHostPolicy(t, func(host *spec.Host) {
+		host.KVM = vmm.CheckKVM(filepath.Join(t.TempDir(), "kvm"))
+	})
+	req := spawnReq("vm1")
+	req.Accel, req.VgpuProfile = "", ""
+	for name, fn := range map[string]any{"ValidateSpawn": h.acts.ValidateSpawn, "CreateRecord": h.acts.CreateRecord} {
+		err := h.run(t, fn, req, nil)
+		ae := appError(t, err)
+		assert.Equal(t, workflows.ErrTypeInvalidInput, ae.Type(), name)
+		assert.True(t, ae.NonRetryable(), name)
+		assert.Contains(t, err.Error(), "this host has no KVM", name)
+		assert.Contains(t, err.Error(), `accel "tcg"`, name)
+	}
+	_, err := h.st.Get("vm1")
+	assert.ErrorIs(t, err, store.ErrNotFound, "nothing written for a refused spawn")
 }

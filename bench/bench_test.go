@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"vmflow/hostagent/vmm"
 	"vmflow/internal/stacktest"
 )
 
@@ -78,8 +79,8 @@ func TestBenchmarks(t *testing.T) {
 	if cmd == "" {
 		cmd = "VMFLOW_BENCH=1 go test -run '^TestBenchmarks$' -v -count=1 -timeout 15m ./bench"
 	}
-	accel := "TCG only (no usable /dev/kvm)"
-	if m.KVM {
+	accel := fmt.Sprintf("TCG only (%s): `-machine none` and the real guest under TCG", m.AccelWhy)
+	if m.Accel == vmm.AccelKVM {
 		accel = "KVM usable (nested): `-machine none` under KVM; the real guest under TCG (a Linux guest does not boot under this nested KVM)"
 	}
 	var head strings.Builder

@@ -10,6 +10,10 @@ import (
 	"strings"
 	"time"
 
+	"vmflow/hostagent/proc/proctest"
+	"vmflow/hostagent/vmm"
+	"vmflow/hostagent/vmm/vmmtest"
+
 	"golang.org/x/sys/unix"
 )
 
@@ -19,7 +23,8 @@ type Machine struct {
 	CPUModel  string
 	Kernel    string
 	MemTotal  string
-	KVM       bool // /dev/kvm opens read-write
+	Accel     vmm.Accel // what -machine none runs under (vmmtest.Accel)
+	AccelWhy  string    // why: proctest.AccelReason
 	QEMU      string
 	Go        string
 	LoadStart string // /proc/loadavg at the start of the run
@@ -35,10 +40,7 @@ func DescribeMachine(ctx context.Context) Machine {
 	}
 	m.CPUModel = procField("/proc/cpuinfo", "model name")
 	m.MemTotal = procField("/proc/meminfo", "MemTotal")
-	if f, err := os.OpenFile("/dev/kvm", os.O_RDWR, 0); err == nil {
-		m.KVM = true
-		f.Close()
-	}
+	m.Accel, m.AccelWhy = vmmtest.Accel(), proctest.AccelReason()
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	out, err := exec.CommandContext(ctx, "qemu-system-x86_64", "--version").Output()

@@ -55,14 +55,6 @@ func (k vmKind) vmSpec() (vmm.VMSpec, error) {
 	return s, nil
 }
 
-func kvmOrTCG() vmm.Accel {
-	if f, err := os.OpenFile("/dev/kvm", os.O_RDWR, 0); err == nil {
-		f.Close()
-		return vmm.AccelKVM
-	}
-	return vmm.AccelTCG
-}
-
 // shortDir is a fresh folder under /tmp (a QMP socket path holds at most
 // 107 bytes), removed when t ends.
 var shortDir = proctest.ShortDir
@@ -243,8 +235,8 @@ func stopToGone(t *testing.T) string {
 			cfg: vmm.StopConfig{GracefulTimeout: 30 * time.Second},
 		}, reps(8, 2)},
 		{vmKind{
-			name: fmt.Sprintf("-machine none (%s, 16 MiB)", kvmOrTCG()),
-			spec: vmm.VMSpec{Name: "bench-none", VCPUs: 1, MemoryMiB: 16, Machine: vmm.MachineNone, Accel: kvmOrTCG()},
+			name: fmt.Sprintf("-machine none (%s, 16 MiB)", vmmtest.Accel()),
+			spec: vmm.VMSpec{Name: "bench-none", VCPUs: 1, MemoryMiB: 16, Machine: vmm.MachineNone, Accel: vmmtest.Accel()},
 			raw:  "quit",
 			cfg:  vmm.StopConfig{SkipPowerdown: true},
 		}, reps(40, 5)},

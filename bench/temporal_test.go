@@ -15,6 +15,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"vmflow/hostagent/vmm/vmmtest"
 	"vmflow/internal/stacktest"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 	"vmflow/workflows"
@@ -38,7 +39,7 @@ type wfTiming struct {
 }
 
 func (s *stack) spawnReq(id string, vgpu bool) *vmflowv1.SpawnRequest {
-	r := &vmflowv1.SpawnRequest{InstanceId: id, HostId: s.hostID, Vcpus: 1, MemoryMib: 16, Machine: "none"}
+	r := &vmflowv1.SpawnRequest{InstanceId: id, HostId: s.hostID, Vcpus: 1, MemoryMib: 16, Machine: "none", Accel: string(vmmtest.Accel())}
 	if vgpu {
 		r.VgpuProfile = "GRID A100-4C"
 	}

@@ -189,7 +189,7 @@ trap 'shutdown; exit 0' INT TERM
 
 # --- checks ---------------------------------------------------------------
 if [ "$(id -u)" != 0 ]; then
-	echo "make dev runs as root: QEMU with KVM, the FUSE simulator, /proc of other processes" >&2
+	echo "make dev runs as root: QEMU under its own uids, the FUSE simulator, /proc of other processes" >&2
 	exit 1
 fi
 for f in "$TEMPORAL" "$BIN/vmflow-worker" "$BIN/vmflow-hostagent" "$GUEST_DIR/vmlinuz" "$GUEST_DIR/initrd.img"; do

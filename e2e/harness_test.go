@@ -331,10 +331,11 @@ func (e *env) guestSpawn(id string, vgpu bool) *vmflowv1.SpawnRequest {
 	return r
 }
 
-// noneSpawn is a spawn request for QEMU -machine none under KVM: a process
-// with QMP in ~60 ms, no guest (system_powerdown has no effect on it).
+// noneSpawn is a spawn request for QEMU -machine none under the tests'
+// accelerator (vmmtest.Accel: KVM where usable): a process with QMP in
+// ~60 ms, no guest (system_powerdown has no effect on it).
 func (e *env) noneSpawn(id string, vgpu bool) *vmflowv1.SpawnRequest {
-	r := &vmflowv1.SpawnRequest{InstanceId: id, HostId: e.hostID, Vcpus: 1, MemoryMib: 128, Machine: "none"}
+	r := &vmflowv1.SpawnRequest{InstanceId: id, HostId: e.hostID, Vcpus: 1, MemoryMib: 128, Machine: "none", Accel: string(vmmtest.Accel())}
 	if vgpu {
 		r.VgpuProfile = "GRID A100-4C"
 	}

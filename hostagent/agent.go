@@ -138,7 +138,7 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 	}
 	// The image roots are opened here and held for the agent's life: every
 	// image is opened beneath them.
-	host, err := spec.SystemHost(cfg.ImageRoots, profiles)
+	host, err := spec.SystemHost(cfg.ImageRoots, cfg.KVMDevice, profiles)
 	if err != nil {
 		return err
 	}

@@ -51,7 +51,7 @@ func newStack(t *testing.T) *stack {
 	require.NoError(t, os.WriteFile(filepath.Join(s.outside, "secret.raw"), bytes.Repeat([]byte{0x11}, imageSize), 0o600))
 	require.NoError(t, os.Symlink("real.raw", filepath.Join(s.root, "disk.raw")))
 	var err error
-	s.host, err = spec.SystemHost([]string{s.root}, nil)
+	s.host, err = spec.SystemHost([]string{s.root}, "", nil)
 	require.NoError(t, err)
 	t.Cleanup(func() { s.host.Images.Close() })
 	s.st, err = store.New(proctest.ShortDir(t, "st"))
@@ -299,7 +299,7 @@ func TestLaunchOldRecord(t *testing.T) {
 func TestLaunchKernelByFD(t *testing.T) {
 	vmmtest.RequiresQEMU(t)
 	dir := guestDir(t)
-	h, err := spec.SystemHost([]string{dir}, nil)
+	h, err := spec.SystemHost([]string{dir}, "", nil)
 	require.NoError(t, err)
 	defer h.Images.Close()
 	st, err := store.New(proctest.ShortDir(t, "st"))

@@ -15,6 +15,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"runtime"
 	"slices"
@@ -75,12 +76,18 @@ type Host struct {
 	// Profiles lists the vGPU profile names the host offers; nil means the
 	// host has no vGPUs.
 	Profiles func(ctx context.Context) ([]string, error)
+	// KVM is the host's KVM node as the agent found it at start
+	// (vmm.CheckKVM): with its Err set, a spec that asks for KVM (accel
+	// "kvm", or empty) is refused before anything is created for it, where
+	// the launch would only fail later. The zero value is a usable KVM.
+	KVM vmm.KVMAccess
 }
 
-// SystemHost describes this machine: its CPU count, its memory and the
-// given image roots (which must exist), opened for the agent's life.
-func SystemHost(imageRoots []string, profiles func(context.Context) ([]string, error)) (Host, error) {
-	h := Host{MaxVCPUs: uint32(runtime.NumCPU()), Profiles: profiles}
+// SystemHost describes this machine: its CPU count, its memory, its KVM
+// node (kvmDevice, vmm.DefaultKVMDevice when empty) and the given image
+// roots (which must exist), opened for the agent's life.
+func SystemHost(imageRoots []string, kvmDevice string, profiles func(context.Context) ([]string, error)) (Host, error) {
+	h := Host{MaxVCPUs: uint32(runtime.NumCPU()), Profiles: profiles, KVM: vmm.CheckKVM(kvmDevice)}
 	mem, err := memTotalMiB()
 	if err != nil {
 		return Host{}, err
@@ -212,6 +219,10 @@ func (h Host) admit(ctx context.Context, id, restartPolicy string, s *vmflowv1.V
 	}
 	oneOf("machine", s.GetMachine(), Machines, false)
 	oneOf("accel", s.GetAccel(), Accels, true)
+	if a := s.GetAccel(); (a == "" || a == "kvm") && h.KVM.Err != nil {
+		bad("accel", "%s: %s; ask for accel \"tcg\" to run this VM without KVM (emulated: slower, for tests and development)",
+			accelName(a), noKVM(h.KVM.Err))
+	}
 	oneOf("restart_policy", restartPolicy, RestartPolicies, true)
 
 	// The images are opened as a launch opens them, and handed to vmm's
@@ -268,6 +279,24 @@ func (h Host) admit(ctx context.Context, id, restartPolicy string, s *vmflowv1.V
 		}
 	}
 	return errs, nil
+}
+
+// accelName names the accelerator a spec asks for, the default included.
+func accelName(accel string) string {
+	if accel == "" {
+		return `"" (KVM, the default)`
+	}
+	return strconv.Quote(accel)
+}
+
+// noKVM says why this host cannot run a KVM guest: it has no KVM at all (no
+// node: no vmx/svm CPU flag, or the kvm module is not loaded), or its node
+// is there but a confined QEMU could not open it.
+func noKVM(err error) string {
+	if errors.Is(err, fs.ErrNotExist) {
+		return "this host has no KVM (" + err.Error() + ")"
+	}
+	return "this host's KVM is unusable (" + err.Error() + ")"
 }
 
 // checkImage admits a path only if it is absolute, clean, under one of the

@@ -29,11 +29,13 @@ func testHost(t *testing.T) (Host, string) {
 	require.NoError(t, os.Symlink(filepath.Join(outside, "shadow"), filepath.Join(root, "escape")))
 	require.NoError(t, os.Symlink("vmlinuz", filepath.Join(root, "link-inside")))
 	require.NoError(t, os.Mkdir(filepath.Join(root, "dir"), 0o700))
-	h, err := SystemHost([]string{root}, func(context.Context) ([]string, error) {
+	h, err := SystemHost([]string{root}, "", func(context.Context) ([]string, error) {
 		return []string{"GRID A100-4C", "NVIDIA L40-4Q"}, nil
 	})
 	require.NoError(t, err)
-	h.MaxVCPUs, h.MaxMemoryMiB = 8, 16384
+	// A host with KVM, whether or not this machine has one (the host
+	// without is TestNoKVMRefused's).
+	h.MaxVCPUs, h.MaxMemoryMiB, h.KVM = 8, 16384, vmm.KVMAccess{}
 	return h, root
 }
 
@@ -160,4 +162,43 @@ func TestForRecord(t *testing.T) {
 	noAccel := good(root)
 	noAccel.Accel = ""
 	assert.Equal(t, "kvm", RecordSpec(noAccel).GetAccel(), "kvm is the default accelerator")
+}
+
+// A host without KVM refuses a spec that asks for KVM (accel "kvm", or
+// empty: the default) at admission, naming the missing node and the way
+// out (accel "tcg"), for a spawn request and a record alike; TCG is
+// admitted. Without the check both are admitted, and the launch fails
+// later, after the record was written.
+func TestNoKVMRefused(t *testing.T) {
+	h, _ := testHost(t)
+	h.KVM = vmm.CheckKVM(filepath.Join(t.TempDir(), "kvm")) // no such node
+	ctx := context.Background()
+	for _, accel := range []string{"", "kvm"} {
+		req := &vmflowv1.SpawnRequest{InstanceId: "vm1", HostId: "h1", Vcpus: 1, MemoryMib: 128, Machine: "none", Accel: accel}
+		err := h.Validate(ctx, req)
+		require.Error(t, err, "accel %q", accel)
+		assert.ErrorIs(t, err, ErrInvalid)
+		var fe *FieldError
+		require.ErrorAs(t, err, &fe)
+		assert.Equal(t, "accel", fe.Field)
+		assert.Contains(t, err.Error(), "this host has no KVM")
+		assert.Contains(t, err.Error(), "no such file or directory")
+		assert.Contains(t, err.Error(), `ask for accel "tcg"`)
+
+		err = h.AdmitRecord(ctx, &vmflowv1.InstanceRecord{Id: "vm1", Spec: RecordSpec(req)})
+		assert.ErrorIs(t, err, ErrAdmissionRefused, "a restart on a host that lost its KVM")
+		assert.Contains(t, err.Error(), "this host has no KVM")
+	}
+	tcg := &vmflowv1.SpawnRequest{InstanceId: "vm1", HostId: "h1", Vcpus: 1, MemoryMib: 128, Machine: "none", Accel: "tcg"}
+	assert.NoError(t, h.Validate(ctx, tcg))
+	assert.NoError(t, h.AdmitRecord(ctx, &vmflowv1.InstanceRecord{Id: "vm1", Spec: RecordSpec(tcg)}))
+
+	// A node its group cannot open is unusable, not absent: said so.
+	node := filepath.Join(t.TempDir(), "kvm")
+	require.NoError(t, os.WriteFile(node, nil, 0o600))
+	h.KVM = vmm.CheckKVM(node)
+	err := h.Validate(ctx, &vmflowv1.SpawnRequest{InstanceId: "vm1", HostId: "h1", Vcpus: 1, MemoryMib: 128, Machine: "none"})
+	assert.ErrorIs(t, err, ErrInvalid)
+	assert.Contains(t, err.Error(), "this host's KVM is unusable")
+	assert.Contains(t, err.Error(), "mode 0600")
 }

@@ -15,6 +15,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"vmflow/hostagent/vmm"
 	"vmflow/hostagent/vmm/vmmtest"
 
 	"github.com/stretchr/testify/require"
@@ -231,7 +233,9 @@ func (e *env) newSupervisor(mutate func(*Config)) *Supervisor {
 	} else {
 		log = zap.New(core)
 	}
-	cfg := Config{Store: e.st, Logger: log, QEMUUIDs: e.uids}
+	// QMP's deadline scaled to the accelerator: a loaded machine without
+	// KVM once missed the production 10 s.
+	cfg := Config{Store: e.st, Logger: log, QEMUUIDs: e.uids, ReadyTimeout: vmmtest.QEMUDeadline(vmm.DefaultReadyTimeout)}
 	if mutate != nil {
 		mutate(&cfg)
 	}

@@ -32,13 +32,8 @@ func requiresQEMU(tb testing.TB) string {
 	return proctest.RequiresBinary(tb, DefaultBinary, "make qemu installs it")
 }
 
-// testAccel is vmmtest.Accel: KVM where /dev/kvm opens, TCG otherwise.
-func testAccel() Accel {
-	if CheckKVM("").Err != nil || !proctest.KVMOpens() {
-		return AccelTCG
-	}
-	return AccelKVM
-}
+// testAccel is vmmtest.Accel (proctest.Accel).
+func testAccel() Accel { return Accel(proctest.Accel(CheckKVM("").Err)) }
 
 // testDir is a short directory under /tmp (proctest.ShortDir).
 func testDir(tb testing.TB) string { return proctest.ShortDir(tb, "vm") }

@@ -1,6 +1,7 @@
 // Package vmmtest holds the skip helpers and small fixtures tests that run
-// real QEMU share. CI installs QEMU and has /dev/kvm, so nothing is skipped
-// there.
+// real QEMU share. CI installs QEMU, so nothing is skipped there but the
+// few checks of KVM itself on a machine without it (or with
+// VMFLOW_TEST_ACCEL=tcg).
 package vmmtest
 
 import (
@@ -11,6 +12,7 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"vmflow/hostagent/proc/proctest"
 	"vmflow/hostagent/vmm"
@@ -23,21 +25,25 @@ func RequiresQEMU(tb testing.TB) string {
 	return proctest.RequiresBinary(tb, vmm.DefaultBinary, "make qemu installs it")
 }
 
-// Accel is KVM where /dev/kvm opens (and its group can open it: QEMU runs
-// as a uid of its own with that group), TCG otherwise: -machine none runs
-// the same either way, only faster under KVM.
-func Accel() vmm.Accel {
-	if vmm.CheckKVM("").Err != nil || !proctest.KVMOpens() {
-		return vmm.AccelTCG
-	}
-	return vmm.AccelKVM
+// Accel is the accelerator of every test and benchmark that runs QEMU
+// (proctest.Accel): KVM where a confined QEMU can open /dev/kvm (its group
+// can: QEMU runs as a uid of its own with that group), TCG otherwise, or
+// what VMFLOW_TEST_ACCEL forces. -machine none runs the same either way,
+// only faster under KVM.
+func Accel() vmm.Accel { return vmm.Accel(proctest.Accel(vmm.CheckKVM("").Err)) }
+
+// QEMUDeadline scales d, a deadline for a wait on QEMU, to Accel: longer
+// under TCG.
+func QEMUDeadline(d time.Duration) time.Duration {
+	return proctest.ScaleDeadline(string(Accel()), d)
 }
 
-// RequiresKVM skips tb when /dev/kvm cannot be opened.
+// RequiresKVM skips tb unless the tests run under KVM: for the checks of
+// KVM itself (its kernel threads, the /dev/kvm group rule).
 func RequiresKVM(tb testing.TB) {
 	tb.Helper()
 	if Accel() != vmm.AccelKVM {
-		tb.Skip("needs a usable /dev/kvm")
+		tb.Skipf("tests KVM itself; this run uses TCG (%s)", proctest.AccelReason())
 	}
 }
 
