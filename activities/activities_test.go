@@ -85,7 +85,8 @@ func newHostPolicy(t *testing.T, policy func(*spec.Host)) *hostEnv {
 		policy(&host)
 	}
 	h.acts = &Activities{Store: h.st, Host: host, GPUs: gpus, AttachVGPU: false, DefaultGraceful: time.Second, Logger: log}
-	sup, err := supervise.New(supervise.Config{Store: h.st, Logger: log, GracefulTimeout: time.Second, PrepareLaunch: spec.PrepareLaunch(host, gpus, false)})
+	sup, err := supervise.New(supervise.Config{Store: h.st, Logger: log, GracefulTimeout: time.Second,
+		PrepareLaunch: spec.PrepareLaunch(host, gpus, false), ReadyTimeout: vmmtest.QEMUDeadline(vmm.DefaultReadyTimeout)})
 	require.NoError(t, err)
 	t.Cleanup(func() { sup.Close() })
 	h.acts.Supervisor = sup

@@ -99,7 +99,7 @@ vm_pids() {
 	local d pid
 	for d in /proc/[0-9]*; do
 		pid=${d#/proc/}
-		if tr '\0' ' ' <"$d/cmdline" 2>/dev/null | grep -qE -- "$DEV/(state|hosts/[0-9]+/state)/instances/"; then
+		if tr '\0' ' ' 2>/dev/null <"$d/cmdline" | grep -qE -- "$DEV/(state|hosts/[0-9]+/state)/instances/"; then
 			gone "$pid" || echo "$pid"
 		fi
 	done

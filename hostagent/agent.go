@@ -458,6 +458,11 @@ func scanForReconcile(ctx context.Context, scan func(context.Context) (claims.Wo
 			return
 		case <-tick.C:
 		}
+		// select picks at random when a tick is pending as ctx ends: an
+		// agent that is stopping must not scan, and trigger, once more.
+		if ctx.Err() != nil {
+			return
+		}
 		sctx, cancel := context.WithTimeout(ctx, every)
 		cur, err := scan(sctx)
 		cancel()

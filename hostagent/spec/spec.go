@@ -220,8 +220,8 @@ func (h Host) admit(ctx context.Context, id, restartPolicy string, s *vmflowv1.V
 	oneOf("machine", s.GetMachine(), Machines, false)
 	oneOf("accel", s.GetAccel(), Accels, true)
 	if a := s.GetAccel(); (a == "" || a == "kvm") && h.KVM.Err != nil {
-		bad("accel", "%s: %s; ask for accel \"tcg\" to run this VM without KVM (emulated: slower, for tests and development)",
-			accelName(a), noKVM(h.KVM.Err))
+		bad("accel", "KVM (what an empty accel means): %s; ask for accel \"tcg\" to run this VM without it (emulated: slower)",
+			noKVM(h.KVM.Err))
 	}
 	oneOf("restart_policy", restartPolicy, RestartPolicies, true)
 
@@ -281,20 +281,13 @@ func (h Host) admit(ctx context.Context, id, restartPolicy string, s *vmflowv1.V
 	return errs, nil
 }
 
-// accelName names the accelerator a spec asks for, the default included.
-func accelName(accel string) string {
-	if accel == "" {
-		return `"" (KVM, the default)`
-	}
-	return strconv.Quote(accel)
-}
-
 // noKVM says why this host cannot run a KVM guest: it has no KVM at all (no
 // node: no vmx/svm CPU flag, or the kvm module is not loaded), or its node
 // is there but a confined QEMU could not open it.
 func noKVM(err error) string {
-	if errors.Is(err, fs.ErrNotExist) {
-		return "this host has no KVM (" + err.Error() + ")"
+	var ke *vmm.KVMAccessError
+	if errors.As(err, &ke) && errors.Is(err, fs.ErrNotExist) {
+		return "this host has no KVM (no " + ke.Path + ")"
 	}
 	return "this host's KVM is unusable (" + err.Error() + ")"
 }

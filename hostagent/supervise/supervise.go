@@ -212,7 +212,7 @@ func New(cfg Config) (*Supervisor, error) {
 	kvm := vmm.CheckKVM(cfg.KVMDevice)
 	if kvm.Err != nil {
 		// Not fatal: TCG launches, re-attach and stops go on (invariant 12).
-		cfg.Logger.Warn("KVM launches will fail", zap.Error(kvm.Err))
+		cfg.Logger.Warn("no usable KVM: spawns that ask for it are refused, accel \"tcg\" runs without it", zap.Error(kvm.Err))
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	return &Supervisor{

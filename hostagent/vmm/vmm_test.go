@@ -53,7 +53,8 @@ func testLaunchConfig(tb testing.TB, name string) LaunchConfig {
 			PIDFile:   filepath.Join(d, "qemu.pid"),
 			Log:       filepath.Join(d, "qemu.log"),
 		},
-		Confine: Confinement{UID: testUID(), KVM: CheckKVM("")},
+		Confine:      Confinement{UID: testUID(), KVM: CheckKVM("")},
+		ReadyTimeout: proctest.ScaleDeadline(string(testAccel()), DefaultReadyTimeout),
 	}
 }
 
