@@ -35,6 +35,9 @@ type tracker struct {
 	// hostDown: the host did not pick up the last try and has not answered
 	// since; abandon is accepted (and queued for the next wait) meanwhile.
 	hostDown bool
+	// since: when the current try began (the stage started, a wait ended,
+	// a stuck round started again); the retry update's answer names it.
+	since time.Time
 
 	// onlyChanges: upsert the search attributes only when their values
 	// changed (an upsert is a command and a billed action). Runs recorded
@@ -86,6 +89,7 @@ func newTrackerSA(ctx workflow.Context, kind, instanceID, hostID, firstStage str
 		logger:      log.With(workflow.GetLogger(ctx), "instance_id", instanceID, "host_id", hostID),
 		lazy:        lazy,
 		onlyChanges: lazy,
+		since:       workflow.Now(ctx),
 	}
 	if err := workflow.SetQueryHandler(ctx, StatusQuery, func() (*vmflowv1.WorkflowStatus, error) {
 		return proto.Clone(t.status).(*vmflowv1.WorkflowStatus), nil
@@ -138,6 +142,7 @@ func (t *tracker) stage(ctx workflow.Context, stage string) {
 	t.status.Stage = stage
 	t.status.Attempt = 1
 	t.status.NextRetryTime = ""
+	t.since = workflow.Now(ctx)
 	t.publishSA(ctx, terminalStage(stage))
 	t.logger.Info("stage", "stage", stage)
 }

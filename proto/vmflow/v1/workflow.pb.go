@@ -616,8 +616,12 @@ type WorkflowStatus struct {
 	// The instance's record (and claim) are still on the host.
 	MetadataRetained bool `protobuf:"varint,5,opt,name=metadata_retained,json=metadataRetained,proto3" json:"metadata_retained,omitempty"`
 	NeedsAttention   bool `protobuf:"varint,6,opt,name=needs_attention,json=needsAttention,proto3" json:"needs_attention,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// Only in the answer of the retry update that found the workflow already
+	// trying (a step or a release round running): "already retrying: attempt
+	// N since T", T in RFC 3339. Empty in the status query.
+	Note          string `protobuf:"bytes,7,opt,name=note,proto3" json:"note,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *WorkflowStatus) Reset() {
@@ -690,6 +694,13 @@ func (x *WorkflowStatus) GetNeedsAttention() bool {
 		return x.NeedsAttention
 	}
 	return false
+}
+
+func (x *WorkflowStatus) GetNote() string {
+	if x != nil {
+		return x.Note
+	}
+	return ""
 }
 
 // RetrySignal is the optional payload of the retry signal.
@@ -837,7 +848,7 @@ const file_vmflow_v1_workflow_proto_rawDesc = "" +
 	"\askipped\x18\x03 \x01(\rR\askipped\x12\x16\n" +
 	"\x06failed\x18\x04 \x01(\rR\x06failed\x12'\n" +
 	"\x0fretried_deletes\x18\x05 \x03(\tR\x0eretriedDeletes\x12-\n" +
-	"\x12unreadable_records\x18\x06 \x01(\rR\x11unreadableRecords\"\xdd\x01\n" +
+	"\x12unreadable_records\x18\x06 \x01(\rR\x11unreadableRecords\"\xf1\x01\n" +
 	"\x0eWorkflowStatus\x12\x14\n" +
 	"\x05stage\x18\x01 \x01(\tR\x05stage\x12\x18\n" +
 	"\aattempt\x18\x02 \x01(\rR\aattempt\x12\x1d\n" +
@@ -845,7 +856,8 @@ const file_vmflow_v1_workflow_proto_rawDesc = "" +
 	"last_error\x18\x03 \x01(\tR\tlastError\x12&\n" +
 	"\x0fnext_retry_time\x18\x04 \x01(\tR\rnextRetryTime\x12+\n" +
 	"\x11metadata_retained\x18\x05 \x01(\bR\x10metadataRetained\x12'\n" +
-	"\x0fneeds_attention\x18\x06 \x01(\bR\x0eneedsAttention\"%\n" +
+	"\x0fneeds_attention\x18\x06 \x01(\bR\x0eneedsAttention\x12\x12\n" +
+	"\x04note\x18\a \x01(\tR\x04note\"%\n" +
 	"\vRetrySignal\x12\x16\n" +
 	"\x06reason\x18\x01 \x01(\tR\x06reason\"'\n" +
 	"\rAbandonSignal\x12\x16\n" +
