@@ -291,8 +291,14 @@ type DeleteRequest struct {
 	// created (invariant 9). Leave unset.
 	OnlyIfCreatedByWorkflowId string `protobuf:"bytes,7,opt,name=only_if_created_by_workflow_id,json=onlyIfCreatedByWorkflowId,proto3" json:"only_if_created_by_workflow_id,omitempty"`
 	OnlyIfCreatedByRunId      string `protobuf:"bytes,8,opt,name=only_if_created_by_run_id,json=onlyIfCreatedByRunId,proto3" json:"only_if_created_by_run_id,omitempty"`
-	unknownFields             protoimpl.UnknownFields
-	sizeCache                 protoimpl.SizeCache
+	// Set by continue-as-new of such a clean-up once its first BeginDelete
+	// found the record that spawn created: ownership is decided then, once.
+	// A later run that is told not-owned (a record replaced by hand, or read
+	// by an agent that answers so for a record it cannot read) parks for an
+	// operator instead of ending. Leave unset.
+	CarriedOwned  bool `protobuf:"varint,9,opt,name=carried_owned,json=carriedOwned,proto3" json:"carried_owned,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *DeleteRequest) Reset() {
@@ -379,6 +385,13 @@ func (x *DeleteRequest) GetOnlyIfCreatedByRunId() string {
 		return x.OnlyIfCreatedByRunId
 	}
 	return ""
+}
+
+func (x *DeleteRequest) GetCarriedOwned() bool {
+	if x != nil {
+		return x.CarriedOwned
+	}
+	return false
 }
 
 // DeleteResult is DeleteInstance's result.
@@ -822,7 +835,7 @@ const file_vmflow_v1_workflow_proto_rawDesc = "" +
 	"qmp_socket\x18\x02 \x01(\tR\tqmpSocket\x12\x1b\n" +
 	"\tvgpu_uuid\x18\x03 \x01(\tR\bvgpuUuid\x12$\n" +
 	"\x0evgpu_device_id\x18\x04 \x01(\tR\fvgpuDeviceId\x12#\n" +
-	"\rinstance_uuid\x18\x05 \x01(\tR\finstanceUuid\"\x97\x03\n" +
+	"\rinstance_uuid\x18\x05 \x01(\tR\finstanceUuid\"\xbc\x03\n" +
 	"\rDeleteRequest\x12\x1f\n" +
 	"\vinstance_id\x18\x01 \x01(\tR\n" +
 	"instanceId\x12\x17\n" +
@@ -832,7 +845,8 @@ const file_vmflow_v1_workflow_proto_rawDesc = "" +
 	"\x1acarried_first_failure_time\x18\x05 \x01(\tR\x17carriedFirstFailureTime\x12.\n" +
 	"\x13stuck_after_seconds\x18\x06 \x01(\rR\x11stuckAfterSeconds\x12A\n" +
 	"\x1eonly_if_created_by_workflow_id\x18\a \x01(\tR\x19onlyIfCreatedByWorkflowId\x127\n" +
-	"\x19only_if_created_by_run_id\x18\b \x01(\tR\x14onlyIfCreatedByRunId\"\xb6\x01\n" +
+	"\x19only_if_created_by_run_id\x18\b \x01(\tR\x14onlyIfCreatedByRunId\x12#\n" +
+	"\rcarried_owned\x18\t \x01(\bR\fcarriedOwned\"\xb6\x01\n" +
 	"\fDeleteResult\x12%\n" +
 	"\x0ealready_absent\x18\x01 \x01(\bR\ralreadyAbsent\x12\x1c\n" +
 	"\tabandoned\x18\x02 \x01(\bR\tabandoned\x12%\n" +
