@@ -20,13 +20,18 @@ import (
 	"github.com/yuin/goldmark"
 	"github.com/yuin/goldmark/extension"
 	enumspb "go.temporal.io/api/enums/v1"
+	historypb "go.temporal.io/api/history/v1"
 	sdkpb "go.temporal.io/api/sdk/v1"
+	"go.temporal.io/sdk/client"
 	sdklog "go.temporal.io/sdk/log"
 	"go.temporal.io/sdk/temporal"
 	"go.temporal.io/sdk/testsuite"
 	"go.temporal.io/sdk/workflow"
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
 	"pgregory.net/rapid"
 
+	"vmflow/internal/devserver"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -51,7 +56,10 @@ import (
 const workflowModelChecksEnv = "VMFLOW_WORKFLOW_MODEL_CHECKS"
 
 // workflowModelChecks keeps make test short (a few seconds).
-const workflowModelChecks = 60
+const workflowModelChecks = 300
+
+// drains is how many retries the healthy host gets to finish a delete.
+const drains = 12
 
 var modelErrTypes = []struct {
 	typ          string
@@ -118,23 +126,78 @@ type call struct {
 	notOwned bool
 }
 
-type model struct {
-	t        *rapid.T
-	mu       sync.Mutex
+// scenario is one drawn sequence: the host, the delete, the activity
+// outcomes in the order attempts consume them, and timed events.
+type scenario struct {
+	cleanup  bool // a failed spawn's clean-up (only_if_created_by_*)
 	host     modelHost
-	cleanup  bool
 	outcomes []outcome
-	next     int
-	calls    []call
-	failures map[string]bool // every error text the host gave
-	owned    bool            // a BeginDelete of this delete found the record its own
-	steps    int
-	stats    map[string]int
-	updates  []*modelUpdate
-	start    time.Time
-	bound    time.Duration
-	drainAt  time.Duration
-	env      *env // the run's, for its clock
+	events   []event // sorted by time
+}
+
+var scenarios = rapid.Custom(func(t *rapid.T) scenario {
+	sc := scenario{cleanup: rapid.Bool().Draw(t, "cleanup")}
+	sc.host = modelHost{exists: rapid.IntRange(0, 9).Draw(t, "exists") > 0, ours: true, claim: rapid.Bool().Draw(t, "claim"), vmAlive: true}
+	if sc.cleanup {
+		sc.host.ours = rapid.IntRange(0, 4).Draw(t, "ours") > 0
+	}
+	outcomes := rapid.Custom(func(t *rapid.T) outcome {
+		o := outcome{}
+		switch k := rapid.IntRange(0, 9).Draw(t, "kind"); {
+		case k < 4:
+			o.kind = outOK
+		case k < 8:
+			o.kind = outAppErr
+		case k < 9:
+			o.kind = outUnreachable
+		default:
+			o.kind = outTimeout
+		}
+		o.errType = rapid.IntRange(0, len(modelErrTypes)-1).Draw(t, "type")
+		o.hostile = rapid.IntRange(0, 7).Draw(t, "hostile") == 0
+		return o
+	})
+	n := rapid.IntRange(0, 80).Draw(t, "outcome_count")
+	sc.outcomes = rapid.SliceOfN(outcomes, n, n).Draw(t, "outcomes")
+	// Most events in the first minutes, where a delete spends its steps;
+	// some hours later, in long waits.
+	scales := []int{60, 600, 3600, 4 * 3600}
+	events := rapid.Custom(func(t *rapid.T) event {
+		scale := scales[rapid.IntRange(0, len(scales)-1).Draw(t, "scale")]
+		return event{
+			at:   time.Duration(rapid.IntRange(1, scale).Draw(t, "at")) * time.Second,
+			kind: eventKind(rapid.IntRange(0, int(evKinds)-1).Draw(t, "event")),
+		}
+	})
+	n = rapid.IntRange(0, 30).Draw(t, "event_count")
+	sc.events = rapid.SliceOfN(events, n, n).Draw(t, "events")
+	sort.SliceStable(sc.events, func(i, j int) bool { return sc.events[i].at < sc.events[j].at })
+	return sc
+})
+
+func (sc scenario) request() *vmflowv1.DeleteRequest {
+	req := &vmflowv1.DeleteRequest{InstanceId: "vm1", HostId: "h1"}
+	if sc.cleanup {
+		req.OnlyIfCreatedByWorkflowId, req.OnlyIfCreatedByRunId = "spawn/vm1", "run-1"
+	}
+	return req
+}
+
+func newFakeHost(sc scenario, stats map[string]int, now func() time.Time) *fakeHost {
+	return &fakeHost{state: sc.host, outcomes: sc.outcomes, failures: map[string]bool{}, stats: stats, now: now}
+}
+
+// model runs one scenario in the SDK's test environment.
+type model struct {
+	t       *rapid.T
+	sc      scenario
+	f       *fakeHost
+	steps   int
+	updates []*modelUpdate
+	start   time.Time
+	bound   time.Duration
+	drainAt time.Duration
+	env     *env // the current run's, for its clock
 	// lastStage: the stage the last check saw.
 	lastStage string
 }
@@ -156,10 +219,16 @@ func TestWorkflowModel(t *testing.T) {
 	began := time.Now()
 	rapid.Check(t, func(rt *rapid.T) {
 		checks++
-		m := newModel(rt, stats)
+		m := &model{t: rt, sc: scenarios.Draw(rt, "scenario"), bound: DefaultConfig().DeleteStuckAfter}
+		m.f = newFakeHost(m.sc, stats, func() time.Time { return m.env.Now() })
 		runs += m.run()
-		steps += m.steps
+		steps += m.steps + len(m.f.calls)
 	})
+	t.Logf("workflow model: %d checks, %d runs, %d steps (events and activity attempts) in %s; seen:%s",
+		checks, runs, steps, time.Since(began).Round(time.Millisecond), formatStats(stats))
+}
+
+func formatStats(stats map[string]int) string {
 	keys := make([]string, 0, len(stats))
 	for k := range stats {
 		keys = append(keys, k)
@@ -169,7 +238,7 @@ func TestWorkflowModel(t *testing.T) {
 	for _, k := range keys {
 		fmt.Fprintf(&b, " %s=%d", k, stats[k])
 	}
-	t.Logf("workflow model: %d checks, %d runs, %d steps in %s; seen:%s", checks, runs, steps, time.Since(began).Round(time.Millisecond), b.String())
+	return b.String()
 }
 
 // setWorkflowModelChecks applies VMFLOW_WORKFLOW_MODEL_CHECKS (or the short
@@ -195,65 +264,15 @@ func setWorkflowModelChecks() error {
 	return flag.Set("rapid.checks", strconv.Itoa(n))
 }
 
-func newModel(t *rapid.T, stats map[string]int) *model {
-	m := &model{t: t, failures: map[string]bool{}, stats: stats, bound: DefaultConfig().DeleteStuckAfter}
-	m.cleanup = rapid.Bool().Draw(t, "cleanup")
-	m.host = modelHost{exists: rapid.IntRange(0, 9).Draw(t, "exists") > 0, ours: true, claim: rapid.Bool().Draw(t, "claim"), vmAlive: true}
-	if m.cleanup {
-		m.host.ours = rapid.IntRange(0, 4).Draw(t, "ours") > 0
-	}
-	gen := rapid.Custom(func(t *rapid.T) outcome {
-		o := outcome{}
-		switch k := rapid.IntRange(0, 9).Draw(t, "kind"); {
-		case k < 4:
-			o.kind = outOK
-		case k < 8:
-			o.kind = outAppErr
-		case k < 9:
-			o.kind = outUnreachable
-		default:
-			o.kind = outTimeout
-		}
-		o.errType = rapid.IntRange(0, len(modelErrTypes)-1).Draw(t, "type")
-		o.hostile = rapid.IntRange(0, 7).Draw(t, "hostile") == 0
-		return o
-	})
-	n := rapid.IntRange(0, 80).Draw(t, "outcome_count")
-	m.outcomes = rapid.SliceOfN(gen, n, n).Draw(t, "outcomes")
-	return m
-}
-
-// drawEvents draws the operator and host events, sorted by time.
-func (m *model) drawEvents() []event {
-	// Most in the first minutes, where a delete spends its steps; some
-	// hours later, in long waits.
-	scales := []int{60, 600, 3600, 4 * 3600}
-	gen := rapid.Custom(func(t *rapid.T) event {
-		scale := scales[rapid.IntRange(0, len(scales)-1).Draw(t, "scale")]
-		return event{
-			at:   time.Duration(rapid.IntRange(1, scale).Draw(t, "at")) * time.Second,
-			kind: eventKind(rapid.IntRange(0, int(evKinds)-1).Draw(t, "event")),
-		}
-	})
-	n := rapid.IntRange(0, 30).Draw(m.t, "event_count")
-	evs := rapid.SliceOfN(gen, n, n).Draw(m.t, "events")
-	sort.SliceStable(evs, func(i, j int) bool { return evs[i].at < evs[j].at })
-	return evs
-}
-
 // run drives the delete through all its runs; it returns how many.
 func (m *model) run() int {
-	evs := m.drawEvents()
+	evs := append([]event(nil), m.sc.events...)
 	m.drainAt = 4*time.Hour + time.Minute
 	// The drain: the host turns healthy; retry every 20 minutes.
-	const drains = 12
 	for i := 0; i < drains; i++ {
 		evs = append(evs, event{at: m.drainAt + time.Duration(i)*20*time.Minute, kind: evRetrySignal})
 	}
-	req := &vmflowv1.DeleteRequest{InstanceId: "vm1", HostId: "h1"}
-	if m.cleanup {
-		req.OnlyIfCreatedByWorkflowId, req.OnlyIfCreatedByRunId = "spawn/vm1", "run-1"
-	}
+	req := m.sc.request()
 	m.start = time.Date(2026, 12, 1, 20, 0, 0, 0, time.UTC)
 	now := m.start
 	fired := 0
@@ -267,7 +286,7 @@ func (m *model) run() int {
 			m.checkEnd(e, res)
 			return runs
 		}
-		m.stats["continue-as-new"]++
+		m.f.stats["continue-as-new"]++
 		req, now = next, end
 	}
 }
@@ -279,12 +298,11 @@ func (m *model) runOnce(req *vmflowv1.DeleteRequest, start time.Time, evs []even
 	s.SetLogger(sdklog.NewStructuredLogger(slog.New(slog.NewTextHandler(io.Discard, nil))))
 	e := &env{TestWorkflowEnvironment: s.NewTestWorkflowEnvironment(), lastSeen: map[string]any{}}
 	New(Config{}).Register(e)
-	e.RegisterActivity(&stubHost{})
 	e.OnUpsertTypedSearchAttributes(mock.Anything).Return(nil).Maybe()
 	e.SetStartTime(start)
 	e.SetTestTimeout(20 * time.Second)
 	m.env = e
-	m.mockHost(e)
+	e.RegisterActivity(m.f)
 	for i := *fired; i < len(evs); i++ {
 		ev, idx := evs[i], i
 		// Not before the run's first workflow task has run.
@@ -297,7 +315,7 @@ func (m *model) runOnce(req *vmflowv1.DeleteRequest, start time.Time, evs []even
 	}
 	e.ExecuteWorkflow(DeleteWorkflow, req)
 	if !e.IsWorkflowCompleted() {
-		m.t.Fatalf("the delete did not end on a healthy host after %d retries (last stage %q)", 12, m.lastStage)
+		m.t.Fatalf("the delete did not end on a healthy host after %d retries (last stage %q)", drains, m.lastStage)
 	}
 	err := e.GetWorkflowError()
 	var can *workflow.ContinueAsNewError
@@ -319,13 +337,14 @@ func (m *model) runOnce(req *vmflowv1.DeleteRequest, start time.Time, evs []even
 }
 
 func (m *model) apply(e *env, ev event) {
-	m.mu.Lock()
+	f := m.f
+	f.mu.Lock()
 	m.steps++
-	m.stats[eventNames[ev.kind]]++
+	f.stats[eventNames[ev.kind]]++
+	f.mu.Unlock()
 	if ev.at >= m.drainAt {
-		m.host.torn, m.host.oldAgent, m.next = false, false, len(m.outcomes)
+		f.healthy()
 	}
-	m.mu.Unlock()
 	switch ev.kind {
 	case evRetrySignal:
 		e.SignalWorkflow(RetrySignal, &vmflowv1.RetrySignal{Reason: "model"})
@@ -344,19 +363,8 @@ func (m *model) apply(e *env, ev event) {
 		m.updates = append(m.updates, u)
 	case evSuggestCAN:
 		e.SetContinueAsNewSuggested(true)
-	case evTear, evRepair, evOldAgent, evNewAgent:
-		m.mu.Lock()
-		switch ev.kind {
-		case evTear:
-			m.host.torn = m.host.exists
-		case evRepair:
-			m.host.torn = false
-		case evOldAgent:
-			m.host.oldAgent = true
-		case evNewAgent:
-			m.host.oldAgent = false
-		}
-		m.mu.Unlock()
+	default:
+		f.hostEvent(ev.kind)
 	}
 }
 
@@ -372,25 +380,48 @@ func (m *model) status(e *env) *vmflowv1.WorkflowStatus {
 	return &st
 }
 
-// check runs the checks that hold at every step.
+// check runs the checks that hold at every step. A violation is judged
+// again a second later, three times: while an activity runs, the test
+// environment fires its timers by the wall clock, so a callback may come
+// while an attempt's result is on its way to the workflow (the host has
+// answered, the workflow has not seen it); only one that lasts is a
+// failure.
 func (m *model) check(e *env) {
+	m.checkDetails(e)
+	m.recheck(e, 3)
+}
+
+func (m *model) recheck(e *env, left int) {
+	v := m.violation(e)
+	switch {
+	case v == "":
+	case left == 0:
+		m.t.Fatalf("%s", v)
+	default:
+		e.RegisterDelayedCallback(func() { m.recheck(e, left-1) }, time.Second)
+	}
+}
+
+// violation says which per-step check the workflow breaks now ("": none).
+func (m *model) violation(e *env) string {
 	st := m.status(e)
 	m.lastStage = st.GetStage()
-	m.mu.Lock()
-	defer m.mu.Unlock()
+	f := m.f
+	f.mu.Lock()
+	defer f.mu.Unlock()
 	now := e.Now()
 	var last *call
-	if len(m.calls) > 0 {
-		last = &m.calls[len(m.calls)-1]
+	if len(f.calls) > 0 {
+		last = &f.calls[len(f.calls)-1]
 	}
 	// Parked: the last answer was one only an operator can change, and no
 	// attempt came since.
 	parked := last != nil && !last.ok && last.nonRetry && last.activity != ActivityReleaseVGPU ||
-		last != nil && last.notOwned && m.owned
+		last != nil && last.notOwned && f.owned
 	waiting := st.GetStage() == StageReleaseFailed || st.GetStage() == StageHostUnreachable
 	var failingSince time.Time
-	for i := len(m.calls) - 1; i >= 0 && !m.calls[i].ok; i-- {
-		failingSince = m.calls[i].at
+	for i := len(f.calls) - 1; i >= 0 && !f.calls[i].ok; i-- {
+		failingSince = f.calls[i].at
 	}
 	// A stage's round runs out at the stuck bound (or one pickup and one
 	// whole attempt, when longer), and then shows; a retry interval (a
@@ -402,24 +433,24 @@ func (m *model) check(e *env) {
 		stuck = now.Sub(failingSince) > round+2*time.Minute
 	}
 	if terminalStage(st.GetStage()) {
-		return
+		return ""
 	}
 	switch {
 	case (parked || waiting || stuck) && !st.GetNeedsAttention():
-		m.t.Fatalf("at %s: waits on an operator or is stuck (parked %v, stage %s, failing since %s) without needs_attention; status %v",
+		return fmt.Sprintf("at %s: waits on an operator or is stuck (parked %v, stage %s, failing since %s) without needs_attention; status %v",
 			now.Sub(m.start), parked, st.GetStage(), failingSince.Sub(m.start), st)
 	case last != nil && last.ok && !last.notOwned && st.GetNeedsAttention() && !waiting:
-		m.t.Fatalf("at %s: needs_attention after %s succeeded; status %v", now.Sub(m.start), last.activity, st)
+		return fmt.Sprintf("at %s: needs_attention after %s succeeded; status %v", now.Sub(m.start), last.activity, st)
 	}
 	if st.GetNeedsAttention() {
 		if st.GetLastError() == "" {
-			m.t.Fatalf("at %s: needs_attention without a last error; status %v", now.Sub(m.start), st)
+			return fmt.Sprintf("at %s: needs_attention without a last error; status %v", now.Sub(m.start), st)
 		}
 		if !m.carriesFailure(st.GetLastError()) {
-			m.t.Fatalf("at %s: last error %q names no failure the host gave", now.Sub(m.start), st.GetLastError())
+			return fmt.Sprintf("at %s: last error %q names no failure the host gave", now.Sub(m.start), st.GetLastError())
 		}
 	}
-	m.checkDetails(e)
+	return ""
 }
 
 // carriesFailure: text quotes an error the host gave, or says the host did
@@ -428,8 +459,8 @@ func (m *model) carriesFailure(text string) bool {
 	if strings.Contains(text, "did not pick up") || strings.Contains(text, "when it began") || strings.Contains(text, "timeout (") {
 		return true
 	}
-	for f := range m.failures {
-		if strings.Contains(text, f) {
+	for msg := range m.f.failures {
+		if strings.Contains(text, msg) {
 			return true
 		}
 	}
@@ -485,23 +516,24 @@ func (m *model) checkAnswered() {
 // checkEnd checks the delete's end.
 func (m *model) checkEnd(e *env, res *vmflowv1.DeleteResult) {
 	st := m.status(e)
-	m.stats["end-"+st.GetStage()]++
+	f := m.f
+	f.stats["end-"+st.GetStage()]++
 	switch {
-	case res.GetNotOwned() && m.owned:
+	case res.GetNotOwned() && f.owned:
 		m.t.Fatalf("completed not-owned after it owned the record; status %v", st)
 	case res.GetAbandoned():
 		if st.GetStage() != StageAbandoned || !strings.Contains(st.GetLastError(), "abandoned") || res.GetAbandonReason() == "" {
 			m.t.Fatalf("abandoned without saying so: result %v, status %v", res, st)
 		}
 	case res.GetNotOwned():
-		if m.host.ours && m.host.exists && !m.host.torn {
+		if f.state.ours && f.state.exists && !f.state.torn {
 			m.t.Fatalf("completed not-owned on its own readable record; status %v", st)
 		}
 	default:
-		if m.host.exists && m.host.claim {
+		if f.state.exists && f.state.claim {
 			m.t.Fatalf("completed %s while the host record holds a claim; status %v", st.GetStage(), st)
 		}
-		if st.GetStage() == StageDeleted && m.host.exists {
+		if st.GetStage() == StageDeleted && f.state.exists {
 			m.t.Fatalf("completed deleted with the record still on the host; status %v", st)
 		}
 	}
@@ -510,161 +542,382 @@ func (m *model) checkEnd(e *env, res *vmflowv1.DeleteResult) {
 	}
 }
 
-// mockHost answers every host activity from the fake host and the drawn
-// outcomes.
-func (m *model) mockHost(e *env) {
-	e.OnActivity(h.BeginDelete, mock.Anything, mock.Anything).Return(
-		func(_ context.Context, req *vmflowv1.BeginDeleteRequest) (*vmflowv1.BeginDeleteResult, error) {
-			var res *vmflowv1.BeginDeleteResult
-			err := m.attempt(ActivityBeginDelete, func(hs *modelHost) error {
-				if !hs.exists {
-					res = &vmflowv1.BeginDeleteResult{AlreadyAbsent: true}
-					return nil
-				}
-				if req.GetOnlyIfCreatedByWorkflowId() != "" {
-					switch {
-					case hs.torn && hs.oldAgent:
-						res = &vmflowv1.BeginDeleteResult{NotOwned: true, CreatedBy: "unknown (the record cannot be read)"}
-						return nil
-					case hs.torn:
-						return m.unreadable()
-					case !hs.ours:
-						res = &vmflowv1.BeginDeleteResult{NotOwned: true, CreatedBy: "spawn/vm1 (run run-0)"}
-						return nil
-					}
-				}
-				hs.marker = true
-				if hs.torn {
-					return m.unreadable()
-				}
-				hs.deleting = true
-				res = &vmflowv1.BeginDeleteResult{HasClaim: hs.claim}
+// fakeHost is the host behind the model's activities: its state, the
+// drawn outcomes it answers with, and what it answered. It implements the
+// host activities for the test environment and for a real worker alike.
+type fakeHost struct {
+	mu       sync.Mutex
+	state    modelHost
+	outcomes []outcome
+	next     int
+	calls    []call
+	failures map[string]bool // every error text it gave (first line)
+	owned    bool            // a BeginDelete of the clean-up found the record its own
+	stats    map[string]int
+	now      func() time.Time
+}
+
+var _ HostActivities = (*fakeHost)(nil)
+
+var errNotModelled = errors.New("not part of the model")
+
+func (*fakeHost) ValidateSpawn(context.Context, *vmflowv1.SpawnRequest) error { return errNotModelled }
+func (*fakeHost) CreateRecord(context.Context, *vmflowv1.SpawnRequest) (*vmflowv1.CreateRecordResult, error) {
+	return nil, errNotModelled
+}
+func (*fakeHost) ClaimVGPU(context.Context, *vmflowv1.ClaimVGPURequest) (*vmflowv1.ClaimVGPUResult, error) {
+	return nil, errNotModelled
+}
+func (*fakeHost) LaunchVM(context.Context, *vmflowv1.LaunchVMRequest) (*vmflowv1.LaunchVMResult, error) {
+	return nil, errNotModelled
+}
+func (*fakeHost) ReconcileHost(context.Context, *vmflowv1.ReconcileVGPURequest) (*vmflowv1.ReconcileVGPUResult, error) {
+	return nil, errNotModelled
+}
+
+// BeginDelete answers as the agent does: an agent of the previous build
+// (oldAgent) says not-owned for a record it cannot read when the request
+// names a creator; this build's says RecordUnreadable.
+func (f *fakeHost) BeginDelete(_ context.Context, req *vmflowv1.BeginDeleteRequest) (*vmflowv1.BeginDeleteResult, error) {
+	var res *vmflowv1.BeginDeleteResult
+	err := f.attempt(ActivityBeginDelete, func(hs *modelHost) error {
+		res = nil
+		if !hs.exists {
+			res = &vmflowv1.BeginDeleteResult{AlreadyAbsent: true}
+			return nil
+		}
+		if req.GetOnlyIfCreatedByWorkflowId() != "" {
+			switch {
+			case hs.torn && hs.oldAgent:
+				res = &vmflowv1.BeginDeleteResult{NotOwned: true, CreatedBy: "unknown (the record cannot be read)"}
 				return nil
-			})
-			if err == nil {
-				m.mu.Lock()
-				c := &m.calls[len(m.calls)-1]
-				c.notOwned = res.GetNotOwned()
-				if !res.GetNotOwned() && !res.GetAlreadyAbsent() && req.GetOnlyIfCreatedByWorkflowId() != "" {
-					m.owned = true
-				}
-				m.mu.Unlock()
-			}
-			return res, err
-		})
-	recordStep := func(name string, do func(hs *modelHost) error) error {
-		return m.attempt(name, func(hs *modelHost) error {
-			if !hs.exists {
+			case hs.torn:
+				return f.unreadable()
+			case !hs.ours:
+				res = &vmflowv1.BeginDeleteResult{NotOwned: true, CreatedBy: "spawn/vm1 (run run-0)"}
 				return nil
 			}
-			if hs.torn {
-				return m.unreadable()
-			}
-			return do(hs)
-		})
+		}
+		hs.marker = true
+		if hs.torn {
+			return f.unreadable()
+		}
+		hs.deleting = true
+		res = &vmflowv1.BeginDeleteResult{HasClaim: hs.claim}
+		return nil
+	})
+	if err != nil {
+		return nil, err
 	}
-	e.OnActivity(h.StopVM, mock.Anything, mock.Anything).Return(
-		func(context.Context, *vmflowv1.StopVMRequest) (*vmflowv1.StopVMResult, error) {
-			err := recordStep(ActivityStopVM, func(hs *modelHost) error { hs.vmAlive = false; return nil })
-			if err != nil {
-				return nil, err
-			}
-			return &vmflowv1.StopVMResult{StepReached: "quit"}, nil
-		})
-	e.OnActivity(h.WaitVMExit, mock.Anything, mock.Anything).Return(
-		func(context.Context, *vmflowv1.InstanceRef) error {
-			return recordStep(ActivityWaitVMExit, func(hs *modelHost) error {
-				if hs.vmAlive {
-					return m.fail(ErrTypeStillAlive, false, "thread group still present")
-				}
-				return nil
-			})
-		})
-	e.OnActivity(h.ReleaseVGPU, mock.Anything, mock.Anything).Return(
-		func(context.Context, *vmflowv1.InstanceRef) (*vmflowv1.ReleaseVGPUResult, error) {
-			had := false
-			err := recordStep(ActivityReleaseVGPU, func(hs *modelHost) error {
-				if hs.vmAlive {
-					return m.fail(ErrTypeReleaseFailed, false, "VM may be alive")
-				}
-				had, hs.claim = hs.claim, false
-				return nil
-			})
-			if err != nil {
-				return nil, err
-			}
-			return &vmflowv1.ReleaseVGPUResult{Released: had}, nil
-		})
-	e.OnActivity(h.TearDown, mock.Anything, mock.Anything).Return(
-		func(context.Context, *vmflowv1.InstanceRef) error {
-			return recordStep(ActivityTearDown, func(*modelHost) error { return nil })
-		})
-	e.OnActivity(h.DeleteRecord, mock.Anything, mock.Anything).Return(
-		func(context.Context, *vmflowv1.InstanceRef) error {
-			return recordStep(ActivityDeleteRecord, func(hs *modelHost) error {
-				if hs.claim {
-					return m.fail(ErrTypeClaimHeld, false, "record still holds a vGPU claim")
-				}
-				hs.exists = false
-				return nil
-			})
-		})
+	f.mu.Lock()
+	f.calls[len(f.calls)-1].notOwned = res.GetNotOwned()
+	if !res.GetNotOwned() && !res.GetAlreadyAbsent() && req.GetOnlyIfCreatedByWorkflowId() != "" {
+		f.owned = true
+	}
+	f.mu.Unlock()
+	return res, nil
+}
+
+func (f *fakeHost) StopVM(context.Context, *vmflowv1.StopVMRequest) (*vmflowv1.StopVMResult, error) {
+	if err := f.recordStep(ActivityStopVM, func(hs *modelHost) error { hs.vmAlive = false; return nil }); err != nil {
+		return nil, err
+	}
+	return &vmflowv1.StopVMResult{StepReached: "quit"}, nil
+}
+
+func (f *fakeHost) WaitVMExit(context.Context, *vmflowv1.InstanceRef) error {
+	return f.recordStep(ActivityWaitVMExit, func(hs *modelHost) error {
+		if hs.vmAlive {
+			return f.fail(ErrTypeStillAlive, false, "thread group still present", false)
+		}
+		return nil
+	})
+}
+
+func (f *fakeHost) ReleaseVGPU(context.Context, *vmflowv1.InstanceRef) (*vmflowv1.ReleaseVGPUResult, error) {
+	had := false
+	err := f.recordStep(ActivityReleaseVGPU, func(hs *modelHost) error {
+		if hs.vmAlive {
+			return f.fail(ErrTypeReleaseFailed, false, "the VM may be alive", false)
+		}
+		had, hs.claim = hs.claim, false
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	return &vmflowv1.ReleaseVGPUResult{Released: had}, nil
+}
+
+func (f *fakeHost) TearDown(context.Context, *vmflowv1.InstanceRef) error {
+	return f.recordStep(ActivityTearDown, func(*modelHost) error { return nil })
+}
+
+// DeleteRecord refuses while the record holds a claim, as the store does
+// (invariant 1).
+func (f *fakeHost) DeleteRecord(context.Context, *vmflowv1.InstanceRef) error {
+	return f.recordStep(ActivityDeleteRecord, func(hs *modelHost) error {
+		if hs.claim {
+			return f.fail(ErrTypeClaimHeld, false, "the record still holds a vGPU claim", false)
+		}
+		hs.exists = false
+		return nil
+	})
+}
+
+// recordStep is attempt for a step on an existing record: a missing one is
+// done already, an unreadable one fails.
+func (f *fakeHost) recordStep(name string, do func(hs *modelHost) error) error {
+	return f.attempt(name, func(hs *modelHost) error {
+		if !hs.exists {
+			return nil
+		}
+		if hs.torn {
+			return f.unreadable()
+		}
+		return do(hs)
+	})
 }
 
 // attempt answers one activity attempt: the next drawn outcome, applied to
-// the host through do (which may refuse by the host's state).
-func (m *model) attempt(name string, do func(hs *modelHost) error) error {
-	m.mu.Lock()
-	defer m.mu.Unlock()
+// the host through do (which may refuse by the host's state). Once the
+// outcomes run out every attempt goes through.
+func (f *fakeHost) attempt(name string, do func(hs *modelHost) error) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
 	o := outcome{kind: outOK}
-	if m.next < len(m.outcomes) {
-		o = m.outcomes[m.next]
-		m.next++
+	if f.next < len(f.outcomes) {
+		o = f.outcomes[f.next]
+		f.next++
 	}
-	m.stats[name]++
-	c := call{activity: name}
+	f.stats[name]++
 	var err error
 	switch o.kind {
 	case outOK:
-		err = do(&m.host)
+		err = do(&f.state)
 	case outAppErr:
 		et := modelErrTypes[o.errType]
-		err = m.failText(et.typ, et.nonRetryable, "injected", o.hostile)
+		err = f.fail(et.typ, et.nonRetryable, "injected", o.hostile)
 	case outUnreachable:
-		m.stats["unreachable"]++
+		f.stats["unreachable"]++
 		err = temporal.NewTimeoutError(enumspb.TIMEOUT_TYPE_SCHEDULE_TO_START, nil)
 	case outTimeout:
-		m.stats["timeout-after-work"]++
-		_ = do(&m.host)
+		f.stats["timeout-after-work"]++
+		_ = do(&f.state)
 		err = temporal.NewTimeoutError(enumspb.TIMEOUT_TYPE_START_TO_CLOSE, nil)
 	}
-	c.ok = err == nil
+	c := call{activity: name, ok: err == nil, at: f.now()}
 	var ae *temporal.ApplicationError
 	if errors.As(err, &ae) {
 		c.nonRetry = ae.NonRetryable()
 		c.msg = ae.Message()
-		m.stats["err-"+ae.Type()]++
+		f.stats["err-"+ae.Type()]++
 	}
-	c.at = m.env.Now()
-	m.calls = append(m.calls, c)
-	m.steps++
+	f.calls = append(f.calls, c)
 	return err
 }
 
-func (m *model) unreadable() error {
-	return m.fail(ErrTypeRecordUnreadable, true, "record /var/lib/vmflow/instances/vm1/record.json: unexpected EOF")
+// hostEvent applies a host event (the others change nothing here).
+func (f *fakeHost) hostEvent(kind eventKind) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	switch kind {
+	case evTear:
+		f.state.torn = f.state.exists
+	case evRepair:
+		f.state.torn = false
+	case evOldAgent:
+		f.state.oldAgent = true
+	case evNewAgent:
+		f.state.oldAgent = false
+	}
 }
 
-// fail is a host error with a text unique to it (called with m.mu held).
-func (m *model) fail(typ string, nonRetryable bool, what string) error {
-	return m.failText(typ, nonRetryable, what, false)
+// healthy ends every fault: the record readable, this build's agent, every
+// attempt going through.
+func (f *fakeHost) healthy() {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.state.torn, f.state.oldAgent, f.next = false, false, len(f.outcomes)
 }
 
-func (m *model) failText(typ string, nonRetryable bool, what string, hostile bool) error {
-	msg := fmt.Sprintf("%s (fault %d)", what, len(m.failures)+1)
+func (f *fakeHost) unreadable() error {
+	return f.fail(ErrTypeRecordUnreadable, true, "record /var/lib/vmflow/instances/vm1/record.json: unexpected EOF", false)
+}
+
+// fail is a host error with a text unique to it (called with f.mu held);
+// a hostile one carries markdown and a line break, as QMP error text from a
+// hostile QEMU or guest output may.
+func (f *fakeHost) fail(typ string, nonRetryable bool, what string, hostile bool) error {
+	msg := fmt.Sprintf("%s (fault %d)", what, len(f.failures)+1)
 	if hostile {
 		msg += " qmp: [fix](https://evil.example/) ![t](https://evil.example/t.png) <img src=x onerror=alert(1)>\n\n# owned\n*x*"
 	}
-	m.failures[strings.SplitN(msg, "\n", 2)[0]] = true
+	f.failures[strings.SplitN(msg, "\n", 2)[0]] = true
 	return temporal.NewApplicationErrorWithOptions(msg, typ, temporal.ApplicationErrorOptions{NonRetryable: nonRetryable})
 }
+
+// workflowModelReplaysEnv sets how many scenarios TestWorkflowModelReplays
+// runs on the dev server.
+const workflowModelReplaysEnv = "VMFLOW_WORKFLOW_MODEL_REPLAYS"
+
+// TestWorkflowModelReplays runs a sample of the model's scenarios on the
+// dev server, with the fake host as the host's real activity worker and
+// the events sent by a real client (in order, the waits shortened), the
+// server suggesting continue-as-new after 20 history events. Then it
+// replays every run's history with WorkflowReplayer against the current
+// code on workers with other flags: whatever path a scenario took
+// (parks, abandon, continue-as-new with carried ownership, updates
+// accepted while a round runs) replays deterministically.
+func TestWorkflowModelReplays(t *testing.T) {
+	n := 4
+	if v := os.Getenv(workflowModelReplaysEnv); v != "" {
+		var err error
+		if n, err = strconv.Atoi(v); err != nil || n <= 0 {
+			t.Fatalf("%s=%q: want a positive number", workflowModelReplaysEnv, v)
+		}
+	}
+	srv := devserver.Start(t, devserver.Options{ExtraArgs: []string{
+		"--dynamic-config-value", "limit.historyCount.suggestContinueAsNew=20",
+	}})
+	c := srv.Client(t)
+	cfg := Config{
+		ReleaseBackoff: 100 * time.Millisecond, ReleaseBackoffMax: 200 * time.Millisecond,
+		ScheduleToStartTimeout: 2 * time.Second,
+		UnreachableBackoff:     100 * time.Millisecond, UnreachableBackoffMax: 200 * time.Millisecond,
+		DeleteStuckAfter: 2 * time.Second, ActivityTimeoutCap: 5 * time.Second,
+	}
+	stats := map[string]int{}
+	var ran, replayed, continued int
+	// First a clean-up that owns its record, fails release rounds until
+	// the server suggests continue-as-new, and whose continued run meets an
+	// unreadable record through an agent of the previous build (the
+	// not-owned answer it parks on); then random ones.
+	releaseFails := outcome{kind: outAppErr, errType: 3}
+	crafted := scenario{cleanup: true, host: modelHost{exists: true, ours: true, claim: true, vmAlive: true},
+		outcomes: []outcome{{}, {}, {}, releaseFails, releaseFails, releaseFails},
+		events:   []event{{kind: evTear}, {kind: evOldAgent}, {kind: evLook}, {kind: evLook}, {kind: evLook}, {kind: evLook}, {kind: evRetryUpdate}},
+	}
+	for seed := -1; ran < n; seed++ {
+		sc := crafted
+		if seed >= 0 {
+			sc = scenarios.Example(seed)
+		}
+		// Short ones (the server runs in real time) with a failure or
+		// two, so that they wait, park, or continue as new.
+		failures := 0
+		for _, o := range sc.outcomes {
+			if o.kind != outOK {
+				failures++
+			}
+		}
+		if seed >= 0 && (len(sc.outcomes) > 12 || len(sc.events) > 10 || failures < 2) {
+			continue
+		}
+		ran++
+		host := newFakeHost(sc, stats, time.Now)
+		hostID := fmt.Sprintf("model-%d", seed+1)
+		queue := "vmflow-model-" + strconv.Itoa(seed+1)
+		vc := startStack(t, c, queue, cfg, hostID, host)
+		req := sc.request()
+		req.HostId = hostID
+		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+		run, err := vc.StartDelete(ctx, req)
+		if err != nil {
+			cancel()
+			t.Fatalf("seed %d: start: %v", seed, err)
+		}
+		// Get follows continue-as-new and moves the run's id on with it.
+		firstRun := run.GetRunID()
+		done := make(chan error, 1)
+		var res vmflowv1.DeleteResult
+		go func() { done <- run.Get(ctx, &res) }()
+		id := run.GetID()
+		send := func(ev event) {
+			host.hostEvent(ev.kind)
+			uctx, ucancel := context.WithTimeout(ctx, 10*time.Second)
+			defer ucancel()
+			switch ev.kind {
+			case evRetrySignal:
+				_ = c.SignalWorkflow(uctx, id, "", RetrySignal, &vmflowv1.RetrySignal{Reason: "model"})
+			case evAbandonSignal:
+				_ = c.SignalWorkflow(uctx, id, "", AbandonSignal, &vmflowv1.AbandonSignal{Reason: "model: host gone"})
+			case evAbandonSignalNoReason:
+				_ = c.SignalWorkflow(uctx, id, "", AbandonSignal, &vmflowv1.AbandonSignal{})
+			case evRetryUpdate:
+				_, _ = vc.Retry(uctx, id, "model") // refused or answered: both are fine here
+			case evAbandonUpdate:
+				_, _ = vc.Abandon(uctx, req.GetInstanceId(), "model: host gone")
+			}
+		}
+		ended := false
+		wait := func(d time.Duration) bool {
+			select {
+			case err := <-done:
+				if err != nil {
+					t.Errorf("seed %d: the delete failed: %v", seed, err)
+				}
+				ended = true
+			case <-time.After(d):
+			}
+			return ended
+		}
+		// The crafted one's events a second apart: its first round (3 s)
+		// ends after the record turned unreadable.
+		gap := 200 * time.Millisecond
+		if seed < 0 {
+			gap = time.Second
+		}
+		for _, ev := range sc.events {
+			if wait(gap) {
+				break
+			}
+			send(ev)
+		}
+		// The drain: a healthy host, retry every two seconds.
+		host.healthy()
+		for i := 0; i < 60 && !wait(2*time.Second); i++ {
+			send(event{kind: evRetrySignal})
+		}
+		if !ended {
+			cancel()
+			t.Fatalf("seed %d: the delete did not end on a healthy host", seed)
+		}
+		if seed < 0 && (res.GetNotOwned() || host.next < len(host.outcomes) || host.state.exists) {
+			t.Errorf("the crafted clean-up ended %v with the record there %v: it owned the record and the host was healthy at last", &res, host.state.exists)
+		}
+		for runID := firstRun; runID != ""; {
+			hist := history(ctx, t, c, &modelRun{id: id, runID: runID})
+			for name, flags := range otherFlags() {
+				// A copy each time: the replayer changes the history it
+				// is given (the next replay of the same one then fails).
+				if err := newReplayer(t, flags).ReplayWorkflowHistory(nil, proto.Clone(hist).(*historypb.History)); err != nil {
+					t.Errorf("seed %d run %s on %s flags: %v", seed, runID, name, err)
+					if dir := os.Getenv("VMFLOW_MODEL_HISTORY_DIR"); dir != "" {
+						b, _ := protojson.Marshal(hist)
+						_ = os.WriteFile(fmt.Sprintf("%s/seed-%d-%s.json", dir, seed, runID), b, 0o644)
+					}
+				}
+			}
+			replayed++
+			if runID != firstRun {
+				continued++
+			}
+			runID = hist.GetEvents()[len(hist.GetEvents())-1].GetWorkflowExecutionContinuedAsNewEventAttributes().GetNewExecutionRunId()
+		}
+		cancel()
+	}
+	t.Logf("workflow model on the dev server: %d scenarios, %d runs replayed (%d continued as new); seen:%s", ran, replayed, continued, formatStats(stats))
+	if continued == 0 {
+		t.Error("no scenario continued as new: the replays miss the carried input")
+	}
+}
+
+// modelRun names one run for history.
+type modelRun struct {
+	client.WorkflowRun
+	id, runID string
+}
+
+func (r *modelRun) GetID() string    { return r.id }
+func (r *modelRun) GetRunID() string { return r.runID }
