@@ -28,7 +28,11 @@ import (
 //
 // A failed spawn's clean-up names its spawn (only_if_created_by_*): the
 // host then leaves a record another spawn created alone, and the delete
-// ends at once as not-owned (invariant 9).
+// ends at once as not-owned (invariant 9). Ownership is decided by the
+// first BeginDelete that answers and carried across continue-as-new
+// (carried_owned): a clean-up that owned the record never ends not-owned
+// (beginDelete), and a record the host cannot read parks it
+// (RecordUnreadable) rather than ending it.
 func (w *Workflows) DeleteInstance(ctx workflow.Context, req *vmflowv1.DeleteRequest) (*vmflowv1.DeleteResult, error) {
 	res, err := w.deleteInstance(ctx, req)
 	awaitHandlers(ctx)
