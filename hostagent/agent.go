@@ -378,7 +378,9 @@ func newClaims(cfg cli.RunConfig, st *store.Store, log *zap.Logger) (*claims.Cla
 // limit: a round ends by its own retries (ReconcileHost's attempts, its
 // give-up on an unreachable host), and a limit shorter than those would
 // cut a slow round after it released claims and before it woke their
-// deletes (10 minutes did: a round's own retries allow about 20).
+// deletes (its own retries allow about 20 minutes with the worker's
+// default flags: three 5-minute attempts, each after a pickup of up to a
+// minute, and the give-up on an unreachable host).
 func reconcileSchedule(cfg cli.RunConfig) client.ScheduleOptions {
 	id := workflows.ReconcileScheduleID(cfg.HostID)
 	return client.ScheduleOptions{
