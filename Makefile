@@ -210,8 +210,13 @@ $(WORKFLOWCHECK):
 # of store + vGPU claims + drivers over the simulator, MODEL_CHECKS checks per
 # driver kind; `make test` runs a short one). Replay a failure with the
 # -rapid.seed it prints: go test -run 'TestHostModel/vendor' ./hostagent/hostmodel -rapid.seed=N
+# Then the workflow model (workflows/model_test.go: DeleteInstance in the
+# SDK's test environment, WORKFLOW_MODEL_CHECKS scenarios, about 9 steps
+# each) and a larger sample of it on the dev server, replayed.
 MODEL_CHECKS ?= 2000
 MODEL_TIMEOUT ?= 3h
+WORKFLOW_MODEL_CHECKS ?= 5000
+WORKFLOW_MODEL_REPLAYS ?= 20
 fuzz: tools
 	@grep -rl --include='*_test.go' '^func Fuzz' . | xargs -n1 dirname | sort -u | while read -r pkg; do \
 		for f in $$(grep -ho '^func Fuzz[A-Za-z0-9_]*' $$pkg/*_test.go | sed 's/func //'); do \
@@ -220,6 +225,8 @@ fuzz: tools
 		done; \
 	done
 	VMFLOW_MODEL_CHECKS=$(MODEL_CHECKS) $(GO) test -race -count=1 -v -timeout $(MODEL_TIMEOUT) -run '^TestHostModel$$' ./hostagent/hostmodel
+	VMFLOW_WORKFLOW_MODEL_CHECKS=$(WORKFLOW_MODEL_CHECKS) VMFLOW_WORKFLOW_MODEL_REPLAYS=$(WORKFLOW_MODEL_REPLAYS) \
+		$(GO) test -race -count=1 -v -timeout $(MODEL_TIMEOUT) -run '^TestWorkflowModel' ./workflows
 
 ## bench: measure vmflow against what it replaces, side by side in one run
 # (exit detection, stop to gone, through Temporal, scale to 200 VMs, hot

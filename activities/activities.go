@@ -304,9 +304,12 @@ func (a *Activities) launchResult(rec *vmflowv1.InstanceRecord, pid int, already
 //
 // A failed spawn's clean-up names its own workflow execution: then the
 // record is touched only if that spawn created it (invariant 9). A record
-// created by anyone else, or one that cannot be read (nobody can prove it
-// is ours), is reported not_owned with nothing written. The check and the
-// writes run under one instance lock, so no create can slip between them.
+// created by anyone else is reported not_owned with nothing written. One
+// that cannot be read is left alone too, but its owner is unknown, not
+// another: it fails RecordUnreadable (the clean-up parks until an operator
+// repairs it), since not_owned would end a clean-up that may own it. The
+// check and the writes run under one instance lock, so no create can slip
+// between them.
 func (a *Activities) BeginDelete(ctx context.Context, req *vmflowv1.BeginDeleteRequest) (*vmflowv1.BeginDeleteResult, error) {
 	log, err := a.begin(ctx, req.GetInstanceId())
 	if err != nil {
@@ -331,13 +334,13 @@ func (a *Activities) BeginDelete(ctx context.Context, req *vmflowv1.BeginDeleteR
 		return &vmflowv1.BeginDeleteResult{AlreadyAbsent: true}, nil
 	}
 	if wf := req.GetOnlyIfCreatedByWorkflowId(); wf != "" {
-		if err != nil || !store.CreatedBy(rec, wf, req.GetOnlyIfCreatedByRunId()) {
-			owner := "unknown (the record cannot be read)"
-			if err == nil {
-				owner = store.CreatorOf(rec)
-			}
+		if err != nil {
+			return nil, classify(fmt.Errorf("begin delete: whose record is unknown, nothing written: %w", err))
+		}
+		if !store.CreatedBy(rec, wf, req.GetOnlyIfCreatedByRunId()) {
+			owner := store.CreatorOf(rec)
 			log.Info("not deleted: another spawn created it", zap.String("created_by", owner),
-				zap.String("cleanup_for", wf+" (run "+req.GetOnlyIfCreatedByRunId()+")"), zap.NamedError("record_error", err))
+				zap.String("cleanup_for", wf+" (run "+req.GetOnlyIfCreatedByRunId()+")"))
 			return &vmflowv1.BeginDeleteResult{NotOwned: true, CreatedBy: owner}, nil
 		}
 	}

@@ -59,8 +59,12 @@ func TestCreateRecordNamesItsSpawn(t *testing.T) {
 }
 
 // TestBeginDeleteGuard: a failed spawn's clean-up touches only a record
-// that spawn created. Another spawn's record, a legacy one and an unreadable
-// one are left exactly as they were: no marker, no state change.
+// that spawn created. Another spawn's record and a legacy one are left
+// exactly as they were: no marker, no state change. An unreadable one is
+// left alone too, but is not reported as another's: its owner is unknown,
+// and "not owned" would end the clean-up with the spawn's own record and
+// claim left behind; RecordUnreadable parks it for an operator. Before, the
+// torn record was reported not-owned.
 func TestBeginDeleteGuard(t *testing.T) {
 	h := newHost(t)
 	ctx := context.Background()
@@ -81,9 +85,16 @@ func TestBeginDeleteGuard(t *testing.T) {
 
 	for _, id := range []string{"theirs", "legacy", "torn"} {
 		var res vmflowv1.BeginDeleteResult
-		require.NoError(t, h.run(t, h.acts.BeginDelete, guard(id), &res), id)
-		assert.True(t, res.GetNotOwned(), id)
-		assert.NotEmpty(t, res.GetCreatedBy(), id)
+		err := h.run(t, h.acts.BeginDelete, guard(id), &res)
+		if id == "torn" {
+			ae := appError(t, err)
+			assert.Equal(t, workflows.ErrTypeRecordUnreadable, ae.Type())
+			assert.True(t, ae.NonRetryable())
+		} else {
+			require.NoError(t, err, id)
+			assert.True(t, res.GetNotOwned(), id)
+			assert.NotEmpty(t, res.GetCreatedBy(), id)
+		}
 		marked, err := h.st.ManualStop(id)
 		require.NoError(t, err)
 		assert.False(t, marked, "%s: no manual-stop marker written", id)

@@ -8,48 +8,89 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	commonpb "go.temporal.io/api/common/v1"
+	enumspb "go.temporal.io/api/enums/v1"
 	"go.temporal.io/sdk/client"
 	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
 
 	"vmflow/hostagent/cli"
 	"vmflow/hostagent/vgpu/claims"
 	"vmflow/internal/devserver"
+	"vmflow/platform"
+	vmflowv1 "vmflow/proto/vmflow/v1"
 	"vmflow/workflows"
 )
 
-// TestReconcileScheduleUpdatedToConfiguredInterval: every host upgraded
-// from a build whose reconcile Schedule ran every minute (about 13,000
-// billed actions a day) finds that schedule at start; the agent updates it
-// to --reconcile-every. Before, an existing schedule was left as it was.
-func TestReconcileScheduleUpdatedToConfiguredInterval(t *testing.T) {
+// TestReconcileScheduleIsThisBuilds: the agent makes the host's reconcile
+// Schedule the one this build wants, whatever an older build left: a
+// schedule every minute (about 13,000 billed actions a day), with a
+// 10-minute execution timeout (shorter than a round's own retries: a slow
+// round was cut before it woke the deletes it released), other arguments
+// and another task queue gets this build's interval, action, arguments
+// and no timeout, and keeps an operator's pause and note. One that already
+// matches is not updated. Before, only the interval was compared and set.
+func TestReconcileScheduleIsThisBuilds(t *testing.T) {
 	srv := devserver.Start(t, devserver.Options{})
 	c := srv.Client(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	cfg := cli.RunConfig{HostID: "h1", TaskQueue: "vmflow", ReconcileEvery: time.Minute}
-	every := func() []time.Duration {
-		t.Helper()
-		d, err := c.ScheduleClient().GetHandle(ctx, workflows.ReconcileScheduleID("h1")).Describe(ctx)
-		require.NoError(t, err)
-		var out []time.Duration
-		for _, iv := range d.Schedule.Spec.Intervals {
-			out = append(out, iv.Every)
-		}
-		return out
-	}
-	// Today's build: a schedule every minute.
-	require.NoError(t, ensureReconcileSchedule(ctx, c, cfg, zap.NewNop()))
-	require.Equal(t, []time.Duration{time.Minute}, every())
-
-	cfg.ReconcileEvery = cli.DefaultReconcileEvery
-	require.NoError(t, ensureReconcileSchedule(ctx, c, cfg, zap.NewNop()))
-	assert.Equal(t, []time.Duration{cli.DefaultReconcileEvery}, every(), "the 1-minute schedule runs daily now")
-	d, err := c.ScheduleClient().GetHandle(ctx, workflows.ReconcileScheduleID("h1")).Describe(ctx)
+	cfg := cli.RunConfig{HostID: "h1", TaskQueue: "vmflow", ReconcileEvery: cli.DefaultReconcileEvery}
+	id := workflows.ReconcileScheduleID("h1")
+	_, err := c.ScheduleClient().Create(ctx, client.ScheduleOptions{
+		ID:   id,
+		Spec: client.ScheduleSpec{Intervals: []client.ScheduleIntervalSpec{{Every: time.Minute}}},
+		Action: &client.ScheduleWorkflowAction{
+			ID: id, Workflow: workflows.ReconcileWorkflow, TaskQueue: "vmflow-old",
+			Args:                     []any{&vmflowv1.ReconcileVGPURequest{HostId: "h0"}},
+			WorkflowExecutionTimeout: 10 * time.Minute,
+		},
+		Paused: true, Note: "paused by hand: OPS-1",
+	})
 	require.NoError(t, err)
-	assert.Equal(t, cfg.TaskQueue, d.Schedule.Action.(*client.ScheduleWorkflowAction).TaskQueue, "the action is kept")
 
-	require.NoError(t, ensureReconcileSchedule(ctx, c, cfg, zap.NewNop()), "a schedule that already runs daily is left alone")
-	assert.Equal(t, []time.Duration{cli.DefaultReconcileEvery}, every())
+	core, logs := observer.New(zap.InfoLevel)
+	require.NoError(t, ensureReconcileSchedule(ctx, c, cfg, zap.New(core)))
+	d, err := c.ScheduleClient().GetHandle(ctx, id).Describe(ctx)
+	require.NoError(t, err)
+	assertThisBuilds(t, d, cfg)
+	assert.True(t, d.Schedule.State.Paused, "an operator's pause is kept")
+	assert.Equal(t, "paused by hand: OPS-1", d.Schedule.State.Note)
+	require.Equal(t, 1, logs.FilterMessageSnippet("reconcile schedule updated").Len())
+
+	require.NoError(t, ensureReconcileSchedule(ctx, c, cfg, zap.New(core)))
+	assert.Equal(t, 1, logs.FilterMessageSnippet("reconcile schedule updated").Len(), "one that matches is left as it is")
+
+	// A host without one gets this build's at once.
+	cfg2 := cfg
+	cfg2.HostID = "h2"
+	require.NoError(t, ensureReconcileSchedule(ctx, c, cfg2, zap.New(core)))
+	d, err = c.ScheduleClient().GetHandle(ctx, workflows.ReconcileScheduleID("h2")).Describe(ctx)
+	require.NoError(t, err)
+	assertThisBuilds(t, d, cfg2)
+	require.NoError(t, ensureReconcileSchedule(ctx, c, cfg2, zap.New(core)))
+	assert.Equal(t, 1, logs.FilterMessageSnippet("reconcile schedule updated").Len(), "a created one matches as the server describes it")
+}
+
+func assertThisBuilds(t *testing.T, d *client.ScheduleDescription, cfg cli.RunConfig) {
+	t.Helper()
+	var every []time.Duration
+	for _, iv := range d.Schedule.Spec.Intervals {
+		every = append(every, iv.Every)
+	}
+	assert.Equal(t, []time.Duration{cfg.ReconcileEvery}, every)
+	assert.Equal(t, enumspb.SCHEDULE_OVERLAP_POLICY_SKIP, d.Schedule.Policy.Overlap)
+	a, ok := d.Schedule.Action.(*client.ScheduleWorkflowAction)
+	require.True(t, ok)
+	assert.Equal(t, workflows.ReconcileScheduleID(cfg.HostID), a.ID)
+	assert.Equal(t, workflows.ReconcileWorkflow, a.Workflow)
+	assert.Equal(t, cfg.TaskQueue, a.TaskQueue)
+	assert.Zero(t, a.WorkflowExecutionTimeout, "no timeout cuts a round its own retries allow")
+	assert.Zero(t, a.WorkflowRunTimeout)
+	require.Len(t, a.Args, 1)
+	var req vmflowv1.ReconcileVGPURequest
+	require.NoError(t, platform.DataConverter().FromPayload(a.Args[0].(*commonpb.Payload), &req))
+	assert.Equal(t, cfg.HostID, req.GetHostId())
 }
 
 // TestScanTriggersOnlyLastingWork: the agent triggers a reconcile only for

@@ -106,8 +106,10 @@ func (c *Client) StartDelete(ctx context.Context, req *vmflowv1.DeleteRequest) (
 // Retry cuts a workflow's wait short (a backoff after a failed release
 // round, an unreachable host, a parked stage) with the retry update, and
 // returns the workflow's status once it acted (the next attempt is
-// scheduled). When nothing is waiting the workflow refuses, and the error is
-// an application error of type ErrTypeRefused saying why.
+// scheduled). While a step or round runs it answers at once, with that try
+// in the status's Note ("already retrying: attempt N since T"). A workflow
+// in its last stage refuses, and the error is an application error of type
+// ErrTypeRefused saying why.
 func (c *Client) Retry(ctx context.Context, workflowID, reason string) (*vmflowv1.WorkflowStatus, error) {
 	return c.update(ctx, workflowID, RetryUpdate, &vmflowv1.RetrySignal{Reason: reason})
 }

@@ -28,7 +28,11 @@ import (
 //
 // A failed spawn's clean-up names its spawn (only_if_created_by_*): the
 // host then leaves a record another spawn created alone, and the delete
-// ends at once as not-owned (invariant 9).
+// ends at once as not-owned (invariant 9). Ownership is decided by the
+// first BeginDelete that answers and carried across continue-as-new
+// (carried_owned): a clean-up that owned the record never ends not-owned
+// (beginDelete), and a record the host cannot read parks it
+// (RecordUnreadable) rather than ending it.
 func (w *Workflows) DeleteInstance(ctx workflow.Context, req *vmflowv1.DeleteRequest) (*vmflowv1.DeleteResult, error) {
 	res, err := w.deleteInstance(ctx, req)
 	awaitHandlers(ctx)
@@ -91,7 +95,7 @@ func (w *Workflows) deleteInstance(ctx workflow.Context, req *vmflowv1.DeleteReq
 		OnlyIfCreatedByWorkflowId: req.GetOnlyIfCreatedByWorkflowId(),
 		OnlyIfCreatedByRunId:      req.GetOnlyIfCreatedByRunId(),
 	}
-	if err := h.runStage(ctx, calls[ActivityBeginDelete], beginIn, &begin); err != nil {
+	if err := w.beginDelete(ctx, h, req, beginIn, &begin); err != nil {
 		return end(err)
 	}
 	if begin.GetNotOwned() {
@@ -106,6 +110,9 @@ func (w *Workflows) deleteInstance(ctx workflow.Context, req *vmflowv1.DeleteReq
 	if begin.GetAlreadyAbsent() {
 		t.stage(ctx, StageAlreadyAbsent)
 		return &vmflowv1.DeleteResult{AlreadyAbsent: true}, nil
+	}
+	if req.GetOnlyIfCreatedByWorkflowId() != "" {
+		req.CarriedOwned = true // decided: continue-as-new carries it
 	}
 	t.setRetained(ctx, true)
 
@@ -213,8 +220,39 @@ func (w *Workflows) continueDelete(ctx workflow.Context, t *tracker, req *vmflow
 		StuckAfterSeconds:         req.GetStuckAfterSeconds(),
 		OnlyIfCreatedByWorkflowId: req.GetOnlyIfCreatedByWorkflowId(),
 		OnlyIfCreatedByRunId:      req.GetOnlyIfCreatedByRunId(),
+		CarriedOwned:              req.GetCarriedOwned(),
 	}
 	return workflow.NewContinueAsNewError(ctx, DeleteWorkflow, next)
+}
+
+// beginDelete runs BeginDelete. A clean-up that owned the record when it
+// began (carried_owned: an earlier run's first BeginDelete found the
+// spawn's own record) and is now told not-owned does not take the answer:
+// ending there would leave the record and its claim in Deleting with no
+// workflow to finish them. The record was replaced by hand, or an agent
+// answered not-owned for a record it could not read; either way an
+// operator looks, so the stage parks (retry asks again, abandon gives up).
+// Only a run continued by this code carries the fact, so histories
+// recorded before it replay unchanged.
+func (w *Workflows) beginDelete(ctx workflow.Context, h *hostRunner, req *vmflowv1.DeleteRequest, in *vmflowv1.BeginDeleteRequest, out *vmflowv1.BeginDeleteResult) error {
+	call := w.calls()[ActivityBeginDelete]
+	for round := uint32(1); ; round++ {
+		if err := h.runStage(ctx, call, in, out); err != nil {
+			return err
+		}
+		if !out.GetNotOwned() || !req.GetCarriedOwned() {
+			return nil
+		}
+		h.t.attention(ctx, StageMarkingStopped, fmt.Sprintf("the host says the record was created by %s, but this delete found it created by %s (run %s) when it began: "+
+			"left alone (not retried: repair the record, then signal retry; if the host is gone for good, signal abandon with a reason)",
+			out.GetCreatedBy(), req.GetOnlyIfCreatedByWorkflowId(), req.GetOnlyIfCreatedByRunId()), round, time.Time{})
+		if err := h.park(ctx); err != nil {
+			return err
+		}
+		if workflow.GetInfo(ctx).GetContinueAsNewSuggested() {
+			return errContinueAsNew
+		}
+	}
 }
 
 // versionStuckBound marks delete runs that bound their stages (runStage)

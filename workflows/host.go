@@ -181,6 +181,7 @@ func (h *hostRunner) runStage(ctx workflow.Context, c hostCall, in, out any) err
 		if round > 1 {
 			// Details only: the search attributes have not changed.
 			h.t.status.Stage, h.t.status.Attempt = stage, round
+			h.t.since = workflow.Now(ctx)
 			h.t.publish(ctx)
 		}
 		err := h.run(ctx, c, in, out)

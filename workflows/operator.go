@@ -19,7 +19,10 @@ import (
 // behaviour must replay unchanged: a retry signal sent while nothing waits
 // stays buffered and ends the next wait at once, and an abandon signal is
 // weighed when the next wait that accepts abandon begins
-// (hostRunner.rejectStaleAbandons). An update is judged at once.
+// (hostRunner.rejectStaleAbandons). An update is judged at once; a retry
+// update that finds a try running (a step, a release round) is answered
+// at once, naming that try, and leaves nothing behind: that try is the
+// retry, and the caller is not held for a round that may last minutes.
 //
 // Neither the handlers nor their validators are commands: an accepted
 // update is a protocol message the server records as
@@ -46,6 +49,9 @@ type operatorOp struct {
 	reason string
 	done   bool  // the workflow acted on it
 	err    error // refused after it was accepted: the wait ended first
+	// A retry that ended no wait: a try was running, or began as it
+	// came. Its answer says which (alreadyRetrying).
+	running bool
 }
 
 // waitState is the wait in progress: what retry and abandon may end.
@@ -106,14 +112,22 @@ func reasonRefusal(update, reason string) error {
 	return nil
 }
 
-// retryRefusal says why a retry cannot act now: only a wait (a backoff
-// after a failed round, an unreachable host, a parked stage) can be cut
-// short. A step in progress already retries by itself.
+// retryRefusal says why a retry cannot act: the workflow has reached the
+// stage it ends in. Anything else accepts one: a wait (a backoff after a
+// failed round, an unreachable host, a parked stage) is cut short, and a
+// step or round in progress is the retry already (operate answers so).
 func (t *tracker) retryRefusal() error {
-	if t.wait == nil {
-		return refused("retry refused: nothing is waiting (stage %s)", t.status.Stage)
+	if terminalStage(t.status.Stage) {
+		return refused("retry refused: the %s has ended (stage %s)", t.kind, t.status.Stage)
 	}
 	return nil
+}
+
+// alreadyRetrying is the retry update's answer while a step or a round
+// runs: what runs and since when, so the operator knows the retry is under
+// way without waiting for it.
+func (t *tracker) alreadyRetrying() string {
+	return fmt.Sprintf("already retrying: attempt %d since %s", t.status.Attempt, t.since.UTC().Format(time.RFC3339))
 }
 
 // abandonRefusal says why an abandon with reason cannot act now: abandon
@@ -140,8 +154,10 @@ func (t *tracker) abandonRefusal(reason string) error {
 func (t *tracker) operate(ctx workflow.Context, op *operatorOp) (*vmflowv1.WorkflowStatus, error) {
 	queue := t.wait != nil || (op.kind == opAbandon && t.hostDown)
 	if !queue {
-		// The wait the validator saw ended before this handler ran (a
-		// timer in the same workflow task).
+		// A step or round runs (a retry is answered at once, the caller
+		// is not held for the round), or the wait the validator saw
+		// ended before this handler ran (a timer in the same workflow
+		// task).
 		t.settle(op)
 	} else if !t.ops.SendAsync(op) {
 		return nil, refused("%s refused: too many operator actions at once; send it again", op.name())
@@ -152,7 +168,11 @@ func (t *tracker) operate(ctx workflow.Context, op *operatorOp) (*vmflowv1.Workf
 	if op.err != nil {
 		return nil, op.err
 	}
-	return proto.Clone(t.status).(*vmflowv1.WorkflowStatus), nil
+	st := proto.Clone(t.status).(*vmflowv1.WorkflowStatus)
+	if op.running {
+		st.Note = t.alreadyRetrying()
+	}
+	return st, nil
 }
 
 func (op *operatorOp) name() string {
@@ -167,8 +187,8 @@ func (op *operatorOp) name() string {
 // attempt runs), an abandon is refused (the workflow went on).
 func (t *tracker) settle(op *operatorOp) {
 	if op.kind == opRetry {
-		op.done = true
-		t.logger.Info("retry update: the wait had already ended", "reason", op.reason)
+		op.done, op.running = true, true
+		t.logger.Info("retry update: a try is running already", "reason", op.reason)
 		return
 	}
 	op.err = refused("abandon refused: the wait ended before it took effect (stage %s); send it again if host %s is still unreachable",
@@ -186,7 +206,7 @@ func (t *tracker) waitRetry(ctx workflow.Context, d time.Duration, abandonCh wor
 	timerCtx, cancel := workflow.WithCancel(ctx)
 	defer cancel()
 	t.wait = &waitState{abandon: abandonCh != nil}
-	defer t.endWait()
+	defer t.endWait(ctx)
 	// The order of the cases is the order of the recorded histories:
 	// timer (or cancel), retry signal, abandon signal; updates last.
 	sel := workflow.NewSelector(ctx)
@@ -260,9 +280,10 @@ func (t *tracker) hostAnswered() {
 // endWait closes the wait: updates accepted during it but not taken (the
 // timer or another action ended it first) are settled, so none waits for
 // a wait that is over and none ends a later one.
-func (t *tracker) endWait() {
+func (t *tracker) endWait(ctx workflow.Context) {
 	t.wait = nil
 	t.status.NextRetryTime = "" // the timer, if any, is over
+	t.since = workflow.Now(ctx) // the next try starts now
 	for {
 		var op *operatorOp
 		if !t.ops.ReceiveAsync(&op) {

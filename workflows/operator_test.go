@@ -26,6 +26,7 @@ type updateOutcome struct {
 	status   *vmflowv1.WorkflowStatus
 	err      error // the handler's error after it was accepted
 	done     bool
+	at       time.Time // the workflow clock when the answer came
 }
 
 // update sends an update now and records its outcome.
@@ -33,9 +34,9 @@ func (e *env) update(name string, arg any) *updateOutcome {
 	o := &updateOutcome{}
 	e.UpdateWorkflow(name, "", &testsuite.TestUpdateCallback{
 		OnAccept: func() { o.accepted = true },
-		OnReject: func(err error) { o.rejected = err; o.done = true },
+		OnReject: func(err error) { o.rejected = err; o.done = true; o.at = e.Now() },
 		OnComplete: func(v any, err error) {
-			o.done, o.err = true, err
+			o.done, o.err, o.at = true, err, e.Now()
 			if st, ok := v.(*vmflowv1.WorkflowStatus); ok {
 				o.status = st
 			}
@@ -59,8 +60,8 @@ func refusal(t *testing.T, o *updateOutcome, msg string) {
 }
 
 // TestUpdatesRefusedWithReason: while a step runs (nothing waits, the host
-// answers) retry and abandon are refused with the reason an operator
-// needs, and the delete goes on untouched.
+// answers) abandon is refused with the reason an operator needs, and the
+// delete goes on untouched; retry is accepted (the step retries already).
 func TestUpdatesRefusedWithReason(t *testing.T) {
 	e := newEnv(t)
 	e.happyDelete()
@@ -73,13 +74,77 @@ func TestUpdatesRefusedWithReason(t *testing.T) {
 	}, 10*time.Second)
 	e.ExecuteWorkflow(DeleteWorkflow, deleteReq())
 	require.NoError(t, e.GetWorkflowError())
-	refusal(t, retry, "retry refused: nothing is waiting (stage releasing-vgpu)")
+	require.NotNil(t, retry)
+	assert.True(t, retry.accepted, "a retry while a step runs is accepted: %v", retry.rejected)
 	refusal(t, abandon, "abandon refused: host h1 is reachable (stage releasing-vgpu)")
 	refusal(t, noReason, "abandon refused: a reason is required")
 	var res vmflowv1.DeleteResult
 	require.NoError(t, e.GetWorkflowResult(&res))
 	assert.False(t, res.GetAbandoned())
 	assert.Equal(t, StageDeleted, e.status().GetStage())
+}
+
+// TestRetryUpdateDuringARound: a retry sent while a release round runs
+// (the operator cleared the fault, as the README says, and the round the
+// backoff started is under way) is accepted and answered at once with the
+// round in progress, "already retrying: attempt N since T", without
+// holding the caller for the round, which may last minutes. Before, it was
+// refused as an error: "retry refused: nothing is waiting (stage
+// releasing-vgpu)", while the delete was in fact retrying.
+func TestRetryUpdateDuringARound(t *testing.T) {
+	e := newEnv(t)
+	e.happyDelete()
+	// The first round fails (three attempts within 3 s); the second, after
+	// the 30 s backoff, takes five minutes and succeeds.
+	e.OnActivity(h.ReleaseVGPU, mock.Anything, mock.Anything).Return(nil, releaseErr).Times(int(retryFew.MaximumAttempts))
+	e.OnActivity(h.ReleaseVGPU, mock.Anything, mock.Anything).After(5*time.Minute).Return(&vmflowv1.ReleaseVGPUResult{Released: true}, nil).Once()
+	start := time.Date(2026, 12, 1, 20, 0, 0, 0, time.UTC)
+	e.SetStartTime(start)
+	// Attempts at 0, 1 s and 3 s, then the 30 s backoff.
+	roundStart := start.Add(33 * time.Second)
+	var retry *updateOutcome
+	var before *vmflowv1.WorkflowStatus
+	var sentAt time.Time
+	e.RegisterDelayedCallback(func() {
+		before = e.status()
+		sentAt = e.Now()
+		retry = e.update(RetryUpdate, &vmflowv1.RetrySignal{Reason: "fault cleared"})
+	}, 2*time.Minute)
+	e.ExecuteWorkflow(DeleteWorkflow, deleteReq())
+	require.NoError(t, e.GetWorkflowError())
+	require.NotNil(t, before)
+	require.Equal(t, StageReleasingVGPU, before.GetStage(), "sent while the second round runs")
+	require.EqualValues(t, 2, before.GetAttempt())
+	require.NotNil(t, retry)
+	require.True(t, retry.accepted, "accepted, not refused: %v", retry.rejected)
+	require.True(t, retry.done)
+	require.NoError(t, retry.err)
+	assert.Equal(t, sentAt, retry.at, "answered at once, not after the round")
+	require.NotNil(t, retry.status)
+	assert.Equal(t, StageReleasingVGPU, retry.status.GetStage())
+	assert.Equal(t, "already retrying: attempt 2 since "+roundStart.UTC().Format(time.RFC3339), retry.status.GetNote())
+	assert.Equal(t, StageDeleted, e.status().GetStage())
+	assert.Empty(t, e.status().GetNote(), "the status query carries no answer")
+	e.AssertActivityNumberOfCalls(t, "ReleaseVGPU", int(retryFew.MaximumAttempts)+1) // the retry started no round of its own
+}
+
+// TestRetryRefusedOnlyWhenItCannotAct: a workflow that has reached its
+// last stage (it is ending, an update handler may still run) refuses a
+// retry, saying so; every other stage accepts one.
+func TestRetryRefusedOnlyWhenItCannotAct(t *testing.T) {
+	for _, stage := range []string{StageDeleted, StageAbandoned, StageNotOwned, StageAlreadyAbsent, StageRunning, StageSpawnFailed, StageReconciled} {
+		tr := &tracker{kind: "delete", status: &vmflowv1.WorkflowStatus{Stage: stage}}
+		var ae *temporal.ApplicationError
+		if assert.ErrorAs(t, tr.retryRefusal(), &ae, stage) {
+			assert.Equal(t, ErrTypeRefused, ae.Type())
+			assert.Equal(t, "retry refused: the delete has ended (stage "+stage+")", ae.Message())
+		}
+	}
+	for _, stage := range []string{StageMarkingStopped, StageStopping, StageWaitingExit, StageReleasingVGPU, StageReleaseFailed,
+		StageTearingDown, StageHostUnreachable, StageValidating, StageLaunching, StageReconciling} {
+		tr := &tracker{kind: "delete", status: &vmflowv1.WorkflowStatus{Stage: stage}}
+		assert.NoError(t, tr.retryRefusal(), stage)
+	}
 }
 
 // TestRetryUpdateStartsRoundAndAnswersWithStatus: a delete waiting out a

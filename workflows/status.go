@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"strings"
 	"time"
+	"unicode"
 
 	"go.temporal.io/sdk/log"
 	"go.temporal.io/sdk/temporal"
@@ -35,6 +36,9 @@ type tracker struct {
 	// hostDown: the host did not pick up the last try and has not answered
 	// since; abandon is accepted (and queued for the next wait) meanwhile.
 	hostDown bool
+	// since: when the current try began (the stage started, a wait ended,
+	// a stuck round started again); the retry update's answer names it.
+	since time.Time
 
 	// onlyChanges: upsert the search attributes only when their values
 	// changed (an upsert is a command and a billed action). Runs recorded
@@ -86,6 +90,7 @@ func newTrackerSA(ctx workflow.Context, kind, instanceID, hostID, firstStage str
 		logger:      log.With(workflow.GetLogger(ctx), "instance_id", instanceID, "host_id", hostID),
 		lazy:        lazy,
 		onlyChanges: lazy,
+		since:       workflow.Now(ctx),
 	}
 	if err := workflow.SetQueryHandler(ctx, StatusQuery, func() (*vmflowv1.WorkflowStatus, error) {
 		return proto.Clone(t.status).(*vmflowv1.WorkflowStatus), nil
@@ -138,6 +143,7 @@ func (t *tracker) stage(ctx workflow.Context, stage string) {
 	t.status.Stage = stage
 	t.status.Attempt = 1
 	t.status.NextRetryTime = ""
+	t.since = workflow.Now(ctx)
 	t.publishSA(ctx, terminalStage(stage))
 	t.logger.Info("stage", "stage", stage)
 }
@@ -227,16 +233,18 @@ func (t *tracker) publishSA(ctx workflow.Context, exact bool) {
 // activity attempts, when the pending-activity card is gone.
 func (t *tracker) details() string {
 	var b strings.Builder
-	b.WriteString(fmt.Sprintf("**%s** `%s` on host `%s`\n\n", t.kind, t.instanceID, t.hostID))
-	b.WriteString(fmt.Sprintf("- stage: `%s`\n", t.status.Stage))
+	b.WriteString(fmt.Sprintf("**%s** %s on host %s\n\n", t.kind, codeSpan(t.instanceID), codeSpan(t.hostID)))
+	b.WriteString(fmt.Sprintf("- stage: %s\n", codeSpan(t.status.Stage)))
 	if t.status.Attempt > 1 || t.status.LastError != "" {
 		b.WriteString(fmt.Sprintf("- attempt: %d\n", t.status.Attempt))
 	}
 	if t.status.LastError != "" {
-		b.WriteString(fmt.Sprintf("- last error: %s\n", t.status.LastError))
+		// QMP error text from a hostile QEMU, guest serial output, an
+		// operator's reason: shown as text, never as markup.
+		b.WriteString(fmt.Sprintf("- last error: %s\n", codeSpan(t.status.LastError)))
 	}
 	if t.status.NextRetryTime != "" {
-		b.WriteString(fmt.Sprintf("- next retry: %s (or now: `temporal workflow update execute --workflow-id <id> --name retry`)\n", t.status.NextRetryTime))
+		b.WriteString(fmt.Sprintf("- next retry: %s (or now: `temporal workflow update execute --workflow-id <id> --name retry`)\n", codeSpan(t.status.NextRetryTime)))
 	}
 	if t.status.MetadataRetained {
 		b.WriteString("- metadata retained: the instance record and its GPU claim are kept on the host\n")
@@ -245,6 +253,51 @@ func (t *tracker) details() string {
 		b.WriteString("- **needs attention**\n")
 	}
 	return b.String()
+}
+
+// codeSpan is s as one CommonMark code span: inside one, nothing is markup
+// (no link, autolink, image, HTML, entity or emphasis), so any text shows
+// as its characters. What could still break out goes first: a line break
+// would end the span's paragraph and start blocks of its own (headings,
+// list items, tables, fences), so line breaks and tabs become spaces;
+// other control characters (terminal escapes, NUL) and bidi controls
+// (which reorder what an operator reads), and invalid UTF-8, become
+// U+FFFD. The fence is one backtick longer than the longest run inside,
+// and a space pads a text that starts or ends with a backtick or a space
+// (the renderer strips one on each side).
+func codeSpan(s string) string {
+	if s == "" {
+		return ""
+	}
+	s = strings.Map(func(r rune) rune {
+		switch {
+		case r == '\n' || r == '\r' || r == '\t':
+			return ' '
+		case unicode.IsControl(r), bidiControl(r):
+			return unicode.ReplacementChar
+		}
+		return r
+	}, strings.ToValidUTF8(s, string(unicode.ReplacementChar)))
+	run, longest := 0, 0
+	for _, r := range s {
+		if r != '`' {
+			run = 0
+			continue
+		}
+		run++
+		longest = max(longest, run)
+	}
+	fence := strings.Repeat("`", longest+1)
+	if strings.HasPrefix(s, "`") || strings.HasSuffix(s, "`") || strings.HasPrefix(s, " ") || strings.HasSuffix(s, " ") {
+		s = " " + s + " "
+	}
+	return fence + s + fence
+}
+
+// bidiControl: the Unicode controls that reorder text on display (the
+// embeddings, overrides and isolates, and the marks).
+func bidiControl(r rune) bool {
+	return (r >= '\u202a' && r <= '\u202e') || (r >= '\u2066' && r <= '\u2069') || r == '\u200e' || r == '\u200f' || r == '\u061c'
 }
 
 // drainRetries consumes retry signals already delivered, so a continue-as-new

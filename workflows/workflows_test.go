@@ -537,3 +537,27 @@ func TestBackoff(t *testing.T) {
 		assert.Equal(t, tc.want, backoff(30*time.Second, 15*time.Minute, tc.attempt), "attempt %d", tc.attempt)
 	}
 }
+
+// TestReconcileRoundOutlastsTenMinutes: a round's own retries allow more
+// than the 10 minutes older agents gave the Schedule's runs: here two
+// ReconcileHost attempts time out (5 min each) and the third releases a
+// claim, past 10 minutes, and the round still wakes the delete. The agent's
+// Schedule therefore sets no execution timeout (hostagent's
+// TestReconcileScheduleIsThisBuilds).
+func TestReconcileRoundOutlastsTenMinutes(t *testing.T) {
+	e := newEnv(t)
+	start := time.Date(2026, 12, 1, 20, 0, 0, 0, time.UTC)
+	e.SetStartTime(start)
+	// The test environment does not time mocks out: they say so themselves.
+	limit := New(Config{}).calls()[ActivityReconcileHost].timeout
+	e.OnActivity(h.ReconcileHost, mock.Anything, mock.Anything).After(limit).Return(nil,
+		temporal.NewTimeoutError(enumspb.TIMEOUT_TYPE_START_TO_CLOSE, nil)).Times(2)
+	e.OnActivity(h.ReconcileHost, mock.Anything, mock.Anything).Return(&vmflowv1.ReconcileVGPUResult{ClaimsReleased: 1, RetriedDeletes: []string{"vm1"}}, nil).Once()
+	var signalledAt time.Time
+	e.OnSignalExternalWorkflow(mock.Anything, DeleteWorkflowID("vm1"), "", RetrySignal, mock.Anything).Return(
+		func(string, string, string, string, interface{}) error { signalledAt = e.Now(); return nil }).Once()
+	e.ExecuteWorkflow(ReconcileWorkflow, &vmflowv1.ReconcileVGPURequest{HostId: "h1"})
+	require.NoError(t, e.GetWorkflowError())
+	require.False(t, signalledAt.IsZero(), "the delete was woken")
+	assert.Greater(t, signalledAt.Sub(start), 10*time.Minute)
+}

@@ -291,8 +291,14 @@ type DeleteRequest struct {
 	// created (invariant 9). Leave unset.
 	OnlyIfCreatedByWorkflowId string `protobuf:"bytes,7,opt,name=only_if_created_by_workflow_id,json=onlyIfCreatedByWorkflowId,proto3" json:"only_if_created_by_workflow_id,omitempty"`
 	OnlyIfCreatedByRunId      string `protobuf:"bytes,8,opt,name=only_if_created_by_run_id,json=onlyIfCreatedByRunId,proto3" json:"only_if_created_by_run_id,omitempty"`
-	unknownFields             protoimpl.UnknownFields
-	sizeCache                 protoimpl.SizeCache
+	// Set by continue-as-new of such a clean-up once its first BeginDelete
+	// found the record that spawn created: ownership is decided then, once.
+	// A later run that is told not-owned (a record replaced by hand, or read
+	// by an agent that answers so for a record it cannot read) parks for an
+	// operator instead of ending. Leave unset.
+	CarriedOwned  bool `protobuf:"varint,9,opt,name=carried_owned,json=carriedOwned,proto3" json:"carried_owned,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *DeleteRequest) Reset() {
@@ -379,6 +385,13 @@ func (x *DeleteRequest) GetOnlyIfCreatedByRunId() string {
 		return x.OnlyIfCreatedByRunId
 	}
 	return ""
+}
+
+func (x *DeleteRequest) GetCarriedOwned() bool {
+	if x != nil {
+		return x.CarriedOwned
+	}
+	return false
 }
 
 // DeleteResult is DeleteInstance's result.
@@ -616,8 +629,12 @@ type WorkflowStatus struct {
 	// The instance's record (and claim) are still on the host.
 	MetadataRetained bool `protobuf:"varint,5,opt,name=metadata_retained,json=metadataRetained,proto3" json:"metadata_retained,omitempty"`
 	NeedsAttention   bool `protobuf:"varint,6,opt,name=needs_attention,json=needsAttention,proto3" json:"needs_attention,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// Only in the answer of the retry update that found the workflow already
+	// trying (a step or a release round running): "already retrying: attempt
+	// N since T", T in RFC 3339. Empty in the status query.
+	Note          string `protobuf:"bytes,7,opt,name=note,proto3" json:"note,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *WorkflowStatus) Reset() {
@@ -690,6 +707,13 @@ func (x *WorkflowStatus) GetNeedsAttention() bool {
 		return x.NeedsAttention
 	}
 	return false
+}
+
+func (x *WorkflowStatus) GetNote() string {
+	if x != nil {
+		return x.Note
+	}
+	return ""
 }
 
 // RetrySignal is the optional payload of the retry signal.
@@ -811,7 +835,7 @@ const file_vmflow_v1_workflow_proto_rawDesc = "" +
 	"qmp_socket\x18\x02 \x01(\tR\tqmpSocket\x12\x1b\n" +
 	"\tvgpu_uuid\x18\x03 \x01(\tR\bvgpuUuid\x12$\n" +
 	"\x0evgpu_device_id\x18\x04 \x01(\tR\fvgpuDeviceId\x12#\n" +
-	"\rinstance_uuid\x18\x05 \x01(\tR\finstanceUuid\"\x97\x03\n" +
+	"\rinstance_uuid\x18\x05 \x01(\tR\finstanceUuid\"\xbc\x03\n" +
 	"\rDeleteRequest\x12\x1f\n" +
 	"\vinstance_id\x18\x01 \x01(\tR\n" +
 	"instanceId\x12\x17\n" +
@@ -821,7 +845,8 @@ const file_vmflow_v1_workflow_proto_rawDesc = "" +
 	"\x1acarried_first_failure_time\x18\x05 \x01(\tR\x17carriedFirstFailureTime\x12.\n" +
 	"\x13stuck_after_seconds\x18\x06 \x01(\rR\x11stuckAfterSeconds\x12A\n" +
 	"\x1eonly_if_created_by_workflow_id\x18\a \x01(\tR\x19onlyIfCreatedByWorkflowId\x127\n" +
-	"\x19only_if_created_by_run_id\x18\b \x01(\tR\x14onlyIfCreatedByRunId\"\xb6\x01\n" +
+	"\x19only_if_created_by_run_id\x18\b \x01(\tR\x14onlyIfCreatedByRunId\x12#\n" +
+	"\rcarried_owned\x18\t \x01(\bR\fcarriedOwned\"\xb6\x01\n" +
 	"\fDeleteResult\x12%\n" +
 	"\x0ealready_absent\x18\x01 \x01(\bR\ralreadyAbsent\x12\x1c\n" +
 	"\tabandoned\x18\x02 \x01(\bR\tabandoned\x12%\n" +
@@ -837,7 +862,7 @@ const file_vmflow_v1_workflow_proto_rawDesc = "" +
 	"\askipped\x18\x03 \x01(\rR\askipped\x12\x16\n" +
 	"\x06failed\x18\x04 \x01(\rR\x06failed\x12'\n" +
 	"\x0fretried_deletes\x18\x05 \x03(\tR\x0eretriedDeletes\x12-\n" +
-	"\x12unreadable_records\x18\x06 \x01(\rR\x11unreadableRecords\"\xdd\x01\n" +
+	"\x12unreadable_records\x18\x06 \x01(\rR\x11unreadableRecords\"\xf1\x01\n" +
 	"\x0eWorkflowStatus\x12\x14\n" +
 	"\x05stage\x18\x01 \x01(\tR\x05stage\x12\x18\n" +
 	"\aattempt\x18\x02 \x01(\rR\aattempt\x12\x1d\n" +
@@ -845,7 +870,8 @@ const file_vmflow_v1_workflow_proto_rawDesc = "" +
 	"last_error\x18\x03 \x01(\tR\tlastError\x12&\n" +
 	"\x0fnext_retry_time\x18\x04 \x01(\tR\rnextRetryTime\x12+\n" +
 	"\x11metadata_retained\x18\x05 \x01(\bR\x10metadataRetained\x12'\n" +
-	"\x0fneeds_attention\x18\x06 \x01(\bR\x0eneedsAttention\"%\n" +
+	"\x0fneeds_attention\x18\x06 \x01(\bR\x0eneedsAttention\x12\x12\n" +
+	"\x04note\x18\a \x01(\tR\x04note\"%\n" +
 	"\vRetrySignal\x12\x16\n" +
 	"\x06reason\x18\x01 \x01(\tR\x06reason\"'\n" +
 	"\rAbandonSignal\x12\x16\n" +
