@@ -16,6 +16,7 @@
 //     reconcile; relaxed while any record is unreadable);
 //   - no held claim without its record (a record holding a claim never
 //     disappears, and the store refuses to delete it);
+//   - no record removed while the process it names lives;
 //   - no VF or mdev UUID named by two held claims;
 //   - a device goes away only when every instance whose held claim named it
 //     has no live process group.

@@ -495,6 +495,8 @@ func (h *host) deleteRecord(t *rapid.T) {
 		t.Fatalf("VIOLATION record deleted while unreadable: %s (%v)", id, getErr)
 	case getErr == nil && store.ClaimHeld(before):
 		t.Fatalf("VIOLATION record deleted while its claim is held: %s (%s %s)", id, claimKey(before.GetGpuClaim()), before.GetGpuClaim().GetPhase())
+	case h.helpers[id] != nil && h.helpers[id].alive():
+		t.Fatalf("VIOLATION record deleted while its process lives: %s (pid %d)", id, h.helpers[id].child.Identity().PID)
 	}
 }
 

@@ -11,6 +11,7 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
+	"vmflow/hostagent/proc"
 	"vmflow/internal/crashpoint"
 	"vmflow/internal/fsx"
 	vmflowv1 "vmflow/proto/vmflow/v1"
@@ -281,6 +282,9 @@ func (l *Locked) Delete() error {
 		return fmt.Errorf("delete instance %s: %w (profile %q, device %s, phase %s); release it first",
 			l.id, ErrClaimHeld, c.GetProfile(), ClaimDevice(c), c.GetPhase())
 	}
+	if err := processGone(rec); err != nil {
+		return fmt.Errorf("delete instance %s: %w; stop it and wait for its exit first", l.id, err)
+	}
 	if rec.GetState() != deleting {
 		return fmt.Errorf("delete instance %s: %w: %s -> deleted (only a record in deleting can be removed)",
 			l.id, ErrIllegalTransition, StateName(rec.GetState()))
@@ -307,6 +311,29 @@ func (l *Locked) Delete() error {
 	}
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("delete instance %s: %w", l.id, err)
+	}
+	return nil
+}
+
+// processGone returns nil when no QEMU of rec can be running: the record
+// names no process, or one /proc confirms gone (exited, its pid reused, or
+// of another boot). A process that is alive or whose liveness cannot be read
+// (invariant 2: "can't tell" is alive), and a launch marker not yet resolved
+// to a process, give ErrProcessMayLive.
+func processGone(rec *vmflowv1.InstanceRecord) error {
+	if rec.GetLaunchStartedAt() != nil && rec.GetProcess() == nil {
+		return fmt.Errorf("%w: a launch began at %s and no process is recorded yet",
+			ErrProcessMayLive, rec.GetLaunchStartedAt().AsTime().UTC().Format(time.RFC3339))
+	}
+	if p := rec.GetProcess(); p != nil {
+		st := proc.Inspect(IdentityOf(p))
+		if st.Alive {
+			detail := fmt.Sprintf("%d tasks", st.Tasks)
+			if st.Err != "" {
+				detail = st.Err
+			}
+			return fmt.Errorf("%w: %v is %s (%s)", ErrProcessMayLive, st.Identity, st.State, detail)
+		}
 	}
 	return nil
 }

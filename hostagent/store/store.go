@@ -9,7 +9,8 @@
 // so two agents on one state dir cannot both act; the instance state machine
 // lives here and nowhere else; a delete can only begin once the manual-stop
 // marker is on disk (invariant 6); and a record that still holds a vGPU claim
-// is never deleted (invariant 1).
+// (invariant 1) or names a QEMU not confirmed gone (invariant 11) is never
+// deleted.
 //
 // The package never imports Temporal: activities adapt it, supervision uses it
 // with the network down.
@@ -246,7 +247,8 @@ func (s *Store) Transition(ctx context.Context, id string, to vmflowv1.InstanceS
 
 // Delete removes instance id's record and directory (socket, log, pid file
 // and marker with it) under its lock. It is refused unless the record is in
-// Deleting and holds no vGPU claim (ErrClaimHeld). A missing record is
+// Deleting, holds no vGPU claim (ErrClaimHeld) and names no QEMU that may
+// still run (ErrProcessMayLive). A missing record is
 // ErrNotFound, which a delete path treats as already done.
 func (s *Store) Delete(ctx context.Context, id string) error {
 	return s.withLock(ctx, id, func(l *Locked) error { return l.Delete() })
