@@ -7,8 +7,8 @@
 // pgregory.net/rapid draws random sequences of create, claim, launch, exit,
 // begin-delete, release (ok, failing with an errno, blocked, blocked and
 // "crashed" between the sysfs write and the record update), reconcile,
-// teardown, delete, agent restart, a stray device, and a corrupted record
-// and its repair. After every step the invariants of ARCHITECTURE.md are
+// teardown, delete, agent restart, a stray device, a corrupted record
+// and its repair, and QEMU uid assignment. After every step the invariants of ARCHITECTURE.md are
 // checked against the real system (the sysfs listing, store.List, /proc),
 // not against a model of it:
 //
@@ -18,6 +18,7 @@
 //     disappears, and the store refuses to delete it);
 //   - no record removed while the process it names lives;
 //   - no VF or mdev UUID named by two held claims;
+//   - no QEMU uid named by two records, one that cannot be read included;
 //   - a device goes away only when every instance whose held claim named it
 //     has no live process group.
 //

@@ -120,6 +120,7 @@ func (h *host) actions() map[string]func(*rapid.T) {
 		"strayDevice": h.strayDevice,
 		"corrupt":     h.corruptRecord,
 		"repair":      h.repairRecord,
+		"assignUID":   h.assignUID,
 	}
 }
 
@@ -566,11 +567,56 @@ func (h *host) repairRecord(t *rapid.T) {
 	t.Logf("repair %s", id)
 }
 
+// modelUIDs is the model's --qemu-uid-range: one uid per instance, so a
+// quarantined record's uid is the one a careless assignment would reuse.
+var modelUIDs = store.UIDRange{First: 3_900_000_000, Last: 3_900_000_000 + uint32(len(instanceIDs)) - 1}
+
+// assignUID gives an instance its QEMU uid, as every launch does (the
+// model's QEMU stand-ins run as root: no process holds a uid of the range).
+func (h *host) assignUID(t *rapid.T) {
+	id := h.existingID(t)
+	c, cancel := ctx()
+	defer cancel()
+	l, err := h.st.Lock(c, id)
+	if err != nil {
+		t.Fatalf("assign uid %s: %v", id, err)
+	}
+	defer func() { _ = l.Unlock() }()
+	rec, err := l.AssignQEMUUID(c, modelUIDs, func(context.Context) (map[uint32]bool, error) { return nil, nil }, nil)
+	t.Logf("assign uid %s: %d %v", id, rec.GetQemuUid(), err)
+	h.event("assign uid", err == nil, err)
+}
+
+// checkUIDs: no uid is named by two records, a quarantined one included
+// (its bytes as they were before the model cut it).
+func (h *host) checkUIDs(t *rapid.T) {
+	recs, _ := h.records(t)
+	for id, b := range h.corrupt {
+		rec, err := store.DecodeRecord(b)
+		if err != nil {
+			t.Fatalf("decode the saved record of %s: %v", id, err)
+		}
+		recs = append(recs, rec)
+	}
+	owner := map[uint32]string{}
+	for _, rec := range recs {
+		u := rec.GetQemuUid()
+		if u == 0 {
+			continue
+		}
+		if other, ok := owner[u]; ok {
+			t.Fatalf("VIOLATION qemu uid %d named by two records: %s and %s", u, other, rec.GetId())
+		}
+		owner[u] = rec.GetId()
+	}
+}
+
 // check runs after every step, against the real system.
 func (h *host) check(t *rapid.T) {
 	now := h.observe(t)
 	defer func() { h.prev = now }()
 	t.Logf("  state: %s", h.describe(t))
+	h.checkUIDs(t)
 
 	// One device, one claim (invariant 10).
 	uuids := map[string]string{}

@@ -300,6 +300,7 @@ func (l *Locked) Delete() error {
 		return fmt.Errorf("delete instance %s: %w", l.id, err)
 	}
 	crashpoint.Hit(crashpoint.RecordTrashed)
+	l.s.dropUID(rec.GetQemuUid(), l.id)
 	// From here the instance is gone for readers; finish removing its files
 	// even if the fsync failed (New removes whatever a crash leaves).
 	var errs []error

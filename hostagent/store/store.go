@@ -68,6 +68,7 @@ type Store struct {
 	root      string // absolute state dir
 	instances string
 	locks     string
+	uids      string           // the uid ledger (uidsDir)
 	afterTemp func(tmp string) // test hook: see writeFileAtomic
 }
 
@@ -90,11 +91,12 @@ func New(stateDir string, opts ...Option) (*Store, error) {
 		root:      root,
 		instances: filepath.Join(root, instancesDir),
 		locks:     filepath.Join(root, locksDir),
+		uids:      filepath.Join(root, uidsDir),
 	}
 	for _, o := range opts {
 		o(s)
 	}
-	for _, d := range []string{s.instances, s.locks} {
+	for _, d := range []string{s.instances, s.locks, s.uids} {
 		// Durably: a record written into a directory whose own entry a
 		// power cut drops is lost with it.
 		if err := fsx.MkdirAll(d, 0o700); err != nil {

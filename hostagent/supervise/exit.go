@@ -307,7 +307,7 @@ func (s *Supervisor) restart(in *instance, gen uint64) {
 	log := in.log.With(zap.Uint32("restart_count", attempt))
 	log.Info("restarting")
 	vm, err := s.launchLocked(ctx, l, in, rec)
-	if errors.Is(err, spec.ErrAdmissionRefused) {
+	if errors.Is(err, spec.ErrAdmissionRefused) || errors.Is(err, store.ErrUIDRangeTaken) {
 		s.refuseRestartLocked(l, in, attempt-1, err)
 		return
 	}
@@ -325,14 +325,14 @@ func (s *Supervisor) restart(in *instance, gen uint64) {
 	log.Info("restarted", zap.Int("pid", vm.Identity().PID))
 }
 
-// refuseRestartLocked records a restart the host's admission policy
-// refused: needs_attention says so (last_error was written by launchLocked),
+// refuseRestartLocked records a restart the host's admission policy (or
+// its uid range) refused: needs_attention says so (last_error was written by launchLocked),
 // and the restart count goes back to count, since nothing was started. No
 // restart is scheduled: the policy is the agent's configuration, which
 // changes only with a new agent, whose re-attach applies the restart policy
 // again (and admits again).
 func (s *Supervisor) refuseRestartLocked(l *store.Locked, in *instance, count uint32, cause error) {
-	in.log.Error("restart refused by the host's admission policy; not restarting until an agent runs with a policy that admits it",
+	in.log.Error("restart refused by the host's configuration; not restarting until an agent runs with one that admits it",
 		zap.Error(cause))
 	if _, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
 		r.RestartCount = count

@@ -62,6 +62,10 @@ type Config struct {
 	// empty): when its group cannot open it, KVM launches fail with
 	// vmm.ErrKVMAccess and everything else goes on.
 	KVMDevice string
+	// EtcDir holds the host's passwd, group, subuid and subgid ("/etc"
+	// when empty): a QEMUUIDs range overlapping what they hand out is
+	// refused at every launch (store.CheckUIDRange).
+	EtcDir string
 	// DevRoot holds the VFIO group nodes (<DevRoot>/vfio/<group>) given to
 	// a QEMU's uid while it may run ("/dev" when empty).
 	DevRoot string
@@ -206,6 +210,9 @@ func New(cfg Config) (*Supervisor, error) {
 	if cfg.DevRoot == "" {
 		cfg.DevRoot = "/dev"
 	}
+	if cfg.EtcDir == "" {
+		cfg.EtcDir = "/etc"
+	}
 	if cfg.Now == nil {
 		cfg.Now = time.Now
 	}
@@ -213,6 +220,10 @@ func New(cfg Config) (*Supervisor, error) {
 	if kvm.Err != nil {
 		// Not fatal: TCG launches, re-attach and stops go on (invariant 12).
 		cfg.Logger.Warn("no usable KVM: spawns that ask for it are refused, accel \"tcg\" runs without it", zap.Error(kvm.Err))
+	}
+	if err := store.CheckUIDRange(cfg.QEMUUIDs, cfg.EtcDir); err != nil {
+		// Not fatal either: running VMs are supervised, launches refused.
+		cfg.Logger.Warn("launches will be refused", zap.Error(err))
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	return &Supervisor{
