@@ -91,6 +91,7 @@ type Claims struct {
 	log     *zap.Logger
 	now     func() time.Time
 	seen    scanSeen // Scan's own first sightings of unclaimed devices
+	scanFDs func(context.Context) (*proc.FDScan, error)
 }
 
 // New sets up the driver and the claims over cfg.Store.
@@ -100,7 +101,7 @@ func New(cfg Config) (*Claims, error) {
 	}
 	c := &Claims{
 		st: cfg.Store, devRoot: cfg.DevRoot, grace: cfg.OrphanGrace, ignore: cfg.IgnoreUninspectable,
-		log: cfg.Logger, now: cfg.Now,
+		log: cfg.Logger, now: cfg.Now, scanFDs: proc.ScanFDs,
 	}
 	if c.devRoot == "" {
 		c.devRoot = "/dev"
@@ -394,7 +395,7 @@ func (c *Claims) releaseLocked(ctx context.Context, l *store.Locked) (bool, stri
 	// release, whatever sysfs says about it.
 	err = c.ownDevice(ctx, l.ID(), dev)
 	if err == nil {
-		err = c.mayRelease(ctx, rec, dev)
+		err = c.mayRelease(ctx, rec, dev, proc.Holders)
 	}
 	if err != nil {
 		c.recordFailure(l, err)
@@ -425,9 +426,13 @@ func (c *Claims) releaseLocked(ctx context.Context, l *store.Locked) (bool, stri
 	return true, dev.ID, nil
 }
 
+// holdersFunc answers who holds a path: proc.Holders (a fresh walk of
+// /proc, before a release) or one FDScan shared by a scan's items.
+type holdersFunc func(ctx context.Context, path string) ([]proc.Holder, error)
+
 // mayRelease is invariant 2: the VM's whole thread group must be confirmed
-// gone, and nothing may hold the device's VFIO node.
-func (c *Claims) mayRelease(ctx context.Context, rec *vmflowv1.InstanceRecord, dev vgpu.Device) error {
+// gone, and nothing may hold the device's VFIO node (asked of holders).
+func (c *Claims) mayRelease(ctx context.Context, rec *vmflowv1.InstanceRecord, dev vgpu.Device, holders holdersFunc) error {
 	if at := rec.GetLaunchStartedAt(); at != nil && rec.GetProcess() == nil {
 		// A launch began and its QEMU's pid is not recorded yet: a QEMU
 		// forked just before an agent died may run with the device open,
@@ -479,7 +484,7 @@ func (c *Claims) mayRelease(ctx context.Context, rec *vmflowv1.InstanceRecord, d
 	if node == "" {
 		return nil // the device is gone: nothing can hold it
 	}
-	hs, err := proc.Holders(ctx, node)
+	hs, err := holders(ctx, node)
 	if err != nil {
 		return fmt.Errorf("%w: cannot tell who holds %s: %w", ErrDeviceHeld, node, err)
 	}
@@ -633,7 +638,7 @@ func (c *Claims) Reconcile(ctx context.Context) (*vmflowv1.ReconcileVGPUResult, 
 			res.Skipped++
 			continue
 		}
-		if err := c.mayRelease(ctx, &vmflowv1.InstanceRecord{}, d); err != nil {
+		if err := c.mayRelease(ctx, &vmflowv1.InstanceRecord{}, d, proc.Holders); err != nil {
 			next[d.ID] = first
 			res.Skipped++
 			c.log.Info("reconcile: orphan held, left alone", zap.String("device_id", d.ID), zap.Error(err))
