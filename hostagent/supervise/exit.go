@@ -58,7 +58,7 @@ func applyExit(r *vmflowv1.InstanceRecord, id proc.Identity, ex exitInfo) bool {
 	}
 	takeBackVFIO(r)
 	r.Process = nil
-	r.LastExit = timestamppb.New(ex.at)
+	r.LastExit, r.LastExitBoot = timestamppb.New(ex.at), store.BootMomentNow()
 	r.LastExitStatus = ex.status
 	r.LastExitCode = ex.code
 	if r.GetState() == vmflowv1.InstanceState_INSTANCE_STATE_RUNNING {
@@ -212,8 +212,9 @@ func (s *Supervisor) recordGoneLocked(ctx context.Context, l *store.Locked, id p
 }
 
 // applyPolicyLocked decides, under the lock, whether rec's VM comes back
-// and schedules the restart. The backoff counts from since, or when since
-// is zero from the recorded exit (so time the agent was down counts too).
+// and schedules the restart. The backoff counts from since (an in-process
+// instant), or when since is zero from the recorded exit (so time the agent
+// was down counts too), and is never longer than the policy's.
 func (s *Supervisor) applyPolicyLocked(l *store.Locked, in *instance, rec *vmflowv1.InstanceRecord, since time.Time) bool {
 	marked, err := l.ManualStop()
 	if err != nil {
@@ -225,12 +226,14 @@ func (s *Supervisor) applyPolicyLocked(l *store.Locked, in *instance, rec *vmflo
 		in.log.Info("not restarting", zap.String("reason", d.reason), zap.String("restart_policy", rec.GetRestartPolicy()))
 		return false
 	}
-	if since.IsZero() && rec.GetLastExit() != nil {
-		since = rec.GetLastExit().AsTime()
-	}
 	delay := d.delay
 	if !since.IsZero() {
 		delay = max(0, time.Until(since.Add(d.delay)))
+	} else {
+		// Resumed by an agent that did not see the exit: what is left of
+		// the backoff since the recorded one, on CLOCK_BOOTTIME (a clock
+		// stepped back never stretches it).
+		delay = max(0, d.delay-store.Elapsed(rec.GetLastExit(), rec.GetLastExitBoot(), s.cfg.Now()))
 	}
 	s.scheduleRestart(in, delay)
 	in.log.Info("restart scheduled", zap.String("reason", d.reason), zap.Duration("backoff", d.delay),

@@ -130,7 +130,7 @@ func (s *Supervisor) Launch(ctx context.Context, id string) (LaunchResult, error
 		// written. It ended somehow; say so before starting anew.
 		if rec, err = l.Update(func(r *vmflowv1.InstanceRecord) error {
 			r.State = vmflowv1.InstanceState_INSTANCE_STATE_EXITED
-			r.LastExit, r.LastExitStatus, r.LastExitCode = s.ts(), "unknown (no process recorded)", -1
+			r.LastExit, r.LastExitBoot, r.LastExitStatus, r.LastExitCode = s.ts(), store.BootMomentNow(), "unknown (no process recorded)", -1
 			return nil
 		}); err != nil {
 			return LaunchResult{}, fmt.Errorf("launch instance %s: %w", id, err)
@@ -350,7 +350,7 @@ func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *inst
 				r.Process = store.ProcessRecord(pid)
 				_ = clearLaunchMarker(r)
 				r.LastStart = s.ts()
-				r.StopStep, r.StopStepAt = vmflowv1.StopStep_STOP_STEP_NONE, nil
+				r.StopStep, r.StopStepAt, r.StopStepBoot = vmflowv1.StopStep_STOP_STEP_NONE, nil, nil
 				r.LastError = ""
 				// Admitted and started: a refusal recorded earlier is over.
 				r.NeedsAttention, r.NeedsAttentionAt = "", nil
@@ -370,7 +370,7 @@ func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *inst
 			_, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
 				if pid.Valid() && r.GetProcess() != nil && store.IdentityOf(r.GetProcess()) == pid {
 					r.Process = nil
-					r.LastExit, r.LastExitStatus, r.LastExitCode = s.ts(), "launch failed", -1
+					r.LastExit, r.LastExitBoot, r.LastExitStatus, r.LastExitCode = s.ts(), store.BootMomentNow(), "launch failed", -1
 				}
 				_ = clearLaunchMarker(r)
 				takeBackVFIO(r)
