@@ -181,7 +181,7 @@ func (c *Claims) Claim(ctx context.Context, id, profile string) (*vmflowv1.GpuCl
 	if store.IsDeleting(rec) {
 		return nil, fmt.Errorf("claim vGPU for %s: %w", id, store.ErrDeleting)
 	}
-	req := vgpu.CreateRequest{Profile: profile, Taken: c.takenBy(id)}
+	req := vgpu.CreateRequest{Profile: profile, Taken: c.takenBy(id), Held: c.heldBy(id)}
 	if store.ClaimHeld(rec) {
 		have := rec.GetGpuClaim()
 		if have.GetProfile() != profile {
@@ -263,7 +263,8 @@ func (c *Claims) ensureActive(ctx context.Context, l *store.Locked, cl *vmflowv1
 	}
 	c.log.Warn("vGPU of an active claim is missing, re-creating it", zap.String("instance_id", l.ID()),
 		zap.String("device_id", dev.ID), zap.String("profile", cl.GetProfile()))
-	if _, err := c.drv.Create(ctx, vgpu.CreateRequest{Profile: cl.GetProfile(), UUID: cl.GetUuid(), At: placementOf(cl), Taken: c.takenBy(l.ID())}); err != nil {
+	if _, err := c.drv.Create(ctx, vgpu.CreateRequest{Profile: cl.GetProfile(), UUID: cl.GetUuid(), At: placementOf(cl),
+		Taken: c.takenBy(l.ID()), Held: c.heldBy(l.ID())}); err != nil {
 		return nil, fmt.Errorf("instance %s: vGPU %q device %s: %w: %w", l.ID(), cl.GetProfile(), dev.ID, ErrClaimDeviceMissing, err)
 	}
 	c.log.Info("vGPU re-created", zap.String("instance_id", l.ID()), zap.String("device_id", dev.ID), zap.String("profile", cl.GetProfile()))
@@ -309,6 +310,28 @@ func (c *Claims) takenBy(self string) func(context.Context) (map[string]string, 
 			return m, fmt.Errorf("%w: %d record(s): %s", vgpu.ErrRecordsUnreadable, n, strings.ReplaceAll(err.Error(), "\n", "; "))
 		}
 		return m, nil
+	}
+}
+
+// heldBy reads the records for vgpu.CreateRequest.Held: the devices of
+// the held claims of instances other than self, with their placements.
+func (c *Claims) heldBy(self string) func(context.Context) ([]vgpu.Device, error) {
+	return func(context.Context) ([]vgpu.Device, error) {
+		recs, err := c.st.List()
+		bad, listed := store.Unreadable(err)
+		if !listed {
+			return nil, fmt.Errorf("vgpu: read claims: %w", err)
+		}
+		var out []vgpu.Device
+		for _, r := range recs {
+			if r.GetId() != self && store.ClaimHeld(r) {
+				out = append(out, deviceOf(r.GetGpuClaim(), c.drv.Kind()))
+			}
+		}
+		if len(bad) > 0 {
+			return out, fmt.Errorf("%w: %d record(s)", vgpu.ErrRecordsUnreadable, len(bad))
+		}
+		return out, nil
 	}
 }
 
