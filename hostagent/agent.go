@@ -166,9 +166,10 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 		// made at the first), then QEMU's spec from the record.
 		PrepareLaunch: spec.PrepareLaunch(host, devs, cfg.VGPUAttach),
 		QEMUUIDs:      cfg.QEMUUIDs, KVMDevice: cfg.KVMDevice, DevRoot: cfg.DevRoot,
-		OnExitRecorded:    func(d time.Duration) { am.ExitDetect.Observe(d.Seconds()) },
-		OnRestartRefused:  am.RestartsRefused.Inc,
-		OnGuestLogDropped: func(n uint64) { am.GuestLogDropped.Add(float64(n)) },
+		OnExitRecorded:         func(d time.Duration) { am.ExitDetect.Observe(d.Seconds()) },
+		OnRestartRefused:       am.RestartsRefused.Inc,
+		OnRestartDeviceMissing: am.RestartsDeviceMissing.Inc,
+		OnGuestLogDropped:      func(n uint64) { am.GuestLogDropped.Add(float64(n)) },
 	})
 	if err != nil {
 		return err

@@ -37,6 +37,10 @@ type Agent struct {
 	// (the recorded spec is outside the policy the agent runs with): each
 	// leaves its instance needing attention.
 	RestartsRefused prometheus.Counter
+	// RestartsDeviceMissing counts restarts that could not get their vGPU
+	// back (missing and not re-created): each leaves its instance needing
+	// attention.
+	RestartsDeviceMissing prometheus.Counter
 	// GuestLogDropped counts guest output bytes that never reached
 	// qemu.log (its disk full, failing or behind): output is dropped rather
 	// than QEMU blocked.
@@ -86,6 +90,10 @@ func New(reg prometheus.Registerer, st *store.Store) (*Agent, error) {
 			Name: "vmflow_restarts_refused_total",
 			Help: "Restarts refused because the host's admission policy no longer admits the instance's recorded spec.",
 		}),
+		RestartsDeviceMissing: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "vmflow_restarts_device_missing_total",
+			Help: "Restarts that failed because the instance's vGPU is missing and could not be re-created.",
+		}),
 		GuestLogDropped: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "vmflow_guest_log_dropped_bytes_total",
 			Help: "Guest output bytes dropped instead of written to qemu.log (disk full, failing or behind), counted when a VM's log pump ends.",
@@ -99,7 +107,7 @@ func New(reg prometheus.Registerer, st *store.Store) (*Agent, error) {
 	for _, errno := range []string{"EAGAIN", "EBUSY", "EIO", "ENODEV"} {
 		a.ReleaseFailures.WithLabelValues(errno)
 	}
-	cs := []prometheus.Collector{a.StopDuration, a.ExitDetect, a.LaunchDuration, a.ReleaseFailures, a.Reattach, a.ClaimsUnserved, a.RestartsRefused, a.GuestLogDropped}
+	cs := []prometheus.Collector{a.StopDuration, a.ExitDetect, a.LaunchDuration, a.ReleaseFailures, a.Reattach, a.ClaimsUnserved, a.RestartsRefused, a.RestartsDeviceMissing, a.GuestLogDropped}
 	if st != nil {
 		a.store = &storeCollector{st: st}
 		a.store.refresh()

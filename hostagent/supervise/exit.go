@@ -12,6 +12,7 @@ import (
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/spec"
 	"vmflow/hostagent/store"
+	"vmflow/hostagent/vgpu/claims"
 	"vmflow/hostagent/vmm"
 	"vmflow/internal/fsx"
 	vmflowv1 "vmflow/proto/vmflow/v1"
@@ -314,6 +315,9 @@ func (s *Supervisor) restart(in *instance, gen uint64) {
 		s.refuseRestartLocked(l, in, attempt-1, err)
 		return
 	}
+	if errors.Is(err, claims.ErrClaimDeviceMissing) {
+		s.deviceMissingLocked(l, in, err)
+	}
 	if err != nil {
 		// A failed restart is an attempt: the policy decides again with the
 		// higher count (so the backoff doubles), from now.
@@ -347,6 +351,26 @@ func (s *Supervisor) refuseRestartLocked(l *store.Locked, in *instance, count ui
 	}
 	if s.cfg.OnRestartRefused != nil {
 		s.cfg.OnRestartRefused()
+	}
+}
+
+// deviceMissingLocked records a restart that could not get its vGPU: the
+// device is gone (a reboot) and could not be re-created, which retrying
+// alone may never fix (its slot taken by hand, the GPU's driver not
+// loaded). needs_attention says so until a launch succeeds; the restart
+// policy keeps trying.
+func (s *Supervisor) deviceMissingLocked(l *store.Locked, in *instance, cause error) {
+	if _, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
+		if r.GetNeedsAttention() == "" {
+			r.NeedsAttentionAt = s.ts()
+		}
+		r.NeedsAttention = "restart cannot get its vGPU: " + cause.Error()
+		return nil
+	}); err != nil {
+		in.log.Error("restart without its vGPU: cannot record it", zap.Error(err))
+	}
+	if s.cfg.OnRestartDeviceMissing != nil {
+		s.cfg.OnRestartDeviceMissing()
 	}
 }
 

@@ -82,6 +82,11 @@ type Config struct {
 	// (spec.ErrAdmissionRefused) and the refusal is written to the record:
 	// the agent's vmflow_restarts_refused_total. It must not block.
 	OnRestartRefused func()
+	// OnRestartDeviceMissing, when set, is called after a restart failed
+	// because its vGPU is missing and could not be re-created
+	// (claims.ErrClaimDeviceMissing), with needs_attention written: the
+	// agent's vmflow_restarts_device_missing_total. It must not block.
+	OnRestartDeviceMissing func()
 	// OnGuestLogDropped, when set, is called once per VM whose guest output
 	// lost bytes (the log's disk full, failing or behind), with how many,
 	// when its log pump ends: the agent's
