@@ -105,7 +105,21 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 	if err != nil {
 		return err
 	}
-	// Scrapes serve a snapshot of the store; this keeps it current.
+	// Scrapes serve a snapshot of the store; this keeps it current, and
+	// says when the state file system goes below its reserve and back.
+	low := false // refreshes run one at a time
+	am.OnStateSpace(func(sp store.Space) {
+		if sp.Low() == low {
+			return
+		}
+		low = sp.Low()
+		fields := []zap.Field{zap.Uint64("free_bytes", sp.Free), zap.Uint64("reserve_bytes", sp.Reserve), zap.Bool("reserve_held", sp.Held)}
+		if low {
+			log.Warn("state file system below its reserve: deletes go on, spawns are refused until there is room", fields...)
+		} else {
+			log.Info("state file system has room again", fields...)
+		}
+	})
 	go am.RunStoreRefresh(life, metrics.DefaultStoreRefresh)
 	// The SDK labels activity metrics with names callers choose: only the
 	// agent's own activities and vmflow's workflows keep theirs.

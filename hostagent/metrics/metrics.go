@@ -125,7 +125,19 @@ var (
 	instancesDesc = prometheus.NewDesc("vmflow_instances", "Instance records on this host, by state.", []string{"state"}, nil)
 	claimsDesc    = prometheus.NewDesc("vmflow_vgpu_claims", "vGPU claims held by instance records on this host.", nil, nil)
 	unreadable    = prometheus.NewDesc("vmflow_records_unreadable", "Instance records that could not be read.", nil, nil)
+	freeDesc      = prometheus.NewDesc("vmflow_state_fs_free_bytes",
+		"Bytes the agent can still write on the state file system, its reserve not included.", nil, nil)
+	reserveDesc = prometheus.NewDesc("vmflow_state_fs_reserve_held",
+		"1 while the state file system's reserve is in place; 0 once a delete on a full disk gave it up.", nil, nil)
 )
+
+// OnStateSpace makes every store refresh call fn with the state file
+// system's room. Call it before RunStoreRefresh starts.
+func (a *Agent) OnStateSpace(fn func(store.Space)) {
+	if a.store != nil {
+		a.store.onSpace = fn
+	}
+}
 
 // RefreshStore re-reads the store into the gauges' snapshot now (every
 // record: O(records) reads). A no-op without a store.
@@ -160,12 +172,16 @@ type storeSnapshot struct {
 	byState    map[string]float64
 	claims     float64
 	unreadable float64
+	space      store.Space
 }
 
 // storeCollector serves the last snapshot of the store; refresh takes a new
 // one. A scrape (Collect) never touches the store.
 type storeCollector struct {
 	st *store.Store
+	// onSpace, when set, is called by each refresh with the state file
+	// system's room (the agent warns below the reserve).
+	onSpace func(store.Space)
 
 	refreshMu sync.Mutex // one refresh at a time
 	mu        sync.Mutex
@@ -176,6 +192,8 @@ func (c *storeCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- instancesDesc
 	ch <- claimsDesc
 	ch <- unreadable
+	ch <- freeDesc
+	ch <- reserveDesc
 }
 
 func (c *storeCollector) refresh() {
@@ -196,6 +214,10 @@ func (c *storeCollector) refresh() {
 	}
 	bad, _ := store.Unreadable(err)
 	snap.unreadable = float64(len(bad))
+	snap.space = c.st.Space()
+	if c.onSpace != nil {
+		c.onSpace(snap.space)
+	}
 	c.mu.Lock()
 	c.snap = snap
 	c.mu.Unlock()
@@ -210,4 +232,10 @@ func (c *storeCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 	ch <- prometheus.MustNewConstMetric(claimsDesc, prometheus.GaugeValue, snap.claims)
 	ch <- prometheus.MustNewConstMetric(unreadable, prometheus.GaugeValue, snap.unreadable)
+	ch <- prometheus.MustNewConstMetric(freeDesc, prometheus.GaugeValue, float64(snap.space.Free))
+	held := 0.0
+	if snap.space.Held {
+		held = 1
+	}
+	ch <- prometheus.MustNewConstMetric(reserveDesc, prometheus.GaugeValue, held)
 }

@@ -122,9 +122,13 @@ func (l *Locked) Create(want *vmflowv1.InstanceRecord) (*vmflowv1.InstanceRecord
 		CreatedAt:                 now,
 		UpdatedAt:                 now,
 	}
-	// A record too large to read back is refused before its directory
-	// exists: nothing is left behind.
+	// A record too large to read back, or one the state file system has no
+	// room for, is refused before its directory exists: nothing is left
+	// behind.
 	if _, err := encodeForWrite(rec); err != nil {
+		return nil, fmt.Errorf("create instance %s: %w", l.id, err)
+	}
+	if err := l.s.checkRoom(); err != nil {
 		return nil, fmt.Errorf("create instance %s: %w", l.id, err)
 	}
 	if err := os.Mkdir(l.paths.Dir, 0o700); err != nil && !errors.Is(err, fs.ErrExist) {
@@ -232,7 +236,13 @@ func (l *Locked) write(rec *vmflowv1.InstanceRecord) error {
 	if err := fsx.RemoveStaleTemps(l.paths.Dir); err != nil {
 		return err
 	}
-	return writeFileAtomic(l.paths.Dir, RecordFile, b, l.s.afterTemp)
+	put := func() error { return writeFileAtomic(l.paths.Dir, RecordFile, b, l.s.afterTemp) }
+	// A delete's writes (once the marker is down) may use the reserve: a
+	// full disk never blocks a delete (invariant 14).
+	if marked, _ := markerExists(l.paths); marked {
+		return l.s.withReserve(put)
+	}
+	return put()
 }
 
 // MarkManualStop: see Store.MarkManualStop. An existing marker is kept as is.
@@ -257,7 +267,7 @@ func (l *Locked) MarkManualStop() error {
 		return nil
 	}
 	body := []byte("manual stop requested at " + time.Now().UTC().Format(time.RFC3339Nano) + "\n")
-	if err := writeFileAtomic(l.paths.Dir, ManualStopFile, body, nil); err != nil {
+	if err := l.s.withReserve(func() error { return writeFileAtomic(l.paths.Dir, ManualStopFile, body, nil) }); err != nil {
 		return fmt.Errorf("mark manual stop of instance %s: %w", l.id, err)
 	}
 	crashpoint.Hit(crashpoint.MarkerWritten)
@@ -289,7 +299,11 @@ func (l *Locked) Delete() error {
 		return fmt.Errorf("delete instance %s: %w: %s -> deleted (only a record in deleting can be removed)",
 			l.id, ErrIllegalTransition, StateName(rec.GetState()))
 	}
-	trash, err := os.MkdirTemp(l.s.instances, trashPrefix+l.id+"-")
+	var trash string
+	err = l.s.withReserve(func() (err error) {
+		trash, err = os.MkdirTemp(l.s.instances, trashPrefix+l.id+"-")
+		return err
+	})
 	if err != nil {
 		return fmt.Errorf("delete instance %s: %w", l.id, err)
 	}

@@ -69,6 +69,7 @@ type Store struct {
 	instances string
 	locks     string
 	uids      string           // the uid ledger (uidsDir)
+	reserve   uint64           // the reserve's size (WithReserve)
 	afterTemp func(tmp string) // test hook: see writeFileAtomic
 }
 
@@ -92,6 +93,7 @@ func New(stateDir string, opts ...Option) (*Store, error) {
 		instances: filepath.Join(root, instancesDir),
 		locks:     filepath.Join(root, locksDir),
 		uids:      filepath.Join(root, uidsDir),
+		reserve:   DefaultReserve,
 	}
 	for _, o := range opts {
 		o(s)
@@ -110,6 +112,8 @@ func New(stateDir string, opts ...Option) (*Store, error) {
 	if err := s.removeTrash(); err != nil {
 		return nil, fmt.Errorf("open store: %w", err)
 	}
+	// Best effort: an agent must start on a full disk, to serve deletes.
+	s.layReserve()
 	return s, nil
 }
 
