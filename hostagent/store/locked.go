@@ -128,7 +128,7 @@ func (l *Locked) Create(want *vmflowv1.InstanceRecord) (*vmflowv1.InstanceRecord
 	if _, err := encodeForWrite(rec); err != nil {
 		return nil, fmt.Errorf("create instance %s: %w", l.id, err)
 	}
-	if err := l.s.checkRoom(); err != nil {
+	if err := l.s.checkRoom(diskSize(want.GetSpec().GetDisk())); err != nil {
 		return nil, fmt.Errorf("create instance %s: %w", l.id, err)
 	}
 	if err := os.Mkdir(l.paths.Dir, 0o700); err != nil && !errors.Is(err, fs.ErrExist) {

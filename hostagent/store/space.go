@@ -80,9 +80,10 @@ func (s *Store) reservePath() string { return filepath.Join(s.root, reserveFile)
 
 // checkRoom refuses a spawn (ErrDiskFull, saying how much is free) that
 // the state file system cannot hold beside the reserve and what the
-// running overlays may still grow to. A reserve given up earlier is laid
-// down again first when there is room for it.
-func (s *Store) checkRoom() error {
+// running overlays may still grow to; disk is what its own overlay may
+// grow to. A reserve given up earlier is laid down again first when there
+// is room for it.
+func (s *Store) checkRoom(disk uint64) error {
 	s.layReserve()
 	sp := s.Space()
 	if sp.Err != nil {
@@ -91,15 +92,30 @@ func (s *Store) checkRoom() error {
 	if sp.Unsized {
 		return nil
 	}
-	need := uint64(createHeadroom) + sp.OverlayGrowth
+	need := uint64(createHeadroom) + disk + sp.OverlayGrowth
 	if !sp.Held {
 		need += sp.Reserve
 	}
 	if sp.Free < need {
-		return fmt.Errorf("%w: %d bytes free on %s, %d of them may still be written by the instances' disk overlays; a spawn needs %d (with the %d-byte reserve %s)",
-			ErrDiskFull, sp.Free, s.root, sp.OverlayGrowth, uint64(createHeadroom), sp.Reserve, heldWord(sp.Held))
+		return fmt.Errorf("%w: %d bytes free on %s, %d of them may still be written by the instances' disk overlays; this spawn needs %d (its disk may grow to %d; the %d-byte reserve %s)",
+			ErrDiskFull, sp.Free, s.root, sp.OverlayGrowth, uint64(createHeadroom)+disk, disk, sp.Reserve, heldWord(sp.Held))
 	}
 	return nil
+}
+
+// diskSize is what a new instance's overlay over the disk image at path
+// may grow to: the image's size (the overlay's virtual size is its base's).
+// 0 without a disk, or one that cannot be read here (the launch opens and
+// admits it).
+func diskSize(path string) uint64 {
+	if path == "" {
+		return 0
+	}
+	fi, err := os.Stat(path)
+	if err != nil || !fi.Mode().IsRegular() {
+		return 0
+	}
+	return uint64(fi.Size())
 }
 
 func heldWord(held bool) string {

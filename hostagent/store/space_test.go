@@ -127,4 +127,14 @@ func TestAdmissionCountsOverlayGrowth(t *testing.T) {
 	assert.Contains(t, err.Error(), "overlays")
 	require.NoError(t, os.Remove(p.Overlay))
 	mustCreate(t, s, "vm2")
+
+	// The new instance's own overlay may grow to its disk's size.
+	disk := filepath.Join(t.TempDir(), "disk.raw")
+	require.NoError(t, os.WriteFile(disk, nil, 0o600))
+	require.NoError(t, os.Truncate(disk, 64<<20))
+	big := wantRecord("vm3")
+	big.Spec.Disk = disk
+	_, err = s.Create(context.Background(), big)
+	require.ErrorIs(t, err, ErrDiskFull)
+	assert.Contains(t, err.Error(), "its disk may grow to 67108864")
 }
