@@ -42,7 +42,9 @@ type driverCase struct {
 }
 
 var driverCases = []driverCase{
-	{kind: vgpu.KindMdev, opts: vgpusim.Options{MdevParents: 1}, profile: "GRID A100-4C"},
+	// Two per GPU for three instances: capacity binds, so a reboot's
+	// missing devices meet new claims competing for their slots.
+	{kind: vgpu.KindMdev, opts: vgpusim.Options{MdevParents: 1}, profile: "GRID A100-20C"},
 	{kind: vgpu.KindVendor, opts: vgpusim.Options{VendorVFs: 3}, profile: "NVIDIA L40-4Q"},
 }
 
@@ -105,6 +107,9 @@ type host struct {
 	unclaimedSince map[string]time.Time // mirrors the reconcile ledger for unclaimed devices
 	prev           snapshot
 	events         map[string]int // outcome counts over the whole run, for the log
+	// rebooted: the last step was a reboot, whose vanished devices the
+	// device checks must not take for releases.
+	rebooted bool
 }
 
 // reason names an error by the sentinel callers branch on.

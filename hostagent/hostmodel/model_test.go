@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"path/filepath"
 	"sort"
 	"strconv"
 	"strings"
@@ -121,6 +122,7 @@ func (h *host) actions() map[string]func(*rapid.T) {
 		"corrupt":     h.corruptRecord,
 		"repair":      h.repairRecord,
 		"assignUID":   h.assignUID,
+		"reboot":      h.reboot,
 	}
 }
 
@@ -219,8 +221,7 @@ func (h *host) launch(t *rapid.T) {
 		t.Logf("launch %s: no active claim", id)
 		return
 	}
-	if !h.devices(t)[claimKey(cl)] {
-		t.Logf("launch %s: claimed device %s does not exist", id, claimKey(cl))
+	if !h.devices(t)[claimKey(cl)] && !h.ensureDevice(t, id, cl) {
 		return
 	}
 	node := h.vfioNode(t, claimKey(cl))
@@ -567,6 +568,63 @@ func (h *host) repairRecord(t *rapid.T) {
 	t.Logf("repair %s", id)
 }
 
+// ensureDevice re-creates the missing device of id's active claim, as every
+// launch does (spec.PrepareLaunch), and reports whether it exists now. A
+// held claim keeps its slot and its parent's type across a reboot: only a
+// stray device (one no held claim names) can stand in its way.
+func (h *host) ensureDevice(t *rapid.T, id string, cl *vmflowv1.GpuClaim) bool {
+	c, cancel := ctx()
+	defer cancel()
+	l, err := h.st.Lock(c, id)
+	if err != nil {
+		t.Fatalf("launch %s: %v", id, err)
+	}
+	_, err = h.claims.EnsureDeviceLocked(c, l)
+	_ = l.Unlock()
+	t.Logf("launch %s: re-create missing device %s: %v", id, claimKey(cl), err)
+	h.event("re-create", err == nil, err)
+	if err == nil {
+		return true
+	}
+	if errors.Is(err, vgpu.ErrNoCapacity) || errors.Is(err, vgpu.ErrDeviceMismatch) {
+		now := h.observe(t)
+		for d := range now.devices {
+			if len(now.holders[d]) == 0 {
+				return false // a stray took it; reconcile removes it after the grace
+			}
+		}
+		t.Fatalf("VIOLATION a held claim lost its slot to another claim: %s's %s cannot be re-created: %v", id, claimKey(cl), err)
+	}
+	return false
+}
+
+// reboot is a host reboot: every process ends and every device goes (mdevs
+// vanish, VFs read type 0) while the records keep their claims; the agent
+// starts again.
+func (h *host) reboot(t *rapid.T) {
+	if !rarely(t, "reboot") {
+		t.Skip("not this time")
+	}
+	for id, hp := range h.helpers {
+		if err := hp.end(); err != nil {
+			t.Fatalf("reboot: %s: %v", id, err)
+		}
+	}
+	for d := range h.devices(t) {
+		path, val := filepath.Join(h.sys, "bus/mdev/devices", d, "remove"), "1"
+		if h.dc.kind == vgpu.KindVendor {
+			path, val = filepath.Join(h.sys, "bus/pci/devices", d, "nvidia/current_vgpu_type"), "0"
+		}
+		if err := os.WriteFile(path, []byte(val), 0o200); err != nil {
+			t.Fatalf("reboot: remove %s: %v", d, err)
+		}
+	}
+	h.startAgent(t)
+	h.rebooted = true
+	h.events["reboots"]++
+	t.Logf("reboot")
+}
+
 // modelUIDs is the model's --qemu-uid-range: one uid per instance, so a
 // quarantined record's uid is the one a careless assignment would reuse.
 var modelUIDs = store.UIDRange{First: 3_900_000_000, Last: 3_900_000_000 + uint32(len(instanceIDs)) - 1}
@@ -642,8 +700,13 @@ func (h *host) check(t *rapid.T) {
 		}
 	}
 	// A device goes only when every instance whose held claim named it has
-	// no live process group (invariant 2).
+	// no live process group (invariant 2); a reboot takes them all.
+	rebooted := h.rebooted
+	h.rebooted = false
 	for d := range h.prev.devices {
+		if rebooted {
+			break
+		}
 		if now.devices[d] {
 			continue
 		}
