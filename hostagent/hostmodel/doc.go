@@ -9,7 +9,8 @@
 // "crashed" between the sysfs write and the record update), reconcile,
 // teardown, delete, agent restart, a host reboot (every process and device
 // gone, the claims kept), a stray device, a corrupted record and its
-// repair, and QEMU uid assignment. After every step the invariants of ARCHITECTURE.md are
+// repair, QEMU uid assignment, and a state file system filled to the last
+// byte and freed again. After every step the invariants of ARCHITECTURE.md are
 // checked against the real system (the sysfs listing, store.List, /proc),
 // not against a model of it:
 //
@@ -18,6 +19,8 @@
 //   - no held claim without its record (a record holding a claim never
 //     disappears, and the store refuses to delete it);
 //   - no record removed while the process it names lives;
+//   - a delete's step never fails for want of space while the reserve is
+//     there to give up;
 //   - after a reboot a held claim's device can be re-created at a launch:
 //     no other claim took its slot or put another type on its parent;
 //   - no VF or mdev UUID named by two held claims;

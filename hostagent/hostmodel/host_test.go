@@ -9,11 +9,13 @@ import (
 	"path/filepath"
 	"slices"
 	"sort"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
 	"pgregory.net/rapid"
 
 	"vmflow/hostagent/proc"
@@ -47,6 +49,10 @@ var driverCases = []driverCase{
 	{kind: vgpu.KindMdev, opts: vgpusim.Options{MdevParents: 1}, profile: "GRID A100-20C"},
 	{kind: vgpu.KindVendor, opts: vgpusim.Options{VendorVFs: 3}, profile: "NVIDIA L40-4Q"},
 }
+
+// stateFSSize is the model's state file system: room for the records and
+// the store's reserve (store.DefaultReserve), until fillDisk fills it.
+const stateFSSize = 16 << 20
 
 // instanceIDs is the model's whole id space: few ids, so actions meet.
 var instanceIDs = []string{"vm-a", "vm-b", "vm-c"}
@@ -162,6 +168,12 @@ func newHost(t *rapid.T, dc driverCase) *host {
 			t.Fatalf("setup: %v", err)
 		}
 	}
+	// The state dir is a small file system of its own, which the model
+	// fills (fillDisk) and frees.
+	if err := unix.Mount("tmpfs", h.state, "tmpfs", 0, "size="+strconv.Itoa(stateFSSize)); err != nil {
+		t.Fatalf("setup: mount the state file system: %v", err)
+	}
+	t.Cleanup(func() { _ = unix.Unmount(h.state, unix.MNT_DETACH) })
 	opts := dc.opts
 	opts.Control = h.ctl
 	h.srv, err = vgpusim.Mount(h.sys, opts)

@@ -10,6 +10,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -123,6 +124,8 @@ func (h *host) actions() map[string]func(*rapid.T) {
 		"repair":      h.repairRecord,
 		"assignUID":   h.assignUID,
 		"reboot":      h.reboot,
+		"fillDisk":    h.fillDisk,
+		"freeDisk":    h.freeDisk,
 	}
 }
 
@@ -281,11 +284,56 @@ func (h *host) beginDelete(t *rapid.T) {
 	id := h.existingID(t)
 	c, cancel := ctx()
 	defer cancel()
+	reserved := h.st.Space().Held
 	err := h.st.MarkManualStop(c, id)
 	if err == nil {
 		_, err = h.st.Transition(c, id, vmflowv1.InstanceState_INSTANCE_STATE_DELETING)
 	}
 	t.Logf("begin-delete %s: %v", id, err)
+	h.checkRoomForDelete(t, "begin-delete", id, reserved, err)
+}
+
+// checkRoomForDelete: a delete's step never fails for want of space while
+// the reserve was there to give up (invariant 14).
+func (h *host) checkRoomForDelete(t *rapid.T, step, id string, reserved bool, err error) {
+	if reserved && errors.Is(err, syscall.ENOSPC) {
+		t.Fatalf("VIOLATION %s of %s failed on a full disk with the reserve in place: %v", step, id, err)
+	}
+}
+
+// fillDisk fills the state file system to the last byte, as a runaway
+// guest log or overlay would.
+func (h *host) fillDisk(t *rapid.T) {
+	if !rarely(t, "fill") {
+		t.Skip("not this time")
+	}
+	f, err := os.OpenFile(filepath.Join(h.state, "filler"), os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
+	if err != nil {
+		t.Fatalf("fill: %v", err)
+	}
+	defer f.Close()
+	buf := make([]byte, 64<<10)
+	for {
+		if _, err := f.Write(buf); err != nil {
+			if !errors.Is(err, syscall.ENOSPC) {
+				t.Fatalf("fill: %v", err)
+			}
+			break
+		}
+	}
+	h.events["disk filled"]++
+	t.Logf("disk filled (reserve held: %t)", h.st.Space().Held)
+}
+
+// freeDisk removes what fillDisk wrote: the operator cleaned up.
+func (h *host) freeDisk(t *rapid.T) {
+	if err := os.Remove(filepath.Join(h.state, "filler")); err != nil {
+		if errors.Is(err, os.ErrNotExist) {
+			t.Skip("not full")
+		}
+		t.Fatalf("free: %v", err)
+	}
+	t.Logf("disk freed")
 }
 
 // Release modes.
@@ -400,6 +448,7 @@ func (h *host) reconcile(t *rapid.T) {
 	now := h.clock()
 	recs, unreadable := h.records(t)
 	var unclaimed []string
+	prevSince := h.unclaimedSince
 	if !unreadable {
 		named := map[string]bool{}
 		for _, r := range recs {
@@ -433,6 +482,11 @@ func (h *host) reconcile(t *rapid.T) {
 	t.Logf("reconcile (advance=%t fail-release=%t unreadable=%t): %v %v", advance, failRelease, unreadable, res, err)
 	h.events["reconcile claims released"] += int(res.GetClaimsReleased())
 	h.events["reconcile orphans removed"] += int(res.GetOrphansRemoved())
+	if err != nil {
+		// The round's ledger was not written (a full disk): its first
+		// sightings are not remembered, so their grace starts again.
+		h.unclaimedSince = prevSince
+	}
 	if unreadable || failRelease || err != nil {
 		return
 	}
@@ -486,9 +540,11 @@ func (h *host) deleteRecord(t *rapid.T) {
 	before, getErr := h.st.Get(id)
 	c, cancel := ctx()
 	defer cancel()
+	reserved := h.st.Space().Held
 	err := h.st.Delete(c, id)
 	t.Logf("delete %s: %v", id, err)
 	h.event("delete", err == nil, err)
+	h.checkRoomForDelete(t, "delete", id, reserved, err)
 	if err != nil {
 		return
 	}
