@@ -227,15 +227,15 @@ func (s *Supervisor) applyPolicyLocked(l *store.Locked, in *instance, rec *vmflo
 		in.log.Info("not restarting", zap.String("reason", d.reason), zap.String("restart_policy", rec.GetRestartPolicy()))
 		return false
 	}
-	delay := d.delay
-	if !since.IsZero() {
-		delay = max(0, time.Until(since.Add(d.delay)))
-	} else {
-		// Resumed by an agent that did not see the exit: what is left of
-		// the backoff since the recorded one, on CLOCK_BOOTTIME (a clock
-		// stepped back never stretches it).
-		delay = max(0, d.delay-store.Elapsed(rec.GetLastExit(), rec.GetLastExitBoot(), s.cfg.Now()))
+	// What is left of the backoff since the exit: since is an in-process
+	// instant (the monotonic clock); an agent that did not see the exit
+	// measures from the recorded one on CLOCK_BOOTTIME. Never longer than
+	// the backoff, whatever the wall clock did.
+	elapsed := time.Since(since)
+	if since.IsZero() {
+		elapsed = store.Elapsed(rec.GetLastExit(), rec.GetLastExitBoot(), s.cfg.Now())
 	}
+	delay := min(d.delay, max(0, d.delay-elapsed))
 	s.scheduleRestart(in, delay)
 	in.log.Info("restart scheduled", zap.String("reason", d.reason), zap.Duration("backoff", d.delay),
 		zap.Duration("delay", delay), zap.Uint32("restart_count", rec.GetRestartCount()))
