@@ -19,6 +19,7 @@ import (
 
 	enumspb "go.temporal.io/api/enums/v1"
 	"go.temporal.io/sdk/client"
+	"golang.org/x/sys/unix"
 
 	"vmflow/guest"
 	"vmflow/guest/build"
@@ -123,6 +124,9 @@ type envOptions struct {
 	qemu string
 	// noStart leaves the agent and worker stopped.
 	noStart bool
+	// stateFS, when set, mounts a tmpfs of that many bytes as the state
+	// dir: a small file system a test can fill.
+	stateFS int
 	// shareWith makes this env another host of that env's stack: its
 	// server, task queue and worker (this env starts no worker of its own),
 	// with its own agent, host id, state dir and simulator.
@@ -182,6 +186,12 @@ func newEnv(t *testing.T, o envOptions) *env {
 			t.Errorf("remove state dir: %v", err)
 		}
 	})
+	if o.stateFS > 0 {
+		if err := unix.Mount("tmpfs", e.stateDir, "tmpfs", 0, fmt.Sprintf("size=%d,mode=0700", o.stateFS)); err != nil {
+			t.Fatalf("state file system: %v", err)
+		}
+		t.Cleanup(func() { _ = unix.Unmount(e.stateDir, unix.MNT_DETACH) }) // before the removal above
+	}
 	devRoot := filepath.Join(e.stateDir, "dev")
 	if err := os.Mkdir(devRoot, 0o755); err != nil {
 		t.Fatalf("dev root: %v", err)

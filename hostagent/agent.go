@@ -107,7 +107,21 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 	if err != nil {
 		return err
 	}
-	// Scrapes serve a snapshot of the store; this keeps it current.
+	// Scrapes serve a snapshot of the store; this keeps it current, and
+	// says when the state file system goes below its reserve and back.
+	low := false // refreshes run one at a time
+	am.OnStateSpace(func(sp store.Space) {
+		if sp.Low() == low {
+			return
+		}
+		low = sp.Low()
+		fields := []zap.Field{zap.Uint64("free_bytes", sp.Free), zap.Uint64("reserve_bytes", sp.Reserve), zap.Bool("reserve_held", sp.Held)}
+		if low {
+			log.Warn("state file system below its reserve: deletes go on, spawns are refused until there is room", fields...)
+		} else {
+			log.Info("state file system has room again", fields...)
+		}
+	})
 	go am.RunStoreRefresh(life, metrics.DefaultStoreRefresh)
 	// The SDK labels activity metrics with names callers choose: only the
 	// agent's own activities and vmflow's workflows keep theirs.
@@ -168,9 +182,10 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 		// made at the first), then QEMU's spec from the record.
 		PrepareLaunch: spec.PrepareLaunch(host, devs, cfg.VGPUAttach),
 		QEMUUIDs:      cfg.QEMUUIDs, KVMDevice: cfg.KVMDevice, DevRoot: cfg.DevRoot,
-		OnExitRecorded:    func(d time.Duration) { am.ExitDetect.Observe(d.Seconds()) },
-		OnRestartRefused:  am.RestartsRefused.Inc,
-		OnGuestLogDropped: func(n uint64) { am.GuestLogDropped.Add(float64(n)) },
+		OnExitRecorded:         func(d time.Duration) { am.ExitDetect.Observe(d.Seconds()) },
+		OnRestartRefused:       am.RestartsRefused.Inc,
+		OnRestartDeviceMissing: am.RestartsDeviceMissing.Inc,
+		OnGuestLogDropped:      func(n uint64) { am.GuestLogDropped.Add(float64(n)) },
 	})
 	if err != nil {
 		return err

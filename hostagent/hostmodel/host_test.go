@@ -9,11 +9,13 @@ import (
 	"path/filepath"
 	"slices"
 	"sort"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
 	"pgregory.net/rapid"
 
 	"vmflow/hostagent/proc"
@@ -42,9 +44,15 @@ type driverCase struct {
 }
 
 var driverCases = []driverCase{
-	{kind: vgpu.KindMdev, opts: vgpusim.Options{MdevParents: 1}, profile: "GRID A100-4C"},
+	// Two per GPU for three instances: capacity binds, so a reboot's
+	// missing devices meet new claims competing for their slots.
+	{kind: vgpu.KindMdev, opts: vgpusim.Options{MdevParents: 1}, profile: "GRID A100-20C"},
 	{kind: vgpu.KindVendor, opts: vgpusim.Options{VendorVFs: 3}, profile: "NVIDIA L40-4Q"},
 }
+
+// stateFSSize is the model's state file system: room for the records and
+// the store's reserve (store.DefaultReserve), until fillDisk fills it.
+const stateFSSize = 16 << 20
 
 // instanceIDs is the model's whole id space: few ids, so actions meet.
 var instanceIDs = []string{"vm-a", "vm-b", "vm-c"}
@@ -105,6 +113,9 @@ type host struct {
 	unclaimedSince map[string]time.Time // mirrors the reconcile ledger for unclaimed devices
 	prev           snapshot
 	events         map[string]int // outcome counts over the whole run, for the log
+	// rebooted: the last step was a reboot, whose vanished devices the
+	// device checks must not take for releases.
+	rebooted bool
 }
 
 // reason names an error by the sentinel callers branch on.
@@ -157,6 +168,12 @@ func newHost(t *rapid.T, dc driverCase) *host {
 			t.Fatalf("setup: %v", err)
 		}
 	}
+	// The state dir is a small file system of its own, which the model
+	// fills (fillDisk) and frees.
+	if err := unix.Mount("tmpfs", h.state, "tmpfs", 0, "size="+strconv.Itoa(stateFSSize)); err != nil {
+		t.Fatalf("setup: mount the state file system: %v", err)
+	}
+	t.Cleanup(func() { _ = unix.Unmount(h.state, unix.MNT_DETACH) })
 	opts := dc.opts
 	opts.Control = h.ctl
 	h.srv, err = vgpusim.Mount(h.sys, opts)

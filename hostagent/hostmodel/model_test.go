@@ -6,9 +6,11 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"path/filepath"
 	"sort"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -120,6 +122,10 @@ func (h *host) actions() map[string]func(*rapid.T) {
 		"strayDevice": h.strayDevice,
 		"corrupt":     h.corruptRecord,
 		"repair":      h.repairRecord,
+		"assignUID":   h.assignUID,
+		"reboot":      h.reboot,
+		"fillDisk":    h.fillDisk,
+		"freeDisk":    h.freeDisk,
 	}
 }
 
@@ -218,8 +224,7 @@ func (h *host) launch(t *rapid.T) {
 		t.Logf("launch %s: no active claim", id)
 		return
 	}
-	if !h.devices(t)[claimKey(cl)] {
-		t.Logf("launch %s: claimed device %s does not exist", id, claimKey(cl))
+	if !h.devices(t)[claimKey(cl)] && !h.ensureDevice(t, id, cl) {
 		return
 	}
 	node := h.vfioNode(t, claimKey(cl))
@@ -279,11 +284,56 @@ func (h *host) beginDelete(t *rapid.T) {
 	id := h.existingID(t)
 	c, cancel := ctx()
 	defer cancel()
+	reserved := h.st.Space().Held
 	err := h.st.MarkManualStop(c, id)
 	if err == nil {
 		_, err = h.st.Transition(c, id, vmflowv1.InstanceState_INSTANCE_STATE_DELETING)
 	}
 	t.Logf("begin-delete %s: %v", id, err)
+	h.checkRoomForDelete(t, "begin-delete", id, reserved, err)
+}
+
+// checkRoomForDelete: a delete's step never fails for want of space while
+// the reserve was there to give up (invariant 14).
+func (h *host) checkRoomForDelete(t *rapid.T, step, id string, reserved bool, err error) {
+	if reserved && errors.Is(err, syscall.ENOSPC) {
+		t.Fatalf("VIOLATION %s of %s failed on a full disk with the reserve in place: %v", step, id, err)
+	}
+}
+
+// fillDisk fills the state file system to the last byte, as a runaway
+// guest log or overlay would.
+func (h *host) fillDisk(t *rapid.T) {
+	if !rarely(t, "fill") {
+		t.Skip("not this time")
+	}
+	f, err := os.OpenFile(filepath.Join(h.state, "filler"), os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
+	if err != nil {
+		t.Fatalf("fill: %v", err)
+	}
+	defer f.Close()
+	buf := make([]byte, 64<<10)
+	for {
+		if _, err := f.Write(buf); err != nil {
+			if !errors.Is(err, syscall.ENOSPC) {
+				t.Fatalf("fill: %v", err)
+			}
+			break
+		}
+	}
+	h.events["disk filled"]++
+	t.Logf("disk filled (reserve held: %t)", h.st.Space().Held)
+}
+
+// freeDisk removes what fillDisk wrote: the operator cleaned up.
+func (h *host) freeDisk(t *rapid.T) {
+	if err := os.Remove(filepath.Join(h.state, "filler")); err != nil {
+		if errors.Is(err, os.ErrNotExist) {
+			t.Skip("not full")
+		}
+		t.Fatalf("free: %v", err)
+	}
+	t.Logf("disk freed")
 }
 
 // Release modes.
@@ -398,6 +448,7 @@ func (h *host) reconcile(t *rapid.T) {
 	now := h.clock()
 	recs, unreadable := h.records(t)
 	var unclaimed []string
+	prevSince := h.unclaimedSince
 	if !unreadable {
 		named := map[string]bool{}
 		for _, r := range recs {
@@ -431,6 +482,11 @@ func (h *host) reconcile(t *rapid.T) {
 	t.Logf("reconcile (advance=%t fail-release=%t unreadable=%t): %v %v", advance, failRelease, unreadable, res, err)
 	h.events["reconcile claims released"] += int(res.GetClaimsReleased())
 	h.events["reconcile orphans removed"] += int(res.GetOrphansRemoved())
+	if err != nil {
+		// The round's ledger was not written (a full disk): its first
+		// sightings are not remembered, so their grace starts again.
+		h.unclaimedSince = prevSince
+	}
 	if unreadable || failRelease || err != nil {
 		return
 	}
@@ -484,9 +540,11 @@ func (h *host) deleteRecord(t *rapid.T) {
 	before, getErr := h.st.Get(id)
 	c, cancel := ctx()
 	defer cancel()
+	reserved := h.st.Space().Held
 	err := h.st.Delete(c, id)
 	t.Logf("delete %s: %v", id, err)
 	h.event("delete", err == nil, err)
+	h.checkRoomForDelete(t, "delete", id, reserved, err)
 	if err != nil {
 		return
 	}
@@ -495,6 +553,8 @@ func (h *host) deleteRecord(t *rapid.T) {
 		t.Fatalf("VIOLATION record deleted while unreadable: %s (%v)", id, getErr)
 	case getErr == nil && store.ClaimHeld(before):
 		t.Fatalf("VIOLATION record deleted while its claim is held: %s (%s %s)", id, claimKey(before.GetGpuClaim()), before.GetGpuClaim().GetPhase())
+	case h.helpers[id] != nil && h.helpers[id].alive():
+		t.Fatalf("VIOLATION record deleted while its process lives: %s (pid %d)", id, h.helpers[id].child.Identity().PID)
 	}
 }
 
@@ -564,11 +624,113 @@ func (h *host) repairRecord(t *rapid.T) {
 	t.Logf("repair %s", id)
 }
 
+// ensureDevice re-creates the missing device of id's active claim, as every
+// launch does (spec.PrepareLaunch), and reports whether it exists now. A
+// held claim keeps its slot and its parent's type across a reboot: only a
+// stray device (one no held claim names) can stand in its way.
+func (h *host) ensureDevice(t *rapid.T, id string, cl *vmflowv1.GpuClaim) bool {
+	c, cancel := ctx()
+	defer cancel()
+	l, err := h.st.Lock(c, id)
+	if err != nil {
+		t.Fatalf("launch %s: %v", id, err)
+	}
+	_, err = h.claims.EnsureDeviceLocked(c, l)
+	_ = l.Unlock()
+	t.Logf("launch %s: re-create missing device %s: %v", id, claimKey(cl), err)
+	h.event("re-create", err == nil, err)
+	if err == nil {
+		return true
+	}
+	if errors.Is(err, vgpu.ErrNoCapacity) || errors.Is(err, vgpu.ErrDeviceMismatch) {
+		now := h.observe(t)
+		for d := range now.devices {
+			if len(now.holders[d]) == 0 {
+				return false // a stray took it; reconcile removes it after the grace
+			}
+		}
+		t.Fatalf("VIOLATION a held claim lost its slot to another claim: %s's %s cannot be re-created: %v", id, claimKey(cl), err)
+	}
+	return false
+}
+
+// reboot is a host reboot: every process ends and every device goes (mdevs
+// vanish, VFs read type 0) while the records keep their claims; the agent
+// starts again.
+func (h *host) reboot(t *rapid.T) {
+	if !rarely(t, "reboot") {
+		t.Skip("not this time")
+	}
+	for id, hp := range h.helpers {
+		if err := hp.end(); err != nil {
+			t.Fatalf("reboot: %s: %v", id, err)
+		}
+	}
+	for d := range h.devices(t) {
+		path, val := filepath.Join(h.sys, "bus/mdev/devices", d, "remove"), "1"
+		if h.dc.kind == vgpu.KindVendor {
+			path, val = filepath.Join(h.sys, "bus/pci/devices", d, "nvidia/current_vgpu_type"), "0"
+		}
+		if err := os.WriteFile(path, []byte(val), 0o200); err != nil {
+			t.Fatalf("reboot: remove %s: %v", d, err)
+		}
+	}
+	h.startAgent(t)
+	h.rebooted = true
+	h.events["reboots"]++
+	t.Logf("reboot")
+}
+
+// modelUIDs is the model's --qemu-uid-range: one uid per instance, so a
+// quarantined record's uid is the one a careless assignment would reuse.
+var modelUIDs = store.UIDRange{First: 3_900_000_000, Last: 3_900_000_000 + uint32(len(instanceIDs)) - 1}
+
+// assignUID gives an instance its QEMU uid, as every launch does (the
+// model's QEMU stand-ins run as root: no process holds a uid of the range).
+func (h *host) assignUID(t *rapid.T) {
+	id := h.existingID(t)
+	c, cancel := ctx()
+	defer cancel()
+	l, err := h.st.Lock(c, id)
+	if err != nil {
+		t.Fatalf("assign uid %s: %v", id, err)
+	}
+	defer func() { _ = l.Unlock() }()
+	rec, err := l.AssignQEMUUID(c, modelUIDs, func(context.Context) (map[uint32]bool, error) { return nil, nil }, nil)
+	t.Logf("assign uid %s: %d %v", id, rec.GetQemuUid(), err)
+	h.event("assign uid", err == nil, err)
+}
+
+// checkUIDs: no uid is named by two records, a quarantined one included
+// (its bytes as they were before the model cut it).
+func (h *host) checkUIDs(t *rapid.T) {
+	recs, _ := h.records(t)
+	for id, b := range h.corrupt {
+		rec, err := store.DecodeRecord(b)
+		if err != nil {
+			t.Fatalf("decode the saved record of %s: %v", id, err)
+		}
+		recs = append(recs, rec)
+	}
+	owner := map[uint32]string{}
+	for _, rec := range recs {
+		u := rec.GetQemuUid()
+		if u == 0 {
+			continue
+		}
+		if other, ok := owner[u]; ok {
+			t.Fatalf("VIOLATION qemu uid %d named by two records: %s and %s", u, other, rec.GetId())
+		}
+		owner[u] = rec.GetId()
+	}
+}
+
 // check runs after every step, against the real system.
 func (h *host) check(t *rapid.T) {
 	now := h.observe(t)
 	defer func() { h.prev = now }()
 	t.Logf("  state: %s", h.describe(t))
+	h.checkUIDs(t)
 
 	// One device, one claim (invariant 10).
 	uuids := map[string]string{}
@@ -594,8 +756,13 @@ func (h *host) check(t *rapid.T) {
 		}
 	}
 	// A device goes only when every instance whose held claim named it has
-	// no live process group (invariant 2).
+	// no live process group (invariant 2); a reboot takes them all.
+	rebooted := h.rebooted
+	h.rebooted = false
 	for d := range h.prev.devices {
+		if rebooted {
+			break
+		}
 		if now.devices[d] {
 			continue
 		}

@@ -37,6 +37,10 @@ type Agent struct {
 	// (the recorded spec is outside the policy the agent runs with): each
 	// leaves its instance needing attention.
 	RestartsRefused prometheus.Counter
+	// RestartsDeviceMissing counts restarts that could not get their vGPU
+	// back (missing and not re-created): each leaves its instance needing
+	// attention.
+	RestartsDeviceMissing prometheus.Counter
 	// GuestLogDropped counts guest output bytes that never reached
 	// qemu.log (its disk full, failing or behind): output is dropped rather
 	// than QEMU blocked.
@@ -86,6 +90,10 @@ func New(reg prometheus.Registerer, st *store.Store) (*Agent, error) {
 			Name: "vmflow_restarts_refused_total",
 			Help: "Restarts refused because the host's admission policy no longer admits the instance's recorded spec.",
 		}),
+		RestartsDeviceMissing: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "vmflow_restarts_device_missing_total",
+			Help: "Restarts that failed because the instance's vGPU is missing and could not be re-created.",
+		}),
 		GuestLogDropped: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "vmflow_guest_log_dropped_bytes_total",
 			Help: "Guest output bytes dropped instead of written to qemu.log (disk full, failing or behind), counted when a VM's log pump ends.",
@@ -99,7 +107,7 @@ func New(reg prometheus.Registerer, st *store.Store) (*Agent, error) {
 	for _, errno := range []string{"EAGAIN", "EBUSY", "EIO", "ENODEV"} {
 		a.ReleaseFailures.WithLabelValues(errno)
 	}
-	cs := []prometheus.Collector{a.StopDuration, a.ExitDetect, a.LaunchDuration, a.ReleaseFailures, a.Reattach, a.ClaimsUnserved, a.RestartsRefused, a.GuestLogDropped}
+	cs := []prometheus.Collector{a.StopDuration, a.ExitDetect, a.LaunchDuration, a.ReleaseFailures, a.Reattach, a.ClaimsUnserved, a.RestartsRefused, a.RestartsDeviceMissing, a.GuestLogDropped}
 	if st != nil {
 		a.store = &storeCollector{st: st}
 		a.store.refresh()
@@ -117,7 +125,19 @@ var (
 	instancesDesc = prometheus.NewDesc("vmflow_instances", "Instance records on this host, by state.", []string{"state"}, nil)
 	claimsDesc    = prometheus.NewDesc("vmflow_vgpu_claims", "vGPU claims held by instance records on this host.", nil, nil)
 	unreadable    = prometheus.NewDesc("vmflow_records_unreadable", "Instance records that could not be read.", nil, nil)
+	freeDesc      = prometheus.NewDesc("vmflow_state_fs_free_bytes",
+		"Bytes the agent can still write on the state file system, its reserve not included.", nil, nil)
+	reserveDesc = prometheus.NewDesc("vmflow_state_fs_reserve_held",
+		"1 while the state file system's reserve is in place; 0 once a delete on a full disk gave it up.", nil, nil)
 )
+
+// OnStateSpace makes every store refresh call fn with the state file
+// system's room. Call it before RunStoreRefresh starts.
+func (a *Agent) OnStateSpace(fn func(store.Space)) {
+	if a.store != nil {
+		a.store.onSpace = fn
+	}
+}
 
 // RefreshStore re-reads the store into the gauges' snapshot now (every
 // record: O(records) reads). A no-op without a store.
@@ -152,12 +172,16 @@ type storeSnapshot struct {
 	byState    map[string]float64
 	claims     float64
 	unreadable float64
+	space      store.Space
 }
 
 // storeCollector serves the last snapshot of the store; refresh takes a new
 // one. A scrape (Collect) never touches the store.
 type storeCollector struct {
 	st *store.Store
+	// onSpace, when set, is called by each refresh with the state file
+	// system's room (the agent warns below the reserve).
+	onSpace func(store.Space)
 
 	refreshMu sync.Mutex // one refresh at a time
 	mu        sync.Mutex
@@ -168,6 +192,8 @@ func (c *storeCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- instancesDesc
 	ch <- claimsDesc
 	ch <- unreadable
+	ch <- freeDesc
+	ch <- reserveDesc
 }
 
 func (c *storeCollector) refresh() {
@@ -188,6 +214,10 @@ func (c *storeCollector) refresh() {
 	}
 	bad, _ := store.Unreadable(err)
 	snap.unreadable = float64(len(bad))
+	snap.space = c.st.Space()
+	if c.onSpace != nil {
+		c.onSpace(snap.space)
+	}
 	c.mu.Lock()
 	c.snap = snap
 	c.mu.Unlock()
@@ -202,4 +232,10 @@ func (c *storeCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 	ch <- prometheus.MustNewConstMetric(claimsDesc, prometheus.GaugeValue, snap.claims)
 	ch <- prometheus.MustNewConstMetric(unreadable, prometheus.GaugeValue, snap.unreadable)
+	ch <- prometheus.MustNewConstMetric(freeDesc, prometheus.GaugeValue, float64(snap.space.Free))
+	held := 0.0
+	if snap.space.Held {
+		held = 1
+	}
+	ch <- prometheus.MustNewConstMetric(reserveDesc, prometheus.GaugeValue, held)
 }

@@ -69,6 +69,15 @@ vmflow_vgpu_release_failures_total{errno="ENODEV"} 0
 	for _, n := range []string{"vmflow_stop_duration_seconds", "vmflow_exit_detect_seconds", "vmflow_reattach_total", "vmflow_launch_duration_seconds"} {
 		assert.True(t, names[n], "%s is exported before its first observation", n)
 	}
+	// The state file system's room, as the store reads it, with its
+	// reserve in place.
+	var seen []store.Space
+	a.OnStateSpace(func(sp store.Space) { seen = append(seen, sp) })
+	a.RefreshStore()
+	require.Len(t, seen, 1)
+	assert.Equal(t, float64(seen[0].Free), testutil.ToFloat64(gauge(t, reg, "vmflow_state_fs_free_bytes", "")))
+	assert.Positive(t, testutil.ToFloat64(gauge(t, reg, "vmflow_state_fs_free_bytes", "")))
+	assert.Equal(t, 1.0, testutil.ToFloat64(gauge(t, reg, "vmflow_state_fs_reserve_held", "")))
 }
 
 // TestScrapeReadsNoRecord: a scrape serves the store gauges from the last

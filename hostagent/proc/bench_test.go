@@ -3,7 +3,10 @@ package proc_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"math/rand/v2"
+	"os"
+	"path/filepath"
 	"slices"
 	"testing"
 	"time"
@@ -126,5 +129,41 @@ func BenchmarkParseStat(b *testing.B) {
 		if _, err := proc.ParseStat(line); err != nil {
 			b.Fatal(err)
 		}
+	}
+}
+
+// BenchmarkHolders scans the host for the holders of one file with a crowd
+// of busy processes running (by default 100 of 20 threads and 150
+// descriptors each, as a dense VM host has), reading every task's table
+// (every-task, how the scan used to work) and each distinct table once
+// (ScanFDs). Both run in one invocation, on the same crowd:
+//
+//	go test -run '^$' -bench Holders -benchtime 5x ./hostagent/proc
+//
+// VMFLOW_BENCH_CROWD=procs,threads,fds shapes the crowd.
+func BenchmarkHolders(b *testing.B) {
+	procs, threads, fds := 100, 20, 150
+	if v := os.Getenv("VMFLOW_BENCH_CROWD"); v != "" {
+		_, err := fmt.Sscanf(v, "%d,%d,%d", &procs, &threads, &fds)
+		require.NoError(b, err, "VMFLOW_BENCH_CROWD=%q: want procs,threads,fds", v)
+	}
+	target := filepath.Join(b.TempDir(), "vfio-9")
+	require.NoError(b, os.WriteFile(target, nil, 0o600))
+	for range procs {
+		proctest.StartCrowd(b, threads, fds)
+	}
+	for _, m := range []struct {
+		name string
+		scan func(context.Context) (*proc.FDScan, error)
+	}{{"every-task", proc.ScanFDsEveryTask}, {"one-per-table", proc.ScanFDs}} {
+		b.Run(m.name, func(b *testing.B) {
+			for b.Loop() {
+				s, err := m.scan(context.Background())
+				require.NoError(b, err)
+				hs, err := s.Holders(target)
+				require.NoError(b, err)
+				require.Empty(b, proctest.Certain(hs))
+			}
+		})
 	}
 }

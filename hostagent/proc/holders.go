@@ -8,6 +8,8 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+
+	"golang.org/x/sys/unix"
 )
 
 // Holder is one open file descriptor on the path asked about, or a process
@@ -29,57 +31,110 @@ func (h Holder) String() string {
 	return fmt.Sprintf("pid %d holds it as fd %d", h.PID, h.FD)
 }
 
-// Holders returns the processes that have path open.
+// Holders returns the processes that have path open: one ScanFDs for one
+// path. A caller asking about several paths at once scans once and asks
+// the FDScan.
+func Holders(ctx context.Context, path string) ([]Holder, error) {
+	target, err := resolve(path)
+	if err != nil {
+		return nil, err
+	}
+	s, err := ScanFDs(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("holders of %s: %w", path, err)
+	}
+	return s.holdersOf(target), nil
+}
+
+// FDScan is one walk of every file descriptor table on the host: what each
+// descriptor points at, and the processes whose tables could not be read.
+type FDScan struct {
+	byTarget  map[string][]Holder
+	uncertain []Holder
+	tables    map[int]int // pid -> fd tables read
+	everyTask bool
+}
+
+// ScanFDs reads every process's descriptors once.
 //
-// It scans /proc/<pid>/task/<tid>/fd rather than /proc/<pid>/fd: once a
+// It reads /proc/<pid>/task/<tid>/fd rather than /proc/<pid>/fd: once a
 // leader has called exit(2) its own fd table reads empty while the threads
 // that remain (vhost workers, kvm-nx-lpage-re) still hold the files, VFIO
-// devices included. A task that vanishes mid-scan is skipped; one that cannot
-// be read is reported Uncertain, never taken as "does not hold".
-func Holders(ctx context.Context, path string) ([]Holder, error) {
-	target, err := filepath.Abs(path)
-	if err != nil {
-		return nil, fmt.Errorf("holders of %s: %w", path, err)
-	}
-	if resolved, err := filepath.EvalSymlinks(target); err == nil {
-		target = resolved
-	}
+// devices included. Threads usually share one table (CLONE_FILES), so a
+// task whose table kcmp(KCMP_FILES) says is one already read is skipped;
+// but an empty table never stands for another task's: a zombie leader has
+// none left, and vhost tasks have none of their own, while the group's
+// other tasks hold files. A task that vanishes mid-scan is skipped; one
+// that cannot be read is reported Uncertain, never taken as "holds
+// nothing".
+func ScanFDs(ctx context.Context) (*FDScan, error) { return scanFDs(ctx, false) }
+
+// scanFDs is ScanFDs; everyTask reads every task's table, shared or not
+// (the benchmarks' baseline).
+func scanFDs(ctx context.Context, everyTask bool) (*FDScan, error) {
 	pids, err := os.ReadDir(procRoot)
 	if err != nil {
-		return nil, fmt.Errorf("holders of %s: %w", path, err)
+		return nil, fmt.Errorf("scan descriptors: %w", err)
 	}
-	var out []Holder
+	s := &FDScan{byTarget: map[string][]Holder{}, tables: map[int]int{}, everyTask: everyTask}
 	for _, e := range pids {
 		pid, err := strconv.Atoi(e.Name())
 		if err != nil {
 			continue
 		}
 		if err := ctx.Err(); err != nil {
-			return nil, fmt.Errorf("holders of %s: %w", path, err)
+			return nil, fmt.Errorf("scan descriptors: %w", err)
 		}
-		out = append(out, holdersOfPID(pid, target)...)
+		s.scanPID(pid)
 	}
-	return out, nil
+	return s, nil
 }
 
-func holdersOfPID(pid int, target string) []Holder {
-	uncertain := func(tid int, err error) []Holder {
+// Holders returns the descriptors on path the scan saw, and every process
+// whose descriptors it could not read.
+func (s *FDScan) Holders(path string) ([]Holder, error) {
+	target, err := resolve(path)
+	if err != nil {
+		return nil, err
+	}
+	return s.holdersOf(target), nil
+}
+
+func (s *FDScan) holdersOf(target string) []Holder {
+	out := append([]Holder(nil), s.byTarget[target]...)
+	return append(out, s.uncertain...)
+}
+
+// resolve is path as /proc shows a descriptor on it: absolute, symlinks
+// followed.
+func resolve(path string) (string, error) {
+	target, err := filepath.Abs(path)
+	if err != nil {
+		return "", fmt.Errorf("holders of %s: %w", path, err)
+	}
+	if resolved, err := filepath.EvalSymlinks(target); err == nil {
+		target = resolved
+	}
+	return target, nil
+}
+
+func (s *FDScan) scanPID(pid int) {
+	uncertain := func(tid int, err error) {
 		// One entry per process is enough to make a caller refuse; the
 		// rest of its tasks would only repeat it.
-		return []Holder{{PID: pid, TID: tid, FD: -1, Uncertain: true, Err: err.Error()}}
+		s.uncertain = append(s.uncertain, Holder{PID: pid, TID: tid, FD: -1, Uncertain: true, Err: err.Error()})
 	}
 	tids, err := os.ReadDir(taskDir(pid))
 	if err != nil {
-		if errors.Is(err, fs.ErrNotExist) {
-			return nil
+		if !errors.Is(err, fs.ErrNotExist) {
+			uncertain(pid, err)
 		}
-		return uncertain(pid, err)
+		return
 	}
-	seen := map[int]bool{} // fd numbers already reported: threads usually share one table
-	var out []Holder
+	var read []int // tasks whose (non-empty) table was read
 	for _, t := range tids {
 		tid, err := strconv.Atoi(t.Name())
-		if err != nil {
+		if err != nil || (!s.everyTask && sharesTable(read, tid)) {
 			continue
 		}
 		fdDir := taskDir(pid) + "/" + t.Name() + "/fd"
@@ -88,11 +143,14 @@ func holdersOfPID(pid int, target string) []Holder {
 			if errors.Is(err, fs.ErrNotExist) {
 				continue
 			}
-			return uncertain(tid, err)
+			uncertain(tid, err)
+			return
 		}
+		s.tables[pid]++
+		n := 0
 		for _, f := range fds {
 			fd, err := strconv.Atoi(f.Name())
-			if err != nil || seen[fd] {
+			if err != nil {
 				continue
 			}
 			link, err := os.Readlink(fdDir + "/" + f.Name())
@@ -102,13 +160,30 @@ func holdersOfPID(pid int, target string) []Holder {
 				}
 				// EACCES here, even as root, when the target has
 				// capabilities the caller lacks (ptrace access check).
-				return uncertain(tid, err)
+				uncertain(tid, err)
+				return
 			}
-			if link == target {
-				seen[fd] = true
-				out = append(out, Holder{PID: pid, TID: tid, FD: fd})
-			}
+			n++
+			s.byTarget[link] = append(s.byTarget[link], Holder{PID: pid, TID: tid, FD: fd})
+		}
+		if n > 0 {
+			read = append(read, tid)
 		}
 	}
-	return out
+}
+
+// kcmpFiles is KCMP_FILES (linux/kcmp.h): compare two tasks' fd tables.
+const kcmpFiles = 2
+
+// sharesTable reports whether tid's fd table is one of read's. An error of
+// kcmp (ENOSYS without CONFIG_KCMP, EPERM, a task gone) is "not shared":
+// the table is read, which is never wrong, only slower.
+func sharesTable(read []int, tid int) bool {
+	for _, r := range read {
+		ret, _, errno := unix.Syscall6(unix.SYS_KCMP, uintptr(r), uintptr(tid), kcmpFiles, 0, 0, 0)
+		if errno == 0 && ret == 0 {
+			return true
+		}
+	}
+	return false
 }

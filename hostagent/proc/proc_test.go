@@ -534,3 +534,39 @@ func TestFindBlockedReadIsBounded(t *testing.T) {
 }
 
 var ctxT = proctest.Context
+
+// Threads sharing one fd table (as QEMU's do) have it read once, not once
+// per thread; a thread with a table of its own (unshare(CLONE_FILES)) has
+// its table read too, and what it holds is found. Fails on a scan that
+// reads every task's table (TablesRead is 17 here: 13 threads and the Go runtime's).
+func TestScanFDsReadsEachTableOnce(t *testing.T) {
+	f := filepath.Join(t.TempDir(), "vfio-7")
+	require.NoError(t, os.WriteFile(f, nil, 0o600))
+	c := proctest.StartCrowd(t, 12, 30, proctest.HoldFileEnv+"="+f)
+	tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", c.PID))
+	require.NoError(t, err)
+	require.Greater(t, len(tasks), 13)
+
+	s, err := proc.ScanFDs(context.Background())
+	require.NoError(t, err)
+	assert.Equal(t, 2, s.TablesRead(c.PID), "the shared table and the private one")
+	hs, err := s.Holders(f)
+	require.NoError(t, err)
+	hs = proctest.Certain(hs)
+	require.Len(t, hs, 1, "%v", hs)
+	assert.Equal(t, c.PID, hs[0].PID)
+	assert.Equal(t, c.PrivateTID, hs[0].TID)
+
+	// A zombie leader's empty table stands for nothing: its live thread's
+	// table is read, and holds the file.
+	z := proctest.StartZombie(t, proctest.HoldFileEnv+"="+f)
+	s, err = proc.ScanFDs(context.Background())
+	require.NoError(t, err)
+	hs, err = s.Holders(f)
+	require.NoError(t, err)
+	var pids []int
+	for _, h := range proctest.Certain(hs) {
+		pids = append(pids, h.PID)
+	}
+	assert.ElementsMatch(t, []int{c.PID, z.PID}, pids)
+}

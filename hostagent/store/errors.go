@@ -25,6 +25,11 @@ var (
 	// ErrClaimHeld: the record still holds a vGPU claim, so it must not be
 	// deleted (ARCHITECTURE invariant 1).
 	ErrClaimHeld = errors.New("instance still holds a vGPU claim")
+	// ErrProcessMayLive: the record names a QEMU not confirmed gone (alive,
+	// or its liveness cannot be read), or a launch marker with no process
+	// yet, so it must not be deleted: the QEMU would be left without an
+	// owner and its uid free (ARCHITECTURE invariant 11).
+	ErrProcessMayLive = errors.New("instance's QEMU may still run")
 	// ErrIllegalTransition: the state change is not in the state machine.
 	ErrIllegalTransition = errors.New("illegal state transition")
 	// ErrManualStopMissing: a delete may only begin after the manual-stop

@@ -66,6 +66,12 @@ func runHelper(role string) int {
 		})
 		fmt.Fprintln(os.Stderr, "update returned:", err)
 		return 4
+	case "sleeper":
+		// A live process for a record to name; it ends when the parent
+		// closes stdin.
+		fmt.Println("READY")
+		waitParent()
+		return 0
 	case "lock-holder":
 		s, err := New(dir)
 		if err != nil {

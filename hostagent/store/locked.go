@@ -11,6 +11,7 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
+	"vmflow/hostagent/proc"
 	"vmflow/internal/crashpoint"
 	"vmflow/internal/fsx"
 	vmflowv1 "vmflow/proto/vmflow/v1"
@@ -121,9 +122,13 @@ func (l *Locked) Create(want *vmflowv1.InstanceRecord) (*vmflowv1.InstanceRecord
 		CreatedAt:                 now,
 		UpdatedAt:                 now,
 	}
-	// A record too large to read back is refused before its directory
-	// exists: nothing is left behind.
+	// A record too large to read back, or one the state file system has no
+	// room for, is refused before its directory exists: nothing is left
+	// behind.
 	if _, err := encodeForWrite(rec); err != nil {
+		return nil, fmt.Errorf("create instance %s: %w", l.id, err)
+	}
+	if err := l.s.checkRoom(diskSize(want.GetSpec().GetDisk())); err != nil {
 		return nil, fmt.Errorf("create instance %s: %w", l.id, err)
 	}
 	if err := os.Mkdir(l.paths.Dir, 0o700); err != nil && !errors.Is(err, fs.ErrExist) {
@@ -231,7 +236,13 @@ func (l *Locked) write(rec *vmflowv1.InstanceRecord) error {
 	if err := fsx.RemoveStaleTemps(l.paths.Dir); err != nil {
 		return err
 	}
-	return writeFileAtomic(l.paths.Dir, RecordFile, b, l.s.afterTemp)
+	put := func() error { return writeFileAtomic(l.paths.Dir, RecordFile, b, l.s.afterTemp) }
+	// A delete's writes (once the marker is down) may use the reserve: a
+	// full disk never blocks a delete (invariant 14).
+	if marked, _ := markerExists(l.paths); marked {
+		return l.s.withReserve(put)
+	}
+	return put()
 }
 
 // MarkManualStop: see Store.MarkManualStop. An existing marker is kept as is.
@@ -256,7 +267,7 @@ func (l *Locked) MarkManualStop() error {
 		return nil
 	}
 	body := []byte("manual stop requested at " + time.Now().UTC().Format(time.RFC3339Nano) + "\n")
-	if err := writeFileAtomic(l.paths.Dir, ManualStopFile, body, nil); err != nil {
+	if err := l.s.withReserve(func() error { return writeFileAtomic(l.paths.Dir, ManualStopFile, body, nil) }); err != nil {
 		return fmt.Errorf("mark manual stop of instance %s: %w", l.id, err)
 	}
 	crashpoint.Hit(crashpoint.MarkerWritten)
@@ -281,11 +292,18 @@ func (l *Locked) Delete() error {
 		return fmt.Errorf("delete instance %s: %w (profile %q, device %s, phase %s); release it first",
 			l.id, ErrClaimHeld, c.GetProfile(), ClaimDevice(c), c.GetPhase())
 	}
+	if err := processGone(rec); err != nil {
+		return fmt.Errorf("delete instance %s: %w; stop it and wait for its exit first", l.id, err)
+	}
 	if rec.GetState() != deleting {
 		return fmt.Errorf("delete instance %s: %w: %s -> deleted (only a record in deleting can be removed)",
 			l.id, ErrIllegalTransition, StateName(rec.GetState()))
 	}
-	trash, err := os.MkdirTemp(l.s.instances, trashPrefix+l.id+"-")
+	var trash string
+	err = l.s.withReserve(func() (err error) {
+		trash, err = os.MkdirTemp(l.s.instances, trashPrefix+l.id+"-")
+		return err
+	})
 	if err != nil {
 		return fmt.Errorf("delete instance %s: %w", l.id, err)
 	}
@@ -296,6 +314,7 @@ func (l *Locked) Delete() error {
 		return fmt.Errorf("delete instance %s: %w", l.id, err)
 	}
 	crashpoint.Hit(crashpoint.RecordTrashed)
+	l.s.dropUID(rec.GetQemuUid(), l.id)
 	// From here the instance is gone for readers; finish removing its files
 	// even if the fsync failed (New removes whatever a crash leaves).
 	var errs []error
@@ -307,6 +326,29 @@ func (l *Locked) Delete() error {
 	}
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("delete instance %s: %w", l.id, err)
+	}
+	return nil
+}
+
+// processGone returns nil when no QEMU of rec can be running: the record
+// names no process, or one /proc confirms gone (exited, its pid reused, or
+// of another boot). A process that is alive or whose liveness cannot be read
+// (invariant 2: "can't tell" is alive), and a launch marker not yet resolved
+// to a process, give ErrProcessMayLive.
+func processGone(rec *vmflowv1.InstanceRecord) error {
+	if rec.GetLaunchStartedAt() != nil && rec.GetProcess() == nil {
+		return fmt.Errorf("%w: a launch began at %s and no process is recorded yet",
+			ErrProcessMayLive, rec.GetLaunchStartedAt().AsTime().UTC().Format(time.RFC3339))
+	}
+	if p := rec.GetProcess(); p != nil {
+		st := proc.Inspect(IdentityOf(p))
+		if st.Alive {
+			detail := fmt.Sprintf("%d tasks", st.Tasks)
+			if st.Err != "" {
+				detail = st.Err
+			}
+			return fmt.Errorf("%w: %v is %s (%s)", ErrProcessMayLive, st.Identity, st.State, detail)
+		}
 	}
 	return nil
 }

@@ -22,7 +22,8 @@ func Open(stateDir string) (*Store, error) {
 	if err != nil {
 		return nil, fmt.Errorf("open store %s: %w", stateDir, err)
 	}
-	s := &Store{root: root, instances: filepath.Join(root, instancesDir), locks: filepath.Join(root, locksDir)}
+	s := &Store{root: root, instances: filepath.Join(root, instancesDir), locks: filepath.Join(root, locksDir),
+		uids: filepath.Join(root, uidsDir)}
 	fi, err := os.Stat(s.instances)
 	if err != nil {
 		return nil, fmt.Errorf("open store %s (is it the agent's --state-dir?): %w", root, err)

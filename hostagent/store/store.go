@@ -9,7 +9,8 @@
 // so two agents on one state dir cannot both act; the instance state machine
 // lives here and nowhere else; a delete can only begin once the manual-stop
 // marker is on disk (invariant 6); and a record that still holds a vGPU claim
-// is never deleted (invariant 1).
+// (invariant 1) or names a QEMU not confirmed gone (invariant 11) is never
+// deleted.
 //
 // The package never imports Temporal: activities adapt it, supervision uses it
 // with the network down.
@@ -67,6 +68,8 @@ type Store struct {
 	root      string // absolute state dir
 	instances string
 	locks     string
+	uids      string           // the uid ledger (uidsDir)
+	reserve   uint64           // the reserve's size (WithReserve)
 	afterTemp func(tmp string) // test hook: see writeFileAtomic
 }
 
@@ -89,11 +92,13 @@ func New(stateDir string, opts ...Option) (*Store, error) {
 		root:      root,
 		instances: filepath.Join(root, instancesDir),
 		locks:     filepath.Join(root, locksDir),
+		uids:      filepath.Join(root, uidsDir),
+		reserve:   DefaultReserve,
 	}
 	for _, o := range opts {
 		o(s)
 	}
-	for _, d := range []string{s.instances, s.locks} {
+	for _, d := range []string{s.instances, s.locks, s.uids} {
 		// Durably: a record written into a directory whose own entry a
 		// power cut drops is lost with it.
 		if err := fsx.MkdirAll(d, 0o700); err != nil {
@@ -107,6 +112,8 @@ func New(stateDir string, opts ...Option) (*Store, error) {
 	if err := s.removeTrash(); err != nil {
 		return nil, fmt.Errorf("open store: %w", err)
 	}
+	// Best effort: an agent must start on a full disk, to serve deletes.
+	s.layReserve()
 	return s, nil
 }
 
@@ -246,7 +253,8 @@ func (s *Store) Transition(ctx context.Context, id string, to vmflowv1.InstanceS
 
 // Delete removes instance id's record and directory (socket, log, pid file
 // and marker with it) under its lock. It is refused unless the record is in
-// Deleting and holds no vGPU claim (ErrClaimHeld). A missing record is
+// Deleting, holds no vGPU claim (ErrClaimHeld) and names no QEMU that may
+// still run (ErrProcessMayLive). A missing record is
 // ErrNotFound, which a delete path treats as already done.
 func (s *Store) Delete(ctx context.Context, id string) error {
 	return s.withLock(ctx, id, func(l *Locked) error { return l.Delete() })

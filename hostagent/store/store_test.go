@@ -188,7 +188,7 @@ func TestBadIDsRefused(t *testing.T) {
 	for _, e := range entries {
 		names = append(names, e.Name())
 	}
-	assert.ElementsMatch(t, []string{"instances", "locks"}, names)
+	assert.ElementsMatch(t, []string{"instances", "locks", "qemu-uids", "reserve"}, names)
 }
 
 func TestGoodIDs(t *testing.T) {

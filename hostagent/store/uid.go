@@ -4,19 +4,37 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"io/fs"
+	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
+
+	"google.golang.org/protobuf/encoding/protojson"
+
+	"vmflow/internal/crashpoint"
+	"vmflow/internal/fsx"
 
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
 // DefaultQEMUUIDRange is the agent's --qemu-uid-range default: 65,536 uids
-// no distribution gives to users or services (useradd's SUB_UID_MIN is
-// 100000 with 65536 per user, so a host with two or more users holding
-// subordinate ranges overlaps it: give such a host another range). Agents
-// sharing a machine need disjoint ranges.
-var DefaultQEMUUIDRange = UIDRange{First: 200000, Last: 265535}
+// nothing hands out. Debian's useradd gives each user a subordinate range
+// of SUB_UID_COUNT (65536) uids from SUB_UID_MIN (100000) up to SUB_UID_MAX
+// (600100000), so a range below 600100000 can be some user's rootless
+// containers' uids; systemd-nspawn picks container ranges from 524288 to
+// 1879048191 and keeps 2147352576 and up (the foreign range, and the
+// values a signed 32-bit uid cannot hold). 1879048192-2147352575 is
+// systemd's unused space: the default lies there. Agents sharing a machine
+// need disjoint ranges; CheckUIDRange refuses one that /etc hands out.
+var DefaultQEMUUIDRange = UIDRange{First: 1_900_000_000, Last: 1_900_065_535}
+
+// ErrUIDRangeTaken: the configured --qemu-uid-range overlaps uids the host
+// gives to someone else (an account, a group, a subordinate range in
+// /etc/subuid or /etc/subgid): a process of theirs could run as a VM's uid.
+var ErrUIDRangeTaken = errors.New("qemu uid range overlaps uids the host hands out")
 
 // ErrNoFreeUID: every uid of the range is in a record or held by a process.
 var ErrNoFreeUID = errors.New("no free qemu uid in the range")
@@ -65,17 +83,20 @@ func ParseUIDRange(s string) (UIDRange, error) {
 // AssignQEMUUID gives the locked instance a QEMU uid of its own from r and
 // writes it into the record together with fn's changes (fn may be nil), in
 // one write. It runs under the store's host-wide uid lock, so two
-// instances assigning at once never get one uid: the uid chosen appears in
-// no other readable record and is held by no process (inUse, a scan of
-// /proc taken under the lock). The record's current uid is kept when it
-// still passes those checks and lies in r (a restart keeps its uid);
+// instances assigning at once never get one uid. The record's current uid
+// is kept when it is still free and lies in r (a restart keeps its uid);
 // otherwise the lowest free uid of r is taken. The caller must know no
 // QEMU of the instance runs (a launch): a process holding its own uid is
 // then a stranger, and the uid is given up.
 //
-// A record that cannot be read is not counted: its uid is unknown. Its
-// QEMU, if one runs, holds its uid and inUse sees it; one that does not run
-// gets a new uid at its next launch if its old one was taken meanwhile.
+// "Can't tell" is "taken" (invariant 2's rule for uids): a uid is free only
+// when no readable record names it, no process or file inUse reports holds
+// it (a scan of /proc and of the VFIO nodes, taken under the lock), no
+// file in another instance's directory is owned by it, and the uid ledger
+// gives it to no record that cannot be read. The ledger (one file per uid,
+// written before the record names the uid) is what keeps a quarantined
+// record's uid taken, whatever is left of the record: its QEMU may be gone
+// while its /dev/vfio node is still that uid's.
 func (l *Locked) AssignQEMUUID(ctx context.Context, r UIDRange, inUse func(context.Context) (map[uint32]bool, error),
 	fn func(*vmflowv1.InstanceRecord) error) (*vmflowv1.InstanceRecord, error) {
 	if err := l.held(); err != nil {
@@ -91,22 +112,21 @@ func (l *Locked) AssignQEMUUID(ctx context.Context, r UIDRange, inUse func(conte
 	defer hl.Release(false)
 
 	recs, err := l.s.List()
-	if _, listed := Unreadable(err); !listed {
+	bad, listed := Unreadable(err)
+	if !listed {
 		return nil, fmt.Errorf("assign qemu uid to %s: %w", l.id, err)
 	}
-	taken := map[uint32]string{}
+	inRecords := map[uint32]bool{}
+	uidOf := map[string]uint32{}
 	var cur *vmflowv1.InstanceRecord // this instance's, read by List under l's lock
 	for _, rec := range recs {
+		uidOf[rec.GetId()] = rec.GetQemuUid()
 		switch u := rec.GetQemuUid(); {
 		case rec.GetId() == l.id:
 			cur = rec
 		case u != 0:
-			taken[u] = rec.GetId()
+			inRecords[u] = true
 		}
-	}
-	busy, err := inUse(ctx)
-	if err != nil {
-		return nil, fmt.Errorf("assign qemu uid to %s: %w", l.id, err)
 	}
 	if cur == nil {
 		// Not listed: unreadable (or gone); Get says which.
@@ -114,7 +134,57 @@ func (l *Locked) AssignQEMUUID(ctx context.Context, r UIDRange, inUse func(conte
 			return nil, fmt.Errorf("assign qemu uid: %w", err)
 		}
 	}
-	free := func(u uint32) bool { _, t := taken[u]; return !t && !busy[u] }
+	// held: uids nothing readable names but that may still be in use.
+	held := map[uint32]bool{}
+	quarantined := map[string]bool{}
+	for _, u := range bad {
+		quarantined[u.ID] = true
+		// A record written before the ledger existed: whatever of it
+		// still parses may name its uid.
+		if uid := lenientUID(u.Path); uid != 0 {
+			held[uid] = true
+		}
+	}
+	ledger, err := l.s.readUIDLedger()
+	if err != nil {
+		return nil, fmt.Errorf("assign qemu uid to %s: %w", l.id, err)
+	}
+	for u, id := range ledger {
+		owner, readable := uidOf[id]
+		switch {
+		case id == l.id && u == cur.GetQemuUid():
+		case id != l.id && (quarantined[id] || id == ""):
+			held[u] = true
+		case readable && owner == u:
+			inRecords[u] = true
+		default:
+			// The record names another uid or is gone (a delete or an
+			// assignment that crashed before its ledger clean-up).
+			l.s.dropUID(u, id)
+		}
+	}
+	ids, err := l.s.IDs()
+	if err != nil {
+		return nil, fmt.Errorf("assign qemu uid to %s: %w", l.id, err)
+	}
+	for _, id := range ids {
+		if id == l.id {
+			continue
+		}
+		p, _ := l.s.Paths(id)
+		owners, err := OwnersIn(p.Dir)
+		if err != nil {
+			return nil, fmt.Errorf("assign qemu uid to %s: instance %s: %w", l.id, id, err)
+		}
+		for u := range owners {
+			held[u] = true
+		}
+	}
+	busy, err := inUse(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("assign qemu uid to %s: %w", l.id, err)
+	}
+	free := func(u uint32) bool { return !inRecords[u] && !held[u] && !busy[u] }
 	uid := cur.GetQemuUid()
 	if uid == 0 || !r.Contains(uid) || !free(uid) {
 		uid = 0
@@ -129,8 +199,15 @@ func (l *Locked) AssignQEMUUID(ctx context.Context, r UIDRange, inUse func(conte
 		}
 	}
 	if uid == 0 {
-		return nil, fmt.Errorf("assign qemu uid to %s: %w: %s (%d in records, the rest held by processes)",
-			l.id, ErrNoFreeUID, r, len(taken))
+		return nil, fmt.Errorf("assign qemu uid to %s: %w: %s (%d in records, %d of unreadable records or owning instance files, the rest held by processes or VFIO nodes)",
+			l.id, ErrNoFreeUID, r, len(inRecords), len(held))
+	}
+	// The ledger first: from here the uid stays taken even if the record
+	// becomes unreadable.
+	if ledger[uid] != l.id {
+		if err := l.s.writeUID(uid, l.id); err != nil {
+			return nil, fmt.Errorf("assign qemu uid %d to %s: %w", uid, l.id, err)
+		}
 	}
 	rec, err := l.update(func(rec *vmflowv1.InstanceRecord) error {
 		rec.QemuUid = uid
@@ -142,5 +219,179 @@ func (l *Locked) AssignQEMUUID(ctx context.Context, r UIDRange, inUse func(conte
 	if err != nil {
 		return nil, fmt.Errorf("assign qemu uid %d: %w", uid, err)
 	}
+	if old := cur.GetQemuUid(); old != 0 && old != uid {
+		l.s.dropUID(old, l.id)
+	}
 	return rec, nil
+}
+
+// uidsDir is the uid ledger's directory in the state dir: one file per
+// assigned uid, named by the uid, holding the instance id.
+const uidsDir = "qemu-uids"
+
+// readUIDLedger reads the ledger (under the uid lock): uid -> instance id ("" for an entry whose
+// content is not an id: it holds its uid all the same).
+func (s *Store) readUIDLedger() (map[uint32]string, error) {
+	// Under the uid lock no other ledger write is in flight: a temp file
+	// is a crashed writer's.
+	if err := fsx.RemoveStaleTemps(s.uids); err != nil {
+		return nil, fmt.Errorf("read uid ledger: %w", err)
+	}
+	ents, err := os.ReadDir(s.uids)
+	if err != nil {
+		return nil, fmt.Errorf("read uid ledger: %w", err)
+	}
+	out := map[uint32]string{}
+	for _, e := range ents {
+		u, err := strconv.ParseUint(e.Name(), 10, 32)
+		if err != nil || u == 0 {
+			continue // a writer's temp file, or not the ledger's
+		}
+		b, err := os.ReadFile(filepath.Join(s.uids, e.Name()))
+		if err != nil {
+			return nil, fmt.Errorf("read uid ledger: %w", err)
+		}
+		id := strings.TrimSpace(string(b))
+		if ValidateID(id) != nil {
+			id = ""
+		}
+		out[uint32(u)] = id
+	}
+	return out, nil
+}
+
+// writeUID records durably that uid is id's.
+func (s *Store) writeUID(uid uint32, id string) error {
+	// Atomic and durable as a record, through fsx directly: the record
+	// writes' crash points count record writes only.
+	path := filepath.Join(s.uids, strconv.FormatUint(uint64(uid), 10))
+	if err := fsx.WriteFile(path, []byte(id+"\n"), nil); err != nil {
+		return fmt.Errorf("write uid ledger: %w", err)
+	}
+	crashpoint.Hit(crashpoint.StoreUIDLedgerWritten)
+	return nil
+}
+
+// dropUID removes uid's ledger entry if it still names id. Best effort: an
+// entry left behind is stale (its record names another uid, or is gone) and
+// the next assignment removes it.
+func (s *Store) dropUID(uid uint32, id string) {
+	path := filepath.Join(s.uids, strconv.FormatUint(uint64(uid), 10))
+	b, err := os.ReadFile(path)
+	if err != nil || strings.TrimSpace(string(b)) != id {
+		return
+	}
+	_ = os.Remove(path)
+}
+
+// lenientUID is the qemu_uid of whatever still parses of an unreadable
+// record at path (unknown fields ignored, no validation); 0 when nothing
+// does.
+func lenientUID(path string) uint32 {
+	f, err := os.Open(path)
+	if err != nil {
+		return 0
+	}
+	defer f.Close()
+	b, err := io.ReadAll(io.LimitReader(f, maxRecordSize))
+	if err != nil {
+		return 0
+	}
+	rec := &vmflowv1.InstanceRecord{}
+	if err := (protojson.UnmarshalOptions{DiscardUnknown: true, AllowPartial: true}).Unmarshal(b, rec); err != nil {
+		return 0
+	}
+	return rec.GetQemuUid()
+}
+
+// OwnersIn returns the uids and gids (a QEMU's gid is its uid) owning dir
+// and the entries directly in it, root's excepted. A missing dir owns
+// nothing; one that cannot be read is an error, never an empty answer.
+func OwnersIn(dir string) (map[uint32]bool, error) {
+	out := map[uint32]bool{}
+	add := func(fi fs.FileInfo) {
+		if st, ok := fi.Sys().(*syscall.Stat_t); ok {
+			for _, u := range []uint32{st.Uid, st.Gid} {
+				if u != 0 {
+					out[u] = true
+				}
+			}
+		}
+	}
+	fi, err := os.Lstat(dir)
+	if errors.Is(err, fs.ErrNotExist) {
+		return out, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("owners of %s: %w", dir, err)
+	}
+	add(fi)
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		if errors.Is(err, fs.ErrNotExist) {
+			return out, nil
+		}
+		return nil, fmt.Errorf("owners of %s: %w", dir, err)
+	}
+	for _, e := range ents {
+		fi, err := e.Info()
+		if errors.Is(err, fs.ErrNotExist) {
+			continue
+		}
+		if err != nil {
+			return nil, fmt.Errorf("owners of %s: %w", dir, err)
+		}
+		add(fi)
+	}
+	return out, nil
+}
+
+// CheckUIDRange returns nil when no uid of r is handed out by the host files
+// under etc (normally "/etc"): no account in passwd, no group in group (a
+// QEMU's gid is its uid), no subordinate range in subuid or subgid. Else
+// an error wrapping ErrUIDRangeTaken that names every overlap, file and
+// line. A missing file hands out nothing; one that cannot be read is an
+// error (its ranges are unknown).
+func CheckUIDRange(r UIDRange, etc string) error {
+	var found []string
+	for _, f := range []struct {
+		name string
+		sub  bool // name:first:count, else name:x:id:...
+	}{{"passwd", false}, {"group", false}, {"subuid", true}, {"subgid", true}} {
+		path := filepath.Join(etc, f.name)
+		b, err := os.ReadFile(path)
+		if errors.Is(err, fs.ErrNotExist) {
+			continue
+		}
+		if err != nil {
+			return fmt.Errorf("check qemu uid range %s: %w", r, err)
+		}
+		for n, line := range strings.Split(string(b), "\n") {
+			fields := strings.Split(strings.TrimSpace(line), ":")
+			var first, count uint64 = 0, 1
+			var err error
+			switch {
+			case f.sub && len(fields) == 3:
+				first, err = strconv.ParseUint(fields[1], 10, 32)
+				if err == nil {
+					count, err = strconv.ParseUint(fields[2], 10, 32)
+				}
+			case !f.sub && len(fields) >= 3:
+				first, err = strconv.ParseUint(fields[2], 10, 32)
+			default:
+				continue // blank, a comment, or not this file's form
+			}
+			if err != nil || count == 0 {
+				continue
+			}
+			if first <= uint64(r.Last) && first+count-1 >= uint64(r.First) {
+				found = append(found, fmt.Sprintf("%s line %d (%s)", path, n+1, strings.TrimSpace(line)))
+			}
+		}
+	}
+	if len(found) > 0 {
+		return fmt.Errorf("%w: %s overlaps %s; give the agent a --qemu-uid-range nothing hands out (the default is %s)",
+			ErrUIDRangeTaken, r, strings.Join(found, ", "), DefaultQEMUUIDRange)
+	}
+	return nil
 }

@@ -3,6 +3,8 @@ package store
 import (
 	"context"
 	"fmt"
+	"os"
+	"path/filepath"
 	"sync"
 	"testing"
 
@@ -134,4 +136,122 @@ func TestUpdateCannotSetQEMUUID(t *testing.T) {
 	mustCreate(t, s, "a")
 	_, err := s.Update(context.Background(), "a", func(r *vmflowv1.InstanceRecord) error { r.QemuUid = 300000; return nil })
 	assert.ErrorIs(t, err, ErrInvalidRecord)
+}
+
+// "Can't tell" is "taken": the uid of a record that became unreadable
+// (quarantined: its QEMU gone, its /dev/vfio node perhaps still its uid's)
+// is never handed to another instance, whatever is left of the record; nor
+// is a uid that owns a file in another instance's directory. Once the
+// quarantined record is repaired or deleted, its uid is free again.
+func TestAssignQEMUUIDCannotTellIsTaken(t *testing.T) {
+	s := newStore(t)
+	r := UIDRange{First: 300000, Last: 300009}
+	for _, id := range []string{"a", "b", "c", "d"} {
+		mustCreate(t, s, id)
+	}
+	ua, err := assign(t, s, "a", r, noneInUse)
+	require.NoError(t, err)
+	require.Equal(t, uint32(300000), ua)
+
+	// a's record is cut in half: nothing in it names its uid any more.
+	p, err := s.Paths("a")
+	require.NoError(t, err)
+	good, err := os.ReadFile(p.Record)
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(p.Record, good[:len(good)/2], 0o600))
+	_, err = s.Get("a")
+	require.ErrorIs(t, err, ErrInvalidRecord)
+
+	ub, err := assign(t, s, "b", r, noneInUse)
+	require.NoError(t, err)
+	assert.NotEqual(t, ua, ub, "the quarantined record's uid is not reused")
+
+	// A file in c's directory owned by a uid no record names: c's QEMU (or
+	// a jail for it) may still use it.
+	pc, err := s.Paths("c")
+	require.NoError(t, err)
+	f := filepath.Join(pc.Dir, "left-by-qemu")
+	require.NoError(t, os.WriteFile(f, nil, 0o600))
+	require.NoError(t, os.Lchown(f, 300001, 300001))
+	ud, err := assign(t, s, "d", r, noneInUse)
+	require.NoError(t, err)
+	assert.Equal(t, uint32(300002), ud, "300000 quarantined, 300001 owns a file in c's directory")
+
+	// Repaired, a keeps its own uid; b's and d's stay theirs.
+	require.NoError(t, os.WriteFile(p.Record, good, 0o600))
+	again, err := assign(t, s, "a", r, noneInUse)
+	require.NoError(t, err)
+	assert.Equal(t, ua, again)
+
+	// Deleted, a's uid is free for the next instance.
+	moveTo(t, s, "a", deleting)
+	require.NoError(t, s.Delete(context.Background(), "a"))
+	require.NoError(t, os.Remove(f))
+	mustCreate(t, s, "e")
+	ue, err := assign(t, s, "e", r, noneInUse)
+	require.NoError(t, err)
+	assert.Equal(t, ua, ue, "a deleted record's uid is free again")
+}
+
+// The default range lies outside every subordinate range Debian's useradd
+// can hand out (SUB_UID_MIN 100000, SUB_UID_COUNT 65536, SUB_UID_MAX
+// 600100000) and outside systemd's container and foreign ranges. The old
+// default (200000-265535) overlapped the second and third users' ranges.
+func TestDefaultQEMUUIDRangeOutsideHandedOutRanges(t *testing.T) {
+	d := DefaultQEMUUIDRange
+	for first := uint64(100000); first <= 600100000; first += 65536 {
+		last := first + 65535
+		require.False(t, first <= uint64(d.Last) && last >= uint64(d.First),
+			"default %s overlaps useradd's subordinate range %d-%d", d, first, last)
+	}
+	assert.Greater(t, d.First, uint32(1879048191), "above systemd-nspawn's container ranges")
+	assert.Less(t, d.Last, uint32(2147352576), "below systemd's foreign range")
+	_, err := ParseUIDRange(d.String())
+	require.NoError(t, err)
+	assert.NoError(t, CheckUIDRange(d, writeEtc(t, debianEtc)))
+}
+
+// debianEtc is what useradd leaves on a Debian host with three users.
+var debianEtc = map[string]string{
+	"passwd": "root:x:0:0:root:/root:/bin/bash\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n" +
+		"alice:x:1000:1000::/home/alice:/bin/bash\nbob:x:1001:1001::/home/bob:/bin/bash\ncarol:x:1002:1002::/home/carol:/bin/bash\n",
+	"group":  "root:x:0:\nalice:x:1000:\nbob:x:1001:\ncarol:x:1002:\nbig:x:300500:\n",
+	"subuid": "alice:100000:65536\nbob:165536:65536\ncarol:231072:65536\n",
+	"subgid": "alice:100000:65536\nbob:165536:65536\n# a comment\n\ncarol:231072:65536\n",
+}
+
+func writeEtc(t *testing.T, files map[string]string) string {
+	t.Helper()
+	dir := t.TempDir()
+	for name, body := range files {
+		require.NoError(t, os.WriteFile(filepath.Join(dir, name), []byte(body), 0o644))
+	}
+	return dir
+}
+
+// A range that a subordinate range, an account or a group also hands out
+// is refused with every overlap named, file and line; a missing file hands
+// out nothing.
+func TestCheckUIDRange(t *testing.T) {
+	etc := writeEtc(t, debianEtc)
+	err := CheckUIDRange(UIDRange{First: 200000, Last: 265535}, etc)
+	require.ErrorIs(t, err, ErrUIDRangeTaken)
+	for _, want := range []string{
+		filepath.Join(etc, "subuid") + " line 2 (bob:165536:65536)",
+		filepath.Join(etc, "subuid") + " line 3 (carol:231072:65536)",
+		filepath.Join(etc, "subgid") + " line 5 (carol:231072:65536)",
+	} {
+		assert.Contains(t, err.Error(), want)
+	}
+	assert.NotContains(t, err.Error(), "alice")
+
+	err = CheckUIDRange(UIDRange{First: 300400, Last: 300600}, etc)
+	require.ErrorIs(t, err, ErrUIDRangeTaken)
+	assert.Contains(t, err.Error(), "group line 5 (big:x:300500:)")
+	err = CheckUIDRange(UIDRange{First: 1001, Last: 1001}, etc)
+	require.ErrorIs(t, err, ErrUIDRangeTaken)
+	assert.Contains(t, err.Error(), "passwd line 4 (bob:x:1001:1001::/home/bob:/bin/bash)")
+
+	assert.NoError(t, CheckUIDRange(UIDRange{First: 296608, Last: 300000}, etc))
+	assert.NoError(t, CheckUIDRange(UIDRange{First: 200000, Last: 265535}, t.TempDir()), "no files: nothing handed out")
 }

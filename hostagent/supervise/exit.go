@@ -12,6 +12,7 @@ import (
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/spec"
 	"vmflow/hostagent/store"
+	"vmflow/hostagent/vgpu/claims"
 	"vmflow/hostagent/vmm"
 	"vmflow/internal/fsx"
 	vmflowv1 "vmflow/proto/vmflow/v1"
@@ -58,7 +59,7 @@ func applyExit(r *vmflowv1.InstanceRecord, id proc.Identity, ex exitInfo) bool {
 	}
 	takeBackVFIO(r)
 	r.Process = nil
-	r.LastExit = timestamppb.New(ex.at)
+	r.LastExit, r.LastExitBoot = timestamppb.New(ex.at), store.BootMomentNow()
 	r.LastExitStatus = ex.status
 	r.LastExitCode = ex.code
 	if r.GetState() == vmflowv1.InstanceState_INSTANCE_STATE_RUNNING {
@@ -212,8 +213,9 @@ func (s *Supervisor) recordGoneLocked(ctx context.Context, l *store.Locked, id p
 }
 
 // applyPolicyLocked decides, under the lock, whether rec's VM comes back
-// and schedules the restart. The backoff counts from since, or when since
-// is zero from the recorded exit (so time the agent was down counts too).
+// and schedules the restart. The backoff counts from since (an in-process
+// instant), or when since is zero from the recorded exit (so time the agent
+// was down counts too), and is never longer than the policy's.
 func (s *Supervisor) applyPolicyLocked(l *store.Locked, in *instance, rec *vmflowv1.InstanceRecord, since time.Time) bool {
 	marked, err := l.ManualStop()
 	if err != nil {
@@ -225,13 +227,15 @@ func (s *Supervisor) applyPolicyLocked(l *store.Locked, in *instance, rec *vmflo
 		in.log.Info("not restarting", zap.String("reason", d.reason), zap.String("restart_policy", rec.GetRestartPolicy()))
 		return false
 	}
-	if since.IsZero() && rec.GetLastExit() != nil {
-		since = rec.GetLastExit().AsTime()
+	// What is left of the backoff since the exit: since is an in-process
+	// instant (the monotonic clock); an agent that did not see the exit
+	// measures from the recorded one on CLOCK_BOOTTIME. Never longer than
+	// the backoff, whatever the wall clock did.
+	elapsed := time.Since(since)
+	if since.IsZero() {
+		elapsed = store.Elapsed(rec.GetLastExit(), rec.GetLastExitBoot(), s.cfg.Now())
 	}
-	delay := d.delay
-	if !since.IsZero() {
-		delay = max(0, time.Until(since.Add(d.delay)))
-	}
+	delay := min(d.delay, max(0, d.delay-elapsed))
 	s.scheduleRestart(in, delay)
 	in.log.Info("restart scheduled", zap.String("reason", d.reason), zap.Duration("backoff", d.delay),
 		zap.Duration("delay", delay), zap.Uint32("restart_count", rec.GetRestartCount()))
@@ -307,9 +311,12 @@ func (s *Supervisor) restart(in *instance, gen uint64) {
 	log := in.log.With(zap.Uint32("restart_count", attempt))
 	log.Info("restarting")
 	vm, err := s.launchLocked(ctx, l, in, rec)
-	if errors.Is(err, spec.ErrAdmissionRefused) {
+	if errors.Is(err, spec.ErrAdmissionRefused) || errors.Is(err, store.ErrUIDRangeTaken) {
 		s.refuseRestartLocked(l, in, attempt-1, err)
 		return
+	}
+	if errors.Is(err, claims.ErrClaimDeviceMissing) {
+		s.deviceMissingLocked(l, in, err)
 	}
 	if err != nil {
 		// A failed restart is an attempt: the policy decides again with the
@@ -325,14 +332,14 @@ func (s *Supervisor) restart(in *instance, gen uint64) {
 	log.Info("restarted", zap.Int("pid", vm.Identity().PID))
 }
 
-// refuseRestartLocked records a restart the host's admission policy
-// refused: needs_attention says so (last_error was written by launchLocked),
+// refuseRestartLocked records a restart the host's admission policy (or
+// its uid range) refused: needs_attention says so (last_error was written by launchLocked),
 // and the restart count goes back to count, since nothing was started. No
 // restart is scheduled: the policy is the agent's configuration, which
 // changes only with a new agent, whose re-attach applies the restart policy
 // again (and admits again).
 func (s *Supervisor) refuseRestartLocked(l *store.Locked, in *instance, count uint32, cause error) {
-	in.log.Error("restart refused by the host's admission policy; not restarting until an agent runs with a policy that admits it",
+	in.log.Error("restart refused by the host's configuration; not restarting until an agent runs with one that admits it",
 		zap.Error(cause))
 	if _, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
 		r.RestartCount = count
@@ -344,6 +351,26 @@ func (s *Supervisor) refuseRestartLocked(l *store.Locked, in *instance, count ui
 	}
 	if s.cfg.OnRestartRefused != nil {
 		s.cfg.OnRestartRefused()
+	}
+}
+
+// deviceMissingLocked records a restart that could not get its vGPU: the
+// device is gone (a reboot) and could not be re-created, which retrying
+// alone may never fix (its slot taken by hand, the GPU's driver not
+// loaded). needs_attention says so until a launch succeeds; the restart
+// policy keeps trying.
+func (s *Supervisor) deviceMissingLocked(l *store.Locked, in *instance, cause error) {
+	if _, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
+		if r.GetNeedsAttention() == "" {
+			r.NeedsAttentionAt = s.ts()
+		}
+		r.NeedsAttention = "restart cannot get its vGPU: " + cause.Error()
+		return nil
+	}); err != nil {
+		in.log.Error("restart without its vGPU: cannot record it", zap.Error(err))
+	}
+	if s.cfg.OnRestartDeviceMissing != nil {
+		s.cfg.OnRestartDeviceMissing()
 	}
 }
 

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
 	"slices"
 	"time"
 
@@ -129,7 +130,7 @@ func (s *Supervisor) Launch(ctx context.Context, id string) (LaunchResult, error
 		// written. It ended somehow; say so before starting anew.
 		if rec, err = l.Update(func(r *vmflowv1.InstanceRecord) error {
 			r.State = vmflowv1.InstanceState_INSTANCE_STATE_EXITED
-			r.LastExit, r.LastExitStatus, r.LastExitCode = s.ts(), "unknown (no process recorded)", -1
+			r.LastExit, r.LastExitBoot, r.LastExitStatus, r.LastExitCode = s.ts(), store.BootMomentNow(), "unknown (no process recorded)", -1
 			return nil
 		}); err != nil {
 			return LaunchResult{}, fmt.Errorf("launch instance %s: %w", id, err)
@@ -242,18 +243,47 @@ func captureLog(in *instance, vm *vmm.VM) {
 	}
 }
 
+// refuseLaunchLocked records why a launch was refused before anything was
+// opened or started, and returns that error.
+func refuseLaunchLocked(l *store.Locked, err error) error {
+	if _, uerr := l.Update(func(r *vmflowv1.InstanceRecord) error { r.LastError = err.Error(); return nil }); uerr != nil {
+		err = errors.Join(err, uerr)
+	}
+	return err
+}
+
+// uidsInUse is every uid a QEMU uid must not be: held by a process, or
+// owning a VFIO group node (given to a QEMU that is gone, and not taken
+// back yet).
+func (s *Supervisor) uidsInUse(ctx context.Context) (map[uint32]bool, error) {
+	used, err := proc.UIDsInUse(ctx)
+	if err != nil {
+		return nil, err
+	}
+	nodes, err := store.OwnersIn(filepath.Join(s.cfg.DevRoot, "vfio"))
+	if err != nil {
+		return nil, fmt.Errorf("scan VFIO group nodes: %w", err)
+	}
+	for u := range nodes {
+		used[u] = true
+	}
+	return used, nil
+}
+
 // launchLocked launches QEMU for the locked instance rec and moves its
 // record to Running. The spec comes from Config.PrepareLaunch. On failure
 // vmm has killed and reaped QEMU and removed the socket, and OnFailed has
 // cleared the pid and the launch marker: nothing remains.
 func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *instance, rec *vmflowv1.InstanceRecord) (*vmm.VM, error) {
+	// Before anything is opened: a uid range the host also hands out (a
+	// user's subordinate range, an account) would let someone else's
+	// processes run as this VM's uid.
+	if err := store.CheckUIDRange(s.cfg.QEMUUIDs, s.cfg.EtcDir); err != nil {
+		return nil, refuseLaunchLocked(l, err)
+	}
 	spec, err := s.cfg.PrepareLaunch(ctx, l, rec)
 	if err != nil {
-		err = fmt.Errorf("prepare launch: %w", err)
-		if _, uerr := l.Update(func(r *vmflowv1.InstanceRecord) error { r.LastError = err.Error(); return nil }); uerr != nil {
-			err = errors.Join(err, uerr)
-		}
-		return nil, err
+		return nil, refuseLaunchLocked(l, fmt.Errorf("prepare launch: %w", err))
 	}
 	// The spec holds the images the agent opened: vmm.Launch closes them
 	// after the fork; this covers the returns before it.
@@ -274,7 +304,7 @@ func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *inst
 	if err != nil {
 		return nil, err
 	}
-	rec, err = l.AssignQEMUUID(ctx, s.cfg.QEMUUIDs, proc.UIDsInUse, func(r *vmflowv1.InstanceRecord) error {
+	rec, err = l.AssignQEMUUID(ctx, s.cfg.QEMUUIDs, s.uidsInUse, func(r *vmflowv1.InstanceRecord) error {
 		r.LaunchStartedAt, r.LaunchNonce = s.ts(), ""
 		// Listed before they are given, so whoever records this QEMU
 		// gone takes them back (takeBackVFIO).
@@ -320,7 +350,7 @@ func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *inst
 				r.Process = store.ProcessRecord(pid)
 				_ = clearLaunchMarker(r)
 				r.LastStart = s.ts()
-				r.StopStep, r.StopStepAt = vmflowv1.StopStep_STOP_STEP_NONE, nil
+				r.StopStep, r.StopStepAt, r.StopStepBoot = vmflowv1.StopStep_STOP_STEP_NONE, nil, nil
 				r.LastError = ""
 				// Admitted and started: a refusal recorded earlier is over.
 				r.NeedsAttention, r.NeedsAttentionAt = "", nil
@@ -340,7 +370,7 @@ func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *inst
 			_, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
 				if pid.Valid() && r.GetProcess() != nil && store.IdentityOf(r.GetProcess()) == pid {
 					r.Process = nil
-					r.LastExit, r.LastExitStatus, r.LastExitCode = s.ts(), "launch failed", -1
+					r.LastExit, r.LastExitBoot, r.LastExitStatus, r.LastExitCode = s.ts(), store.BootMomentNow(), "launch failed", -1
 				}
 				_ = clearLaunchMarker(r)
 				takeBackVFIO(r)

@@ -111,7 +111,7 @@ func (s *Supervisor) resolveLaunchLocked(ctx context.Context, l *store.Locked, i
 				r.LastStart = r.GetLaunchStartedAt()
 			}
 			_ = clearLaunchMarker(r)
-			r.StopStep, r.StopStepAt = vmflowv1.StopStep_STOP_STEP_NONE, nil
+			r.StopStep, r.StopStepAt, r.StopStepBoot = vmflowv1.StopStep_STOP_STEP_NONE, nil, nil
 			return nil
 		})
 		if err != nil {

@@ -264,7 +264,7 @@ func (s *Supervisor) reattach(ctx context.Context, id string, rep *ReattachRepor
 		rep.Gone++
 		if rec, err = l.Update(func(r *vmflowv1.InstanceRecord) error {
 			r.State = vmflowv1.InstanceState_INSTANCE_STATE_EXITED
-			r.LastExit, r.LastExitStatus, r.LastExitCode = s.ts(), "unknown (no process recorded)", -1
+			r.LastExit, r.LastExitBoot, r.LastExitStatus, r.LastExitCode = s.ts(), store.BootMomentNow(), "unknown (no process recorded)", -1
 			return nil
 		}); err != nil {
 			return fmt.Errorf("re-attach instance %s: %w", id, err)

@@ -100,7 +100,7 @@ func (s *Supervisor) Stop(ctx context.Context, id string, graceful time.Duration
 		if _, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
 			r.StopStep = vmflowv1.StopStep_STOP_STEP_GONE
 			if r.GetStopStepAt() == nil || from != vmm.StepGone {
-				r.StopStepAt = s.ts()
+				r.StopStepAt, r.StopStepBoot = s.ts(), store.BootMomentNow()
 			}
 			if r.GetState() == vmflowv1.InstanceState_INSTANCE_STATE_RUNNING {
 				r.State = vmflowv1.InstanceState_INSTANCE_STATE_EXITED
@@ -117,11 +117,11 @@ func (s *Supervisor) Stop(ctx context.Context, id string, graceful time.Duration
 	if graceful <= 0 {
 		graceful = s.cfg.GracefulTimeout
 	}
-	if from == vmm.StepPowerdownSent && rec.GetStopStepAt() != nil {
+	if from == vmm.StepPowerdownSent && (rec.GetStopStepAt() != nil || rec.GetStopStepBoot() != nil) {
 		// Resumed after the button was pressed: only what is left of the
-		// graceful time (vmm would give it all again). vmm reads <= 0 as
-		// "default", hence the floor.
-		graceful = max(graceful-s.cfg.Now().Sub(rec.GetStopStepAt().AsTime()), time.Millisecond)
+		// graceful time (vmm would give it all again), measured on
+		// CLOCK_BOOTTIME so a clock stepped back cannot stretch it.
+		graceful = resumedWait(graceful, store.Elapsed(rec.GetStopStepAt(), rec.GetStopStepBoot(), s.cfg.Now()))
 	}
 	vm := in.current(pid)
 	child := vm != nil && vm.Child() != nil
@@ -132,7 +132,7 @@ func (s *Supervisor) Stop(ctx context.Context, id string, graceful time.Duration
 		KillTimeout:     s.cfg.GroupExitCap,
 		OnStep: func(step vmm.StopStep) error {
 			_, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
-				r.StopStep, r.StopStepAt = stepToProto(step), s.ts()
+				r.StopStep, r.StopStepAt, r.StopStepBoot = stepToProto(step), s.ts(), store.BootMomentNow()
 				if step == vmm.StepGone {
 					ex := exitInfo{at: s.cfg.Now(), status: "unknown (not the agent's child)", code: -1}
 					if vm != nil {
@@ -169,6 +169,13 @@ func (s *Supervisor) Stop(ctx context.Context, id string, graceful time.Duration
 	}
 	log.Info("stopped", zap.Duration("took", res.Total), zap.Bool("already_gone", res.AlreadyGone))
 	return out, nil
+}
+
+// resumedWait is what is left of a configured wait of which elapsed
+// (never negative: store.Elapsed) has passed: never longer than configured.
+// vmm reads <= 0 as "default", hence the floor.
+func resumedWait(configured, elapsed time.Duration) time.Duration {
+	return max(configured-elapsed, time.Millisecond)
 }
 
 // WaitExit returns nil once instance id's QEMU thread group is gone (and,

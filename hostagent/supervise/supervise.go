@@ -62,6 +62,10 @@ type Config struct {
 	// empty): when its group cannot open it, KVM launches fail with
 	// vmm.ErrKVMAccess and everything else goes on.
 	KVMDevice string
+	// EtcDir holds the host's passwd, group, subuid and subgid ("/etc"
+	// when empty): a QEMUUIDs range overlapping what they hand out is
+	// refused at every launch (store.CheckUIDRange).
+	EtcDir string
 	// DevRoot holds the VFIO group nodes (<DevRoot>/vfio/<group>) given to
 	// a QEMU's uid while it may run ("/dev" when empty).
 	DevRoot string
@@ -78,6 +82,11 @@ type Config struct {
 	// (spec.ErrAdmissionRefused) and the refusal is written to the record:
 	// the agent's vmflow_restarts_refused_total. It must not block.
 	OnRestartRefused func()
+	// OnRestartDeviceMissing, when set, is called after a restart failed
+	// because its vGPU is missing and could not be re-created
+	// (claims.ErrClaimDeviceMissing), with needs_attention written: the
+	// agent's vmflow_restarts_device_missing_total. It must not block.
+	OnRestartDeviceMissing func()
 	// OnGuestLogDropped, when set, is called once per VM whose guest output
 	// lost bytes (the log's disk full, failing or behind), with how many,
 	// when its log pump ends: the agent's
@@ -206,6 +215,9 @@ func New(cfg Config) (*Supervisor, error) {
 	if cfg.DevRoot == "" {
 		cfg.DevRoot = "/dev"
 	}
+	if cfg.EtcDir == "" {
+		cfg.EtcDir = "/etc"
+	}
 	if cfg.Now == nil {
 		cfg.Now = time.Now
 	}
@@ -213,6 +225,10 @@ func New(cfg Config) (*Supervisor, error) {
 	if kvm.Err != nil {
 		// Not fatal: TCG launches, re-attach and stops go on (invariant 12).
 		cfg.Logger.Warn("no usable KVM: spawns that ask for it are refused, accel \"tcg\" runs without it", zap.Error(kvm.Err))
+	}
+	if err := store.CheckUIDRange(cfg.QEMUUIDs, cfg.EtcDir); err != nil {
+		// Not fatal either: running VMs are supervised, launches refused.
+		cfg.Logger.Warn("launches will be refused", zap.Error(err))
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	return &Supervisor{

@@ -459,18 +459,8 @@ func TestStartNeverSignalsMismatchedPid(t *testing.T) {
 
 func TestStopResumesFromRecordedStep(t *testing.T) {
 	e := newEnv(t)
-	sup := e.newSupervisor(nil)
-	e.create("vm1", "", 0)
-	_, err := sup.Launch(ctxT(t, 30*time.Second), "vm1")
-	require.NoError(t, err)
-	require.NoError(t, e.st.MarkManualStop(ctxT(t, 5*time.Second), "vm1"))
 	// A previous agent pressed the power button an hour ago and died.
-	_, err = e.st.Update(ctxT(t, 5*time.Second), "vm1", func(r *vmflowv1.InstanceRecord) error {
-		r.StopStep = vmflowv1.StopStep_STOP_STEP_POWERDOWN_SENT
-		r.StopStepAt = timestamppb.New(time.Now().Add(-time.Hour))
-		return nil
-	})
-	require.NoError(t, err)
+	sup := pressedByDeadAgent(t, e, timestamppb.New(time.Now().Add(-time.Hour)), nil)
 
 	start := time.Now()
 	res, err := sup.Stop(ctxT(t, 30*time.Second), "vm1", time.Minute)

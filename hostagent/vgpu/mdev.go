@@ -143,7 +143,15 @@ func (d *MdevDriver) Create(ctx context.Context, req CreateRequest) (Device, err
 		if err != nil {
 			return Device{}, err
 		}
-		pl, err = place(profs, req.Profile)
+		held, err := req.held(ctx)
+		if err != nil {
+			return Device{}, fmt.Errorf("vgpu: create mdev %s: held claims: %w", id, err)
+		}
+		devs, err := d.Devices(ctx)
+		if err != nil {
+			return Device{}, err
+		}
+		pl, err = place(reserveHeld(profs, held, deviceIDs(devs), true), req.Profile)
 		if err != nil {
 			return Device{}, fmt.Errorf("vgpu: create mdev %s: %w", id, err)
 		}
@@ -200,6 +208,15 @@ func (d *MdevDriver) Release(ctx context.Context, dev Device) error {
 		return fmt.Errorf("vgpu: release mdev %s: %w", id, err)
 	}
 	return nil
+}
+
+// deviceIDs is the set of devs' ids.
+func deviceIDs(devs []Device) map[string]bool {
+	m := make(map[string]bool, len(devs))
+	for _, d := range devs {
+		m[d.ID] = true
+	}
+	return m
 }
 
 // place picks the least used parent with capacity for profile.

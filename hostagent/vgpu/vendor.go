@@ -221,9 +221,19 @@ func (d *VendorDriver) Create(ctx context.Context, req CreateRequest) (Device, e
 		if err != nil {
 			return Device{}, err
 		}
+		held, err := req.held(ctx)
+		if err != nil {
+			return Device{}, fmt.Errorf("vgpu: create vendor vGPU %s: held claims: %w", id, err)
+		}
+		running := map[string]bool{}
+		for _, vf := range vfs {
+			if vf.current != 0 {
+				running[vf.addr] = true
+			}
+		}
 		names := d.typeNames(vfs)
-		vfs = withoutTaken(vfs, taken)
-		pl, err = place(vendorProfiles(vfs, names), req.Profile)
+		vfs = withoutTaken(vfs, taken) // a held claim's VF is left out: no slot to count
+		pl, err = place(reserveHeld(vendorProfiles(vfs, names), held, running, false), req.Profile)
 		if errors.Is(err, ErrUnknownProfile) && anyBusy(vfs) {
 			// Busy and taken VFs list nothing and full types drop out
 			// of the lists: the name may be real but not creatable now.

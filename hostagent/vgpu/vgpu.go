@@ -113,6 +113,54 @@ type CreateRequest struct {
 	// the caller already owns (At, or a fresh mdev UUID) goes on with the
 	// readable records. Any other error refuses the create.
 	Taken func(ctx context.Context) (map[string]string, error)
+	// Held, if set, is called under the host lock before a placement is
+	// chosen. It returns the devices (placement included) of other
+	// instances' held claims, whether or not they exist now: after a
+	// reboot every mdev is gone and every VF reads type 0 while the claims
+	// stay held, and each must keep its slot and its parent's type
+	// (reserveHeld). Records that cannot be read are handled as by Taken.
+	Held func(ctx context.Context) ([]Device, error)
+}
+
+// held calls req.Held: the readable records decide when some cannot be
+// read (a fresh placement is refused on them by Taken where it must be).
+func (req CreateRequest) held(ctx context.Context) ([]Device, error) {
+	if req.Held == nil {
+		return nil, nil
+	}
+	h, err := req.Held(ctx)
+	if err != nil && !errors.Is(err, ErrRecordsUnreadable) {
+		return nil, err
+	}
+	return h, nil
+}
+
+// reserveHeld makes profs, read from sysfs, account for held claims whose
+// device does not exist now (exists says which do). Such a claim keeps a
+// slot of its type on its parent (countSlots: when the driver's
+// availability counts devices, not the claims' VFs it already left out),
+// and since a parent runs one vGPU type at a time (NVIDIA GPUs do, and the
+// simulator), every other type on that parent has none.
+func reserveHeld(profs []Profile, held []Device, exists map[string]bool, countSlots bool) []Profile {
+	for _, h := range held {
+		if exists[h.ID] {
+			continue // sysfs counts it already
+		}
+		for i := range profs {
+			p := &profs[i]
+			if p.Parent != h.Parent {
+				continue
+			}
+			switch {
+			case p.TypeID != h.TypeID:
+				p.Available = 0
+			case countSlots:
+				p.Available = max(0, p.Available-1)
+				p.Used++
+			}
+		}
+	}
+	return profs
 }
 
 // taken calls req.Taken. choosing: the caller picks a device among existing

@@ -65,6 +65,9 @@ const (
 	// ActivityClaimVGPUDone: ClaimVGPU is about to report success.
 	ActivityClaimVGPUDone = "activity.claim_vgpu.done"
 
+	// StoreUIDLedgerWritten: the uid ledger names the instance's new QEMU
+	// uid; the record does not yet.
+	StoreUIDLedgerWritten = "store.uid.ledger_written"
 	// LaunchBeforeFork: QEMU's argv and log are ready; nothing forked.
 	LaunchBeforeFork = "vmm.launch.before_fork"
 	// LaunchForked: QEMU is forked; its pid is not recorded yet.
@@ -122,7 +125,7 @@ var All = []string{
 	AgentReattached,
 	StoreCreateDir, StoreWriteTemp, StoreWriteRenamed, ActivityCreateRecordDone,
 	ClaimIntentWritten, ClaimDeviceCreated, ClaimActivated, ActivityClaimVGPUDone,
-	LaunchBeforeFork, LaunchForked, LaunchPIDRecorded, LaunchQMPReady, LaunchRunningRecorded, ActivityLaunchVMDone,
+	StoreUIDLedgerWritten, LaunchBeforeFork, LaunchForked, LaunchPIDRecorded, LaunchQMPReady, LaunchRunningRecorded, ActivityLaunchVMDone,
 	MarkerWritten, BeginDeleteRecorded,
 	StopPowerdownSent, StopQuitSent, StopKillSent, StopGone, ActivityStopVMDone, ActivityWaitVMExitDone,
 	ReleaseReleasing, ReleaseWritten, ReleaseRecorded, ActivityReleaseVGPUDone, ReconcileReleased,

@@ -11,6 +11,7 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -31,12 +32,18 @@ import (
 // The test binary re-executes itself as the processes the tests need:
 // real zombie leaders with live threads, and their parents.
 const (
-	helperEnv      = "VMFLOW_PROC_HELPER"
-	HoldFileEnv    = "VMFLOW_PROC_HOLD_FILE" // a path the zombie helper keeps open
-	helperZombie   = "zombie-leader"         // leader exits with SYS_exit, one thread lives until stdin closes
-	helperParent   = "zombie-parent"         // starts a zombie-leader grandchild, prints its pid, reaps it
-	helperHolders  = "holders"               // prints proc.Holders(os.Args[last]) as seen by this (unprivileged) process
-	exitLinePrefix = "exit "
+	helperEnv     = "VMFLOW_PROC_HELPER"
+	HoldFileEnv   = "VMFLOW_PROC_HOLD_FILE" // a path the zombie helper keeps open
+	helperZombie  = "zombie-leader"         // leader exits with SYS_exit, one thread lives until stdin closes
+	helperParent  = "zombie-parent"         // starts a zombie-leader grandchild, prints its pid, reaps it
+	helperHolders = "holders"               // prints proc.Holders(os.Args[last]) as seen by this (unprivileged) process
+	helperCrowd   = "crowd"                 // CrowdThreadsEnv threads, CrowdFDsEnv open fds, until stdin closes
+	// CrowdThreadsEnv and CrowdFDsEnv shape a crowd helper; with
+	// HoldFileEnv set, one more thread holds that file in an fd table of
+	// its own (unshare(CLONE_FILES)).
+	CrowdThreadsEnv = "VMFLOW_PROC_CROWD_THREADS"
+	CrowdFDsEnv     = "VMFLOW_PROC_CROWD_FDS"
+	exitLinePrefix  = "exit "
 )
 
 func init() {
@@ -60,6 +67,8 @@ func RunHelperIfRequested() {
 		runZombieParent()
 	case helperHolders:
 		runHolders()
+	case helperCrowd:
+		runCrowd()
 	default:
 		fmt.Fprintln(os.Stderr, "unknown helper", os.Getenv(helperEnv))
 		os.Exit(2)
@@ -113,6 +122,85 @@ func runHolders() {
 	}
 	_ = json.NewEncoder(os.Stdout).Encode(hs)
 	os.Exit(0)
+}
+
+// runCrowd is a process like a busy QEMU: many threads sharing one fd table
+// with many descriptors, and optionally a thread with a table of its own
+// holding HoldFileEnv. It prints "ready" (with the private thread's tid)
+// and exits when stdin closes.
+func runCrowd() {
+	fail := func(err error) {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(2)
+	}
+	threads, err1 := strconv.Atoi(os.Getenv(CrowdThreadsEnv))
+	fds, err2 := strconv.Atoi(os.Getenv(CrowdFDsEnv))
+	if err := errors.Join(err1, err2); err != nil {
+		fail(err)
+	}
+	for range fds {
+		if _, err := unix.Open("/dev/null", unix.O_RDONLY|unix.O_CLOEXEC, 0); err != nil {
+			fail(err)
+		}
+	}
+	started := make(chan int)
+	for range threads {
+		go func() {
+			runtime.LockOSThread() // a thread of its own, never given back
+			started <- unix.Gettid()
+			select {}
+		}()
+	}
+	for range threads {
+		<-started
+	}
+	private := 0
+	if p := os.Getenv(HoldFileEnv); p != "" {
+		go func() {
+			runtime.LockOSThread()
+			if err := unix.Unshare(unix.CLONE_FILES); err != nil {
+				fail(err)
+			}
+			if _, err := unix.Open(p, unix.O_RDONLY|unix.O_CLOEXEC, 0); err != nil {
+				fail(err)
+			}
+			started <- unix.Gettid()
+			select {}
+		}()
+		private = <-started
+	}
+	fmt.Fprintf(os.Stdout, "ready %d\n", private)
+	_, _ = io.Copy(io.Discard, os.Stdin)
+	os.Exit(0)
+}
+
+// Crowd is a running crowd helper.
+type Crowd struct {
+	PID int
+	// PrivateTID is the thread holding HoldFileEnv in a table of its own
+	// (0 without one).
+	PrivateTID int
+}
+
+// StartCrowd starts a crowd helper with threads threads (besides the Go
+// runtime's own) and fds open descriptors; extraEnv may add HoldFileEnv. It
+// is ended and reaped at cleanup.
+func StartCrowd(t testing.TB, threads, fds int, extraEnv ...string) Crowd {
+	t.Helper()
+	cmd := helperCmd(helperCrowd, append([]string{CrowdThreadsEnv + "=" + strconv.Itoa(threads),
+		CrowdFDsEnv + "=" + strconv.Itoa(fds)}, extraEnv...)...)
+	stdin, err := cmd.StdinPipe()
+	require.NoError(t, err)
+	child, stdout := startWithStdout(t, cmd)
+	t.Cleanup(func() {
+		_ = stdin.Close()
+		<-child.Done()
+	})
+	line, err := bufio.NewReader(stdout).ReadString('\n')
+	require.NoError(t, err)
+	tid, err := strconv.Atoi(strings.TrimSpace(strings.TrimPrefix(line, "ready ")))
+	require.NoError(t, err, "crowd helper said %q", line)
+	return Crowd{PID: child.Identity().PID, PrivateTID: tid}
 }
 
 // HoldersAs runs proc.Holders(path) in a copy of the test binary running as

@@ -91,6 +91,7 @@ type Claims struct {
 	log     *zap.Logger
 	now     func() time.Time
 	seen    scanSeen // Scan's own first sightings of unclaimed devices
+	scanFDs func(context.Context) (*proc.FDScan, error)
 }
 
 // New sets up the driver and the claims over cfg.Store.
@@ -100,7 +101,7 @@ func New(cfg Config) (*Claims, error) {
 	}
 	c := &Claims{
 		st: cfg.Store, devRoot: cfg.DevRoot, grace: cfg.OrphanGrace, ignore: cfg.IgnoreUninspectable,
-		log: cfg.Logger, now: cfg.Now,
+		log: cfg.Logger, now: cfg.Now, scanFDs: proc.ScanFDs,
 	}
 	if c.devRoot == "" {
 		c.devRoot = "/dev"
@@ -180,7 +181,7 @@ func (c *Claims) Claim(ctx context.Context, id, profile string) (*vmflowv1.GpuCl
 	if store.IsDeleting(rec) {
 		return nil, fmt.Errorf("claim vGPU for %s: %w", id, store.ErrDeleting)
 	}
-	req := vgpu.CreateRequest{Profile: profile, Taken: c.takenBy(id)}
+	req := vgpu.CreateRequest{Profile: profile, Taken: c.takenBy(id), Held: c.heldBy(id)}
 	if store.ClaimHeld(rec) {
 		have := rec.GetGpuClaim()
 		if have.GetProfile() != profile {
@@ -262,7 +263,8 @@ func (c *Claims) ensureActive(ctx context.Context, l *store.Locked, cl *vmflowv1
 	}
 	c.log.Warn("vGPU of an active claim is missing, re-creating it", zap.String("instance_id", l.ID()),
 		zap.String("device_id", dev.ID), zap.String("profile", cl.GetProfile()))
-	if _, err := c.drv.Create(ctx, vgpu.CreateRequest{Profile: cl.GetProfile(), UUID: cl.GetUuid(), At: placementOf(cl), Taken: c.takenBy(l.ID())}); err != nil {
+	if _, err := c.drv.Create(ctx, vgpu.CreateRequest{Profile: cl.GetProfile(), UUID: cl.GetUuid(), At: placementOf(cl),
+		Taken: c.takenBy(l.ID()), Held: c.heldBy(l.ID())}); err != nil {
 		return nil, fmt.Errorf("instance %s: vGPU %q device %s: %w: %w", l.ID(), cl.GetProfile(), dev.ID, ErrClaimDeviceMissing, err)
 	}
 	c.log.Info("vGPU re-created", zap.String("instance_id", l.ID()), zap.String("device_id", dev.ID), zap.String("profile", cl.GetProfile()))
@@ -308,6 +310,28 @@ func (c *Claims) takenBy(self string) func(context.Context) (map[string]string, 
 			return m, fmt.Errorf("%w: %d record(s): %s", vgpu.ErrRecordsUnreadable, n, strings.ReplaceAll(err.Error(), "\n", "; "))
 		}
 		return m, nil
+	}
+}
+
+// heldBy reads the records for vgpu.CreateRequest.Held: the devices of
+// the held claims of instances other than self, with their placements.
+func (c *Claims) heldBy(self string) func(context.Context) ([]vgpu.Device, error) {
+	return func(context.Context) ([]vgpu.Device, error) {
+		recs, err := c.st.List()
+		bad, listed := store.Unreadable(err)
+		if !listed {
+			return nil, fmt.Errorf("vgpu: read claims: %w", err)
+		}
+		var out []vgpu.Device
+		for _, r := range recs {
+			if r.GetId() != self && store.ClaimHeld(r) {
+				out = append(out, deviceOf(r.GetGpuClaim(), c.drv.Kind()))
+			}
+		}
+		if len(bad) > 0 {
+			return out, fmt.Errorf("%w: %d record(s)", vgpu.ErrRecordsUnreadable, len(bad))
+		}
+		return out, nil
 	}
 }
 
@@ -394,7 +418,7 @@ func (c *Claims) releaseLocked(ctx context.Context, l *store.Locked) (bool, stri
 	// release, whatever sysfs says about it.
 	err = c.ownDevice(ctx, l.ID(), dev)
 	if err == nil {
-		err = c.mayRelease(ctx, rec, dev)
+		err = c.mayRelease(ctx, rec, dev, proc.Holders)
 	}
 	if err != nil {
 		c.recordFailure(l, err)
@@ -425,9 +449,13 @@ func (c *Claims) releaseLocked(ctx context.Context, l *store.Locked) (bool, stri
 	return true, dev.ID, nil
 }
 
+// holdersFunc answers who holds a path: proc.Holders (a fresh walk of
+// /proc, before a release) or one FDScan shared by a scan's items.
+type holdersFunc func(ctx context.Context, path string) ([]proc.Holder, error)
+
 // mayRelease is invariant 2: the VM's whole thread group must be confirmed
-// gone, and nothing may hold the device's VFIO node.
-func (c *Claims) mayRelease(ctx context.Context, rec *vmflowv1.InstanceRecord, dev vgpu.Device) error {
+// gone, and nothing may hold the device's VFIO node (asked of holders).
+func (c *Claims) mayRelease(ctx context.Context, rec *vmflowv1.InstanceRecord, dev vgpu.Device, holders holdersFunc) error {
 	if at := rec.GetLaunchStartedAt(); at != nil && rec.GetProcess() == nil {
 		// A launch began and its QEMU's pid is not recorded yet: a QEMU
 		// forked just before an agent died may run with the device open,
@@ -479,7 +507,7 @@ func (c *Claims) mayRelease(ctx context.Context, rec *vmflowv1.InstanceRecord, d
 	if node == "" {
 		return nil // the device is gone: nothing can hold it
 	}
-	hs, err := proc.Holders(ctx, node)
+	hs, err := holders(ctx, node)
 	if err != nil {
 		return fmt.Errorf("%w: cannot tell who holds %s: %w", ErrDeviceHeld, node, err)
 	}
@@ -633,7 +661,7 @@ func (c *Claims) Reconcile(ctx context.Context) (*vmflowv1.ReconcileVGPUResult, 
 			res.Skipped++
 			continue
 		}
-		if err := c.mayRelease(ctx, &vmflowv1.InstanceRecord{}, d); err != nil {
+		if err := c.mayRelease(ctx, &vmflowv1.InstanceRecord{}, d, proc.Holders); err != nil {
 			next[d.ID] = first
 			res.Skipped++
 			c.log.Info("reconcile: orphan held, left alone", zap.String("device_id", d.ID), zap.Error(err))

@@ -7,6 +7,7 @@ import (
 	"sync"
 	"time"
 
+	"vmflow/hostagent/proc"
 	"vmflow/hostagent/store"
 )
 
@@ -48,6 +49,7 @@ type scanSeen struct {
 // scans in a row (Due).
 func (c *Claims) Scan(ctx context.Context) (Work, error) {
 	var w Work
+	holders := sharedHolders(c.scanFDs)
 	recs, listErr := c.st.List()
 	bad, listed := store.Unreadable(listErr)
 	if !listed {
@@ -62,12 +64,12 @@ func (c *Claims) Scan(ctx context.Context) (Work, error) {
 			w.Items = append(w.Items, "wake:"+r.GetId())
 			continue
 		}
-		if c.mayRelease(ctx, r, deviceOf(r.GetGpuClaim(), c.drv.Kind())) == nil {
+		if c.mayRelease(ctx, r, deviceOf(r.GetGpuClaim(), c.drv.Kind()), holders) == nil {
 			w.Items = append(w.Items, "release:"+r.GetId())
 		}
 	}
 	if listErr == nil {
-		orphans, err := c.scanOrphans(ctx, heldDevices(recs, "", c.drv.Kind()))
+		orphans, err := c.scanOrphans(ctx, heldDevices(recs, "", c.drv.Kind()), holders)
 		if err != nil {
 			return w, err
 		}
@@ -77,7 +79,7 @@ func (c *Claims) Scan(ctx context.Context) (Work, error) {
 	return w, nil
 }
 
-func (c *Claims) scanOrphans(ctx context.Context, claimed map[string]string) ([]string, error) {
+func (c *Claims) scanOrphans(ctx context.Context, claimed map[string]string, holders holdersFunc) ([]string, error) {
 	devs, err := c.drv.Devices(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("scan: list devices: %w", err)
@@ -106,13 +108,31 @@ func (c *Claims) scanOrphans(ctx context.Context, claimed map[string]string) ([]
 		if now.Sub(first) < c.grace {
 			continue
 		}
-		if c.mayRelease(ctx, nil, d) != nil {
+		if c.mayRelease(ctx, nil, d, holders) != nil {
 			continue
 		}
 		out = append(out, "orphan:"+d.ID)
 	}
 	c.seen.first = next
 	return out, nil
+}
+
+// sharedHolders answers every item of one scan from one walk of /proc,
+// taken when the first item asks (a scan with nothing to ask walks none).
+// Scan acts on nothing, so a walk some milliseconds old is good enough;
+// a release asks proc.Holders afresh, right before its write.
+func sharedHolders(scanFDs func(context.Context) (*proc.FDScan, error)) holdersFunc {
+	var scan *proc.FDScan
+	return func(ctx context.Context, path string) ([]proc.Holder, error) {
+		if scan == nil {
+			s, err := scanFDs(ctx)
+			if err != nil {
+				return nil, err
+			}
+			scan = s
+		}
+		return scan.Holders(path)
+	}
 }
 
 // Due returns the items of cur that prev had too: work that outlived one

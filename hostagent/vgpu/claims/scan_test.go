@@ -95,3 +95,30 @@ func TestGateSpacesOutTriggersForTheSameWork(t *testing.T) {
 	assert.False(t, g.Should(t0.Add(4*time.Minute), nil))
 	assert.True(t, g.Should(t0.Add(4*time.Minute), due), "work that went and came back is new")
 }
+
+// One scan walks /proc's descriptors once for all its items, however many
+// devices it asks about; a scan with nothing to ask walks none.
+func TestScanWalksDescriptorsOnce(t *testing.T) {
+	e := newClaims(t, vgpusim.Options{MdevParents: 3})
+	ctx := context.Background()
+	walks := claims.CountFDScans(e.claims)
+	w, err := e.claims.Scan(ctx)
+	require.NoError(t, err)
+	assert.False(t, w.Any())
+	assert.Zero(t, walks.Load(), "nothing to ask about")
+
+	var want []string
+	for _, u := range []string{"2b6c4e3a-0d4f-4a8e-9a43-6f5d2e1c0b01", "2b6c4e3a-0d4f-4a8e-9a43-6f5d2e1c0b02", "2b6c4e3a-0d4f-4a8e-9a43-6f5d2e1c0b03"} {
+		d, err := e.claims.Driver().Create(ctx, vgpu.CreateRequest{Profile: profile, UUID: u})
+		require.NoError(t, err)
+		want = append(want, "orphan:"+d.ID)
+	}
+	_, err = e.claims.Scan(ctx)
+	require.NoError(t, err)
+	e.now.Advance(2 * time.Minute)
+	walks.Store(0)
+	w, err = e.claims.Scan(ctx)
+	require.NoError(t, err)
+	assert.ElementsMatch(t, want, w.Items)
+	assert.EqualValues(t, 1, walks.Load(), "three devices asked about, one walk")
+}

@@ -567,6 +567,64 @@ func (x *ProcessIdentity) GetBootId() string {
 	return ""
 }
 
+// BootMoment is an instant on CLOCK_BOOTTIME (time since boot, suspend
+// included), which no clock step moves, with the boot it counts in: waits
+// and backoffs resumed by another agent are measured on it. Only an
+// instant of this boot can be compared with now; the wall-clock
+// timestamp kept beside it is for people.
+type BootMoment struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// /proc/sys/kernel/random/boot_id.
+	BootId        string `protobuf:"bytes,1,opt,name=boot_id,json=bootId,proto3" json:"boot_id,omitempty"`
+	SinceBootNs   uint64 `protobuf:"varint,2,opt,name=since_boot_ns,json=sinceBootNs,proto3" json:"since_boot_ns,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BootMoment) Reset() {
+	*x = BootMoment{}
+	mi := &file_vmflow_v1_record_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BootMoment) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BootMoment) ProtoMessage() {}
+
+func (x *BootMoment) ProtoReflect() protoreflect.Message {
+	mi := &file_vmflow_v1_record_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BootMoment.ProtoReflect.Descriptor instead.
+func (*BootMoment) Descriptor() ([]byte, []int) {
+	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *BootMoment) GetBootId() string {
+	if x != nil {
+		return x.BootId
+	}
+	return ""
+}
+
+func (x *BootMoment) GetSinceBootNs() uint64 {
+	if x != nil {
+		return x.SinceBootNs
+	}
+	return 0
+}
+
 // GpuClaim is a vGPU this instance owns. The store refuses to delete a record
 // while it holds one (invariant 1): a claim is held from the moment it is
 // recorded until released_at is set (or the claim is cleared).
@@ -599,7 +657,7 @@ type GpuClaim struct {
 
 func (x *GpuClaim) Reset() {
 	*x = GpuClaim{}
-	mi := &file_vmflow_v1_record_proto_msgTypes[4]
+	mi := &file_vmflow_v1_record_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -611,7 +669,7 @@ func (x *GpuClaim) String() string {
 func (*GpuClaim) ProtoMessage() {}
 
 func (x *GpuClaim) ProtoReflect() protoreflect.Message {
-	mi := &file_vmflow_v1_record_proto_msgTypes[4]
+	mi := &file_vmflow_v1_record_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -624,7 +682,7 @@ func (x *GpuClaim) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GpuClaim.ProtoReflect.Descriptor instead.
 func (*GpuClaim) Descriptor() ([]byte, []int) {
-	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{4}
+	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *GpuClaim) GetProfile() string {
@@ -791,14 +849,21 @@ type InstanceRecord struct {
 	// no longer matches (replaced at its path, or rewritten) is refused and the
 	// instance needs attention. Written at the first launch with an overlay
 	// (for an overlay older than the field: at its next launch).
-	DiskBase      *FileIdentity `protobuf:"bytes,33,opt,name=disk_base,json=diskBase,proto3" json:"disk_base,omitempty"`
+	DiskBase *FileIdentity `protobuf:"bytes,33,opt,name=disk_base,json=diskBase,proto3" json:"disk_base,omitempty"`
+	// stop_step_at and last_exit on CLOCK_BOOTTIME (fields 40-41; 34-39 are
+	// left to other additions): a resumed graceful wait and a restart backoff
+	// after an agent restart are measured on these, so a wall clock stepped
+	// back never stretches them. Absent on records older than the fields,
+	// which fall back on the wall clock, capped at the configured wait.
+	StopStepBoot  *BootMoment `protobuf:"bytes,40,opt,name=stop_step_boot,json=stopStepBoot,proto3" json:"stop_step_boot,omitempty"`
+	LastExitBoot  *BootMoment `protobuf:"bytes,41,opt,name=last_exit_boot,json=lastExitBoot,proto3" json:"last_exit_boot,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *InstanceRecord) Reset() {
 	*x = InstanceRecord{}
-	mi := &file_vmflow_v1_record_proto_msgTypes[5]
+	mi := &file_vmflow_v1_record_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -810,7 +875,7 @@ func (x *InstanceRecord) String() string {
 func (*InstanceRecord) ProtoMessage() {}
 
 func (x *InstanceRecord) ProtoReflect() protoreflect.Message {
-	mi := &file_vmflow_v1_record_proto_msgTypes[5]
+	mi := &file_vmflow_v1_record_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -823,7 +888,7 @@ func (x *InstanceRecord) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InstanceRecord.ProtoReflect.Descriptor instead.
 func (*InstanceRecord) Descriptor() ([]byte, []int) {
-	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{5}
+	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *InstanceRecord) GetId() string {
@@ -1015,6 +1080,20 @@ func (x *InstanceRecord) GetDiskBase() *FileIdentity {
 	return nil
 }
 
+func (x *InstanceRecord) GetStopStepBoot() *BootMoment {
+	if x != nil {
+		return x.StopStepBoot
+	}
+	return nil
+}
+
+func (x *InstanceRecord) GetLastExitBoot() *BootMoment {
+	if x != nil {
+		return x.LastExitBoot
+	}
+	return nil
+}
+
 var File_vmflow_v1_record_proto protoreflect.FileDescriptor
 
 const file_vmflow_v1_record_proto_rawDesc = "" +
@@ -1049,7 +1128,11 @@ const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\x03pid\x18\x01 \x01(\x05R\x03pid\x12\x1d\n" +
 	"\n" +
 	"start_time\x18\x02 \x01(\x04R\tstartTime\x12\x17\n" +
-	"\aboot_id\x18\x03 \x01(\tR\x06bootId\"\x9c\x03\n" +
+	"\aboot_id\x18\x03 \x01(\tR\x06bootId\"I\n" +
+	"\n" +
+	"BootMoment\x12\x17\n" +
+	"\aboot_id\x18\x01 \x01(\tR\x06bootId\x12\"\n" +
+	"\rsince_boot_ns\x18\x02 \x01(\x04R\vsinceBootNs\"\x9c\x03\n" +
 	"\bGpuClaim\x12\x18\n" +
 	"\aprofile\x18\x01 \x01(\tR\aprofile\x12\x16\n" +
 	"\x06parent\x18\x02 \x01(\tR\x06parent\x12\x17\n" +
@@ -1064,8 +1147,7 @@ const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\n" +
 	"claimed_at\x18\n" +
 	" \x01(\v2\x1a.google.protobuf.TimestampR\tclaimedAt\x12\x16\n" +
-	"\x06driver\x18\v \x01(\tR\x06driver\"\xa0\n" +
-	"\n" +
+	"\x06driver\x18\v \x01(\tR\x06driver\"\x9a\v\n" +
 	"\x0eInstanceRecord\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12%\n" +
 	"\x04spec\x18\x02 \x01(\v2\x11.vmflow.v1.VMSpecR\x04spec\x12%\n" +
@@ -1099,7 +1181,9 @@ const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\x12needs_attention_at\x18\x18 \x01(\v2\x1a.google.protobuf.TimestampR\x10needsAttentionAt\x12\x19\n" +
 	"\bqemu_uid\x18\x1f \x01(\rR\aqemuUid\x12(\n" +
 	"\x10vfio_group_nodes\x18  \x03(\tR\x0evfioGroupNodes\x124\n" +
-	"\tdisk_base\x18! \x01(\v2\x17.vmflow.v1.FileIdentityR\bdiskBase*\xc3\x01\n" +
+	"\tdisk_base\x18! \x01(\v2\x17.vmflow.v1.FileIdentityR\bdiskBase\x12;\n" +
+	"\x0estop_step_boot\x18( \x01(\v2\x15.vmflow.v1.BootMomentR\fstopStepBoot\x12;\n" +
+	"\x0elast_exit_boot\x18) \x01(\v2\x15.vmflow.v1.BootMomentR\flastExitBoot*\xc3\x01\n" +
 	"\rInstanceState\x12\x1e\n" +
 	"\x1aINSTANCE_STATE_UNSPECIFIED\x10\x00\x12\x1b\n" +
 	"\x17INSTANCE_STATE_CREATING\x10\x01\x12\x1a\n" +
@@ -1133,7 +1217,7 @@ func file_vmflow_v1_record_proto_rawDescGZIP() []byte {
 }
 
 var file_vmflow_v1_record_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_vmflow_v1_record_proto_msgTypes = make([]protoimpl.MessageInfo, 6)
+var file_vmflow_v1_record_proto_msgTypes = make([]protoimpl.MessageInfo, 7)
 var file_vmflow_v1_record_proto_goTypes = []any{
 	(InstanceState)(0),            // 0: vmflow.v1.InstanceState
 	(StopStep)(0),                 // 1: vmflow.v1.StopStep
@@ -1142,35 +1226,38 @@ var file_vmflow_v1_record_proto_goTypes = []any{
 	(*FileIdentity)(nil),          // 4: vmflow.v1.FileIdentity
 	(*ImageRef)(nil),              // 5: vmflow.v1.ImageRef
 	(*ProcessIdentity)(nil),       // 6: vmflow.v1.ProcessIdentity
-	(*GpuClaim)(nil),              // 7: vmflow.v1.GpuClaim
-	(*InstanceRecord)(nil),        // 8: vmflow.v1.InstanceRecord
-	(*timestamppb.Timestamp)(nil), // 9: google.protobuf.Timestamp
+	(*BootMoment)(nil),            // 7: vmflow.v1.BootMoment
+	(*GpuClaim)(nil),              // 8: vmflow.v1.GpuClaim
+	(*InstanceRecord)(nil),        // 9: vmflow.v1.InstanceRecord
+	(*timestamppb.Timestamp)(nil), // 10: google.protobuf.Timestamp
 }
 var file_vmflow_v1_record_proto_depIdxs = []int32{
 	5,  // 0: vmflow.v1.VMSpec.kernel_image:type_name -> vmflow.v1.ImageRef
 	5,  // 1: vmflow.v1.VMSpec.initrd_image:type_name -> vmflow.v1.ImageRef
 	5,  // 2: vmflow.v1.VMSpec.disk_image:type_name -> vmflow.v1.ImageRef
 	2,  // 3: vmflow.v1.GpuClaim.phase:type_name -> vmflow.v1.ClaimPhase
-	9,  // 4: vmflow.v1.GpuClaim.released_at:type_name -> google.protobuf.Timestamp
-	9,  // 5: vmflow.v1.GpuClaim.claimed_at:type_name -> google.protobuf.Timestamp
+	10, // 4: vmflow.v1.GpuClaim.released_at:type_name -> google.protobuf.Timestamp
+	10, // 5: vmflow.v1.GpuClaim.claimed_at:type_name -> google.protobuf.Timestamp
 	3,  // 6: vmflow.v1.InstanceRecord.spec:type_name -> vmflow.v1.VMSpec
 	0,  // 7: vmflow.v1.InstanceRecord.state:type_name -> vmflow.v1.InstanceState
 	1,  // 8: vmflow.v1.InstanceRecord.stop_step:type_name -> vmflow.v1.StopStep
-	9,  // 9: vmflow.v1.InstanceRecord.stop_step_at:type_name -> google.protobuf.Timestamp
+	10, // 9: vmflow.v1.InstanceRecord.stop_step_at:type_name -> google.protobuf.Timestamp
 	6,  // 10: vmflow.v1.InstanceRecord.process:type_name -> vmflow.v1.ProcessIdentity
-	7,  // 11: vmflow.v1.InstanceRecord.gpu_claim:type_name -> vmflow.v1.GpuClaim
-	9,  // 12: vmflow.v1.InstanceRecord.last_start:type_name -> google.protobuf.Timestamp
-	9,  // 13: vmflow.v1.InstanceRecord.last_exit:type_name -> google.protobuf.Timestamp
-	9,  // 14: vmflow.v1.InstanceRecord.created_at:type_name -> google.protobuf.Timestamp
-	9,  // 15: vmflow.v1.InstanceRecord.updated_at:type_name -> google.protobuf.Timestamp
-	9,  // 16: vmflow.v1.InstanceRecord.launch_started_at:type_name -> google.protobuf.Timestamp
-	9,  // 17: vmflow.v1.InstanceRecord.needs_attention_at:type_name -> google.protobuf.Timestamp
+	8,  // 11: vmflow.v1.InstanceRecord.gpu_claim:type_name -> vmflow.v1.GpuClaim
+	10, // 12: vmflow.v1.InstanceRecord.last_start:type_name -> google.protobuf.Timestamp
+	10, // 13: vmflow.v1.InstanceRecord.last_exit:type_name -> google.protobuf.Timestamp
+	10, // 14: vmflow.v1.InstanceRecord.created_at:type_name -> google.protobuf.Timestamp
+	10, // 15: vmflow.v1.InstanceRecord.updated_at:type_name -> google.protobuf.Timestamp
+	10, // 16: vmflow.v1.InstanceRecord.launch_started_at:type_name -> google.protobuf.Timestamp
+	10, // 17: vmflow.v1.InstanceRecord.needs_attention_at:type_name -> google.protobuf.Timestamp
 	4,  // 18: vmflow.v1.InstanceRecord.disk_base:type_name -> vmflow.v1.FileIdentity
-	19, // [19:19] is the sub-list for method output_type
-	19, // [19:19] is the sub-list for method input_type
-	19, // [19:19] is the sub-list for extension type_name
-	19, // [19:19] is the sub-list for extension extendee
-	0,  // [0:19] is the sub-list for field type_name
+	7,  // 19: vmflow.v1.InstanceRecord.stop_step_boot:type_name -> vmflow.v1.BootMoment
+	7,  // 20: vmflow.v1.InstanceRecord.last_exit_boot:type_name -> vmflow.v1.BootMoment
+	21, // [21:21] is the sub-list for method output_type
+	21, // [21:21] is the sub-list for method input_type
+	21, // [21:21] is the sub-list for extension type_name
+	21, // [21:21] is the sub-list for extension extendee
+	0,  // [0:21] is the sub-list for field type_name
 }
 
 func init() { file_vmflow_v1_record_proto_init() }
@@ -1184,7 +1271,7 @@ func file_vmflow_v1_record_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_vmflow_v1_record_proto_rawDesc), len(file_vmflow_v1_record_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   6,
+			NumMessages:   7,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

@@ -1,0 +1,88 @@
+package claims_test
+
+import (
+	"context"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"vmflow/hostagent/vgpu"
+	"vmflow/hostagent/vgpu/vgpusim"
+)
+
+// After a reboot every mdev is gone while the claims stay held on disk.
+// While instance A waits for its restart, a new spawn must not take the
+// slot A's held claim names (here the parent's only one), nor put another
+// type on that parent (it runs one vGPU type at a time): A's restart gets
+// its device back. On the old code B took the slot and A's re-create
+// failed with "no capacity".
+func TestHeldClaimKeepsItsSlotAcrossReboot(t *testing.T) {
+	const whole = "GRID A100-40C" // one per GPU
+	e := newClaims(t, vgpusim.Options{MdevParents: 1})
+	ctx := context.Background()
+	e.record(t, "vm-a")
+	a, err := e.claims.Claim(ctx, "vm-a", whole)
+	require.NoError(t, err)
+	e.removeBehindBack(t, a) // the reboot
+	require.Empty(t, e.devices(t))
+
+	e.record(t, "vm-b")
+	_, err = e.claims.Claim(ctx, "vm-b", whole)
+	require.ErrorIs(t, err, vgpu.ErrNoCapacity, "A's held claim keeps the parent's only slot")
+	_, err = e.claims.Claim(ctx, "vm-b", profile)
+	require.ErrorIs(t, err, vgpu.ErrNoCapacity, "the parent runs A's type: no other type fits beside it")
+	assert.Empty(t, e.devices(t), "nothing was created for B")
+
+	got, err := e.ensure(t, "vm-a")
+	require.NoError(t, err, "A's restart gets its device back")
+	assert.Equal(t, a.GetDeviceId(), got.GetDeviceId())
+	require.Len(t, e.devices(t), 1)
+}
+
+// A held claim whose device is missing counts against its type's capacity
+// on its parent, and only that: the other slots stay free.
+func TestMissingDeviceCountsOneSlot(t *testing.T) {
+	const half = "GRID A100-20C" // two per GPU
+	e := newClaims(t, vgpusim.Options{MdevParents: 1})
+	ctx := context.Background()
+	e.record(t, "vm-a")
+	a, err := e.claims.Claim(ctx, "vm-a", half)
+	require.NoError(t, err)
+	e.removeBehindBack(t, a)
+	e.record(t, "vm-b")
+	_, err = e.claims.Claim(ctx, "vm-b", half)
+	require.NoError(t, err, "one of two slots is A's, the other is free")
+	e.record(t, "vm-c")
+	_, err = e.claims.Claim(ctx, "vm-c", half)
+	require.ErrorIs(t, err, vgpu.ErrNoCapacity)
+	_, err = e.ensure(t, "vm-a")
+	require.NoError(t, err)
+	require.Len(t, e.devices(t), 2)
+}
+
+// The same on NVIDIA SR-IOV: after a reboot every VF reads type 0, but a
+// GPU runs one type on all its VFs, so a new spawn may not put another type
+// on a free VF of the GPU whose held claim's device is missing. On the old
+// code B's 8Q took a VF and A's 4Q could no longer be re-created.
+func TestHeldVendorClaimKeepsItsTypeAcrossReboot(t *testing.T) {
+	e := newClaims(t, vgpusim.Options{VendorVFs: 2})
+	ctx := context.Background()
+	e.record(t, "vm-a")
+	a, err := e.claims.Claim(ctx, "vm-a", vendorProfile)
+	require.NoError(t, err)
+	e.removeBehindBack(t, a)
+	require.Empty(t, e.devices(t))
+
+	e.record(t, "vm-b")
+	_, err = e.claims.Claim(ctx, "vm-b", "NVIDIA L40-8Q")
+	require.ErrorIs(t, err, vgpu.ErrNoCapacity, "the GPU runs A's type")
+	b, err := e.claims.Claim(ctx, "vm-b", vendorProfile)
+	require.NoError(t, err, "A's type on the other VF fits")
+	assert.NotEqual(t, a.GetDeviceId(), b.GetDeviceId(), "not A's VF")
+
+	got, err := e.ensure(t, "vm-a")
+	require.NoError(t, err)
+	assert.Equal(t, a.GetDeviceId(), got.GetDeviceId())
+	require.Len(t, e.devices(t), 2)
+}
