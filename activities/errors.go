@@ -30,7 +30,9 @@ var classes = []struct {
 }{
 	// Before ErrInvalid, which its field errors also match: a launch
 	// refused by the host's policy, not a bad request.
-	{workflows.ErrTypeAdmissionRefused, true, []error{spec.ErrAdmissionRefused}},
+	// A full state file system refuses a spawn the same way: nothing was
+	// created, and retrying would only wait for space someone else frees.
+	{workflows.ErrTypeAdmissionRefused, true, []error{spec.ErrAdmissionRefused, store.ErrDiskFull}},
 	{workflows.ErrTypeInvalidInput, true, []error{spec.ErrInvalid, store.ErrInvalidID, vmm.ErrInvalidSpec, store.ErrRecordTooLarge}},
 	{workflows.ErrTypeConflict, true, []error{store.ErrConflict}},
 	{workflows.ErrTypeInstanceDeleting, true, []error{store.ErrDeleting, supervise.ErrManualStop}},
@@ -43,7 +45,7 @@ var classes = []struct {
 	{workflows.ErrTypeDeviceClaimedTwice, true, []error{vgpu.ErrClaimedByOther}},
 	{workflows.ErrTypeAmbiguousQEMU, true, []error{supervise.ErrUnrecordedAmbiguous}},
 	{workflows.ErrTypeBusy, false, []error{store.ErrBusy}},
-	{workflows.ErrTypeStillAlive, false, []error{vmm.ErrStillAlive, supervise.ErrStillRunning}},
+	{workflows.ErrTypeStillAlive, false, []error{vmm.ErrStillAlive, supervise.ErrStillRunning, store.ErrProcessMayLive}},
 	{workflows.ErrTypeVGPUUnavailable, true, []error{spec.ErrNoVGPUDriver}},
 	{workflows.ErrTypeHostMisconfigured, true, []error{vmm.ErrKVMAccess, vmm.ErrNoQEMUUID, supervise.ErrNoSpec, store.ErrUIDRangeTaken}},
 	{workflows.ErrTypeNoQEMUUID, false, []error{store.ErrNoFreeUID}},

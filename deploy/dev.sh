@@ -241,8 +241,9 @@ if [[ $init_err == *"Permission denied"* ]]; then
 fi
 for ((i = 1; i <= HOSTS; i++)); do
 	# Every QEMU runs as a uid of its own from its agent's range; agents on
-	# one machine need disjoint ranges: 4096 uids per host from 200000.
-	uid_first=$((200000 + (i - 1) * 4096))
+	# one machine need disjoint ranges: 4096 uids per host from the default
+	# range's first (1900000000, outside what useradd hands out).
+	uid_first=$((1900000000 + (i - 1) * 4096))
 	start "${H_AGENT[i]}" "$BIN/vmflow-hostagent" run --host-id "${H_ID[i]}" --state-dir "${H_STATE[i]}" \
 		--sysfs-root "${H_SYS[i]}" --dev-root "${H_DEV[i]}" \
 		--qemu-uid-range "$uid_first-$((uid_first + 4095))" "${agent_args[@]}"
