@@ -79,6 +79,28 @@ type VM struct {
 	mu   sync.Mutex
 	mon  *Monitor
 	glog *GuestLog // the guest-output pump; nil when not capturing
+
+	violations chan error    // QMP protocol violations not yet taken (QMPViolation)
+	closed     chan struct{} // closed by Close
+	closeOnce  sync.Once
+}
+
+func newVM(id proc.Identity, child *proc.Child, h *proc.Handle, paths Paths, violations chan error) *VM {
+	if violations == nil {
+		violations = make(chan error, 1)
+	}
+	return &VM{id: id, child: child, h: h, paths: paths, violations: violations, closed: make(chan struct{})}
+}
+
+// reportTo is a Monitor's onViolation that leaves the violation in ch
+// unless one is already waiting there: one is enough to mark the VM.
+func reportTo(ch chan error) func(error) {
+	return func(err error) {
+		select {
+		case ch <- err:
+		default:
+		}
+	}
 }
 
 // Launch starts QEMU for cfg.Spec in a session of its own, with stdout and
@@ -108,6 +130,9 @@ type launch struct {
 	h     *proc.Handle
 	mon   *Monitor
 	glog  *GuestLog
+	// violations receives QMP protocol violations of the launch's
+	// monitor; the VM takes it over.
+	violations chan error
 	// socketOwned: the socket path was free (or stale) when the launch
 	// began, so whatever is there at failure time belongs to this QEMU.
 	socketOwned bool
@@ -216,7 +241,9 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 		return nil, fmt.Errorf("launch %v: query-status is %q: %w", id, st.Status, ErrNotRunning)
 	}
 	crashpoint.Hit(crashpoint.LaunchQMPReady)
-	return &VM{id: id, child: child, h: h, paths: cfg.Paths, mon: mon, glog: l.glog}, nil
+	vm := newVM(id, child, h, cfg.Paths, l.violations)
+	vm.mon, vm.glog = mon, l.glog
+	return vm, nil
 }
 
 // setGuestOutput gives QEMU its stdout and stderr: one pipe into the
@@ -261,8 +288,9 @@ func (l *launch) waitQMP(ctx context.Context) (*Monitor, error) {
 	id := l.child.Identity()
 	t := time.NewTicker(socketPollInterval)
 	defer t.Stop()
+	l.violations = make(chan error, 1)
 	for {
-		mon, err := DialQMP(ctx, l.cfg.Paths.QMPSocket)
+		mon, err := dialQMP(ctx, l.cfg.Paths.QMPSocket, reportTo(l.violations))
 		if err == nil {
 			return mon, nil
 		}
@@ -424,7 +452,7 @@ func Attach(id proc.Identity, paths Paths) (*VM, error) {
 	if err != nil {
 		return nil, fmt.Errorf("attach: %w", err)
 	}
-	return &VM{id: id, h: h, paths: paths}, nil
+	return newVM(id, nil, h, paths, nil), nil
 }
 
 // Identity is QEMU's identity, read right after the fork.
@@ -451,13 +479,23 @@ func (v *VM) Monitor(ctx context.Context) (*Monitor, error) {
 			return v.mon, nil
 		}
 	}
-	m, err := DialQMP(ctx, v.paths.QMPSocket)
+	m, err := dialQMP(ctx, v.paths.QMPSocket, reportTo(v.violations))
 	if err != nil {
 		return nil, err
 	}
 	v.mon = m
 	return m, nil
 }
+
+// QMPViolation receives a QMP protocol violation (ErrQMPProtocol: a
+// message longer than maxQMPMessage, a line that is not QMP) of any of the
+// VM's monitors: the monitor dropped that connection, and the QEMU behind
+// it is not to be trusted. At most one waits; the next arrives after it is
+// taken.
+func (v *VM) QMPViolation() <-chan error { return v.violations }
+
+// Closed is closed once Close was called.
+func (v *VM) Closed() <-chan struct{} { return v.closed }
 
 // Status runs query-status over the VM's monitor.
 func (v *VM) Status(ctx context.Context) (StatusInfo, error) {
@@ -555,6 +593,7 @@ func (v *VM) LogStats() (st LogStats, ok bool) {
 // beyond its buffer) until a re-attach captures it again. For a VM that has
 // exited, the pump first reads what QEMU left in the pipe.
 func (v *VM) Close() error {
+	v.closeOnce.Do(func() { close(v.closed) })
 	v.mu.Lock()
 	if v.mon != nil {
 		v.mon.Close()
