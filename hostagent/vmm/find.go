@@ -31,8 +31,7 @@ type FindConfig struct {
 	Name string
 	// Nonce is the launch nonce of a marker an agent older than the per-VM
 	// uid wrote (UID is then 0): the QEMU must carry it in its environment.
-	// Both empty (a record older than the nonce): the QEMU must carry the
-	// instance's -qmp argument instead.
+	// Both empty: ErrNoLaunchIdentity.
 	Nonce string
 	// ReadMem: see proc.FindQuery.ReadMem (tests only; nil in production).
 	ReadMem func(path string) ([]byte, error)
@@ -49,9 +48,10 @@ type FindConfig struct {
 // record, and QEMU's sandbox forbids it to spawn anything: uid, executable
 // and session make the proof, the name makes a mix-up of records visible.
 // Legacy markers: with cfg.Nonce, the environment must hold
-// LaunchNonceEnv=<nonce>; with neither, the command line must hold this
-// socket's -qmp argument (a command line alone proves little: anyone can
-// start a process with that argv, `timeout 60 qemu ...`).
+// LaunchNonceEnv=<nonce>. With neither, FindUnrecorded looks for nothing
+// and returns ErrNoLaunchIdentity: a command line alone proves nothing
+// (anyone can start the QEMU binary in a session of its own with the
+// instance's -qmp argument, and would have been adopted and signalled).
 //
 // An error wrapping proc.ErrCannotTell means a candidate could not be read
 // in time (its mmap lock held: VFIO teardown, a hung mount): some QEMU of
@@ -88,8 +88,7 @@ func FindUnrecorded(ctx context.Context, cfg FindConfig) ([]proc.Identity, error
 		q.Env = LaunchNonceEnv + "=" + cfg.Nonce
 		q.Hint = fsx.ReadPIDFile(cfg.Paths.PIDFile)
 	default:
-		q.Argv = hasArgPair("-qmp", legacyQMPArg(cfg.Paths.QMPSocket))
-		q.Hint = fsx.ReadPIDFile(cfg.Paths.PIDFile)
+		return nil, fmt.Errorf("find qemu of %s: %w", cfg.Paths.QMPSocket, ErrNoLaunchIdentity)
 	}
 	ids, err := proc.Find(ctx, q)
 	if err != nil {
