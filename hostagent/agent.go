@@ -132,7 +132,7 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 			vgpus = c
 			gpus, devs, profiles = c, c, c.Profiles
 			if !cfg.VGPUAttach {
-				log.Warn("--vgpu-attach=false: vGPUs are claimed and released but not given to QEMU; this is for the vgpu-sim simulator only, never for production")
+				log.Warn("--vgpu-attach=false: vGPUs are claimed and released but not given to QEMU; this is for the vmflow-vgpusim simulator only, never for production")
 			}
 		}
 	}

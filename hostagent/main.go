@@ -20,7 +20,6 @@ commands:
   ls         list this host's instances from their records (read-only)
   show       show one instance: record, process liveness, vGPU claim (read-only)
   proc       inspect a process's thread group, or wait until it is gone
-  vgpu-sim   mount a FUSE file system that behaves like the kernel's vGPU sysfs
   version    print the build's version and revision (also --version)
 `
 
@@ -43,8 +42,6 @@ func main() {
 		code = cli.Show(args, io)
 	case "proc":
 		code = cli.Proc(ctx, args, io)
-	case "vgpu-sim":
-		code = cli.VGPUSim(ctx, args, io)
 	case "version", "--version", "-version":
 		fmt.Fprintln(os.Stdout, service.Info().String("vmflow-hostagent"))
 	case "-h", "--help", "help":
