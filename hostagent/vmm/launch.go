@@ -181,12 +181,19 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 	// QEMU is exec'd by the rlimit wrapper, which is exec'd as QEMU's uid:
 	// the process is the wrapper for the time of one exec, then QEMU with
 	// its own argv[0] and argv (FindUnrecorded looks for both).
-	cmd := &exec.Cmd{Path: wrapper, Args: wrapperArgs(LimitsFor(cfg.Spec), bin, argv)}
+	limits, err := LimitsFor(cfg.Spec)
+	if err != nil {
+		return nil, fmt.Errorf("launch: %w", err)
+	}
+	cmd := &exec.Cmd{Path: wrapper, Args: wrapperArgs(limits, bin, argv)}
 	out, err := l.setGuestOutput(cmd)
 	if err != nil {
 		return nil, fmt.Errorf("launch: %w", err)
 	}
 	confineCmd(cmd, cfg.Confine, cfg.Spec.Accel, fds.Files())
+	if err := closeInheritedOnExec(); err != nil {
+		return nil, fmt.Errorf("launch: %w", err)
+	}
 	crashpoint.Hit(crashpoint.LaunchBeforeFork)
 	child, err := proc.Start(cmd)
 	out.Close() // QEMU holds the write end now; the pump sees EOF when QEMU is gone
