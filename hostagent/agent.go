@@ -9,6 +9,7 @@ import (
 	"runtime/pprof"
 	"time"
 
+	sddbus "github.com/coreos/go-systemd/v22/dbus"
 	enumspb "go.temporal.io/api/enums/v1"
 	"go.temporal.io/sdk/client"
 	"go.temporal.io/sdk/temporal"
@@ -157,6 +158,14 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 		Store: st, Host: host, GPUs: gpus, AttachVGPU: cfg.VGPUAttach,
 		DefaultGraceful: cfg.GracefulTimeout, Logger: log, Metrics: am,
 	}
+	// A cgroup per VM: a transient scope under systemd, cgroupfs otherwise.
+	cgroups, err := vmm.CgroupsFor(ctx, "/sys/fs/cgroup", func(ctx context.Context) (vmm.ScopeConn, error) {
+		return sddbus.NewSystemConnectionContext(ctx)
+	})
+	if err != nil {
+		log.Warn("no cgroup per VM: QEMUs stay in the agent's cgroup", zap.Error(err))
+		cgroups = nil
+	}
 	sup, err := supervise.New(supervise.Config{
 		Store: st, QEMU: cfg.QEMU, Logger: log,
 		GracefulTimeout: cfg.GracefulTimeout, GroupExitCap: cfg.GroupExitCap,
@@ -165,7 +174,7 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 		// reboot), the images opened beneath their roots (the disk's overlay
 		// made at the first), then QEMU's spec from the record.
 		PrepareLaunch: spec.PrepareLaunch(host, devs, cfg.VGPUAttach),
-		QEMUUIDs:      cfg.QEMUUIDs, KVMDevice: cfg.KVMDevice, DevRoot: cfg.DevRoot,
+		QEMUUIDs:      cfg.QEMUUIDs, KVMDevice: cfg.KVMDevice, DevRoot: cfg.DevRoot, Cgroups: cgroups,
 		OnExitRecorded:    func(d time.Duration) { am.ExitDetect.Observe(d.Seconds()) },
 		OnRestartRefused:  am.RestartsRefused.Inc,
 		OnGuestLogDropped: func(n uint64) { am.GuestLogDropped.Add(float64(n)) },

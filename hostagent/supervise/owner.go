@@ -268,6 +268,11 @@ func (s *Supervisor) TearDown(ctx context.Context, id string) error {
 	if err := os.Remove(p.PID); err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return fmt.Errorf("tear down instance %s: %w", id, err)
 	}
+	if uid := rec.GetQemuUid(); s.cfg.Cgroups != nil && uid != 0 {
+		if err := s.cfg.Cgroups.Remove(ctx, vmm.CgroupName(id, uid)); err != nil {
+			return fmt.Errorf("tear down instance %s: %w: %w", id, ErrStillRunning, err)
+		}
+	}
 	crashpoint.Hit(crashpoint.TearDownSocketRemoved)
 	in.log.Info("runtime files removed")
 	return nil

@@ -65,6 +65,9 @@ type Config struct {
 	// DevRoot holds the VFIO group nodes (<DevRoot>/vfio/<group>) given to
 	// a QEMU's uid while it may run ("/dev" when empty).
 	DevRoot string
+	// Cgroups gives every QEMU a cgroup of its own (vmm.CgroupsFor); nil
+	// leaves QEMUs in the agent's. TearDown removes an instance's.
+	Cgroups vmm.Cgroups
 
 	// OnExitRecorded, when set, is called after an exit nobody asked for
 	// (a crash, a kill from outside, a guest power-off) is written to the

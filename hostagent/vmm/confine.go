@@ -125,6 +125,9 @@ type Confinement struct {
 	UID uint32
 	// KVM is the agent's CheckKVM result; a KVM launch needs its Err nil.
 	KVM KVMAccess
+	// Cgroups, when set, places QEMU in a cgroup of its own with limits
+	// (CgroupLimitsFor) right after the fork; nil leaves it in the agent's.
+	Cgroups Cgroups
 }
 
 // check refuses what Launch must not start.

@@ -136,6 +136,8 @@ type launch struct {
 	// socketOwned: the socket path was free (or stale) when the launch
 	// began, so whatever is there at failure time belongs to this QEMU.
 	socketOwned bool
+	// cgroupPlaced: Place was called; a failed launch removes the cgroup.
+	cgroupPlaced bool
 }
 
 func (l *launch) run(ctx context.Context) (*VM, error) {
@@ -215,6 +217,15 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 	}
 
 	crashpoint.Hit(crashpoint.LaunchPIDRecorded)
+	if cg := cfg.Confine.Cgroups; cg != nil {
+		// After the pid is recorded, before QEMU has built its machine:
+		// the wrapper's exec and QEMU's first instructions run in the
+		// agent's cgroup, guest RAM is allocated in the VM's.
+		l.cgroupPlaced = true
+		if err := cg.Place(ctx, CgroupName(cfg.Spec.Name, cfg.Confine.UID), id.PID, CgroupLimitsFor(cfg.Spec)); err != nil {
+			return nil, fmt.Errorf("launch %v: %w", id, err)
+		}
+	}
 	h, err := proc.Open(id)
 	if err != nil {
 		// Gone already (reaped by proc's reaper, the pid maybe even
@@ -373,6 +384,14 @@ func (l *launch) fail(cause error) error {
 	}
 	if l.h != nil {
 		l.h.Close()
+	}
+	if l.cgroupPlaced {
+		// QEMU is reaped: its cgroup is empty.
+		ctx, cancel := context.WithTimeout(context.Background(), DefaultQMPTimeout)
+		if err := l.cfg.Confine.Cgroups.Remove(ctx, CgroupName(l.cfg.Spec.Name, l.cfg.Confine.UID)); err != nil {
+			cause = errors.Join(cause, err)
+		}
+		cancel()
 	}
 	if l.glog != nil {
 		// QEMU is gone (or never started): whatever it wrote is in the pipe.
