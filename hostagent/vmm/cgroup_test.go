@@ -28,6 +28,10 @@ import (
 const hogEnv = "VMFLOW_VMM_TEST_HOG"
 
 func TestMain(m *testing.M) {
+	if len(os.Args) > 1 && os.Args[1] == JailSetupCommand {
+		// The jail's setup stage, as the agent's binary runs it.
+		os.Exit(JailMain(os.Args[2:]))
+	}
 	switch os.Getenv(hogEnv) {
 	case "":
 		os.Exit(m.Run())

@@ -128,6 +128,9 @@ type Confinement struct {
 	// Cgroups, when set, places QEMU in a cgroup of its own with limits
 	// (CgroupLimitsFor) right after the fork; nil leaves it in the agent's.
 	Cgroups Cgroups
+	// Jail, when set, runs QEMU in namespaces and a root of its own
+	// (jail.go); nil runs it in the host's.
+	Jail *Jail
 }
 
 // check refuses what Launch must not start.

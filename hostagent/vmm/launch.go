@@ -138,6 +138,10 @@ type launch struct {
 	socketOwned bool
 	// cgroupPlaced: Place was called; a failed launch removes the cgroup.
 	cgroupPlaced bool
+	// goAhead and syncRead are the jail's sync pipe: the setup stage reads
+	// one byte from its copy of syncRead before it builds the root; closing
+	// goAhead without writing stops it.
+	goAhead, syncRead *os.File
 }
 
 func (l *launch) run(ctx context.Context) (*VM, error) {
@@ -175,24 +179,33 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 		qmpListener.Close()
 		return nil, fmt.Errorf("launch: %w", err)
 	}
-	wrapper, err := exec.LookPath(LimitWrapper)
-	if err != nil {
-		return nil, fmt.Errorf("launch: %w", err)
-	}
-
-	// QEMU is exec'd by the rlimit wrapper, which is exec'd as QEMU's uid:
-	// the process is the wrapper for the time of one exec, then QEMU with
-	// its own argv[0] and argv (FindUnrecorded looks for both).
 	limits, err := LimitsFor(cfg.Spec)
 	if err != nil {
 		return nil, fmt.Errorf("launch: %w", err)
 	}
-	cmd := &exec.Cmd{Path: wrapper, Args: wrapperArgs(limits, bin, argv)}
+	var cmd *exec.Cmd
+	if j := cfg.Confine.Jail; j != nil {
+		// QEMU is exec'd by the setup stage (jail.go) in its namespaces
+		// and root, which waits for l.goAhead.
+		if cmd, err = l.jailCmd(*j, bin, argv, limits, fds.Files()); err != nil {
+			return nil, fmt.Errorf("launch: %w", err)
+		}
+	} else {
+		// QEMU is exec'd by the rlimit wrapper, which is exec'd as QEMU's
+		// uid: the process is the wrapper for the time of one exec, then
+		// QEMU with its own argv[0] and argv (FindUnrecorded looks for
+		// both).
+		wrapper, err := exec.LookPath(LimitWrapper)
+		if err != nil {
+			return nil, fmt.Errorf("launch: %w", err)
+		}
+		cmd = &exec.Cmd{Path: wrapper, Args: wrapperArgs(limits, bin, argv)}
+		confineCmd(cmd, cfg.Confine, cfg.Spec.Accel, fds.Files())
+	}
 	out, err := l.setGuestOutput(cmd)
 	if err != nil {
 		return nil, fmt.Errorf("launch: %w", err)
 	}
-	confineCmd(cmd, cfg.Confine, cfg.Spec.Accel, fds.Files())
 	if err := closeInheritedOnExec(); err != nil {
 		return nil, fmt.Errorf("launch: %w", err)
 	}
@@ -203,6 +216,9 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 	// them: a QEMU that dies leaves no listener behind a pending dial): the
 	// agent must not hold every VM's images for its life.
 	_ = fds.Close()
+	if l.syncRead != nil {
+		l.syncRead.Close() // the setup stage has its own
+	}
 	if err != nil {
 		return nil, fmt.Errorf("launch: %w", err)
 	}
@@ -224,6 +240,16 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 		l.cgroupPlaced = true
 		if err := cg.Place(ctx, CgroupName(cfg.Spec.Name, cfg.Confine.UID), id.PID, CgroupLimitsFor(cfg.Spec)); err != nil {
 			return nil, fmt.Errorf("launch %v: %w", id, err)
+		}
+	}
+	if l.goAhead != nil {
+		// Recorded and placed: the setup stage may build the root and
+		// exec QEMU.
+		_, err := l.goAhead.Write([]byte{1})
+		l.goAhead.Close()
+		l.goAhead = nil
+		if err != nil {
+			return nil, fmt.Errorf("launch %v: tell the jail's setup stage to go on: %w", id, err)
 		}
 	}
 	h, err := proc.Open(id)
@@ -371,6 +397,9 @@ func (l *launch) exitedError(id proc.Identity) error {
 // fail undoes a launch: kill through the pidfd, reap, remove the socket,
 // tell the caller. It returns the error Launch returns.
 func (l *launch) fail(cause error) error {
+	if l.goAhead != nil {
+		l.goAhead.Close() // a setup stage still waiting exits without QEMU
+	}
 	if l.mon != nil {
 		l.mon.Close()
 	}
