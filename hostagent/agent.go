@@ -166,6 +166,15 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 		log.Warn("no cgroup per VM: QEMUs stay in the agent's cgroup", zap.Error(err))
 		cgroups = nil
 	}
+	var jailSetup string
+	if cfg.Jail {
+		// The setup stage is this binary, re-executed.
+		if jailSetup, err = os.Executable(); err != nil {
+			return fmt.Errorf("--jail: %w", err)
+		}
+	} else {
+		log.Warn("--jail=false: QEMUs run in the host's namespaces and root")
+	}
 	sup, err := supervise.New(supervise.Config{
 		Store: st, QEMU: cfg.QEMU, Logger: log,
 		GracefulTimeout: cfg.GracefulTimeout, GroupExitCap: cfg.GroupExitCap,
@@ -174,7 +183,7 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 		// reboot), the images opened beneath their roots (the disk's overlay
 		// made at the first), then QEMU's spec from the record.
 		PrepareLaunch: spec.PrepareLaunch(host, devs, cfg.VGPUAttach),
-		QEMUUIDs:      cfg.QEMUUIDs, KVMDevice: cfg.KVMDevice, DevRoot: cfg.DevRoot, Cgroups: cgroups,
+		QEMUUIDs:      cfg.QEMUUIDs, KVMDevice: cfg.KVMDevice, DevRoot: cfg.DevRoot, Cgroups: cgroups, JailSetup: jailSetup,
 		OnExitRecorded:    func(d time.Duration) { am.ExitDetect.Observe(d.Seconds()) },
 		OnRestartRefused:  am.RestartsRefused.Inc,
 		OnGuestLogDropped: func(n uint64) { am.GuestLogDropped.Add(float64(n)) },

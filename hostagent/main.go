@@ -10,6 +10,7 @@ import (
 	"syscall"
 
 	"vmflow/hostagent/cli"
+	"vmflow/hostagent/vmm"
 	"vmflow/internal/service"
 )
 
@@ -27,6 +28,11 @@ func main() {
 	if len(os.Args) < 2 {
 		fmt.Fprint(os.Stderr, usage)
 		os.Exit(cli.ExitUsage)
+	}
+	if os.Args[1] == vmm.JailSetupCommand {
+		// The agent re-executed between fork and QEMU's exec (vmm.Jail):
+		// nothing else of main runs.
+		os.Exit(vmm.JailMain(os.Args[2:]))
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()

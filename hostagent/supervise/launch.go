@@ -306,7 +306,7 @@ func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *inst
 		Spec:           spec,
 		Paths:          vmmPaths(l.Paths()),
 		Binary:         s.cfg.QEMU,
-		Confine:        vmm.Confinement{UID: uid, KVM: s.kvm, Cgroups: s.cfg.Cgroups},
+		Confine:        vmm.Confinement{UID: uid, KVM: s.kvm, Cgroups: s.cfg.Cgroups, Jail: s.jail(l.Paths())},
 		ReadyTimeout:   s.cfg.ReadyTimeout,
 		CleanupTimeout: s.cfg.GroupExitCap,
 		OnStarted: func(pid proc.Identity) error {

@@ -142,3 +142,33 @@ func readLog(path string) string {
 	b, _ := os.ReadFile(path)
 	return string(b)
 }
+
+// A launch caught in the jail's setup stage (before QEMU is exec'd: here
+// while OnStarted runs, the stage waiting for its go-ahead) is found by
+// the instance's uid and name, as QEMU is later; another uid or name is
+// not, nor a search that does not know the setup binary.
+func TestFindUnrecordedSeesJailSetup(t *testing.T) {
+	qemu := requiresQEMU(t)
+	requiresRoot(t)
+	cfg := jailed(t, testLaunchConfig(t, "setup"))
+	look := func(uid uint32, name, setup string) []proc.Identity {
+		ids, err := FindUnrecorded(ctxT(t, 10*time.Second), FindConfig{Binary: qemu, Paths: cfg.Paths, UID: uid, Name: name, JailSetup: setup})
+		require.NoError(t, err)
+		return ids
+	}
+	var inSetup, otherUID, otherName, noSetup []proc.Identity
+	cfg.OnStarted = func(id proc.Identity) error {
+		inSetup = look(cfg.Confine.UID, "setup", os.Args[0])
+		otherUID = look(cfg.Confine.UID+1, "setup", os.Args[0])
+		otherName = look(cfg.Confine.UID, "setu", os.Args[0])
+		noSetup = look(cfg.Confine.UID, "setup", "")
+		return nil
+	}
+	vm, err := Launch(ctxT(t, 30*time.Second), cfg)
+	require.NoError(t, err, "log: %s", readLog(cfg.Paths.Log))
+	killOnCleanup(t, vm)
+	assert.Equal(t, []proc.Identity{vm.Identity()}, inSetup, "the setup stage is the launch's process")
+	assert.Empty(t, otherUID)
+	assert.Empty(t, otherName)
+	assert.Empty(t, noSetup)
+}
