@@ -278,7 +278,9 @@ func jailSetup(args []string) error {
 	if err := setLimits(cfg.Limits); err != nil {
 		return err
 	}
-	if err := unix.CloseRange(uint(cfg.NFiles), ^uint(0), 0); err != nil {
+	// Close-on-exec rather than closed: the setup stage's own runtime
+	// (its netpoller's epoll descriptor) runs until the exec.
+	if err := unix.CloseRange(uint(cfg.NFiles), ^uint(0), closeRangeCloexec); err != nil {
 		return fmt.Errorf("close descriptors: %w", err)
 	}
 	if err := dropPrivileges(cfg.UID, cfg.Groups); err != nil {

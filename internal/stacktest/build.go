@@ -40,7 +40,7 @@ func ModuleRoot() (string, error) {
 // paths. They are built with the crash points compiled in
 // (crashpoint.BuildTag), which production builds never have.
 func BuildBinaries(ctx context.Context, dir string) (worker, agent string, err error) {
-	if err := goBuild(ctx, "-tags", crashpoint.BuildTag, "-o", dir+"/", "./worker", "./hostagent"); err != nil {
+	if err := GoBuild(ctx, "-tags", crashpoint.BuildTag, "-o", dir+"/", "./worker", "./hostagent"); err != nil {
 		return "", "", err
 	}
 	return filepath.Join(dir, "worker"), filepath.Join(dir, "hostagent"), nil
@@ -67,11 +67,11 @@ func Build(ctx context.Context, out, pkg string, stamp *Stamp) error {
 		}
 		args = append(args, "-ldflags", strings.TrimSpace(string(b)))
 	}
-	return goBuild(ctx, append(args, pkg)...)
+	return GoBuild(ctx, append(args, pkg)...)
 }
 
-// goBuild runs go build with args in the module root.
-func goBuild(ctx context.Context, args ...string) error {
+// GoBuild runs go build with args in the module root.
+func GoBuild(ctx context.Context, args ...string) error {
 	root, err := ModuleRoot()
 	if err != nil {
 		return err
