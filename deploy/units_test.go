@@ -55,6 +55,7 @@ func TestHostAgentUnit(t *testing.T) {
 	assert.Equal(t, []string{"always"}, s["Restart"])
 	assert.Equal(t, []string{"infinity"}, s["LimitMEMLOCK"], "VFIO pins guest memory")
 	assert.Equal(t, []string{"vmflow"}, s["StateDirectory"])
+	assert.Equal(t, []string{"1024"}, s["FileDescriptorStoreMax"], "one guest-log pipe per VM")
 	assert.Equal(t, []string{"/etc/vmflow/hostagent.env"}, s["EnvironmentFile"])
 	assert.True(t, strings.HasPrefix(s["ExecStart"][0], "/usr/local/bin/vmflow-hostagent run "))
 	require.Len(t, s["CapabilityBoundingSet"], 1)

@@ -166,6 +166,15 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 		log.Warn("no cgroup per VM: QEMUs stay in the agent's cgroup", zap.Error(err))
 		cgroups = nil
 	}
+	// Guest output across restarts: systemd's fd store when systemd runs
+	// the agent; without one, what QEMU writes while the agent is down is
+	// lost.
+	var fdStore vmm.FDStore
+	if st, err := vmm.NewSystemdFDStore(); err != nil {
+		log.Warn("fd store: what systemd handed back cannot be read; guest output written while the agent was down is lost", zap.Error(err))
+	} else if st != nil {
+		fdStore = st
+	}
 	var jailSetup string
 	if cfg.Jail {
 		// The setup stage is this binary, re-executed.
@@ -183,7 +192,7 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 		// reboot), the images opened beneath their roots (the disk's overlay
 		// made at the first), then QEMU's spec from the record.
 		PrepareLaunch: spec.PrepareLaunch(host, devs, cfg.VGPUAttach),
-		QEMUUIDs:      cfg.QEMUUIDs, KVMDevice: cfg.KVMDevice, DevRoot: cfg.DevRoot, Cgroups: cgroups, JailSetup: jailSetup,
+		QEMUUIDs:      cfg.QEMUUIDs, KVMDevice: cfg.KVMDevice, DevRoot: cfg.DevRoot, Cgroups: cgroups, JailSetup: jailSetup, FDStore: fdStore,
 		OnExitRecorded:    func(d time.Duration) { am.ExitDetect.Observe(d.Seconds()) },
 		OnRestartRefused:  am.RestartsRefused.Inc,
 		OnGuestLogDropped: func(n uint64) { am.GuestLogDropped.Add(float64(n)) },

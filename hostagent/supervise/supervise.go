@@ -73,6 +73,10 @@ type Config struct {
 	// the setup stage: the agent's own (os.Executable). Its root is mounted
 	// on the folder "root" of the instance's directory.
 	JailSetup string
+	// FDStore keeps every VM's log pipe for the next agent (systemd's fd
+	// store: vmm.NewSystemdFDStore); nil without one (make dev), where
+	// what QEMU writes while no agent runs is lost.
+	FDStore vmm.FDStore
 
 	// OnExitRecorded, when set, is called after an exit nobody asked for
 	// (a crash, a kill from outside, a guest power-off) is written to the

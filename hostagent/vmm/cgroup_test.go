@@ -32,6 +32,9 @@ func TestMain(m *testing.M) {
 		// The jail's setup stage, as the agent's binary runs it.
 		os.Exit(JailMain(os.Args[2:]))
 	}
+	if os.Getenv(listenEnv) != "" {
+		runListenHelper()
+	}
 	switch os.Getenv(hogEnv) {
 	case "":
 		os.Exit(m.Run())

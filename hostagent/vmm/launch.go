@@ -66,6 +66,10 @@ type LaunchConfig struct {
 	// NOT called when QEMU could not be confirmed gone (*StillAliveError):
 	// then the record must keep the pid so a stop can finish the job.
 	OnFailed func(id proc.Identity, cause error) error
+	// FDStore, when set, keeps a copy of the log pipe's read end for the
+	// next agent (systemd's fd store) under LogFDName(Spec.Name,
+	// Confine.UID), so a restart loses nothing the pipe holds.
+	FDStore FDStore
 }
 
 // VM is a running QEMU: either one this process launched (a child it reaps)
@@ -83,6 +87,11 @@ type VM struct {
 	violations chan error    // QMP protocol violations not yet taken (QMPViolation)
 	closed     chan struct{} // closed by Close
 	closeOnce  sync.Once
+
+	// fdStore and fdName: where a copy of the log pipe's read end is kept
+	// for the next agent (UseFDStore, LaunchConfig.FDStore); nil for none.
+	fdStore FDStore
+	fdName  string
 }
 
 func newVM(id proc.Identity, child *proc.Child, h *proc.Handle, paths Paths, violations chan error) *VM {
@@ -287,6 +296,9 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 	crashpoint.Hit(crashpoint.LaunchQMPReady)
 	vm := newVM(id, child, h, cfg.Paths, l.violations)
 	vm.mon, vm.glog = mon, l.glog
+	if cfg.FDStore != nil {
+		vm.fdStore, vm.fdName = cfg.FDStore, LogFDName(cfg.Spec.Name, cfg.Confine.UID)
+	}
 	return vm, nil
 }
 
@@ -301,6 +313,13 @@ func (l *launch) setGuestOutput(cmd *exec.Cmd) (*os.File, error) {
 		return nil, err
 	}
 	l.glog = g
+	if st := l.cfg.FDStore; st != nil {
+		// Before the fork: a QEMU never runs without a stored reader.
+		if err := st.Store(LogFDName(l.cfg.Spec.Name, l.cfg.Confine.UID), g.r); err != nil {
+			w.Close()
+			return nil, fmt.Errorf("keep the guest log pipe: %w", err)
+		}
+	}
 	cmd.Stdout, cmd.Stderr = w, w
 	return w, nil
 }
@@ -425,6 +444,11 @@ func (l *launch) fail(cause error) error {
 	if l.glog != nil {
 		// QEMU is gone (or never started): whatever it wrote is in the pipe.
 		l.glog.Stop(guestLogDrain)
+		if st := l.cfg.FDStore; st != nil {
+			if err := st.Remove(LogFDName(l.cfg.Spec.Name, l.cfg.Confine.UID)); err != nil {
+				cause = errors.Join(cause, err)
+			}
+		}
 	}
 	if l.socketOwned {
 		if err := os.Remove(l.cfg.Paths.QMPSocket); err != nil && !errors.Is(err, fs.ErrNotExist) {
@@ -614,9 +638,25 @@ func (v *VM) CaptureLog() error {
 	if v.glog != nil {
 		return nil
 	}
-	r, err := openStdoutPipe(v.id.PID)
-	if err != nil {
-		return fmt.Errorf("capture guest log of %v: %w", v.id, err)
+	var r *os.File
+	if v.fdStore != nil {
+		// The copy the previous agent stored: the same pipe, with every
+		// byte QEMU wrote meanwhile (up to its capacity), also for a
+		// zombie leader whose /proc/<pid>/fd is empty.
+		r = v.fdStore.Take(v.fdName)
+	}
+	if r == nil {
+		var err error
+		if r, err = openStdoutPipe(v.id.PID); err != nil {
+			return fmt.Errorf("capture guest log of %v: %w", v.id, err)
+		}
+		if v.fdStore != nil {
+			// Stored now, for the agent after this one.
+			if err := v.fdStore.Store(v.fdName, r); err != nil {
+				r.Close()
+				return fmt.Errorf("capture guest log of %v: %w", v.id, err)
+			}
+		}
 	}
 	// The pidfd was opened and verified before the open: while that process
 	// lives its pid cannot name another, so alive now means the pipe is its.
@@ -629,6 +669,14 @@ func (v *VM) CaptureLog() error {
 	}
 	v.glog = startGuestLog(r, v.paths.Log)
 	return nil
+}
+
+// UseFDStore makes an attached VM take its log pipe from st (stored under
+// LogFDName(id, uid) by the agent before) at CaptureLog, and keep it there.
+func (v *VM) UseFDStore(st FDStore, id string, uid uint32) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	v.fdStore, v.fdName = st, LogFDName(id, uid)
 }
 
 // LogStats says what the guest-output pump read and dropped; ok is false
@@ -656,12 +704,18 @@ func (v *VM) Close() error {
 	}
 	g := v.glog
 	v.mu.Unlock()
+	var errs []error
 	if g != nil {
 		var drain time.Duration
-		if gone, err := v.h.Exited(); err == nil && gone {
+		gone, err := v.h.Exited()
+		if err == nil && gone {
 			drain = guestLogDrain
 		}
 		g.Stop(drain)
+		if err == nil && gone && v.fdStore != nil {
+			// Drained: nobody will read this pipe again.
+			errs = append(errs, v.fdStore.Remove(v.fdName))
+		}
 	}
-	return v.h.Close()
+	return errors.Join(append(errs, v.h.Close())...)
 }
