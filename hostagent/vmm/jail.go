@@ -154,6 +154,24 @@ func jailFiles(bin string) ([]string, [][2]string, error) {
 		return nil
 	}
 	symlinkChain(bin, links)
+	if interp, ok := scriptInterpreter(bin); ok {
+		// A --qemu that is a script (a wrapper adding options): its
+		// interpreter, its own folder (what it names beside itself) and
+		// the QEMU on PATH it execs.
+		symlinkChain(interp, links)
+		if err := walk(interp, true); err != nil {
+			return nil, nil, err
+		}
+		if real, err := filepath.EvalSymlinks(bin); err == nil {
+			add(filepath.Dir(real))
+		}
+		qemu, err := exec.LookPath(DefaultBinary)
+		if err != nil {
+			return nil, nil, fmt.Errorf("jail: %s is a script: %w", bin, err)
+		}
+		bin = qemu
+		symlinkChain(bin, links)
+	}
 	if err := walk(bin, true); err != nil {
 		return nil, nil, err
 	}
@@ -190,6 +208,28 @@ func jailFiles(bin string) ([]string, [][2]string, error) {
 	}
 	slices.SortFunc(ls, func(a, b [2]string) int { return strings.Compare(a[0], b[0]) })
 	return kept, ls, nil
+}
+
+// scriptInterpreter is the interpreter of a "#!" script, false for
+// anything else (an ELF binary).
+func scriptInterpreter(path string) (string, bool) {
+	f, err := os.Open(path)
+	if err != nil {
+		return "", false
+	}
+	defer f.Close()
+	buf := make([]byte, 256)
+	n, _ := f.Read(buf)
+	line, _, _ := strings.Cut(string(buf[:n]), "\n")
+	rest, ok := strings.CutPrefix(line, "#!")
+	if !ok {
+		return "", false
+	}
+	fields := strings.Fields(rest)
+	if len(fields) == 0 {
+		return "", false
+	}
+	return fields[0], true
 }
 
 // symlinkChain records in links every symlink met on the way to path (each

@@ -172,3 +172,20 @@ func TestFindUnrecordedSeesJailSetup(t *testing.T) {
 	assert.Empty(t, otherName)
 	assert.Empty(t, noSetup)
 }
+
+// A --qemu that is a wrapper script runs jailed too: its interpreter, its
+// folder and the QEMU it execs are in the root, and QEMU's own error
+// reaches the launch's error (as unjailed).
+func TestJailedWrapperScript(t *testing.T) {
+	qemu := requiresQEMU(t)
+	requiresRoot(t)
+	d := filepath.Dir(testLaunchConfig(t, "x").Paths.QMPSocket)
+	require.NoError(t, os.Chmod(d, 0o755))
+	wrapper := filepath.Join(d, "qemu-bad-option")
+	require.NoError(t, os.WriteFile(wrapper, []byte("#!/bin/sh\nexec "+qemu+" -jail-no-such-option \"$@\"\n"), 0o755))
+	cfg := jailed(t, testLaunchConfig(t, "wrapped"))
+	cfg.Binary = wrapper
+	_, err := Launch(ctxT(t, 30*time.Second), cfg)
+	require.ErrorIs(t, err, ErrLaunchExited)
+	assert.Contains(t, err.Error(), "-jail-no-such-option: invalid option")
+}
