@@ -39,7 +39,8 @@ export GOBIN := $(BIN)
 
 .PHONY: build tools qemu test lint fmt-check vet staticcheck workflowcheck fuzz bench bench-smoke clean proto proto-check proto-tools
 
-## build: both binaries, stamped with VERSION (git describe) and REVISION
+## build: both binaries and the vGPU simulator (bin/vmflow-vgpusim, for
+# tests and make dev; the agent carries no simulator), stamped with VERSION (git describe) and REVISION
 # (the commit): `--version` prints them, the start line logs them, and
 # /metrics has them in vmflow_build_info.
 VERSION  ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
@@ -48,6 +49,7 @@ LDFLAGS  := -X vmflow/internal/service.version=$(VERSION) -X vmflow/internal/ser
 
 build:
 	$(GO) build -ldflags '$(LDFLAGS)' -o $(BIN)/vmflow-hostagent ./hostagent
+	$(GO) build -ldflags '$(LDFLAGS)' -o $(BIN)/vmflow-vgpusim ./hostagent/vgpu/vgpusim/cmd/vmflow-vgpusim
 	@if [ -d worker ]; then $(GO) build -ldflags '$(LDFLAGS)' -o $(BIN)/vmflow-worker ./worker; fi
 
 ## print-ldflags: the -ldflags `make build` uses (a test builds with them).
@@ -157,6 +159,7 @@ proto-tools:
 ## test: the README's test command. Fuzz targets run their seed corpora only.
 test: tools build guest
 	$(GO) test -race -timeout $(TEST_TIMEOUT) ./...
+	$(GO) test -race -tags vmflow_crashpoints ./internal/crashpoint/
 	cd $(PLATFORMAPI) && VMFLOW_TEMPORAL=$(TEMPORAL) $(GO) test -race -timeout 5m ./...
 	$(MAKE) --no-print-directory bench-smoke
 

@@ -192,7 +192,7 @@ if [ "$(id -u)" != 0 ]; then
 	echo "make dev runs as root: QEMU under its own uids, the FUSE simulator, /proc of other processes" >&2
 	exit 1
 fi
-for f in "$TEMPORAL" "$BIN/vmflow-worker" "$BIN/vmflow-hostagent" "$GUEST_DIR/vmlinuz" "$GUEST_DIR/initrd.img"; do
+for f in "$TEMPORAL" "$BIN/vmflow-worker" "$BIN/vmflow-hostagent" "$BIN/vmflow-vgpusim" "$GUEST_DIR/vmlinuz" "$GUEST_DIR/initrd.img"; do
 	if [ ! -e "$f" ]; then
 		echo "missing $f: run make dev (it builds what is missing)" >&2
 		exit 1
@@ -223,7 +223,7 @@ start temporal "$TEMPORAL" server start-dev \
 wait_ready "Temporal on $TEMPORAL_ADDRESS" 120 "${PID_OF[temporal]}" "$TEMPORAL" operator search-attribute list
 
 for ((i = 1; i <= HOSTS; i++)); do
-	start "${H_SIM[i]}" "$BIN/vmflow-hostagent" vgpu-sim --mount "${H_SYS[i]}" --control "${H_CTL[i]}" --mdev-parents 2 --vendor-vfs 4
+	start "${H_SIM[i]}" "$BIN/vmflow-vgpusim" --mount "${H_SYS[i]}" --control "${H_CTL[i]}" --mdev-parents 2 --vendor-vfs 4
 	wait_ready "vGPU simulator at ${H_SYS[i]}" 30 "${PID_OF[${H_SIM[i]}]}" test -d "${H_SYS[i]}/bus/mdev"
 done
 

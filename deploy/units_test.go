@@ -55,12 +55,14 @@ func TestHostAgentUnit(t *testing.T) {
 	assert.Equal(t, []string{"always"}, s["Restart"])
 	assert.Equal(t, []string{"infinity"}, s["LimitMEMLOCK"], "VFIO pins guest memory")
 	assert.Equal(t, []string{"vmflow"}, s["StateDirectory"])
+	assert.Equal(t, []string{"1024"}, s["FileDescriptorStoreMax"], "one guest-log pipe per VM")
 	assert.Equal(t, []string{"/etc/vmflow/hostagent.env"}, s["EnvironmentFile"])
 	assert.True(t, strings.HasPrefix(s["ExecStart"][0], "/usr/local/bin/vmflow-hostagent run "))
 	require.Len(t, s["CapabilityBoundingSet"], 1)
 	caps := strings.Fields(s["CapabilityBoundingSet"][0])
 	assert.ElementsMatch(t, []string{"CAP_SYS_PTRACE", "CAP_DAC_READ_SEARCH", "CAP_KILL", "CAP_SETUID", "CAP_SETGID",
-		"CAP_CHOWN"}, caps, "each capability is documented in the unit; change both")
+		"CAP_CHOWN", "CAP_SYS_ADMIN"}, caps, "each capability is documented in the unit; change both (CAP_SYS_ADMIN: the jail's namespaces, mounts and pivot_root)")
+	assert.NotContains(t, caps, "CAP_SYS_CHROOT", "the jail pivot_roots, it never chroots")
 	// QEMU inherits the unit's namespaces and device policy: none may be set.
 	for _, k := range []string{"PrivateTmp", "PrivateDevices", "ProtectSystem", "ProtectHome", "DeviceAllow",
 		"ProtectClock", "ProtectKernelModules", "ProtectKernelTunables", "MemoryDenyWriteExecute", "User", "DynamicUser"} {
@@ -91,7 +93,7 @@ func TestEnvFilesDocumentEverySetting(t *testing.T) {
 		"vmflow-hostagent.env": {"--host-id", "--state-dir", "--image-root", "--qemu", "--qemu-uid-range", "--kvm-device", "--vgpu-driver",
 			"--sysfs-root", "--dev-root", "--vgpu-orphan-grace", "--reconcile-every", "--graceful-timeout",
 			"--group-exit-cap", "--metrics-addr", "--log-level", "--address", "--namespace", "--workflow-task-queue",
-			"--vgpu-attach", "--holders-ignore-pid"},
+			"--vgpu-attach", "--holders-ignore-pid", "--jail"},
 		"vmflow-worker.env": {"--task-queue", "--metrics-addr", "--log-level", "--address", "--namespace", "--insecure",
 			"--release-backoff", "--release-backoff-max", "--host-pickup-timeout", "--unreachable-backoff",
 			"--unreachable-backoff-max", "--spawn-host-wait", "--delete-stuck-after", "--activity-timeout-cap", "--stop-timeout",

@@ -9,6 +9,7 @@ import (
 	"runtime/pprof"
 	"time"
 
+	sddbus "github.com/coreos/go-systemd/v22/dbus"
 	commonpb "go.temporal.io/api/common/v1"
 	enumspb "go.temporal.io/api/enums/v1"
 	"go.temporal.io/sdk/client"
@@ -148,7 +149,7 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 			vgpus = c
 			gpus, devs, profiles = c, c, c.Profiles
 			if !cfg.VGPUAttach {
-				log.Warn("--vgpu-attach=false: vGPUs are claimed and released but not given to QEMU; this is for the vgpu-sim simulator only, never for production")
+				log.Warn("--vgpu-attach=false: vGPUs are claimed and released but not given to QEMU; this is for the vmflow-vgpusim simulator only, never for production")
 			}
 		}
 	}
@@ -173,6 +174,32 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 		Store: st, Host: host, GPUs: gpus, AttachVGPU: cfg.VGPUAttach,
 		DefaultGraceful: cfg.GracefulTimeout, Logger: log, Metrics: am,
 	}
+	// A cgroup per VM: a transient scope under systemd, cgroupfs otherwise.
+	cgroups, err := vmm.CgroupsFor(ctx, "/sys/fs/cgroup", func(ctx context.Context) (vmm.ScopeConn, error) {
+		return sddbus.NewSystemConnectionContext(ctx)
+	})
+	if err != nil {
+		log.Warn("no cgroup per VM: QEMUs stay in the agent's cgroup", zap.Error(err))
+		cgroups = nil
+	}
+	// Guest output across restarts: systemd's fd store when systemd runs
+	// the agent; without one, what QEMU writes while the agent is down is
+	// lost.
+	var fdStore vmm.FDStore
+	if st, err := vmm.NewSystemdFDStore(); err != nil {
+		log.Warn("fd store: what systemd handed back cannot be read; guest output written while the agent was down is lost", zap.Error(err))
+	} else if st != nil {
+		fdStore = st
+	}
+	var jailSetup string
+	if cfg.Jail {
+		// The setup stage is this binary, re-executed.
+		if jailSetup, err = os.Executable(); err != nil {
+			return fmt.Errorf("--jail: %w", err)
+		}
+	} else {
+		log.Warn("--jail=false: QEMUs run in the host's namespaces and root")
+	}
 	sup, err := supervise.New(supervise.Config{
 		Store: st, QEMU: cfg.QEMU, Logger: log,
 		GracefulTimeout: cfg.GracefulTimeout, GroupExitCap: cfg.GroupExitCap,
@@ -181,7 +208,7 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 		// reboot), the images opened beneath their roots (the disk's overlay
 		// made at the first), then QEMU's spec from the record.
 		PrepareLaunch: spec.PrepareLaunch(host, devs, cfg.VGPUAttach),
-		QEMUUIDs:      cfg.QEMUUIDs, KVMDevice: cfg.KVMDevice, DevRoot: cfg.DevRoot,
+		QEMUUIDs:      cfg.QEMUUIDs, KVMDevice: cfg.KVMDevice, DevRoot: cfg.DevRoot, Cgroups: cgroups, JailSetup: jailSetup, FDStore: fdStore,
 		OnExitRecorded:         func(d time.Duration) { am.ExitDetect.Observe(d.Seconds()) },
 		OnRestartRefused:       am.RestartsRefused.Inc,
 		OnRestartDeviceMissing: am.RestartsDeviceMissing.Inc,

@@ -10,6 +10,7 @@ import (
 	"syscall"
 
 	"vmflow/hostagent/cli"
+	"vmflow/hostagent/vmm"
 	"vmflow/internal/service"
 )
 
@@ -20,7 +21,6 @@ commands:
   ls         list this host's instances from their records (read-only)
   show       show one instance: record, process liveness, vGPU claim (read-only)
   proc       inspect a process's thread group, or wait until it is gone
-  vgpu-sim   mount a FUSE file system that behaves like the kernel's vGPU sysfs
   version    print the build's version and revision (also --version)
 `
 
@@ -28,6 +28,11 @@ func main() {
 	if len(os.Args) < 2 {
 		fmt.Fprint(os.Stderr, usage)
 		os.Exit(cli.ExitUsage)
+	}
+	if os.Args[1] == vmm.JailSetupCommand {
+		// The agent re-executed between fork and QEMU's exec (vmm.Jail):
+		// nothing else of main runs.
+		os.Exit(vmm.JailMain(os.Args[2:]))
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
@@ -43,8 +48,6 @@ func main() {
 		code = cli.Show(args, io)
 	case "proc":
 		code = cli.Proc(ctx, args, io)
-	case "vgpu-sim":
-		code = cli.VGPUSim(ctx, args, io)
 	case "version", "--version", "-version":
 		fmt.Fprintln(os.Stdout, service.Info().String("vmflow-hostagent"))
 	case "-h", "--help", "help":

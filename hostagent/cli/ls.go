@@ -14,6 +14,7 @@ import (
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/store"
 	"vmflow/internal/contract"
+	"vmflow/internal/safetext"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -307,7 +308,11 @@ func writeTable(w io.Writer, insts []*Instance) {
 		if len(in.NeedsAttention) > 0 {
 			attn = strings.Join(in.NeedsAttention, "; ")
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\n", in.ID, in.State, pid, alive, gpu, age, attn)
+		cols := []string{in.ID, in.State, pid, alive, gpu, age, attn}
+		for i, c := range cols {
+			cols[i] = safetext.Escape(c) // a tab or newline in a field would forge a column or a row
+		}
+		fmt.Fprintln(tw, strings.Join(cols, "\t"))
 	}
 	_ = tw.Flush() // a write error to stdout has nowhere better to go
 }
@@ -333,8 +338,12 @@ func orDash(s string) string {
 	return s
 }
 
+// writeJSON writes v indented, with the C1 and bidirectional controls
+// encoding/json passes through escaped as well.
 func writeJSON(w io.Writer, v any) {
-	enc := json.NewEncoder(w)
-	enc.SetIndent("", "  ")
-	_ = enc.Encode(v) // Instances always marshal; stdout errors have nowhere to go
+	b, err := json.MarshalIndent(v, "", "  ")
+	if err != nil {
+		return // Instances always marshal
+	}
+	_, _ = w.Write(append(safetext.EscapeJSON(b), '\n')) // stdout errors have nowhere to go
 }

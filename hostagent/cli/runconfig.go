@@ -36,7 +36,9 @@ type RunConfig struct {
 	QEMUUIDs store.UIDRange
 	// KVMDevice is the KVM node checked at start; its group is a KVM
 	// QEMU's only supplementary group.
-	KVMDevice      string
+	KVMDevice string
+	// Jail runs every QEMU in namespaces and a root of its own (vmm.Jail).
+	Jail           bool
 	VGPUAttach     bool
 	VGPUDriver     string // auto, mdev, vendor, none
 	OrphanGrace    time.Duration
@@ -112,7 +114,8 @@ flags:
 	uidRange := store.DefaultQEMUUIDRange.String()
 	fs.StringVar(&uidRange, "qemu-uid-range", uidRange, "`FIRST-LAST`: every QEMU is exec'd as a uid of its own from this range (no passwd entry needed); agents sharing a machine need disjoint ranges")
 	fs.StringVar(&c.KVMDevice, "kvm-device", vmm.DefaultKVMDevice, "the KVM node, checked at start: its group must have rw (QEMU gets that group); otherwise KVM launches fail")
-	fs.BoolVar(&c.VGPUAttach, "vgpu-attach", true, "attach claimed vGPUs to QEMU; false only with the vgpu-sim simulator, whose devices QEMU cannot open")
+	fs.BoolVar(&c.Jail, "jail", true, "run every QEMU in network, mount, pid, IPC and UTS namespaces and a read-only root of its own; false only where the agent lacks CAP_SYS_ADMIN")
+	fs.BoolVar(&c.VGPUAttach, "vgpu-attach", true, "attach claimed vGPUs to QEMU; false only with the vmflow-vgpusim simulator, whose devices QEMU cannot open")
 	fs.StringVar(&c.VGPUDriver, "vgpu-driver", "auto", "auto, mdev, vendor or none")
 	fs.DurationVar(&c.OrphanGrace, "vgpu-orphan-grace", 5*time.Minute, "an unclaimed vGPU device is removed after this long")
 	fs.DurationVar(&c.ReconcileEvery, "reconcile-every", DefaultReconcileEvery, "how often the Schedule runs ReconcileVGPU, the safety net behind the local scan")

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"vmflow/hostagent/store"
+	"vmflow/internal/safetext"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -96,7 +97,12 @@ func showJSON(in *Instance) ShowOutput {
 
 func writeShow(w io.Writer, in *Instance) {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	row := func(k, format string, a ...any) { fmt.Fprintf(tw, "%s\t%s\n", k, fmt.Sprintf(format, a...)) }
+	// Every value may hold what a caller, QEMU or a guest wrote (the
+	// creator's workflow id, QEMU's stderr in last_error): escaped, it can
+	// neither drive the terminal nor forge a row.
+	row := func(k, format string, a ...any) {
+		fmt.Fprintf(tw, "%s\t%s\n", k, safetext.Escape(fmt.Sprintf(format, a...)))
+	}
 	row("instance", "%s", in.ID)
 	rec := in.rec
 	state := in.State
@@ -135,7 +141,7 @@ func writeShow(w io.Writer, in *Instance) {
 	_ = tw.Flush()
 	if rec != nil {
 		if b, err := store.EncodeRecord(rec); err == nil {
-			fmt.Fprintf(w, "\n%s:\n%s", store.RecordFile, b)
+			fmt.Fprintf(w, "\n%s:\n%s", store.RecordFile, safetext.EscapeJSON(b))
 		}
 	}
 }

@@ -164,28 +164,48 @@ func TestLegacyStopIgnoresWrappedCopy(t *testing.T) {
 	assert.FileExists(t, p.Socket)
 }
 
-// HIGH 1, legacy records: two processes that each pass every legacy check
-// (the QEMU binary, a session leader, the instance's socket argument) are
-// ambiguous. Stop and TearDown refuse with ErrUnrecordedAmbiguous, which
-// is not the retryable ErrStillRunning, and touch nothing.
-func TestLegacyAmbiguousIsNotRetryable(t *testing.T) {
+// A record with neither a uid nor a launch nonce of its own is never
+// matched by its command line: a decoy that runs the QEMU binary in a
+// session of its own with the instance's -qmp argument passed every check
+// the code before made, and was adopted and then SIGKILLed by the Stop.
+// Without a launch marker nothing is looked for and Stop finishes; with one
+// the instance needs attention and every caller gets the non-retryable
+// ErrUnrecordedAmbiguous; the decoy is never recorded or signalled.
+func TestNoIdentityRecordNeverAdoptsByArgv(t *testing.T) {
 	e := newEnv(t)
 	e.create("vm1", "", 0)
+	e.create("vm2", "", 0)
 	env := []string{"PATH=" + os.Getenv("PATH")}
-	a := impostor(t, e, "vm1", env)
-	b := impostor(t, e, "vm1", env)
+	decoy1 := impostor(t, e, "vm1", env)
+	decoy2 := impostor(t, e, "vm2", env)
+	_, err := e.st.Update(ctxT(t, 5*time.Second), "vm2", func(r *vmflowv1.InstanceRecord) error {
+		r.LaunchStartedAt = timestamppb.Now() // as an agent older than the nonce wrote it
+		return nil
+	})
+	require.NoError(t, err)
 	sup := e.newSupervisor(nil)
-	require.NoError(t, e.st.MarkManualStop(ctxT(t, 5*time.Second), "vm1"))
+	rep, err := sup.Start(ctxT(t, 30*time.Second))
+	require.NoError(t, err)
+	assert.Zero(t, rep.Adopted)
 
-	_, err := sup.Stop(ctxT(t, 30*time.Second), "vm1", time.Millisecond)
+	require.NoError(t, e.st.MarkManualStop(ctxT(t, 5*time.Second), "vm1"))
+	res, err := sup.Stop(ctxT(t, 30*time.Second), "vm1", time.Millisecond)
+	require.NoError(t, err)
+	assert.True(t, res.AlreadyGone, "no marker: nothing of the record runs")
+	assert.Nil(t, e.get("vm1").GetProcess(), "the decoy is not adopted")
+	assert.Empty(t, e.get("vm1").GetNeedsAttention())
+
+	require.NoError(t, e.st.MarkManualStop(ctxT(t, 5*time.Second), "vm2"))
+	_, err = sup.Stop(ctxT(t, 30*time.Second), "vm2", time.Millisecond)
 	require.ErrorIs(t, err, ErrUnrecordedAmbiguous)
-	assert.NotErrorIs(t, err, ErrStillRunning, "retrying sees the same two processes: not retryable")
-	err = sup.TearDown(ctxT(t, 10*time.Second), "vm1")
-	require.ErrorIs(t, err, ErrUnrecordedAmbiguous)
-	rec := e.get("vm1")
-	assert.Nil(t, rec.GetProcess(), "neither adopted")
+	assert.ErrorIs(t, err, vmm.ErrNoLaunchIdentity)
+	assert.NotErrorIs(t, err, ErrStillRunning, "retrying finds the same nothing to go on: not retryable")
+	rec := e.get("vm2")
+	assert.Nil(t, rec.GetProcess(), "the decoy is not adopted")
+	assert.NotNil(t, rec.GetLaunchStartedAt(), "the marker stays for the operator")
+	assert.Contains(t, rec.GetNeedsAttention(), "neither a qemu uid nor a launch nonce")
 	assert.NotEqual(t, vmflowv1.StopStep_STOP_STEP_GONE, rec.GetStopStep(), "not said to be gone")
-	assert.True(t, proc.Inspect(a).Alive && proc.Inspect(b).Alive, "neither signalled")
+	assert.True(t, proc.Inspect(decoy1).Alive && proc.Inspect(decoy2).Alive, "no decoy was signalled")
 }
 
 // HIGH 2: the look for an unrecorded QEMU reads its environ, which blocks

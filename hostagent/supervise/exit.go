@@ -92,6 +92,7 @@ func takeBackVFIO(r *vmflowv1.InstanceRecord) {
 // watched through its reaper (closed once cmd.Wait reaped the whole group),
 // a re-attached VM through its pidfd: event driven, no periodic scan.
 func (s *Supervisor) watch(in *instance, vm *vmm.VM) {
+	s.goBackground(func() { s.watchQMP(in, vm) }) // ends with vm.Close below
 	ok := s.goBackground(func() {
 		defer func() {
 			vm.Close()

@@ -204,7 +204,11 @@ func (s *Supervisor) liveVMLocked(ctx context.Context, l *store.Locked, in *inst
 	vm, err := vmm.Attach(pid, vmmPaths(l.Paths()))
 	switch {
 	case err == nil:
+		stored := s.useFDStore(l, vm)
 		if gone, err := vm.Exited(); err == nil && gone {
+			if stored {
+				captureLog(in, vm) // what it wrote before it died; Close drains it and empties the store
+			}
 			vm.Close()
 			break
 		}
@@ -226,6 +230,21 @@ func (s *Supervisor) liveVMLocked(ctx context.Context, l *store.Locked, in *inst
 		return nil, false, err
 	}
 	return nil, false, nil
+}
+
+// useFDStore points an attached VM at the fd store (Config.FDStore), where
+// the agent that launched it kept its log pipe; false without a store or a
+// uid to name it by.
+func (s *Supervisor) useFDStore(l *store.Locked, vm *vmm.VM) bool {
+	if s.cfg.FDStore == nil {
+		return false
+	}
+	rec, err := l.Get()
+	if err != nil || rec.GetQemuUid() == 0 {
+		return false
+	}
+	vm.UseFDStore(s.cfg.FDStore, l.ID(), rec.GetQemuUid())
+	return true
 }
 
 // captureLog resumes pumping a re-attached VM's guest output into its
@@ -336,7 +355,8 @@ func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *inst
 		Spec:           spec,
 		Paths:          vmmPaths(l.Paths()),
 		Binary:         s.cfg.QEMU,
-		Confine:        vmm.Confinement{UID: uid, KVM: s.kvm},
+		Confine:        vmm.Confinement{UID: uid, KVM: s.kvm, Cgroups: s.cfg.Cgroups, Jail: s.jail(l.Paths())},
+		FDStore:        s.cfg.FDStore,
 		ReadyTimeout:   s.cfg.ReadyTimeout,
 		CleanupTimeout: s.cfg.GroupExitCap,
 		OnStarted: func(pid proc.Identity) error {

@@ -26,6 +26,12 @@ import (
 // retrying sees the same processes.
 var ErrUnrecordedAmbiguous = errors.New("several processes pass as the instance's unrecorded qemu")
 
+// unprovableLaunch is the needs-attention reason of a launch marker on a
+// record with neither a uid nor a nonce of its own (vmm.ErrNoLaunchIdentity).
+const unprovableLaunch = "launch marker on a record with neither a qemu uid nor a launch nonce of its own (an agent older than both wrote it): " +
+	"a QEMU it started cannot be told from a decoy with the same command line, so none is adopted or signalled; " +
+	"find it by hand (ps -o pid,uid,sid,args), kill it, then clear launch_started_at"
+
 // findTimeout bounds one look for an unrecorded QEMU. Reading a healthy
 // process's environ or cmdline takes microseconds; one that blocks (its
 // mmap lock held) does so for as long as the lock is held, and the answer
@@ -43,8 +49,11 @@ const findTimeout = 5 * time.Second
 // identity; none found clears the marker. With scan set, a record without a
 // marker is looked for too; scan is for callers about to conclude "nothing
 // runs" (Stop, TearDown). Records older agents left: a marker with a nonce
-// is matched by the nonce in QEMU's environment; a record without a uid or
-// nonce by the instance's -qmp argument. A record whose stop step is gone
+// is matched by the nonce in QEMU's environment; a record with neither a
+// uid nor a nonce is never matched by its command line (anyone can start
+// QEMU with the instance's -qmp argument): without a marker nothing is
+// looked for, with one the instance needs attention (unprovableLaunch,
+// ErrUnrecordedAmbiguous). A record whose stop step is gone
 // is not looked at again (a Stop looked before writing it).
 //
 // Errors: a candidate that cannot be read in time (proc.ErrCannotTell) or
@@ -74,7 +83,7 @@ func (s *Supervisor) resolveLaunchLocked(ctx context.Context, l *store.Locked, i
 		// under the manual-stop marker, after which nothing is launched.
 		return rec, false, nil
 	}
-	fc := vmm.FindConfig{Binary: s.cfg.QEMU, Paths: vmmPaths(l.Paths()), ReadMem: s.cfg.readProcMem}
+	fc := vmm.FindConfig{Binary: s.cfg.QEMU, Paths: vmmPaths(l.Paths()), JailSetup: s.cfg.JailSetup, ReadMem: s.cfg.readProcMem}
 	switch {
 	case marked && rec.GetLaunchNonce() != "":
 		// A marker an agent older than the per-VM uid wrote: its QEMU
@@ -83,6 +92,12 @@ func (s *Supervisor) resolveLaunchLocked(ctx context.Context, l *store.Locked, i
 		fc.Nonce = rec.GetLaunchNonce()
 	case rec.GetQemuUid() != 0:
 		fc.UID, fc.Name = rec.GetQemuUid(), in.id
+	case !marked:
+		// No uid, no nonce, no marker: the agent that launched it recorded
+		// every process it forked, and a command line is no identity.
+		return rec, false, nil
+	default:
+		return nil, false, s.unprovableLaunchLocked(l, in)
 	}
 	nonce := fc.Nonce
 	fctx, cancel := context.WithTimeout(ctx, findTimeout)
@@ -131,6 +146,24 @@ func (s *Supervisor) resolveLaunchLocked(ctx context.Context, l *store.Locked, i
 		return nil, false, fmt.Errorf("instance %s: %w: %d processes run %s with its socket %s: %v",
 			in.id, ErrUnrecordedAmbiguous, len(found), s.cfg.QEMU, l.Paths().Socket, found)
 	}
+}
+
+// unprovableLaunchLocked marks a marker FindUnrecorded cannot resolve
+// (vmm.ErrNoLaunchIdentity) needing attention and returns the error every
+// caller sees until an operator looked: not retryable, like an ambiguous
+// match, since retrying finds the same nothing to go on.
+func (s *Supervisor) unprovableLaunchLocked(l *store.Locked, in *instance) error {
+	cause := fmt.Errorf("instance %s: %w: %w", in.id, ErrUnrecordedAmbiguous, vmm.ErrNoLaunchIdentity)
+	in.log.Error("launch marker without a uid or nonce: no qemu adopted by its command line; needs an operator", zap.Error(cause))
+	if _, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
+		if r.GetNeedsAttention() != unprovableLaunch {
+			r.NeedsAttention, r.NeedsAttentionAt = unprovableLaunch, s.ts()
+		}
+		return nil
+	}); err != nil {
+		return fmt.Errorf("%w (and recording it: %w)", cause, err)
+	}
+	return cause
 }
 
 // clearLaunchMarker removes the launch marker and its nonce (always
@@ -234,6 +267,11 @@ func (s *Supervisor) TearDown(ctx context.Context, id string) error {
 	}
 	if err := os.Remove(p.PID); err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return fmt.Errorf("tear down instance %s: %w", id, err)
+	}
+	if uid := rec.GetQemuUid(); s.cfg.Cgroups != nil && uid != 0 {
+		if err := s.cfg.Cgroups.Remove(ctx, vmm.CgroupName(id, uid)); err != nil {
+			return fmt.Errorf("tear down instance %s: %w: %w", id, ErrStillRunning, err)
+		}
 	}
 	crashpoint.Hit(crashpoint.TearDownSocketRemoved)
 	in.log.Info("runtime files removed")

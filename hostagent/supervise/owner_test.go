@@ -12,7 +12,6 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
-	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/store"
@@ -75,11 +74,9 @@ func TestAgentKilledBeforePidRecorded(t *testing.T) {
 func TestLaunchMarkerWithoutQEMUIsCleared(t *testing.T) {
 	e := newEnv(t)
 	e.create("vm1", "", 0)
-	_, err := e.st.Update(ctxT(t, 5*time.Second), "vm1", func(r *vmflowv1.InstanceRecord) error {
-		r.LaunchStartedAt = timestamppb.Now()
-		return nil
-	})
-	require.NoError(t, err)
+	// The marker as launchLocked writes it, with the uid (a marker without
+	// one cannot be resolved: TestNoIdentityRecordNeverAdoptsByArgv).
+	setUIDMarker(t, e, "vm1")
 	sup := e.newSupervisor(nil)
 	rep, err := sup.Start(ctxT(t, 30*time.Second))
 	require.NoError(t, err)

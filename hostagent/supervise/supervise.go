@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"path/filepath"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -69,6 +70,17 @@ type Config struct {
 	// DevRoot holds the VFIO group nodes (<DevRoot>/vfio/<group>) given to
 	// a QEMU's uid while it may run ("/dev" when empty).
 	DevRoot string
+	// Cgroups gives every QEMU a cgroup of its own (vmm.CgroupsFor); nil
+	// leaves QEMUs in the agent's. TearDown removes an instance's.
+	Cgroups vmm.Cgroups
+	// JailSetup, when set, jails every QEMU (vmm.Jail) with this binary as
+	// the setup stage: the agent's own (os.Executable). Its root is mounted
+	// on the folder "root" of the instance's directory.
+	JailSetup string
+	// FDStore keeps every VM's log pipe for the next agent (systemd's fd
+	// store: vmm.NewSystemdFDStore); nil without one (make dev), where
+	// what QEMU writes while no agent runs is lost.
+	FDStore vmm.FDStore
 
 	// OnExitRecorded, when set, is called after an exit nobody asked for
 	// (a crash, a kill from outside, a guest power-off) is written to the
@@ -372,6 +384,15 @@ func unlock(l *store.Locked, log *zap.Logger) {
 func (s *Supervisor) ts() *timestamppb.Timestamp { return timestamppb.New(s.cfg.Now()) }
 
 // vmmPaths maps the store's instance files to what QEMU uses.
+// jail is the jail of a launch in the instance directory p names, nil
+// when QEMUs are not jailed.
+func (s *Supervisor) jail(p store.Paths) *vmm.Jail {
+	if s.cfg.JailSetup == "" {
+		return nil
+	}
+	return &vmm.Jail{Setup: s.cfg.JailSetup, Dir: filepath.Join(p.Dir, "root")}
+}
+
 func vmmPaths(p store.Paths) vmm.Paths {
 	return vmm.Paths{QMPSocket: p.Socket, PIDFile: p.PID, Log: p.Log}
 }

@@ -94,7 +94,7 @@ func BenchmarkLimitWrapper(b *testing.B) {
 		argv []string
 	}{
 		{"direct", []string{truePath}},
-		{"wrapped", wrapperArgs(LimitsFor(VMSpec{VCPUs: 1, MemoryMiB: 64}), truePath, nil)},
+		{"wrapped", wrapperArgs(Limits{Memlock: memlockSmall, NProc: nprocBase, FSize: fsizeMargin, NoFile: nofileBase}, truePath, nil)},
 	} {
 		b.Run(bc.name, func(b *testing.B) {
 			path := bc.argv[0]

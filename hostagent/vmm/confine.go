@@ -125,6 +125,12 @@ type Confinement struct {
 	UID uint32
 	// KVM is the agent's CheckKVM result; a KVM launch needs its Err nil.
 	KVM KVMAccess
+	// Cgroups, when set, places QEMU in a cgroup of its own with limits
+	// (CgroupLimitsFor) right after the fork; nil leaves it in the agent's.
+	Cgroups Cgroups
+	// Jail, when set, runs QEMU in namespaces and a root of its own
+	// (jail.go); nil runs it in the host's.
+	Jail *Jail
 }
 
 // check refuses what Launch must not start.
@@ -161,21 +167,74 @@ const (
 	// main, RCU and I/O threads and its thread pool (up to 64 workers) and
 	// vhost workers; each vCPU adds a thread and possibly a vhost worker.
 	nprocBase = 128
+
+	// fsizeMargin is room above the largest file QEMU may write. QEMU
+	// writes no file by path (no -pidfile, its output goes to a pipe), so
+	// without a disk this is the whole bound. With a disk the only file it
+	// extends is the overlay, up to the base's size (its virtual size) plus
+	// qcow2's metadata: qemu-img measure (QEMU 7.2, 64 KiB clusters) gives
+	// 320 KiB for 64 MiB, 1.8 MiB for 10 GiB, 16 MiB for 100 GiB and 160 MiB
+	// for 1 TiB, under virtual/qcow2MetadataDivisor + fsizeMargin at every
+	// size. Past the bound a write fails and QEMU dies of SIGXFSZ: a guest
+	// cannot fill the host's disk beyond its own.
+	fsizeMargin          = 1 << 20
+	qcow2MetadataDivisor = 4096
+
+	// nofile: measured open descriptors of QEMU 7.2 (TCG, q35, virtio-blk
+	// on a qcow2 overlay, virtio-net, serial on stdout): 19 with one vCPU,
+	// 25 with four; -machine none 11. KVM adds a descriptor and eventfds per
+	// vCPU, a VFIO device its device, group and container descriptors and an
+	// eventfd per interrupt vector. The base is ten times what was measured;
+	// Firecracker's jailer defaults to 2048 for any VM.
+	nofileBase    = 256
+	nofilePerVCPU = 8
+	nofilePerVFIO = 256
 )
 
-// Limits are the rlimits a QEMU gets.
+// Limits are the rlimits a QEMU gets, soft and hard. RLIMIT_CORE is 0
+// always: a QEMU core holds guest memory.
 type Limits struct {
 	Memlock uint64 // RLIMIT_MEMLOCK, bytes
 	NProc   uint64 // RLIMIT_NPROC: tasks of QEMU's uid (its own: per VM)
+	FSize   uint64 // RLIMIT_FSIZE, bytes: the largest file QEMU may extend
+	NoFile  uint64 // RLIMIT_NOFILE
 }
 
-// LimitsFor is spec's rlimits.
-func LimitsFor(spec VMSpec) Limits {
-	l := Limits{Memlock: memlockSmall, NProc: nprocBase + 2*uint64(spec.VCPUs)}
+// LimitsFor is spec's rlimits. With a disk it stats the base and the
+// overlay (the agent's descriptors), so it fails only when they cannot be.
+func LimitsFor(spec VMSpec) (Limits, error) {
+	l := Limits{
+		Memlock: memlockSmall,
+		NProc:   nprocBase + 2*uint64(spec.VCPUs),
+		FSize:   fsizeMargin,
+		NoFile:  nofileBase + nofilePerVCPU*uint64(spec.VCPUs) + nofilePerVFIO*uint64(len(spec.VFIO)),
+	}
 	if len(spec.VFIO) > 0 {
 		l.Memlock = uint64(spec.MemoryMiB)<<20 + memlockVFIOMargin
 	}
-	return l
+	if d := spec.Disk; d != nil {
+		virtual, err := fileSize(d.Base)
+		if err != nil {
+			return Limits{}, fmt.Errorf("rlimits: base image: %w", err)
+		}
+		have, err := fileSize(d.Overlay)
+		if err != nil {
+			return Limits{}, fmt.Errorf("rlimits: overlay: %w", err)
+		}
+		l.FSize = max(virtual+virtual/qcow2MetadataDivisor, have) + fsizeMargin
+	}
+	return l, nil
+}
+
+func fileSize(f *os.File) (uint64, error) {
+	if f == nil {
+		return 0, invalid("no file")
+	}
+	fi, err := f.Stat()
+	if err != nil {
+		return 0, err
+	}
+	return uint64(fi.Size()), nil
 }
 
 // LimitWrapper is util-linux's prlimit(1) (Essential in Debian): exec'd
@@ -192,10 +251,29 @@ const LimitWrapper = "prlimit"
 
 // wrapperArgs is the wrapper's argv that runs bin with argv under l.
 func wrapperArgs(l Limits, bin string, argv []string) []string {
+	both := func(opt string, v uint64) string {
+		n := strconv.FormatUint(v, 10)
+		return "--" + opt + "=" + n + ":" + n
+	}
 	return append([]string{LimitWrapper,
-		"--memlock=" + strconv.FormatUint(l.Memlock, 10) + ":" + strconv.FormatUint(l.Memlock, 10),
-		"--nproc=" + strconv.FormatUint(l.NProc, 10) + ":" + strconv.FormatUint(l.NProc, 10),
+		both("memlock", l.Memlock), both("nproc", l.NProc), both("fsize", l.FSize), both("nofile", l.NoFile), both("core", 0),
 		"--", bin}, argv...)
+}
+
+// closeRangeCloexec is CLOSE_RANGE_CLOEXEC (linux/close_range.h, 5.11).
+const closeRangeCloexec = 1 << 2
+
+// closeInheritedOnExec marks every descriptor above stderr close-on-exec in
+// the agent, right before a fork: Go opens its own files close-on-exec,
+// but a descriptor the agent inherited without it (from whatever started
+// it) would reach every QEMU. The files a launch names are dup'ed to their
+// numbers in the child, which clears the flag on the copies only; the
+// agent's own use of its descriptors is unchanged.
+func closeInheritedOnExec() error {
+	if err := unix.CloseRange(3, ^uint(0), closeRangeCloexec); err != nil {
+		return fmt.Errorf("mark inherited descriptors close-on-exec: %w", err)
+	}
+	return nil
 }
 
 // listenQMP binds and listens on the QMP socket at path and returns the

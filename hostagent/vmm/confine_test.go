@@ -16,6 +16,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/proc/proctest"
@@ -72,6 +73,11 @@ func TestLaunchConfined(t *testing.T) {
 	dir := filepath.Dir(cfg.Paths.QMPSocket)
 	require.NoError(t, os.Chmod(dir, 0o700))
 	t.Setenv("TEMPORAL_API_KEY", "secret-the-agent-has")
+	// A descriptor the agent inherited without close-on-exec (from
+	// whatever started it): QEMU must not get it.
+	leak, err := unix.Open("/etc/hostname", unix.O_RDONLY, 0)
+	require.NoError(t, err)
+	t.Cleanup(func() { unix.Close(leak) })
 	vm, err := Launch(ctxT(t, 30*time.Second), cfg)
 	require.NoError(t, err)
 	killOnCleanup(t, vm)
@@ -100,6 +106,18 @@ func TestLaunchConfined(t *testing.T) {
 	assert.Equal(t, []string{"8388608", "8388608"}, []string{soft, hard})
 	soft, hard = procLimit(t, pid, "Max processes")
 	assert.Equal(t, []string{"130", "130"}, []string{soft, hard})
+	lim, err := LimitsFor(cfg.Spec)
+	require.NoError(t, err)
+	for row, want := range map[string]uint64{"Max file size": lim.FSize, "Max open files": lim.NoFile, "Max core file size": 0} {
+		soft, hard = procLimit(t, pid, row)
+		assert.Equal(t, []string{strconv.FormatUint(want, 10), strconv.FormatUint(want, 10)}, []string{soft, hard}, row)
+	}
+	fds, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
+	require.NoError(t, err)
+	for _, e := range fds {
+		target, _ := os.Readlink(fmt.Sprintf("/proc/%d/fd/%s", pid, e.Name()))
+		assert.NotEqual(t, "/etc/hostname", target, "QEMU got the agent's inherited fd %d as its %s", leak, e.Name())
+	}
 
 	// The agent's socket: dialed by path (a second client after Launch's
 	// own connection closes), QEMU holds only the fd.
@@ -176,9 +194,41 @@ func TestKVMNodeGroupCannotOpen(t *testing.T) {
 }
 
 func TestLimitsFor(t *testing.T) {
-	assert.Equal(t, Limits{Memlock: 8 << 20, NProc: 130}, LimitsFor(VMSpec{VCPUs: 1, MemoryMiB: 64}))
-	assert.Equal(t, Limits{Memlock: 4096<<20 + 1<<30, NProc: 136},
-		LimitsFor(VMSpec{VCPUs: 4, MemoryMiB: 4096, VFIO: []string{"/sys/bus/mdev/devices/x"}}), "VFIO pins guest RAM")
+	lim := func(spec VMSpec) Limits {
+		t.Helper()
+		l, err := LimitsFor(spec)
+		require.NoError(t, err)
+		return l
+	}
+	assert.Equal(t, Limits{Memlock: 8 << 20, NProc: 130, FSize: 1 << 20, NoFile: 264}, lim(VMSpec{VCPUs: 1, MemoryMiB: 64}),
+		"no disk: QEMU writes no file")
+	assert.Equal(t, Limits{Memlock: 4096<<20 + 1<<30, NProc: 136, FSize: 1 << 20, NoFile: 256 + 32 + 256},
+		lim(VMSpec{VCPUs: 4, MemoryMiB: 4096, VFIO: []string{"/sys/bus/mdev/devices/x"}}), "VFIO pins guest RAM and opens more")
+
+	// A disk: the overlay may grow to the base's size plus qcow2's
+	// metadata (qemu-img measure: 320 KiB for 64 MiB, 16 MiB for 100 GiB).
+	dir := t.TempDir()
+	base, err := os.Create(filepath.Join(dir, "base"))
+	require.NoError(t, err)
+	defer base.Close()
+	require.NoError(t, base.Truncate(100<<30))
+	ov, err := os.Create(filepath.Join(dir, "ov"))
+	require.NoError(t, err)
+	defer ov.Close()
+	l := lim(VMSpec{VCPUs: 1, MemoryMiB: 64, Disk: &Disk{Base: base, Overlay: ov}})
+	assert.Equal(t, uint64(100<<30+(100<<30)/4096+1<<20), l.FSize)
+	assert.Greater(t, l.FSize, uint64(107390828544), "qemu-img measure's fully allocated size of 100 GiB")
+
+	// An overlay already past that (it never is, but a bound below its
+	// size would kill QEMU at its first write at the end) keeps room.
+	require.NoError(t, ov.Truncate(200<<30))
+	assert.Equal(t, uint64(200<<30+1<<20), lim(VMSpec{VCPUs: 1, MemoryMiB: 64, Disk: &Disk{Base: base, Overlay: ov}}).FSize)
+
+	closed, err := os.Create(filepath.Join(dir, "closed"))
+	require.NoError(t, err)
+	closed.Close()
+	_, err = LimitsFor(VMSpec{VCPUs: 1, MemoryMiB: 64, Disk: &Disk{Base: closed, Overlay: ov}})
+	assert.Error(t, err, "a base that cannot be stat'ed")
 }
 
 // A VFIO group node found through the device's iommu_group link is given

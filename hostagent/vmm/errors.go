@@ -28,6 +28,12 @@ var (
 	ErrInvalidIdentity = errors.New("incomplete process identity")
 	// ErrHook: a caller hook (OnStarted, OnStep) failed.
 	ErrHook = errors.New("hook failed")
+	// ErrNoLaunchIdentity: FindUnrecorded was asked about a record with
+	// neither a QEMU uid nor a launch nonce of its own (written by an agent
+	// older than both). All such a record offers is a command line, and
+	// anyone can start the QEMU binary as a session leader with the
+	// instance's -qmp argument: nothing is looked for, nothing adopted.
+	ErrNoLaunchIdentity = errors.New("record has neither a qemu uid nor a launch nonce of its own: a command line is no identity")
 )
 
 // StillAliveError says which process outlived the wait, after which step,

@@ -2,8 +2,12 @@ package vmm
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
+	"os"
 	"os/exec"
+	"slices"
+	"strconv"
 	"strings"
 
 	"vmflow/hostagent/proc"
@@ -31,9 +35,12 @@ type FindConfig struct {
 	Name string
 	// Nonce is the launch nonce of a marker an agent older than the per-VM
 	// uid wrote (UID is then 0): the QEMU must carry it in its environment.
-	// Both empty (a record older than the nonce): the QEMU must carry the
-	// instance's -qmp argument instead.
+	// Both empty: ErrNoLaunchIdentity.
 	Nonce string
+	// JailSetup is the jail's setup stage binary (Jail.Setup) when QEMUs
+	// are jailed: a launch caught before the setup stage exec'd QEMU is
+	// that binary, running as root, with the uid in its configuration.
+	JailSetup string
 	// ReadMem: see proc.FindQuery.ReadMem (tests only; nil in production).
 	ReadMem func(path string) ([]byte, error)
 }
@@ -49,9 +56,10 @@ type FindConfig struct {
 // record, and QEMU's sandbox forbids it to spawn anything: uid, executable
 // and session make the proof, the name makes a mix-up of records visible.
 // Legacy markers: with cfg.Nonce, the environment must hold
-// LaunchNonceEnv=<nonce>; with neither, the command line must hold this
-// socket's -qmp argument (a command line alone proves little: anyone can
-// start a process with that argv, `timeout 60 qemu ...`).
+// LaunchNonceEnv=<nonce>. With neither, FindUnrecorded looks for nothing
+// and returns ErrNoLaunchIdentity: a command line alone proves nothing
+// (anyone can start the QEMU binary in a session of its own with the
+// instance's -qmp argument, and would have been adopted and signalled).
 //
 // An error wrapping proc.ErrCannotTell means a candidate could not be read
 // in time (its mmap lock held: VFIO teardown, a hung mount): some QEMU of
@@ -88,8 +96,7 @@ func FindUnrecorded(ctx context.Context, cfg FindConfig) ([]proc.Identity, error
 		q.Env = LaunchNonceEnv + "=" + cfg.Nonce
 		q.Hint = fsx.ReadPIDFile(cfg.Paths.PIDFile)
 	default:
-		q.Argv = hasArgPair("-qmp", legacyQMPArg(cfg.Paths.QMPSocket))
-		q.Hint = fsx.ReadPIDFile(cfg.Paths.PIDFile)
+		return nil, fmt.Errorf("find qemu of %s: %w", cfg.Paths.QMPSocket, ErrNoLaunchIdentity)
 	}
 	ids, err := proc.Find(ctx, q)
 	if err != nil {
@@ -114,7 +121,62 @@ func FindUnrecorded(ctx context.Context, cfg FindConfig) ([]proc.Identity, error
 	if err != nil {
 		return nil, fmt.Errorf("find qemu of %s: %w", cfg.Paths.QMPSocket, err)
 	}
-	return append(ids, more...), nil
+	ids = append(ids, more...)
+	if cfg.JailSetup == "" {
+		return ids, nil
+	}
+	setup, err := findJailSetup(ctx, cfg, q)
+	if err != nil {
+		return nil, fmt.Errorf("find qemu of %s: %w", cfg.Paths.QMPSocket, err)
+	}
+	return append(ids, setup...), nil
+}
+
+// findJailSetup finds a jail setup stage of the launch: the setup binary, a
+// session leader, "qemu-jail" with cfg.UID in its configuration and
+// -name guest=<Name> in QEMU's argv after it, running as root (real,
+// effective, saved and filesystem uid 0: only root starts it so, and the
+// agent is the only root that starts it with an instance's uid).
+func findJailSetup(ctx context.Context, cfg FindConfig, q proc.FindQuery) ([]proc.Identity, error) {
+	exe, err := proc.StatExecutable(cfg.JailSetup)
+	if err != nil {
+		return nil, err
+	}
+	name := q.Argv
+	q.Exe, q.Comm, q.UID = exe, proc.CommOf(cfg.JailSetup), 0
+	q.Argv = func(argv []string) bool {
+		if len(argv) < 4 || argv[1] != JailSetupCommand || argv[3] != "--" || !name(argv[4:]) {
+			return false
+		}
+		var jc jailConfig
+		return json.Unmarshal([]byte(argv[2]), &jc) == nil && jc.UID == cfg.UID
+	}
+	found, err := proc.Find(ctx, q)
+	if err != nil {
+		return nil, err
+	}
+	var root []proc.Identity
+	for _, id := range found {
+		if rootOwned(id.PID) {
+			root = append(root, id)
+		}
+	}
+	return root, nil
+}
+
+// rootOwned: /proc/<pid>/status says uid 0 four times (real, effective,
+// saved, filesystem). Unreadable (gone): not a match.
+func rootOwned(pid int) bool {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
+	if err != nil {
+		return false
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if rest, ok := strings.CutPrefix(line, "Uid:"); ok {
+			return slices.Equal(strings.Fields(rest), []string{"0", "0", "0", "0"})
+		}
+	}
+	return false
 }
 
 // hasArgPair accepts an argv holding opt immediately followed by value.

@@ -66,6 +66,10 @@ type LaunchConfig struct {
 	// NOT called when QEMU could not be confirmed gone (*StillAliveError):
 	// then the record must keep the pid so a stop can finish the job.
 	OnFailed func(id proc.Identity, cause error) error
+	// FDStore, when set, keeps a copy of the log pipe's read end for the
+	// next agent (systemd's fd store) under LogFDName(Spec.Name,
+	// Confine.UID), so a restart loses nothing the pipe holds.
+	FDStore FDStore
 }
 
 // VM is a running QEMU: either one this process launched (a child it reaps)
@@ -79,6 +83,33 @@ type VM struct {
 	mu   sync.Mutex
 	mon  *Monitor
 	glog *GuestLog // the guest-output pump; nil when not capturing
+
+	violations chan error    // QMP protocol violations not yet taken (QMPViolation)
+	closed     chan struct{} // closed by Close
+	closeOnce  sync.Once
+
+	// fdStore and fdName: where a copy of the log pipe's read end is kept
+	// for the next agent (UseFDStore, LaunchConfig.FDStore); nil for none.
+	fdStore FDStore
+	fdName  string
+}
+
+func newVM(id proc.Identity, child *proc.Child, h *proc.Handle, paths Paths, violations chan error) *VM {
+	if violations == nil {
+		violations = make(chan error, 1)
+	}
+	return &VM{id: id, child: child, h: h, paths: paths, violations: violations, closed: make(chan struct{})}
+}
+
+// reportTo is a Monitor's onViolation that leaves the violation in ch
+// unless one is already waiting there: one is enough to mark the VM.
+func reportTo(ch chan error) func(error) {
+	return func(err error) {
+		select {
+		case ch <- err:
+		default:
+		}
+	}
 }
 
 // Launch starts QEMU for cfg.Spec in a session of its own, with stdout and
@@ -108,9 +139,18 @@ type launch struct {
 	h     *proc.Handle
 	mon   *Monitor
 	glog  *GuestLog
+	// violations receives QMP protocol violations of the launch's
+	// monitor; the VM takes it over.
+	violations chan error
 	// socketOwned: the socket path was free (or stale) when the launch
 	// began, so whatever is there at failure time belongs to this QEMU.
 	socketOwned bool
+	// cgroupPlaced: Place was called; a failed launch removes the cgroup.
+	cgroupPlaced bool
+	// goAhead and syncRead are the jail's sync pipe: the setup stage reads
+	// one byte from its copy of syncRead before it builds the root; closing
+	// goAhead without writing stops it.
+	goAhead, syncRead *os.File
 }
 
 func (l *launch) run(ctx context.Context) (*VM, error) {
@@ -148,20 +188,36 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 		qmpListener.Close()
 		return nil, fmt.Errorf("launch: %w", err)
 	}
-	wrapper, err := exec.LookPath(LimitWrapper)
+	limits, err := LimitsFor(cfg.Spec)
 	if err != nil {
 		return nil, fmt.Errorf("launch: %w", err)
 	}
-
-	// QEMU is exec'd by the rlimit wrapper, which is exec'd as QEMU's uid:
-	// the process is the wrapper for the time of one exec, then QEMU with
-	// its own argv[0] and argv (FindUnrecorded looks for both).
-	cmd := &exec.Cmd{Path: wrapper, Args: wrapperArgs(LimitsFor(cfg.Spec), bin, argv)}
+	var cmd *exec.Cmd
+	if j := cfg.Confine.Jail; j != nil {
+		// QEMU is exec'd by the setup stage (jail.go) in its namespaces
+		// and root, which waits for l.goAhead.
+		if cmd, err = l.jailCmd(*j, bin, argv, limits, fds.Files()); err != nil {
+			return nil, fmt.Errorf("launch: %w", err)
+		}
+	} else {
+		// QEMU is exec'd by the rlimit wrapper, which is exec'd as QEMU's
+		// uid: the process is the wrapper for the time of one exec, then
+		// QEMU with its own argv[0] and argv (FindUnrecorded looks for
+		// both).
+		wrapper, err := exec.LookPath(LimitWrapper)
+		if err != nil {
+			return nil, fmt.Errorf("launch: %w", err)
+		}
+		cmd = &exec.Cmd{Path: wrapper, Args: wrapperArgs(limits, bin, argv)}
+		confineCmd(cmd, cfg.Confine, cfg.Spec.Accel, fds.Files())
+	}
 	out, err := l.setGuestOutput(cmd)
 	if err != nil {
 		return nil, fmt.Errorf("launch: %w", err)
 	}
-	confineCmd(cmd, cfg.Confine, cfg.Spec.Accel, fds.Files())
+	if err := closeInheritedOnExec(); err != nil {
+		return nil, fmt.Errorf("launch: %w", err)
+	}
 	crashpoint.Hit(crashpoint.LaunchBeforeFork)
 	child, err := proc.Start(cmd)
 	out.Close() // QEMU holds the write end now; the pump sees EOF when QEMU is gone
@@ -169,6 +225,9 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 	// them: a QEMU that dies leaves no listener behind a pending dial): the
 	// agent must not hold every VM's images for its life.
 	_ = fds.Close()
+	if l.syncRead != nil {
+		l.syncRead.Close() // the setup stage has its own
+	}
 	if err != nil {
 		return nil, fmt.Errorf("launch: %w", err)
 	}
@@ -183,6 +242,25 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 	}
 
 	crashpoint.Hit(crashpoint.LaunchPIDRecorded)
+	if cg := cfg.Confine.Cgroups; cg != nil {
+		// After the pid is recorded, before QEMU has built its machine:
+		// the wrapper's exec and QEMU's first instructions run in the
+		// agent's cgroup, guest RAM is allocated in the VM's.
+		l.cgroupPlaced = true
+		if err := cg.Place(ctx, CgroupName(cfg.Spec.Name, cfg.Confine.UID), id.PID, CgroupLimitsFor(cfg.Spec)); err != nil {
+			return nil, fmt.Errorf("launch %v: %w", id, err)
+		}
+	}
+	if l.goAhead != nil {
+		// Recorded and placed: the setup stage may build the root and
+		// exec QEMU.
+		_, err := l.goAhead.Write([]byte{1})
+		l.goAhead.Close()
+		l.goAhead = nil
+		if err != nil {
+			return nil, fmt.Errorf("launch %v: tell the jail's setup stage to go on: %w", id, err)
+		}
+	}
 	h, err := proc.Open(id)
 	if err != nil {
 		// Gone already (reaped by proc's reaper, the pid maybe even
@@ -216,7 +294,12 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 		return nil, fmt.Errorf("launch %v: query-status is %q: %w", id, st.Status, ErrNotRunning)
 	}
 	crashpoint.Hit(crashpoint.LaunchQMPReady)
-	return &VM{id: id, child: child, h: h, paths: cfg.Paths, mon: mon, glog: l.glog}, nil
+	vm := newVM(id, child, h, cfg.Paths, l.violations)
+	vm.mon, vm.glog = mon, l.glog
+	if cfg.FDStore != nil {
+		vm.fdStore, vm.fdName = cfg.FDStore, LogFDName(cfg.Spec.Name, cfg.Confine.UID)
+	}
+	return vm, nil
 }
 
 // setGuestOutput gives QEMU its stdout and stderr: one pipe into the
@@ -230,6 +313,13 @@ func (l *launch) setGuestOutput(cmd *exec.Cmd) (*os.File, error) {
 		return nil, err
 	}
 	l.glog = g
+	if st := l.cfg.FDStore; st != nil {
+		// Before the fork: a QEMU never runs without a stored reader.
+		if err := st.Store(LogFDName(l.cfg.Spec.Name, l.cfg.Confine.UID), g.r); err != nil {
+			w.Close()
+			return nil, fmt.Errorf("keep the guest log pipe: %w", err)
+		}
+	}
 	cmd.Stdout, cmd.Stderr = w, w
 	return w, nil
 }
@@ -261,8 +351,9 @@ func (l *launch) waitQMP(ctx context.Context) (*Monitor, error) {
 	id := l.child.Identity()
 	t := time.NewTicker(socketPollInterval)
 	defer t.Stop()
+	l.violations = make(chan error, 1)
 	for {
-		mon, err := DialQMP(ctx, l.cfg.Paths.QMPSocket)
+		mon, err := dialQMP(ctx, l.cfg.Paths.QMPSocket, reportTo(l.violations))
 		if err == nil {
 			return mon, nil
 		}
@@ -325,6 +416,9 @@ func (l *launch) exitedError(id proc.Identity) error {
 // fail undoes a launch: kill through the pidfd, reap, remove the socket,
 // tell the caller. It returns the error Launch returns.
 func (l *launch) fail(cause error) error {
+	if l.goAhead != nil {
+		l.goAhead.Close() // a setup stage still waiting exits without QEMU
+	}
 	if l.mon != nil {
 		l.mon.Close()
 	}
@@ -339,9 +433,22 @@ func (l *launch) fail(cause error) error {
 	if l.h != nil {
 		l.h.Close()
 	}
+	if l.cgroupPlaced {
+		// QEMU is reaped: its cgroup is empty.
+		ctx, cancel := context.WithTimeout(context.Background(), DefaultQMPTimeout)
+		if err := l.cfg.Confine.Cgroups.Remove(ctx, CgroupName(l.cfg.Spec.Name, l.cfg.Confine.UID)); err != nil {
+			cause = errors.Join(cause, err)
+		}
+		cancel()
+	}
 	if l.glog != nil {
 		// QEMU is gone (or never started): whatever it wrote is in the pipe.
 		l.glog.Stop(guestLogDrain)
+		if st := l.cfg.FDStore; st != nil {
+			if err := st.Remove(LogFDName(l.cfg.Spec.Name, l.cfg.Confine.UID)); err != nil {
+				cause = errors.Join(cause, err)
+			}
+		}
 	}
 	if l.socketOwned {
 		if err := os.Remove(l.cfg.Paths.QMPSocket); err != nil && !errors.Is(err, fs.ErrNotExist) {
@@ -424,7 +531,7 @@ func Attach(id proc.Identity, paths Paths) (*VM, error) {
 	if err != nil {
 		return nil, fmt.Errorf("attach: %w", err)
 	}
-	return &VM{id: id, h: h, paths: paths}, nil
+	return newVM(id, nil, h, paths, nil), nil
 }
 
 // Identity is QEMU's identity, read right after the fork.
@@ -451,13 +558,23 @@ func (v *VM) Monitor(ctx context.Context) (*Monitor, error) {
 			return v.mon, nil
 		}
 	}
-	m, err := DialQMP(ctx, v.paths.QMPSocket)
+	m, err := dialQMP(ctx, v.paths.QMPSocket, reportTo(v.violations))
 	if err != nil {
 		return nil, err
 	}
 	v.mon = m
 	return m, nil
 }
+
+// QMPViolation receives a QMP protocol violation (ErrQMPProtocol: a
+// message longer than maxQMPMessage, a line that is not QMP) of any of the
+// VM's monitors: the monitor dropped that connection, and the QEMU behind
+// it is not to be trusted. At most one waits; the next arrives after it is
+// taken.
+func (v *VM) QMPViolation() <-chan error { return v.violations }
+
+// Closed is closed once Close was called.
+func (v *VM) Closed() <-chan struct{} { return v.closed }
 
 // Status runs query-status over the VM's monitor.
 func (v *VM) Status(ctx context.Context) (StatusInfo, error) {
@@ -521,9 +638,25 @@ func (v *VM) CaptureLog() error {
 	if v.glog != nil {
 		return nil
 	}
-	r, err := openStdoutPipe(v.id.PID)
-	if err != nil {
-		return fmt.Errorf("capture guest log of %v: %w", v.id, err)
+	var r *os.File
+	if v.fdStore != nil {
+		// The copy the previous agent stored: the same pipe, with every
+		// byte QEMU wrote meanwhile (up to its capacity), also for a
+		// zombie leader whose /proc/<pid>/fd is empty.
+		r = v.fdStore.Take(v.fdName)
+	}
+	if r == nil {
+		var err error
+		if r, err = openStdoutPipe(v.id.PID); err != nil {
+			return fmt.Errorf("capture guest log of %v: %w", v.id, err)
+		}
+		if v.fdStore != nil {
+			// Stored now, for the agent after this one.
+			if err := v.fdStore.Store(v.fdName, r); err != nil {
+				r.Close()
+				return fmt.Errorf("capture guest log of %v: %w", v.id, err)
+			}
+		}
 	}
 	// The pidfd was opened and verified before the open: while that process
 	// lives its pid cannot name another, so alive now means the pipe is its.
@@ -536,6 +669,14 @@ func (v *VM) CaptureLog() error {
 	}
 	v.glog = startGuestLog(r, v.paths.Log)
 	return nil
+}
+
+// UseFDStore makes an attached VM take its log pipe from st (stored under
+// LogFDName(id, uid) by the agent before) at CaptureLog, and keep it there.
+func (v *VM) UseFDStore(st FDStore, id string, uid uint32) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	v.fdStore, v.fdName = st, LogFDName(id, uid)
 }
 
 // LogStats says what the guest-output pump read and dropped; ok is false
@@ -555,6 +696,7 @@ func (v *VM) LogStats() (st LogStats, ok bool) {
 // beyond its buffer) until a re-attach captures it again. For a VM that has
 // exited, the pump first reads what QEMU left in the pipe.
 func (v *VM) Close() error {
+	v.closeOnce.Do(func() { close(v.closed) })
 	v.mu.Lock()
 	if v.mon != nil {
 		v.mon.Close()
@@ -562,12 +704,18 @@ func (v *VM) Close() error {
 	}
 	g := v.glog
 	v.mu.Unlock()
+	var errs []error
 	if g != nil {
 		var drain time.Duration
-		if gone, err := v.h.Exited(); err == nil && gone {
+		gone, err := v.h.Exited()
+		if err == nil && gone {
 			drain = guestLogDrain
 		}
 		g.Stop(drain)
+		if err == nil && gone && v.fdStore != nil {
+			// Drained: nobody will read this pipe again.
+			errs = append(errs, v.fdStore.Remove(v.fdName))
+		}
 	}
-	return v.h.Close()
+	return errors.Join(append(errs, v.h.Close())...)
 }

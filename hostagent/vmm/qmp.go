@@ -42,12 +42,20 @@ import (
 // DefaultQMPTimeout bounds a QMP call whose context has no deadline.
 const DefaultQMPTimeout = 5 * time.Second
 
-// maxQMPLine bounds one QMP message; query-qmp-schema, the largest reply
-// QEMU 7.2 sends, is a few hundred KiB.
-const maxQMPLine = 16 << 20
+// maxQMPMessage bounds one QMP message (a greeting, an event or a reply).
+// A QEMU that a guest took over may send anything; 16 MiB lines with 64
+// events kept, each decoded into a map, grew the agent's heap by 1.2 GiB.
+// What vmflow asks for is small. Measured on QEMU 7.2 (q35, TCG, a qcow2
+// overlay on a qcow2 base, a python client on the socket): greeting 142
+// bytes, qmp_capabilities and system_powerdown replies 16, query-status 73,
+// query-block 1,708, query-named-block-nodes 3,071 (the largest reply any
+// caller or test asks for), events 81 (STOP) to 138 (SHUTDOWN). 64 KiB is
+// twenty times the largest; query-qmp-schema (207,000) is never asked for.
+const maxQMPMessage = 64 << 10
 
 // eventBuffer is how many events Monitor keeps for Events readers before it
-// drops the oldest.
+// drops the oldest: as raw bytes, at most eventBuffer*maxQMPMessage (4 MiB)
+// per monitor, decoded only when read.
 const eventBuffer = 64
 
 var (
@@ -55,7 +63,9 @@ var (
 	// before the reply came. It says nothing about whether QEMU has exited:
 	// QEMU closes the monitor before its thread group is gone.
 	ErrMonitorClosed = errors.New("qmp monitor closed")
-	// ErrQMPProtocol: QEMU (or whatever is on the socket) did not speak QMP.
+	// ErrQMPProtocol: QEMU (or whatever is on the socket) did not speak QMP,
+	// or sent a message longer than maxQMPMessage. The monitor drops the
+	// connection (Violation reports it).
 	ErrQMPProtocol = errors.New("qmp protocol error")
 )
 
@@ -106,8 +116,9 @@ type message struct {
 		Version      Version  `json:"version"`
 		Capabilities []string `json:"capabilities"`
 	} `json:"QMP"`
-	Event     string                 `json:"event"`
-	Data      map[string]interface{} `json:"data"`
+	Event string `json:"event"`
+	// Data stays raw: an event is decoded only when someone reads it.
+	Data      json.RawMessage `json:"data"`
 	Timestamp *struct {
 		Seconds      int64 `json:"seconds"`
 		Microseconds int64 `json:"microseconds"`
@@ -135,12 +146,23 @@ type Monitor struct {
 	mu      sync.Mutex
 	nextID  uint64
 	pending map[string]chan reply
-	events  chan Event
+	evq     [][]byte      // raw event messages, oldest first, at most eventBuffer
+	evReady chan struct{} // a token when evq gains an event
 	dropped uint64
 
-	readDone chan struct{} // closed when the reader goroutine ends
-	readErr  error         // why it ended; set before readDone closes
+	events     chan Event // fed from evq once Events is called
+	eventsOnce sync.Once
 
+	// onViolation, when set, is called once if the reader drops the
+	// connection for a protocol violation, before Done is closed; it must
+	// not block.
+	onViolation func(error)
+
+	readDone  chan struct{} // closed when the reader goroutine ends
+	readErr   error         // why it ended; set before readDone closes
+	violation error         // readErr when it was a protocol violation
+
+	closed    chan struct{} // closed by Close
 	closeOnce sync.Once
 }
 
@@ -149,6 +171,12 @@ type Monitor struct {
 // as events, never mistaken for it. ctx bounds the whole handshake; without
 // a deadline DefaultQMPTimeout applies.
 func DialQMP(ctx context.Context, path string) (*Monitor, error) {
+	return dialQMP(ctx, path, nil)
+}
+
+// dialQMP is DialQMP with onViolation (nil for none) set before the first
+// byte is read.
+func dialQMP(ctx context.Context, path string, onViolation func(error)) (*Monitor, error) {
 	ctx, cancel := withDefaultTimeout(ctx, DefaultQMPTimeout)
 	defer cancel()
 	var d net.Dialer
@@ -156,7 +184,7 @@ func DialQMP(ctx context.Context, path string) (*Monitor, error) {
 	if err != nil {
 		return nil, fmt.Errorf("dial qmp %s: %w", path, err)
 	}
-	m := newMonitor(c.(*net.UnixConn))
+	m := newMonitor(c.(*net.UnixConn), onViolation)
 	if err := m.handshake(ctx); err != nil {
 		m.Close()
 		return nil, fmt.Errorf("qmp handshake on %s: %w", path, err)
@@ -164,13 +192,16 @@ func DialQMP(ctx context.Context, path string) (*Monitor, error) {
 	return m, nil
 }
 
-func newMonitor(c *net.UnixConn) *Monitor {
+func newMonitor(c *net.UnixConn, onViolation func(error)) *Monitor {
 	m := &Monitor{
-		conn:     c,
-		greeting: make(chan struct{}),
-		pending:  map[string]chan reply{},
-		events:   make(chan Event, eventBuffer),
-		readDone: make(chan struct{}),
+		conn:        c,
+		greeting:    make(chan struct{}),
+		pending:     map[string]chan reply{},
+		evReady:     make(chan struct{}, 1),
+		events:      make(chan Event),
+		onViolation: onViolation,
+		readDone:    make(chan struct{}),
+		closed:      make(chan struct{}),
 	}
 	go m.read()
 	return m
@@ -193,7 +224,7 @@ func (m *Monitor) Version() Version { return m.version }
 
 // read owns the read side of the socket until it fails or is closed.
 func (m *Monitor) read() {
-	r := bufio.NewReaderSize(m.conn, 64<<10)
+	r := bufio.NewReaderSize(m.conn, 4<<10)
 	var err error
 	greeted := false
 	for {
@@ -219,26 +250,39 @@ func (m *Monitor) read() {
 				close(m.greeting)
 			}
 		case msg.Event != "":
-			m.pushEvent(msg)
+			m.pushEvent(line)
 		case msg.Return != nil || msg.Error != nil:
 			m.deliver(msg)
 		}
 	}
+	violated := errors.Is(err, ErrQMPProtocol)
+	if violated {
+		// Drop the connection: whatever holds the socket is not a QEMU
+		// speaking QMP, and nothing it sends next can be trusted.
+		_ = m.conn.Close()
+	}
 	m.mu.Lock()
 	m.readErr = fmt.Errorf("%w: %w", ErrMonitorClosed, err)
+	if violated {
+		m.violation = err
+	}
 	m.mu.Unlock()
+	if violated && m.onViolation != nil {
+		m.onViolation(err) // before Done: whoever waits on Done sees it reported
+	}
 	close(m.readDone)
 }
 
-// readLine reads one newline-terminated message of at most maxQMPLine bytes.
+// readLine reads one newline-terminated message of at most maxQMPMessage
+// bytes; a longer one is a protocol violation, refused before it is held.
 func readLine(r *bufio.Reader) ([]byte, error) {
 	var buf []byte
 	for {
 		chunk, err := r.ReadSlice('\n')
-		buf = append(buf, chunk...)
-		if len(buf) > maxQMPLine {
-			return nil, fmt.Errorf("%w: message longer than %d bytes", ErrQMPProtocol, maxQMPLine)
+		if len(buf)+len(chunk) > maxQMPMessage {
+			return nil, fmt.Errorf("%w: message longer than %d bytes", ErrQMPProtocol, maxQMPMessage)
 		}
+		buf = append(buf, chunk...)
 		if errors.Is(err, bufio.ErrBufferFull) {
 			continue
 		}
@@ -246,28 +290,78 @@ func readLine(r *bufio.Reader) ([]byte, error) {
 	}
 }
 
-// pushEvent never blocks: when nobody drains Events, the oldest event is
-// dropped so replies keep flowing (go-qemu blocks here instead).
-func (m *Monitor) pushEvent(msg message) {
-	ev := Event{Event: msg.Event, Data: msg.Data}
+// pushEvent keeps one event's raw message and never blocks: when nobody
+// drains Events, the oldest is dropped so replies keep flowing (go-qemu
+// blocks here instead). line is the reader's own copy.
+func (m *Monitor) pushEvent(line []byte) {
+	m.mu.Lock()
+	if len(m.evq) == eventBuffer {
+		m.evq[0] = nil
+		m.evq = m.evq[1:]
+		m.dropped++
+	}
+	m.evq = append(m.evq, line)
+	m.mu.Unlock()
+	select {
+	case m.evReady <- struct{}{}:
+	default:
+	}
+}
+
+// popEvent takes the oldest kept event, if any.
+func (m *Monitor) popEvent() ([]byte, bool) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if len(m.evq) == 0 {
+		return nil, false
+	}
+	line := m.evq[0]
+	m.evq[0] = nil
+	m.evq = m.evq[1:]
+	return line, true
+}
+
+// feedEvents decodes kept events one at a time, as Events readers take
+// them, until Close.
+func (m *Monitor) feedEvents() {
+	for {
+		line, ok := m.popEvent()
+		if !ok {
+			select {
+			case <-m.evReady:
+				continue
+			case <-m.closed:
+				return
+			}
+		}
+		ev, err := decodeEvent(line)
+		if err != nil {
+			continue // the reader checked it is an event; its data may still be no object
+		}
+		select {
+		case m.events <- ev:
+		case <-m.closed:
+			return
+		}
+	}
+}
+
+func decodeEvent(line []byte) (Event, error) {
+	var msg message
+	if err := json.Unmarshal(line, &msg); err != nil {
+		return Event{}, err
+	}
+	ev := Event{Event: msg.Event}
+	if len(msg.Data) > 0 {
+		if err := json.Unmarshal(msg.Data, &ev.Data); err != nil {
+			return Event{}, err
+		}
+	}
 	if msg.Timestamp != nil {
 		ev.Timestamp.Seconds = msg.Timestamp.Seconds
 		ev.Timestamp.Microseconds = msg.Timestamp.Microseconds
 	}
-	for {
-		select {
-		case m.events <- ev:
-			return
-		default:
-		}
-		select {
-		case <-m.events:
-			m.mu.Lock()
-			m.dropped++
-			m.mu.Unlock()
-		default:
-		}
-	}
+	return ev, nil
 }
 
 func (m *Monitor) deliver(msg message) {
@@ -292,10 +386,14 @@ func (m *Monitor) deliver(msg message) {
 	}
 }
 
-// Events returns the events QEMU sent, oldest first. The buffer holds the
-// latest 64; older ones are dropped when nobody reads. The channel is never
-// closed (Done tells when the connection ended).
-func (m *Monitor) Events() <-chan Event { return m.events }
+// Events returns the events QEMU sent, oldest first, each decoded as it is
+// taken. The monitor keeps the latest 64 as bytes; older ones are dropped
+// when nobody reads. The channel is never closed (Done tells when the
+// connection ended; events kept before it can still be read until Close).
+func (m *Monitor) Events() <-chan Event {
+	m.eventsOnce.Do(func() { go m.feedEvents() })
+	return m.events
+}
 
 // DroppedEvents is how many events were dropped because nobody read Events.
 func (m *Monitor) DroppedEvents() uint64 {
@@ -306,6 +404,15 @@ func (m *Monitor) DroppedEvents() uint64 {
 
 // Done is closed when the connection has ended. That is not QEMU's exit.
 func (m *Monitor) Done() <-chan struct{} { return m.readDone }
+
+// Violation is the protocol violation (ErrQMPProtocol) for which the
+// monitor dropped the connection, or nil: while it is open, and when it
+// ended for any other reason.
+func (m *Monitor) Violation() error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.violation
+}
 
 // Execute runs command with args (nil for none) and decodes the reply's
 // "return" into out (nil to ignore it). ctx bounds the call; without a
@@ -382,17 +489,30 @@ func (m *Monitor) write(ctx context.Context, b []byte) error {
 	defer m.writeMu.Unlock()
 	dl, _ := ctx.Deadline() // withDefaultTimeout guarantees one
 	if err := m.conn.SetWriteDeadline(dl); err != nil {
-		return fmt.Errorf("set write deadline: %w", err)
+		return m.closedOr(fmt.Errorf("set write deadline: %w", err))
 	}
 	if _, err := m.conn.Write(b); err != nil {
-		select {
-		case <-m.readDone:
-			return fmt.Errorf("%w: %w", ErrMonitorClosed, err)
-		default:
-		}
-		return fmt.Errorf("write: %w", err)
+		return m.closedOr(fmt.Errorf("write: %w", err))
 	}
 	return nil
+}
+
+// closedOr is why the connection ended when the reader has ended (a write
+// fails on a socket the reader dropped), else err.
+func (m *Monitor) closedOr(err error) error {
+	if errors.Is(err, net.ErrClosed) {
+		// Closed by the reader (a violation) or by Close: either way the
+		// reader is ending, and its reason is the one to report.
+		<-m.readDone
+	}
+	select {
+	case <-m.readDone:
+		m.mu.Lock()
+		defer m.mu.Unlock()
+		return fmt.Errorf("%w (%w)", m.readErr, err)
+	default:
+		return err
+	}
 }
 
 // Status runs query-status.
@@ -421,7 +541,11 @@ func (m *Monitor) Close() error {
 	var err error
 	m.closeOnce.Do(func() {
 		err = m.conn.Close()
+		if errors.Is(err, net.ErrClosed) {
+			err = nil // the reader dropped it for a violation
+		}
 		<-m.readDone // a closed socket ends the read at once
+		close(m.closed)
 	})
 	return err
 }

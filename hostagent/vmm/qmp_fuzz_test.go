@@ -51,7 +51,7 @@ func FuzzQMPReplies(f *testing.F) {
 	}
 	f.Fuzz(func(t *testing.T, data []byte) {
 		a, b := unixPair(t)
-		m := newMonitor(a)
+		m := newMonitor(a, nil)
 		defer m.Close()
 		go func() {
 			_, _ = b.Write(data)

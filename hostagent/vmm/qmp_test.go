@@ -2,17 +2,22 @@ package vmm
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"net"
 	"os"
 	"path/filepath"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"vmflow/hostagent/proc"
 )
 
 // The fake QMP server is used only for protocol cases real QEMU cannot be
@@ -227,4 +232,144 @@ func TestQMPGarbageIsProtocolError(t *testing.T) {
 	_, err := DialQMP(ctxT(t, 5*time.Second), path)
 	require.ErrorIs(t, err, ErrQMPProtocol)
 	<-done
+}
+
+// A QEMU a guest took over may send a message of any length: one longer
+// than maxQMPMessage is a violation, never read whole. The monitor drops
+// the connection and says why; a call waiting on it ends.
+func TestQMPOversizedMessageDropsTheConnection(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		send func(f *fakeConn)
+	}{
+		{"event", func(f *fakeConn) {
+			f.send(`{"event": "X", "data": {"pad": "` + strings.Repeat("a", maxQMPMessage) + `"}}`)
+		}},
+		{"reply", func(f *fakeConn) {
+			_, id := f.read()
+			f.reply(id, `"`+strings.Repeat("a", maxQMPMessage)+`"`)
+		}},
+		{"no newline", func(f *fakeConn) {
+			_, _ = f.c.Write(bytes.Repeat([]byte(" "), 4*maxQMPMessage))
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			peerSaw := make(chan error, 1)
+			path, done := fakeQMP(t, func(f *fakeConn) {
+				f.send(greeting)
+				_, id := f.read()
+				f.reply(id, `{}`)
+				tc.send(f)
+				// The client hangs up: the fake's reads end (EOF, or
+				// ECONNRESET when the client left bytes unread).
+				for {
+					if _, err := f.r.ReadBytes('\n'); err != nil {
+						peerSaw <- err
+						return
+					}
+				}
+			})
+			violations := make(chan error, 2)
+			m, err := dialQMP(ctxT(t, 5*time.Second), path, func(err error) { violations <- err })
+			require.NoError(t, err)
+			defer m.Close()
+			_, err = m.Status(ctxT(t, 5*time.Second))
+			require.ErrorIs(t, err, ErrMonitorClosed)
+			assert.ErrorIs(t, err, ErrQMPProtocol)
+			<-m.Done()
+			assert.ErrorIs(t, m.Violation(), ErrQMPProtocol)
+			select {
+			case v := <-violations:
+				assert.ErrorIs(t, v, ErrQMPProtocol)
+			default:
+				t.Fatal("onViolation was not called")
+			}
+			assert.Error(t, <-peerSaw, "the monitor dropped the connection")
+			<-done
+			assert.Empty(t, violations, "onViolation is called once")
+		})
+	}
+}
+
+// An orderly end of the connection (QEMU's EOF after quit) is no violation.
+func TestQMPEOFIsNoViolation(t *testing.T) {
+	path, done := fakeQMP(t, func(f *fakeConn) {
+		f.send(greeting)
+		_, id := f.read()
+		f.reply(id, `{}`)
+	})
+	m, err := dialQMP(ctxT(t, 5*time.Second), path, func(error) { t.Error("onViolation called on EOF") })
+	require.NoError(t, err)
+	defer m.Close()
+	<-done
+	<-m.Done()
+	assert.NoError(t, m.Violation())
+}
+
+// Events are kept as bytes and decoded when read: the data of the latest
+// eventBuffer events survives, whole, in order.
+func TestQMPEventsDecodedWhenRead(t *testing.T) {
+	const n = eventBuffer + 3
+	path, done := fakeQMP(t, func(f *fakeConn) {
+		f.send(greeting)
+		_, id := f.read()
+		f.reply(id, `{}`)
+		_, id = f.read()
+		for i := range n {
+			f.send(`{"event": "E", "data": {"i": ` + strconv.Itoa(i) + `}, "timestamp": {"seconds": 5, "microseconds": 6}}`)
+		}
+		f.reply(id, `{"status": "running", "running": true}`)
+		_, _ = f.r.ReadByte()
+	})
+	m, err := DialQMP(ctxT(t, 5*time.Second), path)
+	require.NoError(t, err)
+	defer m.Close()
+	_, err = m.Status(ctxT(t, 5*time.Second))
+	require.NoError(t, err)
+	assert.Equal(t, uint64(n-eventBuffer), m.DroppedEvents())
+	for i := n - eventBuffer; i < n; i++ {
+		select {
+		case ev := <-m.Events():
+			assert.Equal(t, "E", ev.Event)
+			assert.Equal(t, map[string]any{"i": float64(i)}, ev.Data)
+			assert.Equal(t, int64(5), ev.Timestamp.Seconds)
+		case <-time.After(5 * time.Second):
+			t.Fatalf("event %d never came", i)
+		}
+	}
+	m.Close()
+	<-done
+}
+
+// A VM hands its monitors' violations to whoever supervises it (who marks
+// it needing attention); its next Monitor call dials afresh.
+func TestVMReportsQMPViolation(t *testing.T) {
+	path, done := fakeQMP(t, func(f *fakeConn) {
+		f.send(greeting)
+		_, id := f.read()
+		f.reply(id, `{}`)
+		f.send(`{"event": "` + strings.Repeat("X", 2*maxQMPMessage) + `"}`)
+		_, _ = f.r.ReadBytes('\n')
+	})
+	self, err := proc.ReadIdentity(os.Getpid()) // a live process stands in for QEMU
+	require.NoError(t, err)
+	vm, err := Attach(self, Paths{QMPSocket: path})
+	require.NoError(t, err)
+	m, err := vm.Monitor(ctxT(t, 5*time.Second))
+	require.NoError(t, err)
+	select {
+	case err := <-vm.QMPViolation():
+		assert.ErrorIs(t, err, ErrQMPProtocol)
+	case <-time.After(10 * time.Second):
+		t.Fatal("no violation reported")
+	}
+	<-m.Done()
+	<-done
+	select {
+	case <-vm.Closed():
+		t.Fatal("closed before Close")
+	default:
+	}
+	require.NoError(t, vm.Close())
+	<-vm.Closed()
 }

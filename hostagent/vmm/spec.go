@@ -298,11 +298,6 @@ func diskArgs(d *Disk, m Machine, fds *FDTable) []string {
 // comma separates options and ",," is a literal comma.
 func optValue(v string) string { return strings.ReplaceAll(v, ",", ",,") }
 
-// legacyQMPArg is the value of -qmp agents before the QMP fd gave QEMU
-// for a socket path: FindUnrecorded looks for exactly this string to adopt
-// a QEMU such an agent started and did not record.
-func legacyQMPArg(socket string) string { return "unix:" + optValue(socket) + ",server=on,wait=off" }
-
 // Argv returns QEMU's arguments (without argv[0]) for spec with the given
 // paths, numbering the spec's files from a table of its own: BuildArgv with
 // a fresh FDTable. It is pure: it validates, builds and returns; it touches

@@ -319,7 +319,7 @@ func (s *ladder) hook(step StopStep) error {
 	if err := s.cfg.OnStep(step); err != nil {
 		return fmt.Errorf("stop %v: OnStep(%s): %w: %w", s.cfg.Identity, step, ErrHook, err)
 	}
-	crashpoint.Hit(crashpoint.StopStep(string(step)))
+	crashpoint.HitStop(string(step))
 	return nil
 }
 

@@ -2,9 +2,12 @@
 // tests can prove that every persisted step survives a kill -9 (ARCHITECTURE
 // invariant 8).
 //
-// The hooks are compiled in always: a Hit costs one load and one compare of
-// a string when nothing is armed. The environment variable VMFLOW_CRASHPOINT
-// arms one point, read once when the process starts:
+// The hooks are compiled in only under the build tag vmflow_crashpoints,
+// which the test harness (internal/stacktest) builds the binaries with;
+// without it (make build, production) Hit is an empty function the compiler
+// removes, and the binary holds neither the switch nor its variable. In a
+// tagged build the environment variable VMFLOW_CRASHPOINT arms one point,
+// read once when the process starts:
 //
 //	VMFLOW_CRASHPOINT=vmm.launch.forked      die at the first hit
 //	VMFLOW_CRASHPOINT=store.write.renamed@3  die at the third hit
@@ -20,17 +23,15 @@ package crashpoint
 
 import (
 	"fmt"
-	"os"
 	"strconv"
 	"strings"
-	"sync/atomic"
-	"time"
-
-	"golang.org/x/sys/unix"
 )
 
 // EnvVar names the point to arm: "name" or "name@N" (the N-th hit, from 1).
 const EnvVar = "VMFLOW_CRASHPOINT"
+
+// BuildTag is the build tag that compiles the points in.
+const BuildTag = "vmflow_crashpoints"
 
 // The points, in the order a spawn-with-vGPU then a delete reaches them.
 // Each one is placed right after a step is persisted (or right before a
@@ -136,31 +137,6 @@ var All = []string{
 // ("powerdown_sent", "quit_sent", "kill_sent", "gone").
 func StopStep(step string) string { return "vmm.stop." + step }
 
-// armed is the point named by EnvVar ("" when none), at hit number at.
-var (
-	armed string
-	at    int64 = 1
-	hits  atomic.Int64
-)
-
-func init() { arm(os.Getenv(EnvVar)) }
-
-// arm parses spec ("name" or "name@N"); a malformed one is reported on
-// stderr and arms nothing, so a typo shows instead of passing silently.
-func arm(spec string) {
-	armed, at = "", 1
-	hits.Store(0)
-	if spec == "" {
-		return
-	}
-	name, n, err := Parse(spec)
-	if err != nil {
-		fmt.Fprintf(os.Stderr, "crashpoint: %s: %v; nothing armed\n", EnvVar, err)
-		return
-	}
-	armed, at = name, n
-}
-
 // Parse splits an EnvVar value into the point's name and the hit number.
 // The name must be one of All.
 func Parse(spec string) (name string, n int64, err error) {
@@ -185,24 +161,4 @@ func Known(name string) bool {
 		}
 	}
 	return false
-}
-
-// Hit kills the process with SIGKILL if name is the armed point and this
-// is its armed hit; otherwise it returns at once.
-func Hit(name string) {
-	if armed == "" || name != armed {
-		return
-	}
-	if hits.Add(1) != at {
-		return
-	}
-	// One write, unbuffered: the test reads it from the log to know the
-	// point was reached.
-	_, _ = os.Stderr.WriteString("crashpoint " + name + ": SIGKILL\n")
-	_ = unix.Kill(os.Getpid(), unix.SIGKILL)
-	// SIGKILL to oneself is delivered before kill(2) returns to user space
-	// on Linux, but never let this goroutine go on if it were not.
-	for {
-		time.Sleep(time.Hour)
-	}
 }

@@ -13,6 +13,7 @@ import (
 
 	"vmflow/hostagent/proc/proctest"
 	"vmflow/hostagent/store"
+	"vmflow/internal/crashpoint"
 )
 
 // ModuleRoot walks up from the working directory (go test runs in the
@@ -36,9 +37,10 @@ func ModuleRoot() (string, error) {
 
 // BuildBinaries builds vmflow-worker and vmflow-hostagent from this
 // checkout into dir (so tests never run stale bin/ files) and returns their
-// paths.
+// paths. They are built with the crash points compiled in
+// (crashpoint.BuildTag), which production builds never have.
 func BuildBinaries(ctx context.Context, dir string) (worker, agent string, err error) {
-	if err := goBuild(ctx, "-o", dir+"/", "./worker", "./hostagent"); err != nil {
+	if err := GoBuild(ctx, "-tags", crashpoint.BuildTag, "-o", dir+"/", "./worker", "./hostagent"); err != nil {
 		return "", "", err
 	}
 	return filepath.Join(dir, "worker"), filepath.Join(dir, "hostagent"), nil
@@ -65,11 +67,11 @@ func Build(ctx context.Context, out, pkg string, stamp *Stamp) error {
 		}
 		args = append(args, "-ldflags", strings.TrimSpace(string(b)))
 	}
-	return goBuild(ctx, append(args, pkg)...)
+	return GoBuild(ctx, append(args, pkg)...)
 }
 
-// goBuild runs go build with args in the module root.
-func goBuild(ctx context.Context, args ...string) error {
+// GoBuild runs go build with args in the module root.
+func GoBuild(ctx context.Context, args ...string) error {
 	root, err := ModuleRoot()
 	if err != nil {
 		return err

@@ -8,6 +8,8 @@ import (
 	"go.temporal.io/sdk/log"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
+
+	"vmflow/internal/safetext"
 )
 
 // Log keys vmflow uses everywhere, in its own logs and in the SDK's (the
@@ -168,16 +170,23 @@ func newLogger(level string, outputs ...string) (*zap.Logger, error) {
 	if err != nil {
 		return nil, fmt.Errorf("--log-level: %w", err)
 	}
-	zc := zap.NewProductionConfig()
-	zc.Level = zap.NewAtomicLevelAt(lvl)
-	zc.EncoderConfig.TimeKey = "ts"
-	zc.EncoderConfig.EncodeTime = zapcore.ISO8601TimeEncoder
-	// No sampling: the production config keeps 100 identical lines a
-	// second and then every 100th, and the lines that repeat are exactly
-	// an incident's ("release failed" for every instance of a wedged
-	// GPU). vmflow's volume is bounded by its work, so every line stays.
-	zc.Sampling = nil
-	zc.OutputPaths = outputs
-	zc.ErrorOutputPaths = []string{"stderr"}
-	return zc.Build()
+	ec := zap.NewProductionEncoderConfig()
+	ec.TimeKey = "ts"
+	ec.EncodeTime = zapcore.ISO8601TimeEncoder
+	sink, _, err := zap.Open(outputs...)
+	if err != nil {
+		return nil, fmt.Errorf("open log output: %w", err)
+	}
+	errSink, _, err := zap.Open("stderr")
+	if err != nil {
+		return nil, fmt.Errorf("open log error output: %w", err)
+	}
+	// zap's JSON encoder with C1 and bidirectional controls escaped too:
+	// the agent logs workflow ids, QEMU's stderr and guest bytes, and its
+	// log is read on terminals. No sampling (zap's production config keeps
+	// 100 identical lines a second and then every 100th): the lines that
+	// repeat are exactly an incident's ("release failed" for every instance
+	// of a wedged GPU), and vmflow's volume is bounded by its work.
+	core := zapcore.NewCore(safetext.JSONEncoder(ec), sink, zap.NewAtomicLevelAt(lvl))
+	return zap.New(core, zap.ErrorOutput(errSink), zap.AddCaller(), zap.AddStacktrace(zapcore.ErrorLevel)), nil
 }

@@ -2,6 +2,7 @@ package tclient
 
 import (
 	"errors"
+	"os"
 	"path/filepath"
 	"testing"
 
@@ -103,4 +104,20 @@ func TestNewLogger(t *testing.T) {
 	assert.True(t, l.Core().Enabled(zap.WarnLevel))
 	_, err = NewLogger("loud")
 	assert.Error(t, err)
+}
+
+// A workflow id, QEMU's stderr or a guest's bytes logged by the agent reach
+// whoever tails the log on a terminal: no control character survives.
+func TestNewLoggerEscapesControls(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "log")
+	l, err := newLogger("info", path)
+	require.NoError(t, err)
+	l.Info("spawn", zap.String("workflow_id", "spawn/x\x1b]0;owned\a\u009b2J\u202e"))
+	require.NoError(t, l.Sync())
+	b, err := os.ReadFile(path)
+	require.NoError(t, err)
+	for _, c := range []string{"\x1b", "\a", "\u009b", "\u202e"} {
+		assert.NotContains(t, string(b), c)
+	}
+	assert.Contains(t, string(b), `spawn/x\u001b]0;owned\u0007\u009b2J\u202e`)
 }

@@ -1,4 +1,4 @@
-package cli
+package main
 
 import (
 	"bytes"
@@ -15,22 +15,23 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"vmflow/hostagent/cli"
 	"vmflow/hostagent/vgpu/vgpusim"
 	"vmflow/hostagent/vgpu/vgpusim/simtest"
 )
 
 func TestVGPUSimUsage(t *testing.T) {
 	var out bytes.Buffer
-	assert.Equal(t, ExitUsage, VGPUSim(context.Background(), nil, IO{Stdout: &out, Stderr: &out}))
-	assert.Contains(t, out.String(), "usage: vmflow-hostagent vgpu-sim")
-	assert.Equal(t, ExitUsage, VGPUSim(context.Background(), []string{"--bogus"}, IO{Stdout: &out, Stderr: &out}))
-	assert.Equal(t, ExitOK, VGPUSim(context.Background(), []string{"-h"}, IO{Stdout: &out, Stderr: &out}))
+	assert.Equal(t, cli.ExitUsage, run(context.Background(), nil, cli.IO{Stdout: &out, Stderr: &out}))
+	assert.Contains(t, out.String(), "usage: vmflow-vgpusim")
+	assert.Equal(t, cli.ExitUsage, run(context.Background(), []string{"--bogus"}, cli.IO{Stdout: &out, Stderr: &out}))
+	assert.Equal(t, cli.ExitOK, run(context.Background(), []string{"-h"}, cli.IO{Stdout: &out, Stderr: &out}))
 }
 
 func TestVGPUSimMountError(t *testing.T) {
 	var out bytes.Buffer
-	code := VGPUSim(context.Background(), []string{"--mount", filepath.Join(t.TempDir(), "missing"), "--mdev-parents", "1"}, IO{Stdout: &out, Stderr: &out})
-	assert.Equal(t, ExitError, code, out.String())
+	code := run(context.Background(), []string{"--mount", filepath.Join(t.TempDir(), "missing"), "--mdev-parents", "1"}, cli.IO{Stdout: &out, Stderr: &out})
+	assert.Equal(t, cli.ExitError, code, out.String())
 }
 
 // The command serves until its context ends (SIGINT/SIGTERM in main), a
@@ -49,14 +50,14 @@ func TestVGPUSimServesUntilCancelled(t *testing.T) {
 	exited := make(chan struct{})
 	go func() {
 		defer close(exited)
-		done <- VGPUSim(ctx, []string{"--mount", mnt, "--control", ctl, "--mdev-parents", "1", "--vendor-vfs", "1"}, IO{Stdout: &out, Stderr: &out})
+		done <- run(ctx, []string{"--mount", mnt, "--control", ctl, "--mdev-parents", "1", "--vendor-vfs", "1"}, cli.IO{Stdout: &out, Stderr: &out})
 	}()
 	t.Cleanup(func() {
 		cancel()
 		select {
 		case <-exited: // unmounted, also when the test failed early
 		case <-time.After(10 * time.Second):
-			t.Error("vgpu-sim still running at cleanup")
+			t.Error("vmflow-vgpusim still running at cleanup")
 		}
 	})
 	create := filepath.Join(mnt, "class/mdev_bus", vgpusim.MdevParent(0), "mdev_supported_types/nvidia-471/create")
@@ -70,9 +71,9 @@ func TestVGPUSimServesUntilCancelled(t *testing.T) {
 	cancel()
 	select {
 	case code := <-done:
-		assert.Equal(t, ExitOK, code, out.String())
+		assert.Equal(t, cli.ExitOK, code, out.String())
 	case <-time.After(10 * time.Second):
-		t.Fatal("vgpu-sim did not return after cancel")
+		t.Fatal("vmflow-vgpusim did not return after cancel")
 	}
 	mounts, err := os.ReadFile("/proc/self/mountinfo")
 	require.NoError(t, err)

@@ -1,4 +1,4 @@
-package cli
+package main
 
 import (
 	"context"
@@ -6,10 +6,11 @@ import (
 	"flag"
 	"fmt"
 
+	"vmflow/hostagent/cli"
 	"vmflow/hostagent/vgpu/vgpusim"
 )
 
-const vgpuSimHelp = `usage: vmflow-hostagent vgpu-sim --mount DIR [--control CTL] [--mdev-parents N] [--vendor-vfs N]
+const vgpuSimHelp = `usage: vmflow-vgpusim --mount DIR [--control CTL] [--mdev-parents N] [--vendor-vfs N]
 
 Mounts a FUSE file system at DIR that answers like the kernel's vGPU sysfs
 files (mdev and NVIDIA vendor VFIO), for tests and development; point the
@@ -29,9 +30,9 @@ Drive it from a shell:
 exit status: 0 after a clean unmount, 1 on a mount or unmount error, 2 usage
 `
 
-// VGPUSim implements "vmflow-hostagent vgpu-sim".
-func VGPUSim(ctx context.Context, args []string, out IO) int {
-	fs := flag.NewFlagSet("vgpu-sim", flag.ContinueOnError)
+// run is the command: mount, serve until ctx ends, unmount.
+func run(ctx context.Context, args []string, out cli.IO) int {
+	fs := flag.NewFlagSet("vmflow-vgpusim", flag.ContinueOnError)
 	fs.SetOutput(out.Stderr)
 	fs.Usage = func() { fmt.Fprint(out.Stderr, vgpuSimHelp) }
 	mount := fs.String("mount", "", "mount point (must exist)")
@@ -40,25 +41,25 @@ func VGPUSim(ctx context.Context, args []string, out IO) int {
 	vfs := fs.Int("vendor-vfs", 4, "number of NVIDIA vendor-VFIO virtual functions")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
-			return ExitOK
+			return cli.ExitOK
 		}
-		return ExitUsage
+		return cli.ExitUsage
 	}
 	if *mount == "" || fs.NArg() != 0 {
 		fs.Usage()
-		return ExitUsage
+		return cli.ExitUsage
 	}
 	srv, err := vgpusim.Mount(*mount, vgpusim.Options{MdevParents: *parents, VendorVFs: *vfs, Control: *ctl})
 	if err != nil {
-		fmt.Fprintf(out.Stderr, "vgpu-sim: %v\n", err)
-		return ExitError
+		fmt.Fprintf(out.Stderr, "vmflow-vgpusim: %v\n", err)
+		return cli.ExitError
 	}
-	fmt.Fprintf(out.Stderr, "vgpu-sim: mounted at %s (mdev parents %d, vendor VFs %d, control %q)\n", *mount, *parents, *vfs, *ctl)
+	fmt.Fprintf(out.Stderr, "vmflow-vgpusim: mounted at %s (mdev parents %d, vendor VFs %d, control %q)\n", *mount, *parents, *vfs, *ctl)
 	<-ctx.Done()
 	if err := srv.Unmount(); err != nil {
-		fmt.Fprintf(out.Stderr, "vgpu-sim: %v\n", err)
-		return ExitError
+		fmt.Fprintf(out.Stderr, "vmflow-vgpusim: %v\n", err)
+		return cli.ExitError
 	}
-	fmt.Fprintf(out.Stderr, "vgpu-sim: unmounted %s\n", *mount)
-	return ExitOK
+	fmt.Fprintf(out.Stderr, "vmflow-vgpusim: unmounted %s\n", *mount)
+	return cli.ExitOK
 }

@@ -1,0 +1,52 @@
+package supervise
+
+import (
+	"context"
+	"fmt"
+
+	"go.uber.org/zap"
+
+	"vmflow/hostagent/vmm"
+	vmflowv1 "vmflow/proto/vmflow/v1"
+)
+
+// watchQMP marks vm's instance needing attention when one of its QMP
+// connections broke the protocol (the monitor dropped it): a QEMU that sends
+// what QEMU never sends (a message past the bound, a line that is not QMP)
+// may be in a guest's hands. It returns when vm is closed or the supervisor
+// closes.
+func (s *Supervisor) watchQMP(in *instance, vm *vmm.VM) {
+	select {
+	case err := <-vm.QMPViolation():
+		s.markQMPViolation(in, vm, err)
+	case <-vm.Closed():
+	case <-s.ctx.Done():
+	}
+}
+
+func (s *Supervisor) markQMPViolation(in *instance, vm *vmm.VM, cause error) {
+	log := in.log.With(zap.Int("pid", vm.Identity().PID))
+	log.Error("qmp protocol violation: connection dropped; the VM needs attention", zap.Error(cause))
+	if err := in.acquire(s.ctx); err != nil {
+		return // closing
+	}
+	defer in.release()
+	if !in.isCurrent(vm) {
+		return // stopped or replaced meanwhile: nothing of this QEMU is left to look at
+	}
+	ctx, cancel := context.WithTimeout(s.ctx, s.cfg.LockTimeout)
+	defer cancel()
+	l, err := s.st.Lock(ctx, in.id)
+	if err != nil {
+		log.Error("qmp protocol violation: cannot lock the instance to record it", zap.Error(err))
+		return
+	}
+	defer unlock(l, log)
+	if _, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
+		r.NeedsAttention = fmt.Sprintf("QMP protocol violation by QEMU %v, connection dropped (a guest may control it): %s", vm.Identity(), cause.Error())
+		r.NeedsAttentionAt = s.ts()
+		return nil
+	}); err != nil {
+		log.Error("qmp protocol violation: cannot record it", zap.Error(err))
+	}
+}
