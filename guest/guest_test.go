@@ -153,13 +153,18 @@ func tail(s string, n int) string {
 // sawGuestShutdown reads the events mon holds for a SHUTDOWN that the guest
 // caused.
 func sawGuestShutdown(mon *vmm.Monitor) bool {
+	// The monitor keeps events as bytes and decodes them into Events from
+	// a goroutine of its own once Events is first read: what it kept
+	// arrives shortly, not at once, so the wait has a deadline, not a
+	// default case.
+	deadline := time.After(5 * time.Second)
 	for {
 		select {
 		case ev := <-mon.Events():
 			if ev.Event == "SHUTDOWN" && ev.Data["guest"] == true {
 				return true
 			}
-		default:
+		case <-deadline:
 			return false
 		}
 	}
