@@ -94,12 +94,15 @@ stop() {
 	unset "PID_OF[$name]"
 }
 
-# vm_pids: QEMUs of this dev's state dirs (their QMP socket lives in one).
+# vm_pids: QEMUs of this dev's hosts: processes whose real uid lies in one
+# of their agents' --qemu-uid-range (QEMU's argv names no path to find it
+# by: its QMP socket is a descriptor).
 vm_pids() {
-	local d pid
+	local d pid uid last=$((DEV_UID_FIRST + HOSTS * DEV_UIDS_PER_HOST - 1))
 	for d in /proc/[0-9]*; do
 		pid=${d#/proc/}
-		if tr '\0' ' ' 2>/dev/null <"$d/cmdline" | grep -qE -- "$DEV/(state|hosts/[0-9]+/state)/instances/"; then
+		uid=$(awk '$1 == "Uid:" { print $2; exit }' "$d/status" 2>/dev/null) || continue
+		if [ -n "$uid" ] && ((uid >= DEV_UID_FIRST && uid <= last)); then
 			gone "$pid" || echo "$pid"
 		fi
 	done
@@ -127,6 +130,10 @@ stop_vms() {
 # HOSTS=N: host 1 keeps the single-host layout (and records); host i >= 2
 # lives in .dev/hosts/i. The arrays are indexed by host number.
 HOSTS=${HOSTS:-1}
+# QEMU uids: DEV_UIDS_PER_HOST per host from the default range's first
+# (outside what useradd hands out).
+DEV_UID_FIRST=1900000000
+DEV_UIDS_PER_HOST=4096
 if ! [[ $HOSTS =~ ^[1-9][0-9]*$ ]] || ((HOSTS > 16)); then
 	echo "HOSTS=$HOSTS: give a number of hosts from 1 to 16" >&2
 	exit 1
@@ -241,12 +248,11 @@ if [[ $init_err == *"Permission denied"* ]]; then
 fi
 for ((i = 1; i <= HOSTS; i++)); do
 	# Every QEMU runs as a uid of its own from its agent's range; agents on
-	# one machine need disjoint ranges: 4096 uids per host from the default
-	# range's first (1900000000, outside what useradd hands out).
-	uid_first=$((1900000000 + (i - 1) * 4096))
+	# one machine need disjoint ranges.
+	uid_first=$((DEV_UID_FIRST + (i - 1) * DEV_UIDS_PER_HOST))
 	start "${H_AGENT[i]}" "$BIN/vmflow-hostagent" run --host-id "${H_ID[i]}" --state-dir "${H_STATE[i]}" \
 		--sysfs-root "${H_SYS[i]}" --dev-root "${H_DEV[i]}" \
-		--qemu-uid-range "$uid_first-$((uid_first + 4095))" "${agent_args[@]}"
+		--qemu-uid-range "$uid_first-$((uid_first + DEV_UIDS_PER_HOST - 1))" "${agent_args[@]}"
 done
 
 has_pollers() {
