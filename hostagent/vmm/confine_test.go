@@ -133,14 +133,7 @@ func TestLaunchConfined(t *testing.T) {
 		require.NoError(t, err)
 		assert.Equal(t, uint32(0), info.Sys().(*syscall.Stat_t).Uid, "%s is root's", e.Name())
 	}
-	s, err := vm.Status(ctxT(t, 5*time.Second))
-	require.NoError(t, err)
-	assert.True(t, s.Running)
-
-	res, err := vm.Stop(ctxT(t, 30*time.Second), StopConfig{GracefulTimeout: time.Millisecond})
-	require.NoError(t, err)
-	assert.Equal(t, StepGone, res.Reached)
-	assertGone(t, vm.Identity())
+	assertRunsThenStops(t, vm)
 }
 
 // Root is never QEMU's uid: a launch without a uid of its own starts

@@ -97,13 +97,7 @@ func TestJailedQEMU(t *testing.T) {
 	assert.True(t, os.SameFile(bin, host), "the binary is bound, not copied")
 	assert.Error(t, os.WriteFile(filepath.Join(root, "usr/x"), nil, 0o644), "the root is read-only")
 
-	s, err := vm.Status(ctxT(t, 5*time.Second))
-	require.NoError(t, err)
-	assert.True(t, s.Running)
-	res, err := vm.Stop(ctxT(t, 30*time.Second), StopConfig{GracefulTimeout: time.Millisecond})
-	require.NoError(t, err)
-	assert.Equal(t, StepGone, res.Reached)
-	assertGone(t, vm.Identity())
+	assertRunsThenStops(t, vm)
 }
 
 // The real guest (TCG) boots to its init inside the jail, from a kernel and

@@ -58,6 +58,19 @@ func testLaunchConfig(tb testing.TB, name string) LaunchConfig {
 	}
 }
 
+// assertRunsThenStops: vm answers QMP as running, and the stop ladder
+// takes its whole group to gone.
+func assertRunsThenStops(t *testing.T, vm *VM) {
+	t.Helper()
+	s, err := vm.Status(ctxT(t, 5*time.Second))
+	require.NoError(t, err)
+	assert.True(t, s.Running)
+	res, err := vm.Stop(ctxT(t, 30*time.Second), StopConfig{GracefulTimeout: time.Millisecond})
+	require.NoError(t, err)
+	assert.Equal(t, StepGone, res.Reached)
+	assertGone(t, vm.Identity())
+}
+
 // killOnCleanup makes sure a failing test leaves no QEMU behind.
 func killOnCleanup(tb testing.TB, vm *VM) {
 	tb.Cleanup(func() {
