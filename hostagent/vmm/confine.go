@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"syscall"
+	"vmflow/internal/errdefs"
 
 	"golang.org/x/sys/unix"
 )
@@ -53,12 +54,12 @@ func qemuEnv() []string { return []string{"PATH=" + qemuPath, "LC_ALL=C"} }
 
 // ErrNoQEMUUID: a launch without a uid of its own. Unconfined QEMU is not a
 // mode: root (uid 0) is refused too.
-var ErrNoQEMUUID = errors.New("qemu needs a uid of its own (not 0)")
+var ErrNoQEMUUID = errdefs.Misconfigured.New("qemu needs a uid of its own (not 0)")
 
 // ErrKVMAccess: /dev/kvm cannot be opened through its group, so a KVM
 // launch, exec'd unprivileged with that group as its only supplementary
 // group, would fail. Returned as a *KVMAccessError naming the mode.
-var ErrKVMAccess = errors.New("/dev/kvm cannot be opened through its group")
+var ErrKVMAccess = errdefs.Misconfigured.New("/dev/kvm cannot be opened through its group")
 
 // KVMAccessError says why /dev/kvm is unusable for a confined QEMU. It
 // matches ErrKVMAccess with errors.Is.
@@ -77,8 +78,8 @@ func (e *KVMAccessError) Error() string {
 		ErrKVMAccess, e.Path, uint32(e.Mode.Perm()), e.GID)
 }
 
-// Is makes errors.Is(err, ErrKVMAccess) true.
-func (e *KVMAccessError) Is(target error) bool { return target == ErrKVMAccess }
+// Is makes errors.Is(err, ErrKVMAccess), and so its class, true.
+func (e *KVMAccessError) Is(target error) bool { return errors.Is(ErrKVMAccess, target) }
 
 // Unwrap returns the stat error, if any.
 func (e *KVMAccessError) Unwrap() error { return e.Err }

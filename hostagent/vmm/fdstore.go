@@ -1,12 +1,12 @@
 package vmm
 
 import (
-	"errors"
 	"fmt"
 	"os"
 	"strconv"
 	"strings"
 	"sync"
+	"vmflow/internal/errdefs"
 
 	"golang.org/x/sys/unix"
 )
@@ -134,7 +134,7 @@ func (s *SystemdFDStore) Take(name string) *os.File {
 }
 
 // ErrFDName: a name systemd's store would refuse.
-var ErrFDName = errors.New("invalid fd store name")
+var ErrFDName = errdefs.Internal.New("invalid fd store name")
 
 // notify sends state to the notify socket, with fd in SCM_RIGHTS unless -1.
 func (s *SystemdFDStore) notify(state string, fd int) error {

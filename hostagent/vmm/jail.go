@@ -14,6 +14,7 @@ import (
 	"strings"
 	"sync"
 	"syscall"
+	"vmflow/internal/errdefs"
 
 	"golang.org/x/sys/unix"
 )
@@ -142,7 +143,7 @@ func jailFiles(bin string) ([]string, [][2]string, error) {
 			}
 			if found == "" {
 				if required {
-					return fmt.Errorf("jail: %s needs %s, found in none of %v", real, lib, libDirs)
+					return errdefs.Misconfigured.Errorf("jail: %s needs %s, found in none of %v", real, lib, libDirs)
 				}
 				continue
 			}

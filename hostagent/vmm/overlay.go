@@ -13,6 +13,7 @@ import (
 	"syscall"
 	"time"
 
+	"vmflow/internal/errdefs"
 	"vmflow/internal/fsx"
 )
 
@@ -25,7 +26,7 @@ const DefaultQEMUImg = "qemu-img"
 const overlayCreateTimeout = 30 * time.Second
 
 // ErrOverlay: the instance's overlay could not be opened or created.
-var ErrOverlay = errors.New("disk overlay")
+var ErrOverlay = errdefs.Context("disk overlay")
 
 // OverlayConfig says where an instance's overlay lives and what it lies over.
 type OverlayConfig struct {

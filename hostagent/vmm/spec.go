@@ -8,6 +8,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"vmflow/internal/errdefs"
 
 	"github.com/google/uuid"
 )
@@ -128,7 +129,7 @@ type Paths struct {
 }
 
 // ErrInvalidSpec is wrapped by every error Validate and Argv return.
-var ErrInvalidSpec = errors.New("invalid VM spec")
+var ErrInvalidSpec = errdefs.InvalidInput.New("invalid VM spec")
 
 var (
 	nameRe = regexp.MustCompile(`^[a-z0-9][a-z0-9._-]{0,62}$`)

@@ -77,8 +77,9 @@ var (
 	// InvalidInput: the request, or a value in it, is malformed or out of
 	// bounds.
 	InvalidInput = &Class{"invalid input", false}
-	// Refused: the host's policy refuses what was asked (admission, or no
-	// room to create anything on the state file system).
+	// Refused: this host refuses what was asked, with nothing created: its
+	// admission policy, a full state file system, an id its state dir
+	// leaves no room for in a socket path.
 	Refused = &Class{"refused by the host", false}
 	// Conflict: what exists differs from what was asked (another spec,
 	// another vGPU profile for the same instance).
