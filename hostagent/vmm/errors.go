@@ -27,7 +27,8 @@ var (
 	ErrStillAlive = errdefs.StillAlive.New("vm process still alive")
 	// ErrInvalidIdentity: the identity to act on is incomplete.
 	ErrInvalidIdentity = errdefs.IdentityIncomplete.New("incomplete process identity")
-	// ErrHook: a caller hook (OnStarted, OnStep) failed.
+	// ErrHook: a caller hook (OnStarted, OnStep) failed. A Context: the
+	// hook's own error, wrapped beside it, gives the class.
 	ErrHook = errdefs.Context("hook failed")
 	// ErrNoLaunchIdentity: FindUnrecorded was asked about a record with
 	// neither a QEMU uid nor a launch nonce of its own (written by an agent
