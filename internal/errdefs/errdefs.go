@@ -8,9 +8,10 @@
 //
 // An error of no class is one from outside the host's code (a syscall, file
 // I/O, the kernel's sysfs): the edge makes it the generic retryable
-// HostError. Every sentinel under hostagent/ has a class, a test fails on
-// one without; an error made ad hoc with fmt.Errorf wraps a sentinel or a
-// class wherever its class is known.
+// HostError, and only such errors get it. Every exported sentinel under
+// hostagent/ is declared in a class (TestEverySentinelClassified fails on
+// one that is not), and an error made ad hoc is made with its class's
+// Errorf wherever the class is known there.
 //
 // This package imports only the standard library: hostagent/ imports it
 // and never imports Temporal.
@@ -40,7 +41,8 @@ func (c *Class) New(text string) error { return &sentinel{text: text, class: c} 
 
 // Errorf is fmt.Errorf's error, of class c: for an error made where it
 // happens, with no sentinel of its own, whose class is known there. Its
-// text is fmt.Errorf's, and %w wraps as there.
+// text is fmt.Errorf's, and %w wraps as there; a class it wraps that comes
+// first in Classes still wins.
 func (c *Class) Errorf(format string, a ...any) error {
 	return &classed{err: fmt.Errorf(format, a...), class: c}
 }
