@@ -23,7 +23,7 @@ import (
 
 // sandboxOption is QEMU's -sandbox for every launch. elevateprivileges=deny
 // is why QEMU must be exec'd unprivileged: with -runas it kills QEMU with
-// SIGSYS (QEMU 7.2, measured; FACTS.md).
+// SIGSYS (measured with QEMU 7.2).
 const sandboxOption = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
 
 // sandboxArgs is the -sandbox option Argv always adds.
