@@ -14,7 +14,7 @@ import (
 
 	"vmflow/hostagent/cli"
 	"vmflow/hostagent/vgpu/vgpusim"
-	"vmflow/internal/devserver"
+	"vmflow/testsupport/devserver"
 	"vmflow/workflows"
 )
 

@@ -19,8 +19,8 @@ import (
 	"vmflow/hostagent/cli"
 	"vmflow/hostagent/spec"
 	"vmflow/hostagent/store"
-	"vmflow/internal/devserver"
 	vmflowv1 "vmflow/proto/vmflow/v1"
+	"vmflow/testsupport/devserver"
 )
 
 // notifySocket is what systemd hands a Type=notify service: a datagram

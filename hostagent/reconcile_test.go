@@ -16,9 +16,9 @@ import (
 
 	"vmflow/hostagent/cli"
 	"vmflow/hostagent/vgpu/claims"
-	"vmflow/internal/devserver"
 	"vmflow/platform"
 	vmflowv1 "vmflow/proto/vmflow/v1"
+	"vmflow/testsupport/devserver"
 	"vmflow/workflows"
 )
 

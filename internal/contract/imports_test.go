@@ -22,7 +22,7 @@ import (
 //
 // The hostagent packages are checked with their tests. The workflows
 // package is checked without them: its dev-server tests reach hostagent's
-// proc and store through internal/devserver, which is test tooling.
+// proc and store through testsupport/devserver, which is test tooling.
 func TestImportRules(t *testing.T) {
 	deps := goListDeps(t, true, "vmflow/hostagent/...")
 	var checked int
