@@ -9,6 +9,7 @@ import (
 	"os/signal"
 	"syscall"
 
+	"vmflow/daemon/agent"
 	"vmflow/hostagent/cli"
 	"vmflow/hostagent/vmm"
 	"vmflow/internal/service"
@@ -41,7 +42,7 @@ func main() {
 	var code int
 	switch os.Args[1] {
 	case "run":
-		code = runAgent(ctx, args)
+		code = agent.Main(ctx, args)
 	case "ls":
 		code = cli.Ls(args, io)
 	case "show":

@@ -1,4 +1,4 @@
-package main
+package agent
 
 import (
 	"context"
@@ -35,10 +35,10 @@ import (
 	"vmflow/workflows"
 )
 
-// runAgent wires "vmflow-hostagent run": supervision first (it never waits
+// Main wires "vmflow-hostagent run": supervision first (it never waits
 // for Temporal), then the Temporal worker for this host's queue and the
 // reconcile Schedule, connected in the background with retries.
-func runAgent(ctx context.Context, args []string) int {
+func Main(ctx context.Context, args []string) int {
 	// VMFLOW_CPUPROFILE=FILE writes a CPU profile of the run, until
 	// SIGTERM or SIGINT, for `go tool pprof` (make bench's profiling aid;
 	// off unless set). A kill -9 loses it.
