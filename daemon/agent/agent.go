@@ -56,7 +56,7 @@ func Main(ctx context.Context, args []string) int {
 			_ = f.Close()
 		}()
 	}
-	cfg, err := cli.ParseRun(args, os.Stderr)
+	cfg, err := ParseFlags(args, os.Stderr)
 	if errors.Is(err, flag.ErrHelp) {
 		return cli.ExitOK
 	}
@@ -88,7 +88,7 @@ const (
 
 // agent runs until ctx ends (SIGTERM), then stops gracefully: no new
 // activities, running ones get cfg.StopTimeout to finish, VMs keep running.
-func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
+func agent(ctx context.Context, cfg Config, log *zap.Logger) error {
 	// The metrics server and the watchdog outlive ctx: they serve until
 	// the graceful stop is over and agent returns.
 	life, endLife := context.WithCancel(context.Background())
@@ -394,7 +394,7 @@ func reportUnservedClaims(st *store.Store, am *metrics.Agent, log *zap.Logger) {
 
 // newClaims sets up the vGPU driver and claims, or returns nil when
 // --vgpu-driver=auto finds no vGPU sysfs on the host.
-func newClaims(cfg cli.RunConfig, st *store.Store, log *zap.Logger) (*claims.Claims, error) {
+func newClaims(cfg Config, st *store.Store, log *zap.Logger) (*claims.Claims, error) {
 	kind := vgpu.Kind("")
 	switch cfg.VGPUDriver {
 	case "mdev":
@@ -423,7 +423,7 @@ func newClaims(cfg cli.RunConfig, st *store.Store, log *zap.Logger) (*claims.Cla
 // deletes (its own retries allow about 20 minutes with the worker's
 // default flags: three 5-minute attempts, each after a pickup of up to a
 // minute, and the give-up on an unreachable host).
-func reconcileSchedule(cfg cli.RunConfig) client.ScheduleOptions {
+func reconcileSchedule(cfg Config) client.ScheduleOptions {
 	id := workflows.ReconcileScheduleID(cfg.HostID)
 	return client.ScheduleOptions{
 		ID:      id,
@@ -446,7 +446,7 @@ func reconcileSchedule(cfg cli.RunConfig) client.ScheduleOptions {
 // 13,000 billed actions a day) or with a 10-minute execution timeout. Its
 // state (an operator's pause and note) is kept; one that already matches
 // is left as it is (no update, no action).
-func ensureReconcileSchedule(ctx context.Context, c client.Client, cfg cli.RunConfig, log *zap.Logger) error {
+func ensureReconcileSchedule(ctx context.Context, c client.Client, cfg Config, log *zap.Logger) error {
 	want := reconcileSchedule(cfg)
 	cctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()

@@ -20,7 +20,6 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"vmflow/hostagent/cli"
 	"vmflow/hostagent/spec"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/supervise"
@@ -69,7 +68,7 @@ func TestAgentOutlivesBadRecordAndRefusedCredentials(t *testing.T) {
 	require.NoError(t, os.WriteFile(p.Record, []byte(`{"id": "torn", "sp`), 0o600))
 
 	core, logs := observer.New(zapcore.InfoLevel)
-	cfg := cli.RunConfig{
+	cfg := Config{
 		HostID: "h1", StateDir: dir, VGPUDriver: "none", Address: refusingTemporal(t), Namespace: "default",
 		TaskQueue: "vmflow", ReconcileEvery: time.Minute, GracefulTimeout: time.Second, GroupExitCap: time.Second,
 		LogLevel: "info",
@@ -155,7 +154,7 @@ func TestAgentRefusesInsecureTransportAndKeepsSupervising(t *testing.T) {
 	dir := t.TempDir()
 	core, logs := observer.New(zapcore.InfoLevel)
 	metricsAddr := freeAddr(t)
-	cfg := cli.RunConfig{
+	cfg := Config{
 		// TEST-NET-1: never routed; a dial would hang, not fail.
 		HostID: "h1", StateDir: dir, VGPUDriver: "none", Address: "192.0.2.1:7233", Namespace: "default",
 		TaskQueue: "vmflow", ReconcileEvery: time.Minute, GracefulTimeout: time.Second, GroupExitCap: time.Second,

@@ -16,7 +16,6 @@ import (
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
 
-	"vmflow/hostagent/cli"
 	"vmflow/hostagent/spec"
 	"vmflow/hostagent/store"
 	vmflowv1 "vmflow/proto/vmflow/v1"
@@ -126,7 +125,7 @@ func TestNotifyReadyAfterReattach(t *testing.T) {
 			conn := notifySocket(t)
 			metricsAddr := freeAddr(t)
 			core, logs := observer.New(zapcore.InfoLevel)
-			cfg := cli.RunConfig{
+			cfg := Config{
 				HostID: "h-notify", StateDir: dir, VGPUDriver: "none", Address: address, Namespace: namespace,
 				TaskQueue: "vmflow", ReconcileEvery: time.Hour, GracefulTimeout: time.Second, GroupExitCap: time.Second,
 				LogLevel: "info", MetricsAddr: metricsAddr, StopTimeout: time.Second,

@@ -1,4 +1,4 @@
-package cli
+package agent
 
 import (
 	"errors"
@@ -21,10 +21,8 @@ import (
 // triggers a round whenever it finds work.
 const DefaultReconcileEvery = 24 * time.Hour
 
-// RunConfig is the command line of "vmflow-hostagent run". The binary's
-// main turns it into a running agent; parsing lives here so it is tested
-// without Temporal.
-type RunConfig struct {
+// Config is the command line of "vmflow-hostagent run".
+type Config struct {
 	HostID     string
 	StateDir   string
 	SysfsRoot  string
@@ -81,9 +79,9 @@ type multiFlag []string
 func (m *multiFlag) String() string     { return fmt.Sprint(*m) }
 func (m *multiFlag) Set(v string) error { *m = append(*m, v); return nil }
 
-// ParseRun parses the flags of "vmflow-hostagent run".
-func ParseRun(args []string, stderr io.Writer) (RunConfig, error) {
-	var c RunConfig
+// ParseFlags parses the flags of "vmflow-hostagent run".
+func ParseFlags(args []string, stderr io.Writer) (Config, error) {
+	var c Config
 	host, _ := os.Hostname()
 	fs := flag.NewFlagSet("run", flag.ContinueOnError)
 	fs.SetOutput(stderr)
