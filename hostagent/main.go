@@ -1,5 +1,5 @@
 // Command vmflow-hostagent is vmflow's per-host agent. main is wiring only:
-// each subcommand lives in hostagent/cli, where it is tested.
+// run is daemon/agent, the other subcommands live in hostagent/cli.
 package main
 
 import (
@@ -9,6 +9,7 @@ import (
 	"os/signal"
 	"syscall"
 
+	"vmflow/daemon"
 	"vmflow/daemon/agent"
 	"vmflow/hostagent/cli"
 	"vmflow/hostagent/vmm"
@@ -42,7 +43,7 @@ func main() {
 	var code int
 	switch os.Args[1] {
 	case "run":
-		code = agent.Main(ctx, args)
+		code = daemon.Main(ctx, "vmflow-hostagent", args, agent.ParseFlags, agent.Run)
 	case "ls":
 		code = cli.Ls(args, io)
 	case "show":

@@ -3,7 +3,6 @@ package agent
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"os"
 	"runtime/pprof"
@@ -19,7 +18,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"vmflow/activities"
-	"vmflow/hostagent/cli"
+	"vmflow/daemon"
 	"vmflow/hostagent/metrics"
 	"vmflow/hostagent/spec"
 	"vmflow/hostagent/store"
@@ -35,10 +34,19 @@ import (
 	"vmflow/workflows"
 )
 
-// Main wires "vmflow-hostagent run": supervision first (it never waits
-// for Temporal), then the Temporal worker for this host's queue and the
-// reconcile Schedule, connected in the background with retries.
-func Main(ctx context.Context, args []string) int {
+// Readiness conditions of the agent's /readyz.
+const (
+	readyReattach = "reattach"
+	readyTemporal = "temporal"
+	readyStopping = "stopping"
+)
+
+// Run runs the host agent: supervision first (it never waits for
+// Temporal), then the Temporal worker for this host's queue and the
+// reconcile Schedule, connected in the background with retries. It runs
+// until ctx ends (SIGTERM), then stops gracefully: no new activities,
+// running ones get cfg.StopTimeout to finish, VMs keep running.
+func Run(ctx context.Context, cfg Config) error {
 	// VMFLOW_CPUPROFILE=FILE writes a CPU profile of the run, until
 	// SIGTERM or SIGINT, for `go tool pprof` (make bench's profiling aid;
 	// off unless set). A kill -9 loses it.
@@ -48,47 +56,14 @@ func Main(ctx context.Context, args []string) int {
 			err = pprof.StartCPUProfile(f)
 		}
 		if err != nil {
-			fmt.Fprintln(os.Stderr, "vmflow-hostagent run: VMFLOW_CPUPROFILE:", err)
-			return cli.ExitUsage
+			return fmt.Errorf("VMFLOW_CPUPROFILE: %w: %w", daemon.ErrUsage, err)
 		}
 		defer func() {
 			pprof.StopCPUProfile()
 			_ = f.Close()
 		}()
 	}
-	cfg, err := ParseFlags(args, os.Stderr)
-	if errors.Is(err, flag.ErrHelp) {
-		return cli.ExitOK
-	}
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "vmflow-hostagent run:", err)
-		return cli.ExitUsage
-	}
-	log, err := tclient.NewLogger(cfg.LogLevel)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "vmflow-hostagent run:", err)
-		return cli.ExitUsage
-	}
-	log = log.With(zap.String("host_id", cfg.HostID))
-	defer func() { _ = log.Sync() }()
-	log.Info("vmflow-hostagent starting", service.Info().Fields()...)
-	if err := agent(ctx, cfg, log); err != nil {
-		log.Error("agent stopped", zap.Error(err))
-		return cli.ExitError
-	}
-	return cli.ExitOK
-}
-
-// Readiness conditions of the agent's /readyz.
-const (
-	readyReattach = "reattach"
-	readyTemporal = "temporal"
-	readyStopping = "stopping"
-)
-
-// agent runs until ctx ends (SIGTERM), then stops gracefully: no new
-// activities, running ones get cfg.StopTimeout to finish, VMs keep running.
-func agent(ctx context.Context, cfg Config, log *zap.Logger) error {
+	log := cfg.Log()
 	// The metrics server and the watchdog outlive ctx: they serve until
 	// the graceful stop is over and agent returns.
 	life, endLife := context.WithCancel(context.Background())
@@ -98,7 +73,7 @@ func agent(ctx context.Context, cfg Config, log *zap.Logger) error {
 	if err != nil {
 		return err
 	}
-	tm, err := tclient.NewMetrics(tclient.WithMetricsLogger(log))
+	tm, err := daemon.NewMetrics(log)
 	if err != nil {
 		return err
 	}
@@ -124,17 +99,8 @@ func agent(ctx context.Context, cfg Config, log *zap.Logger) error {
 		}
 	})
 	go am.RunStoreRefresh(life, metrics.DefaultStoreRefresh)
-	// The SDK labels activity metrics with names callers choose: only the
-	// agent's own activities and vmflow's workflows keep theirs.
-	tm.AllowTypes(workflows.WorkflowNames, workflows.HostActivityNames)
 	// /healthz answers while re-attach runs; /readyz says what it waits for.
-	if cfg.MetricsAddr != "" {
-		go func() {
-			if err := tm.Serve(life, cfg.MetricsAddr); err != nil {
-				log.Error("metrics server stopped", zap.Error(err))
-			}
-		}()
-	}
+	cfg.ServeMetrics(life, tm)
 
 	var gpus activities.GPUs
 	var devs spec.Devices // nil interface, not a typed nil, without vGPUs
@@ -250,8 +216,7 @@ func agent(ctx context.Context, cfg Config, log *zap.Logger) error {
 		}
 	}()
 
-	topts := platform.Options{Logger: log, MetricsHandler: tm.SDKHandler(), HostPort: cfg.Address, Namespace: cfg.Namespace,
-		Identity: "vmflow-hostagent@" + cfg.HostID, Insecure: cfg.Insecure}
+	topts := cfg.Temporal(tm, "vmflow-hostagent@"+cfg.HostID)
 	// The transport check alone, before dialing: no logger, so an allowed
 	// --insecure is warned about once, by the dial, not here as well.
 	check := topts

@@ -1,23 +1,18 @@
-// Package worker is the vmflow-worker daemon: it runs vmflow's workflows.
-// Flags, logger, metrics, the Temporal client, registration, and a clean
-// stop on SIGTERM.
+// Package worker is the vmflow-worker daemon: it runs vmflow's workflows
+// on their task queue, with the deployment version it joins and a clean
+// stop on SIGTERM. Flags, logging and metrics are package daemon's.
 package worker
 
 import (
 	"context"
-	"errors"
-	"flag"
 	"fmt"
-	"os"
-	"os/signal"
-	"syscall"
 	"time"
 
 	"go.temporal.io/sdk/client"
 	"go.temporal.io/sdk/worker"
 	"go.uber.org/zap"
 
-	"vmflow/internal/service"
+	"vmflow/daemon"
 	"vmflow/internal/tclient"
 	"vmflow/platform"
 	"vmflow/workflows"
@@ -28,7 +23,7 @@ import (
 // where it is registered (workflows.Register), so no default is given: a
 // workflow registered without one makes the SDK refuse it at registration
 // rather than run with a behaviour nobody chose.
-func workerOptions(cfg config) worker.Options {
+func workerOptions(cfg Config) worker.Options {
 	// WorkerStopTimeout: on SIGTERM the SDK stops polling and lets running
 	// tasks finish for this long before it cancels them (0 cancels at once).
 	o := worker.Options{WorkerStopTimeout: cfg.StopTimeout}
@@ -85,59 +80,25 @@ func knowsVersion(d client.WorkerDeploymentInfo, v worker.WorkerDeploymentVersio
 	return false
 }
 
-// Main runs vmflow-worker with the command line args and returns its exit
-// code.
-func Main(args []string) int {
-	cfg, err := parseConfig(args, os.Stderr)
-	if errors.Is(err, flag.ErrHelp) {
-		return 0
-	}
+// Run runs vmflow's workflows until ctx ends (SIGTERM), then stops
+// gracefully: no new tasks, running ones get cfg.StopTimeout to finish.
+func Run(ctx context.Context, cfg Config) error {
+	log := cfg.Log()
+	m, err := daemon.NewMetrics(log)
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "vmflow-worker:", err)
-		return 2
+		return err
 	}
-	if cfg.Version {
-		fmt.Fprintln(os.Stdout, service.Info().String("vmflow-worker"))
-		return 0
-	}
-	log, err := tclient.NewLogger(cfg.LogLevel)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "vmflow-worker:", err)
-		return 2
-	}
-	defer func() { _ = log.Sync() }()
-	log.Info("vmflow-worker starting", service.Info().Fields()...)
-
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-
-	metrics, err := tclient.NewMetrics(tclient.WithMetricsLogger(log))
-	if err != nil {
-		log.Error("metrics", zap.Error(err))
-		return 1
-	}
-	metrics.Readiness.NotReady("worker", "the Temporal worker has not started")
-	// The SDK labels metrics with workflow and activity names callers
-	// choose: only vmflow's keep theirs.
-	metrics.AllowTypes(workflows.WorkflowNames, workflows.HostActivityNames)
-	// The metrics server outlives ctx (SIGTERM): it serves until run
+	m.Readiness.NotReady("worker", "the Temporal worker has not started")
+	// The metrics server outlives ctx (SIGTERM): it serves until Run
 	// returns, through the graceful stop.
 	life, endLife := context.WithCancel(context.Background())
 	defer endLife()
-	if cfg.MetricsAddr != "" {
-		go func() {
-			if err := metrics.Serve(life, cfg.MetricsAddr); err != nil {
-				log.Error("metrics server stopped", zap.Error(err))
-			}
-		}()
-	}
+	cfg.ServeMetrics(life, m)
 
-	topts := platform.Options{Logger: log, MetricsHandler: metrics.SDKHandler(), HostPort: cfg.Address, Namespace: cfg.Namespace,
-		Insecure: cfg.Insecure}
+	topts := cfg.Temporal(m, "")
 	copts, err := platform.ClientOptions(topts)
 	if err != nil {
-		log.Error("temporal configuration", zap.Error(err))
-		return 2
+		return fmt.Errorf("temporal configuration: %w: %w", daemon.ErrUsage, err)
 	}
 	ns := copts.Namespace
 	if ns == "" {
@@ -145,23 +106,20 @@ func Main(args []string) int {
 	}
 	c, err := platform.Dial(ctx, topts)
 	if err != nil {
-		log.Error("connect to Temporal", zap.Error(err))
-		return 1
+		return fmt.Errorf("connect to Temporal: %w", err)
 	}
 	defer c.Close()
 	if err := tclient.EnsureSearchAttributes(ctx, c, ns, tclient.SearchAttributes()); err != nil {
 		// Workflows upsert these; without them every workflow task fails.
-		log.Error("search attributes", zap.Error(err), zap.String("namespace", ns))
-		return 1
+		return fmt.Errorf("search attributes of namespace %s: %w", ns, err)
 	}
 
 	w := worker.New(c, cfg.TaskQueue, workerOptions(cfg))
 	workflows.New(cfg.Workflows).Register(w)
 	if err := w.Start(); err != nil {
-		log.Error("start worker", zap.Error(err), zap.String("task_queue", cfg.TaskQueue))
-		return 1
+		return fmt.Errorf("start worker on %s: %w", cfg.TaskQueue, err)
 	}
-	metrics.Readiness.Ready("worker")
+	m.Readiness.Ready("worker")
 	log.Info("worker running", zap.String("task_queue", cfg.TaskQueue), zap.String("namespace", ns),
 		zap.Duration("release_backoff", cfg.Workflows.ReleaseBackoff), zap.Bool("versioning", cfg.Versioning),
 		zap.String("deployment_name", cfg.Deployment.DeploymentName), zap.String("build_id", cfg.Deployment.BuildID))
@@ -169,8 +127,8 @@ func Main(args []string) int {
 		go reportRouting(ctx, c, cfg.Deployment, log)
 	}
 	<-ctx.Done()
-	metrics.Readiness.NotReady("stopping", "stopping: running tasks finish, no new ones are taken")
+	m.Readiness.NotReady("stopping", "stopping: running tasks finish, no new ones are taken")
 	log.Info("stopping worker: no new tasks, running ones may finish", zap.Duration("stop_timeout", cfg.StopTimeout))
 	w.Stop()
-	return 0
+	return nil
 }

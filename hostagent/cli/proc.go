@@ -13,13 +13,14 @@ import (
 	"time"
 
 	"vmflow/hostagent/proc"
+	"vmflow/internal/service"
 )
 
-// Exit codes shared by the subcommands.
+// Exit codes of the subcommands: service's, and proc's own.
 const (
-	ExitOK       = 0
-	ExitError    = 1
-	ExitUsage    = 2 // bad flags, or (proc) no such pid
+	ExitOK       = service.ExitOK
+	ExitError    = service.ExitError
+	ExitUsage    = service.ExitUsage // also: (proc) no such pid
 	ExitTimedOut = 3
 )
 
