@@ -15,8 +15,8 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"vmflow/hostagent/proc/proctest"
 	"vmflow/hostagent/vgpu/vgpusim"
-	"vmflow/hostagent/vgpu/vgpusim/simtest"
 	"vmflow/internal/service"
 )
 
@@ -37,7 +37,7 @@ func TestVGPUSimMountError(t *testing.T) {
 // The command serves until its context ends (SIGINT/SIGTERM in main), a
 // shell can drive it meanwhile, and it unmounts on the way out.
 func TestVGPUSimServesUntilCancelled(t *testing.T) {
-	simtest.RequiresFUSE(t)
+	proctest.RequiresFUSE(t)
 	dir := t.TempDir()
 	mnt, ctl := filepath.Join(dir, "sys"), filepath.Join(dir, "ctl")
 	require.NoError(t, os.Mkdir(mnt, 0o755))
