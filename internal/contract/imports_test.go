@@ -12,11 +12,10 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// TestImportRules guards the line this package exists for (issue 15,
-// ARCHITECTURE.md): nothing under hostagent/ imports go.temporal.io, directly
-// or through another package, except the agent binary's own wiring (package
-// vmflow/hostagent: main.go, run.go) and activities/, which is not under
-// hostagent/; and workflows/ imports nothing under hostagent/. Host
+// TestImportRules guards the line this package exists for: nothing under
+// hostagent/ imports go.temporal.io, directly or through another package,
+// except the agent binary's main.go (package vmflow/hostagent), which wires
+// daemon/agent; and workflows/ imports nothing under hostagent/. Host
 // supervision must build, test and run without Temporal, and workflow code
 // must never touch the OS.
 //
