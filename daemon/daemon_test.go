@@ -13,10 +13,7 @@ import (
 	"vmflow/internal/service"
 )
 
-type testConfig struct {
-	Flags
-	ran bool
-}
+type testConfig struct{ Flags }
 
 func parseTest(args []string, stderr io.Writer) (testConfig, error) {
 	var c testConfig
