@@ -1,5 +1,7 @@
-// Package cli implements the subcommands of vmflow-hostagent, so that main
-// stays wiring and every command can be tested without building the binary.
+// Package cli is vmflow-hostagent's command line: the dispatch (Main) and
+// the read-only subcommands, so that main stays wiring and every command
+// can be tested without building the binary. Its run subcommand is
+// daemon/agent, which main hands to Main (hostagent/... never imports it).
 package cli
 
 import (
