@@ -84,14 +84,18 @@ type Config[C any] interface {
 	flags() *Flags
 }
 
-// ErrUsage marks a Run error that is the configuration's fault (exit 2,
-// as bad flags): nothing was started.
-var ErrUsage = errors.New("configuration refused")
+// UsageError marks err as the configuration's fault: Main exits 2, as for
+// bad flags.
+func UsageError(err error) error { return usageError{err} }
+
+type usageError struct{ error }
+
+func (e usageError) Unwrap() error { return e.error }
 
 // Main runs a daemon: parses args, builds the logger, runs until ctx ends
-// and returns the exit code. --help and --version exit 0; bad flags and
-// ErrUsage exit 2 after saying why; any other error from run is logged and
-// exits 1.
+// and returns the exit code. --help and --version exit 0; bad flags and a
+// UsageError exit 2 after saying why; any other error from run is logged
+// and exits 1.
 func Main[C any, P Config[C]](ctx context.Context, name string, args []string,
 	parse func([]string, io.Writer) (C, error), run func(context.Context, C) error) int {
 	cfg, err := parse(args, os.Stderr)
@@ -118,7 +122,7 @@ func Main[C any, P Config[C]](ctx context.Context, name string, args []string,
 	log.Info(name+" starting", service.Info().Fields()...)
 	if err := run(ctx, cfg); err != nil {
 		log.Error(name+" stopped", zap.Error(err))
-		if errors.Is(err, ErrUsage) {
+		if errors.As(err, new(usageError)) {
 			return service.ExitUsage
 		}
 		return service.ExitError

@@ -42,7 +42,7 @@ func TestMainExitCodes(t *testing.T) {
 		{"bad flag", []string{"--bogus"}, nil, service.ExitUsage, false},
 		{"bad stop timeout", []string{"--stop-timeout", "-1s"}, nil, service.ExitUsage, false},
 		{"bad log level", []string{"--log-level", "loud"}, nil, service.ExitUsage, false},
-		{"refused configuration", nil, fmt.Errorf("tls: %w", ErrUsage), service.ExitUsage, true},
+		{"refused configuration", nil, fmt.Errorf("tls: %w", UsageError(errors.New("no CA"))), service.ExitUsage, true},
 		{"failed run", nil, errors.New("dial: refused"), service.ExitError, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

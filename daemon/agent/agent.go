@@ -57,7 +57,7 @@ func Run(ctx context.Context, cfg Config) error {
 			err = pprof.StartCPUProfile(f)
 		}
 		if err != nil {
-			return fmt.Errorf("VMFLOW_CPUPROFILE: %w: %w", daemon.ErrUsage, err)
+			return daemon.UsageError(fmt.Errorf("VMFLOW_CPUPROFILE: %w", err))
 		}
 		defer func() {
 			pprof.StopCPUProfile()

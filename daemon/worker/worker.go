@@ -98,7 +98,7 @@ func Run(ctx context.Context, cfg Config) error {
 	topts := cfg.Temporal(m, "")
 	copts, err := platform.ClientOptions(topts)
 	if err != nil {
-		return fmt.Errorf("temporal configuration: %w: %w", daemon.ErrUsage, err)
+		return daemon.UsageError(fmt.Errorf("temporal configuration: %w", err))
 	}
 	ns := copts.Namespace
 	if ns == "" {
