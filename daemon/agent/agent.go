@@ -88,6 +88,7 @@ type agentHost struct {
 	metrics *metrics.Agent
 	vgpus   *claims.Claims // nil without vGPUs: no reconcile work to scan for
 	sup     *supervise.Supervisor
+	fdStore vmm.FDStore // nil without systemd's fd store
 	acts    *activities.Activities
 	closers []func()
 }
@@ -223,7 +224,7 @@ func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentH
 	}
 	h.closers = append(h.closers, func() { _ = sup.Close() })
 	acts.Supervisor = sup
-	h.store, h.tm, h.metrics, h.vgpus, h.sup, h.acts = st, tm, am, vgpus, sup, acts
+	h.store, h.tm, h.metrics, h.vgpus, h.sup, h.fdStore, h.acts = st, tm, am, vgpus, sup, fdStore, acts
 	return h, nil
 }
 
@@ -246,6 +247,9 @@ func (h *agentHost) supervise(ctx, life context.Context, log *zap.Logger) error 
 		zap.Int("gone", rep.Gone), zap.Int("failed", rep.Failed), zap.Duration("took", rep.Duration))
 	if h.acts.GPUs == nil {
 		reportUnservedClaims(h.store, h.metrics, log)
+	}
+	if sd, ok := h.fdStore.(*vmm.SystemdFDStore); ok {
+		pruneFDStore(h.store, sd, log)
 	}
 	// Ready for systemd means supervising: re-attach is done, whatever
 	// Temporal's state or the state of single records (invariant 12).
@@ -428,4 +432,35 @@ func newClaims(cfg Config, st *store.Store, log *zap.Logger) (*claims.Claims, er
 
 		IgnoreUninspectable: cfg.IgnoreUninspectable,
 	})
+}
+
+// pruneFDStore drops the log pipes systemd kept for VMs whose records are
+// gone. A record that cannot be read keeps every pipe of its id (its uid
+// is unknown); a name that is not a vmflow log pipe is not this agent's to
+// drop.
+func pruneFDStore(st *store.Store, sd *vmm.SystemdFDStore, log *zap.Logger) {
+	recs, err := st.List()
+	bad, listed := store.Unreadable(err)
+	if !listed {
+		log.Error("fd store: cannot list the records; every stored log pipe is kept", zap.Error(err))
+		return
+	}
+	keep := map[string]bool{}
+	for _, r := range recs {
+		keep[vmm.LogFDName(r.GetId(), r.GetQemuUid())] = true
+	}
+	unreadable := map[string]bool{}
+	for _, b := range bad {
+		unreadable[b.ID] = true
+	}
+	dropped, err := sd.Prune(func(name string) bool {
+		id, ours := vmm.LogFDInstance(name)
+		return keep[name] || !ours || unreadable[id]
+	})
+	if len(dropped) > 0 {
+		log.Info("fd store: dropped the log pipes of instances that have no record", zap.Strings("fd_names", dropped))
+	}
+	if err != nil {
+		log.Warn("fd store: some log pipes could not be dropped; kept until the next start", zap.Error(err))
+	}
 }

@@ -27,18 +27,28 @@ import (
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vmm"
 	"vmflow/internal/contract"
+	"vmflow/internal/errdefs"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
-// Accepted values of the enum-like string fields.
+// The restart policies a record may name (supervise applies them); empty
+// is RestartNever.
+const (
+	RestartNever     = "never"
+	RestartOnFailure = "on-failure"
+	RestartAlways    = "always"
+)
+
+// Accepted values of the enum-like string fields. A spawn may not ask for
+// every machine vmm knows: pc is not offered.
 var (
-	Machines        = []string{"none", "q35", "microvm"}
-	Accels          = []string{"kvm", "tcg"}
-	RestartPolicies = []string{"never", "on-failure", "always"}
+	Machines        = []string{string(vmm.MachineNone), string(vmm.MachineQ35), string(vmm.MachineMicroVM)}
+	Accels          = []string{string(vmm.AccelKVM), string(vmm.AccelTCG)}
+	RestartPolicies = []string{RestartNever, RestartOnFailure, RestartAlways}
 )
 
 // ErrInvalid marks every admission failure; FieldError says which field.
-var ErrInvalid = errors.New("invalid spawn request")
+var ErrInvalid = errdefs.InvalidInput.New("invalid spawn request")
 
 // FieldError is one rejected field.
 type FieldError struct {
@@ -56,8 +66,9 @@ func fieldError(field string, err error) *FieldError {
 
 func (e *FieldError) Error() string { return fmt.Sprintf("%s: %s", e.Field, e.Reason) }
 
-// Is makes errors.Is(err, ErrInvalid) true for every field error.
-func (e *FieldError) Is(target error) bool { return target == ErrInvalid }
+// Is makes errors.Is(err, ErrInvalid), and so its class, true for every
+// field error.
+func (e *FieldError) Is(target error) bool { return errors.Is(ErrInvalid, target) }
 
 // Unwrap is the cause, if any.
 func (e *FieldError) Unwrap() error { return e.Err }
@@ -125,7 +136,7 @@ func memTotalMiB() (uint32, error) {
 // record was written by someone who skipped admission; either way nothing
 // is started for it. Refusals also match ErrInvalid through their
 // FieldErrors.
-var ErrAdmissionRefused = errors.New("refused by this host's admission policy")
+var ErrAdmissionRefused = errdefs.Refused.New("refused by this host's admission policy")
 
 // Validate checks req against the host. It returns every field error found,
 // joined, each matching ErrInvalid; a failure to list the host's profiles is
@@ -219,7 +230,7 @@ func (h Host) admit(ctx context.Context, id, restartPolicy string, s *vmflowv1.V
 	}
 	oneOf("machine", s.GetMachine(), Machines, false)
 	oneOf("accel", s.GetAccel(), Accels, true)
-	if a := s.GetAccel(); (a == "" || a == "kvm") && h.KVM.Err != nil {
+	if a := s.GetAccel(); (a == "" || a == string(vmm.AccelKVM)) && h.KVM.Err != nil {
 		bad("accel", "KVM (what an empty accel means): %s; ask for accel \"tcg\" to run this VM without it (emulated: slower)",
 			noKVM(h.KVM.Err))
 	}
@@ -316,7 +327,7 @@ func InstanceUUID(instanceID string) string {
 func RecordSpec(req *vmflowv1.SpawnRequest) *vmflowv1.VMSpec {
 	accel := req.GetAccel()
 	if accel == "" {
-		accel = "kvm"
+		accel = string(vmm.AccelKVM)
 	}
 	return &vmflowv1.VMSpec{
 		Vcpus:       req.GetVcpus(),

@@ -390,7 +390,7 @@ func (s *Supervisor) jail(p store.Paths) *vmm.Jail {
 	if s.cfg.JailSetup == "" {
 		return nil
 	}
-	return &vmm.Jail{Setup: s.cfg.JailSetup, Dir: filepath.Join(p.Dir, "root")}
+	return &vmm.Jail{Setup: s.cfg.JailSetup, Dir: filepath.Join(p.Dir, "root"), DevRoot: s.cfg.DevRoot}
 }
 
 func vmmPaths(p store.Paths) vmm.Paths {

@@ -64,9 +64,7 @@ type listed struct {
 	Imports        []string
 }
 
-// TestLayers: no package imports one of a layer above its own. Failed on
-// the tree where internal/ held the test harnesses (internal/devserver
-// imported platform, internal/stacktest hostagent/proc).
+// TestLayers: no package imports one of a layer above its own.
 func TestLayers(t *testing.T) {
 	pkgs := goListPackages(t, "vmflow/...")
 	byPath := map[string]listed{}
@@ -98,8 +96,7 @@ func isTestSupport(path string) bool {
 
 // TestTestSupportOnlyInTests: test support is imported by tests, by other
 // test support and by the test drivers (e2e, bench, deploy) only; no
-// binary or library links it. Failed on the tree where internal/stacktest
-// (a library then) imported proctest and internal/devserver tclienttest.
+// binary or library links it.
 func TestTestSupportOnlyInTests(t *testing.T) {
 	pkgs := goListPackages(t, "vmflow/...")
 	var checked int
@@ -117,8 +114,7 @@ func TestTestSupportOnlyInTests(t *testing.T) {
 
 // TestMainIsWiring: a package main holds main.go and nothing else, tests
 // included: what a command does lives in a package that can be imported and
-// tested. Failed on the tree where hostagent/agent.go and worker/config.go
-// held the daemons' logic in package main.
+// tested.
 func TestMainIsWiring(t *testing.T) {
 	var mains int
 	for _, p := range goListPackages(t, "vmflow/...") {
