@@ -12,7 +12,7 @@ import (
 
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/proc/proctest"
-	"vmflow/internal/stacktest"
+	"vmflow/testsupport/stacktest"
 )
 
 // envBench gates the driver: `make test` runs this package's unit tests

@@ -16,7 +16,7 @@ import (
 	enumspb "go.temporal.io/api/enums/v1"
 
 	"vmflow/hostagent/vgpu/vgpusim"
-	"vmflow/internal/devserver"
+	"vmflow/testsupport/devserver"
 	"vmflow/workflows"
 )
 
