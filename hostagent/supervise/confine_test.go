@@ -177,7 +177,12 @@ func TestVFIOGroupNodeGivenAndTakenBack(t *testing.T) {
 	_, err := sup.Launch(ctxT(t, 30*time.Second), "vm1")
 	require.Error(t, err, "QEMU cannot open a fake sysfs device")
 	rec := e.get("vm1")
-	assert.Equal(t, rec.GetQemuUid(), <-ownerAtFork, "the node is the instance uid's while its QEMU may run")
+	select {
+	case owner := <-ownerAtFork: // beforeRecorded runs inside Launch
+		assert.Equal(t, rec.GetQemuUid(), owner, "the node is the instance uid's while its QEMU may run")
+	default:
+		t.Fatalf("the launch failed before the fork: %v", err)
+	}
 	fi, err := os.Stat(node)
 	require.NoError(t, err)
 	assert.Equal(t, uint32(0), fi.Sys().(*syscall.Stat_t).Uid, "root's again after the failed launch")

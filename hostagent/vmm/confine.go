@@ -63,15 +63,19 @@ var ErrNoQEMUUID = errdefs.Misconfigured.New("qemu needs a uid of its own (not 0
 // LimitMEMLOCK=infinity is missing.
 var ErrMemlockLimit = errdefs.Misconfigured.New("the agent's hard RLIMIT_MEMLOCK is below what a VFIO VM pins (set LimitMEMLOCK=infinity)")
 
-// checkMemlock refuses limits whose memlock is past this process's own
-// hard limit: the launch would fail in the wrapper or the jail with no more
-// than "operation not permitted" in qemu.log.
-func checkMemlock(l Limits) error {
+// CheckMemlock refuses a spec whose QEMU would need more locked memory
+// than this process's own hard RLIMIT_MEMLOCK: its launch would fail in the
+// limit wrapper or the jail with no more than "operation not permitted" in
+// qemu.log. Only VFIO VMs pin memory.
+func CheckMemlock(spec VMSpec) error {
+	if len(spec.VFIO) == 0 {
+		return nil
+	}
 	var own unix.Rlimit
 	if err := unix.Getrlimit(unix.RLIMIT_MEMLOCK, &own); err != nil {
 		return fmt.Errorf("rlimits: memlock: %w", err)
 	}
-	return memlockFits(l, own)
+	return memlockFits(Limits{Memlock: memlockFor(spec)}, own)
 }
 
 func memlockFits(l Limits, own unix.Rlimit) error {
@@ -230,13 +234,10 @@ type Limits struct {
 // overlay (the agent's descriptors), so it fails only when they cannot be.
 func LimitsFor(spec VMSpec) (Limits, error) {
 	l := Limits{
-		Memlock: memlockSmall,
+		Memlock: memlockFor(spec),
 		NProc:   nprocBase + 2*uint64(spec.VCPUs),
 		FSize:   fsizeMargin,
 		NoFile:  nofileBase + nofilePerVCPU*uint64(spec.VCPUs) + nofilePerVFIO*uint64(len(spec.VFIO)),
-	}
-	if len(spec.VFIO) > 0 {
-		l.Memlock = uint64(spec.MemoryMiB)<<20 + memlockVFIOMargin
 	}
 	if d := spec.Disk; d != nil {
 		virtual, err := fileSize(d.Base)
@@ -250,6 +251,15 @@ func LimitsFor(spec VMSpec) (Limits, error) {
 		l.FSize = max(virtual+virtual/qcow2MetadataDivisor, have) + fsizeMargin
 	}
 	return l, nil
+}
+
+// memlockFor is what spec's QEMU may lock: a VFIO VM pins all its RAM for
+// DMA, plus a margin.
+func memlockFor(spec VMSpec) uint64 {
+	if len(spec.VFIO) == 0 {
+		return memlockSmall
+	}
+	return uint64(spec.MemoryMiB)<<20 + memlockVFIOMargin
 }
 
 func fileSize(f *os.File) (uint64, error) {

@@ -284,4 +284,15 @@ func TestMemlockPastAgentLimitRefused(t *testing.T) {
 	small, err := LimitsFor(VMSpec{VCPUs: 1, MemoryMiB: 64})
 	require.NoError(t, err)
 	assert.NoError(t, memlockFits(small, unix.Rlimit{Cur: 8 << 20, Max: 8 << 20}), "a VM without VFIO pins nothing past the default")
+
+	// CheckMemlock asks this process's own hard limit.
+	var own unix.Rlimit
+	require.NoError(t, unix.Getrlimit(unix.RLIMIT_MEMLOCK, &own))
+	spec := VMSpec{VCPUs: 1, MemoryMiB: 64, VFIO: []string{"/sys/bus/mdev/devices/x"}}
+	if own.Max != unix.RLIM_INFINITY && own.Max < vfio.Memlock {
+		assert.ErrorIs(t, CheckMemlock(spec), ErrMemlockLimit, "hard limit %d", own.Max)
+	} else {
+		assert.NoError(t, CheckMemlock(spec), "hard limit %d", own.Max)
+	}
+	assert.NoError(t, CheckMemlock(VMSpec{VCPUs: 1, MemoryMiB: 64}))
 }
