@@ -219,7 +219,7 @@ func (h *host) launch(t *rapid.T) {
 	}
 	// Every model instance asks for a vGPU, so QEMU starts only with an
 	// active claim whose device exists, and holds its VFIO node open.
-	cl := rec.GetGpuClaim()
+	cl := store.VGPU(rec)
 	if !store.ClaimHeld(rec) || cl.GetPhase() != vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE {
 		t.Logf("launch %s: no active claim", id)
 		return
@@ -454,7 +454,7 @@ func (h *host) reconcile(t *rapid.T) {
 		for _, r := range recs {
 			// Only held claims own their device: a released claim that
 			// still names a VF must not shield a stray device on it.
-			if cl := r.GetGpuClaim(); cl != nil && store.ClaimHeld(r) {
+			if cl := store.VGPU(r); cl != nil && store.ClaimHeld(r) {
 				named[claimKey(cl)] = true
 			}
 		}
@@ -552,7 +552,7 @@ func (h *host) deleteRecord(t *rapid.T) {
 	case getErr != nil && !errors.Is(getErr, store.ErrNotFound):
 		t.Fatalf("VIOLATION record deleted while unreadable: %s (%v)", id, getErr)
 	case getErr == nil && store.ClaimHeld(before):
-		t.Fatalf("VIOLATION record deleted while its claim is held: %s (%s %s)", id, claimKey(before.GetGpuClaim()), before.GetGpuClaim().GetPhase())
+		t.Fatalf("VIOLATION record deleted while its claim is held: %s (%s %s)", id, claimKey(store.VGPU(before)), store.VGPU(before).GetPhase())
 	case h.helpers[id] != nil && h.helpers[id].alive():
 		t.Fatalf("VIOLATION record deleted while its process lives: %s (pid %d)", id, h.helpers[id].child.Identity().PID)
 	}
@@ -628,7 +628,7 @@ func (h *host) repairRecord(t *rapid.T) {
 // launch does (spec.PrepareLaunch), and reports whether it exists now. A
 // held claim keeps its slot and its parent's type across a reboot: only a
 // stray device (one no held claim names) can stand in its way.
-func (h *host) ensureDevice(t *rapid.T, id string, cl *vmflowv1.GpuClaim) bool {
+func (h *host) ensureDevice(t *rapid.T, id string, cl *vmflowv1.Lease) bool {
 	c, cancel := ctx()
 	defer cancel()
 	l, err := h.st.Lock(c, id)
@@ -696,7 +696,7 @@ func (h *host) assignUID(t *rapid.T) {
 		t.Fatalf("assign uid %s: %v", id, err)
 	}
 	defer func() { _ = l.Unlock() }()
-	rec, err := l.AssignQEMUUID(c, modelUIDs, func(context.Context) (map[uint32]bool, error) { return nil, nil }, nil)
+	rec, err := l.AssignQEMUUID(c, modelUIDs, func(context.Context) (map[uint32]bool, error) { return nil, nil })
 	t.Logf("assign uid %s: %d %v", id, rec.GetQemuUid(), err)
 	h.event("assign uid", err == nil, err)
 }
@@ -739,7 +739,7 @@ func (h *host) check(t *rapid.T) {
 			t.Fatalf("VIOLATION two held claims name one device: %s is claimed by %v", key, ids)
 		}
 		for _, id := range ids {
-			u := now.held[id].GetUuid()
+			u := now.held[id].GetVgpu().GetUuid()
 			if other, ok := uuids[u]; ok && u != "" {
 				t.Fatalf("VIOLATION two held claims name one vGPU UUID: %s is claimed by %s and %s", u, other, id)
 			}

@@ -62,10 +62,7 @@ func setUIDMarker(t *testing.T, e *env, id string) uint32 {
 	l, err := e.st.Lock(ctxT(t, 5*time.Second), id)
 	require.NoError(t, err)
 	defer l.Unlock()
-	rec, err := l.AssignQEMUUID(ctxT(t, 5*time.Second), e.uids, proc.UIDsInUse, func(r *vmflowv1.InstanceRecord) error {
-		r.LaunchStartedAt = timestamppb.Now()
-		return nil
-	})
+	rec, err := l.AssignQEMUUID(ctxT(t, 5*time.Second), e.uids, proc.UIDsInUse, store.BeginLaunch(time.Now(), nil))
 	require.NoError(t, err)
 	return rec.GetQemuUid()
 }
