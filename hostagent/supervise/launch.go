@@ -341,8 +341,8 @@ func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *inst
 		ReadyTimeout:   s.cfg.ReadyTimeout,
 		CleanupTimeout: s.cfg.GroupExitCap,
 		OnStarted: func(pid proc.Identity) error {
-			if s.cfg.beforeRecorded != nil {
-				s.cfg.beforeRecorded(in.id, pid)
+			if s.hooks.beforeRecorded != nil {
+				s.hooks.beforeRecorded(in.id, pid)
 			}
 			// Right after the fork: the pid replaces the marker in one
 			// write, so the record always names the QEMU or says one may
@@ -351,8 +351,8 @@ func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *inst
 				return err
 			}
 			log.Info("qemu started", zap.Int("pid", pid.PID), zap.Uint64("start_time", pid.StartTime))
-			if s.cfg.afterStarted != nil {
-				s.cfg.afterStarted(in.id, pid)
+			if s.hooks.afterStarted != nil {
+				s.hooks.afterStarted(in.id, pid)
 			}
 			return nil
 		},

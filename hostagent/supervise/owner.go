@@ -83,7 +83,7 @@ func (s *Supervisor) resolveLaunchLocked(ctx context.Context, l *store.Locked, i
 		// under the manual-stop marker, after which nothing is launched.
 		return rec, false, nil
 	}
-	fc := vmm.FindConfig{Binary: s.cfg.QEMU, Paths: vmmPaths(l.Paths()), JailSetup: s.cfg.JailSetup, ReadMem: s.cfg.readProcMem}
+	fc := vmm.FindConfig{Binary: s.cfg.QEMU, Paths: vmmPaths(l.Paths()), JailSetup: s.cfg.JailSetup, ReadMem: s.hooks.readProcMem}
 	switch {
 	case marked && rec.GetLaunchNonce() != "":
 		// A marker an agent older than the per-VM uid wrote: its QEMU
