@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/protobuf/encoding/protojson"
 	"pgregory.net/rapid"
 
 	"vmflow/hostagent/proc"
@@ -123,6 +124,8 @@ func (h *host) actions() map[string]func(*rapid.T) {
 		"corrupt":     h.corruptRecord,
 		"repair":      h.repairRecord,
 		"assignUID":   h.assignUID,
+		"oldShape":    h.oldShape,
+		"migrate":     h.migrate,
 		"reboot":      h.reboot,
 		"fillDisk":    h.fillDisk,
 		"freeDisk":    h.freeDisk,
@@ -551,7 +554,7 @@ func (h *host) deleteRecord(t *rapid.T) {
 	switch {
 	case getErr != nil && !errors.Is(getErr, store.ErrNotFound):
 		t.Fatalf("VIOLATION record deleted while unreadable: %s (%v)", id, getErr)
-	case getErr == nil && store.ClaimHeld(before):
+	case getErr == nil && store.AnyLeaseHeld(before):
 		t.Fatalf("VIOLATION record deleted while its claim is held: %s (%s %s)", id, claimKey(store.VGPU(before)), store.VGPU(before).GetPhase())
 	case h.helpers[id] != nil && h.helpers[id].alive():
 		t.Fatalf("VIOLATION record deleted while its process lives: %s (pid %d)", id, h.helpers[id].child.Identity().PID)
@@ -591,6 +594,55 @@ func (h *host) corruptRecord(t *rapid.T) {
 	}
 	h.truncate(t, id)
 	t.Logf("corrupt %s", id)
+}
+
+// oldShape rewrites a record holding a vGPU lease as an agent before
+// leases wrote it (the claim in gpu_claim), as after an upgrade: every
+// invariant must hold across the conversion on read and the migration.
+func (h *host) oldShape(t *rapid.T) {
+	recs, _ := h.records(t)
+	var leased []*vmflowv1.InstanceRecord
+	for _, r := range recs {
+		if store.VGPU(r) != nil {
+			leased = append(leased, r)
+		}
+	}
+	if len(leased) == 0 {
+		t.Skip("no vGPU lease")
+	}
+	rec := rapid.SampledFrom(leased).Draw(t, "old shape")
+	id, l := rec.GetId(), store.VGPU(rec)
+	v := l.GetVgpu()
+	rec.Leases = nil
+	rec.GpuClaim = &vmflowv1.GpuClaim{Profile: v.GetProfile(), Parent: v.GetParent(), TypeId: v.GetTypeId(), Uuid: v.GetUuid(),
+		DeviceId: v.GetDeviceId(), Driver: v.GetDriver(), Phase: l.GetPhase(), ReleaseAttempts: l.GetReleaseAttempts(),
+		LastReleaseError: l.GetLastReleaseError(), ReleasedAt: l.GetReleasedAt(), ClaimedAt: l.GetClaimedAt()}
+	b, err := protojson.MarshalOptions{UseProtoNames: true}.Marshal(rec)
+	if err != nil {
+		t.Fatalf("old shape %s: %v", id, err)
+	}
+	paths, err := h.st.Paths(id)
+	if err != nil {
+		t.Fatalf("old shape %s: %v", id, err)
+	}
+	if err := os.WriteFile(paths.Record, b, 0o600); err != nil {
+		t.Fatalf("old shape %s: %v", id, err)
+	}
+	again, err := h.st.Get(id)
+	if err != nil || store.LeaseName(store.VGPU(again)) != store.LeaseName(l) || store.LeaseHeld(store.VGPU(again)) != store.LeaseHeld(l) {
+		t.Fatalf("VIOLATION old-shape record of %s does not read back as its lease: %v %v", id, store.VGPU(again), err)
+	}
+	t.Logf("old shape %s (%s)", id, store.LeaseName(l))
+	h.event("old shape", true, nil)
+}
+
+// migrate runs the agent start's record migration.
+func (h *host) migrate(t *rapid.T) {
+	c, cancel := ctx()
+	defer cancel()
+	done, err := h.st.Migrate(c)
+	t.Logf("migrate: %v %v", done, err)
+	h.event("migrate", err == nil, err)
 }
 
 // truncate cuts id's record.json in half, keeping its bytes for repair.
