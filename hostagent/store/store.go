@@ -233,7 +233,9 @@ func (s *Store) Create(ctx context.Context, want *vmflowv1.InstanceRecord) (rec 
 
 // Update runs fn on a copy of instance id's record under its lock and writes
 // the result if fn returns nil and changed something. See Locked.Update for
-// the rules it enforces.
+// the rules it enforces. It is for tests that fabricate a record's state:
+// the agent's code outside this package applies named steps (Apply), which
+// owned_test.go holds it to.
 func (s *Store) Update(ctx context.Context, id string, fn func(*vmflowv1.InstanceRecord) error) (rec *vmflowv1.InstanceRecord, err error) {
 	err = s.withLock(ctx, id, func(l *Locked) error {
 		rec, err = l.Update(fn)
@@ -243,7 +245,8 @@ func (s *Store) Update(ctx context.Context, id string, fn func(*vmflowv1.Instanc
 }
 
 // Transition moves instance id to state to under its lock, checked against
-// the state machine. Moving to the state it already has is a no-op.
+// the state machine. Moving to the state it already has is a no-op. Like
+// Update, for tests.
 func (s *Store) Transition(ctx context.Context, id string, to vmflowv1.InstanceState) (*vmflowv1.InstanceRecord, error) {
 	return s.Update(ctx, id, func(r *vmflowv1.InstanceRecord) error {
 		r.State = to

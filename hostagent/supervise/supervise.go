@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"go.uber.org/zap"
-	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/spec"
@@ -386,9 +385,6 @@ func unlock(l *store.Locked, log *zap.Logger) {
 	}
 }
 
-func (s *Supervisor) ts() *timestamppb.Timestamp { return timestamppb.New(s.cfg.Now()) }
-
-// vmmPaths maps the store's instance files to what QEMU uses.
 // jail is the jail of a launch in the instance directory p names, nil
 // when QEMUs are not jailed.
 func (s *Supervisor) jail(p store.Paths) *vmm.Jail {
@@ -398,6 +394,7 @@ func (s *Supervisor) jail(p store.Paths) *vmm.Jail {
 	return &vmm.Jail{Setup: s.cfg.JailSetup, Dir: filepath.Join(p.Dir, "root")}
 }
 
+// vmmPaths maps the store's instance files to what QEMU uses.
 func vmmPaths(p store.Paths) vmm.Paths {
 	return vmm.Paths{QMPSocket: p.Socket, PIDFile: p.PID, Log: p.Log}
 }
