@@ -36,9 +36,6 @@ type Step struct {
 	apply func(r *vmflowv1.InstanceRecord) error
 }
 
-// Name is the step's name, for messages and logs.
-func (s Step) Name() string { return s.name }
-
 // StepError is a step its precondition refused. It wraps Err, the sentinel
 // callers branch on (ErrIllegalTransition, ErrConflict, ErrDeleting).
 type StepError struct {
@@ -327,8 +324,14 @@ func NewRestartStreak() Step {
 }
 
 // RestartAttempt records the restart policy's attempt n before it launches.
+// Refused unless the record is Exited with no QEMU recorded: only an exited
+// VM is restarted.
 func RestartAttempt(n uint32) Step {
-	return Step{"restart attempt", func(r *vmflowv1.InstanceRecord) error {
+	const name = "restart attempt"
+	return Step{name, func(r *vmflowv1.InstanceRecord) error {
+		if r.GetState() != exited || r.GetProcess() != nil {
+			return refuse(name, r, ErrIllegalTransition, "not an exited VM")
+		}
 		r.RestartCount = n
 		return nil
 	}}

@@ -156,3 +156,16 @@ func TestGoneResetsCounterAfterStable(t *testing.T) {
 	applyTo(t, c, Gone(id, Exit{Code: -1}, keep))
 	assert.Equal(t, creating, c.GetState(), "no Creating -> Exited")
 }
+
+// TestRestartAttemptOnlyForExited: the restart policy's attempt is
+// recorded only for an exited VM with no QEMU recorded.
+func TestRestartAttemptOnlyForExited(t *testing.T) {
+	r := &vmflowv1.InstanceRecord{Id: "vm1", State: running}
+	require.ErrorIs(t, applySteps([]Step{RestartAttempt(1)})(r), ErrIllegalTransition)
+	r.State = exited
+	r.Process = ProcessRecord(proc.Identity{PID: 1, StartTime: 1, BootID: "b"})
+	require.ErrorIs(t, applySteps([]Step{RestartAttempt(1)})(r), ErrIllegalTransition)
+	r.Process = nil
+	applyTo(t, r, RestartAttempt(3))
+	assert.EqualValues(t, 3, r.GetRestartCount())
+}
