@@ -39,8 +39,9 @@ var ownedTypes = map[string]bool{"InstanceRecord": true, "Lease": true}
 // TestNoRecordFieldSetOutsideStore walks every non-test package of the
 // module but this one and the generated proto code, type-checked, for an
 // assignment to a field of an InstanceRecord or a Lease (x.State = ...,
-// x.Leases = append(...), x.RestartCount++) and for a composite literal of
-// one that sets more than the desired configuration.
+// x.Leases = append(...), x.RestartCount++), for a composite literal of
+// one that sets more than the desired configuration, and for a read of the
+// record's old shape (gpu_claim), which only the migration reads.
 func TestNoRecordFieldSetOutsideStore(t *testing.T) {
 	if testing.Short() {
 		t.Skip("type-checks the module")
@@ -76,11 +77,12 @@ func TestOwnedWritesFindsAssignments(t *testing.T) {
 	found, err := ownedWrites("example/bad", []string{filepath.Join("testdata", "ownedfields", "bad.go.txt")}, pkgs)
 	require.NoError(t, err)
 	joined := strings.Join(found, "\n")
-	for _, want := range []string{"InstanceRecord.State", "InstanceRecord.RestartCount", "Lease.Phase", "InstanceRecord.Leases", "literal InstanceRecord.LastError"} {
+	for _, want := range []string{"InstanceRecord.State", "InstanceRecord.RestartCount", "Lease.Phase", "InstanceRecord.Leases",
+		"literal InstanceRecord.LastError", "old shape read InstanceRecord.GetGpuClaim"} {
 		assert.Contains(t, joined, want)
 	}
 	assert.NotContains(t, joined, "Spec", "the desired configuration is the caller's")
-	assert.Len(t, found, 5, joined)
+	assert.Len(t, found, 6, joined)
 }
 
 type listedPkg struct {
@@ -157,6 +159,13 @@ func ownedWrites(path string, files []string, pkgs map[string]listedPkg) ([]stri
 	for _, af := range parsed {
 		ast.Inspect(af, func(n ast.Node) bool {
 			switch n := n.(type) {
+			case *ast.SelectorExpr:
+				// The old shape is the migration's to read (lease.go).
+				if s, ok := info.Selections[n]; ok && (n.Sel.Name == "GpuClaim" || n.Sel.Name == "GetGpuClaim") {
+					if name, ok := ownedType(s.Recv()); ok {
+						report(n, "old shape read "+name+"."+n.Sel.Name)
+					}
+				}
 			case *ast.AssignStmt:
 				for _, lhs := range n.Lhs {
 					if f, ok := owned(lhs); ok {
