@@ -6,11 +6,12 @@
 // The store is where the host-side invariants are enforced rather than
 // trusted to callers: every record write is atomic and durable (invariant 7);
 // every check-then-act on an instance runs under that instance's lock file,
-// so two agents on one state dir cannot both act; the instance state machine
-// lives here and nowhere else; a delete can only begin once the manual-stop
-// marker is on disk (invariant 6); and a record that still holds a vGPU claim
-// (invariant 1) or names a QEMU not confirmed gone (invariant 11) is never
-// deleted.
+// so two agents on one state dir cannot both act; the instance's lifecycle
+// (the state machine and the named steps that move a record along it,
+// lifecycle.go) lives here and nowhere else; a delete can only begin once
+// the manual-stop marker is on disk (invariant 6); and a record that still
+// holds a lease (invariant 1: a vGPU today, lease.go) or names a QEMU not
+// confirmed gone (invariant 11) is never deleted.
 //
 // The package never imports Temporal: activities adapt it, supervision uses it
 // with the network down.
@@ -255,10 +256,10 @@ func (s *Store) Transition(ctx context.Context, id string, to vmflowv1.InstanceS
 }
 
 // Delete removes instance id's record and directory (socket, log, pid file
-// and marker with it) under its lock. It is refused unless the record is in
-// Deleting, holds no vGPU claim (ErrClaimHeld) and names no QEMU that may
-// still run (ErrProcessMayLive). A missing record is
-// ErrNotFound, which a delete path treats as already done.
+// and marker with it) under its lock, when MayRemove allows it: a delete
+// began, no lease is held (ErrClaimHeld) and no QEMU may still run
+// (ErrProcessMayLive). A missing record is ErrNotFound, which a delete path
+// treats as already done.
 func (s *Store) Delete(ctx context.Context, id string) error {
 	return s.withLock(ctx, id, func(l *Locked) error { return l.Delete() })
 }

@@ -571,19 +571,14 @@ func (c *Claims) Reconcile(ctx context.Context) (*vmflowv1.ReconcileVGPUResult, 
 	}
 	claimed := heldDevices(recs, "", c.drv.Kind())
 	for _, r := range recs {
-		if !store.ClaimHeld(r) {
-			if store.IsDeleting(r) && store.VGPU(r) != nil {
-				// Released, but its delete may still wait out a backoff:
-				// the round that released it (this one's predecessor, or
-				// the delete's own) may have died before the wake-up was
-				// sent. Waking it again is harmless; never waking it
-				// leaves the record for up to 15 minutes.
-				res.RetriedDeletes = append(res.RetriedDeletes, r.GetId())
-			}
+		switch roundFor(r) {
+		case roundNone:
 			continue
-		}
-		if !store.IsDeleting(r) {
-			res.Skipped++ // a spawn or a restart owns it
+		case roundWake:
+			res.RetriedDeletes = append(res.RetriedDeletes, r.GetId())
+			continue
+		case roundOwned:
+			res.Skipped++
 			continue
 		}
 		released, dev, err := c.Release(ctx, r.GetId())
@@ -642,6 +637,38 @@ func (c *Claims) Reconcile(ctx context.Context) (*vmflowv1.ReconcileVGPUResult, 
 		return res, err
 	}
 	return res, nil
+}
+
+// roundAction is what a reconcile round does with one record's vGPU lease.
+type roundAction int
+
+const (
+	roundNone  roundAction = iota // no vGPU lease
+	roundOwned                    // held by a live instance: a spawn or a restart owns it
+	// roundWake: released, but its delete may still wait out a backoff:
+	// the round that released it (a predecessor, or the delete's own) may
+	// have died before the wake-up was sent. Waking it again is harmless;
+	// never waking it leaves the record for up to 15 minutes.
+	roundWake
+	roundRelease // held by a deleting instance: release it (if mayRelease)
+)
+
+// roundFor is the one reading, for Reconcile and Scan alike, of what a
+// round does with rec: only a delete's lease is ever released.
+func roundFor(rec *vmflowv1.InstanceRecord) roundAction {
+	l := store.VGPU(rec)
+	switch {
+	case l == nil:
+		return roundNone
+	case !store.IsDeleting(rec):
+		if store.LeaseHeld(l) {
+			return roundOwned
+		}
+		return roundNone
+	case store.LeaseHeld(l):
+		return roundRelease
+	}
+	return roundWake
 }
 
 // The ledger of devices seen unclaimed, and since when, survives agent

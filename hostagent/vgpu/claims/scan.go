@@ -57,15 +57,13 @@ func (c *Claims) Scan(ctx context.Context) (Work, error) {
 	}
 	w.UnreadableRecords = len(bad)
 	for _, r := range recs {
-		if !store.IsDeleting(r) || store.VGPU(r) == nil {
-			continue
-		}
-		if !store.ClaimHeld(r) {
+		switch roundFor(r) {
+		case roundWake:
 			w.Items = append(w.Items, "wake:"+r.GetId())
-			continue
-		}
-		if c.mayRelease(ctx, r, deviceOf(store.VGPU(r), c.drv.Kind()), holders) == nil {
-			w.Items = append(w.Items, "release:"+r.GetId())
+		case roundRelease:
+			if c.mayRelease(ctx, r, deviceOf(store.VGPU(r), c.drv.Kind()), holders) == nil {
+				w.Items = append(w.Items, "release:"+r.GetId())
+			}
 		}
 	}
 	if listErr == nil {
