@@ -496,10 +496,14 @@ func heldLease(step string, r *vmflowv1.InstanceRecord, name string) (*vmflowv1.
 }
 
 // LeaseReleasing marks the lease name's release under way (written before
-// the release's write to the kernel). Refused when the lease is not held.
+// the release's write to the kernel). Refused unless a delete began (only a
+// delete releases what an instance holds) and the lease is held.
 func LeaseReleasing(name string) Step {
 	const step = "lease releasing"
 	return Step{step, func(r *vmflowv1.InstanceRecord) error {
+		if !IsDeleting(r) {
+			return refuse(step, r, ErrIllegalTransition, "no delete has begun")
+		}
 		l, err := heldLease(step, r, name)
 		if err != nil {
 			return err

@@ -169,3 +169,15 @@ func TestRestartAttemptOnlyForExited(t *testing.T) {
 	applyTo(t, r, RestartAttempt(3))
 	assert.EqualValues(t, 3, r.GetRestartCount())
 }
+
+// TestLeaseReleasingOnlyInADelete: only a delete releases what an instance
+// holds; a lease of a live instance is refused its release step.
+func TestLeaseReleasingOnlyInADelete(t *testing.T) {
+	r := &vmflowv1.InstanceRecord{Id: "vm1", State: running,
+		Leases: []*vmflowv1.Lease{vgpuLease(&vmflowv1.VgpuLease{Uuid: "u1"}, vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE)}}
+	require.ErrorIs(t, applySteps([]Step{LeaseReleasing("vgpu:u1")})(r), ErrIllegalTransition)
+	r.State = deleting
+	require.ErrorIs(t, applySteps([]Step{LeaseReleasing("vgpu:other")})(r), ErrIllegalTransition, "no such lease")
+	applyTo(t, r, LeaseReleasing("vgpu:u1"))
+	assert.Equal(t, vmflowv1.ClaimPhase_CLAIM_PHASE_RELEASING, VGPU(r).GetPhase())
+}
