@@ -369,6 +369,7 @@ func TestClassify(t *testing.T) {
 		{vmm.ErrNoQEMUUID, workflows.ErrTypeHostMisconfigured, true},
 		{fmt.Errorf("launch: %w", store.ErrNoFreeUID), workflows.ErrTypeNoQEMUUID, false},
 		{fmt.Errorf("launch: %w: /etc/subuid line 1", store.ErrUIDRangeTaken), workflows.ErrTypeHostMisconfigured, true},
+		{fmt.Errorf("launch: %w: needs 1088 MiB", vmm.ErrMemlockLimit), workflows.ErrTypeHostMisconfigured, true},
 		{fmt.Errorf("create vm1: %w: 1024 bytes free", store.ErrDiskFull), workflows.ErrTypeAdmissionRefused, true},
 		{fmt.Errorf("delete vm1: %w", store.ErrProcessMayLive), workflows.ErrTypeStillAlive, false},
 		{syscall.EIO, workflows.ErrTypeHost, false},

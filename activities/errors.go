@@ -47,7 +47,7 @@ var classes = []struct {
 	{workflows.ErrTypeBusy, false, []error{store.ErrBusy}},
 	{workflows.ErrTypeStillAlive, false, []error{vmm.ErrStillAlive, supervise.ErrStillRunning, store.ErrProcessMayLive}},
 	{workflows.ErrTypeVGPUUnavailable, true, []error{spec.ErrNoVGPUDriver}},
-	{workflows.ErrTypeHostMisconfigured, true, []error{vmm.ErrKVMAccess, vmm.ErrNoQEMUUID, supervise.ErrNoSpec, store.ErrUIDRangeTaken}},
+	{workflows.ErrTypeHostMisconfigured, true, []error{vmm.ErrKVMAccess, vmm.ErrMemlockLimit, vmm.ErrNoQEMUUID, supervise.ErrNoSpec, store.ErrUIDRangeTaken}},
 	{workflows.ErrTypeNoQEMUUID, false, []error{store.ErrNoFreeUID}},
 	{workflows.ErrTypeLaunchFailed, false, []error{vmm.ErrLaunchExited, vmm.ErrLaunchTimeout}},
 	{workflows.ErrTypeClaimHeld, false, []error{store.ErrClaimHeld}},

@@ -237,6 +237,9 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 	if gpus == nil {
 		reportUnservedClaims(st, am, log)
 	}
+	if sd, ok := fdStore.(*vmm.SystemdFDStore); ok {
+		pruneFDStore(st, sd, log)
+	}
 	// Ready for systemd means supervising: re-attach is done, whatever
 	// Temporal's state or the state of single records (invariant 12).
 	tm.Readiness.Ready(readyReattach)
@@ -593,5 +596,36 @@ func scanForReconcile(ctx context.Context, scan func(context.Context) (claims.Wo
 			continue
 		}
 		log.Info("reconcile scan found work: reconcile triggered", zap.Strings("work", due))
+	}
+}
+
+// pruneFDStore drops the log pipes systemd kept for VMs whose records are
+// gone. A record that cannot be read keeps every pipe of its id (its uid
+// is unknown); a name that is not a vmflow log pipe is not this agent's to
+// drop.
+func pruneFDStore(st *store.Store, sd *vmm.SystemdFDStore, log *zap.Logger) {
+	recs, err := st.List()
+	bad, listed := store.Unreadable(err)
+	if !listed {
+		log.Error("fd store: cannot list the records; every stored log pipe is kept", zap.Error(err))
+		return
+	}
+	keep := map[string]bool{}
+	for _, r := range recs {
+		keep[vmm.LogFDName(r.GetId(), r.GetQemuUid())] = true
+	}
+	unreadable := map[string]bool{}
+	for _, b := range bad {
+		unreadable[b.ID] = true
+	}
+	dropped, err := sd.Prune(func(name string) bool {
+		id, ours := vmm.LogFDInstance(name)
+		return keep[name] || !ours || unreadable[id]
+	})
+	if len(dropped) > 0 {
+		log.Info("fd store: dropped the log pipes of instances that have no record", zap.Strings("fd_names", dropped))
+	}
+	if err != nil {
+		log.Warn("fd store: some log pipes could not be dropped; kept until the next start", zap.Error(err))
 	}
 }

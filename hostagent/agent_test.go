@@ -24,6 +24,8 @@ import (
 	"vmflow/hostagent/spec"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/supervise"
+	"vmflow/hostagent/vmm"
+	"vmflow/hostagent/vmm/vmmtest"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -196,4 +198,55 @@ func TestAgentRefusesInsecureTransportAndKeepsSupervising(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("the agent did not stop on cancel")
 	}
+}
+
+// At start the fd store loses the log pipes of instances without a record,
+// and keeps a recorded instance's, an unreadable record's (its uid is
+// unknown) and any name that is not a vmflow log pipe.
+func TestPruneFDStoreKeepsWhatRecordsName(t *testing.T) {
+	dir := t.TempDir()
+	st, err := store.New(dir)
+	require.NoError(t, err)
+	ctx := context.Background()
+	req := &vmflowv1.SpawnRequest{InstanceId: "live", Vcpus: 1, MemoryMib: 64, Machine: "none"}
+	for _, id := range []string{"live", "torn"} {
+		_, err = st.Create(ctx, &vmflowv1.InstanceRecord{Id: id, Spec: spec.RecordSpec(req)})
+		require.NoError(t, err)
+	}
+	l, err := st.Lock(ctx, "live")
+	require.NoError(t, err)
+	rec, err := l.AssignQEMUUID(ctx, store.UIDRange{First: 1900000001, Last: 1900000001},
+		func(context.Context) (map[uint32]bool, error) { return nil, nil })
+	require.NoError(t, err)
+	require.Equal(t, uint32(1900000001), rec.GetQemuUid())
+	l.Unlock()
+	p, err := st.Paths("torn")
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(p.Record, []byte(`{"id": "torn", "sp`), 0o600))
+
+	n := vmmtest.NewSystemd(t)
+	handed := map[string]*os.File{}
+	names := []string{vmm.LogFDName("live", 1900000001), vmm.LogFDName("live", 1900000002), vmm.LogFDName("torn", 1900000003),
+		vmm.LogFDName("deleted", 1900000001), "someone-else"}
+	for _, name := range names {
+		r, w, err := os.Pipe()
+		require.NoError(t, err)
+		t.Cleanup(func() { r.Close(); w.Close() })
+		handed[name] = r
+	}
+	sd := vmm.SystemdFDStoreFor(n.Path, handed)
+	core, logs := observer.New(zapcore.InfoLevel)
+	pruneFDStore(st, sd, zap.New(core))
+
+	dropped := []string{names[1], names[3]} // a uid the record does not have; no record
+	require.Eventually(t, func() bool { return len(n.Messages()) >= len(dropped) }, 5*time.Second, time.Millisecond)
+	assert.ElementsMatch(t, []string{"FDSTOREREMOVE=1\nFDNAME=" + dropped[0], "FDSTOREREMOVE=1\nFDNAME=" + dropped[1]}, n.Messages())
+	for _, name := range names {
+		if name == dropped[0] || name == dropped[1] {
+			assert.Nil(t, sd.Take(name), name)
+		} else {
+			assert.NotNil(t, sd.Take(name), name)
+		}
+	}
+	require.Equal(t, 1, logs.FilterMessageSnippet("dropped the log pipes").Len())
 }

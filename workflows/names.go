@@ -9,8 +9,6 @@
 package workflows
 
 import (
-	"regexp"
-
 	"go.temporal.io/sdk/temporal"
 
 	"vmflow/internal/contract"
@@ -181,7 +179,8 @@ const (
 	StageReconciled      = "reconciled"
 )
 
-var idPattern = regexp.MustCompile(contract.IDPattern)
+// idPattern is the id rule's text, for messages.
+const idPattern = contract.IDPattern
 
 // ValidID reports whether s is a valid instance or host id.
-func ValidID(s string) bool { return idPattern.MatchString(s) }
+func ValidID(s string) bool { return contract.ValidID(s) }

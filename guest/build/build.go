@@ -25,7 +25,7 @@ import (
 	"strings"
 	"time"
 
-	"golang.org/x/sys/unix"
+	"vmflow/internal/fsx"
 )
 
 // DefaultMetaPackage is Debian's meta package that depends on the current
@@ -139,11 +139,12 @@ func Build(ctx context.Context, opts Options) (Artifacts, error) {
 	if err := os.MkdirAll(b.dir, 0o755); err != nil {
 		return Artifacts{}, fmt.Errorf("guest build: %w", err)
 	}
-	unlock, err := lockDir(ctx, b.dir)
+	// Two builds of one cache (make guest beside a test) take turns.
+	lock, err := fsx.LockFile(ctx, filepath.Join(b.dir, ".lock"))
 	if err != nil {
-		return Artifacts{}, err
+		return Artifacts{}, fmt.Errorf("guest build: %w", err)
 	}
-	defer unlock()
+	defer lock.Release(false)
 	return b.build(ctx)
 }
 
@@ -617,31 +618,6 @@ func (b *builder) writeIfChanged(p string, data []byte, perm os.FileMode) error 
 	}
 	b.log.Info("written", "file", p, "bytes", len(data))
 	return nil
-}
-
-// lockDir takes an exclusive flock on dir/.lock, polling so the wait ends
-// with ctx (flock itself cannot be interrupted).
-func lockDir(ctx context.Context, dir string) (unlock func(), err error) {
-	f, err := os.OpenFile(filepath.Join(dir, ".lock"), os.O_CREATE|os.O_RDWR, 0o644)
-	if err != nil {
-		return nil, fmt.Errorf("guest build: lock: %w", err)
-	}
-	for {
-		err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
-		if err == nil {
-			return func() { f.Close() }, nil
-		}
-		if !errors.Is(err, unix.EWOULDBLOCK) {
-			f.Close()
-			return nil, fmt.Errorf("guest build: lock %s: %w", f.Name(), err)
-		}
-		select {
-		case <-ctx.Done():
-			f.Close()
-			return nil, fmt.Errorf("guest build: wait for lock %s: %w", f.Name(), ctx.Err())
-		case <-time.After(100 * time.Millisecond):
-		}
-	}
 }
 
 // run runs a command and returns its stdout; the error carries stderr.

@@ -3,7 +3,6 @@ package build
 import (
 	"archive/tar"
 	"bytes"
-	"context"
 	"os"
 	"path/filepath"
 	"testing"
@@ -186,20 +185,4 @@ func TestWriteIfChangedKeepsUnchangedFile(t *testing.T) {
 	entries, err := os.ReadDir(b.dir)
 	require.NoError(t, err)
 	assert.Len(t, entries, 1, "no temp files left")
-}
-
-func TestLockDirHonoursContext(t *testing.T) {
-	dir := t.TempDir()
-	unlock, err := lockDir(context.Background(), dir)
-	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(context.Background())
-	cancel()
-	// flock locks belong to the open file description: a second open in the
-	// same process conflicts, as another process would.
-	_, err = lockDir(ctx, dir)
-	require.ErrorIs(t, err, context.Canceled)
-	unlock()
-	unlock2, err := lockDir(context.Background(), dir)
-	require.NoError(t, err)
-	unlock2()
 }

@@ -72,20 +72,9 @@ func ScanFDs(ctx context.Context) (*FDScan, error) { return scanFDs(ctx, false) 
 // scanFDs is ScanFDs; everyTask reads every task's table, shared or not
 // (the benchmarks' baseline).
 func scanFDs(ctx context.Context, everyTask bool) (*FDScan, error) {
-	pids, err := os.ReadDir(procRoot)
-	if err != nil {
-		return nil, fmt.Errorf("scan descriptors: %w", err)
-	}
 	s := &FDScan{byTarget: map[string][]Holder{}, tables: map[int]int{}, everyTask: everyTask}
-	for _, e := range pids {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		if err := ctx.Err(); err != nil {
-			return nil, fmt.Errorf("scan descriptors: %w", err)
-		}
-		s.scanPID(pid)
+	if err := eachPID(ctx, func(pid int) error { s.scanPID(pid); return nil }); err != nil {
+		return nil, fmt.Errorf("scan descriptors: %w", err)
 	}
 	return s, nil
 }

@@ -52,29 +52,19 @@ func parseUIDs(pid int, status []byte) ([4]uint32, error) {
 // whose status cannot be read makes the scan fail (its uid is unknown, and
 // callers reuse a uid only when no process holds it).
 func UIDsInUse(ctx context.Context) (map[uint32]bool, error) {
-	ents, err := os.ReadDir(procRoot)
-	if err != nil {
-		return nil, fmt.Errorf("scan processes: %w", err)
-	}
 	used := map[uint32]bool{}
-	for _, e := range ents {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		if err := ctx.Err(); err != nil {
-			return nil, fmt.Errorf("scan processes: %w", err)
-		}
+	err := eachPID(ctx, func(pid int) error {
 		ids, err := ReadUIDs(pid)
-		if err != nil {
-			if errors.Is(err, ErrNotFound) {
-				continue
-			}
-			return nil, fmt.Errorf("scan processes: %w", err)
+		if errors.Is(err, ErrNotFound) {
+			return nil
 		}
 		for _, u := range ids {
 			used[u] = true
 		}
+		return err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("scan processes: %w", err)
 	}
 	return used, nil
 }

@@ -30,11 +30,20 @@ import (
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
-// Accepted values of the enum-like string fields.
+// The restart policies a record may name (supervise applies them); empty
+// is RestartNever.
+const (
+	RestartNever     = "never"
+	RestartOnFailure = "on-failure"
+	RestartAlways    = "always"
+)
+
+// Accepted values of the enum-like string fields. A spawn may not ask for
+// every machine vmm knows: pc is not offered.
 var (
-	Machines        = []string{"none", "q35", "microvm"}
-	Accels          = []string{"kvm", "tcg"}
-	RestartPolicies = []string{"never", "on-failure", "always"}
+	Machines        = []string{string(vmm.MachineNone), string(vmm.MachineQ35), string(vmm.MachineMicroVM)}
+	Accels          = []string{string(vmm.AccelKVM), string(vmm.AccelTCG)}
+	RestartPolicies = []string{RestartNever, RestartOnFailure, RestartAlways}
 )
 
 // ErrInvalid marks every admission failure; FieldError says which field.
@@ -219,7 +228,7 @@ func (h Host) admit(ctx context.Context, id, restartPolicy string, s *vmflowv1.V
 	}
 	oneOf("machine", s.GetMachine(), Machines, false)
 	oneOf("accel", s.GetAccel(), Accels, true)
-	if a := s.GetAccel(); (a == "" || a == "kvm") && h.KVM.Err != nil {
+	if a := s.GetAccel(); (a == "" || a == string(vmm.AccelKVM)) && h.KVM.Err != nil {
 		bad("accel", "KVM (what an empty accel means): %s; ask for accel \"tcg\" to run this VM without it (emulated: slower)",
 			noKVM(h.KVM.Err))
 	}
@@ -316,7 +325,7 @@ func InstanceUUID(instanceID string) string {
 func RecordSpec(req *vmflowv1.SpawnRequest) *vmflowv1.VMSpec {
 	accel := req.GetAccel()
 	if accel == "" {
-		accel = "kvm"
+		accel = string(vmm.AccelKVM)
 	}
 	return &vmflowv1.VMSpec{
 		Vcpus:       req.GetVcpus(),

@@ -1,8 +1,7 @@
 package store
 
 import (
-	"path/filepath"
-	"regexp"
+	"errors"
 	"strings"
 	"testing"
 	"time"
@@ -95,27 +94,19 @@ func TestClaimHeld(t *testing.T) {
 	assert.False(t, ClaimHeld(&vmflowv1.InstanceRecord{Leases: []*vmflowv1.Lease{released}}))
 }
 
-var idRE = regexp.MustCompile(contract.IDPattern)
-
+// Every invalid id is refused as ErrInvalidID (contract.FuzzCheckID holds
+// the rule itself).
 func FuzzValidateID(f *testing.F) {
-	for _, seed := range []string{"", "a", "vm1", "vm-1", "-a", "..", ".", "/", "a/b", "VM", "a\x00",
-		strings.Repeat("a", 63), strings.Repeat("a", 64), strings.Repeat("z", 200), "é", "a\n", "a-"} {
+	for _, seed := range []string{"", "a", "vm-1", "-a", "..", "a/b", "VM", strings.Repeat("z", 200)} {
 		f.Add(seed)
 	}
 	f.Fuzz(func(t *testing.T, id string) {
 		err := ValidateID(id)
-		if (err == nil) != idRE.MatchString(id) {
-			t.Fatalf("ValidateID(%q) = %v, regexp match = %v", id, err, idRE.MatchString(id))
+		if (err == nil) != contract.ValidID(id) {
+			t.Fatalf("ValidateID(%q) = %v, contract.ValidID = %v", id, err, contract.ValidID(id))
 		}
-		if err != nil {
-			if !strings.Contains(err.Error(), ErrInvalidID.Error()) {
-				t.Fatalf("error %q does not say invalid instance id", err)
-			}
-			return
-		}
-		// A valid id is one plain path component.
-		if filepath.Base(id) != id || filepath.Clean(id) != id || id == "." || id == ".." {
-			t.Fatalf("valid id %q is not a plain path component", id)
+		if err != nil && !errors.Is(err, ErrInvalidID) {
+			t.Fatalf("error %q is not ErrInvalidID", err)
 		}
 	})
 }

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"time"
 
+	"vmflow/hostagent/spec"
 	"vmflow/hostagent/store"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
@@ -15,14 +16,14 @@ type Policy string
 const (
 	// PolicyNever (the default, also for an empty field) leaves an exited VM
 	// Exited.
-	PolicyNever Policy = "never"
+	PolicyNever Policy = spec.RestartNever
 	// PolicyOnFailure restarts a VM that failed: exit code != 0, killed by a
 	// signal, or an unknown status (the exit was seen through a pidfd after
 	// an agent restart, so nobody knows how it ended). A clean exit 0 (the
 	// guest powered off) is not a failure.
-	PolicyOnFailure Policy = "on-failure"
+	PolicyOnFailure Policy = spec.RestartOnFailure
 	// PolicyAlways restarts after any exit.
-	PolicyAlways Policy = "always"
+	PolicyAlways Policy = spec.RestartAlways
 )
 
 // Defaults for the restart backoff: 1 s doubling, capped at 5 min.

@@ -391,7 +391,7 @@ func (s *Supervisor) jail(p store.Paths) *vmm.Jail {
 	if s.cfg.JailSetup == "" {
 		return nil
 	}
-	return &vmm.Jail{Setup: s.cfg.JailSetup, Dir: filepath.Join(p.Dir, "root")}
+	return &vmm.Jail{Setup: s.cfg.JailSetup, Dir: filepath.Join(p.Dir, "root"), DevRoot: s.cfg.DevRoot}
 }
 
 // vmmPaths maps the store's instance files to what QEMU uses.

@@ -55,6 +55,30 @@ func qemuEnv() []string { return []string{"PATH=" + qemuPath, "LC_ALL=C"} }
 // mode: root (uid 0) is refused too.
 var ErrNoQEMUUID = errors.New("qemu needs a uid of its own (not 0)")
 
+// ErrMemlockLimit: a VFIO VM needs more locked memory than the agent's own
+// hard RLIMIT_MEMLOCK, which its QEMU cannot exceed (raising it needs
+// CAP_SYS_RESOURCE, which the agent does not keep): the unit's
+// LimitMEMLOCK=infinity is missing.
+var ErrMemlockLimit = errors.New("the agent's hard RLIMIT_MEMLOCK is below what a VFIO VM pins (set LimitMEMLOCK=infinity)")
+
+// checkMemlock refuses limits whose memlock is past this process's own
+// hard limit: the launch would fail in the wrapper or the jail with no more
+// than "operation not permitted" in qemu.log.
+func checkMemlock(l Limits) error {
+	var own unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_MEMLOCK, &own); err != nil {
+		return fmt.Errorf("rlimits: memlock: %w", err)
+	}
+	return memlockFits(l, own)
+}
+
+func memlockFits(l Limits, own unix.Rlimit) error {
+	if own.Max != unix.RLIM_INFINITY && l.Memlock > own.Max {
+		return fmt.Errorf("%w: needs %d MiB, the hard limit is %d MiB", ErrMemlockLimit, l.Memlock>>20, own.Max>>20)
+	}
+	return nil
+}
+
 // ErrKVMAccess: /dev/kvm cannot be opened through its group, so a KVM
 // launch, exec'd unprivileged with that group as its only supplementary
 // group, would fail. Returned as a *KVMAccessError naming the mode.

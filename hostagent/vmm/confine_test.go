@@ -273,3 +273,20 @@ func TestUIDSeenHeld(t *testing.T) {
 	assert.True(t, used[0])
 	assert.False(t, used[uid+500_000], "a uid no process holds")
 }
+
+// A VFIO VM's memlock past the agent's own hard limit is refused before
+// anything is forked, naming the unit setting; within it, or unlimited, it
+// is not.
+func TestMemlockPastAgentLimitRefused(t *testing.T) {
+	vfio, err := LimitsFor(VMSpec{VCPUs: 1, MemoryMiB: 64, VFIO: []string{"/sys/bus/mdev/devices/x"}})
+	require.NoError(t, err)
+	err = memlockFits(vfio, unix.Rlimit{Cur: 8 << 20, Max: 8 << 20})
+	require.ErrorIs(t, err, ErrMemlockLimit)
+	assert.Contains(t, err.Error(), "LimitMEMLOCK=infinity")
+	assert.Contains(t, err.Error(), "needs 1088 MiB, the hard limit is 8 MiB")
+	assert.NoError(t, memlockFits(vfio, unix.Rlimit{Cur: 8 << 20, Max: unix.RLIM_INFINITY}))
+	assert.NoError(t, memlockFits(vfio, unix.Rlimit{Cur: 8 << 20, Max: vfio.Memlock}))
+	small, err := LimitsFor(VMSpec{VCPUs: 1, MemoryMiB: 64})
+	require.NoError(t, err)
+	assert.NoError(t, memlockFits(small, unix.Rlimit{Cur: 8 << 20, Max: 8 << 20}), "a VM without VFIO pins nothing past the default")
+}

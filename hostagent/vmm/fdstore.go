@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -46,7 +47,23 @@ type FDStore interface {
 // LogFDName is the store name of the log pipe of instance id's QEMU running
 // as uid (FDNAME: at most 255 characters, no ':' or control character; an
 // instance id is [a-z0-9._-]).
-func LogFDName(id string, uid uint32) string { return "vmflow-log." + CgroupName(id, uid) }
+func LogFDName(id string, uid uint32) string { return logFDPrefix + CgroupName(id, uid) }
+
+const logFDPrefix = "vmflow-log."
+
+// LogFDInstance is the instance id of a LogFDName, ok false for any other
+// name.
+func LogFDInstance(name string) (id string, ok bool) {
+	rest, ok := strings.CutPrefix(name, logFDPrefix)
+	i := strings.LastIndexByte(rest, '-')
+	if !ok || i <= 0 {
+		return "", false
+	}
+	if _, err := strconv.ParseUint(rest[i+1:], 10, 32); err != nil {
+		return "", false
+	}
+	return rest[:i], true
+}
 
 // SystemdFDStore is systemd's store, over the notify socket at Socket
 // ($NOTIFY_SOCKET), with the descriptors handed back at start.
@@ -121,8 +138,10 @@ func (s *SystemdFDStore) Store(name string, f *os.File) error {
 
 // Remove implements FDStore.
 func (s *SystemdFDStore) Remove(name string) error {
-	return s.notify("FDSTOREREMOVE=1\nFDNAME="+name, -1)
+	return s.notify(removeState(name), -1)
 }
+
+func removeState(name string) string { return "FDSTOREREMOVE=1\nFDNAME=" + name }
 
 // Take implements FDStore.
 func (s *SystemdFDStore) Take(name string) *os.File {
@@ -131,6 +150,32 @@ func (s *SystemdFDStore) Take(name string) *os.File {
 	f := s.handed[name]
 	delete(s.handed, name)
 	return f
+}
+
+// Prune drops from the store, and closes, every descriptor systemd handed
+// back that nobody has taken and keep does not claim: the log pipes of VMs
+// whose records are gone (deleted while no agent ran), which systemd would
+// otherwise hold, and this agent keep open, for the unit's whole life. It
+// returns the names dropped.
+func (s *SystemdFDStore) Prune(keep func(name string) bool) ([]string, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var dropped []string
+	var errs []error
+	for name, f := range s.handed {
+		if keep(name) {
+			continue
+		}
+		if err := s.notify(removeState(name), -1); err != nil {
+			errs = append(errs, err)
+			continue // still stored: kept open with it, tried again at the next start
+		}
+		f.Close()
+		delete(s.handed, name)
+		dropped = append(dropped, name)
+	}
+	slices.Sort(dropped)
+	return dropped, errors.Join(errs...)
 }
 
 // ErrFDName: a name systemd's store would refuse.

@@ -52,6 +52,9 @@ type Jail struct {
 	// Dir is an empty directory the root is mounted on (in the jail's own
 	// mount namespace only); the launch creates it.
 	Dir string
+	// DevRoot is where the host's VFIO nodes are (<DevRoot>/vfio/...);
+	// they appear in the jail at /dev/vfio/. Empty: /dev.
+	DevRoot string
 }
 
 // jailConfig is what the setup stage is told, as JSON in its argv (nothing
@@ -62,13 +65,15 @@ type jailConfig struct {
 	Groups   []uint32    `json:"groups"`
 	Binds    []string    `json:"binds"`     // files and folders bound read-only at their own paths
 	Symlinks [][2]string `json:"symlinks"`  // path, target: the host's links on the way to each bind (/lib64 -> usr/lib64)
-	Devices  []string    `json:"devices"`   // device nodes bound read-write under /dev
+	Devices  [][2]string `json:"devices"`   // host node, path in the jail under /dev: bound read-write
 	NFiles   int         `json:"n_files"`   // descriptors QEMU keeps: 0..NFiles-1
 	SyncFD   int         `json:"sync_fd"`   // read one byte from it before building the root
 	Limits   Limits      `json:"limits"`    //
 	Env      []string    `json:"env"`       // QEMU's whole environment
 	Hostname string      `json:"hostname"`  //
-	Sys      []string    `json:"sys_binds"` // sysfs paths QEMU reads (VFIO devices)
+	SysBinds []string    `json:"sys_binds"` // the claimed devices' own sysfs folders, read-only at their real paths
+	SysDirs  []string    `json:"sys_dirs"`  // empty folders their subsystem links resolve to
+	SysLinks [][2]string `json:"sys_links"` // path QEMU is given, its real folder
 }
 
 // qemuDataDirs are the folders QEMU 7.2 from Debian reads besides its
@@ -344,23 +349,23 @@ func buildRoot(cfg jailConfig) error {
 	}
 	// The binds are at real paths (no symlink on the way), so they go
 	// first; the links then lead to them.
-	for _, p := range cfg.Binds {
+	for _, p := range append(slices.Clone(cfg.Binds), cfg.SysBinds...) {
 		if err := bindInto(root, p, p, true, 0); err != nil {
 			return err
 		}
 	}
-	for _, l := range cfg.Symlinks {
+	for _, d := range cfg.SysDirs {
+		if err := os.MkdirAll(filepath.Join(root, d), 0o755); err != nil {
+			return fmt.Errorf("sysfs folder %s: %w", d, err)
+		}
+	}
+	for _, l := range append(slices.Clone(cfg.Symlinks), cfg.SysLinks...) {
 		at := filepath.Join(root, l[0])
 		if err := os.MkdirAll(filepath.Dir(at), 0o755); err != nil {
 			return fmt.Errorf("symlink %s: %w", l[0], err)
 		}
 		if err := os.Symlink(l[1], at); err != nil {
 			return fmt.Errorf("symlink %s: %w", l[0], err)
-		}
-	}
-	for _, p := range cfg.Sys {
-		if err := bindInto(root, p, p, true, 0); err != nil {
-			return err
 		}
 	}
 	dev := filepath.Join(root, "dev")
@@ -370,8 +375,8 @@ func buildRoot(cfg jailConfig) error {
 	if err := unix.Mount("vmflow-dev", dev, "tmpfs", unix.MS_NOSUID|unix.MS_NOEXEC, "mode=0755,size=64k"); err != nil {
 		return fmt.Errorf("tmpfs on /dev: %w", err)
 	}
-	for _, d := range append([]string{"/dev/null", "/dev/zero", "/dev/urandom"}, cfg.Devices...) {
-		if err := bindInto(root, d, d, false, unix.MS_NOSUID|unix.MS_NOEXEC); err != nil {
+	for _, d := range append([][2]string{{"/dev/null", "/dev/null"}, {"/dev/zero", "/dev/zero"}, {"/dev/urandom", "/dev/urandom"}}, cfg.Devices...) {
+		if err := bindInto(root, d[0], d[1], false, unix.MS_NOSUID|unix.MS_NOEXEC); err != nil {
 			return err
 		}
 	}
@@ -504,22 +509,26 @@ func (l *launch) jailCmd(j Jail, bin string, argv []string, limits Limits, files
 	}
 	if spec.Accel == AccelKVM {
 		cfg.Groups = append(cfg.Groups, c.KVM.GID)
-		cfg.Devices = append(cfg.Devices, DefaultKVMDevice)
+		cfg.Devices = append(cfg.Devices, [2]string{DefaultKVMDevice, DefaultKVMDevice})
 	}
 	if len(spec.VFIO) > 0 {
-		cfg.Devices = append(cfg.Devices, "/dev/vfio/vfio")
+		devRoot := j.DevRoot
+		if devRoot == "" {
+			devRoot = "/dev"
+		}
+		cfg.Devices = append(cfg.Devices, [2]string{filepath.Join(devRoot, "vfio", "vfio"), "/dev/vfio/vfio"})
 		for _, p := range spec.VFIO {
-			node, err := VFIOGroupNode("/dev", p)
+			node, err := VFIOGroupNode(devRoot, p)
 			if err != nil {
 				return nil, fmt.Errorf("jail: %w", err)
 			}
 			if node != "" {
-				cfg.Devices = append(cfg.Devices, node)
+				cfg.Devices = append(cfg.Devices, [2]string{node, filepath.Join("/dev/vfio", filepath.Base(node))})
 			}
 		}
-		// QEMU reads a device's iommu_group and more beneath /sys: the
-		// whole of it read-only, not yet narrowed to the claimed devices.
-		cfg.Sys = []string{"/sys"}
+		if cfg.SysBinds, cfg.SysDirs, cfg.SysLinks, err = sysView(spec.VFIO); err != nil {
+			return nil, fmt.Errorf("jail: %w", err)
+		}
 	}
 	r, w, err := os.Pipe()
 	if err != nil {
@@ -536,6 +545,33 @@ func (l *launch) jailCmd(j Jail, bin string, argv []string, limits Limits, files
 		ExtraFiles:  append(slices.Clone(files), r),
 		SysProcAttr: &syscall.SysProcAttr{Cloneflags: jailCloneflags},
 	}, nil
+}
+
+// sysView is the part of /sys a QEMU with these VFIO devices sees: each
+// device's own folder (QEMU stats it, reads its iommu_group link and
+// resolves its subsystem link to tell an mdev from a PCI function), the
+// path it was given linked to that folder, and an empty folder where the
+// subsystem link leads. Not the parent GPU, not sibling mdevs of other VMs,
+// not the rest of sysfs.
+func sysView(devices []string) (binds, dirs []string, links [][2]string, err error) {
+	for _, p := range devices {
+		real, err := filepath.EvalSymlinks(p)
+		if err != nil {
+			return nil, nil, nil, fmt.Errorf("device %s: %w", p, err)
+		}
+		binds = append(binds, real)
+		if real != p {
+			links = append(links, [2]string{p, real})
+		}
+		sub, err := filepath.EvalSymlinks(filepath.Join(real, "subsystem"))
+		switch {
+		case err == nil:
+			dirs = append(dirs, sub)
+		case !errors.Is(err, fs.ErrNotExist):
+			return nil, nil, nil, fmt.Errorf("device %s: subsystem: %w", p, err)
+		}
+	}
+	return binds, dirs, links, nil
 }
 
 var jailFilesCache sync.Map // QEMU binary path -> jailFileSet

@@ -189,6 +189,9 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 		return nil, fmt.Errorf("launch: %w", err)
 	}
 	limits, err := LimitsFor(cfg.Spec)
+	if err == nil {
+		err = checkMemlock(limits)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("launch: %w", err)
 	}

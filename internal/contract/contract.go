@@ -7,7 +7,10 @@
 // It imports nothing outside the standard library, so any package can.
 package contract
 
-import "time"
+import (
+	"fmt"
+	"time"
+)
 
 // DefaultTaskQueue is where the workflows run: the worker's --task-queue
 // and the agent's --workflow-task-queue (where its reconcile Schedule
@@ -18,10 +21,50 @@ const DefaultTaskQueue = "vmflow"
 // vmflow-host-<host_id>.
 const HostTaskQueuePrefix = DefaultTaskQueue + "-host-"
 
-// IDPattern is the shape of every instance and host id, checked by the
-// workflows' client before a workflow starts and by the agent's store
-// before any path is built from an id.
+// IDPattern is the shape of every instance and host id, checked (CheckID)
+// by the workflows before a workflow starts and by the agent's store before
+// any path is built from an id. Messages quote it.
 const IDPattern = `^[a-z0-9][a-z0-9-]{0,62}$`
+
+// MaxIDLen is the longest id: one leading character plus up to 62 more, so
+// an id is a valid DNS label and a short path component.
+const MaxIDLen = 63
+
+// CheckID returns nil for an id matching IDPattern and says why otherwise.
+// It is IDPattern checked by hand (no regexp on the store's hot path, and
+// none in workflow code); FuzzCheckID keeps the two equal. A valid id is
+// one plain path component: never "", "..", "a/b".
+func CheckID(id string) error {
+	if id == "" {
+		return fmt.Errorf("empty (must match %s)", IDPattern)
+	}
+	if len(id) > MaxIDLen {
+		return fmt.Errorf("%d bytes long, at most %d allowed (must match %s)", len(id), MaxIDLen, IDPattern)
+	}
+	for i := 0; i < len(id); i++ {
+		c := id[i]
+		switch {
+		case c >= 'a' && c <= 'z', c >= '0' && c <= '9':
+		case c == '-' && i > 0:
+		default:
+			return fmt.Errorf("%s has %q at byte %d (must match %s)", QuoteID(id), c, i, IDPattern)
+		}
+	}
+	return nil
+}
+
+// ValidID reports whether id matches IDPattern.
+func ValidID(id string) bool { return CheckID(id) == nil }
+
+// QuoteID quotes an id for a message, shortened so a hostile or mistaken
+// megabyte-long id does not flood the logs.
+func QuoteID(id string) string {
+	const show = 72
+	if len(id) > show {
+		return fmt.Sprintf("%q...", id[:show])
+	}
+	return fmt.Sprintf("%q", id)
+}
 
 // DefaultStateDir is the agent's --state-dir: instance records, QMP
 // sockets, guest logs, the vGPU ledger.

@@ -10,6 +10,8 @@ import (
 	"strconv"
 	"strings"
 	"sync/atomic"
+	"testing"
+	"time"
 
 	"vmflow/hostagent/proc/proctest"
 	"vmflow/hostagent/store"
@@ -68,6 +70,23 @@ func Build(ctx context.Context, out, pkg string, stamp *Stamp) error {
 		args = append(args, "-ldflags", strings.TrimSpace(string(b)))
 	}
 	return GoBuild(ctx, append(args, pkg)...)
+}
+
+// BuildCommand builds package pkg of this checkout ("./hostagent/vmm/
+// vmmtest/escapee") with ldflags into a short folder every uid may enter (a
+// launch runs it as a uid of its own) and returns the binary's path.
+func BuildCommand(tb testing.TB, pkg, ldflags string) string {
+	tb.Helper()
+	bin := filepath.Join(proctest.ShortDir(tb, "cmd"), filepath.Base(pkg))
+	if err := os.Chmod(filepath.Dir(bin), 0o755); err != nil {
+		tb.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	if err := GoBuild(ctx, "-o", bin, "-ldflags", ldflags, pkg); err != nil {
+		tb.Fatal(err)
+	}
+	return bin
 }
 
 // GoBuild runs go build with args in the module root.

@@ -16,15 +16,32 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"path/filepath"
+	"runtime"
 	"strings"
+	"syscall"
 	"time"
 )
 
 // Set by the test with -ldflags "-X main.tcpAddr=... -X main.otherRecord=...".
+// With sysfsdev set it tries only what a QEMU given that VFIO device reads
+// of /sys and /dev (and sibling, a device it was not given), then waits.
+// With zombieLeader set it tries nothing: its leader thread exits at once
+// and another thread writes a numbered line every 20 ms, as a QEMU whose
+// leader is a zombie while its vCPU threads still print.
 var (
-	tcpAddr     string
-	otherRecord string
+	tcpAddr      string
+	otherRecord  string
+	sysfsdev     string
+	sibling      string
+	zombieLeader string
 )
+
+func init() {
+	if zombieLeader != "" {
+		runtime.LockOSThread() // main runs on the leader thread, which it ends
+	}
+}
 
 func main() {
 	if os.Getenv("ESCAPEE_CHILD") != "" {
@@ -33,6 +50,24 @@ func main() {
 	}
 	go serveQMP()
 	say := func(format string, a ...any) { fmt.Printf("escapee "+format+"\n", a...) }
+	if zombieLeader != "" {
+		go func() {
+			runtime.LockOSThread()
+			for i := 0; ; i++ {
+				say("tick %d", i)
+				time.Sleep(20 * time.Millisecond)
+			}
+		}()
+		// exit(2) of the leader alone, not exit_group(2) (proctest's zombie
+		// helper does the same).
+		_, _, _ = syscall.Syscall(syscall.SYS_EXIT, 0, 0, 0)
+	}
+	if sysfsdev != "" {
+		trySys(say)
+		say("checks done")
+		time.Sleep(time.Hour)
+		return
+	}
 
 	if c, err := net.DialTimeout("tcp", tcpAddr, 2*time.Second); err != nil {
 		say("tcp %s: refused: %v", tcpAddr, err)
@@ -128,5 +163,39 @@ func serveQMP() {
 				fmt.Fprintf(c, `{"return": %s, "id": %s}`+"\n", ret, cmd.ID)
 			}
 		}()
+	}
+}
+
+// trySys reports what of sysfs and /dev/vfio the jail shows: its own
+// device (read, its iommu_group link, its subsystem resolved, a write),
+// another VM's device and the rest of sysfs.
+func trySys(say func(string, ...any)) {
+	read := func(what, p string) {
+		if b, err := os.ReadFile(p); err != nil {
+			say("%s: refused: %v", what, err)
+		} else {
+			say("%s: READ %s", what, strings.TrimSpace(string(b)))
+		}
+	}
+	read("sys own", filepath.Join(sysfsdev, "vendor"))
+	g, err := os.Readlink(filepath.Join(sysfsdev, "iommu_group"))
+	say("sys group: %s %v", g, err)
+	sub, err := filepath.EvalSymlinks(filepath.Join(sysfsdev, "subsystem"))
+	say("sys subsystem: %s %v", sub, err)
+	if err := os.WriteFile(filepath.Join(sysfsdev, "remove"), []byte("1"), 0o200); err != nil {
+		say("sys write: refused: %v", err)
+	} else {
+		say("sys write: WRITTEN")
+	}
+	read("sys sibling", filepath.Join(sibling, "vendor"))
+	read("sys cpus", "/sys/devices/system/cpu/online")
+	if ents, err := os.ReadDir("/dev/vfio"); err != nil {
+		say("dev vfio: %v", err)
+	} else {
+		var names []string
+		for _, e := range ents {
+			names = append(names, e.Name())
+		}
+		say("dev vfio: %s", strings.Join(names, " "))
 	}
 }
