@@ -14,7 +14,7 @@ WORKFLOWCHECK := $(BIN)/workflowcheck
 
 TEMPORAL_VERSION    := v1.5.1
 # The self-hosted server (the one CLI v1.5.1 embeds) and its SQL tool, for
-# the PostgreSQL backend of the tests (internal/devserver.StartPostgres) and
+# the PostgreSQL backend of the tests (testsupport/devserver.StartPostgres) and
 # make bench-fleet. The harness reads this version from the binary.
 TEMPORAL_SERVER_VERSION := v1.29.1
 TEMPORAL_SERVER   := $(BIN)/temporal-server

@@ -25,6 +25,7 @@ import (
 	"vmflow/hostagent/vmm"
 	"vmflow/internal/contract"
 	"vmflow/internal/crashpoint"
+	"vmflow/internal/errdefs"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 	"vmflow/workflows"
 )
@@ -503,7 +504,7 @@ func (a *Activities) TearDown(ctx context.Context, ref *vmflowv1.InstanceRef) er
 
 // errVGPUUnavailable: the instance holds a vGPU claim this agent has no
 // driver to serve.
-var errVGPUUnavailable = errors.New("vGPU claim cannot be served by this agent")
+var errVGPUUnavailable = errdefs.NoDriver.New("vGPU claim cannot be served by this agent")
 
 // DeleteRecord removes the instance record. The store refuses while it holds
 // any lease (invariant 1); a record already gone is success.

@@ -364,7 +364,17 @@ func TestClassify(t *testing.T) {
 		{supervise.ErrUnrecordedAmbiguous, workflows.ErrTypeAmbiguousQEMU, true},
 		{supervise.ErrStillRunning, workflows.ErrTypeStillAlive, false},
 		{claims.ErrClaimDeviceMissing, workflows.ErrTypeClaimDeviceMissing, false},
-		{vgpu.ErrRecordsUnreadable, workflows.ErrTypeHost, false},
+		{vgpu.ErrRecordsUnreadable, workflows.ErrTypeUnavailable, false},
+		{fmt.Errorf("%w: %w", spec.ErrAdmissionRefused, &spec.FieldError{Field: "disk", Reason: "gone"}), workflows.ErrTypeAdmissionRefused, true},
+		{fmt.Errorf("instance vm1: %w: record unreadable: %w", supervise.ErrNotRunningAsAsked, store.ErrInvalidRecord), workflows.ErrTypeInstanceExists, true},
+		{fmt.Errorf("release: %w", claims.ErrVMAlive), workflows.ErrTypeStillAlive, false},
+		{fmt.Errorf("release: %w", vgpu.ErrInvalid), workflows.ErrTypeInternal, false},
+		{&store.TransitionError{}, workflows.ErrTypeInternal, false},
+		{fmt.Errorf("stop: %w", vmm.ErrMonitorClosed), workflows.ErrTypeUnavailable, false},
+		{fmt.Errorf("stop: %w", proc.ErrNotFound), workflows.ErrTypeNotFound, false},
+		// A hook names the step; its cause gives the class, or none.
+		{fmt.Errorf("launch: OnStarted: %w: %w", vmm.ErrHook, store.ErrDiskFull), workflows.ErrTypeAdmissionRefused, true},
+		{fmt.Errorf("launch: OnStarted: %w: %w", vmm.ErrHook, syscall.EIO), workflows.ErrTypeHost, false},
 		{fmt.Errorf("launch: %w", &vmm.KVMAccessError{Path: "/dev/kvm", Mode: 0o600}), workflows.ErrTypeHostMisconfigured, true},
 		{vmm.ErrNoQEMUUID, workflows.ErrTypeHostMisconfigured, true},
 		{fmt.Errorf("launch: %w", store.ErrNoFreeUID), workflows.ErrTypeNoQEMUUID, false},
@@ -385,6 +395,10 @@ func TestClassify(t *testing.T) {
 	assert.NoError(t, classify(nil))
 	assert.Equal(t, "EBUSY", errnoName(syscall.EBUSY))
 	assert.Equal(t, "vm_alive", errnoName(claims.ErrVMAlive))
+	assert.Equal(t, workflows.ErrTypeReleaseFailed, appError(t, retype(classify(syscall.EBUSY), workflows.ErrTypeReleaseFailed)).Type(),
+		"an error from outside becomes the release's own type")
+	assert.Equal(t, workflows.ErrTypeBusy, appError(t, retype(classify(store.ErrBusy), workflows.ErrTypeReleaseFailed)).Type(),
+		"a classified one keeps its class's")
 }
 
 func TestStepNeeded(t *testing.T) {

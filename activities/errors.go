@@ -6,58 +6,16 @@ import (
 
 	"go.temporal.io/sdk/temporal"
 
-	"vmflow/hostagent/proc"
-	"vmflow/hostagent/spec"
-	"vmflow/hostagent/store"
-	"vmflow/hostagent/supervise"
 	"vmflow/hostagent/vgpu"
 	"vmflow/hostagent/vgpu/claims"
-	"vmflow/hostagent/vmm"
+	"vmflow/internal/errdefs"
 	"vmflow/workflows"
 )
 
-// classes is the one list of the host's sentinel errors and the error type
-// (workflows' list) each becomes at the activity edge, in the order
-// classify tries them: the first class with a sentinel the error wraps
-// wins. Invalid input, a stranger's pid, an unreadable record or a host
-// that cannot run the launch can never succeed, so they are non-retryable;
-// everything else retries, typed so an operator can tell a busy instance
-// from a GPU that will not let go.
-var classes = []struct {
-	typ          string
-	nonRetryable bool
-	errs         []error
-}{
-	// Before ErrInvalid, which its field errors also match: a launch
-	// refused by the host's policy, not a bad request.
-	// A full state file system refuses a spawn the same way: nothing was
-	// created, and retrying would only wait for space someone else frees.
-	{workflows.ErrTypeAdmissionRefused, true, []error{spec.ErrAdmissionRefused, store.ErrDiskFull}},
-	{workflows.ErrTypeInvalidInput, true, []error{spec.ErrInvalid, store.ErrInvalidID, vmm.ErrInvalidSpec, store.ErrRecordTooLarge}},
-	{workflows.ErrTypeConflict, true, []error{store.ErrConflict}},
-	{workflows.ErrTypeInstanceDeleting, true, []error{store.ErrDeleting, supervise.ErrManualStop}},
-	{workflows.ErrTypeManualStopMissing, true, []error{store.ErrManualStopMissing}},
-	{workflows.ErrTypeIdentityMismatch, true, []error{proc.ErrIncompleteIdentity}},
-	// A record that cannot be read stays unreadable until an operator
-	// repairs it; retrying forever would only hide it.
-	{workflows.ErrTypeRecordUnreadable, true, []error{store.ErrInvalidRecord}},
-	{workflows.ErrTypeVGPUUnavailable, true, []error{errVGPUUnavailable}},
-	{workflows.ErrTypeDeviceClaimedTwice, true, []error{vgpu.ErrClaimedByOther}},
-	{workflows.ErrTypeAmbiguousQEMU, true, []error{supervise.ErrUnrecordedAmbiguous}},
-	{workflows.ErrTypeBusy, false, []error{store.ErrBusy}},
-	{workflows.ErrTypeStillAlive, false, []error{vmm.ErrStillAlive, supervise.ErrStillRunning, store.ErrProcessMayLive}},
-	{workflows.ErrTypeVGPUUnavailable, true, []error{spec.ErrNoVGPUDriver}},
-	{workflows.ErrTypeHostMisconfigured, true, []error{vmm.ErrKVMAccess, vmm.ErrMemlockLimit, vmm.ErrNoQEMUUID, supervise.ErrNoSpec, store.ErrUIDRangeTaken}},
-	{workflows.ErrTypeNoQEMUUID, false, []error{store.ErrNoFreeUID}},
-	{workflows.ErrTypeLaunchFailed, false, []error{vmm.ErrLaunchExited, vmm.ErrLaunchTimeout}},
-	{workflows.ErrTypeClaimHeld, false, []error{store.ErrClaimHeld}},
-	{workflows.ErrTypeNoCapacity, false, []error{vgpu.ErrNoCapacity}},
-	{workflows.ErrTypeClaimDeviceMissing, false, []error{claims.ErrClaimDeviceMissing, claims.ErrClaimNotActive}},
-}
-
 // classify turns a host error into a Temporal application error of its
-// class (classes; a retryable HostError for none). This is the only place
-// where host errors meet Temporal.
+// class's type and retryability (workflows.ErrorType; a retryable HostError
+// for an error of no class, one from outside the host's code). This is the
+// only place where host errors meet Temporal.
 func classify(err error) error {
 	if err == nil {
 		return nil
@@ -66,20 +24,12 @@ func classify(err error) error {
 	if errors.As(err, &appErr) {
 		return err
 	}
-	typ, nonRetryable := workflows.ErrTypeHost, false
-find:
-	for _, c := range classes {
-		for _, sentinel := range c.errs {
-			if errors.Is(err, sentinel) {
-				typ, nonRetryable = c.typ, c.nonRetryable
-				break find
-			}
-		}
-	}
+	c := errdefs.ClassOf(err)
 	// The message carries the whole chain's text once. No Cause: the SDK
 	// would serialise every wrapped Go error as a failure of its own, and
 	// the CLI and Web UI would print the same text four or five times.
-	return temporal.NewApplicationErrorWithOptions(err.Error(), typ, temporal.ApplicationErrorOptions{NonRetryable: nonRetryable})
+	return temporal.NewApplicationErrorWithOptions(err.Error(), workflows.ErrorType(c),
+		temporal.ApplicationErrorOptions{NonRetryable: c != nil && !c.Retryable()})
 }
 
 // errnoName is the errno of a failed release for the metric label, or

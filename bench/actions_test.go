@@ -12,9 +12,9 @@ import (
 	"go.temporal.io/sdk/client"
 	"go.temporal.io/sdk/converter"
 
-	"vmflow/hostagent/cli"
+	"vmflow/daemon/agent"
 	"vmflow/hostagent/vgpu/vgpusim"
-	"vmflow/internal/devserver"
+	"vmflow/testsupport/devserver"
 	"vmflow/workflows"
 )
 
@@ -244,7 +244,7 @@ func actionsPerHost(t *testing.T) string {
 		t.Fatal(err)
 	}
 	perDay := func(inWindow float64) float64 { return inWindow * float64(24*time.Hour) / float64(window) }
-	runsPerDay := float64(24*time.Hour) / float64(cli.DefaultReconcileEvery)
+	runsPerDay := float64(24*time.Hour) / float64(agent.DefaultReconcileEvery)
 	afterDay := perDay(idleAfter) + runsPerDay*reconcile.server
 	beforeDay := perDay(idleBefore)
 
@@ -254,7 +254,7 @@ func actionsPerHost(t *testing.T) string {
 	out += tab.Markdown() + "\n"
 	idle := Table{Header: []string{"idle host", "server actions in the window", "per day (window scaled, plus schedule runs)"}}
 	idle.Add(fmt.Sprintf("before: reconcile Schedule every minute (%s window)", window), fmt.Sprintf("%.0f", idleBefore), fmt.Sprintf("%.0f", beforeDay))
-	idle.Add(fmt.Sprintf("after: local scan every minute, Schedule every %s (%s window, plus %.0f run/day × %.0f)", cli.DefaultReconcileEvery, window, runsPerDay, reconcile.server),
+	idle.Add(fmt.Sprintf("after: local scan every minute, Schedule every %s (%s window, plus %.0f run/day × %.0f)", agent.DefaultReconcileEvery, window, runsPerDay, reconcile.server),
 		fmt.Sprintf("%.0f", idleAfter), fmt.Sprintf("%.0f", afterDay))
 	out += idle.Markdown() + "\n"
 	fleet := Table{Header: []string{"idle fleet", "actions per day", fmt.Sprintf("steady actions per second (namespace default limit %d)", namespaceAPSLimit)}}

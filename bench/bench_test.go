@@ -11,7 +11,7 @@ import (
 	"time"
 
 	"vmflow/hostagent/vmm"
-	"vmflow/internal/stacktest"
+	"vmflow/testsupport/stacktest"
 )
 
 // section is one table of the report: it measures, then returns its

@@ -16,7 +16,7 @@ import (
 
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/proc/proctest"
-	"vmflow/internal/stacktest"
+	"vmflow/testsupport/stacktest"
 )
 
 // detector waits, its own way, until it believes the process is gone.

@@ -10,7 +10,7 @@ import (
 	"testing"
 	"time"
 
-	"vmflow/internal/devserver"
+	"vmflow/testsupport/devserver"
 	"vmflow/workflows"
 )
 

@@ -15,9 +15,9 @@ import (
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/spec"
 	"vmflow/hostagent/vmm"
-	"vmflow/internal/stacktest"
 	"vmflow/platform"
 	vmflowv1 "vmflow/proto/vmflow/v1"
+	"vmflow/testsupport/stacktest"
 )
 
 // The hot functions below had no benchmark in their own packages; they are

@@ -14,7 +14,7 @@ import (
 	"time"
 
 	"vmflow/hostagent/proc/proctest"
-	"vmflow/internal/stacktest"
+	"vmflow/testsupport/stacktest"
 	"vmflow/workflows"
 )
 

@@ -14,8 +14,8 @@ import (
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vgpu/vgpusim"
 	"vmflow/hostagent/vgpu/vgpusim/simtest"
-	"vmflow/internal/devserver"
-	"vmflow/internal/stacktest"
+	"vmflow/testsupport/devserver"
+	"vmflow/testsupport/stacktest"
 	"vmflow/workflows"
 )
 

@@ -19,7 +19,7 @@ import (
 	"vmflow/hostagent/proc/proctest"
 	"vmflow/hostagent/vmm"
 	"vmflow/hostagent/vmm/vmmtest"
-	"vmflow/internal/stacktest"
+	"vmflow/testsupport/stacktest"
 )
 
 // vmKind is one VM type of the stop table.

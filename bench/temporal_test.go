@@ -16,8 +16,8 @@ import (
 	"google.golang.org/grpc/status"
 
 	"vmflow/hostagent/vmm/vmmtest"
-	"vmflow/internal/stacktest"
 	vmflowv1 "vmflow/proto/vmflow/v1"
+	"vmflow/testsupport/stacktest"
 	"vmflow/workflows"
 )
 
@@ -236,7 +236,7 @@ func throughTemporal(t *testing.T) string {
 	b.WriteString(tab.Markdown() + "\n")
 	b.WriteString("Where the orchestration time goes (medians; from the same histories): each activity result costs a workflow task on the worker and a dispatch of the next activity to the agent, each with its history writes on the dev server's SQLite.\n\n")
 	b.WriteString(split.Markdown() + "\n")
-	fmt.Fprintf(&b, "Reading: orchestration costs about %s ms per workflow task on the default dev server and %s ms with WAL (median over the rows above). SpawnInstance has 3–4 activities and DeleteInstance 6, one workflow task after each, so their orchestration is that many round trips. Section 4's CPU table shows the dev server, not vmflow's worker or agent, doing that work; the WAL rows show it waits on SQLite's fsyncs. Acted on: `internal/devserver` and `make dev` now run SQLite in WAL mode. Production runs a Temporal cluster, whose persistence is not SQLite.\n\n",
+	fmt.Fprintf(&b, "Reading: orchestration costs about %s ms per workflow task on the default dev server and %s ms with WAL (median over the rows above). SpawnInstance has 3–4 activities and DeleteInstance 6, one workflow task after each, so their orchestration is that many round trips. Section 4's CPU table shows the dev server, not vmflow's worker or agent, doing that work; the WAL rows show it waits on SQLite's fsyncs. Acted on: `testsupport/devserver` and `make dev` now run SQLite in WAL mode. Production runs a Temporal cluster, whose persistence is not SQLite.\n\n",
 		MS(Summarize(perTask[devDefault.name]).Median), MS(Summarize(perTask[sqliteWAL.name]).Median))
 	b.WriteString("Where the host-agent time goes (median per activity):\n\n")
 	b.WriteString(acts.Markdown() + "\n")

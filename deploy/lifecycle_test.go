@@ -16,9 +16,9 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"vmflow/internal/devserver"
 	"vmflow/internal/service"
-	"vmflow/internal/stacktest"
+	"vmflow/testsupport/devserver"
+	"vmflow/testsupport/stacktest"
 )
 
 // unitDuration parses the systemd time spans the units use ("30s", "5min").

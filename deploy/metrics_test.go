@@ -20,8 +20,8 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"vmflow/internal/devserver"
-	"vmflow/internal/stacktest"
+	"vmflow/testsupport/devserver"
+	"vmflow/testsupport/stacktest"
 )
 
 // buildBinary builds one of the module's commands ("./worker") into dir

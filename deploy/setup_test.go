@@ -14,8 +14,8 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.temporal.io/api/operatorservice/v1"
 
-	"vmflow/internal/devserver"
 	"vmflow/internal/tclient"
+	"vmflow/testsupport/devserver"
 )
 
 // cliEnv is the environment for scripts and runbook lines that run the

@@ -13,7 +13,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"vmflow/hostagent/cli"
+	"vmflow/daemon/agent"
 )
 
 // unitKeys reads a unit file into section -> key -> values (a key may
@@ -112,7 +112,7 @@ func TestEnvFilesDocumentEverySetting(t *testing.T) {
 // it is written down.
 func TestHostAgentEnvDocumentsEveryFlag(t *testing.T) {
 	var usage bytes.Buffer
-	_, err := cli.ParseRun([]string{"-h"}, &usage)
+	_, err := agent.ParseFlags([]string{"-h"}, &usage)
 	require.Error(t, err)
 	names := regexp.MustCompile(`(?m)^\s+-([a-z-]+)`).FindAllStringSubmatch(usage.String(), -1)
 	require.NotEmpty(t, names)

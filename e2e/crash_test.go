@@ -21,8 +21,8 @@ import (
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vgpu/vgpusim"
 	"vmflow/internal/crashpoint"
-	"vmflow/internal/stacktest"
 	vmflowv1 "vmflow/proto/vmflow/v1"
+	"vmflow/testsupport/stacktest"
 	"vmflow/workflows"
 )
 

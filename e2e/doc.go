@@ -1,5 +1,5 @@
 // Package e2e holds vmflow's end-to-end tests: a real Temporal dev server
-// (internal/devserver), the real vmflow-worker and vmflow-hostagent binaries
+// (testsupport/devserver), the real vmflow-worker and vmflow-hostagent binaries
 // as subprocesses, real QEMU (the small Debian guest under TCG, or
 // -machine none under KVM), the FUSE vGPU simulator and, for the Web UI,
 // Debian's Chromium driven by chromedp. Each test asserts on the host (QEMU

@@ -16,8 +16,8 @@ import (
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vgpu/vgpusim"
-	"vmflow/internal/devserver"
 	vmflowv1 "vmflow/proto/vmflow/v1"
+	"vmflow/testsupport/devserver"
 	"vmflow/workflows"
 )
 

@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"vmflow/hostagent/proc/proctest"
 )
 
 // A full state file system never blocks a delete (invariant 14). With the
@@ -19,9 +21,7 @@ import (
 func TestDeleteOnFullStateFS(t *testing.T) {
 	timeTest(t)
 	requireQEMU(t)
-	if os.Geteuid() != 0 {
-		t.Skip("mounting a small file system needs root")
-	}
+	proctest.RequiresRoot(t, "mounting a small file system")
 	e := newEnv(t, envOptions{stateFS: 16 << 20})
 	id := "e2e-full-" + suffix(t)
 	e.spawn(e.noneSpawn(id, false))

@@ -28,10 +28,10 @@ import (
 	"vmflow/hostagent/vgpu/vgpusim"
 	"vmflow/hostagent/vgpu/vgpusim/simtest"
 	"vmflow/hostagent/vmm/vmmtest"
-	"vmflow/internal/devserver"
-	"vmflow/internal/stacktest"
 	"vmflow/platform"
 	vmflowv1 "vmflow/proto/vmflow/v1"
+	"vmflow/testsupport/devserver"
+	"vmflow/testsupport/stacktest"
 	"vmflow/workflows"
 )
 

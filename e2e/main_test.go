@@ -9,8 +9,8 @@ import (
 	"time"
 
 	"vmflow/hostagent/proc/proctest"
-	"vmflow/internal/devserver"
-	"vmflow/internal/stacktest"
+	"vmflow/testsupport/devserver"
+	"vmflow/testsupport/stacktest"
 )
 
 // TestMain makes the test process a child subreaper before any test starts

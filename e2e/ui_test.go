@@ -16,7 +16,7 @@ import (
 	enumspb "go.temporal.io/api/enums/v1"
 
 	"vmflow/hostagent/vgpu/vgpusim"
-	"vmflow/internal/devserver"
+	"vmflow/testsupport/devserver"
 	"vmflow/workflows"
 )
 
@@ -47,7 +47,7 @@ func newBrowser(t *testing.T, out string) *browser {
 	opts := append(chromedp.DefaultExecAllocatorOptions[:],
 		chromedp.ExecPath(bin),
 		// Root in a sandbox-less container; no GPU; nothing but the
-		// loopback UI (FACTS.md: the flags Chromium needs here).
+		// loopback UI: the flags Chromium needs to run as root here.
 		chromedp.NoSandbox,
 		chromedp.DisableGPU,
 		chromedp.Flag("disable-quic", true),

@@ -22,7 +22,7 @@ import (
 // same JSON a person would type. Decoding into a proto message is strict:
 // unknown keys and camelCase spellings are errors that name the key. The
 // SDK's default converter decodes json/plain with encoding/json, which drops
-// a misspelled key silently (FACTS.md), and protojson on its own accepts the
+// a misspelled key silently (measured with SDK v1.51.0), and protojson on its own accepts the
 // camelCase json_name as well as the proto name, so neither is enough alone.
 //
 // It also decodes what Temporal's official SDKs send with their default

@@ -1,178 +1,20 @@
-// Command vmflow-worker runs vmflow's workflows. main is wiring only: flags,
-// logger, metrics, the Temporal client, registration, and a clean stop on
-// SIGTERM.
+// Command vmflow-worker runs vmflow's workflows. main is wiring only: the
+// worker is daemon/worker.
 package main
 
 import (
 	"context"
-	"errors"
-	"flag"
-	"fmt"
 	"os"
 	"os/signal"
 	"syscall"
-	"time"
 
-	"go.temporal.io/sdk/client"
-	"go.temporal.io/sdk/worker"
-	"go.uber.org/zap"
-
-	"vmflow/internal/service"
-	"vmflow/internal/tclient"
-	"vmflow/platform"
-	"vmflow/workflows"
+	"vmflow/daemon"
+	"vmflow/daemon/worker"
 )
 
 func main() {
-	os.Exit(run())
-}
-
-// workerOptions are the SDK worker's options. With --versioning the worker
-// joins its deployment version; each workflow's versioning behaviour is set
-// where it is registered (workflows.Register), so no default is given: a
-// workflow registered without one makes the SDK refuse it at registration
-// rather than run with a behaviour nobody chose.
-func workerOptions(cfg config) worker.Options {
-	// WorkerStopTimeout: on SIGTERM the SDK stops polling and lets running
-	// tasks finish for this long before it cancels them (0 cancels at once).
-	o := worker.Options{WorkerStopTimeout: cfg.StopTimeout}
-	if cfg.Versioning {
-		o.DeploymentOptions = worker.DeploymentOptions{UseVersioning: true, Version: cfg.Deployment}
-	}
-	return o
-}
-
-// reportRouting logs, once the server knows this version, whether it is the
-// deployment's current version: a version that is not current gets no
-// workflow tasks, and the log says which command makes it current. Only a
-// log line; the worker polls either way.
-func reportRouting(ctx context.Context, c client.Client, v worker.WorkerDeploymentVersion, log *zap.Logger) {
-	log = log.With(zap.String("deployment_name", v.DeploymentName), zap.String("build_id", v.BuildID))
-	ctx, cancel := context.WithTimeout(ctx, time.Minute)
-	defer cancel()
-	h := c.WorkerDeploymentClient().GetHandle(v.DeploymentName)
-	tick := time.NewTicker(2 * time.Second)
-	defer tick.Stop()
-	for {
-		d, err := h.Describe(ctx, client.WorkerDeploymentDescribeOptions{})
-		if err == nil && knowsVersion(d.Info, v) {
-			cur := d.Info.RoutingConfig.CurrentVersion
-			switch {
-			case cur != nil && *cur == v:
-				log.Info("worker deployment: this build is the current version")
-			default:
-				current := "unversioned workers"
-				if cur != nil {
-					current = cur.BuildID
-				}
-				log.Warn("worker deployment: this build is not the current version and gets no workflow tasks until it is made current",
-					zap.String("current", current),
-					zap.String("make_current", fmt.Sprintf("temporal worker deployment set-current-version --deployment-name %s --build-id %s", v.DeploymentName, v.BuildID)))
-			}
-			return
-		}
-		select {
-		case <-ctx.Done():
-			log.Warn("worker deployment: could not read the deployment's routing", zap.Error(err))
-			return
-		case <-tick.C:
-		}
-	}
-}
-
-func knowsVersion(d client.WorkerDeploymentInfo, v worker.WorkerDeploymentVersion) bool {
-	for _, s := range d.VersionSummaries {
-		if s.Version == v {
-			return true
-		}
-	}
-	return false
-}
-
-func run() int {
-	cfg, err := parseConfig(os.Args[1:], os.Stderr)
-	if errors.Is(err, flag.ErrHelp) {
-		return 0
-	}
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "vmflow-worker:", err)
-		return 2
-	}
-	if cfg.Version {
-		fmt.Fprintln(os.Stdout, service.Info().String("vmflow-worker"))
-		return 0
-	}
-	log, err := tclient.NewLogger(cfg.LogLevel)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "vmflow-worker:", err)
-		return 2
-	}
-	defer func() { _ = log.Sync() }()
-	log.Info("vmflow-worker starting", service.Info().Fields()...)
-
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-
-	metrics, err := tclient.NewMetrics(tclient.WithMetricsLogger(log))
-	if err != nil {
-		log.Error("metrics", zap.Error(err))
-		return 1
-	}
-	metrics.Readiness.NotReady("worker", "the Temporal worker has not started")
-	// The SDK labels metrics with workflow and activity names callers
-	// choose: only vmflow's keep theirs.
-	metrics.AllowTypes(workflows.WorkflowNames, workflows.HostActivityNames)
-	// The metrics server outlives ctx (SIGTERM): it serves until run
-	// returns, through the graceful stop.
-	life, endLife := context.WithCancel(context.Background())
-	defer endLife()
-	if cfg.MetricsAddr != "" {
-		go func() {
-			if err := metrics.Serve(life, cfg.MetricsAddr); err != nil {
-				log.Error("metrics server stopped", zap.Error(err))
-			}
-		}()
-	}
-
-	topts := platform.Options{Logger: log, MetricsHandler: metrics.SDKHandler(), HostPort: cfg.Address, Namespace: cfg.Namespace,
-		Insecure: cfg.Insecure}
-	copts, err := platform.ClientOptions(topts)
-	if err != nil {
-		log.Error("temporal configuration", zap.Error(err))
-		return 2
-	}
-	ns := copts.Namespace
-	if ns == "" {
-		ns = client.DefaultNamespace
-	}
-	c, err := platform.Dial(ctx, topts)
-	if err != nil {
-		log.Error("connect to Temporal", zap.Error(err))
-		return 1
-	}
-	defer c.Close()
-	if err := tclient.EnsureSearchAttributes(ctx, c, ns, tclient.SearchAttributes()); err != nil {
-		// Workflows upsert these; without them every workflow task fails.
-		log.Error("search attributes", zap.Error(err), zap.String("namespace", ns))
-		return 1
-	}
-
-	w := worker.New(c, cfg.TaskQueue, workerOptions(cfg))
-	workflows.New(cfg.Workflows).Register(w)
-	if err := w.Start(); err != nil {
-		log.Error("start worker", zap.Error(err), zap.String("task_queue", cfg.TaskQueue))
-		return 1
-	}
-	metrics.Readiness.Ready("worker")
-	log.Info("worker running", zap.String("task_queue", cfg.TaskQueue), zap.String("namespace", ns),
-		zap.Duration("release_backoff", cfg.Workflows.ReleaseBackoff), zap.Bool("versioning", cfg.Versioning),
-		zap.String("deployment_name", cfg.Deployment.DeploymentName), zap.String("build_id", cfg.Deployment.BuildID))
-	if cfg.Versioning {
-		go reportRouting(ctx, c, cfg.Deployment, log)
-	}
-	<-ctx.Done()
-	metrics.Readiness.NotReady("stopping", "stopping: running tasks finish, no new ones are taken")
-	log.Info("stopping worker: no new tasks, running ones may finish", zap.Duration("stop_timeout", cfg.StopTimeout))
-	w.Stop()
-	return 0
+	code := daemon.Main(ctx, "vmflow-worker", os.Args[1:], worker.ParseFlags, worker.Run)
+	stop()
+	os.Exit(code)
 }

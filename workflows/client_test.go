@@ -10,8 +10,8 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.temporal.io/sdk/temporal"
 
-	"vmflow/internal/devserver"
 	vmflowv1 "vmflow/proto/vmflow/v1"
+	"vmflow/testsupport/devserver"
 )
 
 // scriptedHost answers the host activities like a healthy host, except that

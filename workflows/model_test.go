@@ -31,8 +31,8 @@ import (
 	"google.golang.org/protobuf/proto"
 	"pgregory.net/rapid"
 
-	"vmflow/internal/devserver"
 	vmflowv1 "vmflow/proto/vmflow/v1"
+	"vmflow/testsupport/devserver"
 )
 
 // A model of DeleteInstance: rapid draws a host (who created the record,

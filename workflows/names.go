@@ -73,9 +73,9 @@ var HostActivityNames = []string{
 }
 
 // Error types: the Type of every application error a host activity
-// returns (activities.classify sets them), which the workflows branch on
-// and the Web UI shows. This is the one list. A host error of no class
-// here is HostError, retryable.
+// returns, which the workflows branch on and the Web UI shows. Each host
+// error class has one (errorTypes); HostError is an error from outside the
+// host's code, ReleaseFailed such an error from a vGPU release.
 const (
 	// Non-retryable: no retry can change the answer.
 
@@ -130,7 +130,9 @@ const (
 	ErrTypeStillAlive = "VMStillAlive"
 	// QEMU exited or did not answer QMP in time during a launch.
 	ErrTypeLaunchFailed = "LaunchFailed"
-	// A vGPU release failed; the claim and the record are kept.
+	// A vGPU release failed for a reason from outside the host's code (the
+	// kernel refused the write); the claim and the record are kept. A
+	// refusal of a class (the VM may still run) keeps its class's type.
 	ErrTypeReleaseFailed = "ReleaseFailed"
 	// The record still holds a vGPU claim (invariant 1).
 	ErrTypeClaimHeld = "ClaimHeld"
@@ -142,7 +144,17 @@ const (
 	// The instance's claimed vGPU is missing (after a reboot) and could not
 	// be re-created where the claim says: the launch waits for it.
 	ErrTypeClaimDeviceMissing = "ClaimDeviceMissing"
-	// Anything else that failed on the host.
+	// What the activity looked for is not there now (a record, a process,
+	// a running VM).
+	ErrTypeNotFound = "NotFound"
+	// A part the host drives did not answer as it should (QMP closed or out
+	// of protocol, the supervisor closing, records it needs unreadable).
+	ErrTypeUnavailable = "Unavailable"
+	// The host's own code or data broke a rule it keeps: a bug or a hand
+	// edit, for a developer or an operator to look at.
+	ErrTypeInternal = "HostInternal"
+	// An error of no class: one from outside the host's code (a syscall,
+	// file I/O, sysfs), which the next attempt may not meet.
 	ErrTypeHost = "HostError"
 )
 

@@ -16,9 +16,9 @@ import (
 	"go.temporal.io/sdk/worker"
 	"google.golang.org/protobuf/proto"
 
-	"vmflow/internal/devserver"
 	"vmflow/platform"
 	vmflowv1 "vmflow/proto/vmflow/v1"
+	"vmflow/testsupport/devserver"
 )
 
 // otherFlags are worker settings far from the defaults and from the ones

@@ -121,18 +121,17 @@ func (w *Workflows) Register(r Registry) {
 }
 
 // Retry policies. "Unlimited" ones back off to a minute: the pending
-// activity card in the Web UI shows the attempt and the last failure.
-// RecordUnreadable and VGPUUnavailable never go away by retrying: an
-// operator has to repair the host first.
+// activity card in the Web UI shows the attempt and the last failure. Both
+// refuse the same types, the non-retryable classes': whether a retry can
+// change an answer is what the error means, whichever stage met it.
 var (
 	retryFew = &temporal.RetryPolicy{
 		InitialInterval: time.Second, BackoffCoefficient: 2, MaximumInterval: 10 * time.Second, MaximumAttempts: 3,
-		NonRetryableErrorTypes: []string{ErrTypeInvalidInput, ErrTypeIdentityMismatch, ErrTypeConflict, ErrTypeInstanceDeleting,
-			ErrTypeRecordUnreadable, ErrTypeVGPUUnavailable},
+		NonRetryableErrorTypes: nonRetryableTypes(),
 	}
 	retryForever = &temporal.RetryPolicy{
 		InitialInterval: time.Second, BackoffCoefficient: 2, MaximumInterval: time.Minute,
-		NonRetryableErrorTypes: []string{ErrTypeInvalidInput, ErrTypeIdentityMismatch, ErrTypeRecordUnreadable, ErrTypeVGPUUnavailable},
+		NonRetryableErrorTypes: nonRetryableTypes(),
 	}
 )
 

@@ -22,6 +22,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"vmflow/guest"
+	"vmflow/guest/init/evdev"
 )
 
 const (
@@ -214,7 +215,7 @@ func findPowerButtons(class string) ([]string, error) {
 		if err != nil {
 			continue // the handler is going away or not ready: try again later
 		}
-		major, minor, err := parseDevNumber(string(dev))
+		major, minor, err := evdev.ParseDevNumber(string(dev))
 		if err != nil {
 			return nil, fmt.Errorf("%s: %w", ev, err)
 		}
@@ -245,16 +246,16 @@ func ensureCharNode(path string, major, minor uint32) error {
 // (nil) or the device fails (an error).
 func watchPowerButton(f *os.File) error {
 	defer f.Close()
-	buf := make([]byte, 64*eventSize)
+	buf := make([]byte, 64*evdev.Size)
 	var pending int
 	for {
 		n, err := f.Read(buf[pending:])
 		if err != nil {
 			return fmt.Errorf("read %s: %w", f.Name(), err)
 		}
-		events, rest := parseEvents(buf[:pending+n])
+		events, rest := evdev.Parse(buf[:pending+n])
 		for _, ev := range events {
-			if ev.isPowerPress() {
+			if ev.IsPowerPress() {
 				return nil
 			}
 		}

@@ -1,5 +1,7 @@
-// Package cli implements the subcommands of vmflow-hostagent, so that main
-// stays wiring and every command can be tested without building the binary.
+// Package cli is vmflow-hostagent's command line: the dispatch (Main) and
+// the read-only subcommands, so that main stays wiring and every command
+// can be tested without building the binary. Its run subcommand is
+// daemon/agent, which main hands to Main (hostagent/... never imports it).
 package cli
 
 import (
@@ -13,13 +15,14 @@ import (
 	"time"
 
 	"vmflow/hostagent/proc"
+	"vmflow/internal/service"
 )
 
-// Exit codes shared by the subcommands.
+// Exit codes of the subcommands: service's, and proc's own.
 const (
-	ExitOK       = 0
-	ExitError    = 1
-	ExitUsage    = 2 // bad flags, or (proc) no such pid
+	ExitOK       = service.ExitOK
+	ExitError    = service.ExitError
+	ExitUsage    = service.ExitUsage // also: (proc) no such pid
 	ExitTimedOut = 3
 )
 

@@ -22,7 +22,6 @@ import (
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vgpu"
 	"vmflow/hostagent/vgpu/vgpusim"
-	"vmflow/hostagent/vgpu/vgpusim/simtest"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -82,7 +81,7 @@ func setChecks() error {
 
 // TestHostModel runs the state machine once per driver kind.
 func TestHostModel(t *testing.T) {
-	simtest.RequiresFUSE(t)
+	proctest.RequiresFUSE(t)
 	for _, dc := range driverCases {
 		t.Run(string(dc.kind), func(t *testing.T) {
 			var checks, steps int

@@ -99,7 +99,7 @@ func New(reg prometheus.Registerer, st *store.Store) (*Agent, error) {
 			Help: "Guest output bytes dropped instead of written to qemu.log (disk full, failing or behind), counted when a VM's log pump ends.",
 		}),
 	}
-	// The errnos a sysfs release is known to fail with (FACTS: mdev remove
+	// The errnos a sysfs release is known to fail with (mdev remove
 	// EAGAIN/ENODEV, old kernels EBUSY; EIO from a wedged driver) exist at 0
 	// from the start: the series is there before the first failure, so
 	// increase()/rate() alerts fire on the first one instead of never

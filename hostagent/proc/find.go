@@ -12,6 +12,8 @@ import (
 	"strconv"
 	"sync"
 	"syscall"
+
+	"vmflow/internal/errdefs"
 )
 
 // FindQuery says which processes Find reports. Every check that can be made
@@ -53,7 +55,7 @@ type FindQuery struct {
 // ErrCannotTell: a process that passed every other check could not be read
 // in time (or at all), so whether it matches is unknown. Callers must treat
 // it as "may be the one", never as "none".
-var ErrCannotTell = errors.New("cannot tell whether a process matches")
+var ErrCannotTell = errdefs.StillAlive.New("cannot tell whether a process matches")
 
 // Executable names a binary file by its resolved path and its device and
 // inode, as the kernel shows it in /proc/<pid>/exe.
@@ -202,7 +204,7 @@ func memDir(pid int, st Stat) string {
 // checks is ErrCannotTell.
 func Find(ctx context.Context, q FindQuery) ([]Identity, error) {
 	if q.Exe.Path == "" {
-		return nil, errors.New("find processes: FindQuery.Exe is required")
+		return nil, errdefs.Internal.Errorf("find processes: FindQuery.Exe is required")
 	}
 	boot, err := BootID()
 	if err != nil {

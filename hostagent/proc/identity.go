@@ -8,6 +8,8 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+
+	"vmflow/internal/errdefs"
 )
 
 // procRoot is where procfs is mounted. A constant rather than a knob: every
@@ -32,14 +34,14 @@ func (id Identity) Valid() bool { return id.PID > 0 && id.StartTime > 0 && id.Bo
 
 var (
 	// ErrNotFound means no process with that pid exists now.
-	ErrNotFound = errors.New("no such process")
+	ErrNotFound = errdefs.NotFound.New("no such process")
 	// ErrIdentityMismatch means a process exists under that pid but it is not
 	// the one recorded (another start time or another boot): a stranger that
 	// must never be signalled.
-	ErrIdentityMismatch = errors.New("process identity mismatch")
+	ErrIdentityMismatch = errdefs.NotFound.New("process identity mismatch")
 	// ErrIncompleteIdentity means the identity lacks a pid, start time or
 	// boot id: a bad record, not a sign that the process is gone.
-	ErrIncompleteIdentity = errors.New("incomplete process identity")
+	ErrIncompleteIdentity = errdefs.IdentityIncomplete.New("incomplete process identity")
 )
 
 var bootID = sync.OnceValues(func() (string, error) {

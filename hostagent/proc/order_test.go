@@ -17,6 +17,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"vmflow/hostagent/proc"
+	"vmflow/hostagent/proc/proctest"
 )
 
 // reuseHelperEnv makes the test binary the pid-reuse helper: pid 1 of a new
@@ -43,9 +44,7 @@ type reuseResult struct {
 // must live. Moving the identity check before pidfd_open makes Open return
 // a handle on the stranger, which the helper then SIGKILLs: the test fails.
 func TestOpenVerifiesAfterPidfdOpen(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("skipping: a pid namespace and ns_last_pid need root")
-	}
+	proctest.RequiresRoot(t, "a pid namespace and ns_last_pid")
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^$")

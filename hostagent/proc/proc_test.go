@@ -348,9 +348,7 @@ func TestHolders(t *testing.T) {
 // TestHoldersUnreadableCountsAsHolder: a process whose descriptors cannot be
 // read may hold the device, so it is reported, never silently skipped.
 func TestHoldersUnreadableCountsAsHolder(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root to run a scan as another user")
-	}
+	proctest.RequiresRoot(t, "a scan runs as another user")
 	target := filepath.Join(t.TempDir(), "dev")
 	require.NoError(t, os.WriteFile(target, nil, 0o644))
 	f, err := os.Open(target)

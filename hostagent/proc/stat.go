@@ -12,9 +12,10 @@ package proc
 
 import (
 	"bytes"
-	"errors"
 	"fmt"
 	"strconv"
+
+	"vmflow/internal/errdefs"
 )
 
 // Stat is the part of /proc/<pid>/stat that vmflow uses.
@@ -27,7 +28,7 @@ type Stat struct {
 }
 
 // ErrMalformedStat is returned for /proc/<pid>/stat content that does not parse.
-var ErrMalformedStat = errors.New("malformed /proc stat")
+var ErrMalformedStat = errdefs.Unavailable.New("malformed /proc stat")
 
 // ParseStat parses the content of /proc/<pid>/stat.
 //

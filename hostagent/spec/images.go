@@ -11,6 +11,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"vmflow/internal/errdefs"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -18,18 +19,18 @@ import (
 // field, so errors.Is(err, ErrInvalid) holds as well.
 var (
 	// ErrOutsideRoots: the path lies under none of the agent's --image-root.
-	ErrOutsideRoots = errors.New("outside the image roots")
+	ErrOutsideRoots = errdefs.InvalidInput.New("outside the image roots")
 	// ErrEscapesRoot: following the path (a symlink in it) leads out of its
 	// image root.
-	ErrEscapesRoot = errors.New("leaves its image root")
+	ErrEscapesRoot = errdefs.InvalidInput.New("leaves its image root")
 	// ErrUnsafeImage: the root, a folder on the way or the file itself is
 	// not owned by root, or is group- or other-writable: someone other than
 	// root could change what VMs boot.
-	ErrUnsafeImage = errors.New("not owned by root or writable by group or others")
+	ErrUnsafeImage = errdefs.InvalidInput.New("not owned by root or writable by group or others")
 	// ErrNotWorldReadable: a kernel or initrd QEMU could not re-open. QEMU
 	// opens /proc/self/fd/N again with a permission check on the file's own
 	// mode, as the unprivileged user it runs as.
-	ErrNotWorldReadable = errors.New("not world-readable")
+	ErrNotWorldReadable = errdefs.InvalidInput.New("not world-readable")
 )
 
 // openRetries bounds openat2's EAGAIN: with RESOLVE_BENEATH the kernel

@@ -2,7 +2,6 @@ package spec
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -12,6 +11,7 @@ import (
 
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vmm"
+	"vmflow/internal/errdefs"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -25,7 +25,7 @@ type Devices interface {
 
 // ErrNoVGPUDriver: the instance holds a vGPU claim but the agent runs
 // without a vGPU driver, so its VM cannot get its GPU.
-var ErrNoVGPUDriver = errors.New("the instance holds a vGPU claim and this agent has no vGPU driver")
+var ErrNoVGPUDriver = errdefs.NoDriver.New("the instance holds a vGPU claim and this agent has no vGPU driver")
 
 // PrepareLaunch returns the supervisor's Config.PrepareLaunch for a host:
 // before every launch and every restart, under the instance lock, the

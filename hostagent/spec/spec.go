@@ -27,6 +27,7 @@ import (
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vmm"
 	"vmflow/internal/contract"
+	"vmflow/internal/errdefs"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -47,7 +48,7 @@ var (
 )
 
 // ErrInvalid marks every admission failure; FieldError says which field.
-var ErrInvalid = errors.New("invalid spawn request")
+var ErrInvalid = errdefs.InvalidInput.New("invalid spawn request")
 
 // FieldError is one rejected field.
 type FieldError struct {
@@ -65,8 +66,9 @@ func fieldError(field string, err error) *FieldError {
 
 func (e *FieldError) Error() string { return fmt.Sprintf("%s: %s", e.Field, e.Reason) }
 
-// Is makes errors.Is(err, ErrInvalid) true for every field error.
-func (e *FieldError) Is(target error) bool { return target == ErrInvalid }
+// Is makes errors.Is(err, ErrInvalid), and so its class, true for every
+// field error.
+func (e *FieldError) Is(target error) bool { return errors.Is(ErrInvalid, target) }
 
 // Unwrap is the cause, if any.
 func (e *FieldError) Unwrap() error { return e.Err }
@@ -134,7 +136,7 @@ func memTotalMiB() (uint32, error) {
 // record was written by someone who skipped admission; either way nothing
 // is started for it. Refusals also match ErrInvalid through their
 // FieldErrors.
-var ErrAdmissionRefused = errors.New("refused by this host's admission policy")
+var ErrAdmissionRefused = errdefs.Refused.New("refused by this host's admission policy")
 
 // Validate checks req against the host. It returns every field error found,
 // joined, each matching ErrInvalid; a failure to list the host's profiles is

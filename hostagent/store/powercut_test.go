@@ -12,8 +12,8 @@ import (
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/proto"
 
-	"vmflow/internal/fsx/powercut"
 	vmflowv1 "vmflow/proto/vmflow/v1"
+	"vmflow/testsupport/powercut"
 )
 
 // A SIGKILL keeps the page cache: only a power cut proves the fsyncs of

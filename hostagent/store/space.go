@@ -11,6 +11,8 @@ import (
 	"syscall"
 
 	"golang.org/x/sys/unix"
+
+	"vmflow/internal/errdefs"
 )
 
 // DefaultReserve is the reserve's size: what a delete's writes need on a
@@ -31,7 +33,7 @@ const reserveFile = "reserve"
 // ErrDiskFull: the state file system has no room for a spawn (its free
 // bytes, less what running overlays may still grow to and the reserve,
 // are below what one needs). Nothing was created.
-var ErrDiskFull = errors.New("state file system full")
+var ErrDiskFull = errdefs.Refused.New("state file system full")
 
 // WithReserve sets the reserve's size in bytes (DefaultReserve when not
 // given; 0 keeps none).

@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
+	"vmflow/hostagent/proc/proctest"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -21,9 +22,7 @@ import (
 // its path.
 func smallFS(t *testing.T, size int) string {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("mounting a small file system needs root")
-	}
+	proctest.RequiresRoot(t, "mounting a small file system")
 	dir, err := os.MkdirTemp("", "vfull")
 	require.NoError(t, err)
 	require.NoError(t, unix.Mount("tmpfs", dir, "tmpfs", 0, "size="+strconv.Itoa(size)))

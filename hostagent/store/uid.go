@@ -15,8 +15,8 @@ import (
 	"google.golang.org/protobuf/encoding/protojson"
 
 	"vmflow/internal/crashpoint"
+	"vmflow/internal/errdefs"
 	"vmflow/internal/fsx"
-
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -34,10 +34,10 @@ var DefaultQEMUUIDRange = UIDRange{First: 1_900_000_000, Last: 1_900_065_535}
 // ErrUIDRangeTaken: the configured --qemu-uid-range overlaps uids the host
 // gives to someone else (an account, a group, a subordinate range in
 // /etc/subuid or /etc/subgid): a process of theirs could run as a VM's uid.
-var ErrUIDRangeTaken = errors.New("qemu uid range overlaps uids the host hands out")
+var ErrUIDRangeTaken = errdefs.Misconfigured.New("qemu uid range overlaps uids the host hands out")
 
 // ErrNoFreeUID: every uid of the range is in a record or held by a process.
-var ErrNoFreeUID = errors.New("no free qemu uid in the range")
+var ErrNoFreeUID = errdefs.NoUID.New("no free qemu uid in the range")
 
 // uidLockFile is the host-wide lock AssignQEMUUID takes, in the state dir.
 const uidLockFile = "qemu-uid.lock"
@@ -102,7 +102,7 @@ func (l *Locked) AssignQEMUUID(ctx context.Context, r UIDRange, inUse func(conte
 		return nil, err
 	}
 	if r.First == 0 || r.First > r.Last {
-		return nil, fmt.Errorf("assign qemu uid to %s: invalid range %s", l.id, r)
+		return nil, errdefs.Misconfigured.Errorf("assign qemu uid to %s: invalid range %s", l.id, r)
 	}
 	hl, err := lockFile(ctx, filepath.Join(l.s.root, uidLockFile))
 	if err != nil {

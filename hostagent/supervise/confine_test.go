@@ -23,12 +23,7 @@ import (
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
-func requiresRoot(t *testing.T) {
-	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root: QEMU is exec'd as a uid of its own")
-	}
-}
+func requiresRoot(t *testing.T) { proctest.RequiresRoot(t, "QEMU is exec'd as a uid of its own") }
 
 // statusOf returns the named fields of /proc/<pid>/status.
 var statusOf = proctest.Status

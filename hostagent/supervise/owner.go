@@ -14,6 +14,7 @@ import (
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vmm"
 	"vmflow/internal/crashpoint"
+	"vmflow/internal/errdefs"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -24,7 +25,7 @@ import (
 // them all and the agent cannot tell which is its own: nothing is signalled,
 // recorded or removed, and the instance needs an operator. Not retryable:
 // retrying sees the same processes.
-var ErrUnrecordedAmbiguous = errors.New("several processes pass as the instance's unrecorded qemu")
+var ErrUnrecordedAmbiguous = errdefs.Ambiguous.New("several processes pass as the instance's unrecorded qemu")
 
 // unprovableLaunch is the needs-attention reason of a launch marker on a
 // record with neither a uid nor a nonce of its own (vmm.ErrNoLaunchIdentity).

@@ -2,6 +2,7 @@ package vgpu
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"time"
@@ -26,10 +27,13 @@ func (e *ReleaseInProgressError) Error() string {
 		e.Device.Kind, e.Device.ID, e.Since.UTC().Format(time.RFC3339), e.Cause)
 }
 
-// Is makes errors.Is(err, ErrReleaseInProgress) true. The context error is
-// deliberately not unwrapped: the caller's deadline is not the release's
-// failure, and callers must not mistake it for their own timeout.
-func (e *ReleaseInProgressError) Is(target error) bool { return target == ErrReleaseInProgress }
+// Is makes errors.Is(err, ErrReleaseInProgress), and so its class, true.
+// The context error is deliberately not unwrapped: the caller's deadline
+// is not the release's failure, and callers must not mistake it for their
+// own timeout.
+func (e *ReleaseInProgressError) Is(target error) bool {
+	return errors.Is(ErrReleaseInProgress, target)
+}
 
 // releaseOp is one release write in flight.
 type releaseOp struct {

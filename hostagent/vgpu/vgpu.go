@@ -30,6 +30,7 @@ import (
 	"github.com/google/uuid"
 
 	"vmflow/internal/contract"
+	"vmflow/internal/errdefs"
 )
 
 // Kind names a vGPU sysfs ABI.
@@ -230,25 +231,25 @@ type Driver interface {
 var (
 	// ErrReleaseInProgress: a release write is still running (modern
 	// kernels block mdev remove while a VFIO user holds the device). Retry.
-	ErrReleaseInProgress = errors.New("vgpu: release in progress")
+	ErrReleaseInProgress = errdefs.Busy.New("vgpu: release in progress")
 	// ErrNoCapacity: no parent can take another vGPU of the profile.
-	ErrNoCapacity = errors.New("vgpu: no capacity")
+	ErrNoCapacity = errdefs.NoCapacity.New("vgpu: no capacity")
 	// ErrUnknownProfile: no parent offers a type with that name.
-	ErrUnknownProfile = errors.New("vgpu: unknown profile")
+	ErrUnknownProfile = errdefs.NoCapacity.New("vgpu: unknown profile")
 	// ErrDeviceMismatch: the device in sysfs is not the one described (a
 	// vendor VF now runs another type), so it is left alone.
-	ErrDeviceMismatch = errors.New("vgpu: device mismatch")
+	ErrDeviceMismatch = errdefs.Unavailable.New("vgpu: device mismatch")
 	// ErrInvalid: a malformed UUID, PCI address or request.
-	ErrInvalid = errors.New("vgpu: invalid argument")
+	ErrInvalid = errdefs.Internal.New("vgpu: invalid argument")
 	// ErrClaimedByOther: another instance's held claim names the device
 	// (invariant 10), so it is neither placed on, adopted, re-created nor
 	// released. Not retryable as is: two records naming one device need an
 	// operator.
-	ErrClaimedByOther = errors.New("vgpu: device claimed by another instance")
+	ErrClaimedByOther = errdefs.ClaimedTwice.New("vgpu: device claimed by another instance")
 	// ErrRecordsUnreadable: some instance record could not be read, and it
 	// may name the device a vendor placement would choose. Retry once the
 	// record is readable (or quarantined away).
-	ErrRecordsUnreadable = errors.New("vgpu: instance records unreadable")
+	ErrRecordsUnreadable = errdefs.Unavailable.New("vgpu: instance records unreadable")
 )
 
 // Errno returns the kernel errno inside err, if any.

@@ -13,6 +13,8 @@ import (
 
 	sddbus "github.com/coreos/go-systemd/v22/dbus"
 	"github.com/godbus/dbus/v5"
+
+	"vmflow/internal/errdefs"
 )
 
 // A cgroup per VM bounds what a QEMU a guest took over can take from the
@@ -73,7 +75,7 @@ type Cgroups interface {
 }
 
 // ErrNoCgroups: this host offers no way to make a cgroup per VM.
-var ErrNoCgroups = errors.New("no cgroup per VM: neither systemd, cgroup v2 with memory, pids and cpu, nor cgroup v1 with them")
+var ErrNoCgroups = errdefs.Misconfigured.New("no cgroup per VM: neither systemd, cgroup v2 with memory, pids and cpu, nor cgroup v1 with them")
 
 // cgroupV1Controllers are the v1 hierarchies a VM's cgroup is made in.
 var cgroupV1Controllers = []string{"memory", "pids", "cpu"}

@@ -10,6 +10,8 @@ import (
 	"syscall"
 
 	"golang.org/x/sys/unix"
+
+	"vmflow/internal/errdefs"
 )
 
 // How every QEMU is confined (issue 14): exec'd already unprivileged, with
@@ -21,7 +23,7 @@ import (
 
 // sandboxOption is QEMU's -sandbox for every launch. elevateprivileges=deny
 // is why QEMU must be exec'd unprivileged: with -runas it kills QEMU with
-// SIGSYS (QEMU 7.2, measured; FACTS.md).
+// SIGSYS (measured with QEMU 7.2).
 const sandboxOption = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
 
 // sandboxArgs is the -sandbox option Argv always adds.
@@ -53,13 +55,13 @@ func qemuEnv() []string { return []string{"PATH=" + qemuPath, "LC_ALL=C"} }
 
 // ErrNoQEMUUID: a launch without a uid of its own. Unconfined QEMU is not a
 // mode: root (uid 0) is refused too.
-var ErrNoQEMUUID = errors.New("qemu needs a uid of its own (not 0)")
+var ErrNoQEMUUID = errdefs.Misconfigured.New("qemu needs a uid of its own (not 0)")
 
 // ErrMemlockLimit: a VFIO VM needs more locked memory than the agent's own
 // hard RLIMIT_MEMLOCK, which its QEMU cannot exceed (raising it needs
 // CAP_SYS_RESOURCE, which the agent does not keep): the unit's
 // LimitMEMLOCK=infinity is missing.
-var ErrMemlockLimit = errors.New("the agent's hard RLIMIT_MEMLOCK is below what a VFIO VM pins (set LimitMEMLOCK=infinity)")
+var ErrMemlockLimit = errdefs.Misconfigured.New("the agent's hard RLIMIT_MEMLOCK is below what a VFIO VM pins (set LimitMEMLOCK=infinity)")
 
 // checkMemlock refuses limits whose memlock is past this process's own
 // hard limit: the launch would fail in the wrapper or the jail with no more
@@ -82,7 +84,7 @@ func memlockFits(l Limits, own unix.Rlimit) error {
 // ErrKVMAccess: /dev/kvm cannot be opened through its group, so a KVM
 // launch, exec'd unprivileged with that group as its only supplementary
 // group, would fail. Returned as a *KVMAccessError naming the mode.
-var ErrKVMAccess = errors.New("/dev/kvm cannot be opened through its group")
+var ErrKVMAccess = errdefs.Misconfigured.New("/dev/kvm cannot be opened through its group")
 
 // KVMAccessError says why /dev/kvm is unusable for a confined QEMU. It
 // matches ErrKVMAccess with errors.Is.
@@ -101,8 +103,8 @@ func (e *KVMAccessError) Error() string {
 		ErrKVMAccess, e.Path, uint32(e.Mode.Perm()), e.GID)
 }
 
-// Is makes errors.Is(err, ErrKVMAccess) true.
-func (e *KVMAccessError) Is(target error) bool { return target == ErrKVMAccess }
+// Is makes errors.Is(err, ErrKVMAccess), and so its class, true.
+func (e *KVMAccessError) Is(target error) bool { return errors.Is(ErrKVMAccess, target) }
 
 // Unwrap returns the stat error, if any.
 func (e *KVMAccessError) Unwrap() error { return e.Err }

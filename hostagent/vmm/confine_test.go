@@ -50,12 +50,7 @@ func procLimit(t *testing.T, pid int, row string) (string, string) {
 	return "", ""
 }
 
-func requiresRoot(t *testing.T) {
-	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root: only root can exec QEMU as another uid")
-	}
-}
+func requiresRoot(t *testing.T) { proctest.RequiresRoot(t, "only root can exec QEMU as another uid") }
 
 // Issue 14 items 3 and 4 on a real QEMU (-machine none, KVM here): exec'd
 // as the launch's own uid and gid with the KVM group as its only

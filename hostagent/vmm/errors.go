@@ -6,34 +6,36 @@ import (
 	"time"
 
 	"vmflow/hostagent/proc"
+	"vmflow/internal/errdefs"
 )
 
 var (
 	// ErrLaunchExited: QEMU exited before QMP reported it running. The error
 	// carries QEMU's exit and the tail of its log, which holds QEMU's own
 	// message ("-bogus: invalid option").
-	ErrLaunchExited = errors.New("qemu exited during launch")
+	ErrLaunchExited = errdefs.LaunchFailed.New("qemu exited during launch")
 	// ErrLaunchTimeout: QEMU neither answered QMP nor exited in time.
-	ErrLaunchTimeout = errors.New("qemu did not become ready in time")
+	ErrLaunchTimeout = errdefs.LaunchFailed.New("qemu did not become ready in time")
 	// ErrNotRunning: QMP answered but query-status is not "running".
-	ErrNotRunning = errors.New("qemu is not running")
+	ErrNotRunning = errdefs.LaunchFailed.New("qemu is not running")
 	// ErrSocketInUse: something already listens on the QMP socket path, so a
 	// launch would take it from a QEMU that may still be alive.
-	ErrSocketInUse = errors.New("qmp socket in use")
+	ErrSocketInUse = errdefs.StillAlive.New("qmp socket in use")
 	// ErrStillAlive: the thread group was still there when the wait ended.
 	// Callers must treat the VM as alive (never release its devices) and may
 	// retry. Returned as a *StillAliveError.
-	ErrStillAlive = errors.New("vm process still alive")
+	ErrStillAlive = errdefs.StillAlive.New("vm process still alive")
 	// ErrInvalidIdentity: the identity to act on is incomplete.
-	ErrInvalidIdentity = errors.New("incomplete process identity")
-	// ErrHook: a caller hook (OnStarted, OnStep) failed.
-	ErrHook = errors.New("hook failed")
+	ErrInvalidIdentity = errdefs.IdentityIncomplete.New("incomplete process identity")
+	// ErrHook: a caller hook (OnStarted, OnStep) failed. A Context: the
+	// hook's own error, wrapped beside it, gives the class.
+	ErrHook = errdefs.Context("hook failed")
 	// ErrNoLaunchIdentity: FindUnrecorded was asked about a record with
 	// neither a QEMU uid nor a launch nonce of its own (written by an agent
 	// older than both). All such a record offers is a command line, and
 	// anyone can start the QEMU binary as a session leader with the
 	// instance's -qmp argument: nothing is looked for, nothing adopted.
-	ErrNoLaunchIdentity = errors.New("record has neither a qemu uid nor a launch nonce of its own: a command line is no identity")
+	ErrNoLaunchIdentity = errdefs.Ambiguous.New("record has neither a qemu uid nor a launch nonce of its own: a command line is no identity")
 )
 
 // StillAliveError says which process outlived the wait, after which step,
@@ -51,8 +53,8 @@ func (e *StillAliveError) Error() string {
 		errSuffix(e.Status.Err), ErrStillAlive)
 }
 
-// Is makes errors.Is(err, ErrStillAlive) true.
-func (e *StillAliveError) Is(target error) bool { return target == ErrStillAlive }
+// Is makes errors.Is(err, ErrStillAlive), and so its class, true.
+func (e *StillAliveError) Is(target error) bool { return errors.Is(ErrStillAlive, target) }
 
 func errSuffix(s string) string {
 	if s == "" {

@@ -16,7 +16,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"vmflow/hostagent/proc/proctest"
-	"vmflow/internal/stacktest"
+	"vmflow/testsupport/stacktest"
 )
 
 // The escaped-QEMU suite: a stand-in for a QEMU a guest has taken over

@@ -10,6 +10,8 @@ import (
 	"sync"
 
 	"golang.org/x/sys/unix"
+
+	"vmflow/internal/errdefs"
 )
 
 // Guest output across agent restarts. The agent holds the only read end of
@@ -179,7 +181,7 @@ func (s *SystemdFDStore) Prune(keep func(name string) bool) ([]string, error) {
 }
 
 // ErrFDName: a name systemd's store would refuse.
-var ErrFDName = errors.New("invalid fd store name")
+var ErrFDName = errdefs.Internal.New("invalid fd store name")
 
 // notify sends state to the notify socket, with fd in SCM_RIGHTS unless -1.
 func (s *SystemdFDStore) notify(state string, fd int) error {

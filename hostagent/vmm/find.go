@@ -11,6 +11,7 @@ import (
 	"strings"
 
 	"vmflow/hostagent/proc"
+	"vmflow/internal/errdefs"
 	"vmflow/internal/fsx"
 )
 
@@ -88,7 +89,7 @@ func FindUnrecorded(ctx context.Context, cfg FindConfig) ([]proc.Identity, error
 	switch {
 	case cfg.UID != 0:
 		if cfg.Name == "" {
-			return nil, fmt.Errorf("find qemu of uid %d: no name given", cfg.UID)
+			return nil, errdefs.Internal.Errorf("find qemu of uid %d: no name given", cfg.UID)
 		}
 		q.UID = cfg.UID
 		q.Argv = hasArgPair("-name", "guest="+cfg.Name)

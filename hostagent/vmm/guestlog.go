@@ -15,6 +15,8 @@ import (
 	"unicode/utf8"
 
 	"golang.org/x/sys/unix"
+
+	"vmflow/internal/errdefs"
 )
 
 // Bounds of a guest's log, virtlogd's defaults: qemu.log plus qemu.log.1 and
@@ -40,7 +42,7 @@ const (
 // ErrLogNotPipe: the QEMU's stdout is not a pipe, so there is nothing to
 // capture: a QEMU launched by an agent from before the bounded log writes
 // qemu.log itself (unbounded) until its next launch.
-var ErrLogNotPipe = errors.New("qemu stdout is not a pipe")
+var ErrLogNotPipe = errdefs.Internal.New("qemu stdout is not a pipe")
 
 // RotatingLog is an io.Writer over path that never lets path grow past
 // maxBytes: the write that would cross the bound rotates path to path.1

@@ -16,6 +16,8 @@ import (
 	"syscall"
 
 	"golang.org/x/sys/unix"
+
+	"vmflow/internal/errdefs"
 )
 
 // The jail: QEMU in namespaces of its own (network, mount, pid, IPC, UTS)
@@ -147,7 +149,7 @@ func jailFiles(bin string) ([]string, [][2]string, error) {
 			}
 			if found == "" {
 				if required {
-					return fmt.Errorf("jail: %s needs %s, found in none of %v", real, lib, libDirs)
+					return errdefs.Misconfigured.Errorf("jail: %s needs %s, found in none of %v", real, lib, libDirs)
 				}
 				continue
 			}

@@ -13,6 +13,7 @@ import (
 	"syscall"
 	"time"
 
+	"vmflow/internal/errdefs"
 	"vmflow/internal/fsx"
 )
 
@@ -24,8 +25,9 @@ const DefaultQEMUImg = "qemu-img"
 // has no earlier deadline: it writes a few hundred KiB of metadata.
 const overlayCreateTimeout = 30 * time.Second
 
-// ErrOverlay: the instance's overlay could not be opened or created.
-var ErrOverlay = errors.New("disk overlay")
+// ErrOverlay: the instance's overlay could not be opened or created. A
+// Context: what failed under it (the file system, qemu-img) gives the class.
+var ErrOverlay = errdefs.Context("disk overlay")
 
 // OverlayConfig says where an instance's overlay lives and what it lies over.
 type OverlayConfig struct {
@@ -79,20 +81,20 @@ func openOverlay(path string) (*os.File, error) {
 	}
 	if !fi.Mode().IsRegular() {
 		f.Close()
-		return nil, fmt.Errorf("%w: %s is not a regular file (%s)", ErrOverlay, path, fi.Mode().Type())
+		return nil, errdefs.Internal.Errorf("%w: %s is not a regular file (%s)", ErrOverlay, path, fi.Mode().Type())
 	}
 	return f, nil
 }
 
 func createOverlay(ctx context.Context, cfg OverlayConfig) error {
 	if cfg.Base == nil {
-		return fmt.Errorf("%w: no base image", ErrOverlay)
+		return errdefs.Internal.Errorf("%w: no base image", ErrOverlay)
 	}
 	if filepath.Dir(cfg.Path) != filepath.Dir(cfg.Temp) || cfg.Path == cfg.Temp {
-		return fmt.Errorf("%w: temp %s must be another name in %s's directory", ErrOverlay, cfg.Temp, cfg.Path)
+		return errdefs.Internal.Errorf("%w: temp %s must be another name in %s's directory", ErrOverlay, cfg.Temp, cfg.Path)
 	}
 	if !filepath.IsAbs(cfg.BackingName) || strings.ContainsAny(cfg.BackingName, "\x00\n\r") {
-		return fmt.Errorf("%w: backing name %q is not an absolute path", ErrOverlay, cfg.BackingName)
+		return errdefs.Internal.Errorf("%w: backing name %q is not an absolute path", ErrOverlay, cfg.BackingName)
 	}
 	fi, err := cfg.Base.Stat()
 	if err != nil {
@@ -106,7 +108,7 @@ func createOverlay(ctx context.Context, cfg OverlayConfig) error {
 		bin = DefaultQEMUImg
 	}
 	if bin, err = exec.LookPath(bin); err != nil {
-		return fmt.Errorf("%w: %w (Debian's qemu-utils has qemu-img)", ErrOverlay, err)
+		return errdefs.Misconfigured.Errorf("%w: %w (Debian's qemu-utils has qemu-img)", ErrOverlay, err)
 	}
 	// A leftover of a crashed create: never reused, it may be torn.
 	if err := os.Remove(cfg.Temp); err != nil && !errors.Is(err, fs.ErrNotExist) {

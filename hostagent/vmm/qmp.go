@@ -11,6 +11,8 @@ import (
 	"strconv"
 	"sync"
 	"time"
+
+	"vmflow/internal/errdefs"
 )
 
 // Why a hand-written QMP client rather than go-qemu's qmp.SocketMonitor
@@ -62,11 +64,11 @@ var (
 	// ErrMonitorClosed: the QMP connection ended (EOF, error or Close)
 	// before the reply came. It says nothing about whether QEMU has exited:
 	// QEMU closes the monitor before its thread group is gone.
-	ErrMonitorClosed = errors.New("qmp monitor closed")
+	ErrMonitorClosed = errdefs.Unavailable.New("qmp monitor closed")
 	// ErrQMPProtocol: QEMU (or whatever is on the socket) did not speak QMP,
 	// or sent a message longer than maxQMPMessage. The monitor drops the
 	// connection (Violation reports it).
-	ErrQMPProtocol = errors.New("qmp protocol error")
+	ErrQMPProtocol = errdefs.Unavailable.New("qmp protocol error")
 )
 
 // QMPError is an error reply from QEMU ({"error": {"class", "desc"}}).

@@ -10,6 +10,8 @@ import (
 	"strings"
 
 	"github.com/google/uuid"
+
+	"vmflow/internal/errdefs"
 )
 
 // Machine is a QEMU machine type vmflow supports.
@@ -128,7 +130,7 @@ type Paths struct {
 }
 
 // ErrInvalidSpec is wrapped by every error Validate and Argv return.
-var ErrInvalidSpec = errors.New("invalid VM spec")
+var ErrInvalidSpec = errdefs.InvalidInput.New("invalid VM spec")
 
 var (
 	nameRe = regexp.MustCompile(`^[a-z0-9][a-z0-9._-]{0,62}$`)

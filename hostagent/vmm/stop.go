@@ -10,6 +10,7 @@ import (
 	"vmflow/hostagent/proc"
 	"vmflow/internal/contract"
 	"vmflow/internal/crashpoint"
+	"vmflow/internal/errdefs"
 	"vmflow/internal/fsx"
 )
 
@@ -136,7 +137,7 @@ func Stop(ctx context.Context, cfg StopConfig) (res StopResult, err error) {
 		return res, fmt.Errorf("stop %v: %w", cfg.Identity, ErrInvalidIdentity)
 	}
 	if s.cfg.From.rank() < 0 {
-		return res, fmt.Errorf("stop %v: unknown step %q", cfg.Identity, cfg.From)
+		return res, errdefs.InvalidInput.Errorf("stop %v: unknown step %q", cfg.Identity, cfg.From)
 	}
 	defer s.closeMonitor()
 
@@ -424,7 +425,7 @@ func (s *ladder) finish(ctx context.Context) error {
 		case <-ctx.Done():
 			return fmt.Errorf("stop %v: waiting for the reaper: %w", s.cfg.Identity, ctx.Err())
 		case <-t.C:
-			return fmt.Errorf("stop %v: gone but not reaped after %s", s.cfg.Identity, s.cfg.KillTimeout)
+			return errdefs.StillAlive.Errorf("stop %v: gone but not reaped after %s", s.cfg.Identity, s.cfg.KillTimeout)
 		}
 	}
 	s.closeMonitor()

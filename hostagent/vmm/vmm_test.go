@@ -506,9 +506,7 @@ func Example() {
 // task only KVM creates.
 func requiresKVM(tb testing.TB) {
 	tb.Helper()
-	if testAccel() != AccelKVM {
-		tb.Skip("needs a usable /dev/kvm")
-	}
+	proctest.RequiresKVM(tb, CheckKVM("").Err)
 }
 
 // taskNames lists the comm of every task in pid's thread group.

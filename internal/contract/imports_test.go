@@ -12,17 +12,16 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// TestImportRules guards the line this package exists for (issue 15,
-// ARCHITECTURE.md): nothing under hostagent/ imports go.temporal.io, directly
-// or through another package, except the agent binary's own wiring (package
-// vmflow/hostagent: main.go, run.go) and activities/, which is not under
-// hostagent/; and workflows/ imports nothing under hostagent/. Host
+// TestImportRules guards the line this package exists for: nothing under
+// hostagent/ imports go.temporal.io, directly or through another package,
+// except the agent binary's main.go (package vmflow/hostagent), which wires
+// daemon/agent; and workflows/ imports nothing under hostagent/. Host
 // supervision must build, test and run without Temporal, and workflow code
 // must never touch the OS.
 //
 // The hostagent packages are checked with their tests. The workflows
 // package is checked without them: its dev-server tests reach hostagent's
-// proc and store through internal/devserver, which is test tooling.
+// proc and store through testsupport/devserver, which is test tooling.
 func TestImportRules(t *testing.T) {
 	deps := goListDeps(t, true, "vmflow/hostagent/...")
 	var checked int

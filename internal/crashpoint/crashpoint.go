@@ -3,7 +3,7 @@
 // invariant 8).
 //
 // The hooks are compiled in only under the build tag vmflow_crashpoints,
-// which the test harness (internal/stacktest) builds the binaries with;
+// which the test harness (testsupport/stacktest) builds the binaries with;
 // without it (make build, production) Hit is an empty function the compiler
 // removes, and the binary holds neither the switch nor its variable. In a
 // tagged build the environment variable VMFLOW_CRASHPOINT arms one point,

@@ -14,8 +14,8 @@ import (
 	enumspb "go.temporal.io/api/enums/v1"
 	"go.temporal.io/api/operatorservice/v1"
 
-	"vmflow/internal/devserver"
 	"vmflow/internal/tclient"
+	"vmflow/testsupport/devserver"
 )
 
 // TestCreateCommandsRunAgainstDevServer runs, with the real CLI (v1.5.1),

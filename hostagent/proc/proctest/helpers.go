@@ -33,6 +33,38 @@ func RequiresBinary(tb testing.TB, program, hint string) string {
 	return p
 }
 
+// RequiresRoot skips tb unless the test runs as root, saying why it needs
+// root (why: "QEMU is exec'd as a uid of its own"). CI runs as root.
+func RequiresRoot(tb testing.TB, why string) {
+	tb.Helper()
+	if os.Geteuid() != 0 {
+		tb.Skipf("needs root: %s", why)
+	}
+}
+
+// RequiresFUSE skips tb when this machine has no /dev/fuse, or it cannot be
+// opened. CI has it, so nothing is skipped there.
+func RequiresFUSE(tb testing.TB) {
+	tb.Helper()
+	f, err := os.OpenFile("/dev/fuse", os.O_RDWR, 0)
+	if errors.Is(err, os.ErrNotExist) || errors.Is(err, unix.ENODEV) {
+		tb.Skipf("skipping: /dev/fuse is missing (%v); the test mounts a FUSE file system", err)
+	}
+	if err != nil {
+		tb.Skipf("skipping: /dev/fuse cannot be opened (%v); the test mounts a FUSE file system, as root", err)
+	}
+	f.Close()
+}
+
+// RequiresKVM skips tb unless the tests run under KVM (Accel, given
+// vmm.CheckKVM's answer): for the checks of KVM itself.
+func RequiresKVM(tb testing.TB, kvmUsable error) {
+	tb.Helper()
+	if Accel(kvmUsable) != "kvm" {
+		tb.Skipf("tests KVM itself; this run uses TCG (%s)", AccelReason())
+	}
+}
+
 // KVMOpens reports whether this process can open /dev/kvm read-write.
 func KVMOpens() bool {
 	f, err := os.OpenFile("/dev/kvm", os.O_RDWR, 0)

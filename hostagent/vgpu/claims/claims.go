@@ -25,6 +25,7 @@ import (
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vgpu"
 	"vmflow/internal/crashpoint"
+	"vmflow/internal/errdefs"
 	"vmflow/internal/fsx"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
@@ -33,20 +34,20 @@ import (
 var (
 	// ErrVMAlive: the instance's VM may still run (its thread group is not
 	// confirmed gone; "can't tell" counts as alive). Invariant 2.
-	ErrVMAlive = errors.New("vgpu: VM may still be running")
+	ErrVMAlive = errdefs.StillAlive.New("vgpu: VM may still be running")
 	// ErrDeviceHeld: a process has the device's VFIO node open, or may
 	// have it (its descriptors could not be read).
-	ErrDeviceHeld = errors.New("vgpu: device held open")
+	ErrDeviceHeld = errdefs.Busy.New("vgpu: device held open")
 	// ErrClaimConflict: the instance already claims another profile.
-	ErrClaimConflict = errors.New("vgpu: instance already claims another vGPU")
+	ErrClaimConflict = errdefs.Conflict.New("vgpu: instance already claims another vGPU")
 	// ErrClaimDeviceMissing: an active claim's device is gone (a host
 	// reboot removes mdevs and resets VF types) and could not be
 	// re-created; the error names the instance, profile and device.
-	ErrClaimDeviceMissing = errors.New("vgpu: claimed device missing")
+	ErrClaimDeviceMissing = errdefs.DeviceMissing.New("vgpu: claimed device missing")
 	// ErrClaimNotActive: the claim is held but not active (an intent whose
 	// spawn has not finished claiming, or a release under way), so there
 	// is no device to launch with yet.
-	ErrClaimNotActive = errors.New("vgpu: claim not active")
+	ErrClaimNotActive = errdefs.DeviceMissing.New("vgpu: claim not active")
 )
 
 // DefaultOrphanGrace is how long an unclaimed device must stay unclaimed

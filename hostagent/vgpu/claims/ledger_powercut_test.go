@@ -16,7 +16,7 @@ import (
 	"vmflow/hostagent/vgpu/claims"
 	"vmflow/hostagent/vgpu/vgpusim"
 	"vmflow/hostagent/vgpu/vgpusim/simtest"
-	"vmflow/internal/fsx/powercut"
+	"vmflow/testsupport/powercut"
 )
 
 // TestOrphanLedgerSurvivesPowerCut: the ledger of devices seen unclaimed

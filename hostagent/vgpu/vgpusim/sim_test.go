@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"vmflow/hostagent/proc/proctest"
 	"vmflow/hostagent/vgpu/vgpusim"
 	"vmflow/hostagent/vgpu/vgpusim/simtest"
 )
@@ -239,7 +240,7 @@ func TestBlockReleaseThenLift(t *testing.T) {
 }
 
 func TestUnmountCompletesBlockedWriters(t *testing.T) {
-	simtest.RequiresFUSE(t)
+	proctest.RequiresFUSE(t)
 	root, ctl := filepath.Join(t.TempDir(), "sys"), t.TempDir()
 	require.NoError(t, os.Mkdir(root, 0o755))
 	srv, err := vgpusim.Mount(root, vgpusim.Options{MdevParents: 1, VendorVFs: 1, Control: ctl})

@@ -42,9 +42,7 @@ func QEMUDeadline(d time.Duration) time.Duration {
 // KVM itself (its kernel threads, the /dev/kvm group rule).
 func RequiresKVM(tb testing.TB) {
 	tb.Helper()
-	if Accel() != vmm.AccelKVM {
-		tb.Skipf("tests KVM itself; this run uses TCG (%s)", proctest.AccelReason())
-	}
+	proctest.RequiresKVM(tb, vmm.CheckKVM("").Err)
 }
 
 var confineUIDs atomic.Uint32

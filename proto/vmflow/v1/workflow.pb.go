@@ -3,7 +3,8 @@
 // JSON with proto field names (snake_case), so every field is a scalar:
 // strings for enums and times (RFC 3339), integer seconds for durations. No
 // well-known types here: google.protobuf.Duration given as "1s" by the CLI
-// fails to decode (FACTS.md), and 64-bit integers would travel as strings.
+// fails to decode ("unable to decode", SDK v1.51 with CLI v1.5.1), and
+// 64-bit integers would travel as strings.
 //
 // Field numbers are forever: never renumber or reuse one, only add.
 

@@ -6,25 +6,11 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
-	"syscall"
 	"testing"
 
+	"vmflow/hostagent/proc/proctest"
 	"vmflow/hostagent/vgpu/vgpusim"
 )
-
-// RequiresFUSE skips t when this machine has no /dev/fuse. CI has it, so
-// nothing is skipped there.
-func RequiresFUSE(t testing.TB) {
-	t.Helper()
-	f, err := os.OpenFile("/dev/fuse", os.O_RDWR, 0)
-	if errors.Is(err, os.ErrNotExist) || errors.Is(err, syscall.ENODEV) {
-		t.Skipf("skipping: /dev/fuse is missing (%v); the vGPU simulator needs FUSE", err)
-	}
-	if err != nil {
-		t.Skipf("skipping: /dev/fuse cannot be opened (%v); the vGPU simulator needs FUSE as root", err)
-	}
-	f.Close()
-}
 
 // Sim is a mounted simulator.
 type Sim struct {
@@ -37,7 +23,7 @@ type Sim struct {
 // replaced by a fresh directory too.
 func Start(t testing.TB, opts vgpusim.Options) *Sim {
 	t.Helper()
-	RequiresFUSE(t)
+	proctest.RequiresFUSE(t)
 	dir := t.TempDir()
 	s := &Sim{Root: filepath.Join(dir, "sys"), Control: filepath.Join(dir, "ctl")}
 	for _, d := range []string{s.Root, s.Control} {

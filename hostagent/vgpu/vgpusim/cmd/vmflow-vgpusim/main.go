@@ -1,7 +1,7 @@
 // Command vmflow-vgpusim mounts a FUSE file system that answers like the
 // kernel's vGPU sysfs (mdev and NVIDIA vendor VFIO), for tests and make dev.
 // It is a binary of its own so that the root agent carries no simulator.
-// main is wiring only: the command is run, tested in sim_test.go.
+// main is wiring only: the command is vgpusim.Command.
 package main
 
 import (
@@ -10,12 +10,12 @@ import (
 	"os/signal"
 	"syscall"
 
-	"vmflow/hostagent/cli"
+	"vmflow/hostagent/vgpu/vgpusim"
 )
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	code := run(ctx, os.Args[1:], cli.IO{Stdout: os.Stdout, Stderr: os.Stderr})
+	code := vgpusim.Command(ctx, os.Args[1:], os.Stderr)
 	stop()
 	os.Exit(code)
 }

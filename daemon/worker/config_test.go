@@ -1,4 +1,4 @@
-package main
+package worker
 
 import (
 	"io"
@@ -12,7 +12,7 @@ import (
 )
 
 func TestParseConfigDefaults(t *testing.T) {
-	c, err := parseConfig(nil, io.Discard)
+	c, err := ParseFlags(nil, io.Discard)
 	require.NoError(t, err)
 	assert.Equal(t, workflows.DefaultTaskQueue, c.TaskQueue)
 	assert.Equal(t, workflows.DefaultConfig().ReleaseBackoff, c.Workflows.ReleaseBackoff)
@@ -21,7 +21,7 @@ func TestParseConfigDefaults(t *testing.T) {
 }
 
 func TestParseConfigFlags(t *testing.T) {
-	c, err := parseConfig([]string{"--task-queue", "q2", "--release-backoff", "1s", "--release-backoff-max", "4s", "--metrics-addr", "127.0.0.1:0", "--delete-stuck-after", "90s"}, io.Discard)
+	c, err := ParseFlags([]string{"--task-queue", "q2", "--release-backoff", "1s", "--release-backoff-max", "4s", "--metrics-addr", "127.0.0.1:0", "--delete-stuck-after", "90s"}, io.Discard)
 	require.NoError(t, err)
 	assert.Equal(t, "q2", c.TaskQueue)
 	assert.Equal(t, time.Second, c.Workflows.ReleaseBackoff)
@@ -42,7 +42,7 @@ func TestParseConfigRejects(t *testing.T) {
 		{"extra"},
 		{"--no-such-flag"},
 	} {
-		_, err := parseConfig(args, io.Discard)
+		_, err := ParseFlags(args, io.Discard)
 		assert.Error(t, err, "%q", args)
 	}
 }
@@ -52,20 +52,20 @@ func TestParseConfigRejects(t *testing.T) {
 // deployment defaults to "vmflow" and the build id to the stamped version,
 // and an unstamped build must name its build id.
 func TestParseConfigVersioning(t *testing.T) {
-	c, err := parseConfig(nil, io.Discard)
+	c, err := ParseFlags(nil, io.Discard)
 	require.NoError(t, err)
 	assert.False(t, c.Versioning)
 	assert.Zero(t, workerOptions(c).DeploymentOptions, "an unversioned worker sends no deployment options")
 	assert.Equal(t, "vmflow", c.Deployment.DeploymentName)
 
-	c, err = parseConfig([]string{"--versioning", "--build-id", "v1.2.3-4-gabcdef0"}, io.Discard)
+	c, err = ParseFlags([]string{"--versioning", "--build-id", "v1.2.3-4-gabcdef0"}, io.Discard)
 	require.NoError(t, err)
 	o := workerOptions(c).DeploymentOptions
 	assert.True(t, o.UseVersioning)
 	assert.Equal(t, "vmflow", o.Version.DeploymentName)
 	assert.Equal(t, "v1.2.3-4-gabcdef0", o.Version.BuildID)
 
-	c, err = parseConfig([]string{"--versioning", "--deployment-name", "vmflow-eu", "--build-id", "b7"}, io.Discard)
+	c, err = ParseFlags([]string{"--versioning", "--deployment-name", "vmflow-eu", "--build-id", "b7"}, io.Discard)
 	require.NoError(t, err)
 	assert.Equal(t, "vmflow-eu", workerOptions(c).DeploymentOptions.Version.DeploymentName)
 
@@ -77,7 +77,7 @@ func TestParseConfigVersioning(t *testing.T) {
 		{"--versioning", "--build-id", "b1", "--deployment-name", ""},
 		{"--versioning", "--build-id", "b1", "--deployment-name", "vm.flow"},
 	} {
-		_, err := parseConfig(args, io.Discard)
+		_, err := ParseFlags(args, io.Discard)
 		assert.Error(t, err, "%q", args)
 	}
 }

@@ -1,13 +1,13 @@
-package main
+package vgpusim
 
 import (
 	"context"
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 
-	"vmflow/hostagent/cli"
-	"vmflow/hostagent/vgpu/vgpusim"
+	"vmflow/internal/service"
 )
 
 const vgpuSimHelp = `usage: vmflow-vgpusim --mount DIR [--control CTL] [--mdev-parents N] [--vendor-vfs N]
@@ -30,36 +30,37 @@ Drive it from a shell:
 exit status: 0 after a clean unmount, 1 on a mount or unmount error, 2 usage
 `
 
-// run is the command: mount, serve until ctx ends, unmount.
-func run(ctx context.Context, args []string, out cli.IO) int {
+// Command is the vmflow-vgpusim command: mount, serve until ctx ends,
+// unmount. It returns the exit code.
+func Command(ctx context.Context, args []string, stderr io.Writer) int {
 	fs := flag.NewFlagSet("vmflow-vgpusim", flag.ContinueOnError)
-	fs.SetOutput(out.Stderr)
-	fs.Usage = func() { fmt.Fprint(out.Stderr, vgpuSimHelp) }
+	fs.SetOutput(stderr)
+	fs.Usage = func() { fmt.Fprint(stderr, vgpuSimHelp) }
 	mount := fs.String("mount", "", "mount point (must exist)")
 	ctl := fs.String("control", "", "fault-injection directory (must exist)")
 	parents := fs.Int("mdev-parents", 2, "number of mdev-capable GPUs")
 	vfs := fs.Int("vendor-vfs", 4, "number of NVIDIA vendor-VFIO virtual functions")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
-			return cli.ExitOK
+			return service.ExitOK
 		}
-		return cli.ExitUsage
+		return service.ExitUsage
 	}
 	if *mount == "" || fs.NArg() != 0 {
 		fs.Usage()
-		return cli.ExitUsage
+		return service.ExitUsage
 	}
-	srv, err := vgpusim.Mount(*mount, vgpusim.Options{MdevParents: *parents, VendorVFs: *vfs, Control: *ctl})
+	srv, err := Mount(*mount, Options{MdevParents: *parents, VendorVFs: *vfs, Control: *ctl})
 	if err != nil {
-		fmt.Fprintf(out.Stderr, "vmflow-vgpusim: %v\n", err)
-		return cli.ExitError
+		fmt.Fprintf(stderr, "vmflow-vgpusim: %v\n", err)
+		return service.ExitError
 	}
-	fmt.Fprintf(out.Stderr, "vmflow-vgpusim: mounted at %s (mdev parents %d, vendor VFs %d, control %q)\n", *mount, *parents, *vfs, *ctl)
+	fmt.Fprintf(stderr, "vmflow-vgpusim: mounted at %s (mdev parents %d, vendor VFs %d, control %q)\n", *mount, *parents, *vfs, *ctl)
 	<-ctx.Done()
 	if err := srv.Unmount(); err != nil {
-		fmt.Fprintf(out.Stderr, "vmflow-vgpusim: %v\n", err)
-		return cli.ExitError
+		fmt.Fprintf(stderr, "vmflow-vgpusim: %v\n", err)
+		return service.ExitError
 	}
-	fmt.Fprintf(out.Stderr, "vmflow-vgpusim: unmounted %s\n", *mount)
-	return cli.ExitOK
+	fmt.Fprintf(stderr, "vmflow-vgpusim: unmounted %s\n", *mount)
+	return service.ExitOK
 }

@@ -1,4 +1,4 @@
-package main
+package agent
 
 import (
 	"context"
@@ -20,7 +20,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"vmflow/hostagent/cli"
+	"vmflow/daemon"
 	"vmflow/hostagent/spec"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/supervise"
@@ -68,14 +68,14 @@ func TestAgentOutlivesBadRecordAndRefusedCredentials(t *testing.T) {
 	require.NoError(t, os.WriteFile(p.Record, []byte(`{"id": "torn", "sp`), 0o600))
 
 	core, logs := observer.New(zapcore.InfoLevel)
-	cfg := cli.RunConfig{
-		HostID: "h1", StateDir: dir, VGPUDriver: "none", Address: refusingTemporal(t), Namespace: "default",
-		TaskQueue: "vmflow", ReconcileEvery: time.Minute, GracefulTimeout: time.Second, GroupExitCap: time.Second,
-		LogLevel: "info",
+	cfg := Config{
+		HostID: "h1", StateDir: dir, VGPUDriver: "none", TaskQueue: "vmflow", ReconcileEvery: time.Minute,
+		GracefulTimeout: time.Second, GroupExitCap: time.Second,
+		Flags: daemon.Flags{Address: refusingTemporal(t), Namespace: "default", LogLevel: "info", Logger: zap.New(core)},
 	}
 	actx, cancel := context.WithCancel(ctx)
 	done := make(chan error, 1)
-	go func() { done <- agent(actx, cfg, zap.New(core)) }()
+	go func() { done <- Run(actx, cfg) }()
 
 	require.Eventually(t, func() bool {
 		return logs.FilterMessageSnippet("temporal refused the agent").Len() > 0
@@ -154,17 +154,18 @@ func TestAgentRefusesInsecureTransportAndKeepsSupervising(t *testing.T) {
 	dir := t.TempDir()
 	core, logs := observer.New(zapcore.InfoLevel)
 	metricsAddr := freeAddr(t)
-	cfg := cli.RunConfig{
+	cfg := Config{
 		// TEST-NET-1: never routed; a dial would hang, not fail.
-		HostID: "h1", StateDir: dir, VGPUDriver: "none", Address: "192.0.2.1:7233", Namespace: "default",
-		TaskQueue: "vmflow", ReconcileEvery: time.Minute, GracefulTimeout: time.Second, GroupExitCap: time.Second,
-		LogLevel: "info", MetricsAddr: metricsAddr,
+		HostID: "h1", StateDir: dir, VGPUDriver: "none", TaskQueue: "vmflow", ReconcileEvery: time.Minute,
+		GracefulTimeout: time.Second, GroupExitCap: time.Second,
+		Flags: daemon.Flags{Address: "192.0.2.1:7233", Namespace: "default", LogLevel: "info", MetricsAddr: metricsAddr,
+			Logger: zap.New(core)},
 	}
 	t.Setenv("TEMPORAL_CONFIG_FILE", filepath.Join(dir, "absent.toml"))
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	done := make(chan error, 1)
-	go func() { done <- agent(ctx, cfg, zap.New(core)) }()
+	go func() { done <- Run(ctx, cfg) }()
 
 	var ready string
 	require.Eventually(t, func() bool {

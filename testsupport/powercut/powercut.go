@@ -35,7 +35,7 @@ import (
 	"github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sys/unix"
 
-	"vmflow/hostagent/vgpu/vgpusim/simtest"
+	"vmflow/hostagent/proc/proctest"
 )
 
 // node is one file or directory, both as it is now and as it was at its
@@ -79,7 +79,7 @@ func Mount(dir string) (*FS, error) {
 // unmounts it when t ends; it skips t where FUSE is missing.
 func Start(t testing.TB) *FS {
 	t.Helper()
-	simtest.RequiresFUSE(t)
+	proctest.RequiresFUSE(t)
 	f, err := Mount(t.TempDir())
 	if err != nil {
 		t.Fatalf("powercut: %v", err)

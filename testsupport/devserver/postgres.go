@@ -21,9 +21,9 @@ import (
 
 	"go.temporal.io/sdk/client"
 
-	"vmflow/internal/stacktest"
 	"vmflow/internal/tclient"
 	"vmflow/platform"
+	"vmflow/testsupport/stacktest"
 )
 
 // Temporal is a running Temporal server for tests, whichever backend

@@ -1,4 +1,4 @@
-package main
+package worker
 
 import (
 	"context"
@@ -17,9 +17,9 @@ import (
 	"go.temporal.io/sdk/temporal"
 	"go.temporal.io/sdk/worker"
 
-	"vmflow/internal/devserver"
-	"vmflow/internal/stacktest"
 	vmflowv1 "vmflow/proto/vmflow/v1"
+	"vmflow/testsupport/devserver"
+	"vmflow/testsupport/stacktest"
 	"vmflow/workflows"
 )
 

@@ -1,25 +1,26 @@
-package main
+// Package agent is vmflow-hostagent run as a library. Run opens the host's
+// store, vGPU driver, image roots and supervisor, supervises the host's VMs
+// (re-attach, restart policies) before it ever waits for Temporal, then
+// serves the host activities on the host's task queue, keeps the reconcile
+// Schedule the one this build wants and triggers it from a local scan. It
+// is the host side's one importer of Temporal: hostagent/... never is.
+package agent
 
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"os"
 	"runtime/pprof"
 	"time"
 
 	sddbus "github.com/coreos/go-systemd/v22/dbus"
-	commonpb "go.temporal.io/api/common/v1"
-	enumspb "go.temporal.io/api/enums/v1"
 	"go.temporal.io/sdk/client"
-	"go.temporal.io/sdk/temporal"
 	"go.temporal.io/sdk/worker"
 	"go.uber.org/zap"
-	"google.golang.org/protobuf/proto"
 
 	"vmflow/activities"
-	"vmflow/hostagent/cli"
+	"vmflow/daemon"
 	"vmflow/hostagent/metrics"
 	"vmflow/hostagent/spec"
 	"vmflow/hostagent/store"
@@ -31,14 +32,22 @@ import (
 	"vmflow/internal/service"
 	"vmflow/internal/tclient"
 	"vmflow/platform"
-	vmflowv1 "vmflow/proto/vmflow/v1"
 	"vmflow/workflows"
 )
 
-// runAgent wires "vmflow-hostagent run": supervision first (it never waits
-// for Temporal), then the Temporal worker for this host's queue and the
-// reconcile Schedule, connected in the background with retries.
-func runAgent(ctx context.Context, args []string) int {
+// Readiness conditions of the agent's /readyz.
+const (
+	readyReattach = "reattach"
+	readyTemporal = "temporal"
+	readyStopping = "stopping"
+)
+
+// Run runs the host agent: supervision first (it never waits for
+// Temporal), then the Temporal worker for this host's queue and the
+// reconcile Schedule, connected in the background with retries. It runs
+// until ctx ends (SIGTERM), then stops gracefully: no new activities,
+// running ones get cfg.StopTimeout to finish, VMs keep running.
+func Run(ctx context.Context, cfg Config) error {
 	// VMFLOW_CPUPROFILE=FILE writes a CPU profile of the run, until
 	// SIGTERM or SIGINT, for `go tool pprof` (make bench's profiling aid;
 	// off unless set). A kill -9 loses it.
@@ -48,65 +57,70 @@ func runAgent(ctx context.Context, args []string) int {
 			err = pprof.StartCPUProfile(f)
 		}
 		if err != nil {
-			fmt.Fprintln(os.Stderr, "vmflow-hostagent run: VMFLOW_CPUPROFILE:", err)
-			return cli.ExitUsage
+			return daemon.UsageError(fmt.Errorf("VMFLOW_CPUPROFILE: %w", err))
 		}
 		defer func() {
 			pprof.StopCPUProfile()
 			_ = f.Close()
 		}()
 	}
-	cfg, err := cli.ParseRun(args, os.Stderr)
-	if errors.Is(err, flag.ErrHelp) {
-		return cli.ExitOK
-	}
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "vmflow-hostagent run:", err)
-		return cli.ExitUsage
-	}
-	log, err := tclient.NewLogger(cfg.LogLevel)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "vmflow-hostagent run:", err)
-		return cli.ExitUsage
-	}
-	log = log.With(zap.String("host_id", cfg.HostID))
-	defer func() { _ = log.Sync() }()
-	log.Info("vmflow-hostagent starting", service.Info().Fields()...)
-	if err := agent(ctx, cfg, log); err != nil {
-		log.Error("agent stopped", zap.Error(err))
-		return cli.ExitError
-	}
-	return cli.ExitOK
-}
-
-// Readiness conditions of the agent's /readyz.
-const (
-	readyReattach = "reattach"
-	readyTemporal = "temporal"
-	readyStopping = "stopping"
-)
-
-// agent runs until ctx ends (SIGTERM), then stops gracefully: no new
-// activities, running ones get cfg.StopTimeout to finish, VMs keep running.
-func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
+	log := cfg.Log()
 	// The metrics server and the watchdog outlive ctx: they serve until
-	// the graceful stop is over and agent returns.
+	// the graceful stop is over and Run returns.
 	life, endLife := context.WithCancel(context.Background())
 	defer endLife()
-
-	st, err := store.New(cfg.StateDir)
+	h, err := openHost(ctx, life, cfg, log)
 	if err != nil {
 		return err
 	}
-	tm, err := tclient.NewMetrics(tclient.WithMetricsLogger(log))
+	defer h.close()
+	if err := h.supervise(ctx, life, log); err != nil {
+		return nil // stopped before the records could be listed
+	}
+	return h.serve(ctx, cfg, log)
+}
+
+// agentHost is what the agent runs on this machine, from openHost until Run
+// returns.
+type agentHost struct {
+	store   *store.Store
+	tm      *tclient.Metrics // /metrics, /readyz
+	metrics *metrics.Agent
+	vgpus   *claims.Claims // nil without vGPUs: no reconcile work to scan for
+	sup     *supervise.Supervisor
+	fdStore vmm.FDStore // nil without systemd's fd store
+	acts    *activities.Activities
+	closers []func()
+}
+
+func (h *agentHost) close() {
+	for i := len(h.closers) - 1; i >= 0; i-- {
+		h.closers[i]()
+	}
+}
+
+// openHost opens the store, the metrics, the vGPU driver, the image roots
+// and the supervisor: nothing runs yet, and nothing needs Temporal.
+func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentHost, err error) {
+	h = &agentHost{}
+	defer func() {
+		if err != nil {
+			h.close()
+		}
+	}()
+	st, err := store.New(cfg.StateDir)
 	if err != nil {
-		return err
+		return nil, err
+	}
+	tm, err := daemon.NewMetrics(log)
+	if err != nil {
+		return nil, err
 	}
 	tm.Readiness.NotReady(readyReattach, "re-attaching the host's VMs")
 	tm.Readiness.NotReady(readyTemporal, "the Temporal worker is not polling yet")
 	am, err := metrics.New(tm.Registry, st)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	// Scrapes serve a snapshot of the store; this keeps it current, and
 	// says when the state file system goes below its reserve and back.
@@ -124,17 +138,8 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 		}
 	})
 	go am.RunStoreRefresh(life, metrics.DefaultStoreRefresh)
-	// The SDK labels activity metrics with names callers choose: only the
-	// agent's own activities and vmflow's workflows keep theirs.
-	tm.AllowTypes(workflows.WorkflowNames, workflows.HostActivityNames)
 	// /healthz answers while re-attach runs; /readyz says what it waits for.
-	if cfg.MetricsAddr != "" {
-		go func() {
-			if err := tm.Serve(life, cfg.MetricsAddr); err != nil {
-				log.Error("metrics server stopped", zap.Error(err))
-			}
-		}()
-	}
+	cfg.ServeMetrics(life, tm)
 
 	var gpus activities.GPUs
 	var devs spec.Devices // nil interface, not a typed nil, without vGPUs
@@ -143,7 +148,7 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 	if cfg.VGPUDriver != "none" {
 		c, err := newClaims(cfg, st, log)
 		if err != nil {
-			return err
+			return nil, err
 		}
 		if c != nil {
 			vgpus = c
@@ -157,9 +162,9 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 	// image is opened beneath them.
 	host, err := spec.SystemHost(cfg.ImageRoots, cfg.KVMDevice, profiles)
 	if err != nil {
-		return err
+		return nil, err
 	}
-	defer host.Images.Close()
+	h.closers = append(h.closers, func() { _ = host.Images.Close() })
 	// Which QEMU this agent launches, in its start log: the confinement
 	// relies on QEMU 7.2's -sandbox options and its fd passing, and an
 	// operator reading a launch failure wants the version beside it. A QEMU
@@ -195,7 +200,7 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 	if cfg.Jail {
 		// The setup stage is this binary, re-executed.
 		if jailSetup, err = os.Executable(); err != nil {
-			return fmt.Errorf("--jail: %w", err)
+			return nil, fmt.Errorf("--jail: %w", err)
 		}
 	} else {
 		log.Warn("--jail=false: QEMUs run in the host's namespaces and root")
@@ -215,46 +220,58 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 		OnGuestLogDropped:      func(n uint64) { am.GuestLogDropped.Add(float64(n)) },
 	})
 	if err != nil {
+		return nil, err
+	}
+	h.closers = append(h.closers, func() { _ = sup.Close() })
+	acts.Supervisor = sup
+	h.store, h.tm, h.metrics, h.vgpus, h.sup, h.fdStore, h.acts = st, tm, am, vgpus, sup, fdStore, acts
+	return h, nil
+}
+
+// supervise re-attaches the host's VMs, then tells systemd the agent is
+// ready and starts the watchdog. Supervision comes first: VMs are
+// re-attached and restarted with the network down. One broken instance
+// never stops the host (invariant 12): records that cannot be read or
+// re-attached are reported and left alone, and everything else is
+// supervised and served. Its error is ctx's, before the records could be
+// listed.
+func (h *agentHost) supervise(ctx, life context.Context, log *zap.Logger) error {
+	rep, err := startSupervision(ctx, h.sup, log)
+	if err != nil {
 		return err
 	}
-	defer sup.Close()
-	acts.Supervisor = sup
-
-	// Supervision first: VMs are re-attached and restarted with the
-	// network down.
-	// One broken instance never stops the host (invariant 12): records
-	// that cannot be read or re-attached are reported and left alone, and
-	// everything else is supervised and served.
-	rep, err := startSupervision(ctx, sup, log)
-	if err != nil {
-		return nil // stopped before the records could be listed
-	}
 	crashpoint.Hit(crashpoint.AgentReattached)
-	am.Reattach.Add(float64(rep.Attached))
-	am.RefreshStore() // re-attach rewrote records: the gauges show it now
+	h.metrics.Reattach.Add(float64(rep.Attached))
+	h.metrics.RefreshStore() // re-attach rewrote records: the gauges show it now
 	log.Info("supervising", zap.Int("records", rep.Records), zap.Int("attached", rep.Attached),
 		zap.Int("gone", rep.Gone), zap.Int("failed", rep.Failed), zap.Duration("took", rep.Duration))
-	if gpus == nil {
-		reportUnservedClaims(st, am, log)
+	if h.acts.GPUs == nil {
+		reportUnservedClaims(h.store, h.metrics, log)
 	}
-	if sd, ok := fdStore.(*vmm.SystemdFDStore); ok {
-		pruneFDStore(st, sd, log)
+	if sd, ok := h.fdStore.(*vmm.SystemdFDStore); ok {
+		pruneFDStore(h.store, sd, log)
 	}
 	// Ready for systemd means supervising: re-attach is done, whatever
 	// Temporal's state or the state of single records (invariant 12).
-	tm.Readiness.Ready(readyReattach)
+	h.tm.Readiness.Ready(readyReattach)
 	service.NotifyReady(log)
 	// systemd arms the watchdog once READY=1 is sent; each ping asks the
 	// supervisor and the store first (invariant 12's other half: a wedged
 	// agent is restarted rather than reported healthy).
 	go func() {
-		if err := service.Watchdog(life, log, sup.Alive); err != nil {
+		if err := service.Watchdog(life, log, h.sup.Alive); err != nil {
 			log.Error("systemd watchdog", zap.Error(err))
 		}
 	}()
+	return nil
+}
 
-	topts := platform.Options{Logger: log, MetricsHandler: tm.SDKHandler(), HostPort: cfg.Address, Namespace: cfg.Namespace,
-		Identity: "vmflow-hostagent@" + cfg.HostID, Insecure: cfg.Insecure}
+// serve connects to Temporal (retrying for as long as it takes) and serves
+// the host activities, the reconcile Schedule and the local scan until ctx
+// ends; then it stops gracefully.
+func (h *agentHost) serve(ctx context.Context, cfg Config, log *zap.Logger) error {
+	tm := h.tm
+	topts := cfg.Temporal(tm, "vmflow-hostagent@"+cfg.HostID)
 	// The transport check alone, before dialing: no logger, so an allowed
 	// --insecure is warned about once, by the dial, not here as well.
 	check := topts
@@ -284,7 +301,7 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 	// cancelled; its retry resumes the ladder from the step the record
 	// holds.
 	w := worker.New(c, queue, worker.Options{WorkerStopTimeout: cfg.StopTimeout})
-	w.RegisterActivity(acts)
+	w.RegisterActivity(h.acts)
 	if err := w.Start(); err != nil {
 		return fmt.Errorf("start worker on %s: %w", queue, err)
 	}
@@ -294,7 +311,7 @@ func agent(ctx context.Context, cfg cli.RunConfig, log *zap.Logger) error {
 		// The host works without it; reconcile is a safety net.
 		log.Error("reconcile schedule", zap.Error(err))
 	}
-	if vgpus != nil && cfg.ReconcileScanEvery > 0 {
+	if vgpus := h.vgpus; vgpus != nil && cfg.ReconcileScanEvery > 0 {
 		sched := workflows.ReconcileScheduleID(cfg.HostID)
 		go scanForReconcile(ctx, vgpus.Scan, cfg.ReconcileScanEvery, cfg.ReconcileEvery,
 			func(ctx context.Context) error { return triggerReconcile(ctx, c, sched) }, log)
@@ -397,7 +414,7 @@ func reportUnservedClaims(st *store.Store, am *metrics.Agent, log *zap.Logger) {
 
 // newClaims sets up the vGPU driver and claims, or returns nil when
 // --vgpu-driver=auto finds no vGPU sysfs on the host.
-func newClaims(cfg cli.RunConfig, st *store.Store, log *zap.Logger) (*claims.Claims, error) {
+func newClaims(cfg Config, st *store.Store, log *zap.Logger) (*claims.Claims, error) {
 	kind := vgpu.Kind("")
 	switch cfg.VGPUDriver {
 	case "mdev":
@@ -415,188 +432,6 @@ func newClaims(cfg cli.RunConfig, st *store.Store, log *zap.Logger) (*claims.Cla
 
 		IgnoreUninspectable: cfg.IgnoreUninspectable,
 	})
-}
-
-// reconcileSchedule is the Schedule this build wants for the host: every
-// cfg.ReconcileEvery, skipping a run while one is going, starting
-// ReconcileVGPU for the host on cfg.TaskQueue. No execution, run or retry
-// limit: a round ends by its own retries (ReconcileHost's attempts, its
-// give-up on an unreachable host), and a limit shorter than those would
-// cut a slow round after it released claims and before it woke their
-// deletes (its own retries allow about 20 minutes with the worker's
-// default flags: three 5-minute attempts, each after a pickup of up to a
-// minute, and the give-up on an unreachable host).
-func reconcileSchedule(cfg cli.RunConfig) client.ScheduleOptions {
-	id := workflows.ReconcileScheduleID(cfg.HostID)
-	return client.ScheduleOptions{
-		ID:      id,
-		Spec:    client.ScheduleSpec{Intervals: []client.ScheduleIntervalSpec{{Every: cfg.ReconcileEvery}}},
-		Overlap: enumspb.SCHEDULE_OVERLAP_POLICY_SKIP,
-		Action: &client.ScheduleWorkflowAction{
-			ID:        id,
-			Workflow:  workflows.ReconcileWorkflow,
-			Args:      []any{&vmflowv1.ReconcileVGPURequest{HostId: cfg.HostID}},
-			TaskQueue: cfg.TaskQueue,
-		},
-	}
-}
-
-// ensureReconcileSchedule makes the host's reconcile Schedule the one this
-// build wants (reconcileSchedule): it creates it, or updates an existing
-// one that differs in anything this build sets (interval, overlap policy,
-// workflow type, id, arguments, task queue, timeouts, retry policy, memo,
-// search attributes), such as one an older build made every minute (about
-// 13,000 billed actions a day) or with a 10-minute execution timeout. Its
-// state (an operator's pause and note) is kept; one that already matches
-// is left as it is (no update, no action).
-func ensureReconcileSchedule(ctx context.Context, c client.Client, cfg cli.RunConfig, log *zap.Logger) error {
-	want := reconcileSchedule(cfg)
-	cctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	defer cancel()
-	_, err := c.ScheduleClient().Create(cctx, want)
-	if err == nil {
-		return nil
-	}
-	if !errors.Is(err, temporal.ErrScheduleAlreadyRunning) {
-		return fmt.Errorf("create schedule %s: %w", want.ID, err)
-	}
-	h := c.ScheduleClient().GetHandle(cctx, want.ID)
-	d, err := h.Describe(cctx)
-	if err != nil {
-		return fmt.Errorf("describe schedule %s: %w", want.ID, err)
-	}
-	diff := scheduleDiff(&d.Schedule, want)
-	if len(diff) == 0 {
-		return nil
-	}
-	err = h.Update(cctx, client.ScheduleUpdateOptions{
-		DoUpdate: func(in client.ScheduleUpdateInput) (*client.ScheduleUpdate, error) {
-			s := in.Description.Schedule
-			s.Spec, s.Action = &want.Spec, want.Action
-			if s.Policy == nil {
-				s.Policy = &client.SchedulePolicies{}
-			}
-			s.Policy.Overlap = want.Overlap
-			return &client.ScheduleUpdate{Schedule: &s}, nil
-		},
-	})
-	if err != nil {
-		return fmt.Errorf("update schedule %s (%v): %w", want.ID, diff, err)
-	}
-	log.Info("reconcile schedule updated to this build's", zap.String("schedule_id", want.ID), zap.Strings("changed", diff),
-		zap.Duration("every", cfg.ReconcileEvery))
-	return nil
-}
-
-// scheduleDiff names what of have differs from want (empty: nothing).
-func scheduleDiff(have *client.Schedule, want client.ScheduleOptions) []string {
-	var diff []string
-	add := func(differs bool, what string) {
-		if differs {
-			diff = append(diff, what)
-		}
-	}
-	add(!hasOnlyInterval(have.Spec, want.Spec.Intervals[0].Every), "interval")
-	add(have.Policy == nil || have.Policy.Overlap != want.Overlap, "overlap")
-	a, ok := have.Action.(*client.ScheduleWorkflowAction)
-	if !ok {
-		return append(diff, "action")
-	}
-	w := want.Action.(*client.ScheduleWorkflowAction)
-	add(a.ID != w.ID, "workflow_id")
-	add(a.Workflow != w.Workflow, "workflow_type")
-	add(a.TaskQueue != w.TaskQueue, "task_queue")
-	add(!sameArgs(a.Args, w.Args), "args")
-	add(a.WorkflowExecutionTimeout != w.WorkflowExecutionTimeout || a.WorkflowRunTimeout != w.WorkflowRunTimeout ||
-		// The server fills in its default task timeout (10 s).
-		(a.WorkflowTaskTimeout != w.WorkflowTaskTimeout && a.WorkflowTaskTimeout != 10*time.Second), "timeouts")
-	add(a.RetryPolicy != nil, "retry_policy")
-	add(len(a.Memo) > 0 || a.TypedSearchAttributes.Size() > 0 || len(a.UntypedSearchAttributes) > 0, "memo_or_search_attributes")
-	return diff
-}
-
-// hasOnlyInterval says whether spec runs exactly every d and nothing else.
-func hasOnlyInterval(spec *client.ScheduleSpec, d time.Duration) bool {
-	return spec != nil && len(spec.Intervals) == 1 && spec.Intervals[0].Every == d && spec.Intervals[0].Offset == 0 &&
-		len(spec.Calendars) == 0 && len(spec.CronExpressions) == 0 && len(spec.Skip) == 0 &&
-		spec.Jitter == 0 && spec.StartAt.IsZero() && spec.EndAt.IsZero()
-}
-
-// sameArgs: have, the payloads a Describe returns, decode to want's
-// messages.
-func sameArgs(have, want []any) bool {
-	if len(have) != len(want) {
-		return false
-	}
-	for i := range want {
-		p, ok := have[i].(*commonpb.Payload)
-		w, isMsg := want[i].(proto.Message)
-		if !ok || !isMsg {
-			return false
-		}
-		got := w.ProtoReflect().New().Interface()
-		if err := platform.DataConverter().FromPayload(p, got); err != nil || !proto.Equal(got, w) {
-			return false
-		}
-	}
-	return true
-}
-
-// triggerReconcile starts a ReconcileVGPU run of the host's schedule now
-// (one schedule action and the run's own actions), unless one is running.
-func triggerReconcile(ctx context.Context, c client.Client, scheduleID string) error {
-	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	defer cancel()
-	err := c.ScheduleClient().GetHandle(ctx, scheduleID).Trigger(ctx, client.ScheduleTriggerOptions{
-		Overlap: enumspb.SCHEDULE_OVERLAP_POLICY_SKIP,
-	})
-	if err != nil {
-		return fmt.Errorf("trigger schedule %s: %w", scheduleID, err)
-	}
-	return nil
-}
-
-// scanForReconcile runs the host's read-only scan every `every` until ctx
-// ends; it costs no Temporal action. Work that two scans in a row found (a
-// delete in progress passes through a scan's findings for a moment) triggers
-// a reconcile round, the same work again no sooner than `every`, then twice
-// as long each time up to `safety` (the schedule's period). A scan that
-// fails is logged and tried again next tick: the schedule still runs.
-func scanForReconcile(ctx context.Context, scan func(context.Context) (claims.Work, error), every, safety time.Duration,
-	trigger func(context.Context) error, log *zap.Logger) {
-	gate := &claims.Gate{Min: every, Max: safety}
-	var prev claims.Work
-	tick := time.NewTicker(every)
-	defer tick.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-tick.C:
-		}
-		// select picks at random when a tick is pending as ctx ends: an
-		// agent that is stopping must not scan, and trigger, once more.
-		if ctx.Err() != nil {
-			return
-		}
-		sctx, cancel := context.WithTimeout(ctx, every)
-		cur, err := scan(sctx)
-		cancel()
-		if err != nil {
-			log.Warn("reconcile scan failed; the schedule still runs", zap.Error(err))
-			continue
-		}
-		due := claims.Due(prev, cur)
-		prev = cur
-		if !gate.Should(time.Now(), due) {
-			continue
-		}
-		if err := trigger(ctx); err != nil {
-			log.Warn("reconcile scan found work, trigger failed; the schedule still runs", zap.Strings("work", due), zap.Error(err))
-			continue
-		}
-		log.Info("reconcile scan found work: reconcile triggered", zap.Strings("work", due))
-	}
 }
 
 // pruneFDStore drops the log pipes systemd kept for VMs whose records are

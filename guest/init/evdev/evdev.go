@@ -1,4 +1,7 @@
-package main
+// Package evdev reads what the guest's init needs of Linux input events
+// (struct input_event records from /dev/input/eventN) and of sysfs device
+// numbers: enough to see the ACPI power button pressed.
+package evdev
 
 import (
 	"encoding/binary"
@@ -14,40 +17,40 @@ const (
 	keyPower = 116
 )
 
-// eventSize is sizeof(struct input_event): a struct timeval (two longs)
+// Size is sizeof(struct input_event): a struct timeval (two longs)
 // then __u16 type, __u16 code, __s32 value. 24 bytes on amd64.
-const eventSize = 2*int(unsafe.Sizeof(uintptr(0))) + 8
+const Size = 2*int(unsafe.Sizeof(uintptr(0))) + 8
 
-// inputEvent is the part of struct input_event the init looks at.
-type inputEvent struct {
+// Event is the part of struct input_event the init looks at.
+type Event struct {
 	Type  uint16
 	Code  uint16
 	Value int32
 }
 
-// isPowerPress is a KEY_POWER key-down (value 1; 0 is release, 2 repeat).
-func (e inputEvent) isPowerPress() bool {
+// IsPowerPress is a KEY_POWER key-down (value 1; 0 is release, 2 repeat).
+func (e Event) IsPowerPress() bool {
 	return e.Type == evKey && e.Code == keyPower && e.Value == 1
 }
 
-// parseEvents decodes the whole input_event records in b (native byte
+// Parse decodes the whole input_event records in b (native byte
 // order, as the kernel writes them) and returns the bytes of a trailing
 // partial record.
-func parseEvents(b []byte) (events []inputEvent, rest []byte) {
-	for len(b) >= eventSize {
-		rec := b[eventSize-8 : eventSize]
-		events = append(events, inputEvent{
+func Parse(b []byte) (events []Event, rest []byte) {
+	for len(b) >= Size {
+		rec := b[Size-8 : Size]
+		events = append(events, Event{
 			Type:  binary.NativeEndian.Uint16(rec[0:2]),
 			Code:  binary.NativeEndian.Uint16(rec[2:4]),
 			Value: int32(binary.NativeEndian.Uint32(rec[4:8])),
 		})
-		b = b[eventSize:]
+		b = b[Size:]
 	}
 	return events, b
 }
 
-// parseDevNumber parses a sysfs dev file ("13:64\n").
-func parseDevNumber(s string) (major, minor uint32, err error) {
+// ParseDevNumber parses a sysfs dev file ("13:64\n").
+func ParseDevNumber(s string) (major, minor uint32, err error) {
 	majStr, minStr, ok := strings.Cut(strings.TrimSpace(s), ":")
 	if !ok {
 		return 0, 0, fmt.Errorf("dev number %q: want MAJOR:MINOR", s)

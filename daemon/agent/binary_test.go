@@ -1,4 +1,4 @@
-package main
+package agent
 
 import (
 	"bytes"
@@ -12,7 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"vmflow/internal/crashpoint"
-	"vmflow/internal/stacktest"
+	"vmflow/testsupport/stacktest"
 )
 
 // testMachinery is what only tests may carry, as strings(1) finds it in a

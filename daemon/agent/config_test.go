@@ -1,4 +1,4 @@
-package cli_test
+package agent_test
 
 import (
 	"io"
@@ -8,12 +8,12 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"vmflow/hostagent/cli"
+	"vmflow/daemon/agent"
 	"vmflow/hostagent/store"
 )
 
-func TestParseRun(t *testing.T) {
-	c, err := cli.ParseRun([]string{"--host-id", "h1", "--state-dir", "/tmp/s", "--image-root", "/a", "--image-root", "/b",
+func TestParseFlags(t *testing.T) {
+	c, err := agent.ParseFlags([]string{"--host-id", "h1", "--state-dir", "/tmp/s", "--image-root", "/a", "--image-root", "/b",
 		"--vgpu-attach=false", "--sysfs-root", "/tmp/sim", "--graceful-timeout", "3s", "--holders-ignore-pid", "1"}, io.Discard)
 	require.NoError(t, err)
 	assert.Equal(t, "h1", c.HostID)
@@ -24,19 +24,19 @@ func TestParseRun(t *testing.T) {
 	assert.Equal(t, "/dev", c.DevRoot)
 	assert.Equal(t, []int{1}, c.IgnoreUninspectable)
 
-	d, err := cli.ParseRun([]string{"--host-id", "h1"}, io.Discard)
+	d, err := agent.ParseFlags([]string{"--host-id", "h1"}, io.Discard)
 	require.NoError(t, err)
 	assert.True(t, d.VGPUAttach, "production attaches vGPUs")
 	assert.Equal(t, "/var/lib/vmflow", d.StateDir)
 	assert.Equal(t, store.DefaultQEMUUIDRange, d.QEMUUIDs, "a bare run confines QEMU with the default range")
 	assert.Equal(t, "/dev/kvm", d.KVMDevice)
 
-	u, err := cli.ParseRun([]string{"--host-id", "h1", "--qemu-uid-range", "300000-300999"}, io.Discard)
+	u, err := agent.ParseFlags([]string{"--host-id", "h1", "--qemu-uid-range", "300000-300999"}, io.Discard)
 	require.NoError(t, err)
 	assert.Equal(t, store.UIDRange{First: 300000, Last: 300999}, u.QEMUUIDs)
 }
 
-func TestParseRunRejects(t *testing.T) {
+func TestParseFlagsRejects(t *testing.T) {
 	for _, args := range [][]string{
 		{"--host-id", "Host.Example"},
 		{"--host-id", ""},
@@ -52,7 +52,7 @@ func TestParseRunRejects(t *testing.T) {
 		{"--host-id", "h1", "--qemu-uid-range", "300000"},
 		{"--host-id", "h1", "--qemu-uid-range", "300999-300000"},
 	} {
-		_, err := cli.ParseRun(args, io.Discard)
+		_, err := agent.ParseFlags(args, io.Discard)
 		assert.Error(t, err, "%q", args)
 	}
 }

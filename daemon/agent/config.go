@@ -1,4 +1,4 @@
-package cli
+package agent
 
 import (
 	"errors"
@@ -10,10 +10,12 @@ import (
 	"strconv"
 	"time"
 
+	"go.uber.org/zap"
+
+	"vmflow/daemon"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vmm"
 	"vmflow/internal/contract"
-	"vmflow/internal/service"
 )
 
 // DefaultReconcileEvery is the reconcile Schedule's period: a safety net
@@ -21,10 +23,9 @@ import (
 // triggers a round whenever it finds work.
 const DefaultReconcileEvery = 24 * time.Hour
 
-// RunConfig is the command line of "vmflow-hostagent run". The binary's
-// main turns it into a running agent; parsing lives here so it is tested
-// without Temporal.
-type RunConfig struct {
+// Config is the command line of "vmflow-hostagent run".
+type Config struct {
+	daemon.Flags
 	HostID     string
 	StateDir   string
 	SysfsRoot  string
@@ -48,17 +49,7 @@ type RunConfig struct {
 	ReconcileScanEvery time.Duration
 	GracefulTimeout    time.Duration
 	GroupExitCap       time.Duration
-	MetricsAddr        string
-	LogLevel           string
-	Address            string
-	Namespace          string
-	// Insecure allows an API key over plaintext, TLS skip-verify and
-	// plaintext to a non-loopback Temporal (tclient.TransportRisks).
-	Insecure  bool
-	TaskQueue string // where the reconcile schedule starts ReconcileVGPU
-	// StopTimeout: after SIGTERM, how long running activities may finish
-	// before they are cancelled (under the unit's TimeoutStopSec).
-	StopTimeout time.Duration
+	TaskQueue          string // where the reconcile schedule starts ReconcileVGPU
 	// IgnoreUninspectable: pids whose open files cannot be read yet known
 	// not to hold VFIO devices (a sandbox's init). Empty in production.
 	IgnoreUninspectable []int
@@ -81,9 +72,9 @@ type multiFlag []string
 func (m *multiFlag) String() string     { return fmt.Sprint(*m) }
 func (m *multiFlag) Set(v string) error { *m = append(*m, v); return nil }
 
-// ParseRun parses the flags of "vmflow-hostagent run".
-func ParseRun(args []string, stderr io.Writer) (RunConfig, error) {
-	var c RunConfig
+// ParseFlags parses the flags of "vmflow-hostagent run".
+func ParseFlags(args []string, stderr io.Writer) (Config, error) {
+	var c Config
 	host, _ := os.Hostname()
 	fs := flag.NewFlagSet("run", flag.ContinueOnError)
 	fs.SetOutput(stderr)
@@ -103,6 +94,7 @@ flags:
 `)
 		fs.PrintDefaults()
 	}
+	c.Register(fs, daemon.Help{Work: "activities", Refused: "the agent supervises without Temporal and says why"})
 	var roots multiFlag
 	var ignore pidsFlag
 	fs.StringVar(&c.HostID, "host-id", host, "this host's id ("+contract.IDPattern+")")
@@ -122,18 +114,13 @@ flags:
 	fs.DurationVar(&c.ReconcileScanEvery, "reconcile-scan-every", time.Minute, "how often the agent scans the host for reconcile work (read-only, no Temporal call) and, finding some, triggers ReconcileVGPU; 0: off")
 	fs.DurationVar(&c.GracefulTimeout, "graceful-timeout", contract.DefaultGracefulTimeout, "default wait after system_powerdown before quit")
 	fs.DurationVar(&c.GroupExitCap, "group-exit-cap", contract.DefaultGroupExitCap, "how long the stop ladder waits for the whole thread group after SIGKILL")
-	fs.StringVar(&c.MetricsAddr, "metrics-addr", "", "serve Prometheus /metrics on this address; empty: off")
-	fs.StringVar(&c.LogLevel, "log-level", "info", "debug, info, warn or error")
-	fs.StringVar(&c.Address, "address", "", "Temporal frontend host:port (overrides TEMPORAL_ADDRESS)")
-	fs.StringVar(&c.Namespace, "namespace", "", "Temporal namespace (overrides TEMPORAL_NAMESPACE)")
-	fs.BoolVar(&c.Insecure, "insecure", false, "allow an insecure Temporal transport: an API key over plaintext, TLS without server verification, or plaintext to a non-loopback address (refused otherwise: the agent supervises without Temporal and says why)")
 	fs.StringVar(&c.TaskQueue, "workflow-task-queue", contract.DefaultTaskQueue, "task queue of the workflow worker (where the reconcile schedule starts workflows)")
-	fs.DurationVar(&c.StopTimeout, "stop-timeout", service.StopTimeout, "on SIGTERM, stop polling and let running activities finish this long before cancelling them; keep it under the unit's TimeoutStopSec")
 	fs.Var(&ignore, "holders-ignore-pid", "a pid whose open files cannot be read but that holds no VFIO device (repeatable; for sandboxes whose init outranks the agent, never in production)")
 	if err := fs.Parse(args); err != nil {
 		return c, err
 	}
 	c.ImageRoots = roots
+	c.LogFields = []zap.Field{zap.String("host_id", c.HostID)}
 	c.IgnoreUninspectable = ignore
 	if fs.NArg() > 0 {
 		return c, fmt.Errorf("unexpected arguments %q", fs.Args())
@@ -151,8 +138,8 @@ flags:
 		}
 		*d.path = abs
 	}
-	if c.StopTimeout < 0 {
-		return c, fmt.Errorf("--stop-timeout %s is negative", c.StopTimeout)
+	if err := c.Check(); err != nil {
+		return c, err
 	}
 	r, err := store.ParseUIDRange(uidRange)
 	if err != nil {

@@ -1,4 +1,4 @@
-package main
+package vgpusim_test
 
 import (
 	"bytes"
@@ -15,29 +15,29 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"vmflow/hostagent/cli"
+	"vmflow/hostagent/proc/proctest"
 	"vmflow/hostagent/vgpu/vgpusim"
-	"vmflow/hostagent/vgpu/vgpusim/simtest"
+	"vmflow/internal/service"
 )
 
 func TestVGPUSimUsage(t *testing.T) {
 	var out bytes.Buffer
-	assert.Equal(t, cli.ExitUsage, run(context.Background(), nil, cli.IO{Stdout: &out, Stderr: &out}))
+	assert.Equal(t, service.ExitUsage, vgpusim.Command(context.Background(), nil, &out))
 	assert.Contains(t, out.String(), "usage: vmflow-vgpusim")
-	assert.Equal(t, cli.ExitUsage, run(context.Background(), []string{"--bogus"}, cli.IO{Stdout: &out, Stderr: &out}))
-	assert.Equal(t, cli.ExitOK, run(context.Background(), []string{"-h"}, cli.IO{Stdout: &out, Stderr: &out}))
+	assert.Equal(t, service.ExitUsage, vgpusim.Command(context.Background(), []string{"--bogus"}, &out))
+	assert.Equal(t, service.ExitOK, vgpusim.Command(context.Background(), []string{"-h"}, &out))
 }
 
 func TestVGPUSimMountError(t *testing.T) {
 	var out bytes.Buffer
-	code := run(context.Background(), []string{"--mount", filepath.Join(t.TempDir(), "missing"), "--mdev-parents", "1"}, cli.IO{Stdout: &out, Stderr: &out})
-	assert.Equal(t, cli.ExitError, code, out.String())
+	code := vgpusim.Command(context.Background(), []string{"--mount", filepath.Join(t.TempDir(), "missing"), "--mdev-parents", "1"}, &out)
+	assert.Equal(t, service.ExitError, code, out.String())
 }
 
 // The command serves until its context ends (SIGINT/SIGTERM in main), a
 // shell can drive it meanwhile, and it unmounts on the way out.
 func TestVGPUSimServesUntilCancelled(t *testing.T) {
-	simtest.RequiresFUSE(t)
+	proctest.RequiresFUSE(t)
 	dir := t.TempDir()
 	mnt, ctl := filepath.Join(dir, "sys"), filepath.Join(dir, "ctl")
 	require.NoError(t, os.Mkdir(mnt, 0o755))
@@ -50,7 +50,7 @@ func TestVGPUSimServesUntilCancelled(t *testing.T) {
 	exited := make(chan struct{})
 	go func() {
 		defer close(exited)
-		done <- run(ctx, []string{"--mount", mnt, "--control", ctl, "--mdev-parents", "1", "--vendor-vfs", "1"}, cli.IO{Stdout: &out, Stderr: &out})
+		done <- vgpusim.Command(ctx, []string{"--mount", mnt, "--control", ctl, "--mdev-parents", "1", "--vendor-vfs", "1"}, &out)
 	}()
 	t.Cleanup(func() {
 		cancel()
@@ -71,7 +71,7 @@ func TestVGPUSimServesUntilCancelled(t *testing.T) {
 	cancel()
 	select {
 	case code := <-done:
-		assert.Equal(t, cli.ExitOK, code, out.String())
+		assert.Equal(t, service.ExitOK, code, out.String())
 	case <-time.After(10 * time.Second):
 		t.Fatal("vmflow-vgpusim did not return after cancel")
 	}

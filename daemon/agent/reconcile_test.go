@@ -1,4 +1,4 @@
-package main
+package agent
 
 import (
 	"context"
@@ -14,11 +14,10 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
 
-	"vmflow/hostagent/cli"
 	"vmflow/hostagent/vgpu/claims"
-	"vmflow/internal/devserver"
 	"vmflow/platform"
 	vmflowv1 "vmflow/proto/vmflow/v1"
+	"vmflow/testsupport/devserver"
 	"vmflow/workflows"
 )
 
@@ -35,7 +34,7 @@ func TestReconcileScheduleIsThisBuilds(t *testing.T) {
 	c := srv.Client(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	cfg := cli.RunConfig{HostID: "h1", TaskQueue: "vmflow", ReconcileEvery: cli.DefaultReconcileEvery}
+	cfg := Config{HostID: "h1", TaskQueue: "vmflow", ReconcileEvery: DefaultReconcileEvery}
 	id := workflows.ReconcileScheduleID("h1")
 	_, err := c.ScheduleClient().Create(ctx, client.ScheduleOptions{
 		ID:   id,
@@ -72,7 +71,7 @@ func TestReconcileScheduleIsThisBuilds(t *testing.T) {
 	assert.Equal(t, 1, logs.FilterMessageSnippet("reconcile schedule updated").Len(), "a created one matches as the server describes it")
 }
 
-func assertThisBuilds(t *testing.T, d *client.ScheduleDescription, cfg cli.RunConfig) {
+func assertThisBuilds(t *testing.T, d *client.ScheduleDescription, cfg Config) {
 	t.Helper()
 	var every []time.Duration
 	for _, iv := range d.Schedule.Spec.Intervals {

@@ -1,4 +1,4 @@
-package main
+package worker
 
 import (
 	"errors"
@@ -10,29 +10,16 @@ import (
 
 	"go.temporal.io/sdk/worker"
 
+	"vmflow/daemon"
 	"vmflow/internal/service"
 	"vmflow/workflows"
 )
 
-// config is everything the worker reads from its command line. The
-// connection itself (address, namespace, TLS, API key) comes from the SDK's
-// envconfig (TEMPORAL_* variables or a profile file); --address and
-// --namespace override it.
-type config struct {
-	TaskQueue   string
-	MetricsAddr string
-	LogLevel    string
-	Address     string
-	Namespace   string
-	// Insecure allows an API key over plaintext, TLS skip-verify and
-	// plaintext to a non-loopback Temporal (tclient.TransportRisks).
-	Insecure  bool
+// Config is everything the worker reads from its command line.
+type Config struct {
+	daemon.Flags
+	TaskQueue string
 	Workflows workflows.Config
-	// StopTimeout: after SIGTERM, how long running tasks may finish
-	// before they are cancelled (under the unit's TimeoutStopSec).
-	StopTimeout time.Duration
-	// Version: print the build and exit.
-	Version bool
 	// Deployment is the worker deployment version this worker joins when
 	// Versioning is set (deploy/UPGRADES.md, "Rolling the worker").
 	Versioning bool
@@ -47,9 +34,10 @@ const DefaultDeploymentName = "vmflow"
 // every such binary would share it, so it cannot tell two builds apart.
 const unstampedVersion = "dev"
 
-func parseConfig(args []string, stderr io.Writer) (config, error) {
+// ParseFlags parses vmflow-worker's command line.
+func ParseFlags(args []string, stderr io.Writer) (Config, error) {
 	d := workflows.DefaultConfig()
-	var c config
+	var c Config
 	fs := flag.NewFlagSet("vmflow-worker", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.Usage = func() {
@@ -64,12 +52,8 @@ flags:
 `)
 		fs.PrintDefaults()
 	}
+	c.Register(fs, daemon.Help{Metrics: " (SDK metrics)", Work: "tasks", Refused: "the worker exits with the reason", Version: true})
 	fs.StringVar(&c.TaskQueue, "task-queue", workflows.DefaultTaskQueue, "task queue the workflows run on")
-	fs.StringVar(&c.MetricsAddr, "metrics-addr", "", "serve Prometheus /metrics (SDK metrics) on this address; empty: off")
-	fs.StringVar(&c.LogLevel, "log-level", "info", "debug, info, warn or error")
-	fs.StringVar(&c.Address, "address", "", "Temporal frontend host:port (overrides TEMPORAL_ADDRESS)")
-	fs.StringVar(&c.Namespace, "namespace", "", "Temporal namespace (overrides TEMPORAL_NAMESPACE)")
-	fs.BoolVar(&c.Insecure, "insecure", false, "allow an insecure Temporal transport: an API key over plaintext, TLS without server verification, or plaintext to a non-loopback address (refused otherwise: the worker exits with the reason)")
 	fs.DurationVar(&c.Workflows.ReleaseBackoff, "release-backoff", d.ReleaseBackoff, "first wait after a failed vGPU release round; doubles each round")
 	fs.DurationVar(&c.Workflows.ReleaseBackoffMax, "release-backoff-max", d.ReleaseBackoffMax, "longest wait between vGPU release rounds")
 	fs.DurationVar(&c.Workflows.ScheduleToStartTimeout, "host-pickup-timeout", d.ScheduleToStartTimeout, "a host activity not picked up within this marks the host unreachable")
@@ -77,8 +61,6 @@ flags:
 	fs.DurationVar(&c.Workflows.UnreachableBackoffMax, "unreachable-backoff-max", d.UnreachableBackoffMax, "longest wait between tries of an unreachable host")
 	fs.DurationVar(&c.Workflows.SpawnHostWait, "spawn-host-wait", d.SpawnHostWait, "how long a spawn waits for an unreachable host before it fails")
 	fs.DurationVar(&c.Workflows.DeleteStuckAfter, "delete-stuck-after", d.DeleteStuckAfter, "a delete stage that has not advanced for this long shows needs-attention with its last error (default of DeleteRequest.stuck_after_seconds; recorded when a delete starts)")
-	fs.DurationVar(&c.StopTimeout, "stop-timeout", service.StopTimeout, "on SIGTERM, stop polling and let running tasks finish this long before cancelling them; keep it under the unit's TimeoutStopSec")
-	fs.BoolVar(&c.Version, "version", false, "print the build's version and revision, and exit")
 	fs.BoolVar(&c.Versioning, "versioning", false, "join the worker deployment --deployment-name as build --build-id (Worker Versioning): this build gets workflow tasks only once it is the deployment's current version; off: poll unversioned")
 	fs.StringVar(&c.Deployment.DeploymentName, "deployment-name", DefaultDeploymentName, "worker deployment to join with --versioning")
 	fs.StringVar(&c.Deployment.BuildID, "build-id", service.Info().Version, "build id within the deployment with --versioning (default: the version `make build` stamped)")
@@ -97,8 +79,8 @@ flags:
 			return c, err
 		}
 	}
-	if c.StopTimeout < 0 {
-		return c, fmt.Errorf("--stop-timeout %s is negative", c.StopTimeout)
+	if err := c.Check(); err != nil {
+		return c, err
 	}
 	if c.TaskQueue == "" {
 		return c, errors.New("--task-queue must not be empty")

@@ -10,7 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
-	"vmflow/internal/fsx/powercut"
+	"vmflow/testsupport/powercut"
 )
 
 func write(t *testing.T, path, data string, sync bool) {

@@ -1,4 +1,4 @@
-package main
+package agent
 
 import (
 	"context"
@@ -16,11 +16,11 @@ import (
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
 
-	"vmflow/hostagent/cli"
+	"vmflow/daemon"
 	"vmflow/hostagent/spec"
 	"vmflow/hostagent/store"
-	"vmflow/internal/devserver"
 	vmflowv1 "vmflow/proto/vmflow/v1"
+	"vmflow/testsupport/devserver"
 )
 
 // notifySocket is what systemd hands a Type=notify service: a datagram
@@ -126,15 +126,16 @@ func TestNotifyReadyAfterReattach(t *testing.T) {
 			conn := notifySocket(t)
 			metricsAddr := freeAddr(t)
 			core, logs := observer.New(zapcore.InfoLevel)
-			cfg := cli.RunConfig{
-				HostID: "h-notify", StateDir: dir, VGPUDriver: "none", Address: address, Namespace: namespace,
-				TaskQueue: "vmflow", ReconcileEvery: time.Hour, GracefulTimeout: time.Second, GroupExitCap: time.Second,
-				LogLevel: "info", MetricsAddr: metricsAddr, StopTimeout: time.Second,
+			cfg := Config{
+				HostID: "h-notify", StateDir: dir, VGPUDriver: "none", TaskQueue: "vmflow", ReconcileEvery: time.Hour,
+				GracefulTimeout: time.Second, GroupExitCap: time.Second,
+				Flags: daemon.Flags{Address: address, Namespace: namespace, LogLevel: "info", MetricsAddr: metricsAddr,
+					StopTimeout: time.Second, Logger: zap.New(core)},
 			}
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()
 			done := make(chan error, 1)
-			go func() { done <- agent(ctx, cfg, zap.New(core)) }()
+			go func() { done <- Run(ctx, cfg) }()
 
 			before := nextState(t, conn, "READY=1", 30*time.Second)
 			assert.NotContains(t, before, "READY=1")

@@ -1,4 +1,4 @@
-package main
+package evdev
 
 import (
 	"encoding/binary"
@@ -10,8 +10,8 @@ import (
 
 // record encodes one struct input_event the way the kernel writes it.
 func record(sec, usec int64, typ, code uint16, value int32) []byte {
-	b := make([]byte, eventSize)
-	long := (eventSize - 8) / 2
+	b := make([]byte, Size)
+	long := (Size - 8) / 2
 	if long == 8 {
 		binary.NativeEndian.PutUint64(b[0:], uint64(sec))
 		binary.NativeEndian.PutUint64(b[8:], uint64(usec))
@@ -19,7 +19,7 @@ func record(sec, usec int64, typ, code uint16, value int32) []byte {
 		binary.NativeEndian.PutUint32(b[0:], uint32(sec))
 		binary.NativeEndian.PutUint32(b[4:], uint32(usec))
 	}
-	rec := b[eventSize-8:]
+	rec := b[Size-8:]
 	binary.NativeEndian.PutUint16(rec[0:], typ)
 	binary.NativeEndian.PutUint16(rec[2:], code)
 	binary.NativeEndian.PutUint32(rec[4:], uint32(value))
@@ -28,8 +28,8 @@ func record(sec, usec int64, typ, code uint16, value int32) []byte {
 
 func TestEventSizeMatchesKernelABI(t *testing.T) {
 	// amd64, the only target the guest is built for: timeval is 16 bytes.
-	if eventSize != 24 && eventSize != 16 {
-		t.Fatalf("eventSize = %d, want 24 (64-bit) or 16 (32-bit)", eventSize)
+	if Size != 24 && Size != 16 {
+		t.Fatalf("Size = %d, want 24 (64-bit) or 16 (32-bit)", Size)
 	}
 }
 
@@ -41,14 +41,14 @@ func TestParseEvents(t *testing.T) {
 	stream = append(stream, record(12, 400, evKey, keyPower, 0)...)
 	stream = append(stream, 1, 2, 3) // a partial record
 
-	events, rest := parseEvents(stream)
+	events, rest := Parse(stream)
 	require.Len(t, events, 3)
-	assert.Equal(t, inputEvent{Type: evKey, Code: keyPower, Value: 1}, events[0])
-	assert.Equal(t, inputEvent{Type: evSyn}, events[1])
-	assert.Equal(t, inputEvent{Type: evKey, Code: keyPower, Value: 0}, events[2])
+	assert.Equal(t, Event{Type: evKey, Code: keyPower, Value: 1}, events[0])
+	assert.Equal(t, Event{Type: evSyn}, events[1])
+	assert.Equal(t, Event{Type: evKey, Code: keyPower, Value: 0}, events[2])
 	assert.Equal(t, []byte{1, 2, 3}, rest)
 
-	events, rest = parseEvents(nil)
+	events, rest = Parse(nil)
 	assert.Empty(t, events)
 	assert.Empty(t, rest)
 }
@@ -56,17 +56,17 @@ func TestParseEvents(t *testing.T) {
 func TestIsPowerPress(t *testing.T) {
 	for _, tc := range []struct {
 		name string
-		ev   inputEvent
+		ev   Event
 		want bool
 	}{
-		{"press", inputEvent{evKey, keyPower, 1}, true},
-		{"release", inputEvent{evKey, keyPower, 0}, false},
-		{"autorepeat", inputEvent{evKey, keyPower, 2}, false},
-		{"other key", inputEvent{evKey, 115, 1}, false},
-		{"not a key event", inputEvent{0x02, keyPower, 1}, false},
+		{"press", Event{evKey, keyPower, 1}, true},
+		{"release", Event{evKey, keyPower, 0}, false},
+		{"autorepeat", Event{evKey, keyPower, 2}, false},
+		{"other key", Event{evKey, 115, 1}, false},
+		{"not a key event", Event{0x02, keyPower, 1}, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			assert.Equal(t, tc.want, tc.ev.isPowerPress())
+			assert.Equal(t, tc.want, tc.ev.IsPowerPress())
 		})
 	}
 }
@@ -87,7 +87,7 @@ func TestParseDevNumber(t *testing.T) {
 		{in: "1:99999999999", wantErr: true},
 	} {
 		t.Run(tc.in, func(t *testing.T) {
-			major, minor, err := parseDevNumber(tc.in)
+			major, minor, err := ParseDevNumber(tc.in)
 			if tc.wantErr {
 				assert.Error(t, err)
 				return
@@ -103,8 +103,8 @@ func FuzzParseEvents(f *testing.F) {
 	f.Add(record(1, 2, evKey, keyPower, 1))
 	f.Add([]byte{1, 2, 3})
 	f.Fuzz(func(t *testing.T, b []byte) {
-		events, rest := parseEvents(b)
-		if len(rest) >= eventSize || len(events)*eventSize+len(rest) != len(b) {
+		events, rest := Parse(b)
+		if len(rest) >= Size || len(events)*Size+len(rest) != len(b) {
 			t.Fatalf("%d events + %d rest bytes from %d bytes", len(events), len(rest), len(b))
 		}
 	})

@@ -1,0 +1,202 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	commonpb "go.temporal.io/api/common/v1"
+	enumspb "go.temporal.io/api/enums/v1"
+	"go.temporal.io/sdk/client"
+	"go.temporal.io/sdk/temporal"
+	"go.uber.org/zap"
+	"google.golang.org/protobuf/proto"
+
+	"vmflow/hostagent/vgpu/claims"
+	"vmflow/platform"
+	vmflowv1 "vmflow/proto/vmflow/v1"
+	"vmflow/workflows"
+)
+
+// reconcileSchedule is the Schedule this build wants for the host: every
+// cfg.ReconcileEvery, skipping a run while one is going, starting
+// ReconcileVGPU for the host on cfg.TaskQueue. No execution, run or retry
+// limit: a round ends by its own retries (ReconcileHost's attempts, its
+// give-up on an unreachable host), and a limit shorter than those would
+// cut a slow round after it released claims and before it woke their
+// deletes (its own retries allow about 20 minutes with the worker's
+// default flags: three 5-minute attempts, each after a pickup of up to a
+// minute, and the give-up on an unreachable host).
+func reconcileSchedule(cfg Config) client.ScheduleOptions {
+	id := workflows.ReconcileScheduleID(cfg.HostID)
+	return client.ScheduleOptions{
+		ID:      id,
+		Spec:    client.ScheduleSpec{Intervals: []client.ScheduleIntervalSpec{{Every: cfg.ReconcileEvery}}},
+		Overlap: enumspb.SCHEDULE_OVERLAP_POLICY_SKIP,
+		Action: &client.ScheduleWorkflowAction{
+			ID:        id,
+			Workflow:  workflows.ReconcileWorkflow,
+			Args:      []any{&vmflowv1.ReconcileVGPURequest{HostId: cfg.HostID}},
+			TaskQueue: cfg.TaskQueue,
+		},
+	}
+}
+
+// ensureReconcileSchedule makes the host's reconcile Schedule the one this
+// build wants (reconcileSchedule): it creates it, or updates an existing
+// one that differs in anything this build sets (interval, overlap policy,
+// workflow type, id, arguments, task queue, timeouts, retry policy, memo,
+// search attributes), such as one an older build made every minute (about
+// 13,000 billed actions a day) or with a 10-minute execution timeout. Its
+// state (an operator's pause and note) is kept; one that already matches
+// is left as it is (no update, no action).
+func ensureReconcileSchedule(ctx context.Context, c client.Client, cfg Config, log *zap.Logger) error {
+	want := reconcileSchedule(cfg)
+	cctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	_, err := c.ScheduleClient().Create(cctx, want)
+	if err == nil {
+		return nil
+	}
+	if !errors.Is(err, temporal.ErrScheduleAlreadyRunning) {
+		return fmt.Errorf("create schedule %s: %w", want.ID, err)
+	}
+	h := c.ScheduleClient().GetHandle(cctx, want.ID)
+	d, err := h.Describe(cctx)
+	if err != nil {
+		return fmt.Errorf("describe schedule %s: %w", want.ID, err)
+	}
+	diff := scheduleDiff(&d.Schedule, want)
+	if len(diff) == 0 {
+		return nil
+	}
+	err = h.Update(cctx, client.ScheduleUpdateOptions{
+		DoUpdate: func(in client.ScheduleUpdateInput) (*client.ScheduleUpdate, error) {
+			s := in.Description.Schedule
+			s.Spec, s.Action = &want.Spec, want.Action
+			if s.Policy == nil {
+				s.Policy = &client.SchedulePolicies{}
+			}
+			s.Policy.Overlap = want.Overlap
+			return &client.ScheduleUpdate{Schedule: &s}, nil
+		},
+	})
+	if err != nil {
+		return fmt.Errorf("update schedule %s (%v): %w", want.ID, diff, err)
+	}
+	log.Info("reconcile schedule updated to this build's", zap.String("schedule_id", want.ID), zap.Strings("changed", diff),
+		zap.Duration("every", cfg.ReconcileEvery))
+	return nil
+}
+
+// scheduleDiff names what of have differs from want (empty: nothing).
+func scheduleDiff(have *client.Schedule, want client.ScheduleOptions) []string {
+	var diff []string
+	add := func(differs bool, what string) {
+		if differs {
+			diff = append(diff, what)
+		}
+	}
+	add(!hasOnlyInterval(have.Spec, want.Spec.Intervals[0].Every), "interval")
+	add(have.Policy == nil || have.Policy.Overlap != want.Overlap, "overlap")
+	a, ok := have.Action.(*client.ScheduleWorkflowAction)
+	if !ok {
+		return append(diff, "action")
+	}
+	w := want.Action.(*client.ScheduleWorkflowAction)
+	add(a.ID != w.ID, "workflow_id")
+	add(a.Workflow != w.Workflow, "workflow_type")
+	add(a.TaskQueue != w.TaskQueue, "task_queue")
+	add(!sameArgs(a.Args, w.Args), "args")
+	add(a.WorkflowExecutionTimeout != w.WorkflowExecutionTimeout || a.WorkflowRunTimeout != w.WorkflowRunTimeout ||
+		// The server fills in its default task timeout (10 s).
+		(a.WorkflowTaskTimeout != w.WorkflowTaskTimeout && a.WorkflowTaskTimeout != 10*time.Second), "timeouts")
+	add(a.RetryPolicy != nil, "retry_policy")
+	add(len(a.Memo) > 0 || a.TypedSearchAttributes.Size() > 0 || len(a.UntypedSearchAttributes) > 0, "memo_or_search_attributes")
+	return diff
+}
+
+// hasOnlyInterval says whether spec runs exactly every d and nothing else.
+func hasOnlyInterval(spec *client.ScheduleSpec, d time.Duration) bool {
+	return spec != nil && len(spec.Intervals) == 1 && spec.Intervals[0].Every == d && spec.Intervals[0].Offset == 0 &&
+		len(spec.Calendars) == 0 && len(spec.CronExpressions) == 0 && len(spec.Skip) == 0 &&
+		spec.Jitter == 0 && spec.StartAt.IsZero() && spec.EndAt.IsZero()
+}
+
+// sameArgs: have, the payloads a Describe returns, decode to want's
+// messages.
+func sameArgs(have, want []any) bool {
+	if len(have) != len(want) {
+		return false
+	}
+	for i := range want {
+		p, ok := have[i].(*commonpb.Payload)
+		w, isMsg := want[i].(proto.Message)
+		if !ok || !isMsg {
+			return false
+		}
+		got := w.ProtoReflect().New().Interface()
+		if err := platform.DataConverter().FromPayload(p, got); err != nil || !proto.Equal(got, w) {
+			return false
+		}
+	}
+	return true
+}
+
+// triggerReconcile starts a ReconcileVGPU run of the host's schedule now
+// (one schedule action and the run's own actions), unless one is running.
+func triggerReconcile(ctx context.Context, c client.Client, scheduleID string) error {
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	err := c.ScheduleClient().GetHandle(ctx, scheduleID).Trigger(ctx, client.ScheduleTriggerOptions{
+		Overlap: enumspb.SCHEDULE_OVERLAP_POLICY_SKIP,
+	})
+	if err != nil {
+		return fmt.Errorf("trigger schedule %s: %w", scheduleID, err)
+	}
+	return nil
+}
+
+// scanForReconcile runs the host's read-only scan every `every` until ctx
+// ends; it costs no Temporal action. Work that two scans in a row found (a
+// delete in progress passes through a scan's findings for a moment) triggers
+// a reconcile round, the same work again no sooner than `every`, then twice
+// as long each time up to `safety` (the schedule's period). A scan that
+// fails is logged and tried again next tick: the schedule still runs.
+func scanForReconcile(ctx context.Context, scan func(context.Context) (claims.Work, error), every, safety time.Duration,
+	trigger func(context.Context) error, log *zap.Logger) {
+	gate := &claims.Gate{Min: every, Max: safety}
+	var prev claims.Work
+	tick := time.NewTicker(every)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+		// select picks at random when a tick is pending as ctx ends: an
+		// agent that is stopping must not scan, and trigger, once more.
+		if ctx.Err() != nil {
+			return
+		}
+		sctx, cancel := context.WithTimeout(ctx, every)
+		cur, err := scan(sctx)
+		cancel()
+		if err != nil {
+			log.Warn("reconcile scan failed; the schedule still runs", zap.Error(err))
+			continue
+		}
+		due := claims.Due(prev, cur)
+		prev = cur
+		if !gate.Should(time.Now(), due) {
+			continue
+		}
+		if err := trigger(ctx); err != nil {
+			log.Warn("reconcile scan found work, trigger failed; the schedule still runs", zap.Strings("work", due), zap.Error(err))
+			continue
+		}
+		log.Info("reconcile scan found work: reconcile triggered", zap.Strings("work", due))
+	}
+}

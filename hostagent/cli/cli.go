@@ -1,0 +1,48 @@
+package cli
+
+import (
+	"context"
+	"fmt"
+
+	"vmflow/internal/service"
+)
+
+const usage = `usage: vmflow-hostagent <command> [flags]
+
+commands:
+  run        run the host agent: supervise VMs, serve host activities
+  ls         list this host's instances from their records (read-only)
+  show       show one instance: record, process liveness, vGPU claim (read-only)
+  proc       inspect a process's thread group, or wait until it is gone
+  version    print the build's version and revision (also --version)
+`
+
+// Main is vmflow-hostagent's command line: args are os.Args[1:], run is
+// the run subcommand (daemon/agent, which hostagent/... may not import: it
+// dials Temporal). It returns the exit code.
+func Main(ctx context.Context, args []string, io IO, run func(context.Context, []string) int) int {
+	if len(args) < 1 {
+		fmt.Fprint(io.Stderr, usage)
+		return ExitUsage
+	}
+	rest := args[1:]
+	switch args[0] {
+	case "run":
+		return run(ctx, rest)
+	case "ls":
+		return Ls(rest, io)
+	case "show":
+		return Show(rest, io)
+	case "proc":
+		return Proc(ctx, rest, io)
+	case "version", "--version", "-version":
+		fmt.Fprintln(io.Stdout, service.Info().String("vmflow-hostagent"))
+		return ExitOK
+	case "-h", "--help", "help":
+		fmt.Fprint(io.Stdout, usage)
+		return ExitOK
+	default:
+		fmt.Fprintf(io.Stderr, "unknown command %q\n%s", args[0], usage)
+		return ExitUsage
+	}
+}
