@@ -37,7 +37,7 @@ type GPUs interface {
 	Profiles(ctx context.Context) ([]string, error)
 	// Claim records the intent, creates the device and marks the claim
 	// active. Idempotent for the same instance and profile.
-	Claim(ctx context.Context, instanceID, profile string) (*vmflowv1.GpuClaim, error)
+	Claim(ctx context.Context, instanceID, profile string) (*vmflowv1.Lease, error)
 	// Release releases the instance's claim; released is false when there
 	// was none. It refuses while the VM may live or the device is held.
 	Release(ctx context.Context, instanceID string) (released bool, deviceID string, err error)
@@ -210,10 +210,11 @@ func (a *Activities) ClaimVGPU(ctx context.Context, req *vmflowv1.ClaimVGPUReque
 	if a.GPUs == nil {
 		return nil, classify(fmt.Errorf("vgpu_profile %q: %w: this host has no vGPUs", req.GetVgpuProfile(), spec.ErrInvalid))
 	}
-	claim, err := a.GPUs.Claim(ctx, req.GetInstanceId(), req.GetVgpuProfile())
+	lease, err := a.GPUs.Claim(ctx, req.GetInstanceId(), req.GetVgpuProfile())
 	if err != nil {
 		return nil, classify(fmt.Errorf("claim vGPU: %w", err))
 	}
+	claim := lease.GetVgpu()
 	crashpoint.Hit(crashpoint.ActivityClaimVGPUDone)
 	log.Info("vGPU claimed", zap.String("device_id", store.ClaimDevice(claim)), zap.String("profile", claim.GetProfile()))
 	return &vmflowv1.ClaimVGPUResult{
@@ -223,7 +224,7 @@ func (a *Activities) ClaimVGPU(ctx context.Context, req *vmflowv1.ClaimVGPUReque
 
 // mdevUUID is the claim's mdev UUID; empty for a vendor VF, whose UUID
 // (QEMU's -uuid) sysfs never holds.
-func mdevUUID(c *vmflowv1.GpuClaim) string {
+func mdevUUID(c *vmflowv1.VgpuLease) string {
 	if c.GetDriver() == string(vgpu.KindVendor) {
 		return ""
 	}
@@ -294,23 +295,17 @@ func (a *Activities) launchResult(rec *vmflowv1.InstanceRecord, pid int, already
 	paths, _ := a.Store.Paths(rec.GetId())
 	res := &vmflowv1.LaunchVMResult{Pid: int32(pid), QmpSocket: paths.Socket, AlreadyRunning: already, InstanceUuid: rec.GetSpec().GetUuid()}
 	if store.ClaimHeld(rec) {
-		res.VgpuUuid, res.VgpuDeviceId = mdevUUID(rec.GetGpuClaim()), store.ClaimDevice(rec.GetGpuClaim())
+		c := store.VGPU(rec).GetVgpu()
+		res.VgpuUuid, res.VgpuDeviceId = mdevUUID(c), store.ClaimDevice(c)
 	}
 	return res
 }
 
-// BeginDelete writes the manual-stop marker, then moves the record to
-// Deleting: from here on neither the restart policy nor a spawn can bring
-// the VM back (invariant 6). A missing record is "already absent".
-//
-// A failed spawn's clean-up names its own workflow execution: then the
-// record is touched only if that spawn created it (invariant 9). A record
-// created by anyone else is reported not_owned with nothing written. One
-// that cannot be read is left alone too, but its owner is unknown, not
-// another: it fails RecordUnreadable (the clean-up parks until an operator
-// repairs it), since not_owned would end a clean-up that may own it. The
-// check and the writes run under one instance lock, so no create can slip
-// between them.
+// BeginDelete begins the instance's delete (store.Locked.BeginDelete: the
+// manual-stop marker, then Deleting; for a failed spawn's clean-up only if
+// that spawn created the record, invariant 9). A record another spawn
+// created is reported not_owned; a missing one "already absent"; one that
+// cannot be read, for a clean-up, fails RecordUnreadable.
 func (a *Activities) BeginDelete(ctx context.Context, req *vmflowv1.BeginDeleteRequest) (*vmflowv1.BeginDeleteResult, error) {
 	log, err := a.begin(ctx, req.GetInstanceId())
 	if err != nil {
@@ -329,34 +324,20 @@ func (a *Activities) BeginDelete(ctx context.Context, req *vmflowv1.BeginDeleteR
 		return nil, classify(fmt.Errorf("begin delete: %w", err))
 	}
 	defer func() { _ = l.Unlock() }()
-	rec, err := l.Get()
-	if errors.Is(err, store.ErrNotFound) {
+	by := store.Spawn{WorkflowID: req.GetOnlyIfCreatedByWorkflowId(), RunID: req.GetOnlyIfCreatedByRunId()}
+	begun, err := l.BeginDelete(by)
+	switch {
+	case err != nil:
+		return nil, classify(err)
+	case begun.Absent:
 		log.Info("nothing to delete")
 		return &vmflowv1.BeginDeleteResult{AlreadyAbsent: true}, nil
+	case begun.NotOwned:
+		log.Info("not deleted: another spawn created it", zap.String("created_by", begun.CreatedBy),
+			zap.String("cleanup_for", by.WorkflowID+" (run "+by.RunID+")"))
+		return &vmflowv1.BeginDeleteResult{NotOwned: true, CreatedBy: begun.CreatedBy}, nil
 	}
-	if wf := req.GetOnlyIfCreatedByWorkflowId(); wf != "" {
-		if err != nil {
-			return nil, classify(fmt.Errorf("begin delete: whose record is unknown, nothing written: %w", err))
-		}
-		if !store.CreatedBy(rec, wf, req.GetOnlyIfCreatedByRunId()) {
-			owner := store.CreatorOf(rec)
-			log.Info("not deleted: another spawn created it", zap.String("created_by", owner),
-				zap.String("cleanup_for", wf+" (run "+req.GetOnlyIfCreatedByRunId()+")"))
-			return &vmflowv1.BeginDeleteResult{NotOwned: true, CreatedBy: owner}, nil
-		}
-	}
-	// The marker goes first even for a record that cannot be read: the
-	// restart policy must never bring the VM back once a delete was asked.
-	if err := l.MarkManualStop(); err != nil {
-		return nil, classify(fmt.Errorf("write manual-stop marker: %w", err))
-	}
-	rec, err = l.Update(func(r *vmflowv1.InstanceRecord) error {
-		store.BeginDeleting(r)
-		return nil
-	})
-	if err != nil {
-		return nil, classify(fmt.Errorf("begin delete: %w", err))
-	}
+	rec := begun.Record
 	crashpoint.Hit(crashpoint.BeginDeleteRecorded)
 	log.Info("delete begun", zap.String("state", store.StateName(rec.GetState())), zap.Bool("has_claim", store.ClaimHeld(rec)))
 	return &vmflowv1.BeginDeleteResult{HasClaim: store.ClaimHeld(rec)}, nil
@@ -427,50 +408,82 @@ func (a *Activities) WaitVMExit(ctx context.Context, ref *vmflowv1.InstanceRef) 
 	return nil
 }
 
-// ReleaseVGPU releases the instance's vGPU once its VM is confirmed gone.
-// A failure keeps the claim and the record (invariant 1); the workflow
-// retries.
+// ReleaseVGPU is the delete's release stage: it releases every lease the
+// instance holds (the activity keeps the name it had when a vGPU was the
+// only kind), each by its kind's releaser, which refuses while the VM may
+// live (invariant 2). A failure keeps that lease and the record (invariant
+// 1); the workflow retries. The result names the vGPU, when there is one.
 func (a *Activities) ReleaseVGPU(ctx context.Context, ref *vmflowv1.InstanceRef) (*vmflowv1.ReleaseVGPUResult, error) {
 	log, err := a.begin(ctx, ref.GetInstanceId())
 	if err != nil {
 		return nil, err
 	}
-	if a.GPUs == nil {
-		// Invariant 12 without losing invariant 1: an agent started with
-		// --vgpu-driver=none cannot release a claim, and saying "released"
-		// would leave a delete retrying a record the store refuses to
-		// remove. Say why instead; the delete parks needing attention.
-		rec, err := a.Store.Get(ref.GetInstanceId())
-		if errors.Is(err, store.ErrNotFound) {
-			return &vmflowv1.ReleaseVGPUResult{}, nil
-		}
-		if err != nil {
-			return nil, classify(fmt.Errorf("release vGPU: %w", err))
-		}
-		if store.ClaimHeld(rec) {
-			c := rec.GetGpuClaim()
-			return nil, classify(fmt.Errorf("release vGPU of %s: %w: it holds a %q claim on %s, and this agent runs without a vGPU driver (--vgpu-driver=none or no vGPU sysfs): restart it with the host's driver, then retry",
-				ref.GetInstanceId(), errVGPUUnavailable, c.GetProfile(), store.ClaimDevice(c)))
-		}
-		return &vmflowv1.ReleaseVGPUResult{}, nil
+	rec, err := a.Store.Get(ref.GetInstanceId())
+	if err != nil && !errors.Is(err, store.ErrNotFound) {
+		return nil, classify(fmt.Errorf("release vGPU of %s: %w", ref.GetInstanceId(), err))
 	}
-	stop := heartbeat(ctx, heartbeatEvery, func() string { return "releasing vGPU of " + ref.GetInstanceId() })
-	released, dev, err := a.GPUs.Release(ctx, ref.GetInstanceId())
+	res := &vmflowv1.ReleaseVGPUResult{}
+	var errs []error
+	stop := heartbeat(ctx, heartbeatEvery, func() string { return "releasing the leases of " + ref.GetInstanceId() })
+	for _, lease := range store.HeldLeases(rec) {
+		release, ok := a.releasers()[store.LeaseKind(lease)]
+		if !ok {
+			errs = append(errs, a.unservedLease(ref.GetInstanceId(), lease))
+			continue
+		}
+		released, name, err := release(ctx, ref.GetInstanceId())
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		if lease.GetVgpu() != nil {
+			res.Released, res.DeviceId = released, name
+			if released {
+				log.Info("vGPU released", zap.String("device_id", name))
+			}
+		}
+	}
 	stop()
-	if err != nil {
+	if err := errors.Join(errs...); err != nil {
 		if a.Metrics != nil {
 			a.Metrics.ReleaseFailures.WithLabelValues(errnoName(err)).Inc()
 		}
-		// The claim and the record are kept; the error goes back to the
+		// The leases and the record are kept; the error goes back to the
 		// workflow, which retries (logged by the SDK, not here).
 		ce := classify(fmt.Errorf("release vGPU of %s: %w", ref.GetInstanceId(), err))
+		if errors.Is(err, errVGPUUnavailable) {
+			return nil, ce
+		}
 		return nil, retype(ce, workflows.ErrTypeReleaseFailed)
 	}
 	crashpoint.Hit(crashpoint.ActivityReleaseVGPUDone)
-	if released {
-		log.Info("vGPU released", zap.String("device_id", dev))
+	return res, nil
+}
+
+// releaser releases one kind of lease of an instance: released is false
+// when it held none, name names the resource.
+type releaser func(ctx context.Context, instanceID string) (released bool, name string, err error)
+
+// releasers are the release stage's releaser per lease kind this agent
+// serves (store.LeaseKind): a kind the host has no driver for is absent.
+func (a *Activities) releasers() map[string]releaser {
+	m := map[string]releaser{}
+	if a.GPUs != nil {
+		m[store.KindVGPU] = a.GPUs.Release
 	}
-	return &vmflowv1.ReleaseVGPUResult{Released: released, DeviceId: dev}, nil
+	return m
+}
+
+// unservedLease is the release stage's error for a lease this agent has no
+// driver to release. Invariant 12 without losing invariant 1: saying
+// "released" would leave a delete retrying a record the store refuses to
+// remove; the delete parks needing attention instead.
+func (a *Activities) unservedLease(id string, lease *vmflowv1.Lease) error {
+	if c := lease.GetVgpu(); c != nil {
+		return fmt.Errorf("%w: it holds a %q claim on %s, and this agent runs without a vGPU driver (--vgpu-driver=none or no vGPU sysfs): restart it with the host's driver, then retry",
+			errVGPUUnavailable, c.GetProfile(), store.ClaimDevice(c))
+	}
+	return fmt.Errorf("%w: it holds a %s lease this agent cannot release", errVGPUUnavailable, store.LeaseKind(lease))
 }
 
 // TearDown removes what the VM left on the host besides its record: the
@@ -494,24 +507,13 @@ func (a *Activities) TearDown(ctx context.Context, ref *vmflowv1.InstanceRef) er
 var errVGPUUnavailable = errdefs.NoDriver.New("vGPU claim cannot be served by this agent")
 
 // DeleteRecord removes the instance record. The store refuses while it holds
-// a GPU claim (invariant 1); a record already gone is success.
+// any lease (invariant 1); a record already gone is success.
 func (a *Activities) DeleteRecord(ctx context.Context, ref *vmflowv1.InstanceRef) error {
 	log, err := a.begin(ctx, ref.GetInstanceId())
 	if err != nil {
 		return err
 	}
 	err = a.Store.Delete(ctx, ref.GetInstanceId())
-	if errors.Is(err, store.ErrIllegalTransition) {
-		// A record left in ReleaseFailed by a release whose success was
-		// recorded elsewhere goes back to Deleting first; the store still
-		// refuses while a claim is held.
-		if _, uerr := a.Store.Update(ctx, ref.GetInstanceId(), func(r *vmflowv1.InstanceRecord) error {
-			store.ReadyToRemove(r)
-			return nil
-		}); uerr == nil {
-			err = a.Store.Delete(ctx, ref.GetInstanceId())
-		}
-	}
 	if errors.Is(err, store.ErrNotFound) {
 		return nil
 	}

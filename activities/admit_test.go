@@ -149,7 +149,7 @@ func TestHostActivityInputsAreBounded(t *testing.T) {
 	assert.Equal(t, workflows.ErrTypeInvalidInput, appError(t, err).Type())
 	rec, err := h.st.Get("vm1")
 	require.NoError(t, err)
-	assert.Nil(t, rec.GetGpuClaim())
+	assert.Nil(t, store.VGPU(rec))
 
 	err = h.run(t, h.acts.BeginDelete, &vmflowv1.BeginDeleteRequest{InstanceId: "vm1",
 		OnlyIfCreatedByWorkflowId: strings.Repeat("w", spec.MaxWorkflowIDBytes+1), OnlyIfCreatedByRunId: "r"}, nil)

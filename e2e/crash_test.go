@@ -527,7 +527,7 @@ func (d *crashDriver) reconcileDuringDelete(id string) {
 		if err != nil {
 			return false, err.Error()
 		}
-		return !store.ClaimHeld(rec), fmt.Sprintf("claim %v", rec.GetGpuClaim())
+		return !store.ClaimHeld(rec), fmt.Sprintf("claim %v", store.VGPU(rec))
 	})
 	waitFor(e.t, 30*time.Second, "the agent restarted after the reconcile", func() (bool, string) {
 		d.restartAgentIfDead()
@@ -567,7 +567,7 @@ func (d *crashDriver) qemusOf(id string, live bool) []string {
 
 // claimListed reports whether the simulator's device list (simDevices)
 // holds the claim's device.
-func claimListed(devs []string, cl *vmflowv1.GpuClaim) bool {
+func claimListed(devs []string, cl *vmflowv1.VgpuLease) bool {
 	for _, dv := range devs {
 		if dv == "mdev "+cl.GetUuid() || (cl.GetDeviceId() != "" && strings.HasPrefix(dv, "vf "+cl.GetDeviceId()+" type ")) {
 			return true
@@ -602,9 +602,10 @@ func (d *crashDriver) checkInstance(when, id string) []string {
 	if rec.GetState() != vmflowv1.InstanceState_INSTANCE_STATE_RUNNING {
 		v = append(v, fmt.Sprintf("%s: %s is %s, want running", when, id, store.StateName(rec.GetState())))
 	}
-	cl := rec.GetGpuClaim()
-	if !store.ClaimHeld(rec) || cl.GetPhase() != vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE {
-		v = append(v, fmt.Sprintf("%s: claim of %s not active: %v", when, id, cl))
+	lease := store.VGPU(rec)
+	cl := lease.GetVgpu()
+	if !store.ClaimHeld(rec) || lease.GetPhase() != vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE {
+		v = append(v, fmt.Sprintf("%s: claim of %s not active: %v", when, id, lease))
 	} else if devs := e.simDevices(); !claimListed(devs, cl) {
 		v = append(v, fmt.Sprintf("%s: the device of %s's claim (%s %s) is gone; devices: %v", when, id, cl.GetUuid(), cl.GetDeviceId(), devs))
 	}
@@ -638,11 +639,7 @@ func (d *crashDriver) checkLedger(when string) []string {
 			continue
 		}
 		held++
-		cl := r.GetGpuClaim()
-		key := cl.GetDeviceId()
-		if key == "" {
-			key = cl.GetUuid()
-		}
+		key := store.ClaimDevice(store.VGPU(r).GetVgpu())
 		if other, ok := owner[key]; ok {
 			v = append(v, fmt.Sprintf("%s: %s and %s both claim device %s", when, other, r.GetId(), key))
 		}
@@ -705,7 +702,7 @@ func (d *crashDriver) checkDeleted(id string) []string {
 	rec, err := e.st.Get(id)
 	switch {
 	case err == nil:
-		v = append(v, fmt.Sprintf("after delete: record of %s left in state %s, claim %v", id, store.StateName(rec.GetState()), rec.GetGpuClaim()))
+		v = append(v, fmt.Sprintf("after delete: record of %s left in state %s, claim %v", id, store.StateName(rec.GetState()), store.VGPU(rec)))
 	case !errors.Is(err, store.ErrNotFound):
 		v = append(v, fmt.Sprintf("after delete: record of %s: %v", id, err))
 	}

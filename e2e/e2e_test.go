@@ -112,8 +112,8 @@ func testStuckReleaseRetry(t *testing.T, srv devserver.Temporal) {
 	require.NotNil(t, rec, "record kept while the release fails")
 	assert.Equal(t, vmflowv1.InstanceState_INSTANCE_STATE_RELEASE_FAILED, rec.GetState())
 	require.True(t, store.ClaimHeld(rec), "claim kept while the release fails")
-	assert.Equal(t, res.GetVgpuUuid(), rec.GetGpuClaim().GetUuid())
-	assert.GreaterOrEqual(t, rec.GetGpuClaim().GetReleaseAttempts(), uint32(3), "several release attempts recorded")
+	assert.Equal(t, res.GetVgpuUuid(), store.VGPU(rec).GetVgpu().GetUuid())
+	assert.GreaterOrEqual(t, store.VGPU(rec).GetReleaseAttempts(), uint32(3), "several release attempts recorded")
 	assert.Len(t, e.simDevices(), 1, "the device is still there")
 	assertNoProcess(t, qemu) // the VM itself is gone: only the GPU is stuck
 

@@ -630,7 +630,7 @@ func (e *env) assertNothingLeft() {
 		e.t.Errorf("list records: %v", err)
 	}
 	for _, r := range recs {
-		e.t.Errorf("record left: %s in state %s, claim %v", r.GetId(), r.GetState(), r.GetGpuClaim())
+		e.t.Errorf("record left: %s in state %s, claim %v", r.GetId(), r.GetState(), store.VGPU(r))
 	}
 	if devs := e.simDevices(); len(devs) > 0 {
 		e.t.Errorf("vGPU devices left in the simulator: %v", devs)

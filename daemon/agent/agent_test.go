@@ -58,11 +58,8 @@ func TestAgentOutlivesBadRecordAndRefusedCredentials(t *testing.T) {
 	req := &vmflowv1.SpawnRequest{InstanceId: "claimed", Vcpus: 1, MemoryMib: 64, Machine: "none", VgpuProfile: "GRID A100-4C"}
 	_, err = st.Create(ctx, &vmflowv1.InstanceRecord{Id: "claimed", Spec: spec.RecordSpec(req)})
 	require.NoError(t, err)
-	_, err = st.Update(ctx, "claimed", func(r *vmflowv1.InstanceRecord) error {
-		r.GpuClaim = &vmflowv1.GpuClaim{Profile: "GRID A100-4C", Uuid: "8b6a3a57-4f4e-4b41-9a2c-3f1d2e5a6b7c",
-			Phase: vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE, Driver: "mdev"}
-		return nil
-	})
+	_, err = st.Apply(ctx, "claimed", store.LeaseIntent(store.VGPULease(&vmflowv1.VgpuLease{Profile: "GRID A100-4C",
+		Uuid: "8b6a3a57-4f4e-4b41-9a2c-3f1d2e5a6b7c", Driver: "mdev"}), time.Now()), store.VGPUActive("8b6a3a57-4f4e-4b41-9a2c-3f1d2e5a6b7c", ""))
 	require.NoError(t, err)
 	_, err = st.Create(ctx, &vmflowv1.InstanceRecord{Id: "torn", Spec: spec.RecordSpec(req)})
 	require.NoError(t, err)
@@ -220,7 +217,7 @@ func TestPruneFDStoreKeepsWhatRecordsName(t *testing.T) {
 	l, err := st.Lock(ctx, "live")
 	require.NoError(t, err)
 	rec, err := l.AssignQEMUUID(ctx, store.UIDRange{First: 1900000001, Last: 1900000001},
-		func(context.Context) (map[uint32]bool, error) { return nil, nil }, nil)
+		func(context.Context) (map[uint32]bool, error) { return nil, nil })
 	require.NoError(t, err)
 	require.Equal(t, uint32(1900000001), rec.GetQemuUid())
 	l.Unlock()

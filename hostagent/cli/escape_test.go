@@ -39,16 +39,13 @@ func TestShowAndLsEscapeWhatOthersWrote(t *testing.T) {
 		r.LastError = forged
 		r.LastExitStatus = forged
 		r.NeedsAttention = forged
-		r.GpuClaim = &vmflowv1.GpuClaim{Profile: forged, Parent: forged, TypeId: forged, Uuid: "6f9b6c1e-0000-4000-8000-000000000001",
-			Phase: vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE}
-		store.BeginDeleting(r)
+		r.Leases = []*vmflowv1.Lease{{Phase: vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE, Resource: &vmflowv1.Lease_Vgpu{Vgpu: &vmflowv1.VgpuLease{
+			Profile: forged, Parent: forged, TypeId: forged, Uuid: "6f9b6c1e-0000-4000-8000-000000000001"}}}}
+		r.State = vmflowv1.InstanceState_INSTANCE_STATE_DELETING
 		return nil
 	})
 	require.NoError(t, err)
-	_, err = st.Update(ctx, id, func(r *vmflowv1.InstanceRecord) error {
-		store.ReleaseFailed(r, forged)
-		return nil
-	})
+	_, err = st.Apply(ctx, id, store.LeaseReleaseFailed("vgpu:6f9b6c1e-0000-4000-8000-000000000001", forged))
 	require.NoError(t, err)
 
 	for _, args := range [][]string{{"show", "-o", "table"}, {"show", "-o", "json"}, {"ls", "-o", "table"}, {"ls", "-o", "json"}} {

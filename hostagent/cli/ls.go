@@ -99,9 +99,9 @@ func inspectInstance(st *store.Store, id string, now time.Time) *Instance {
 		s := proc.Inspect(store.IdentityOf(rec.GetProcess()))
 		in.Process = &s
 	}
-	if c := rec.GetGpuClaim(); c != nil {
+	if c := store.VGPU(rec); c != nil {
 		in.ClaimPhase = claimPhaseName(c.GetPhase())
-		in.ClaimDevice = store.ClaimDevice(c)
+		in.ClaimDevice = store.ClaimDevice(c.GetVgpu())
 		if !held {
 			in.ClaimPhase = "released"
 		}
@@ -114,7 +114,7 @@ func inspectInstance(st *store.Store, id string, now time.Time) *Instance {
 // claim in Deleting is named even though every delete passes through it: a
 // delete that stays there is the stuck one (ReleaseFailed says so itself).
 func (in *Instance) checkRecord(rec *vmflowv1.InstanceRecord, now time.Time) {
-	c := rec.GetGpuClaim()
+	c := store.VGPU(rec)
 	if rec.GetState() == vmflowv1.InstanceState_INSTANCE_STATE_RELEASE_FAILED {
 		in.attention(fmt.Sprintf("vGPU release failed %d time(s): %s", c.GetReleaseAttempts(), orNone(c.GetLastReleaseError())))
 	}

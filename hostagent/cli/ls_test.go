@@ -69,17 +69,19 @@ func newHostFixture(t *testing.T) *hostFixture {
 		_, err := st.Update(ctx, id, func(r *vmflowv1.InstanceRecord) error { fn(r); return nil })
 		require.NoError(t, err)
 	}
-	claim := func(dev, uuid string) *vmflowv1.GpuClaim {
-		return &vmflowv1.GpuClaim{Profile: "GRID A100-4C", Parent: "0000:3b:00.0", TypeId: "nvidia-471",
-			Uuid: uuid, DeviceId: dev, Phase: vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE, ClaimedAt: timestamppb.Now()}
+	claim := func(dev, uuid string) []*vmflowv1.Lease {
+		l := store.VGPULease(&vmflowv1.VgpuLease{Profile: "GRID A100-4C", Parent: "0000:3b:00.0", TypeId: "nvidia-471",
+			Uuid: uuid, DeviceId: dev})
+		l.Phase, l.ClaimedAt = vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE, timestamppb.Now()
+		return []*vmflowv1.Lease{l}
 	}
 
 	create(idRunning)
 	update(idRunning, func(r *vmflowv1.InstanceRecord) {
 		r.State = vmflowv1.InstanceState_INSTANCE_STATE_RUNNING
 		r.Process = store.ProcessRecord(self)
-		r.GpuClaim = claim("0000:3b:00.4", "6f9b6c1e-0000-4000-8000-000000000001")
-		r.GpuClaim.Driver = "vendor"
+		r.Leases = claim("0000:3b:00.4", "6f9b6c1e-0000-4000-8000-000000000001")
+		r.Leases[0].GetVgpu().Driver = "vendor"
 		r.CreatedAt = timestamppb.New(time.Now().Add(-2 * time.Hour))
 	})
 
@@ -102,19 +104,18 @@ func newHostFixture(t *testing.T) *hostFixture {
 	create(idRelFail)
 	require.NoError(t, st.MarkManualStop(ctx, idRelFail))
 	update(idRelFail, func(r *vmflowv1.InstanceRecord) {
-		r.GpuClaim = claim("", "6f9b6c1e-0000-4000-8000-000000000002")
-		store.BeginDeleting(r)
+		r.Leases = claim("", "6f9b6c1e-0000-4000-8000-000000000002")
+		r.State = vmflowv1.InstanceState_INSTANCE_STATE_DELETING
 	})
-	update(idRelFail, func(r *vmflowv1.InstanceRecord) {
-		store.ReleaseFailed(r, "write remove: device or resource busy")
-	})
+	_, err = st.Apply(ctx, idRelFail, store.LeaseReleaseFailed("vgpu:6f9b6c1e-0000-4000-8000-000000000002", "write remove: device or resource busy"))
+	require.NoError(t, err)
 
 	create(idDeleting)
 	require.NoError(t, st.MarkManualStop(ctx, idDeleting))
 	update(idDeleting, func(r *vmflowv1.InstanceRecord) {
-		r.GpuClaim = claim("", "6f9b6c1e-0000-4000-8000-000000000003")
-		r.GpuClaim.Phase = vmflowv1.ClaimPhase_CLAIM_PHASE_RELEASING
-		store.BeginDeleting(r)
+		r.Leases = claim("", "6f9b6c1e-0000-4000-8000-000000000003")
+		r.Leases[0].Phase = vmflowv1.ClaimPhase_CLAIM_PHASE_RELEASING
+		r.State = vmflowv1.InstanceState_INSTANCE_STATE_DELETING
 	})
 
 	create(idLaunch)
@@ -125,7 +126,7 @@ func newHostFixture(t *testing.T) *hostFixture {
 	for _, id := range []string{idDupA, idDupB} {
 		create(id)
 		update(id, func(r *vmflowv1.InstanceRecord) {
-			r.GpuClaim = claim("", "6f9b6c1e-0000-4000-8000-0000000000dd")
+			r.Leases = claim("", "6f9b6c1e-0000-4000-8000-0000000000dd")
 		})
 	}
 

@@ -165,15 +165,16 @@ func processLine(in *Instance) string {
 }
 
 func claimLine(in *Instance) string {
-	c := in.rec.GetGpuClaim()
+	c := store.VGPU(in.rec)
 	if c == nil {
 		return "none"
 	}
+	v := c.GetVgpu()
 	var b strings.Builder
 	fmt.Fprintf(&b, "%s %s: profile %q, driver %s, parent %s, type %s", in.ClaimPhase, orDash(in.ClaimDevice),
-		c.GetProfile(), orDash(c.GetDriver()), orDash(c.GetParent()), orDash(c.GetTypeId()))
-	if c.GetUuid() != "" && c.GetUuid() != in.ClaimDevice {
-		fmt.Fprintf(&b, ", uuid %s", c.GetUuid())
+		v.GetProfile(), orDash(v.GetDriver()), orDash(v.GetParent()), orDash(v.GetTypeId()))
+	if v.GetUuid() != "" && v.GetUuid() != in.ClaimDevice {
+		fmt.Fprintf(&b, ", uuid %s", v.GetUuid())
 	}
 	if c.GetClaimedAt() != nil {
 		fmt.Fprintf(&b, ", claimed %s", c.GetClaimedAt().AsTime().UTC().Format(time.RFC3339))

@@ -88,10 +88,10 @@ func (h *helper) end() error {
 // snapshot is what the system looked like after a step: the only state the
 // model carries from one step to the next.
 type snapshot struct {
-	devices map[string]bool               // sysfs: device ids that exist
-	holders map[string][]string           // device key -> instances whose held claims name it
-	procs   map[string]proc.Identity      // instance -> recorded process
-	held    map[string]*vmflowv1.GpuClaim // instance -> its held claim
+	devices map[string]bool            // sysfs: device ids that exist
+	holders map[string][]string        // device key -> instances whose held claims name it
+	procs   map[string]proc.Identity   // instance -> recorded process
+	held    map[string]*vmflowv1.Lease // instance -> its held claim
 }
 
 // host is one simulated host under test, fresh for every rapid check.
@@ -254,11 +254,8 @@ func waitFor(cond func() bool) bool {
 // claimKey names the device a claim is about the way the claims layer
 // does: the device id (mdev UUID once active, the VF for vendor), else the
 // UUID (an mdev intent).
-func claimKey(cl *vmflowv1.GpuClaim) string {
-	if cl.GetDeviceId() != "" {
-		return cl.GetDeviceId()
-	}
-	return cl.GetUuid()
+func claimKey(cl *vmflowv1.Lease) string {
+	return store.ClaimDevice(cl.GetVgpu())
 }
 
 func (h *host) devices(t *rapid.T) map[string]bool {
@@ -288,14 +285,14 @@ func (h *host) records(t *rapid.T) (recs []*vmflowv1.InstanceRecord, unreadable 
 // observe reads the real system. Instances whose records are unreadable
 // keep what was last seen of them: the model cannot read them either.
 func (h *host) observe(t *rapid.T) snapshot {
-	s := snapshot{devices: h.devices(t), holders: map[string][]string{}, procs: map[string]proc.Identity{}, held: map[string]*vmflowv1.GpuClaim{}}
+	s := snapshot{devices: h.devices(t), holders: map[string][]string{}, procs: map[string]proc.Identity{}, held: map[string]*vmflowv1.Lease{}}
 	recs, _ := h.records(t)
 	for _, r := range recs {
 		if p := r.GetProcess(); p != nil {
 			s.procs[r.GetId()] = store.IdentityOf(p)
 		}
 		if store.ClaimHeld(r) {
-			s.held[r.GetId()] = r.GetGpuClaim()
+			s.held[r.GetId()] = store.VGPU(r)
 		}
 	}
 	for id := range h.corrupt {
@@ -394,7 +391,7 @@ func (h *host) describe(t *rapid.T) string {
 	var b strings.Builder
 	for _, r := range recs {
 		fmt.Fprintf(&b, "%s:%s", r.GetId(), store.StateName(r.GetState()))
-		if cl := r.GetGpuClaim(); cl != nil {
+		if cl := store.VGPU(r); cl != nil {
 			fmt.Fprintf(&b, "[%s %s held=%t]", claimKey(cl), strings.TrimPrefix(cl.GetPhase().String(), "CLAIM_PHASE_"), store.ClaimHeld(r))
 		}
 		if p := r.GetProcess(); p != nil {

@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/protobuf/encoding/protojson"
 	"pgregory.net/rapid"
 
 	"vmflow/hostagent/proc"
@@ -122,6 +123,8 @@ func (h *host) actions() map[string]func(*rapid.T) {
 		"corrupt":     h.corruptRecord,
 		"repair":      h.repairRecord,
 		"assignUID":   h.assignUID,
+		"oldShape":    h.oldShape,
+		"migrate":     h.migrate,
 		"reboot":      h.reboot,
 		"fillDisk":    h.fillDisk,
 		"freeDisk":    h.freeDisk,
@@ -218,7 +221,7 @@ func (h *host) launch(t *rapid.T) {
 	}
 	// Every model instance asks for a vGPU, so QEMU starts only with an
 	// active claim whose device exists, and holds its VFIO node open.
-	cl := rec.GetGpuClaim()
+	cl := store.VGPU(rec)
 	if !store.ClaimHeld(rec) || cl.GetPhase() != vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE {
 		t.Logf("launch %s: no active claim", id)
 		return
@@ -453,7 +456,7 @@ func (h *host) reconcile(t *rapid.T) {
 		for _, r := range recs {
 			// Only held claims own their device: a released claim that
 			// still names a VF must not shield a stray device on it.
-			if cl := r.GetGpuClaim(); cl != nil && store.ClaimHeld(r) {
+			if cl := store.VGPU(r); cl != nil && store.ClaimHeld(r) {
 				named[claimKey(cl)] = true
 			}
 		}
@@ -550,8 +553,8 @@ func (h *host) deleteRecord(t *rapid.T) {
 	switch {
 	case getErr != nil && !errors.Is(getErr, store.ErrNotFound):
 		t.Fatalf("VIOLATION record deleted while unreadable: %s (%v)", id, getErr)
-	case getErr == nil && store.ClaimHeld(before):
-		t.Fatalf("VIOLATION record deleted while its claim is held: %s (%s %s)", id, claimKey(before.GetGpuClaim()), before.GetGpuClaim().GetPhase())
+	case getErr == nil && store.AnyLeaseHeld(before):
+		t.Fatalf("VIOLATION record deleted while its claim is held: %s (%s %s)", id, claimKey(store.VGPU(before)), store.VGPU(before).GetPhase())
 	case h.helpers[id] != nil && h.helpers[id].alive():
 		t.Fatalf("VIOLATION record deleted while its process lives: %s (pid %d)", id, h.helpers[id].child.Identity().PID)
 	}
@@ -592,6 +595,55 @@ func (h *host) corruptRecord(t *rapid.T) {
 	t.Logf("corrupt %s", id)
 }
 
+// oldShape rewrites a record holding a vGPU lease as an agent before
+// leases wrote it (the claim in gpu_claim), as after an upgrade: every
+// invariant must hold across the conversion on read and the migration.
+func (h *host) oldShape(t *rapid.T) {
+	recs, _ := h.records(t)
+	var leased []*vmflowv1.InstanceRecord
+	for _, r := range recs {
+		if store.VGPU(r) != nil {
+			leased = append(leased, r)
+		}
+	}
+	if len(leased) == 0 {
+		t.Skip("no vGPU lease")
+	}
+	rec := rapid.SampledFrom(leased).Draw(t, "old shape")
+	id, l := rec.GetId(), store.VGPU(rec)
+	v := l.GetVgpu()
+	rec.Leases = nil
+	rec.GpuClaim = &vmflowv1.GpuClaim{Profile: v.GetProfile(), Parent: v.GetParent(), TypeId: v.GetTypeId(), Uuid: v.GetUuid(),
+		DeviceId: v.GetDeviceId(), Driver: v.GetDriver(), Phase: l.GetPhase(), ReleaseAttempts: l.GetReleaseAttempts(),
+		LastReleaseError: l.GetLastReleaseError(), ReleasedAt: l.GetReleasedAt(), ClaimedAt: l.GetClaimedAt()}
+	b, err := protojson.MarshalOptions{UseProtoNames: true}.Marshal(rec)
+	if err != nil {
+		t.Fatalf("old shape %s: %v", id, err)
+	}
+	paths, err := h.st.Paths(id)
+	if err != nil {
+		t.Fatalf("old shape %s: %v", id, err)
+	}
+	if err := os.WriteFile(paths.Record, b, 0o600); err != nil {
+		t.Fatalf("old shape %s: %v", id, err)
+	}
+	again, err := h.st.Get(id)
+	if err != nil || store.LeaseName(store.VGPU(again)) != store.LeaseName(l) || store.LeaseHeld(store.VGPU(again)) != store.LeaseHeld(l) {
+		t.Fatalf("VIOLATION old-shape record of %s does not read back as its lease: %v %v", id, store.VGPU(again), err)
+	}
+	t.Logf("old shape %s (%s)", id, store.LeaseName(l))
+	h.event("old shape", true, nil)
+}
+
+// migrate runs the agent start's record migration.
+func (h *host) migrate(t *rapid.T) {
+	c, cancel := ctx()
+	defer cancel()
+	done, err := h.st.Migrate(c)
+	t.Logf("migrate: %v %v", done, err)
+	h.event("migrate", err == nil, err)
+}
+
 // truncate cuts id's record.json in half, keeping its bytes for repair.
 func (h *host) truncate(t *rapid.T, id string) {
 	paths, err := h.st.Paths(id)
@@ -627,7 +679,7 @@ func (h *host) repairRecord(t *rapid.T) {
 // launch does (spec.PrepareLaunch), and reports whether it exists now. A
 // held claim keeps its slot and its parent's type across a reboot: only a
 // stray device (one no held claim names) can stand in its way.
-func (h *host) ensureDevice(t *rapid.T, id string, cl *vmflowv1.GpuClaim) bool {
+func (h *host) ensureDevice(t *rapid.T, id string, cl *vmflowv1.Lease) bool {
 	c, cancel := ctx()
 	defer cancel()
 	l, err := h.st.Lock(c, id)
@@ -695,7 +747,7 @@ func (h *host) assignUID(t *rapid.T) {
 		t.Fatalf("assign uid %s: %v", id, err)
 	}
 	defer func() { _ = l.Unlock() }()
-	rec, err := l.AssignQEMUUID(c, modelUIDs, func(context.Context) (map[uint32]bool, error) { return nil, nil }, nil)
+	rec, err := l.AssignQEMUUID(c, modelUIDs, func(context.Context) (map[uint32]bool, error) { return nil, nil })
 	t.Logf("assign uid %s: %d %v", id, rec.GetQemuUid(), err)
 	h.event("assign uid", err == nil, err)
 }
@@ -738,7 +790,7 @@ func (h *host) check(t *rapid.T) {
 			t.Fatalf("VIOLATION two held claims name one device: %s is claimed by %v", key, ids)
 		}
 		for _, id := range ids {
-			u := now.held[id].GetUuid()
+			u := now.held[id].GetVgpu().GetUuid()
 			if other, ok := uuids[u]; ok && u != "" {
 				t.Fatalf("VIOLATION two held claims name one vGPU UUID: %s is claimed by %s and %s", u, other, id)
 			}

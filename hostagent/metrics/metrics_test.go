@@ -6,6 +6,7 @@ import (
 	"os"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -31,10 +32,7 @@ func TestStoreGaugesFollowRecords(t *testing.T) {
 		_, err := st.Create(ctx, &vmflowv1.InstanceRecord{Id: id, Spec: &vmflowv1.VMSpec{Vcpus: 1, MemoryMib: 64, Machine: "none"}})
 		require.NoError(t, err)
 	}
-	_, err = st.Update(ctx, "b", func(r *vmflowv1.InstanceRecord) error {
-		r.GpuClaim = &vmflowv1.GpuClaim{Profile: "GRID A100-4C", Uuid: "u"}
-		return nil
-	})
+	_, err = st.Apply(ctx, "b", store.LeaseIntent(store.VGPULease(&vmflowv1.VgpuLease{Profile: "GRID A100-4C", Uuid: "u"}), time.Now()))
 	require.NoError(t, err)
 	a.ReleaseFailures.WithLabelValues("EBUSY").Inc()
 	a.RefreshStore() // what RunStoreRefresh does every DefaultStoreRefresh

@@ -163,18 +163,19 @@ func TestValidateAndAdmitRecordAgree(t *testing.T) {
 // fakeDevices counts how often a launch got as far as the vGPU device.
 type fakeDevices struct{ ensured int }
 
-func (f *fakeDevices) EnsureDeviceLocked(context.Context, *store.Locked) (*vmflowv1.GpuClaim, error) {
+func (f *fakeDevices) EnsureDeviceLocked(context.Context, *store.Locked) (*vmflowv1.Lease, error) {
 	f.ensured++
-	return &vmflowv1.GpuClaim{}, nil
+	return store.VGPULease(&vmflowv1.VgpuLease{}), nil
 }
-func (f *fakeDevices) DevicePath(*vmflowv1.GpuClaim) string { return "/sys/bus/mdev/devices/x" }
+func (f *fakeDevices) DevicePath(*vmflowv1.Lease) string { return "/sys/bus/mdev/devices/x" }
 
 // TestPrepareLaunchAdmitsFirst: admission comes before anything is made
 // or opened for the launch, the vGPU device included.
 func TestPrepareLaunchAdmitsFirst(t *testing.T) {
 	h, root := testHost(t)
 	rec := &vmflowv1.InstanceRecord{Id: "vm1", Spec: RecordSpec(good(root)),
-		GpuClaim: &vmflowv1.GpuClaim{Profile: "GRID A100-4C", Phase: vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE}}
+		Leases: []*vmflowv1.Lease{{Phase: vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE,
+			Resource: &vmflowv1.Lease_Vgpu{Vgpu: &vmflowv1.VgpuLease{Profile: "GRID A100-4C"}}}}}
 	rec.Spec.Disk = "" // no overlay to make: this test has no instance directory
 	devs := &fakeDevices{}
 	st, err := store.New(t.TempDir())

@@ -19,8 +19,8 @@ import (
 // (re-created after a reboot) under the instance lock, and its sysfs path.
 // claims.Claims implements it.
 type Devices interface {
-	EnsureDeviceLocked(ctx context.Context, l *store.Locked) (*vmflowv1.GpuClaim, error)
-	DevicePath(claim *vmflowv1.GpuClaim) string
+	EnsureDeviceLocked(ctx context.Context, l *store.Locked) (*vmflowv1.Lease, error)
+	DevicePath(claim *vmflowv1.Lease) string
 }
 
 // ErrNoVGPUDriver: the instance holds a vGPU claim but the agent runs
@@ -82,10 +82,7 @@ func checkDiskBase(l *store.Locked, rec *vmflowv1.InstanceRecord, d *vmm.Disk) e
 	}
 	was := rec.GetDiskBase()
 	if was == nil {
-		_, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
-			r.DiskBase = now
-			return nil
-		})
+		_, err := l.Apply(store.DiskBaseSeen(now))
 		return err
 	}
 	if !proto.Equal(was, now) {
@@ -121,7 +118,7 @@ func prepareDevice(ctx context.Context, devs Devices, attach bool, l *store.Lock
 		return ForRecord(rec, ""), nil
 	}
 	if devs == nil {
-		c := rec.GetGpuClaim()
+		c := store.VGPU(rec).GetVgpu()
 		return vmm.VMSpec{}, fmt.Errorf("instance %s (claim %q on %s): %w", rec.GetId(), c.GetProfile(), store.ClaimDevice(c), ErrNoVGPUDriver)
 	}
 	claim, err := devs.EnsureDeviceLocked(ctx, l)

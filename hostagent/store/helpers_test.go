@@ -249,3 +249,14 @@ func moveTo(t *testing.T, s *Store, id string, state vmflowv1.InstanceState) {
 	require.NoError(t, err)
 	require.Equal(t, state, rec.GetState())
 }
+
+// vgpuLease is a vGPU lease in phase, for tests that build records.
+func vgpuLease(v *vmflowv1.VgpuLease, phase vmflowv1.ClaimPhase) *vmflowv1.Lease {
+	return &vmflowv1.Lease{Phase: phase, Resource: &vmflowv1.Lease_Vgpu{Vgpu: v}}
+}
+
+// applyTo applies steps to r in memory, as Locked.Apply does before it writes.
+func applyTo(t testing.TB, r *vmflowv1.InstanceRecord, steps ...Step) {
+	t.Helper()
+	require.NoError(t, applySteps(steps)(r))
+}

@@ -11,7 +11,6 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
-	"vmflow/hostagent/proc"
 	"vmflow/internal/crashpoint"
 	"vmflow/internal/fsx"
 	vmflowv1 "vmflow/proto/vmflow/v1"
@@ -285,19 +284,8 @@ func (l *Locked) Delete() error {
 	if err != nil {
 		return fmt.Errorf("delete: %w", err)
 	}
-	// The claim is checked first, whatever the state: a held GPU is the
-	// reason an operator most needs to read (invariant 1).
-	if ClaimHeld(rec) {
-		c := rec.GetGpuClaim()
-		return fmt.Errorf("delete instance %s: %w (profile %q, device %s, phase %s); release it first",
-			l.id, ErrClaimHeld, c.GetProfile(), ClaimDevice(c), c.GetPhase())
-	}
-	if err := processGone(rec); err != nil {
-		return fmt.Errorf("delete instance %s: %w; stop it and wait for its exit first", l.id, err)
-	}
-	if rec.GetState() != deleting {
-		return fmt.Errorf("delete instance %s: %w: %s -> deleted (only a record in deleting can be removed)",
-			l.id, ErrIllegalTransition, StateName(rec.GetState()))
+	if err := MayRemove(rec); err != nil {
+		return fmt.Errorf("delete instance %s: %w", l.id, err)
 	}
 	var trash string
 	err = l.s.withReserve(func() (err error) {
@@ -328,38 +316,4 @@ func (l *Locked) Delete() error {
 		return fmt.Errorf("delete instance %s: %w", l.id, err)
 	}
 	return nil
-}
-
-// processGone returns nil when no QEMU of rec can be running: the record
-// names no process, or one /proc confirms gone (exited, its pid reused, or
-// of another boot). A process that is alive or whose liveness cannot be read
-// (invariant 2: "can't tell" is alive), and a launch marker not yet resolved
-// to a process, give ErrProcessMayLive.
-func processGone(rec *vmflowv1.InstanceRecord) error {
-	if rec.GetLaunchStartedAt() != nil && rec.GetProcess() == nil {
-		return fmt.Errorf("%w: a launch began at %s and no process is recorded yet",
-			ErrProcessMayLive, rec.GetLaunchStartedAt().AsTime().UTC().Format(time.RFC3339))
-	}
-	if p := rec.GetProcess(); p != nil {
-		st := proc.Inspect(IdentityOf(p))
-		if st.Alive {
-			detail := fmt.Sprintf("%d tasks", st.Tasks)
-			if st.Err != "" {
-				detail = st.Err
-			}
-			return fmt.Errorf("%w: %v is %s (%s)", ErrProcessMayLive, st.Identity, st.State, detail)
-		}
-	}
-	return nil
-}
-
-// ClaimDevice names the device a claim holds: the SR-IOV VF when there is
-// one, else the mdev UUID (the mdev's sysfs name and QEMU's sysfsdev). The
-// one rule every package names claims by, so messages, the ledger and the
-// CLI agree.
-func ClaimDevice(c *vmflowv1.GpuClaim) string {
-	if c.GetDeviceId() != "" {
-		return c.GetDeviceId()
-	}
-	return c.GetUuid()
 }

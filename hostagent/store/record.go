@@ -49,8 +49,9 @@ func encodeForWrite(rec *vmflowv1.InstanceRecord) ([]byte, error) {
 	return b, nil
 }
 
-// DecodeRecord parses record.json content strictly and validates it with
-// ValidateRecord. It never panics, whatever b holds.
+// DecodeRecord parses record.json content strictly, converts an old shape
+// (migrate) and validates it with ValidateRecord. It never panics, whatever
+// b holds.
 func DecodeRecord(b []byte) (*vmflowv1.InstanceRecord, error) {
 	if len(b) > maxRecordSize {
 		return nil, fmt.Errorf("%w: %d bytes, larger than %d", ErrInvalidRecord, len(b), maxRecordSize)
@@ -59,6 +60,7 @@ func DecodeRecord(b []byte) (*vmflowv1.InstanceRecord, error) {
 	if err := unmarshalOpts.Unmarshal(b, rec); err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalidRecord, err)
 	}
+	migrate(rec)
 	if err := ValidateRecord(rec); err != nil {
 		return nil, err
 	}
@@ -84,22 +86,16 @@ func ValidateRecord(rec *vmflowv1.InstanceRecord) error {
 	if _, ok := vmflowv1.StopStep_name[int32(rec.GetStopStep())]; !ok {
 		return fmt.Errorf("%w: instance %s has unknown stop_step %d", ErrInvalidRecord, rec.GetId(), rec.GetStopStep())
 	}
-	if c := rec.GetGpuClaim(); c != nil {
-		if _, ok := vmflowv1.ClaimPhase_name[int32(c.GetPhase())]; !ok {
-			return fmt.Errorf("%w: instance %s has unknown gpu_claim phase %d", ErrInvalidRecord, rec.GetId(), c.GetPhase())
-		}
+	if rec.GetGpuClaim() != nil {
+		// Only migrate reads it; a record that still has it (beside a vgpu
+		// lease, or set by a writer) is not one the store understands.
+		return fmt.Errorf("%w: instance %s has the old gpu_claim field beside its leases", ErrInvalidRecord, rec.GetId())
+	}
+	if err := validateLeases(rec); err != nil {
+		return err
 	}
 	// Timestamps need no check here: protojson refuses out-of-range ones.
 	return nil
-}
-
-// ClaimHeld reports whether rec holds a vGPU claim: from the moment a claim
-// is recorded (phase INTENT, before the device exists) until its release is
-// confirmed (released_at set) or the claim is cleared. While it holds one the
-// record must not be deleted (invariant 1).
-func ClaimHeld(rec *vmflowv1.InstanceRecord) bool {
-	c := rec.GetGpuClaim()
-	return c != nil && c.GetReleasedAt() == nil
 }
 
 // CreatedBy reports whether rec was created by the spawn workflow execution

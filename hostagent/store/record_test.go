@@ -28,12 +28,14 @@ func fullRecord() *vmflowv1.InstanceRecord {
 		RestartPolicy: "on-failure", RestartMaxAttempts: 5, RestartStableAfterSeconds: 300,
 		State: running, StopStep: vmflowv1.StopStep_STOP_STEP_POWERDOWN_SENT, StopStepAt: ts,
 		Process: &vmflowv1.ProcessIdentity{Pid: 123456, StartTime: 987654321012, BootId: "5f0a6e1c-1b2d-4c3e-8f9a-0b1c2d3e4f5a"},
-		GpuClaim: &vmflowv1.GpuClaim{
-			Profile: "GRID A100-4C", Parent: "0000:3b:00.4", TypeId: "nvidia-500", Uuid: "6c2b0cd4-6f5e-4c3e-9b5e-1c0e6c2b0cd4",
-			DeviceId: "0000:3b:00.4", Phase: vmflowv1.ClaimPhase_CLAIM_PHASE_RELEASING, ReleaseAttempts: 3,
+		Leases: []*vmflowv1.Lease{{
+			Phase: vmflowv1.ClaimPhase_CLAIM_PHASE_RELEASING, ReleaseAttempts: 3, ClaimedAt: ts,
 			LastReleaseError: "write /sys/bus/mdev/devices/6c2b0cd4/remove: device or resource busy",
-			ClaimedAt:        ts, Driver: "mdev",
-		},
+			Resource: &vmflowv1.Lease_Vgpu{Vgpu: &vmflowv1.VgpuLease{
+				Profile: "GRID A100-4C", Parent: "0000:3b:00.4", TypeId: "nvidia-500", Uuid: "6c2b0cd4-6f5e-4c3e-9b5e-1c0e6c2b0cd4",
+				DeviceId: "0000:3b:00.4", Driver: "mdev",
+			}},
+		}},
 		RestartCount: 2, LastStart: ts, LastExit: ts, LastExitStatus: "signal: killed", LastExitCode: -1,
 		LastError: "qemu exited: signal: killed", CreatedAt: ts, UpdatedAt: ts,
 	}
@@ -43,7 +45,7 @@ func TestRecordRoundTrip(t *testing.T) {
 	rec := fullRecord()
 	b, err := EncodeRecord(rec)
 	require.NoError(t, err)
-	for _, key := range []string{`"stop_step"`, `"gpu_claim"`, `"last_release_error"`, `"restart_stable_after_seconds"`, `"boot_id"`} {
+	for _, key := range []string{`"stop_step"`, `"leases"`, `"vgpu"`, `"last_release_error"`, `"restart_stable_after_seconds"`, `"boot_id"`} {
 		assert.Contains(t, string(b), key, "snake_case proto field names")
 	}
 	assert.NotContains(t, string(b), `"stopStep"`)
@@ -69,7 +71,7 @@ func TestDecodeRecordStrict(t *testing.T) {
 		{"unknown state number", `{"id":"vm1","spec":{},"state":42}`, "unknown state 42"},
 		{"unknown state name", `{"id":"vm1","spec":{},"state":"STOPPING"}`, "invalid"},
 		{"unknown stop step", `{"id":"vm1","spec":{},"state":2,"stop_step":9}`, "unknown stop_step"},
-		{"unknown claim phase", `{"id":"vm1","spec":{},"state":2,"gpu_claim":{"phase":7}}`, "unknown gpu_claim phase"},
+		{"unknown claim phase", `{"id":"vm1","spec":{},"state":2,"gpu_claim":{"phase":7}}`, "unknown lease phase"},
 		{"negative vcpus", `{"id":"vm1","spec":{"vcpus":-1},"state":2}`, "invalid"},
 		{"bad timestamp", `{"id":"vm1","spec":{},"state":2,"created_at":"yesterday"}`, "invalid"},
 		{"too big", `{"id":"vm1","last_error":"` + strings.Repeat("x", maxRecordSize) + `"}`, "larger than"},
@@ -86,8 +88,10 @@ func TestDecodeRecordStrict(t *testing.T) {
 func TestClaimHeld(t *testing.T) {
 	assert.False(t, ClaimHeld(nil))
 	assert.False(t, ClaimHeld(&vmflowv1.InstanceRecord{}))
-	assert.True(t, ClaimHeld(&vmflowv1.InstanceRecord{GpuClaim: &vmflowv1.GpuClaim{}}), "even an empty INTENT counts")
-	assert.False(t, ClaimHeld(&vmflowv1.InstanceRecord{GpuClaim: &vmflowv1.GpuClaim{ReleasedAt: timestamppb.Now()}}))
+	assert.True(t, ClaimHeld(&vmflowv1.InstanceRecord{Leases: []*vmflowv1.Lease{vgpuLease(&vmflowv1.VgpuLease{}, 0)}}), "even an empty INTENT counts")
+	released := vgpuLease(&vmflowv1.VgpuLease{}, 0)
+	released.ReleasedAt = timestamppb.Now()
+	assert.False(t, ClaimHeld(&vmflowv1.InstanceRecord{Leases: []*vmflowv1.Lease{released}}))
 }
 
 // Every invalid id is refused as ErrInvalidID (contract.FuzzCheckID holds
@@ -114,6 +118,10 @@ func FuzzDecodeRecord(f *testing.F) {
 		string(full),
 		`{"id":"vm1","spec":{"vcpus":1},"state":"INSTANCE_STATE_RUNNING"}`,
 		`{"id":"vm1","spec":{},"state":2,"gpu_claim":{"phase":"CLAIM_PHASE_INTENT"}}`,
+		`{"id":"vm1","spec":{},"state":2,"leases":[{"phase":"CLAIM_PHASE_ACTIVE","vgpu":{"uuid":"u"}}]}`,
+		`{"id":"vm1","spec":{},"state":2,"leases":[{"vgpu":{"uuid":"u"}},{"vgpu":{"uuid":"v"}}]}`,
+		`{"id":"vm1","spec":{},"state":2,"leases":[{}]}`,
+		`{"id":"vm1","spec":{},"state":2,"leases":[{"vgpu":{}}],"gpu_claim":{}}`,
 		`{"id":"vm1","spec":{},"state":42}`,
 		`{"id":"vm1","spec":{},"state":2,"colour":1}`,
 		`{"id":"../x","spec":{},"state":2}`,
@@ -189,27 +197,25 @@ func BenchmarkUpdate(b *testing.B) {
 }
 
 // TestNamedDeleteMoves: the delete's moves written once in the store. A
-// failed release keeps the claim and shows ReleaseFailed; a confirmed one
-// frees the claim and returns to Deleting; nothing moves a record out of
-// ReleaseFailed while its claim is held.
+// failed release keeps the lease and shows ReleaseFailed; a confirmed one
+// frees the lease and returns to Deleting; nothing moves a record out of
+// ReleaseFailed while a lease is held.
 func TestNamedDeleteMoves(t *testing.T) {
-	r := &vmflowv1.InstanceRecord{Id: "vm1", State: running,
-		GpuClaim: &vmflowv1.GpuClaim{Phase: vmflowv1.ClaimPhase_CLAIM_PHASE_RELEASING}}
-	BeginDeleting(r)
-	assert.Equal(t, deleting, r.GetState())
-	ReleaseFailed(r, "EBUSY")
+	r := &vmflowv1.InstanceRecord{Id: "vm1", State: deleting,
+		Leases: []*vmflowv1.Lease{vgpuLease(&vmflowv1.VgpuLease{Uuid: "u1"}, vmflowv1.ClaimPhase_CLAIM_PHASE_RELEASING)}}
+	name := LeaseName(r.GetLeases()[0])
+	assert.Equal(t, "vgpu:u1", name)
+	applyTo(t, r, LeaseReleaseFailed(name, "EBUSY"))
 	assert.Equal(t, releaseFailed, r.GetState())
-	assert.Equal(t, vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE, r.GetGpuClaim().GetPhase())
-	assert.EqualValues(t, 1, r.GetGpuClaim().GetReleaseAttempts())
+	assert.Equal(t, vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE, VGPU(r).GetPhase())
+	assert.EqualValues(t, 1, VGPU(r).GetReleaseAttempts())
 	assert.Equal(t, "release vGPU: EBUSY", r.GetLastError())
-	BeginDeleting(r)
-	assert.Equal(t, releaseFailed, r.GetState(), "a delete already began")
-	ReadyToRemove(r)
-	assert.Equal(t, releaseFailed, r.GetState(), "still holds its claim")
+	require.ErrorIs(t, MayRemove(r), ErrClaimHeld, "still holds its lease")
 	assert.True(t, ClaimHeld(r))
 
-	Released(r, timestamppb.Now())
+	applyTo(t, r, LeaseReleased(name, time.Now()))
 	assert.False(t, ClaimHeld(r))
-	assert.Empty(t, r.GetGpuClaim().GetLastReleaseError())
+	assert.Empty(t, VGPU(r).GetLastReleaseError())
 	assert.Equal(t, deleting, r.GetState())
+	assert.NoError(t, MayRemove(r))
 }

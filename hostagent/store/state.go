@@ -3,8 +3,6 @@ package store
 import (
 	"strings"
 
-	"google.golang.org/protobuf/types/known/timestamppb"
-
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -15,17 +13,17 @@ import (
 //	(none) ──Create──► Creating ──► Running ⇄ Exited
 //	Creating | Running | Exited ──► Deleting   (manual-stop marker first)
 //	Deleting ⇄ ReleaseFailed
-//	Deleting ──Delete──► (record removed; only without a vGPU claim)
+//	Deleting | ReleaseFailed ──Delete──► (record removed; only with no lease held)
 //
 // Creating is entered only by Create and the record leaves the machine only
-// by Delete; neither is a transition Update can make.
+// by Delete; neither is a transition Update can make. The named steps that
+// move a record along it are in lifecycle.go.
 var transitions = map[vmflowv1.InstanceState][]vmflowv1.InstanceState{
 	creating: {running, deleting},
 	running:  {exited, deleting},
 	exited:   {running, deleting},
 	deleting: {releaseFailed},
-	// Back to Deleting to retry the release; only from Deleting may the
-	// record be removed.
+	// Back to Deleting to retry the release.
 	releaseFailed: {deleting},
 }
 
@@ -70,54 +68,4 @@ func isDeleting(s vmflowv1.InstanceState) bool {
 // one definition every package asks, so the rule cannot drift.
 func IsDeleting(rec *vmflowv1.InstanceRecord) bool {
 	return isDeleting(rec.GetState())
-}
-
-// The delete's named moves. Each is applied to a record inside an Update
-// (so the state machine and the marker rule still check it), and each is the
-// only place its rule is written: callers never set Deleting or
-// ReleaseFailed by hand.
-
-// BeginDeleting moves rec to Deleting unless a delete already began. The
-// manual-stop marker must already be on disk (Update refuses otherwise).
-func BeginDeleting(rec *vmflowv1.InstanceRecord) {
-	if !isDeleting(rec.GetState()) {
-		rec.State = deleting
-	}
-}
-
-// ReleaseFailed records a failed vGPU release on rec: the claim stays held
-// (invariant 1) with its attempt counted and the error kept, a release in
-// progress goes back to active, and a deleting record shows ReleaseFailed.
-func ReleaseFailed(rec *vmflowv1.InstanceRecord, cause string) {
-	if c := rec.GetGpuClaim(); c != nil {
-		c.ReleaseAttempts++
-		c.LastReleaseError = cause
-		if c.GetPhase() == vmflowv1.ClaimPhase_CLAIM_PHASE_RELEASING {
-			c.Phase = vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE
-		}
-	}
-	rec.LastError = "release vGPU: " + cause
-	if rec.GetState() == deleting {
-		rec.State = releaseFailed
-	}
-}
-
-// Released records that rec's vGPU is confirmed released at ts: the claim
-// is no longer held, and a record in ReleaseFailed returns to Deleting,
-// from where it may be removed.
-func Released(rec *vmflowv1.InstanceRecord, ts *timestamppb.Timestamp) {
-	if c := rec.GetGpuClaim(); c != nil && c.GetReleasedAt() == nil {
-		c.ReleasedAt = ts
-		c.LastReleaseError = ""
-	}
-	ReadyToRemove(rec)
-}
-
-// ReadyToRemove returns a record in ReleaseFailed to Deleting, the only
-// state Delete removes (a release that succeeded outside the claim layer,
-// or a record whose claim was already released).
-func ReadyToRemove(rec *vmflowv1.InstanceRecord) {
-	if rec.GetState() == releaseFailed && !ClaimHeld(rec) {
-		rec.State = deleting
-	}
 }

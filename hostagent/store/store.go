@@ -6,11 +6,12 @@
 // The store is where the host-side invariants are enforced rather than
 // trusted to callers: every record write is atomic and durable (invariant 7);
 // every check-then-act on an instance runs under that instance's lock file,
-// so two agents on one state dir cannot both act; the instance state machine
-// lives here and nowhere else; a delete can only begin once the manual-stop
-// marker is on disk (invariant 6); and a record that still holds a vGPU claim
-// (invariant 1) or names a QEMU not confirmed gone (invariant 11) is never
-// deleted.
+// so two agents on one state dir cannot both act; the instance's lifecycle
+// (the state machine and the named steps that move a record along it,
+// lifecycle.go) lives here and nowhere else; a delete can only begin once
+// the manual-stop marker is on disk (invariant 6); and a record that still
+// holds a lease (invariant 1: a vGPU today, lease.go) or names a QEMU not
+// confirmed gone (invariant 11) is never deleted.
 //
 // The package never imports Temporal: activities adapt it, supervision uses it
 // with the network down.
@@ -233,7 +234,9 @@ func (s *Store) Create(ctx context.Context, want *vmflowv1.InstanceRecord) (rec 
 
 // Update runs fn on a copy of instance id's record under its lock and writes
 // the result if fn returns nil and changed something. See Locked.Update for
-// the rules it enforces.
+// the rules it enforces. It is for tests that fabricate a record's state:
+// the agent's code outside this package applies named steps (Apply), which
+// owned_test.go holds it to.
 func (s *Store) Update(ctx context.Context, id string, fn func(*vmflowv1.InstanceRecord) error) (rec *vmflowv1.InstanceRecord, err error) {
 	err = s.withLock(ctx, id, func(l *Locked) error {
 		rec, err = l.Update(fn)
@@ -243,7 +246,8 @@ func (s *Store) Update(ctx context.Context, id string, fn func(*vmflowv1.Instanc
 }
 
 // Transition moves instance id to state to under its lock, checked against
-// the state machine. Moving to the state it already has is a no-op.
+// the state machine. Moving to the state it already has is a no-op. Like
+// Update, for tests.
 func (s *Store) Transition(ctx context.Context, id string, to vmflowv1.InstanceState) (*vmflowv1.InstanceRecord, error) {
 	return s.Update(ctx, id, func(r *vmflowv1.InstanceRecord) error {
 		r.State = to
@@ -252,10 +256,10 @@ func (s *Store) Transition(ctx context.Context, id string, to vmflowv1.InstanceS
 }
 
 // Delete removes instance id's record and directory (socket, log, pid file
-// and marker with it) under its lock. It is refused unless the record is in
-// Deleting, holds no vGPU claim (ErrClaimHeld) and names no QEMU that may
-// still run (ErrProcessMayLive). A missing record is
-// ErrNotFound, which a delete path treats as already done.
+// and marker with it) under its lock, when MayRemove allows it: a delete
+// began, no lease is held (ErrClaimHeld) and no QEMU may still run
+// (ErrProcessMayLive). A missing record is ErrNotFound, which a delete path
+// treats as already done.
 func (s *Store) Delete(ctx context.Context, id string) error {
 	return s.withLock(ctx, id, func(l *Locked) error { return l.Delete() })
 }

@@ -384,7 +384,7 @@ func TestDeleteRefusedWithClaim(t *testing.T) {
 			s := newStore(t)
 			mustCreate(t, s, "vm1")
 			_, err := s.Update(ctx, "vm1", func(r *vmflowv1.InstanceRecord) error {
-				r.GpuClaim = &vmflowv1.GpuClaim{Profile: "nvidia-35", Uuid: "6c2b0cd4-6f5e-4c3e-9b5e-1c0e6c2b0cd4", Phase: phase}
+				r.Leases = []*vmflowv1.Lease{vgpuLease(&vmflowv1.VgpuLease{Profile: "nvidia-35", Uuid: "6c2b0cd4-6f5e-4c3e-9b5e-1c0e6c2b0cd4"}, phase)}
 				return nil
 			})
 			require.NoError(t, err)
@@ -395,7 +395,7 @@ func TestDeleteRefusedWithClaim(t *testing.T) {
 			assert.Contains(t, err.Error(), "6c2b0cd4-6f5e-4c3e-9b5e-1c0e6c2b0cd4")
 			rec, err := s.Get("vm1")
 			require.NoError(t, err, "the record survives a refused delete")
-			assert.NotNil(t, rec.GetGpuClaim())
+			assert.NotNil(t, VGPU(rec))
 			marked, err := s.ManualStop("vm1")
 			require.NoError(t, err)
 			assert.True(t, marked, "the marker survives a refused delete")
@@ -404,9 +404,10 @@ func TestDeleteRefusedWithClaim(t *testing.T) {
 			// claim and marker stay throughout.
 			_, err = s.Update(ctx, "vm1", func(r *vmflowv1.InstanceRecord) error {
 				r.State = releaseFailed
-				r.GpuClaim.Phase = vmflowv1.ClaimPhase_CLAIM_PHASE_RELEASING
-				r.GpuClaim.ReleaseAttempts++
-				r.GpuClaim.LastReleaseError = "write remove: device busy"
+				l := VGPU(r)
+				l.Phase = vmflowv1.ClaimPhase_CLAIM_PHASE_RELEASING
+				l.ReleaseAttempts++
+				l.LastReleaseError = "write remove: device busy"
 				return nil
 			})
 			require.NoError(t, err)
@@ -416,7 +417,7 @@ func TestDeleteRefusedWithClaim(t *testing.T) {
 
 			// Once the release is confirmed the delete goes through.
 			_, err = s.Update(ctx, "vm1", func(r *vmflowv1.InstanceRecord) error {
-				r.GpuClaim.ReleasedAt = timestamppb.Now()
+				VGPU(r).ReleasedAt = timestamppb.Now()
 				return nil
 			})
 			require.NoError(t, err)
@@ -429,7 +430,7 @@ func TestDeleteRefusedWithClaim(t *testing.T) {
 
 func TestDeleteOnlyFromDeleting(t *testing.T) {
 	ctx := context.Background()
-	for _, st := range []vmflowv1.InstanceState{creating, running, exited, releaseFailed} {
+	for _, st := range []vmflowv1.InstanceState{creating, running, exited} {
 		t.Run(StateName(st), func(t *testing.T) {
 			s := newStore(t)
 			mustCreate(t, s, "vm1")
@@ -510,7 +511,7 @@ func TestManualStopMarker(t *testing.T) {
 	// rewrites, state changes, failed deletes, a reopened store.
 	_, err = s.Update(ctx, "vm1", func(r *vmflowv1.InstanceRecord) error {
 		r.State = deleting
-		r.GpuClaim = &vmflowv1.GpuClaim{Profile: "p", Phase: vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE}
+		r.Leases = []*vmflowv1.Lease{vgpuLease(&vmflowv1.VgpuLease{Profile: "p", Uuid: "u"}, vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE)}
 		return nil
 	})
 	require.NoError(t, err)

@@ -81,8 +81,7 @@ func ParseUIDRange(s string) (UIDRange, error) {
 }
 
 // AssignQEMUUID gives the locked instance a QEMU uid of its own from r and
-// writes it into the record together with fn's changes (fn may be nil), in
-// one write. It runs under the store's host-wide uid lock, so two
+// writes it into the record together with steps, in one write. It runs under the store's host-wide uid lock, so two
 // instances assigning at once never get one uid. The record's current uid
 // is kept when it is still free and lies in r (a restart keeps its uid);
 // otherwise the lowest free uid of r is taken. The caller must know no
@@ -98,7 +97,7 @@ func ParseUIDRange(s string) (UIDRange, error) {
 // record's uid taken, whatever is left of the record: its QEMU may be gone
 // while its /dev/vfio node is still that uid's.
 func (l *Locked) AssignQEMUUID(ctx context.Context, r UIDRange, inUse func(context.Context) (map[uint32]bool, error),
-	fn func(*vmflowv1.InstanceRecord) error) (*vmflowv1.InstanceRecord, error) {
+	steps ...Step) (*vmflowv1.InstanceRecord, error) {
 	if err := l.held(); err != nil {
 		return nil, err
 	}
@@ -211,10 +210,7 @@ func (l *Locked) AssignQEMUUID(ctx context.Context, r UIDRange, inUse func(conte
 	}
 	rec, err := l.update(func(rec *vmflowv1.InstanceRecord) error {
 		rec.QemuUid = uid
-		if fn != nil {
-			return fn(rec)
-		}
-		return nil
+		return applySteps(steps)(rec)
 	}, true)
 	if err != nil {
 		return nil, fmt.Errorf("assign qemu uid %d: %w", uid, err)

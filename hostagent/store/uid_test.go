@@ -21,7 +21,7 @@ func assign(t *testing.T, s *Store, id string, r UIDRange, inUse func(context.Co
 	l, err := s.Lock(context.Background(), id)
 	require.NoError(t, err)
 	defer func() { require.NoError(t, l.Unlock()) }()
-	rec, err := l.AssignQEMUUID(context.Background(), r, inUse, nil)
+	rec, err := l.AssignQEMUUID(context.Background(), r, inUse)
 	if err != nil {
 		return 0, err
 	}
@@ -113,7 +113,7 @@ func TestAssignQEMUUIDConcurrent(t *testing.T) {
 				return
 			}
 			defer l.Unlock()
-			_, errs[i] = l.AssignQEMUUID(context.Background(), r, noneInUse, nil)
+			_, errs[i] = l.AssignQEMUUID(context.Background(), r, noneInUse)
 		})
 	}
 	wg.Wait()

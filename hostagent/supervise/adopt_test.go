@@ -62,10 +62,7 @@ func setUIDMarker(t *testing.T, e *env, id string) uint32 {
 	l, err := e.st.Lock(ctxT(t, 5*time.Second), id)
 	require.NoError(t, err)
 	defer l.Unlock()
-	rec, err := l.AssignQEMUUID(ctxT(t, 5*time.Second), e.uids, proc.UIDsInUse, func(r *vmflowv1.InstanceRecord) error {
-		r.LaunchStartedAt = timestamppb.Now()
-		return nil
-	})
+	rec, err := l.AssignQEMUUID(ctxT(t, 5*time.Second), e.uids, proc.UIDsInUse, store.BeginLaunch(time.Now(), nil))
 	require.NoError(t, err)
 	return rec.GetQemuUid()
 }
@@ -242,11 +239,11 @@ func TestStartBoundsBlockedAdoption(t *testing.T) {
 	})
 	sup := e.newSupervisor(func(c *Config) {
 		c.LockTimeout = 300 * time.Millisecond // each record's bound in Start
-		c.readProcMem = func(path string) ([]byte, error) {
-			<-unblock // as the kernel's read while the mmap lock is held
-			return os.ReadFile(path)
-		}
 	})
+	sup.hooks.readProcMem = func(path string) ([]byte, error) {
+		<-unblock // as the kernel's read while the mmap lock is held
+		return os.ReadFile(path)
+	}
 	rep, err := sup.Start(ctxT(t, 30*time.Second))
 	require.NoError(t, err)
 	assert.Equal(t, 2, rep.Records, "each record counted once, failed or not")

@@ -166,13 +166,13 @@ func TestVFIOGroupNodeGivenAndTakenBack(t *testing.T) {
 			return vmm.VMSpec{Name: rec.GetId(), VCPUs: 1, MemoryMiB: 64, Machine: vmm.MachineQ35, Accel: vmm.AccelTCG,
 				VFIO: []string{sysfsdev}}, nil
 		}
-		c.beforeRecorded = func(string, proc.Identity) {
-			fi, err := os.Stat(node)
-			if err == nil {
-				ownerAtFork <- fi.Sys().(*syscall.Stat_t).Uid
-			}
-		}
 	})
+	sup.hooks.beforeRecorded = func(string, proc.Identity) {
+		fi, err := os.Stat(node)
+		if err == nil {
+			ownerAtFork <- fi.Sys().(*syscall.Stat_t).Uid
+		}
+	}
 	e.create("vm1", "", 0)
 	_, err := sup.Launch(ctxT(t, 30*time.Second), "vm1")
 	require.Error(t, err, "QEMU cannot open a fake sysfs device")

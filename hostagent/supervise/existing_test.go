@@ -10,7 +10,6 @@ import (
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vmm"
-	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
 // Existing answers "what is there" for a spawn that did not create the
@@ -96,7 +95,7 @@ func TestExisting(t *testing.T) {
 		_, err = sup.Existing(ctxT(t, 10*time.Second), "vm1")
 		require.ErrorIs(t, err, ErrNotRunningAsAsked)
 		assert.Contains(t, err.Error(), "launch in progress")
-		_, err = l.Update(func(r *vmflowv1.InstanceRecord) error { r.LaunchStartedAt = sup.ts(); return nil })
+		_, err = l.Apply(store.BeginLaunch(time.Now(), nil))
 		require.NoError(t, err)
 		require.NoError(t, l.Unlock())
 		_, err = sup.Existing(ctxT(t, 10*time.Second), "vm1")

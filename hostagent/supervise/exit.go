@@ -7,7 +7,6 @@ import (
 	"time"
 
 	"go.uber.org/zap"
-	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/spec"
@@ -22,70 +21,39 @@ import (
 // other than the context (it should not): look at /proc instead.
 const exitPollInterval = time.Second
 
-// exitInfo is how a VM ended, as the record writes it.
-type exitInfo struct {
-	at     time.Time
-	status string
-	code   int32
-}
-
 // exitOf describes vm's end: the reaper's status for a child, "unknown"
 // otherwise (a pidfd tells that the group is gone, not how).
-func (s *Supervisor) exitOf(vm *vmm.VM) exitInfo {
+func (s *Supervisor) exitOf(vm *vmm.VM) store.Exit {
 	if c := vm.Child(); c != nil {
 		if e, ok := c.Exit(); ok {
 			return exitFromProc(e)
 		}
 	}
-	return exitInfo{at: s.cfg.Now(), status: "unknown (not the agent's child)", code: -1}
+	return store.Exit{At: s.cfg.Now(), Status: "unknown (not the agent's child)", Code: -1}
 }
 
-func exitFromProc(e proc.Exit) exitInfo {
+func exitFromProc(e proc.Exit) store.Exit {
 	switch {
 	case e.Signal != "":
-		return exitInfo{at: e.At, status: "signal: " + e.Signal, code: -1}
+		return store.Exit{At: e.At, Status: "signal: " + e.Signal, Code: -1}
 	case e.Err != nil:
-		return exitInfo{at: e.At, status: "unknown (" + e.Err.Error() + ")", code: -1}
+		return store.Exit{At: e.At, Status: "unknown (" + e.Err.Error() + ")", Code: -1}
 	default:
-		return exitInfo{at: e.At, status: "exit status " + strconv.Itoa(e.Code), code: int32(e.Code)}
+		return store.Exit{At: e.At, Status: "exit status " + strconv.Itoa(e.Code), Code: int32(e.Code)}
 	}
 }
 
-// applyExit records in r that the process id ended as ex. A record that
-// names another process is left alone (reported false).
-func applyExit(r *vmflowv1.InstanceRecord, id proc.Identity, ex exitInfo) bool {
-	if r.GetProcess() == nil || store.IdentityOf(r.GetProcess()) != id {
-		return false
-	}
-	takeBackVFIO(r)
-	r.Process = nil
-	r.LastExit, r.LastExitBoot = timestamppb.New(ex.at), store.BootMomentNow()
-	r.LastExitStatus = ex.status
-	r.LastExitCode = ex.code
-	if r.GetState() == vmflowv1.InstanceState_INSTANCE_STATE_RUNNING {
-		r.State = vmflowv1.InstanceState_INSTANCE_STATE_EXITED
-	}
-	// The restart counter resets once a VM has stayed up stable_after: it
-	// is decided here, at the exit, from the recorded start, which needs no
-	// timer and gives the same answer after an agent restart.
-	if st := r.GetRestartStableAfterSeconds(); st > 0 && r.GetLastStart() != nil &&
-		ex.at.Sub(r.GetLastStart().AsTime()) >= time.Duration(st)*time.Second {
-		r.RestartCount = 0
-	}
-	return true
-}
-
-// takeBackVFIO returns the VFIO group nodes r gave its QEMU's uid to root
-// (its QEMU is gone) and forgets those it took back; one that could not be
-// chowned stays listed for the next exit or launch to try again.
-func takeBackVFIO(r *vmflowv1.InstanceRecord) {
+// takeBackVFIO returns the VFIO group nodes a gone QEMU's uid was given to
+// root and returns those it could not chown: they stay listed for the next
+// exit or launch to try again (a store.TakeBack).
+func takeBackVFIO(nodes []string) []string {
 	var left []string
-	for _, n := range r.GetVfioGroupNodes() {
+	for _, n := range nodes {
 		if err := vmm.TakeBackVFIOGroup(n); err != nil {
 			left = append(left, n)
 		}
 	}
-	r.VfioGroupNodes = left
+	return left
 }
 
 // watch waits for vm's exit in the background and records it. A child is
@@ -175,7 +143,7 @@ func (s *Supervisor) handleExit(in *instance, vm *vmm.VM, detected time.Time) {
 	}
 	in.clearVM(vm)
 	log := in.log.With(zap.Int("pid", vm.Identity().PID))
-	log.Info("vm exited", zap.String("exit", ex.status), zap.Int32("exit_code", ex.code))
+	log.Info("vm exited", zap.String("exit", ex.Status), zap.Int32("exit_code", ex.Code))
 
 	ctx, cancel := context.WithTimeout(s.ctx, s.cfg.LockTimeout)
 	defer cancel()
@@ -201,11 +169,8 @@ func (s *Supervisor) handleExit(in *instance, vm *vmm.VM, detected time.Time) {
 
 // recordGoneLocked writes that the process id is gone (if the record still
 // names it) and removes what a killed QEMU leaves: its socket and pidfile.
-func (s *Supervisor) recordGoneLocked(ctx context.Context, l *store.Locked, id proc.Identity, ex exitInfo) (*vmflowv1.InstanceRecord, error) {
-	rec, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
-		applyExit(r, id, ex)
-		return nil
-	})
+func (s *Supervisor) recordGoneLocked(ctx context.Context, l *store.Locked, id proc.Identity, ex store.Exit) (*vmflowv1.InstanceRecord, error) {
+	rec, err := l.Apply(store.Gone(id, ex, takeBackVFIO))
 	if err != nil {
 		return nil, err
 	}
@@ -305,7 +270,7 @@ func (s *Supervisor) restart(in *instance, gen uint64) {
 		return
 	}
 	attempt := rec.GetRestartCount() + 1
-	if rec, err = l.Update(func(r *vmflowv1.InstanceRecord) error { r.RestartCount = attempt; return nil }); err != nil {
+	if rec, err = l.Apply(store.RestartAttempt(attempt)); err != nil {
 		in.log.Error("restart: record the attempt; not restarting", zap.Error(err))
 		return
 	}
@@ -342,12 +307,7 @@ func (s *Supervisor) restart(in *instance, gen uint64) {
 func (s *Supervisor) refuseRestartLocked(l *store.Locked, in *instance, count uint32, cause error) {
 	in.log.Error("restart refused by the host's configuration; not restarting until an agent runs with one that admits it",
 		zap.Error(cause))
-	if _, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
-		r.RestartCount = count
-		r.NeedsAttention = "restart refused: " + cause.Error()
-		r.NeedsAttentionAt = s.ts()
-		return nil
-	}); err != nil {
+	if _, err := l.Apply(store.RestartRefused(count, "restart refused: "+cause.Error(), s.cfg.Now())); err != nil {
 		in.log.Error("restart refused: cannot record it", zap.Error(err))
 	}
 	if s.cfg.OnRestartRefused != nil {
@@ -361,13 +321,7 @@ func (s *Supervisor) refuseRestartLocked(l *store.Locked, in *instance, count ui
 // loaded). needs_attention says so until a launch succeeds; the restart
 // policy keeps trying.
 func (s *Supervisor) deviceMissingLocked(l *store.Locked, in *instance, cause error) {
-	if _, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
-		if r.GetNeedsAttention() == "" {
-			r.NeedsAttentionAt = s.ts()
-		}
-		r.NeedsAttention = "restart cannot get its vGPU: " + cause.Error()
-		return nil
-	}); err != nil {
+	if _, err := l.Apply(store.NeedsAttention("restart cannot get its vGPU: "+cause.Error(), s.cfg.Now(), true)); err != nil {
 		in.log.Error("restart without its vGPU: cannot record it", zap.Error(err))
 	}
 	if s.cfg.OnRestartDeviceMissing != nil {

@@ -100,15 +100,15 @@ func runAgent(dir, id, block, uids string) {
 			os.Exit(3)
 		}
 	}
-	switch block {
-	case "after-started":
-		cfg.afterStarted = blockHere("started")
-	case "before-recorded":
-		cfg.beforeRecorded = blockHere("forked")
-	}
 	sup, err := New(cfg)
 	if err != nil {
 		fail(err)
+	}
+	switch block {
+	case "after-started":
+		sup.hooks.afterStarted = blockHere("started")
+	case "before-recorded":
+		sup.hooks.beforeRecorded = blockHere("forked")
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"slices"
 	"time"
 
 	"go.uber.org/zap"
@@ -112,7 +111,7 @@ func (s *Supervisor) Launch(ctx context.Context, id string) (LaunchResult, error
 				if rec.GetState() != vmflowv1.InstanceState_INSTANCE_STATE_RUNNING {
 					// Re-attached while Creating (the previous agent died
 					// between fork and QMP ready): QMP now says running.
-					if _, err := l.Transition(vmflowv1.InstanceState_INSTANCE_STATE_RUNNING); err != nil {
+					if _, err := l.Apply(store.Running()); err != nil {
 						return LaunchResult{}, fmt.Errorf("launch instance %s: %w", id, err)
 					}
 				}
@@ -128,11 +127,7 @@ func (s *Supervisor) Launch(ctx context.Context, id string) (LaunchResult, error
 	if rec.GetState() == vmflowv1.InstanceState_INSTANCE_STATE_RUNNING {
 		// Running with no process: a record an older agent left half
 		// written. It ended somehow; say so before starting anew.
-		if rec, err = l.Update(func(r *vmflowv1.InstanceRecord) error {
-			r.State = vmflowv1.InstanceState_INSTANCE_STATE_EXITED
-			r.LastExit, r.LastExitBoot, r.LastExitStatus, r.LastExitCode = s.ts(), store.BootMomentNow(), "unknown (no process recorded)", -1
-			return nil
-		}); err != nil {
+		if rec, err = l.Apply(store.LostProcess(s.cfg.Now())); err != nil {
 			return LaunchResult{}, fmt.Errorf("launch instance %s: %w", id, err)
 		}
 	}
@@ -140,7 +135,7 @@ func (s *Supervisor) Launch(ctx context.Context, id string) (LaunchResult, error
 	// restart streak.
 	in.cancelRestart()
 	if rec.GetRestartCount() != 0 {
-		if rec, err = l.Update(func(r *vmflowv1.InstanceRecord) error { r.RestartCount = 0; return nil }); err != nil {
+		if rec, err = l.Apply(store.NewRestartStreak()); err != nil {
 			return LaunchResult{}, fmt.Errorf("launch instance %s: %w", id, err)
 		}
 	}
@@ -220,11 +215,11 @@ func (s *Supervisor) liveVMLocked(ctx context.Context, l *store.Locked, in *inst
 	default:
 		return nil, false, err
 	}
-	ex := exitInfo{at: s.cfg.Now(), status: "unknown (gone while not watched)", code: -1}
+	ex := store.Exit{At: s.cfg.Now(), Status: "unknown (gone while not watched)", Code: -1}
 	if boot, err := proc.BootID(); err == nil && pid.BootID != boot {
 		// Recorded before the host rebooted: that VM ended with the boot.
 		// Whatever holds the pid now is a stranger and is never signalled.
-		ex.status = "host rebooted (recorded in boot " + pid.BootID + ")"
+		ex.Status = "host rebooted (recorded in boot " + pid.BootID + ")"
 	}
 	if _, err := s.recordGoneLocked(ctx, l, pid, ex); err != nil {
 		return nil, false, err
@@ -265,7 +260,7 @@ func captureLog(in *instance, vm *vmm.VM) {
 // refuseLaunchLocked records why a launch was refused before anything was
 // opened or started, and returns that error.
 func refuseLaunchLocked(l *store.Locked, err error) error {
-	if _, uerr := l.Update(func(r *vmflowv1.InstanceRecord) error { r.LastError = err.Error(); return nil }); uerr != nil {
+	if _, uerr := l.Apply(store.RecordError(err.Error())); uerr != nil {
 		err = errors.Join(err, uerr)
 	}
 	return err
@@ -323,17 +318,7 @@ func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *inst
 	if err != nil {
 		return nil, err
 	}
-	rec, err = l.AssignQEMUUID(ctx, s.cfg.QEMUUIDs, s.uidsInUse, func(r *vmflowv1.InstanceRecord) error {
-		r.LaunchStartedAt, r.LaunchNonce = s.ts(), ""
-		// Listed before they are given, so whoever records this QEMU
-		// gone takes them back (takeBackVFIO).
-		for _, n := range nodes {
-			if !slices.Contains(r.VfioGroupNodes, n) {
-				r.VfioGroupNodes = append(r.VfioGroupNodes, n)
-			}
-		}
-		return nil
-	})
+	rec, err = l.AssignQEMUUID(ctx, s.cfg.QEMUUIDs, s.uidsInUse, store.BeginLaunch(s.cfg.Now(), nodes))
 	if err != nil {
 		return nil, fmt.Errorf("record launch marker: %w", err)
 	}
@@ -342,11 +327,7 @@ func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *inst
 	for _, n := range nodes {
 		if err := vmm.GiveVFIOGroup(n, uid); err != nil {
 			err = fmt.Errorf("give vfio group: %w", err)
-			_, uerr := l.Update(func(r *vmflowv1.InstanceRecord) error {
-				takeBackVFIO(r)
-				r.LastError = err.Error()
-				return clearLaunchMarker(r)
-			})
+			_, uerr := l.Apply(store.LaunchFailed(proc.Identity{}, store.Exit{}, err.Error(), takeBackVFIO))
 			return nil, errors.Join(err, uerr)
 		}
 	}
@@ -360,43 +341,25 @@ func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *inst
 		ReadyTimeout:   s.cfg.ReadyTimeout,
 		CleanupTimeout: s.cfg.GroupExitCap,
 		OnStarted: func(pid proc.Identity) error {
-			if s.cfg.beforeRecorded != nil {
-				s.cfg.beforeRecorded(in.id, pid)
+			if s.hooks.beforeRecorded != nil {
+				s.hooks.beforeRecorded(in.id, pid)
 			}
 			// Right after the fork: the pid replaces the marker in one
 			// write, so the record always names the QEMU or says one may
 			// exist.
-			if _, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
-				r.Process = store.ProcessRecord(pid)
-				_ = clearLaunchMarker(r)
-				r.LastStart = s.ts()
-				r.StopStep, r.StopStepAt, r.StopStepBoot = vmflowv1.StopStep_STOP_STEP_NONE, nil, nil
-				r.LastError = ""
-				// Admitted and started: a refusal recorded earlier is over.
-				r.NeedsAttention, r.NeedsAttentionAt = "", nil
-				return nil
-			}); err != nil {
+			if _, err := l.Apply(store.Forked(pid, s.cfg.Now())); err != nil {
 				return err
 			}
 			log.Info("qemu started", zap.Int("pid", pid.PID), zap.Uint64("start_time", pid.StartTime))
-			if s.cfg.afterStarted != nil {
-				s.cfg.afterStarted(in.id, pid)
+			if s.hooks.afterStarted != nil {
+				s.hooks.afterStarted(in.id, pid)
 			}
 			return nil
 		},
 		OnFailed: func(pid proc.Identity, cause error) error {
 			// Called only once QEMU is confirmed gone (or never started):
 			// the marker has nothing left to stand for.
-			_, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
-				if pid.Valid() && r.GetProcess() != nil && store.IdentityOf(r.GetProcess()) == pid {
-					r.Process = nil
-					r.LastExit, r.LastExitBoot, r.LastExitStatus, r.LastExitCode = s.ts(), store.BootMomentNow(), "launch failed", -1
-				}
-				_ = clearLaunchMarker(r)
-				takeBackVFIO(r)
-				r.LastError = cause.Error()
-				return nil
-			})
+			_, err := l.Apply(store.LaunchFailed(pid, store.Exit{At: s.cfg.Now(), Status: "launch failed", Code: -1}, cause.Error(), takeBackVFIO))
 			return err
 		},
 	})
@@ -406,7 +369,7 @@ func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *inst
 		return nil, err
 	}
 	pid := vm.Identity()
-	if _, err := l.Transition(vmflowv1.InstanceState_INSTANCE_STATE_RUNNING); err != nil {
+	if _, err := l.Apply(store.Running()); err != nil {
 		// QEMU runs but the record cannot say so: undo the launch rather
 		// than leave a VM the record does not describe (invariant 5).
 		return nil, s.undoLaunchLocked(l, vm, fmt.Errorf("record running: %w", err))
@@ -443,12 +406,8 @@ func (s *Supervisor) undoLaunchLocked(l *store.Locked, vm *vmm.VM, cause error) 
 		return errors.Join(cause, fmt.Errorf("undo launch: %w", err))
 	}
 	pid := vm.Identity()
-	if _, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
-		applyExit(r, pid, exitInfo{at: s.cfg.Now(), status: "launch undone", code: -1})
-		_ = clearLaunchMarker(r)
-		r.LastError = cause.Error()
-		return nil
-	}); err != nil {
+	if _, err := l.Apply(store.Gone(pid, store.Exit{At: s.cfg.Now(), Status: "launch undone", Code: -1}, takeBackVFIO),
+		store.ClearLaunchMarker(), store.RecordError(cause.Error())); err != nil {
 		return errors.Join(cause, fmt.Errorf("undo launch: clear pid: %w", err))
 	}
 	return cause

@@ -75,7 +75,7 @@ func (s *Supervisor) resolveLaunchLocked(ctx context.Context, l *store.Locked, i
 		}
 		// OnStarted writes the pid and clears the marker in one write, so
 		// this is a hand-edited record; the recorded process rules.
-		rec, err := l.Update(clearLaunchMarker)
+		rec, err := l.Apply(store.ClearLaunchMarker())
 		return rec, false, err
 	}
 	if !marked && (!scan || rec.GetStopStep() == vmflowv1.StopStep_STOP_STEP_GONE) {
@@ -84,7 +84,7 @@ func (s *Supervisor) resolveLaunchLocked(ctx context.Context, l *store.Locked, i
 		// under the manual-stop marker, after which nothing is launched.
 		return rec, false, nil
 	}
-	fc := vmm.FindConfig{Binary: s.cfg.QEMU, Paths: vmmPaths(l.Paths()), JailSetup: s.cfg.JailSetup, ReadMem: s.cfg.readProcMem}
+	fc := vmm.FindConfig{Binary: s.cfg.QEMU, Paths: vmmPaths(l.Paths()), JailSetup: s.cfg.JailSetup, ReadMem: s.hooks.readProcMem}
 	switch {
 	case marked && rec.GetLaunchNonce() != "":
 		// A marker an agent older than the per-VM uid wrote: its QEMU
@@ -114,22 +114,14 @@ func (s *Supervisor) resolveLaunchLocked(ctx context.Context, l *store.Locked, i
 			return rec, false, nil
 		}
 		in.log.Info("launch marker: no qemu of the instance runs; clearing the marker", zap.Bool("nonce", nonce != ""))
-		rec, err := l.Update(clearLaunchMarker)
+		rec, err := l.Apply(store.ClearLaunchMarker())
 		return rec, false, err
 	case 1:
 		pid := found[0]
 		in.log.Warn("adopting a qemu its record did not name (its agent died between fork and recording it)",
 			zap.Int("pid", pid.PID), zap.Uint64("start_time", pid.StartTime), zap.Bool("launch_marker", marked),
 			zap.Bool("nonce", nonce != ""), zap.Uint32("qemu_uid", fc.UID))
-		rec, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
-			r.Process = store.ProcessRecord(pid)
-			if r.GetLaunchStartedAt() != nil {
-				r.LastStart = r.GetLaunchStartedAt()
-			}
-			_ = clearLaunchMarker(r)
-			r.StopStep, r.StopStepAt, r.StopStepBoot = vmflowv1.StopStep_STOP_STEP_NONE, nil, nil
-			return nil
-		})
+		rec, err := l.Apply(store.Adopted(pid))
 		if err != nil {
 			return nil, false, fmt.Errorf("instance %s: adopt %v: %w", in.id, pid, err)
 		}
@@ -156,22 +148,10 @@ func (s *Supervisor) resolveLaunchLocked(ctx context.Context, l *store.Locked, i
 func (s *Supervisor) unprovableLaunchLocked(l *store.Locked, in *instance) error {
 	cause := fmt.Errorf("instance %s: %w: %w", in.id, ErrUnrecordedAmbiguous, vmm.ErrNoLaunchIdentity)
 	in.log.Error("launch marker without a uid or nonce: no qemu adopted by its command line; needs an operator", zap.Error(cause))
-	if _, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
-		if r.GetNeedsAttention() != unprovableLaunch {
-			r.NeedsAttention, r.NeedsAttentionAt = unprovableLaunch, s.ts()
-		}
-		return nil
-	}); err != nil {
+	if _, err := l.Apply(store.NeedsAttention(unprovableLaunch, s.cfg.Now(), false)); err != nil {
 		return fmt.Errorf("%w (and recording it: %w)", cause, err)
 	}
 	return cause
-}
-
-// clearLaunchMarker removes the launch marker and its nonce (always
-// together).
-func clearLaunchMarker(r *vmflowv1.InstanceRecord) error {
-	r.LaunchStartedAt, r.LaunchNonce = nil, ""
-	return nil
 }
 
 // resolve takes instance id's slot and lock and resolves its launch marker

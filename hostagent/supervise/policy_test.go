@@ -3,12 +3,9 @@ package supervise
 import (
 	"testing"
 	"time"
-	"vmflow/hostagent/store"
 
 	"github.com/stretchr/testify/assert"
-	"google.golang.org/protobuf/types/known/timestamppb"
 
-	"vmflow/hostagent/proc"
 	"vmflow/hostagent/vmm"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
@@ -75,33 +72,6 @@ func TestDecide(t *testing.T) {
 			assert.Contains(t, d.reason, tc.reason)
 		})
 	}
-}
-
-func TestApplyExitResetsCounterAfterStable(t *testing.T) {
-	id := proc.Identity{PID: 42, StartTime: 7, BootID: "b"}
-	start := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
-	rec := func() *vmflowv1.InstanceRecord {
-		return &vmflowv1.InstanceRecord{Id: "vm1", State: vmflowv1.InstanceState_INSTANCE_STATE_RUNNING,
-			Process: store.ProcessRecord(id), RestartCount: 4, RestartStableAfterSeconds: 60, LastStart: timestamppb.New(start)}
-	}
-	short := rec()
-	assert.True(t, applyExit(short, id, exitInfo{at: start.Add(59 * time.Second), status: "signal: killed", code: -1}))
-	assert.Equal(t, uint32(4), short.GetRestartCount(), "crashed before stable_after: the streak goes on")
-	assert.Equal(t, vmflowv1.InstanceState_INSTANCE_STATE_EXITED, short.GetState())
-	assert.Nil(t, short.GetProcess())
-
-	stable := rec()
-	assert.True(t, applyExit(stable, id, exitInfo{at: start.Add(60 * time.Second), code: -1}))
-	assert.Equal(t, uint32(0), stable.GetRestartCount(), "up for stable_after: a new streak")
-
-	other := rec()
-	assert.False(t, applyExit(other, proc.Identity{PID: 43, StartTime: 7, BootID: "b"}, exitInfo{}), "another process's exit changes nothing")
-	assert.NotNil(t, other.GetProcess())
-
-	creating := rec()
-	creating.State = vmflowv1.InstanceState_INSTANCE_STATE_CREATING
-	assert.True(t, applyExit(creating, id, exitInfo{code: -1}))
-	assert.Equal(t, vmflowv1.InstanceState_INSTANCE_STATE_CREATING, creating.GetState(), "no Creating -> Exited")
 }
 
 func TestStepMapping(t *testing.T) {

@@ -6,8 +6,8 @@ import (
 
 	"go.uber.org/zap"
 
+	"vmflow/hostagent/store"
 	"vmflow/hostagent/vmm"
-	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
 // watchQMP marks vm's instance needing attention when one of its QMP
@@ -42,11 +42,8 @@ func (s *Supervisor) markQMPViolation(in *instance, vm *vmm.VM, cause error) {
 		return
 	}
 	defer unlock(l, log)
-	if _, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
-		r.NeedsAttention = fmt.Sprintf("QMP protocol violation by QEMU %v, connection dropped (a guest may control it): %s", vm.Identity(), cause.Error())
-		r.NeedsAttentionAt = s.ts()
-		return nil
-	}); err != nil {
+	reason := fmt.Sprintf("QMP protocol violation by QEMU %v, connection dropped (a guest may control it): %s", vm.Identity(), cause.Error())
+	if _, err := l.Apply(store.NeedsAttention(reason, s.cfg.Now(), false)); err != nil {
 		log.Error("qmp protocol violation: cannot record it", zap.Error(err))
 	}
 }

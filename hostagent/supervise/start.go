@@ -97,6 +97,7 @@ func (e *errUnreadable) Unwrap() error { return e.err }
 func (s *Supervisor) Start(ctx context.Context) (ReattachReport, error) {
 	start := time.Now()
 	var rep ReattachReport
+	s.migrate(ctx)
 	ids, err := s.instanceIDs()
 	if err != nil {
 		return rep, fmt.Errorf("start: %w", err)
@@ -140,6 +141,21 @@ func (s *Supervisor) Start(ctx context.Context) (ReattachReport, error) {
 		zap.Int("adopted", rep.Adopted), zap.Int("gone", rep.Gone), zap.Int("restarts_scheduled", rep.RestartsScheduled),
 		zap.Int("failed", rep.Failed), zap.Int("unreadable", len(rep.Unreadable)), zap.Duration("took", rep.Duration))
 	return rep, nil
+}
+
+// migrate writes the records still on disk in an old shape back in the
+// current one, once, before anything else reads them (store.Migrate).
+// Best effort: every read converts an old shape anyway.
+func (s *Supervisor) migrate(ctx context.Context) {
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.LockTimeout)
+	defer cancel()
+	done, err := s.st.Migrate(ctx)
+	if len(done) > 0 {
+		s.log.Info("records migrated to the current shape", zap.Strings("instance_ids", done))
+	}
+	if err != nil {
+		s.log.Warn("record migration incomplete; those records are converted on every read instead", zap.Error(err))
+	}
 }
 
 // Backoff of a re-attach retried in the background.
@@ -262,11 +278,7 @@ func (s *Supervisor) reattach(ctx context.Context, id string, rep *ReattachRepor
 		}
 	} else if rec.GetState() == vmflowv1.InstanceState_INSTANCE_STATE_RUNNING {
 		rep.Gone++
-		if rec, err = l.Update(func(r *vmflowv1.InstanceRecord) error {
-			r.State = vmflowv1.InstanceState_INSTANCE_STATE_EXITED
-			r.LastExit, r.LastExitBoot, r.LastExitStatus, r.LastExitCode = s.ts(), store.BootMomentNow(), "unknown (no process recorded)", -1
-			return nil
-		}); err != nil {
+		if rec, err = l.Apply(store.LostProcess(s.cfg.Now())); err != nil {
 			return fmt.Errorf("re-attach instance %s: %w", id, err)
 		}
 		cleanupFiles(ctx, vmmPaths(l.Paths()), 0)

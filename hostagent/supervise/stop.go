@@ -11,7 +11,6 @@ import (
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vmm"
-	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
 // StopReport is what Stop did: the ladder's vmm.StopResult and which QEMU
@@ -97,16 +96,7 @@ func (s *Supervisor) Stop(ctx context.Context, id string, graceful time.Duration
 	from := stepFromProto(rec.GetStopStep())
 	if rec.GetProcess() == nil {
 		// Nothing runs: make the record say so (idempotent).
-		if _, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
-			r.StopStep = vmflowv1.StopStep_STOP_STEP_GONE
-			if r.GetStopStepAt() == nil || from != vmm.StepGone {
-				r.StopStepAt, r.StopStepBoot = s.ts(), store.BootMomentNow()
-			}
-			if r.GetState() == vmflowv1.InstanceState_INSTANCE_STATE_RUNNING {
-				r.State = vmflowv1.InstanceState_INSTANCE_STATE_EXITED
-			}
-			return nil
-		}); err != nil {
+		if _, err := l.Apply(store.NothingRuns(s.cfg.Now())); err != nil {
 			return StopReport{}, fmt.Errorf("stop instance %s: %w", id, err)
 		}
 		return StopReport{StopResult: vmm.StopResult{Reached: vmm.StepGone, AlreadyGone: true}, ResumedFrom: from}, nil
@@ -131,17 +121,15 @@ func (s *Supervisor) Stop(ctx context.Context, id string, graceful time.Duration
 		GracefulTimeout: graceful,
 		KillTimeout:     s.cfg.GroupExitCap,
 		OnStep: func(step vmm.StopStep) error {
-			_, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
-				r.StopStep, r.StopStepAt, r.StopStepBoot = stepToProto(step), s.ts(), store.BootMomentNow()
-				if step == vmm.StepGone {
-					ex := exitInfo{at: s.cfg.Now(), status: "unknown (not the agent's child)", code: -1}
-					if vm != nil {
-						ex = s.exitOf(vm)
-					}
-					applyExit(r, pid, ex)
+			steps := []store.Step{store.StopStepTaken(stepToProto(step), s.cfg.Now())}
+			if step == vmm.StepGone {
+				ex := store.Exit{At: s.cfg.Now(), Status: "unknown (not the agent's child)", Code: -1}
+				if vm != nil {
+					ex = s.exitOf(vm)
 				}
-				return nil
-			})
+				steps = append(steps, store.Gone(pid, ex, takeBackVFIO))
+			}
+			_, err := l.Apply(steps...)
 			if err == nil {
 				log.Info("stop step", zap.String("step", string(step)))
 			}
@@ -159,7 +147,7 @@ func (s *Supervisor) Stop(ctx context.Context, id string, graceful time.Duration
 	if err != nil {
 		// Returned, not logged (its caller, the StopVM activity, returns
 		// it); the record's last_error keeps it too.
-		if _, uerr := l.Update(func(r *vmflowv1.InstanceRecord) error { r.LastError = "stop: " + err.Error(); return nil }); uerr != nil {
+		if _, uerr := l.Apply(store.RecordError("stop: " + err.Error())); uerr != nil {
 			err = errors.Join(err, uerr)
 		}
 		return out, fmt.Errorf("stop instance %s: %w", id, err)

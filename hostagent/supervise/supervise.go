@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"go.uber.org/zap"
-	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/spec"
@@ -118,28 +117,16 @@ type Config struct {
 	PrepareLaunch func(ctx context.Context, l *store.Locked, rec *vmflowv1.InstanceRecord) (vmm.VMSpec, error)
 	// Now stamps records (time.Now when nil).
 	Now func() time.Time
-
-	// beforeRecorded runs inside OnStarted, after the fork and before the
-	// pid is in the record: the agent-kill test blocks here to be killed
-	// while only the launch marker says a QEMU may exist.
-	beforeRecorded func(id string, pid proc.Identity)
-	// afterStarted runs inside OnStarted, after the pid is in the record:
-	// the agent-restart test blocks here to be killed between fork and QMP.
-	afterStarted func(id string, pid proc.Identity)
-	// readProcMem stands in for reading another process's environ or
-	// cmdline while looking for an unrecorded QEMU (nil: the real read):
-	// the bounded-scan test blocks here as the kernel's read does while the
-	// target's mmap lock is held.
-	readProcMem func(path string) ([]byte, error)
 }
 
 // Supervisor owns the VMs of one host. Create it with New, call Start once
 // to re-attach what outlived the previous agent, and Close when done (the
 // VMs keep running).
 type Supervisor struct {
-	cfg Config
-	st  *store.Store
-	log *zap.Logger
+	cfg   Config
+	st    *store.Store
+	log   *zap.Logger
+	hooks testHooks
 
 	ctx    context.Context // ends with Close: background work stops
 	cancel context.CancelFunc
@@ -152,6 +139,23 @@ type Supervisor struct {
 	mu     sync.Mutex
 	insts  map[string]*instance
 	closed bool
+}
+
+// testHooks are seams only tests set, on a new Supervisor before it does
+// any work; all nil in production.
+type testHooks struct {
+	// beforeRecorded runs inside OnStarted, after the fork and before the
+	// pid is in the record: the agent-kill test blocks here to be killed
+	// while only the launch marker says a QEMU may exist.
+	beforeRecorded func(id string, pid proc.Identity)
+	// afterStarted runs inside OnStarted, after the pid is in the record:
+	// the agent-restart test blocks here to be killed between fork and QMP.
+	afterStarted func(id string, pid proc.Identity)
+	// readProcMem stands in for reading another process's environ or
+	// cmdline while looking for an unrecorded QEMU (nil: the real read):
+	// the bounded-scan test blocks here as the kernel's read does while the
+	// target's mmap lock is held.
+	readProcMem func(path string) ([]byte, error)
 }
 
 // instance is this process's view of one instance. The record on disk is
@@ -381,9 +385,6 @@ func unlock(l *store.Locked, log *zap.Logger) {
 	}
 }
 
-func (s *Supervisor) ts() *timestamppb.Timestamp { return timestamppb.New(s.cfg.Now()) }
-
-// vmmPaths maps the store's instance files to what QEMU uses.
 // jail is the jail of a launch in the instance directory p names, nil
 // when QEMUs are not jailed.
 func (s *Supervisor) jail(p store.Paths) *vmm.Jail {
@@ -393,6 +394,7 @@ func (s *Supervisor) jail(p store.Paths) *vmm.Jail {
 	return &vmm.Jail{Setup: s.cfg.JailSetup, Dir: filepath.Join(p.Dir, "root"), DevRoot: s.cfg.DevRoot}
 }
 
+// vmmPaths maps the store's instance files to what QEMU uses.
 func vmmPaths(p store.Paths) vmm.Paths {
 	return vmm.Paths{QMPSocket: p.Socket, PIDFile: p.PID, Log: p.Log}
 }

@@ -20,7 +20,6 @@ import (
 
 	"github.com/google/uuid"
 	"go.uber.org/zap"
-	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/store"
@@ -150,12 +149,14 @@ func (c *Claims) Profiles(ctx context.Context) ([]string, error) {
 	return names, nil
 }
 
-// DevicePath is the sysfs path QEMU's vfio-pci device opens for a claim.
-func (c *Claims) DevicePath(claim *vmflowv1.GpuClaim) string {
+// DevicePath is the sysfs path QEMU's vfio-pci device opens for a vGPU
+// lease.
+func (c *Claims) DevicePath(claim *vmflowv1.Lease) string {
 	return c.drv.DevicePath(deviceOf(claim, c.drv.Kind()))
 }
 
-func deviceOf(claim *vmflowv1.GpuClaim, kind vgpu.Kind) vgpu.Device {
+func deviceOf(lease *vmflowv1.Lease, kind vgpu.Kind) vgpu.Device {
+	claim := lease.GetVgpu()
 	d := vgpu.Device{Kind: kind, UUID: claim.GetUuid(), Profile: claim.GetProfile(), TypeID: claim.GetTypeId(), Parent: claim.GetParent()}
 	if claim.GetDriver() != "" {
 		d.Kind = vgpu.Kind(claim.GetDriver())
@@ -169,7 +170,7 @@ func deviceOf(claim *vmflowv1.GpuClaim, kind vgpu.Kind) vgpu.Device {
 // claim is marked active. Idempotent: an active claim of the same profile
 // is returned; an intent left by a crash is finished at its recorded
 // placement.
-func (c *Claims) Claim(ctx context.Context, id, profile string) (*vmflowv1.GpuClaim, error) {
+func (c *Claims) Claim(ctx context.Context, id, profile string) (*vmflowv1.Lease, error) {
 	l, err := c.st.Lock(ctx, id)
 	if err != nil {
 		return nil, fmt.Errorf("claim vGPU for %s: %w", id, err)
@@ -184,9 +185,9 @@ func (c *Claims) Claim(ctx context.Context, id, profile string) (*vmflowv1.GpuCl
 	}
 	req := vgpu.CreateRequest{Profile: profile, Taken: c.takenBy(id), Held: c.heldBy(id)}
 	if store.ClaimHeld(rec) {
-		have := rec.GetGpuClaim()
-		if have.GetProfile() != profile {
-			return nil, fmt.Errorf("claim %q for %s: %w (%q)", profile, id, ErrClaimConflict, have.GetProfile())
+		have := store.VGPU(rec)
+		if p := have.GetVgpu().GetProfile(); p != profile {
+			return nil, fmt.Errorf("claim %q for %s: %w (%q)", profile, id, ErrClaimConflict, p)
 		}
 		if have.GetPhase() == vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE {
 			return c.ensureActive(ctx, l, have)
@@ -197,7 +198,7 @@ func (c *Claims) Claim(ctx context.Context, id, profile string) (*vmflowv1.GpuCl
 		if err := c.ownDevice(ctx, id, dev); err != nil {
 			return nil, fmt.Errorf("claim %q for %s: %w", profile, id, err)
 		}
-		req.UUID = have.GetUuid()
+		req.UUID = have.GetVgpu().GetUuid()
 		req.At = placementOf(have)
 		if exists, err := c.exists(ctx, dev); err == nil && exists {
 			return c.activate(l, dev)
@@ -205,13 +206,9 @@ func (c *Claims) Claim(ctx context.Context, id, profile string) (*vmflowv1.GpuCl
 	} else {
 		req.UUID = uuid.NewString()
 		req.Intent = func(pl vgpu.Placement) error {
-			_, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
-				r.GpuClaim = &vmflowv1.GpuClaim{
-					Profile: pl.Profile, Parent: pl.Parent, TypeId: pl.TypeID, Uuid: req.UUID, DeviceId: pl.VF,
-					Phase: vmflowv1.ClaimPhase_CLAIM_PHASE_INTENT, ClaimedAt: timestamppb.New(c.now()), Driver: string(c.drv.Kind()),
-				}
-				return nil
-			})
+			_, err := l.Apply(store.LeaseIntent(store.VGPULease(&vmflowv1.VgpuLease{
+				Profile: pl.Profile, Parent: pl.Parent, TypeId: pl.TypeID, Uuid: req.UUID, DeviceId: pl.VF, Driver: string(c.drv.Kind()),
+			}), c.now()))
 			crashpoint.Hit(crashpoint.ClaimIntentWritten)
 			return err
 		}
@@ -236,7 +233,7 @@ func (c *Claims) Claim(ctx context.Context, id, profile string) (*vmflowv1.GpuCl
 // instance, profile and device) when the re-creation failed. No held claim:
 // (nil, nil). A held claim that is not active: ErrClaimNotActive. Call it
 // under the instance lock before every launch and restart.
-func (c *Claims) EnsureDeviceLocked(ctx context.Context, l *store.Locked) (*vmflowv1.GpuClaim, error) {
+func (c *Claims) EnsureDeviceLocked(ctx context.Context, l *store.Locked) (*vmflowv1.Lease, error) {
 	rec, err := l.Get()
 	if err != nil {
 		return nil, fmt.Errorf("ensure vGPU of %s: %w", l.ID(), err)
@@ -244,13 +241,14 @@ func (c *Claims) EnsureDeviceLocked(ctx context.Context, l *store.Locked) (*vmfl
 	if !store.ClaimHeld(rec) {
 		return nil, nil
 	}
-	return c.ensureActive(ctx, l, rec.GetGpuClaim())
+	return c.ensureActive(ctx, l, store.VGPU(rec))
 }
 
-func (c *Claims) ensureActive(ctx context.Context, l *store.Locked, cl *vmflowv1.GpuClaim) (*vmflowv1.GpuClaim, error) {
-	dev := deviceOf(cl, c.drv.Kind())
-	if cl.GetPhase() != vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE {
-		return nil, fmt.Errorf("vGPU of %s (profile %q, device %s) is %s: %w", l.ID(), cl.GetProfile(), dev.ID, cl.GetPhase(), ErrClaimNotActive)
+func (c *Claims) ensureActive(ctx context.Context, l *store.Locked, lease *vmflowv1.Lease) (*vmflowv1.Lease, error) {
+	dev := deviceOf(lease, c.drv.Kind())
+	cl := lease.GetVgpu()
+	if lease.GetPhase() != vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE {
+		return nil, fmt.Errorf("vGPU of %s (profile %q, device %s) is %s: %w", l.ID(), cl.GetProfile(), dev.ID, lease.GetPhase(), ErrClaimNotActive)
 	}
 	if err := c.ownDevice(ctx, l.ID(), dev); err != nil {
 		return nil, fmt.Errorf("ensure vGPU of %s: %w", l.ID(), err)
@@ -260,20 +258,21 @@ func (c *Claims) ensureActive(ctx context.Context, l *store.Locked, cl *vmflowv1
 		return nil, fmt.Errorf("ensure vGPU of %s: %w", l.ID(), err)
 	}
 	if exists {
-		return cl, nil
+		return lease, nil
 	}
 	c.log.Warn("vGPU of an active claim is missing, re-creating it", zap.String("instance_id", l.ID()),
 		zap.String("device_id", dev.ID), zap.String("profile", cl.GetProfile()))
-	if _, err := c.drv.Create(ctx, vgpu.CreateRequest{Profile: cl.GetProfile(), UUID: cl.GetUuid(), At: placementOf(cl),
+	if _, err := c.drv.Create(ctx, vgpu.CreateRequest{Profile: cl.GetProfile(), UUID: cl.GetUuid(), At: placementOf(lease),
 		Taken: c.takenBy(l.ID()), Held: c.heldBy(l.ID())}); err != nil {
 		return nil, fmt.Errorf("instance %s: vGPU %q device %s: %w: %w", l.ID(), cl.GetProfile(), dev.ID, ErrClaimDeviceMissing, err)
 	}
 	c.log.Info("vGPU re-created", zap.String("instance_id", l.ID()), zap.String("device_id", dev.ID), zap.String("profile", cl.GetProfile()))
-	return cl, nil
+	return lease, nil
 }
 
-// placementOf is where a recorded claim was placed.
-func placementOf(cl *vmflowv1.GpuClaim) *vgpu.Placement {
+// placementOf is where a recorded vGPU lease was placed.
+func placementOf(lease *vmflowv1.Lease) *vgpu.Placement {
+	cl := lease.GetVgpu()
 	return &vgpu.Placement{Profile: cl.GetProfile(), TypeID: cl.GetTypeId(), Parent: cl.GetParent(), VF: cl.GetDeviceId()}
 }
 
@@ -287,7 +286,7 @@ func heldDevices(recs []*vmflowv1.InstanceRecord, self string, kind vgpu.Kind) m
 		if r.GetId() == self || !store.ClaimHeld(r) {
 			continue
 		}
-		m[deviceOf(r.GetGpuClaim(), kind).ID] = r.GetId()
+		m[deviceOf(store.VGPU(r), kind).ID] = r.GetId()
 	}
 	return m
 }
@@ -326,7 +325,7 @@ func (c *Claims) heldBy(self string) func(context.Context) ([]vgpu.Device, error
 		var out []vgpu.Device
 		for _, r := range recs {
 			if r.GetId() != self && store.ClaimHeld(r) {
-				out = append(out, deviceOf(r.GetGpuClaim(), c.drv.Kind()))
+				out = append(out, deviceOf(store.VGPU(r), c.drv.Kind()))
 			}
 		}
 		if len(bad) > 0 {
@@ -350,24 +349,14 @@ func (c *Claims) ownDevice(ctx context.Context, id string, dev vgpu.Device) erro
 	return err
 }
 
-func (c *Claims) activate(l *store.Locked, dev vgpu.Device) (*vmflowv1.GpuClaim, error) {
-	rec, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
-		cl := r.GetGpuClaim()
-		if cl == nil {
-			return fmt.Errorf("claim of %s vanished from its record", l.ID())
-		}
-		cl.DeviceId, cl.Phase = dev.ID, vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE
-		if dev.Parent != "" {
-			cl.Parent = dev.Parent
-		}
-		return nil
-	})
+func (c *Claims) activate(l *store.Locked, dev vgpu.Device) (*vmflowv1.Lease, error) {
+	rec, err := l.Apply(store.VGPUActive(dev.ID, dev.Parent))
 	if err != nil {
 		return nil, fmt.Errorf("activate claim of %s: %w", l.ID(), err)
 	}
 	crashpoint.Hit(crashpoint.ClaimActivated)
 	c.log.Info("vGPU claimed", zap.String("instance_id", l.ID()), zap.String("device_id", dev.ID), zap.String("profile", dev.Profile))
-	return rec.GetGpuClaim(), nil
+	return store.VGPU(rec), nil
 }
 
 func (c *Claims) exists(ctx context.Context, d vgpu.Device) (bool, error) {
@@ -413,8 +402,9 @@ func (c *Claims) releaseLocked(ctx context.Context, l *store.Locked) (bool, stri
 	if !store.ClaimHeld(rec) {
 		return false, "", nil
 	}
-	claim := rec.GetGpuClaim()
-	dev := deviceOf(claim, c.drv.Kind())
+	lease := store.VGPU(rec)
+	name := store.LeaseName(lease)
+	dev := deviceOf(lease, c.drv.Kind())
 	// Invariant 10 first: a device another claim names is not ours to
 	// release, whatever sysfs says about it.
 	err = c.ownDevice(ctx, l.ID(), dev)
@@ -422,25 +412,19 @@ func (c *Claims) releaseLocked(ctx context.Context, l *store.Locked) (bool, stri
 		err = c.mayRelease(ctx, rec, dev, proc.Holders)
 	}
 	if err != nil {
-		c.recordFailure(l, err)
+		c.recordFailure(l, name, err)
 		return false, dev.ID, err
 	}
-	if _, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
-		r.GetGpuClaim().Phase = vmflowv1.ClaimPhase_CLAIM_PHASE_RELEASING
-		return nil
-	}); err != nil {
+	if _, err := l.Apply(store.LeaseReleasing(name)); err != nil {
 		return false, dev.ID, err
 	}
 	crashpoint.Hit(crashpoint.ReleaseReleasing)
 	if err := c.drv.Release(ctx, dev); err != nil {
-		c.recordFailure(l, err)
+		c.recordFailure(l, name, err)
 		return false, dev.ID, err
 	}
 	crashpoint.Hit(crashpoint.ReleaseWritten)
-	if _, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
-		store.Released(r, timestamppb.New(c.now()))
-		return nil
-	}); err != nil {
+	if _, err := l.Apply(store.LeaseReleased(name, c.now())); err != nil {
 		// The device is gone but the record still holds the claim: the next
 		// release finds it "already gone" and records it then.
 		return false, dev.ID, fmt.Errorf("record release of %s: %w", dev.ID, err)
@@ -455,52 +439,36 @@ func (c *Claims) releaseLocked(ctx context.Context, l *store.Locked) (bool, stri
 type holdersFunc func(ctx context.Context, path string) ([]proc.Holder, error)
 
 // mayRelease is invariant 2: the VM's whole thread group must be confirmed
-// gone, and nothing may hold the device's VFIO node (asked of holders).
+// gone (store.MayQEMULive, with an unproven absence counting as alive),
+// and nothing may hold the device's VFIO node (deviceFree).
 func (c *Claims) mayRelease(ctx context.Context, rec *vmflowv1.InstanceRecord, dev vgpu.Device, holders holdersFunc) error {
-	if at := rec.GetLaunchStartedAt(); at != nil && rec.GetProcess() == nil {
-		// A launch began and its QEMU's pid is not recorded yet: a QEMU
-		// forked just before an agent died may run with the device open,
-		// unnamed. Until the supervisor adopts or kills it and resolves the
-		// marker, "can't tell" counts as alive.
-		return fmt.Errorf("%w: a launch started at %s and its QEMU is not recorded yet",
-			ErrVMAlive, at.AsTime().UTC().Format(time.RFC3339Nano))
-	}
-	if p := rec.GetProcess(); p != nil {
-		pid := store.IdentityOf(p)
-		if st := proc.Inspect(pid); st.Alive {
-			return fmt.Errorf("%w: %v is %s with %d tasks", ErrVMAlive, pid, st.State, st.Tasks)
+	// QEMU creates its QMP socket while it sets up its backends, before it
+	// opens any VFIO device, and both files stay until TearDown, which runs
+	// after the release: without them (and no start or exit recorded) the
+	// instance never launched.
+	launched := func() (bool, error) {
+		paths, err := c.st.Paths(rec.GetId())
+		if err != nil {
+			return false, err
 		}
-	} else if rec.GetId() != "" && rec.GetStopStep() != vmflowv1.StopStep_STOP_STEP_GONE {
-		// No process and no marker is not proof that none runs: an agent
-		// older than the marker that died between the fork and the pid's
-		// write left exactly this record with its QEMU running. A Stop
-		// looks for such a QEMU (adopting and stopping it) before it writes
-		// stop step gone, so until then "can't tell" counts as alive,
-		// unless the instance never launched: no start or exit recorded
-		// and none of QEMU's runtime files on disk (QEMU creates its QMP
-		// socket while it sets up its backends, before it opens any VFIO
-		// device; both files stay until TearDown, which runs after the
-		// release). (A record without an id is reconcile's stand-in for
-		// an orphan device: no instance, only the holders rule.)
-		launched := rec.GetLastStart() != nil || rec.GetLastExit() != nil
-		if !launched {
-			paths, err := c.st.Paths(rec.GetId())
-			if err != nil {
-				return fmt.Errorf("%w: %w", ErrVMAlive, err)
-			}
-			for _, f := range []string{paths.Socket, paths.PID} {
-				if _, err := os.Lstat(f); err == nil {
-					launched = true
-				} else if !errors.Is(err, os.ErrNotExist) {
-					return fmt.Errorf("%w: cannot tell whether a QEMU was started: %w", ErrVMAlive, err)
-				}
+		for _, f := range []string{paths.Socket, paths.PID} {
+			if _, err := os.Lstat(f); err == nil {
+				return true, nil
+			} else if !errors.Is(err, os.ErrNotExist) {
+				return false, err
 			}
 		}
-		if launched {
-			return fmt.Errorf("%w: no process recorded and no stop has confirmed that none runs (stop step %s)",
-				ErrVMAlive, rec.GetStopStep())
-		}
+		return false, nil
 	}
+	if err := store.MayQEMULive(rec, true, launched); err != nil {
+		return fmt.Errorf("%w: %w", ErrVMAlive, err)
+	}
+	return c.deviceFree(ctx, dev, holders)
+}
+
+// deviceFree is the device's half of invariant 2: nothing holds its VFIO
+// node (asked of holders); a device that is gone is free.
+func (c *Claims) deviceFree(ctx context.Context, dev vgpu.Device, holders holdersFunc) error {
 	node, err := c.vfioNode(dev)
 	if err != nil {
 		return err
@@ -545,11 +513,8 @@ func (c *Claims) vfioNode(dev vgpu.Device) (string, error) {
 	return filepath.Join(c.devRoot, "vfio", filepath.Base(target)), nil
 }
 
-func (c *Claims) recordFailure(l *store.Locked, cause error) {
-	_, err := l.Update(func(r *vmflowv1.InstanceRecord) error {
-		store.ReleaseFailed(r, cause.Error())
-		return nil
-	})
+func (c *Claims) recordFailure(l *store.Locked, name string, cause error) {
+	_, err := l.Apply(store.LeaseReleaseFailed(name, cause.Error()))
 	if err != nil {
 		c.log.Error("record release failure", zap.String("instance_id", l.ID()), zap.Error(err), zap.NamedError("cause", cause))
 	}
@@ -567,8 +532,8 @@ func (c *Claims) releaseDone(dev vgpu.Device, err error) {
 			return
 		}
 		for _, r := range recs {
-			cl := r.GetGpuClaim()
-			if !store.ClaimHeld(r) || deviceOf(cl, c.drv.Kind()).ID != dev.ID {
+			lease := store.VGPU(r)
+			if !store.LeaseHeld(lease) || deviceOf(lease, c.drv.Kind()).ID != dev.ID {
 				continue
 			}
 			if err != nil {
@@ -576,10 +541,7 @@ func (c *Claims) releaseDone(dev vgpu.Device, err error) {
 				// and records it then.
 				return
 			}
-			_, uerr := c.st.Update(ctx, r.GetId(), func(r *vmflowv1.InstanceRecord) error {
-				store.Released(r, timestamppb.New(c.now()))
-				return nil
-			})
+			_, uerr := c.st.Apply(ctx, r.GetId(), store.LeaseReleased(store.LeaseName(lease), c.now()))
 			if uerr != nil {
 				c.log.Warn("record late release", zap.String("instance_id", r.GetId()), zap.Error(uerr))
 			}
@@ -610,19 +572,14 @@ func (c *Claims) Reconcile(ctx context.Context) (*vmflowv1.ReconcileVGPUResult, 
 	}
 	claimed := heldDevices(recs, "", c.drv.Kind())
 	for _, r := range recs {
-		if !store.ClaimHeld(r) {
-			if store.IsDeleting(r) && r.GetGpuClaim() != nil {
-				// Released, but its delete may still wait out a backoff:
-				// the round that released it (this one's predecessor, or
-				// the delete's own) may have died before the wake-up was
-				// sent. Waking it again is harmless; never waking it
-				// leaves the record for up to 15 minutes.
-				res.RetriedDeletes = append(res.RetriedDeletes, r.GetId())
-			}
+		switch roundFor(r) {
+		case roundNone:
 			continue
-		}
-		if !store.IsDeleting(r) {
-			res.Skipped++ // a spawn or a restart owns it
+		case roundWake:
+			res.RetriedDeletes = append(res.RetriedDeletes, r.GetId())
+			continue
+		case roundOwned:
+			res.Skipped++
 			continue
 		}
 		released, dev, err := c.Release(ctx, r.GetId())
@@ -662,7 +619,7 @@ func (c *Claims) Reconcile(ctx context.Context) (*vmflowv1.ReconcileVGPUResult, 
 			res.Skipped++
 			continue
 		}
-		if err := c.mayRelease(ctx, &vmflowv1.InstanceRecord{}, d, proc.Holders); err != nil {
+		if err := c.deviceFree(ctx, d, proc.Holders); err != nil {
 			next[d.ID] = first
 			res.Skipped++
 			c.log.Info("reconcile: orphan held, left alone", zap.String("device_id", d.ID), zap.Error(err))
@@ -681,6 +638,38 @@ func (c *Claims) Reconcile(ctx context.Context) (*vmflowv1.ReconcileVGPUResult, 
 		return res, err
 	}
 	return res, nil
+}
+
+// roundAction is what a reconcile round does with one record's vGPU lease.
+type roundAction int
+
+const (
+	roundNone  roundAction = iota // no vGPU lease
+	roundOwned                    // held by a live instance: a spawn or a restart owns it
+	// roundWake: released, but its delete may still wait out a backoff:
+	// the round that released it (a predecessor, or the delete's own) may
+	// have died before the wake-up was sent. Waking it again is harmless;
+	// never waking it leaves the record for up to 15 minutes.
+	roundWake
+	roundRelease // held by a deleting instance: release it (if mayRelease)
+)
+
+// roundFor is the one reading, for Reconcile and Scan alike, of what a
+// round does with rec: only a delete's lease is ever released.
+func roundFor(rec *vmflowv1.InstanceRecord) roundAction {
+	l := store.VGPU(rec)
+	switch {
+	case l == nil:
+		return roundNone
+	case !store.IsDeleting(rec):
+		if store.LeaseHeld(l) {
+			return roundOwned
+		}
+		return roundNone
+	case store.LeaseHeld(l):
+		return roundRelease
+	}
+	return roundWake
 }
 
 // The ledger of devices seen unclaimed, and since when, survives agent

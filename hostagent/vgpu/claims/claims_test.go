@@ -129,14 +129,14 @@ func TestClaimWritesIntentThenActive(t *testing.T) {
 	c, err := e.claims.Claim(ctx, "vm1", profile)
 	require.NoError(t, err)
 	assert.Equal(t, vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE, c.GetPhase())
-	assert.Equal(t, profile, c.GetProfile())
+	assert.Equal(t, profile, c.GetVgpu().GetProfile())
 	require.Len(t, e.devices(t), 1)
-	assert.Equal(t, c.GetDeviceId(), e.devices(t)[0].ID)
-	assert.Equal(t, filepath.Join(e.sim.Root, "bus/mdev/devices", c.GetDeviceId()), e.claims.DevicePath(c))
+	assert.Equal(t, c.GetVgpu().GetDeviceId(), e.devices(t)[0].ID)
+	assert.Equal(t, filepath.Join(e.sim.Root, "bus/mdev/devices", c.GetVgpu().GetDeviceId()), e.claims.DevicePath(c))
 
 	again, err := e.claims.Claim(ctx, "vm1", profile)
 	require.NoError(t, err)
-	assert.Equal(t, c.GetDeviceId(), again.GetDeviceId(), "a retried claim returns the same device")
+	assert.Equal(t, c.GetVgpu().GetDeviceId(), again.GetVgpu().GetDeviceId(), "a retried claim returns the same device")
 	assert.Len(t, e.devices(t), 1)
 
 	_, err = e.claims.Claim(ctx, "vm1", "GRID A100-8C")
@@ -167,7 +167,7 @@ func TestReleaseRefusedWhileVMAlive(t *testing.T) {
 	require.NoError(t, err)
 	assert.True(t, store.ClaimHeld(rec))
 	assert.Equal(t, vmflowv1.InstanceState_INSTANCE_STATE_RELEASE_FAILED, rec.GetState())
-	assert.EqualValues(t, 1, rec.GetGpuClaim().GetReleaseAttempts())
+	assert.EqualValues(t, 1, store.VGPU(rec).GetReleaseAttempts())
 
 	z.Release(t)
 	require.Eventually(t, func() bool { return !proc.Inspect(id).Alive }, 10*time.Second, 5*time.Millisecond)
@@ -189,7 +189,7 @@ func TestReleaseRefusedWhileDeviceHeld(t *testing.T) {
 	ctx := context.Background()
 	c, err := e.claims.Claim(ctx, "vm1", profile)
 	require.NoError(t, err)
-	node := e.vfioNode(t, c.GetDeviceId())
+	node := e.vfioNode(t, c.GetVgpu().GetDeviceId())
 	e.beginDelete(t, "vm1")
 
 	holder := exec.Command("sh", "-c", "exec 3<\"$0\"; exec sleep 60", node)
@@ -229,8 +229,8 @@ func TestFailedReleaseKeepsRecordAndClaim(t *testing.T) {
 		rec, err := e.st.Get("vm1")
 		require.NoError(t, err)
 		assert.True(t, store.ClaimHeld(rec))
-		assert.EqualValues(t, i, rec.GetGpuClaim().GetReleaseAttempts())
-		assert.Contains(t, rec.GetGpuClaim().GetLastReleaseError(), "input/output error")
+		assert.EqualValues(t, i, store.VGPU(rec).GetReleaseAttempts())
+		assert.Contains(t, store.VGPU(rec).GetLastReleaseError(), "input/output error")
 		assert.ErrorIs(t, e.st.Delete(ctx, "vm1"), store.ErrClaimHeld, "the store refuses to forget a claimed GPU")
 	}
 	e.sim.Clear(t, vgpusim.CtlFailRelease)
@@ -253,7 +253,7 @@ func TestCrashBetweenIntentAndCreate(t *testing.T) {
 	rec, err := e.st.Get("vm1")
 	require.NoError(t, err)
 	require.True(t, store.ClaimHeld(rec), "the intent was written ahead")
-	assert.Equal(t, vmflowv1.ClaimPhase_CLAIM_PHASE_INTENT, rec.GetGpuClaim().GetPhase())
+	assert.Equal(t, vmflowv1.ClaimPhase_CLAIM_PHASE_INTENT, store.VGPU(rec).GetPhase())
 	assert.Empty(t, e.devices(t))
 
 	// A spawn owns it: reconcile leaves it alone.
@@ -265,7 +265,7 @@ func TestCrashBetweenIntentAndCreate(t *testing.T) {
 	e.sim.Clear(t, vgpusim.CtlFailCreate)
 	c, err := e.claims.Claim(ctx, "vm1", profile)
 	require.NoError(t, err)
-	assert.Equal(t, rec.GetGpuClaim().GetUuid(), c.GetUuid())
+	assert.Equal(t, store.VGPU(rec).GetVgpu().GetUuid(), c.GetVgpu().GetUuid())
 	assert.Equal(t, vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE, c.GetPhase())
 
 	// The other way out: the instance is deleted with an intent only.
@@ -303,11 +303,11 @@ func TestCrashBetweenRemovalAndRecordUpdate(t *testing.T) {
 	// The device goes (as if the write succeeded) and the agent dies before
 	// writing released_at.
 	_, err = e.st.Update(ctx, "vm1", func(r *vmflowv1.InstanceRecord) error {
-		r.GetGpuClaim().Phase = vmflowv1.ClaimPhase_CLAIM_PHASE_RELEASING
+		store.VGPU(r).Phase = vmflowv1.ClaimPhase_CLAIM_PHASE_RELEASING
 		return nil
 	})
 	require.NoError(t, err)
-	require.NoError(t, os.WriteFile(filepath.Join(e.sim.Root, "bus/mdev/devices", c.GetDeviceId(), "remove"), []byte("1"), 0o200))
+	require.NoError(t, os.WriteFile(filepath.Join(e.sim.Root, "bus/mdev/devices", c.GetVgpu().GetDeviceId(), "remove"), []byte("1"), 0o200))
 	assert.Empty(t, e.devices(t))
 
 	res, err := e.claims.Reconcile(ctx)

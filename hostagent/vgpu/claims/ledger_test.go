@@ -11,6 +11,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"vmflow/hostagent/store"
@@ -32,13 +33,13 @@ func (e *claimsEnv) vfType(t *testing.T, vf string) string {
 
 // removeBehindBack removes a claim's device without the agent, as a host
 // reboot (or a crash after the release write) would.
-func (e *claimsEnv) removeBehindBack(t *testing.T, c *vmflowv1.GpuClaim) {
+func (e *claimsEnv) removeBehindBack(t *testing.T, c *vmflowv1.Lease) {
 	t.Helper()
 	var path, val string
-	if c.GetDriver() == string(vgpu.KindVendor) {
-		path, val = filepath.Join(e.sim.Root, "bus/pci/devices", c.GetDeviceId(), "nvidia/current_vgpu_type"), "0"
+	if c.GetVgpu().GetDriver() == string(vgpu.KindVendor) {
+		path, val = filepath.Join(e.sim.Root, "bus/pci/devices", c.GetVgpu().GetDeviceId(), "nvidia/current_vgpu_type"), "0"
 	} else {
-		path, val = filepath.Join(e.sim.Root, "bus/mdev/devices", c.GetDeviceId(), "remove"), "1"
+		path, val = filepath.Join(e.sim.Root, "bus/mdev/devices", c.GetVgpu().GetDeviceId(), "remove"), "1"
 	}
 	require.NoError(t, os.WriteFile(path, []byte(val), 0o200))
 }
@@ -60,7 +61,7 @@ func (e *claimsEnv) truncate(t *testing.T, id string) (restore func()) {
 	return func() { require.NoError(t, os.WriteFile(p.Record, good, 0o600)) }
 }
 
-func (e *claimsEnv) ensure(t *testing.T, id string) (*vmflowv1.GpuClaim, error) {
+func (e *claimsEnv) ensure(t *testing.T, id string) (*vmflowv1.Lease, error) {
 	t.Helper()
 	l, err := e.st.Lock(context.Background(), id)
 	require.NoError(t, err)
@@ -80,7 +81,7 @@ func TestReleaseRetryAfterCrashSparesNextClaim(t *testing.T) {
 	require.NoError(t, err)
 	e.beginDelete(t, "vm-a")
 	_, err = e.st.Update(ctx, "vm-a", func(r *vmflowv1.InstanceRecord) error {
-		r.GetGpuClaim().Phase = vmflowv1.ClaimPhase_CLAIM_PHASE_RELEASING
+		store.VGPU(r).Phase = vmflowv1.ClaimPhase_CLAIM_PHASE_RELEASING
 		return nil
 	})
 	require.NoError(t, err)
@@ -99,14 +100,14 @@ func TestReleaseRetryAfterCrashSparesNextClaim(t *testing.T) {
 
 	b, err := e.claims.Claim(ctx, "vm-b", vendorProfile)
 	require.NoError(t, err, "the VF is free once vm-a's release is recorded")
-	assert.Equal(t, a.GetDeviceId(), b.GetDeviceId())
-	assert.Equal(t, "592", e.vfType(t, b.GetDeviceId()), "vm-b's record says active, so its vGPU must exist")
+	assert.Equal(t, a.GetVgpu().GetDeviceId(), b.GetVgpu().GetDeviceId())
+	assert.Equal(t, "592", e.vfType(t, b.GetVgpu().GetDeviceId()), "vm-b's record says active, so its vGPU must exist")
 	// A late duplicate of vm-a's release finds no held claim and touches
 	// nothing.
 	released, _, err = e.claims.Release(ctx, "vm-a")
 	require.NoError(t, err)
 	assert.False(t, released)
-	assert.Equal(t, "592", e.vfType(t, b.GetDeviceId()), "vm-b's vGPU survives")
+	assert.Equal(t, "592", e.vfType(t, b.GetVgpu().GetDeviceId()), "vm-b's vGPU survives")
 }
 
 // TestRetriedIntentDoesNotAdoptAnothersVF is scenario (b): A's create fails
@@ -122,18 +123,18 @@ func TestRetriedIntentDoesNotAdoptAnothersVF(t *testing.T) {
 	e.clearFault(t, vgpusim.CtlFailCreate)
 	rec, err := e.st.Get("vm-a")
 	require.NoError(t, err)
-	intentVF := rec.GetGpuClaim().GetDeviceId()
+	intentVF := store.VGPU(rec).GetVgpu().GetDeviceId()
 	require.NotEmpty(t, intentVF)
 
 	e.record(t, "vm-b")
 	b, err := e.claims.Claim(ctx, "vm-b", vendorProfile)
 	require.NoError(t, err)
-	assert.NotEqual(t, intentVF, b.GetDeviceId(), "vm-a's intent names that VF")
+	assert.NotEqual(t, intentVF, b.GetVgpu().GetDeviceId(), "vm-a's intent names that VF")
 
 	a, err := e.claims.Claim(ctx, "vm-a", vendorProfile)
 	require.NoError(t, err)
-	assert.Equal(t, intentVF, a.GetDeviceId())
-	assert.NotEqual(t, a.GetDeviceId(), b.GetDeviceId())
+	assert.Equal(t, intentVF, a.GetVgpu().GetDeviceId())
+	assert.NotEqual(t, a.GetVgpu().GetDeviceId(), b.GetVgpu().GetDeviceId())
 	assert.Len(t, e.devices(t), 2)
 }
 
@@ -157,10 +158,9 @@ func TestLedgerRefusesDeviceOfAnotherClaim(t *testing.T) {
 			require.NoError(t, err)
 			e.record(t, "vm-b")
 			_, err = e.st.Update(ctx, "vm-b", func(r *vmflowv1.InstanceRecord) error {
-				r.GpuClaim = &vmflowv1.GpuClaim{
-					Profile: a.GetProfile(), Parent: a.GetParent(), TypeId: a.GetTypeId(), Uuid: a.GetUuid(),
-					DeviceId: a.GetDeviceId(), Phase: vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE, Driver: a.GetDriver(),
-				}
+				l := store.VGPULease(proto.CloneOf(a.GetVgpu()))
+				l.Phase = vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE
+				r.Leases = []*vmflowv1.Lease{l}
 				return nil
 			})
 			require.NoError(t, err)
@@ -180,7 +180,7 @@ func TestLedgerRefusesDeviceOfAnotherClaim(t *testing.T) {
 			rec, err := e.st.Get("vm-a")
 			require.NoError(t, err)
 			assert.True(t, store.ClaimHeld(rec))
-			assert.Contains(t, rec.GetGpuClaim().GetLastReleaseError(), "vm-b", "the record says why")
+			assert.Contains(t, store.VGPU(rec).GetLastReleaseError(), "vm-b", "the record says why")
 		})
 	}
 }
@@ -197,17 +197,19 @@ func TestIntentAdoptionRefusesAnothersDevice(t *testing.T) {
 	e.clearFault(t, vgpusim.CtlFailCreate)
 	rec, err := e.st.Get("vm-a")
 	require.NoError(t, err)
-	intent := rec.GetGpuClaim()
+	intent := store.VGPU(rec)
 
 	// vm-b's device on the same VF, with a record naming it: the state an
 	// agent before invariant 10 could leave.
 	dev, err := e.claims.Driver().Create(ctx, vgpu.CreateRequest{Profile: vendorProfile, UUID: "2b6c4e3a-0d4f-4a8e-9a43-6f5d2e1c0b7a"})
 	require.NoError(t, err)
-	require.Equal(t, intent.GetDeviceId(), dev.ID)
+	require.Equal(t, intent.GetVgpu().GetDeviceId(), dev.ID)
 	e.record(t, "vm-b")
 	_, err = e.st.Update(ctx, "vm-b", func(r *vmflowv1.InstanceRecord) error {
-		r.GpuClaim = &vmflowv1.GpuClaim{Profile: vendorProfile, Parent: dev.Parent, TypeId: dev.TypeID, Uuid: dev.UUID,
-			DeviceId: dev.ID, Phase: vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE, Driver: string(vgpu.KindVendor)}
+		l := store.VGPULease(&vmflowv1.VgpuLease{Profile: vendorProfile, Parent: dev.Parent, TypeId: dev.TypeID, Uuid: dev.UUID,
+			DeviceId: dev.ID, Driver: string(vgpu.KindVendor)})
+		l.Phase = vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE
+		r.Leases = []*vmflowv1.Lease{l}
 		return nil
 	})
 	require.NoError(t, err)
@@ -217,7 +219,7 @@ func TestIntentAdoptionRefusesAnothersDevice(t *testing.T) {
 	assert.Contains(t, err.Error(), "vm-b")
 	rec, err = e.st.Get("vm-a")
 	require.NoError(t, err)
-	assert.Equal(t, vmflowv1.ClaimPhase_CLAIM_PHASE_INTENT, rec.GetGpuClaim().GetPhase(), "not adopted")
+	assert.Equal(t, vmflowv1.ClaimPhase_CLAIM_PHASE_INTENT, store.VGPU(rec).GetPhase(), "not adopted")
 }
 
 // TestVendorPlacementRefusedWhileRecordUnreadable: an unreadable record may
@@ -236,7 +238,7 @@ func TestVendorPlacementRefusedWhileRecordUnreadable(t *testing.T) {
 	assert.Empty(t, e.devices(t))
 	rec, err := e.st.Get("vm1")
 	require.NoError(t, err)
-	assert.Nil(t, rec.GetGpuClaim(), "no intent is written for a refused placement")
+	assert.Nil(t, store.VGPU(rec), "no intent is written for a refused placement")
 	restore()
 	_, err = e.claims.Claim(ctx, "vm1", vendorProfile)
 	require.NoError(t, err)
@@ -308,23 +310,23 @@ func TestEnsureDeviceRecreatesAfterReboot(t *testing.T) {
 			require.NoError(t, err)
 			got, err = e.ensure(t, "vm1")
 			require.NoError(t, err)
-			assert.Equal(t, c.GetDeviceId(), got.GetDeviceId())
+			assert.Equal(t, c.GetVgpu().GetDeviceId(), got.GetVgpu().GetDeviceId())
 
 			e.removeBehindBack(t, c)
 			require.Empty(t, e.devices(t))
 			got, err = e.ensure(t, "vm1")
 			require.NoError(t, err)
-			assert.Equal(t, c.GetDeviceId(), got.GetDeviceId())
+			assert.Equal(t, c.GetVgpu().GetDeviceId(), got.GetVgpu().GetDeviceId())
 			ds := e.devices(t)
 			require.Len(t, ds, 1)
-			assert.Equal(t, c.GetDeviceId(), ds[0].ID, "same UUID / same VF")
-			assert.Equal(t, c.GetTypeId(), ds[0].TypeID)
+			assert.Equal(t, c.GetVgpu().GetDeviceId(), ds[0].ID, "same UUID / same VF")
+			assert.Equal(t, c.GetVgpu().GetTypeId(), ds[0].TypeID)
 
 			// Claim of an active claim goes through the same check.
 			e.removeBehindBack(t, c)
 			again, err := e.claims.Claim(ctx, "vm1", tc.profile)
 			require.NoError(t, err)
-			assert.Equal(t, c.GetDeviceId(), again.GetDeviceId())
+			assert.Equal(t, c.GetVgpu().GetDeviceId(), again.GetVgpu().GetDeviceId())
 			require.Len(t, e.devices(t), 1)
 
 			e.removeBehindBack(t, c)
@@ -332,7 +334,7 @@ func TestEnsureDeviceRecreatesAfterReboot(t *testing.T) {
 			_, err = e.ensure(t, "vm1")
 			require.ErrorIs(t, err, claims.ErrClaimDeviceMissing)
 			assert.ErrorIs(t, err, syscall.EIO)
-			for _, s := range []string{"vm1", tc.profile, c.GetDeviceId()} {
+			for _, s := range []string{"vm1", tc.profile, c.GetVgpu().GetDeviceId()} {
 				assert.Contains(t, err.Error(), s)
 			}
 			_, err = e.claims.Claim(ctx, "vm1", tc.profile)
@@ -361,11 +363,11 @@ func TestEnsureRefusesVFRunningAnotherType(t *testing.T) {
 	require.NoError(t, err)
 	e.removeBehindBack(t, c)
 	// Something else (no record) puts another type on the VF.
-	require.NoError(t, os.WriteFile(filepath.Join(e.sim.Root, "bus/pci/devices", c.GetDeviceId(), "nvidia/current_vgpu_type"), []byte("594"), 0o200))
+	require.NoError(t, os.WriteFile(filepath.Join(e.sim.Root, "bus/pci/devices", c.GetVgpu().GetDeviceId(), "nvidia/current_vgpu_type"), []byte("594"), 0o200))
 	_, err = e.ensure(t, "vm1")
 	require.ErrorIs(t, err, claims.ErrClaimDeviceMissing)
 	assert.ErrorIs(t, err, vgpu.ErrDeviceMismatch)
-	assert.Equal(t, "594", e.vfType(t, c.GetDeviceId()), "left alone")
+	assert.Equal(t, "594", e.vfType(t, c.GetVgpu().GetDeviceId()), "left alone")
 }
 
 // TestReconcileKeepsOrphansWhileRecordUnreadable is reconcile's share of
@@ -436,7 +438,7 @@ func TestConcurrentVendorClaimsNeverShareAVF(t *testing.T) {
 		if !store.ClaimHeld(r) {
 			continue
 		}
-		vf := r.GetGpuClaim().GetDeviceId()
+		vf := store.VGPU(r).GetVgpu().GetDeviceId()
 		assert.NotContains(t, seen, vf, "%s and %s name one VF", seen[vf], r.GetId())
 		seen[vf] = r.GetId()
 	}

@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
+	"vmflow/hostagent/store"
 	"vmflow/hostagent/vgpu/claims"
 	"vmflow/hostagent/vgpu/vgpusim"
 	vmflowv1 "vmflow/proto/vmflow/v1"
@@ -72,7 +73,7 @@ func TestReleaseWithoutProcessNeedsStopOrNoLaunch(t *testing.T) {
 				assert.Len(t, e.devices(t), 1, "the device stays while an unrecorded QEMU may hold it")
 				rec, err := e.st.Get("vm1")
 				require.NoError(t, err)
-				assert.True(t, rec.GetGpuClaim().GetReleasedAt() == nil, "the claim is still held")
+				assert.True(t, store.VGPU(rec).GetReleasedAt() == nil, "the claim is still held")
 				return
 			}
 			require.NoError(t, err)

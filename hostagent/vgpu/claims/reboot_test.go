@@ -36,7 +36,7 @@ func TestHeldClaimKeepsItsSlotAcrossReboot(t *testing.T) {
 
 	got, err := e.ensure(t, "vm-a")
 	require.NoError(t, err, "A's restart gets its device back")
-	assert.Equal(t, a.GetDeviceId(), got.GetDeviceId())
+	assert.Equal(t, a.GetVgpu().GetDeviceId(), got.GetVgpu().GetDeviceId())
 	require.Len(t, e.devices(t), 1)
 }
 
@@ -79,10 +79,10 @@ func TestHeldVendorClaimKeepsItsTypeAcrossReboot(t *testing.T) {
 	require.ErrorIs(t, err, vgpu.ErrNoCapacity, "the GPU runs A's type")
 	b, err := e.claims.Claim(ctx, "vm-b", vendorProfile)
 	require.NoError(t, err, "A's type on the other VF fits")
-	assert.NotEqual(t, a.GetDeviceId(), b.GetDeviceId(), "not A's VF")
+	assert.NotEqual(t, a.GetVgpu().GetDeviceId(), b.GetVgpu().GetDeviceId(), "not A's VF")
 
 	got, err := e.ensure(t, "vm-a")
 	require.NoError(t, err)
-	assert.Equal(t, a.GetDeviceId(), got.GetDeviceId())
+	assert.Equal(t, a.GetVgpu().GetDeviceId(), got.GetVgpu().GetDeviceId())
 	require.Len(t, e.devices(t), 2)
 }

@@ -57,15 +57,13 @@ func (c *Claims) Scan(ctx context.Context) (Work, error) {
 	}
 	w.UnreadableRecords = len(bad)
 	for _, r := range recs {
-		if !store.IsDeleting(r) || r.GetGpuClaim() == nil {
-			continue
-		}
-		if !store.ClaimHeld(r) {
+		switch roundFor(r) {
+		case roundWake:
 			w.Items = append(w.Items, "wake:"+r.GetId())
-			continue
-		}
-		if c.mayRelease(ctx, r, deviceOf(r.GetGpuClaim(), c.drv.Kind()), holders) == nil {
-			w.Items = append(w.Items, "release:"+r.GetId())
+		case roundRelease:
+			if c.mayRelease(ctx, r, deviceOf(store.VGPU(r), c.drv.Kind()), holders) == nil {
+				w.Items = append(w.Items, "release:"+r.GetId())
+			}
 		}
 	}
 	if listErr == nil {
@@ -108,7 +106,7 @@ func (c *Claims) scanOrphans(ctx context.Context, claimed map[string]string, hol
 		if now.Sub(first) < c.grace {
 			continue
 		}
-		if c.mayRelease(ctx, nil, d, holders) != nil {
+		if c.deviceFree(ctx, d, holders) != nil {
 			continue
 		}
 		out = append(out, "orphan:"+d.ID)

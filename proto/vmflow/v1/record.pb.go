@@ -625,9 +625,10 @@ func (x *BootMoment) GetSinceBootNs() uint64 {
 	return 0
 }
 
-// GpuClaim is a vGPU this instance owns. The store refuses to delete a record
-// while it holds one (invariant 1): a claim is held from the moment it is
-// recorded until released_at is set (or the claim is cleared).
+// GpuClaim is the record's old shape of a vGPU lease (field gpu_claim):
+// kept so records written before leases still decode. The agent's one
+// record migration (hostagent/store) turns it into a Lease with a vgpu
+// resource; nothing else reads it.
 type GpuClaim struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The profile name as the host lists it.
@@ -762,6 +763,214 @@ func (x *GpuClaim) GetDriver() string {
 	return ""
 }
 
+// Lease is one host resource an instance holds (invariant 13), written
+// ahead in the record before the resource exists and held until its
+// release is confirmed: while any lease is held the store refuses to remove
+// the record (invariant 1). The phase and the release bookkeeping are the
+// same for every kind; resource says which kind and what it names.
+type Lease struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	Phase     ClaimPhase             `protobuf:"varint,1,opt,name=phase,proto3,enum=vmflow.v1.ClaimPhase" json:"phase,omitempty"`
+	ClaimedAt *timestamppb.Timestamp `protobuf:"bytes,2,opt,name=claimed_at,json=claimedAt,proto3" json:"claimed_at,omitempty"`
+	// How many release attempts failed so far, and the last one's error.
+	ReleaseAttempts  uint32 `protobuf:"varint,3,opt,name=release_attempts,json=releaseAttempts,proto3" json:"release_attempts,omitempty"`
+	LastReleaseError string `protobuf:"bytes,4,opt,name=last_release_error,json=lastReleaseError,proto3" json:"last_release_error,omitempty"`
+	// Set when the resource is confirmed released; the lease is then no
+	// longer held.
+	ReleasedAt *timestamppb.Timestamp `protobuf:"bytes,5,opt,name=released_at,json=releasedAt,proto3" json:"released_at,omitempty"`
+	// One field per kind (numbers from 10 up).
+	//
+	// Types that are valid to be assigned to Resource:
+	//
+	//	*Lease_Vgpu
+	Resource      isLease_Resource `protobuf_oneof:"resource"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Lease) Reset() {
+	*x = Lease{}
+	mi := &file_vmflow_v1_record_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Lease) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Lease) ProtoMessage() {}
+
+func (x *Lease) ProtoReflect() protoreflect.Message {
+	mi := &file_vmflow_v1_record_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Lease.ProtoReflect.Descriptor instead.
+func (*Lease) Descriptor() ([]byte, []int) {
+	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *Lease) GetPhase() ClaimPhase {
+	if x != nil {
+		return x.Phase
+	}
+	return ClaimPhase_CLAIM_PHASE_UNSPECIFIED
+}
+
+func (x *Lease) GetClaimedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.ClaimedAt
+	}
+	return nil
+}
+
+func (x *Lease) GetReleaseAttempts() uint32 {
+	if x != nil {
+		return x.ReleaseAttempts
+	}
+	return 0
+}
+
+func (x *Lease) GetLastReleaseError() string {
+	if x != nil {
+		return x.LastReleaseError
+	}
+	return ""
+}
+
+func (x *Lease) GetReleasedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.ReleasedAt
+	}
+	return nil
+}
+
+func (x *Lease) GetResource() isLease_Resource {
+	if x != nil {
+		return x.Resource
+	}
+	return nil
+}
+
+func (x *Lease) GetVgpu() *VgpuLease {
+	if x != nil {
+		if x, ok := x.Resource.(*Lease_Vgpu); ok {
+			return x.Vgpu
+		}
+	}
+	return nil
+}
+
+type isLease_Resource interface {
+	isLease_Resource()
+}
+
+type Lease_Vgpu struct {
+	Vgpu *VgpuLease `protobuf:"bytes,10,opt,name=vgpu,proto3,oneof"`
+}
+
+func (*Lease_Vgpu) isLease_Resource() {}
+
+// VgpuLease is the vGPU device a lease names.
+type VgpuLease struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The profile name as the host lists it.
+	Profile string `protobuf:"bytes,1,opt,name=profile,proto3" json:"profile,omitempty"`
+	// The parent device: an mdev parent (PCI address) or an SR-IOV VF.
+	Parent string `protobuf:"bytes,2,opt,name=parent,proto3" json:"parent,omitempty"`
+	// The vendor type id (mdev type directory name, or NVIDIA vGPU type id).
+	TypeId string `protobuf:"bytes,3,opt,name=type_id,json=typeId,proto3" json:"type_id,omitempty"`
+	// The mdev UUID (also QEMU's sysfsdev name), when the driver is mdev.
+	Uuid string `protobuf:"bytes,4,opt,name=uuid,proto3" json:"uuid,omitempty"`
+	// The device QEMU attaches (for SR-IOV the VF's PCI address).
+	DeviceId string `protobuf:"bytes,5,opt,name=device_id,json=deviceId,proto3" json:"device_id,omitempty"`
+	// "mdev" or "vendor" (NVIDIA SR-IOV vendor VFIO): which sysfs ABI created
+	// the device.
+	Driver        string `protobuf:"bytes,6,opt,name=driver,proto3" json:"driver,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *VgpuLease) Reset() {
+	*x = VgpuLease{}
+	mi := &file_vmflow_v1_record_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *VgpuLease) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*VgpuLease) ProtoMessage() {}
+
+func (x *VgpuLease) ProtoReflect() protoreflect.Message {
+	mi := &file_vmflow_v1_record_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use VgpuLease.ProtoReflect.Descriptor instead.
+func (*VgpuLease) Descriptor() ([]byte, []int) {
+	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *VgpuLease) GetProfile() string {
+	if x != nil {
+		return x.Profile
+	}
+	return ""
+}
+
+func (x *VgpuLease) GetParent() string {
+	if x != nil {
+		return x.Parent
+	}
+	return ""
+}
+
+func (x *VgpuLease) GetTypeId() string {
+	if x != nil {
+		return x.TypeId
+	}
+	return ""
+}
+
+func (x *VgpuLease) GetUuid() string {
+	if x != nil {
+		return x.Uuid
+	}
+	return ""
+}
+
+func (x *VgpuLease) GetDeviceId() string {
+	if x != nil {
+		return x.DeviceId
+	}
+	return ""
+}
+
+func (x *VgpuLease) GetDriver() string {
+	if x != nil {
+		return x.Driver
+	}
+	return ""
+}
+
 // InstanceRecord is everything the host agent knows about one instance.
 type InstanceRecord struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -781,7 +990,8 @@ type InstanceRecord struct {
 	StopStepAt *timestamppb.Timestamp `protobuf:"bytes,8,opt,name=stop_step_at,json=stopStepAt,proto3" json:"stop_step_at,omitempty"`
 	// The QEMU process, recorded right after the fork. Absent when none runs.
 	Process *ProcessIdentity `protobuf:"bytes,9,opt,name=process,proto3" json:"process,omitempty"`
-	// The vGPU this instance owns, if any.
+	// The old shape of a vGPU lease: read only by the store's migration,
+	// which moves it into leases. Never written.
 	GpuClaim *GpuClaim `protobuf:"bytes,10,opt,name=gpu_claim,json=gpuClaim,proto3" json:"gpu_claim,omitempty"`
 	// Restart bookkeeping for the restart policy.
 	RestartCount uint32                 `protobuf:"varint,11,opt,name=restart_count,json=restartCount,proto3" json:"restart_count,omitempty"`
@@ -855,15 +1065,17 @@ type InstanceRecord struct {
 	// after an agent restart are measured on these, so a wall clock stepped
 	// back never stretches them. Absent on records older than the fields,
 	// which fall back on the wall clock, capped at the configured wait.
-	StopStepBoot  *BootMoment `protobuf:"bytes,40,opt,name=stop_step_boot,json=stopStepBoot,proto3" json:"stop_step_boot,omitempty"`
-	LastExitBoot  *BootMoment `protobuf:"bytes,41,opt,name=last_exit_boot,json=lastExitBoot,proto3" json:"last_exit_boot,omitempty"`
+	StopStepBoot *BootMoment `protobuf:"bytes,40,opt,name=stop_step_boot,json=stopStepBoot,proto3" json:"stop_step_boot,omitempty"`
+	LastExitBoot *BootMoment `protobuf:"bytes,41,opt,name=last_exit_boot,json=lastExitBoot,proto3" json:"last_exit_boot,omitempty"`
+	// The host resources this instance holds, each with its own phase.
+	Leases        []*Lease `protobuf:"bytes,42,rep,name=leases,proto3" json:"leases,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *InstanceRecord) Reset() {
 	*x = InstanceRecord{}
-	mi := &file_vmflow_v1_record_proto_msgTypes[6]
+	mi := &file_vmflow_v1_record_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -875,7 +1087,7 @@ func (x *InstanceRecord) String() string {
 func (*InstanceRecord) ProtoMessage() {}
 
 func (x *InstanceRecord) ProtoReflect() protoreflect.Message {
-	mi := &file_vmflow_v1_record_proto_msgTypes[6]
+	mi := &file_vmflow_v1_record_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -888,7 +1100,7 @@ func (x *InstanceRecord) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InstanceRecord.ProtoReflect.Descriptor instead.
 func (*InstanceRecord) Descriptor() ([]byte, []int) {
-	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{6}
+	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *InstanceRecord) GetId() string {
@@ -1094,6 +1306,13 @@ func (x *InstanceRecord) GetLastExitBoot() *BootMoment {
 	return nil
 }
 
+func (x *InstanceRecord) GetLeases() []*Lease {
+	if x != nil {
+		return x.Leases
+	}
+	return nil
+}
+
 var File_vmflow_v1_record_proto protoreflect.FileDescriptor
 
 const file_vmflow_v1_record_proto_rawDesc = "" +
@@ -1147,7 +1366,26 @@ const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\n" +
 	"claimed_at\x18\n" +
 	" \x01(\v2\x1a.google.protobuf.TimestampR\tclaimedAt\x12\x16\n" +
-	"\x06driver\x18\v \x01(\tR\x06driver\"\x9a\v\n" +
+	"\x06driver\x18\v \x01(\tR\x06driver\"\xbd\x02\n" +
+	"\x05Lease\x12+\n" +
+	"\x05phase\x18\x01 \x01(\x0e2\x15.vmflow.v1.ClaimPhaseR\x05phase\x129\n" +
+	"\n" +
+	"claimed_at\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\tclaimedAt\x12)\n" +
+	"\x10release_attempts\x18\x03 \x01(\rR\x0freleaseAttempts\x12,\n" +
+	"\x12last_release_error\x18\x04 \x01(\tR\x10lastReleaseError\x12;\n" +
+	"\vreleased_at\x18\x05 \x01(\v2\x1a.google.protobuf.TimestampR\n" +
+	"releasedAt\x12*\n" +
+	"\x04vgpu\x18\n" +
+	" \x01(\v2\x14.vmflow.v1.VgpuLeaseH\x00R\x04vgpuB\n" +
+	"\n" +
+	"\bresource\"\x9f\x01\n" +
+	"\tVgpuLease\x12\x18\n" +
+	"\aprofile\x18\x01 \x01(\tR\aprofile\x12\x16\n" +
+	"\x06parent\x18\x02 \x01(\tR\x06parent\x12\x17\n" +
+	"\atype_id\x18\x03 \x01(\tR\x06typeId\x12\x12\n" +
+	"\x04uuid\x18\x04 \x01(\tR\x04uuid\x12\x1b\n" +
+	"\tdevice_id\x18\x05 \x01(\tR\bdeviceId\x12\x16\n" +
+	"\x06driver\x18\x06 \x01(\tR\x06driver\"\xc4\v\n" +
 	"\x0eInstanceRecord\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12%\n" +
 	"\x04spec\x18\x02 \x01(\v2\x11.vmflow.v1.VMSpecR\x04spec\x12%\n" +
@@ -1183,7 +1421,8 @@ const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\x10vfio_group_nodes\x18  \x03(\tR\x0evfioGroupNodes\x124\n" +
 	"\tdisk_base\x18! \x01(\v2\x17.vmflow.v1.FileIdentityR\bdiskBase\x12;\n" +
 	"\x0estop_step_boot\x18( \x01(\v2\x15.vmflow.v1.BootMomentR\fstopStepBoot\x12;\n" +
-	"\x0elast_exit_boot\x18) \x01(\v2\x15.vmflow.v1.BootMomentR\flastExitBoot*\xc3\x01\n" +
+	"\x0elast_exit_boot\x18) \x01(\v2\x15.vmflow.v1.BootMomentR\flastExitBoot\x12(\n" +
+	"\x06leases\x18* \x03(\v2\x10.vmflow.v1.LeaseR\x06leases*\xc3\x01\n" +
 	"\rInstanceState\x12\x1e\n" +
 	"\x1aINSTANCE_STATE_UNSPECIFIED\x10\x00\x12\x1b\n" +
 	"\x17INSTANCE_STATE_CREATING\x10\x01\x12\x1a\n" +
@@ -1217,7 +1456,7 @@ func file_vmflow_v1_record_proto_rawDescGZIP() []byte {
 }
 
 var file_vmflow_v1_record_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_vmflow_v1_record_proto_msgTypes = make([]protoimpl.MessageInfo, 7)
+var file_vmflow_v1_record_proto_msgTypes = make([]protoimpl.MessageInfo, 9)
 var file_vmflow_v1_record_proto_goTypes = []any{
 	(InstanceState)(0),            // 0: vmflow.v1.InstanceState
 	(StopStep)(0),                 // 1: vmflow.v1.StopStep
@@ -1228,36 +1467,43 @@ var file_vmflow_v1_record_proto_goTypes = []any{
 	(*ProcessIdentity)(nil),       // 6: vmflow.v1.ProcessIdentity
 	(*BootMoment)(nil),            // 7: vmflow.v1.BootMoment
 	(*GpuClaim)(nil),              // 8: vmflow.v1.GpuClaim
-	(*InstanceRecord)(nil),        // 9: vmflow.v1.InstanceRecord
-	(*timestamppb.Timestamp)(nil), // 10: google.protobuf.Timestamp
+	(*Lease)(nil),                 // 9: vmflow.v1.Lease
+	(*VgpuLease)(nil),             // 10: vmflow.v1.VgpuLease
+	(*InstanceRecord)(nil),        // 11: vmflow.v1.InstanceRecord
+	(*timestamppb.Timestamp)(nil), // 12: google.protobuf.Timestamp
 }
 var file_vmflow_v1_record_proto_depIdxs = []int32{
 	5,  // 0: vmflow.v1.VMSpec.kernel_image:type_name -> vmflow.v1.ImageRef
 	5,  // 1: vmflow.v1.VMSpec.initrd_image:type_name -> vmflow.v1.ImageRef
 	5,  // 2: vmflow.v1.VMSpec.disk_image:type_name -> vmflow.v1.ImageRef
 	2,  // 3: vmflow.v1.GpuClaim.phase:type_name -> vmflow.v1.ClaimPhase
-	10, // 4: vmflow.v1.GpuClaim.released_at:type_name -> google.protobuf.Timestamp
-	10, // 5: vmflow.v1.GpuClaim.claimed_at:type_name -> google.protobuf.Timestamp
-	3,  // 6: vmflow.v1.InstanceRecord.spec:type_name -> vmflow.v1.VMSpec
-	0,  // 7: vmflow.v1.InstanceRecord.state:type_name -> vmflow.v1.InstanceState
-	1,  // 8: vmflow.v1.InstanceRecord.stop_step:type_name -> vmflow.v1.StopStep
-	10, // 9: vmflow.v1.InstanceRecord.stop_step_at:type_name -> google.protobuf.Timestamp
-	6,  // 10: vmflow.v1.InstanceRecord.process:type_name -> vmflow.v1.ProcessIdentity
-	8,  // 11: vmflow.v1.InstanceRecord.gpu_claim:type_name -> vmflow.v1.GpuClaim
-	10, // 12: vmflow.v1.InstanceRecord.last_start:type_name -> google.protobuf.Timestamp
-	10, // 13: vmflow.v1.InstanceRecord.last_exit:type_name -> google.protobuf.Timestamp
-	10, // 14: vmflow.v1.InstanceRecord.created_at:type_name -> google.protobuf.Timestamp
-	10, // 15: vmflow.v1.InstanceRecord.updated_at:type_name -> google.protobuf.Timestamp
-	10, // 16: vmflow.v1.InstanceRecord.launch_started_at:type_name -> google.protobuf.Timestamp
-	10, // 17: vmflow.v1.InstanceRecord.needs_attention_at:type_name -> google.protobuf.Timestamp
-	4,  // 18: vmflow.v1.InstanceRecord.disk_base:type_name -> vmflow.v1.FileIdentity
-	7,  // 19: vmflow.v1.InstanceRecord.stop_step_boot:type_name -> vmflow.v1.BootMoment
-	7,  // 20: vmflow.v1.InstanceRecord.last_exit_boot:type_name -> vmflow.v1.BootMoment
-	21, // [21:21] is the sub-list for method output_type
-	21, // [21:21] is the sub-list for method input_type
-	21, // [21:21] is the sub-list for extension type_name
-	21, // [21:21] is the sub-list for extension extendee
-	0,  // [0:21] is the sub-list for field type_name
+	12, // 4: vmflow.v1.GpuClaim.released_at:type_name -> google.protobuf.Timestamp
+	12, // 5: vmflow.v1.GpuClaim.claimed_at:type_name -> google.protobuf.Timestamp
+	2,  // 6: vmflow.v1.Lease.phase:type_name -> vmflow.v1.ClaimPhase
+	12, // 7: vmflow.v1.Lease.claimed_at:type_name -> google.protobuf.Timestamp
+	12, // 8: vmflow.v1.Lease.released_at:type_name -> google.protobuf.Timestamp
+	10, // 9: vmflow.v1.Lease.vgpu:type_name -> vmflow.v1.VgpuLease
+	3,  // 10: vmflow.v1.InstanceRecord.spec:type_name -> vmflow.v1.VMSpec
+	0,  // 11: vmflow.v1.InstanceRecord.state:type_name -> vmflow.v1.InstanceState
+	1,  // 12: vmflow.v1.InstanceRecord.stop_step:type_name -> vmflow.v1.StopStep
+	12, // 13: vmflow.v1.InstanceRecord.stop_step_at:type_name -> google.protobuf.Timestamp
+	6,  // 14: vmflow.v1.InstanceRecord.process:type_name -> vmflow.v1.ProcessIdentity
+	8,  // 15: vmflow.v1.InstanceRecord.gpu_claim:type_name -> vmflow.v1.GpuClaim
+	12, // 16: vmflow.v1.InstanceRecord.last_start:type_name -> google.protobuf.Timestamp
+	12, // 17: vmflow.v1.InstanceRecord.last_exit:type_name -> google.protobuf.Timestamp
+	12, // 18: vmflow.v1.InstanceRecord.created_at:type_name -> google.protobuf.Timestamp
+	12, // 19: vmflow.v1.InstanceRecord.updated_at:type_name -> google.protobuf.Timestamp
+	12, // 20: vmflow.v1.InstanceRecord.launch_started_at:type_name -> google.protobuf.Timestamp
+	12, // 21: vmflow.v1.InstanceRecord.needs_attention_at:type_name -> google.protobuf.Timestamp
+	4,  // 22: vmflow.v1.InstanceRecord.disk_base:type_name -> vmflow.v1.FileIdentity
+	7,  // 23: vmflow.v1.InstanceRecord.stop_step_boot:type_name -> vmflow.v1.BootMoment
+	7,  // 24: vmflow.v1.InstanceRecord.last_exit_boot:type_name -> vmflow.v1.BootMoment
+	9,  // 25: vmflow.v1.InstanceRecord.leases:type_name -> vmflow.v1.Lease
+	26, // [26:26] is the sub-list for method output_type
+	26, // [26:26] is the sub-list for method input_type
+	26, // [26:26] is the sub-list for extension type_name
+	26, // [26:26] is the sub-list for extension extendee
+	0,  // [0:26] is the sub-list for field type_name
 }
 
 func init() { file_vmflow_v1_record_proto_init() }
@@ -1265,13 +1511,16 @@ func file_vmflow_v1_record_proto_init() {
 	if File_vmflow_v1_record_proto != nil {
 		return
 	}
+	file_vmflow_v1_record_proto_msgTypes[6].OneofWrappers = []any{
+		(*Lease_Vgpu)(nil),
+	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_vmflow_v1_record_proto_rawDesc), len(file_vmflow_v1_record_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   7,
+			NumMessages:   9,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

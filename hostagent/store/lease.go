@@ -1,0 +1,224 @@
+package store
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+
+	vmflowv1 "vmflow/proto/vmflow/v1"
+)
+
+// A lease (vmflowv1.Lease) is one host resource an instance holds: written
+// ahead in the record before the resource exists (phase INTENT), ACTIVE once
+// it does, RELEASING while a release runs, and held until released_at is
+// set. The store removes no record while any of its leases is held
+// (invariant 1), and the delete's release stage releases every lease, only
+// once the VM's thread group is gone (invariant 2).
+//
+// Adding a kind (a whole GPU, a TAP, an address) takes, all local to it:
+//   - a message for what it names and a field in Lease's resource oneof
+//     (record.proto, then make proto);
+//   - a case in LeaseKind (its name in messages) and in LeaseName (the one
+//     name under which at most one held lease on the host may hold the
+//     resource: invariants 10 and 13);
+//   - a releaser for it in the delete's release stage (activities).
+//
+// The phases, the held rule, the release bookkeeping (LeaseReleasing,
+// LeaseReleaseFailed, LeaseReleased), the store's removal guard and the
+// record migration are shared by every kind and need nothing new.
+
+// Lease kinds, as LeaseKind names them.
+const (
+	KindVGPU = "vgpu"
+)
+
+// LeaseKind names l's kind ("vgpu"); "unknown" for a lease with no
+// resource, which ValidateRecord refuses.
+func LeaseKind(l *vmflowv1.Lease) string {
+	switch l.GetResource().(type) {
+	case *vmflowv1.Lease_Vgpu:
+		return KindVGPU
+	}
+	return "unknown"
+}
+
+// LeaseName is the name under which l holds its resource on the host,
+// "<kind>:<resource>" (for a vGPU, its device: ClaimDevice): two held
+// leases with one name are one resource booked twice.
+func LeaseName(l *vmflowv1.Lease) string {
+	switch r := l.GetResource().(type) {
+	case *vmflowv1.Lease_Vgpu:
+		return KindVGPU + ":" + ClaimDevice(r.Vgpu)
+	}
+	return "unknown:"
+}
+
+// VGPULease is a lease on the vGPU v names, for LeaseIntent.
+func VGPULease(v *vmflowv1.VgpuLease) *vmflowv1.Lease {
+	return &vmflowv1.Lease{Resource: &vmflowv1.Lease_Vgpu{Vgpu: v}}
+}
+
+// LeaseHeld reports whether l is held: from the moment it is recorded
+// (INTENT, before the resource exists) until its release is confirmed.
+func LeaseHeld(l *vmflowv1.Lease) bool {
+	return l != nil && l.GetReleasedAt() == nil
+}
+
+// HeldLeases are rec's held leases, in record order.
+func HeldLeases(rec *vmflowv1.InstanceRecord) []*vmflowv1.Lease {
+	var out []*vmflowv1.Lease
+	for _, l := range rec.GetLeases() {
+		if LeaseHeld(l) {
+			out = append(out, l)
+		}
+	}
+	return out
+}
+
+// AnyLeaseHeld reports whether rec holds any lease: while it does, the
+// record must not be removed (invariant 1).
+func AnyLeaseHeld(rec *vmflowv1.InstanceRecord) bool {
+	return len(HeldLeases(rec)) > 0
+}
+
+// VGPU is rec's vGPU lease, held or released; nil when it has none. An
+// instance has at most one (ValidateRecord).
+func VGPU(rec *vmflowv1.InstanceRecord) *vmflowv1.Lease {
+	for _, l := range rec.GetLeases() {
+		if l.GetVgpu() != nil {
+			return l
+		}
+	}
+	return nil
+}
+
+// ClaimHeld reports whether rec holds a vGPU lease.
+func ClaimHeld(rec *vmflowv1.InstanceRecord) bool {
+	return LeaseHeld(VGPU(rec))
+}
+
+// ClaimDevice names the device a vGPU lease holds: the SR-IOV VF when there
+// is one, else the mdev UUID (the mdev's sysfs name and QEMU's sysfsdev).
+// The one rule every package names vGPUs by, so messages, the ledger and
+// the CLI agree.
+func ClaimDevice(c *vmflowv1.VgpuLease) string {
+	if c.GetDeviceId() != "" {
+		return c.GetDeviceId()
+	}
+	return c.GetUuid()
+}
+
+// describeLease is l for messages: "vgpu lease (profile "p", device d,
+// phase ACTIVE)".
+func describeLease(l *vmflowv1.Lease) string {
+	switch r := l.GetResource().(type) {
+	case *vmflowv1.Lease_Vgpu:
+		return fmt.Sprintf("vgpu lease (profile %q, device %s, phase %s)", r.Vgpu.GetProfile(), ClaimDevice(r.Vgpu), l.GetPhase())
+	}
+	return fmt.Sprintf("%s lease (phase %s)", LeaseKind(l), l.GetPhase())
+}
+
+// validateLeases is ValidateRecord's part for leases: every lease has a
+// kind this agent knows and a phase it can name, and no two name one
+// resource; an instance holds at most one vGPU.
+func validateLeases(rec *vmflowv1.InstanceRecord) error {
+	names := map[string]bool{}
+	vgpus := 0
+	for i, l := range rec.GetLeases() {
+		if l.GetResource() == nil {
+			return fmt.Errorf("%w: instance %s: lease %d has no resource", ErrInvalidRecord, rec.GetId(), i)
+		}
+		if _, ok := vmflowv1.ClaimPhase_name[int32(l.GetPhase())]; !ok {
+			return fmt.Errorf("%w: instance %s has unknown lease phase %d", ErrInvalidRecord, rec.GetId(), l.GetPhase())
+		}
+		if n := LeaseName(l); names[n] {
+			return fmt.Errorf("%w: instance %s has two leases of %s", ErrInvalidRecord, rec.GetId(), n)
+		} else {
+			names[n] = true
+		}
+		if l.GetVgpu() != nil {
+			vgpus++
+		}
+	}
+	if vgpus > 1 {
+		return fmt.Errorf("%w: instance %s has %d vgpu leases, at most one is allowed", ErrInvalidRecord, rec.GetId(), vgpus)
+	}
+	return nil
+}
+
+// migrate converts the record's old shapes into the current one, in place,
+// and reports whether it changed anything. It is the only code that reads
+// an old shape: every record the store reads passes through it (readers
+// never see an old shape), and Store.Migrate writes the converted records
+// back once at agent start.
+//
+// Old shapes: gpu_claim, the one vGPU claim a record held before leases,
+// becomes a vgpu lease with the same phase and release bookkeeping.
+func migrate(rec *vmflowv1.InstanceRecord) bool {
+	c := rec.GetGpuClaim()
+	if c == nil || VGPU(rec) != nil {
+		// Both shapes at once is no record an agent wrote: ValidateRecord
+		// refuses it, and nothing is guessed.
+		return false
+	}
+	rec.Leases = append(rec.Leases, &vmflowv1.Lease{
+		Phase: c.GetPhase(), ClaimedAt: c.GetClaimedAt(), ReleaseAttempts: c.GetReleaseAttempts(),
+		LastReleaseError: c.GetLastReleaseError(), ReleasedAt: c.GetReleasedAt(),
+		Resource: &vmflowv1.Lease_Vgpu{Vgpu: &vmflowv1.VgpuLease{
+			Profile: c.GetProfile(), Parent: c.GetParent(), TypeId: c.GetTypeId(), Uuid: c.GetUuid(),
+			DeviceId: c.GetDeviceId(), Driver: c.GetDriver(),
+		}},
+	})
+	rec.GpuClaim = nil
+	return true
+}
+
+// Migrate writes back, once at agent start, every record still on disk in
+// an old shape (see migrate), each under its lock, and returns their ids.
+// Readers never depend on it (every read converts), but from here on the
+// files say what the agent reads. A record that cannot be read is left to
+// re-attach, which quarantines it; the others are migrated all the same,
+// and the error names the ones that failed.
+func (s *Store) Migrate(ctx context.Context) ([]string, error) {
+	ids, err := s.IDs()
+	if err != nil {
+		return nil, fmt.Errorf("migrate records: %w", err)
+	}
+	var done []string
+	var errs []error
+	for _, id := range ids {
+		err := s.withLock(ctx, id, func(l *Locked) error {
+			if !oldShape(l.paths.Record) {
+				return nil
+			}
+			rec, err := readRecord(l.paths, id)
+			if err != nil {
+				return nil // re-attach quarantines it
+			}
+			if err := l.write(rec); err != nil {
+				return err
+			}
+			done = append(done, id)
+			return nil
+		})
+		if err != nil {
+			errs = append(errs, fmt.Errorf("migrate record of instance %s: %w", id, err))
+		}
+	}
+	return done, errors.Join(errs...)
+}
+
+// oldShape reports whether the record file at path decodes to a shape
+// migrate converts.
+func oldShape(path string) bool {
+	b, err := os.ReadFile(path)
+	if err != nil || len(b) > maxRecordSize {
+		return false
+	}
+	rec := &vmflowv1.InstanceRecord{}
+	if unmarshalOpts.Unmarshal(b, rec) != nil {
+		return false
+	}
+	return migrate(rec)
+}

@@ -1,0 +1,586 @@
+package store
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"time"
+
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	"vmflow/hostagent/proc"
+	vmflowv1 "vmflow/proto/vmflow/v1"
+)
+
+// The instance's lifecycle as named steps: every change of a field the
+// lifecycle owns (the state, the launch marker, the process, the stop step,
+// the exit, the restart count, needs-attention, last_error, the leases, the
+// disk base) is one of these, applied with Locked.Apply, and each checks its
+// own precondition and refuses what it does not allow with a *StepError.
+// Update's backstop (the state table, the marker rule, validation) still
+// checks every write. Code outside this package never sets those fields
+// (the import-rule test in hostagent/ walks for assignments).
+//
+// A launch:  BeginLaunch → Forked → Running, or → LaunchFailed
+// An exit:   Gone (or LostProcess for a Running record with no process)
+// A stop:    StopStepTaken … (with Gone at the last step), or NothingRuns
+// A delete:  Locked.BeginDelete → the leases' LeaseReleasing →
+//            LeaseReleased | LeaseReleaseFailed → Locked.Delete
+// A lease:   LeaseIntent → VGPUActive → LeaseReleasing → LeaseReleased
+
+// A Step is one named transition of an instance record.
+type Step struct {
+	name  string
+	apply func(r *vmflowv1.InstanceRecord) error
+}
+
+// StepError is a step its precondition refused. It wraps Err, the sentinel
+// callers branch on (ErrIllegalTransition, ErrConflict, ErrDeleting).
+type StepError struct {
+	Step   string
+	State  vmflowv1.InstanceState
+	Reason string
+	Err    error
+}
+
+func (e *StepError) Error() string {
+	return fmt.Sprintf("%s: %s refused in state %s: %s", e.Err, e.Step, StateName(e.State), e.Reason)
+}
+
+// Unwrap makes errors.Is see Err.
+func (e *StepError) Unwrap() error { return e.Err }
+
+func refuse(step string, r *vmflowv1.InstanceRecord, sentinel error, format string, args ...any) error {
+	return &StepError{Step: step, State: r.GetState(), Reason: fmt.Sprintf(format, args...), Err: sentinel}
+}
+
+// Apply applies steps in order to the record and writes the result once
+// (nothing when they change nothing). A refused step writes nothing.
+func (l *Locked) Apply(steps ...Step) (*vmflowv1.InstanceRecord, error) {
+	return l.update(applySteps(steps), false)
+}
+
+// Apply is Locked.Apply under instance id's lock.
+func (s *Store) Apply(ctx context.Context, id string, steps ...Step) (rec *vmflowv1.InstanceRecord, err error) {
+	err = s.withLock(ctx, id, func(l *Locked) error {
+		rec, err = l.Apply(steps...)
+		return err
+	})
+	return rec, err
+}
+
+func applySteps(steps []Step) func(*vmflowv1.InstanceRecord) error {
+	return func(r *vmflowv1.InstanceRecord) error {
+		for _, s := range steps {
+			if err := s.apply(r); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+}
+
+// Exit is how a QEMU ended, as the record keeps it.
+type Exit struct {
+	At     time.Time
+	Status string // "exit status 1", "signal: killed", "unknown (...)"
+	Code   int32  // -1 for a signal or an unknown status
+}
+
+// TakeBack returns VFIO group nodes a QEMU's uid was given to root and
+// returns the ones it could not (they stay listed for the next try). The
+// steps that record a QEMU gone call it with the record's nodes.
+type TakeBack func(nodes []string) (left []string)
+
+func ts(t time.Time) *timestamppb.Timestamp { return timestamppb.New(t) }
+
+// MayQEMULive answers, from the record, whether a QEMU of it may run: nil
+// when none can, else an error saying why (no sentinel: each caller wraps
+// its own). A launch marker with no process yet, and a recorded process
+// alive or whose liveness cannot be read ("can't tell" is alive, invariant
+// 2), may live. With unproven set, a record that names no process and
+// whose absence no stop has confirmed (stop step not gone) also may, when
+// launched reports that it ever launched: an agent older than the launch
+// marker that died between fork and recording the pid left exactly that.
+func MayQEMULive(rec *vmflowv1.InstanceRecord, unproven bool, launched func() (bool, error)) error {
+	if at := rec.GetLaunchStartedAt(); at != nil && rec.GetProcess() == nil {
+		return fmt.Errorf("a launch began at %s and its QEMU is not recorded yet", at.AsTime().UTC().Format(time.RFC3339Nano))
+	}
+	if p := rec.GetProcess(); p != nil {
+		st := proc.Inspect(IdentityOf(p))
+		if st.Alive {
+			detail := fmt.Sprintf("%d tasks", st.Tasks)
+			if st.Err != "" {
+				detail = st.Err
+			}
+			return fmt.Errorf("%v is %s (%s)", st.Identity, st.State, detail)
+		}
+		return nil
+	}
+	if !unproven || rec.GetStopStep() == vmflowv1.StopStep_STOP_STEP_GONE {
+		return nil
+	}
+	if rec.GetLastStart() == nil && rec.GetLastExit() == nil {
+		ok, err := launched()
+		if err != nil {
+			return fmt.Errorf("cannot tell whether a QEMU was started: %w", err)
+		}
+		if !ok {
+			return nil
+		}
+	}
+	return fmt.Errorf("no process recorded and no stop has confirmed that none runs (stop step %s)", rec.GetStopStep())
+}
+
+// BeginLaunch writes the launch marker before QEMU is forked (invariant
+// 11), with the VFIO group nodes about to be given to its uid listed first
+// (so whoever records it gone takes them back). Refused while a delete runs
+// or while a process is recorded.
+func BeginLaunch(at time.Time, vfioNodes []string) Step {
+	const name = "begin launch"
+	return Step{name, func(r *vmflowv1.InstanceRecord) error {
+		if IsDeleting(r) {
+			return refuse(name, r, ErrDeleting, "a delete has begun")
+		}
+		if r.GetProcess() != nil {
+			return refuse(name, r, ErrIllegalTransition, "a QEMU is recorded")
+		}
+		r.LaunchStartedAt, r.LaunchNonce = ts(at), ""
+		for _, n := range vfioNodes {
+			if !slices.Contains(r.VfioGroupNodes, n) {
+				r.VfioGroupNodes = append(r.VfioGroupNodes, n)
+			}
+		}
+		return nil
+	}}
+}
+
+// Forked records the QEMU just forked in place of the launch marker, in one
+// write, so the record always names the QEMU or says one may exist. It
+// clears a refusal recorded earlier (admitted and started). Refused unless
+// a launch began and no process is recorded.
+func Forked(pid proc.Identity, at time.Time) Step {
+	const name = "forked"
+	return Step{name, func(r *vmflowv1.InstanceRecord) error {
+		if r.GetLaunchStartedAt() == nil || r.GetProcess() != nil {
+			return refuse(name, r, ErrIllegalTransition, "no launch marker, or a QEMU already recorded")
+		}
+		r.Process = ProcessRecord(pid)
+		r.LaunchStartedAt, r.LaunchNonce = nil, ""
+		r.LastStart = ts(at)
+		r.StopStep, r.StopStepAt, r.StopStepBoot = vmflowv1.StopStep_STOP_STEP_NONE, nil, nil
+		r.LastError = ""
+		r.NeedsAttention, r.NeedsAttentionAt = "", nil
+		return nil
+	}}
+}
+
+// Adopted records a QEMU the record did not name (its agent died between
+// fork and recording it), found by the supervisor, and clears the marker.
+// Refused while a process is recorded.
+func Adopted(pid proc.Identity) Step {
+	const name = "adopted"
+	return Step{name, func(r *vmflowv1.InstanceRecord) error {
+		if r.GetProcess() != nil {
+			return refuse(name, r, ErrIllegalTransition, "a QEMU is recorded")
+		}
+		r.Process = ProcessRecord(pid)
+		if r.GetLaunchStartedAt() != nil {
+			r.LastStart = r.GetLaunchStartedAt()
+		}
+		r.LaunchStartedAt, r.LaunchNonce = nil, ""
+		r.StopStep, r.StopStepAt, r.StopStepBoot = vmflowv1.StopStep_STOP_STEP_NONE, nil, nil
+		return nil
+	}}
+}
+
+// ClearLaunchMarker removes the launch marker (and an older agent's nonce):
+// no QEMU of the launch runs, or the recorded process rules.
+func ClearLaunchMarker() Step {
+	return Step{"clear launch marker", func(r *vmflowv1.InstanceRecord) error {
+		r.LaunchStartedAt, r.LaunchNonce = nil, ""
+		return nil
+	}}
+}
+
+// Running moves the record to Running once QMP says so. Refused without a
+// recorded process; a record already Running is left as it is.
+func Running() Step {
+	const name = "running"
+	return Step{name, func(r *vmflowv1.InstanceRecord) error {
+		if r.GetProcess() == nil {
+			return refuse(name, r, ErrIllegalTransition, "no QEMU recorded")
+		}
+		if r.GetState() != running {
+			r.State = running
+		}
+		return nil
+	}}
+}
+
+// LaunchFailed undoes a launch whose QEMU is confirmed gone (or never
+// started: pid not valid): the pid the launch recorded is cleared with the
+// exit, the marker removed, the VFIO nodes taken back, cause kept.
+func LaunchFailed(pid proc.Identity, ex Exit, cause string, takeBack TakeBack) Step {
+	return Step{"launch failed", func(r *vmflowv1.InstanceRecord) error {
+		if pid.Valid() && r.GetProcess() != nil && IdentityOf(r.GetProcess()) == pid {
+			r.Process = nil
+			setExit(r, ex)
+		}
+		r.LaunchStartedAt, r.LaunchNonce = nil, ""
+		r.VfioGroupNodes = takeBack(r.GetVfioGroupNodes())
+		r.LastError = cause
+		return nil
+	}}
+}
+
+// Gone records that QEMU pid's thread group is gone: the process cleared,
+// the exit kept, the VFIO nodes taken back, Running moved to Exited, and the
+// restart count reset when the VM had stayed up its stable time. A record
+// that no longer names pid is left as it is.
+func Gone(pid proc.Identity, ex Exit, takeBack TakeBack) Step {
+	return Step{"gone", func(r *vmflowv1.InstanceRecord) error {
+		if r.GetProcess() == nil || IdentityOf(r.GetProcess()) != pid {
+			return nil
+		}
+		r.VfioGroupNodes = takeBack(r.GetVfioGroupNodes())
+		r.Process = nil
+		setExit(r, ex)
+		if r.GetState() == running {
+			r.State = exited
+		}
+		// Decided here, at the exit, from the recorded start: no timer,
+		// and the same answer after an agent restart.
+		if st := r.GetRestartStableAfterSeconds(); st > 0 && r.GetLastStart() != nil &&
+			ex.At.Sub(r.GetLastStart().AsTime()) >= time.Duration(st)*time.Second {
+			r.RestartCount = 0
+		}
+		return nil
+	}}
+}
+
+// LostProcess ends a Running record that names no process (an older agent
+// left it half written): its QEMU ended somehow, unseen. Refused while a
+// process is recorded; a record not Running is left as it is.
+func LostProcess(at time.Time) Step {
+	const name = "lost process"
+	return Step{name, func(r *vmflowv1.InstanceRecord) error {
+		if r.GetProcess() != nil {
+			return refuse(name, r, ErrIllegalTransition, "a QEMU is recorded")
+		}
+		if r.GetState() != running {
+			return nil
+		}
+		r.State = exited
+		setExit(r, Exit{At: at, Status: "unknown (no process recorded)", Code: -1})
+		return nil
+	}}
+}
+
+func setExit(r *vmflowv1.InstanceRecord, ex Exit) {
+	r.LastExit, r.LastExitBoot = ts(ex.At), BootMomentNow()
+	r.LastExitStatus, r.LastExitCode = ex.Status, ex.Code
+}
+
+// StopStepTaken records how far the stop ladder got, so a restarted agent
+// resumes it (a stop runs only under the manual-stop marker, which the
+// supervisor checks first).
+func StopStepTaken(step vmflowv1.StopStep, at time.Time) Step {
+	return Step{"stop step", func(r *vmflowv1.InstanceRecord) error {
+		r.StopStep, r.StopStepAt, r.StopStepBoot = step, ts(at), BootMomentNow()
+		return nil
+	}}
+}
+
+// NothingRuns records that a stop found no QEMU: stop step gone (its time
+// kept when it already was), Running moved to Exited. Refused while a
+// process is recorded.
+func NothingRuns(at time.Time) Step {
+	const name = "nothing runs"
+	return Step{name, func(r *vmflowv1.InstanceRecord) error {
+		if r.GetProcess() != nil {
+			return refuse(name, r, ErrIllegalTransition, "a QEMU is recorded")
+		}
+		if r.GetStopStepAt() == nil || r.GetStopStep() != vmflowv1.StopStep_STOP_STEP_GONE {
+			r.StopStepAt, r.StopStepBoot = ts(at), BootMomentNow()
+		}
+		r.StopStep = vmflowv1.StopStep_STOP_STEP_GONE
+		if r.GetState() == running {
+			r.State = exited
+		}
+		return nil
+	}}
+}
+
+// NewRestartStreak resets the restart count: an explicit launch supersedes
+// the restart policy's streak.
+func NewRestartStreak() Step {
+	return Step{"new restart streak", func(r *vmflowv1.InstanceRecord) error {
+		r.RestartCount = 0
+		return nil
+	}}
+}
+
+// RestartAttempt records the restart policy's attempt n before it launches.
+// Refused unless the record is Exited with no QEMU recorded: only an exited
+// VM is restarted.
+func RestartAttempt(n uint32) Step {
+	const name = "restart attempt"
+	return Step{name, func(r *vmflowv1.InstanceRecord) error {
+		if r.GetState() != exited || r.GetProcess() != nil {
+			return refuse(name, r, ErrIllegalTransition, "not an exited VM")
+		}
+		r.RestartCount = n
+		return nil
+	}}
+}
+
+// RestartRefused records a restart the host's configuration refused: the
+// count goes back to count (nothing started) and the instance needs
+// attention.
+func RestartRefused(count uint32, reason string, at time.Time) Step {
+	return Step{"restart refused", func(r *vmflowv1.InstanceRecord) error {
+		r.RestartCount = count
+		r.NeedsAttention, r.NeedsAttentionAt = reason, ts(at)
+		return nil
+	}}
+}
+
+// NeedsAttention says an operator must look, and why. The time says when
+// the instance first needed attention: kept while the reason stays, and
+// while a reason of keepSince's kind is replaced by another.
+func NeedsAttention(reason string, at time.Time, keepSince bool) Step {
+	return Step{"needs attention", func(r *vmflowv1.InstanceRecord) error {
+		if r.GetNeedsAttention() == reason {
+			return nil
+		}
+		if !keepSince || r.GetNeedsAttention() == "" {
+			r.NeedsAttentionAt = ts(at)
+		}
+		r.NeedsAttention = reason
+		return nil
+	}}
+}
+
+// RecordError keeps the last failure worth showing an operator.
+func RecordError(text string) Step {
+	return Step{"record error", func(r *vmflowv1.InstanceRecord) error {
+		r.LastError = text
+		return nil
+	}}
+}
+
+// DiskBaseSeen records the disk's base image the overlay was first made on.
+// Refused (ErrConflict) when another base is recorded.
+func DiskBaseSeen(id *vmflowv1.FileIdentity) Step {
+	const name = "disk base seen"
+	return Step{name, func(r *vmflowv1.InstanceRecord) error {
+		if was := r.GetDiskBase(); was != nil && !proto.Equal(was, id) {
+			return refuse(name, r, ErrConflict, "another base image is recorded")
+		}
+		r.DiskBase = id
+		return nil
+	}}
+}
+
+// The delete.
+
+// Spawn names a spawn workflow execution: a failed spawn's clean-up deletes
+// only what that spawn created (invariant 9). The zero Spawn is a delete
+// asked for by anyone.
+type Spawn struct{ WorkflowID, RunID string }
+
+// DeleteBegun is what Locked.BeginDelete did.
+type DeleteBegun struct {
+	// Record as it now is (nil when Absent or NotOwned).
+	Record *vmflowv1.InstanceRecord
+	// Absent: there was no record.
+	Absent bool
+	// NotOwned: the clean-up's spawn did not create the record; nothing
+	// was written. CreatedBy says who did.
+	NotOwned  bool
+	CreatedBy string
+}
+
+// BeginDelete writes the manual-stop marker, then moves the record to
+// Deleting (invariant 6): from here neither the restart policy nor a spawn
+// brings the VM back. For a spawn's clean-up (by set) the record is touched
+// only if that spawn created it (invariant 9): one created by anyone else
+// is NotOwned with nothing written, and one that cannot be read is an
+// error (its owner is unknown, not another). A missing record is Absent.
+// The marker goes first even for a record that cannot be read when by is
+// zero: a delete asked for must block restarts.
+func (l *Locked) BeginDelete(by Spawn) (DeleteBegun, error) {
+	if err := l.held(); err != nil {
+		return DeleteBegun{}, err
+	}
+	rec, err := l.Get()
+	if errors.Is(err, ErrNotFound) {
+		return DeleteBegun{Absent: true}, nil
+	}
+	if by.WorkflowID != "" {
+		if err != nil {
+			return DeleteBegun{}, fmt.Errorf("begin delete: whose record is unknown, nothing written: %w", err)
+		}
+		if !CreatedBy(rec, by.WorkflowID, by.RunID) {
+			return DeleteBegun{NotOwned: true, CreatedBy: CreatorOf(rec)}, nil
+		}
+	}
+	if err := l.MarkManualStop(); err != nil {
+		return DeleteBegun{}, fmt.Errorf("write manual-stop marker: %w", err)
+	}
+	rec, err = l.Apply(Step{"begin delete", func(r *vmflowv1.InstanceRecord) error {
+		if !isDeleting(r.GetState()) {
+			r.State = deleting
+		}
+		return nil
+	}})
+	if err != nil {
+		return DeleteBegun{}, fmt.Errorf("begin delete: %w", err)
+	}
+	return DeleteBegun{Record: rec}, nil
+}
+
+// Leases.
+
+// LeaseIntent records a new lease before its resource exists (phase INTENT).
+// Refused (ErrDeleting) once a delete began, and (ErrConflict) when the
+// record already has a lease of that name or, for a vGPU, a held vGPU.
+func LeaseIntent(lease *vmflowv1.Lease, at time.Time) Step {
+	const name = "lease intent"
+	return Step{name, func(r *vmflowv1.InstanceRecord) error {
+		if IsDeleting(r) {
+			return refuse(name, r, ErrDeleting, "a delete has begun")
+		}
+		n := LeaseName(lease)
+		for _, have := range r.GetLeases() {
+			if LeaseName(have) == n || (lease.GetVgpu() != nil && have.GetVgpu() != nil) {
+				return refuse(name, r, ErrConflict, "the record already has %s", describeLease(have))
+			}
+		}
+		l := proto.CloneOf(lease)
+		l.Phase, l.ClaimedAt = vmflowv1.ClaimPhase_CLAIM_PHASE_INTENT, ts(at)
+		r.Leases = append(r.Leases, l)
+		return nil
+	}}
+}
+
+// VGPUActive records that the vGPU lease's device exists (phase ACTIVE),
+// with the device id and parent the driver reports.
+func VGPUActive(deviceID, parent string) Step {
+	const name = "vgpu active"
+	return Step{name, func(r *vmflowv1.InstanceRecord) error {
+		l := VGPU(r)
+		if !LeaseHeld(l) {
+			return refuse(name, r, ErrIllegalTransition, "no held vgpu lease")
+		}
+		v := l.GetVgpu()
+		v.DeviceId, l.Phase = deviceID, vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE
+		if parent != "" {
+			v.Parent = parent
+		}
+		return nil
+	}}
+}
+
+// heldLease is the held lease named name in r, or a refusal of step.
+func heldLease(step string, r *vmflowv1.InstanceRecord, name string) (*vmflowv1.Lease, error) {
+	for _, l := range r.GetLeases() {
+		if LeaseName(l) == name && LeaseHeld(l) {
+			return l, nil
+		}
+	}
+	return nil, refuse(step, r, ErrIllegalTransition, "no held lease %s", name)
+}
+
+// LeaseReleasing marks the lease name's release under way (written before
+// the release's write to the kernel). Refused unless a delete began (only a
+// delete releases what an instance holds) and the lease is held.
+func LeaseReleasing(name string) Step {
+	const step = "lease releasing"
+	return Step{step, func(r *vmflowv1.InstanceRecord) error {
+		if !IsDeleting(r) {
+			return refuse(step, r, ErrIllegalTransition, "no delete has begun")
+		}
+		l, err := heldLease(step, r, name)
+		if err != nil {
+			return err
+		}
+		l.Phase = vmflowv1.ClaimPhase_CLAIM_PHASE_RELEASING
+		return nil
+	}}
+}
+
+// leaseLabel is a kind's name in an operator's message.
+func leaseLabel(l *vmflowv1.Lease) string {
+	if l.GetVgpu() != nil {
+		return "vGPU"
+	}
+	return LeaseKind(l)
+}
+
+// LeaseReleaseFailed records a failed release of lease name: the lease
+// stays held (invariant 1) with the attempt counted and the error kept, a
+// release in progress goes back to active, and a deleting record shows
+// ReleaseFailed. A lease no longer held is left alone (the error is still
+// kept on the record).
+func LeaseReleaseFailed(name, cause string) Step {
+	return Step{"lease release failed", func(r *vmflowv1.InstanceRecord) error {
+		label := "lease"
+		if l, err := heldLease("", r, name); err == nil {
+			l.ReleaseAttempts++
+			l.LastReleaseError = cause
+			if l.GetPhase() == vmflowv1.ClaimPhase_CLAIM_PHASE_RELEASING {
+				l.Phase = vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE
+			}
+			label = leaseLabel(l)
+		}
+		r.LastError = "release " + label + ": " + cause
+		if r.GetState() == deleting {
+			r.State = releaseFailed
+		}
+		return nil
+	}}
+}
+
+// LeaseReleased records that lease name's resource is confirmed released
+// at: the lease is no longer held, and a record in ReleaseFailed with no
+// lease left returns to Deleting, from where it may be removed.
+func LeaseReleased(name string, at time.Time) Step {
+	return Step{"lease released", func(r *vmflowv1.InstanceRecord) error {
+		if l, err := heldLease("", r, name); err == nil {
+			l.ReleasedAt, l.LastReleaseError = ts(at), ""
+		}
+		readyToRemove(r)
+		return nil
+	}}
+}
+
+// readyToRemove returns a record in ReleaseFailed to Deleting, the only
+// state Delete removes, once it holds no lease.
+func readyToRemove(r *vmflowv1.InstanceRecord) {
+	if r.GetState() == releaseFailed && !AnyLeaseHeld(r) {
+		r.State = deleting
+	}
+}
+
+// MayRemove answers whether the record may be removed now: nil, or an
+// error wrapping ErrClaimHeld (a lease is held: invariant 1),
+// ErrProcessMayLive (invariant 11) or ErrIllegalTransition (no delete began,
+// or one still in ReleaseFailed with a lease held).
+func MayRemove(rec *vmflowv1.InstanceRecord) error {
+	// Leases first, whatever the state: a held GPU is the reason an
+	// operator most needs to read.
+	if held := HeldLeases(rec); len(held) > 0 {
+		return fmt.Errorf("%w: %s; release it first", ErrClaimHeld, describeLease(held[0]))
+	}
+	if err := MayQEMULive(rec, false, nil); err != nil {
+		return fmt.Errorf("%w: %w; stop it and wait for its exit first", ErrProcessMayLive, err)
+	}
+	if s := rec.GetState(); s != deleting && s != releaseFailed {
+		return fmt.Errorf("%w: %s -> deleted (only a record being deleted can be removed)", ErrIllegalTransition, StateName(s))
+	}
+	return nil
+}
