@@ -13,6 +13,7 @@ import (
 	"google.golang.org/protobuf/reflect/protoreflect"
 
 	"vmflow/hostagent/store"
+	"vmflow/hostagent/vmm"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -173,6 +174,7 @@ func (f *fakeDevices) DevicePath(*vmflowv1.Lease) string { return "/sys/bus/mdev
 // or opened for the launch, the vGPU device included.
 func TestPrepareLaunchAdmitsFirst(t *testing.T) {
 	h, root := testHost(t)
+	h.MemlockLimit = 0 // an agent whose limit covers the device (LimitMEMLOCK=infinity); this process's may not
 	rec := &vmflowv1.InstanceRecord{Id: "vm1", Spec: RecordSpec(good(root)),
 		Leases: []*vmflowv1.Lease{{Phase: vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE,
 			Resource: &vmflowv1.Lease_Vgpu{Vgpu: &vmflowv1.VgpuLease{Profile: "GRID A100-4C"}}}}}
@@ -194,4 +196,13 @@ func TestPrepareLaunchAdmitsFirst(t *testing.T) {
 	_, err = PrepareLaunch(lowered, devs, true)(context.Background(), l, rec)
 	require.ErrorIs(t, err, ErrAdmissionRefused)
 	assert.Equal(t, 1, devs.ensured, "refused before the vGPU device was touched")
+
+	// An agent whose own hard memlock limit is below the device's pinned
+	// RAM refuses the launch while preparing it, naming the unit setting.
+	small := h
+	small.MemlockLimit = 8 << 20
+	_, err = PrepareLaunch(small, devs, true)(context.Background(), l, rec)
+	require.ErrorIs(t, err, vmm.ErrMemlockLimit)
+	_, err = PrepareLaunch(small, devs, false)(context.Background(), l, rec)
+	require.NoError(t, err, "without attaching the device nothing is pinned")
 }

@@ -51,7 +51,7 @@ func PrepareLaunch(h Host, devs Devices, attach bool) func(context.Context, *sto
 		}
 		// Before any image is opened: a host whose own memlock limit cannot
 		// cover the device's pinned RAM is refused naming the setting.
-		if err := vmm.CheckMemlock(v); err != nil {
+		if err := vmm.CheckMemlock(v, h.MemlockLimit); err != nil {
 			return vmm.VMSpec{}, fmt.Errorf("prepare launch of %s: %w", rec.GetId(), err)
 		}
 		if err := h.OpenImages(ctx, l.Paths(), rec, &v); err != nil {

@@ -92,13 +92,17 @@ type Host struct {
 	// "kvm", or empty) is refused before anything is created for it, where
 	// the launch would only fail later. The zero value is a usable KVM.
 	KVM vmm.KVMAccess
+	// MemlockLimit is the agent's own hard RLIMIT_MEMLOCK
+	// (vmm.MemlockLimit), which a VFIO VM's pinned RAM must fit under;
+	// 0 bounds nothing.
+	MemlockLimit uint64
 }
 
 // SystemHost describes this machine: its CPU count, its memory, its KVM
 // node (kvmDevice, vmm.DefaultKVMDevice when empty) and the given image
 // roots (which must exist), opened for the agent's life.
 func SystemHost(imageRoots []string, kvmDevice string, profiles func(context.Context) ([]string, error)) (Host, error) {
-	h := Host{MaxVCPUs: uint32(runtime.NumCPU()), Profiles: profiles, KVM: vmm.CheckKVM(kvmDevice)}
+	h := Host{MaxVCPUs: uint32(runtime.NumCPU()), Profiles: profiles, KVM: vmm.CheckKVM(kvmDevice), MemlockLimit: vmm.MemlockLimit()}
 	mem, err := memTotalMiB()
 	if err != nil {
 		return Host{}, err

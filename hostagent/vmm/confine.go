@@ -63,26 +63,27 @@ var ErrNoQEMUUID = errdefs.Misconfigured.New("qemu needs a uid of its own (not 0
 // LimitMEMLOCK=infinity is missing.
 var ErrMemlockLimit = errdefs.Misconfigured.New("the agent's hard RLIMIT_MEMLOCK is below what a VFIO VM pins (set LimitMEMLOCK=infinity)")
 
-// CheckMemlock refuses a spec whose QEMU would need more locked memory
-// than this process's own hard RLIMIT_MEMLOCK: its launch would fail in the
-// limit wrapper or the jail with no more than "operation not permitted" in
-// qemu.log. Only VFIO VMs pin memory.
-func CheckMemlock(spec VMSpec) error {
-	if len(spec.VFIO) == 0 {
-		return nil
-	}
+// MemlockLimit is this process's hard RLIMIT_MEMLOCK, which no QEMU it
+// starts can exceed; 0 when it cannot be read (nothing is then refused for
+// it: the launch says what went wrong).
+func MemlockLimit() uint64 {
 	var own unix.Rlimit
 	if err := unix.Getrlimit(unix.RLIMIT_MEMLOCK, &own); err != nil {
-		return fmt.Errorf("rlimits: memlock: %w", err)
+		return 0
 	}
-	return memlockFits(Limits{Memlock: memlockFor(spec)}, own)
+	return own.Max
 }
 
-func memlockFits(l Limits, own unix.Rlimit) error {
-	if own.Max != unix.RLIM_INFINITY && l.Memlock > own.Max {
-		return fmt.Errorf("%w: needs %d MiB, the hard limit is %d MiB", ErrMemlockLimit, l.Memlock>>20, own.Max>>20)
+// CheckMemlock refuses a spec whose QEMU would need more locked memory than
+// hard (MemlockLimit; 0 or RLIM_INFINITY: no bound): its launch would fail
+// in the limit wrapper or the jail with no more than "operation not
+// permitted" in qemu.log. Only VFIO VMs pin memory.
+func CheckMemlock(spec VMSpec, hard uint64) error {
+	need := memlockFor(spec)
+	if len(spec.VFIO) == 0 || hard == 0 || hard == unix.RLIM_INFINITY || need <= hard {
+		return nil
 	}
-	return nil
+	return fmt.Errorf("%w: needs %d MiB, the hard limit is %d MiB", ErrMemlockLimit, need>>20, hard>>20)
 }
 
 // ErrKVMAccess: /dev/kvm cannot be opened through its group, so a KVM
