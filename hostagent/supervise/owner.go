@@ -42,31 +42,23 @@ const findTimeout = 5 * time.Second
 // resolveLaunchLocked makes the locked record name every QEMU of the
 // instance (invariant 11). A record with the launch marker and no process
 // was left by an agent killed between writing the marker and recording the
-// fork's pid: QEMU may run, or may never have started. The process table
-// decides (vmm.FindUnrecorded): a process running the configured QEMU
-// binary, leading its own session, running as the record's qemu_uid with
-// -name guest=<id> is adopted (its identity recorded, the marker cleared),
-// and the caller's normal path then re-attaches or stops it by that
-// identity; none found clears the marker. With scan set, a record without a
-// marker is looked for too; scan is for callers about to conclude "nothing
-// runs" (Stop, TearDown). Records older agents left: a marker with a nonce
-// is matched by the nonce in QEMU's environment; a record with neither a
-// uid nor a nonce is never matched by its command line (anyone can start
-// QEMU with the instance's -qmp argument): without a marker nothing is
-// looked for, with one the instance needs attention (unprovableLaunch,
-// ErrUnrecordedAmbiguous). A record whose stop step is gone
-// is not looked at again (a Stop looked before writing it).
+// fork's pid: QEMU may run, or may never have started. vmm.FindUnrecorded
+// decides (it says what a match must be): a match is adopted (its identity
+// recorded, the marker cleared) and the caller's normal path then
+// re-attaches or stops it by that identity; none found clears the marker.
+// With scan set, a record without a marker is looked for too; scan is for
+// callers about to conclude "nothing runs" (Stop, TearDown). A record with
+// neither a uid nor a nonce is never matched by its command line: without a
+// marker nothing is looked for, with one the instance needs attention
+// (unprovableLaunch, ErrUnrecordedAmbiguous). A record whose stop step is
+// gone is not looked at again (a Stop looked before writing it).
 //
-// Errors: a candidate that cannot be read in time (proc.ErrCannotTell) or
-// any other failure to look wraps ErrStillRunning (retryable; the marker
-// stays). More than one match wraps ErrUnrecordedAmbiguous (not retryable;
-// nothing touched).
-//
-// The scan runs under the instance lock, which also closes the pre-exec
-// window (see vmm.FindUnrecorded): a child forked but not yet exec'd holds
-// the lock's open file, so nobody gets here until it is QEMU or gone.
-//
-// It returns the record as it now is and whether a QEMU was adopted.
+// A candidate that cannot be read in time (proc.ErrCannotTell) or any other
+// failure to look wraps ErrStillRunning (retryable; the marker stays); more
+// than one match wraps ErrUnrecordedAmbiguous (not retryable; nothing
+// touched). The instance lock held here also closes the pre-exec window (see
+// vmm.FindUnrecorded). It returns the record as it now is and whether a QEMU
+// was adopted.
 func (s *Supervisor) resolveLaunchLocked(ctx context.Context, l *store.Locked, in *instance, rec *vmflowv1.InstanceRecord, scan bool) (*vmflowv1.InstanceRecord, bool, error) {
 	marked := rec.GetLaunchStartedAt() != nil
 	if rec.GetProcess() != nil {
