@@ -225,8 +225,9 @@ func (l *Locked) AssignQEMUUID(ctx context.Context, r UIDRange, inUse func(conte
 // assigned uid, named by the uid, holding the instance id.
 const uidsDir = "qemu-uids"
 
-// readUIDLedger reads the ledger (under the uid lock): uid -> instance id ("" for an entry whose
-// content is not an id: it holds its uid all the same).
+// readUIDLedger reads the ledger (under the uid lock): uid -> instance id
+// ("" for an entry whose content is not an id: it holds its uid all the
+// same).
 func (s *Store) readUIDLedger() (map[uint32]string, error) {
 	// Under the uid lock no other ledger write is in flight: a temp file
 	// is a crashed writer's.

@@ -18,13 +18,12 @@ import (
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
-// ErrUnrecordedAmbiguous: more than one process passes as the instance's
-// unrecorded QEMU (a record without a uid or launch nonce, from an agent
-// older than both, matched by its -qmp argument: a wrapper such as `timeout 60 qemu ...`
-// plus the QEMU it runs, or a copy started by hand). One record cannot own
-// them all and the agent cannot tell which is its own: nothing is signalled,
+// ErrUnrecordedAmbiguous: the agent cannot tell which process is the
+// instance's unrecorded QEMU: more than one passes, or the launch marker is
+// on a record with neither a uid nor a launch nonce (an agent older than
+// both wrote it), so nothing can prove one. Nothing is signalled,
 // recorded or removed, and the instance needs an operator. Not retryable:
-// retrying sees the same processes.
+// retrying sees the same processes and the same record.
 var ErrUnrecordedAmbiguous = errdefs.Ambiguous.New("several processes pass as the instance's unrecorded qemu")
 
 // unprovableLaunch is the needs-attention reason of a launch marker on a
@@ -186,11 +185,12 @@ func (s *Supervisor) resolve(ctx context.Context, id string) (*vmflowv1.Instance
 // TearDown removes instance id's qemu.sock and qemu.pid, and only once no
 // QEMU of the instance can be alive: the launch marker resolved (an
 // unrecorded QEMU found is adopted, so TearDown refuses and a Stop can end
-// it; see resolveLaunchLocked; more than one is ErrUnrecordedAmbiguous), the recorded process confirmed gone (then recorded
-// as gone), and the socket not accepting connections. Otherwise it returns
-// an error wrapping ErrStillRunning (retryable) and removes nothing. A
-// missing record is nil (already torn down); an unreadable one is an error
-// wrapping store.ErrInvalidRecord.
+// it; see resolveLaunchLocked; more than one is ErrUnrecordedAmbiguous), the
+// recorded process confirmed gone (then recorded as gone), and the socket
+// not accepting connections. Otherwise it returns an error wrapping
+// ErrStillRunning (retryable) and removes nothing. A missing record is nil
+// (already torn down); an unreadable one is an error wrapping
+// store.ErrInvalidRecord.
 func (s *Supervisor) TearDown(ctx context.Context, id string) error {
 	in, err := s.instance(id)
 	if err != nil {

@@ -69,9 +69,10 @@ func (e *claimsEnv) ensure(t *testing.T, id string) (*vmflowv1.Lease, error) {
 	return e.claims.EnsureDeviceLocked(context.Background(), l)
 }
 
-// TestReleaseRetryAfterCrashSparesNextClaim: A's release writes 0, the agent dies before released_at is
-// recorded; B must not be placed on the VF A's held claim still names, so
-// that A's retried release cannot destroy B's vGPU.
+// TestReleaseRetryAfterCrashSparesNextClaim: A's release writes 0, the agent
+// dies before released_at is recorded; B must not be placed on the VF A's
+// held claim still names, so that A's retried release cannot destroy B's
+// vGPU.
 func TestReleaseRetryAfterCrashSparesNextClaim(t *testing.T) {
 	e := newClaims(t, vgpusim.Options{VendorVFs: 1})
 	ctx := context.Background()
@@ -369,9 +370,9 @@ func TestEnsureRefusesVFRunningAnotherType(t *testing.T) {
 	assert.Equal(t, "594", e.vfType(t, c.GetVgpu().GetDeviceId()), "left alone")
 }
 
-// TestReconcileKeepsOrphansWhileRecordUnreadable: a truncated record may name the orphan, so it survives the
-// round, and the round counts the record; once fixed, the orphan goes
-// after the grace period.
+// TestReconcileKeepsOrphansWhileRecordUnreadable: a truncated record may
+// name the orphan, so it survives the round, and the round counts the
+// record; once fixed, the orphan goes after the grace period.
 func TestReconcileKeepsOrphansWhileRecordUnreadable(t *testing.T) {
 	e := newClaims(t, vgpusim.Options{MdevParents: 1})
 	ctx := context.Background()
