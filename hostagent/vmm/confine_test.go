@@ -58,7 +58,7 @@ func requiresRoot(t *testing.T) { proctest.RequiresRoot(t, "only root can exec Q
 // filter), with PATH and LC_ALL=C as its whole environment, its rlimits
 // set, QMP served on the listener the agent bound (the socket path stays
 // the agent's, dialed by it), no pidfile, and the instance directory
-// still root's 0700. The stop ladder works unchanged.
+// still root's 0700. The stop ladder stops it as it stops any QEMU.
 func TestLaunchConfined(t *testing.T) {
 	requiresQEMU(t)
 	requiresRoot(t)
