@@ -42,15 +42,14 @@ func watchOpens(t *testing.T, path string) func() bool {
 	}
 }
 
-// TestAdmissionWithoutValidateSpawn reproduces issue 14's attack: a
-// caller's own workflow skips SpawnInstance and schedules CreateRecord,
-// then LaunchVM, with a disk outside every image root. CreateRecord refuses
-// it (InvalidInput, as ValidateSpawn does) and writes nothing; a record
-// that holds such a spec anyway (written by an agent before this check)
-// is refused by LaunchVM (AdmissionRefused, non-retryable) before the
-// fork; and the file is never opened. Fails on the code before admission
-// in CreateRecord and PrepareLaunch: both activities succeed and QEMU, as
-// root, opens the file.
+// TestAdmissionWithoutValidateSpawn: a caller's own workflow skips
+// SpawnInstance and schedules CreateRecord, then LaunchVM, with a disk
+// outside every image root. CreateRecord refuses it (InvalidInput, as
+// ValidateSpawn does) and writes nothing; a record that holds such a spec
+// anyway (written by an agent before this check) is refused by LaunchVM
+// (AdmissionRefused, non-retryable) before the fork; and the file is never
+// opened. Fails without admission in CreateRecord and PrepareLaunch: both
+// activities succeed and QEMU opens the file.
 func TestAdmissionWithoutValidateSpawn(t *testing.T) {
 	images, err := filepath.EvalSymlinks(t.TempDir())
 	require.NoError(t, err)
@@ -97,7 +96,7 @@ func TestAdmissionWithoutValidateSpawn(t *testing.T) {
 }
 
 // killRecorded kills the QEMU the record of id names, if any (identity
-// verified): on the code before the fix the attack starts one.
+// verified): without admission the attack starts one.
 func killRecorded(t *testing.T, st *store.Store, id string) {
 	rec, err := st.Get(id)
 	if err != nil || rec.GetProcess() == nil {

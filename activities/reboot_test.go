@@ -15,11 +15,11 @@ import (
 	"vmflow/workflows"
 )
 
-// TestLaunchRecreatesVGPULostInReboot (hole 6): mdev devices do not survive
+// TestLaunchRecreatesVGPULostInReboot: mdev devices do not survive
 // a host reboot. A VM whose active claim's device is gone gets it back
 // under the same UUID before QEMU starts; if it cannot be re-created, the
-// launch fails with ClaimDeviceMissing naming the claim and starts no QEMU.
-// On the previous main the launch went ahead without the device.
+// launch fails with ClaimDeviceMissing naming the claim and starts no QEMU,
+// rather than going ahead without the device.
 func TestLaunchRecreatesVGPULostInReboot(t *testing.T) {
 	h := newHost(t)
 	req := spawnReq("vm1")

@@ -12,8 +12,8 @@ import (
 )
 
 // Host errors that no retry can change are non-retryable with a type that
-// says why (issue 15); before, these fell through to a retryable HostError
-// that a delete retried forever out of sight.
+// says why, not a retryable HostError that a delete would retry forever out
+// of sight.
 
 // TestStopWithoutMarkerIsNotRetried: a StopVM for an instance whose delete
 // never wrote the manual-stop marker (a caller that skipped BeginDelete) is

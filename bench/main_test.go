@@ -44,7 +44,8 @@ func adopt(pids ...int) {
 // zombie-leader process of the exit-detection table), and, for a benchmark
 // run, into a child subreaper: a QEMU whose agent was killed with SIGKILL
 // comes to this process instead of PID 1, which here never reaps orphans
-// (measured: in this sandbox an orphan stays a zombie after it exits). In production systemd plays this part.
+// (measured: in this sandbox an orphan stays a zombie after it exits). In
+// production systemd plays this part.
 func TestMain(m *testing.M) {
 	proctest.RunHelperIfRequested()
 	if os.Getenv(envBench) != "1" {

@@ -124,9 +124,8 @@ func TestHostAgentEnvDocumentsEveryFlag(t *testing.T) {
 }
 
 // Both env files serve metrics on loopback only: /metrics, /healthz and
-// /readyz have no authentication (README.md, "Exposing metrics"). Fails on
-// the main of 2026-11-30, whose files bound :9464 and :9465 (every
-// interface).
+// /readyz have no authentication (README.md, "Exposing metrics"). Fails if
+// a file binds :9464 or :9465 (every interface).
 func TestEnvFilesBindMetricsToLoopback(t *testing.T) {
 	for file, want := range map[string]string{"vmflow-hostagent.env": "127.0.0.1:9464", "vmflow-worker.env": "127.0.0.1:9465"} {
 		b, err := os.ReadFile(file)

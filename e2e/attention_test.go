@@ -15,13 +15,13 @@ import (
 	"vmflow/workflows"
 )
 
-// Holes 4 and 5 of issue 11, for real (invariant 12): one instance's record
+// Invariant 12, for real: one instance's record
 // is torn while the agent is down. The restarted agent serves every other
 // instance (one is deleted, vGPU and all), leaves the torn one's VM alone,
 // and that instance's delete parks needing attention with RecordUnreadable
 // instead of retrying out of sight; once the record is repaired, `retry`
-// finishes it. On the previous main the agent exited at start on the torn
-// record, taking the whole host down.
+// finishes it. Fails if the agent exits at start on the torn record,
+// taking the whole host down.
 func TestTornRecordParksOnlyItsOwnDelete(t *testing.T) {
 	timeTest(t)
 	e := newEnv(t, envOptions{})
@@ -58,13 +58,13 @@ func TestTornRecordParksOnlyItsOwnDelete(t *testing.T) {
 	e.assertNothingLeft()
 }
 
-// Hole 7 of issue 11 (invariant 12 without breaking invariant 1): an agent
+// Invariant 12 without breaking invariant 1: an agent
 // restarted with --vgpu-driver=none on a host whose record holds a claim
 // starts and supervises, names the instance in its start log, and the
 // instance's delete waits needing attention with VGPUUnavailable, keeping
 // the record and claim, instead of reporting the release done while the
 // store refuses the record's delete forever. With the driver back, `retry`
-// finishes it. On the previous main the release "succeeded" silently.
+// finishes it. Fails if the release "succeeds" silently.
 func TestAgentWithoutDriverNeverReleasesSilently(t *testing.T) {
 	timeTest(t)
 	e := newEnv(t, envOptions{})

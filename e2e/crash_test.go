@@ -26,7 +26,7 @@ import (
 	"vmflow/workflows"
 )
 
-// The crash matrix (issue 11, "Crash points"): one run per crash point, and
+// The crash matrix: one run per crash point, and
 // one per activity of spawn and delete with the worker killed right after
 // that activity completed. Each run has a stack of its own (host id, state
 // dir, simulator, agent, worker) against the shared dev server, spawns an

@@ -23,7 +23,7 @@ import (
 	"vmflow/workflows"
 )
 
-// Issue 13, part 1: three host agents on one worker and one dev server.
+// Three host agents on one worker and one dev server.
 // 30 `-machine none` instances are spread over the hosts; one agent is
 // killed (-9) while some of its deletes are in the stop ladder. Only that
 // host's deletes show host-unreachable with VmNeedsAttention; the other

@@ -14,13 +14,12 @@ import (
 	"vmflow/workflows"
 )
 
-// Hole 1 of issue 11, for real (invariant 9): VM X runs with a vGPU but its
+// Invariant 9, for real: VM X runs with a vGPU but its
 // QEMU hangs (SIGSTOP: QMP silent); the platform re-sends X's spawn. The
 // re-sent spawn must fail with InstanceExists saying what it found, and
 // leave X alone: no stop, no release, no delete workflow. Once X answers
-// again, a re-sent spawn succeeds with X itself (same pid). On the previous
-// main the re-sent spawn retried LaunchVM three times and then started
-// DeleteInstance for X.
+// again, a re-sent spawn succeeds with X itself (same pid). Fails if the
+// re-sent spawn retries LaunchVM and then starts DeleteInstance for X.
 func TestResentSpawnNeverDestroysExistingInstance(t *testing.T) {
 	timeTest(t)
 	e := newEnv(t, envOptions{})

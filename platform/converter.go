@@ -17,13 +17,14 @@ import (
 
 // DataConverter returns the converter every vmflow client and worker uses.
 //
-// Proto messages travel as json/plain with proto field names (snake_case), so
-// the CLI's `--input '{"instance_id": ...}'` and what the Web UI shows are the
-// same JSON a person would type. Decoding into a proto message is strict:
-// unknown keys and camelCase spellings are errors that name the key. The
-// SDK's default converter decodes json/plain with encoding/json, which drops
-// a misspelled key silently (measured with SDK v1.51.0), and protojson on its own accepts the
-// camelCase json_name as well as the proto name, so neither is enough alone.
+// Proto messages travel as json/plain with proto field names (snake_case),
+// so the CLI's `--input '{"instance_id": ...}'` and what the Web UI shows
+// are the same JSON a person would type. Decoding into a proto message is
+// strict: unknown keys and camelCase spellings are errors that name the key.
+// The SDK's default converter decodes json/plain with encoding/json, which
+// drops a misspelled key silently (measured with SDK v1.51.0), and protojson
+// on its own accepts the camelCase json_name as well as the proto name, so
+// neither is enough alone.
 //
 // It also decodes what Temporal's official SDKs send with their default
 // converters, so a platform API needs no vmflow code to start a spawn:
@@ -32,10 +33,8 @@ import (
 // lowerCamel name of a field; unknown fields are refused), binary/protobuf,
 // and json/plain objects with snake_case keys (the TypeScript SDK). It
 // encodes only json/plain: results and query answers stay snake_case JSON,
-// readable in the Web UI and the CLI.
-//
-// Everything that is not a proto message (strings, numbers, plain structs,
-// nil, []byte) is handled exactly as by the SDK's default converter.
+// readable in the Web UI and the CLI. Everything that is not a proto message
+// is handled exactly as by the SDK's default converter.
 func DataConverter() converter.DataConverter {
 	return dataConverter
 }

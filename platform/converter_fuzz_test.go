@@ -14,8 +14,9 @@ import (
 // FuzzFromPayload: workflow inputs and signal payloads come from outside
 // (the CLI's --input, the platform API, a replayed history). Decoding any
 // bytes with either encoding into any vmflow input type must not panic; a
-// payload that decodes (json/plain or json/protobuf) was valid JSON, and its decoded message
-// survives an encode/decode round trip unchanged (nothing half-decoded).
+// payload that decodes (json/plain or json/protobuf) was valid JSON, and its
+// decoded message survives an encode/decode round trip unchanged (nothing
+// half-decoded).
 func FuzzFromPayload(f *testing.F) {
 	for _, s := range []string{
 		`{"instance_id":"vm1","host_id":"h1","vcpus":1,"memory_mib":128,"machine":"none"}`,

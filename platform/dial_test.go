@@ -233,8 +233,8 @@ func TestPermanentErrors(t *testing.T) {
 // TestClientOptionsRefusesInsecureTransport: what envconfig accepted as
 // given (an API key over plaintext, skip-verify, plaintext to a remote
 // host) is refused unless --insecure says so; loopback plaintext without
-// credentials (make dev) stays allowed. Fails on the main of 2026-11-30,
-// which connected with one info line.
+// credentials (make dev) stays allowed. Fails if the client connects
+// with only an info line.
 func TestClientOptionsRefusesInsecureTransport(t *testing.T) {
 	for _, tc := range []struct {
 		name string

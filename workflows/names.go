@@ -111,11 +111,11 @@ const (
 	// record from an agent before launch markers, and a copy someone
 	// started by hand). Nothing is signalled; an operator decides.
 	ErrTypeAmbiguousQEMU = "AmbiguousQEMU"
-	// The host cannot run this launch as configured: /dev/kvm's group
-	// cannot open it (so a confined QEMU could not either), a launch came
-	// without a uid of its own for QEMU, or the agent's wiring gives no
-	// launch spec for the record (supervise.ErrNoSpec). No retry changes that; the spawn fails at once
-	// saying why, and an operator fixes the host.
+	// The host cannot run this launch as configured: /dev/kvm's group cannot
+	// open it (so a confined QEMU could not either), a launch came without a
+	// uid of its own for QEMU, or the agent's wiring gives no launch spec
+	// for the record (supervise.ErrNoSpec). No retry changes that; the spawn
+	// fails at once saying why, and an operator fixes the host.
 	ErrTypeHostMisconfigured = "HostMisconfigured"
 	// A stop or a move to deleting was asked for without the manual-stop
 	// marker (invariant 6): the caller skipped BeginDelete, or the marker

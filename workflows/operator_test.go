@@ -14,10 +14,9 @@ import (
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
-// Tests of the retry and abandon updates (issue 12, "Operator actions
-// answer synchronously"). Before them both were signals only: an abandon
-// without a reason, or while the host answered, was dropped with a log
-// line and the sender saw success.
+// Tests of the retry and abandon updates: they answer synchronously, so an
+// abandon without a reason, or while the host answers, is refused to its
+// sender rather than dropped with a log line (as a signal would be).
 
 // updateOutcome is what an update's caller sees.
 type updateOutcome struct {

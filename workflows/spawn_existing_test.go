@@ -46,11 +46,11 @@ func TestRespawnOfRunningInstanceSucceedsWithoutTouchingIt(t *testing.T) {
 	e.AssertExpectations(t)
 }
 
-// TestRespawnOfStuckInstanceFailsWithoutDeleting: the scenario of hole 1 —
-// VM X runs but is paused/hung/its monitor held; the platform re-sends the
-// spawn; the existing-only launch says so: the spawn fails with
-// InstanceExists and never starts DeleteInstance for X. (Before the fix the
-// spawn retried LaunchVM and then deleted X.)
+// TestRespawnOfStuckInstanceFailsWithoutDeleting (invariant 9): VM X runs
+// but is paused/hung/its monitor held; the platform re-sends the spawn; the
+// existing-only launch says so: the spawn fails with InstanceExists and
+// never starts DeleteInstance for X (rather than retrying LaunchVM and then
+// deleting X).
 func TestRespawnOfStuckInstanceFailsWithoutDeleting(t *testing.T) {
 	e := newEnv(t)
 	e.OnActivity(h.ValidateSpawn, mock.Anything, mock.Anything).Return(nil).Once()

@@ -15,9 +15,9 @@ import (
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
-// Tests of hole 5 (issue 11): delete stages stuck outside the release loop
-// show needs-attention, non-retryable failures park instead of failing the
-// delete; and of the creator guard and reconcile's unreadable records.
+// Tests of delete stages stuck outside the release loop (they show
+// needs-attention; non-retryable failures park instead of failing the
+// delete), of the creator guard and of reconcile's unreadable records.
 
 // currentDetails is what the Web UI shows as Current Details.
 func (e *env) currentDetails() string {

@@ -148,8 +148,7 @@ func TestSupervisionWaitsUntilRecordsCanBeListed(t *testing.T) {
 // TestAgentRefusesInsecureTransportAndKeepsSupervising: plaintext to a
 // non-loopback Temporal without --insecure is refused, said once in the log
 // and on /readyz, and the agent goes on supervising without a connection
-// (invariant 12) until it is stopped. Fails on the main of 2026-11-30,
-// which dialed it.
+// (invariant 12) until it is stopped. Fails if the agent dials it.
 func TestAgentRefusesInsecureTransportAndKeepsSupervising(t *testing.T) {
 	dir := t.TempDir()
 	core, logs := observer.New(zapcore.InfoLevel)

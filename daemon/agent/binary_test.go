@@ -27,8 +27,8 @@ var testMachinery = []string{
 
 // The production agent (make build: no build tags) holds neither the crash
 // points nor the simulator; the harness's build (crashpoint.BuildTag) holds
-// the crash points, which shows the search finds what it looks for. Failed
-// on the code before, where both were compiled in always.
+// the crash points, which shows the search finds what it looks for. Fails
+// if either is compiled in always.
 func TestProductionBinaryHasNoTestMachinery(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds the agent twice")

@@ -345,7 +345,7 @@ const (
 	releaseBlocked = "blocked"
 	// releaseCrash: the sysfs write is blocked, the record becomes
 	// unreadable meanwhile, the write completes: the agent "died" between
-	// the device's removal and the record update (issue 11 hole 2a).
+	// the device's removal and the record update.
 	releaseCrash = "crash-after-write"
 )
 

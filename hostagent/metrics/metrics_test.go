@@ -80,8 +80,8 @@ vmflow_vgpu_release_failures_total{errno="ENODEV"} 0
 
 // TestScrapeReadsNoRecord: a scrape serves the store gauges from the last
 // snapshot. Every record file is made garbage after New: a scrape that read
-// any of them would count it unreadable. Fails on the main of 2026-11-30,
-// where every scrape re-read every record.
+// any of them would count it unreadable, so this fails if a scrape
+// re-reads the records.
 func TestScrapeReadsNoRecord(t *testing.T) {
 	dir, err := os.MkdirTemp("/tmp", "mt")
 	require.NoError(t, err)

@@ -135,7 +135,7 @@ func BenchmarkParseStat(b *testing.B) {
 // BenchmarkHolders scans the host for the holders of one file with a crowd
 // of busy processes running (by default 100 of 20 threads and 150
 // descriptors each, as a dense VM host has), reading every task's table
-// (every-task, how the scan used to work) and each distinct table once
+// (every-task, the naive scan to compare against) and each distinct table once
 // (ScanFDs). Both run in one invocation, on the same crowd:
 //
 //	go test -run '^$' -bench Holders -benchtime 5x ./hostagent/proc

@@ -535,8 +535,9 @@ var ctxT = proctest.Context
 
 // Threads sharing one fd table (as QEMU's do) have it read once, not once
 // per thread; a thread with a table of its own (unshare(CLONE_FILES)) has
-// its table read too, and what it holds is found. Fails on a scan that
-// reads every task's table (TablesRead is 17 here: 13 threads and the Go runtime's).
+// its table read too, and what it holds is found. Fails on a scan that reads
+// every task's table (TablesRead is 17 here: 13 threads and the Go
+// runtime's).
 func TestScanFDsReadsEachTableOnce(t *testing.T) {
 	f := filepath.Join(t.TempDir(), "vfio-7")
 	require.NoError(t, os.WriteFile(f, nil, 0o600))

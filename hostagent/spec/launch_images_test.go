@@ -139,9 +139,8 @@ func assertBytes(t *testing.T, path string, b byte) {
 // TestLaunchSymlinkSwappedAfterAdmission: a symlink inside the image root,
 // admitted pointing at an image in it, then swapped to a file outside the
 // root: the launch is refused naming the escape, and QEMU never opens the
-// outside file. On main (checked on a copy of it) the record kept the path,
-// QEMU re-resolved it and held secret.raw open read-write (fdinfo flags
-// 02100002).
+// outside file. Fails if the record keeps the path: QEMU re-resolves it
+// and holds secret.raw open read-write (fdinfo flags 02100002).
 func TestLaunchSymlinkSwappedAfterAdmission(t *testing.T) {
 	s := newStack(t)
 	secret := filepath.Join(s.outside, "secret.raw")
@@ -209,8 +208,7 @@ func TestLaunchHoldsWhatItOpened(t *testing.T) {
 // QEMU's argv names neither the image nor the overlay; QEMU holds the base
 // only read-only (two VMs share it at once); the overlay, with what was
 // written into it, survives a restart; delete removes it and leaves the
-// base as it was. On main the disk was the base itself, read-write, named
-// in the argv, with no overlay.
+// base as it was.
 func TestLaunchDiskOverlay(t *testing.T) {
 	s := newStack(t)
 	real := filepath.Join(s.root, "real.raw")

@@ -92,7 +92,7 @@ func TestValidateRejects(t *testing.T) {
 		{"cmdline", func(r *vmflowv1.SpawnRequest) { r.Cmdline = "a\nb" }},
 		{"vgpu_profile", func(r *vmflowv1.SpawnRequest) { r.VgpuProfile = "GRID A100-40C" }},
 		{"vgpu_profile", func(r *vmflowv1.SpawnRequest) { r.VgpuProfile = "grid a100-4c" }},
-		// Audit additions (issue 8): each input that reaches a path, an
+		// Each input that reaches a path, an
 		// argv element or a sysfs write has its rejection tested.
 		{"instance_id", func(r *vmflowv1.SpawnRequest) { r.InstanceId = "VM1" }},
 		{"instance_id", func(r *vmflowv1.SpawnRequest) { r.InstanceId = strings.Repeat("a", 64) }},

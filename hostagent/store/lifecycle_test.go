@@ -38,7 +38,7 @@ const oldShapeRecord = `{
 // TestOldShapeRecordLoadsAndMigrates: a record file written before leases
 // still loads, as a vgpu lease with its phase and release bookkeeping (so
 // the removal guard holds it), and Migrate writes it back in the new shape
-// once. Fails on the code before leases: there is no lease to read.
+// once.
 func TestOldShapeRecordLoadsAndMigrates(t *testing.T) {
 	s := newStore(t)
 	p, err := s.Paths("vm-old")
@@ -85,8 +85,8 @@ func TestBothShapesRefused(t *testing.T) {
 
 // TestDeleteFromReleaseFailedWithoutLease: a record left in ReleaseFailed
 // by a release whose success was recorded elsewhere is removable once no
-// lease is held (the store's own recovery; it used to be the activity's).
-// Fails on the code before: Delete refused ReleaseFailed outright.
+// lease is held: the store's own recovery, not the activity's. Fails if
+// Delete refuses ReleaseFailed outright.
 func TestDeleteFromReleaseFailedWithoutLease(t *testing.T) {
 	s := newStore(t)
 	ctx := context.Background()

@@ -52,8 +52,8 @@ func fill(t *testing.T, path string) {
 // the move to deleting, the stop ladder's record writes and the removal
 // itself get through by giving up the reserve. A spawn on the full file
 // system is refused before it creates anything, saying how much is free.
-// On the old code the marker's write failed with ENOSPC and the delete
-// could never begin.
+// Fails if the marker's write can fail with ENOSPC: the delete could then
+// never begin.
 func TestDeleteOnFullStateFS(t *testing.T) {
 	ctx := context.Background()
 	root := smallFS(t, 16<<20)

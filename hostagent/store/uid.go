@@ -81,21 +81,21 @@ func ParseUIDRange(s string) (UIDRange, error) {
 }
 
 // AssignQEMUUID gives the locked instance a QEMU uid of its own from r and
-// writes it into the record together with steps, in one write. It runs under the store's host-wide uid lock, so two
-// instances assigning at once never get one uid. The record's current uid
-// is kept when it is still free and lies in r (a restart keeps its uid);
-// otherwise the lowest free uid of r is taken. The caller must know no
-// QEMU of the instance runs (a launch): a process holding its own uid is
-// then a stranger, and the uid is given up.
+// writes it into the record together with steps, in one write. It runs under
+// the store's host-wide uid lock, so two instances assigning at once never
+// get one uid. The record's current uid is kept when it is still free and
+// lies in r (a restart keeps its uid); otherwise the lowest free uid of r is
+// taken. The caller must know no QEMU of the instance runs (a launch): a
+// process holding its own uid is then a stranger, and the uid is given up.
 //
 // "Can't tell" is "taken" (invariant 2's rule for uids): a uid is free only
 // when no readable record names it, no process or file inUse reports holds
-// it (a scan of /proc and of the VFIO nodes, taken under the lock), no
-// file in another instance's directory is owned by it, and the uid ledger
-// gives it to no record that cannot be read. The ledger (one file per uid,
-// written before the record names the uid) is what keeps a quarantined
-// record's uid taken, whatever is left of the record: its QEMU may be gone
-// while its /dev/vfio node is still that uid's.
+// it (a scan of /proc and of the VFIO nodes, taken under the lock), no file
+// in another instance's directory is owned by it, and the uid ledger gives
+// it to no record that cannot be read. The ledger (one file per uid, written
+// before the record names the uid) keeps a quarantined record's uid taken,
+// whatever is left of the record: its QEMU may be gone while its /dev/vfio
+// node is still that uid's.
 func (l *Locked) AssignQEMUUID(ctx context.Context, r UIDRange, inUse func(context.Context) (map[uint32]bool, error),
 	steps ...Step) (*vmflowv1.InstanceRecord, error) {
 	if err := l.held(); err != nil {
@@ -225,8 +225,9 @@ func (l *Locked) AssignQEMUUID(ctx context.Context, r UIDRange, inUse func(conte
 // assigned uid, named by the uid, holding the instance id.
 const uidsDir = "qemu-uids"
 
-// readUIDLedger reads the ledger (under the uid lock): uid -> instance id ("" for an entry whose
-// content is not an id: it holds its uid all the same).
+// readUIDLedger reads the ledger (under the uid lock): uid -> instance id
+// ("" for an entry whose content is not an id: it holds its uid all the
+// same).
 func (s *Store) readUIDLedger() (map[uint32]string, error) {
 	// Under the uid lock no other ledger write is in flight: a temp file
 	// is a crashed writer's.

@@ -67,7 +67,7 @@ func setUIDMarker(t *testing.T, e *env, id string) uint32 {
 	return rec.GetQemuUid()
 }
 
-// Issue 14: a marker with the instance's uid adopts only a QEMU running as
+// A marker with the instance's uid adopts only a QEMU running as
 // that uid with its name. A copy of its command line (-name guest=vm1, the
 // QEMU binary, a session of its own) run as root is neither adopted nor
 // signalled, and the marker is cleared.
@@ -110,11 +110,11 @@ func TestLegacyNonceMarkerAdopts(t *testing.T) {
 	require.NoError(t, err)
 }
 
-// Hole 3 follow-up (HIGH 1): a process that copies the instance's QEMU
+// A process that copies the instance's QEMU
 // command line, runs the QEMU binary and leads its own session, but was not
 // given the launch's nonce, is neither adopted nor signalled: the marker
-// is resolved as "no QEMU of mine". Fails on the code before the nonce,
-// which adopted whatever carried the -qmp argument (rep.Adopted == 1).
+// is resolved as "no QEMU of mine". Fails if whatever carries the -qmp
+// argument is adopted (rep.Adopted == 1).
 func TestMarkerImpostorNotAdopted(t *testing.T) {
 	e := newEnv(t)
 	e.create("vm1", "", 0)
@@ -133,14 +133,13 @@ func TestMarkerImpostorNotAdopted(t *testing.T) {
 	assert.True(t, proc.Inspect(imp).Alive, "not signalled")
 }
 
-// HIGH 1, legacy records (no marker, from an agent older than it): a
+// Legacy records (no marker, from an agent older than it): a
 // debugging wrapper `timeout 600 qemu <the instance's -qmp>` is two
 // processes with the socket argument. Neither is the instance's QEMU (the
 // wrapper is not the QEMU binary; its QEMU does not lead a session), so
 // Stop adopts and signals nothing and finishes; TearDown still refuses to
-// remove a socket something listens on. Fails on the code before: both
-// matched the command line, and Stop returned the retryable
-// ErrStillRunning forever.
+// remove a socket something listens on. Fails if both match by command
+// line: Stop then returns the retryable ErrStillRunning forever.
 func TestLegacyStopIgnoresWrappedCopy(t *testing.T) {
 	e := newEnv(t)
 	e.create("vm1", "", 0)
@@ -163,8 +162,8 @@ func TestLegacyStopIgnoresWrappedCopy(t *testing.T) {
 
 // A record with neither a uid nor a launch nonce of its own is never
 // matched by its command line: a decoy that runs the QEMU binary in a
-// session of its own with the instance's -qmp argument passed every check
-// the code before made, and was adopted and then SIGKILLed by the Stop.
+// session of its own with the instance's -qmp argument would pass a
+// command-line match, and be adopted and then SIGKILLed by the Stop.
 // Without a launch marker nothing is looked for and Stop finishes; with one
 // the instance needs attention and every caller gets the non-retryable
 // ErrUnrecordedAmbiguous; the decoy is never recorded or signalled.
@@ -205,13 +204,12 @@ func TestNoIdentityRecordNeverAdoptsByArgv(t *testing.T) {
 	assert.True(t, proc.Inspect(decoy1).Alive && proc.Inspect(decoy2).Alive, "no decoy was signalled")
 }
 
-// HIGH 2: the look for an unrecorded QEMU reads its environ, which blocks
+// The look for an unrecorded QEMU reads its environ, which blocks
 // while the target's mmap lock is held (VFIO teardown, a hung mount). A
 // record whose look blocks fails its re-attach within its bound, Start
 // re-attaches the other instances, and the blocked one is adopted in the
 // background once the read can finish. The reader is stood in (a real
-// held mmap lock needs a FUSE-backed argument area): the code before had
-// no bound at all, the read ran inline under the instance lock.
+// held mmap lock needs a FUSE-backed argument area).
 func TestStartBoundsBlockedAdoption(t *testing.T) {
 	e := newEnv(t)
 	e.create("vm1", "", 0)

@@ -33,13 +33,12 @@ func uids4(u uint32) string {
 	return strings.Join([]string{s, s, s, s}, " ")
 }
 
-// Issue 14 items 3 and 4 through the supervisor: two instances get
+// Confinement through the supervisor: two instances get
 // different uids from the range, recorded in their records and in no other
 // (the store's host-wide lock); each QEMU runs as its recorded uid, under
 // seccomp, with no capabilities and PATH and LC_ALL=C as its environment;
 // a restart keeps the uid. An exit nobody asked for is still reported to
-// OnExitRecorded. On main QEMU ran as root (or one shared --qemu-user)
-// with the agent's capabilities and no seccomp, and no record had a uid.
+// OnExitRecorded.
 func TestConfinedLaunchOwnUIDs(t *testing.T) {
 	requiresRoot(t)
 	e := newEnv(t)
@@ -115,7 +114,7 @@ func TestHeldUIDNotReused(t *testing.T) {
 
 // A KVM node its group cannot open fails KVM launches with the typed error
 // naming the mode (recorded as the instance's last error); the supervisor
-// stays up and TCG launches go on. On main QEMU opened /dev/kvm as root,
+// stays up and TCG launches go on. Fails if QEMU opens /dev/kvm as root,
 // whatever its mode.
 func TestKVMGroupCannotOpen(t *testing.T) {
 	requiresRoot(t)

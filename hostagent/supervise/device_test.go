@@ -20,8 +20,7 @@ import (
 // A restart that cannot get its vGPU back (the device is missing and
 // cannot be re-created) sets needs_attention in the record, so ls, show and
 // a delete's status show it, and counts in the agent's metric; the policy
-// keeps trying. On the old code the restart failed forever with nothing
-// but a log line.
+// keeps trying, rather than failing forever with nothing but a log line.
 func TestRestartWithoutDeviceNeedsAttention(t *testing.T) {
 	e := uidEnv(t)
 	e.create("vm1", "always", 0)

@@ -13,7 +13,7 @@ import (
 )
 
 // Existing answers "what is there" for a spawn that did not create the
-// instance, and touches nothing (hole 1's host side).
+// instance, and touches nothing (invariant 9's host side).
 func TestExisting(t *testing.T) {
 	t.Run("running", func(t *testing.T) {
 		e := newEnv(t)

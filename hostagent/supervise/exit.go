@@ -298,12 +298,12 @@ func (s *Supervisor) restart(in *instance, gen uint64) {
 	log.Info("restarted", zap.Int("pid", vm.Identity().PID))
 }
 
-// refuseRestartLocked records a restart the host's admission policy (or
-// its uid range) refused: needs_attention says so (last_error was written by launchLocked),
-// and the restart count goes back to count, since nothing was started. No
-// restart is scheduled: the policy is the agent's configuration, which
-// changes only with a new agent, whose re-attach applies the restart policy
-// again (and admits again).
+// refuseRestartLocked records a restart the host's admission policy (or its
+// uid range) refused: needs_attention says so (last_error was written by
+// launchLocked), and the restart count goes back to count, since nothing was
+// started. No restart is scheduled: the policy is the agent's configuration,
+// which changes only with a new agent, whose re-attach applies the restart
+// policy again (and admits again).
 func (s *Supervisor) refuseRestartLocked(l *store.Locked, in *instance, count uint32, cause error) {
 	in.log.Error("restart refused by the host's configuration; not restarting until an agent runs with one that admits it",
 		zap.Error(cause))

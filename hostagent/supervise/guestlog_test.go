@@ -73,8 +73,8 @@ func waitLogGrows(t *testing.T, path string, from floodLog, more int64, within t
 }
 
 // An agent restart does not end the capture: the next agent re-opens QEMU's
-// stdout pipe through /proc/<pid>/fd/1 and the log stays bounded. Fails on
-// the main of 2026-11-30, where QEMU appended to qemu.log without bound.
+// stdout pipe through /proc/<pid>/fd/1 and the log stays bounded. Fails if
+// QEMU appends to qemu.log itself (without bound).
 func TestReattachKeepsCapturingGuestLog(t *testing.T) {
 	e := newEnv(t)
 	bin, spec := vmmtest.SerialFlood(t, "flood")

@@ -28,28 +28,24 @@ type LaunchResult struct {
 	Duration time.Duration `json:"duration"`
 }
 
-// Launch starts QEMU for instance id and returns once QMP reports it
-// running and the record says Running. The spec comes from
-// Config.PrepareLaunch, called under the instance lock right before the
-// fork. The record must exist in Creating (first launch) or Exited (a
-// restart asked for by the caller); Launch refuses with ErrManualStop when
-// the manual-stop marker is on disk and with store.ErrDeleting in Deleting or
-// ReleaseFailed. An unreadable record is an error wrapping
-// store.ErrInvalidRecord, with nothing touched.
+// Launch starts QEMU for instance id and returns once QMP reports it running
+// and the record says Running. The spec comes from Config.PrepareLaunch,
+// called under the instance lock right before the fork. The record must
+// exist in Creating (first launch) or Exited (a restart asked for by the
+// caller); Launch refuses with ErrManualStop when the manual-stop marker is
+// on disk and with store.ErrDeleting in Deleting or ReleaseFailed. An
+// unreadable record is an error wrapping store.ErrInvalidRecord, with
+// nothing touched.
 //
 // Everything happens under the instance lock. Before the fork the record
 // gets the launch marker (launch_started_at); right after it, QEMU's pid and
 // start time replace the marker in one write (before anything waits on
-// QEMU); then QMP is awaited, then the record moves to Running. An agent
-// killed at any instant leaves a record that names its QEMU or says one may
-// exist, and the next agent adopts it by the instance's uid and guest name
-// (invariant 11). A
+// QEMU). An agent killed at any instant leaves a record that names its QEMU
+// or says one may exist, and the next agent adopts it (invariant 11). A
 // failed launch leaves nothing: QEMU killed and reaped, socket removed, pid
-// and marker cleared (invariant 5). Launch is idempotent: when the record
-// names a live QEMU with a matching identity (this process's, or one left or
-// adopted from a previous agent) that answers QMP as running, it returns
-// that one with AlreadyRunning set. An explicit Launch resets the restart
-// counter.
+// and marker cleared (invariant 5). Idempotent: a record naming a live QEMU
+// with a matching identity that answers QMP as running returns that one with
+// AlreadyRunning set. An explicit Launch resets the restart counter.
 //
 // ctx bounds the lock waits and the launch; QEMU itself outlives ctx and the
 // agent.

@@ -18,13 +18,12 @@ import (
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
-// ErrUnrecordedAmbiguous: more than one process passes as the instance's
-// unrecorded QEMU (a record without a uid or launch nonce, from an agent
-// older than both, matched by its -qmp argument: a wrapper such as `timeout 60 qemu ...`
-// plus the QEMU it runs, or a copy started by hand). One record cannot own
-// them all and the agent cannot tell which is its own: nothing is signalled,
+// ErrUnrecordedAmbiguous: the agent cannot tell which process is the
+// instance's unrecorded QEMU: more than one passes, or the launch marker is
+// on a record with neither a uid nor a launch nonce (an agent older than
+// both wrote it), so nothing can prove one. Nothing is signalled,
 // recorded or removed, and the instance needs an operator. Not retryable:
-// retrying sees the same processes.
+// retrying sees the same processes and the same record.
 var ErrUnrecordedAmbiguous = errdefs.Ambiguous.New("several processes pass as the instance's unrecorded qemu")
 
 // unprovableLaunch is the needs-attention reason of a launch marker on a
@@ -42,31 +41,23 @@ const findTimeout = 5 * time.Second
 // resolveLaunchLocked makes the locked record name every QEMU of the
 // instance (invariant 11). A record with the launch marker and no process
 // was left by an agent killed between writing the marker and recording the
-// fork's pid: QEMU may run, or may never have started. The process table
-// decides (vmm.FindUnrecorded): a process running the configured QEMU
-// binary, leading its own session, running as the record's qemu_uid with
-// -name guest=<id> is adopted (its identity recorded, the marker cleared),
-// and the caller's normal path then re-attaches or stops it by that
-// identity; none found clears the marker. With scan set, a record without a
-// marker is looked for too; scan is for callers about to conclude "nothing
-// runs" (Stop, TearDown). Records older agents left: a marker with a nonce
-// is matched by the nonce in QEMU's environment; a record with neither a
-// uid nor a nonce is never matched by its command line (anyone can start
-// QEMU with the instance's -qmp argument): without a marker nothing is
-// looked for, with one the instance needs attention (unprovableLaunch,
-// ErrUnrecordedAmbiguous). A record whose stop step is gone
-// is not looked at again (a Stop looked before writing it).
+// fork's pid: QEMU may run, or may never have started. vmm.FindUnrecorded
+// decides (it says what a match must be): a match is adopted (its identity
+// recorded, the marker cleared) and the caller's normal path then
+// re-attaches or stops it by that identity; none found clears the marker.
+// With scan set, a record without a marker is looked for too; scan is for
+// callers about to conclude "nothing runs" (Stop, TearDown). A record with
+// neither a uid nor a nonce is never matched by its command line: without a
+// marker nothing is looked for, with one the instance needs attention
+// (unprovableLaunch, ErrUnrecordedAmbiguous). A record whose stop step is
+// gone is not looked at again (a Stop looked before writing it).
 //
-// Errors: a candidate that cannot be read in time (proc.ErrCannotTell) or
-// any other failure to look wraps ErrStillRunning (retryable; the marker
-// stays). More than one match wraps ErrUnrecordedAmbiguous (not retryable;
-// nothing touched).
-//
-// The scan runs under the instance lock, which also closes the pre-exec
-// window (see vmm.FindUnrecorded): a child forked but not yet exec'd holds
-// the lock's open file, so nobody gets here until it is QEMU or gone.
-//
-// It returns the record as it now is and whether a QEMU was adopted.
+// A candidate that cannot be read in time (proc.ErrCannotTell) or any other
+// failure to look wraps ErrStillRunning (retryable; the marker stays); more
+// than one match wraps ErrUnrecordedAmbiguous (not retryable; nothing
+// touched). The instance lock held here also closes the pre-exec window (see
+// vmm.FindUnrecorded). It returns the record as it now is and whether a QEMU
+// was adopted.
 func (s *Supervisor) resolveLaunchLocked(ctx context.Context, l *store.Locked, in *instance, rec *vmflowv1.InstanceRecord, scan bool) (*vmflowv1.InstanceRecord, bool, error) {
 	marked := rec.GetLaunchStartedAt() != nil
 	if rec.GetProcess() != nil {
@@ -194,11 +185,12 @@ func (s *Supervisor) resolve(ctx context.Context, id string) (*vmflowv1.Instance
 // TearDown removes instance id's qemu.sock and qemu.pid, and only once no
 // QEMU of the instance can be alive: the launch marker resolved (an
 // unrecorded QEMU found is adopted, so TearDown refuses and a Stop can end
-// it; see resolveLaunchLocked; more than one is ErrUnrecordedAmbiguous), the recorded process confirmed gone (then recorded
-// as gone), and the socket not accepting connections. Otherwise it returns
-// an error wrapping ErrStillRunning (retryable) and removes nothing. A
-// missing record is nil (already torn down); an unreadable one is an error
-// wrapping store.ErrInvalidRecord.
+// it; see resolveLaunchLocked; more than one is ErrUnrecordedAmbiguous), the
+// recorded process confirmed gone (then recorded as gone), and the socket
+// not accepting connections. Otherwise it returns an error wrapping
+// ErrStillRunning (retryable) and removes nothing. A missing record is nil
+// (already torn down); an unreadable one is an error wrapping
+// store.ErrInvalidRecord.
 func (s *Supervisor) TearDown(ctx context.Context, id string) error {
 	in, err := s.instance(id)
 	if err != nil {

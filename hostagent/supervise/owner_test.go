@@ -19,9 +19,9 @@ import (
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
-// Hole 3 (invariant 11): the agent is killed after the fork and before the
-// pid reaches the record. The next agent must find that QEMU (by its uid
-// and name since issue 14) and own it, so a delete stops it instead of tearing down its socket.
+// Invariant 11: the agent is killed after the fork and before the pid
+// reaches the record. The next agent must find that QEMU (by its uid and
+// name) and own it, so a delete stops it instead of tearing down its socket.
 func TestAgentKilledBeforePidRecorded(t *testing.T) {
 	e := newEnv(t)
 	e.create("vm1", "", 0)
@@ -150,7 +150,7 @@ func truncate(t *testing.T, e *env, id string) string {
 	return p.Record
 }
 
-// Hole 4 (invariant 12): one unreadable record beside two live VMs. Start
+// Invariant 12: one unreadable record beside two live VMs. Start
 // succeeds, re-attaches both, quarantines the bad one untouched.
 func TestStartQuarantinesUnreadableRecord(t *testing.T) {
 	e := newEnv(t)
@@ -212,7 +212,7 @@ func TestStartQuarantinesUnreadableRecord(t *testing.T) {
 	}, 20*time.Second, 5*time.Millisecond, "vm1 restarted beside the quarantined vm2")
 }
 
-// Hole 6, agent side: a record from an earlier boot names an exited VM,
+// A record from an earlier boot names an exited VM,
 // even when a live process holds the pid now; nothing is signalled.
 func TestStartEarlierBootRecordIsExited(t *testing.T) {
 	e := newEnv(t)

@@ -75,25 +75,24 @@ type errUnreadable struct{ err error }
 func (e *errUnreadable) Error() string { return e.err.Error() }
 func (e *errUnreadable) Unwrap() error { return e.err }
 
-// Start reads every instance record and takes ownership of what outlived
-// the previous agent: a record naming a live QEMU with a matching identity
-// (pid, start time, boot id) is re-attached: a pidfd watches its exit, QMP
-// is connected on demand, nothing is signalled. A record with a launch
-// marker and no process has its QEMU looked for (by its uid and guest name) and
-// adopted (invariant 11). A record whose QEMU is gone, whose pid another process now
-// holds, or that was written in an earlier boot is recorded as gone and its
-// stale socket removed; nothing is signalled. Then the restart policy runs
-// for what has exited. Work never waits on the network.
+// Start reads every instance record and takes ownership of what outlived the
+// previous agent: a record naming a live QEMU with a matching identity (pid,
+// start time, boot id) is re-attached: a pidfd watches its exit, QMP is
+// connected on demand, nothing is signalled. A record with a launch marker
+// and no process has its QEMU looked for and adopted (invariant 11). A
+// record whose QEMU is gone, whose pid another process now holds, or that
+// was written in an earlier boot is recorded as gone and its stale socket
+// removed; nothing is signalled. Then the restart policy runs for what has
+// exited. Work never waits on the network.
 //
 // One instance never stops the others (invariant 12): a record that cannot
-// be read is quarantined (logged with its path, listed in
-// rep.Unreadable, left untouched), a re-attach that fails is counted and
-// logged and retried in the background (reattachLater; not a record whose
-// unrecorded QEMU is ambiguous, ErrUnrecordedAmbiguous), and Start goes on
-// with the rest. Each record's work is bounded by Config.LockTimeout, the
-// look for an unrecorded QEMU by a few seconds. Its error is only for the host as
-// a whole: the instances folder cannot be listed. Call Start once, before
-// serving.
+// be read is quarantined (logged with its path, listed in rep.Unreadable,
+// left untouched), a re-attach that fails is counted, logged and retried in
+// the background (reattachLater; not a record whose unrecorded QEMU is
+// ambiguous), and Start goes on with the rest. Each record's work is bounded
+// by Config.LockTimeout, the look for an unrecorded QEMU by a few seconds.
+// Its error is only for the host as a whole: the instances folder cannot be
+// listed. Call Start once, before serving.
 func (s *Supervisor) Start(ctx context.Context) (ReattachReport, error) {
 	start := time.Now()
 	var rep ReattachReport

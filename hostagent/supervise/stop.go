@@ -30,29 +30,25 @@ type StopReport struct {
 // graceful (Config.GracefulTimeout when <= 0), quit, SIGKILL through a
 // verified pidfd, wait up to Config.GroupExitCap for the whole thread group.
 //
-// It requires the manual-stop marker (store.ErrManualStopMissing otherwise): the
-// delete writes it first so the restart policy can never bring the VM back
-// (invariant 6); a pending restart is cancelled. It resumes from the step
-// the record says was reached and writes each step to the record as it is
-// taken, so a Stop after an agent restart continues rather than restarts the
-// ladder. Once the group is gone the record says stop step gone, the
-// identity is cleared and a Running record moves to Exited.
+// It requires the manual-stop marker (store.ErrManualStopMissing otherwise):
+// the delete writes it first so the restart policy can never bring the VM
+// back (invariant 6); a pending restart is cancelled. It resumes from the
+// step the record says was reached and writes each step as it is taken, so a
+// Stop after an agent restart continues the ladder rather than restarting
+// it. Once the group is gone the record says stop step gone, the identity is
+// cleared and a Running record moves to Exited.
 //
-// A QEMU of the instance that its record does not name (an agent died
-// between the fork and recording it) is found, adopted and stopped: by its
-// uid and guest name, or, for records older agents left, by the marker's
-// nonce in its environment or its -qmp socket argument (see
-// resolveLaunchLocked). Can't tell is ErrStillRunning
-// (retryable); more than one match is ErrUnrecordedAmbiguous (not
-// retryable, nothing touched). Every return without a process and without
-// an error has written stop step gone, which is what lets a vGPU release
-// go ahead (mayRelease in vgpu/claims).
+// A QEMU of the instance that its record does not name is found, adopted and
+// stopped (resolveLaunchLocked): can't tell is ErrStillRunning (retryable),
+// more than one match ErrUnrecordedAmbiguous (not retryable, nothing
+// touched). Every return without a process and without an error has written
+// stop step gone, which is what lets a vGPU release go ahead (mayRelease in
+// vgpu/claims).
 //
 // Idempotent: with no process recorded or found it returns at once
-// (AlreadyGone). A
-// second Stop while one runs gets store.ErrBusy (retryable). A *vmm.StillAliveError
-// (errors.Is vmm.ErrStillAlive) means the group outlived the cap: treat the
-// VM as alive and retry.
+// (AlreadyGone). A second Stop while one runs gets store.ErrBusy
+// (retryable). A *vmm.StillAliveError (errors.Is vmm.ErrStillAlive) means
+// the group outlived the cap: treat the VM as alive and retry.
 func (s *Supervisor) Stop(ctx context.Context, id string, graceful time.Duration) (StopReport, error) {
 	in, err := s.instance(id)
 	if err != nil {

@@ -14,7 +14,7 @@ import (
 	"vmflow/internal/errdefs"
 )
 
-// How every QEMU is confined (issue 14): exec'd already unprivileged, with
+// How every QEMU is confined: exec'd already unprivileged, with
 // a uid of its own and no capabilities, under QEMU's seccomp sandbox, with
 // an explicit minimal environment, its resources bounded by rlimits, and
 // given what it must reach as file descriptors the agent opened (the QMP

@@ -52,15 +52,13 @@ func procLimit(t *testing.T, pid int, row string) (string, string) {
 
 func requiresRoot(t *testing.T) { proctest.RequiresRoot(t, "only root can exec QEMU as another uid") }
 
-// Issue 14 items 3 and 4 on a real QEMU (-machine none, KVM here): exec'd
+// Confinement on a real QEMU (-machine none, KVM here): exec'd
 // as the launch's own uid and gid with the KVM group as its only
 // supplementary group, no capabilities, under seccomp (the -sandbox
 // filter), with PATH and LC_ALL=C as its whole environment, its rlimits
 // set, QMP served on the listener the agent bound (the socket path stays
-// the agent's: dialed as today), no pidfile, and the instance directory
-// still root's 0700. The stop ladder works unchanged. On main QEMU ran as
-// root with every capability, no seccomp, and HOME and the launch nonce in
-// its environment.
+// the agent's, dialed by it), no pidfile, and the instance directory
+// still root's 0700. The stop ladder stops it as it stops any QEMU.
 func TestLaunchConfined(t *testing.T) {
 	requiresQEMU(t)
 	requiresRoot(t)

@@ -37,8 +37,8 @@ func hmp(t *testing.T, ctx context.Context, mon *vmm.Monitor, line string) strin
 // compromised QEMU) can write an image other VMs boot from: the guest's
 // writes land in the instance's overlay, asking QEMU to reopen the base
 // read-write fails, and the base's bytes and mtime are unchanged. QEMU's argv
-// names no image path. On main the disk was "-drive file=<path>" read-write
-// with no overlay: the same device write changed the base itself.
+// names no image path. Fails if the disk is "-drive file=<path>" read-write
+// with no overlay: the same device write would change the base itself.
 func TestLaunchDiskBaseReadOnly(t *testing.T) {
 	vmmtest.RequiresQEMU(t)
 	vmmtest.RequiresQEMUImg(t)

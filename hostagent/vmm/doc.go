@@ -14,6 +14,7 @@
 // the QMP monitor's EOF: QEMU closes the monitor before its thread group,
 // which on KVM includes the kernel's kvm-nx-lpage-re task, is gone.
 //
-// go-qemu's qmp monitor is not used (qmp.go says more): no per-call deadline or context, an
-// unbuffered event channel that stalls replies, and a greeting read that races early events.
+// go-qemu's qmp monitor is not used (qmp.go says more): no per-call deadline
+// or context, an unbuffered event channel that stalls replies, and a
+// greeting read that races early events.
 package vmm

@@ -48,19 +48,19 @@ type FindConfig struct {
 
 // FindUnrecorded returns the QEMUs of an instance that its record does not
 // name: the processes an agent forked for it and died before recording
-// (ARCHITECTURE invariant 11). A candidate must run the configured QEMU
-// binary (same device and inode, or that path deleted by an upgrade since)
-// and lead its own session (vmm forks QEMU with Setsid); then, with
-// cfg.UID, run as that uid (real, effective, saved and filesystem) and
-// carry -name guest=<cfg.Name>. Only root can start a process as a uid, the
-// uid is in the launch marker's write (before the fork) and in no other
-// record, and QEMU's sandbox forbids it to spawn anything: uid, executable
-// and session make the proof, the name makes a mix-up of records visible.
-// Legacy markers: with cfg.Nonce, the environment must hold
-// LaunchNonceEnv=<nonce>. With neither, FindUnrecorded looks for nothing
-// and returns ErrNoLaunchIdentity: a command line alone proves nothing
-// (anyone can start the QEMU binary in a session of its own with the
-// instance's -qmp argument, and would have been adopted and signalled).
+// (invariant 11). A candidate must run the configured QEMU binary (same
+// device and inode, or that path deleted by an upgrade since) and lead its
+// own session (vmm forks QEMU with Setsid); then, with cfg.UID, run as that
+// uid (real, effective, saved and filesystem) and carry -name
+// guest=<cfg.Name>. Only root can start a process as a uid, the uid is in
+// the launch marker's write (before the fork) and in no other record, and
+// QEMU's sandbox forbids it to spawn anything: uid, executable and session
+// make the proof, the name makes a mix-up of records visible. Legacy
+// markers: with cfg.Nonce, the environment must hold LaunchNonceEnv=<nonce>.
+// With neither, FindUnrecorded looks for nothing and returns
+// ErrNoLaunchIdentity: a command line alone proves nothing (anyone can start
+// the QEMU binary in a session of its own with the instance's -qmp
+// argument).
 //
 // An error wrapping proc.ErrCannotTell means a candidate could not be read
 // in time (its mmap lock held: VFIO teardown, a hung mount): some QEMU of

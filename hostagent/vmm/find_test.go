@@ -20,13 +20,13 @@ import (
 // socket path: what a decoy copies.
 func legacyQMPArg(socket string) string { return "unix:" + optValue(socket) + ",server=on,wait=off" }
 
-// FindUnrecorded finds a launched QEMU by its uid and guest name (the
-// nonce it used to carry in its environment is gone with the environment),
-// and only with both. A legacy marker's nonce (records older agents left)
-// still finds the QEMU an older agent started. A record with neither is
-// never matched by its -qmp argument: a decoy with the instance's command
-// line, the QEMU binary and a session of its own was found (and then
-// adopted and SIGKILLed by the agent) by the code before.
+// FindUnrecorded finds a launched QEMU by its uid and guest name (its
+// environment is minimal and carries no nonce), and only with both. A legacy
+// marker's nonce (records older agents left) still finds the QEMU an older
+// agent started. A record with neither is never matched by its -qmp
+// argument: a decoy with the instance's command line, the QEMU binary and a
+// session of its own would otherwise be found (and then adopted and
+// SIGKILLed by the agent).
 func TestFindUnrecorded(t *testing.T) {
 	qemu := requiresQEMU(t)
 	requiresRoot(t)

@@ -97,8 +97,8 @@ func assertSafeQuote(t *testing.T, s string) {
 	assert.True(t, strings.HasSuffix(s, "»"), "the quote ends the message: %q", s)
 }
 
-// Fails on the main of 2026-11-30: the error quoted qemu.log raw (escape
-// sequences, BEL, CR) and unfenced.
+// A launch failure's error quotes qemu.log fenced and escaped: fails if it
+// quotes it raw (escape sequences, BEL, CR) or unfenced.
 func TestLaunchFailureQuotesLogFenced(t *testing.T) {
 	vmmtest.RequiresQEMU(t)
 	d := proctest.ShortDir(t, "lf")
@@ -164,8 +164,9 @@ func floodRotations(t *testing.T, path string, rotations int, within time.Durati
 	}
 }
 
-// Fails on the main of 2026-11-30: QEMU appended to qemu.log itself, without
-// bound (the guest passes 6 MiB in a few seconds).
+// The guest log stays bounded under a serial flood: fails if QEMU appends
+// to qemu.log itself, without bound (the guest passes 6 MiB in a few
+// seconds).
 func TestGuestLogBoundedUnderSerialFlood(t *testing.T) {
 	bin, spec := vmmtest.SerialFlood(t, "flood")
 	d := proctest.ShortDir(t, "gl")

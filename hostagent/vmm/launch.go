@@ -114,10 +114,11 @@ func reportTo(ch chan error) func(error) {
 
 // Launch starts QEMU for cfg.Spec in a session of its own, with stdout and
 // stderr going through a pipe into the bounded, rotating log at
-// cfg.Paths.Log (DefaultLogFiles of DefaultLogMaxBytes), and returns once QMP reports it
-// running. On any failure it kills and reaps QEMU, removes the socket, calls
-// OnFailed and only then returns the error (invariant 5). A launch may be
-// retried with the same paths: a stale socket is removed first.
+// cfg.Paths.Log (DefaultLogFiles of DefaultLogMaxBytes), and returns once
+// QMP reports it running. On any failure it kills and reaps QEMU, removes
+// the socket, calls OnFailed and only then returns the error (invariant 5).
+// A launch may be retried with the same paths: a stale socket is removed
+// first.
 //
 // ctx bounds the launch only: QEMU is deliberately not tied to it (no
 // exec.CommandContext), since it must outlive the call and the agent.

@@ -61,7 +61,8 @@ type StopConfig struct {
 	// until proc's reaper has reaped it, so no <defunct> entry remains.
 	Child *proc.Child
 	// Paths: QMPSocket for the QMP steps (empty: go straight to signals);
-	// the socket and a pidfile an older agent had QEMU write are removed once it is gone.
+	// the socket and a pidfile an older agent had QEMU write are removed
+	// once it is gone.
 	Paths Paths
 	// Monitor is an open QMP connection to reuse. QEMU serves one QMP client
 	// per socket, so a second dial would wait behind this one until

@@ -3,6 +3,7 @@
 // (ARCHITECTURE invariant 7), the context-aware flock(2) poller, and the
 // reading and removal of a QEMU pidfile an older agent had QEMU write.
 //
-// It imports nothing of Temporal or of the agent's own packages; testsupport/powercut
-// is a FUSE file system for tests that loses every write not yet fsynced.
+// It imports nothing of Temporal or of the agent's own packages;
+// testsupport/powercut is a FUSE file system for tests that loses every
+// write not yet fsynced.
 package fsx

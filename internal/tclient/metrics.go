@@ -181,9 +181,9 @@ func (m *Metrics) Handler() http.Handler {
 	return promhttp.HandlerFor(m.Registry, promhttp.HandlerOpts{Registry: m.Registry})
 }
 
-// Serve serves /metrics, /healthz and /readyz on addr until ctx is done, then shuts the server
-// down (with a short grace for a scrape in flight) and returns nil. A listen
-// failure is returned at once.
+// Serve serves /metrics, /healthz and /readyz on addr until ctx is done,
+// then shuts the server down (with a short grace for a scrape in flight) and
+// returns nil. A listen failure is returned at once.
 func (m *Metrics) Serve(ctx context.Context, addr string) error {
 	ln, err := (&net.ListenConfig{}).Listen(ctx, "tcp", addr)
 	if err != nil {

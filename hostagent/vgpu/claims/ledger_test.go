@@ -69,10 +69,10 @@ func (e *claimsEnv) ensure(t *testing.T, id string) (*vmflowv1.Lease, error) {
 	return e.claims.EnsureDeviceLocked(context.Background(), l)
 }
 
-// TestReleaseRetryAfterCrashSparesNextClaim is scenario (a) of issue 11's
-// hole 2: A's release writes 0, the agent dies before released_at is
-// recorded; B must not be placed on the VF A's held claim still names, so
-// that A's retried release cannot destroy B's vGPU.
+// TestReleaseRetryAfterCrashSparesNextClaim: A's release writes 0, the agent
+// dies before released_at is recorded; B must not be placed on the VF A's
+// held claim still names, so that A's retried release cannot destroy B's
+// vGPU.
 func TestReleaseRetryAfterCrashSparesNextClaim(t *testing.T) {
 	e := newClaims(t, vgpusim.Options{VendorVFs: 1})
 	ctx := context.Background()
@@ -110,7 +110,7 @@ func TestReleaseRetryAfterCrashSparesNextClaim(t *testing.T) {
 	assert.Equal(t, "592", e.vfType(t, b.GetVgpu().GetDeviceId()), "vm-b's vGPU survives")
 }
 
-// TestRetriedIntentDoesNotAdoptAnothersVF is scenario (b): A's create fails
+// TestRetriedIntentDoesNotAdoptAnothersVF: A's create fails
 // after its intent was written; B must be placed elsewhere, and A's retried
 // claim finishes on its own VF, never on B's.
 func TestRetriedIntentDoesNotAdoptAnothersVF(t *testing.T) {
@@ -285,7 +285,7 @@ func TestReleaseRefusedWhileLaunchUnrecorded(t *testing.T) {
 	assert.Empty(t, e.devices(t))
 }
 
-// TestEnsureDeviceRecreatesAfterReboot is hole 6: an active claim whose
+// TestEnsureDeviceRecreatesAfterReboot: an active claim whose
 // device vanished (a reboot) gets it back under the same UUID or on the
 // same VF; when that fails, the error names the claim.
 func TestEnsureDeviceRecreatesAfterReboot(t *testing.T) {
@@ -370,10 +370,9 @@ func TestEnsureRefusesVFRunningAnotherType(t *testing.T) {
 	assert.Equal(t, "594", e.vfType(t, c.GetVgpu().GetDeviceId()), "left alone")
 }
 
-// TestReconcileKeepsOrphansWhileRecordUnreadable is reconcile's share of
-// hole 4: a truncated record may name the orphan, so it survives the
-// round, and the round counts the record; once fixed, the orphan goes
-// after the grace period.
+// TestReconcileKeepsOrphansWhileRecordUnreadable: a truncated record may
+// name the orphan, so it survives the round, and the round counts the
+// record; once fixed, the orphan goes after the grace period.
 func TestReconcileKeepsOrphansWhileRecordUnreadable(t *testing.T) {
 	e := newClaims(t, vgpusim.Options{MdevParents: 1})
 	ctx := context.Background()

@@ -16,14 +16,13 @@ import (
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
-// Hole 3 follow-up (LOW-MEDIUM): a record with no process and no launch
-// marker is not proof that no QEMU runs. An agent older than the marker
-// that died between the fork and the pid's write left such a record with
-// its QEMU running (holding the device). Until a Stop has looked and
-// written stop step gone, a release refuses with ErrVMAlive, unless the
-// instance never launched at all (a spawn that failed before its launch:
-// no start or exit recorded, no socket or pidfile on disk). The first two
-// cases released on the code before.
+// A record with no process and no launch marker is not proof that no QEMU
+// runs. An agent older than the marker that died between the fork and the
+// pid's write left such a record with its QEMU running (holding the device).
+// Until a Stop has looked and written stop step gone, a release refuses with
+// ErrVMAlive, unless the instance never launched at all (a spawn that failed
+// before its launch: no start or exit recorded, no socket or pidfile on
+// disk).
 func TestReleaseWithoutProcessNeedsStopOrNoLaunch(t *testing.T) {
 	for _, tc := range []struct {
 		name     string

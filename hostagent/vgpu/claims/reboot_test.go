@@ -15,8 +15,8 @@ import (
 // While instance A waits for its restart, a new spawn must not take the
 // slot A's held claim names (here the parent's only one), nor put another
 // type on that parent (it runs one vGPU type at a time): A's restart gets
-// its device back. On the old code B took the slot and A's re-create
-// failed with "no capacity".
+// its device back, where B taking the slot would fail A's re-create with
+// "no capacity".
 func TestHeldClaimKeepsItsSlotAcrossReboot(t *testing.T) {
 	const whole = "GRID A100-40C" // one per GPU
 	e := newClaims(t, vgpusim.Options{MdevParents: 1})
@@ -63,8 +63,8 @@ func TestMissingDeviceCountsOneSlot(t *testing.T) {
 
 // The same on NVIDIA SR-IOV: after a reboot every VF reads type 0, but a
 // GPU runs one type on all its VFs, so a new spawn may not put another type
-// on a free VF of the GPU whose held claim's device is missing. On the old
-// code B's 8Q took a VF and A's 4Q could no longer be re-created.
+// on a free VF of the GPU whose held claim's device is missing: B's 8Q on
+// a VF would leave A's 4Q unable to be re-created.
 func TestHeldVendorClaimKeepsItsTypeAcrossReboot(t *testing.T) {
 	e := newClaims(t, vgpusim.Options{VendorVFs: 2})
 	ctx := context.Background()

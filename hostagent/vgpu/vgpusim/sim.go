@@ -74,7 +74,8 @@ const VendorPF = "0000:c1:00.0"
 
 // Options sizes the simulated host.
 type Options struct {
-	// MdevParents is the number of mdev-capable GPUs (0000:3b:00.0, 0000:3c:00.0, ...).
+	// MdevParents is the number of mdev-capable GPUs (0000:3b:00.0,
+	// 0000:3c:00.0, ...).
 	MdevParents int
 	// VendorVFs is the number of NVIDIA vendor-VFIO virtual functions on
 	// one physical GPU (VendorPF).

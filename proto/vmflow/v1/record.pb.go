@@ -240,7 +240,7 @@ type VMSpec struct {
 	// Callers must derive it deterministically (for example from the instance
 	// id) so a retried create carries the same spec.
 	Uuid string `protobuf:"bytes,10,opt,name=uuid,proto3" json:"uuid,omitempty"`
-	// Fields 26-30: where the agent opens the images (issue 14). kernel,
+	// Fields 26-30: where the agent opens the images. kernel,
 	// initrd and disk above keep the absolute paths as requested (shown by
 	// ls/show); these keep the --image-root each lies in and the path relative
 	// to it, which is what every launch opens (openat2 beneath the root). A
