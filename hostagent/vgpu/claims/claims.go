@@ -92,21 +92,21 @@ func New(cfg Config) (*Claims, error) {
 	if cfg.Store == nil {
 		return nil, fmt.Errorf("vgpu claims: %w: no store", vgpu.ErrInvalid)
 	}
+	if cfg.DevRoot == "" {
+		cfg.DevRoot = "/dev"
+	}
+	if cfg.OrphanGrace <= 0 {
+		cfg.OrphanGrace = DefaultOrphanGrace
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = zap.NewNop()
+	}
+	if cfg.Now == nil {
+		cfg.Now = time.Now
+	}
 	c := &Claims{
 		st: cfg.Store, devRoot: cfg.DevRoot, grace: cfg.OrphanGrace, ignore: cfg.IgnoreUninspectable,
 		log: cfg.Logger, now: cfg.Now, scanFDs: proc.ScanFDs,
-	}
-	if c.devRoot == "" {
-		c.devRoot = "/dev"
-	}
-	if c.grace <= 0 {
-		c.grace = DefaultOrphanGrace
-	}
-	if c.log == nil {
-		c.log = zap.NewNop()
-	}
-	if c.now == nil {
-		c.now = time.Now
 	}
 	dc := cfg.Driver.WithDefaults()
 	c.sysfs = dc.SysfsRoot
