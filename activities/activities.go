@@ -380,10 +380,9 @@ func stepNeeded(res vmm.StopResult) string {
 	if res.AlreadyGone {
 		return "none"
 	}
-	names := map[vmm.StopStep]string{vmm.StepPowerdownSent: "powerdown", vmm.StepQuitSent: "quit", vmm.StepKillSent: "kill"}
 	last := "none"
 	for _, st := range res.Steps {
-		if n, ok := names[st.Step]; ok && st.Via != "skipped" {
+		if n, ok := supervise.StepReached(st.Step); ok && st.Via != "skipped" {
 			last = n
 		}
 	}

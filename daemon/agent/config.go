@@ -14,6 +14,8 @@ import (
 
 	"vmflow/daemon"
 	"vmflow/hostagent/store"
+	"vmflow/hostagent/vgpu"
+	"vmflow/hostagent/vgpu/claims"
 	"vmflow/hostagent/vmm"
 	"vmflow/internal/contract"
 )
@@ -99,17 +101,17 @@ flags:
 	var ignore pidsFlag
 	fs.StringVar(&c.HostID, "host-id", host, "this host's id ("+contract.IDPattern+")")
 	fs.StringVar(&c.StateDir, "state-dir", contract.DefaultStateDir, "instance records, QMP sockets and logs")
-	fs.StringVar(&c.SysfsRoot, "sysfs-root", "/sys", "where the vGPU sysfs files are (the simulator's mount in tests)")
+	fs.StringVar(&c.SysfsRoot, "sysfs-root", vgpu.DefaultSysfsRoot, "where the vGPU sysfs files are (the simulator's mount in tests)")
 	fs.StringVar(&c.DevRoot, "dev-root", "/dev", "where the VFIO device nodes are")
 	fs.Var(&roots, "image-root", "folder kernels, initrds and disks must lie in, root-owned and not group/other-writable; images are opened beneath it (repeatable)")
-	fs.StringVar(&c.QEMU, "qemu", "qemu-system-x86_64", "QEMU binary")
+	fs.StringVar(&c.QEMU, "qemu", vmm.DefaultBinary, "QEMU binary")
 	uidRange := store.DefaultQEMUUIDRange.String()
 	fs.StringVar(&uidRange, "qemu-uid-range", uidRange, "`FIRST-LAST`: every QEMU is exec'd as a uid of its own from this range (no passwd entry needed); agents sharing a machine need disjoint ranges")
 	fs.StringVar(&c.KVMDevice, "kvm-device", vmm.DefaultKVMDevice, "the KVM node, checked at start: its group must have rw (QEMU gets that group); otherwise KVM launches fail")
 	fs.BoolVar(&c.Jail, "jail", true, "run every QEMU in network, mount, pid, IPC and UTS namespaces and a read-only root of its own; false only where the agent lacks CAP_SYS_ADMIN")
 	fs.BoolVar(&c.VGPUAttach, "vgpu-attach", true, "attach claimed vGPUs to QEMU; false only with the vmflow-vgpusim simulator, whose devices QEMU cannot open")
 	fs.StringVar(&c.VGPUDriver, "vgpu-driver", "auto", "auto, mdev, vendor or none")
-	fs.DurationVar(&c.OrphanGrace, "vgpu-orphan-grace", 5*time.Minute, "an unclaimed vGPU device is removed after this long")
+	fs.DurationVar(&c.OrphanGrace, "vgpu-orphan-grace", claims.DefaultOrphanGrace, "an unclaimed vGPU device is removed after this long")
 	fs.DurationVar(&c.ReconcileEvery, "reconcile-every", DefaultReconcileEvery, "how often the Schedule runs ReconcileVGPU, the safety net behind the local scan")
 	fs.DurationVar(&c.ReconcileScanEvery, "reconcile-scan-every", time.Minute, "how often the agent scans the host for reconcile work (read-only, no Temporal call) and, finding some, triggers ReconcileVGPU; 0: off")
 	fs.DurationVar(&c.GracefulTimeout, "graceful-timeout", contract.DefaultGracefulTimeout, "default wait after system_powerdown before quit")

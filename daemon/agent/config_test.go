@@ -10,6 +10,9 @@ import (
 
 	"vmflow/daemon/agent"
 	"vmflow/hostagent/store"
+	"vmflow/hostagent/vgpu"
+	"vmflow/hostagent/vgpu/claims"
+	"vmflow/hostagent/vmm"
 )
 
 func TestParseFlags(t *testing.T) {
@@ -30,6 +33,9 @@ func TestParseFlags(t *testing.T) {
 	assert.Equal(t, "/var/lib/vmflow", d.StateDir)
 	assert.Equal(t, store.DefaultQEMUUIDRange, d.QEMUUIDs, "a bare run confines QEMU with the default range")
 	assert.Equal(t, "/dev/kvm", d.KVMDevice)
+	assert.Equal(t, claims.DefaultOrphanGrace, d.OrphanGrace, "the flag's default is the package's")
+	assert.Equal(t, vgpu.DefaultSysfsRoot, d.SysfsRoot)
+	assert.Equal(t, vmm.DefaultBinary, d.QEMU)
 
 	u, err := agent.ParseFlags([]string{"--host-id", "h1", "--qemu-uid-range", "300000-300999"}, io.Discard)
 	require.NoError(t, err)

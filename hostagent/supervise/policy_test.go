@@ -80,3 +80,26 @@ func TestStepMapping(t *testing.T) {
 	}
 	assert.Equal(t, vmflowv1.StopStep_STOP_STEP_KILLED, stepToProto(vmm.StepKillSent))
 }
+
+// TestStepTableCoversProto: every value of the record's enum is in the
+// table and maps to a vmm step and back to itself, so an enum value added
+// without a row fails here instead of reading as StepNone.
+func TestStepTableCoversProto(t *testing.T) {
+	seen := map[vmm.StopStep]bool{}
+	for n := range vmflowv1.StopStep_name {
+		p := vmflowv1.StopStep(n)
+		s := stepFromProto(p)
+		assert.Equal(t, p, stepToProto(s), "%s", p)
+		assert.False(t, seen[s], "%s shares vmm step %q with another value", p, s)
+		seen[s] = true
+	}
+	assert.Len(t, stopSteps, len(vmflowv1.StopStep_name), "one row per enum value")
+	for _, s := range []vmm.StopStep{vmm.StepPowerdownSent, vmm.StepQuitSent, vmm.StepKillSent} {
+		n, ok := StepReached(s)
+		assert.True(t, ok && n != "", "%q has a reported name", s)
+	}
+	for _, s := range []vmm.StopStep{vmm.StepNone, vmm.StepGone} {
+		_, ok := StepReached(s)
+		assert.False(t, ok, "%q is an end of the ladder, not a step taken", s)
+	}
+}

@@ -4,9 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"path/filepath"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -158,41 +156,6 @@ type testHooks struct {
 	readProcMem func(path string) ([]byte, error)
 }
 
-// instance is this process's view of one instance. The record on disk is
-// the truth; this holds what cannot be on disk (the open VM, the timer).
-//
-// Work on one instance is serialised by two layers, and only these two:
-//
-//   - The store's lock file (store.Lock, a flock) guards the record and the
-//     instance's files: every check-then-act on them runs under it, against
-//     every other goroutine and every other agent process on the state dir.
-//     Store-only work (create, claim, begin delete, release, delete record)
-//     takes it alone.
-//   - This struct's op slot and stopping flag are the one in-process layer,
-//     for the work that also touches in-memory state (vm, timer): Launch,
-//     Stop, TearDown, Existing, the re-attach, the exit watcher and a
-//     restart take op first, then the store lock, so they run one at a time
-//     and always in that lock order, and the watcher sees a VM a Stop or
-//     Launch already handled as no longer current. stopping makes a second
-//     Stop fail fast instead of queueing a second ladder.
-//
-// Either layer failing within the caller's context is the same error,
-// store.ErrBusy, which the activities report as a retryable Busy.
-type instance struct {
-	id  string
-	log *zap.Logger
-	// op is a one-slot semaphore (see above).
-	op chan struct{}
-	// stopping is set while a Stop runs (see above).
-	stopping atomic.Bool
-
-	mu          sync.Mutex
-	vm          *vmm.VM     // the live VM this process watches, nil if none
-	timer       *time.Timer // a pending restart
-	restartGen  uint64      // bumped to cancel a pending restart
-	nextRestart time.Time
-}
-
 // New checks cfg and returns a Supervisor. It touches no VM; Start does.
 func New(cfg Config) (*Supervisor, error) {
 	if cfg.Store == nil {
@@ -279,30 +242,6 @@ func (s *Supervisor) Close() error {
 	return nil
 }
 
-// instance returns the in-memory state of id, creating it on first use.
-func (s *Supervisor) instance(id string) (*instance, error) {
-	if err := store.ValidateID(id); err != nil {
-		return nil, err
-	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.closed {
-		return nil, ErrClosed
-	}
-	in, ok := s.insts[id]
-	if !ok {
-		in = &instance{id: id, log: s.log.With(zap.String("instance_id", id)), op: make(chan struct{}, 1)}
-		s.insts[id] = in
-	}
-	return in, nil
-}
-
-func (s *Supervisor) lookup(id string) *instance {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.insts[id]
-}
-
 // goBackground runs fn in a goroutine Close waits for; after Close it does
 // not run fn at all.
 func (s *Supervisor) goBackground(fn func()) bool {
@@ -317,117 +256,6 @@ func (s *Supervisor) goBackground(fn func()) bool {
 		fn()
 	}()
 	return true
-}
-
-// acquire takes the instance's operation slot, or fails with store.ErrBusy
-// when ctx ends first: to a caller, a slot and a store lock held by
-// another operation are the same "busy".
-func (in *instance) acquire(ctx context.Context) error {
-	if err := ctx.Err(); err != nil {
-		return fmt.Errorf("instance %s: %w: %w", in.id, store.ErrBusy, err)
-	}
-	select {
-	case in.op <- struct{}{}:
-		return nil
-	case <-ctx.Done():
-		return fmt.Errorf("instance %s: %w: %w", in.id, store.ErrBusy, ctx.Err())
-	}
-}
-
-func (in *instance) release() { <-in.op }
-
-// current returns the watched VM if it is the process id names.
-func (in *instance) current(id proc.Identity) *vmm.VM {
-	in.mu.Lock()
-	defer in.mu.Unlock()
-	if in.vm != nil && in.vm.Identity() == id {
-		return in.vm
-	}
-	return nil
-}
-
-func (in *instance) isCurrent(vm *vmm.VM) bool {
-	in.mu.Lock()
-	defer in.mu.Unlock()
-	return in.vm == vm
-}
-
-// setVM makes vm the watched VM.
-func (in *instance) setVM(vm *vmm.VM) {
-	in.mu.Lock()
-	defer in.mu.Unlock()
-	in.vm = vm
-}
-
-// clearVM forgets vm (if it is still the watched one). Its watcher closes it.
-func (in *instance) clearVM(vm *vmm.VM) {
-	in.mu.Lock()
-	defer in.mu.Unlock()
-	if in.vm == vm {
-		in.vm = nil
-	}
-}
-
-func (in *instance) cancelRestart() {
-	in.mu.Lock()
-	defer in.mu.Unlock()
-	in.restartGen++
-	if in.timer != nil {
-		in.timer.Stop()
-		in.timer = nil
-	}
-	in.nextRestart = time.Time{}
-}
-
-func unlock(l *store.Locked, log *zap.Logger) {
-	if err := l.Unlock(); err != nil {
-		log.Warn("unlock instance", zap.Error(err))
-	}
-}
-
-// jail is the jail of a launch in the instance directory p names, nil
-// when QEMUs are not jailed.
-func (s *Supervisor) jail(p store.Paths) *vmm.Jail {
-	if s.cfg.JailSetup == "" {
-		return nil
-	}
-	return &vmm.Jail{Setup: s.cfg.JailSetup, Dir: filepath.Join(p.Dir, "root"), DevRoot: s.cfg.DevRoot}
-}
-
-// vmmPaths maps the store's instance files to what QEMU uses.
-func vmmPaths(p store.Paths) vmm.Paths {
-	return vmm.Paths{QMPSocket: p.Socket, PIDFile: p.PID, Log: p.Log}
-}
-
-// stopSteps pairs the record's stop steps with vmm's; stepFromProto and
-// stepToProto read it both ways, so the two can never disagree.
-var stopSteps = []struct {
-	rec vmflowv1.StopStep
-	vmm vmm.StopStep
-}{
-	{vmflowv1.StopStep_STOP_STEP_NONE, vmm.StepNone},
-	{vmflowv1.StopStep_STOP_STEP_POWERDOWN_SENT, vmm.StepPowerdownSent},
-	{vmflowv1.StopStep_STOP_STEP_QUIT_SENT, vmm.StepQuitSent},
-	{vmflowv1.StopStep_STOP_STEP_KILLED, vmm.StepKillSent},
-	{vmflowv1.StopStep_STOP_STEP_GONE, vmm.StepGone},
-}
-
-func stepFromProto(s vmflowv1.StopStep) vmm.StopStep {
-	for _, p := range stopSteps {
-		if p.rec == s {
-			return p.vmm
-		}
-	}
-	return vmm.StepNone
-}
-
-func stepToProto(s vmm.StopStep) vmflowv1.StopStep {
-	for _, p := range stopSteps {
-		if p.vmm == s {
-			return p.rec
-		}
-	}
-	return vmflowv1.StopStep_STOP_STEP_NONE
 }
 
 // DefaultPrepareLaunch is Config.PrepareLaunch when none is set: the
@@ -448,109 +276,4 @@ func DefaultPrepareLaunch(_ context.Context, _ *store.Locked, rec *vmflowv1.Inst
 		return vmm.VMSpec{}, fmt.Errorf("instance %s: %w: it has images; set Config.PrepareLaunch", rec.GetId(), ErrNoSpec)
 	}
 	return spec.ForRecord(rec, ""), nil
-}
-
-// Alive answers when the supervisor can still do its job: its own state is
-// not wedged (the lock every launch, exit and restart takes is free within
-// ctx) and the store's instances can be listed. The agent's systemd
-// watchdog pings only after it answers.
-func (s *Supervisor) Alive(ctx context.Context) error {
-	done := make(chan error, 1)
-	go func() {
-		s.mu.Lock()
-		closed := s.closed
-		s.mu.Unlock()
-		if closed {
-			done <- ErrClosed
-			return
-		}
-		_, err := s.st.IDs()
-		done <- err
-	}()
-	select {
-	case err := <-done:
-		if err != nil {
-			return fmt.Errorf("supervisor: %w", err)
-		}
-		return nil
-	case <-ctx.Done():
-		return fmt.Errorf("supervisor does not answer: %w", ctx.Err())
-	}
-}
-
-// Status is what the supervisor knows about one instance.
-type Status struct {
-	ID    string                 `json:"instance_id"`
-	State vmflowv1.InstanceState `json:"state"`
-	// Process is the recorded QEMU; zero when none runs.
-	Process proc.Identity `json:"process"`
-	// Liveness of the recorded QEMU's thread group now; zero without one.
-	Liveness proc.Status `json:"liveness"`
-	// Watched: this supervisor watches the VM's exit (launched or re-attached).
-	Watched bool `json:"watched"`
-	// Child: this process is QEMU's parent (it launched it) and reaps it.
-	Child bool `json:"child"`
-	// StopStep is how far the stop ladder got.
-	StopStep     vmm.StopStep `json:"stop_step"`
-	ManualStop   bool         `json:"manual_stop"`
-	RestartCount uint32       `json:"restart_count"`
-	// NextRestart is when a pending restart fires; zero when none is pending.
-	NextRestart    time.Time `json:"next_restart"`
-	LastExitStatus string    `json:"last_exit_status"`
-	LastExitCode   int32     `json:"last_exit_code"`
-	LastError      string    `json:"last_error"`
-}
-
-// Status reports instance id: the record (read without the lock: records
-// are replaced by rename, so it is one consistent version) joined with what
-// this process watches and the thread group's liveness now.
-func (s *Supervisor) Status(id string) (Status, error) {
-	rec, err := s.st.Get(id)
-	if err != nil {
-		return Status{}, fmt.Errorf("status: %w", err)
-	}
-	marked, err := s.st.ManualStop(id)
-	if err != nil {
-		return Status{}, fmt.Errorf("status of instance %s: %w", id, err)
-	}
-	st := Status{
-		ID: id, State: rec.GetState(), StopStep: stepFromProto(rec.GetStopStep()),
-		ManualStop: marked, RestartCount: rec.GetRestartCount(),
-		LastExitStatus: rec.GetLastExitStatus(), LastExitCode: rec.GetLastExitCode(), LastError: rec.GetLastError(),
-	}
-	if p := rec.GetProcess(); p != nil {
-		st.Process = store.IdentityOf(p)
-		st.Liveness = proc.Inspect(st.Process)
-	}
-	if in := s.lookup(id); in != nil {
-		in.mu.Lock()
-		if in.vm != nil && in.vm.Identity() == st.Process {
-			st.Watched = true
-			st.Child = in.vm.Child() != nil
-		}
-		st.NextRestart = in.nextRestart
-		in.mu.Unlock()
-	}
-	return st, nil
-}
-
-// QMPStatus asks the instance's QEMU for its run state over QMP, connecting
-// on demand (a re-attached VM has no connection until asked). ErrNotRunning
-// when this supervisor watches no VM for it.
-func (s *Supervisor) QMPStatus(ctx context.Context, id string) (vmm.StatusInfo, error) {
-	in := s.lookup(id)
-	if in == nil {
-		return vmm.StatusInfo{}, fmt.Errorf("instance %s: %w", id, ErrNotRunning)
-	}
-	in.mu.Lock()
-	vm := in.vm
-	in.mu.Unlock()
-	if vm == nil {
-		return vmm.StatusInfo{}, fmt.Errorf("instance %s: %w", id, ErrNotRunning)
-	}
-	st, err := vm.Status(ctx)
-	if err != nil {
-		return vmm.StatusInfo{}, fmt.Errorf("qmp status of instance %s: %w", id, err)
-	}
-	return st, nil
 }

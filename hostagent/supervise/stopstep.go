@@ -1,0 +1,50 @@
+package supervise
+
+import (
+	"vmflow/hostagent/vmm"
+	vmflowv1 "vmflow/proto/vmflow/v1"
+)
+
+// stopSteps is the one table of a stop step's three names: the record's
+// enum, vmm's step, and the name StopVM reports for a step it had to take
+// ("" for the ends of the ladder, which are not steps taken).
+var stopSteps = []struct {
+	rec     vmflowv1.StopStep
+	vmm     vmm.StopStep
+	reached string
+}{
+	{vmflowv1.StopStep_STOP_STEP_NONE, vmm.StepNone, ""},
+	{vmflowv1.StopStep_STOP_STEP_POWERDOWN_SENT, vmm.StepPowerdownSent, "powerdown"},
+	{vmflowv1.StopStep_STOP_STEP_QUIT_SENT, vmm.StepQuitSent, "quit"},
+	{vmflowv1.StopStep_STOP_STEP_KILLED, vmm.StepKillSent, "kill"},
+	{vmflowv1.StopStep_STOP_STEP_GONE, vmm.StepGone, ""},
+}
+
+func stepFromProto(s vmflowv1.StopStep) vmm.StopStep {
+	for _, p := range stopSteps {
+		if p.rec == s {
+			return p.vmm
+		}
+	}
+	return vmm.StepNone
+}
+
+func stepToProto(s vmm.StopStep) vmflowv1.StopStep {
+	for _, p := range stopSteps {
+		if p.vmm == s {
+			return p.rec
+		}
+	}
+	return vmflowv1.StopStep_STOP_STEP_NONE
+}
+
+// StepReached is the name StopVM reports for step s when it was taken
+// ("powerdown", "quit", "kill"), and false for the ends of the ladder.
+func StepReached(s vmm.StopStep) (string, bool) {
+	for _, p := range stopSteps {
+		if p.vmm == s {
+			return p.reached, p.reached != ""
+		}
+	}
+	return "", false
+}

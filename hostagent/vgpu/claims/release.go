@@ -1,0 +1,196 @@
+package claims
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"time"
+
+	"go.uber.org/zap"
+
+	"vmflow/hostagent/proc"
+	"vmflow/hostagent/store"
+	"vmflow/hostagent/vgpu"
+	"vmflow/internal/crashpoint"
+	vmflowv1 "vmflow/proto/vmflow/v1"
+)
+
+// Release releases instance id's vGPU. It refuses while the VM may live
+// (ErrVMAlive) or anything holds the device's VFIO node (ErrDeviceHeld). A
+// failed release keeps the claim, counts the attempt, records the error and
+// moves the record to ReleaseFailed; a later Release retries from the
+// record. released is false when the instance holds no claim.
+func (c *Claims) Release(ctx context.Context, id string) (released bool, deviceID string, err error) {
+	l, err := c.st.Lock(ctx, id)
+	if err != nil {
+		if errors.Is(err, store.ErrNotFound) {
+			return false, "", nil
+		}
+		return false, "", fmt.Errorf("release vGPU of %s: %w", id, err)
+	}
+	defer l.Unlock()
+	return c.releaseLocked(ctx, l)
+}
+
+func (c *Claims) releaseLocked(ctx context.Context, l *store.Locked) (bool, string, error) {
+	rec, err := l.Get()
+	if errors.Is(err, store.ErrNotFound) {
+		return false, "", nil
+	}
+	if err != nil {
+		return false, "", err
+	}
+	if !store.ClaimHeld(rec) {
+		return false, "", nil
+	}
+	lease := store.VGPU(rec)
+	name := store.LeaseName(lease)
+	dev := deviceOf(lease, c.drv.Kind())
+	// Invariant 10 first: a device another claim names is not ours to
+	// release, whatever sysfs says about it.
+	err = c.ownDevice(ctx, l.ID(), dev)
+	if err == nil {
+		err = c.mayRelease(ctx, rec, dev, proc.Holders)
+	}
+	if err != nil {
+		c.recordFailure(l, name, err)
+		return false, dev.ID, err
+	}
+	if _, err := l.Apply(store.LeaseReleasing(name)); err != nil {
+		return false, dev.ID, err
+	}
+	crashpoint.Hit(crashpoint.ReleaseReleasing)
+	if err := c.drv.Release(ctx, dev); err != nil {
+		c.recordFailure(l, name, err)
+		return false, dev.ID, err
+	}
+	crashpoint.Hit(crashpoint.ReleaseWritten)
+	if _, err := l.Apply(store.LeaseReleased(name, c.now())); err != nil {
+		// The device is gone but the record still holds the claim: the next
+		// release finds it "already gone" and records it then.
+		return false, dev.ID, fmt.Errorf("record release of %s: %w", dev.ID, err)
+	}
+	crashpoint.Hit(crashpoint.ReleaseRecorded)
+	c.log.Info("vGPU released", zap.String("instance_id", l.ID()), zap.String("device_id", dev.ID))
+	return true, dev.ID, nil
+}
+
+// holdersFunc answers who holds a path: proc.Holders (a fresh walk of
+// /proc, before a release) or one FDScan shared by a scan's items.
+type holdersFunc func(ctx context.Context, path string) ([]proc.Holder, error)
+
+// mayRelease is invariant 2: the VM's whole thread group must be confirmed
+// gone (store.MayQEMULive, with an unproven absence counting as alive),
+// and nothing may hold the device's VFIO node (deviceFree).
+func (c *Claims) mayRelease(ctx context.Context, rec *vmflowv1.InstanceRecord, dev vgpu.Device, holders holdersFunc) error {
+	// QEMU creates its QMP socket while it sets up its backends, before it
+	// opens any VFIO device, and both files stay until TearDown, which runs
+	// after the release: without them (and no start or exit recorded) the
+	// instance never launched.
+	launched := func() (bool, error) {
+		paths, err := c.st.Paths(rec.GetId())
+		if err != nil {
+			return false, err
+		}
+		for _, f := range []string{paths.Socket, paths.PID} {
+			if _, err := os.Lstat(f); err == nil {
+				return true, nil
+			} else if !errors.Is(err, os.ErrNotExist) {
+				return false, err
+			}
+		}
+		return false, nil
+	}
+	if err := store.MayQEMULive(rec, true, launched); err != nil {
+		return fmt.Errorf("%w: %w", ErrVMAlive, err)
+	}
+	return c.deviceFree(ctx, dev, holders)
+}
+
+// deviceFree is the device's half of invariant 2: nothing holds its VFIO
+// node (asked of holders); a device that is gone is free.
+func (c *Claims) deviceFree(ctx context.Context, dev vgpu.Device, holders holdersFunc) error {
+	node, err := c.vfioNode(dev)
+	if err != nil {
+		return err
+	}
+	if node == "" {
+		return nil // the device is gone: nothing can hold it
+	}
+	hs, err := holders(ctx, node)
+	if err != nil {
+		return fmt.Errorf("%w: cannot tell who holds %s: %w", ErrDeviceHeld, node, err)
+	}
+	var held []string
+	for _, h := range hs {
+		if h.Uncertain && slices.Contains(c.ignore, h.PID) {
+			continue
+		}
+		held = append(held, h.String())
+	}
+	if len(held) > 0 {
+		return fmt.Errorf("%w: %s: %s", ErrDeviceHeld, node, strings.Join(held, "; "))
+	}
+	return nil
+}
+
+// vfioNode is <DevRoot>/vfio/<iommu group> of the device, or "" when the
+// device no longer exists.
+func (c *Claims) vfioNode(dev vgpu.Device) (string, error) {
+	link := filepath.Join(vgpu.DevicePath(c.sysfs, dev), "iommu_group")
+	target, err := os.Readlink(link)
+	if errors.Is(err, os.ErrNotExist) {
+		if dev.Kind == vgpu.KindVendor {
+			if _, serr := os.Stat(filepath.Dir(link)); serr == nil {
+				// The VF exists without an IOMMU group: cannot tell.
+				return "", fmt.Errorf("%w: %s has no iommu_group", ErrDeviceHeld, dev.ID)
+			}
+		}
+		return "", nil
+	}
+	if err != nil {
+		return "", fmt.Errorf("%w: %s: %w", ErrDeviceHeld, link, err)
+	}
+	return filepath.Join(c.devRoot, "vfio", filepath.Base(target)), nil
+}
+
+func (c *Claims) recordFailure(l *store.Locked, name string, cause error) {
+	_, err := l.Apply(store.LeaseReleaseFailed(name, cause.Error()))
+	if err != nil {
+		c.log.Error("record release failure", zap.String("instance_id", l.ID()), zap.Error(err), zap.NamedError("cause", cause))
+	}
+}
+
+// releaseDone records the outcome of a release write that returned after
+// every caller stopped waiting (a blocked mdev remove), so the record says
+// what happened even if no one asks again.
+func (c *Claims) releaseDone(dev vgpu.Device, err error) {
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		recs, lerr := c.st.List()
+		if lerr != nil && len(recs) == 0 {
+			return
+		}
+		for _, r := range recs {
+			lease := store.VGPU(r)
+			if !store.LeaseHeld(lease) || deviceOf(lease, c.drv.Kind()).ID != dev.ID {
+				continue
+			}
+			if err != nil {
+				// The next Release receives this outcome from the driver
+				// and records it then.
+				return
+			}
+			_, uerr := c.st.Apply(ctx, r.GetId(), store.LeaseReleased(store.LeaseName(lease), c.now()))
+			if uerr != nil {
+				c.log.Warn("record late release", zap.String("instance_id", r.GetId()), zap.Error(uerr))
+			}
+			return
+		}
+	}()
+}
