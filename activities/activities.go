@@ -16,9 +16,9 @@ import (
 	"go.temporal.io/sdk/temporal"
 	"go.uber.org/zap"
 
+	"vmflow/hostagent/admission"
 	"vmflow/hostagent/metrics"
 	"vmflow/hostagent/proc"
-	"vmflow/hostagent/spec"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/supervise"
 	"vmflow/hostagent/vgpu"
@@ -51,7 +51,7 @@ type GPUs interface {
 type Activities struct {
 	Store      *store.Store
 	Supervisor *supervise.Supervisor
-	Host       spec.Host
+	Host       admission.Host
 	// GPUs is nil on a host without vGPUs.
 	GPUs GPUs
 	// AttachVGPU adds the claimed device to QEMU's command line. Only the
@@ -134,7 +134,7 @@ func (a *Activities) ValidateSpawn(ctx context.Context, req *vmflowv1.SpawnReque
 }
 
 // admitSpawn is the admission of a spawn request against this host's
-// policy (spec.Host.Validate), for every activity that takes one: a refusal
+// policy (admission.Host.Validate), for every activity that takes one: a refusal
 // is a non-retryable InvalidInput.
 func (a *Activities) admitSpawn(ctx context.Context, req *vmflowv1.SpawnRequest) error {
 	if err := a.Host.Validate(ctx, req); err != nil {
@@ -204,11 +204,11 @@ func (a *Activities) ClaimVGPU(ctx context.Context, req *vmflowv1.ClaimVGPUReque
 	if err != nil {
 		return nil, err
 	}
-	if err := spec.CheckBound("vgpu_profile", req.GetVgpuProfile()); err != nil {
+	if err := admission.CheckBound("vgpu_profile", req.GetVgpuProfile()); err != nil {
 		return nil, classify(fmt.Errorf("claim vGPU: %w", err))
 	}
 	if a.GPUs == nil {
-		return nil, classify(fmt.Errorf("vgpu_profile %q: %w: this host has no vGPUs", req.GetVgpuProfile(), spec.ErrInvalid))
+		return nil, classify(fmt.Errorf("vgpu_profile %q: %w: this host has no vGPUs", req.GetVgpuProfile(), admission.ErrInvalid))
 	}
 	lease, err := a.GPUs.Claim(ctx, req.GetInstanceId(), req.GetVgpuProfile())
 	if err != nil {
@@ -234,7 +234,7 @@ func mdevUUID(c *vmflowv1.VgpuLease) string {
 // LaunchVM starts the instance's QEMU (with its vGPU, when claimed) and
 // returns once QMP says running. A VM already running for the instance is
 // returned as it is. Before the fork the record is admitted against the
-// host's current policy (spec.PrepareLaunch): a refusal is a non-retryable
+// host's current policy (admission.PrepareLaunch): a refusal is a non-retryable
 // AdmissionRefused, with nothing opened or started.
 //
 // With existing_only it starts nothing: a spawn that found another spawn's
@@ -315,7 +315,7 @@ func (a *Activities) BeginDelete(ctx context.Context, req *vmflowv1.BeginDeleteR
 		{"only_if_created_by_workflow_id", req.GetOnlyIfCreatedByWorkflowId()},
 		{"only_if_created_by_run_id", req.GetOnlyIfCreatedByRunId()},
 	} {
-		if err := spec.CheckBound(f.field, f.v); err != nil {
+		if err := admission.CheckBound(f.field, f.v); err != nil {
 			return nil, classify(fmt.Errorf("begin delete: %w", err))
 		}
 	}

@@ -18,9 +18,9 @@ import (
 	"go.temporal.io/sdk/worker"
 	"go.uber.org/zap/zaptest"
 
+	"vmflow/hostagent/admission"
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/proc/proctest"
-	"vmflow/hostagent/spec"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/supervise"
 	"vmflow/hostagent/vgpu"
@@ -65,7 +65,7 @@ func newHost(t *testing.T) *hostEnv {
 
 // newHostPolicy is newHost with the host's admission policy changed by
 // policy (nil: the machine's own, no image roots).
-func newHostPolicy(t *testing.T, policy func(*spec.Host)) *hostEnv {
+func newHostPolicy(t *testing.T, policy func(*admission.Host)) *hostEnv {
 	t.Helper()
 	vmmtest.RequiresQEMU(t)
 	h := &hostEnv{sim: simtest.Start(t, vgpusim.Options{MdevParents: 1})}
@@ -79,14 +79,14 @@ func newHostPolicy(t *testing.T, policy func(*spec.Host)) *hostEnv {
 		Logger: log, IgnoreUninspectable: proctest.UninspectableInit(),
 	})
 	require.NoError(t, err)
-	host, err := spec.SystemHost(nil, "", gpus.Profiles)
+	host, err := admission.SystemHost(nil, "", gpus.Profiles)
 	require.NoError(t, err)
 	if policy != nil {
 		policy(&host)
 	}
 	h.acts = &Activities{Store: h.st, Host: host, GPUs: gpus, AttachVGPU: false, DefaultGraceful: time.Second, Logger: log}
 	sup, err := supervise.New(supervise.Config{Store: h.st, Logger: log, GracefulTimeout: time.Second,
-		PrepareLaunch: spec.PrepareLaunch(host, gpus, false), ReadyTimeout: vmmtest.QEMUDeadline(vmm.DefaultReadyTimeout)})
+		PrepareLaunch: admission.PrepareLaunch(host, gpus, false), ReadyTimeout: vmmtest.QEMUDeadline(vmm.DefaultReadyTimeout)})
 	require.NoError(t, err)
 	t.Cleanup(func() { sup.Close() })
 	h.acts.Supervisor = sup
@@ -131,7 +131,7 @@ func TestSpawnAndDeleteThroughActivities(t *testing.T) {
 	require.NoError(t, h.run(t, a.ValidateSpawn, req, nil))
 	var created vmflowv1.CreateRecordResult
 	require.NoError(t, h.run(t, a.CreateRecord, req, &created))
-	assert.Equal(t, spec.InstanceUUID("vm1"), created.GetInstanceUuid())
+	assert.Equal(t, admission.InstanceUUID("vm1"), created.GetInstanceUuid())
 	require.NoError(t, h.run(t, a.CreateRecord, req, &created))
 	assert.True(t, created.GetAlreadyExisted())
 
@@ -347,7 +347,7 @@ func TestClassify(t *testing.T) {
 		typ          string
 		nonRetryable bool
 	}{
-		{&spec.FieldError{Field: "kernel", Reason: "outside"}, workflows.ErrTypeInvalidInput, true},
+		{&admission.FieldError{Field: "kernel", Reason: "outside"}, workflows.ErrTypeInvalidInput, true},
 		{store.ErrInvalidID, workflows.ErrTypeInvalidInput, true},
 		{store.ErrConflict, workflows.ErrTypeConflict, true},
 		{supervise.ErrManualStop, workflows.ErrTypeInstanceDeleting, true},
@@ -365,7 +365,7 @@ func TestClassify(t *testing.T) {
 		{supervise.ErrStillRunning, workflows.ErrTypeStillAlive, false},
 		{claims.ErrClaimDeviceMissing, workflows.ErrTypeClaimDeviceMissing, false},
 		{vgpu.ErrRecordsUnreadable, workflows.ErrTypeUnavailable, false},
-		{fmt.Errorf("%w: %w", spec.ErrAdmissionRefused, &spec.FieldError{Field: "disk", Reason: "gone"}), workflows.ErrTypeAdmissionRefused, true},
+		{fmt.Errorf("%w: %w", admission.ErrAdmissionRefused, &admission.FieldError{Field: "disk", Reason: "gone"}), workflows.ErrTypeAdmissionRefused, true},
 		{fmt.Errorf("instance vm1: %w: record unreadable: %w", supervise.ErrNotRunningAsAsked, store.ErrInvalidRecord), workflows.ErrTypeInstanceExists, true},
 		{fmt.Errorf("release: %w", claims.ErrVMAlive), workflows.ErrTypeStillAlive, false},
 		{fmt.Errorf("release: %w", vgpu.ErrInvalid), workflows.ErrTypeInternal, false},

@@ -13,8 +13,8 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
+	"vmflow/hostagent/admission"
 	"vmflow/hostagent/proc"
-	"vmflow/hostagent/spec"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vmm"
 	vmflowv1 "vmflow/proto/vmflow/v1"
@@ -55,10 +55,10 @@ func TestAdmissionWithoutValidateSpawn(t *testing.T) {
 	require.NoError(t, err)
 	secret := filepath.Join(t.TempDir(), "secret.raw")
 	require.NoError(t, os.WriteFile(secret, make([]byte, 1<<20), 0o600))
-	roots, err := spec.OpenImageRoots([]string{images})
+	roots, err := admission.OpenImageRoots([]string{images})
 	require.NoError(t, err)
 	t.Cleanup(func() { roots.Close() })
-	h := newHostPolicy(t, func(host *spec.Host) { host.Images = roots })
+	h := newHostPolicy(t, func(host *admission.Host) { host.Images = roots })
 	opened := watchOpens(t, secret)
 
 	// q35 under TCG: a machine that takes a disk, as in the report (QEMU
@@ -77,7 +77,7 @@ func TestAdmissionWithoutValidateSpawn(t *testing.T) {
 	assert.ErrorIs(t, err, store.ErrNotFound, "nothing written for a refused create")
 
 	// The same spec in a record written without admission.
-	_, err = h.st.Create(context.Background(), &vmflowv1.InstanceRecord{Id: "vm1", Spec: spec.RecordSpec(req)})
+	_, err = h.st.Create(context.Background(), &vmflowv1.InstanceRecord{Id: "vm1", Spec: admission.RecordSpec(req)})
 	require.NoError(t, err)
 	err = h.run(t, h.acts.LaunchVM, &vmflowv1.LaunchVMRequest{InstanceId: "vm1"}, nil)
 	ae = appError(t, err)
@@ -144,14 +144,14 @@ func TestHostActivityInputsAreBounded(t *testing.T) {
 	h := newHost(t)
 	require.NoError(t, h.run(t, h.acts.CreateRecord, spawnReq("vm1"), nil))
 
-	err := h.run(t, h.acts.ClaimVGPU, &vmflowv1.ClaimVGPURequest{InstanceId: "vm1", VgpuProfile: strings.Repeat("p", spec.MaxProfileBytes+1)}, nil)
+	err := h.run(t, h.acts.ClaimVGPU, &vmflowv1.ClaimVGPURequest{InstanceId: "vm1", VgpuProfile: strings.Repeat("p", admission.MaxProfileBytes+1)}, nil)
 	assert.Equal(t, workflows.ErrTypeInvalidInput, appError(t, err).Type())
 	rec, err := h.st.Get("vm1")
 	require.NoError(t, err)
 	assert.Nil(t, store.VGPU(rec))
 
 	err = h.run(t, h.acts.BeginDelete, &vmflowv1.BeginDeleteRequest{InstanceId: "vm1",
-		OnlyIfCreatedByWorkflowId: strings.Repeat("w", spec.MaxWorkflowIDBytes+1), OnlyIfCreatedByRunId: "r"}, nil)
+		OnlyIfCreatedByWorkflowId: strings.Repeat("w", admission.MaxWorkflowIDBytes+1), OnlyIfCreatedByRunId: "r"}, nil)
 	assert.Equal(t, workflows.ErrTypeInvalidInput, appError(t, err).Type())
 	marked, err := h.st.ManualStop("vm1")
 	require.NoError(t, err)
@@ -167,7 +167,7 @@ func TestHostActivityInputsAreBounded(t *testing.T) {
 // written. Without the check both pass and LaunchVM fails after the record
 // was created.
 func TestNoKVMSpawnRefused(t *testing.T) {
-	h := newHostPolicy(t, func(host *spec.Host) {
+	h := newHostPolicy(t, func(host *admission.Host) {
 		host.KVM = vmm.CheckKVM(filepath.Join(t.TempDir(), "kvm"))
 	})
 	req := spawnReq("vm1")

@@ -11,7 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.uber.org/zap/zaptest"
 
-	"vmflow/hostagent/spec"
+	"vmflow/hostagent/admission"
 	"vmflow/hostagent/store"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 	"vmflow/workflows"
@@ -47,7 +47,7 @@ func TestCreateRecordNamesItsSpawn(t *testing.T) {
 		"legacy":    {"", ""},
 	} {
 		id := map[string]string{"other run": "vm2", "legacy": "vm3"}[name]
-		w := &vmflowv1.InstanceRecord{Id: id, Spec: spec.RecordSpec(spawnReq(id)),
+		w := &vmflowv1.InstanceRecord{Id: id, Spec: admission.RecordSpec(spawnReq(id)),
 			CreatedByWorkflowId: creator[0], CreatedByRunId: creator[1]}
 		_, err := h.st.Create(context.Background(), w)
 		require.NoError(t, err)
@@ -71,12 +71,12 @@ func TestBeginDeleteGuard(t *testing.T) {
 	guard := func(id string) *vmflowv1.BeginDeleteRequest {
 		return &vmflowv1.BeginDeleteRequest{InstanceId: id, OnlyIfCreatedByWorkflowId: testWorkflowID, OnlyIfCreatedByRunId: testRunID}
 	}
-	_, err := h.st.Create(ctx, &vmflowv1.InstanceRecord{Id: "theirs", Spec: spec.RecordSpec(spawnReq("theirs")),
+	_, err := h.st.Create(ctx, &vmflowv1.InstanceRecord{Id: "theirs", Spec: admission.RecordSpec(spawnReq("theirs")),
 		CreatedByWorkflowId: "spawn/theirs", CreatedByRunId: "r1"})
 	require.NoError(t, err)
-	_, err = h.st.Create(ctx, &vmflowv1.InstanceRecord{Id: "legacy", Spec: spec.RecordSpec(spawnReq("legacy"))})
+	_, err = h.st.Create(ctx, &vmflowv1.InstanceRecord{Id: "legacy", Spec: admission.RecordSpec(spawnReq("legacy"))})
 	require.NoError(t, err)
-	_, err = h.st.Create(ctx, &vmflowv1.InstanceRecord{Id: "torn", Spec: spec.RecordSpec(spawnReq("torn")),
+	_, err = h.st.Create(ctx, &vmflowv1.InstanceRecord{Id: "torn", Spec: admission.RecordSpec(spawnReq("torn")),
 		CreatedByWorkflowId: testWorkflowID, CreatedByRunId: testRunID})
 	require.NoError(t, err)
 	p, err := h.st.Paths("torn")

@@ -12,8 +12,8 @@ import (
 
 	commonpb "go.temporal.io/api/common/v1"
 
+	"vmflow/hostagent/admission"
 	"vmflow/hostagent/proc"
-	"vmflow/hostagent/spec"
 	"vmflow/hostagent/vmm"
 	"vmflow/platform"
 	vmflowv1 "vmflow/proto/vmflow/v1"
@@ -59,12 +59,12 @@ func BenchmarkHostValidate(b *testing.B) {
 			b.Fatal(err)
 		}
 	}
-	roots, err := spec.OpenImageRoots([]string{root})
+	roots, err := admission.OpenImageRoots([]string{root})
 	if err != nil {
 		b.Fatal(err)
 	}
 	defer roots.Close()
-	h := spec.Host{Images: roots, MaxVCPUs: 64, MaxMemoryMiB: 1 << 20,
+	h := admission.Host{Images: roots, MaxVCPUs: 64, MaxMemoryMiB: 1 << 20,
 		Profiles: func(context.Context) ([]string, error) { return []string{"GRID A100-4C", "GRID A100-8C"}, nil }}
 	req := &vmflowv1.SpawnRequest{InstanceId: "web-1", HostId: "h1", Vcpus: 4, MemoryMib: 4096, Machine: "q35", Accel: "kvm",
 		Kernel: filepath.Join(root, "vmlinuz"), Initrd: filepath.Join(root, "initrd.img"), Cmdline: "console=ttyS0", VgpuProfile: "GRID A100-4C"}

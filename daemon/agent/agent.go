@@ -21,8 +21,8 @@ import (
 
 	"vmflow/activities"
 	"vmflow/daemon"
+	"vmflow/hostagent/admission"
 	"vmflow/hostagent/metrics"
-	"vmflow/hostagent/spec"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/supervise"
 	"vmflow/hostagent/vgpu"
@@ -142,7 +142,7 @@ func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentH
 	cfg.ServeMetrics(life, tm)
 
 	var gpus activities.GPUs
-	var devs spec.Devices // nil interface, not a typed nil, without vGPUs
+	var devs admission.Devices // nil interface, not a typed nil, without vGPUs
 	var profiles func(context.Context) ([]string, error)
 	var vgpus *claims.Claims // nil without vGPUs: no reconcile work to scan for
 	if cfg.VGPUDriver != "none" {
@@ -160,7 +160,7 @@ func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentH
 	}
 	// The image roots are opened here and held for the agent's life: every
 	// image is opened beneath them.
-	host, err := spec.SystemHost(cfg.ImageRoots, cfg.KVMDevice, profiles)
+	host, err := admission.SystemHost(cfg.ImageRoots, cfg.KVMDevice, profiles)
 	if err != nil {
 		return nil, err
 	}
@@ -212,7 +212,7 @@ func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentH
 		// host's policy, the vGPU device made sure of (re-created after a
 		// reboot), the images opened beneath their roots (the disk's overlay
 		// made at the first), then QEMU's spec from the record.
-		PrepareLaunch: spec.PrepareLaunch(host, devs, cfg.VGPUAttach),
+		PrepareLaunch: admission.PrepareLaunch(host, devs, cfg.VGPUAttach),
 		QEMUUIDs:      cfg.QEMUUIDs, KVMDevice: cfg.KVMDevice, DevRoot: cfg.DevRoot, Cgroups: cgroups, JailSetup: jailSetup, FDStore: fdStore,
 		OnExitRecorded:         func(d time.Duration) { am.ExitDetect.Observe(d.Seconds()) },
 		OnRestartRefused:       am.RestartsRefused.Inc,

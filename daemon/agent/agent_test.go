@@ -21,7 +21,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"vmflow/daemon"
-	"vmflow/hostagent/spec"
+	"vmflow/hostagent/admission"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/supervise"
 	"vmflow/hostagent/vmm"
@@ -56,12 +56,12 @@ func TestAgentOutlivesBadRecordAndRefusedCredentials(t *testing.T) {
 	require.NoError(t, err)
 	ctx := context.Background()
 	req := &vmflowv1.SpawnRequest{InstanceId: "claimed", Vcpus: 1, MemoryMib: 64, Machine: "none", VgpuProfile: "GRID A100-4C"}
-	_, err = st.Create(ctx, &vmflowv1.InstanceRecord{Id: "claimed", Spec: spec.RecordSpec(req)})
+	_, err = st.Create(ctx, &vmflowv1.InstanceRecord{Id: "claimed", Spec: admission.RecordSpec(req)})
 	require.NoError(t, err)
 	_, err = st.Apply(ctx, "claimed", store.LeaseIntent(store.VGPULease(&vmflowv1.VgpuLease{Profile: "GRID A100-4C",
 		Uuid: "8b6a3a57-4f4e-4b41-9a2c-3f1d2e5a6b7c", Driver: "mdev"}), time.Now()), store.VGPUActive("8b6a3a57-4f4e-4b41-9a2c-3f1d2e5a6b7c", ""))
 	require.NoError(t, err)
-	_, err = st.Create(ctx, &vmflowv1.InstanceRecord{Id: "torn", Spec: spec.RecordSpec(req)})
+	_, err = st.Create(ctx, &vmflowv1.InstanceRecord{Id: "torn", Spec: admission.RecordSpec(req)})
 	require.NoError(t, err)
 	p, err := st.Paths("torn")
 	require.NoError(t, err)
@@ -211,7 +211,7 @@ func TestPruneFDStoreKeepsWhatRecordsName(t *testing.T) {
 	ctx := context.Background()
 	req := &vmflowv1.SpawnRequest{InstanceId: "live", Vcpus: 1, MemoryMib: 64, Machine: "none"}
 	for _, id := range []string{"live", "torn"} {
-		_, err = st.Create(ctx, &vmflowv1.InstanceRecord{Id: id, Spec: spec.RecordSpec(req)})
+		_, err = st.Create(ctx, &vmflowv1.InstanceRecord{Id: id, Spec: admission.RecordSpec(req)})
 		require.NoError(t, err)
 	}
 	l, err := st.Lock(ctx, "live")

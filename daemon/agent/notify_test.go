@@ -17,7 +17,7 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"vmflow/daemon"
-	"vmflow/hostagent/spec"
+	"vmflow/hostagent/admission"
 	"vmflow/hostagent/store"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 	"vmflow/testsupport/devserver"
@@ -112,7 +112,7 @@ func TestNotifyReadyAfterReattach(t *testing.T) {
 			require.NoError(t, err)
 			if tc.unreadable {
 				req := &vmflowv1.SpawnRequest{InstanceId: "torn", Vcpus: 1, MemoryMib: 64, Machine: "none"}
-				_, err = st.Create(context.Background(), &vmflowv1.InstanceRecord{Id: "torn", Spec: spec.RecordSpec(req)})
+				_, err = st.Create(context.Background(), &vmflowv1.InstanceRecord{Id: "torn", Spec: admission.RecordSpec(req)})
 				require.NoError(t, err)
 				p, err := st.Paths("torn")
 				require.NoError(t, err)

@@ -676,7 +676,7 @@ func (h *host) repairRecord(t *rapid.T) {
 }
 
 // ensureDevice re-creates the missing device of id's active claim, as every
-// launch does (spec.PrepareLaunch), and reports whether it exists now. A
+// launch does (admission.PrepareLaunch), and reports whether it exists now. A
 // held claim keeps its slot and its parent's type across a reboot: only a
 // stray device (one no held claim names) can stand in its way.
 func (h *host) ensureDevice(t *rapid.T, id string, cl *vmflowv1.Lease) bool {

@@ -12,24 +12,24 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"vmflow/hostagent/admission"
 	"vmflow/hostagent/cli"
 	"vmflow/hostagent/proc"
-	"vmflow/hostagent/spec"
 	"vmflow/hostagent/store"
 )
 
 // admitting is a host policy the env's records (1 vCPU, 64 MiB) pass;
 // strict is the same host after its operator lowered the memory bound.
 var (
-	admitting = spec.Host{MaxVCPUs: 1, MaxMemoryMiB: 1024}
-	strict    = spec.Host{MaxVCPUs: 1, MaxMemoryMiB: 32}
+	admitting = admission.Host{MaxVCPUs: 1, MaxMemoryMiB: 1024}
+	strict    = admission.Host{MaxVCPUs: 1, MaxMemoryMiB: 32}
 )
 
 // withPolicy makes a supervisor admit every launch and restart against h,
-// as the agent wires it (spec.PrepareLaunch).
-func withPolicy(h spec.Host, refused *atomic.Int32) func(*Config) {
+// as the agent wires it (admission.PrepareLaunch).
+func withPolicy(h admission.Host, refused *atomic.Int32) func(*Config) {
 	return func(c *Config) {
-		c.PrepareLaunch = spec.PrepareLaunch(h, nil, false)
+		c.PrepareLaunch = admission.PrepareLaunch(h, nil, false)
 		c.RestartBackoff = 10 * time.Millisecond
 		if refused != nil {
 			c.OnRestartRefused = func() { refused.Add(1) }
@@ -101,14 +101,14 @@ func TestRestartRefusedByCurrentPolicy(t *testing.T) {
 }
 
 // TestLaunchRefusedByPolicy: an explicit launch of a record the policy
-// does not admit fails with spec.ErrAdmissionRefused, with no QEMU started
+// does not admit fails with admission.ErrAdmissionRefused, with no QEMU started
 // and no launch marker left. Fails without admission in PrepareLaunch.
 func TestLaunchRefusedByPolicy(t *testing.T) {
 	e := newEnv(t)
 	e.create("vm1", "never", 0)
 	sup := e.newSupervisor(withPolicy(strict, nil))
 	_, err := sup.Launch(ctxT(t, 30*time.Second), "vm1")
-	require.ErrorIs(t, err, spec.ErrAdmissionRefused)
+	require.ErrorIs(t, err, admission.ErrAdmissionRefused)
 	rec := e.get("vm1")
 	assert.Nil(t, rec.GetProcess())
 	assert.Nil(t, rec.GetLaunchStartedAt())

@@ -8,8 +8,8 @@ import (
 
 	"go.uber.org/zap"
 
+	"vmflow/hostagent/admission"
 	"vmflow/hostagent/proc"
-	"vmflow/hostagent/spec"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vgpu/claims"
 	"vmflow/hostagent/vmm"
@@ -277,7 +277,7 @@ func (s *Supervisor) restart(in *instance, gen uint64) {
 	log := in.log.With(zap.Uint32("restart_count", attempt))
 	log.Info("restarting")
 	vm, err := s.launchLocked(ctx, l, in, rec)
-	if errors.Is(err, spec.ErrAdmissionRefused) || errors.Is(err, store.ErrUIDRangeTaken) {
+	if errors.Is(err, admission.ErrAdmissionRefused) || errors.Is(err, store.ErrUIDRangeTaken) {
 		s.refuseRestartLocked(l, in, attempt-1, err)
 		return
 	}

@@ -288,7 +288,7 @@ func TestPrepareLaunchBeforeEveryLaunch(t *testing.T) {
 	rec.Spec.VgpuProfile = ""
 	v, err := DefaultPrepareLaunch(context.Background(), nil, rec)
 	require.NoError(t, err)
-	assert.True(t, v.NoReboot, "the one conversion, spec.ForRecord")
+	assert.True(t, v.NoReboot, "the one conversion, admission.ForRecord")
 	assert.True(t, v.SerialToLog)
 }
 

@@ -4,7 +4,7 @@ import (
 	"fmt"
 	"time"
 
-	"vmflow/hostagent/spec"
+	"vmflow/hostagent/admission"
 	"vmflow/hostagent/store"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
@@ -16,14 +16,14 @@ type Policy string
 const (
 	// PolicyNever (the default, also for an empty field) leaves an exited VM
 	// Exited.
-	PolicyNever Policy = spec.RestartNever
+	PolicyNever Policy = admission.RestartNever
 	// PolicyOnFailure restarts a VM that failed: exit code != 0, killed by a
 	// signal, or an unknown status (the exit was seen through a pidfd after
 	// an agent restart, so nobody knows how it ended). A clean exit 0 (the
 	// guest powered off) is not a failure.
-	PolicyOnFailure Policy = spec.RestartOnFailure
+	PolicyOnFailure Policy = admission.RestartOnFailure
 	// PolicyAlways restarts after any exit.
-	PolicyAlways Policy = spec.RestartAlways
+	PolicyAlways Policy = admission.RestartAlways
 )
 
 // Defaults for the restart backoff: 1 s doubling, capped at 5 min.

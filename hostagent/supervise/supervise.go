@@ -9,8 +9,8 @@ import (
 
 	"go.uber.org/zap"
 
+	"vmflow/hostagent/admission"
 	"vmflow/hostagent/proc"
-	"vmflow/hostagent/spec"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vmm"
 	"vmflow/internal/contract"
@@ -88,7 +88,7 @@ type Config struct {
 	OnExitRecorded func(detect time.Duration)
 	// OnRestartRefused, when set, is called after a restart was refused
 	// because PrepareLaunch's admission no longer admits the record
-	// (spec.ErrAdmissionRefused) and the refusal is written to the record:
+	// (admission.ErrAdmissionRefused) and the refusal is written to the record:
 	// the agent's vmflow_restarts_refused_total. It must not block.
 	OnRestartRefused func()
 	// OnRestartDeviceMissing, when set, is called after a restart failed
@@ -106,12 +106,12 @@ type Config struct {
 	// called under the instance lock before every launch, the first and
 	// every restart alike, so what it checks or sets up (admission, a vGPU
 	// device that must exist) holds when QEMU starts. It may update the
-	// record through l. An error wrapping spec.ErrAdmissionRefused stops a
+	// record through l. An error wrapping admission.ErrAdmissionRefused stops a
 	// restart for good: the record gets last_error and needs_attention and
 	// nothing is rescheduled (the policy will not change until the agent
 	// restarts). Default: DefaultPrepareLaunch, which admits nothing
 	// against a host policy and refuses a record with a vGPU: the agent
-	// sets spec.PrepareLaunch.
+	// sets admission.PrepareLaunch.
 	PrepareLaunch func(ctx context.Context, l *store.Locked, rec *vmflowv1.InstanceRecord) (vmm.VMSpec, error)
 	// Now stamps records (time.Now when nil).
 	Now func() time.Time
@@ -259,12 +259,12 @@ func (s *Supervisor) goBackground(fn func()) bool {
 }
 
 // DefaultPrepareLaunch is Config.PrepareLaunch when none is set: the
-// record's spec through spec.ForRecord, without a vGPU or images. It
+// record's spec through admission.ForRecord, without a vGPU or images. It
 // refuses a record that asks for or holds a vGPU (ErrNoSpec): the device
 // path depends on the vGPU driver and sysfs root, and the device may have to
 // be re-created first, which only the agent's wiring knows. It refuses a
 // record with a kernel, initrd or disk too: those are opened beneath the
-// agent's image roots (spec.PrepareLaunch).
+// agent's image roots (admission.PrepareLaunch).
 func DefaultPrepareLaunch(_ context.Context, _ *store.Locked, rec *vmflowv1.InstanceRecord) (vmm.VMSpec, error) {
 	if rec.GetSpec() == nil {
 		return vmm.VMSpec{}, fmt.Errorf("instance %s: %w: the record has no spec", rec.GetId(), ErrNoSpec)
@@ -275,5 +275,5 @@ func DefaultPrepareLaunch(_ context.Context, _ *store.Locked, rec *vmflowv1.Inst
 	if s := rec.GetSpec(); s.GetKernel() != "" || s.GetInitrd() != "" || s.GetDisk() != "" {
 		return vmm.VMSpec{}, fmt.Errorf("instance %s: %w: it has images; set Config.PrepareLaunch", rec.GetId(), ErrNoSpec)
 	}
-	return spec.ForRecord(rec, ""), nil
+	return admission.ForRecord(rec, ""), nil
 }

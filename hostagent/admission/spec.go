@@ -1,4 +1,4 @@
-// Package spec admits a spawn request on this host, and a recorded instance
+// Package admission admits a spawn request on this host, and a recorded instance
 // again before every launch and restart: it checks every field that will
 // reach a path, an argv or a sysfs write against the host (bounds, image
 // roots, size, the vGPU profiles it offers), and turns an admitted request
@@ -8,7 +8,7 @@
 // kernel, initrd or disk path must lie under an --image-root and is opened
 // beneath it (ImageRoots), at admission and again at every launch, and every
 // rejection names its field.
-package spec
+package admission
 
 import (
 	"bufio"

@@ -1,4 +1,4 @@
-package spec_test
+package admission_test
 
 import (
 	"bytes"
@@ -17,9 +17,9 @@ import (
 
 	"vmflow/guest"
 	"vmflow/guest/build"
+	"vmflow/hostagent/admission"
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/proc/proctest"
-	"vmflow/hostagent/spec"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/supervise"
 	"vmflow/hostagent/vmm"
@@ -29,12 +29,12 @@ import (
 
 const imageSize = 1 << 20
 
-// stack is a store and a supervisor launching through spec.PrepareLaunch on
+// stack is a store and a supervisor launching through admission.PrepareLaunch on
 // an image root holding real.raw (0x22 bytes), disk.raw -> real.raw
 // (relative) and other.raw (0x33); outside it, secret.raw (0x11).
 type stack struct {
 	root, outside string
-	host          spec.Host
+	host          admission.Host
 	st            *store.Store
 	sup           *supervise.Supervisor
 }
@@ -51,12 +51,12 @@ func newStack(t *testing.T) *stack {
 	require.NoError(t, os.WriteFile(filepath.Join(s.outside, "secret.raw"), bytes.Repeat([]byte{0x11}, imageSize), 0o600))
 	require.NoError(t, os.Symlink("real.raw", filepath.Join(s.root, "disk.raw")))
 	var err error
-	s.host, err = spec.SystemHost([]string{s.root}, "", nil)
+	s.host, err = admission.SystemHost([]string{s.root}, "", nil)
 	require.NoError(t, err)
 	t.Cleanup(func() { s.host.Images.Close() })
 	s.st, err = store.New(proctest.ShortDir(t, "st"))
 	require.NoError(t, err)
-	s.sup, err = supervise.New(supervise.Config{Store: s.st, PrepareLaunch: spec.PrepareLaunch(s.host, nil, false),
+	s.sup, err = supervise.New(supervise.Config{Store: s.st, PrepareLaunch: admission.PrepareLaunch(s.host, nil, false),
 		GracefulTimeout: time.Second})
 	require.NoError(t, err)
 	t.Cleanup(func() { s.sup.Close() })
@@ -155,8 +155,8 @@ func TestLaunchSymlinkSwappedAfterAdmission(t *testing.T) {
 
 		_, err := s.sup.Launch(ctxT(t, 30*time.Second), id)
 		require.Error(t, err, "symlink to %s", target)
-		assert.ErrorIs(t, err, spec.ErrEscapesRoot)
-		assert.ErrorIs(t, err, spec.ErrInvalid, "a policy refusal, not a retryable failure")
+		assert.ErrorIs(t, err, admission.ErrEscapesRoot)
+		assert.ErrorIs(t, err, admission.ErrInvalid, "a policy refusal, not a retryable failure")
 		assert.Contains(t, err.Error(), "disk: "+link+": leaves its image root "+s.root)
 		rec, err := s.st.Get(id)
 		require.NoError(t, err)
@@ -183,7 +183,7 @@ func TestLaunchHoldsWhatItOpened(t *testing.T) {
 	defer l.Unlock()
 	rec, err := l.Get()
 	require.NoError(t, err)
-	v, err := spec.PrepareLaunch(s.host, nil, false)(ctxT(t, 10*time.Second), l, rec)
+	v, err := admission.PrepareLaunch(s.host, nil, false)(ctxT(t, 10*time.Second), l, rec)
 	require.NoError(t, err)
 	link := filepath.Join(s.root, "disk.raw")
 	require.NoError(t, os.Remove(link))
@@ -275,7 +275,7 @@ func TestLaunchOldRecord(t *testing.T) {
 	s := newStack(t)
 	req := s.request("old")
 	require.NoError(t, s.host.Validate(ctxT(t, 5*time.Second), req))
-	old := spec.RecordSpec(req) // no disk_image: what the old CreateRecord wrote
+	old := admission.RecordSpec(req) // no disk_image: what the old CreateRecord wrote
 	require.Nil(t, old.GetDiskImage())
 	_, err := s.st.Create(ctxT(t, 5*time.Second), &vmflowv1.InstanceRecord{Id: "old", Spec: old})
 	require.NoError(t, err)
@@ -297,12 +297,12 @@ func TestLaunchOldRecord(t *testing.T) {
 func TestLaunchKernelByFD(t *testing.T) {
 	vmmtest.RequiresQEMU(t)
 	dir := guestDir(t)
-	h, err := spec.SystemHost([]string{dir}, "", nil)
+	h, err := admission.SystemHost([]string{dir}, "", nil)
 	require.NoError(t, err)
 	defer h.Images.Close()
 	st, err := store.New(proctest.ShortDir(t, "st"))
 	require.NoError(t, err)
-	sup, err := supervise.New(supervise.Config{Store: st, PrepareLaunch: spec.PrepareLaunch(h, nil, false)})
+	sup, err := supervise.New(supervise.Config{Store: st, PrepareLaunch: admission.PrepareLaunch(h, nil, false)})
 	require.NoError(t, err)
 	defer sup.Close()
 	req := &vmflowv1.SpawnRequest{InstanceId: "boot", HostId: "h1", Vcpus: 1, MemoryMib: 256, Machine: "q35", Accel: "tcg",
@@ -374,7 +374,7 @@ func TestLaunchRefusesChangedDiskBase(t *testing.T) {
 	require.NoError(t, os.WriteFile(tmp, bytes.Repeat([]byte{0x44}, imageSize), 0o600))
 	require.NoError(t, os.Rename(tmp, real))
 	_, err = s.sup.Launch(ctxT(t, 30*time.Second), "based")
-	require.ErrorIs(t, err, spec.ErrAdmissionRefused)
+	require.ErrorIs(t, err, admission.ErrAdmissionRefused)
 	assert.ErrorContains(t, err, "base image changed")
 	st, err := s.sup.Status("based")
 	require.NoError(t, err)
