@@ -28,3 +28,26 @@ const (
 	// rebooting it (with -no-reboot QEMU then exits).
 	KernelCmdline = "console=ttyS0 panic=-1"
 )
+
+// The guest's network, for a VM spawned with a network. The agent puts
+// NetParam on the kernel command line; the init configures eth0 from it and
+// serves ProbePort. (Debian's cloud kernel has no IP_PNP: `ip=` does nothing.)
+const (
+	// NetParam is the kernel parameter `vmflow.net=<ipv4>/<prefix>,<gateway>`,
+	// for example vmflow.net=10.88.0.2/24,10.88.0.1.
+	NetParam = "vmflow.net"
+
+	// ProbePort is the TCP port the init serves once eth0 is up. It writes
+	// ProbeHello, then reads one line: "dial <ipv4>:<port>" makes the guest
+	// try that TCP connection (bounded by a few seconds) and answer "ok" or
+	// "fail <reason>", one line each, so a test can check what the guest can
+	// reach as well as what reaches it.
+	ProbePort = 7777
+
+	// ProbeHello is the probe server's first line.
+	ProbeHello = "vmflow-guest: net ok"
+
+	// NetUpPrefix starts the serial line the init prints once eth0 has its
+	// address: "vmflow-guest: net up <ipv4>/<prefix>".
+	NetUpPrefix = "vmflow-guest: net up "
+)

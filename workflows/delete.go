@@ -274,7 +274,7 @@ func (w *Workflows) stuckBound(ctx workflow.Context, req *vmflowv1.DeleteRequest
 	}
 	secs := req.GetStuckAfterSeconds()
 	if secs == 0 {
-		secs = recorded(ctx, uint32(max(w.cfg.DeleteStuckAfter/time.Second, 1)), uint32(DefaultConfig().DeleteStuckAfter/time.Second))
+		secs = recorded(ctx, uint32(max(w.cfg.DeleteStuckAfter/time.Second, 1)), uint32(Config{}.WithDefaults().DeleteStuckAfter/time.Second))
 		req.StuckAfterSeconds = secs
 	}
 	return time.Duration(secs) * time.Second, v

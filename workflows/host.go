@@ -81,7 +81,7 @@ func (h *hostRunner) hostWait(ctx workflow.Context) time.Duration {
 	if h.fixedGiveUp == nil {
 		v := h.giveUp
 		if workflow.GetVersion(ctx, changeHostWait, workflow.DefaultVersion, 1) >= 1 {
-			v = recorded(ctx, h.giveUp, DefaultConfig().SpawnHostWait)
+			v = recorded(ctx, h.giveUp, Config{}.WithDefaults().SpawnHostWait)
 		}
 		h.fixedGiveUp = &v
 	}

@@ -219,7 +219,7 @@ func TestWorkflowModel(t *testing.T) {
 	began := time.Now()
 	rapid.Check(t, func(rt *rapid.T) {
 		checks++
-		m := &model{t: rt, sc: scenarios.Draw(rt, "scenario"), bound: DefaultConfig().DeleteStuckAfter}
+		m := &model{t: rt, sc: scenarios.Draw(rt, "scenario"), bound: Config{}.WithDefaults().DeleteStuckAfter}
 		m.f = newFakeHost(m.sc, stats, func() time.Time { return m.env.Now() })
 		runs += m.run()
 		steps += m.steps + len(m.f.calls)
@@ -429,7 +429,7 @@ func (m *model) violation(e *env) string {
 	stuck := false
 	if !failingSince.IsZero() {
 		c := New(Config{}).calls()[last.activity]
-		round := max(m.bound, DefaultConfig().ScheduleToStartTimeout+c.timeout)
+		round := max(m.bound, Config{}.WithDefaults().ScheduleToStartTimeout+c.timeout)
 		stuck = now.Sub(failingSince) > round+2*time.Minute
 	}
 	if terminalStage(st.GetStage()) {

@@ -53,46 +53,36 @@ type Config struct {
 	DeleteStuckAfter time.Duration
 }
 
-// DefaultConfig is the production configuration.
-func DefaultConfig() Config {
-	return Config{
-		ReleaseBackoff:         30 * time.Second,
-		ReleaseBackoffMax:      15 * time.Minute,
-		ScheduleToStartTimeout: time.Minute,
-		UnreachableBackoff:     30 * time.Second,
-		UnreachableBackoffMax:  5 * time.Minute,
-		SpawnHostWait:          10 * time.Minute,
-		GracefulTimeout:        contract.DefaultGracefulTimeout,
-		GroupExitCap:           contract.DefaultGroupExitCap,
-		// A QEMU in D state after SIGKILL during a VFIO reset can take
-		// minutes to leave; longer than that is worth a look.
-		DeleteStuckAfter: 5 * time.Minute,
-	}
-}
-
 // Workflows holds the three workflows; register it with Register.
 type Workflows struct {
 	cfg Config
 }
 
-// New returns the workflows with cfg, zero fields taking their defaults.
-func New(cfg Config) *Workflows {
-	d := DefaultConfig()
+// WithDefaults is c with every zero field that has a default set to it:
+// Config{}.WithDefaults() is the production configuration.
+func (c Config) WithDefaults() Config {
 	set := func(v *time.Duration, def time.Duration) {
 		if *v <= 0 {
 			*v = def
 		}
 	}
-	set(&cfg.ReleaseBackoff, d.ReleaseBackoff)
-	set(&cfg.ReleaseBackoffMax, d.ReleaseBackoffMax)
-	set(&cfg.ScheduleToStartTimeout, d.ScheduleToStartTimeout)
-	set(&cfg.UnreachableBackoff, d.UnreachableBackoff)
-	set(&cfg.UnreachableBackoffMax, d.UnreachableBackoffMax)
-	set(&cfg.SpawnHostWait, d.SpawnHostWait)
-	set(&cfg.GracefulTimeout, d.GracefulTimeout)
-	set(&cfg.GroupExitCap, d.GroupExitCap)
-	set(&cfg.DeleteStuckAfter, d.DeleteStuckAfter)
-	return &Workflows{cfg: cfg}
+	set(&c.ReleaseBackoff, 30*time.Second)
+	set(&c.ReleaseBackoffMax, 15*time.Minute)
+	set(&c.ScheduleToStartTimeout, time.Minute)
+	set(&c.UnreachableBackoff, 30*time.Second)
+	set(&c.UnreachableBackoffMax, 5*time.Minute)
+	set(&c.SpawnHostWait, 10*time.Minute)
+	set(&c.GracefulTimeout, contract.DefaultGracefulTimeout)
+	set(&c.GroupExitCap, contract.DefaultGroupExitCap)
+	// A QEMU in D state after SIGKILL during a VFIO reset can take
+	// minutes to leave; longer than that is worth a look.
+	set(&c.DeleteStuckAfter, 5*time.Minute)
+	return c
+}
+
+// New returns the workflows with cfg, zero fields taking their defaults.
+func New(cfg Config) *Workflows {
+	return &Workflows{cfg: cfg.WithDefaults()}
 }
 
 // Registry is the part of a worker that registers workflows.

@@ -503,8 +503,8 @@ func TestSpawnGivesUpOnUnreachableHost(t *testing.T) {
 	assert.Equal(t, ErrTypeHostUnreachable, ae.Type())
 	assert.Contains(t, ae.Error(), "nothing was created")
 	elapsed := e.Now().Sub(start)
-	assert.GreaterOrEqual(t, elapsed, DefaultConfig().SpawnHostWait)
-	assert.Less(t, elapsed, DefaultConfig().SpawnHostWait+5*time.Minute)
+	assert.GreaterOrEqual(t, elapsed, Config{}.WithDefaults().SpawnHostWait)
+	assert.Less(t, elapsed, Config{}.WithDefaults().SpawnHostWait+5*time.Minute)
 	e.AssertActivityNumberOfCalls(t, "CreateRecord", 0)
 }
 

@@ -36,7 +36,7 @@ const unstampedVersion = "dev"
 
 // ParseFlags parses vmflow-worker's command line.
 func ParseFlags(args []string, stderr io.Writer) (Config, error) {
-	d := workflows.DefaultConfig()
+	d := workflows.Config{}.WithDefaults()
 	var c Config
 	fs := flag.NewFlagSet("vmflow-worker", flag.ContinueOnError)
 	fs.SetOutput(stderr)

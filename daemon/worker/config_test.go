@@ -15,8 +15,8 @@ func TestParseConfigDefaults(t *testing.T) {
 	c, err := ParseFlags(nil, io.Discard)
 	require.NoError(t, err)
 	assert.Equal(t, workflows.DefaultTaskQueue, c.TaskQueue)
-	assert.Equal(t, workflows.DefaultConfig().ReleaseBackoff, c.Workflows.ReleaseBackoff)
-	assert.Equal(t, workflows.DefaultConfig().SpawnHostWait, c.Workflows.SpawnHostWait)
+	assert.Equal(t, workflows.Config{}.WithDefaults().ReleaseBackoff, c.Workflows.ReleaseBackoff)
+	assert.Equal(t, workflows.Config{}.WithDefaults().SpawnHostWait, c.Workflows.SpawnHostWait)
 	assert.Equal(t, 5*time.Minute, c.Workflows.DeleteStuckAfter)
 }
 

@@ -156,50 +156,56 @@ type testHooks struct {
 	readProcMem func(path string) ([]byte, error)
 }
 
+// WithDefaults is c with every zero field that has a default set to it.
+func (c Config) WithDefaults() Config {
+	if c.Logger == nil {
+		c.Logger = zap.NewNop()
+	}
+	if c.GracefulTimeout <= 0 {
+		c.GracefulTimeout = contract.DefaultGracefulTimeout
+	}
+	if c.GroupExitCap <= 0 {
+		c.GroupExitCap = contract.DefaultGroupExitCap
+	}
+	if c.ReadyTimeout <= 0 {
+		c.ReadyTimeout = vmm.DefaultReadyTimeout
+	}
+	if c.LockTimeout <= 0 {
+		c.LockTimeout = DefaultLockTimeout
+	}
+	if c.ProgressInterval <= 0 {
+		c.ProgressInterval = DefaultProgressInterval
+	}
+	if c.RestartBackoff <= 0 {
+		c.RestartBackoff = DefaultRestartBackoff
+	}
+	if c.RestartBackoffMax <= 0 {
+		c.RestartBackoffMax = DefaultRestartBackoffMax
+	}
+	if c.PrepareLaunch == nil {
+		c.PrepareLaunch = DefaultPrepareLaunch
+	}
+	if c.QEMUUIDs == (store.UIDRange{}) {
+		c.QEMUUIDs = store.DefaultQEMUUIDRange
+	}
+	if c.DevRoot == "" {
+		c.DevRoot = "/dev"
+	}
+	if c.EtcDir == "" {
+		c.EtcDir = "/etc"
+	}
+	if c.Now == nil {
+		c.Now = time.Now
+	}
+	return c
+}
+
 // New checks cfg and returns a Supervisor. It touches no VM; Start does.
 func New(cfg Config) (*Supervisor, error) {
 	if cfg.Store == nil {
 		return nil, errors.New("supervise: Config.Store is required")
 	}
-	if cfg.Logger == nil {
-		cfg.Logger = zap.NewNop()
-	}
-	if cfg.GracefulTimeout <= 0 {
-		cfg.GracefulTimeout = contract.DefaultGracefulTimeout
-	}
-	if cfg.GroupExitCap <= 0 {
-		cfg.GroupExitCap = contract.DefaultGroupExitCap
-	}
-	if cfg.ReadyTimeout <= 0 {
-		cfg.ReadyTimeout = vmm.DefaultReadyTimeout
-	}
-	if cfg.LockTimeout <= 0 {
-		cfg.LockTimeout = DefaultLockTimeout
-	}
-	if cfg.ProgressInterval <= 0 {
-		cfg.ProgressInterval = DefaultProgressInterval
-	}
-	if cfg.RestartBackoff <= 0 {
-		cfg.RestartBackoff = DefaultRestartBackoff
-	}
-	if cfg.RestartBackoffMax <= 0 {
-		cfg.RestartBackoffMax = DefaultRestartBackoffMax
-	}
-	if cfg.PrepareLaunch == nil {
-		cfg.PrepareLaunch = DefaultPrepareLaunch
-	}
-	if cfg.QEMUUIDs == (store.UIDRange{}) {
-		cfg.QEMUUIDs = store.DefaultQEMUUIDRange
-	}
-	if cfg.DevRoot == "" {
-		cfg.DevRoot = "/dev"
-	}
-	if cfg.EtcDir == "" {
-		cfg.EtcDir = "/etc"
-	}
-	if cfg.Now == nil {
-		cfg.Now = time.Now
-	}
+	cfg = cfg.WithDefaults()
 	kvm := vmm.CheckKVM(cfg.KVMDevice)
 	if kvm.Err != nil {
 		// Not fatal: TCG launches, re-attach and stops go on (invariant 12).

@@ -132,8 +132,7 @@ type StopResult struct {
 func Stop(ctx context.Context, cfg StopConfig) (res StopResult, err error) {
 	start := time.Now()
 	defer func() { res.Total = time.Since(start) }()
-	s := &ladder{cfg: cfg, res: &res}
-	s.defaults()
+	s := &ladder{cfg: cfg.WithDefaults(), res: &res}
 	if !cfg.Identity.Valid() {
 		return res, fmt.Errorf("stop %v: %w", cfg.Identity, ErrInvalidIdentity)
 	}
@@ -175,8 +174,8 @@ type ladder struct {
 	monTried bool
 }
 
-func (s *ladder) defaults() {
-	c := &s.cfg
+// WithDefaults is c with every zero field that has a default set to it.
+func (c StopConfig) WithDefaults() StopConfig {
 	if c.GracefulTimeout <= 0 {
 		c.GracefulTimeout = DefaultGracefulTimeout
 	}
@@ -189,6 +188,7 @@ func (s *ladder) defaults() {
 	if c.QMPTimeout <= 0 {
 		c.QMPTimeout = DefaultStopQMPTimeout
 	}
+	return c
 }
 
 // errGone ends the ladder early: the group exited during a wait or a

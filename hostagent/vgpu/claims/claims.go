@@ -87,28 +87,35 @@ type Claims struct {
 	scanFDs func(context.Context) (*proc.FDScan, error)
 }
 
+// WithDefaults is c with every zero field that has a default set to it.
+func (c Config) WithDefaults() Config {
+	if c.DevRoot == "" {
+		c.DevRoot = "/dev"
+	}
+	if c.OrphanGrace <= 0 {
+		c.OrphanGrace = DefaultOrphanGrace
+	}
+	if c.Logger == nil {
+		c.Logger = zap.NewNop()
+	}
+	if c.Now == nil {
+		c.Now = time.Now
+	}
+	c.Driver = c.Driver.WithDefaults()
+	return c
+}
+
 // New sets up the driver and the claims over cfg.Store.
 func New(cfg Config) (*Claims, error) {
 	if cfg.Store == nil {
 		return nil, fmt.Errorf("vgpu claims: %w: no store", vgpu.ErrInvalid)
 	}
-	if cfg.DevRoot == "" {
-		cfg.DevRoot = "/dev"
-	}
-	if cfg.OrphanGrace <= 0 {
-		cfg.OrphanGrace = DefaultOrphanGrace
-	}
-	if cfg.Logger == nil {
-		cfg.Logger = zap.NewNop()
-	}
-	if cfg.Now == nil {
-		cfg.Now = time.Now
-	}
+	cfg = cfg.WithDefaults()
 	c := &Claims{
 		st: cfg.Store, devRoot: cfg.DevRoot, grace: cfg.OrphanGrace, ignore: cfg.IgnoreUninspectable,
 		log: cfg.Logger, now: cfg.Now, scanFDs: proc.ScanFDs,
 	}
-	dc := cfg.Driver.WithDefaults()
+	dc := cfg.Driver
 	c.sysfs = dc.SysfsRoot
 	c.ledger = filepath.Join(cfg.Store.StateDir(), "vgpu-unclaimed.json")
 	dc.OnReleaseDone = c.releaseDone
