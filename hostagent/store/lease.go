@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 
+	"vmflow/internal/crashpoint"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -199,6 +200,7 @@ func (s *Store) Migrate(ctx context.Context) ([]string, error) {
 			if err := l.write(rec); err != nil {
 				return err
 			}
+			crashpoint.Hit(crashpoint.StoreMigrated)
 			done = append(done, id)
 			return nil
 		})
