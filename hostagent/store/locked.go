@@ -12,6 +12,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"vmflow/internal/crashpoint"
+	"vmflow/internal/errdefs"
 	"vmflow/internal/fsx"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
@@ -170,7 +171,7 @@ func (l *Locked) update(fn func(*vmflowv1.InstanceRecord) error, setUID bool) (*
 		return nil, err
 	}
 	if fn == nil {
-		return nil, fmt.Errorf("update instance %s: nil update function", l.id)
+		return nil, errdefs.Internal.Errorf("update instance %s: nil update function", l.id)
 	}
 	old, err := readRecord(l.paths, l.id)
 	if err != nil {

@@ -6,6 +6,7 @@ import (
 
 	"vmflow/hostagent/admission"
 	"vmflow/hostagent/store"
+	"vmflow/internal/errdefs"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -40,7 +41,7 @@ func ParsePolicy(s string) (Policy, error) {
 	case PolicyOnFailure, PolicyAlways:
 		return Policy(s), nil
 	}
-	return PolicyNever, fmt.Errorf("unknown restart policy %q (want never, on-failure or always)", s)
+	return PolicyNever, errdefs.InvalidInput.Errorf("unknown restart policy %q (want never, on-failure or always)", s)
 }
 
 // Backoff is the delay before restart number restarts+1 of a streak: base
