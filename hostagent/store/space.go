@@ -193,7 +193,9 @@ func (s *Store) withReserve(write func() error) error {
 }
 
 // overlayGrowth sums what every instance's qcow2 overlay may still grow
-// to: its virtual size (the qcow2 header's) less its allocated blocks.
+// to: its virtual size (the qcow2 header's) less its allocated blocks, or,
+// before the first launch made it, its disk's whole size. An unreadable
+// record counts nothing: it must not refuse every spawn on the host.
 func (s *Store) overlayGrowth() (uint64, error) {
 	ids, err := s.IDs()
 	if err != nil {
@@ -202,6 +204,12 @@ func (s *Store) overlayGrowth() (uint64, error) {
 	var sum uint64
 	for _, id := range ids {
 		p, _ := s.Paths(id)
+		if _, err := os.Lstat(p.Overlay); errors.Is(err, fs.ErrNotExist) {
+			if rec, err := readRecord(p, id); err == nil {
+				sum += diskSize(rec.GetSpec().GetDisk())
+			}
+			continue
+		}
 		g, err := growth(p.Overlay)
 		if err != nil {
 			return 0, err
