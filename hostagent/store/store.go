@@ -56,9 +56,8 @@ const (
 	// locked before its directory exists (Create) and while it is removed
 	// (Delete).
 	locksDir = "locks"
-	// admissionLock, in locksDir, serialises creates (no id ends in it: ids
-	// lock <id>.lock).
-	admissionLock = "admission"
+	// admissionLock, in the state dir, serialises creates.
+	admissionLock = "admission.lock"
 	// trashPrefix names an instance directory being removed: Delete renames
 	// the whole directory away in one atomic step, then removes it. It starts
 	// with a dot, which no id can, so List never sees it.
@@ -228,9 +227,12 @@ func (s *Store) withLock(ctx context.Context, id string, fn func(*Locked) error)
 // different one it fails with ErrConflict naming the differences; while the
 // instance is being deleted it fails with ErrDeleting.
 func (s *Store) Create(ctx context.Context, want *vmflowv1.InstanceRecord) (rec *vmflowv1.InstanceRecord, err error) {
+	if _, err := s.Paths(want.GetId()); err != nil {
+		return nil, err
+	}
 	// One create at a time on the host, so each room check counts the disks
 	// of the records created before it.
-	adm, err := lockFile(ctx, filepath.Join(s.locks, admissionLock))
+	adm, err := lockFile(ctx, filepath.Join(s.root, admissionLock))
 	if err != nil {
 		return nil, fmt.Errorf("create instance %s: %w", want.GetId(), err)
 	}
