@@ -11,11 +11,10 @@ import (
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
-// DeleteInstance stops an instance's VM, waits until its whole thread group is
-// gone, releases its vGPU and removes its record. It never fails leaving the
-// record and claim behind (invariant 1): stages stuck or failed for good show
-// needs-attention and wait for retry or abandon; a clean-up not owning the
-// record ends not-owned (invariant 9).
+// DeleteInstance stops an instance's VM, waits until its whole group is gone,
+// releases its vGPU and removes its record. It never fails leaving record and
+// claim behind (invariant 1): stuck or failed stages show needs-attention and
+// wait for retry or abandon. A clean-up not owning the record ends (invariant 9).
 func (w *Workflows) DeleteInstance(ctx workflow.Context, req *vmflowv1.DeleteRequest) (*vmflowv1.DeleteResult, error) {
 	res, err := w.deleteInstance(ctx, req)
 	awaitHandlers(ctx)

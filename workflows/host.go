@@ -154,11 +154,10 @@ func (h *hostRunner) run(ctx workflow.Context, c hostCall, in, out any) error {
 	}
 }
 
-// runStage runs a stage activity that retries without limit in rounds bounded
+// runStage runs a stage activity that retries without limit, in rounds bounded
 // by the stuck bound, so it is never stuck unseen and never fails the delete:
-// a round that runs out shows needs-attention and starts the next, a
-// non-retryable failure parks (park). Returns nil, errAbandoned,
-// errContinueAsNew or ctx's cancel.
+// a round that runs out shows needs-attention, a non-retryable failure parks.
+// Returns nil, errAbandoned, errContinueAsNew or ctx's cancel.
 func (h *hostRunner) runStage(ctx workflow.Context, c hostCall, in, out any) error {
 	if h.stuckAfter <= 0 {
 		return h.run(ctx, c, in, out)
