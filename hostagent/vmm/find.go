@@ -48,8 +48,8 @@ type FindConfig struct {
 
 // FindUnrecorded returns the processes of a launch its record does not name
 // (invariant 11): QEMU, its rlimit wrapper or jail stage, proved by executable,
-// session and cfg.UID with -name guest=<Name> (legacy: cfg.Nonce; neither is
-// ErrNoLaunchIdentity). proc.ErrCannotTell: one may run unseen.
+// session, cfg.UID and -name guest=<Name> (legacy cfg.Nonce; neither:
+// ErrNoLaunchIdentity). Call under the instance lock; proc.ErrCannotTell: may run.
 func FindUnrecorded(ctx context.Context, cfg FindConfig) ([]proc.Identity, error) {
 	bin, err := resolveBinary(cfg.Binary)
 	if err != nil {
