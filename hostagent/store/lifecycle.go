@@ -98,8 +98,8 @@ func ts(t time.Time) *timestamppb.Timestamp { return timestamppb.New(t) }
 
 // MayQEMULive returns nil when no QEMU of rec can run, else why: a launch
 // marker, or a process alive or unreadable (invariant 2). With unproven, also
-// an unconfirmed record that launched reports ever launched (an older agent
-// killed between fork and pid).
+// a record naming none whose absence no stop confirmed, if launched says it
+// ever launched (an agent older than the marker killed between fork and pid).
 func MayQEMULive(rec *vmflowv1.InstanceRecord, unproven bool, launched func() (bool, error)) error {
 	if at := rec.GetLaunchStartedAt(); at != nil && rec.GetProcess() == nil {
 		return fmt.Errorf("a launch began at %s and its QEMU is not recorded yet", at.AsTime().UTC().Format(time.RFC3339Nano))
@@ -130,8 +130,8 @@ func MayQEMULive(rec *vmflowv1.InstanceRecord, unproven bool, launched func() (b
 	return fmt.Errorf("no process recorded and no stop has confirmed that none runs (stop step %s)", rec.GetStopStep())
 }
 
-// BeginLaunch writes the launch marker before the fork (invariant 11), listing
-// the VFIO nodes about to be given first so whoever records it gone takes them
+// BeginLaunch writes the launch marker before the fork (invariant 11), with the
+// VFIO nodes its uid is about to get, so whoever records it gone takes them
 // back. Refused while deleting or while a process is recorded.
 func BeginLaunch(at time.Time, vfioNodes []string) Step {
 	const name = "begin launch"
