@@ -26,10 +26,10 @@ type StopReport struct {
 	ResumedFrom vmm.StopStep `json:"resumed_from"`
 }
 
-// Stop runs the stop ladder (powerdown, quit, SIGKILL, wait for the whole
-// group), resuming from the recorded step. Requires the manual-stop marker
-// (invariant 6); an unrecorded QEMU is adopted and stopped. Idempotent; retry
-// on store.ErrBusy, ErrStillRunning, vmm.ErrStillAlive. nil: stop step gone.
+// Stop runs the stop ladder (powerdown, the graceful wait or Config's for <= 0,
+// quit, SIGKILL, the group's exit) from the recorded step, adopting an
+// unrecorded QEMU; it refuses without the manual-stop marker (invariant 6).
+// nil means stop step gone; retry on store.ErrBusy, ErrStillRunning, vmm.ErrStillAlive.
 func (s *Supervisor) Stop(ctx context.Context, id string, graceful time.Duration) (StopReport, error) {
 	in, err := s.instance(id)
 	if err != nil {
