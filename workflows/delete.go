@@ -14,7 +14,7 @@ import (
 // DeleteInstance stops an instance's VM, waits until its whole group is gone,
 // releases its vGPU and removes its record. It never fails leaving record and
 // claim behind (invariant 1): stuck or failed stages show needs-attention and
-// wait for retry or abandon. A clean-up not owning the record ends (invariant 9).
+// wait for retry or abandon. A clean-up ends not-owned on a record it did not create (invariant 9).
 func (w *Workflows) DeleteInstance(ctx workflow.Context, req *vmflowv1.DeleteRequest) (*vmflowv1.DeleteResult, error) {
 	res, err := w.deleteInstance(ctx, req)
 	awaitHandlers(ctx)
