@@ -12,9 +12,10 @@ import (
 )
 
 // DeleteInstance stops an instance's VM, waits until its whole group is gone,
-// releases its vGPU and removes its record. It never fails leaving record and
-// claim behind (invariant 1): stuck or failed stages show needs-attention and
-// wait for retry or abandon. A clean-up ends not-owned on a record it did not create (invariant 9).
+// releases its vGPU and removes its record, never failing with record and claim
+// left behind (invariant 1): stuck or failed stages show needs-attention and
+// wait for retry or abandon. A clean-up of another spawn's record ends
+// not-owned (invariant 9).
 func (w *Workflows) DeleteInstance(ctx workflow.Context, req *vmflowv1.DeleteRequest) (*vmflowv1.DeleteResult, error) {
 	res, err := w.deleteInstance(ctx, req)
 	awaitHandlers(ctx)
