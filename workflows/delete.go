@@ -13,9 +13,8 @@ import (
 
 // DeleteInstance stops an instance's VM, waits until its whole group is gone,
 // releases its vGPU and removes its record, never failing with record and claim
-// left behind (invariant 1): stuck or failed stages show needs-attention and
-// wait for retry or abandon. A clean-up of another spawn's record ends
-// not-owned (invariant 9).
+// left (invariant 1): stuck or failed stages wait, needing attention, for retry
+// or abandon. A clean-up of another spawn's record ends not-owned (invariant 9).
 func (w *Workflows) DeleteInstance(ctx workflow.Context, req *vmflowv1.DeleteRequest) (*vmflowv1.DeleteResult, error) {
 	res, err := w.deleteInstance(ctx, req)
 	awaitHandlers(ctx)
