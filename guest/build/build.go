@@ -86,9 +86,8 @@ type Artifacts struct {
 	KernelVersion string // the Debian package version, e.g. 6.1.192-3
 }
 
-// DefaultDir is $VMFLOW_GUEST_DIR if set, else .cache/guest at the root of
-// the vmflow module containing the working directory (what `make guest`
-// uses), so tests in any package share one download.
+// DefaultDir is $VMFLOW_GUEST_DIR, else the module root's .cache/guest (as
+// `make guest`), so every package's tests share one download.
 func DefaultDir() (string, error) {
 	if d := os.Getenv(DirEnv); d != "" {
 		return filepath.Abs(d)
@@ -128,9 +127,8 @@ func modulePath(gomod []byte) string {
 	return ""
 }
 
-// Build makes (or reuses) the guest in opts.Dir and returns its paths. It
-// holds a lock on the folder, so concurrent builds (parallel test packages)
-// wait for each other instead of racing.
+// Build makes or reuses the guest in opts.Dir under a lock on the folder, so
+// parallel test packages wait rather than race, and returns its paths.
 func Build(ctx context.Context, opts Options) (Artifacts, error) {
 	b, err := newBuilder(opts)
 	if err != nil {
@@ -222,9 +220,8 @@ func (b *builder) build(ctx context.Context) (Artifacts, error) {
 	return a, nil
 }
 
-// resolveKernel finds the versioned kernel package behind the meta package
-// and its version. apt-cache reads the local package lists; when they know
-// nothing (a fresh machine), one `apt-get update` fills them.
+// resolveKernel finds the meta package's versioned kernel package; one
+// `apt-get update` fills empty package lists (a fresh machine).
 func (b *builder) resolveKernel(ctx context.Context) (pkg, version string, err error) {
 	pkg, version, err = b.lookupKernel(ctx)
 	if err == nil {
@@ -241,10 +238,9 @@ func (b *builder) resolveKernel(ctx context.Context) (pkg, version string, err e
 	return pkg, version, nil
 }
 
-// lookupKernel reads the meta package's candidate record (the same
-// dependency `apt-cache depends` lists, plus its version pin): each
-// apt-cache run costs ~0.7 s here, so one run is the common case, and a
-// second asks for the version only when the dependency has no "(= V)".
+// lookupKernel reads the meta package's candidate record (its dependency and
+// version pin) in one apt-cache run (~0.7 s each), asking again for the
+// version only when the dependency has no "(= V)".
 func (b *builder) lookupKernel(ctx context.Context) (pkg, version string, err error) {
 	out, err := run(ctx, "", nil, "apt-cache", "show", "--no-all-versions", b.meta)
 	if err != nil {
@@ -266,10 +262,8 @@ func (b *builder) lookupKernel(ctx context.Context) (pkg, version string, err er
 	return pkg, version, nil
 }
 
-// parseKernelDepends picks the versioned kernel image out of the Depends
-// field of `apt-cache show META` ("linux-image-6.1.0-57-cloud-amd64 (=
-// 6.1.192-3)"): the first linux-image-* alternative that is not META. The
-// version is "" when the dependency does not pin one.
+// parseKernelDepends picks the first linux-image-* alternative other than meta
+// from `apt-cache show META`'s Depends, with its pinned version or "".
 func parseKernelDepends(out []byte, meta string) (pkg, version string, err error) {
 	deps, err := parseField(out, "Depends")
 	if err != nil {
@@ -304,10 +298,9 @@ func parseField(out []byte, field string) (string, error) {
 	return "", fmt.Errorf("no %s in apt-cache show output", field)
 }
 
-// fetchKernel returns a folder holding vmlinuz and the modules of pkg at
-// version, downloading the package only if no such folder exists yet. The
-// folder is filled under a temporary name and renamed, so a folder that
-// exists is complete. Folders of other kernel versions are removed.
+// fetchKernel returns a folder with vmlinuz and pkg's modules, downloading only
+// if missing; filled under a temp name and renamed, so one that exists is
+// complete. Other versions' folders are removed.
 func (b *builder) fetchKernel(ctx context.Context, pkg, version string) (string, error) {
 	kernels := filepath.Join(b.dir, "kernel")
 	kdir := filepath.Join(kernels, safeName(pkg+"_"+version))
@@ -375,9 +368,8 @@ func safeName(s string) string {
 	}, s)
 }
 
-// extractKernel streams the package's data archive (dpkg-deb --fsys-tarfile,
-// the same unpacking dpkg -x does) and writes only vmlinuz and the needed
-// modules into out: a full dpkg -x would write the whole module tree.
+// extractKernel streams the package's data tar (dpkg-deb --fsys-tarfile) and
+// writes only vmlinuz and the needed modules, not dpkg -x's whole tree.
 func extractKernel(ctx context.Context, deb, out string) error {
 	cmd := exec.CommandContext(ctx, "dpkg-deb", "--fsys-tarfile", deb)
 	var stderr bytes.Buffer
@@ -435,9 +427,8 @@ type kernelFiles struct {
 	modules        map[string]tarFile
 }
 
-// pickKernelFiles reads a kernel package's data tar and keeps
-// boot/vmlinuz-*, boot/config-* and the needed modules, also when they are
-// compressed (.ko.xz, .ko.zst: newer kernels) or under usr/lib (merged /usr).
+// pickKernelFiles keeps a kernel tar's boot/vmlinuz-*, boot/config-* and needed
+// modules, compressed (.ko.xz, .ko.zst) or under usr/lib (merged /usr) too.
 func pickKernelFiles(r io.Reader) (kernelFiles, error) {
 	files := kernelFiles{modules: map[string]tarFile{}}
 	tr := tar.NewReader(r)
@@ -531,9 +522,8 @@ func decompressModule(ctx context.Context, name string, data []byte) ([]byte, er
 	return out, nil
 }
 
-// buildInit compiles the init static for the guest (amd64, no cgo) with
-// reproducible flags, so unchanged sources give identical bytes and the
-// initrd is not rewritten.
+// buildInit compiles the guest's static init reproducibly, so unchanged
+// sources give identical bytes and the initrd is not rewritten.
 func (b *builder) buildInit(ctx context.Context) ([]byte, error) {
 	tmp, err := os.CreateTemp(b.dir, ".init-")
 	if err != nil {
@@ -555,9 +545,8 @@ func (b *builder) buildInit(ctx context.Context) ([]byte, error) {
 	return data, nil
 }
 
-// makeInitrd writes the initramfs: /init, the modules in /lib/modules,
-// mount points, and /dev/console, which the kernel opens as the init's
-// stdin/stdout/stderr before starting it.
+// makeInitrd writes the initramfs: /init, modules, mount points and
+// /dev/console, which the kernel opens as init's stdio before starting it.
 func makeInitrd(initBin []byte, kdir string) ([]byte, error) {
 	var buf bytes.Buffer
 	w := newCPIOWriter(&buf)

@@ -63,9 +63,8 @@ func Backoff(restarts uint32, base, max time.Duration) time.Duration {
 	return min(d, max)
 }
 
-// Failed reports whether an exit code counts as a failure for
-// PolicyOnFailure. -1 is how the record writes "killed by a signal" and
-// "unknown".
+// Failed reports whether an exit code is a failure for PolicyOnFailure; -1 is
+// the record's "killed by a signal" or "unknown".
 func Failed(exitCode int32) bool { return exitCode != 0 }
 
 // decision is what the restart policy says about an exited instance.
@@ -76,10 +75,8 @@ type decision struct {
 	reason string
 }
 
-// decide applies the restart policy to rec, whose VM is gone. marked is
-// whether the manual-stop marker is on disk. It is a pure function of the
-// record, so the decision an agent makes after a restart is the one it would
-// have made before.
+// decide applies the restart policy to rec, whose VM is gone; pure, so an
+// agent decides the same after a restart as before.
 func decide(rec *vmflowv1.InstanceRecord, marked bool, base, max time.Duration) decision {
 	switch {
 	case marked:

@@ -27,10 +27,8 @@ func (e *ReleaseInProgressError) Error() string {
 		e.Device.Kind, e.Device.ID, e.Since.UTC().Format(time.RFC3339), e.Cause)
 }
 
-// Is makes errors.Is(err, ErrReleaseInProgress), and so its class, true.
-// The context error is deliberately not unwrapped: the caller's deadline
-// is not the release's failure, and callers must not mistake it for their
-// own timeout.
+// Is matches ErrReleaseInProgress and its class, but not the context error:
+// the caller's deadline is not the release's failure.
 func (e *ReleaseInProgressError) Is(target error) bool {
 	return errors.Is(ErrReleaseInProgress, target)
 }

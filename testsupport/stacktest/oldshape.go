@@ -10,9 +10,9 @@ import (
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
-// WriteOldShape rewrites the record of id as an agent before leases wrote
-// it: its vGPU lease in gpu_claim, as after an upgrade. It returns the lease
-// it moved. The agent must not be writing the record meanwhile.
+// WriteOldShape rewrites id's record in the pre-lease shape (its vGPU lease as
+// gpu_claim), as after an upgrade, and returns the lease. The agent must not
+// write the record meanwhile.
 func WriteOldShape(st *store.Store, id string) (*vmflowv1.Lease, error) {
 	rec, err := st.Get(id)
 	if err != nil {

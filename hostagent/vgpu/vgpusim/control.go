@@ -44,9 +44,8 @@ var errnoNames = map[string]syscall.Errno{
 	"ETIMEDOUT": syscall.ETIMEDOUT,
 }
 
-// ParseErrno turns an errno name ("EBUSY") or number ("16") into an Errno.
-// Anything else, including an empty file, is EIO: a fault file that exists
-// must fail the write, and EIO is what a confused driver would return.
+// ParseErrno turns an errno name ("EBUSY") or number into an Errno; anything
+// else is EIO, so an existing fault file always fails the write.
 func ParseErrno(s string) syscall.Errno {
 	s = strings.ToUpper(strings.TrimSpace(s))
 	if e, ok := errnoNames[s]; ok {
@@ -85,9 +84,8 @@ func (c control) blocked() bool {
 }
 
 // waitUnblocked returns once CtlBlockRelease is gone or closing is closed
-// (shutdown lifts every block so that no writer hangs on unmount). It
-// deliberately ignores the FUSE request's interrupt: a real blocked mdev
-// remove waits in vfio_unregister_group_dev and ignores signals too.
+// (unmount lifts every block), ignoring the FUSE interrupt as a real blocked
+// mdev remove ignores signals (vfio_unregister_group_dev).
 func (c control) waitUnblocked(closing <-chan struct{}) {
 	if !c.blocked() {
 		return

@@ -165,10 +165,8 @@ func (s *Server) Blocked() int { return int(s.blocked.Load()) }
 // Dir is the mount point.
 func (s *Server) Dir() string { return s.dir }
 
-// Unmount lifts every block-release, lets the writers it held finish, and
-// unmounts. If another process still holds a file open the mount is
-// detached lazily (the kernel ends it when the last file closes) rather
-// than failing or hanging. It is idempotent.
+// Unmount lifts every block-release, lets held writers finish and unmounts,
+// lazily if a file is still open, rather than fail or hang. Idempotent.
 func (s *Server) Unmount() error {
 	var err error
 	s.once.Do(func() {
@@ -444,9 +442,8 @@ func (s *Server) mdevRemove(d *mdevDevice, b []byte) syscall.Errno {
 
 // ---- NVIDIA vendor VFIO ----
 
-// creatableLocked lists the types vf could take now: none while it has one;
-// otherwise the types compatible with the GPU's active type (homogeneous)
-// that have an instance left.
+// creatableLocked lists the types vf could take now: none while it has one,
+// else those compatible with the GPU's active type with an instance left.
 func (s *Server) creatableLocked(vf *vendorVF) []vendorTypeSpec {
 	if vf.typ != nil {
 		return nil
