@@ -16,22 +16,24 @@ import (
 type Sim struct {
 	Root    string // the sysfs root (mount point)
 	Control string // the fault-injection directory
+	DevRoot string // the device nodes (nvidia<N>, vfio/<group>)
 	Server  *vgpusim.Server
 }
 
-// Start mounts a simulator in a fresh temporary directory. opts.Control is
-// replaced by a fresh directory too.
+// Start mounts a simulator in a fresh temporary directory. opts.Control and
+// opts.DevRoot are replaced by fresh directories too.
 func Start(t testing.TB, opts vgpusim.Options) *Sim {
 	t.Helper()
 	proctest.RequiresFUSE(t)
 	dir := t.TempDir()
-	s := &Sim{Root: filepath.Join(dir, "sys"), Control: filepath.Join(dir, "ctl")}
-	for _, d := range []string{s.Root, s.Control} {
+	s := &Sim{Root: filepath.Join(dir, "sys"), Control: filepath.Join(dir, "ctl"), DevRoot: filepath.Join(dir, "dev")}
+	for _, d := range []string{s.Root, s.Control, s.DevRoot} {
 		if err := os.Mkdir(d, 0o755); err != nil {
 			t.Fatalf("simtest: %v", err)
 		}
 	}
 	opts.Control = s.Control
+	opts.DevRoot = s.DevRoot
 	srv, err := vgpusim.Mount(s.Root, opts)
 	if err != nil {
 		t.Fatalf("simtest: %v", err)
