@@ -412,13 +412,13 @@ func hasAddr(fns []PCIFunction, addr string) bool {
 // bindOne moves one function to vfio-pci, from whatever step a previous
 // attempt reached.
 func (p *Passthrough) bindOne(ctx context.Context, addr string) error {
-	f, err := p.read(addr)
+	f, err := p.settled(ctx, addr)
 	if err != nil {
 		return err
 	}
 	if f.Override != DriverVFIO {
-		if err := p.write(filepath.Join(p.DevicePath(addr), "driver_override"), DriverVFIO); err != nil {
-			return fmt.Errorf("vgpu: %s driver_override: %w: %w", addr, ErrProbeFailed, err)
+		if err := p.write(ctx, addr, "driver_override", DriverVFIO); err != nil {
+			return failed(err, ErrProbeFailed, addr+" driver_override")
 		}
 	}
 	if f.Driver == DriverVFIO {
@@ -429,7 +429,7 @@ func (p *Passthrough) bindOne(ctx context.Context, addr string) error {
 			return err
 		}
 	}
-	return p.probe(addr, DriverVFIO)
+	return p.probe(ctx, addr, DriverVFIO)
 }
 
 // Return resets each function of b (where it offers reset), unbinds it
@@ -454,7 +454,7 @@ func (p *Passthrough) Return(ctx context.Context, b Binding) error {
 }
 
 func (p *Passthrough) returnOne(ctx context.Context, bf BoundFunction) error {
-	f, err := p.read(bf.Addr)
+	f, err := p.settled(ctx, bf.Addr)
 	if err != nil {
 		return err
 	}
@@ -465,7 +465,7 @@ func (p *Passthrough) returnOne(ctx context.Context, bf BoundFunction) error {
 		return fmt.Errorf("vgpu: %s has driver_override %q: %w", f.Addr, f.Override, ErrNotOurs)
 	case f.Override == "" && f.Driver == "" && bf.Previous != "":
 		// Cleared but not yet probed: finish.
-		return p.probe(f.Addr, bf.Previous)
+		return p.probe(ctx, f.Addr, bf.Previous)
 	case f.Override == "":
 		return nil // already returned (or someone bound it elsewhere since)
 	}
@@ -475,21 +475,21 @@ func (p *Passthrough) returnOne(ctx context.Context, bf BoundFunction) error {
 	}
 	if f.Driver == DriverVFIO {
 		if f.HasReset {
-			if err := p.write(filepath.Join(p.DevicePath(f.Addr), "reset"), "1"); err != nil {
-				return fmt.Errorf("vgpu: reset %s: %w: %w", f.Addr, ErrResetFailed, err)
+			if err := p.write(ctx, f.Addr, "reset", "1"); err != nil {
+				return failed(err, ErrResetFailed, "reset "+f.Addr)
 			}
 		}
 		if err := p.unbind(ctx, f.Addr, DriverVFIO); err != nil {
 			return err
 		}
 	}
-	if err := p.write(filepath.Join(p.DevicePath(f.Addr), "driver_override"), "\n"); err != nil {
-		return fmt.Errorf("vgpu: %s clear driver_override: %w: %w", f.Addr, ErrProbeFailed, err)
+	if err := p.write(ctx, f.Addr, "driver_override", "\n"); err != nil {
+		return failed(err, ErrProbeFailed, f.Addr+" clear driver_override")
 	}
 	if f.Driver == bf.Previous || bf.Previous == "" {
 		return nil
 	}
-	return p.probe(f.Addr, bf.Previous)
+	return p.probe(ctx, f.Addr, bf.Previous)
 }
 
 func (p *Passthrough) read(addr string) (PCIFunction, error) {
@@ -500,51 +500,52 @@ func (p *Passthrough) read(addr string) (PCIFunction, error) {
 	return f, err
 }
 
-func (p *Passthrough) write(path, val string) error { return writeAttr(path, val) }
+// writeKey names addr's writes in the registry of writes in flight: one
+// at a time per function, as the kernel's device lock allows.
+func writeKey(addr string) Device { return Device{Kind: KindPassthrough, ID: addr} }
 
-// unbind writes addr to drivers/<drv>/unbind. The write may block (the
-// NVIDIA driver waits for the GPU's users, vfio-pci for its VFIO user):
-// ctx bounds the wait, not the write, which goes on and is joined by the
-// next call (ErrReleaseInProgress).
+// settled waits for a write to addr an earlier call left in flight (it
+// holds the function's device lock in the kernel, so nothing else would
+// get through), then reads the function.
+func (p *Passthrough) settled(ctx context.Context, addr string) (PCIFunction, error) {
+	if err := p.releases.settle(ctx, writeKey(addr)); err != nil {
+		return PCIFunction{}, fmt.Errorf("vgpu: %s: an earlier write is still running: %w", addr, err)
+	}
+	return p.read(addr)
+}
+
+// write writes one attribute of addr's function. Any write to a function
+// may wait: the kernel takes its device lock for driver_override, reset,
+// unbind and drivers_probe, and a driver's remove holds it until the
+// device's users are gone. ctx bounds the wait, not the write, which goes
+// on and which the next call waits for (ErrReleaseInProgress, Busy).
+func (p *Passthrough) write(ctx context.Context, addr, attr, val string) error {
+	return p.writePath(ctx, addr, filepath.Join(p.DevicePath(addr), attr), val)
+}
+
+func (p *Passthrough) writePath(ctx context.Context, addr, path, val string) error {
+	return p.releases.do(ctx, writeKey(addr), func() error { return writeAttr(path, val) })
+}
+
+// unbind writes addr to drivers/<drv>/unbind; ENODEV with the function
+// no longer on drv is success.
 func (p *Passthrough) unbind(ctx context.Context, addr, drv string) error {
-	key := Device{Kind: KindPassthrough, ID: addr, UUID: drv}
-	write := func() error {
-		err := writeAttr(filepath.Join(p.cfg.SysfsRoot, "bus", "pci", "drivers", drv, "unbind"), addr)
-		if err == nil {
-			return nil
-		}
-		// ENODEV: not bound to drv (any more); the state decides.
+	err := p.writePath(ctx, addr, filepath.Join(p.cfg.SysfsRoot, "bus", "pci", "drivers", drv, "unbind"), addr)
+	if err == nil {
+		return nil
+	}
+	if !errors.Is(err, ErrReleaseInProgress) {
 		if f, rerr := p.read(addr); rerr == nil && f.Driver != drv {
 			return nil
 		}
-		return fmt.Errorf("vgpu: unbind %s from %s: %w: %w", addr, drv, ErrUnbindFailed, err)
 	}
-	// An outcome nobody received may be an old one (that unbind done, the
-	// function bound to drv again since): success counts only if the
-	// function has left drv, else the write is made again.
-	for range 2 {
-		if err := p.releases.do(ctx, key, write); err != nil {
-			if errors.Is(err, ErrReleaseInProgress) {
-				return fmt.Errorf("vgpu: unbind %s from %s: %w", addr, drv, err)
-			}
-			return err
-		}
-		f, err := p.read(addr)
-		if err != nil {
-			return err
-		}
-		if f.Driver != drv {
-			return nil
-		}
-		p.releases.forget(key)
-	}
-	return fmt.Errorf("vgpu: %s still bound to %s after unbind: %w", addr, drv, ErrUnbindFailed)
+	return failed(err, ErrUnbindFailed, "unbind "+addr+" from "+drv)
 }
 
 // probe writes addr to drivers_probe and checks that want has it.
-func (p *Passthrough) probe(addr, want string) error {
-	if err := p.write(filepath.Join(p.cfg.SysfsRoot, "bus", "pci", "drivers_probe"), addr); err != nil {
-		return fmt.Errorf("vgpu: drivers_probe %s: %w: %w", addr, ErrProbeFailed, err)
+func (p *Passthrough) probe(ctx context.Context, addr, want string) error {
+	if err := p.writePath(ctx, addr, filepath.Join(p.cfg.SysfsRoot, "bus", "pci", "drivers_probe"), addr); err != nil {
+		return failed(err, ErrProbeFailed, "drivers_probe "+addr)
 	}
 	f, err := p.read(addr)
 	if err != nil {
@@ -554,4 +555,13 @@ func (p *Passthrough) probe(addr, want string) error {
 		return fmt.Errorf("vgpu: %s is bound to %q after drivers_probe, not %s (is its module loaded?): %w", addr, f.Driver, want, ErrProbeFailed)
 	}
 	return nil
+}
+
+// failed wraps a write's error in its failure class as, except a write
+// still waiting (ErrReleaseInProgress), which is only Busy: nothing failed.
+func failed(err, as error, what string) error {
+	if errors.Is(err, ErrReleaseInProgress) {
+		return fmt.Errorf("vgpu: %s: %w", what, err)
+	}
+	return fmt.Errorf("vgpu: %s: %w: %w", what, as, err)
 }

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"syscall"
 	"testing"
 
 	"vmflow/hostagent/proc/proctest"
@@ -67,4 +68,18 @@ func (s *Sim) Clear(t testing.TB, name string) {
 	if err := os.Remove(filepath.Join(s.Control, name)); err != nil && !errors.Is(err, os.ErrNotExist) {
 		t.Fatalf("simtest: %v", err)
 	}
+}
+
+// Write does one write(2) of val to a sysfs path and returns its errno, as
+// a driver or a shell makes the write. Raw syscalls, not os.File: os.File
+// puts pollable files (FUSE, sysfs) in the netpoller and would wait
+// forever on an EAGAIN instead of returning it.
+func Write(path, val string) error {
+	fd, err := syscall.Open(path, syscall.O_WRONLY|syscall.O_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer syscall.Close(fd)
+	_, err = syscall.Write(fd, []byte(val))
+	return err
 }
