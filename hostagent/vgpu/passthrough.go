@@ -227,6 +227,12 @@ type PassthroughConfig struct {
 	DevRoot string
 	// Filter is --gpu-passthrough.
 	Filter GPUFilter
+	// AfterWrite, if set, is called after each sysfs write of Bind or
+	// Return succeeded, with the function and what was written
+	// ("driver_override", "unbind", "drivers_probe", "reset"): where the
+	// claims layer puts a crash point, so a kill between any two writes is
+	// tried.
+	AfterWrite func(addr, attr string)
 }
 
 // WithDefaults is c with every empty field that has a default set to it.
@@ -294,13 +300,13 @@ func (p *Passthrough) GPUs(ctx context.Context) ([]GPU, error) {
 				g.Others = append(g.Others, o)
 			}
 		}
-		if _, err := p.plan(groups[f.Group], nil); err != nil {
+		switch _, err := viable(groups[f.Group]); {
+		case f.Group == "":
+			g.NotViable = "no IOMMU group"
+		case err != nil:
 			g.NotViable = err.Error()
-		} else {
+		default:
 			g.Viable = true
-		}
-		if f.Group == "" {
-			g.Viable, g.NotViable = false, "no IOMMU group"
 		}
 		g.Offered = p.cfg.Filter.Match(f) && !g.VGPUParent && f.Group != ""
 		out = append(out, g)
@@ -308,46 +314,66 @@ func (p *Passthrough) GPUs(ctx context.Context) ([]GPU, error) {
 	return out, nil
 }
 
-// plan is the binding Bind would make of group fns, or why it cannot:
-// every endpoint is taken except bridges; an endpoint that is not part of
-// a GPU's card (same slot as a display function) and is bound to a driver
-// makes the group not viable, since vmflow never unbinds someone's NIC or
-// disk to hand out a GPU. resume supplies recorded previous drivers.
-// Viability is vmflow's check: since Linux 5.19 vfio-pci binds in a group
-// that is not viable and only the VFIO user's open fails (EPERM).
-func (p *Passthrough) plan(fns []PCIFunction, resume *Binding) (Binding, error) {
-	var b Binding
+// viable is the kernel's viability rule, which vmflow applies before it
+// writes anything: every endpoint of the group belongs to a GPU's card
+// (the slot of a display function: the bind takes it), has no driver, or is
+// on vfio-pci with vmflow's mark; bridges may be on pcieport. An endpoint
+// of someone else's on a kernel driver (a NIC, a disk) refuses the group:
+// vmflow never unbinds it to hand out a GPU. Since Linux 5.19 the kernel
+// binds vfio-pci in a group that is not viable, and only the VFIO user's
+// open fails (EPERM), so the check is vmflow's. It returns the cards'
+// slots.
+func viable(fns []PCIFunction) (map[string]bool, error) {
 	cards := map[string]bool{}
+	group := ""
 	for _, f := range fns {
-		b.Group = f.Group
+		group = f.Group
 		if f.IsDisplay() {
 			cards[f.slot()] = true
-			if isVGPUParent(p.cfg.SysfsRoot, f.Addr) {
-				return Binding{}, fmt.Errorf("vgpu: %s serves vGPUs: %w", f.Addr, ErrVGPUParent)
-			}
 		}
 	}
 	if len(cards) == 0 {
-		return Binding{}, fmt.Errorf("vgpu: IOMMU group %s: %w", b.Group, ErrNotGPU)
+		return nil, fmt.Errorf("vgpu: IOMMU group %s: %w", group, ErrNotGPU)
+	}
+	for _, f := range fns {
+		switch {
+		case f.IsBridge():
+			if f.Driver != "" && f.Driver != DriverPCIePort {
+				return nil, fmt.Errorf("vgpu: IOMMU group %s: bridge %s is bound to %s: %w", f.Group, f.Addr, f.Driver, ErrGroupNotViable)
+			}
+		case cards[f.slot()], f.Driver == "", f.Driver == DriverVFIO && f.Override == DriverVFIO:
+		default:
+			return nil, fmt.Errorf("vgpu: IOMMU group %s: %s (%s, class %#06x) is bound to %s: %w", f.Group, f.Addr, f.ID(), f.Class, f.Driver, ErrGroupNotViable)
+		}
+	}
+	return cards, nil
+}
+
+// plan is the binding Bind would make of group fns, or why it cannot:
+// every endpoint is taken, bridges are left alone. resume supplies the
+// previous drivers a lease recorded; without it a function already on
+// vfio-pci or with an override refuses (another user may hold it).
+func (p *Passthrough) plan(fns []PCIFunction, resume *Binding) (Binding, error) {
+	if _, err := viable(fns); err != nil {
+		return Binding{}, err
+	}
+	var b Binding
+	for _, f := range fns {
+		b.Group = f.Group
+		if f.IsDisplay() && isVGPUParent(p.cfg.SysfsRoot, f.Addr) {
+			return Binding{}, fmt.Errorf("vgpu: %s serves vGPUs: %w", f.Addr, ErrVGPUParent)
+		}
 	}
 	for _, f := range fns {
 		if f.IsBridge() {
-			if f.Driver != "" && f.Driver != DriverPCIePort {
-				return Binding{}, fmt.Errorf("vgpu: IOMMU group %s: bridge %s is bound to %s: %w", f.Group, f.Addr, f.Driver, ErrGroupNotViable)
-			}
 			continue
 		}
-		rec, resumed := BoundFunction{}, false
 		if resume != nil {
-			rec, resumed = resume.find(f.Addr)
-		}
-		if !cards[f.slot()] && f.Driver != "" && !(resumed && f.Driver == DriverVFIO) {
-			return Binding{}, fmt.Errorf("vgpu: IOMMU group %s: %s (%s, class %#06x) is bound to %s: %w", f.Group, f.Addr, f.ID(), f.Class, f.Driver, ErrGroupNotViable)
-		}
-		if resumed {
-			rec.Display = f.IsDisplay()
-			b.Functions = append(b.Functions, rec)
-			continue
+			if rec, ok := resume.find(f.Addr); ok {
+				rec.Display = f.IsDisplay()
+				b.Functions = append(b.Functions, rec)
+				continue
+			}
 		}
 		if f.Override != "" || f.Driver == DriverVFIO {
 			return Binding{}, fmt.Errorf("vgpu: %s (driver %q, driver_override %q): %w", f.Addr, f.Driver, f.Override, ErrAlreadyBound)
@@ -524,7 +550,11 @@ func (p *Passthrough) write(ctx context.Context, addr, attr, val string) error {
 }
 
 func (p *Passthrough) writePath(ctx context.Context, addr, path, val string) error {
-	return p.releases.do(ctx, writeKey(addr), func() error { return writeAttr(path, val) })
+	err := p.releases.do(ctx, writeKey(addr), func() error { return writeAttr(path, val) })
+	if err == nil && p.cfg.AfterWrite != nil {
+		p.cfg.AfterWrite(addr, filepath.Base(path))
+	}
+	return err
 }
 
 // unbind writes addr to drivers/<drv>/unbind; ENODEV with the function

@@ -4,6 +4,7 @@ import (
 	"context"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"syscall"
 	"testing"
@@ -134,6 +135,7 @@ func TestPassthroughRoundTrip(t *testing.T) {
 		for _, gpu := range gpus {
 			if gpu.Addr == g.GPU {
 				assert.True(t, gpu.Marked)
+				assert.True(t, gpu.Viable, "a group vmflow bound is viable: %s", gpu.NotViable)
 			}
 		}
 
@@ -296,6 +298,71 @@ func TestPassthroughHalfDone(t *testing.T) {
 	require.NoError(t, sysWrite(attr("driver_override"), "vfio-pci"))
 	require.NoError(t, e.p.Return(ctxFor(t, 10*time.Second), rec))
 	assert.Equal(t, before, e.state(t, 0))
+}
+
+// TestPassthroughCrashBetweenAnyTwoWrites stops Bind, then Return, after
+// each of their sysfs writes in turn (the goroutine exits in the
+// AfterWrite hook, as a killed agent stops: nothing after that write
+// runs), and checks that the next call, given what the lease recorded,
+// completes from there.
+func TestPassthroughCrashBetweenAnyTwoWrites(t *testing.T) {
+	sim := simtest.Start(t, vgpusim.Options{PCIGPUs: 2})
+	g := vgpusim.PCIGPUAt(1) // GPU and audio: two functions
+	e := &ptEnv{sim: sim}
+	before := e.state(t, 1)
+	crashAt, writes := 0, 0 // crashAt 0: disarmed
+	p := vgpu.NewPassthrough(vgpu.PassthroughConfig{SysfsRoot: sim.Root, StateDir: t.TempDir(), DevRoot: sim.DevRoot,
+		AfterWrite: func(addr, attr string) {
+			writes++
+			if writes == crashAt {
+				runtime.Goexit()
+			}
+		}})
+	// crashed runs f armed to stop after write n, and reports whether it
+	// stopped there.
+	crashed := func(n int, f func()) bool {
+		crashAt, writes = n, 0
+		defer func() { crashAt = 0 }()
+		done := make(chan bool, 1)
+		go func() {
+			finished := false
+			defer func() { done <- !finished }()
+			f()
+			finished = true
+		}()
+		return <-done
+	}
+	for _, phase := range []string{"bind", "return"} {
+		n := 1
+		for ; ; n++ {
+			var rec vgpu.Binding
+			if phase == "return" {
+				var err error
+				rec, err = p.Bind(ctxFor(t, 10*time.Second), vgpu.BindRequest{Group: g.Group})
+				require.NoError(t, err)
+			}
+			hit := crashed(n, func() {
+				if phase == "bind" {
+					_, _ = p.Bind(ctxFor(t, 10*time.Second), vgpu.BindRequest{Group: g.Group, Intent: func(b vgpu.Binding) error { rec = b; return nil }})
+					return
+				}
+				_ = p.Return(ctxFor(t, 10*time.Second), rec)
+			})
+			if !hit {
+				require.NoError(t, p.Return(ctxFor(t, 10*time.Second), rec))
+				break // it finished: no write left to stop after
+			}
+			if phase == "bind" {
+				b, err := p.Bind(ctxFor(t, 10*time.Second), vgpu.BindRequest{Group: g.Group, Resume: &rec})
+				require.NoError(t, err, "bind resumed after write %d", n)
+				assert.Equal(t, rec, b)
+				assert.True(t, e.nodeExists(g))
+			}
+			require.NoError(t, p.Return(ctxFor(t, 10*time.Second), rec), "%s: return after write %d", phase, n)
+			assert.Equal(t, before, e.state(t, 1), "%s: stopped after write %d", phase, n)
+		}
+		assert.Greater(t, n, 6, "%s: stopped after each of its writes", phase)
+	}
 }
 
 // TestPassthroughNeverTouchesOthers: Return leaves alone a function vmflow
