@@ -169,13 +169,20 @@ type BoundFunction struct {
 	// Addr is the PCI address; QEMU gets one vfio-pci device per function.
 	Addr string `json:"addr"`
 	// Previous is the driver the function had before the bind ("" none);
-	// Return binds it back.
+	// Return binds it back. AnyDriver: not known (a marked function no
+	// lease names, from MarkedGroups); Return lets drivers_probe choose.
 	Previous string `json:"previous_driver,omitempty"`
 	// Display: a GPU (not its companion audio function).
 	Display bool `json:"display,omitempty"`
 }
 
-// Binding is a group handed to vfio-pci: what the lease records.
+// AnyDriver as a BoundFunction's Previous makes Return accept whatever
+// driver drivers_probe binds, or none, so long as it is not vfio-pci.
+const AnyDriver = "*"
+
+// Binding is a group handed to vfio-pci: what the lease records. Its
+// Functions may hold more than one display function (GPUs that share a
+// group travel together).
 type Binding struct {
 	Group     string          `json:"iommu_group"`
 	Functions []BoundFunction `json:"functions"`
@@ -384,6 +391,33 @@ func (p *Passthrough) plan(fns []PCIFunction, resume *Binding) (Binding, error) 
 	return b, nil
 }
 
+// MarkedGroups lists every IOMMU group with a function that carries
+// vmflow's mark (driver_override=vfio-pci), as a Binding of its marked
+// functions with Previous AnyDriver: what reconcile returns when no claim
+// names the group (it compares them with the leases, whose Previous
+// drivers win).
+func (p *Passthrough) MarkedGroups(ctx context.Context) ([]Binding, error) {
+	fns, err := pciFunctions(ctx, p.cfg.SysfsRoot)
+	if err != nil {
+		return nil, err
+	}
+	var out []Binding
+	at := map[string]int{}
+	for _, f := range fns {
+		if f.Override != DriverVFIO || f.Group == "" {
+			continue
+		}
+		i, ok := at[f.Group]
+		if !ok {
+			i = len(out)
+			at[f.Group] = i
+			out = append(out, Binding{Group: f.Group})
+		}
+		out[i].Functions = append(out[i].Functions, BoundFunction{Addr: f.Addr, Previous: AnyDriver, Display: f.IsDisplay()})
+	}
+	return out, nil
+}
+
 // Bind hands every endpoint function of req.Group to vfio-pci: per
 // function, driver_override=vfio-pci, unbind from its driver,
 // drivers_probe, and a check that vfio-pci has it. Bridges are left
@@ -489,14 +523,14 @@ func (p *Passthrough) returnOne(ctx context.Context, bf BoundFunction) error {
 		return fmt.Errorf("vgpu: %s is bound to vfio-pci without vmflow's driver_override: %w", f.Addr, ErrNotOurs)
 	case f.Override != "" && f.Override != DriverVFIO:
 		return fmt.Errorf("vgpu: %s has driver_override %q: %w", f.Addr, f.Override, ErrNotOurs)
-	case f.Override == "" && f.Driver == "" && bf.Previous != "":
+	case f.Override == "" && f.Driver == "" && bf.Previous != "" && bf.Previous != AnyDriver:
 		// Cleared but not yet probed: finish.
 		return p.probe(ctx, f.Addr, bf.Previous)
 	case f.Override == "":
 		return nil // already returned (or someone bound it elsewhere since)
 	}
 	// Ours: driver_override is vfio-pci.
-	if f.Driver != "" && f.Driver != DriverVFIO && f.Driver != bf.Previous {
+	if f.Driver != "" && f.Driver != DriverVFIO && f.Driver != bf.Previous && bf.Previous != AnyDriver {
 		return fmt.Errorf("vgpu: %s is bound to %s, neither vfio-pci nor its previous driver %q: %w", f.Addr, f.Driver, bf.Previous, ErrNotOurs)
 	}
 	if f.Driver == DriverVFIO {
@@ -512,7 +546,7 @@ func (p *Passthrough) returnOne(ctx context.Context, bf BoundFunction) error {
 	if err := p.write(ctx, f.Addr, "driver_override", "\n"); err != nil {
 		return failed(err, ErrProbeFailed, f.Addr+" clear driver_override")
 	}
-	if f.Driver == bf.Previous || bf.Previous == "" {
+	if f.Driver == bf.Previous || bf.Previous == "" || (bf.Previous == AnyDriver && f.Driver != DriverVFIO && f.Driver != "") {
 		return nil
 	}
 	return p.probe(ctx, f.Addr, bf.Previous)
@@ -580,6 +614,9 @@ func (p *Passthrough) probe(ctx context.Context, addr, want string) error {
 	f, err := p.read(addr)
 	if err != nil {
 		return err
+	}
+	if want == AnyDriver && f.Driver != DriverVFIO {
+		return nil
 	}
 	if f.Driver != want {
 		return fmt.Errorf("vgpu: %s is bound to %q after drivers_probe, not %s (is its module loaded?): %w", addr, f.Driver, want, ErrProbeFailed)

@@ -397,3 +397,30 @@ func TestPassthroughNeverTouchesOthers(t *testing.T) {
 
 // sysWrite is one write(2), as an agent (or an operator's shell) makes it.
 var sysWrite = simtest.Write
+
+// TestPassthroughMarkedGroups: reconcile's view. A group vmflow bound whose
+// lease is gone is found by its mark and returned to whatever driver
+// drivers_probe finds; a function only marked (a bind stopped before its
+// unbind) has the mark cleared and keeps its driver.
+func TestPassthroughMarkedGroups(t *testing.T) {
+	e := newPassthrough(t, vgpusim.Options{PCIGPUs: 2}, "all")
+	before0, before1 := e.state(t, 0), e.state(t, 1)
+	_, err := e.p.Bind(ctxFor(t, 10*time.Second), vgpu.BindRequest{Group: vgpusim.PCIGPUAt(1).Group})
+	require.NoError(t, err)
+	require.NoError(t, sysWrite(e.sim.Path("bus", "pci", "devices", vgpusim.PCIGPUAt(0).GPU, "driver_override"), "vfio-pci"))
+
+	marked, err := e.p.MarkedGroups(context.Background())
+	require.NoError(t, err)
+	require.Len(t, marked, 2)
+	assert.Equal(t, vgpu.Binding{Group: vgpusim.PCIGPUAt(0).Group, Functions: []vgpu.BoundFunction{
+		{Addr: vgpusim.PCIGPUAt(0).GPU, Previous: vgpu.AnyDriver, Display: true}}}, marked[0])
+	assert.Len(t, marked[1].Functions, 2)
+	for _, b := range marked {
+		require.NoError(t, e.p.Return(ctxFor(t, 10*time.Second), b))
+	}
+	assert.Equal(t, before0, e.state(t, 0))
+	assert.Equal(t, before1, e.state(t, 1), "the GPU on nvidia, its audio function on snd_hda_intel")
+	marked, err = e.p.MarkedGroups(context.Background())
+	require.NoError(t, err)
+	assert.Empty(t, marked)
+}

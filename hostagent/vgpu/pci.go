@@ -167,11 +167,11 @@ func groupFunctions(ctx context.Context, root, g string) ([]PCIFunction, error) 
 }
 
 // isVGPUParent reports a GPU that serves vGPUs, which is never handed out
-// whole: an mdev parent (mdev_supported_types), an SR-IOV PF with VFs
-// enabled, or a VF.
+// whole: an mdev parent (mdev_supported_types), a VF (physfn) or one with
+// NVIDIA's vendor-VFIO files, or an SR-IOV PF with VFs enabled.
 func isVGPUParent(root, addr string) bool {
 	dir := vfPath(root, addr)
-	for _, p := range []string{"mdev_supported_types", "physfn", "nvidia"} {
+	for _, p := range []string{"mdev_supported_types", "physfn", "nvidia/creatable_vgpu_types"} {
 		if _, err := os.Lstat(filepath.Join(dir, p)); err == nil {
 			return true
 		}
