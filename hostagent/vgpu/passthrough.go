@@ -12,6 +12,10 @@ package vgpu
 //	p.DevicePath(addr), p.VFIONode(b.Group) // QEMU's sysfsdev per b.Addrs(), the jail's node
 //	err = p.Return(ctx, b) // b as the lease recorded it; retry until nil
 //
+// BindRequest.Taken keeps invariant 10 under the host lock, as
+// CreateRequest.Taken does; before Return the claims layer checks
+// NotClaimedByOther for the group, as it does before a vGPU release.
+//
 // vmflow's mark is driver_override=vfio-pci: written before anything else
 // and cleared last, so a function bound to vfio-pci without it was bound
 // by someone else and Return never touches it.
@@ -221,6 +225,15 @@ type BindRequest struct {
 	// place to write the lease ahead. It is called on a resumed bind too,
 	// so it must be idempotent. Its error aborts the bind.
 	Intent func(Binding) error
+	// Taken, if set, is called under the host lock before the lease and
+	// any write, as CreateRequest.Taken: it maps what other
+	// instances' held claims name (IOMMU group numbers or PCI addresses)
+	// to the instance. Invariant 10: a group any of whose keys is in the
+	// map is refused (ErrClaimedByOther), so a lease written ahead by an
+	// agent that died before its first write still keeps its group. Records
+	// that cannot be read (ErrRecordsUnreadable) refuse a fresh bind, which
+	// chooses among existing groups, and not a resumed one.
+	Taken func(ctx context.Context) (map[string]string, error)
 }
 
 // PassthroughConfig configures the passthrough driver.
@@ -432,6 +445,18 @@ func (p *Passthrough) Bind(ctx context.Context, req BindRequest) (Binding, error
 	fns, err := groupFunctions(ctx, p.cfg.SysfsRoot, req.Group)
 	if err != nil {
 		return Binding{}, err
+	}
+	taken, err := readTaken(ctx, req.Taken, req.Resume == nil)
+	if err != nil {
+		return Binding{}, fmt.Errorf("vgpu: bind group %s: %w", req.Group, err)
+	}
+	if err := claimedBy(taken, req.Group); err != nil {
+		return Binding{}, fmt.Errorf("vgpu: IOMMU group %s: %w", req.Group, err)
+	}
+	for _, f := range fns {
+		if err := claimedBy(taken, f.Addr); err != nil {
+			return Binding{}, fmt.Errorf("vgpu: IOMMU group %s: %w", req.Group, err)
+		}
 	}
 	if req.Resume != nil {
 		if req.Resume.Group != req.Group {

@@ -424,3 +424,35 @@ func TestPassthroughMarkedGroups(t *testing.T) {
 	require.NoError(t, err)
 	assert.Empty(t, marked)
 }
+
+// TestPassthroughRespectsOtherClaims: invariant 10 under the host lock. A
+// group another instance's held claim names is refused with nothing
+// written, even when sysfs shows it free (that agent died between its
+// lease and its first write); unreadable records refuse a fresh bind but
+// not a resumed one.
+func TestPassthroughRespectsOtherClaims(t *testing.T) {
+	e := newPassthrough(t, vgpusim.Options{PCIGPUs: 2}, "all")
+	g := vgpusim.PCIGPUAt(1)
+	before := e.state(t, 1)
+	called := false
+	intent := func(vgpu.Binding) error { called = true; return nil }
+	for _, key := range []string{g.Group, g.Audio} {
+		_, err := e.p.Bind(ctxFor(t, 10*time.Second), vgpu.BindRequest{Group: g.Group, Intent: intent,
+			Taken: func(context.Context) (map[string]string, error) { return map[string]string{key: "vm-other"}, nil }})
+		require.ErrorIs(t, err, vgpu.ErrClaimedByOther, key)
+		assert.Contains(t, err.Error(), "vm-other")
+	}
+	unreadable := func(context.Context) (map[string]string, error) {
+		return map[string]string{}, vgpu.ErrRecordsUnreadable
+	}
+	_, err := e.p.Bind(ctxFor(t, 10*time.Second), vgpu.BindRequest{Group: g.Group, Intent: intent, Taken: unreadable})
+	require.ErrorIs(t, err, vgpu.ErrRecordsUnreadable)
+	assert.False(t, called)
+	assert.Equal(t, before, e.state(t, 1), "nothing written")
+
+	rec := vgpu.Binding{Group: g.Group, Functions: []vgpu.BoundFunction{
+		{Addr: g.GPU, Previous: "nvidia", Display: true}, {Addr: g.Audio, Previous: "snd_hda_intel"}}}
+	b, err := e.p.Bind(ctxFor(t, 10*time.Second), vgpu.BindRequest{Group: g.Group, Resume: &rec, Taken: unreadable})
+	require.NoError(t, err, "a resumed bind goes on with the readable records")
+	require.NoError(t, e.p.Return(ctxFor(t, 10*time.Second), b))
+}
