@@ -270,7 +270,7 @@ func (c PassthroughConfig) WithDefaults() PassthroughConfig {
 type Passthrough struct {
 	cfg      PassthroughConfig
 	lock     *hostLock
-	releases *releases // unbind writes in flight (they may block)
+	releases *releases // writes in flight, one per function (any may wait)
 }
 
 // NewPassthrough returns the passthrough driver.
@@ -311,6 +311,7 @@ func (p *Passthrough) GPUs(ctx context.Context) ([]GPU, error) {
 			continue
 		}
 		g := GPU{PCIFunction: f, Marked: f.Override == DriverVFIO, VGPUParent: isVGPUParent(p.cfg.SysfsRoot, f.Addr)}
+		sharesWithVGPU := false
 		for _, o := range groups[f.Group] {
 			switch {
 			case o.Addr == f.Addr:
@@ -318,6 +319,7 @@ func (p *Passthrough) GPUs(ctx context.Context) ([]GPU, error) {
 				g.Bridges = append(g.Bridges, o)
 			default:
 				g.Others = append(g.Others, o)
+				sharesWithVGPU = sharesWithVGPU || (o.IsDisplay() && isVGPUParent(p.cfg.SysfsRoot, o.Addr))
 			}
 		}
 		switch _, err := viable(groups[f.Group]); {
@@ -328,7 +330,7 @@ func (p *Passthrough) GPUs(ctx context.Context) ([]GPU, error) {
 		default:
 			g.Viable = true
 		}
-		g.Offered = p.cfg.Filter.Match(f) && !g.VGPUParent && f.Group != ""
+		g.Offered = p.cfg.Filter.Match(f) && !g.VGPUParent && !sharesWithVGPU && f.Group != ""
 		out = append(out, g)
 	}
 	return out, nil
