@@ -456,3 +456,23 @@ func TestPassthroughRespectsOtherClaims(t *testing.T) {
 	require.NoError(t, err, "a resumed bind goes on with the readable records")
 	require.NoError(t, e.p.Return(ctxFor(t, 10*time.Second), b))
 }
+
+// BenchmarkPassthroughRoundTrip: Bind then Return of a GPU with its audio
+// function on the simulator, whose unbinds each read every process's
+// descriptors (as it looks for the GPU's users).
+func BenchmarkPassthroughRoundTrip(b *testing.B) {
+	sim := simtest.Start(b, vgpusim.Options{PCIGPUs: 2})
+	p := vgpu.NewPassthrough(vgpu.PassthroughConfig{SysfsRoot: sim.Root, StateDir: b.TempDir(), DevRoot: sim.DevRoot})
+	g := vgpusim.PCIGPUAt(1)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	for b.Loop() {
+		bd, err := p.Bind(ctx, vgpu.BindRequest{Group: g.Group})
+		if err != nil {
+			b.Fatal(err)
+		}
+		if err := p.Return(ctx, bd); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
