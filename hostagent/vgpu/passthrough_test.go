@@ -384,6 +384,11 @@ func TestPassthroughNeverTouchesOthers(t *testing.T) {
 	assert.Equal(t, theirs, e.state(t, 0), "untouched")
 	_, err = e.p.Bind(ctxFor(t, 10*time.Second), vgpu.BindRequest{Group: g.Group})
 	require.ErrorIs(t, err, vgpu.ErrAlreadyBound, "and never placed on")
+	gpus, err := e.p.GPUs(context.Background())
+	require.NoError(t, err)
+	for _, gpu := range gpus {
+		assert.Equal(t, gpu.Addr != g.GPU, gpu.Offered, "%s: an operator's vfio-pci GPU is not offered", gpu.Addr)
+	}
 
 	e.sim.Set(t, vgpusim.CtlFailReset, "EIO")
 	e.sim.Set(t, vgpusim.CtlFailUnbind, "EIO")
