@@ -39,10 +39,7 @@ func (w testWriter) Write(p []byte) (int, error) {
 // QEMU exits by itself, status 0, after the init said it powers off.
 func TestPowerButtonPowersOff(t *testing.T) {
 	qemu := vmmtest.RequiresQEMU(t)
-	ctx, cancel := context.WithTimeout(context.Background(), buildTimeout)
-	defer cancel()
-	a, err := build.Build(ctx, build.Options{Log: slog.New(slog.NewTextHandler(testWriter{t}, nil))})
-	require.NoError(t, err)
+	a := buildGuest(t)
 
 	dir := t.TempDir()
 	logPath := filepath.Join(dir, "qemu.log")
@@ -118,6 +115,49 @@ func TestPowerButtonPowersOff(t *testing.T) {
 	t.Logf("kernel %s %s: spawn→%q %s, system_powerdown→QEMU reaped %s",
 		a.KernelPackage, a.KernelVersion, guest.UpLine,
 		upAfter.Round(time.Millisecond), exitAfter.Round(time.Millisecond))
+}
+
+// TestBuildResolvesNetworkModules checks the real package's module set:
+// the virtio NIC drivers of both machine types and everything they
+// depend on, each after its dependencies.
+func TestBuildResolvesNetworkModules(t *testing.T) {
+	a := buildGuest(t)
+	index := map[string]int{}
+	for i, m := range a.Modules {
+		index[m] = i
+	}
+	for _, m := range []string{"button", "evdev", "virtio_pci", "virtio_mmio", "virtio_net"} {
+		assert.Contains(t, index, m, "root module in %v", a.Modules)
+	}
+	// Module dependencies of Debian's 6.1 cloud kernel (its depends= fields).
+	for _, dep := range [][2]string{
+		{"virtio_ring", "virtio"}, {"virtio", "virtio_pci"}, {"virtio_pci_modern_dev", "virtio_pci"},
+		{"virtio_pci_legacy_dev", "virtio_pci"}, {"virtio", "virtio_mmio"}, {"virtio", "virtio_net"},
+		{"failover", "net_failover"}, {"net_failover", "virtio_net"},
+	} {
+		if _, ok := index[dep[0]]; !ok {
+			t.Errorf("dependency %s of %s missing from %v", dep[0], dep[1], a.Modules)
+			continue
+		}
+		assert.Less(t, index[dep[0]], index[dep[1]], "%s loads before %s", dep[0], dep[1])
+	}
+	t.Logf("modules in load order: %v", a.Modules)
+}
+
+// buildGuest builds (or reuses) the guest, skipping where Debian's package
+// tools are missing.
+func buildGuest(t *testing.T) build.Artifacts {
+	t.Helper()
+	for _, tool := range []string{"apt-get", "apt-cache", "dpkg-deb"} {
+		if _, err := exec.LookPath(tool); err != nil {
+			t.Skipf("guest build needs %s: %v", tool, err)
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), buildTimeout)
+	defer cancel()
+	a, err := build.Build(ctx, build.Options{Log: slog.New(slog.NewTextHandler(testWriter{t}, nil))})
+	require.NoError(t, err)
+	return a
 }
 
 // waitForLine polls the serial log until it holds line, QEMU exits, or the
