@@ -48,6 +48,13 @@ const (
 	ProbeHello = "vmflow-guest: net ok"
 
 	// NetUpPrefix starts the serial line the init prints once eth0 has its
-	// address: "vmflow-guest: net up <ipv4>/<prefix>".
+	// address: "vmflow-guest: net up <ipv4>/<prefix>". The probe port is
+	// listening by then, so a connection made after this line is served.
 	NetUpPrefix = "vmflow-guest: net up "
+
+	// NetErrorPrefix starts the line the init prints when the network
+	// cannot be set up (a malformed NetParam, no eth0, a netlink error).
+	// Unlike FatalPrefix the init keeps running without a network: the
+	// power button still powers it off.
+	NetErrorPrefix = "vmflow-guest: net error: "
 )
