@@ -238,6 +238,7 @@ func TestGuestNetwork(t *testing.T) {
 			g.waitLine(t, fmt.Sprintf("%s%s/%d", guest.NetUpPrefix, guestAddr, subnetBits), netUpWait)
 			netUp := time.Since(g.spawned)
 			g.waitLine(t, guest.UpLine, upTimeout)
+			up := time.Since(g.spawned) // an upper bound when "up" came first
 
 			listener, peers := ns.listen(t)
 			hello, reply := ns.probe(t, "dial "+listener)
@@ -266,7 +267,8 @@ func TestGuestNetwork(t *testing.T) {
 				_, err := net.InterfaceByName(name)
 				assert.Error(t, err, "%s must exist only inside the test's namespace", name)
 			}
-			t.Logf("%s: spawn→%q %s", tc.machine, guest.NetUpPrefix+guestAddr, netUp.Round(time.Millisecond))
+			t.Logf("%s: spawn→%q %s (→%q ≤%s)", tc.machine, guest.NetUpPrefix+guestAddr, netUp.Round(time.Millisecond),
+				guest.UpLine, up.Round(time.Millisecond))
 		})
 	}
 }
