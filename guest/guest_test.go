@@ -16,6 +16,7 @@ import (
 
 	"vmflow/guest"
 	"vmflow/guest/build"
+	"vmflow/hostagent/proc/proctest"
 	"vmflow/hostagent/vmm"
 	"vmflow/hostagent/vmm/vmmtest"
 )
@@ -42,15 +43,23 @@ func (w testWriter) Write(p []byte) (int, error) {
 func TestPowerButtonPowersOff(t *testing.T) {
 	for _, tc := range []struct {
 		name, extra string
-		netError    bool
+		netError    string // the start of the net error line expected, "" for none
 	}{
 		{name: "no network"},
-		{name: "malformed network parameter", extra: " " + guest.NetParam + "=10.88.0.2,10.88.0.1", netError: true},
+		{name: "malformed network parameter", extra: " " + guest.NetParam + "=10.88.0.2,10.88.0.1",
+			netError: guest.NetErrorPrefix + guest.NetParam + "="},
+		// The parameter without a NIC: the init gives up on eth0 after its
+		// bound and the power button still works.
+		{name: "network parameter without a NIC", extra: " " + guest.NetParam + "=10.88.0.2/24,10.88.0.1",
+			netError: guest.NetErrorPrefix + "no interface eth0"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			g := bootGuest(t, bootOptions{Cmdline: guest.KernelCmdline + tc.extra})
 			g.waitLine(t, guest.UpLine, upTimeout)
 			upAfter := time.Since(g.spawned)
+			if tc.netError != "" {
+				g.waitLine(t, tc.netError, upTimeout)
+			}
 			exitAfter := g.powerOff(t)
 
 			out := g.serial()
@@ -58,9 +67,7 @@ func TestPowerButtonPowersOff(t *testing.T) {
 			assert.NotContains(t, out, guest.FatalPrefix)
 			assert.NotContains(t, out, "Kernel panic")
 			assert.NotContains(t, out, guest.NetUpPrefix)
-			if tc.netError {
-				assert.Contains(t, out, guest.NetErrorPrefix+guest.NetParam+"=")
-			} else {
+			if tc.netError == "" {
 				assert.NotContains(t, out, guest.NetErrorPrefix)
 			}
 			t.Logf("kernel %s %s: spawn→%q %s, system_powerdown→QEMU reaped %s",
@@ -99,7 +106,10 @@ func bootGuest(t *testing.T, o bootOptions) *booted {
 	if o.Machine == "" {
 		o.Machine = "q35"
 	}
-	dir := t.TempDir()
+	// A short path without commas: QEMU's option syntax would split the
+	// socket path at a comma (subtest names have them), and a unix socket
+	// path holds at most 107 bytes.
+	dir := proctest.ShortDir(t, "vmguest-")
 	g := &booted{artifacts: a, logPath: filepath.Join(dir, "qemu.log"), sock: filepath.Join(dir, "qmp.sock"),
 		stderr: filepath.Join(dir, "qemu.stderr"), exited: make(chan struct{})}
 	stderr, err := os.Create(g.stderr)
