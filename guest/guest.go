@@ -2,7 +2,8 @@
 // initramfs holding a static Go init (guest/init) that powers the VM off when
 // the ACPI power button is pressed. It makes the graceful step of the stop
 // ladder real in tests: QMP system_powerdown → the guest powers off → QEMU
-// exits by itself.
+// exits by itself. Given NetParam it also configures eth0 and serves
+// ProbePort, so the VM's network can be checked from both ends.
 //
 // The artefacts are built by package vmflow/guest/build (`make guest`). This
 // package holds only what the host side needs to drive such a guest: the
