@@ -48,6 +48,15 @@ const (
 	// ProbeHello is the probe server's first line.
 	ProbeHello = "vmflow-guest: net ok"
 
+	// The probe's request and reply words: ProbeDial + "<ipv4>:<port>"
+	// asks for a connection; the reply is ProbeOK or ProbeFail + a reason.
+	ProbeDial = "dial "
+	ProbeOK   = "ok"
+	ProbeFail = "fail "
+
+	// ProbeMaxLine bounds a request line, its newline excluded.
+	ProbeMaxLine = 256
+
 	// NetUpPrefix starts the serial line the init prints once eth0 has its
 	// address: "vmflow-guest: net up <ipv4>/<prefix>". The probe port is
 	// listening by then, so a connection made after this line is served.

@@ -1,11 +1,11 @@
 package guest_test
 
 import (
-	"bufio"
 	"context"
 	"errors"
 	"fmt"
 	"net"
+	"net/netip"
 	"os"
 	"os/exec"
 	"runtime"
@@ -142,10 +142,11 @@ func (n *testNetns) tap(t *testing.T) *os.File {
 	return f
 }
 
-// probe connects to the guest's probe port from inside the namespace,
-// reads the greeting, sends request and returns the greeting and reply.
-func (n *testNetns) probe(t *testing.T, request string) (hello, reply string) {
+// probe connects to the guest's probe port from inside the namespace and
+// returns its reply to request.
+func (n *testNetns) probe(t *testing.T, request string) string {
 	t.Helper()
+	var reply string
 	require.NoError(t, n.do(func() error {
 		c, err := net.DialTimeout("tcp4", net.JoinHostPort(guestAddr, strconv.Itoa(guest.ProbePort)), 5*time.Second)
 		if err != nil {
@@ -153,27 +154,15 @@ func (n *testNetns) probe(t *testing.T, request string) (hello, reply string) {
 		}
 		defer c.Close()
 		// The guest's own dial is bounded by ~3 s; TCG adds its slowness.
-		if err := c.SetDeadline(time.Now().Add(20 * time.Second)); err != nil {
-			return err
-		}
-		br := bufio.NewReader(c)
-		if hello, err = br.ReadString('\n'); err != nil {
-			return fmt.Errorf("read greeting: %w", err)
-		}
-		if _, err := c.Write([]byte(request + "\n")); err != nil {
-			return err
-		}
-		if reply, err = br.ReadString('\n'); err != nil {
-			return fmt.Errorf("read reply to %q: %w", request, err)
-		}
-		return nil
+		reply, err = guest.Probe(c, request, time.Now().Add(20*time.Second))
+		return err
 	}))
-	return strings.TrimSuffix(hello, "\n"), strings.TrimSuffix(reply, "\n")
+	return reply
 }
 
 // listen opens a TCP listener on the gateway's address inside the
 // namespace and reports the peers it accepts.
-func (n *testNetns) listen(t *testing.T) (addr string, peers <-chan string) {
+func (n *testNetns) listen(t *testing.T) (addr netip.AddrPort, peers <-chan string) {
 	t.Helper()
 	var ln net.Listener
 	require.NoError(t, n.do(func() (err error) {
@@ -195,18 +184,24 @@ func (n *testNetns) listen(t *testing.T) (addr string, peers <-chan string) {
 			c.Close()
 		}
 	}()
-	return ln.Addr().String(), ch
+	return addrPort(ln), ch
+}
+
+// addrPort is ln's address in the 4-byte form the probe takes.
+func addrPort(ln net.Listener) netip.AddrPort {
+	ap := ln.Addr().(*net.TCPAddr).AddrPort()
+	return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
 }
 
 // unservedPort is a port on the gateway's address nothing listens on.
-func (n *testNetns) unservedPort(t *testing.T) string {
+func (n *testNetns) unservedPort(t *testing.T) netip.AddrPort {
 	t.Helper()
 	var ln net.Listener
 	require.NoError(t, n.do(func() (err error) {
 		ln, err = net.Listen("tcp4", net.JoinHostPort(gatewayAddr, "0"))
 		return err
 	}))
-	free := ln.Addr().String()
+	free := addrPort(ln)
 	require.NoError(t, ln.Close())
 	return free
 }
@@ -241,9 +236,8 @@ func TestGuestNetwork(t *testing.T) {
 			up := time.Since(g.spawned) // an upper bound when "up" came first
 
 			listener, peers := ns.listen(t)
-			hello, reply := ns.probe(t, "dial "+listener)
-			assert.Equal(t, guest.ProbeHello, hello)
-			assert.Equal(t, "ok", reply, "the guest reaches the gateway%s", g.diag())
+			reply := ns.probe(t, guest.DialRequest(listener))
+			assert.Equal(t, guest.ProbeOK, reply, "the guest reaches the gateway%s", g.diag())
 			select {
 			case peer := <-peers:
 				assert.Equal(t, guestAddr, peer, "the connection came from the guest's address")
@@ -251,13 +245,13 @@ func TestGuestNetwork(t *testing.T) {
 				t.Error("the listener on the gateway accepted nothing")
 			}
 
-			_, reply = ns.probe(t, "dial "+ns.unservedPort(t))
-			assert.True(t, strings.HasPrefix(reply, "fail ") && strings.Contains(reply, "refused"),
+			reply = ns.probe(t, guest.DialRequest(ns.unservedPort(t)))
+			assert.True(t, strings.HasPrefix(reply, guest.ProbeFail) && strings.Contains(reply, "refused"),
 				"a port nobody serves on the gateway: %q", reply)
-			_, reply = ns.probe(t, "dial 10.88.0.99:80")
-			assert.True(t, strings.HasPrefix(reply, "fail "), "an address nobody has: %q", reply)
-			_, reply = ns.probe(t, "hello")
-			assert.Equal(t, "fail unknown command", reply)
+			reply = ns.probe(t, guest.DialRequest(netip.MustParseAddrPort("10.88.0.99:80")))
+			assert.True(t, strings.HasPrefix(reply, guest.ProbeFail), "an address nobody has: %q", reply)
+			reply = ns.probe(t, "hello")
+			assert.Equal(t, guest.ProbeFail+"unknown command", reply)
 
 			g.powerOff(t)
 			out := g.serial()

@@ -21,7 +21,7 @@ import (
 
 const (
 	// MaxLine bounds the request line, its newline excluded.
-	MaxLine = 256
+	MaxLine = guest.ProbeMaxLine
 	// MaxConns bounds the connections served at once; more are closed
 	// unanswered.
 	MaxConns = 4
@@ -85,7 +85,7 @@ func serveConn(ctx context.Context, c net.Conn) {
 	var reply string
 	switch {
 	case err != nil:
-		reply = "fail " + err.Error()
+		reply = guest.ProbeFail + err.Error()
 	default:
 		reply = Answer(ctx, line)
 	}
@@ -120,23 +120,23 @@ func writeLine(c net.Conn, line string) bool {
 // TCP connection and answers "ok" or "fail <reason>"; anything else is
 // "fail unknown command". The reply is always one line.
 func Answer(ctx context.Context, line string) string {
-	arg, ok := strings.CutPrefix(line, "dial ")
+	arg, ok := strings.CutPrefix(line, guest.ProbeDial)
 	if !ok {
-		return "fail unknown command"
+		return guest.ProbeFail + "unknown command"
 	}
 	ap, err := netip.ParseAddrPort(strings.TrimSpace(arg))
 	if err != nil || !ap.Addr().Is4() || ap.Port() == 0 {
-		return "fail bad address: want <ipv4>:<port>"
+		return guest.ProbeFail + "bad address: want <ipv4>:<port>"
 	}
 	dctx, cancel := context.WithTimeout(ctx, DialTimeout)
 	defer cancel()
 	var d net.Dialer
 	conn, err := d.DialContext(dctx, "tcp4", ap.String())
 	if err != nil {
-		return "fail " + oneLine(err.Error())
+		return guest.ProbeFail + oneLine(err.Error())
 	}
 	_ = conn.Close()
-	return "ok"
+	return guest.ProbeOK
 }
 
 func oneLine(s string) string {

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"net"
+	"net/netip"
 	"strings"
 	"testing"
 	"time"
@@ -39,22 +40,15 @@ func closedPort(t *testing.T) string {
 	return addr
 }
 
-// ask sends request (which should end in "\n") and returns the hello and
-// the reply lines.
-func ask(t *testing.T, addr, request string) (hello, reply string) {
+// ask sends request with the host side's client and returns the reply.
+func ask(t *testing.T, addr, request string) string {
 	t.Helper()
 	c, err := net.DialTimeout("tcp4", addr, 5*time.Second)
 	require.NoError(t, err)
 	defer c.Close()
-	require.NoError(t, c.SetDeadline(time.Now().Add(10*time.Second)))
-	br := bufio.NewReader(c)
-	hello, err = br.ReadString('\n')
+	reply, err := guest.Probe(c, request, time.Now().Add(10*time.Second))
 	require.NoError(t, err)
-	_, err = c.Write([]byte(request))
-	require.NoError(t, err)
-	reply, err = br.ReadString('\n')
-	require.NoError(t, err)
-	return strings.TrimSuffix(hello, "\n"), strings.TrimSuffix(reply, "\n")
+	return reply
 }
 
 func TestProbe(t *testing.T) {
@@ -64,36 +58,38 @@ func TestProbe(t *testing.T) {
 	defer target.Close()
 	refused := closedPort(t)
 
+	targetAddr := netip.MustParseAddrPort(target.Addr().String())
 	for _, tc := range []struct{ name, request, reply string }{
-		{"dial a listener", "dial " + target.Addr().String() + "\n", "ok"},
-		{"dial with CRLF", "dial " + target.Addr().String() + "\r\n", "ok"},
-		{"dial nobody", "dial " + refused + "\n", "fail dial tcp4 " + refused + ": connect: connection refused"},
-		{"unknown", "ping\n", "fail unknown command"},
-		{"empty", "\n", "fail unknown command"},
-		{"bad address", "dial nowhere\n", "fail bad address: want <ipv4>:<port>"},
-		{"IPv6", "dial [::1]:22\n", "fail bad address: want <ipv4>:<port>"},
-		{"port 0", "dial 127.0.0.1:0\n", "fail bad address: want <ipv4>:<port>"},
-		{"longest line", "dial " + strings.Repeat(" ", MaxLine-5-len(target.Addr().String())) + target.Addr().String() + "\n", "ok"},
+		{"dial a listener", guest.DialRequest(targetAddr), "ok"},
+		{"dial nobody", "dial " + refused, "fail dial tcp4 " + refused + ": connect: connection refused"},
+		{"unknown", "ping", "fail unknown command"},
+		{"empty", "", "fail unknown command"},
+		{"bad address", "dial nowhere", "fail bad address: want <ipv4>:<port>"},
+		{"IPv6", "dial [::1]:22", "fail bad address: want <ipv4>:<port>"},
+		{"port 0", "dial 127.0.0.1:0", "fail bad address: want <ipv4>:<port>"},
+		{"longest line", "dial " + strings.Repeat(" ", MaxLine-5-len(targetAddr.String())) + targetAddr.String(), "ok"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			assert.Equal(t, tc.reply, ask(t, addr, tc.request))
+		})
+	}
+	// What the client refuses to send, written raw.
+	for _, tc := range []struct{ name, raw, reply string }{
+		{"CRLF", "dial " + targetAddr.String() + "\r\n", "ok"},
 		{"too long", strings.Repeat("x", MaxLine+1) + "\n", "fail line longer than 256 bytes"},
 		{"no newline", "dial", "fail no request line"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			if tc.name == "no newline" {
-				hello, reply := askHalfClosed(t, addr, tc.request)
-				assert.Equal(t, guest.ProbeHello, hello)
-				assert.Equal(t, tc.reply, reply)
-				return
-			}
-			hello, reply := ask(t, addr, tc.request)
+			hello, reply := askRaw(t, addr, tc.raw)
 			assert.Equal(t, guest.ProbeHello, hello)
 			assert.Equal(t, tc.reply, reply)
 		})
 	}
 }
 
-// askHalfClosed sends request and closes the writing side, as a client
-// that ends without a newline does.
-func askHalfClosed(t *testing.T, addr, request string) (hello, reply string) {
+// askRaw sends raw bytes and closes the writing side, as a client that
+// ends without a newline does.
+func askRaw(t *testing.T, addr, request string) (hello, reply string) {
 	t.Helper()
 	c, err := net.DialTimeout("tcp4", addr, 5*time.Second)
 	require.NoError(t, err)
