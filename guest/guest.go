@@ -35,7 +35,8 @@ const (
 // serves ProbePort. (Debian's cloud kernel has no IP_PNP: `ip=` does nothing.)
 const (
 	// NetParam is the kernel parameter `vmflow.net=<ipv4>/<prefix>,<gateway>`,
-	// for example vmflow.net=10.88.0.2/24,10.88.0.1.
+	// for example vmflow.net=10.88.0.2/24,10.88.0.1: NetConfig.Param writes
+	// it, ParseNetConfig says whether the init can configure a value.
 	NetParam = "vmflow.net"
 
 	// ProbePort is the TCP port the init serves once eth0 is up. It writes

@@ -225,7 +225,10 @@ func TestGuestNetwork(t *testing.T) {
 			tap := ns.tap(t)
 			g := bootGuest(t, bootOptions{
 				Machine: tc.machine,
-				Cmdline: fmt.Sprintf("%s %s=%s/%d,%s", guest.KernelCmdline, guest.NetParam, guestAddr, subnetBits, gatewayAddr),
+				Cmdline: guest.KernelCmdline + " " + guest.NetConfig{
+					Addr:    netip.PrefixFrom(netip.MustParseAddr(guestAddr), subnetBits),
+					Gateway: netip.MustParseAddr(gatewayAddr),
+				}.Param(),
 				// ExtraFiles[0] is fd 3 in QEMU.
 				Args:  []string{"-netdev", "tap,fd=3,id=net0", "-device", tc.nic + ",netdev=net0,mac=52:54:00:88:00:02"},
 				Files: []*os.File{tap},

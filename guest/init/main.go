@@ -108,7 +108,7 @@ func startNetwork() {
 		say(guest.NetErrorPrefix + err.Error())
 		return
 	}
-	c, ok, err := netcfg.FromCmdline(string(cmdline))
+	c, ok, err := guest.NetConfigFromCmdline(string(cmdline))
 	if !ok {
 		return // no network asked for
 	}

@@ -1,8 +1,8 @@
-// Package netcfg is the guest init's network setup: it reads the address
-// the agent put on the kernel command line (guest.NetParam) and configures
-// an interface with it over rtnetlink — link up, the address, a default
-// route via the gateway — since Debian's cloud kernel has no IP_PNP and the
-// initramfs has no ip(8).
+// Package netcfg is the guest init's network setup: it configures an
+// interface with the address the agent put on the kernel command line
+// (guest.NetParam, parsed by guest.NetConfigFromCmdline) over rtnetlink —
+// link up, the address, a default route via the gateway — since Debian's
+// cloud kernel has no IP_PNP and the initramfs has no ip(8).
 package netcfg
 
 import (
@@ -11,7 +11,6 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
-	"strings"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -19,77 +18,11 @@ import (
 	"vmflow/guest"
 )
 
-// Config is one interface's static IPv4 configuration.
-type Config struct {
-	Addr    netip.Prefix // the guest's address and the subnet's length, e.g. 10.88.0.2/24
-	Gateway netip.Addr   // the default route's next hop, inside Addr's subnet
-}
-
-// FromCmdline finds guest.NetParam among the kernel parameters (the text of
-// /proc/cmdline) and parses it; ok is false when it is absent (a VM without
-// a network). Given twice it is an error: the agent writes it once, and
-// guessing which one wins would hide a mistake.
-func FromCmdline(cmdline string) (c Config, ok bool, err error) {
-	var values []string
-	for _, f := range strings.Fields(cmdline) {
-		if v, found := strings.CutPrefix(f, guest.NetParam+"="); found {
-			values = append(values, v)
-		}
-	}
-	switch len(values) {
-	case 0:
-		return Config{}, false, nil
-	case 1:
-		c, err = Parse(values[0])
-		return c, true, err
-	default:
-		return Config{}, true, fmt.Errorf("%s given %d times", guest.NetParam, len(values))
-	}
-}
-
-// Parse reads the parameter's value, "<ipv4>/<prefix>,<gateway>".
-func Parse(v string) (Config, error) {
-	addr, gw, ok := strings.Cut(v, ",")
-	if !ok {
-		return Config{}, fmt.Errorf("%s=%q: want <ipv4>/<prefix>,<gateway>", guest.NetParam, v)
-	}
-	p, err := netip.ParsePrefix(addr)
-	if err != nil {
-		return Config{}, fmt.Errorf("%s=%q: address: %w", guest.NetParam, v, err)
-	}
-	g, err := netip.ParseAddr(gw)
-	if err != nil {
-		return Config{}, fmt.Errorf("%s=%q: gateway: %w", guest.NetParam, v, err)
-	}
-	switch {
-	case !p.Addr().Is4() || !g.Is4():
-		return Config{}, fmt.Errorf("%s=%q: IPv4 only", guest.NetParam, v)
-	case p.Bits() < 1 || p.Bits() > 30:
-		// A /31 or /32 would need an on-link gateway route; the agent's
-		// subnets are ordinary ones with the gateway inside.
-		return Config{}, fmt.Errorf("%s=%q: prefix length %d: want 1 to 30", guest.NetParam, v, p.Bits())
-	case !p.Masked().Contains(g):
-		return Config{}, fmt.Errorf("%s=%q: gateway %s is outside %s", guest.NetParam, v, g, p.Masked())
-	case g == p.Addr():
-		return Config{}, fmt.Errorf("%s=%q: the gateway is the guest's own address", guest.NetParam, v)
-	case p.Addr() == p.Masked().Addr() || p.Addr() == broadcast(p):
-		return Config{}, fmt.Errorf("%s=%q: %s is the subnet's network or broadcast address", guest.NetParam, v, p.Addr())
-	}
-	return Config{Addr: p, Gateway: g}, nil
-}
-
-func broadcast(p netip.Prefix) netip.Addr {
-	a := p.Masked().Addr().As4()
-	v := binary.BigEndian.Uint32(a[:]) | (1<<(32-p.Bits()) - 1)
-	binary.BigEndian.PutUint32(a[:], v)
-	return netip.AddrFrom4(a)
-}
-
 // Up configures the interface named ifname: waits (up to timeout) for it to
 // exist — virtio_net registers it while probing, which may trail the
 // module load — then sets it up, adds the address and the default route.
 // Each step replaces what is there, so running it again is harmless.
-func Up(ifname string, c Config, timeout time.Duration) error {
+func Up(ifname string, c guest.NetConfig, timeout time.Duration) error {
 	deadline := time.Now().Add(timeout)
 	ifc, err := waitInterface(ifname, deadline)
 	if err != nil {
@@ -145,7 +78,7 @@ func addAddr(idx uint32, p netip.Prefix) []byte {
 	b[3] = unix.RT_SCOPE_UNIVERSE
 	binary.NativeEndian.PutUint32(b[4:], idx)
 	a := p.Addr().As4()
-	brd := broadcast(p).As4()
+	brd := guest.Broadcast(p).As4()
 	b = attr(b, unix.IFA_LOCAL, a[:])
 	b = attr(b, unix.IFA_ADDRESS, a[:])
 	return attr(b, unix.IFA_BROADCAST, brd[:])
