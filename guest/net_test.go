@@ -253,6 +253,8 @@ func TestGuestNetwork(t *testing.T) {
 				"a port nobody serves on the gateway: %q", reply)
 			reply = ns.probe(t, guest.DialRequest(netip.MustParseAddrPort("10.88.0.99:80")))
 			assert.True(t, strings.HasPrefix(reply, guest.ProbeFail), "an address nobody has: %q", reply)
+			reply = ns.probe(t, guest.DialRequest(netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), guest.ProbePort)))
+			assert.Equal(t, guest.ProbeOK, reply, "the guest's lo is up: it reaches its own probe port")
 			reply = ns.probe(t, "hello")
 			assert.Equal(t, guest.ProbeFail+"unknown command", reply)
 
