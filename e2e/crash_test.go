@@ -30,7 +30,7 @@ import (
 // one per activity of spawn and delete with the worker killed right after
 // that activity completed. Each run has a stack of its own (host id, state
 // dir, simulator, agent, worker) against the shared dev server, spawns an
-// instance with a vGPU under QEMU -machine none and deletes it, restarting
+// instance with a vGPU (two in the several cases) under QEMU -machine none and deletes it, restarting
 // whatever died, then checks the host: after the spawn exactly one QEMU, one
 // device, one record; after the delete none of them and no socket.
 //
@@ -58,7 +58,20 @@ const (
 	// release-failed with an hour's backoff), clears the fault and
 	// triggers the host's reconcile Schedule, which releases the claim.
 	reconcileRun
+	// severalRun spawns with two vGPUs: the points armed at their second
+	// hit crash between the first device and the second.
+	severalRun
+	// rollbackRun asks for one vGPU more than the host has: the claim
+	// fails part-way and undoes what it made, the spawn fails, and nothing
+	// is left. The neighbour spawns only after it, so the two never race
+	// for the last device.
+	rollbackRun
 )
+
+// severalPoints are armed at their second hit in a severalRun: the second
+// vGPU's intent, device and activation, and its release.
+var severalPoints = []string{crashpoint.ClaimIntentWritten, crashpoint.ClaimDeviceCreated, crashpoint.ClaimActivated,
+	crashpoint.ReleaseReleasing, crashpoint.ReleaseWritten, crashpoint.ReleaseRecorded}
 
 type crashCase struct {
 	name     string
@@ -114,6 +127,15 @@ func crashCases() []crashCase {
 				c.scenario = stuckRun
 			case crashpoint.ReconcileReleased:
 				c.scenario = reconcileRun
+			case crashpoint.ClaimRollingBack, crashpoint.ClaimRolledBack:
+				c.scenario = rollbackRun
+			}
+			cases = append(cases, c)
+		}
+		for _, p := range severalPoints {
+			c := crashCase{name: "agent-several/" + p + "@2", point: p + "@2", vendor: vendor, scenario: severalRun}
+			if vendor {
+				c.name = "agent-vendor-several/" + p + "@2"
 			}
 			cases = append(cases, c)
 		}
@@ -260,7 +282,18 @@ func runCrashCase(t *testing.T, c crashCase, o *crashOutcome) {
 	var res vmflowv1.SpawnResult
 	err := d.drive(spawnRun, "spawn", &res)
 	o.spawn = outcomeOf(err)
-	if err != nil {
+	switch {
+	case c.scenario == rollbackRun:
+		if err == nil || !strings.Contains(err.Error(), workflows.ErrTypeNoCapacity) {
+			o.violations = append(o.violations, fmt.Sprintf("a spawn asking for more vGPUs than the host has: want %s, got %v", workflows.ErrTypeNoCapacity, err))
+		}
+		// Nothing bound once the spawn failed (its clean-up's delete may
+		// still be removing the record, leases gone already).
+		o.violations = append(o.violations, d.checkLedger("after the failed spawn")...)
+		if d.neighbourRun == nil {
+			d.neighbourRun = e.startSpawn(d.spawnRequest(d.neighbour))
+		}
+	case err != nil:
 		o.violations = append(o.violations, "spawn failed: "+short(err))
 	}
 	d.waitNeighbour()
@@ -370,6 +403,21 @@ func (d *crashDriver) spawnRequest(id string) *vmflowv1.SpawnRequest {
 	if d.c.vendor {
 		r.VgpuProfile = vendorProfile
 	}
+	if id == d.neighbour && d.c.scenario == severalRun && d.c.vendor {
+		r.VgpuProfile = "" // the instance holds both VFs of the simulator
+	}
+	if id != d.neighbour {
+		switch d.c.scenario {
+		case severalRun:
+			r.VgpuCount = 2
+		case rollbackRun:
+			// One more than the simulator's two GPUs (two VFs) hold of it.
+			r.VgpuCount = 3
+			if !d.c.vendor {
+				r.VgpuProfile = "GRID A100-40C"
+			}
+		}
+	}
 	return r
 }
 
@@ -450,7 +498,7 @@ func (d *crashDriver) restartAgentIfDead() {
 	d.e.agent.Env = d.plainEnv
 	d.e.agent.Start(d.e.t)
 	d.restarts++
-	if d.neighbourRun == nil {
+	if d.neighbourRun == nil && d.c.scenario != rollbackRun {
 		d.neighbourRun = d.e.startSpawn(d.spawnRequest(d.neighbour))
 	}
 }
@@ -602,12 +650,17 @@ func (d *crashDriver) checkInstance(when, id string) []string {
 	if rec.GetState() != vmflowv1.InstanceState_INSTANCE_STATE_RUNNING {
 		v = append(v, fmt.Sprintf("%s: %s is %s, want running", when, id, store.StateName(rec.GetState())))
 	}
-	lease := store.VGPU(rec)
-	cl := lease.GetVgpu()
-	if !store.ClaimHeld(rec) || lease.GetPhase() != vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE {
-		v = append(v, fmt.Sprintf("%s: claim of %s not active: %v", when, id, lease))
-	} else if devs := e.simDevices(); !claimListed(devs, cl) {
-		v = append(v, fmt.Sprintf("%s: the device of %s's claim (%s %s) is gone; devices: %v", when, id, cl.GetUuid(), cl.GetDeviceId(), devs))
+	held := store.HeldVGPUs(rec)
+	if want := store.VGPUCount(rec.GetSpec().GetVgpuProfile(), rec.GetSpec().GetVgpuCount()); len(held) != want {
+		v = append(v, fmt.Sprintf("%s: %s holds %d vGPU(s), want %d", when, id, len(held), want))
+	}
+	for _, lease := range held {
+		cl := lease.GetVgpu()
+		if lease.GetPhase() != vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE {
+			v = append(v, fmt.Sprintf("%s: claim of %s not active: %v", when, id, lease))
+		} else if devs := e.simDevices(); !claimListed(devs, cl) {
+			v = append(v, fmt.Sprintf("%s: the device of %s's claim (%s %s) is gone; devices: %v", when, id, cl.GetUuid(), cl.GetDeviceId(), devs))
+		}
 	}
 	if p := rec.GetProcess(); p == nil {
 		v = append(v, fmt.Sprintf("%s: record of %s names no QEMU", when, id))
@@ -635,15 +688,14 @@ func (d *crashDriver) checkLedger(when string) []string {
 	owner := map[string]string{}
 	held := 0
 	for _, r := range recs {
-		if !store.ClaimHeld(r) {
-			continue
+		for _, lease := range store.HeldVGPUs(r) {
+			held++
+			key := store.ClaimDevice(lease.GetVgpu())
+			if other, ok := owner[key]; ok {
+				v = append(v, fmt.Sprintf("%s: %s and %s both claim device %s", when, other, r.GetId(), key))
+			}
+			owner[key] = r.GetId()
 		}
-		held++
-		key := store.ClaimDevice(store.VGPU(r).GetVgpu())
-		if other, ok := owner[key]; ok {
-			v = append(v, fmt.Sprintf("%s: %s and %s both claim device %s", when, other, r.GetId(), key))
-		}
-		owner[key] = r.GetId()
 	}
 	if len(devs) != held {
 		v = append(v, fmt.Sprintf("%s: %d vGPU devices for %d held claims: %v", when, len(devs), held, devs))

@@ -268,6 +268,12 @@ func (h Host) admit(ctx context.Context, id, restartPolicy string, s *vmflowv1.V
 	if strings.ContainsAny(s.GetCmdline(), "\x00\n\r") {
 		bad("cmdline", "must be one line of text")
 	}
+	switch n := s.GetVgpuCount(); {
+	case n > 0 && s.GetVgpuProfile() == "":
+		bad("vgpu_count", "%d needs vgpu_profile", n)
+	case n > store.MaxVGPUs:
+		bad("vgpu_count", "%d exceeds the %d vGPUs an instance may hold", n, store.MaxVGPUs)
+	}
 	if p := s.GetVgpuProfile(); p != "" && listProfiles {
 		if h.Profiles == nil {
 			bad("vgpu_profile", "%q: this host has no vGPUs", p)
@@ -284,7 +290,7 @@ func (h Host) admit(ctx context.Context, id, restartPolicy string, s *vmflowv1.V
 	if len(errs) == 0 {
 		// vmm's own check catches what the above does not know about
 		// (QEMU limits); its message names the spec field.
-		v := ForRecord(&vmflowv1.InstanceRecord{Id: id, Spec: s}, "")
+		v := ForRecord(&vmflowv1.InstanceRecord{Id: id, Spec: s}, nil)
 		v.Kernel, v.Initrd = images["kernel"], images["initrd"]
 		if base := images["disk"]; base != nil {
 			v.Disk = &vmm.Disk{Base: base} // the overlay is made at launch
@@ -343,6 +349,7 @@ func RecordSpec(req *vmflowv1.SpawnRequest) *vmflowv1.VMSpec {
 		Cmdline:     req.GetCmdline(),
 		Disk:        req.GetDisk(),
 		VgpuProfile: req.GetVgpuProfile(),
+		VgpuCount:   req.GetVgpuCount(),
 		Uuid:        InstanceUUID(req.GetInstanceId()),
 	}
 }
@@ -376,10 +383,10 @@ func (h Host) RecordSpec(req *vmflowv1.SpawnRequest) (*vmflowv1.VMSpec, error) {
 
 // ForRecord is QEMU's spec for a recorded instance without its images (the
 // files PrepareLaunch opens): the one conversion from a record to what vmm
-// launches, used by the first launch and by every restart alike. vfioPath is
-// the vGPU's sysfs device path, empty for none (or when the agent does not
-// attach vGPUs).
-func ForRecord(rec *vmflowv1.InstanceRecord, vfioPath string) vmm.VMSpec {
+// launches, used by the first launch and by every restart alike. vfioPaths
+// are the vGPUs' sysfs device paths, in claim order (none when the agent
+// does not attach vGPUs).
+func ForRecord(rec *vmflowv1.InstanceRecord, vfioPaths []string) vmm.VMSpec {
 	s := rec.GetSpec()
 	v := vmm.VMSpec{
 		Name:      rec.GetId(),
@@ -396,8 +403,6 @@ func ForRecord(rec *vmflowv1.InstanceRecord, vfioPath string) vmm.VMSpec {
 		// QEMU behind the agent's back.
 		NoReboot: true,
 	}
-	if vfioPath != "" {
-		v.VFIO = []string{vfioPath}
-	}
+	v.VFIO = slices.Clone(vfioPaths)
 	return v
 }

@@ -39,6 +39,10 @@ type Instance struct {
 	Process     *proc.Status `json:"process,omitempty"`
 	ClaimPhase  string       `json:"claim_phase,omitempty"`
 	ClaimDevice string       `json:"claim_device,omitempty"`
+	// GPUDevices names every GPU device of the instance's claim, in claim
+	// order (ClaimDevice is the first): the held ones, or when none is held
+	// the released ones.
+	GPUDevices []string `json:"gpu_devices,omitempty"`
 	// ClaimHeld is absent when the record cannot be read: unknown, not no.
 	ClaimHeld  *bool      `json:"claim_held,omitempty"`
 	ManualStop bool       `json:"manual_stop"`
@@ -99,9 +103,16 @@ func inspectInstance(st *store.Store, id string, now time.Time) *Instance {
 		s := proc.Inspect(store.IdentityOf(rec.GetProcess()))
 		in.Process = &s
 	}
-	if c := store.VGPU(rec); c != nil {
-		in.ClaimPhase = claimPhaseName(c.GetPhase())
-		in.ClaimDevice = store.ClaimDevice(c.GetVgpu())
+	leases := store.HeldVGPUs(rec)
+	if !held {
+		leases = store.VGPUs(rec)
+	}
+	for _, c := range leases {
+		in.GPUDevices = append(in.GPUDevices, store.ClaimDevice(c.GetVgpu()))
+	}
+	if len(leases) > 0 {
+		in.ClaimPhase = claimPhaseName(leases[0].GetPhase())
+		in.ClaimDevice = in.GPUDevices[0]
 		if !held {
 			in.ClaimPhase = "released"
 		}
@@ -114,9 +125,12 @@ func inspectInstance(st *store.Store, id string, now time.Time) *Instance {
 // claim in Deleting is named even though every delete passes through it: a
 // delete that stays there is the stuck one (ReleaseFailed says so itself).
 func (in *Instance) checkRecord(rec *vmflowv1.InstanceRecord, now time.Time) {
-	c := store.VGPU(rec)
 	if rec.GetState() == vmflowv1.InstanceState_INSTANCE_STATE_RELEASE_FAILED {
-		in.attention(fmt.Sprintf("vGPU release failed %d time(s): %s", c.GetReleaseAttempts(), orNone(c.GetLastReleaseError())))
+		for _, c := range store.HeldVGPUs(rec) {
+			if c.GetReleaseAttempts() > 0 {
+				in.attention(fmt.Sprintf("vGPU %s release failed %d time(s): %s", store.ClaimDevice(c.GetVgpu()), c.GetReleaseAttempts(), orNone(c.GetLastReleaseError())))
+			}
+		}
 	}
 	if rec.GetState() == vmflowv1.InstanceState_INSTANCE_STATE_DELETING && store.ClaimHeld(rec) {
 		in.attention(fmt.Sprintf("being deleted with its vGPU claim still held (phase %s)", in.ClaimPhase))
@@ -155,13 +169,21 @@ func (in *Instance) checkRecord(rec *vmflowv1.InstanceRecord, now time.Time) {
 func markSharedDevices(insts []*Instance) {
 	byDevice := map[string][]string{}
 	for _, in := range insts {
-		if in.claimHeld() && in.ClaimDevice != "" {
-			byDevice[in.ClaimDevice] = append(byDevice[in.ClaimDevice], in.ID)
+		if !in.claimHeld() {
+			continue
+		}
+		for _, d := range in.GPUDevices {
+			byDevice[d] = append(byDevice[d], in.ID)
 		}
 	}
 	for _, in := range insts {
-		if ids := byDevice[in.ClaimDevice]; in.claimHeld() && len(ids) > 1 {
-			in.attention(fmt.Sprintf("vGPU %s is claimed by %d instances: %s", in.ClaimDevice, len(ids), strings.Join(ids, ", ")))
+		if !in.claimHeld() {
+			continue
+		}
+		for _, d := range in.GPUDevices {
+			if ids := byDevice[d]; len(ids) > 1 {
+				in.attention(fmt.Sprintf("vGPU %s is claimed by %d instances: %s", d, len(ids), strings.Join(ids, ", ")))
+			}
 		}
 	}
 }
@@ -298,7 +320,7 @@ func writeTable(w io.Writer, insts []*Instance) {
 		}
 		gpu := "-"
 		if in.ClaimPhase != "" {
-			gpu = in.ClaimPhase + " " + orDash(in.ClaimDevice)
+			gpu = in.ClaimPhase + " " + orDash(strings.Join(in.GPUDevices, ","))
 		}
 		age := "-"
 		if in.CreatedAt != nil {

@@ -82,21 +82,56 @@ func AnyLeaseHeld(rec *vmflowv1.InstanceRecord) bool {
 	return len(HeldLeases(rec)) > 0
 }
 
-// VGPU is rec's vGPU lease, held or released; nil when it has none. An
-// instance has at most one (ValidateRecord).
-func VGPU(rec *vmflowv1.InstanceRecord) *vmflowv1.Lease {
+// VGPUs are rec's vGPU leases, held or released, in claim order.
+func VGPUs(rec *vmflowv1.InstanceRecord) []*vmflowv1.Lease {
+	var out []*vmflowv1.Lease
 	for _, l := range rec.GetLeases() {
 		if l.GetVgpu() != nil {
-			return l
+			out = append(out, l)
 		}
+	}
+	return out
+}
+
+// HeldVGPUs are rec's held vGPU leases, in claim order.
+func HeldVGPUs(rec *vmflowv1.InstanceRecord) []*vmflowv1.Lease {
+	var out []*vmflowv1.Lease
+	for _, l := range VGPUs(rec) {
+		if LeaseHeld(l) {
+			out = append(out, l)
+		}
+	}
+	return out
+}
+
+// VGPU is rec's first vGPU lease, held or released; nil when it has none.
+func VGPU(rec *vmflowv1.InstanceRecord) *vmflowv1.Lease {
+	if vs := VGPUs(rec); len(vs) > 0 {
+		return vs[0]
 	}
 	return nil
 }
 
-// ClaimHeld reports whether rec holds a vGPU lease.
+// ClaimHeld reports whether rec holds any vGPU lease.
 func ClaimHeld(rec *vmflowv1.InstanceRecord) bool {
-	return LeaseHeld(VGPU(rec))
+	return len(HeldVGPUs(rec)) > 0
 }
+
+// VGPUCount is how many vGPUs spec asks for: vgpu_count, or one when only
+// vgpu_profile is set (records and requests from before counts).
+func VGPUCount(profile string, count uint32) int {
+	switch {
+	case profile == "":
+		return 0
+	case count == 0:
+		return 1
+	}
+	return int(count)
+}
+
+// MaxVGPUs bounds the vGPUs one instance may hold (what a record
+// admits and a spawn may ask for): an 8-GPU node's GPUs, each split in two.
+const MaxVGPUs = 16
 
 // ClaimDevice names the device a vGPU lease holds: the SR-IOV VF when there
 // is one, else the mdev UUID (the mdev's sysfs name and QEMU's sysfsdev).
@@ -121,10 +156,9 @@ func describeLease(l *vmflowv1.Lease) string {
 
 // validateLeases is ValidateRecord's part for leases: every lease has a
 // kind this agent knows and a phase it can name, and no two name one
-// resource; an instance holds at most one vGPU.
+// resource; an instance holds at most MaxVGPUs vGPUs.
 func validateLeases(rec *vmflowv1.InstanceRecord) error {
 	names := map[string]bool{}
-	vgpus := 0
 	for i, l := range rec.GetLeases() {
 		if l.GetResource() == nil {
 			return fmt.Errorf("%w: instance %s: lease %d has no resource", ErrInvalidRecord, rec.GetId(), i)
@@ -137,12 +171,9 @@ func validateLeases(rec *vmflowv1.InstanceRecord) error {
 		} else {
 			names[n] = true
 		}
-		if l.GetVgpu() != nil {
-			vgpus++
-		}
 	}
-	if vgpus > 1 {
-		return fmt.Errorf("%w: instance %s has %d vgpu leases, at most one is allowed", ErrInvalidRecord, rec.GetId(), vgpus)
+	if n := len(VGPUs(rec)); n > MaxVGPUs {
+		return fmt.Errorf("%w: instance %s has %d vgpu leases, at most %d are allowed", ErrInvalidRecord, rec.GetId(), n, MaxVGPUs)
 	}
 	return nil
 }

@@ -281,5 +281,5 @@ func DefaultPrepareLaunch(_ context.Context, _ *store.Locked, rec *vmflowv1.Inst
 	if s := rec.GetSpec(); s.GetKernel() != "" || s.GetInitrd() != "" || s.GetDisk() != "" {
 		return vmm.VMSpec{}, fmt.Errorf("instance %s: %w: it has images; set Config.PrepareLaunch", rec.GetId(), ErrNoSpec)
 	}
-	return admission.ForRecord(rec, ""), nil
+	return admission.ForRecord(rec, nil), nil
 }

@@ -98,6 +98,13 @@ const (
 	// ActivityWaitVMExitDone: WaitVMExit is about to report success.
 	ActivityWaitVMExitDone = "activity.wait_vm_exit.done"
 
+	// ClaimRollingBack: a claim of several that failed part-way marked one
+	// of its leases rolling back; its device is not released yet.
+	ClaimRollingBack = "vgpu.claim.rolling_back"
+	// ClaimRolledBack: that lease's device is released and the lease
+	// dropped from the record.
+	ClaimRolledBack = "vgpu.claim.rolled_back"
+
 	// ReleaseReleasing: the claim's phase says Releasing; nothing written
 	// to sysfs yet.
 	ReleaseReleasing = "vgpu.release.releasing_recorded"
@@ -125,7 +132,7 @@ const (
 var All = []string{
 	AgentReattached,
 	StoreCreateDir, StoreWriteTemp, StoreWriteRenamed, ActivityCreateRecordDone,
-	ClaimIntentWritten, ClaimDeviceCreated, ClaimActivated, ActivityClaimVGPUDone,
+	ClaimIntentWritten, ClaimDeviceCreated, ClaimActivated, ClaimRollingBack, ClaimRolledBack, ActivityClaimVGPUDone,
 	StoreUIDLedgerWritten, LaunchBeforeFork, LaunchForked, LaunchPIDRecorded, LaunchQMPReady, LaunchRunningRecorded, ActivityLaunchVMDone,
 	MarkerWritten, BeginDeleteRecorded,
 	StopPowerdownSent, StopQuitSent, StopKillSent, StopGone, ActivityStopVMDone, ActivityWaitVMExitDone,

@@ -19,64 +19,73 @@ import (
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
-// Release releases instance id's vGPU. It refuses while the VM may live
-// (ErrVMAlive) or anything holds the device's VFIO node (ErrDeviceHeld). A
-// failed release keeps the claim, counts the attempt, records the error and
-// moves the record to ReleaseFailed; a later Release retries from the
-// record. released is false when the instance holds no claim.
-func (c *Claims) Release(ctx context.Context, id string) (released bool, deviceID string, err error) {
+// Release releases every vGPU instance id holds, each only when the VM
+// may not live (ErrVMAlive) and nothing holds its VFIO node
+// (ErrDeviceHeld). A failed release keeps that lease, counts the attempt,
+// records the error and moves the record to ReleaseFailed; the others are
+// released all the same, and a later Release retries from the record.
+// released is true when every held lease is released now, false when the
+// instance holds none or one failed; devices names those released now.
+func (c *Claims) Release(ctx context.Context, id string) (released bool, devices []string, err error) {
 	l, err := c.st.Lock(ctx, id)
 	if err != nil {
 		if errors.Is(err, store.ErrNotFound) {
-			return false, "", nil
+			return false, nil, nil
 		}
-		return false, "", fmt.Errorf("release vGPU of %s: %w", id, err)
+		return false, nil, fmt.Errorf("release vGPUs of %s: %w", id, err)
 	}
 	defer l.Unlock()
-	return c.releaseLocked(ctx, l)
-}
-
-func (c *Claims) releaseLocked(ctx context.Context, l *store.Locked) (bool, string, error) {
 	rec, err := l.Get()
 	if errors.Is(err, store.ErrNotFound) {
-		return false, "", nil
+		return false, nil, nil
 	}
 	if err != nil {
-		return false, "", err
+		return false, nil, err
 	}
-	if !store.ClaimHeld(rec) {
-		return false, "", nil
+	held := store.HeldVGPUs(rec)
+	var errs []error
+	for _, lease := range held {
+		dev, err := c.releaseLocked(ctx, l, rec, lease)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("vGPU %s: %w", dev, err))
+			continue
+		}
+		devices = append(devices, dev)
 	}
-	lease := store.VGPU(rec)
+	return len(held) > 0 && len(errs) == 0, devices, errors.Join(errs...)
+}
+
+// releaseLocked releases one held vGPU lease of the locked instance rec.
+func (c *Claims) releaseLocked(ctx context.Context, l *store.Locked, rec *vmflowv1.InstanceRecord, lease *vmflowv1.Lease) (string, error) {
 	name := store.LeaseName(lease)
 	dev := deviceOf(lease, c.drv.Kind())
 	// Invariant 10 first: a device another claim names is not ours to
 	// release, whatever sysfs says about it.
-	err = c.ownDevice(ctx, l.ID(), dev)
+	err := c.ownDevice(ctx, l.ID(), lease)
 	if err == nil {
 		err = c.mayRelease(ctx, rec, dev, proc.Holders)
 	}
 	if err != nil {
 		c.recordFailure(l, name, err)
-		return false, dev.ID, err
+		return dev.ID, err
 	}
 	if _, err := l.Apply(store.LeaseReleasing(name)); err != nil {
-		return false, dev.ID, err
+		return dev.ID, err
 	}
 	crashpoint.Hit(crashpoint.ReleaseReleasing)
 	if err := c.drv.Release(ctx, dev); err != nil {
 		c.recordFailure(l, name, err)
-		return false, dev.ID, err
+		return dev.ID, err
 	}
 	crashpoint.Hit(crashpoint.ReleaseWritten)
 	if _, err := l.Apply(store.LeaseReleased(name, c.now())); err != nil {
 		// The device is gone but the record still holds the claim: the next
 		// release finds it "already gone" and records it then.
-		return false, dev.ID, fmt.Errorf("record release of %s: %w", dev.ID, err)
+		return dev.ID, fmt.Errorf("record release of %s: %w", dev.ID, err)
 	}
 	crashpoint.Hit(crashpoint.ReleaseRecorded)
 	c.log.Info("vGPU released", zap.String("instance_id", l.ID()), zap.String("device_id", dev.ID))
-	return true, dev.ID, nil
+	return dev.ID, nil
 }
 
 // holdersFunc answers who holds a path: proc.Holders (a fresh walk of
@@ -177,10 +186,11 @@ func (c *Claims) releaseDone(dev vgpu.Device, err error) {
 			return
 		}
 		for _, r := range recs {
-			lease := store.VGPU(r)
-			if !store.LeaseHeld(lease) || deviceOf(lease, c.drv.Kind()).ID != dev.ID {
+			i := slices.IndexFunc(store.HeldVGPUs(r), func(l *vmflowv1.Lease) bool { return deviceOf(l, c.drv.Kind()).ID == dev.ID })
+			if i < 0 {
 				continue
 			}
+			lease := store.HeldVGPUs(r)[i]
 			if err != nil {
 				// The next Release receives this outcome from the driver
 				// and records it then.

@@ -246,9 +246,12 @@ type VMSpec struct {
 	// to it, which is what every launch opens (openat2 beneath the root). A
 	// record written before they existed has only the absolute paths: the
 	// agent resolves those against its roots at launch.
-	KernelImage   *ImageRef `protobuf:"bytes,26,opt,name=kernel_image,json=kernelImage,proto3" json:"kernel_image,omitempty"`
-	InitrdImage   *ImageRef `protobuf:"bytes,27,opt,name=initrd_image,json=initrdImage,proto3" json:"initrd_image,omitempty"`
-	DiskImage     *ImageRef `protobuf:"bytes,28,opt,name=disk_image,json=diskImage,proto3" json:"disk_image,omitempty"`
+	KernelImage *ImageRef `protobuf:"bytes,26,opt,name=kernel_image,json=kernelImage,proto3" json:"kernel_image,omitempty"`
+	InitrdImage *ImageRef `protobuf:"bytes,27,opt,name=initrd_image,json=initrdImage,proto3" json:"initrd_image,omitempty"`
+	DiskImage   *ImageRef `protobuf:"bytes,28,opt,name=disk_image,json=diskImage,proto3" json:"disk_image,omitempty"`
+	// How many vGPUs of vgpu_profile the instance holds; 0 means one when
+	// vgpu_profile is set (records from before counts).
+	VgpuCount     uint32 `protobuf:"varint,31,opt,name=vgpu_count,json=vgpuCount,proto3" json:"vgpu_count,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -372,6 +375,13 @@ func (x *VMSpec) GetDiskImage() *ImageRef {
 		return x.DiskImage
 	}
 	return nil
+}
+
+func (x *VMSpec) GetVgpuCount() uint32 {
+	if x != nil {
+		return x.VgpuCount
+	}
+	return 0
 }
 
 // ImageRef is an image file as the agent opens it: beneath one of its
@@ -1317,7 +1327,7 @@ var File_vmflow_v1_record_proto protoreflect.FileDescriptor
 
 const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\n" +
-	"\x16vmflow/v1/record.proto\x12\tvmflow.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xa6\x03\n" +
+	"\x16vmflow/v1/record.proto\x12\tvmflow.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xc5\x03\n" +
 	"\x06VMSpec\x12\x14\n" +
 	"\x05vcpus\x18\x01 \x01(\rR\x05vcpus\x12\x1d\n" +
 	"\n" +
@@ -1334,7 +1344,9 @@ const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\fkernel_image\x18\x1a \x01(\v2\x13.vmflow.v1.ImageRefR\vkernelImage\x126\n" +
 	"\finitrd_image\x18\x1b \x01(\v2\x13.vmflow.v1.ImageRefR\vinitrdImage\x122\n" +
 	"\n" +
-	"disk_image\x18\x1c \x01(\v2\x13.vmflow.v1.ImageRefR\tdiskImage\"n\n" +
+	"disk_image\x18\x1c \x01(\v2\x13.vmflow.v1.ImageRefR\tdiskImage\x12\x1d\n" +
+	"\n" +
+	"vgpu_count\x18\x1f \x01(\rR\tvgpuCount\"n\n" +
 	"\fFileIdentity\x12\x10\n" +
 	"\x03dev\x18\x01 \x01(\x04R\x03dev\x12\x10\n" +
 	"\x03ino\x18\x02 \x01(\x04R\x03ino\x12\x12\n" +
