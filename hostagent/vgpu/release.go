@@ -87,7 +87,33 @@ func (r *releases) do(ctx context.Context, dev Device, write func() error) error
 	}
 	op.waiters++
 	r.mu.Unlock()
+	return r.wait(ctx, dev, op)
+}
 
+// settle waits, as do does, for a write for dev still in flight, and
+// drops an outcome nobody received: afterwards the caller reads the state
+// the kernel shows and the next do starts a write of its own.
+func (r *releases) settle(ctx context.Context, dev Device) error {
+	key := releaseKey(dev)
+	r.mu.Lock()
+	delete(r.unclaimed, key)
+	op := r.inflight[key]
+	if op == nil {
+		r.mu.Unlock()
+		return nil
+	}
+	op.waiters++
+	r.mu.Unlock()
+	err := r.wait(ctx, dev, op)
+	var inProgress *ReleaseInProgressError
+	if errors.As(err, &inProgress) {
+		return err
+	}
+	return nil
+}
+
+// wait waits for op, which counts the caller among its waiters.
+func (r *releases) wait(ctx context.Context, dev Device, op *releaseOp) error {
 	select {
 	case <-op.done:
 		return op.err

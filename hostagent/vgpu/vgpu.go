@@ -16,6 +16,17 @@
 // the device exists, and Config.OnReleaseDone reports the outcome of every
 // release write, including those that finished after every caller stopped
 // waiting.
+//
+// Whole GPUs (passthrough.go) are the same ABI layer for VFIO passthrough:
+// Passthrough lists display-class PCI functions with their IOMMU groups
+// (GPUs, each with Viable, Marked, Offered), Bind hands a whole group to
+// vfio-pci (BindRequest.Intent writes the lease ahead, Resume finishes a
+// recorded half-done bind) and returns the Binding the lease keeps, Return
+// gives a Binding back to the drivers it had; GPUFilter is
+// --gpu-passthrough. Errors: ErrGroupNotViable, ErrNotGPU, ErrVGPUParent,
+// ErrAlreadyBound (refusals, nothing written), ErrNotOurs (left alone),
+// ErrUnbindFailed, ErrResetFailed, ErrProbeFailed (retryable), and a
+// blocked unbind as ErrReleaseInProgress (Busy).
 package vgpu
 
 import (

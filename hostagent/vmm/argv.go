@@ -80,8 +80,9 @@ type VMSpec struct {
 	Disk *Disk `json:"-"`
 	// VFIO lists sysfs device paths passed through with
 	// -device vfio-pci,sysfsdev=PATH: an mdev
-	// (/sys/bus/mdev/devices/<uuid>) or an SR-IOV VF
-	// (/sys/bus/pci/devices/<bdf>). Absolute, clean paths.
+	// (/sys/bus/mdev/devices/<uuid>), an SR-IOV VF or each function of a
+	// whole GPU's IOMMU group (/sys/bus/pci/devices/<bdf>). Absolute,
+	// clean paths.
 	VFIO []string `json:"vfio,omitempty"`
 	// SerialToLog connects the first serial port to QEMU's stdout, which
 	// Launch sends to the log file.
