@@ -56,6 +56,8 @@ type Activities struct {
 	Host       admission.Host
 	// GPUs is nil on a host without vGPUs.
 	GPUs GPUs
+	// Whole is nil on a host handing out no whole GPUs (--gpu-passthrough).
+	Whole WholeGPUs
 	// AttachVGPU adds the claimed device to QEMU's command line. Only the
 	// vgpu-sim simulator turns it off: QEMU cannot open simulated devices.
 	AttachVGPU bool
@@ -206,6 +208,9 @@ func (a *Activities) ClaimVGPU(ctx context.Context, req *vmflowv1.ClaimVGPUReque
 	if err != nil {
 		return nil, err
 	}
+	if req.GetGpuPassthroughCount() > 0 {
+		return a.claimWhole(ctx, log, req)
+	}
 	if err := admission.CheckBound("vgpu_profile", req.GetVgpuProfile()); err != nil {
 		return nil, classify(fmt.Errorf("claim vGPU: %w", err))
 	}
@@ -309,6 +314,9 @@ func (a *Activities) launchResult(rec *vmflowv1.InstanceRecord, pid int, already
 			res.VgpuUuid, res.VgpuDeviceId = mdevUUID(c), store.ClaimDevice(c)
 		}
 		res.GpuDeviceIds = append(res.GpuDeviceIds, store.ClaimDevice(c))
+	}
+	for _, lease := range store.HeldPassthrough(rec) {
+		res.GpuDeviceIds = append(res.GpuDeviceIds, store.PassthroughDevices(lease)...)
 	}
 	return res
 }
@@ -488,6 +496,9 @@ func (a *Activities) releasers() map[string]releaser {
 	if a.GPUs != nil {
 		m[store.KindVGPU] = a.GPUs.Release
 	}
+	if a.Whole != nil {
+		m[store.KindPassthrough] = a.Whole.Release
+	}
 	return m
 }
 
@@ -547,11 +558,8 @@ func (a *Activities) ReconcileHost(ctx context.Context, req *vmflowv1.ReconcileV
 	if err := store.ValidateID(req.GetHostId()); err != nil {
 		return nil, classify(fmt.Errorf("reconcile: host_id: %w", err))
 	}
-	if a.GPUs == nil {
-		return &vmflowv1.ReconcileVGPUResult{}, nil
-	}
-	stop := heartbeat(ctx, 10*time.Second, func() string { return "reconciling vGPUs of " + req.GetHostId() })
-	res, err := a.GPUs.Reconcile(ctx)
+	stop := heartbeat(ctx, 10*time.Second, func() string { return "reconciling GPUs of " + req.GetHostId() })
+	res, err := a.reconcileGPUs(ctx)
 	stop()
 	if err != nil {
 		return nil, classify(fmt.Errorf("reconcile: %w", err))

@@ -66,7 +66,15 @@ const (
 	// is left. The neighbour spawns only after it, so the two never race
 	// for the last device.
 	rollbackRun
+	// passthroughRun spawns with two whole GPUs (the agent runs with
+	// --gpu-passthrough all) instead of a vGPU.
+	passthroughRun
 )
+
+// passthroughPoints run in a passthroughRun; the sysfs write point is also
+// armed at later writes (a bind is three to four writes per function).
+var passthroughPoints = []string{crashpoint.PassthroughIntentWritten, crashpoint.PassthroughSysfsWritten,
+	crashpoint.PassthroughActivated, crashpoint.PassthroughReleasing, crashpoint.PassthroughReturned, crashpoint.PassthroughReleased}
 
 // severalPoints are armed at their second hit in a severalRun: the second
 // vGPU's intent, device and activation, and its release.
@@ -130,6 +138,12 @@ func crashCases() []crashCase {
 			case crashpoint.ClaimRollingBack, crashpoint.ClaimRolledBack:
 				c.scenario = rollbackRun
 			}
+			if slices.Contains(passthroughPoints, p) {
+				if vendor {
+					continue // the vGPU driver plays no part
+				}
+				c.scenario = passthroughRun
+			}
 			cases = append(cases, c)
 		}
 		for _, p := range severalPoints {
@@ -149,6 +163,11 @@ func crashCases() []crashCase {
 			spec := p + "@" + strconv.Itoa(n)
 			cases = append(cases, crashCase{name: "agent/" + spec, point: spec})
 		}
+	}
+	for _, p := range []string{crashpoint.PassthroughIntentWritten + "@2", crashpoint.PassthroughActivated + "@2", crashpoint.PassthroughReleased + "@2",
+		crashpoint.PassthroughSysfsWritten + "@2", crashpoint.PassthroughSysfsWritten + "@5", crashpoint.PassthroughSysfsWritten + "@9",
+		crashpoint.PassthroughSysfsWritten + "@12", crashpoint.PassthroughSysfsWritten + "@15"} {
+		cases = append(cases, crashCase{name: "agent-passthrough/" + p, point: p, scenario: passthroughRun})
 	}
 	for _, a := range []string{workflows.ActivityValidateSpawn, workflows.ActivityCreateRecord, workflows.ActivityClaimVGPU, workflows.ActivityLaunchVM} {
 		cases = append(cases, crashCase{name: "worker/spawn/" + a, workflow: "spawn", activity: a})
@@ -263,6 +282,9 @@ func runCrashCase(t *testing.T, c crashCase, o *crashOutcome) {
 	e := newEnv(t, envOptions{noStart: true, workerArgs: workerArgs})
 	if c.vendor {
 		e.agent.Args = append(e.agent.Args, "--vgpu-driver", "vendor") // the last flag wins
+	}
+	if c.scenario == passthroughRun {
+		e.agent.Args = append(e.agent.Args, "--gpu-passthrough", "all")
 	}
 	id := "crash-" + suffix(t)
 	plainEnv := slices.Clone(e.agent.Env)
@@ -410,6 +432,8 @@ func (d *crashDriver) spawnRequest(id string) *vmflowv1.SpawnRequest {
 		switch d.c.scenario {
 		case severalRun:
 			r.VgpuCount = 2
+		case passthroughRun:
+			r.VgpuProfile, r.GpuPassthroughCount = "", 2
 		case rollbackRun:
 			// One more than the simulator's two GPUs (two VFs) hold of it.
 			r.VgpuCount = 3
@@ -654,6 +678,15 @@ func (d *crashDriver) checkInstance(when, id string) []string {
 	if want := store.VGPUCount(rec.GetSpec().GetVgpuProfile(), rec.GetSpec().GetVgpuCount()); len(held) != want {
 		v = append(v, fmt.Sprintf("%s: %s holds %d vGPU(s), want %d", when, id, len(held), want))
 	}
+	whole := store.HeldPassthrough(rec)
+	if want := store.PassthroughCount(rec.GetSpec()); len(whole) != want {
+		v = append(v, fmt.Sprintf("%s: %s holds %d whole GPU(s), want %d", when, id, len(whole), want))
+	}
+	for _, lease := range whole {
+		if lease.GetPhase() != vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE {
+			v = append(v, fmt.Sprintf("%s: whole GPU of %s not active: %v", when, id, lease))
+		}
+	}
 	for _, lease := range held {
 		cl := lease.GetVgpu()
 		if lease.GetPhase() != vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE {
@@ -700,7 +733,7 @@ func (d *crashDriver) checkLedger(when string) []string {
 	if len(devs) != held {
 		v = append(v, fmt.Sprintf("%s: %d vGPU devices for %d held claims: %v", when, len(devs), held, devs))
 	}
-	return v
+	return append(v, d.e.checkWholeGPUs(when, recs)...)
 }
 
 // checkSpawned: the instance runs as it should and the ledger adds up.

@@ -80,10 +80,11 @@ func (w *Workflows) spawnInstance(ctx workflow.Context, req *vmflowv1.SpawnReque
 	}
 
 	res := &vmflowv1.SpawnResult{InstanceUuid: created.GetInstanceUuid()}
-	if req.GetVgpuProfile() != "" {
+	if req.GetVgpuProfile() != "" || req.GetGpuPassthroughCount() > 0 {
 		t.stage(ctx, StageClaimingVGPU)
 		var claim vmflowv1.ClaimVGPUResult
-		in := &vmflowv1.ClaimVGPURequest{InstanceId: req.GetInstanceId(), VgpuProfile: req.GetVgpuProfile(), VgpuCount: req.GetVgpuCount()}
+		in := &vmflowv1.ClaimVGPURequest{InstanceId: req.GetInstanceId(), VgpuProfile: req.GetVgpuProfile(), VgpuCount: req.GetVgpuCount(),
+			GpuPassthroughCount: req.GetGpuPassthroughCount(), GpuPassthroughModel: req.GetGpuPassthroughModel()}
 		if err := h.run(ctx, calls[ActivityClaimVGPU], in, &claim); err != nil {
 			return nil, w.cleanUpAfter(ctx, t, req, err)
 		}

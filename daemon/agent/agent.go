@@ -164,6 +164,13 @@ func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentH
 	if err != nil {
 		return nil, err
 	}
+	whole, err := newWhole(cfg, st, log)
+	if err != nil {
+		return nil, err
+	}
+	if whole != nil {
+		host.Whole = whole
+	}
 	h.closers = append(h.closers, func() { _ = host.Images.Close() })
 	// Which QEMU this agent launches, in its start log: the confinement
 	// relies on QEMU 7.2's -sandbox options and its fd passing, and an
@@ -178,6 +185,9 @@ func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentH
 	acts := &activities.Activities{
 		Store: st, Host: host, GPUs: gpus, AttachVGPU: cfg.VGPUAttach,
 		DefaultGraceful: cfg.GracefulTimeout, Logger: log, Metrics: am,
+	}
+	if whole != nil {
+		acts.Whole = whole
 	}
 	// A cgroup per VM: a transient scope under systemd, cgroupfs otherwise.
 	cgroups, err := vmm.CgroupsFor(ctx, "/sys/fs/cgroup", func(ctx context.Context) (vmm.ScopeConn, error) {

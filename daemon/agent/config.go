@@ -41,9 +41,12 @@ type Config struct {
 	// QEMU's only supplementary group.
 	KVMDevice string
 	// Jail runs every QEMU in namespaces and a root of its own (vmm.Jail).
-	Jail           bool
-	VGPUAttach     bool
-	VGPUDriver     string // auto, mdev, vendor, none
+	Jail       bool
+	VGPUAttach bool
+	VGPUDriver string // auto, mdev, vendor, none
+	// GPUPassthrough is --gpu-passthrough: which GPUs the host hands out
+	// whole (the zero filter: none).
+	GPUPassthrough vgpu.GPUFilter
 	OrphanGrace    time.Duration
 	ReconcileEvery time.Duration
 	// ReconcileScanEvery: how often the agent's local scan (no Temporal
@@ -111,6 +114,12 @@ flags:
 	fs.BoolVar(&c.Jail, "jail", true, "run every QEMU in network, mount, pid, IPC and UTS namespaces and a read-only root of its own; false only where the agent lacks CAP_SYS_ADMIN")
 	fs.BoolVar(&c.VGPUAttach, "vgpu-attach", true, "attach claimed vGPUs to QEMU; false only with the vmflow-vgpusim simulator, whose devices QEMU cannot open")
 	fs.StringVar(&c.VGPUDriver, "vgpu-driver", "auto", "auto, mdev, vendor or none")
+	fs.Func("gpu-passthrough", "GPUs this host hands out whole by VFIO passthrough: a comma list of PCI vendor:device ids (10de:2335), or all for every display-class device not serving vGPUs; empty (the default): none",
+		func(v string) error {
+			f, err := vgpu.ParseGPUFilter(v)
+			c.GPUPassthrough = f
+			return err
+		})
 	fs.DurationVar(&c.OrphanGrace, "vgpu-orphan-grace", claims.DefaultOrphanGrace, "an unclaimed vGPU device is removed after this long")
 	fs.DurationVar(&c.ReconcileEvery, "reconcile-every", DefaultReconcileEvery, "how often the Schedule runs ReconcileVGPU, the safety net behind the local scan")
 	fs.DurationVar(&c.ReconcileScanEvery, "reconcile-scan-every", time.Minute, "how often the agent scans the host for reconcile work (read-only, no Temporal call) and, finding some, triggers ReconcileVGPU; 0: off")

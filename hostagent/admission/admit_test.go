@@ -250,3 +250,49 @@ func TestPrepareLaunchGivesEveryVGPU(t *testing.T) {
 	t.Cleanup(func() { v.Close() })
 	assert.Equal(t, []string{"/sys/bus/mdev/devices/u1", "/sys/bus/mdev/devices/u2"}, v.VFIO)
 }
+
+// fakeWhole hands back the locked record's held whole-GPU leases.
+type fakeWhole struct{}
+
+func (fakeWhole) EnsureDevicesLocked(_ context.Context, l *store.Locked) ([]*vmflowv1.Lease, error) {
+	rec, err := l.Get()
+	return store.HeldPassthrough(rec), err
+}
+func (fakeWhole) DevicePaths(l *vmflowv1.Lease) []string {
+	var out []string
+	for _, a := range store.PassthroughDevices(l) {
+		out = append(out, "/sys/bus/pci/devices/"+a)
+	}
+	return out
+}
+
+// TestPrepareLaunchGivesEveryWholeGPU: every function of every held group
+// goes to QEMU, and a VM asking for whole GPUs never starts without them
+// nor on an agent that hands out none.
+func TestPrepareLaunchGivesEveryWholeGPU(t *testing.T) {
+	h, root := testHost(t)
+	h.MemlockLimit = 0
+	spec := RecordSpec(good(root))
+	spec.Disk, spec.VgpuProfile, spec.GpuPassthroughCount = "", "", 1
+	st, err := store.New(t.TempDir())
+	require.NoError(t, err)
+	ctx := context.Background()
+	rec, err := st.Create(ctx, &vmflowv1.InstanceRecord{Id: "vm1", Spec: spec})
+	require.NoError(t, err)
+	h.Whole = fakeWhole{}
+	l, err := st.Lock(ctx, "vm1")
+	require.NoError(t, err)
+	_, err = PrepareLaunch(h, nil, true)(ctx, l, rec)
+	require.ErrorIs(t, err, ErrInvalid, "no lease yet")
+	rec, err = l.Apply(store.LeaseIntent(store.PassthroughLeaseOf(&vmflowv1.PassthroughLease{IommuGroup: "401", Functions: []*vmflowv1.PassthroughFunction{
+		{Addr: "0000:82:00.0", PreviousDriver: "nvidia", Display: true}, {Addr: "0000:82:00.1", PreviousDriver: "snd_hda_intel"}}}), time.Now()))
+	require.NoError(t, err)
+	v, err := PrepareLaunch(h, nil, true)(ctx, l, rec)
+	require.NoError(t, err)
+	t.Cleanup(func() { v.Close() })
+	assert.Equal(t, []string{"/sys/bus/pci/devices/0000:82:00.0", "/sys/bus/pci/devices/0000:82:00.1"}, v.VFIO)
+	h.Whole = nil
+	_, err = PrepareLaunch(h, nil, true)(ctx, l, rec)
+	require.ErrorIs(t, err, ErrAdmissionRefused, "an agent without --gpu-passthrough refuses the record")
+	require.NoError(t, l.Unlock())
+}

@@ -23,6 +23,13 @@ type Devices interface {
 	DevicePath(claim *vmflowv1.Lease) string
 }
 
+// WholeDevices is what a launch needs of whole-GPU claims: every held lease
+// bound, and the sysfs paths of its functions. claims.Whole implements it.
+type WholeDevices interface {
+	EnsureDevicesLocked(ctx context.Context, l *store.Locked) ([]*vmflowv1.Lease, error)
+	DevicePaths(lease *vmflowv1.Lease) []string
+}
+
 // ErrNoVGPUDriver: the instance holds a vGPU claim but the agent runs
 // without a vGPU driver, so its VM cannot get its GPU.
 var ErrNoVGPUDriver = errdefs.NoDriver.New("the instance holds a vGPU claim and this agent has no vGPU driver")
@@ -49,6 +56,11 @@ func PrepareLaunch(h Host, devs Devices, attach bool) func(context.Context, *sto
 		if err != nil {
 			return vmm.VMSpec{}, err
 		}
+		whole, err := prepareWhole(ctx, h.Whole, attach, l, rec)
+		if err != nil {
+			return vmm.VMSpec{}, err
+		}
+		v.VFIO = append(v.VFIO, whole...)
 		// Before any image is opened: a host whose own memlock limit cannot
 		// cover the device's pinned RAM is refused naming the setting.
 		if err := vmm.CheckMemlock(v, h.MemlockLimit); err != nil {
@@ -134,6 +146,33 @@ func prepareDevice(ctx context.Context, devs Devices, attach bool, l *store.Lock
 		}
 	}
 	return ForRecord(rec, vfio), nil
+}
+
+// prepareWhole makes sure of rec's whole GPUs (every one the spec asks for
+// held and bound) and returns their functions' sysfs paths when attach is
+// set (under the simulator QEMU cannot open a simulated function either).
+func prepareWhole(ctx context.Context, whole WholeDevices, attach bool, l *store.Locked, rec *vmflowv1.InstanceRecord) ([]string, error) {
+	want, held := store.PassthroughCount(rec.GetSpec()), store.HeldPassthrough(rec)
+	if len(held) < want {
+		return nil, fmt.Errorf("instance %s asks for %d whole GPU(s) but holds %d: %w", rec.GetId(), want, len(held), ErrInvalid)
+	}
+	if len(held) == 0 {
+		return nil, nil
+	}
+	if whole == nil {
+		return nil, fmt.Errorf("instance %s holds whole GPU(s) (IOMMU group %s): %w", rec.GetId(), held[0].GetGpuPassthrough().GetIommuGroup(), ErrNoVGPUDriver)
+	}
+	leases, err := whole.EnsureDevicesLocked(ctx, l)
+	if err != nil {
+		return nil, fmt.Errorf("prepare launch of %s: %w", rec.GetId(), err)
+	}
+	var paths []string
+	for _, lease := range leases {
+		if attach {
+			paths = append(paths, whole.DevicePaths(lease)...)
+		}
+	}
+	return paths, nil
 }
 
 // OpenImages opens rec's kernel, initrd and disk beneath their image roots

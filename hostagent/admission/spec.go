@@ -25,6 +25,7 @@ import (
 	"github.com/google/uuid"
 
 	"vmflow/hostagent/store"
+	"vmflow/hostagent/vgpu"
 	"vmflow/hostagent/vmm"
 	"vmflow/internal/contract"
 	"vmflow/internal/errdefs"
@@ -96,6 +97,9 @@ type Host struct {
 	// (vmm.MemlockLimit), which a VFIO VM's pinned RAM must fit under;
 	// 0 bounds nothing.
 	MemlockLimit uint64
+	// Whole is the host's whole-GPU claims (--gpu-passthrough); nil when
+	// it hands out none, and a spec asking for one is refused.
+	Whole WholeDevices
 }
 
 // SystemHost describes this machine: its CPU count, its memory, its KVM
@@ -199,7 +203,7 @@ func (h Host) admit(ctx context.Context, id, restartPolicy string, s *vmflowv1.V
 	for _, f := range []struct{ field, v string }{
 		{"machine", s.GetMachine()}, {"accel", s.GetAccel()}, {"restart_policy", restartPolicy},
 		{"kernel", s.GetKernel()}, {"initrd", s.GetInitrd()}, {"cmdline", s.GetCmdline()},
-		{"disk", s.GetDisk()}, {"vgpu_profile", s.GetVgpuProfile()}, {"uuid", s.GetUuid()},
+		{"disk", s.GetDisk()}, {"vgpu_profile", s.GetVgpuProfile()}, {"uuid", s.GetUuid()}, {"gpu_passthrough_model", s.GetGpuPassthroughModel()},
 		{"instance_id", id},
 	} {
 		if err := CheckBound(f.field, f.v); err != nil {
@@ -267,6 +271,11 @@ func (h Host) admit(ctx context.Context, id, restartPolicy string, s *vmflowv1.V
 	}
 	if strings.ContainsAny(s.GetCmdline(), "\x00\n\r") {
 		bad("cmdline", "must be one line of text")
+	}
+	if err := CheckPassthrough(s.GetVgpuProfile(), s.GetGpuPassthroughCount(), s.GetGpuPassthroughModel()); err != nil {
+		errs = append(errs, err)
+	} else if s.GetGpuPassthroughCount() > 0 && h.Whole == nil {
+		bad("gpu_passthrough_count", "%d: this host hands out no whole GPUs (--gpu-passthrough)", s.GetGpuPassthroughCount())
 	}
 	switch n := s.GetVgpuCount(); {
 	case n > 0 && s.GetVgpuProfile() == "":
@@ -350,7 +359,10 @@ func RecordSpec(req *vmflowv1.SpawnRequest) *vmflowv1.VMSpec {
 		Disk:        req.GetDisk(),
 		VgpuProfile: req.GetVgpuProfile(),
 		VgpuCount:   req.GetVgpuCount(),
-		Uuid:        InstanceUUID(req.GetInstanceId()),
+
+		GpuPassthroughCount: req.GetGpuPassthroughCount(),
+		GpuPassthroughModel: req.GetGpuPassthroughModel(),
+		Uuid:                InstanceUUID(req.GetInstanceId()),
 	}
 }
 
@@ -379,6 +391,24 @@ func (h Host) RecordSpec(req *vmflowv1.SpawnRequest) (*vmflowv1.VMSpec, error) {
 		return nil, errors.Join(errs...)
 	}
 	return s, nil
+}
+
+// CheckPassthrough is the request's whole-GPU fields alone: at most
+// store.MaxPassthrough, a model in PCI vendor:device hex or empty, and
+// never beside a vGPU profile (one GPU kind per VM). A *FieldError. The
+// model must have passed CheckBound.
+func CheckPassthrough(profile string, count uint32, model string) error {
+	switch {
+	case count > 0 && profile != "":
+		return &FieldError{Field: "gpu_passthrough_count", Reason: "whole GPUs and vgpu_profile do not mix in one VM"}
+	case count > store.MaxPassthrough:
+		return &FieldError{Field: "gpu_passthrough_count", Reason: fmt.Sprintf("%d exceeds the %d whole GPUs an instance may hold", count, store.MaxPassthrough)}
+	case model != "" && count == 0:
+		return &FieldError{Field: "gpu_passthrough_model", Reason: "needs gpu_passthrough_count"}
+	case model != "" && !vgpu.ValidPCIID(model):
+		return &FieldError{Field: "gpu_passthrough_model", Reason: fmt.Sprintf("%q is not a PCI vendor:device id in lower-case hex (10de:2335)", model)}
+	}
+	return nil
 }
 
 // ForRecord is QEMU's spec for a recorded instance without its images (the

@@ -113,6 +113,13 @@ func TestValidateRejects(t *testing.T) {
 		{"vgpu_profile", func(r *vmflowv1.SpawnRequest) { r.VgpuProfile = "GRID A100-4C\n" }},
 		{"vgpu_count", func(r *vmflowv1.SpawnRequest) { r.VgpuCount = 17 }},
 		{"vgpu_count", func(r *vmflowv1.SpawnRequest) { r.VgpuProfile, r.VgpuCount = "", 2 }},
+		{"gpu_passthrough_count", func(r *vmflowv1.SpawnRequest) { r.GpuPassthroughCount = 1 }}, // beside vgpu_profile
+		{"gpu_passthrough_count", func(r *vmflowv1.SpawnRequest) { r.VgpuProfile, r.GpuPassthroughCount = "", 9 }},
+		{"gpu_passthrough_count", func(r *vmflowv1.SpawnRequest) { r.VgpuProfile, r.GpuPassthroughCount = "", 1 }}, // no --gpu-passthrough
+		{"gpu_passthrough_model", func(r *vmflowv1.SpawnRequest) {
+			r.VgpuProfile, r.GpuPassthroughCount, r.GpuPassthroughModel = "", 1, "10DE:2335"
+		}},
+		{"gpu_passthrough_model", func(r *vmflowv1.SpawnRequest) { r.VgpuProfile, r.GpuPassthroughModel = "", "10de:2335" }},
 	}
 	for _, tt := range tests {
 		r := good(root)

@@ -110,6 +110,15 @@ func inspectInstance(st *store.Store, id string, now time.Time) *Instance {
 	for _, c := range leases {
 		in.GPUDevices = append(in.GPUDevices, store.ClaimDevice(c.GetVgpu()))
 	}
+	whole := store.HeldPassthrough(rec)
+	for _, c := range whole {
+		in.GPUDevices = append(in.GPUDevices, store.PassthroughDevices(c)...)
+	}
+	if len(leases) == 0 && len(whole) > 0 {
+		leases = whole
+		held = true
+		in.ClaimHeld = &held
+	}
 	if len(leases) > 0 {
 		in.ClaimPhase = claimPhaseName(leases[0].GetPhase())
 		in.ClaimDevice = in.GPUDevices[0]
@@ -126,9 +135,9 @@ func inspectInstance(st *store.Store, id string, now time.Time) *Instance {
 // delete that stays there is the stuck one (ReleaseFailed says so itself).
 func (in *Instance) checkRecord(rec *vmflowv1.InstanceRecord, now time.Time) {
 	if rec.GetState() == vmflowv1.InstanceState_INSTANCE_STATE_RELEASE_FAILED {
-		for _, c := range store.HeldVGPUs(rec) {
+		for _, c := range store.HeldLeases(rec) {
 			if c.GetReleaseAttempts() > 0 {
-				in.attention(fmt.Sprintf("vGPU %s release failed %d time(s): %s", store.ClaimDevice(c.GetVgpu()), c.GetReleaseAttempts(), orNone(c.GetLastReleaseError())))
+				in.attention(fmt.Sprintf("%s release failed %d time(s): %s", leaseWord(c), c.GetReleaseAttempts(), orNone(c.GetLastReleaseError())))
 			}
 		}
 	}
@@ -186,6 +195,18 @@ func markSharedDevices(insts []*Instance) {
 			}
 		}
 	}
+}
+
+// leaseWord names a lease for an operator: "vGPU <device>", "whole GPU
+// (IOMMU group <n>)", or its kind.
+func leaseWord(c *vmflowv1.Lease) string {
+	switch {
+	case c.GetVgpu() != nil:
+		return "vGPU " + store.ClaimDevice(c.GetVgpu())
+	case c.GetGpuPassthrough() != nil:
+		return "whole GPU (IOMMU group " + c.GetGpuPassthrough().GetIommuGroup() + ")"
+	}
+	return store.LeaseKind(c)
 }
 
 func (in *Instance) claimHeld() bool { return in.ClaimHeld != nil && *in.ClaimHeld }

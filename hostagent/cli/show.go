@@ -123,11 +123,21 @@ func writeShow(w io.Writer, in *Instance) {
 		row("created", "%s by %s", created, store.CreatorOf(rec))
 		row("process", "%s", processLine(in))
 		leases := store.VGPUs(rec)
-		if len(leases) == 0 {
+		if len(leases) == 0 && len(store.HeldPassthrough(rec)) == 0 {
 			row("vGPU", "none")
 		}
 		for _, c := range leases {
 			row("vGPU", "%s", claimLine(c))
+		}
+		for _, c := range rec.GetLeases() {
+			if p := c.GetGpuPassthrough(); p != nil {
+				phase := claimPhaseName(c.GetPhase())
+				if !store.LeaseHeld(c) {
+					phase = "released"
+				}
+				row("whole GPU", "%s IOMMU group %s: %s (%s), %d failed release(s)%s", phase, p.GetIommuGroup(),
+					strings.Join(store.PassthroughDevices(c), " "), orDash(p.GetModel()), c.GetReleaseAttempts(), lastError(c))
+			}
 		}
 		row("restarts", "%d (policy %s, max %d)", rec.GetRestartCount(), orDefault(rec.GetRestartPolicy(), "never"), rec.GetRestartMaxAttempts())
 		if rec.GetLastExit() != nil || rec.GetLastExitStatus() != "" {
@@ -193,6 +203,14 @@ func claimLine(c *vmflowv1.Lease) string {
 		fmt.Fprintf(&b, ", %d failed release(s), last: %s", c.GetReleaseAttempts(), orNone(c.GetLastReleaseError()))
 	}
 	return b.String()
+}
+
+// lastError is ", last: <error>" for a lease whose release failed.
+func lastError(c *vmflowv1.Lease) string {
+	if c.GetLastReleaseError() == "" {
+		return ""
+	}
+	return ", last: " + c.GetLastReleaseError()
 }
 
 func yesNo(b bool) string {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strings"
 
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
@@ -30,7 +31,8 @@ import (
 
 // Lease kinds, as LeaseKind names them.
 const (
-	KindVGPU = "vgpu"
+	KindVGPU        = "vgpu"
+	KindPassthrough = "passthrough"
 )
 
 // LeaseKind names l's kind ("vgpu"); "unknown" for a lease with no
@@ -39,6 +41,8 @@ func LeaseKind(l *vmflowv1.Lease) string {
 	switch l.GetResource().(type) {
 	case *vmflowv1.Lease_Vgpu:
 		return KindVGPU
+	case *vmflowv1.Lease_GpuPassthrough:
+		return KindPassthrough
 	}
 	return "unknown"
 }
@@ -50,6 +54,9 @@ func LeaseName(l *vmflowv1.Lease) string {
 	switch r := l.GetResource().(type) {
 	case *vmflowv1.Lease_Vgpu:
 		return KindVGPU + ":" + ClaimDevice(r.Vgpu)
+	case *vmflowv1.Lease_GpuPassthrough:
+		// The group, not a function: placement never splits a group.
+		return KindPassthrough + ":" + r.GpuPassthrough.GetIommuGroup()
 	}
 	return "unknown:"
 }
@@ -58,6 +65,39 @@ func LeaseName(l *vmflowv1.Lease) string {
 func VGPULease(v *vmflowv1.VgpuLease) *vmflowv1.Lease {
 	return &vmflowv1.Lease{Resource: &vmflowv1.Lease_Vgpu{Vgpu: v}}
 }
+
+// PassthroughLeaseOf is a lease on the IOMMU group p names, for LeaseIntent.
+func PassthroughLeaseOf(p *vmflowv1.PassthroughLease) *vmflowv1.Lease {
+	return &vmflowv1.Lease{Resource: &vmflowv1.Lease_GpuPassthrough{GpuPassthrough: p}}
+}
+
+// HeldPassthrough are rec's held whole-GPU leases, in claim order.
+func HeldPassthrough(rec *vmflowv1.InstanceRecord) []*vmflowv1.Lease {
+	var out []*vmflowv1.Lease
+	for _, l := range rec.GetLeases() {
+		if l.GetGpuPassthrough() != nil && LeaseHeld(l) {
+			out = append(out, l)
+		}
+	}
+	return out
+}
+
+// PassthroughDevices names the PCI functions a whole-GPU lease holds, in
+// address order: the ids SpawnResult.gpu_device_ids and the CLI show.
+func PassthroughDevices(l *vmflowv1.Lease) []string {
+	var out []string
+	for _, f := range l.GetGpuPassthrough().GetFunctions() {
+		out = append(out, f.GetAddr())
+	}
+	return out
+}
+
+// PassthroughCount is how many whole GPUs spec asks for.
+func PassthroughCount(spec *vmflowv1.VMSpec) int { return int(spec.GetGpuPassthroughCount()) }
+
+// MaxPassthrough bounds the whole GPUs one instance may hold: an 8-GPU
+// node's.
+const MaxPassthrough = 8
 
 // LeaseHeld reports whether l is held: from the moment it is recorded
 // (INTENT, before the resource exists) until its release is confirmed.
@@ -150,6 +190,9 @@ func describeLease(l *vmflowv1.Lease) string {
 	switch r := l.GetResource().(type) {
 	case *vmflowv1.Lease_Vgpu:
 		return fmt.Sprintf("vgpu lease (profile %q, device %s, phase %s)", r.Vgpu.GetProfile(), ClaimDevice(r.Vgpu), l.GetPhase())
+	case *vmflowv1.Lease_GpuPassthrough:
+		return fmt.Sprintf("passthrough lease (IOMMU group %s, %s, phase %s)", r.GpuPassthrough.GetIommuGroup(),
+			strings.Join(PassthroughDevices(l), " "), l.GetPhase())
 	}
 	return fmt.Sprintf("%s lease (phase %s)", LeaseKind(l), l.GetPhase())
 }
@@ -171,6 +214,11 @@ func validateLeases(rec *vmflowv1.InstanceRecord) error {
 		} else {
 			names[n] = true
 		}
+	}
+	if n := len(rec.GetLeases()) - len(VGPUs(rec)); n > MaxPassthrough+16 {
+		// Whole GPUs and whatever other kinds: bounded so a hand-made
+		// record cannot make every reader walk a huge list.
+		return fmt.Errorf("%w: instance %s has %d non-vgpu leases", ErrInvalidRecord, rec.GetId(), n)
 	}
 	if n := len(VGPUs(rec)); n > MaxVGPUs {
 		return fmt.Errorf("%w: instance %s has %d vgpu leases, at most %d are allowed", ErrInvalidRecord, rec.GetId(), n, MaxVGPUs)

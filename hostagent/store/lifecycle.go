@@ -489,6 +489,24 @@ func VGPUActive(name, deviceID, parent string) Step {
 	}}
 }
 
+// PassthroughActive records that lease name's IOMMU group is bound to
+// vfio-pci (phase ACTIVE); the functions and their previous drivers were
+// written with its intent.
+func PassthroughActive(name string) Step {
+	const step = "passthrough active"
+	return Step{step, func(r *vmflowv1.InstanceRecord) error {
+		l, err := heldLease(step, r, name)
+		if err != nil {
+			return err
+		}
+		if l.GetGpuPassthrough() == nil {
+			return refuse(step, r, ErrIllegalTransition, "lease %s is no passthrough lease", name)
+		}
+		l.Phase = vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE
+		return nil
+	}}
+}
+
 // NeverLaunched reports whether no QEMU of rec was ever started or begun:
 // a Creating record with no launch marker, process, start or exit. Only
 // then may a claim undo its own leases without a delete: no VM can have
@@ -572,8 +590,11 @@ func LeaseReleasing(name string) Step {
 
 // leaseLabel is a kind's name in an operator's message.
 func leaseLabel(l *vmflowv1.Lease) string {
-	if l.GetVgpu() != nil {
+	switch {
+	case l.GetVgpu() != nil:
 		return "vGPU"
+	case l.GetGpuPassthrough() != nil:
+		return "whole GPU"
 	}
 	return LeaseKind(l)
 }

@@ -275,7 +275,7 @@ func DefaultPrepareLaunch(_ context.Context, _ *store.Locked, rec *vmflowv1.Inst
 	if rec.GetSpec() == nil {
 		return vmm.VMSpec{}, fmt.Errorf("instance %s: %w: the record has no spec", rec.GetId(), ErrNoSpec)
 	}
-	if rec.GetSpec().GetVgpuProfile() != "" || store.ClaimHeld(rec) {
+	if rec.GetSpec().GetVgpuProfile() != "" || store.ClaimHeld(rec) || len(store.HeldPassthrough(rec)) > 0 {
 		return vmm.VMSpec{}, fmt.Errorf("instance %s: %w: it has a vGPU; set Config.PrepareLaunch", rec.GetId(), ErrNoSpec)
 	}
 	if s := rec.GetSpec(); s.GetKernel() != "" || s.GetInitrd() != "" || s.GetDisk() != "" {

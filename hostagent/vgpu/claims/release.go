@@ -96,12 +96,22 @@ type holdersFunc func(ctx context.Context, path string) ([]proc.Holder, error)
 // gone (store.MayQEMULive, with an unproven absence counting as alive),
 // and nothing may hold the device's VFIO node (deviceFree).
 func (c *Claims) mayRelease(ctx context.Context, rec *vmflowv1.InstanceRecord, dev vgpu.Device, holders holdersFunc) error {
+	if err := vmGone(c.st, rec); err != nil {
+		return err
+	}
+	return c.deviceFree(ctx, dev, holders)
+}
+
+// vmGone is the VM's half of invariant 2: rec's whole thread group must be
+// confirmed gone (store.MayQEMULive, an unproven absence counting as
+// alive), else ErrVMAlive.
+func vmGone(st *store.Store, rec *vmflowv1.InstanceRecord) error {
 	// QEMU creates its QMP socket while it sets up its backends, before it
 	// opens any VFIO device, and both files stay until TearDown, which runs
 	// after the release: without them (and no start or exit recorded) the
 	// instance never launched.
 	launched := func() (bool, error) {
-		paths, err := c.st.Paths(rec.GetId())
+		paths, err := st.Paths(rec.GetId())
 		if err != nil {
 			return false, err
 		}
@@ -117,7 +127,7 @@ func (c *Claims) mayRelease(ctx context.Context, rec *vmflowv1.InstanceRecord, d
 	if err := store.MayQEMULive(rec, true, launched); err != nil {
 		return fmt.Errorf("%w: %w", ErrVMAlive, err)
 	}
-	return c.deviceFree(ctx, dev, holders)
+	return nil
 }
 
 // deviceFree is the device's half of invariant 2: nothing holds its VFIO
@@ -127,6 +137,12 @@ func (c *Claims) deviceFree(ctx context.Context, dev vgpu.Device, holders holder
 	if err != nil {
 		return err
 	}
+	return nodeFree(ctx, node, holders, c.ignore)
+}
+
+// nodeFree: nothing holds the VFIO node (pids in ignore whose descriptors
+// cannot be read excepted); "" is a node that is gone, and free.
+func nodeFree(ctx context.Context, node string, holders holdersFunc, ignore []int) error {
 	if node == "" {
 		return nil // the device is gone: nothing can hold it
 	}
@@ -136,7 +152,7 @@ func (c *Claims) deviceFree(ctx context.Context, dev vgpu.Device, holders holder
 	}
 	var held []string
 	for _, h := range hs {
-		if h.Uncertain && slices.Contains(c.ignore, h.PID) {
+		if h.Uncertain && slices.Contains(ignore, h.PID) {
 			continue
 		}
 		held = append(held, h.String())

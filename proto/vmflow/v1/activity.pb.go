@@ -157,9 +157,12 @@ type ClaimVGPURequest struct {
 	InstanceId  string                 `protobuf:"bytes,1,opt,name=instance_id,json=instanceId,proto3" json:"instance_id,omitempty"`
 	VgpuProfile string                 `protobuf:"bytes,2,opt,name=vgpu_profile,json=vgpuProfile,proto3" json:"vgpu_profile,omitempty"`
 	// How many, all or none; 0 means one.
-	VgpuCount     uint32 `protobuf:"varint,20,opt,name=vgpu_count,json=vgpuCount,proto3" json:"vgpu_count,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	VgpuCount uint32 `protobuf:"varint,20,opt,name=vgpu_count,json=vgpuCount,proto3" json:"vgpu_count,omitempty"`
+	// Whole GPUs instead (vgpu_profile empty): how many, and which model.
+	GpuPassthroughCount uint32 `protobuf:"varint,21,opt,name=gpu_passthrough_count,json=gpuPassthroughCount,proto3" json:"gpu_passthrough_count,omitempty"`
+	GpuPassthroughModel string `protobuf:"bytes,22,opt,name=gpu_passthrough_model,json=gpuPassthroughModel,proto3" json:"gpu_passthrough_model,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
 }
 
 func (x *ClaimVGPURequest) Reset() {
@@ -211,6 +214,20 @@ func (x *ClaimVGPURequest) GetVgpuCount() uint32 {
 		return x.VgpuCount
 	}
 	return 0
+}
+
+func (x *ClaimVGPURequest) GetGpuPassthroughCount() uint32 {
+	if x != nil {
+		return x.GpuPassthroughCount
+	}
+	return 0
+}
+
+func (x *ClaimVGPURequest) GetGpuPassthroughModel() string {
+	if x != nil {
+		return x.GpuPassthroughModel
+	}
+	return ""
 }
 
 // ClaimVGPUResult is the result of ClaimVGPU.
@@ -768,13 +785,15 @@ const file_vmflow_v1_activity_proto_rawDesc = "" +
 	"\x0falready_existed\x18\x02 \x01(\bR\x0ealreadyExisted\x121\n" +
 	"\x15created_by_this_spawn\x18\x03 \x01(\bR\x12createdByThisSpawn\x12\x1d\n" +
 	"\n" +
-	"created_by\x18\x04 \x01(\tR\tcreatedBy\"u\n" +
+	"created_by\x18\x04 \x01(\tR\tcreatedBy\"\xdd\x01\n" +
 	"\x10ClaimVGPURequest\x12\x1f\n" +
 	"\vinstance_id\x18\x01 \x01(\tR\n" +
 	"instanceId\x12!\n" +
 	"\fvgpu_profile\x18\x02 \x01(\tR\vvgpuProfile\x12\x1d\n" +
 	"\n" +
-	"vgpu_count\x18\x14 \x01(\rR\tvgpuCount\"\x9c\x01\n" +
+	"vgpu_count\x18\x14 \x01(\rR\tvgpuCount\x122\n" +
+	"\x15gpu_passthrough_count\x18\x15 \x01(\rR\x13gpuPassthroughCount\x122\n" +
+	"\x15gpu_passthrough_model\x18\x16 \x01(\tR\x13gpuPassthroughModel\"\x9c\x01\n" +
 	"\x0fClaimVGPUResult\x12\x1b\n" +
 	"\tdevice_id\x18\x01 \x01(\tR\bdeviceId\x12\x16\n" +
 	"\x06parent\x18\x02 \x01(\tR\x06parent\x12\x18\n" +

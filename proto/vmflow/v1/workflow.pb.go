@@ -60,9 +60,13 @@ type SpawnRequest struct {
 	RestartStableAfterSeconds uint32 `protobuf:"varint,14,opt,name=restart_stable_after_seconds,json=restartStableAfterSeconds,proto3" json:"restart_stable_after_seconds,omitempty"`
 	// How many vGPUs of vgpu_profile, all or none (0: one when vgpu_profile
 	// is set).
-	VgpuCount     uint32 `protobuf:"varint,20,opt,name=vgpu_count,json=vgpuCount,proto3" json:"vgpu_count,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	VgpuCount uint32 `protobuf:"varint,20,opt,name=vgpu_count,json=vgpuCount,proto3" json:"vgpu_count,omitempty"`
+	// Whole GPUs by VFIO passthrough, all or none; never with vgpu_profile.
+	GpuPassthroughCount uint32 `protobuf:"varint,21,opt,name=gpu_passthrough_count,json=gpuPassthroughCount,proto3" json:"gpu_passthrough_count,omitempty"`
+	// PCI vendor:device in hex ("10de:2335"); empty: any the host offers.
+	GpuPassthroughModel string `protobuf:"bytes,22,opt,name=gpu_passthrough_model,json=gpuPassthroughModel,proto3" json:"gpu_passthrough_model,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
 }
 
 func (x *SpawnRequest) Reset() {
@@ -198,6 +202,20 @@ func (x *SpawnRequest) GetVgpuCount() uint32 {
 		return x.VgpuCount
 	}
 	return 0
+}
+
+func (x *SpawnRequest) GetGpuPassthroughCount() uint32 {
+	if x != nil {
+		return x.GpuPassthroughCount
+	}
+	return 0
+}
+
+func (x *SpawnRequest) GetGpuPassthroughModel() string {
+	if x != nil {
+		return x.GpuPassthroughModel
+	}
+	return ""
 }
 
 // SpawnResult is SpawnInstance's result.
@@ -831,7 +849,7 @@ var File_vmflow_v1_workflow_proto protoreflect.FileDescriptor
 
 const file_vmflow_v1_workflow_proto_rawDesc = "" +
 	"\n" +
-	"\x18vmflow/v1/workflow.proto\x12\tvmflow.v1\"\xe7\x03\n" +
+	"\x18vmflow/v1/workflow.proto\x12\tvmflow.v1\"\xcf\x04\n" +
 	"\fSpawnRequest\x12\x1f\n" +
 	"\vinstance_id\x18\x01 \x01(\tR\n" +
 	"instanceId\x12\x17\n" +
@@ -851,7 +869,9 @@ const file_vmflow_v1_workflow_proto_rawDesc = "" +
 	"\x14restart_max_attempts\x18\r \x01(\rR\x12restartMaxAttempts\x12?\n" +
 	"\x1crestart_stable_after_seconds\x18\x0e \x01(\rR\x19restartStableAfterSeconds\x12\x1d\n" +
 	"\n" +
-	"vgpu_count\x18\x14 \x01(\rR\tvgpuCount\"\xcc\x01\n" +
+	"vgpu_count\x18\x14 \x01(\rR\tvgpuCount\x122\n" +
+	"\x15gpu_passthrough_count\x18\x15 \x01(\rR\x13gpuPassthroughCount\x122\n" +
+	"\x15gpu_passthrough_model\x18\x16 \x01(\tR\x13gpuPassthroughModel\"\xcc\x01\n" +
 	"\vSpawnResult\x12\x10\n" +
 	"\x03pid\x18\x01 \x01(\x05R\x03pid\x12\x1d\n" +
 	"\n" +
