@@ -189,6 +189,7 @@ func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentH
 	if whole != nil {
 		acts.Whole = whole
 	}
+	go runGPUInventory(life, am, st, cfg, whole, vgpus, metrics.DefaultStoreRefresh, log)
 	// A cgroup per VM: a transient scope under systemd, cgroupfs otherwise.
 	cgroups, err := vmm.CgroupsFor(ctx, "/sys/fs/cgroup", func(ctx context.Context) (vmm.ScopeConn, error) {
 		return sddbus.NewSystemConnectionContext(ctx)
@@ -441,6 +442,7 @@ func newClaims(cfg Config, st *store.Store, log *zap.Logger) (*claims.Claims, er
 		Optional:    cfg.VGPUDriver == "auto",
 
 		IgnoreUninspectable: cfg.IgnoreUninspectable,
+		Quarantine:          quarantineOf(cfg),
 	})
 }
 

@@ -47,8 +47,11 @@ type Config struct {
 	// GPUPassthrough is --gpu-passthrough: which GPUs the host hands out
 	// whole (the zero filter: none).
 	GPUPassthrough vgpu.GPUFilter
-	OrphanGrace    time.Duration
-	ReconcileEvery time.Duration
+	// QuarantineAfter is --gpu-quarantine-after: failed releases of one
+	// device before placement skips it.
+	QuarantineAfter int
+	OrphanGrace     time.Duration
+	ReconcileEvery  time.Duration
 	// ReconcileScanEvery: how often the agent's local scan (no Temporal
 	// call) looks for reconcile work; 0 turns it off.
 	ReconcileScanEvery time.Duration
@@ -114,6 +117,7 @@ flags:
 	fs.BoolVar(&c.Jail, "jail", true, "run every QEMU in network, mount, pid, IPC and UTS namespaces and a read-only root of its own; false only where the agent lacks CAP_SYS_ADMIN")
 	fs.BoolVar(&c.VGPUAttach, "vgpu-attach", true, "attach claimed vGPUs to QEMU; false only with the vmflow-vgpusim simulator, whose devices QEMU cannot open")
 	fs.StringVar(&c.VGPUDriver, "vgpu-driver", "auto", "auto, mdev, vendor or none")
+	fs.IntVar(&c.QuarantineAfter, "gpu-quarantine-after", claims.DefaultQuarantineAfter, "failed releases or resets of one GPU device after which placement skips it until vmflow-hostagent devices clear")
 	fs.Func("gpu-passthrough", "GPUs this host hands out whole by VFIO passthrough: a comma list of PCI vendor:device ids (10de:2335), or all for every display-class device not serving vGPUs; empty (the default): none",
 		func(v string) error {
 			f, err := vgpu.ParseGPUFilter(v)
@@ -157,6 +161,9 @@ flags:
 		return c, fmt.Errorf("--qemu-uid-range: %w", err)
 	}
 	c.QEMUUIDs = r
+	if c.QuarantineAfter < 1 {
+		return c, fmt.Errorf("--gpu-quarantine-after must be at least 1, got %d", c.QuarantineAfter)
+	}
 	switch c.VGPUDriver {
 	case "auto", "mdev", "vendor", "none":
 	default:

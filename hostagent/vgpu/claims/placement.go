@@ -235,6 +235,17 @@ func (c *Claims) takenBy(self, except string) func(context.Context) (map[string]
 			return nil, fmt.Errorf("vgpu: read claims: %w", err)
 		}
 		m := heldDevices(recs, self, except, c.drv.Kind())
+		if except == "" {
+			// A fresh placement skips a quarantined VF (an mdev parent is
+			// left out through heldBy).
+			q, err := c.quar.List()
+			if err != nil {
+				return nil, err
+			}
+			for id := range q {
+				m[id] = "quarantine"
+			}
+		}
 		if n > 0 {
 			// The records' errors are quoted, not wrapped: they are other
 			// instances' troubles, and a caller branching on
@@ -262,6 +273,17 @@ func (c *Claims) heldBy(self, except string) func(context.Context) ([]vgpu.Devic
 					continue
 				}
 				out = append(out, deviceOf(lease, c.drv.Kind()))
+			}
+		}
+		if except == "" {
+			// A quarantined parent GPU keeps a slot of a type none has:
+			// reserveHeld then leaves it no capacity of any type.
+			q, err := c.quar.List()
+			if err != nil {
+				return nil, err
+			}
+			for id := range q {
+				out = append(out, vgpu.Device{Kind: c.drv.Kind(), ID: "quarantined:" + id, Parent: id, TypeID: "quarantined"})
 			}
 		}
 		if len(bad) > 0 {

@@ -75,6 +75,9 @@ func (c *Claims) releaseLocked(ctx context.Context, l *store.Locked, rec *vmflow
 	crashpoint.Hit(crashpoint.ReleaseReleasing)
 	if err := c.drv.Release(ctx, dev); err != nil {
 		c.recordFailure(l, name, err)
+		if !errors.Is(err, vgpu.ErrReleaseInProgress) { // a write still waiting has not failed
+			c.quarantineIfDue(ctx, l.ID(), lease.GetReleaseAttempts()+1, dev, err)
+		}
 		return dev.ID, err
 	}
 	crashpoint.Hit(crashpoint.ReleaseWritten)
@@ -181,6 +184,20 @@ func (c *Claims) vfioNode(dev vgpu.Device) (string, error) {
 		return "", fmt.Errorf("%w: %s: %w", ErrDeviceHeld, link, err)
 	}
 	return filepath.Join(c.devRoot, "vfio", filepath.Base(target)), nil
+}
+
+// quarantineIfDue quarantines dev's quarantineKey once its release failed
+// K times (attempts, the one just recorded included).
+func (c *Claims) quarantineIfDue(ctx context.Context, id string, attempts uint32, dev vgpu.Device, cause error) {
+	key := quarantineKey(dev)
+	added, err := c.quar.Failed(ctx, id, attempts, cause.Error(), key)
+	switch {
+	case err != nil:
+		c.log.Error("quarantine a failing GPU", zap.String("instance_id", id), zap.String("device_id", key), zap.Error(err))
+	case added:
+		c.log.Warn("GPU quarantined: placement skips it until an operator clears it (vmflow-hostagent devices clear)",
+			zap.String("instance_id", id), zap.String("device_id", key), zap.NamedError("cause", cause))
+	}
 }
 
 func (c *Claims) recordFailure(l *store.Locked, name string, cause error) {

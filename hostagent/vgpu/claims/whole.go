@@ -34,6 +34,9 @@ type WholeConfig struct {
 	Logger              *zap.Logger
 	IgnoreUninspectable []int
 	Now                 func() time.Time
+	// Quarantine, if set, takes a GPU whose return failed K times out of
+	// placement.
+	Quarantine *Quarantine
 }
 
 // Whole keeps whole-GPU (passthrough) claims in the instance records, as
@@ -50,6 +53,7 @@ type Whole struct {
 	ignore []int
 	log    *zap.Logger
 	now    func() time.Time
+	quar   *Quarantine
 }
 
 // NewWhole returns the whole-GPU claims over cfg.Driver and cfg.Store.
@@ -58,7 +62,7 @@ func NewWhole(cfg WholeConfig) (*Whole, error) {
 		return nil, fmt.Errorf("passthrough claims: %w: no driver or store", vgpu.ErrInvalid)
 	}
 	c := Config{Store: cfg.Store, OrphanGrace: cfg.OrphanGrace, Logger: cfg.Logger, Now: cfg.Now}.WithDefaults()
-	return &Whole{drv: cfg.Driver, st: cfg.Store, grace: c.OrphanGrace, ignore: cfg.IgnoreUninspectable, log: c.Logger, now: c.Now,
+	return &Whole{drv: cfg.Driver, st: cfg.Store, grace: c.OrphanGrace, ignore: cfg.IgnoreUninspectable, log: c.Logger, now: c.Now, quar: cfg.Quarantine,
 		ledger: filepath.Join(cfg.Store.StateDir(), "passthrough-unclaimed.json")}, nil
 }
 
@@ -164,8 +168,15 @@ func (w *Whole) place(ctx context.Context, l *store.Locked, model string) (*vmfl
 	if err != nil {
 		return nil, err
 	}
+	quarantined, err := w.quar.List()
+	if err != nil {
+		return nil, err
+	}
 	for _, g := range gpus {
 		if !g.Offered || !g.Viable || g.Marked || (model != "" && g.ID() != model) {
+			continue
+		}
+		if _, ok := quarantined[g.Addr]; ok {
 			continue
 		}
 		if _, ok := taken[g.Group]; ok {
@@ -351,7 +362,9 @@ func (w *Whole) releaseLocked(ctx context.Context, l *store.Locked, rec *vmflowv
 	}
 	crashpoint.Hit(crashpoint.PassthroughReleasing)
 	if err := w.drv.Return(ctx, bindingOf(lease)); err != nil {
-		return fail(err)
+		err = fail(err)
+		w.quarantineIfDue(ctx, l, lease, err)
+		return err
 	}
 	crashpoint.Hit(crashpoint.PassthroughReturned)
 	if _, err := l.Apply(store.LeaseReleased(name, w.now())); err != nil {
@@ -360,6 +373,27 @@ func (w *Whole) releaseLocked(ctx context.Context, l *store.Locked, rec *vmflowv
 	crashpoint.Hit(crashpoint.PassthroughReleased)
 	w.log.Info("whole GPU released", zap.String("instance_id", l.ID()), zap.String("iommu_group", lease.GetGpuPassthrough().GetIommuGroup()))
 	return nil
+}
+
+// quarantineIfDue quarantines lease's GPUs once their return failed K times
+// (the failure just recorded included). Only the device's own failures
+// count: a refusal because the VM may live or a process holds the node is
+// not the GPU's fault.
+func (w *Whole) quarantineIfDue(ctx context.Context, l *store.Locked, lease *vmflowv1.Lease, cause error) {
+	var gpus []string
+	for _, f := range lease.GetGpuPassthrough().GetFunctions() {
+		if f.GetDisplay() {
+			gpus = append(gpus, f.GetAddr())
+		}
+	}
+	added, err := w.quar.Failed(ctx, l.ID(), lease.GetReleaseAttempts()+1, cause.Error(), gpus...)
+	switch {
+	case err != nil:
+		w.log.Error("quarantine a failing GPU", zap.String("instance_id", l.ID()), zap.Strings("device_ids", gpus), zap.Error(err))
+	case added:
+		w.log.Warn("GPU quarantined: placement skips it until an operator clears it (vmflow-hostagent devices clear)",
+			zap.String("instance_id", l.ID()), zap.Strings("device_ids", gpus), zap.NamedError("cause", cause))
+	}
 }
 
 // rollback undoes the held whole-GPU leases of a failed claim while the
