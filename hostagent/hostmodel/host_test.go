@@ -126,6 +126,20 @@ type host struct {
 	// rebooted: the last step was a reboot, whose vanished devices the
 	// device checks must not take for releases.
 	rebooted bool
+	// quarantine is the host's GPU quarantine; quarantinedWith maps each
+	// quarantined device to the leases naming it when the model first saw
+	// it quarantined: any other lease naming it was placed there after.
+	quarantine      *claims.Quarantine
+	quarantinedWith map[string]map[string]bool
+}
+
+// quarantineKey is the device a vGPU lease's failed release quarantines:
+// the VF (vendor), else the mdev's parent GPU.
+func (h *host) quarantineKey(l *vmflowv1.Lease) string {
+	if h.dc.kind == vgpu.KindVendor {
+		return l.GetVgpu().GetDeviceId()
+	}
+	return l.GetVgpu().GetParent()
 }
 
 // reason names an error by the sentinel callers branch on.
@@ -171,6 +185,7 @@ func newHost(t *rapid.T, dc driverCase) *host {
 		dc: dc, sys: filepath.Join(dir, "sys"), ctl: filepath.Join(dir, "ctl"),
 		state: filepath.Join(dir, "state"), devDir: filepath.Join(dir, "dev"),
 		events: map[string]int{}, helpers: map[string]*helper{}, corrupt: map[string][]byte{}, unclaimedSince: map[string]time.Time{},
+		quarantinedWith: map[string]map[string]bool{},
 	}
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	for _, d := range []string{h.sys, h.ctl, h.state, filepath.Join(h.devDir, "vfio")} {
@@ -212,6 +227,7 @@ func newHost(t *rapid.T, dc driverCase) *host {
 	if err != nil {
 		t.Fatalf("setup: %v", err)
 	}
+	h.quarantine = claims.NewQuarantine(h.state, claims.DefaultQuarantineAfter, h.clock)
 	h.startAgent(t)
 	h.prev = h.observe(t)
 	return h
@@ -223,7 +239,8 @@ func (h *host) startAgent(t *rapid.T) {
 	c, err := claims.New(claims.Config{
 		Driver: vgpu.Config{SysfsRoot: h.sys, StateDir: h.state, Kind: h.dc.kind},
 		Store:  h.st, DevRoot: h.devDir, OrphanGrace: grace, IgnoreUninspectable: h.ignore,
-		Now: func() time.Time { return time.Unix(0, h.now.Load()).UTC() },
+		Now:        func() time.Time { return time.Unix(0, h.now.Load()).UTC() },
+		Quarantine: h.quarantine,
 	})
 	if err != nil || c == nil {
 		t.Fatalf("start agent: %v", err)

@@ -129,6 +129,7 @@ func (h *host) actions() map[string]func(*rapid.T) {
 		"migrate":     h.migrate,
 		"reboot":      h.reboot,
 		"fillDisk":    h.fillDisk,
+		"clearQuar":   h.clearQuarantine,
 		"freeDisk":    h.freeDisk,
 	}
 }
@@ -810,12 +811,62 @@ func (h *host) checkUIDs(t *rapid.T) {
 	}
 }
 
+// clearQuarantine is the operator's devices clear of one quarantined
+// device.
+func (h *host) clearQuarantine(t *rapid.T) {
+	q, err := h.quarantine.List()
+	if err != nil {
+		t.Fatalf("quarantine: %v", err)
+	}
+	id := drawKey(t, q)
+	c, cancel := ctx()
+	defer cancel()
+	_, err = h.quarantine.Clear(c, id)
+	t.Logf("clear quarantine of %s: %v", id, err)
+	h.event("clear quarantine", err == nil, err)
+	delete(h.quarantinedWith, id)
+}
+
+// checkQuarantine: no lease is placed on a quarantined device (a lease
+// naming it that was not there when it was quarantined).
+func (h *host) checkQuarantine(t *rapid.T, now snapshot) {
+	q, err := h.quarantine.List()
+	if err != nil {
+		t.Fatalf("quarantine: %v", err)
+	}
+	naming := func(key string) map[string]bool {
+		m := map[string]bool{}
+		for id, ls := range now.held {
+			for _, l := range ls {
+				if h.quarantineKey(l) == key {
+					m[id+" "+store.LeaseName(l)] = true
+				}
+			}
+		}
+		return m
+	}
+	for key := range q {
+		was, ok := h.quarantinedWith[key]
+		if !ok {
+			h.quarantinedWith[key] = naming(key)
+			h.events["quarantined"]++
+			continue
+		}
+		for l := range naming(key) {
+			if !was[l] {
+				t.Fatalf("VIOLATION a lease placed on a quarantined device: %s on %s (%s)", l, key, q[key].Reason)
+			}
+		}
+	}
+}
+
 // check runs after every step, against the real system.
 func (h *host) check(t *rapid.T) {
 	now := h.observe(t)
 	defer func() { h.prev = now }()
 	t.Logf("  state: %s", h.describe(t))
 	h.checkUIDs(t)
+	h.checkQuarantine(t, now)
 
 	// One device, one claim (invariant 10).
 	uuids := map[string]string{}
