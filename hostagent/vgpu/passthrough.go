@@ -311,8 +311,9 @@ func (p *Passthrough) GPUs(ctx context.Context) ([]GPU, error) {
 			continue
 		}
 		g := GPU{PCIFunction: f, Marked: f.Override == DriverVFIO, VGPUParent: isVGPUParent(p.cfg.SysfsRoot, f.Addr)}
-		sharesWithVGPU := false
+		sharesWithVGPU, others := false, false
 		for _, o := range groups[f.Group] {
+			others = others || someoneElses(o)
 			switch {
 			case o.Addr == f.Addr:
 			case o.IsBridge():
@@ -330,7 +331,7 @@ func (p *Passthrough) GPUs(ctx context.Context) ([]GPU, error) {
 		default:
 			g.Viable = true
 		}
-		g.Offered = p.cfg.Filter.Match(f) && !g.VGPUParent && !sharesWithVGPU && f.Group != ""
+		g.Offered = p.cfg.Filter.Match(f) && !g.VGPUParent && !sharesWithVGPU && !others && f.Group != ""
 		out = append(out, g)
 	}
 	return out, nil
@@ -404,6 +405,13 @@ func (p *Passthrough) plan(fns []PCIFunction, resume *Binding) (Binding, error) 
 	}
 	sort.Slice(b.Functions, func(i, j int) bool { return b.Functions[i].Addr < b.Functions[j].Addr })
 	return b, nil
+}
+
+// someoneElses reports a function another user moved: on vfio-pci without
+// vmflow's mark, or with an override of someone else's. Bind refuses its
+// group (ErrAlreadyBound) and Return never touches it.
+func someoneElses(f PCIFunction) bool {
+	return (f.Driver == DriverVFIO && f.Override != DriverVFIO) || (f.Override != "" && f.Override != DriverVFIO)
 }
 
 // MarkedGroups lists every IOMMU group with a function that carries
@@ -546,10 +554,8 @@ func (p *Passthrough) returnOne(ctx context.Context, bf BoundFunction) error {
 		return err
 	}
 	switch {
-	case f.Override == "" && f.Driver == DriverVFIO:
-		return fmt.Errorf("vgpu: %s is bound to vfio-pci without vmflow's driver_override: %w", f.Addr, ErrNotOurs)
-	case f.Override != "" && f.Override != DriverVFIO:
-		return fmt.Errorf("vgpu: %s has driver_override %q: %w", f.Addr, f.Override, ErrNotOurs)
+	case someoneElses(f):
+		return fmt.Errorf("vgpu: %s (driver %q, driver_override %q) was moved by someone else: %w", f.Addr, f.Driver, f.Override, ErrNotOurs)
 	case f.Override == "" && f.Driver == "" && bf.Previous != "" && bf.Previous != AnyDriver:
 		// Cleared but not yet probed: finish.
 		return p.probe(ctx, f.Addr, bf.Previous)

@@ -384,6 +384,11 @@ func TestPassthroughNeverTouchesOthers(t *testing.T) {
 	assert.Equal(t, theirs, e.state(t, 0), "untouched")
 	_, err = e.p.Bind(ctxFor(t, 10*time.Second), vgpu.BindRequest{Group: g.Group})
 	require.ErrorIs(t, err, vgpu.ErrAlreadyBound, "and never placed on")
+	gpus, err := e.p.GPUs(context.Background())
+	require.NoError(t, err)
+	for _, gpu := range gpus {
+		assert.Equal(t, gpu.Addr != g.GPU, gpu.Offered, "%s: an operator's vfio-pci GPU is not offered", gpu.Addr)
+	}
 
 	e.sim.Set(t, vgpusim.CtlFailReset, "EIO")
 	e.sim.Set(t, vgpusim.CtlFailUnbind, "EIO")
@@ -455,4 +460,24 @@ func TestPassthroughRespectsOtherClaims(t *testing.T) {
 	b, err := e.p.Bind(ctxFor(t, 10*time.Second), vgpu.BindRequest{Group: g.Group, Resume: &rec, Taken: unreadable})
 	require.NoError(t, err, "a resumed bind goes on with the readable records")
 	require.NoError(t, e.p.Return(ctxFor(t, 10*time.Second), b))
+}
+
+// BenchmarkPassthroughRoundTrip: Bind then Return of a GPU with its audio
+// function on the simulator, whose unbinds each read every process's
+// descriptors (as it looks for the GPU's users).
+func BenchmarkPassthroughRoundTrip(b *testing.B) {
+	sim := simtest.Start(b, vgpusim.Options{PCIGPUs: 2})
+	p := vgpu.NewPassthrough(vgpu.PassthroughConfig{SysfsRoot: sim.Root, StateDir: b.TempDir(), DevRoot: sim.DevRoot})
+	g := vgpusim.PCIGPUAt(1)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	for b.Loop() {
+		bd, err := p.Bind(ctx, vgpu.BindRequest{Group: g.Group})
+		if err != nil {
+			b.Fatal(err)
+		}
+		if err := p.Return(ctx, bd); err != nil {
+			b.Fatal(err)
+		}
+	}
 }
