@@ -69,10 +69,12 @@ func Inventory(ctx context.Context, recs []*vmflowv1.InstanceRecord, q map[strin
 			switch {
 			case g.VGPUParent:
 				continue // listed as a vGPU parent below
-			case !g.Offered:
-				r.State, r.Why = DeviceNotOurs, "not named by --gpu-passthrough"
 			case g.Driver == vgpu.DriverVFIO && !g.Marked:
 				r.State, r.Why = DeviceNotOurs, "bound to vfio-pci by someone else"
+			case !g.Offered && !g.Viable:
+				r.State, r.Why = DeviceNotOurs, g.NotViable
+			case !g.Offered:
+				r.State, r.Why = DeviceNotOurs, "not offered: not named by --gpu-passthrough, or its group holds a device someone else moved"
 			case !g.Viable && !g.Marked:
 				r.State, r.Why = DeviceNotOurs, g.NotViable
 			}
