@@ -35,12 +35,14 @@ import (
 type GPUs interface {
 	// Profiles lists the profile names the host offers.
 	Profiles(ctx context.Context) ([]string, error)
-	// Claim records the intent, creates the device and marks the claim
-	// active. Idempotent for the same instance and profile.
-	Claim(ctx context.Context, instanceID, profile string) (*vmflowv1.Lease, error)
-	// Release releases the instance's claim; released is false when there
-	// was none. It refuses while the VM may live or the device is held.
-	Release(ctx context.Context, instanceID string) (released bool, deviceID string, err error)
+	// Claim gives the instance count vGPUs of profile, all or none: for
+	// each the intent, the device, the lease active. Idempotent for the
+	// same instance, profile and count.
+	Claim(ctx context.Context, instanceID, profile string, count int) ([]*vmflowv1.Lease, error)
+	// Release releases every vGPU the instance holds; released is false
+	// when it held none or one failed, devices names those released now.
+	// It refuses while the VM may live or a device is held.
+	Release(ctx context.Context, instanceID string) (released bool, devices []string, err error)
 	// Reconcile runs one reconcile round over the host.
 	Reconcile(ctx context.Context) (*vmflowv1.ReconcileVGPUResult, error)
 }
@@ -54,6 +56,8 @@ type Activities struct {
 	Host       admission.Host
 	// GPUs is nil on a host without vGPUs.
 	GPUs GPUs
+	// Whole is nil on a host handing out no whole GPUs (--gpu-passthrough).
+	Whole WholeGPUs
 	// AttachVGPU adds the claimed device to QEMU's command line. Only the
 	// vgpu-sim simulator turns it off: QEMU cannot open simulated devices.
 	AttachVGPU bool
@@ -190,22 +194,32 @@ func (a *Activities) ClaimVGPU(ctx context.Context, req *vmflowv1.ClaimVGPUReque
 	if err != nil {
 		return nil, err
 	}
+	if req.GetGpuPassthroughCount() > 0 {
+		return a.claimWhole(ctx, log, req)
+	}
 	if err := admission.CheckBound("vgpu_profile", req.GetVgpuProfile()); err != nil {
 		return nil, classify(fmt.Errorf("claim vGPU: %w", err))
 	}
 	if a.GPUs == nil {
 		return nil, classify(fmt.Errorf("vgpu_profile %q: %w: this host has no vGPUs", req.GetVgpuProfile(), admission.ErrInvalid))
 	}
-	lease, err := a.GPUs.Claim(ctx, req.GetInstanceId(), req.GetVgpuProfile())
+	n := store.VGPUCount(req.GetVgpuProfile(), req.GetVgpuCount())
+	if n > store.MaxVGPUs {
+		return nil, classify(fmt.Errorf("vgpu_count %d: %w: at most %d", n, admission.ErrInvalid, store.MaxVGPUs))
+	}
+	leases, err := a.GPUs.Claim(ctx, req.GetInstanceId(), req.GetVgpuProfile(), n)
 	if err != nil {
 		return nil, classify(fmt.Errorf("claim vGPU: %w", err))
 	}
-	claim := lease.GetVgpu()
 	crashpoint.Hit(crashpoint.ActivityClaimVGPUDone)
-	log.Info("vGPU claimed", zap.String("device_id", store.ClaimDevice(claim)), zap.String("profile", claim.GetProfile()))
-	return &vmflowv1.ClaimVGPUResult{
-		DeviceId: store.ClaimDevice(claim), Parent: claim.GetParent(), Profile: claim.GetProfile(), VgpuUuid: mdevUUID(claim),
-	}, nil
+	res := &vmflowv1.ClaimVGPUResult{}
+	for _, lease := range leases {
+		res.DeviceIds = append(res.DeviceIds, store.ClaimDevice(lease.GetVgpu()))
+	}
+	first := leases[0].GetVgpu()
+	res.DeviceId, res.Parent, res.Profile, res.VgpuUuid = store.ClaimDevice(first), first.GetParent(), first.GetProfile(), mdevUUID(first)
+	log.Info("vGPU claimed", zap.Strings("device_ids", res.DeviceIds), zap.String("profile", first.GetProfile()))
+	return res, nil
 }
 
 // mdevUUID is the claim's mdev UUID; empty for a vendor VF, whose UUID
@@ -272,9 +286,15 @@ func (a *Activities) existing(ctx context.Context, id string) (*vmflowv1.LaunchV
 func (a *Activities) launchResult(rec *vmflowv1.InstanceRecord, pid int, already bool) *vmflowv1.LaunchVMResult {
 	paths, _ := a.Store.Paths(rec.GetId())
 	res := &vmflowv1.LaunchVMResult{Pid: int32(pid), QmpSocket: paths.Socket, AlreadyRunning: already, InstanceUuid: rec.GetSpec().GetUuid()}
-	if store.ClaimHeld(rec) {
-		c := store.VGPU(rec).GetVgpu()
-		res.VgpuUuid, res.VgpuDeviceId = mdevUUID(c), store.ClaimDevice(c)
+	for i, lease := range store.HeldVGPUs(rec) {
+		c := lease.GetVgpu()
+		if i == 0 {
+			res.VgpuUuid, res.VgpuDeviceId = mdevUUID(c), store.ClaimDevice(c)
+		}
+		res.GpuDeviceIds = append(res.GpuDeviceIds, store.ClaimDevice(c))
+	}
+	for _, lease := range store.HeldPassthrough(rec) {
+		res.GpuDeviceIds = append(res.GpuDeviceIds, store.PassthroughDevices(lease)...)
 	}
 	return res
 }
@@ -397,22 +417,28 @@ func (a *Activities) ReleaseVGPU(ctx context.Context, ref *vmflowv1.InstanceRef)
 	res := &vmflowv1.ReleaseVGPUResult{}
 	var errs []error
 	stop := heartbeat(ctx, heartbeatEvery, func() string { return "releasing the leases of " + ref.GetInstanceId() })
+	done := map[string]bool{} // a releaser releases every lease of its kind
 	for _, lease := range store.HeldLeases(rec) {
-		release, ok := a.releasers()[store.LeaseKind(lease)]
+		kind := store.LeaseKind(lease)
+		if done[kind] {
+			continue
+		}
+		done[kind] = true
+		release, ok := a.releasers()[kind]
 		if !ok {
 			errs = append(errs, a.unservedLease(ref.GetInstanceId(), lease))
 			continue
 		}
-		released, name, err := release(ctx, ref.GetInstanceId())
+		released, names, err := release(ctx, ref.GetInstanceId())
+		if kind == store.KindVGPU {
+			res.Released, res.DeviceIds = released, names
+			if len(names) > 0 {
+				res.DeviceId = names[0]
+				log.Info("vGPU released", zap.Strings("device_ids", names))
+			}
+		}
 		if err != nil {
 			errs = append(errs, err)
-			continue
-		}
-		if lease.GetVgpu() != nil {
-			res.Released, res.DeviceId = released, name
-			if released {
-				log.Info("vGPU released", zap.String("device_id", name))
-			}
 		}
 	}
 	stop()
@@ -432,9 +458,9 @@ func (a *Activities) ReleaseVGPU(ctx context.Context, ref *vmflowv1.InstanceRef)
 	return res, nil
 }
 
-// releaser releases one kind of lease of an instance: released is false
-// when it held none, name names the resource.
-type releaser func(ctx context.Context, instanceID string) (released bool, name string, err error)
+// releaser releases every lease of one kind an instance holds: released is
+// false when it held none or one failed, names names those released now.
+type releaser func(ctx context.Context, instanceID string) (released bool, names []string, err error)
 
 // releasers are the release stage's releaser per lease kind this agent
 // serves (store.LeaseKind): a kind the host has no driver for is absent.
@@ -442,6 +468,9 @@ func (a *Activities) releasers() map[string]releaser {
 	m := map[string]releaser{}
 	if a.GPUs != nil {
 		m[store.KindVGPU] = a.GPUs.Release
+	}
+	if a.Whole != nil {
+		m[store.KindPassthrough] = a.Whole.Release
 	}
 	return m
 }
@@ -499,11 +528,8 @@ func (a *Activities) ReconcileHost(ctx context.Context, req *vmflowv1.ReconcileV
 	if err := store.ValidateID(req.GetHostId()); err != nil {
 		return nil, classify(fmt.Errorf("reconcile: host_id: %w", err))
 	}
-	if a.GPUs == nil {
-		return &vmflowv1.ReconcileVGPUResult{}, nil
-	}
-	stop := heartbeat(ctx, 10*time.Second, func() string { return "reconciling vGPUs of " + req.GetHostId() })
-	res, err := a.GPUs.Reconcile(ctx)
+	stop := heartbeat(ctx, 10*time.Second, func() string { return "reconciling GPUs of " + req.GetHostId() })
+	res, err := a.reconcileGPUs(ctx)
 	stop()
 	if err != nil {
 		return nil, classify(fmt.Errorf("reconcile: %w", err))

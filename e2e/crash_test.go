@@ -31,7 +31,7 @@ import (
 // one per activity of spawn and delete with the worker killed right after
 // that activity completed. Each run has a stack of its own (host id, state
 // dir, simulator, agent, worker) against the shared dev server, spawns an
-// instance with a vGPU under QEMU -machine none and deletes it, restarting
+// instance with a vGPU (two in the several cases) under QEMU -machine none and deletes it, restarting
 // whatever died, then checks the host: after the spawn exactly one QEMU, one
 // device, one record; after the delete none of them and no socket.
 //
@@ -63,7 +63,28 @@ const (
 	// rewrites the record in the shape before leases and starts it armed:
 	// the point is in the migration agent start runs.
 	migrateRun
+	// severalRun spawns with two vGPUs: the points armed at their second
+	// hit crash between the first device and the second.
+	severalRun
+	// rollbackRun asks for one vGPU more than the host has: the claim
+	// fails part-way and undoes what it made, the spawn fails, and nothing
+	// is left. The neighbour spawns only after it, so the two never race
+	// for the last device.
+	rollbackRun
+	// passthroughRun spawns with two whole GPUs (the agent runs with
+	// --gpu-passthrough all) instead of a vGPU.
+	passthroughRun
 )
+
+// passthroughPoints run in a passthroughRun; the sysfs write point is also
+// armed at later writes (a bind is three to four writes per function).
+var passthroughPoints = []string{crashpoint.PassthroughIntentWritten, crashpoint.PassthroughSysfsWritten,
+	crashpoint.PassthroughActivated, crashpoint.PassthroughReleasing, crashpoint.PassthroughReturned, crashpoint.PassthroughReleased}
+
+// severalPoints are armed at their second hit in a severalRun: the second
+// vGPU's intent, device and activation, and its release.
+var severalPoints = []string{crashpoint.ClaimIntentWritten, crashpoint.ClaimDeviceCreated, crashpoint.ClaimActivated,
+	crashpoint.ReleaseReleasing, crashpoint.ReleaseWritten, crashpoint.ReleaseRecorded}
 
 type crashCase struct {
 	name     string
@@ -121,6 +142,21 @@ func crashCases() []crashCase {
 				c.scenario = reconcileRun
 			case crashpoint.StoreMigrated:
 				c.scenario = migrateRun
+			case crashpoint.ClaimRollingBack, crashpoint.ClaimRolledBack:
+				c.scenario = rollbackRun
+			}
+			if slices.Contains(passthroughPoints, p) {
+				if vendor {
+					continue // the vGPU driver plays no part
+				}
+				c.scenario = passthroughRun
+			}
+			cases = append(cases, c)
+		}
+		for _, p := range severalPoints {
+			c := crashCase{name: "agent-several/" + p + "@2", point: p + "@2", vendor: vendor, scenario: severalRun}
+			if vendor {
+				c.name = "agent-vendor-several/" + p + "@2"
 			}
 			cases = append(cases, c)
 		}
@@ -134,6 +170,11 @@ func crashCases() []crashCase {
 			spec := p + "@" + strconv.Itoa(n)
 			cases = append(cases, crashCase{name: "agent/" + spec, point: spec})
 		}
+	}
+	for _, p := range []string{crashpoint.PassthroughIntentWritten + "@2", crashpoint.PassthroughActivated + "@2", crashpoint.PassthroughReleased + "@2",
+		crashpoint.PassthroughSysfsWritten + "@2", crashpoint.PassthroughSysfsWritten + "@5", crashpoint.PassthroughSysfsWritten + "@9",
+		crashpoint.PassthroughSysfsWritten + "@12", crashpoint.PassthroughSysfsWritten + "@15"} {
+		cases = append(cases, crashCase{name: "agent-passthrough/" + p, point: p, scenario: passthroughRun})
 	}
 	for _, a := range []string{workflows.ActivityValidateSpawn, workflows.ActivityCreateRecord, workflows.ActivityClaimVGPU, workflows.ActivityLaunchVM} {
 		cases = append(cases, crashCase{name: "worker/spawn/" + a, workflow: "spawn", activity: a})
@@ -249,6 +290,9 @@ func runCrashCase(t *testing.T, c crashCase, o *crashOutcome) {
 	if c.vendor {
 		e.agent.Args = append(e.agent.Args, "--vgpu-driver", "vendor") // the last flag wins
 	}
+	if c.scenario == passthroughRun {
+		e.agent.Args = append(e.agent.Args, "--gpu-passthrough", "all")
+	}
 	id := "crash-" + suffix(t)
 	plainEnv := slices.Clone(e.agent.Env)
 	armedEnv := append(slices.Clone(plainEnv), crashpoint.EnvVar+"="+c.point)
@@ -268,7 +312,18 @@ func runCrashCase(t *testing.T, c crashCase, o *crashOutcome) {
 	var res vmflowv1.SpawnResult
 	err := d.drive(spawnRun, "spawn", &res)
 	o.spawn = outcomeOf(err)
-	if err != nil {
+	switch {
+	case c.scenario == rollbackRun:
+		if err == nil || !strings.Contains(err.Error(), workflows.ErrTypeNoCapacity) {
+			o.violations = append(o.violations, fmt.Sprintf("a spawn asking for more vGPUs than the host has: want %s, got %v", workflows.ErrTypeNoCapacity, err))
+		}
+		// Nothing bound once the spawn failed (its clean-up's delete may
+		// still be removing the record, leases gone already).
+		o.violations = append(o.violations, d.checkLedger("after the failed spawn")...)
+		if d.neighbourRun == nil {
+			d.neighbourRun = e.startSpawn(d.spawnRequest(d.neighbour))
+		}
+	case err != nil:
 		o.violations = append(o.violations, "spawn failed: "+short(err))
 	}
 	d.waitNeighbour()
@@ -381,6 +436,23 @@ func (d *crashDriver) spawnRequest(id string) *vmflowv1.SpawnRequest {
 	if d.c.vendor {
 		r.VgpuProfile = vendorProfile
 	}
+	if id == d.neighbour && d.c.scenario == severalRun && d.c.vendor {
+		r.VgpuProfile = "" // the instance holds both VFs of the simulator
+	}
+	if id != d.neighbour {
+		switch d.c.scenario {
+		case severalRun:
+			r.VgpuCount = 2
+		case passthroughRun:
+			r.VgpuProfile, r.GpuPassthroughCount = "", 2
+		case rollbackRun:
+			// One more than the simulator's two GPUs (two VFs) hold of it.
+			r.VgpuCount = 3
+			if !d.c.vendor {
+				r.VgpuProfile = "GRID A100-40C"
+			}
+		}
+	}
 	return r
 }
 
@@ -461,7 +533,7 @@ func (d *crashDriver) restartAgentIfDead() {
 	d.e.agent.Env = d.plainEnv
 	d.e.agent.Start(d.e.t)
 	d.restarts++
-	if d.neighbourRun == nil {
+	if d.neighbourRun == nil && d.c.scenario != rollbackRun {
 		d.neighbourRun = d.e.startSpawn(d.spawnRequest(d.neighbour))
 	}
 }
@@ -641,12 +713,26 @@ func (d *crashDriver) checkInstance(when, id string) []string {
 	if rec.GetState() != vmflowv1.InstanceState_INSTANCE_STATE_RUNNING {
 		v = append(v, fmt.Sprintf("%s: %s is %s, want running", when, id, store.StateName(rec.GetState())))
 	}
-	lease := store.VGPU(rec)
-	cl := lease.GetVgpu()
-	if !store.ClaimHeld(rec) || lease.GetPhase() != vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE {
-		v = append(v, fmt.Sprintf("%s: claim of %s not active: %v", when, id, lease))
-	} else if devs := e.simDevices(); !claimListed(devs, cl) {
-		v = append(v, fmt.Sprintf("%s: the device of %s's claim (%s %s) is gone; devices: %v", when, id, cl.GetUuid(), cl.GetDeviceId(), devs))
+	held := store.HeldVGPUs(rec)
+	if want := store.VGPUCount(rec.GetSpec().GetVgpuProfile(), rec.GetSpec().GetVgpuCount()); len(held) != want {
+		v = append(v, fmt.Sprintf("%s: %s holds %d vGPU(s), want %d", when, id, len(held), want))
+	}
+	whole := store.HeldPassthrough(rec)
+	if want := store.PassthroughCount(rec.GetSpec()); len(whole) != want {
+		v = append(v, fmt.Sprintf("%s: %s holds %d whole GPU(s), want %d", when, id, len(whole), want))
+	}
+	for _, lease := range whole {
+		if lease.GetPhase() != vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE {
+			v = append(v, fmt.Sprintf("%s: whole GPU of %s not active: %v", when, id, lease))
+		}
+	}
+	for _, lease := range held {
+		cl := lease.GetVgpu()
+		if lease.GetPhase() != vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE {
+			v = append(v, fmt.Sprintf("%s: claim of %s not active: %v", when, id, lease))
+		} else if devs := e.simDevices(); !claimListed(devs, cl) {
+			v = append(v, fmt.Sprintf("%s: the device of %s's claim (%s %s) is gone; devices: %v", when, id, cl.GetUuid(), cl.GetDeviceId(), devs))
+		}
 	}
 	if p := rec.GetProcess(); p == nil {
 		v = append(v, fmt.Sprintf("%s: record of %s names no QEMU", when, id))
@@ -674,20 +760,19 @@ func (d *crashDriver) checkLedger(when string) []string {
 	owner := map[string]string{}
 	held := 0
 	for _, r := range recs {
-		if !store.ClaimHeld(r) {
-			continue
+		for _, lease := range store.HeldVGPUs(r) {
+			held++
+			key := store.ClaimDevice(lease.GetVgpu())
+			if other, ok := owner[key]; ok {
+				v = append(v, fmt.Sprintf("%s: %s and %s both claim device %s", when, other, r.GetId(), key))
+			}
+			owner[key] = r.GetId()
 		}
-		held++
-		key := store.ClaimDevice(store.VGPU(r).GetVgpu())
-		if other, ok := owner[key]; ok {
-			v = append(v, fmt.Sprintf("%s: %s and %s both claim device %s", when, other, r.GetId(), key))
-		}
-		owner[key] = r.GetId()
 	}
 	if len(devs) != held {
 		v = append(v, fmt.Sprintf("%s: %d vGPU devices for %d held claims: %v", when, len(devs), held, devs))
 	}
-	return v
+	return append(v, d.e.checkWholeGPUs(when, recs)...)
 }
 
 // checkSpawned: the instance runs as it should and the ledger adds up.

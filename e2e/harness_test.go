@@ -170,7 +170,9 @@ func newEnv(t *testing.T, o envOptions) *env {
 	if o.shareWith != nil {
 		e.queue = o.shareWith.queue
 	}
-	e.sim = simtest.Start(t, vgpusim.Options{MdevParents: 2, VendorVFs: 2})
+	// Two whole GPUs (vgpusim.PCIGPUAt: one alone, one with its audio
+	// function), handed out only by agents run with --gpu-passthrough.
+	e.sim = simtest.Start(t, vgpusim.Options{MdevParents: 2, VendorVFs: 2, PCIGPUs: 2})
 
 	// A short state dir: QMP socket paths must fit in 107 bytes.
 	var err error
@@ -652,4 +654,31 @@ func writeScript(t *testing.T, dir, name, body string) string {
 		}
 	}
 	return p
+}
+
+// checkWholeGPUs: a function of the simulator's PCI GPUs is on vfio-pci
+// exactly when a held whole-GPU lease of recs names it.
+func (e *env) checkWholeGPUs(when string, recs []*vmflowv1.InstanceRecord) []string {
+	named := map[string]string{}
+	for _, r := range recs {
+		for _, l := range store.HeldPassthrough(r) {
+			for _, a := range store.PassthroughDevices(l) {
+				named[a] = r.GetId()
+			}
+		}
+	}
+	var v []string
+	for i := range 2 {
+		g := vgpusim.PCIGPUAt(i)
+		for _, a := range []string{g.GPU, g.Audio} {
+			if a == "" {
+				continue
+			}
+			drv, _ := e.sim.Server.PCIDriver(a)
+			if _, ok := named[a]; ok != (drv == "vfio-pci") {
+				v = append(v, fmt.Sprintf("%s: PCI function %s is on %q, held by %q", when, a, drv, named[a]))
+			}
+		}
+	}
+	return v
 }

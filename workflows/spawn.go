@@ -74,14 +74,16 @@ func (w *Workflows) spawnInstance(ctx workflow.Context, req *vmflowv1.SpawnReque
 	}
 
 	res := &vmflowv1.SpawnResult{InstanceUuid: created.GetInstanceUuid()}
-	if req.GetVgpuProfile() != "" {
+	if req.GetVgpuProfile() != "" || req.GetGpuPassthroughCount() > 0 {
 		t.stage(ctx, StageClaimingVGPU)
 		var claim vmflowv1.ClaimVGPUResult
-		in := &vmflowv1.ClaimVGPURequest{InstanceId: req.GetInstanceId(), VgpuProfile: req.GetVgpuProfile()}
+		in := &vmflowv1.ClaimVGPURequest{InstanceId: req.GetInstanceId(), VgpuProfile: req.GetVgpuProfile(), VgpuCount: req.GetVgpuCount(),
+			GpuPassthroughCount: req.GetGpuPassthroughCount(), GpuPassthroughModel: req.GetGpuPassthroughModel()}
 		if err := h.run(ctx, calls[ActivityClaimVGPU], in, &claim); err != nil {
 			return nil, w.cleanUpAfter(ctx, t, req, err)
 		}
 		res.VgpuUuid, res.VgpuDeviceId = claim.GetVgpuUuid(), claim.GetDeviceId()
+		res.GpuDeviceIds = claim.GetDeviceIds()
 	}
 
 	t.stage(ctx, StageLaunching)
@@ -112,7 +114,7 @@ func (w *Workflows) spawnFoundExisting(ctx workflow.Context, t *tracker, h *host
 	t.stage(ctx, StageRunning)
 	return &vmflowv1.SpawnResult{
 		Pid: found.GetPid(), QmpSocket: found.GetQmpSocket(), VgpuUuid: found.GetVgpuUuid(),
-		VgpuDeviceId: found.GetVgpuDeviceId(), InstanceUuid: created.GetInstanceUuid(),
+		VgpuDeviceId: found.GetVgpuDeviceId(), InstanceUuid: created.GetInstanceUuid(), GpuDeviceIds: found.GetGpuDeviceIds(),
 	}, nil
 }
 

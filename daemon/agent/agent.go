@@ -162,6 +162,13 @@ func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentH
 	if err != nil {
 		return nil, err
 	}
+	whole, err := newWhole(cfg, st, log)
+	if err != nil {
+		return nil, err
+	}
+	if whole != nil {
+		host.Whole = whole
+	}
 	h.closers = append(h.closers, func() { _ = host.Images.Close() })
 	// Which QEMU this agent launches, in its start log: the confinement
 	// relies on QEMU 7.2's -sandbox options and its fd passing, and an
@@ -177,6 +184,10 @@ func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentH
 		Store: st, Host: host, GPUs: gpus, AttachVGPU: cfg.VGPUAttach,
 		DefaultGraceful: cfg.GracefulTimeout, Logger: log, Metrics: am,
 	}
+	if whole != nil {
+		acts.Whole = whole
+	}
+	go runGPUInventory(life, am, st, cfg, whole, vgpus, metrics.DefaultStoreRefresh, log)
 	// A cgroup per VM: a transient scope under systemd, cgroupfs otherwise.
 	cgroups, err := vmm.CgroupsFor(ctx, "/sys/fs/cgroup", func(ctx context.Context) (vmm.ScopeConn, error) {
 		return sddbus.NewSystemConnectionContext(ctx)
@@ -415,6 +426,7 @@ func newClaims(cfg Config, st *store.Store, log *zap.Logger) (*claims.Claims, er
 		Optional:    cfg.VGPUDriver == "auto",
 
 		IgnoreUninspectable: cfg.IgnoreUninspectable,
+		Quarantine:          quarantineOf(cfg),
 	})
 }
 

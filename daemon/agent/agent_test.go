@@ -59,7 +59,7 @@ func TestAgentOutlivesBadRecordAndRefusedCredentials(t *testing.T) {
 	_, err = st.Create(ctx, &vmflowv1.InstanceRecord{Id: "claimed", Spec: admission.RecordSpec(req)})
 	require.NoError(t, err)
 	_, err = st.Apply(ctx, "claimed", store.LeaseIntent(store.VGPULease(&vmflowv1.VgpuLease{Profile: "GRID A100-4C",
-		Uuid: "8b6a3a57-4f4e-4b41-9a2c-3f1d2e5a6b7c", Driver: "mdev"}), time.Now()), store.VGPUActive("8b6a3a57-4f4e-4b41-9a2c-3f1d2e5a6b7c", ""))
+		Uuid: "8b6a3a57-4f4e-4b41-9a2c-3f1d2e5a6b7c", Driver: "mdev"}), time.Now()), store.VGPUActive("vgpu:8b6a3a57-4f4e-4b41-9a2c-3f1d2e5a6b7c", "8b6a3a57-4f4e-4b41-9a2c-3f1d2e5a6b7c", ""))
 	require.NoError(t, err)
 	_, err = st.Create(ctx, &vmflowv1.InstanceRecord{Id: "torn", Spec: admission.RecordSpec(req)})
 	require.NoError(t, err)

@@ -41,11 +41,17 @@ type Config struct {
 	// QEMU's only supplementary group.
 	KVMDevice string
 	// Jail runs every QEMU in namespaces and a root of its own (vmm.Jail).
-	Jail           bool
-	VGPUAttach     bool
-	VGPUDriver     string // auto, mdev, vendor, none
-	OrphanGrace    time.Duration
-	ReconcileEvery time.Duration
+	Jail       bool
+	VGPUAttach bool
+	VGPUDriver string // auto, mdev, vendor, none
+	// GPUPassthrough is --gpu-passthrough: which GPUs the host hands out
+	// whole (the zero filter: none).
+	GPUPassthrough vgpu.GPUFilter
+	// QuarantineAfter is --gpu-quarantine-after: failed releases of one
+	// device before placement skips it.
+	QuarantineAfter int
+	OrphanGrace     time.Duration
+	ReconcileEvery  time.Duration
 	// ReconcileScanEvery: how often the agent's local scan (no Temporal
 	// call) looks for reconcile work; 0 turns it off.
 	ReconcileScanEvery time.Duration
@@ -111,6 +117,13 @@ flags:
 	fs.BoolVar(&c.Jail, "jail", true, "run every QEMU in network, mount, pid, IPC and UTS namespaces and a read-only root of its own; false only where the agent lacks CAP_SYS_ADMIN")
 	fs.BoolVar(&c.VGPUAttach, "vgpu-attach", true, "attach claimed vGPUs to QEMU; false only with the vmflow-vgpusim simulator, whose devices QEMU cannot open")
 	fs.StringVar(&c.VGPUDriver, "vgpu-driver", "auto", "auto, mdev, vendor or none")
+	fs.IntVar(&c.QuarantineAfter, "gpu-quarantine-after", claims.DefaultQuarantineAfter, "failed releases or resets of one GPU device after which placement skips it until vmflow-hostagent devices clear")
+	fs.Func("gpu-passthrough", "GPUs this host hands out whole by VFIO passthrough: a comma list of PCI vendor:device ids (10de:2335), or all for every display-class device not serving vGPUs; empty (the default): none",
+		func(v string) error {
+			f, err := vgpu.ParseGPUFilter(v)
+			c.GPUPassthrough = f
+			return err
+		})
 	fs.DurationVar(&c.OrphanGrace, "vgpu-orphan-grace", claims.DefaultOrphanGrace, "an unclaimed vGPU device is removed after this long")
 	fs.DurationVar(&c.ReconcileEvery, "reconcile-every", DefaultReconcileEvery, "how often the Schedule runs ReconcileVGPU, the safety net behind the local scan")
 	fs.DurationVar(&c.ReconcileScanEvery, "reconcile-scan-every", time.Minute, "how often the agent scans the host for reconcile work (read-only, no Temporal call) and, finding some, triggers ReconcileVGPU; 0: off")
@@ -148,6 +161,9 @@ flags:
 		return c, fmt.Errorf("--qemu-uid-range: %w", err)
 	}
 	c.QEMUUIDs = r
+	if c.QuarantineAfter < 1 {
+		return c, fmt.Errorf("--gpu-quarantine-after must be at least 1, got %d", c.QuarantineAfter)
+	}
 	switch c.VGPUDriver {
 	case "auto", "mdev", "vendor", "none":
 	default:

@@ -36,6 +36,13 @@ func TestParseFlags(t *testing.T) {
 	assert.Equal(t, claims.DefaultOrphanGrace, d.OrphanGrace, "the flag's default is the package's")
 	assert.Equal(t, vgpu.DefaultSysfsRoot, d.SysfsRoot)
 	assert.Equal(t, vmm.DefaultBinary, d.QEMU)
+	assert.False(t, d.GPUPassthrough.Enabled(), "no whole GPUs unless named")
+	assert.Equal(t, claims.DefaultQuarantineAfter, d.QuarantineAfter)
+
+	p, err := agent.ParseFlags([]string{"--host-id", "h1", "--gpu-passthrough", "10de:2335,10DE:2330", "--gpu-quarantine-after", "3"}, io.Discard)
+	require.NoError(t, err)
+	assert.Equal(t, "10de:2335,10de:2330", p.GPUPassthrough.String())
+	assert.Equal(t, 3, p.QuarantineAfter)
 
 	u, err := agent.ParseFlags([]string{"--host-id", "h1", "--qemu-uid-range", "300000-300999"}, io.Discard)
 	require.NoError(t, err)
@@ -57,6 +64,8 @@ func TestParseFlagsRejects(t *testing.T) {
 		{"--host-id", "h1", "--qemu-uid-range", "0-100"},
 		{"--host-id", "h1", "--qemu-uid-range", "300000"},
 		{"--host-id", "h1", "--qemu-uid-range", "300999-300000"},
+		{"--host-id", "h1", "--gpu-passthrough", "h200"},
+		{"--host-id", "h1", "--gpu-quarantine-after", "0"},
 	} {
 		_, err := agent.ParseFlags(args, io.Discard)
 		assert.Error(t, err, "%q", args)

@@ -2,10 +2,12 @@ package admission
 
 import (
 	"context"
+	"errors"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -161,14 +163,21 @@ func TestValidateAndAdmitRecordAgree(t *testing.T) {
 	}
 }
 
-// fakeDevices counts how often a launch got as far as the vGPU device.
+// fakeDevices counts how often a launch got as far as the vGPU devices,
+// and hands back the locked record's held vGPU leases.
 type fakeDevices struct{ ensured int }
 
-func (f *fakeDevices) EnsureDeviceLocked(context.Context, *store.Locked) (*vmflowv1.Lease, error) {
+func (f *fakeDevices) EnsureDevicesLocked(_ context.Context, l *store.Locked) ([]*vmflowv1.Lease, error) {
 	f.ensured++
-	return store.VGPULease(&vmflowv1.VgpuLease{}), nil
+	rec, err := l.Get()
+	if errors.Is(err, store.ErrNotFound) {
+		return []*vmflowv1.Lease{store.VGPULease(&vmflowv1.VgpuLease{Uuid: "x"})}, nil
+	}
+	return store.HeldVGPUs(rec), err
 }
-func (f *fakeDevices) DevicePath(*vmflowv1.Lease) string { return "/sys/bus/mdev/devices/x" }
+func (f *fakeDevices) DevicePath(l *vmflowv1.Lease) string {
+	return "/sys/bus/mdev/devices/" + l.GetVgpu().GetUuid()
+}
 
 // TestPrepareLaunchAdmitsFirst: admission comes before anything is made
 // or opened for the launch, the vGPU device included.
@@ -205,4 +214,85 @@ func TestPrepareLaunchAdmitsFirst(t *testing.T) {
 	require.ErrorIs(t, err, vmm.ErrMemlockLimit)
 	_, err = PrepareLaunch(small, devs, false)(context.Background(), l, rec)
 	require.NoError(t, err, "without attaching the device nothing is pinned")
+}
+
+// TestPrepareLaunchGivesEveryVGPU: a VM asking for two vGPUs gets both, in
+// claim order, and never starts holding fewer.
+func TestPrepareLaunchGivesEveryVGPU(t *testing.T) {
+	h, root := testHost(t)
+	h.MemlockLimit = 0
+	spec := RecordSpec(good(root))
+	spec.Disk, spec.VgpuProfile, spec.VgpuCount = "", "GRID A100-4C", 2
+	st, err := store.New(t.TempDir())
+	require.NoError(t, err)
+	ctx := context.Background()
+	_, err = st.Create(ctx, &vmflowv1.InstanceRecord{Id: "vm1", Spec: spec})
+	require.NoError(t, err)
+	intent := func(u string) store.Step {
+		return store.LeaseIntent(store.VGPULease(&vmflowv1.VgpuLease{Profile: "GRID A100-4C", Uuid: u}), time.Now())
+	}
+	rec, err := st.Apply(ctx, "vm1", intent("u1"))
+	require.NoError(t, err)
+	l, err := st.Lock(ctx, "vm1")
+	require.NoError(t, err)
+	_, err = PrepareLaunch(h, &fakeDevices{}, true)(ctx, l, rec)
+	require.ErrorIs(t, err, ErrInvalid, "one of two vGPUs is no launch")
+	assert.Contains(t, err.Error(), "holds 1")
+	require.NoError(t, l.Unlock())
+
+	rec, err = st.Apply(ctx, "vm1", intent("u2"))
+	require.NoError(t, err)
+	l, err = st.Lock(ctx, "vm1")
+	require.NoError(t, err)
+	defer l.Unlock()
+	v, err := PrepareLaunch(h, &fakeDevices{}, true)(ctx, l, rec)
+	require.NoError(t, err)
+	t.Cleanup(func() { v.Close() })
+	assert.Equal(t, []string{"/sys/bus/mdev/devices/u1", "/sys/bus/mdev/devices/u2"}, v.VFIO)
+}
+
+// fakeWhole hands back the locked record's held whole-GPU leases.
+type fakeWhole struct{}
+
+func (fakeWhole) EnsureDevicesLocked(_ context.Context, l *store.Locked) ([]*vmflowv1.Lease, error) {
+	rec, err := l.Get()
+	return store.HeldPassthrough(rec), err
+}
+func (fakeWhole) DevicePaths(l *vmflowv1.Lease) []string {
+	var out []string
+	for _, a := range store.PassthroughDevices(l) {
+		out = append(out, "/sys/bus/pci/devices/"+a)
+	}
+	return out
+}
+
+// TestPrepareLaunchGivesEveryWholeGPU: every function of every held group
+// goes to QEMU, and a VM asking for whole GPUs never starts without them
+// nor on an agent that hands out none.
+func TestPrepareLaunchGivesEveryWholeGPU(t *testing.T) {
+	h, root := testHost(t)
+	h.MemlockLimit = 0
+	spec := RecordSpec(good(root))
+	spec.Disk, spec.VgpuProfile, spec.GpuPassthroughCount = "", "", 1
+	st, err := store.New(t.TempDir())
+	require.NoError(t, err)
+	ctx := context.Background()
+	rec, err := st.Create(ctx, &vmflowv1.InstanceRecord{Id: "vm1", Spec: spec})
+	require.NoError(t, err)
+	h.Whole = fakeWhole{}
+	l, err := st.Lock(ctx, "vm1")
+	require.NoError(t, err)
+	_, err = PrepareLaunch(h, nil, true)(ctx, l, rec)
+	require.ErrorIs(t, err, ErrInvalid, "no lease yet")
+	rec, err = l.Apply(store.LeaseIntent(store.PassthroughLeaseOf(&vmflowv1.PassthroughLease{IommuGroup: "401", Functions: []*vmflowv1.PassthroughFunction{
+		{Addr: "0000:82:00.0", PreviousDriver: "nvidia", Display: true}, {Addr: "0000:82:00.1", PreviousDriver: "snd_hda_intel"}}}), time.Now()))
+	require.NoError(t, err)
+	v, err := PrepareLaunch(h, nil, true)(ctx, l, rec)
+	require.NoError(t, err)
+	t.Cleanup(func() { v.Close() })
+	assert.Equal(t, []string{"/sys/bus/pci/devices/0000:82:00.0", "/sys/bus/pci/devices/0000:82:00.1"}, v.VFIO)
+	h.Whole = nil
+	_, err = PrepareLaunch(h, nil, true)(ctx, l, rec)
+	require.ErrorIs(t, err, ErrAdmissionRefused, "an agent without --gpu-passthrough refuses the record")
+	require.NoError(t, l.Unlock())
 }

@@ -49,6 +49,7 @@ var MaxBytes = map[string]int{
 	"restart_policy":                 maxEnumBytes,
 	"only_if_created_by_workflow_id": MaxWorkflowIDBytes,
 	"only_if_created_by_run_id":      MaxRunIDBytes,
+	"gpu_passthrough_model":          len("10de:2335"),
 }
 
 // CheckBound refuses (FieldError, ErrInvalid) a value longer than field's

@@ -19,8 +19,15 @@ import (
 // (re-created after a reboot) under the instance lock, and its sysfs path.
 // claims.Claims implements it.
 type Devices interface {
-	EnsureDeviceLocked(ctx context.Context, l *store.Locked) (*vmflowv1.Lease, error)
+	EnsureDevicesLocked(ctx context.Context, l *store.Locked) ([]*vmflowv1.Lease, error)
 	DevicePath(claim *vmflowv1.Lease) string
+}
+
+// WholeDevices is what a launch needs of whole-GPU claims: every held lease
+// bound, and the sysfs paths of its functions. claims.Whole implements it.
+type WholeDevices interface {
+	EnsureDevicesLocked(ctx context.Context, l *store.Locked) ([]*vmflowv1.Lease, error)
+	DevicePaths(lease *vmflowv1.Lease) []string
 }
 
 // ErrNoVGPUDriver: the instance holds a vGPU claim but the agent runs
@@ -42,6 +49,11 @@ func PrepareLaunch(h Host, devs Devices, attach bool) func(context.Context, *sto
 		if err != nil {
 			return vmm.VMSpec{}, err
 		}
+		whole, err := prepareWhole(ctx, h.Whole, attach, l, rec)
+		if err != nil {
+			return vmm.VMSpec{}, err
+		}
+		v.VFIO = append(v.VFIO, whole...)
 		// Before any image is opened: a host whose own memlock limit cannot
 		// cover the device's pinned RAM is refused naming the setting.
 		if err := vmm.CheckMemlock(v, h.MemlockLimit); err != nil {
@@ -94,31 +106,62 @@ func fileIdentity(f *os.File) (*vmflowv1.FileIdentity, error) {
 		MtimeUnixNano: st.Mtim.Sec*1e9 + st.Mtim.Nsec}, nil
 }
 
-// prepareDevice is QEMU's spec for rec without its images, with its vGPU
-// made sure of.
+// prepareDevice is QEMU's spec for rec without its images, with its vGPUs
+// made sure of: every one the spec asks for, or none is started.
 func prepareDevice(ctx context.Context, devs Devices, attach bool, l *store.Locked, rec *vmflowv1.InstanceRecord) (vmm.VMSpec, error) {
-	if !store.ClaimHeld(rec) {
-		if rec.GetSpec().GetVgpuProfile() != "" {
-			// The spawn's claim has not been made (or was released):
-			// a VM that asked for a GPU never starts without one.
-			return vmm.VMSpec{}, fmt.Errorf("instance %s asks for vGPU %q but holds no claim: %w",
-				rec.GetId(), rec.GetSpec().GetVgpuProfile(), ErrInvalid)
-		}
-		return ForRecord(rec, ""), nil
+	want := store.VGPUCount(rec.GetSpec().GetVgpuProfile(), rec.GetSpec().GetVgpuCount())
+	held := store.HeldVGPUs(rec)
+	if len(held) < want {
+		// The spawn's claim has not been made (or was released): a VM
+		// that asked for GPUs never starts without all of them.
+		return vmm.VMSpec{}, fmt.Errorf("instance %s asks for %d vGPU(s) %q but holds %d: %w",
+			rec.GetId(), want, rec.GetSpec().GetVgpuProfile(), len(held), ErrInvalid)
+	}
+	if len(held) == 0 {
+		return ForRecord(rec, nil), nil
 	}
 	if devs == nil {
-		c := store.VGPU(rec).GetVgpu()
+		c := held[0].GetVgpu()
 		return vmm.VMSpec{}, fmt.Errorf("instance %s (claim %q on %s): %w", rec.GetId(), c.GetProfile(), store.ClaimDevice(c), ErrNoVGPUDriver)
 	}
-	claim, err := devs.EnsureDeviceLocked(ctx, l)
+	leases, err := devs.EnsureDevicesLocked(ctx, l)
 	if err != nil {
 		return vmm.VMSpec{}, fmt.Errorf("prepare launch of %s: %w", rec.GetId(), err)
 	}
-	vfio := ""
-	if attach {
-		vfio = devs.DevicePath(claim)
+	var vfio []string
+	for _, lease := range leases {
+		if attach {
+			vfio = append(vfio, devs.DevicePath(lease))
+		}
 	}
 	return ForRecord(rec, vfio), nil
+}
+
+// prepareWhole makes sure of rec's whole GPUs (every one the spec asks for
+// held and bound) and returns their functions' sysfs paths when attach is
+// set (under the simulator QEMU cannot open a simulated function either).
+func prepareWhole(ctx context.Context, whole WholeDevices, attach bool, l *store.Locked, rec *vmflowv1.InstanceRecord) ([]string, error) {
+	want, held := store.PassthroughCount(rec.GetSpec()), store.HeldPassthrough(rec)
+	if len(held) < want {
+		return nil, fmt.Errorf("instance %s asks for %d whole GPU(s) but holds %d: %w", rec.GetId(), want, len(held), ErrInvalid)
+	}
+	if len(held) == 0 {
+		return nil, nil
+	}
+	if whole == nil {
+		return nil, fmt.Errorf("instance %s holds whole GPU(s) (IOMMU group %s): %w", rec.GetId(), held[0].GetGpuPassthrough().GetIommuGroup(), ErrNoVGPUDriver)
+	}
+	leases, err := whole.EnsureDevicesLocked(ctx, l)
+	if err != nil {
+		return nil, fmt.Errorf("prepare launch of %s: %w", rec.GetId(), err)
+	}
+	var paths []string
+	for _, lease := range leases {
+		if attach {
+			paths = append(paths, whole.DevicePaths(lease)...)
+		}
+	}
+	return paths, nil
 }
 
 // OpenImages opens rec's kernel, initrd and disk beneath their roots into v,

@@ -25,6 +25,7 @@ import (
 	"github.com/google/uuid"
 
 	"vmflow/hostagent/store"
+	"vmflow/hostagent/vgpu"
 	"vmflow/hostagent/vmm"
 	"vmflow/internal/contract"
 	"vmflow/internal/errdefs"
@@ -96,6 +97,9 @@ type Host struct {
 	// (vmm.MemlockLimit), which a VFIO VM's pinned RAM must fit under;
 	// 0 bounds nothing.
 	MemlockLimit uint64
+	// Whole is the host's whole-GPU claims (--gpu-passthrough); nil when
+	// it hands out none, and a spec asking for one is refused.
+	Whole WholeDevices
 }
 
 // SystemHost describes this machine: CPUs, memory, KVM node (default
@@ -189,7 +193,7 @@ func (h Host) admit(ctx context.Context, id, restartPolicy string, s *vmflowv1.V
 	for _, f := range []struct{ field, v string }{
 		{"machine", s.GetMachine()}, {"accel", s.GetAccel()}, {"restart_policy", restartPolicy},
 		{"kernel", s.GetKernel()}, {"initrd", s.GetInitrd()}, {"cmdline", s.GetCmdline()},
-		{"disk", s.GetDisk()}, {"vgpu_profile", s.GetVgpuProfile()}, {"uuid", s.GetUuid()},
+		{"disk", s.GetDisk()}, {"vgpu_profile", s.GetVgpuProfile()}, {"uuid", s.GetUuid()}, {"gpu_passthrough_model", s.GetGpuPassthroughModel()},
 		{"instance_id", id},
 	} {
 		if err := CheckBound(f.field, f.v); err != nil {
@@ -258,6 +262,17 @@ func (h Host) admit(ctx context.Context, id, restartPolicy string, s *vmflowv1.V
 	if strings.ContainsAny(s.GetCmdline(), "\x00\n\r") {
 		bad("cmdline", "must be one line of text")
 	}
+	if err := CheckPassthrough(s.GetVgpuProfile(), s.GetGpuPassthroughCount(), s.GetGpuPassthroughModel()); err != nil {
+		errs = append(errs, err)
+	} else if s.GetGpuPassthroughCount() > 0 && h.Whole == nil {
+		bad("gpu_passthrough_count", "%d: this host hands out no whole GPUs (--gpu-passthrough)", s.GetGpuPassthroughCount())
+	}
+	switch n := s.GetVgpuCount(); {
+	case n > 0 && s.GetVgpuProfile() == "":
+		bad("vgpu_count", "%d needs vgpu_profile", n)
+	case n > store.MaxVGPUs:
+		bad("vgpu_count", "%d exceeds the %d vGPUs an instance may hold", n, store.MaxVGPUs)
+	}
 	if p := s.GetVgpuProfile(); p != "" && listProfiles {
 		if h.Profiles == nil {
 			bad("vgpu_profile", "%q: this host has no vGPUs", p)
@@ -274,7 +289,7 @@ func (h Host) admit(ctx context.Context, id, restartPolicy string, s *vmflowv1.V
 	if len(errs) == 0 {
 		// vmm's own check catches what the above does not know about
 		// (QEMU limits); its message names the spec field.
-		v := ForRecord(&vmflowv1.InstanceRecord{Id: id, Spec: s}, "")
+		v := ForRecord(&vmflowv1.InstanceRecord{Id: id, Spec: s}, nil)
 		v.Kernel, v.Initrd = images["kernel"], images["initrd"]
 		if base := images["disk"]; base != nil {
 			v.Disk = &vmm.Disk{Base: base} // the overlay is made at launch
@@ -331,7 +346,11 @@ func RecordSpec(req *vmflowv1.SpawnRequest) *vmflowv1.VMSpec {
 		Cmdline:     req.GetCmdline(),
 		Disk:        req.GetDisk(),
 		VgpuProfile: req.GetVgpuProfile(),
-		Uuid:        InstanceUUID(req.GetInstanceId()),
+		VgpuCount:   req.GetVgpuCount(),
+
+		GpuPassthroughCount: req.GetGpuPassthroughCount(),
+		GpuPassthroughModel: req.GetGpuPassthroughModel(),
+		Uuid:                InstanceUUID(req.GetInstanceId()),
 	}
 }
 
@@ -361,9 +380,27 @@ func (h Host) RecordSpec(req *vmflowv1.SpawnRequest) (*vmflowv1.VMSpec, error) {
 	return s, nil
 }
 
+// CheckPassthrough checks the request's whole-GPU fields alone (a
+// *FieldError): at most store.MaxPassthrough, a vendor:device model or none,
+// never beside a vGPU profile. The model must have passed CheckBound.
+func CheckPassthrough(profile string, count uint32, model string) error {
+	switch {
+	case count > 0 && profile != "":
+		return &FieldError{Field: "gpu_passthrough_count", Reason: "whole GPUs and vgpu_profile do not mix in one VM"}
+	case count > store.MaxPassthrough:
+		return &FieldError{Field: "gpu_passthrough_count", Reason: fmt.Sprintf("%d exceeds the %d whole GPUs an instance may hold", count, store.MaxPassthrough)}
+	case model != "" && count == 0:
+		return &FieldError{Field: "gpu_passthrough_model", Reason: "needs gpu_passthrough_count"}
+	case model != "" && !vgpu.ValidPCIID(model):
+		return &FieldError{Field: "gpu_passthrough_model", Reason: fmt.Sprintf("%q is not a PCI vendor:device id in lower-case hex (10de:2335)", model)}
+	}
+	return nil
+}
+
 // ForRecord is QEMU's spec for a record, without images: the one conversion,
-// for first launch and restarts alike. vfioPath is the vGPU's sysfs path or "".
-func ForRecord(rec *vmflowv1.InstanceRecord, vfioPath string) vmm.VMSpec {
+// for first launch and restarts alike. vfioPaths are the devices' sysfs
+// paths in claim order (none when the agent does not attach them).
+func ForRecord(rec *vmflowv1.InstanceRecord, vfioPaths []string) vmm.VMSpec {
 	s := rec.GetSpec()
 	v := vmm.VMSpec{
 		Name:      rec.GetId(),
@@ -380,8 +417,6 @@ func ForRecord(rec *vmflowv1.InstanceRecord, vfioPath string) vmm.VMSpec {
 		// QEMU behind the agent's back.
 		NoReboot: true,
 	}
-	if vfioPath != "" {
-		v.VFIO = []string{vfioPath}
-	}
+	v.VFIO = slices.Clone(vfioPaths)
 	return v
 }

@@ -111,6 +111,15 @@ func TestValidateRejects(t *testing.T) {
 		{"cmdline", func(r *vmflowv1.SpawnRequest) { r.Kernel, r.Initrd = "", "" }},
 		{"vgpu_profile", func(r *vmflowv1.SpawnRequest) { r.VgpuProfile = "../../../../bus/pci/devices" }},
 		{"vgpu_profile", func(r *vmflowv1.SpawnRequest) { r.VgpuProfile = "GRID A100-4C\n" }},
+		{"vgpu_count", func(r *vmflowv1.SpawnRequest) { r.VgpuCount = 17 }},
+		{"vgpu_count", func(r *vmflowv1.SpawnRequest) { r.VgpuProfile, r.VgpuCount = "", 2 }},
+		{"gpu_passthrough_count", func(r *vmflowv1.SpawnRequest) { r.GpuPassthroughCount = 1 }}, // beside vgpu_profile
+		{"gpu_passthrough_count", func(r *vmflowv1.SpawnRequest) { r.VgpuProfile, r.GpuPassthroughCount = "", 9 }},
+		{"gpu_passthrough_count", func(r *vmflowv1.SpawnRequest) { r.VgpuProfile, r.GpuPassthroughCount = "", 1 }}, // no --gpu-passthrough
+		{"gpu_passthrough_model", func(r *vmflowv1.SpawnRequest) {
+			r.VgpuProfile, r.GpuPassthroughCount, r.GpuPassthroughModel = "", 1, "10DE:2335"
+		}},
+		{"gpu_passthrough_model", func(r *vmflowv1.SpawnRequest) { r.VgpuProfile, r.GpuPassthroughModel = "", "10de:2335" }},
 	}
 	for _, tt := range tests {
 		r := good(root)
@@ -151,14 +160,14 @@ func TestInstanceUUIDIsStable(t *testing.T) {
 func TestForRecord(t *testing.T) {
 	_, root := testHost(t)
 	rec := &vmflowv1.InstanceRecord{Id: "vm1", Spec: RecordSpec(good(root))}
-	v := ForRecord(rec, "/sys/bus/mdev/devices/u")
+	v := ForRecord(rec, []string{"/sys/bus/mdev/devices/u"})
 	assert.Equal(t, "vm1", v.Name)
 	assert.Equal(t, 2, v.VCPUs)
 	assert.Equal(t, []string{"/sys/bus/mdev/devices/u"}, v.VFIO)
 	assert.True(t, v.Kernel == nil && v.Initrd == nil && v.Disk == nil, "the images are opened by PrepareLaunch, not here")
 	assert.True(t, v.NoReboot, "a guest reboot ends QEMU; the restart policy decides")
 	assert.Equal(t, v.Machine != vmm.MachineNone, v.SerialToLog, "console to qemu.log where there is a serial port")
-	assert.Empty(t, ForRecord(rec, "").VFIO)
+	assert.Empty(t, ForRecord(rec, nil).VFIO)
 	noAccel := good(root)
 	noAccel.Accel = ""
 	assert.Equal(t, "kvm", RecordSpec(noAccel).GetAccel(), "kvm is the default accelerator")

@@ -14,6 +14,7 @@ commands:
   ls         list this host's instances from their records (read-only)
   show       show one instance: record, process liveness, vGPU claim (read-only)
   proc       inspect a process's thread group, or wait until it is gone
+  devices    list this host's GPU devices (free, claimed, quarantined); devices clear puts one back
   version    print the build's version and revision (also --version)
 `
 
@@ -34,6 +35,8 @@ func Main(ctx context.Context, args []string, io IO, run func(context.Context, [
 		return Show(rest, io)
 	case "proc":
 		return Proc(ctx, rest, io)
+	case "devices":
+		return Devices(ctx, rest, io)
 	case "version", "--version", "-version":
 		fmt.Fprintln(io.Stdout, service.Info().String("vmflow-hostagent"))
 		return ExitOK

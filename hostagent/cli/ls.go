@@ -39,6 +39,10 @@ type Instance struct {
 	Process     *proc.Status `json:"process,omitempty"`
 	ClaimPhase  string       `json:"claim_phase,omitempty"`
 	ClaimDevice string       `json:"claim_device,omitempty"`
+	// GPUDevices names every GPU device of the instance's claim, in claim
+	// order (ClaimDevice is the first): the held ones, or when none is held
+	// the released ones.
+	GPUDevices []string `json:"gpu_devices,omitempty"`
 	// ClaimHeld is absent when the record cannot be read: unknown, not no.
 	ClaimHeld  *bool      `json:"claim_held,omitempty"`
 	ManualStop bool       `json:"manual_stop"`
@@ -98,9 +102,25 @@ func inspectInstance(st *store.Store, id string, now time.Time) *Instance {
 		s := proc.Inspect(store.IdentityOf(rec.GetProcess()))
 		in.Process = &s
 	}
-	if c := store.VGPU(rec); c != nil {
-		in.ClaimPhase = claimPhaseName(c.GetPhase())
-		in.ClaimDevice = store.ClaimDevice(c.GetVgpu())
+	leases := store.HeldVGPUs(rec)
+	if !held {
+		leases = store.VGPUs(rec)
+	}
+	for _, c := range leases {
+		in.GPUDevices = append(in.GPUDevices, store.ClaimDevice(c.GetVgpu()))
+	}
+	whole := store.HeldPassthrough(rec)
+	for _, c := range whole {
+		in.GPUDevices = append(in.GPUDevices, store.PassthroughDevices(c)...)
+	}
+	if len(leases) == 0 && len(whole) > 0 {
+		leases = whole
+		held = true
+		in.ClaimHeld = &held
+	}
+	if len(leases) > 0 {
+		in.ClaimPhase = claimPhaseName(leases[0].GetPhase())
+		in.ClaimDevice = in.GPUDevices[0]
 		if !held {
 			in.ClaimPhase = "released"
 		}
@@ -112,9 +132,12 @@ func inspectInstance(st *store.Store, id string, now time.Time) *Instance {
 // checkRecord adds why a readable record needs an operator, naming a held claim
 // in Deleting too: the delete that stays there is the stuck one.
 func (in *Instance) checkRecord(rec *vmflowv1.InstanceRecord, now time.Time) {
-	c := store.VGPU(rec)
 	if rec.GetState() == vmflowv1.InstanceState_INSTANCE_STATE_RELEASE_FAILED {
-		in.attention(fmt.Sprintf("vGPU release failed %d time(s): %s", c.GetReleaseAttempts(), orNone(c.GetLastReleaseError())))
+		for _, c := range store.HeldLeases(rec) {
+			if c.GetReleaseAttempts() > 0 {
+				in.attention(fmt.Sprintf("%s release failed %d time(s): %s", leaseWord(c), c.GetReleaseAttempts(), orNone(c.GetLastReleaseError())))
+			}
+		}
 	}
 	if rec.GetState() == vmflowv1.InstanceState_INSTANCE_STATE_DELETING && store.ClaimHeld(rec) {
 		in.attention(fmt.Sprintf("being deleted with its vGPU claim still held (phase %s)", in.ClaimPhase))
@@ -153,15 +176,35 @@ func (in *Instance) checkRecord(rec *vmflowv1.InstanceRecord, now time.Time) {
 func markSharedDevices(insts []*Instance) {
 	byDevice := map[string][]string{}
 	for _, in := range insts {
-		if in.claimHeld() && in.ClaimDevice != "" {
-			byDevice[in.ClaimDevice] = append(byDevice[in.ClaimDevice], in.ID)
+		if !in.claimHeld() {
+			continue
+		}
+		for _, d := range in.GPUDevices {
+			byDevice[d] = append(byDevice[d], in.ID)
 		}
 	}
 	for _, in := range insts {
-		if ids := byDevice[in.ClaimDevice]; in.claimHeld() && len(ids) > 1 {
-			in.attention(fmt.Sprintf("vGPU %s is claimed by %d instances: %s", in.ClaimDevice, len(ids), strings.Join(ids, ", ")))
+		if !in.claimHeld() {
+			continue
+		}
+		for _, d := range in.GPUDevices {
+			if ids := byDevice[d]; len(ids) > 1 {
+				in.attention(fmt.Sprintf("vGPU %s is claimed by %d instances: %s", d, len(ids), strings.Join(ids, ", ")))
+			}
 		}
 	}
+}
+
+// leaseWord names a lease for an operator: "vGPU <device>", "whole GPU
+// (IOMMU group <n>)", or its kind.
+func leaseWord(c *vmflowv1.Lease) string {
+	switch {
+	case c.GetVgpu() != nil:
+		return "vGPU " + store.ClaimDevice(c.GetVgpu())
+	case c.GetGpuPassthrough() != nil:
+		return "whole GPU (IOMMU group " + c.GetGpuPassthrough().GetIommuGroup() + ")"
+	}
+	return store.LeaseKind(c)
 }
 
 func (in *Instance) claimHeld() bool { return in.ClaimHeld != nil && *in.ClaimHeld }
@@ -296,7 +339,7 @@ func writeTable(w io.Writer, insts []*Instance) {
 		}
 		gpu := "-"
 		if in.ClaimPhase != "" {
-			gpu = in.ClaimPhase + " " + orDash(in.ClaimDevice)
+			gpu = in.ClaimPhase + " " + orDash(strings.Join(in.GPUDevices, ","))
 		}
 		age := "-"
 		if in.CreatedAt != nil {

@@ -231,7 +231,7 @@ func TestLsReportsEveryInstance(t *testing.T) {
 	assert.Equal(t, "release_failed", r.State)
 	assert.True(t, r.ManualStop)
 	assert.Equal(t, ptr(true), r.ClaimHeld)
-	assertAttention(t, r, "vGPU release failed 1 time(s): write remove: device or resource busy")
+	assertAttention(t, r, "release failed 1 time(s): write remove: device or resource busy")
 
 	r = rows[idDeleting]
 	assert.Equal(t, "deleting", r.State)

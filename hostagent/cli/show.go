@@ -122,7 +122,23 @@ func writeShow(w io.Writer, in *Instance) {
 		}
 		row("created", "%s by %s", created, store.CreatorOf(rec))
 		row("process", "%s", processLine(in))
-		row("vGPU", "%s", claimLine(in))
+		leases := store.VGPUs(rec)
+		if len(leases) == 0 && len(store.HeldPassthrough(rec)) == 0 {
+			row("vGPU", "none")
+		}
+		for _, c := range leases {
+			row("vGPU", "%s", claimLine(c))
+		}
+		for _, c := range rec.GetLeases() {
+			if p := c.GetGpuPassthrough(); p != nil {
+				phase := claimPhaseName(c.GetPhase())
+				if !store.LeaseHeld(c) {
+					phase = "released"
+				}
+				row("whole GPU", "%s IOMMU group %s: %s (%s), %d failed release(s)%s", phase, p.GetIommuGroup(),
+					strings.Join(store.PassthroughDevices(c), " "), orDash(p.GetModel()), c.GetReleaseAttempts(), lastError(c))
+			}
+		}
 		row("restarts", "%d (policy %s, max %d)", rec.GetRestartCount(), orDefault(rec.GetRestartPolicy(), "never"), rec.GetRestartMaxAttempts())
 		if rec.GetLastExit() != nil || rec.GetLastExitStatus() != "" {
 			row("last exit", "%s (code %d) at %s", orDefault(rec.GetLastExitStatus(), "-"), rec.GetLastExitCode(),
@@ -164,16 +180,17 @@ func processLine(in *Instance) string {
 	return line
 }
 
-func claimLine(in *Instance) string {
-	c := store.VGPU(in.rec)
-	if c == nil {
-		return "none"
-	}
+// claimLine is one vGPU lease for show.
+func claimLine(c *vmflowv1.Lease) string {
 	v := c.GetVgpu()
+	phase, dev := claimPhaseName(c.GetPhase()), store.ClaimDevice(v)
+	if !store.LeaseHeld(c) {
+		phase = "released"
+	}
 	var b strings.Builder
-	fmt.Fprintf(&b, "%s %s: profile %q, driver %s, parent %s, type %s", in.ClaimPhase, orDash(in.ClaimDevice),
+	fmt.Fprintf(&b, "%s %s: profile %q, driver %s, parent %s, type %s", phase, orDash(dev),
 		v.GetProfile(), orDash(v.GetDriver()), orDash(v.GetParent()), orDash(v.GetTypeId()))
-	if v.GetUuid() != "" && v.GetUuid() != in.ClaimDevice {
+	if v.GetUuid() != "" && v.GetUuid() != dev {
 		fmt.Fprintf(&b, ", uuid %s", v.GetUuid())
 	}
 	if c.GetClaimedAt() != nil {
@@ -186,6 +203,14 @@ func claimLine(in *Instance) string {
 		fmt.Fprintf(&b, ", %d failed release(s), last: %s", c.GetReleaseAttempts(), orNone(c.GetLastReleaseError()))
 	}
 	return b.String()
+}
+
+// lastError is ", last: <error>" for a lease whose release failed.
+func lastError(c *vmflowv1.Lease) string {
+	if c.GetLastReleaseError() == "" {
+		return ""
+	}
+	return ", last: " + c.GetLastReleaseError()
 }
 
 func yesNo(b bool) string {

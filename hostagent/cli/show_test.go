@@ -39,7 +39,7 @@ func TestShowInstance(t *testing.T) {
 		"1 failed release(s), last: write remove: device or resource busy",
 		"last error       release vGPU: write remove: device or resource busy",
 		"needs attention  yes",
-		"- vGPU release failed 1 time(s)",
+		"release failed 1 time(s): write remove",
 		"\nrecord.json:\n{\n",
 	} {
 		assert.Contains(t, out, want)

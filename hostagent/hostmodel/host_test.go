@@ -44,7 +44,7 @@ type driverCase struct {
 }
 
 var driverCases = []driverCase{
-	// Two per GPU for three instances: capacity binds, so a reboot's
+	// Two per GPU for four vGPUs (vgpuCounts) and strays: capacity binds part-way through a claim, and a reboot's
 	// missing devices meet new claims competing for their slots.
 	{kind: vgpu.KindMdev, opts: vgpusim.Options{MdevParents: 1}, profile: "GRID A100-20C"},
 	{kind: vgpu.KindVendor, opts: vgpusim.Options{VendorVFs: 3}, profile: "NVIDIA L40-4Q"},
@@ -88,10 +88,20 @@ func (h *helper) end() error {
 // snapshot is what the system looked like after a step: the only state the
 // model carries from one step to the next.
 type snapshot struct {
-	devices map[string]bool            // sysfs: device ids that exist
-	holders map[string][]string        // device key -> instances whose held claims name it
-	procs   map[string]proc.Identity   // instance -> recorded process
-	held    map[string]*vmflowv1.Lease // instance -> its held claim
+	devices map[string]bool              // sysfs: device ids that exist
+	holders map[string][]string          // device key -> instances whose held claims name it
+	procs   map[string]proc.Identity     // instance -> recorded process
+	held    map[string][]*vmflowv1.Lease // instance -> its held vGPU leases
+}
+
+// heldOn is the lease of leases naming device key, nil for none.
+func heldOn(leases []*vmflowv1.Lease, key string) *vmflowv1.Lease {
+	for _, l := range leases {
+		if claimKey(l) == key {
+			return l
+		}
+	}
+	return nil
 }
 
 // host is one simulated host under test, fresh for every rapid check.
@@ -116,6 +126,20 @@ type host struct {
 	// rebooted: the last step was a reboot, whose vanished devices the
 	// device checks must not take for releases.
 	rebooted bool
+	// quarantine is the host's GPU quarantine; quarantinedWith maps each
+	// quarantined device to the leases naming it when the model first saw
+	// it quarantined: any other lease naming it was placed there after.
+	quarantine      *claims.Quarantine
+	quarantinedWith map[string]map[string]bool
+}
+
+// quarantineKey is the device a vGPU lease's failed release quarantines:
+// the VF (vendor), else the mdev's parent GPU.
+func (h *host) quarantineKey(l *vmflowv1.Lease) string {
+	if h.dc.kind == vgpu.KindVendor {
+		return l.GetVgpu().GetDeviceId()
+	}
+	return l.GetVgpu().GetParent()
 }
 
 // reason names an error by the sentinel callers branch on.
@@ -161,6 +185,7 @@ func newHost(t *rapid.T, dc driverCase) *host {
 		dc: dc, sys: filepath.Join(dir, "sys"), ctl: filepath.Join(dir, "ctl"),
 		state: filepath.Join(dir, "state"), devDir: filepath.Join(dir, "dev"),
 		events: map[string]int{}, helpers: map[string]*helper{}, corrupt: map[string][]byte{}, unclaimedSince: map[string]time.Time{},
+		quarantinedWith: map[string]map[string]bool{},
 	}
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	for _, d := range []string{h.sys, h.ctl, h.state, filepath.Join(h.devDir, "vfio")} {
@@ -202,6 +227,7 @@ func newHost(t *rapid.T, dc driverCase) *host {
 	if err != nil {
 		t.Fatalf("setup: %v", err)
 	}
+	h.quarantine = claims.NewQuarantine(h.state, claims.DefaultQuarantineAfter, h.clock)
 	h.startAgent(t)
 	h.prev = h.observe(t)
 	return h
@@ -213,7 +239,8 @@ func (h *host) startAgent(t *rapid.T) {
 	c, err := claims.New(claims.Config{
 		Driver: vgpu.Config{SysfsRoot: h.sys, StateDir: h.state, Kind: h.dc.kind},
 		Store:  h.st, DevRoot: h.devDir, OrphanGrace: grace, IgnoreUninspectable: h.ignore,
-		Now: func() time.Time { return time.Unix(0, h.now.Load()).UTC() },
+		Now:        func() time.Time { return time.Unix(0, h.now.Load()).UTC() },
+		Quarantine: h.quarantine,
 	})
 	if err != nil || c == nil {
 		t.Fatalf("start agent: %v", err)
@@ -285,14 +312,14 @@ func (h *host) records(t *rapid.T) (recs []*vmflowv1.InstanceRecord, unreadable 
 // observe reads the real system. Instances whose records are unreadable
 // keep what was last seen of them: the model cannot read them either.
 func (h *host) observe(t *rapid.T) snapshot {
-	s := snapshot{devices: h.devices(t), holders: map[string][]string{}, procs: map[string]proc.Identity{}, held: map[string]*vmflowv1.Lease{}}
+	s := snapshot{devices: h.devices(t), holders: map[string][]string{}, procs: map[string]proc.Identity{}, held: map[string][]*vmflowv1.Lease{}}
 	recs, _ := h.records(t)
 	for _, r := range recs {
 		if p := r.GetProcess(); p != nil {
 			s.procs[r.GetId()] = store.IdentityOf(p)
 		}
 		if store.ClaimHeld(r) {
-			s.held[r.GetId()] = store.VGPU(r)
+			s.held[r.GetId()] = store.HeldVGPUs(r)
 		}
 	}
 	for id := range h.corrupt {
@@ -303,8 +330,10 @@ func (h *host) observe(t *rapid.T) snapshot {
 			s.procs[id] = p
 		}
 	}
-	for id, cl := range s.held {
-		s.holders[claimKey(cl)] = append(s.holders[claimKey(cl)], id)
+	for id, ls := range s.held {
+		for _, cl := range ls {
+			s.holders[claimKey(cl)] = append(s.holders[claimKey(cl)], id)
+		}
 	}
 	for _, ids := range s.holders {
 		sort.Strings(ids)
@@ -391,8 +420,8 @@ func (h *host) describe(t *rapid.T) string {
 	var b strings.Builder
 	for _, r := range recs {
 		fmt.Fprintf(&b, "%s:%s", r.GetId(), store.StateName(r.GetState()))
-		if cl := store.VGPU(r); cl != nil {
-			fmt.Fprintf(&b, "[%s %s held=%t]", claimKey(cl), strings.TrimPrefix(cl.GetPhase().String(), "CLAIM_PHASE_"), store.ClaimHeld(r))
+		for _, cl := range store.VGPUs(r) {
+			fmt.Fprintf(&b, "[%s %s held=%t]", claimKey(cl), strings.TrimPrefix(cl.GetPhase().String(), "CLAIM_PHASE_"), store.LeaseHeld(cl))
 		}
 		if p := r.GetProcess(); p != nil {
 			fmt.Fprintf(&b, "(pid %d alive=%t)", p.GetPid(), proc.Inspect(store.IdentityOf(p)).Alive)

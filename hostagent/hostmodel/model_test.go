@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -21,6 +22,7 @@ import (
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vgpu"
 	"vmflow/hostagent/vgpu/vgpusim"
+	"vmflow/internal/errdefs"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 	"vmflow/testsupport/stacktest"
 )
@@ -127,6 +129,7 @@ func (h *host) actions() map[string]func(*rapid.T) {
 		"migrate":     h.migrate,
 		"reboot":      h.reboot,
 		"fillDisk":    h.fillDisk,
+		"clearQuar":   h.clearQuarantine,
 		"freeDisk":    h.freeDisk,
 	}
 }
@@ -182,16 +185,22 @@ func drawKey[V any](t *rapid.T, m map[string]V) string {
 // enough that the happy path gets somewhere.
 func rarely(t *rapid.T, label string) bool { return rapid.IntRange(0, 3).Draw(t, label) == 0 }
 
+// vgpuCounts is how many vGPUs each model instance asks for: with two
+// instances of one and one of two, capacity binds part-way through a claim.
+var vgpuCounts = map[string]uint32{"vm-a": 1, "vm-b": 2, "vm-c": 1}
+
 func (h *host) create(t *rapid.T) {
 	id := drawID(t) // any id: creating an existing one is a retried create
 	c, cancel := ctx()
 	defer cancel()
-	_, err := h.st.Create(c, &vmflowv1.InstanceRecord{Id: id, Spec: &vmflowv1.VMSpec{Vcpus: 1, MemoryMib: 64, Machine: "none", VgpuProfile: h.dc.profile}})
+	_, err := h.st.Create(c, &vmflowv1.InstanceRecord{Id: id, Spec: &vmflowv1.VMSpec{Vcpus: 1, MemoryMib: 64, Machine: "none",
+		VgpuProfile: h.dc.profile, VgpuCount: vgpuCounts[id]}})
 	t.Logf("create %s: %v", id, err)
 }
 
-// claim claims the profile for id; failCreate injects a create fault after
-// the intent is written.
+// claim claims the instance's vGPUs; failCreate injects a create fault after
+// an intent is written. A claim no retry can finish (no capacity part-way)
+// must leave its record holding no vGPU and no device it made behind.
 func (h *host) claim(t *rapid.T) {
 	id := h.existingID(t)
 	failCreate := rarely(t, "failCreate")
@@ -199,11 +208,40 @@ func (h *host) claim(t *rapid.T) {
 		h.setFault(t, vgpusim.CtlFailCreate, "EIO")
 		defer h.clearFault(t, vgpusim.CtlFailCreate)
 	}
+	before := h.devices(t)
 	c, cancel := ctx()
 	defer cancel()
-	cl, err := h.claims.Claim(c, id, h.dc.profile)
-	t.Logf("claim %s (fail-create=%t): %s %v", id, failCreate, claimKey(cl), err)
-	h.event("claim", cl != nil, err)
+	n := store.VGPUCount(h.dc.profile, vgpuCounts[id])
+	ls, err := h.claims.Claim(c, id, h.dc.profile, n)
+	var keys []string
+	for _, l := range ls {
+		keys = append(keys, claimKey(l))
+	}
+	t.Logf("claim %s x%d (fail-create=%t): %v %v", id, n, failCreate, keys, err)
+	h.event("claim", ls != nil, err)
+	if err == nil && len(ls) != n {
+		t.Fatalf("VIOLATION claim of %d vGPUs for %s returned %d", n, id, len(ls))
+	}
+	rec, gerr := h.st.Get(id)
+	if err == nil || !errors.Is(err, errdefs.NoCapacity) || gerr != nil || !store.NeverLaunched(rec) {
+		return
+	}
+	if strings.Contains(err.Error(), "roll back the claim") {
+		// The undo itself failed (a full disk): the leases stay for the
+		// retried claim or the spawn's delete, which the other checks
+		// follow.
+		h.events["claim rollback failed"]++
+		return
+	}
+	h.events["claim rolled back"]++
+	if held := store.HeldVGPUs(rec); len(held) > 0 {
+		t.Fatalf("VIOLATION a claim that failed for capacity kept %d vGPU lease(s) of %s", len(held), id)
+	}
+	for d := range h.devices(t) {
+		if !before[d] {
+			t.Fatalf("VIOLATION a claim that failed for capacity left its device %s behind", d)
+		}
+	}
 }
 
 // launch starts a QEMU stand-in for id, holding its claim's device open,
@@ -219,14 +257,18 @@ func (h *host) launch(t *rapid.T) {
 		t.Logf("launch %s: %v", id, err)
 		return
 	}
-	// Every model instance asks for a vGPU, so QEMU starts only with an
-	// active claim whose device exists, and holds its VFIO node open.
-	cl := store.VGPU(rec)
-	if !store.ClaimHeld(rec) || cl.GetPhase() != vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE {
-		t.Logf("launch %s: no active claim", id)
+	// Every model instance asks for vGPUs, so QEMU starts only with all
+	// of them active and existing, and holds its first one's VFIO node
+	// open (the release guard for the others is the VM's liveness).
+	held := store.HeldVGPUs(rec)
+	if len(held) != store.VGPUCount(h.dc.profile, vgpuCounts[id]) ||
+		slices.ContainsFunc(held, func(l *vmflowv1.Lease) bool { return l.GetPhase() != vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE }) {
+		t.Logf("launch %s: not every claim active", id)
 		return
 	}
-	if !h.devices(t)[claimKey(cl)] && !h.ensureDevice(t, id, cl) {
+	cl := held[0]
+	devs := h.devices(t)
+	if slices.ContainsFunc(held, func(l *vmflowv1.Lease) bool { return !devs[claimKey(l)] }) && !h.ensureDevice(t, id, cl) {
 		return
 	}
 	node := h.vfioNode(t, claimKey(cl))
@@ -356,7 +398,7 @@ func (h *host) release(t *rapid.T) {
 	recorded := store.IdentityOf(before.GetProcess())
 
 	var released bool
-	var dev string
+	var dev []string
 	var err error
 	switch mode {
 	case releaseOK:
@@ -390,7 +432,7 @@ func (h *host) release(t *rapid.T) {
 	}
 }
 
-func (h *host) callRelease(id string, wait time.Duration) (bool, string, error) {
+func (h *host) callRelease(id string, wait time.Duration) (bool, []string, error) {
 	c, cancel := ctx()
 	defer cancel()
 	c, cancel2 := context.WithTimeout(c, wait)
@@ -398,11 +440,11 @@ func (h *host) callRelease(id string, wait time.Duration) (bool, string, error) 
 	return h.claims.Release(c, id)
 }
 
-func (h *host) releaseCrash(t *rapid.T, id string) (bool, string, error) {
+func (h *host) releaseCrash(t *rapid.T, id string) (bool, []string, error) {
 	h.setFault(t, vgpusim.CtlBlockRelease, "")
 	type result struct {
 		released bool
-		dev      string
+		dev      []string
 		err      error
 	}
 	done := make(chan result, 1)
@@ -456,7 +498,7 @@ func (h *host) reconcile(t *rapid.T) {
 		for _, r := range recs {
 			// Only held claims own their device: a released claim that
 			// still names a VF must not shield a stray device on it.
-			if cl := store.VGPU(r); cl != nil && store.ClaimHeld(r) {
+			for _, cl := range store.HeldVGPUs(r) {
 				named[claimKey(cl)] = true
 			}
 		}
@@ -602,12 +644,12 @@ func (h *host) oldShape(t *rapid.T) {
 	recs, _ := h.records(t)
 	var leased []*vmflowv1.InstanceRecord
 	for _, r := range recs {
-		if store.VGPU(r) != nil {
+		if len(store.VGPUs(r)) == 1 && len(r.GetLeases()) == 1 { // the old shape held one vGPU and nothing else
 			leased = append(leased, r)
 		}
 	}
 	if len(leased) == 0 {
-		t.Skip("no vGPU lease")
+		t.Skip("no record with one vGPU lease")
 	}
 	id := rapid.SampledFrom(leased).Draw(t, "old shape").GetId()
 	l, err := stacktest.WriteOldShape(h.st, id)
@@ -673,7 +715,7 @@ func (h *host) ensureDevice(t *rapid.T, id string, cl *vmflowv1.Lease) bool {
 	if err != nil {
 		t.Fatalf("launch %s: %v", id, err)
 	}
-	_, err = h.claims.EnsureDeviceLocked(c, l)
+	_, err = h.claims.EnsureDevicesLocked(c, l)
 	_ = l.Unlock()
 	t.Logf("launch %s: re-create missing device %s: %v", id, claimKey(cl), err)
 	h.event("re-create", err == nil, err)
@@ -763,12 +805,62 @@ func (h *host) checkUIDs(t *rapid.T) {
 	}
 }
 
+// clearQuarantine is the operator's devices clear of one quarantined
+// device.
+func (h *host) clearQuarantine(t *rapid.T) {
+	q, err := h.quarantine.List()
+	if err != nil {
+		t.Fatalf("quarantine: %v", err)
+	}
+	id := drawKey(t, q)
+	c, cancel := ctx()
+	defer cancel()
+	_, err = h.quarantine.Clear(c, id)
+	t.Logf("clear quarantine of %s: %v", id, err)
+	h.event("clear quarantine", err == nil, err)
+	delete(h.quarantinedWith, id)
+}
+
+// checkQuarantine: no lease is placed on a quarantined device (a lease
+// naming it that was not there when it was quarantined).
+func (h *host) checkQuarantine(t *rapid.T, now snapshot) {
+	q, err := h.quarantine.List()
+	if err != nil {
+		t.Fatalf("quarantine: %v", err)
+	}
+	naming := func(key string) map[string]bool {
+		m := map[string]bool{}
+		for id, ls := range now.held {
+			for _, l := range ls {
+				if h.quarantineKey(l) == key {
+					m[id+" "+store.LeaseName(l)] = true
+				}
+			}
+		}
+		return m
+	}
+	for key := range q {
+		was, ok := h.quarantinedWith[key]
+		if !ok {
+			h.quarantinedWith[key] = naming(key)
+			h.events["quarantined"]++
+			continue
+		}
+		for l := range naming(key) {
+			if !was[l] {
+				t.Fatalf("VIOLATION a lease placed on a quarantined device: %s on %s (%s)", l, key, q[key].Reason)
+			}
+		}
+	}
+}
+
 // check runs after every step, against the real system.
 func (h *host) check(t *rapid.T) {
 	now := h.observe(t)
 	defer func() { h.prev = now }()
 	t.Logf("  state: %s", h.describe(t))
 	h.checkUIDs(t)
+	h.checkQuarantine(t, now)
 
 	// One device, one claim (invariant 10).
 	uuids := map[string]string{}
@@ -777,7 +869,7 @@ func (h *host) check(t *rapid.T) {
 			t.Fatalf("VIOLATION two held claims name one device: %s is claimed by %v", key, ids)
 		}
 		for _, id := range ids {
-			u := now.held[id].GetVgpu().GetUuid()
+			u := heldOn(now.held[id], key).GetVgpu().GetUuid()
 			if other, ok := uuids[u]; ok && u != "" {
 				t.Fatalf("VIOLATION two held claims name one vGPU UUID: %s is claimed by %s and %s", u, other, id)
 			}
@@ -785,12 +877,12 @@ func (h *host) check(t *rapid.T) {
 		}
 	}
 	// No held claim without its record (invariant 1, seen from the disk).
-	for id, cl := range h.prev.held {
+	for id, ls := range h.prev.held {
 		if _, ok := now.held[id]; ok {
 			continue
 		}
 		if _, err := h.st.Get(id); errors.Is(err, store.ErrNotFound) {
-			t.Fatalf("VIOLATION held claim lost its record: %s held %s and its record is gone", id, claimKey(cl))
+			t.Fatalf("VIOLATION held claim lost its record: %s held %s and its record is gone", id, claimKey(ls[0]))
 		}
 	}
 	// A device goes only when every instance whose held claim named it has
@@ -809,7 +901,7 @@ func (h *host) check(t *rapid.T) {
 		// released) has lost its device to someone else's write.
 		for _, id := range h.prev.holders[d] {
 			_, unreadable := h.corrupt[id]
-			was, is := h.prev.held[id], now.held[id]
+			was, is := heldOn(h.prev.held[id], d), heldOn(now.held[id], d)
 			if !unreadable &&
 				was.GetPhase() == vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE && is.GetPhase() == vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE {
 				t.Fatalf("VIOLATION device of an active claim destroyed: %s of %s is gone and its claim still says active", d, id)

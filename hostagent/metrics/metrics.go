@@ -45,8 +45,20 @@ type Agent struct {
 	// qemu.log (its disk full, failing or behind): output is dropped rather
 	// than QEMU blocked.
 	GuestLogDropped prometheus.Counter
+	// GPUDevices counts the host's GPU devices by state (free, claimed,
+	// quarantined, not-vmflows), as `vmflow-hostagent devices` lists them;
+	// the agent sets it (SetGPUDevices).
+	GPUDevices *prometheus.GaugeVec
 
 	store *storeCollector // nil without a store
+}
+
+// SetGPUDevices sets vmflow_gpu_devices to counts (state -> devices); a
+// state counts gives no number keeps its last value.
+func (a *Agent) SetGPUDevices(counts map[string]int) {
+	for state, n := range counts {
+		a.GPUDevices.WithLabelValues(state).Set(float64(n))
+	}
 }
 
 // DefaultStoreRefresh is how often RunStoreRefresh re-reads the store: the
@@ -93,6 +105,10 @@ func New(reg prometheus.Registerer, st *store.Store) (*Agent, error) {
 			Name: "vmflow_restarts_device_missing_total",
 			Help: "Restarts that failed because the instance's vGPU is missing and could not be re-created.",
 		}),
+		GPUDevices: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "vmflow_gpu_devices",
+			Help: "GPU devices on this host by state: free, claimed, quarantined (a release or reset failed --gpu-quarantine-after times), not-vmflows.",
+		}, []string{"state"}),
 		GuestLogDropped: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "vmflow_guest_log_dropped_bytes_total",
 			Help: "Guest output bytes dropped instead of written to qemu.log (disk full, failing or behind), counted when a VM's log pump ends.",
@@ -106,7 +122,7 @@ func New(reg prometheus.Registerer, st *store.Store) (*Agent, error) {
 	for _, errno := range []string{"EAGAIN", "EBUSY", "EIO", "ENODEV"} {
 		a.ReleaseFailures.WithLabelValues(errno)
 	}
-	cs := []prometheus.Collector{a.StopDuration, a.ExitDetect, a.LaunchDuration, a.ReleaseFailures, a.Reattach, a.ClaimsUnserved, a.RestartsRefused, a.RestartsDeviceMissing, a.GuestLogDropped}
+	cs := []prometheus.Collector{a.StopDuration, a.ExitDetect, a.LaunchDuration, a.ReleaseFailures, a.Reattach, a.ClaimsUnserved, a.RestartsRefused, a.RestartsDeviceMissing, a.GuestLogDropped, a.GPUDevices}
 	if st != nil {
 		a.store = &storeCollector{st: st}
 		a.store.refresh()

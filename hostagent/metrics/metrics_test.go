@@ -135,3 +135,21 @@ func gauge(t *testing.T, reg *prometheus.Registry, name, state string) prometheu
 	t.Fatalf("no %s{state=%q} in a scrape", name, state)
 	return nil
 }
+
+// TestGPUDevicesByState: vmflow_gpu_devices carries one series per state
+// the agent's inventory counted.
+func TestGPUDevicesByState(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	a, err := New(reg, nil)
+	require.NoError(t, err)
+	a.SetGPUDevices(map[string]int{"free": 3, "claimed": 2, "quarantined": 1, "not-vmflows": 0})
+	want := `
+# HELP vmflow_gpu_devices GPU devices on this host by state: free, claimed, quarantined (a release or reset failed --gpu-quarantine-after times), not-vmflows.
+# TYPE vmflow_gpu_devices gauge
+vmflow_gpu_devices{state="claimed"} 2
+vmflow_gpu_devices{state="free"} 3
+vmflow_gpu_devices{state="not-vmflows"} 0
+vmflow_gpu_devices{state="quarantined"} 1
+`
+	assert.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(want), "vmflow_gpu_devices"))
+}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strings"
 
 	"vmflow/internal/crashpoint"
 	vmflowv1 "vmflow/proto/vmflow/v1"
@@ -31,7 +32,8 @@ import (
 
 // Lease kinds, as LeaseKind names them.
 const (
-	KindVGPU = "vgpu"
+	KindVGPU        = "vgpu"
+	KindPassthrough = "passthrough"
 )
 
 // LeaseKind names l's kind ("vgpu"); "unknown" for a lease with no
@@ -40,6 +42,8 @@ func LeaseKind(l *vmflowv1.Lease) string {
 	switch l.GetResource().(type) {
 	case *vmflowv1.Lease_Vgpu:
 		return KindVGPU
+	case *vmflowv1.Lease_GpuPassthrough:
+		return KindPassthrough
 	}
 	return "unknown"
 }
@@ -50,6 +54,9 @@ func LeaseName(l *vmflowv1.Lease) string {
 	switch r := l.GetResource().(type) {
 	case *vmflowv1.Lease_Vgpu:
 		return KindVGPU + ":" + ClaimDevice(r.Vgpu)
+	case *vmflowv1.Lease_GpuPassthrough:
+		// The group, not a function: placement never splits a group.
+		return KindPassthrough + ":" + r.GpuPassthrough.GetIommuGroup()
 	}
 	return "unknown:"
 }
@@ -58,6 +65,39 @@ func LeaseName(l *vmflowv1.Lease) string {
 func VGPULease(v *vmflowv1.VgpuLease) *vmflowv1.Lease {
 	return &vmflowv1.Lease{Resource: &vmflowv1.Lease_Vgpu{Vgpu: v}}
 }
+
+// PassthroughLeaseOf is a lease on the IOMMU group p names, for LeaseIntent.
+func PassthroughLeaseOf(p *vmflowv1.PassthroughLease) *vmflowv1.Lease {
+	return &vmflowv1.Lease{Resource: &vmflowv1.Lease_GpuPassthrough{GpuPassthrough: p}}
+}
+
+// HeldPassthrough are rec's held whole-GPU leases, in claim order.
+func HeldPassthrough(rec *vmflowv1.InstanceRecord) []*vmflowv1.Lease {
+	var out []*vmflowv1.Lease
+	for _, l := range rec.GetLeases() {
+		if l.GetGpuPassthrough() != nil && LeaseHeld(l) {
+			out = append(out, l)
+		}
+	}
+	return out
+}
+
+// PassthroughDevices names the PCI functions a whole-GPU lease holds, in
+// address order: the ids SpawnResult.gpu_device_ids and the CLI show.
+func PassthroughDevices(l *vmflowv1.Lease) []string {
+	var out []string
+	for _, f := range l.GetGpuPassthrough().GetFunctions() {
+		out = append(out, f.GetAddr())
+	}
+	return out
+}
+
+// PassthroughCount is how many whole GPUs spec asks for.
+func PassthroughCount(spec *vmflowv1.VMSpec) int { return int(spec.GetGpuPassthroughCount()) }
+
+// MaxPassthrough bounds the whole GPUs one instance may hold: an 8-GPU
+// node's.
+const MaxPassthrough = 8
 
 // LeaseHeld reports whether l is held: from the moment it is recorded
 // (INTENT, before the resource exists) until its release is confirmed.
@@ -82,21 +122,56 @@ func AnyLeaseHeld(rec *vmflowv1.InstanceRecord) bool {
 	return len(HeldLeases(rec)) > 0
 }
 
-// VGPU is rec's vGPU lease, held or released; nil when it has none. An
-// instance has at most one (ValidateRecord).
-func VGPU(rec *vmflowv1.InstanceRecord) *vmflowv1.Lease {
+// VGPUs are rec's vGPU leases, held or released, in claim order.
+func VGPUs(rec *vmflowv1.InstanceRecord) []*vmflowv1.Lease {
+	var out []*vmflowv1.Lease
 	for _, l := range rec.GetLeases() {
 		if l.GetVgpu() != nil {
-			return l
+			out = append(out, l)
 		}
+	}
+	return out
+}
+
+// HeldVGPUs are rec's held vGPU leases, in claim order.
+func HeldVGPUs(rec *vmflowv1.InstanceRecord) []*vmflowv1.Lease {
+	var out []*vmflowv1.Lease
+	for _, l := range VGPUs(rec) {
+		if LeaseHeld(l) {
+			out = append(out, l)
+		}
+	}
+	return out
+}
+
+// VGPU is rec's first vGPU lease, held or released; nil when it has none.
+func VGPU(rec *vmflowv1.InstanceRecord) *vmflowv1.Lease {
+	if vs := VGPUs(rec); len(vs) > 0 {
+		return vs[0]
 	}
 	return nil
 }
 
-// ClaimHeld reports whether rec holds a vGPU lease.
+// ClaimHeld reports whether rec holds any vGPU lease.
 func ClaimHeld(rec *vmflowv1.InstanceRecord) bool {
-	return LeaseHeld(VGPU(rec))
+	return len(HeldVGPUs(rec)) > 0
 }
+
+// VGPUCount is how many vGPUs spec asks for: vgpu_count, or one when only
+// vgpu_profile is set (records and requests from before counts).
+func VGPUCount(profile string, count uint32) int {
+	switch {
+	case profile == "":
+		return 0
+	case count == 0:
+		return 1
+	}
+	return int(count)
+}
+
+// MaxVGPUs bounds the vGPUs one instance may hold (what a record
+// admits and a spawn may ask for): an 8-GPU node's GPUs, each split in two.
+const MaxVGPUs = 16
 
 // ClaimDevice names a vGPU lease's device (the SR-IOV VF, else the mdev UUID):
 // the one rule, so messages, the ledger and the CLI agree.
@@ -113,15 +188,17 @@ func describeLease(l *vmflowv1.Lease) string {
 	switch r := l.GetResource().(type) {
 	case *vmflowv1.Lease_Vgpu:
 		return fmt.Sprintf("vgpu lease (profile %q, device %s, phase %s)", r.Vgpu.GetProfile(), ClaimDevice(r.Vgpu), l.GetPhase())
+	case *vmflowv1.Lease_GpuPassthrough:
+		return fmt.Sprintf("passthrough lease (IOMMU group %s, %s, phase %s)", r.GpuPassthrough.GetIommuGroup(),
+			strings.Join(PassthroughDevices(l), " "), l.GetPhase())
 	}
 	return fmt.Sprintf("%s lease (phase %s)", LeaseKind(l), l.GetPhase())
 }
 
 // validateLeases checks every lease has a known kind and phase, no two name
-// one resource, and there is at most one vGPU.
+// one resource, and there are at most MaxVGPUs vGPUs.
 func validateLeases(rec *vmflowv1.InstanceRecord) error {
 	names := map[string]bool{}
-	vgpus := 0
 	for i, l := range rec.GetLeases() {
 		if l.GetResource() == nil {
 			return fmt.Errorf("%w: instance %s: lease %d has no resource", ErrInvalidRecord, rec.GetId(), i)
@@ -134,12 +211,14 @@ func validateLeases(rec *vmflowv1.InstanceRecord) error {
 		} else {
 			names[n] = true
 		}
-		if l.GetVgpu() != nil {
-			vgpus++
-		}
 	}
-	if vgpus > 1 {
-		return fmt.Errorf("%w: instance %s has %d vgpu leases, at most one is allowed", ErrInvalidRecord, rec.GetId(), vgpus)
+	if n := len(rec.GetLeases()) - len(VGPUs(rec)); n > MaxPassthrough+16 {
+		// Whole GPUs and whatever other kinds: bounded so a hand-made
+		// record cannot make every reader walk a huge list.
+		return fmt.Errorf("%w: instance %s has %d non-vgpu leases", ErrInvalidRecord, rec.GetId(), n)
+	}
+	if n := len(VGPUs(rec)); n > MaxVGPUs {
+		return fmt.Errorf("%w: instance %s has %d vgpu leases, at most %d are allowed", ErrInvalidRecord, rec.GetId(), n, MaxVGPUs)
 	}
 	return nil
 }

@@ -426,7 +426,8 @@ func (l *Locked) BeginDelete(by Spawn) (DeleteBegun, error) {
 // Leases.
 
 // LeaseIntent records a lease before its resource exists (INTENT); ErrDeleting
-// once a delete began, ErrConflict for a lease of that name or a second vGPU.
+// once a delete began, ErrConflict for a lease of that name. How many of a
+// kind an instance may hold is its claimer's to decide.
 func LeaseIntent(lease *vmflowv1.Lease, at time.Time) Step {
 	const name = "lease intent"
 	return Step{name, func(r *vmflowv1.InstanceRecord) error {
@@ -435,7 +436,7 @@ func LeaseIntent(lease *vmflowv1.Lease, at time.Time) Step {
 		}
 		n := LeaseName(lease)
 		for _, have := range r.GetLeases() {
-			if LeaseName(have) == n || (lease.GetVgpu() != nil && have.GetVgpu() != nil) {
+			if LeaseName(have) == n {
 				return refuse(name, r, ErrConflict, "the record already has %s", describeLease(have))
 			}
 		}
@@ -446,20 +447,94 @@ func LeaseIntent(lease *vmflowv1.Lease, at time.Time) Step {
 	}}
 }
 
-// VGPUActive records that the vGPU lease's device exists (phase ACTIVE),
-// with the device id and parent the driver reports.
-func VGPUActive(deviceID, parent string) Step {
-	const name = "vgpu active"
-	return Step{name, func(r *vmflowv1.InstanceRecord) error {
-		l := VGPU(r)
-		if !LeaseHeld(l) {
-			return refuse(name, r, ErrIllegalTransition, "no held vgpu lease")
+// VGPUActive records that the vGPU lease name's device exists (phase
+// ACTIVE), with the device id and parent the driver reports.
+func VGPUActive(name, deviceID, parent string) Step {
+	const step = "vgpu active"
+	return Step{step, func(r *vmflowv1.InstanceRecord) error {
+		l, err := heldLease(step, r, name)
+		if err != nil {
+			return err
 		}
 		v := l.GetVgpu()
+		if v == nil {
+			return refuse(step, r, ErrIllegalTransition, "lease %s is no vgpu lease", name)
+		}
 		v.DeviceId, l.Phase = deviceID, vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE
 		if parent != "" {
 			v.Parent = parent
 		}
+		return nil
+	}}
+}
+
+// PassthroughActive records that lease name's IOMMU group is bound to
+// vfio-pci (phase ACTIVE); the functions and their previous drivers were
+// written with its intent.
+func PassthroughActive(name string) Step {
+	const step = "passthrough active"
+	return Step{step, func(r *vmflowv1.InstanceRecord) error {
+		l, err := heldLease(step, r, name)
+		if err != nil {
+			return err
+		}
+		if l.GetGpuPassthrough() == nil {
+			return refuse(step, r, ErrIllegalTransition, "lease %s is no passthrough lease", name)
+		}
+		l.Phase = vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE
+		return nil
+	}}
+}
+
+// NeverLaunched reports whether no QEMU of rec was ever started or begun:
+// a Creating record with no launch marker, process, start or exit. Only
+// then may a claim undo its own leases without a delete: no VM can have
+// been given their resources.
+func NeverLaunched(r *vmflowv1.InstanceRecord) bool {
+	return r.GetState() == vmflowv1.InstanceState_INSTANCE_STATE_CREATING && r.GetLaunchStartedAt() == nil &&
+		r.GetProcess() == nil && r.GetLastStart() == nil && r.GetLastExit() == nil
+}
+
+// unlaunchedLease is the held lease name of a record that never launched,
+// or a refusal of step: the precondition of a claim's rollback.
+func unlaunchedLease(step string, r *vmflowv1.InstanceRecord, name string) (*vmflowv1.Lease, error) {
+	if !NeverLaunched(r) {
+		return nil, refuse(step, r, ErrIllegalTransition, "the record is not a creating one that never launched")
+	}
+	return heldLease(step, r, name)
+}
+
+// LeaseRollingBack marks lease name's undo under way (phase RELEASING),
+// written before the resource is released: a claim of several that failed
+// part-way undoes what it made. Refused unless the record never launched
+// (NeverLaunched; a delete releases through LeaseReleasing instead).
+func LeaseRollingBack(name string) Step {
+	const step = "lease rolling back"
+	return Step{step, func(r *vmflowv1.InstanceRecord) error {
+		l, err := unlaunchedLease(step, r, name)
+		if err != nil {
+			return err
+		}
+		l.Phase = vmflowv1.ClaimPhase_CLAIM_PHASE_RELEASING
+		return nil
+	}}
+}
+
+// LeaseRolledBack drops lease name, whose resource is confirmed released,
+// from a record that never launched: the claim it belonged to is undone as
+// if never made, so a later claim may place on the same resource. Refused
+// unless LeaseRollingBack was written.
+func LeaseRolledBack(name string) Step {
+	const step = "lease rolled back"
+	return Step{step, func(r *vmflowv1.InstanceRecord) error {
+		l, err := unlaunchedLease(step, r, name)
+		if err != nil {
+			return err
+		}
+		if l.GetPhase() != vmflowv1.ClaimPhase_CLAIM_PHASE_RELEASING {
+			return refuse(step, r, ErrIllegalTransition, "lease %s is %s, not rolling back", name, l.GetPhase())
+		}
+		r.Leases = slices.DeleteFunc(r.Leases, func(x *vmflowv1.Lease) bool { return x == l })
 		return nil
 	}}
 }
@@ -493,8 +568,11 @@ func LeaseReleasing(name string) Step {
 
 // leaseLabel is a kind's name in an operator's message.
 func leaseLabel(l *vmflowv1.Lease) string {
-	if l.GetVgpu() != nil {
+	switch {
+	case l.GetVgpu() != nil:
 		return "vGPU"
+	case l.GetGpuPassthrough() != nil:
+		return "whole GPU"
 	}
 	return LeaseKind(l)
 }

@@ -268,11 +268,11 @@ func DefaultPrepareLaunch(_ context.Context, _ *store.Locked, rec *vmflowv1.Inst
 	if rec.GetSpec() == nil {
 		return vmm.VMSpec{}, fmt.Errorf("instance %s: %w: the record has no spec", rec.GetId(), ErrNoSpec)
 	}
-	if rec.GetSpec().GetVgpuProfile() != "" || store.ClaimHeld(rec) {
+	if rec.GetSpec().GetVgpuProfile() != "" || store.ClaimHeld(rec) || len(store.HeldPassthrough(rec)) > 0 {
 		return vmm.VMSpec{}, fmt.Errorf("instance %s: %w: it has a vGPU; set Config.PrepareLaunch", rec.GetId(), ErrNoSpec)
 	}
 	if s := rec.GetSpec(); s.GetKernel() != "" || s.GetInitrd() != "" || s.GetDisk() != "" {
 		return vmm.VMSpec{}, fmt.Errorf("instance %s: %w: it has images; set Config.PrepareLaunch", rec.GetId(), ErrNoSpec)
 	}
-	return admission.ForRecord(rec, ""), nil
+	return admission.ForRecord(rec, nil), nil
 }

@@ -101,6 +101,23 @@ const (
 	// ActivityWaitVMExitDone: WaitVMExit is about to report success.
 	ActivityWaitVMExitDone = "activity.wait_vm_exit.done"
 
+	// ClaimRollingBack: a claim of several that failed part-way marked one
+	// of its leases rolling back; its device is not released yet.
+	ClaimRollingBack = "vgpu.claim.rolling_back"
+	// ClaimRolledBack: that lease's device is released and the lease
+	// dropped from the record.
+	ClaimRolledBack = "vgpu.claim.rolled_back"
+
+	// PassthroughIntentWritten: a whole GPU's lease (its group, functions
+	// and their drivers) is in the record; no sysfs write yet.
+	PassthroughIntentWritten = "passthrough.claim.intent_written"
+	// PassthroughSysfsWritten: one sysfs write of a bind or a return
+	// succeeded (driver_override, unbind, drivers_probe, reset); armed at
+	// its N-th hit it stops between any two of them.
+	PassthroughSysfsWritten = "passthrough.sysfs.written"
+	// PassthroughActivated: the lease says the group is bound to vfio-pci.
+	PassthroughActivated = "passthrough.claim.activated"
+
 	// ReleaseReleasing: the claim's phase says Releasing; nothing written
 	// to sysfs yet.
 	ReleaseReleasing = "vgpu.release.releasing_recorded"
@@ -109,6 +126,14 @@ const (
 	ReleaseWritten = "vgpu.release.written"
 	// ReleaseRecorded: the record says the claim is released.
 	ReleaseRecorded = "vgpu.release.recorded"
+	// PassthroughReleasing: a whole GPU's lease says releasing; its group
+	// is still on vfio-pci.
+	PassthroughReleasing = "passthrough.release.releasing_recorded"
+	// PassthroughReturned: the group is back on its drivers; the record
+	// still holds the lease.
+	PassthroughReturned = "passthrough.release.returned"
+	// PassthroughReleased: the record says the lease is released.
+	PassthroughReleased = "passthrough.release.recorded"
 	// ActivityReleaseVGPUDone: ReleaseVGPU is about to report success.
 	ActivityReleaseVGPUDone = "activity.release_vgpu.done"
 	// ReconcileReleased: a reconcile round released (and recorded) the
@@ -128,11 +153,13 @@ const (
 var All = []string{
 	StoreMigrated, AgentReattached,
 	StoreCreateDir, StoreWriteTemp, StoreWriteRenamed, ActivityCreateRecordDone,
-	ClaimIntentWritten, ClaimDeviceCreated, ClaimActivated, ActivityClaimVGPUDone,
+	ClaimIntentWritten, ClaimDeviceCreated, ClaimActivated, ClaimRollingBack, ClaimRolledBack,
+	PassthroughIntentWritten, PassthroughSysfsWritten, PassthroughActivated, ActivityClaimVGPUDone,
 	StoreUIDLedgerWritten, LaunchBeforeFork, LaunchForked, LaunchPIDRecorded, LaunchQMPReady, LaunchRunningRecorded, ActivityLaunchVMDone,
 	MarkerWritten, BeginDeleteRecorded,
 	StopPowerdownSent, StopQuitSent, StopKillSent, StopGone, ActivityStopVMDone, ActivityWaitVMExitDone,
-	ReleaseReleasing, ReleaseWritten, ReleaseRecorded, ActivityReleaseVGPUDone, ReconcileReleased,
+	ReleaseReleasing, ReleaseWritten, ReleaseRecorded, PassthroughReleasing, PassthroughReturned, PassthroughReleased,
+	ActivityReleaseVGPUDone, ReconcileReleased,
 	TearDownSocketRemoved, RecordTrashed, ActivityDeleteRecordDone,
 }
 

@@ -18,10 +18,11 @@ func WriteOldShape(st *store.Store, id string) (*vmflowv1.Lease, error) {
 	if err != nil {
 		return nil, fmt.Errorf("old shape %s: %w", id, err)
 	}
-	l := store.VGPU(rec)
-	if l == nil {
-		return nil, fmt.Errorf("old shape %s: the record holds no vGPU lease", id)
+	// The old shape held one vGPU claim and nothing else.
+	if len(store.VGPUs(rec)) != 1 || len(rec.GetLeases()) != 1 {
+		return nil, fmt.Errorf("old shape %s: the record holds %d leases, %d of them vGPUs; the old shape had one vGPU", id, len(rec.GetLeases()), len(store.VGPUs(rec)))
 	}
+	l := store.VGPU(rec)
 	v := l.GetVgpu()
 	rec.Leases = nil
 	rec.GpuClaim = &vmflowv1.GpuClaim{Profile: v.GetProfile(), Parent: v.GetParent(), TypeId: v.GetTypeId(), Uuid: v.GetUuid(),

@@ -66,6 +66,9 @@ type Config struct {
 	IgnoreUninspectable []int
 	// Now stamps records and the orphan ledger (time.Now when nil).
 	Now func() time.Time
+	// Quarantine, if set, takes a device whose release failed K times
+	// (a vendor VF, an mdev's parent GPU) out of placement.
+	Quarantine *Quarantine
 }
 
 // Claims keeps vGPU claims in the instance records: written ahead of the
@@ -85,6 +88,7 @@ type Claims struct {
 	now     func() time.Time
 	seen    scanSeen // Scan's own first sightings of unclaimed devices
 	scanFDs func(context.Context) (*proc.FDScan, error)
+	quar    *Quarantine
 }
 
 // WithDefaults is c with every zero field that has a default set to it.
@@ -113,7 +117,7 @@ func New(cfg Config) (*Claims, error) {
 	cfg = cfg.WithDefaults()
 	c := &Claims{
 		st: cfg.Store, devRoot: cfg.DevRoot, grace: cfg.OrphanGrace, ignore: cfg.IgnoreUninspectable,
-		log: cfg.Logger, now: cfg.Now, scanFDs: proc.ScanFDs,
+		log: cfg.Logger, now: cfg.Now, scanFDs: proc.ScanFDs, quar: cfg.Quarantine,
 	}
 	dc := cfg.Driver
 	c.sysfs = dc.SysfsRoot
@@ -153,6 +157,15 @@ func (c *Claims) Profiles(ctx context.Context) ([]string, error) {
 // lease.
 func (c *Claims) DevicePath(claim *vmflowv1.Lease) string {
 	return c.drv.DevicePath(deviceOf(claim, c.drv.Kind()))
+}
+
+// quarantineKey is the device a failed vGPU release quarantines: the VF
+// (vendor VFIO), else the mdev's parent GPU (an mdev UUID is never reused).
+func quarantineKey(dev vgpu.Device) string {
+	if dev.Kind == vgpu.KindVendor {
+		return dev.ID
+	}
+	return dev.Parent
 }
 
 func deviceOf(lease *vmflowv1.Lease, kind vgpu.Kind) vgpu.Device {

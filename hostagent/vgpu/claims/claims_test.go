@@ -3,7 +3,6 @@ package claims_test
 import (
 	"context"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"sync"
 	"syscall"
@@ -126,7 +125,7 @@ func TestClaimWritesIntentThenActive(t *testing.T) {
 	e := newClaims(t, vgpusim.Options{MdevParents: 2})
 	e.record(t, "vm1")
 	ctx := context.Background()
-	c, err := e.claims.Claim(ctx, "vm1", profile)
+	c, err := claimOne(ctx, e.claims, "vm1", profile)
 	require.NoError(t, err)
 	assert.Equal(t, vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE, c.GetPhase())
 	assert.Equal(t, profile, c.GetVgpu().GetProfile())
@@ -134,12 +133,12 @@ func TestClaimWritesIntentThenActive(t *testing.T) {
 	assert.Equal(t, c.GetVgpu().GetDeviceId(), e.devices(t)[0].ID)
 	assert.Equal(t, filepath.Join(e.sim.Root, "bus/mdev/devices", c.GetVgpu().GetDeviceId()), e.claims.DevicePath(c))
 
-	again, err := e.claims.Claim(ctx, "vm1", profile)
+	again, err := claimOne(ctx, e.claims, "vm1", profile)
 	require.NoError(t, err)
 	assert.Equal(t, c.GetVgpu().GetDeviceId(), again.GetVgpu().GetDeviceId(), "a retried claim returns the same device")
 	assert.Len(t, e.devices(t), 1)
 
-	_, err = e.claims.Claim(ctx, "vm1", "GRID A100-8C")
+	_, err = claimOne(ctx, e.claims, "vm1", "GRID A100-8C")
 	assert.ErrorIs(t, err, claims.ErrClaimConflict)
 }
 
@@ -149,7 +148,7 @@ func TestReleaseRefusedWhileVMAlive(t *testing.T) {
 	e := newClaims(t, vgpusim.Options{MdevParents: 1})
 	e.record(t, "vm1")
 	ctx := context.Background()
-	_, err := e.claims.Claim(ctx, "vm1", profile)
+	_, err := claimOne(ctx, e.claims, "vm1", profile)
 	require.NoError(t, err)
 
 	z := proctest.StartZombie(t)
@@ -187,27 +186,19 @@ func TestReleaseRefusedWhileDeviceHeld(t *testing.T) {
 	e := newClaims(t, vgpusim.Options{MdevParents: 1})
 	e.record(t, "vm1")
 	ctx := context.Background()
-	c, err := e.claims.Claim(ctx, "vm1", profile)
+	c, err := claimOne(ctx, e.claims, "vm1", profile)
 	require.NoError(t, err)
 	node := e.vfioNode(t, c.GetVgpu().GetDeviceId())
 	e.beginDelete(t, "vm1")
 
-	holder := exec.Command("sh", "-c", "exec 3<\"$0\"; exec sleep 60", node)
-	child, err := proc.Start(holder)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = proc.Signal(child.Identity(), syscall.SIGKILL); <-child.Done() })
-	require.Eventually(t, func() bool {
-		hs, err := proc.Holders(ctx, node)
-		return err == nil && len(proctest.Certain(hs)) > 0
-	}, 10*time.Second, 5*time.Millisecond)
+	stop := holdOpen(t, node)
 
 	_, _, err = e.claims.Release(ctx, "vm1")
 	require.ErrorIs(t, err, claims.ErrDeviceHeld)
 	assert.Contains(t, err.Error(), "pid ")
 	assert.Len(t, e.devices(t), 1)
 
-	require.NoError(t, proc.Signal(child.Identity(), syscall.SIGKILL))
-	<-child.Done()
+	stop()
 	released, _, err := e.claims.Release(ctx, "vm1")
 	require.NoError(t, err)
 	assert.True(t, released)
@@ -218,7 +209,7 @@ func TestFailedReleaseKeepsRecordAndClaim(t *testing.T) {
 	e := newClaims(t, vgpusim.Options{MdevParents: 1})
 	e.record(t, "vm1")
 	ctx := context.Background()
-	_, err := e.claims.Claim(ctx, "vm1", profile)
+	_, err := claimOne(ctx, e.claims, "vm1", profile)
 	require.NoError(t, err)
 	e.beginDelete(t, "vm1")
 	e.sim.Set(t, vgpusim.CtlFailRelease, "EIO")
@@ -248,7 +239,7 @@ func TestCrashBetweenIntentAndCreate(t *testing.T) {
 	ctx := context.Background()
 	e.record(t, "vm1")
 	e.sim.Set(t, vgpusim.CtlFailCreate, "EIO")
-	_, err := e.claims.Claim(ctx, "vm1", profile)
+	_, err := claimOne(ctx, e.claims, "vm1", profile)
 	require.ErrorIs(t, err, syscall.EIO)
 	rec, err := e.st.Get("vm1")
 	require.NoError(t, err)
@@ -263,7 +254,7 @@ func TestCrashBetweenIntentAndCreate(t *testing.T) {
 
 	// Retried claim finishes the intent at its recorded UUID.
 	e.sim.Clear(t, vgpusim.CtlFailCreate)
-	c, err := e.claims.Claim(ctx, "vm1", profile)
+	c, err := claimOne(ctx, e.claims, "vm1", profile)
 	require.NoError(t, err)
 	assert.Equal(t, store.VGPU(rec).GetVgpu().GetUuid(), c.GetVgpu().GetUuid())
 	assert.Equal(t, vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE, c.GetPhase())
@@ -271,7 +262,7 @@ func TestCrashBetweenIntentAndCreate(t *testing.T) {
 	// The other way out: the instance is deleted with an intent only.
 	e.record(t, "vm2")
 	e.sim.Set(t, vgpusim.CtlFailCreate, "EIO")
-	_, err = e.claims.Claim(ctx, "vm2", profile)
+	_, err = claimOne(ctx, e.claims, "vm2", profile)
 	require.Error(t, err)
 	e.beginDelete(t, "vm2")
 	res, err = e.claims.Reconcile(ctx)
@@ -297,7 +288,7 @@ func TestCrashBetweenRemovalAndRecordUpdate(t *testing.T) {
 	e := newClaims(t, vgpusim.Options{MdevParents: 1})
 	ctx := context.Background()
 	e.record(t, "vm1")
-	c, err := e.claims.Claim(ctx, "vm1", profile)
+	c, err := claimOne(ctx, e.claims, "vm1", profile)
 	require.NoError(t, err)
 	e.beginDelete(t, "vm1")
 	// The device goes (as if the write succeeded) and the agent dies before
@@ -327,7 +318,7 @@ func TestReconcileOrphans(t *testing.T) {
 	orphan, err := e.claims.Driver().Create(ctx, vgpu.CreateRequest{Profile: profile, UUID: "2b6c4e3a-0d4f-4a8e-9a43-6f5d2e1c0b7a"})
 	require.NoError(t, err)
 	e.record(t, "vm1")
-	_, err = e.claims.Claim(ctx, "vm1", profile) // owned by a running spawn: never touched
+	_, err = claimOne(ctx, e.claims, "vm1", profile) // owned by a running spawn: never touched
 	require.NoError(t, err)
 
 	res, err := e.claims.Reconcile(ctx)
@@ -350,4 +341,13 @@ func TestReconcileOrphans(t *testing.T) {
 	ds := e.devices(t)
 	require.Len(t, ds, 1)
 	assert.NotEqual(t, orphan.ID, ds[0].ID, "the claimed device stays")
+}
+
+// claimOne claims one vGPU, as a spawn with vgpu_profile alone does.
+func claimOne(ctx context.Context, c *claims.Claims, id, profile string) (*vmflowv1.Lease, error) {
+	ls, err := c.Claim(ctx, id, profile, 1)
+	if err != nil {
+		return nil, err
+	}
+	return ls[0], nil
 }

@@ -66,7 +66,11 @@ func (e *claimsEnv) ensure(t *testing.T, id string) (*vmflowv1.Lease, error) {
 	l, err := e.st.Lock(context.Background(), id)
 	require.NoError(t, err)
 	defer l.Unlock()
-	return e.claims.EnsureDeviceLocked(context.Background(), l)
+	ls, err := e.claims.EnsureDevicesLocked(context.Background(), l)
+	if err != nil || len(ls) == 0 {
+		return nil, err
+	}
+	return ls[0], nil
 }
 
 // TestReleaseRetryAfterCrashSparesNextClaim: A's release writes 0, the agent
@@ -77,7 +81,7 @@ func TestReleaseRetryAfterCrashSparesNextClaim(t *testing.T) {
 	e := newClaims(t, vgpusim.Options{VendorVFs: 1})
 	ctx := context.Background()
 	e.record(t, "vm-a")
-	a, err := e.claims.Claim(ctx, "vm-a", vendorProfile)
+	a, err := claimOne(ctx, e.claims, "vm-a", vendorProfile)
 	require.NoError(t, err)
 	e.beginDelete(t, "vm-a")
 	_, err = e.st.Update(ctx, "vm-a", func(r *vmflowv1.InstanceRecord) error {
@@ -91,14 +95,14 @@ func TestReleaseRetryAfterCrashSparesNextClaim(t *testing.T) {
 	e.record(t, "vm-b")
 	// Checked with assert, not require: before invariant 10 vm-b got the
 	// VF here, and the rest of the test shows what that cost.
-	_, err = e.claims.Claim(ctx, "vm-b", vendorProfile)
+	_, err = claimOne(ctx, e.claims, "vm-b", vendorProfile)
 	assert.ErrorIs(t, err, vgpu.ErrNoCapacity, "the only VF is named by vm-a's held claim")
 
 	released, _, err := e.claims.Release(ctx, "vm-a") // the retried release
 	require.NoError(t, err)
 	assert.True(t, released)
 
-	b, err := e.claims.Claim(ctx, "vm-b", vendorProfile)
+	b, err := claimOne(ctx, e.claims, "vm-b", vendorProfile)
 	require.NoError(t, err, "the VF is free once vm-a's release is recorded")
 	assert.Equal(t, a.GetVgpu().GetDeviceId(), b.GetVgpu().GetDeviceId())
 	assert.Equal(t, "592", e.vfType(t, b.GetVgpu().GetDeviceId()), "vm-b's record says active, so its vGPU must exist")
@@ -118,7 +122,7 @@ func TestRetriedIntentDoesNotAdoptAnothersVF(t *testing.T) {
 	ctx := context.Background()
 	e.record(t, "vm-a")
 	e.fault(t, vgpusim.CtlFailCreate, "EIO")
-	_, err := e.claims.Claim(ctx, "vm-a", vendorProfile)
+	_, err := claimOne(ctx, e.claims, "vm-a", vendorProfile)
 	require.ErrorIs(t, err, syscall.EIO)
 	e.clearFault(t, vgpusim.CtlFailCreate)
 	rec, err := e.st.Get("vm-a")
@@ -127,11 +131,11 @@ func TestRetriedIntentDoesNotAdoptAnothersVF(t *testing.T) {
 	require.NotEmpty(t, intentVF)
 
 	e.record(t, "vm-b")
-	b, err := e.claims.Claim(ctx, "vm-b", vendorProfile)
+	b, err := claimOne(ctx, e.claims, "vm-b", vendorProfile)
 	require.NoError(t, err)
 	assert.NotEqual(t, intentVF, b.GetVgpu().GetDeviceId(), "vm-a's intent names that VF")
 
-	a, err := e.claims.Claim(ctx, "vm-a", vendorProfile)
+	a, err := claimOne(ctx, e.claims, "vm-a", vendorProfile)
 	require.NoError(t, err)
 	assert.Equal(t, intentVF, a.GetVgpu().GetDeviceId())
 	assert.NotEqual(t, a.GetVgpu().GetDeviceId(), b.GetVgpu().GetDeviceId())
@@ -154,7 +158,7 @@ func TestLedgerRefusesDeviceOfAnotherClaim(t *testing.T) {
 			e := newClaims(t, tc.opts)
 			ctx := context.Background()
 			e.record(t, "vm-a")
-			a, err := e.claims.Claim(ctx, "vm-a", tc.profile)
+			a, err := claimOne(ctx, e.claims, "vm-a", tc.profile)
 			require.NoError(t, err)
 			e.record(t, "vm-b")
 			_, err = e.st.Update(ctx, "vm-b", func(r *vmflowv1.InstanceRecord) error {
@@ -167,7 +171,7 @@ func TestLedgerRefusesDeviceOfAnotherClaim(t *testing.T) {
 
 			_, err = e.ensure(t, "vm-a")
 			require.ErrorIs(t, err, vgpu.ErrClaimedByOther)
-			_, err = e.claims.Claim(ctx, "vm-a", tc.profile)
+			_, err = claimOne(ctx, e.claims, "vm-a", tc.profile)
 			require.ErrorIs(t, err, vgpu.ErrClaimedByOther, "an active claim goes through the same check")
 
 			e.beginDelete(t, "vm-a")
@@ -192,7 +196,7 @@ func TestIntentAdoptionRefusesAnothersDevice(t *testing.T) {
 	ctx := context.Background()
 	e.record(t, "vm-a")
 	e.fault(t, vgpusim.CtlFailCreate, "EIO")
-	_, err := e.claims.Claim(ctx, "vm-a", vendorProfile)
+	_, err := claimOne(ctx, e.claims, "vm-a", vendorProfile)
 	require.ErrorIs(t, err, syscall.EIO)
 	e.clearFault(t, vgpusim.CtlFailCreate)
 	rec, err := e.st.Get("vm-a")
@@ -214,7 +218,7 @@ func TestIntentAdoptionRefusesAnothersDevice(t *testing.T) {
 	})
 	require.NoError(t, err)
 
-	_, err = e.claims.Claim(ctx, "vm-a", vendorProfile)
+	_, err = claimOne(ctx, e.claims, "vm-a", vendorProfile)
 	require.ErrorIs(t, err, vgpu.ErrClaimedByOther)
 	assert.Contains(t, err.Error(), "vm-b")
 	rec, err = e.st.Get("vm-a")
@@ -231,7 +235,7 @@ func TestVendorPlacementRefusedWhileRecordUnreadable(t *testing.T) {
 	e.record(t, "vm-bad")
 	restore := e.truncate(t, "vm-bad")
 	e.record(t, "vm1")
-	_, err := e.claims.Claim(ctx, "vm1", vendorProfile)
+	_, err := claimOne(ctx, e.claims, "vm1", vendorProfile)
 	require.ErrorIs(t, err, vgpu.ErrRecordsUnreadable)
 	assert.Contains(t, err.Error(), "vm-bad")
 	assert.NotErrorIs(t, err, store.ErrInvalidRecord, "vm-bad's trouble is not vm1's record's")
@@ -240,14 +244,14 @@ func TestVendorPlacementRefusedWhileRecordUnreadable(t *testing.T) {
 	require.NoError(t, err)
 	assert.Nil(t, store.VGPU(rec), "no intent is written for a refused placement")
 	restore()
-	_, err = e.claims.Claim(ctx, "vm1", vendorProfile)
+	_, err = claimOne(ctx, e.claims, "vm1", vendorProfile)
 	require.NoError(t, err)
 
 	m := newClaims(t, vgpusim.Options{MdevParents: 1})
 	m.record(t, "vm-bad")
 	m.truncate(t, "vm-bad")
 	m.record(t, "vm1")
-	_, err = m.claims.Claim(ctx, "vm1", profile)
+	_, err = claimOne(ctx, m.claims, "vm1", profile)
 	require.NoError(t, err, "a fresh mdev UUID cannot be named by any record")
 }
 
@@ -258,7 +262,7 @@ func TestReleaseRefusedWhileLaunchUnrecorded(t *testing.T) {
 	e := newClaims(t, vgpusim.Options{MdevParents: 1})
 	ctx := context.Background()
 	e.record(t, "vm1")
-	_, err := e.claims.Claim(ctx, "vm1", profile)
+	_, err := claimOne(ctx, e.claims, "vm1", profile)
 	require.NoError(t, err)
 	_, err = e.st.Update(ctx, "vm1", func(r *vmflowv1.InstanceRecord) error {
 		r.LaunchStartedAt = timestamppb.New(time.Now())
@@ -306,7 +310,7 @@ func TestEnsureDeviceRecreatesAfterReboot(t *testing.T) {
 			assert.Nil(t, got, "no claim, nothing to ensure")
 
 			e.record(t, "vm1")
-			c, err := e.claims.Claim(ctx, "vm1", tc.profile)
+			c, err := claimOne(ctx, e.claims, "vm1", tc.profile)
 			require.NoError(t, err)
 			got, err = e.ensure(t, "vm1")
 			require.NoError(t, err)
@@ -324,7 +328,7 @@ func TestEnsureDeviceRecreatesAfterReboot(t *testing.T) {
 
 			// Claim of an active claim goes through the same check.
 			e.removeBehindBack(t, c)
-			again, err := e.claims.Claim(ctx, "vm1", tc.profile)
+			again, err := claimOne(ctx, e.claims, "vm1", tc.profile)
 			require.NoError(t, err)
 			assert.Equal(t, c.GetVgpu().GetDeviceId(), again.GetVgpu().GetDeviceId())
 			require.Len(t, e.devices(t), 1)
@@ -337,14 +341,14 @@ func TestEnsureDeviceRecreatesAfterReboot(t *testing.T) {
 			for _, s := range []string{"vm1", tc.profile, c.GetVgpu().GetDeviceId()} {
 				assert.Contains(t, err.Error(), s)
 			}
-			_, err = e.claims.Claim(ctx, "vm1", tc.profile)
+			_, err = claimOne(ctx, e.claims, "vm1", tc.profile)
 			require.ErrorIs(t, err, claims.ErrClaimDeviceMissing)
 			e.clearFault(t, vgpusim.CtlFailCreate)
 
 			// An intent: the spawn has not finished claiming.
 			e.record(t, "vm2")
 			e.fault(t, vgpusim.CtlFailCreate, "EIO")
-			_, err = e.claims.Claim(ctx, "vm2", tc.profile)
+			_, err = claimOne(ctx, e.claims, "vm2", tc.profile)
 			require.Error(t, err)
 			e.clearFault(t, vgpusim.CtlFailCreate)
 			_, err = e.ensure(t, "vm2")
@@ -359,7 +363,7 @@ func TestEnsureRefusesVFRunningAnotherType(t *testing.T) {
 	e := newClaims(t, vgpusim.Options{VendorVFs: 2})
 	ctx := context.Background()
 	e.record(t, "vm1")
-	c, err := e.claims.Claim(ctx, "vm1", vendorProfile)
+	c, err := claimOne(ctx, e.claims, "vm1", vendorProfile)
 	require.NoError(t, err)
 	e.removeBehindBack(t, c)
 	// Something else (no record) puts another type on the VF.
@@ -416,7 +420,7 @@ func TestConcurrentVendorClaimsNeverShareAVF(t *testing.T) {
 	}
 	for _, id := range ids {
 		go func() {
-			_, err := e.claims.Claim(ctx, id, vendorProfile)
+			_, err := claimOne(ctx, e.claims, id, vendorProfile)
 			errs <- err
 		}()
 	}

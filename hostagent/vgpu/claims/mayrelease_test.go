@@ -56,7 +56,7 @@ func TestReleaseWithoutProcessNeedsStopOrNoLaunch(t *testing.T) {
 			e := newClaims(t, vgpusim.Options{MdevParents: 1})
 			ctx := context.Background()
 			e.record(t, "vm1")
-			_, err := e.claims.Claim(ctx, "vm1", profile)
+			_, err := claimOne(ctx, e.claims, "vm1", profile)
 			require.NoError(t, err)
 			_, err = e.st.Update(ctx, "vm1", func(r *vmflowv1.InstanceRecord) error {
 				tc.setup(t, e, r)

@@ -30,7 +30,7 @@ func (c *Claims) Reconcile(ctx context.Context) (*vmflowv1.ReconcileVGPUResult, 
 		// now could take a GPU from under it.
 		c.log.Warn("reconcile: unreadable records, orphans left alone", zap.Int("unreadable_records", unreadable), zap.Error(listErr))
 	}
-	claimed := heldDevices(recs, "", c.drv.Kind())
+	claimed := heldDevices(recs, "", "", c.drv.Kind())
 	for _, r := range recs {
 		switch roundFor(r) {
 		case roundNone:
@@ -42,11 +42,11 @@ func (c *Claims) Reconcile(ctx context.Context) (*vmflowv1.ReconcileVGPUResult, 
 			res.Skipped++
 			continue
 		}
-		released, dev, err := c.Release(ctx, r.GetId())
+		released, devs, err := c.Release(ctx, r.GetId())
 		switch {
 		case err != nil:
 			res.Failed++
-			c.log.Info("reconcile: claim not released", zap.String("instance_id", r.GetId()), zap.String("device_id", dev), zap.Error(err))
+			c.log.Info("reconcile: claim not released", zap.String("instance_id", r.GetId()), zap.Strings("device_ids", devs), zap.Error(err))
 		case released:
 			crashpoint.Hit(crashpoint.ReconcileReleased)
 			res.ClaimsReleased++
@@ -117,16 +117,15 @@ const (
 // roundFor is the one reading, for Reconcile and Scan alike, of what a
 // round does with rec: only a delete's lease is ever released.
 func roundFor(rec *vmflowv1.InstanceRecord) roundAction {
-	l := store.VGPU(rec)
 	switch {
-	case l == nil:
+	case len(store.VGPUs(rec)) == 0:
 		return roundNone
 	case !store.IsDeleting(rec):
-		if store.LeaseHeld(l) {
+		if store.ClaimHeld(rec) {
 			return roundOwned
 		}
 		return roundNone
-	case store.LeaseHeld(l):
+	case store.ClaimHeld(rec):
 		return roundRelease
 	}
 	return roundWake

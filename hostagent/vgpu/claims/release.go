@@ -19,62 +19,73 @@ import (
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
-// Release releases instance id's vGPU, refusing while the VM may live
-// (ErrVMAlive) or its VFIO node is held (ErrDeviceHeld). A failure keeps the
-// claim and moves to ReleaseFailed (invariant 1); released is false for no claim.
-func (c *Claims) Release(ctx context.Context, id string) (released bool, deviceID string, err error) {
+// Release releases every vGPU instance id holds, each refused while the VM
+// may live (ErrVMAlive) or its VFIO node is held (ErrDeviceHeld). A failure
+// keeps that lease and moves to ReleaseFailed (invariant 1); the others are
+// released all the same. released: every held lease is released now.
+func (c *Claims) Release(ctx context.Context, id string) (released bool, devices []string, err error) {
 	l, err := c.st.Lock(ctx, id)
 	if err != nil {
 		if errors.Is(err, store.ErrNotFound) {
-			return false, "", nil
+			return false, nil, nil
 		}
-		return false, "", fmt.Errorf("release vGPU of %s: %w", id, err)
+		return false, nil, fmt.Errorf("release vGPUs of %s: %w", id, err)
 	}
 	defer l.Unlock()
-	return c.releaseLocked(ctx, l)
-}
-
-func (c *Claims) releaseLocked(ctx context.Context, l *store.Locked) (bool, string, error) {
 	rec, err := l.Get()
 	if errors.Is(err, store.ErrNotFound) {
-		return false, "", nil
+		return false, nil, nil
 	}
 	if err != nil {
-		return false, "", err
+		return false, nil, err
 	}
-	if !store.ClaimHeld(rec) {
-		return false, "", nil
+	held := store.HeldVGPUs(rec)
+	var errs []error
+	for _, lease := range held {
+		dev, err := c.releaseLocked(ctx, l, rec, lease)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("vGPU %s: %w", dev, err))
+			continue
+		}
+		devices = append(devices, dev)
 	}
-	lease := store.VGPU(rec)
+	return len(held) > 0 && len(errs) == 0, devices, errors.Join(errs...)
+}
+
+// releaseLocked releases one held vGPU lease of the locked instance rec.
+func (c *Claims) releaseLocked(ctx context.Context, l *store.Locked, rec *vmflowv1.InstanceRecord, lease *vmflowv1.Lease) (string, error) {
 	name := store.LeaseName(lease)
 	dev := deviceOf(lease, c.drv.Kind())
 	// Invariant 10 first: a device another claim names is not ours to
 	// release, whatever sysfs says about it.
-	err = c.ownDevice(ctx, l.ID(), dev)
+	err := c.ownDevice(ctx, l.ID(), lease)
 	if err == nil {
 		err = c.mayRelease(ctx, rec, dev, proc.Holders)
 	}
 	if err != nil {
 		c.recordFailure(l, name, err)
-		return false, dev.ID, err
+		return dev.ID, err
 	}
 	if _, err := l.Apply(store.LeaseReleasing(name)); err != nil {
-		return false, dev.ID, err
+		return dev.ID, err
 	}
 	crashpoint.Hit(crashpoint.ReleaseReleasing)
 	if err := c.drv.Release(ctx, dev); err != nil {
 		c.recordFailure(l, name, err)
-		return false, dev.ID, err
+		if !errors.Is(err, vgpu.ErrReleaseInProgress) { // a write still waiting has not failed
+			c.quarantineIfDue(ctx, l.ID(), lease.GetReleaseAttempts()+1, dev, err)
+		}
+		return dev.ID, err
 	}
 	crashpoint.Hit(crashpoint.ReleaseWritten)
 	if _, err := l.Apply(store.LeaseReleased(name, c.now())); err != nil {
 		// The device is gone but the record still holds the claim: the next
 		// release finds it "already gone" and records it then.
-		return false, dev.ID, fmt.Errorf("record release of %s: %w", dev.ID, err)
+		return dev.ID, fmt.Errorf("record release of %s: %w", dev.ID, err)
 	}
 	crashpoint.Hit(crashpoint.ReleaseRecorded)
 	c.log.Info("vGPU released", zap.String("instance_id", l.ID()), zap.String("device_id", dev.ID))
-	return true, dev.ID, nil
+	return dev.ID, nil
 }
 
 // holdersFunc answers who holds a path: proc.Holders (a fresh walk of
@@ -84,12 +95,22 @@ type holdersFunc func(ctx context.Context, path string) ([]proc.Holder, error)
 // mayRelease is invariant 2: the VM's group confirmed gone (an unproven
 // absence counts as alive) and nothing holding the device's VFIO node.
 func (c *Claims) mayRelease(ctx context.Context, rec *vmflowv1.InstanceRecord, dev vgpu.Device, holders holdersFunc) error {
+	if err := vmGone(c.st, rec); err != nil {
+		return err
+	}
+	return c.deviceFree(ctx, dev, holders)
+}
+
+// vmGone is the VM's half of invariant 2: rec's whole thread group must be
+// confirmed gone (store.MayQEMULive, an unproven absence counting as
+// alive), else ErrVMAlive.
+func vmGone(st *store.Store, rec *vmflowv1.InstanceRecord) error {
 	// QEMU creates its QMP socket while it sets up its backends, before it
 	// opens any VFIO device, and both files stay until TearDown, which runs
 	// after the release: without them (and no start or exit recorded) the
 	// instance never launched.
 	launched := func() (bool, error) {
-		paths, err := c.st.Paths(rec.GetId())
+		paths, err := st.Paths(rec.GetId())
 		if err != nil {
 			return false, err
 		}
@@ -105,7 +126,7 @@ func (c *Claims) mayRelease(ctx context.Context, rec *vmflowv1.InstanceRecord, d
 	if err := store.MayQEMULive(rec, true, launched); err != nil {
 		return fmt.Errorf("%w: %w", ErrVMAlive, err)
 	}
-	return c.deviceFree(ctx, dev, holders)
+	return nil
 }
 
 // deviceFree is the device's half of invariant 2: nothing holds its VFIO
@@ -115,6 +136,12 @@ func (c *Claims) deviceFree(ctx context.Context, dev vgpu.Device, holders holder
 	if err != nil {
 		return err
 	}
+	return nodeFree(ctx, node, holders, c.ignore)
+}
+
+// nodeFree: nothing holds the VFIO node (pids in ignore whose descriptors
+// cannot be read excepted); "" is a node that is gone, and free.
+func nodeFree(ctx context.Context, node string, holders holdersFunc, ignore []int) error {
 	if node == "" {
 		return nil // the device is gone: nothing can hold it
 	}
@@ -124,7 +151,7 @@ func (c *Claims) deviceFree(ctx context.Context, dev vgpu.Device, holders holder
 	}
 	var held []string
 	for _, h := range hs {
-		if h.Uncertain && slices.Contains(c.ignore, h.PID) {
+		if h.Uncertain && slices.Contains(ignore, h.PID) {
 			continue
 		}
 		held = append(held, h.String())
@@ -155,6 +182,20 @@ func (c *Claims) vfioNode(dev vgpu.Device) (string, error) {
 	return filepath.Join(c.devRoot, "vfio", filepath.Base(target)), nil
 }
 
+// quarantineIfDue quarantines dev's quarantineKey once its release failed
+// K times (attempts, the one just recorded included).
+func (c *Claims) quarantineIfDue(ctx context.Context, id string, attempts uint32, dev vgpu.Device, cause error) {
+	key := quarantineKey(dev)
+	added, err := c.quar.Failed(ctx, id, attempts, cause.Error(), key)
+	switch {
+	case err != nil:
+		c.log.Error("quarantine a failing GPU", zap.String("instance_id", id), zap.String("device_id", key), zap.Error(err))
+	case added:
+		c.log.Warn("GPU quarantined: placement skips it until an operator clears it (vmflow-hostagent devices clear)",
+			zap.String("instance_id", id), zap.String("device_id", key), zap.NamedError("cause", cause))
+	}
+}
+
 func (c *Claims) recordFailure(l *store.Locked, name string, cause error) {
 	_, err := l.Apply(store.LeaseReleaseFailed(name, cause.Error()))
 	if err != nil {
@@ -173,10 +214,11 @@ func (c *Claims) releaseDone(dev vgpu.Device, err error) {
 			return
 		}
 		for _, r := range recs {
-			lease := store.VGPU(r)
-			if !store.LeaseHeld(lease) || deviceOf(lease, c.drv.Kind()).ID != dev.ID {
+			i := slices.IndexFunc(store.HeldVGPUs(r), func(l *vmflowv1.Lease) bool { return deviceOf(l, c.drv.Kind()).ID == dev.ID })
+			if i < 0 {
 				continue
 			}
+			lease := store.HeldVGPUs(r)[i]
 			if err != nil {
 				// The next Release receives this outcome from the driver
 				// and records it then.

@@ -9,6 +9,7 @@ import (
 
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/store"
+	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
 // Work is what a reconcile round would act on, found by Scan without
@@ -50,13 +51,15 @@ func (c *Claims) Scan(ctx context.Context) (Work, error) {
 		case roundWake:
 			w.Items = append(w.Items, "wake:"+r.GetId())
 		case roundRelease:
-			if c.mayRelease(ctx, r, deviceOf(store.VGPU(r), c.drv.Kind()), holders) == nil {
+			if slices.ContainsFunc(store.HeldVGPUs(r), func(l *vmflowv1.Lease) bool {
+				return c.mayRelease(ctx, r, deviceOf(l, c.drv.Kind()), holders) == nil
+			}) {
 				w.Items = append(w.Items, "release:"+r.GetId())
 			}
 		}
 	}
 	if listErr == nil {
-		orphans, err := c.scanOrphans(ctx, heldDevices(recs, "", c.drv.Kind()), holders)
+		orphans, err := c.scanOrphans(ctx, heldDevices(recs, "", "", c.drv.Kind()), holders)
 		if err != nil {
 			return w, err
 		}

@@ -34,7 +34,7 @@ func TestScanFindsReconcileWork(t *testing.T) {
 	assert.False(t, scan().Any(), "an empty host")
 
 	e.record(t, "vm1")
-	_, err := e.claims.Claim(ctx, "vm1", profile)
+	_, err := claimOne(ctx, e.claims, "vm1", profile)
 	require.NoError(t, err)
 	assert.False(t, scan().Any(), "a claim a spawn owns is no reconcile work")
 

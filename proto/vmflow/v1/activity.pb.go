@@ -153,11 +153,16 @@ func (x *CreateRecordResult) GetCreatedBy() string {
 
 // ClaimVGPURequest is the input of ClaimVGPU.
 type ClaimVGPURequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	InstanceId    string                 `protobuf:"bytes,1,opt,name=instance_id,json=instanceId,proto3" json:"instance_id,omitempty"`
-	VgpuProfile   string                 `protobuf:"bytes,2,opt,name=vgpu_profile,json=vgpuProfile,proto3" json:"vgpu_profile,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	state       protoimpl.MessageState `protogen:"open.v1"`
+	InstanceId  string                 `protobuf:"bytes,1,opt,name=instance_id,json=instanceId,proto3" json:"instance_id,omitempty"`
+	VgpuProfile string                 `protobuf:"bytes,2,opt,name=vgpu_profile,json=vgpuProfile,proto3" json:"vgpu_profile,omitempty"`
+	// How many, all or none; 0 means one.
+	VgpuCount uint32 `protobuf:"varint,20,opt,name=vgpu_count,json=vgpuCount,proto3" json:"vgpu_count,omitempty"`
+	// Whole GPUs instead (vgpu_profile empty): how many, and which model.
+	GpuPassthroughCount uint32 `protobuf:"varint,21,opt,name=gpu_passthrough_count,json=gpuPassthroughCount,proto3" json:"gpu_passthrough_count,omitempty"`
+	GpuPassthroughModel string `protobuf:"bytes,22,opt,name=gpu_passthrough_model,json=gpuPassthroughModel,proto3" json:"gpu_passthrough_model,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
 }
 
 func (x *ClaimVGPURequest) Reset() {
@@ -204,6 +209,27 @@ func (x *ClaimVGPURequest) GetVgpuProfile() string {
 	return ""
 }
 
+func (x *ClaimVGPURequest) GetVgpuCount() uint32 {
+	if x != nil {
+		return x.VgpuCount
+	}
+	return 0
+}
+
+func (x *ClaimVGPURequest) GetGpuPassthroughCount() uint32 {
+	if x != nil {
+		return x.GpuPassthroughCount
+	}
+	return 0
+}
+
+func (x *ClaimVGPURequest) GetGpuPassthroughModel() string {
+	if x != nil {
+		return x.GpuPassthroughModel
+	}
+	return ""
+}
+
 // ClaimVGPUResult is the result of ClaimVGPU.
 type ClaimVGPUResult struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -213,7 +239,9 @@ type ClaimVGPUResult struct {
 	Parent   string `protobuf:"bytes,2,opt,name=parent,proto3" json:"parent,omitempty"`
 	Profile  string `protobuf:"bytes,3,opt,name=profile,proto3" json:"profile,omitempty"`
 	// The mdev UUID; empty for a vendor VF (sysfs keeps no UUID for it).
-	VgpuUuid      string `protobuf:"bytes,4,opt,name=vgpu_uuid,json=vgpuUuid,proto3" json:"vgpu_uuid,omitempty"`
+	VgpuUuid string `protobuf:"bytes,4,opt,name=vgpu_uuid,json=vgpuUuid,proto3" json:"vgpu_uuid,omitempty"`
+	// Every vGPU claimed, in claim order (device_id above is the first).
+	DeviceIds     []string `protobuf:"bytes,20,rep,name=device_ids,json=deviceIds,proto3" json:"device_ids,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -274,6 +302,13 @@ func (x *ClaimVGPUResult) GetVgpuUuid() string {
 		return x.VgpuUuid
 	}
 	return ""
+}
+
+func (x *ClaimVGPUResult) GetDeviceIds() []string {
+	if x != nil {
+		return x.DeviceIds
+	}
+	return nil
 }
 
 // LaunchVMRequest is the input of LaunchVM.
@@ -340,9 +375,11 @@ type LaunchVMResult struct {
 	// QEMU was already running for this instance (a retried activity).
 	AlreadyRunning bool `protobuf:"varint,3,opt,name=already_running,json=alreadyRunning,proto3" json:"already_running,omitempty"`
 	// The instance's vGPU as its record holds it; empty without one.
-	VgpuUuid      string `protobuf:"bytes,4,opt,name=vgpu_uuid,json=vgpuUuid,proto3" json:"vgpu_uuid,omitempty"`
-	VgpuDeviceId  string `protobuf:"bytes,5,opt,name=vgpu_device_id,json=vgpuDeviceId,proto3" json:"vgpu_device_id,omitempty"`
-	InstanceUuid  string `protobuf:"bytes,6,opt,name=instance_uuid,json=instanceUuid,proto3" json:"instance_uuid,omitempty"`
+	VgpuUuid     string `protobuf:"bytes,4,opt,name=vgpu_uuid,json=vgpuUuid,proto3" json:"vgpu_uuid,omitempty"`
+	VgpuDeviceId string `protobuf:"bytes,5,opt,name=vgpu_device_id,json=vgpuDeviceId,proto3" json:"vgpu_device_id,omitempty"`
+	InstanceUuid string `protobuf:"bytes,6,opt,name=instance_uuid,json=instanceUuid,proto3" json:"instance_uuid,omitempty"`
+	// Every GPU device the record holds, in claim order.
+	GpuDeviceIds  []string `protobuf:"bytes,20,rep,name=gpu_device_ids,json=gpuDeviceIds,proto3" json:"gpu_device_ids,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -417,6 +454,13 @@ func (x *LaunchVMResult) GetInstanceUuid() string {
 		return x.InstanceUuid
 	}
 	return ""
+}
+
+func (x *LaunchVMResult) GetGpuDeviceIds() []string {
+	if x != nil {
+		return x.GpuDeviceIds
+	}
+	return nil
 }
 
 // BeginDeleteRequest is the input of BeginDelete.
@@ -669,8 +713,10 @@ func (x *StopVMResult) GetDurationMs() uint32 {
 type ReleaseVGPUResult struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// There was a claim and it is released now; false when there was none.
-	Released      bool   `protobuf:"varint,1,opt,name=released,proto3" json:"released,omitempty"`
-	DeviceId      string `protobuf:"bytes,2,opt,name=device_id,json=deviceId,proto3" json:"device_id,omitempty"`
+	Released bool   `protobuf:"varint,1,opt,name=released,proto3" json:"released,omitempty"`
+	DeviceId string `protobuf:"bytes,2,opt,name=device_id,json=deviceId,proto3" json:"device_id,omitempty"`
+	// Every vGPU device released by this call.
+	DeviceIds     []string `protobuf:"bytes,20,rep,name=device_ids,json=deviceIds,proto3" json:"device_ids,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -719,6 +765,13 @@ func (x *ReleaseVGPUResult) GetDeviceId() string {
 	return ""
 }
 
+func (x *ReleaseVGPUResult) GetDeviceIds() []string {
+	if x != nil {
+		return x.DeviceIds
+	}
+	return nil
+}
+
 var File_vmflow_v1_activity_proto protoreflect.FileDescriptor
 
 const file_vmflow_v1_activity_proto_rawDesc = "" +
@@ -732,20 +785,26 @@ const file_vmflow_v1_activity_proto_rawDesc = "" +
 	"\x0falready_existed\x18\x02 \x01(\bR\x0ealreadyExisted\x121\n" +
 	"\x15created_by_this_spawn\x18\x03 \x01(\bR\x12createdByThisSpawn\x12\x1d\n" +
 	"\n" +
-	"created_by\x18\x04 \x01(\tR\tcreatedBy\"V\n" +
+	"created_by\x18\x04 \x01(\tR\tcreatedBy\"\xdd\x01\n" +
 	"\x10ClaimVGPURequest\x12\x1f\n" +
 	"\vinstance_id\x18\x01 \x01(\tR\n" +
 	"instanceId\x12!\n" +
-	"\fvgpu_profile\x18\x02 \x01(\tR\vvgpuProfile\"}\n" +
+	"\fvgpu_profile\x18\x02 \x01(\tR\vvgpuProfile\x12\x1d\n" +
+	"\n" +
+	"vgpu_count\x18\x14 \x01(\rR\tvgpuCount\x122\n" +
+	"\x15gpu_passthrough_count\x18\x15 \x01(\rR\x13gpuPassthroughCount\x122\n" +
+	"\x15gpu_passthrough_model\x18\x16 \x01(\tR\x13gpuPassthroughModel\"\x9c\x01\n" +
 	"\x0fClaimVGPUResult\x12\x1b\n" +
 	"\tdevice_id\x18\x01 \x01(\tR\bdeviceId\x12\x16\n" +
 	"\x06parent\x18\x02 \x01(\tR\x06parent\x12\x18\n" +
 	"\aprofile\x18\x03 \x01(\tR\aprofile\x12\x1b\n" +
-	"\tvgpu_uuid\x18\x04 \x01(\tR\bvgpuUuid\"W\n" +
+	"\tvgpu_uuid\x18\x04 \x01(\tR\bvgpuUuid\x12\x1d\n" +
+	"\n" +
+	"device_ids\x18\x14 \x03(\tR\tdeviceIds\"W\n" +
 	"\x0fLaunchVMRequest\x12\x1f\n" +
 	"\vinstance_id\x18\x01 \x01(\tR\n" +
 	"instanceId\x12#\n" +
-	"\rexisting_only\x18\x02 \x01(\bR\fexistingOnly\"\xd2\x01\n" +
+	"\rexisting_only\x18\x02 \x01(\bR\fexistingOnly\"\xf8\x01\n" +
 	"\x0eLaunchVMResult\x12\x10\n" +
 	"\x03pid\x18\x01 \x01(\x05R\x03pid\x12\x1d\n" +
 	"\n" +
@@ -753,7 +812,8 @@ const file_vmflow_v1_activity_proto_rawDesc = "" +
 	"\x0falready_running\x18\x03 \x01(\bR\x0ealreadyRunning\x12\x1b\n" +
 	"\tvgpu_uuid\x18\x04 \x01(\tR\bvgpuUuid\x12$\n" +
 	"\x0evgpu_device_id\x18\x05 \x01(\tR\fvgpuDeviceId\x12#\n" +
-	"\rinstance_uuid\x18\x06 \x01(\tR\finstanceUuid\"\xb1\x01\n" +
+	"\rinstance_uuid\x18\x06 \x01(\tR\finstanceUuid\x12$\n" +
+	"\x0egpu_device_ids\x18\x14 \x03(\tR\fgpuDeviceIds\"\xb1\x01\n" +
 	"\x12BeginDeleteRequest\x12\x1f\n" +
 	"\vinstance_id\x18\x01 \x01(\tR\n" +
 	"instanceId\x12A\n" +
@@ -772,10 +832,12 @@ const file_vmflow_v1_activity_proto_rawDesc = "" +
 	"\fStopVMResult\x12!\n" +
 	"\fstep_reached\x18\x01 \x01(\tR\vstepReached\x12\x1f\n" +
 	"\vduration_ms\x18\x02 \x01(\rR\n" +
-	"durationMs\"L\n" +
+	"durationMs\"k\n" +
 	"\x11ReleaseVGPUResult\x12\x1a\n" +
 	"\breleased\x18\x01 \x01(\bR\breleased\x12\x1b\n" +
-	"\tdevice_id\x18\x02 \x01(\tR\bdeviceIdB!Z\x1fvmflow/proto/vmflow/v1;vmflowv1b\x06proto3"
+	"\tdevice_id\x18\x02 \x01(\tR\bdeviceId\x12\x1d\n" +
+	"\n" +
+	"device_ids\x18\x14 \x03(\tR\tdeviceIdsB!Z\x1fvmflow/proto/vmflow/v1;vmflowv1b\x06proto3"
 
 var (
 	file_vmflow_v1_activity_proto_rawDescOnce sync.Once

@@ -246,11 +246,18 @@ type VMSpec struct {
 	// to it, which is what every launch opens (openat2 beneath the root). A
 	// record written before they existed has only the absolute paths: the
 	// agent resolves those against its roots at launch.
-	KernelImage   *ImageRef `protobuf:"bytes,26,opt,name=kernel_image,json=kernelImage,proto3" json:"kernel_image,omitempty"`
-	InitrdImage   *ImageRef `protobuf:"bytes,27,opt,name=initrd_image,json=initrdImage,proto3" json:"initrd_image,omitempty"`
-	DiskImage     *ImageRef `protobuf:"bytes,28,opt,name=disk_image,json=diskImage,proto3" json:"disk_image,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	KernelImage *ImageRef `protobuf:"bytes,26,opt,name=kernel_image,json=kernelImage,proto3" json:"kernel_image,omitempty"`
+	InitrdImage *ImageRef `protobuf:"bytes,27,opt,name=initrd_image,json=initrdImage,proto3" json:"initrd_image,omitempty"`
+	DiskImage   *ImageRef `protobuf:"bytes,28,opt,name=disk_image,json=diskImage,proto3" json:"disk_image,omitempty"`
+	// How many vGPUs of vgpu_profile the instance holds; 0 means one when
+	// vgpu_profile is set (records from before counts).
+	VgpuCount uint32 `protobuf:"varint,31,opt,name=vgpu_count,json=vgpuCount,proto3" json:"vgpu_count,omitempty"`
+	// Whole GPUs by passthrough: how many, and which PCI vendor:device
+	// (empty: any the host offers). Never together with vgpu_profile.
+	GpuPassthroughCount uint32 `protobuf:"varint,32,opt,name=gpu_passthrough_count,json=gpuPassthroughCount,proto3" json:"gpu_passthrough_count,omitempty"`
+	GpuPassthroughModel string `protobuf:"bytes,33,opt,name=gpu_passthrough_model,json=gpuPassthroughModel,proto3" json:"gpu_passthrough_model,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
 }
 
 func (x *VMSpec) Reset() {
@@ -372,6 +379,27 @@ func (x *VMSpec) GetDiskImage() *ImageRef {
 		return x.DiskImage
 	}
 	return nil
+}
+
+func (x *VMSpec) GetVgpuCount() uint32 {
+	if x != nil {
+		return x.VgpuCount
+	}
+	return 0
+}
+
+func (x *VMSpec) GetGpuPassthroughCount() uint32 {
+	if x != nil {
+		return x.GpuPassthroughCount
+	}
+	return 0
+}
+
+func (x *VMSpec) GetGpuPassthroughModel() string {
+	if x != nil {
+		return x.GpuPassthroughModel
+	}
+	return ""
 }
 
 // ImageRef is an image file as the agent opens it: beneath one of its
@@ -783,6 +811,7 @@ type Lease struct {
 	// Types that are valid to be assigned to Resource:
 	//
 	//	*Lease_Vgpu
+	//	*Lease_GpuPassthrough
 	Resource      isLease_Resource `protobuf_oneof:"resource"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -869,6 +898,15 @@ func (x *Lease) GetVgpu() *VgpuLease {
 	return nil
 }
 
+func (x *Lease) GetGpuPassthrough() *PassthroughLease {
+	if x != nil {
+		if x, ok := x.Resource.(*Lease_GpuPassthrough); ok {
+			return x.GpuPassthrough
+		}
+	}
+	return nil
+}
+
 type isLease_Resource interface {
 	isLease_Resource()
 }
@@ -877,7 +915,143 @@ type Lease_Vgpu struct {
 	Vgpu *VgpuLease `protobuf:"bytes,10,opt,name=vgpu,proto3,oneof"`
 }
 
+type Lease_GpuPassthrough struct {
+	GpuPassthrough *PassthroughLease `protobuf:"bytes,11,opt,name=gpu_passthrough,json=gpuPassthrough,proto3,oneof"`
+}
+
 func (*Lease_Vgpu) isLease_Resource() {}
+
+func (*Lease_GpuPassthrough) isLease_Resource() {}
+
+// PassthroughLease is one IOMMU group handed whole to the VM with vfio-pci:
+// its GPU and every other endpoint function of the group (a companion
+// audio function), each with the driver it had before, which the release
+// binds back.
+type PassthroughLease struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The IOMMU group's number (its /dev/vfio/<group> node).
+	IommuGroup string                 `protobuf:"bytes,1,opt,name=iommu_group,json=iommuGroup,proto3" json:"iommu_group,omitempty"`
+	Functions  []*PassthroughFunction `protobuf:"bytes,2,rep,name=functions,proto3" json:"functions,omitempty"`
+	// The GPU's PCI vendor:device ("10de:2335").
+	Model         string `protobuf:"bytes,3,opt,name=model,proto3" json:"model,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PassthroughLease) Reset() {
+	*x = PassthroughLease{}
+	mi := &file_vmflow_v1_record_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PassthroughLease) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PassthroughLease) ProtoMessage() {}
+
+func (x *PassthroughLease) ProtoReflect() protoreflect.Message {
+	mi := &file_vmflow_v1_record_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PassthroughLease.ProtoReflect.Descriptor instead.
+func (*PassthroughLease) Descriptor() ([]byte, []int) {
+	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *PassthroughLease) GetIommuGroup() string {
+	if x != nil {
+		return x.IommuGroup
+	}
+	return ""
+}
+
+func (x *PassthroughLease) GetFunctions() []*PassthroughFunction {
+	if x != nil {
+		return x.Functions
+	}
+	return nil
+}
+
+func (x *PassthroughLease) GetModel() string {
+	if x != nil {
+		return x.Model
+	}
+	return ""
+}
+
+// PassthroughFunction is one PCI function of a PassthroughLease.
+type PassthroughFunction struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The PCI address ("0000:81:00.0"); QEMU gets one vfio-pci device each.
+	Addr string `protobuf:"bytes,1,opt,name=addr,proto3" json:"addr,omitempty"`
+	// The driver before the claim ("" none).
+	PreviousDriver string `protobuf:"bytes,2,opt,name=previous_driver,json=previousDriver,proto3" json:"previous_driver,omitempty"`
+	// A GPU, not its companion.
+	Display       bool `protobuf:"varint,3,opt,name=display,proto3" json:"display,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PassthroughFunction) Reset() {
+	*x = PassthroughFunction{}
+	mi := &file_vmflow_v1_record_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PassthroughFunction) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PassthroughFunction) ProtoMessage() {}
+
+func (x *PassthroughFunction) ProtoReflect() protoreflect.Message {
+	mi := &file_vmflow_v1_record_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PassthroughFunction.ProtoReflect.Descriptor instead.
+func (*PassthroughFunction) Descriptor() ([]byte, []int) {
+	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *PassthroughFunction) GetAddr() string {
+	if x != nil {
+		return x.Addr
+	}
+	return ""
+}
+
+func (x *PassthroughFunction) GetPreviousDriver() string {
+	if x != nil {
+		return x.PreviousDriver
+	}
+	return ""
+}
+
+func (x *PassthroughFunction) GetDisplay() bool {
+	if x != nil {
+		return x.Display
+	}
+	return false
+}
 
 // VgpuLease is the vGPU device a lease names.
 type VgpuLease struct {
@@ -901,7 +1075,7 @@ type VgpuLease struct {
 
 func (x *VgpuLease) Reset() {
 	*x = VgpuLease{}
-	mi := &file_vmflow_v1_record_proto_msgTypes[7]
+	mi := &file_vmflow_v1_record_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -913,7 +1087,7 @@ func (x *VgpuLease) String() string {
 func (*VgpuLease) ProtoMessage() {}
 
 func (x *VgpuLease) ProtoReflect() protoreflect.Message {
-	mi := &file_vmflow_v1_record_proto_msgTypes[7]
+	mi := &file_vmflow_v1_record_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -926,7 +1100,7 @@ func (x *VgpuLease) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VgpuLease.ProtoReflect.Descriptor instead.
 func (*VgpuLease) Descriptor() ([]byte, []int) {
-	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{7}
+	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *VgpuLease) GetProfile() string {
@@ -1075,7 +1249,7 @@ type InstanceRecord struct {
 
 func (x *InstanceRecord) Reset() {
 	*x = InstanceRecord{}
-	mi := &file_vmflow_v1_record_proto_msgTypes[8]
+	mi := &file_vmflow_v1_record_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1087,7 +1261,7 @@ func (x *InstanceRecord) String() string {
 func (*InstanceRecord) ProtoMessage() {}
 
 func (x *InstanceRecord) ProtoReflect() protoreflect.Message {
-	mi := &file_vmflow_v1_record_proto_msgTypes[8]
+	mi := &file_vmflow_v1_record_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1100,7 +1274,7 @@ func (x *InstanceRecord) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InstanceRecord.ProtoReflect.Descriptor instead.
 func (*InstanceRecord) Descriptor() ([]byte, []int) {
-	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{8}
+	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *InstanceRecord) GetId() string {
@@ -1317,7 +1491,7 @@ var File_vmflow_v1_record_proto protoreflect.FileDescriptor
 
 const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\n" +
-	"\x16vmflow/v1/record.proto\x12\tvmflow.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xa6\x03\n" +
+	"\x16vmflow/v1/record.proto\x12\tvmflow.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xad\x04\n" +
 	"\x06VMSpec\x12\x14\n" +
 	"\x05vcpus\x18\x01 \x01(\rR\x05vcpus\x12\x1d\n" +
 	"\n" +
@@ -1334,7 +1508,11 @@ const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\fkernel_image\x18\x1a \x01(\v2\x13.vmflow.v1.ImageRefR\vkernelImage\x126\n" +
 	"\finitrd_image\x18\x1b \x01(\v2\x13.vmflow.v1.ImageRefR\vinitrdImage\x122\n" +
 	"\n" +
-	"disk_image\x18\x1c \x01(\v2\x13.vmflow.v1.ImageRefR\tdiskImage\"n\n" +
+	"disk_image\x18\x1c \x01(\v2\x13.vmflow.v1.ImageRefR\tdiskImage\x12\x1d\n" +
+	"\n" +
+	"vgpu_count\x18\x1f \x01(\rR\tvgpuCount\x122\n" +
+	"\x15gpu_passthrough_count\x18  \x01(\rR\x13gpuPassthroughCount\x122\n" +
+	"\x15gpu_passthrough_model\x18! \x01(\tR\x13gpuPassthroughModel\"n\n" +
 	"\fFileIdentity\x12\x10\n" +
 	"\x03dev\x18\x01 \x01(\x04R\x03dev\x12\x10\n" +
 	"\x03ino\x18\x02 \x01(\x04R\x03ino\x12\x12\n" +
@@ -1366,7 +1544,7 @@ const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\n" +
 	"claimed_at\x18\n" +
 	" \x01(\v2\x1a.google.protobuf.TimestampR\tclaimedAt\x12\x16\n" +
-	"\x06driver\x18\v \x01(\tR\x06driver\"\xbd\x02\n" +
+	"\x06driver\x18\v \x01(\tR\x06driver\"\x85\x03\n" +
 	"\x05Lease\x12+\n" +
 	"\x05phase\x18\x01 \x01(\x0e2\x15.vmflow.v1.ClaimPhaseR\x05phase\x129\n" +
 	"\n" +
@@ -1376,9 +1554,19 @@ const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\vreleased_at\x18\x05 \x01(\v2\x1a.google.protobuf.TimestampR\n" +
 	"releasedAt\x12*\n" +
 	"\x04vgpu\x18\n" +
-	" \x01(\v2\x14.vmflow.v1.VgpuLeaseH\x00R\x04vgpuB\n" +
+	" \x01(\v2\x14.vmflow.v1.VgpuLeaseH\x00R\x04vgpu\x12F\n" +
+	"\x0fgpu_passthrough\x18\v \x01(\v2\x1b.vmflow.v1.PassthroughLeaseH\x00R\x0egpuPassthroughB\n" +
 	"\n" +
-	"\bresource\"\x9f\x01\n" +
+	"\bresource\"\x87\x01\n" +
+	"\x10PassthroughLease\x12\x1f\n" +
+	"\viommu_group\x18\x01 \x01(\tR\n" +
+	"iommuGroup\x12<\n" +
+	"\tfunctions\x18\x02 \x03(\v2\x1e.vmflow.v1.PassthroughFunctionR\tfunctions\x12\x14\n" +
+	"\x05model\x18\x03 \x01(\tR\x05model\"l\n" +
+	"\x13PassthroughFunction\x12\x12\n" +
+	"\x04addr\x18\x01 \x01(\tR\x04addr\x12'\n" +
+	"\x0fprevious_driver\x18\x02 \x01(\tR\x0epreviousDriver\x12\x18\n" +
+	"\adisplay\x18\x03 \x01(\bR\adisplay\"\x9f\x01\n" +
 	"\tVgpuLease\x12\x18\n" +
 	"\aprofile\x18\x01 \x01(\tR\aprofile\x12\x16\n" +
 	"\x06parent\x18\x02 \x01(\tR\x06parent\x12\x17\n" +
@@ -1456,7 +1644,7 @@ func file_vmflow_v1_record_proto_rawDescGZIP() []byte {
 }
 
 var file_vmflow_v1_record_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_vmflow_v1_record_proto_msgTypes = make([]protoimpl.MessageInfo, 9)
+var file_vmflow_v1_record_proto_msgTypes = make([]protoimpl.MessageInfo, 11)
 var file_vmflow_v1_record_proto_goTypes = []any{
 	(InstanceState)(0),            // 0: vmflow.v1.InstanceState
 	(StopStep)(0),                 // 1: vmflow.v1.StopStep
@@ -1468,42 +1656,46 @@ var file_vmflow_v1_record_proto_goTypes = []any{
 	(*BootMoment)(nil),            // 7: vmflow.v1.BootMoment
 	(*GpuClaim)(nil),              // 8: vmflow.v1.GpuClaim
 	(*Lease)(nil),                 // 9: vmflow.v1.Lease
-	(*VgpuLease)(nil),             // 10: vmflow.v1.VgpuLease
-	(*InstanceRecord)(nil),        // 11: vmflow.v1.InstanceRecord
-	(*timestamppb.Timestamp)(nil), // 12: google.protobuf.Timestamp
+	(*PassthroughLease)(nil),      // 10: vmflow.v1.PassthroughLease
+	(*PassthroughFunction)(nil),   // 11: vmflow.v1.PassthroughFunction
+	(*VgpuLease)(nil),             // 12: vmflow.v1.VgpuLease
+	(*InstanceRecord)(nil),        // 13: vmflow.v1.InstanceRecord
+	(*timestamppb.Timestamp)(nil), // 14: google.protobuf.Timestamp
 }
 var file_vmflow_v1_record_proto_depIdxs = []int32{
 	5,  // 0: vmflow.v1.VMSpec.kernel_image:type_name -> vmflow.v1.ImageRef
 	5,  // 1: vmflow.v1.VMSpec.initrd_image:type_name -> vmflow.v1.ImageRef
 	5,  // 2: vmflow.v1.VMSpec.disk_image:type_name -> vmflow.v1.ImageRef
 	2,  // 3: vmflow.v1.GpuClaim.phase:type_name -> vmflow.v1.ClaimPhase
-	12, // 4: vmflow.v1.GpuClaim.released_at:type_name -> google.protobuf.Timestamp
-	12, // 5: vmflow.v1.GpuClaim.claimed_at:type_name -> google.protobuf.Timestamp
+	14, // 4: vmflow.v1.GpuClaim.released_at:type_name -> google.protobuf.Timestamp
+	14, // 5: vmflow.v1.GpuClaim.claimed_at:type_name -> google.protobuf.Timestamp
 	2,  // 6: vmflow.v1.Lease.phase:type_name -> vmflow.v1.ClaimPhase
-	12, // 7: vmflow.v1.Lease.claimed_at:type_name -> google.protobuf.Timestamp
-	12, // 8: vmflow.v1.Lease.released_at:type_name -> google.protobuf.Timestamp
-	10, // 9: vmflow.v1.Lease.vgpu:type_name -> vmflow.v1.VgpuLease
-	3,  // 10: vmflow.v1.InstanceRecord.spec:type_name -> vmflow.v1.VMSpec
-	0,  // 11: vmflow.v1.InstanceRecord.state:type_name -> vmflow.v1.InstanceState
-	1,  // 12: vmflow.v1.InstanceRecord.stop_step:type_name -> vmflow.v1.StopStep
-	12, // 13: vmflow.v1.InstanceRecord.stop_step_at:type_name -> google.protobuf.Timestamp
-	6,  // 14: vmflow.v1.InstanceRecord.process:type_name -> vmflow.v1.ProcessIdentity
-	8,  // 15: vmflow.v1.InstanceRecord.gpu_claim:type_name -> vmflow.v1.GpuClaim
-	12, // 16: vmflow.v1.InstanceRecord.last_start:type_name -> google.protobuf.Timestamp
-	12, // 17: vmflow.v1.InstanceRecord.last_exit:type_name -> google.protobuf.Timestamp
-	12, // 18: vmflow.v1.InstanceRecord.created_at:type_name -> google.protobuf.Timestamp
-	12, // 19: vmflow.v1.InstanceRecord.updated_at:type_name -> google.protobuf.Timestamp
-	12, // 20: vmflow.v1.InstanceRecord.launch_started_at:type_name -> google.protobuf.Timestamp
-	12, // 21: vmflow.v1.InstanceRecord.needs_attention_at:type_name -> google.protobuf.Timestamp
-	4,  // 22: vmflow.v1.InstanceRecord.disk_base:type_name -> vmflow.v1.FileIdentity
-	7,  // 23: vmflow.v1.InstanceRecord.stop_step_boot:type_name -> vmflow.v1.BootMoment
-	7,  // 24: vmflow.v1.InstanceRecord.last_exit_boot:type_name -> vmflow.v1.BootMoment
-	9,  // 25: vmflow.v1.InstanceRecord.leases:type_name -> vmflow.v1.Lease
-	26, // [26:26] is the sub-list for method output_type
-	26, // [26:26] is the sub-list for method input_type
-	26, // [26:26] is the sub-list for extension type_name
-	26, // [26:26] is the sub-list for extension extendee
-	0,  // [0:26] is the sub-list for field type_name
+	14, // 7: vmflow.v1.Lease.claimed_at:type_name -> google.protobuf.Timestamp
+	14, // 8: vmflow.v1.Lease.released_at:type_name -> google.protobuf.Timestamp
+	12, // 9: vmflow.v1.Lease.vgpu:type_name -> vmflow.v1.VgpuLease
+	10, // 10: vmflow.v1.Lease.gpu_passthrough:type_name -> vmflow.v1.PassthroughLease
+	11, // 11: vmflow.v1.PassthroughLease.functions:type_name -> vmflow.v1.PassthroughFunction
+	3,  // 12: vmflow.v1.InstanceRecord.spec:type_name -> vmflow.v1.VMSpec
+	0,  // 13: vmflow.v1.InstanceRecord.state:type_name -> vmflow.v1.InstanceState
+	1,  // 14: vmflow.v1.InstanceRecord.stop_step:type_name -> vmflow.v1.StopStep
+	14, // 15: vmflow.v1.InstanceRecord.stop_step_at:type_name -> google.protobuf.Timestamp
+	6,  // 16: vmflow.v1.InstanceRecord.process:type_name -> vmflow.v1.ProcessIdentity
+	8,  // 17: vmflow.v1.InstanceRecord.gpu_claim:type_name -> vmflow.v1.GpuClaim
+	14, // 18: vmflow.v1.InstanceRecord.last_start:type_name -> google.protobuf.Timestamp
+	14, // 19: vmflow.v1.InstanceRecord.last_exit:type_name -> google.protobuf.Timestamp
+	14, // 20: vmflow.v1.InstanceRecord.created_at:type_name -> google.protobuf.Timestamp
+	14, // 21: vmflow.v1.InstanceRecord.updated_at:type_name -> google.protobuf.Timestamp
+	14, // 22: vmflow.v1.InstanceRecord.launch_started_at:type_name -> google.protobuf.Timestamp
+	14, // 23: vmflow.v1.InstanceRecord.needs_attention_at:type_name -> google.protobuf.Timestamp
+	4,  // 24: vmflow.v1.InstanceRecord.disk_base:type_name -> vmflow.v1.FileIdentity
+	7,  // 25: vmflow.v1.InstanceRecord.stop_step_boot:type_name -> vmflow.v1.BootMoment
+	7,  // 26: vmflow.v1.InstanceRecord.last_exit_boot:type_name -> vmflow.v1.BootMoment
+	9,  // 27: vmflow.v1.InstanceRecord.leases:type_name -> vmflow.v1.Lease
+	28, // [28:28] is the sub-list for method output_type
+	28, // [28:28] is the sub-list for method input_type
+	28, // [28:28] is the sub-list for extension type_name
+	28, // [28:28] is the sub-list for extension extendee
+	0,  // [0:28] is the sub-list for field type_name
 }
 
 func init() { file_vmflow_v1_record_proto_init() }
@@ -1513,6 +1705,7 @@ func file_vmflow_v1_record_proto_init() {
 	}
 	file_vmflow_v1_record_proto_msgTypes[6].OneofWrappers = []any{
 		(*Lease_Vgpu)(nil),
+		(*Lease_GpuPassthrough)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -1520,7 +1713,7 @@ func file_vmflow_v1_record_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_vmflow_v1_record_proto_rawDesc), len(file_vmflow_v1_record_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   9,
+			NumMessages:   11,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

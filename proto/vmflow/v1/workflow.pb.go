@@ -58,8 +58,15 @@ type SpawnRequest struct {
 	RestartMaxAttempts uint32 `protobuf:"varint,13,opt,name=restart_max_attempts,json=restartMaxAttempts,proto3" json:"restart_max_attempts,omitempty"`
 	// After this many seconds up, the restart counter resets.
 	RestartStableAfterSeconds uint32 `protobuf:"varint,14,opt,name=restart_stable_after_seconds,json=restartStableAfterSeconds,proto3" json:"restart_stable_after_seconds,omitempty"`
-	unknownFields             protoimpl.UnknownFields
-	sizeCache                 protoimpl.SizeCache
+	// How many vGPUs of vgpu_profile, all or none (0: one when vgpu_profile
+	// is set).
+	VgpuCount uint32 `protobuf:"varint,20,opt,name=vgpu_count,json=vgpuCount,proto3" json:"vgpu_count,omitempty"`
+	// Whole GPUs by VFIO passthrough, all or none; never with vgpu_profile.
+	GpuPassthroughCount uint32 `protobuf:"varint,21,opt,name=gpu_passthrough_count,json=gpuPassthroughCount,proto3" json:"gpu_passthrough_count,omitempty"`
+	// PCI vendor:device in hex ("10de:2335"); empty: any the host offers.
+	GpuPassthroughModel string `protobuf:"bytes,22,opt,name=gpu_passthrough_model,json=gpuPassthroughModel,proto3" json:"gpu_passthrough_model,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
 }
 
 func (x *SpawnRequest) Reset() {
@@ -190,6 +197,27 @@ func (x *SpawnRequest) GetRestartStableAfterSeconds() uint32 {
 	return 0
 }
 
+func (x *SpawnRequest) GetVgpuCount() uint32 {
+	if x != nil {
+		return x.VgpuCount
+	}
+	return 0
+}
+
+func (x *SpawnRequest) GetGpuPassthroughCount() uint32 {
+	if x != nil {
+		return x.GpuPassthroughCount
+	}
+	return 0
+}
+
+func (x *SpawnRequest) GetGpuPassthroughModel() string {
+	if x != nil {
+		return x.GpuPassthroughModel
+	}
+	return ""
+}
+
 // SpawnResult is SpawnInstance's result.
 type SpawnResult struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -201,7 +229,10 @@ type SpawnResult struct {
 	// The device QEMU attached (mdev UUID or SR-IOV VF address); empty for none.
 	VgpuDeviceId string `protobuf:"bytes,4,opt,name=vgpu_device_id,json=vgpuDeviceId,proto3" json:"vgpu_device_id,omitempty"`
 	// The instance UUID given to QEMU's -uuid.
-	InstanceUuid  string `protobuf:"bytes,5,opt,name=instance_uuid,json=instanceUuid,proto3" json:"instance_uuid,omitempty"`
+	InstanceUuid string `protobuf:"bytes,5,opt,name=instance_uuid,json=instanceUuid,proto3" json:"instance_uuid,omitempty"`
+	// Every GPU device the VM was given, in claim order: mdev UUIDs, VF or
+	// whole-GPU PCI addresses.
+	GpuDeviceIds  []string `protobuf:"bytes,10,rep,name=gpu_device_ids,json=gpuDeviceIds,proto3" json:"gpu_device_ids,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -269,6 +300,13 @@ func (x *SpawnResult) GetInstanceUuid() string {
 		return x.InstanceUuid
 	}
 	return ""
+}
+
+func (x *SpawnResult) GetGpuDeviceIds() []string {
+	if x != nil {
+		return x.GpuDeviceIds
+	}
+	return nil
 }
 
 // DeleteRequest is DeleteInstance's input.
@@ -811,7 +849,7 @@ var File_vmflow_v1_workflow_proto protoreflect.FileDescriptor
 
 const file_vmflow_v1_workflow_proto_rawDesc = "" +
 	"\n" +
-	"\x18vmflow/v1/workflow.proto\x12\tvmflow.v1\"\xc8\x03\n" +
+	"\x18vmflow/v1/workflow.proto\x12\tvmflow.v1\"\xcf\x04\n" +
 	"\fSpawnRequest\x12\x1f\n" +
 	"\vinstance_id\x18\x01 \x01(\tR\n" +
 	"instanceId\x12\x17\n" +
@@ -829,14 +867,20 @@ const file_vmflow_v1_workflow_proto_rawDesc = "" +
 	"\fvgpu_profile\x18\v \x01(\tR\vvgpuProfile\x12%\n" +
 	"\x0erestart_policy\x18\f \x01(\tR\rrestartPolicy\x120\n" +
 	"\x14restart_max_attempts\x18\r \x01(\rR\x12restartMaxAttempts\x12?\n" +
-	"\x1crestart_stable_after_seconds\x18\x0e \x01(\rR\x19restartStableAfterSeconds\"\xa6\x01\n" +
+	"\x1crestart_stable_after_seconds\x18\x0e \x01(\rR\x19restartStableAfterSeconds\x12\x1d\n" +
+	"\n" +
+	"vgpu_count\x18\x14 \x01(\rR\tvgpuCount\x122\n" +
+	"\x15gpu_passthrough_count\x18\x15 \x01(\rR\x13gpuPassthroughCount\x122\n" +
+	"\x15gpu_passthrough_model\x18\x16 \x01(\tR\x13gpuPassthroughModel\"\xcc\x01\n" +
 	"\vSpawnResult\x12\x10\n" +
 	"\x03pid\x18\x01 \x01(\x05R\x03pid\x12\x1d\n" +
 	"\n" +
 	"qmp_socket\x18\x02 \x01(\tR\tqmpSocket\x12\x1b\n" +
 	"\tvgpu_uuid\x18\x03 \x01(\tR\bvgpuUuid\x12$\n" +
 	"\x0evgpu_device_id\x18\x04 \x01(\tR\fvgpuDeviceId\x12#\n" +
-	"\rinstance_uuid\x18\x05 \x01(\tR\finstanceUuid\"\xbc\x03\n" +
+	"\rinstance_uuid\x18\x05 \x01(\tR\finstanceUuid\x12$\n" +
+	"\x0egpu_device_ids\x18\n" +
+	" \x03(\tR\fgpuDeviceIds\"\xbc\x03\n" +
 	"\rDeleteRequest\x12\x1f\n" +
 	"\vinstance_id\x18\x01 \x01(\tR\n" +
 	"instanceId\x12\x17\n" +

@@ -1,0 +1,174 @@
+package cli
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"vmflow/hostagent/store"
+	"vmflow/hostagent/vgpu"
+	"vmflow/hostagent/vgpu/claims"
+	"vmflow/internal/contract"
+	"vmflow/internal/safetext"
+)
+
+const devicesHelp = `usage: vmflow-hostagent devices [--state-dir DIR] [--sysfs-root DIR] [--gpu-passthrough LIST] [--vgpu-driver KIND] [-o table|json]
+       vmflow-hostagent devices clear ID --reason TEXT [--state-dir DIR]
+
+Lists every GPU device of this host with its state: free, claimed (by
+which instance), quarantined (and why: its release or reset failed
+--gpu-quarantine-after times; placement skips it), or not vmflow's (not
+named by --gpu-passthrough, bound to vfio-pci by someone else, in an IOMMU
+group vmflow cannot take whole). Give it the agent's --sysfs-root,
+--gpu-passthrough and --vgpu-driver. Read-only.
+
+devices clear puts a quarantined device back into placement once an
+operator fixed it; the reason is required and logged, with the time and
+the quarantine it ends, to <state-dir>/gpu-quarantine.log. It is the one
+CLI command that writes, under the quarantine's own lock, beside a running
+agent.
+`
+
+// QuarantineLogFile is the audit log of devices clear, in the state dir.
+const QuarantineLogFile = "gpu-quarantine.log"
+
+// Devices is `vmflow-hostagent devices`.
+func Devices(ctx context.Context, args []string, out IO) int {
+	if len(args) > 0 && args[0] == "clear" {
+		return devicesClear(ctx, args[1:], out)
+	}
+	fs := flag.NewFlagSet("devices", flag.ContinueOnError)
+	fs.SetOutput(out.Stderr)
+	fs.Usage = func() { fmt.Fprint(out.Stderr, devicesHelp) }
+	var v viewFlags
+	v.register(fs)
+	sysfs := fs.String("sysfs-root", vgpu.DefaultSysfsRoot, "sysfs root (as given to run)")
+	filter := fs.String("gpu-passthrough", "", "the agent's --gpu-passthrough")
+	driver := fs.String("vgpu-driver", "auto", "the agent's --vgpu-driver: auto, mdev, vendor or none")
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return ExitOK
+		}
+		return ExitUsage
+	}
+	if err := v.check(); err != nil {
+		fmt.Fprintf(out.Stderr, "devices: %v\n", err)
+		return ExitUsage
+	}
+	f, err := vgpu.ParseGPUFilter(*filter)
+	if err != nil {
+		fmt.Fprintf(out.Stderr, "devices: %v\n", err)
+		return ExitUsage
+	}
+	st, err := store.Open(v.stateDir)
+	if err != nil {
+		fmt.Fprintf(out.Stderr, "devices: %v\n", err)
+		return ExitError
+	}
+	whole := vgpu.NewPassthrough(vgpu.PassthroughConfig{SysfsRoot: *sysfs, StateDir: v.stateDir, Filter: f})
+	var drv vgpu.Driver
+	if *driver != "none" {
+		kind := vgpu.Kind("")
+		if *driver != "auto" {
+			kind = vgpu.Kind(*driver)
+		}
+		if d, err := vgpu.New(vgpu.Config{SysfsRoot: *sysfs, StateDir: v.stateDir, Kind: kind}); err == nil {
+			if _, perr := d.Profiles(ctx); perr == nil {
+				drv = d // a host without vGPU sysfs lists whole GPUs only
+			}
+		}
+	}
+	rows, err := claims.HostInventory(ctx, st, claims.NewQuarantine(v.stateDir, 0, nil), whole, drv)
+	if err != nil {
+		fmt.Fprintf(out.Stderr, "devices: %v\n", err)
+		return ExitError
+	}
+	if v.output == "json" {
+		writeJSON(out.Stdout, rows)
+		return ExitOK
+	}
+	tw := tabwriter.NewWriter(out.Stdout, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "DEVICE\tKIND\tSTATE\tINSTANCE\tWHY")
+	for _, r := range rows {
+		cols := []string{r.ID, r.Kind, r.State, orDash(r.Instance), orDash(r.Why)}
+		for i, c := range cols {
+			cols[i] = safetext.Escape(c)
+		}
+		fmt.Fprintln(tw, strings.Join(cols, "\t"))
+	}
+	_ = tw.Flush()
+	return ExitOK
+}
+
+func devicesClear(ctx context.Context, args []string, out IO) int {
+	fs := flag.NewFlagSet("devices clear", flag.ContinueOnError)
+	fs.SetOutput(out.Stderr)
+	fs.Usage = func() { fmt.Fprint(out.Stderr, devicesHelp) }
+	stateDir := fs.String("state-dir", contract.DefaultStateDir, "the agent's state directory (as given to run)")
+	reason := fs.String("reason", "", "why the device may be used again (required, logged)")
+	// The id may come before or after the flags.
+	var id string
+	if len(args) > 0 && !strings.HasPrefix(args[0], "-") {
+		id, args = args[0], args[1:]
+	}
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return ExitOK
+		}
+		return ExitUsage
+	}
+	if id == "" && fs.NArg() == 1 {
+		id = fs.Arg(0)
+	}
+	if id == "" || strings.TrimSpace(*reason) == "" {
+		fmt.Fprint(out.Stderr, "devices clear: a device id and --reason are required\n"+devicesHelp)
+		return ExitUsage
+	}
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	was, err := claims.NewQuarantine(*stateDir, 0, nil).Clear(ctx, id)
+	if err != nil {
+		fmt.Fprintf(out.Stderr, "devices clear: %v\n", err)
+		if errors.Is(err, claims.ErrNotQuarantined) {
+			return ExitUsage
+		}
+		return ExitError
+	}
+	entry := map[string]string{"time": time.Now().UTC().Format(time.RFC3339), "device_id": id, "reason": *reason,
+		"was": was.Reason, "quarantined_since": was.Since.Format(time.RFC3339), "instance_id": was.Instance}
+	if err := appendLog(filepath.Join(*stateDir, QuarantineLogFile), entry); err != nil {
+		// Cleared already: say so, and that the log line is missing.
+		fmt.Fprintf(out.Stderr, "devices clear: %s cleared, but the log line was not written: %v\n", id, err)
+		return ExitError
+	}
+	fmt.Fprintf(out.Stdout, "%s cleared (was quarantined since %s: %s)\n", safetext.Escape(id), was.Since.Format(time.RFC3339), safetext.Escape(was.Reason))
+	return ExitOK
+}
+
+// appendLog appends one JSON line to path and syncs it.
+func appendLog(path string, entry map[string]string) error {
+	b, err := json.Marshal(entry)
+	if err != nil {
+		return err
+	}
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
+	if err != nil {
+		return err
+	}
+	if _, err := f.Write(append(b, '\n')); err != nil {
+		f.Close()
+		return err
+	}
+	if err := f.Sync(); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
+}

@@ -1,0 +1,95 @@
+package cli_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"vmflow/hostagent/cli"
+	"vmflow/hostagent/store"
+	"vmflow/hostagent/vgpu"
+	"vmflow/hostagent/vgpu/claims"
+	"vmflow/hostagent/vgpu/vgpusim"
+	"vmflow/hostagent/vgpu/vgpusim/simtest"
+	vmflowv1 "vmflow/proto/vmflow/v1"
+)
+
+func runDevices(t *testing.T, args ...string) (int, string, string) {
+	t.Helper()
+	var stdout, stderr bytes.Buffer
+	code := cli.Devices(context.Background(), args, cli.IO{Stdout: &stdout, Stderr: &stderr})
+	return code, stdout.String(), stderr.String()
+}
+
+// TestDevicesListsAndClears: every GPU device with its state (claimed by
+// its instance, free, quarantined with the reason, not vmflow's), and
+// devices clear puts a quarantined one back, refusing without a reason and
+// logging the clear.
+func TestDevicesListsAndClears(t *testing.T) {
+	sim := simtest.Start(t, vgpusim.Options{PCIGPUs: 4, MdevParents: 1})
+	dir := t.TempDir()
+	st, err := store.New(dir)
+	require.NoError(t, err)
+	ctx := context.Background()
+	f, err := vgpu.ParseGPUFilter("all")
+	require.NoError(t, err)
+	w, err := claims.NewWhole(claims.WholeConfig{Driver: vgpu.NewPassthrough(vgpu.PassthroughConfig{SysfsRoot: sim.Root, StateDir: dir, DevRoot: sim.DevRoot, Filter: f}), Store: st})
+	require.NoError(t, err)
+	_, err = st.Create(ctx, &vmflowv1.InstanceRecord{Id: "vm1", Spec: &vmflowv1.VMSpec{Vcpus: 1, MemoryMib: 64, Machine: "none", GpuPassthroughCount: 1}})
+	require.NoError(t, err)
+	_, err = w.Claim(ctx, "vm1", "", 1)
+	require.NoError(t, err)
+	g := func(i int) string { return vgpusim.PCIGPUAt(i).GPU }
+	_, err = claims.NewQuarantine(dir, 1, nil).Failed(ctx, "vm0", 1, "reset: EIO", g(2))
+	require.NoError(t, err)
+
+	list := func() map[string]claims.DeviceRow {
+		code, out, stderr := runDevices(t, "--state-dir", dir, "--sysfs-root", sim.Root, "--gpu-passthrough", "all", "-o", "json")
+		require.Equal(t, cli.ExitOK, code, stderr)
+		var rows []claims.DeviceRow
+		require.NoError(t, json.Unmarshal([]byte(out), &rows))
+		m := map[string]claims.DeviceRow{}
+		for _, r := range rows {
+			m[r.ID] = r
+		}
+		return m
+	}
+	rows := list()
+	assert.Equal(t, claims.DeviceClaimed, rows[g(0)].State)
+	assert.Equal(t, "vm1", rows[g(0)].Instance)
+	assert.Equal(t, claims.DeviceFree, rows[g(1)].State)
+	assert.Equal(t, claims.DeviceQuarantined, rows[g(2)].State)
+	assert.Contains(t, rows[g(2)].Why, "reset: EIO")
+	assert.Equal(t, claims.DeviceNotOurs, rows[g(3)].State, "its group holds a NIC")
+	parents := 0
+	for _, r := range rows {
+		if r.Kind == "vgpu-parent" {
+			parents++
+			assert.Equal(t, claims.DeviceFree, r.State)
+		}
+	}
+	assert.Equal(t, 1, parents)
+
+	code, out, _ := runDevices(t, "--state-dir", dir, "--sysfs-root", sim.Root, "--gpu-passthrough", "all")
+	require.Equal(t, cli.ExitOK, code)
+	assert.Contains(t, out, "DEVICE")
+	assert.Contains(t, out, "quarantined")
+
+	code, _, _ = runDevices(t, "clear", g(2), "--state-dir", dir)
+	assert.Equal(t, cli.ExitUsage, code, "a reason is required")
+	code, _, _ = runDevices(t, "clear", g(1), "--state-dir", dir, "--reason", "x")
+	assert.Equal(t, cli.ExitUsage, code, "not quarantined")
+	code, out, stderr := runDevices(t, "clear", g(2), "--state-dir", dir, "--reason", "GPU reseated, RMA 42")
+	require.Equal(t, cli.ExitOK, code, stderr)
+	assert.Contains(t, out, "cleared")
+	b, err := os.ReadFile(filepath.Join(dir, cli.QuarantineLogFile))
+	require.NoError(t, err)
+	assert.Contains(t, string(b), "GPU reseated, RMA 42")
+	assert.Equal(t, claims.DeviceFree, list()[g(2)].State)
+}
