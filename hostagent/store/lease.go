@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strings"
 
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
@@ -30,7 +31,8 @@ import (
 
 // Lease kinds, as LeaseKind names them.
 const (
-	KindVGPU = "vgpu"
+	KindVGPU    = "vgpu"
+	KindNetwork = "network"
 )
 
 // LeaseKind names l's kind ("vgpu"); "unknown" for a lease with no
@@ -39,6 +41,8 @@ func LeaseKind(l *vmflowv1.Lease) string {
 	switch l.GetResource().(type) {
 	case *vmflowv1.Lease_Vgpu:
 		return KindVGPU
+	case *vmflowv1.Lease_Network:
+		return KindNetwork
 	}
 	return "unknown"
 }
@@ -50,6 +54,11 @@ func LeaseName(l *vmflowv1.Lease) string {
 	switch r := l.GetResource().(type) {
 	case *vmflowv1.Lease_Vgpu:
 		return KindVGPU + ":" + ClaimDevice(r.Vgpu)
+	case *vmflowv1.Lease_Network:
+		// The address, without its prefix: the one thing two VMs on a
+		// host must never share (the TAP's name is derived from it).
+		addr, _, _ := strings.Cut(r.Network.GetAddress(), "/")
+		return KindNetwork + ":" + addr
 	}
 	return "unknown:"
 }
@@ -57,6 +66,22 @@ func LeaseName(l *vmflowv1.Lease) string {
 // VGPULease is a lease on the vGPU v names, for LeaseIntent.
 func VGPULease(v *vmflowv1.VgpuLease) *vmflowv1.Lease {
 	return &vmflowv1.Lease{Resource: &vmflowv1.Lease_Vgpu{Vgpu: v}}
+}
+
+// NetworkLease is a lease on the TAP and address n names, for LeaseIntent.
+func NetworkLease(n *vmflowv1.NetworkLease) *vmflowv1.Lease {
+	return &vmflowv1.Lease{Resource: &vmflowv1.Lease_Network{Network: n}}
+}
+
+// Network is rec's network lease, held or released; nil when it has none.
+// An instance has at most one (ValidateRecord).
+func Network(rec *vmflowv1.InstanceRecord) *vmflowv1.Lease {
+	for _, l := range rec.GetLeases() {
+		if l.GetNetwork() != nil {
+			return l
+		}
+	}
+	return nil
 }
 
 // LeaseHeld reports whether l is held: from the moment it is recorded
@@ -115,16 +140,18 @@ func describeLease(l *vmflowv1.Lease) string {
 	switch r := l.GetResource().(type) {
 	case *vmflowv1.Lease_Vgpu:
 		return fmt.Sprintf("vgpu lease (profile %q, device %s, phase %s)", r.Vgpu.GetProfile(), ClaimDevice(r.Vgpu), l.GetPhase())
+	case *vmflowv1.Lease_Network:
+		return fmt.Sprintf("network lease (address %s, tap %s, phase %s)", r.Network.GetAddress(), r.Network.GetTap(), l.GetPhase())
 	}
 	return fmt.Sprintf("%s lease (phase %s)", LeaseKind(l), l.GetPhase())
 }
 
 // validateLeases is ValidateRecord's part for leases: every lease has a
 // kind this agent knows and a phase it can name, and no two name one
-// resource; an instance holds at most one vGPU.
+// resource; an instance holds at most one vGPU and one network lease.
 func validateLeases(rec *vmflowv1.InstanceRecord) error {
 	names := map[string]bool{}
-	vgpus := 0
+	vgpus, nets := 0, 0
 	for i, l := range rec.GetLeases() {
 		if l.GetResource() == nil {
 			return fmt.Errorf("%w: instance %s: lease %d has no resource", ErrInvalidRecord, rec.GetId(), i)
@@ -140,9 +167,15 @@ func validateLeases(rec *vmflowv1.InstanceRecord) error {
 		if l.GetVgpu() != nil {
 			vgpus++
 		}
+		if l.GetNetwork() != nil {
+			nets++
+		}
 	}
 	if vgpus > 1 {
 		return fmt.Errorf("%w: instance %s has %d vgpu leases, at most one is allowed", ErrInvalidRecord, rec.GetId(), vgpus)
+	}
+	if nets > 1 {
+		return fmt.Errorf("%w: instance %s has %d network leases, at most one is allowed", ErrInvalidRecord, rec.GetId(), nets)
 	}
 	return nil
 }

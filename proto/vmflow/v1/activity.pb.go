@@ -340,9 +340,13 @@ type LaunchVMResult struct {
 	// QEMU was already running for this instance (a retried activity).
 	AlreadyRunning bool `protobuf:"varint,3,opt,name=already_running,json=alreadyRunning,proto3" json:"already_running,omitempty"`
 	// The instance's vGPU as its record holds it; empty without one.
-	VgpuUuid      string `protobuf:"bytes,4,opt,name=vgpu_uuid,json=vgpuUuid,proto3" json:"vgpu_uuid,omitempty"`
-	VgpuDeviceId  string `protobuf:"bytes,5,opt,name=vgpu_device_id,json=vgpuDeviceId,proto3" json:"vgpu_device_id,omitempty"`
-	InstanceUuid  string `protobuf:"bytes,6,opt,name=instance_uuid,json=instanceUuid,proto3" json:"instance_uuid,omitempty"`
+	VgpuUuid     string `protobuf:"bytes,4,opt,name=vgpu_uuid,json=vgpuUuid,proto3" json:"vgpu_uuid,omitempty"`
+	VgpuDeviceId string `protobuf:"bytes,5,opt,name=vgpu_device_id,json=vgpuDeviceId,proto3" json:"vgpu_device_id,omitempty"`
+	InstanceUuid string `protobuf:"bytes,6,opt,name=instance_uuid,json=instanceUuid,proto3" json:"instance_uuid,omitempty"`
+	// The instance's network lease as its record holds it: the address with
+	// its prefix and the MAC; empty without one.
+	Ip            string `protobuf:"bytes,30,opt,name=ip,proto3" json:"ip,omitempty"`
+	Mac           string `protobuf:"bytes,31,opt,name=mac,proto3" json:"mac,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -415,6 +419,20 @@ func (x *LaunchVMResult) GetVgpuDeviceId() string {
 func (x *LaunchVMResult) GetInstanceUuid() string {
 	if x != nil {
 		return x.InstanceUuid
+	}
+	return ""
+}
+
+func (x *LaunchVMResult) GetIp() string {
+	if x != nil {
+		return x.Ip
+	}
+	return ""
+}
+
+func (x *LaunchVMResult) GetMac() string {
+	if x != nil {
+		return x.Mac
 	}
 	return ""
 }
@@ -745,7 +763,7 @@ const file_vmflow_v1_activity_proto_rawDesc = "" +
 	"\x0fLaunchVMRequest\x12\x1f\n" +
 	"\vinstance_id\x18\x01 \x01(\tR\n" +
 	"instanceId\x12#\n" +
-	"\rexisting_only\x18\x02 \x01(\bR\fexistingOnly\"\xd2\x01\n" +
+	"\rexisting_only\x18\x02 \x01(\bR\fexistingOnly\"\xf4\x01\n" +
 	"\x0eLaunchVMResult\x12\x10\n" +
 	"\x03pid\x18\x01 \x01(\x05R\x03pid\x12\x1d\n" +
 	"\n" +
@@ -753,7 +771,9 @@ const file_vmflow_v1_activity_proto_rawDesc = "" +
 	"\x0falready_running\x18\x03 \x01(\bR\x0ealreadyRunning\x12\x1b\n" +
 	"\tvgpu_uuid\x18\x04 \x01(\tR\bvgpuUuid\x12$\n" +
 	"\x0evgpu_device_id\x18\x05 \x01(\tR\fvgpuDeviceId\x12#\n" +
-	"\rinstance_uuid\x18\x06 \x01(\tR\finstanceUuid\"\xb1\x01\n" +
+	"\rinstance_uuid\x18\x06 \x01(\tR\finstanceUuid\x12\x0e\n" +
+	"\x02ip\x18\x1e \x01(\tR\x02ip\x12\x10\n" +
+	"\x03mac\x18\x1f \x01(\tR\x03mac\"\xb1\x01\n" +
 	"\x12BeginDeleteRequest\x12\x1f\n" +
 	"\vinstance_id\x18\x01 \x01(\tR\n" +
 	"instanceId\x12A\n" +

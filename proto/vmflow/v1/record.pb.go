@@ -246,9 +246,12 @@ type VMSpec struct {
 	// to it, which is what every launch opens (openat2 beneath the root). A
 	// record written before they existed has only the absolute paths: the
 	// agent resolves those against its roots at launch.
-	KernelImage   *ImageRef `protobuf:"bytes,26,opt,name=kernel_image,json=kernelImage,proto3" json:"kernel_image,omitempty"`
-	InitrdImage   *ImageRef `protobuf:"bytes,27,opt,name=initrd_image,json=initrdImage,proto3" json:"initrd_image,omitempty"`
-	DiskImage     *ImageRef `protobuf:"bytes,28,opt,name=disk_image,json=diskImage,proto3" json:"disk_image,omitempty"`
+	KernelImage *ImageRef `protobuf:"bytes,26,opt,name=kernel_image,json=kernelImage,proto3" json:"kernel_image,omitempty"`
+	InitrdImage *ImageRef `protobuf:"bytes,27,opt,name=initrd_image,json=initrdImage,proto3" json:"initrd_image,omitempty"`
+	DiskImage   *ImageRef `protobuf:"bytes,28,opt,name=disk_image,json=diskImage,proto3" json:"disk_image,omitempty"`
+	// Fields 40-49: the network. "default" puts the VM on its host's bridge
+	// with an address of the host's subnet; empty: no network.
+	Network       string `protobuf:"bytes,40,opt,name=network,proto3" json:"network,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -372,6 +375,13 @@ func (x *VMSpec) GetDiskImage() *ImageRef {
 		return x.DiskImage
 	}
 	return nil
+}
+
+func (x *VMSpec) GetNetwork() string {
+	if x != nil {
+		return x.Network
+	}
+	return ""
 }
 
 // ImageRef is an image file as the agent opens it: beneath one of its
@@ -783,6 +793,7 @@ type Lease struct {
 	// Types that are valid to be assigned to Resource:
 	//
 	//	*Lease_Vgpu
+	//	*Lease_Network
 	Resource      isLease_Resource `protobuf_oneof:"resource"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -869,6 +880,15 @@ func (x *Lease) GetVgpu() *VgpuLease {
 	return nil
 }
 
+func (x *Lease) GetNetwork() *NetworkLease {
+	if x != nil {
+		if x, ok := x.Resource.(*Lease_Network); ok {
+			return x.Network
+		}
+	}
+	return nil
+}
+
 type isLease_Resource interface {
 	isLease_Resource()
 }
@@ -877,7 +897,13 @@ type Lease_Vgpu struct {
 	Vgpu *VgpuLease `protobuf:"bytes,10,opt,name=vgpu,proto3,oneof"`
 }
 
+type Lease_Network struct {
+	Network *NetworkLease `protobuf:"bytes,12,opt,name=network,proto3,oneof"`
+}
+
 func (*Lease_Vgpu) isLease_Resource() {}
+
+func (*Lease_Network) isLease_Resource() {}
 
 // VgpuLease is the vGPU device a lease names.
 type VgpuLease struct {
@@ -967,6 +993,91 @@ func (x *VgpuLease) GetDeviceId() string {
 func (x *VgpuLease) GetDriver() string {
 	if x != nil {
 		return x.Driver
+	}
+	return ""
+}
+
+// NetworkLease is the VM's place on its host's bridge: a TAP and an
+// address of the host's subnet, held from before the TAP exists until it is
+// removed, and kept across restarts and reboots under the same name, MAC
+// and address.
+type NetworkLease struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The TAP's interface name on the host (in the agent's network namespace).
+	Tap string `protobuf:"bytes,1,opt,name=tap,proto3" json:"tap,omitempty"`
+	// The guest NIC's MAC, derived from the instance id.
+	Mac string `protobuf:"bytes,2,opt,name=mac,proto3" json:"mac,omitempty"`
+	// The guest's IPv4 address with the subnet's prefix length, "10.88.0.2/24".
+	Address string `protobuf:"bytes,3,opt,name=address,proto3" json:"address,omitempty"`
+	// The gateway (the bridge's own address), "10.88.0.1".
+	Gateway string `protobuf:"bytes,4,opt,name=gateway,proto3" json:"gateway,omitempty"`
+	// The bridge the TAP is a port of.
+	Bridge        string `protobuf:"bytes,5,opt,name=bridge,proto3" json:"bridge,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *NetworkLease) Reset() {
+	*x = NetworkLease{}
+	mi := &file_vmflow_v1_record_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *NetworkLease) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*NetworkLease) ProtoMessage() {}
+
+func (x *NetworkLease) ProtoReflect() protoreflect.Message {
+	mi := &file_vmflow_v1_record_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use NetworkLease.ProtoReflect.Descriptor instead.
+func (*NetworkLease) Descriptor() ([]byte, []int) {
+	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *NetworkLease) GetTap() string {
+	if x != nil {
+		return x.Tap
+	}
+	return ""
+}
+
+func (x *NetworkLease) GetMac() string {
+	if x != nil {
+		return x.Mac
+	}
+	return ""
+}
+
+func (x *NetworkLease) GetAddress() string {
+	if x != nil {
+		return x.Address
+	}
+	return ""
+}
+
+func (x *NetworkLease) GetGateway() string {
+	if x != nil {
+		return x.Gateway
+	}
+	return ""
+}
+
+func (x *NetworkLease) GetBridge() string {
+	if x != nil {
+		return x.Bridge
 	}
 	return ""
 }
@@ -1075,7 +1186,7 @@ type InstanceRecord struct {
 
 func (x *InstanceRecord) Reset() {
 	*x = InstanceRecord{}
-	mi := &file_vmflow_v1_record_proto_msgTypes[8]
+	mi := &file_vmflow_v1_record_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1087,7 +1198,7 @@ func (x *InstanceRecord) String() string {
 func (*InstanceRecord) ProtoMessage() {}
 
 func (x *InstanceRecord) ProtoReflect() protoreflect.Message {
-	mi := &file_vmflow_v1_record_proto_msgTypes[8]
+	mi := &file_vmflow_v1_record_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1100,7 +1211,7 @@ func (x *InstanceRecord) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InstanceRecord.ProtoReflect.Descriptor instead.
 func (*InstanceRecord) Descriptor() ([]byte, []int) {
-	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{8}
+	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *InstanceRecord) GetId() string {
@@ -1317,7 +1428,7 @@ var File_vmflow_v1_record_proto protoreflect.FileDescriptor
 
 const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\n" +
-	"\x16vmflow/v1/record.proto\x12\tvmflow.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xa6\x03\n" +
+	"\x16vmflow/v1/record.proto\x12\tvmflow.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xc0\x03\n" +
 	"\x06VMSpec\x12\x14\n" +
 	"\x05vcpus\x18\x01 \x01(\rR\x05vcpus\x12\x1d\n" +
 	"\n" +
@@ -1334,7 +1445,8 @@ const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\fkernel_image\x18\x1a \x01(\v2\x13.vmflow.v1.ImageRefR\vkernelImage\x126\n" +
 	"\finitrd_image\x18\x1b \x01(\v2\x13.vmflow.v1.ImageRefR\vinitrdImage\x122\n" +
 	"\n" +
-	"disk_image\x18\x1c \x01(\v2\x13.vmflow.v1.ImageRefR\tdiskImage\"n\n" +
+	"disk_image\x18\x1c \x01(\v2\x13.vmflow.v1.ImageRefR\tdiskImage\x12\x18\n" +
+	"\anetwork\x18( \x01(\tR\anetwork\"n\n" +
 	"\fFileIdentity\x12\x10\n" +
 	"\x03dev\x18\x01 \x01(\x04R\x03dev\x12\x10\n" +
 	"\x03ino\x18\x02 \x01(\x04R\x03ino\x12\x12\n" +
@@ -1366,7 +1478,7 @@ const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\n" +
 	"claimed_at\x18\n" +
 	" \x01(\v2\x1a.google.protobuf.TimestampR\tclaimedAt\x12\x16\n" +
-	"\x06driver\x18\v \x01(\tR\x06driver\"\xbd\x02\n" +
+	"\x06driver\x18\v \x01(\tR\x06driver\"\xf2\x02\n" +
 	"\x05Lease\x12+\n" +
 	"\x05phase\x18\x01 \x01(\x0e2\x15.vmflow.v1.ClaimPhaseR\x05phase\x129\n" +
 	"\n" +
@@ -1376,7 +1488,8 @@ const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\vreleased_at\x18\x05 \x01(\v2\x1a.google.protobuf.TimestampR\n" +
 	"releasedAt\x12*\n" +
 	"\x04vgpu\x18\n" +
-	" \x01(\v2\x14.vmflow.v1.VgpuLeaseH\x00R\x04vgpuB\n" +
+	" \x01(\v2\x14.vmflow.v1.VgpuLeaseH\x00R\x04vgpu\x123\n" +
+	"\anetwork\x18\f \x01(\v2\x17.vmflow.v1.NetworkLeaseH\x00R\anetworkB\n" +
 	"\n" +
 	"\bresource\"\x9f\x01\n" +
 	"\tVgpuLease\x12\x18\n" +
@@ -1385,7 +1498,13 @@ const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\atype_id\x18\x03 \x01(\tR\x06typeId\x12\x12\n" +
 	"\x04uuid\x18\x04 \x01(\tR\x04uuid\x12\x1b\n" +
 	"\tdevice_id\x18\x05 \x01(\tR\bdeviceId\x12\x16\n" +
-	"\x06driver\x18\x06 \x01(\tR\x06driver\"\xc4\v\n" +
+	"\x06driver\x18\x06 \x01(\tR\x06driver\"~\n" +
+	"\fNetworkLease\x12\x10\n" +
+	"\x03tap\x18\x01 \x01(\tR\x03tap\x12\x10\n" +
+	"\x03mac\x18\x02 \x01(\tR\x03mac\x12\x18\n" +
+	"\aaddress\x18\x03 \x01(\tR\aaddress\x12\x18\n" +
+	"\agateway\x18\x04 \x01(\tR\agateway\x12\x16\n" +
+	"\x06bridge\x18\x05 \x01(\tR\x06bridge\"\xc4\v\n" +
 	"\x0eInstanceRecord\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12%\n" +
 	"\x04spec\x18\x02 \x01(\v2\x11.vmflow.v1.VMSpecR\x04spec\x12%\n" +
@@ -1456,7 +1575,7 @@ func file_vmflow_v1_record_proto_rawDescGZIP() []byte {
 }
 
 var file_vmflow_v1_record_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_vmflow_v1_record_proto_msgTypes = make([]protoimpl.MessageInfo, 9)
+var file_vmflow_v1_record_proto_msgTypes = make([]protoimpl.MessageInfo, 10)
 var file_vmflow_v1_record_proto_goTypes = []any{
 	(InstanceState)(0),            // 0: vmflow.v1.InstanceState
 	(StopStep)(0),                 // 1: vmflow.v1.StopStep
@@ -1469,41 +1588,43 @@ var file_vmflow_v1_record_proto_goTypes = []any{
 	(*GpuClaim)(nil),              // 8: vmflow.v1.GpuClaim
 	(*Lease)(nil),                 // 9: vmflow.v1.Lease
 	(*VgpuLease)(nil),             // 10: vmflow.v1.VgpuLease
-	(*InstanceRecord)(nil),        // 11: vmflow.v1.InstanceRecord
-	(*timestamppb.Timestamp)(nil), // 12: google.protobuf.Timestamp
+	(*NetworkLease)(nil),          // 11: vmflow.v1.NetworkLease
+	(*InstanceRecord)(nil),        // 12: vmflow.v1.InstanceRecord
+	(*timestamppb.Timestamp)(nil), // 13: google.protobuf.Timestamp
 }
 var file_vmflow_v1_record_proto_depIdxs = []int32{
 	5,  // 0: vmflow.v1.VMSpec.kernel_image:type_name -> vmflow.v1.ImageRef
 	5,  // 1: vmflow.v1.VMSpec.initrd_image:type_name -> vmflow.v1.ImageRef
 	5,  // 2: vmflow.v1.VMSpec.disk_image:type_name -> vmflow.v1.ImageRef
 	2,  // 3: vmflow.v1.GpuClaim.phase:type_name -> vmflow.v1.ClaimPhase
-	12, // 4: vmflow.v1.GpuClaim.released_at:type_name -> google.protobuf.Timestamp
-	12, // 5: vmflow.v1.GpuClaim.claimed_at:type_name -> google.protobuf.Timestamp
+	13, // 4: vmflow.v1.GpuClaim.released_at:type_name -> google.protobuf.Timestamp
+	13, // 5: vmflow.v1.GpuClaim.claimed_at:type_name -> google.protobuf.Timestamp
 	2,  // 6: vmflow.v1.Lease.phase:type_name -> vmflow.v1.ClaimPhase
-	12, // 7: vmflow.v1.Lease.claimed_at:type_name -> google.protobuf.Timestamp
-	12, // 8: vmflow.v1.Lease.released_at:type_name -> google.protobuf.Timestamp
+	13, // 7: vmflow.v1.Lease.claimed_at:type_name -> google.protobuf.Timestamp
+	13, // 8: vmflow.v1.Lease.released_at:type_name -> google.protobuf.Timestamp
 	10, // 9: vmflow.v1.Lease.vgpu:type_name -> vmflow.v1.VgpuLease
-	3,  // 10: vmflow.v1.InstanceRecord.spec:type_name -> vmflow.v1.VMSpec
-	0,  // 11: vmflow.v1.InstanceRecord.state:type_name -> vmflow.v1.InstanceState
-	1,  // 12: vmflow.v1.InstanceRecord.stop_step:type_name -> vmflow.v1.StopStep
-	12, // 13: vmflow.v1.InstanceRecord.stop_step_at:type_name -> google.protobuf.Timestamp
-	6,  // 14: vmflow.v1.InstanceRecord.process:type_name -> vmflow.v1.ProcessIdentity
-	8,  // 15: vmflow.v1.InstanceRecord.gpu_claim:type_name -> vmflow.v1.GpuClaim
-	12, // 16: vmflow.v1.InstanceRecord.last_start:type_name -> google.protobuf.Timestamp
-	12, // 17: vmflow.v1.InstanceRecord.last_exit:type_name -> google.protobuf.Timestamp
-	12, // 18: vmflow.v1.InstanceRecord.created_at:type_name -> google.protobuf.Timestamp
-	12, // 19: vmflow.v1.InstanceRecord.updated_at:type_name -> google.protobuf.Timestamp
-	12, // 20: vmflow.v1.InstanceRecord.launch_started_at:type_name -> google.protobuf.Timestamp
-	12, // 21: vmflow.v1.InstanceRecord.needs_attention_at:type_name -> google.protobuf.Timestamp
-	4,  // 22: vmflow.v1.InstanceRecord.disk_base:type_name -> vmflow.v1.FileIdentity
-	7,  // 23: vmflow.v1.InstanceRecord.stop_step_boot:type_name -> vmflow.v1.BootMoment
-	7,  // 24: vmflow.v1.InstanceRecord.last_exit_boot:type_name -> vmflow.v1.BootMoment
-	9,  // 25: vmflow.v1.InstanceRecord.leases:type_name -> vmflow.v1.Lease
-	26, // [26:26] is the sub-list for method output_type
-	26, // [26:26] is the sub-list for method input_type
-	26, // [26:26] is the sub-list for extension type_name
-	26, // [26:26] is the sub-list for extension extendee
-	0,  // [0:26] is the sub-list for field type_name
+	11, // 10: vmflow.v1.Lease.network:type_name -> vmflow.v1.NetworkLease
+	3,  // 11: vmflow.v1.InstanceRecord.spec:type_name -> vmflow.v1.VMSpec
+	0,  // 12: vmflow.v1.InstanceRecord.state:type_name -> vmflow.v1.InstanceState
+	1,  // 13: vmflow.v1.InstanceRecord.stop_step:type_name -> vmflow.v1.StopStep
+	13, // 14: vmflow.v1.InstanceRecord.stop_step_at:type_name -> google.protobuf.Timestamp
+	6,  // 15: vmflow.v1.InstanceRecord.process:type_name -> vmflow.v1.ProcessIdentity
+	8,  // 16: vmflow.v1.InstanceRecord.gpu_claim:type_name -> vmflow.v1.GpuClaim
+	13, // 17: vmflow.v1.InstanceRecord.last_start:type_name -> google.protobuf.Timestamp
+	13, // 18: vmflow.v1.InstanceRecord.last_exit:type_name -> google.protobuf.Timestamp
+	13, // 19: vmflow.v1.InstanceRecord.created_at:type_name -> google.protobuf.Timestamp
+	13, // 20: vmflow.v1.InstanceRecord.updated_at:type_name -> google.protobuf.Timestamp
+	13, // 21: vmflow.v1.InstanceRecord.launch_started_at:type_name -> google.protobuf.Timestamp
+	13, // 22: vmflow.v1.InstanceRecord.needs_attention_at:type_name -> google.protobuf.Timestamp
+	4,  // 23: vmflow.v1.InstanceRecord.disk_base:type_name -> vmflow.v1.FileIdentity
+	7,  // 24: vmflow.v1.InstanceRecord.stop_step_boot:type_name -> vmflow.v1.BootMoment
+	7,  // 25: vmflow.v1.InstanceRecord.last_exit_boot:type_name -> vmflow.v1.BootMoment
+	9,  // 26: vmflow.v1.InstanceRecord.leases:type_name -> vmflow.v1.Lease
+	27, // [27:27] is the sub-list for method output_type
+	27, // [27:27] is the sub-list for method input_type
+	27, // [27:27] is the sub-list for extension type_name
+	27, // [27:27] is the sub-list for extension extendee
+	0,  // [0:27] is the sub-list for field type_name
 }
 
 func init() { file_vmflow_v1_record_proto_init() }
@@ -1513,6 +1634,7 @@ func file_vmflow_v1_record_proto_init() {
 	}
 	file_vmflow_v1_record_proto_msgTypes[6].OneofWrappers = []any{
 		(*Lease_Vgpu)(nil),
+		(*Lease_Network)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -1520,7 +1642,7 @@ func file_vmflow_v1_record_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_vmflow_v1_record_proto_rawDesc), len(file_vmflow_v1_record_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   9,
+			NumMessages:   10,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

@@ -58,8 +58,12 @@ type SpawnRequest struct {
 	RestartMaxAttempts uint32 `protobuf:"varint,13,opt,name=restart_max_attempts,json=restartMaxAttempts,proto3" json:"restart_max_attempts,omitempty"`
 	// After this many seconds up, the restart counter resets.
 	RestartStableAfterSeconds uint32 `protobuf:"varint,14,opt,name=restart_stable_after_seconds,json=restartStableAfterSeconds,proto3" json:"restart_stable_after_seconds,omitempty"`
-	unknownFields             protoimpl.UnknownFields
-	sizeCache                 protoimpl.SizeCache
+	// Fields 30-39: the network. "default": a NIC on the host's bridge with
+	// an address of its subnet (refused when the host has none, and for
+	// machine "none"); empty: no network.
+	Network       string `protobuf:"bytes,30,opt,name=network,proto3" json:"network,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *SpawnRequest) Reset() {
@@ -190,6 +194,13 @@ func (x *SpawnRequest) GetRestartStableAfterSeconds() uint32 {
 	return 0
 }
 
+func (x *SpawnRequest) GetNetwork() string {
+	if x != nil {
+		return x.Network
+	}
+	return ""
+}
+
 // SpawnResult is SpawnInstance's result.
 type SpawnResult struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -201,7 +212,11 @@ type SpawnResult struct {
 	// The device QEMU attached (mdev UUID or SR-IOV VF address); empty for none.
 	VgpuDeviceId string `protobuf:"bytes,4,opt,name=vgpu_device_id,json=vgpuDeviceId,proto3" json:"vgpu_device_id,omitempty"`
 	// The instance UUID given to QEMU's -uuid.
-	InstanceUuid  string `protobuf:"bytes,5,opt,name=instance_uuid,json=instanceUuid,proto3" json:"instance_uuid,omitempty"`
+	InstanceUuid string `protobuf:"bytes,5,opt,name=instance_uuid,json=instanceUuid,proto3" json:"instance_uuid,omitempty"`
+	// The guest's IPv4 address with its prefix ("10.88.0.2/24") and its NIC's
+	// MAC; empty without a network.
+	Ip            string `protobuf:"bytes,20,opt,name=ip,proto3" json:"ip,omitempty"`
+	Mac           string `protobuf:"bytes,21,opt,name=mac,proto3" json:"mac,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -267,6 +282,20 @@ func (x *SpawnResult) GetVgpuDeviceId() string {
 func (x *SpawnResult) GetInstanceUuid() string {
 	if x != nil {
 		return x.InstanceUuid
+	}
+	return ""
+}
+
+func (x *SpawnResult) GetIp() string {
+	if x != nil {
+		return x.Ip
+	}
+	return ""
+}
+
+func (x *SpawnResult) GetMac() string {
+	if x != nil {
+		return x.Mac
 	}
 	return ""
 }
@@ -811,7 +840,7 @@ var File_vmflow_v1_workflow_proto protoreflect.FileDescriptor
 
 const file_vmflow_v1_workflow_proto_rawDesc = "" +
 	"\n" +
-	"\x18vmflow/v1/workflow.proto\x12\tvmflow.v1\"\xc8\x03\n" +
+	"\x18vmflow/v1/workflow.proto\x12\tvmflow.v1\"\xe2\x03\n" +
 	"\fSpawnRequest\x12\x1f\n" +
 	"\vinstance_id\x18\x01 \x01(\tR\n" +
 	"instanceId\x12\x17\n" +
@@ -829,14 +858,17 @@ const file_vmflow_v1_workflow_proto_rawDesc = "" +
 	"\fvgpu_profile\x18\v \x01(\tR\vvgpuProfile\x12%\n" +
 	"\x0erestart_policy\x18\f \x01(\tR\rrestartPolicy\x120\n" +
 	"\x14restart_max_attempts\x18\r \x01(\rR\x12restartMaxAttempts\x12?\n" +
-	"\x1crestart_stable_after_seconds\x18\x0e \x01(\rR\x19restartStableAfterSeconds\"\xa6\x01\n" +
+	"\x1crestart_stable_after_seconds\x18\x0e \x01(\rR\x19restartStableAfterSeconds\x12\x18\n" +
+	"\anetwork\x18\x1e \x01(\tR\anetwork\"\xc8\x01\n" +
 	"\vSpawnResult\x12\x10\n" +
 	"\x03pid\x18\x01 \x01(\x05R\x03pid\x12\x1d\n" +
 	"\n" +
 	"qmp_socket\x18\x02 \x01(\tR\tqmpSocket\x12\x1b\n" +
 	"\tvgpu_uuid\x18\x03 \x01(\tR\bvgpuUuid\x12$\n" +
 	"\x0evgpu_device_id\x18\x04 \x01(\tR\fvgpuDeviceId\x12#\n" +
-	"\rinstance_uuid\x18\x05 \x01(\tR\finstanceUuid\"\xbc\x03\n" +
+	"\rinstance_uuid\x18\x05 \x01(\tR\finstanceUuid\x12\x0e\n" +
+	"\x02ip\x18\x14 \x01(\tR\x02ip\x12\x10\n" +
+	"\x03mac\x18\x15 \x01(\tR\x03mac\"\xbc\x03\n" +
 	"\rDeleteRequest\x12\x1f\n" +
 	"\vinstance_id\x18\x01 \x01(\tR\n" +
 	"instanceId\x12\x17\n" +
