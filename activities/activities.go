@@ -6,9 +6,11 @@
 package activities
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -18,6 +20,7 @@ import (
 
 	"vmflow/hostagent/admission"
 	"vmflow/hostagent/metrics"
+	"vmflow/hostagent/network"
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/supervise"
@@ -54,6 +57,8 @@ type Activities struct {
 	Host       admission.Host
 	// GPUs is nil on a host without vGPUs.
 	GPUs GPUs
+	// Network is nil on a host without a network (no --net-subnet).
+	Network *network.Net
 	// AttachVGPU adds the claimed device to QEMU's command line. Only the
 	// vgpu-sim simulator turns it off: QEMU cannot open simulated devices.
 	AttachVGPU bool
@@ -298,6 +303,9 @@ func (a *Activities) launchResult(rec *vmflowv1.InstanceRecord, pid int, already
 		c := store.VGPU(rec).GetVgpu()
 		res.VgpuUuid, res.VgpuDeviceId = mdevUUID(c), store.ClaimDevice(c)
 	}
+	if l := store.Network(rec); store.LeaseHeld(l) {
+		res.Ip, res.Mac = l.GetNetwork().GetAddress(), l.GetNetwork().GetMac()
+	}
 	return res
 }
 
@@ -424,7 +432,12 @@ func (a *Activities) ReleaseVGPU(ctx context.Context, ref *vmflowv1.InstanceRef)
 	res := &vmflowv1.ReleaseVGPUResult{}
 	var errs []error
 	stop := heartbeat(ctx, heartbeatEvery, func() string { return "releasing the leases of " + ref.GetInstanceId() })
-	for _, lease := range store.HeldLeases(rec) {
+	for _, lease := range releaseOrder(store.HeldLeases(rec)) {
+		if lease.GetNetwork() != nil && len(errs) > 0 {
+			// The address goes back last: not while a device the VM
+			// held is still unreleased.
+			break
+		}
 		release, ok := a.releasers()[store.LeaseKind(lease)]
 		if !ok {
 			errs = append(errs, a.unservedLease(ref.GetInstanceId(), lease))
@@ -470,7 +483,27 @@ func (a *Activities) releasers() map[string]releaser {
 	if a.GPUs != nil {
 		m[store.KindVGPU] = a.GPUs.Release
 	}
+	if a.Network != nil {
+		m[store.KindNetwork] = a.Network.Release
+	}
 	return m
+}
+
+// releaseOrder is leases with the network lease last: the TAP and address
+// are given back after every device.
+func releaseOrder(leases []*vmflowv1.Lease) []*vmflowv1.Lease {
+	out := slices.Clone(leases)
+	slices.SortStableFunc(out, func(a, b *vmflowv1.Lease) int {
+		return cmp.Compare(boolInt(a.GetNetwork() != nil), boolInt(b.GetNetwork() != nil))
+	})
+	return out
+}
+
+func boolInt(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }
 
 // unservedLease is the release stage's error for a lease this agent has no
@@ -481,6 +514,10 @@ func (a *Activities) unservedLease(id string, lease *vmflowv1.Lease) error {
 	if c := lease.GetVgpu(); c != nil {
 		return fmt.Errorf("%w: it holds a %q claim on %s, and this agent runs without a vGPU driver (--vgpu-driver=none or no vGPU sysfs): restart it with the host's driver, then retry",
 			errVGPUUnavailable, c.GetProfile(), store.ClaimDevice(c))
+	}
+	if n := lease.GetNetwork(); n != nil {
+		return fmt.Errorf("%w: it holds the address %s (TAP %s), and this agent runs without a network (--net-subnet): restart it with the host's network, then retry",
+			errVGPUUnavailable, n.GetAddress(), n.GetTap())
 	}
 	return fmt.Errorf("%w: it holds a %s lease this agent cannot release", errVGPUUnavailable, store.LeaseKind(lease))
 }

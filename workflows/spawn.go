@@ -96,6 +96,7 @@ func (w *Workflows) spawnInstance(ctx workflow.Context, req *vmflowv1.SpawnReque
 		return nil, w.cleanUpAfter(ctx, t, req, err)
 	}
 	res.Pid, res.QmpSocket = launched.GetPid(), launched.GetQmpSocket()
+	res.Ip, res.Mac = launched.GetIp(), launched.GetMac()
 	t.stage(ctx, StageRunning)
 	return res, nil
 }
@@ -121,7 +122,7 @@ func (w *Workflows) spawnFoundExisting(ctx workflow.Context, t *tracker, h *host
 	t.stage(ctx, StageRunning)
 	return &vmflowv1.SpawnResult{
 		Pid: found.GetPid(), QmpSocket: found.GetQmpSocket(), VgpuUuid: found.GetVgpuUuid(),
-		VgpuDeviceId: found.GetVgpuDeviceId(), InstanceUuid: created.GetInstanceUuid(),
+		VgpuDeviceId: found.GetVgpuDeviceId(), InstanceUuid: created.GetInstanceUuid(), Ip: found.GetIp(), Mac: found.GetMac(),
 	}, nil
 }
 

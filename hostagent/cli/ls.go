@@ -40,10 +40,16 @@ type Instance struct {
 	ClaimPhase  string       `json:"claim_phase,omitempty"`
 	ClaimDevice string       `json:"claim_device,omitempty"`
 	// ClaimHeld is absent when the record cannot be read: unknown, not no.
-	ClaimHeld  *bool      `json:"claim_held,omitempty"`
-	ManualStop bool       `json:"manual_stop"`
-	CreatedAt  *time.Time `json:"created_at,omitempty"`
-	AgeSeconds int64      `json:"age_seconds,omitempty"`
+	ClaimHeld *bool `json:"claim_held,omitempty"`
+	// The network lease's address (with its prefix), MAC, TAP and phase
+	// ("released" once given back); empty without one.
+	Address      string     `json:"address,omitempty"`
+	MAC          string     `json:"mac,omitempty"`
+	TAP          string     `json:"tap,omitempty"`
+	NetworkPhase string     `json:"network_phase,omitempty"`
+	ManualStop   bool       `json:"manual_stop"`
+	CreatedAt    *time.Time `json:"created_at,omitempty"`
+	AgeSeconds   int64      `json:"age_seconds,omitempty"`
 	// NeedsAttention names every reason an operator should look; empty
 	// (never null in JSON) when there is none.
 	NeedsAttention []string `json:"needs_attention"`
@@ -104,6 +110,13 @@ func inspectInstance(st *store.Store, id string, now time.Time) *Instance {
 		in.ClaimDevice = store.ClaimDevice(c.GetVgpu())
 		if !held {
 			in.ClaimPhase = "released"
+		}
+	}
+	if l := store.Network(rec); l != nil {
+		n := l.GetNetwork()
+		in.Address, in.MAC, in.TAP, in.NetworkPhase = n.GetAddress(), n.GetMac(), n.GetTap(), claimPhaseName(l.GetPhase())
+		if !store.LeaseHeld(l) {
+			in.NetworkPhase = "released"
 		}
 	}
 	in.checkRecord(rec, now)
@@ -289,7 +302,7 @@ func Ls(args []string, out IO) int {
 
 func writeTable(w io.Writer, insts []*Instance) {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "ID\tSTATE\tPID\tALIVE\tVGPU\tAGE\tNEEDS ATTENTION")
+	fmt.Fprintln(tw, "ID\tSTATE\tPID\tALIVE\tVGPU\tIP\tAGE\tNEEDS ATTENTION")
 	for _, in := range insts {
 		pid, alive := "-", "-"
 		if in.Process != nil {
@@ -300,6 +313,13 @@ func writeTable(w io.Writer, insts []*Instance) {
 		if in.ClaimPhase != "" {
 			gpu = in.ClaimPhase + " " + orDash(in.ClaimDevice)
 		}
+		ip := "-"
+		if in.Address != "" {
+			ip = in.Address
+			if in.NetworkPhase != claimPhaseName(vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE) {
+				ip += " (" + in.NetworkPhase + ")"
+			}
+		}
 		age := "-"
 		if in.CreatedAt != nil {
 			age = fmtAge(time.Duration(in.AgeSeconds) * time.Second)
@@ -308,7 +328,7 @@ func writeTable(w io.Writer, insts []*Instance) {
 		if len(in.NeedsAttention) > 0 {
 			attn = strings.Join(in.NeedsAttention, "; ")
 		}
-		cols := []string{in.ID, in.State, pid, alive, gpu, age, attn}
+		cols := []string{in.ID, in.State, pid, alive, gpu, ip, age, attn}
 		for i, c := range cols {
 			cols[i] = safetext.Escape(c) // a tab or newline in a field would forge a column or a row
 		}

@@ -9,6 +9,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"vmflow/guest"
 	"vmflow/hostagent/store"
 	"vmflow/internal/crashpoint"
 	vmflowv1 "vmflow/proto/vmflow/v1"
@@ -261,4 +262,10 @@ func (n *Net) Release(ctx context.Context, id string) (released bool, name strin
 	crashpoint.Hit(crashpoint.NetReleased)
 	n.cfg.Logger.Info("network released", zap.String("instance_id", id), zap.String("address", nl.GetAddress()), zap.String("tap", nl.GetTap()))
 	return true, nl.GetAddress(), nil
+}
+
+// KernelParam is the guest's network as its init reads it from the kernel
+// command line (guest.NetParam): "vmflow.net=10.88.0.2/24,10.88.0.1".
+func (a Attachment) KernelParam() string {
+	return guest.NetParam + "=" + a.Address.String() + "," + a.Gateway.String()
 }

@@ -2,13 +2,10 @@ package network_test
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net"
 	"net/netip"
 	"os"
-	"os/exec"
-	"runtime"
 	"sync"
 	"testing"
 	"time"
@@ -16,89 +13,15 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"github.com/vishvananda/netlink"
-	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
 	"vmflow/hostagent/network"
+	"vmflow/hostagent/network/nettest"
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/store"
 	"vmflow/internal/errdefs"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
-
-// testNS creates a network namespace for the test (iproute2's `ip netns
-// add`) and deletes it after: nothing is added to the machine's own.
-func testNS(t *testing.T) string {
-	t.Helper()
-	if _, err := exec.LookPath("ip"); err != nil {
-		t.Skip("needs iproute2's ip to create a network namespace")
-	}
-	if _, err := os.Stat("/dev/net/tun"); err != nil {
-		t.Skip("needs /dev/net/tun")
-	}
-	name := fmt.Sprintf("vmflow-nt-%d-%d", os.Getpid(), time.Now().UnixNano()%1e9)
-	if out, err := exec.Command("ip", "netns", "add", name).CombinedOutput(); err != nil {
-		t.Skipf("needs CAP_SYS_ADMIN to create a network namespace: %v: %s", err, out)
-	}
-	t.Cleanup(func() {
-		if out, err := exec.Command("ip", "netns", "del", name).CombinedOutput(); err != nil {
-			t.Errorf("ip netns del %s: %v: %s", name, err, out)
-		}
-	})
-	return name
-}
-
-// handleIn is a netlink handle in namespace name, for the test's checks.
-func handleIn(t *testing.T, name string) *netlink.Handle {
-	t.Helper()
-	ns, err := netns.GetFromName(name)
-	require.NoError(t, err)
-	t.Cleanup(func() { ns.Close() })
-	h, err := netlink.NewHandleAt(ns)
-	require.NoError(t, err)
-	t.Cleanup(h.Close)
-	return h
-}
-
-// makeTAP makes a TAP (or, with tun, a TUN) named name in namespace ns, as
-// a hand or another tool would: TUNSETIFF acts in the calling thread's
-// namespace, so on a locked thread that switches there and back.
-func makeTAP(t *testing.T, ns, name string, tun bool) {
-	t.Helper()
-	target, err := netns.GetFromName(ns)
-	require.NoError(t, err)
-	defer target.Close()
-	done := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		orig, err := netns.Get()
-		if err != nil {
-			runtime.UnlockOSThread()
-			done <- err
-			return
-		}
-		defer orig.Close()
-		if err := netns.Set(target); err != nil {
-			runtime.UnlockOSThread()
-			done <- err
-			return
-		}
-		la := netlink.NewLinkAttrs()
-		la.Name = name
-		mode := netlink.TUNTAP_MODE_TAP
-		if tun {
-			mode = netlink.TUNTAP_MODE_TUN
-		}
-		ferr := netlink.LinkAdd(&netlink.Tuntap{LinkAttrs: la, Mode: mode, Flags: netlink.TUNTAP_NO_PI})
-		if err := netns.Set(orig); err != nil {
-			done <- err // the thread stays locked and dies with the goroutine
-			return
-		}
-		runtime.UnlockOSThread()
-		done <- ferr
-	}()
-	require.NoError(t, <-done)
-}
 
 type clock struct {
 	mu sync.Mutex
@@ -129,8 +52,8 @@ var subnet = netip.MustParsePrefix("10.88.0.0/24")
 
 func newEnv(t *testing.T, p netip.Prefix) *env {
 	t.Helper()
-	e := &env{ns: testNS(t), now: &clock{t: time.Now()}}
-	e.h = handleIn(t, e.ns)
+	e := &env{ns: nettest.Namespace(t), now: &clock{t: time.Now()}}
+	e.h = nettest.Handle(t, e.ns)
 	state := t.TempDir()
 	var err error
 	e.st, err = store.New(state)
@@ -178,13 +101,7 @@ func (e *env) lease(t *testing.T, id string) *vmflowv1.Lease {
 
 func (e *env) link(t *testing.T, name string) netlink.Link {
 	t.Helper()
-	l, err := e.h.LinkByName(name)
-	var nf netlink.LinkNotFoundError
-	if errors.As(err, &nf) {
-		return nil
-	}
-	require.NoError(t, err)
-	return l
+	return nettest.Link(t, e.h, name)
 }
 
 func TestEnsureBridgeIdempotentAndReaddsAddress(t *testing.T) {
@@ -223,7 +140,7 @@ func TestEnsureBridgeIdempotentAndReaddsAddress(t *testing.T) {
 
 func TestEnsureBridgeRefusesAnotherKindOfLink(t *testing.T) {
 	e := newEnv(t, subnet)
-	makeTAP(t, e.ns, network.DefaultBridge, false)
+	nettest.MakeTAP(t, e.ns, network.DefaultBridge, false)
 	err := e.net.EnsureBridge(context.Background())
 	require.ErrorIs(t, err, network.ErrMisconfigured)
 	assert.Equal(t, "tuntap", e.link(t, network.DefaultBridge).Type(), "left as it was")
@@ -452,7 +369,7 @@ func TestReleaseLeavesALinkThatIsNoTAP(t *testing.T) {
 	require.NoError(t, err)
 	tap := e.lease(t, "vm-a").GetNetwork().GetTap()
 	require.NoError(t, e.h.LinkDel(e.link(t, tap)))
-	makeTAP(t, e.ns, tap, true)
+	nettest.MakeTAP(t, e.ns, tap, true)
 	e.beginDelete(t, "vm-a")
 	_, _, err = e.net.Release(context.Background(), "vm-a")
 	require.ErrorIs(t, err, network.ErrNotOurs)
@@ -486,8 +403,8 @@ func TestReconcileRemovesOnlyUnleasedTAPsPastGrace(t *testing.T) {
 	leased := e.lease(t, "vm-a").GetNetwork().GetTap()
 	stray := network.TAPName(netip.MustParseAddr("10.88.0.200"))
 	other := "othertap0"
-	makeTAP(t, e.ns, stray, false)
-	makeTAP(t, e.ns, other, false)
+	nettest.MakeTAP(t, e.ns, stray, false)
+	nettest.MakeTAP(t, e.ns, other, false)
 	ctx := context.Background()
 	removed, err := e.net.ReconcileTAPs(ctx)
 	require.NoError(t, err)
