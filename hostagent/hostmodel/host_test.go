@@ -15,9 +15,11 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 	"pgregory.net/rapid"
 
+	"vmflow/hostagent/network"
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/proc/proctest"
 	"vmflow/hostagent/store"
@@ -41,6 +43,7 @@ type driverCase struct {
 	kind    vgpu.Kind
 	opts    vgpusim.Options
 	profile string
+	netns   string // the network namespace TestHostModel made for the case
 }
 
 var driverCases = []driverCase{
@@ -116,6 +119,8 @@ type host struct {
 	// rebooted: the last step was a reboot, whose vanished devices the
 	// device checks must not take for releases.
 	rebooted bool
+	net      *network.Net
+	nh       *netlink.Handle // in dc.netns, for the checks
 }
 
 // reason names an error by the sentinel callers branch on.
@@ -203,6 +208,7 @@ func newHost(t *rapid.T, dc driverCase) *host {
 		t.Fatalf("setup: %v", err)
 	}
 	h.startAgent(t)
+	h.startNetwork(t)
 	h.prev = h.observe(t)
 	return h
 }

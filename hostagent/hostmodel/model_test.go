@@ -17,6 +17,7 @@ import (
 	"google.golang.org/protobuf/encoding/protojson"
 	"pgregory.net/rapid"
 
+	"vmflow/hostagent/network/nettest"
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/proc/proctest"
 	"vmflow/hostagent/store"
@@ -84,6 +85,7 @@ func TestHostModel(t *testing.T) {
 	proctest.RequiresFUSE(t)
 	for _, dc := range driverCases {
 		t.Run(string(dc.kind), func(t *testing.T) {
+			dc.netns = nettest.Namespace(t)
 			var checks, steps int
 			events := map[string]int{}
 			start := time.Now()
@@ -128,6 +130,8 @@ func (h *host) actions() map[string]func(*rapid.T) {
 		"reboot":      h.reboot,
 		"fillDisk":    h.fillDisk,
 		"freeDisk":    h.freeDisk,
+		"netAttach":   h.netAttach,
+		"netRelease":  h.netRelease,
 	}
 }
 
@@ -602,7 +606,8 @@ func (h *host) oldShape(t *rapid.T) {
 	recs, _ := h.records(t)
 	var leased []*vmflowv1.InstanceRecord
 	for _, r := range recs {
-		if store.VGPU(r) != nil {
+		// An agent before leases wrote no network lease either.
+		if store.VGPU(r) != nil && store.Network(r) == nil {
 			leased = append(leased, r)
 		}
 	}
@@ -726,6 +731,7 @@ func (h *host) reboot(t *rapid.T) {
 			t.Fatalf("reboot: remove %s: %v", d, err)
 		}
 	}
+	h.wipeLinks(t)
 	h.startAgent(t)
 	h.rebooted = true
 	h.events["reboots"]++
@@ -782,6 +788,7 @@ func (h *host) check(t *rapid.T) {
 	defer func() { h.prev = now }()
 	t.Logf("  state: %s", h.describe(t))
 	h.checkUIDs(t)
+	h.checkNetwork(t)
 
 	// One device, one claim (invariant 10).
 	uuids := map[string]string{}
