@@ -243,8 +243,8 @@ func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentH
 	return h, nil
 }
 
-// openNetwork opens the host's network and makes its bridge (and its
-// gateway address, after a reboot) and egress NAT as configured. A bridge
+// openNetwork opens the host's network and makes its egress NAT and its
+// bridge (and its gateway address, after a reboot) as configured. A bridge
 // that cannot be made now is only reported: VMs without a network go on,
 // and every launch with one tries again.
 func openNetwork(ctx context.Context, cfg Config, st *store.Store, log *zap.Logger) (*network.Net, error) {
@@ -252,6 +252,11 @@ func openNetwork(ctx context.Context, cfg Config, st *store.Store, log *zap.Logg
 		Store: st, Logger: log})
 	if err != nil {
 		return nil, fmt.Errorf("network: %w", err)
+	}
+	// Egress NAT (or, without --net-egress, the removal of an earlier
+	// run's): reported, not fatal, as the bridge is.
+	if err := nw.EnsureEgress(); err != nil {
+		log.Error("network egress not set up", zap.String("egress", cfg.NetEgress), zap.Error(err))
 	}
 	if err := nw.EnsureBridge(ctx); err != nil {
 		log.Error("network bridge not ready; launches with a network try again", zap.String("bridge", cfg.NetBridge), zap.Error(err))
