@@ -2,7 +2,8 @@
 // initramfs holding a static Go init (guest/init) that powers the VM off when
 // the ACPI power button is pressed. It makes the graceful step of the stop
 // ladder real in tests: QMP system_powerdown → the guest powers off → QEMU
-// exits by itself.
+// exits by itself. Given NetParam it also configures eth0 and serves
+// ProbePort, so the VM's network can be checked from both ends.
 //
 // The artefacts are built by package vmflow/guest/build (`make guest`). This
 // package holds only what the host side needs to drive such a guest: the
@@ -34,7 +35,8 @@ const (
 // serves ProbePort. (Debian's cloud kernel has no IP_PNP: `ip=` does nothing.)
 const (
 	// NetParam is the kernel parameter `vmflow.net=<ipv4>/<prefix>,<gateway>`,
-	// for example vmflow.net=10.88.0.2/24,10.88.0.1.
+	// for example vmflow.net=10.88.0.2/24,10.88.0.1: NetConfig.Param writes
+	// it, ParseNetConfig says whether the init can configure a value.
 	NetParam = "vmflow.net"
 
 	// ProbePort is the TCP port the init serves once eth0 is up. It writes
@@ -47,7 +49,23 @@ const (
 	// ProbeHello is the probe server's first line.
 	ProbeHello = "vmflow-guest: net ok"
 
+	// The probe's request and reply words: ProbeDial + "<ipv4>:<port>"
+	// asks for a connection; the reply is ProbeOK or ProbeFail + a reason.
+	ProbeDial = "dial "
+	ProbeOK   = "ok"
+	ProbeFail = "fail "
+
+	// ProbeMaxLine bounds a request line, its newline excluded.
+	ProbeMaxLine = 256
+
 	// NetUpPrefix starts the serial line the init prints once eth0 has its
-	// address: "vmflow-guest: net up <ipv4>/<prefix>".
+	// address: "vmflow-guest: net up <ipv4>/<prefix>". The probe port is
+	// listening by then, so a connection made after this line is served.
 	NetUpPrefix = "vmflow-guest: net up "
+
+	// NetErrorPrefix starts the line the init prints when the network
+	// cannot be set up (a malformed NetParam, no eth0, a netlink error).
+	// Unlike FatalPrefix the init keeps running without a network: the
+	// power button still powers it off.
+	NetErrorPrefix = "vmflow-guest: net error: "
 )

@@ -16,6 +16,7 @@ import (
 
 	"vmflow/guest"
 	"vmflow/guest/build"
+	"vmflow/hostagent/proc/proctest"
 	"vmflow/hostagent/vmm"
 	"vmflow/hostagent/vmm/vmmtest"
 )
@@ -36,70 +37,150 @@ func (w testWriter) Write(p []byte) (int, error) {
 // TestPowerButtonPowersOff boots the real guest under TCG (a Linux guest
 // hangs after "Probing EDD" under this machine's nested KVM), waits for the
 // init to be up, presses the ACPI power button over QMP and demands that
-// QEMU exits by itself, status 0, after the init said it powers off.
+// QEMU exits by itself, status 0, after the init said it powers off. With
+// no network parameter the init sets up no network; with a malformed one
+// it says so and the power button still works.
 func TestPowerButtonPowersOff(t *testing.T) {
-	qemu := vmmtest.RequiresQEMU(t)
-	ctx, cancel := context.WithTimeout(context.Background(), buildTimeout)
-	defer cancel()
-	a, err := build.Build(ctx, build.Options{Log: slog.New(slog.NewTextHandler(testWriter{t}, nil))})
-	require.NoError(t, err)
+	for _, tc := range []struct {
+		name, extra string
+		netError    string // the start of the net error line expected, "" for none
+	}{
+		{name: "no network"},
+		{name: "malformed network parameter", extra: " " + guest.NetParam + "=10.88.0.2,10.88.0.1",
+			netError: guest.NetErrorPrefix + guest.NetParam + "="},
+		// The parameter without a NIC: the init gives up on eth0 after its
+		// bound and the power button still works.
+		{name: "network parameter without a NIC", extra: " " + guest.NetParam + "=10.88.0.2/24,10.88.0.1",
+			netError: guest.NetErrorPrefix + "no interface eth0"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			g := bootGuest(t, bootOptions{Cmdline: guest.KernelCmdline + tc.extra})
+			g.waitLine(t, guest.UpLine, upTimeout)
+			upAfter := time.Since(g.spawned)
+			if tc.netError != "" {
+				g.waitLine(t, tc.netError, upTimeout)
+			}
+			exitAfter := g.powerOff(t)
 
-	dir := t.TempDir()
-	logPath := filepath.Join(dir, "qemu.log")
-	sock := filepath.Join(dir, "qmp.sock")
-	stderr, err := os.Create(filepath.Join(dir, "qemu.stderr"))
+			out := g.serial()
+			assert.Contains(t, out, guest.PowerOffLine)
+			assert.NotContains(t, out, guest.FatalPrefix)
+			assert.NotContains(t, out, "Kernel panic")
+			assert.NotContains(t, out, guest.NetUpPrefix)
+			if tc.netError == "" {
+				assert.NotContains(t, out, guest.NetErrorPrefix)
+			}
+			t.Logf("kernel %s %s: spawn→%q %s, system_powerdown→QEMU reaped %s",
+				g.artifacts.KernelPackage, g.artifacts.KernelVersion, guest.UpLine,
+				upAfter.Round(time.Millisecond), exitAfter.Round(time.Millisecond))
+		})
+	}
+}
+
+// bootOptions say how bootGuest starts QEMU.
+type bootOptions struct {
+	Machine string   // "" is q35
+	Cmdline string   // the kernel command line
+	Args    []string // more QEMU arguments (a NIC)
+	Files   []*os.File
+}
+
+// booted is a real guest running under QEMU for one test.
+type booted struct {
+	artifacts build.Artifacts
+	cmd       *exec.Cmd
+	logPath   string
+	sock      string
+	stderr    string
+	spawned   time.Time
+	exited    chan struct{}
+	waitErr   error
+}
+
+// bootGuest builds the guest and starts it under TCG with its serial
+// console in a file; the QEMU is killed and reaped when the test ends.
+func bootGuest(t *testing.T, o bootOptions) *booted {
+	t.Helper()
+	qemu := vmmtest.RequiresQEMU(t)
+	a := buildGuest(t)
+	if o.Machine == "" {
+		o.Machine = "q35"
+	}
+	// A short path without commas: QEMU's option syntax would split the
+	// socket path at a comma (subtest names have them), and a unix socket
+	// path holds at most 107 bytes.
+	dir := proctest.ShortDir(t, "vmguest-")
+	g := &booted{artifacts: a, logPath: filepath.Join(dir, "qemu.log"), sock: filepath.Join(dir, "qmp.sock"),
+		stderr: filepath.Join(dir, "qemu.stderr"), exited: make(chan struct{})}
+	stderr, err := os.Create(g.stderr)
 	require.NoError(t, err)
 	defer stderr.Close()
 
-	cmd := exec.Command(qemu,
-		"-machine", "q35", "-accel", "tcg", "-m", "256",
+	args := []string{
+		"-machine", o.Machine, "-accel", "tcg", "-m", "256",
 		"-nodefaults", "-display", "none", "-no-reboot",
-		"-serial", "file:"+logPath,
-		"-kernel", a.Kernel, "-initrd", a.Initrd, "-append", guest.KernelCmdline,
-		"-qmp", "unix:"+sock+",server=on,wait=off")
-	cmd.Stderr = stderr
-	spawned := time.Now()
-	require.NoError(t, cmd.Start())
-	exited := make(chan struct{})
-	var waitErr error
+		"-serial", "file:" + g.logPath,
+		"-kernel", a.Kernel, "-initrd", a.Initrd, "-append", o.Cmdline,
+		"-qmp", "unix:" + g.sock + ",server=on,wait=off",
+	}
+	g.cmd = exec.Command(qemu, append(args, o.Args...)...)
+	g.cmd.Stderr = stderr
+	g.cmd.ExtraFiles = o.Files
+	g.spawned = time.Now()
+	require.NoError(t, g.cmd.Start())
 	go func() {
-		waitErr = cmd.Wait()
-		close(exited)
+		g.waitErr = g.cmd.Wait()
+		close(g.exited)
 	}()
 	// Whatever happens below, no QEMU outlives the test.
 	t.Cleanup(func() {
 		select {
-		case <-exited:
+		case <-g.exited:
 		default:
-			_ = cmd.Process.Kill()
-			<-exited
+			_ = g.cmd.Process.Kill()
+			<-g.exited
 		}
 	})
-	diag := func() string {
-		out, _ := os.ReadFile(logPath)
-		errOut, _ := os.ReadFile(stderr.Name())
-		return fmt.Sprintf("\n--- qemu.log (tail) ---\n%s\n--- stderr ---\n%s", tail(string(out), 2000), errOut)
-	}
+	return g
+}
 
-	require.NoError(t, waitForLine(logPath, guest.UpLine, exited, upTimeout), diag())
-	upAfter := time.Since(spawned)
+func (g *booted) serial() string {
+	out, _ := os.ReadFile(g.logPath)
+	return string(out)
+}
 
+// diag is the tail of the serial console and QEMU's stderr, for failures.
+func (g *booted) diag() string {
+	errOut, _ := os.ReadFile(g.stderr)
+	return fmt.Sprintf("\n--- qemu.log (tail) ---\n%s\n--- stderr ---\n%s", tail(g.serial(), 2000), errOut)
+}
+
+func (g *booted) waitLine(t *testing.T, line string, timeout time.Duration) {
+	t.Helper()
+	require.NoError(t, waitForLine(g.logPath, line, g.exited, timeout), g.diag())
+}
+
+// powerOff presses the power button over QMP and demands that QEMU exits
+// by itself with status 0, the guest having caused the shutdown; it
+// returns how long that took.
+func (g *booted) powerOff(t *testing.T) time.Duration {
+	t.Helper()
 	qctx, qcancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer qcancel()
-	mon, err := vmm.DialQMP(qctx, sock)
-	require.NoError(t, err, diag())
+	mon, err := vmm.DialQMP(qctx, g.sock)
+	require.NoError(t, err, g.diag())
 	defer mon.Close()
 	pressed := time.Now()
-	require.NoError(t, mon.SystemPowerdown(qctx), diag())
+	require.NoError(t, mon.SystemPowerdown(qctx), g.diag())
 
 	select {
-	case <-exited:
+	case <-g.exited:
 	case <-time.After(exitTimeout):
-		t.Fatalf("QEMU still running %s after system_powerdown%s", exitTimeout, diag())
+		t.Fatalf("QEMU still running %s after system_powerdown%s", exitTimeout, g.diag())
 	}
-	exitAfter := time.Since(pressed)
-	require.NoError(t, waitErr, "QEMU exit status%s", diag())
-	assert.Equal(t, 0, cmd.ProcessState.ExitCode())
+	took := time.Since(pressed)
+	require.NoError(t, g.waitErr, "QEMU exit status%s", g.diag())
+	assert.Equal(t, 0, g.cmd.ProcessState.ExitCode())
 
 	// The monitor closes when QEMU exits: the stream up to then holds the
 	// SHUTDOWN event, which says the guest (not the host) ended it.
@@ -109,15 +190,50 @@ func TestPowerButtonPowersOff(t *testing.T) {
 		t.Fatal("QMP connection still open after QEMU exited")
 	}
 	assert.True(t, sawGuestShutdown(mon), "no SHUTDOWN event with guest=true")
-	out, err := os.ReadFile(logPath)
-	require.NoError(t, err)
-	assert.Contains(t, string(out), guest.PowerOffLine)
-	assert.NotContains(t, string(out), guest.FatalPrefix)
-	assert.NotContains(t, string(out), "Kernel panic")
+	return took
+}
 
-	t.Logf("kernel %s %s: spawn→%q %s, system_powerdown→QEMU reaped %s",
-		a.KernelPackage, a.KernelVersion, guest.UpLine,
-		upAfter.Round(time.Millisecond), exitAfter.Round(time.Millisecond))
+// TestBuildResolvesNetworkModules checks the real package's module set:
+// the virtio NIC drivers of both machine types and everything they
+// depend on, each after its dependencies.
+func TestBuildResolvesNetworkModules(t *testing.T) {
+	a := buildGuest(t)
+	index := map[string]int{}
+	for i, m := range a.Modules {
+		index[m] = i
+	}
+	for _, m := range []string{"button", "evdev", "virtio_pci", "virtio_mmio", "virtio_net"} {
+		assert.Contains(t, index, m, "root module in %v", a.Modules)
+	}
+	// Module dependencies of Debian's 6.1 cloud kernel (its depends= fields).
+	for _, dep := range [][2]string{
+		{"virtio_ring", "virtio"}, {"virtio", "virtio_pci"}, {"virtio_pci_modern_dev", "virtio_pci"},
+		{"virtio_pci_legacy_dev", "virtio_pci"}, {"virtio", "virtio_mmio"}, {"virtio", "virtio_net"},
+		{"failover", "net_failover"}, {"net_failover", "virtio_net"},
+	} {
+		if _, ok := index[dep[0]]; !ok {
+			t.Errorf("dependency %s of %s missing from %v", dep[0], dep[1], a.Modules)
+			continue
+		}
+		assert.Less(t, index[dep[0]], index[dep[1]], "%s loads before %s", dep[0], dep[1])
+	}
+	t.Logf("modules in load order: %v", a.Modules)
+}
+
+// buildGuest builds (or reuses) the guest, skipping where Debian's package
+// tools are missing.
+func buildGuest(t *testing.T) build.Artifacts {
+	t.Helper()
+	for _, tool := range []string{"apt-get", "apt-cache", "dpkg-deb"} {
+		if _, err := exec.LookPath(tool); err != nil {
+			t.Skipf("guest build needs %s: %v", tool, err)
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), buildTimeout)
+	defer cancel()
+	a, err := build.Build(ctx, build.Options{Log: slog.New(slog.NewTextHandler(testWriter{t}, nil))})
+	require.NoError(t, err)
+	return a
 }
 
 // waitForLine polls the serial log until it holds line, QEMU exits, or the

@@ -10,18 +10,19 @@
 package build
 
 import (
-	"archive/tar"
 	"bufio"
 	"bytes"
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"os"
 	"os/exec"
-	"path"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -44,19 +45,6 @@ const (
 	InitrdFile = "initrd.img"
 	InitFile   = "init"
 )
-
-// module is a kernel module the init needs, with the config symbol that
-// says whether it is built in (then the package has no file for it).
-type module struct {
-	name   string // file name in the initramfs's /lib/modules
-	suffix string // path inside lib/modules/<version>/
-	config string
-}
-
-var modules = []module{
-	{"button.ko", "kernel/drivers/acpi/button.ko", "CONFIG_ACPI_BUTTON"},
-	{"evdev.ko", "kernel/drivers/input/evdev.ko", "CONFIG_INPUT_EVDEV"},
-}
 
 // Options configure Build. The zero value builds into DefaultDir.
 type Options struct {
@@ -84,6 +72,9 @@ type Artifacts struct {
 
 	KernelPackage string // e.g. linux-image-6.1.0-57-cloud-amd64
 	KernelVersion string // the Debian package version, e.g. 6.1.192-3
+	// Modules are the kernel modules in the initrd, in the order the init
+	// loads them (every module after those it depends on).
+	Modules []string
 }
 
 // DefaultDir is $VMFLOW_GUEST_DIR if set, else .cache/guest at the root of
@@ -198,6 +189,9 @@ func (b *builder) build(ctx context.Context) (Artifacts, error) {
 		KernelPackage: pkg,
 		KernelVersion: version,
 	}
+	if a.Modules, err = moduleNames(kdir); err != nil {
+		return Artifacts{}, fmt.Errorf("guest build: %w", err)
+	}
 	kernel, err := os.ReadFile(filepath.Join(kdir, KernelFile))
 	if err != nil {
 		return Artifacts{}, fmt.Errorf("guest build: %w", err)
@@ -304,13 +298,16 @@ func parseField(out []byte, field string) (string, error) {
 	return "", fmt.Errorf("no %s in apt-cache show output", field)
 }
 
-// fetchKernel returns a folder holding vmlinuz and the modules of pkg at
-// version, downloading the package only if no such folder exists yet. The
-// folder is filled under a temporary name and renamed, so a folder that
-// exists is complete. Folders of other kernel versions are removed.
+// fetchKernel returns a folder holding vmlinuz and the modules the init
+// needs (rootModules and what they depend on, named by moduleFile) of pkg at
+// version. The package is downloaded once per version and kept, so a change
+// of the module set only unpacks it again. The folder is filled under a
+// temporary name and renamed, so a folder that exists is complete. Files of
+// other kernel versions and module sets are removed.
 func (b *builder) fetchKernel(ctx context.Context, pkg, version string) (string, error) {
 	kernels := filepath.Join(b.dir, "kernel")
-	kdir := filepath.Join(kernels, safeName(pkg+"_"+version))
+	base := safeName(pkg + "_" + version)
+	kdir := filepath.Join(kernels, base+"+"+moduleSetID(rootModules))
 	if _, err := os.Stat(kdir); err == nil {
 		b.log.Info("kernel cached", "dir", kdir)
 		return kdir, nil
@@ -318,12 +315,52 @@ func (b *builder) fetchKernel(ctx context.Context, pkg, version string) (string,
 	if err := os.MkdirAll(kernels, 0o755); err != nil {
 		return "", fmt.Errorf("guest build: %w", err)
 	}
+	deb, err := b.download(ctx, kernels, base, pkg, version)
+	if err != nil {
+		return "", err
+	}
+	tmp, err := os.MkdirTemp(kernels, ".fetch-")
+	if err != nil {
+		return "", fmt.Errorf("guest build: %w", err)
+	}
+	defer os.RemoveAll(tmp) // gone already after the rename
+	if err := os.Chmod(tmp, 0o755); err != nil {
+		return "", fmt.Errorf("guest build: %w", err)
+	}
+	start := time.Now()
+	mods, err := extractKernel(ctx, deb, tmp)
+	if err != nil {
+		return "", fmt.Errorf("guest build: %s: %w", pkg, err)
+	}
+	if err := os.Rename(tmp, kdir); err != nil {
+		return "", fmt.Errorf("guest build: %w", err)
+	}
+	b.log.Info("kernel extracted", "dir", kdir, "modules", strings.Join(mods, " "),
+		"took", time.Since(start).Round(time.Millisecond))
+	b.pruneKernels(kernels, filepath.Base(deb), filepath.Base(kdir))
+	return kdir, nil
+}
+
+// moduleSetID names a module set and the layout of its folder, so a folder
+// made for other modules, or by an older builder, is never taken for this one.
+func moduleSetID(roots []string) string {
+	const layout = "numbered-ko-1"
+	sum := sha256.Sum256([]byte(layout + "\n" + strings.Join(roots, "\n")))
+	return hex.EncodeToString(sum[:6])
+}
+
+// download returns the path of the kept package file of pkg at version,
+// fetching it with apt-get download only if it is not there yet.
+func (b *builder) download(ctx context.Context, kernels, base, pkg, version string) (string, error) {
+	deb := filepath.Join(kernels, base+".deb")
+	if _, err := os.Stat(deb); err == nil {
+		return deb, nil
+	}
 	tmp, err := os.MkdirTemp(kernels, ".fetch-")
 	if err != nil {
 		return "", fmt.Errorf("guest build: %w", err)
 	}
 	defer os.RemoveAll(tmp)
-
 	start := time.Now()
 	b.log.Info("downloading kernel package", "package", pkg, "version", version)
 	if _, err := run(ctx, tmp, nil, "apt-get", "download", "-qq", pkg+"="+version); err != nil {
@@ -333,33 +370,26 @@ func (b *builder) fetchKernel(ctx context.Context, pkg, version string) (string,
 	if err != nil || len(debs) != 1 {
 		return "", fmt.Errorf("guest build: download %s: want one .deb in %s, found %d", pkg, tmp, len(debs))
 	}
-	out := filepath.Join(tmp, "out")
-	if err := os.Mkdir(out, 0o755); err != nil {
+	if err := os.Rename(debs[0], deb); err != nil {
 		return "", fmt.Errorf("guest build: %w", err)
 	}
-	if err := extractKernel(ctx, debs[0], out); err != nil {
-		return "", fmt.Errorf("guest build: %s: %w", pkg, err)
-	}
-	if err := os.Rename(out, kdir); err != nil {
-		return "", fmt.Errorf("guest build: %w", err)
-	}
-	b.log.Info("kernel extracted", "dir", kdir, "took", time.Since(start).Round(time.Millisecond))
-	b.pruneKernels(kernels, kdir)
-	return kdir, nil
+	b.log.Info("kernel package downloaded", "file", deb, "took", time.Since(start).Round(time.Millisecond))
+	return deb, nil
 }
 
-// pruneKernels removes the folders of other kernel versions; failing to is
-// only wasted disk, so it is logged, not returned.
-func (b *builder) pruneKernels(kernels, keep string) {
+// pruneKernels removes what the kernel folder holds besides keep (and
+// builds in progress); failing to is only wasted disk, so it is logged,
+// not returned.
+func (b *builder) pruneKernels(kernels string, keep ...string) {
 	entries, err := os.ReadDir(kernels)
 	if err != nil {
 		return
 	}
 	for _, e := range entries {
-		p := filepath.Join(kernels, e.Name())
-		if p == keep || strings.HasPrefix(e.Name(), ".fetch-") {
+		if slices.Contains(keep, e.Name()) || strings.HasPrefix(e.Name(), ".fetch-") {
 			continue
 		}
+		p := filepath.Join(kernels, e.Name())
 		if err := os.RemoveAll(p); err != nil {
 			b.log.Warn("remove old kernel", "dir", p, "error", err)
 		}
@@ -375,142 +405,60 @@ func safeName(s string) string {
 	}, s)
 }
 
-// extractKernel streams the package's data archive (dpkg-deb --fsys-tarfile,
-// the same unpacking dpkg -x does) and writes only vmlinuz and the needed
-// modules into out: a full dpkg -x would write the whole module tree.
-func extractKernel(ctx context.Context, deb, out string) error {
+// extractKernel writes vmlinuz and the needed modules, numbered in load
+// order, from the package deb into out, and returns the modules' names in
+// that order. It streams the package's data archive (dpkg-deb
+// --fsys-tarfile, the unpacking dpkg -x does) once per pass: a full dpkg -x
+// would write the whole module tree to pick a dozen files.
+func extractKernel(ctx context.Context, deb, out string) ([]string, error) {
+	kernel, mods, err := resolveModules(ctx, rootModules, func() (io.ReadCloser, error) {
+		return packageData(ctx, deb)
+	})
+	if err != nil {
+		return nil, err
+	}
+	if err := os.WriteFile(filepath.Join(out, KernelFile), kernel, 0o644); err != nil {
+		return nil, fmt.Errorf("write kernel: %w", err)
+	}
+	names := make([]string, len(mods))
+	for i, m := range mods {
+		if err := os.WriteFile(filepath.Join(out, moduleFile(i, m.name)), m.data, 0o644); err != nil {
+			return nil, fmt.Errorf("write module: %w", err)
+		}
+		names[i] = m.name
+	}
+	return names, nil
+}
+
+// packageData is the data tar of a .deb, read from dpkg-deb; Close drains
+// and reaps it (so it never dies of a broken pipe) and reports its failure.
+func packageData(ctx context.Context, deb string) (io.ReadCloser, error) {
 	cmd := exec.CommandContext(ctx, "dpkg-deb", "--fsys-tarfile", deb)
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
-		return fmt.Errorf("dpkg-deb: %w", err)
+		return nil, fmt.Errorf("dpkg-deb: %w", err)
 	}
 	if err := cmd.Start(); err != nil {
-		return fmt.Errorf("dpkg-deb: %w", err)
+		return nil, fmt.Errorf("dpkg-deb: %w", err)
 	}
-	files, readErr := pickKernelFiles(stdout)
-	// Drain so dpkg-deb never dies of a broken pipe, then reap it.
-	_, _ = io.Copy(io.Discard, stdout)
-	if err := cmd.Wait(); err != nil {
-		return fmt.Errorf("dpkg-deb --fsys-tarfile %s: %w: %s", deb, err, strings.TrimSpace(stderr.String()))
-	}
-	if readErr != nil {
-		return readErr
-	}
-
-	if files.kernel == nil {
-		return errors.New("no boot/vmlinuz-* in the package")
-	}
-	if err := os.WriteFile(filepath.Join(out, KernelFile), files.kernel, 0o644); err != nil {
-		return fmt.Errorf("write kernel: %w", err)
-	}
-	builtin := parseBuiltins(files.config)
-	for _, m := range modules {
-		f, ok := files.modules[m.name]
-		if !ok {
-			if builtin[m.config] {
-				continue // built into this kernel: nothing to load
-			}
-			return fmt.Errorf("module %s not in the package and %s is not =y", m.suffix, m.config)
+	return &cmdReader{r: stdout, close: func() error {
+		_, _ = io.Copy(io.Discard, stdout)
+		if err := cmd.Wait(); err != nil {
+			return fmt.Errorf("dpkg-deb --fsys-tarfile %s: %w: %s", deb, err, strings.TrimSpace(stderr.String()))
 		}
-		data, err := decompressModule(ctx, f.path, f.data)
-		if err != nil {
-			return err
-		}
-		if err := os.WriteFile(filepath.Join(out, m.name), data, 0o644); err != nil {
-			return fmt.Errorf("write module: %w", err)
-		}
-	}
-	return nil
+		return nil
+	}}, nil
 }
 
-type tarFile struct {
-	path string
-	data []byte
+type cmdReader struct {
+	r     io.Reader
+	close func() error
 }
 
-type kernelFiles struct {
-	kernel, config []byte
-	modules        map[string]tarFile
-}
-
-// pickKernelFiles reads a kernel package's data tar and keeps
-// boot/vmlinuz-*, boot/config-* and the needed modules, also when they are
-// compressed (.ko.xz, .ko.zst: newer kernels) or under usr/lib (merged /usr).
-func pickKernelFiles(r io.Reader) (kernelFiles, error) {
-	files := kernelFiles{modules: map[string]tarFile{}}
-	tr := tar.NewReader(r)
-	for {
-		h, err := tr.Next()
-		if errors.Is(err, io.EOF) {
-			return files, nil
-		}
-		if err != nil {
-			return files, fmt.Errorf("read package data: %w", err)
-		}
-		if h.Typeflag != tar.TypeReg {
-			continue
-		}
-		name := strings.TrimPrefix(path.Clean("/"+h.Name), "/")
-		var dst *[]byte
-		switch {
-		case strings.HasPrefix(name, "boot/vmlinuz-"):
-			dst = &files.kernel
-		case strings.HasPrefix(name, "boot/config-"):
-			dst = &files.config
-		default:
-			m, ok := matchModule(name)
-			if !ok {
-				continue
-			}
-			data, err := io.ReadAll(tr)
-			if err != nil {
-				return files, fmt.Errorf("read %s: %w", name, err)
-			}
-			files.modules[m.name] = tarFile{path: name, data: data}
-			continue
-		}
-		if *dst, err = io.ReadAll(tr); err != nil {
-			return files, fmt.Errorf("read %s: %w", name, err)
-		}
-	}
-}
-
-// matchModule says which needed module a package path is, if any.
-func matchModule(name string) (module, bool) {
-	rel, ok := strings.CutPrefix(name, "usr/")
-	if !ok {
-		rel = name
-	}
-	rel, ok = strings.CutPrefix(rel, "lib/modules/")
-	if !ok {
-		return module{}, false
-	}
-	_, rel, ok = strings.Cut(rel, "/") // drop the kernel version
-	if !ok {
-		return module{}, false
-	}
-	for _, m := range modules {
-		for _, ext := range []string{"", ".xz", ".zst"} {
-			if rel == m.suffix+ext {
-				return m, true
-			}
-		}
-	}
-	return module{}, false
-}
-
-// parseBuiltins returns the config symbols set to y.
-func parseBuiltins(config []byte) map[string]bool {
-	out := map[string]bool{}
-	for _, line := range strings.Split(string(config), "\n") {
-		if k, ok := strings.CutSuffix(strings.TrimSpace(line), "=y"); ok && strings.HasPrefix(k, "CONFIG_") {
-			out[k] = true
-		}
-	}
-	return out
-}
+func (c *cmdReader) Read(p []byte) (int, error) { return c.r.Read(p) }
+func (c *cmdReader) Close() error               { return c.close() }
 
 // decompressModule returns a plain .ko: finit_module can take compressed
 // modules only on kernels built with in-kernel decompression, so do it here.
@@ -555,10 +503,15 @@ func (b *builder) buildInit(ctx context.Context) ([]byte, error) {
 	return data, nil
 }
 
-// makeInitrd writes the initramfs: /init, the modules in /lib/modules,
-// mount points, and /dev/console, which the kernel opens as the init's
-// stdin/stdout/stderr before starting it.
+// makeInitrd writes the initramfs: /init, the modules of kdir (already
+// named in load order) in /lib/modules, mount points, and /dev/console,
+// which the kernel opens as the init's stdin/stdout/stderr before starting
+// it.
 func makeInitrd(initBin []byte, kdir string) ([]byte, error) {
+	mods, err := moduleFiles(kdir)
+	if err != nil {
+		return nil, err
+	}
 	var buf bytes.Buffer
 	w := newCPIOWriter(&buf)
 	for _, d := range []string{"dev", "proc", "sys", "lib", "lib/modules"} {
@@ -572,15 +525,12 @@ func makeInitrd(initBin []byte, kdir string) ([]byte, error) {
 	if err := w.File("init", 0o755, initBin); err != nil {
 		return nil, err
 	}
-	for _, m := range modules {
-		data, err := os.ReadFile(filepath.Join(kdir, m.name))
-		if errors.Is(err, os.ErrNotExist) {
-			continue // built in
-		}
+	for _, m := range mods {
+		data, err := os.ReadFile(m)
 		if err != nil {
 			return nil, fmt.Errorf("read module: %w", err)
 		}
-		if err := w.File("lib/modules/"+m.name, 0o644, data); err != nil {
+		if err := w.File("lib/modules/"+filepath.Base(m), 0o644, data); err != nil {
 			return nil, err
 		}
 	}

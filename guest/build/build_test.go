@@ -1,8 +1,6 @@
 package build
 
 import (
-	"archive/tar"
-	"bytes"
 	"os"
 	"path/filepath"
 	"testing"
@@ -61,34 +59,6 @@ func TestParseField(t *testing.T) {
 	assert.Error(t, err)
 }
 
-func TestMatchModule(t *testing.T) {
-	for _, tc := range []struct {
-		path string
-		want string // module name, "" for no match
-	}{
-		{"lib/modules/6.1.0-57-cloud-amd64/kernel/drivers/acpi/button.ko", "button.ko"},
-		{"lib/modules/6.1.0-57-cloud-amd64/kernel/drivers/input/evdev.ko", "evdev.ko"},
-		{"usr/lib/modules/6.12.9-cloud-amd64/kernel/drivers/input/evdev.ko.xz", "evdev.ko"},
-		{"lib/modules/6.12/kernel/drivers/acpi/button.ko.zst", "button.ko"},
-		{"lib/modules/6.1/kernel/drivers/acpi/button.ko.gz", ""},
-		{"lib/modules/6.1/kernel/drivers/platform/x86/button.ko", ""},
-		{"lib/modules/kernel/drivers/acpi/button.ko", ""},
-		{"boot/vmlinuz-6.1", ""},
-		{"", ""},
-	} {
-		t.Run(tc.path, func(t *testing.T) {
-			m, ok := matchModule(tc.path)
-			assert.Equal(t, tc.want != "", ok)
-			assert.Equal(t, tc.want, m.name)
-		})
-	}
-}
-
-func TestParseBuiltins(t *testing.T) {
-	got := parseBuiltins([]byte("CONFIG_ACPI_BUTTON=m\nCONFIG_INPUT_EVDEV=y\n# CONFIG_FOO is not set\nCONFIG_BAR=\"y\"\n"))
-	assert.Equal(t, map[string]bool{"CONFIG_INPUT_EVDEV": true}, got)
-}
-
 func TestModulePath(t *testing.T) {
 	assert.Equal(t, "vmflow", modulePath([]byte("// c\nmodule vmflow\n\ngo 1.26.0\n")))
 	assert.Equal(t, "x/y", modulePath([]byte("module \"x/y\"\n")))
@@ -100,47 +70,11 @@ func TestSafeName(t *testing.T) {
 	assert.Equal(t, "_.._x", safeName("/../x"))
 }
 
-// debData builds a kernel package's data tar with the given files.
-func debData(t *testing.T, files map[string]string) []byte {
-	t.Helper()
-	var buf bytes.Buffer
-	tw := tar.NewWriter(&buf)
-	require.NoError(t, tw.WriteHeader(&tar.Header{Name: "./boot/", Typeflag: tar.TypeDir, Mode: 0o755}))
-	require.NoError(t, tw.WriteHeader(&tar.Header{Name: "./lib/modules/6.1/kernel/drivers/acpi/link.ko",
-		Typeflag: tar.TypeSymlink, Linkname: "button.ko"}))
-	for name, data := range files {
-		require.NoError(t, tw.WriteHeader(&tar.Header{Name: name, Typeflag: tar.TypeReg, Mode: 0o644, Size: int64(len(data))}))
-		_, err := tw.Write([]byte(data))
-		require.NoError(t, err)
-	}
-	require.NoError(t, tw.Close())
-	return buf.Bytes()
-}
-
-func TestPickKernelFiles(t *testing.T) {
-	files, err := pickKernelFiles(bytes.NewReader(debData(t, map[string]string{
-		"./boot/vmlinuz-6.1.0-57-cloud-amd64":                               "KERNEL",
-		"./boot/config-6.1.0-57-cloud-amd64":                                "CONFIG_INPUT_EVDEV=m\n",
-		"./boot/System.map-6.1.0-57-cloud-amd64":                            "map",
-		"./lib/modules/6.1.0-57-cloud-amd64/kernel/drivers/acpi/button.ko":  "BUTTON",
-		"./lib/modules/6.1.0-57-cloud-amd64/kernel/drivers/input/evdev.ko":  "EVDEV",
-		"./lib/modules/6.1.0-57-cloud-amd64/kernel/drivers/input/joydev.ko": "JOY",
-	})))
-	require.NoError(t, err)
-	assert.Equal(t, "KERNEL", string(files.kernel))
-	assert.Equal(t, "CONFIG_INPUT_EVDEV=m\n", string(files.config))
-	require.Len(t, files.modules, 2)
-	assert.Equal(t, "BUTTON", string(files.modules["button.ko"].data))
-	assert.Equal(t, "EVDEV", string(files.modules["evdev.ko"].data))
-
-	_, err = pickKernelFiles(bytes.NewReader([]byte("not a tar archive, but long enough to need a header block............")))
-	assert.Error(t, err)
-}
-
 func TestMakeInitrd(t *testing.T) {
 	kdir := t.TempDir()
-	require.NoError(t, os.WriteFile(filepath.Join(kdir, "button.ko"), []byte("BUTTON"), 0o644))
-	// evdev.ko absent: a kernel with evdev built in.
+	require.NoError(t, os.WriteFile(filepath.Join(kdir, moduleFile(1, "virtio_net")), []byte("NET"), 0o644))
+	require.NoError(t, os.WriteFile(filepath.Join(kdir, moduleFile(0, "failover")), []byte("FAILOVER"), 0o644))
+	require.NoError(t, os.WriteFile(filepath.Join(kdir, KernelFile), []byte("KERNEL"), 0o644))
 
 	img, err := makeInitrd([]byte("INIT"), kdir)
 	require.NoError(t, err)
@@ -150,15 +84,20 @@ func TestMakeInitrd(t *testing.T) {
 		got[e.name] = e
 		order = append(order, e.name)
 	}
-	assert.Equal(t, []string{"dev", "proc", "sys", "lib", "lib/modules", "dev/console", "init", "lib/modules/button.ko"}, order)
+	assert.Equal(t, []string{"dev", "proc", "sys", "lib", "lib/modules", "dev/console", "init",
+		"lib/modules/000-failover.ko", "lib/modules/001-virtio_net.ko"}, order, "modules in load order, no kernel")
 	assert.Equal(t, uint32(0o100755), got["init"].mode)
 	assert.Equal(t, "INIT", string(got["init"].data))
-	assert.Equal(t, "BUTTON", string(got["lib/modules/button.ko"].data))
+	assert.Equal(t, "FAILOVER", string(got["lib/modules/000-failover.ko"].data))
 	assert.Equal(t, [2]uint32{5, 1}, [2]uint32{got["dev/console"].rmajor, got["dev/console"].rminor})
 
 	again, err := makeInitrd([]byte("INIT"), kdir)
 	require.NoError(t, err)
 	assert.Equal(t, img, again, "same inputs, same bytes")
+
+	names, err := moduleNames(kdir)
+	require.NoError(t, err)
+	assert.Equal(t, []string{"failover", "virtio_net"}, names)
 }
 
 func TestWriteIfChangedKeepsUnchangedFile(t *testing.T) {
@@ -185,4 +124,27 @@ func TestWriteIfChangedKeepsUnchangedFile(t *testing.T) {
 	entries, err := os.ReadDir(b.dir)
 	require.NoError(t, err)
 	assert.Len(t, entries, 1, "no temp files left")
+}
+
+func TestPruneKernelsKeepsThisVersion(t *testing.T) {
+	b, err := newBuilder(Options{Dir: t.TempDir(), ModuleDir: "."})
+	require.NoError(t, err)
+	kernels := filepath.Join(b.dir, "kernel")
+	for _, d := range []string{"linux-image-6.1.0-57-cloud-amd64_6.1.192-3", "linux-image-6.1.0-57-cloud-amd64_6.1.192-3+aaaaaaaaaaaa",
+		"linux-image-6.1.0-57-cloud-amd64_6.1.192-3+bbbbbbbbbbbb", ".fetch-123"} {
+		require.NoError(t, os.MkdirAll(filepath.Join(kernels, d), 0o755))
+	}
+	for _, f := range []string{"linux-image-6.1.0-57-cloud-amd64_6.1.192-3.deb", "linux-image-6.1.0-56-cloud-amd64_6.1.190-1.deb"} {
+		require.NoError(t, os.WriteFile(filepath.Join(kernels, f), nil, 0o644))
+	}
+	b.pruneKernels(kernels, "linux-image-6.1.0-57-cloud-amd64_6.1.192-3.deb", "linux-image-6.1.0-57-cloud-amd64_6.1.192-3+bbbbbbbbbbbb")
+	entries, err := os.ReadDir(kernels)
+	require.NoError(t, err)
+	var left []string
+	for _, e := range entries {
+		left = append(left, e.Name())
+	}
+	assert.Equal(t, []string{".fetch-123", "linux-image-6.1.0-57-cloud-amd64_6.1.192-3+bbbbbbbbbbbb",
+		"linux-image-6.1.0-57-cloud-amd64_6.1.192-3.deb"}, left,
+		"the package and the folder in use stay; older versions, layouts and module sets go; a build in progress is left alone")
 }

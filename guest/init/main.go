@@ -1,9 +1,14 @@
 // Command init is PID 1 of vmflow's small real guest. It mounts /proc, /sys
 // and /dev, loads the kernel modules shipped in the initramfs (the ACPI
-// button and evdev drivers), says it is up on the serial console, and powers
-// the machine off when the ACPI power button is pressed, which is what QMP
-// system_powerdown does. That makes the graceful step of the host's stop
-// ladder real: the guest acts on the button and QEMU exits by itself.
+// button and evdev drivers, the virtio NIC drivers), says it is up on the
+// serial console, and powers the machine off when the ACPI power button is
+// pressed, which is what QMP system_powerdown does. That makes the graceful
+// step of the host's stop ladder real: the guest acts on the button and QEMU
+// exits by itself.
+//
+// With guest.NetParam on the kernel command line it also configures eth0
+// and serves the probe port (package probe); a network that fails is
+// reported and left alone, never a reason to stop.
 //
 // PID 1 must never exit (the kernel panics), so every fatal error is printed
 // and followed by a power-off. Built static (CGO_ENABLED=0) by
@@ -11,8 +16,10 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
 	"sort"
@@ -23,6 +30,8 @@ import (
 
 	"vmflow/guest"
 	"vmflow/guest/init/evdev"
+	"vmflow/guest/init/netcfg"
+	"vmflow/guest/init/probe"
 )
 
 const (
@@ -34,6 +43,13 @@ const (
 	// button.ko registers it during its init, but the event handler's
 	// device node may show up a moment later.
 	findTimeout = 10 * time.Second
+
+	// netIface is the NIC the agent gives a VM: the kernel's first
+	// Ethernet name (no udev renames it here).
+	netIface = "eth0"
+	// netTimeout bounds the network setup, mostly the wait for eth0,
+	// which virtio_net registers as it probes the device.
+	netTimeout = 10 * time.Second
 )
 
 func main() {
@@ -59,6 +75,7 @@ func run() error {
 	if err := loadModules(modulesDir); err != nil {
 		return err
 	}
+	startNetwork()
 	nodes, err := waitPowerButtons(inputClass, findTimeout)
 	if err != nil {
 		return err
@@ -79,6 +96,50 @@ func run() error {
 	}
 	say(guest.PowerOffLine)
 	return nil
+}
+
+// startNetwork configures eth0 and serves the probe port, in the
+// background, when the kernel command line asks for a network. Nothing it
+// meets stops the init: a guest whose network failed still powers off on
+// the button, so it is reported with guest.NetErrorPrefix and left.
+func startNetwork() {
+	cmdline, err := os.ReadFile("/proc/cmdline")
+	if err != nil {
+		say(guest.NetErrorPrefix + err.Error())
+		return
+	}
+	c, ok, err := guest.NetConfigFromCmdline(string(cmdline))
+	if !ok {
+		return // no network asked for
+	}
+	if err != nil {
+		say(guest.NetErrorPrefix + err.Error())
+		return
+	}
+	go func() {
+		// A panic here must not end PID 1 either; the power button path
+		// goes on without the network.
+		defer func() {
+			if r := recover(); r != nil {
+				say(guest.NetErrorPrefix + fmt.Sprintf("panic: %v", r))
+			}
+		}()
+		// Listening before the address exists is fine (the wildcard), and
+		// means a client that saw "net up" is served.
+		ln, err := net.Listen("tcp4", fmt.Sprintf("0.0.0.0:%d", guest.ProbePort))
+		if err != nil {
+			say(guest.NetErrorPrefix + "probe port: " + err.Error())
+			return
+		}
+		if err := netcfg.Up(netIface, c, netTimeout); err != nil {
+			_ = ln.Close()
+			say(guest.NetErrorPrefix + err.Error())
+			return
+		}
+		say(guest.NetUpPrefix + c.Addr.String())
+		err = probe.Serve(context.Background(), ln)
+		say(guest.NetErrorPrefix + "probe server: " + err.Error())
+	}()
 }
 
 func say(line string) {
@@ -143,7 +204,8 @@ func ensureConsole() {
 	_ = unix.Close(fd)
 }
 
-// loadModules loads every *.ko in dir, in name order. EEXIST means the
+// loadModules loads every *.ko in dir, in name order, which the builder
+// makes the dependency order (it numbers the files). EEXIST means the
 // module is already there (built in, or loaded): not an error.
 func loadModules(dir string) error {
 	entries, err := os.ReadDir(dir)

@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 
 	"vmflow/guest/build"
@@ -31,5 +32,6 @@ func main() {
 		fmt.Fprintln(os.Stderr, "mkguest:", err)
 		os.Exit(1)
 	}
-	fmt.Printf("kernel=%s\ninitrd=%s\npackage=%s %s\n", a.Kernel, a.Initrd, a.KernelPackage, a.KernelVersion)
+	fmt.Printf("kernel=%s\ninitrd=%s\npackage=%s %s\nmodules=%s\n", a.Kernel, a.Initrd, a.KernelPackage, a.KernelVersion,
+		strings.Join(a.Modules, " "))
 }
