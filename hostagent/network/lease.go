@@ -168,22 +168,13 @@ func (n *Net) held(self string) (map[netip.Addr]string, map[string]bool, error) 
 
 // free is the lowest guest address of the subnet not in taken.
 func (n *Net) free(taken map[netip.Addr]string) (netip.Addr, bool) {
-	last := broadcast(n.cfg.Subnet)
+	last := guest.Broadcast(n.cfg.Subnet)
 	for a := n.gateway.Next(); a.IsValid() && a.Less(last); a = a.Next() {
 		if _, ok := taken[a]; !ok {
 			return a, true
 		}
 	}
 	return netip.Addr{}, false
-}
-
-// broadcast is p's last address.
-func broadcast(p netip.Prefix) netip.Addr {
-	b := p.Masked().Addr().As4()
-	host := uint32(1)<<(32-p.Bits()) - 1
-	v := uint32(b[0])<<24 | uint32(b[1])<<16 | uint32(b[2])<<8 | uint32(b[3])
-	v |= host
-	return netip.AddrFrom4([4]byte{byte(v >> 24), byte(v >> 16), byte(v >> 8), byte(v)})
 }
 
 // DetachLocked removes the locked instance's TAP after a launch that
@@ -267,5 +258,5 @@ func (n *Net) Release(ctx context.Context, id string) (released bool, name strin
 // KernelParam is the guest's network as its init reads it from the kernel
 // command line (guest.NetParam): "vmflow.net=10.88.0.2/24,10.88.0.1".
 func (a Attachment) KernelParam() string {
-	return guest.NetParam + "=" + a.Address.String() + "," + a.Gateway.String()
+	return guest.NetConfig{Addr: a.Address, Gateway: a.Gateway}.Param()
 }
