@@ -2,6 +2,7 @@ package agent_test
 
 import (
 	"io"
+	"net/netip"
 	"testing"
 	"time"
 
@@ -9,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"vmflow/daemon/agent"
+	"vmflow/hostagent/network"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vgpu"
 	"vmflow/hostagent/vgpu/claims"
@@ -36,6 +38,14 @@ func TestParseFlags(t *testing.T) {
 	assert.Equal(t, claims.DefaultOrphanGrace, d.OrphanGrace, "the flag's default is the package's")
 	assert.Equal(t, vgpu.DefaultSysfsRoot, d.SysfsRoot)
 	assert.Equal(t, vmm.DefaultBinary, d.QEMU)
+	assert.False(t, d.NetSubnet.IsValid(), "no network unless a subnet is given")
+	assert.Equal(t, network.DefaultBridge, d.NetBridge)
+
+	n, err := agent.ParseFlags([]string{"--host-id", "h1", "--net-subnet", "10.88.0.0/24", "--net-egress", "eth0", "--net-netns", "t1"}, io.Discard)
+	require.NoError(t, err)
+	assert.Equal(t, netip.MustParsePrefix("10.88.0.0/24"), n.NetSubnet)
+	assert.Equal(t, "eth0", n.NetEgress)
+	assert.Equal(t, "t1", n.NetNetNS)
 
 	u, err := agent.ParseFlags([]string{"--host-id", "h1", "--qemu-uid-range", "300000-300999"}, io.Discard)
 	require.NoError(t, err)
@@ -57,6 +67,10 @@ func TestParseFlagsRejects(t *testing.T) {
 		{"--host-id", "h1", "--qemu-uid-range", "0-100"},
 		{"--host-id", "h1", "--qemu-uid-range", "300000"},
 		{"--host-id", "h1", "--qemu-uid-range", "300999-300000"},
+		{"--host-id", "h1", "--net-subnet", "10.88.0.1/24"}, // host bits
+		{"--host-id", "h1", "--net-subnet", "fd00::/64"},
+		{"--host-id", "h1", "--net-subnet", "10.88.0.0/31"},
+		{"--host-id", "h1", "--net-subnet", "ten"},
 	} {
 		_, err := agent.ParseFlags(args, io.Discard)
 		assert.Error(t, err, "%q", args)
