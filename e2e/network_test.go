@@ -81,34 +81,6 @@ func (e *env) netPing(t *testing.T, addr netip.Addr) {
 	}
 }
 
-// gatewayListener listens on the gateway's address inside the namespace
-// and reports each peer's address; every connection is closed at once.
-func (e *env) gatewayListener(t *testing.T) (netip.AddrPort, <-chan string) {
-	t.Helper()
-	var ln net.Listener
-	require.NoError(t, nettest.In(t, e.netns, func() (err error) {
-		ln, err = net.Listen("tcp4", net.JoinHostPort(netGateway.String(), "0"))
-		return err
-	}))
-	t.Cleanup(func() { ln.Close() })
-	peers := make(chan string, 8)
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			select {
-			case peers <- c.RemoteAddr().(*net.TCPAddr).IP.String():
-			default:
-			}
-			c.Close()
-		}
-	}()
-	ap := ln.Addr().(*net.TCPAddr).AddrPort()
-	return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()), peers
-}
-
 // TestGuestNetworking: two real guests on one host's network, inside the
 // namespace the harness made for the agent. Each answers a ping and a TCP
 // connection to its probe port on its leased address; neither reaches the
@@ -136,7 +108,7 @@ func TestGuestNetworking(t *testing.T) {
 		// The greeting alone proves the TCP connection; "dial" the gateway
 		// listener proves the way back.
 	}
-	gw, peers := e.gatewayListener(t)
+	gw, peers := nettest.Listen(t, e.netns, netGateway)
 	for _, addr := range []netip.Addr{addrA, addrB} {
 		assert.Equal(t, guest.ProbeOK, e.netProbe(t, addr, guest.DialRequest(gw)), "guest %s reaches the gateway", addr)
 		select {

@@ -129,7 +129,14 @@ func inspectInstance(st *store.Store, id string, now time.Time) *Instance {
 func (in *Instance) checkRecord(rec *vmflowv1.InstanceRecord, now time.Time) {
 	c := store.VGPU(rec)
 	if rec.GetState() == vmflowv1.InstanceState_INSTANCE_STATE_RELEASE_FAILED {
-		in.attention(fmt.Sprintf("vGPU release failed %d time(s): %s", c.GetReleaseAttempts(), orNone(c.GetLastReleaseError())))
+		n := store.Network(rec)
+		if store.LeaseHeld(n) && n.GetReleaseAttempts() > 0 && !(store.ClaimHeld(rec) && c.GetReleaseAttempts() > 0) {
+			// The network's release is what failed (it runs only once the
+			// vGPU is released).
+			in.attention(fmt.Sprintf("network release failed %d time(s): %s", n.GetReleaseAttempts(), orNone(n.GetLastReleaseError())))
+		} else {
+			in.attention(fmt.Sprintf("vGPU release failed %d time(s): %s", c.GetReleaseAttempts(), orNone(c.GetLastReleaseError())))
+		}
 	}
 	if rec.GetState() == vmflowv1.InstanceState_INSTANCE_STATE_DELETING && store.ClaimHeld(rec) {
 		in.attention(fmt.Sprintf("being deleted with its vGPU claim still held (phase %s)", in.ClaimPhase))

@@ -367,3 +367,25 @@ func TestLsBadArgs(t *testing.T) {
 	assert.Equal(t, cli.ExitOK, code)
 	assert.JSONEq(t, "[]", out, "an empty host is an empty list, not null")
 }
+
+// TestNetworkReleaseFailureNamed: a delete parked on its network lease's
+// release says so (not "vGPU release failed 0 time(s)").
+func TestNetworkReleaseFailureNamed(t *testing.T) {
+	dir := t.TempDir()
+	st, err := store.New(dir)
+	require.NoError(t, err)
+	ctx := context.Background()
+	_, err = st.Create(ctx, &vmflowv1.InstanceRecord{Id: "vm-net", Spec: &vmflowv1.VMSpec{Vcpus: 1, MemoryMib: 64, Machine: "q35", Network: "default"}})
+	require.NoError(t, err)
+	_, err = st.Apply(ctx, "vm-net", store.LeaseIntent(store.NetworkLease(&vmflowv1.NetworkLease{Tap: "vmtap0a580002", Address: "10.88.0.2/24",
+		Gateway: "10.88.0.1", Mac: "02:00:00:00:00:01"}), time.Now()), store.NetworkActive())
+	require.NoError(t, err)
+	require.NoError(t, st.MarkManualStop(ctx, "vm-net"))
+	_, err = st.Transition(ctx, "vm-net", vmflowv1.InstanceState_INSTANCE_STATE_DELETING)
+	require.NoError(t, err)
+	_, err = st.Apply(ctx, "vm-net", store.LeaseReleaseFailed("network:10.88.0.2", "link is not this lease's TAP"))
+	require.NoError(t, err)
+	r := lsJSON(t, dir)["vm-net"]
+	assert.Equal(t, "release_failed", r.State)
+	assertAttention(t, r, "network release failed 1 time(s): link is not this lease's TAP")
+}

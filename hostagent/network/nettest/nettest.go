@@ -5,6 +5,8 @@ package nettest
 import (
 	"errors"
 	"fmt"
+	"net"
+	"net/netip"
 	"os"
 	"os/exec"
 	"runtime"
@@ -112,4 +114,34 @@ func MakeTAP(tb testing.TB, ns, name string, tun bool) {
 		}
 		return netlink.LinkAdd(&netlink.Tuntap{LinkAttrs: la, Mode: mode, Flags: netlink.TUNTAP_NO_PI})
 	}))
+}
+
+// Listen opens a TCP listener on addr (port 0: any) inside namespace ns,
+// closed at cleanup, and reports each peer's address; every connection is
+// closed as soon as it is accepted. It returns the listener's address.
+func Listen(tb testing.TB, ns string, addr netip.Addr) (netip.AddrPort, <-chan string) {
+	tb.Helper()
+	var ln net.Listener
+	require.NoError(tb, In(tb, ns, func() (err error) {
+		// The socket is made in the namespace and stays there.
+		ln, err = net.Listen("tcp4", net.JoinHostPort(addr.String(), "0"))
+		return err
+	}))
+	tb.Cleanup(func() { ln.Close() })
+	peers := make(chan string, 8)
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			select {
+			case peers <- c.RemoteAddr().(*net.TCPAddr).IP.String():
+			default:
+			}
+			c.Close()
+		}
+	}()
+	ap := ln.Addr().(*net.TCPAddr).AddrPort()
+	return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()), peers
 }
