@@ -65,9 +65,11 @@ const (
 	// only TAPs with it that no record leases.
 	TAPPrefix = "vmtap"
 	// DefaultOrphanGrace is how long a TAP no record leases is left before
-	// reconcile removes it (a launch may be between its lease and its
-	// record's write on another agent version... or a test's hand).
+	// reconcile removes it: an operator who made one by hand, or is
+	// repairing a record, sees it named in the log first.
 	DefaultOrphanGrace = 5 * time.Minute
+	// netlinkTimeout bounds every netlink request's send and receive.
+	netlinkTimeout = 10 * time.Second
 	// lockFile is the host-wide placement lock, in the state dir.
 	lockFile = "network.lock"
 )
@@ -158,6 +160,12 @@ func New(cfg Config) (*Net, error) {
 		n.h, err = netlink.NewHandle()
 	}
 	if err != nil {
+		n.Close()
+		return nil, fmt.Errorf("network: netlink handle: %w", err)
+	}
+	// The kernel answers at once; a bound keeps a wedged answer from
+	// holding an instance's lock for ever.
+	if err := n.h.SetSocketTimeout(netlinkTimeout); err != nil {
 		n.Close()
 		return nil, fmt.Errorf("network: netlink handle: %w", err)
 	}
