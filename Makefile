@@ -115,6 +115,12 @@ qemu:
 		apt-get update -qq; \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends qemu-utils cpio; \
 	fi
+	@# ip netns add/del: the network tests' namespaces (and make dev's).
+	@if ! command -v ip >/dev/null; then \
+		echo ">> installing Debian's iproute2"; \
+		apt-get update -qq; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends iproute2; \
+	fi
 
 ## guest: the small real guest (Debian cloud kernel via apt-get download +
 # dpkg-deb, initramfs with the Go init of guest/init) into GUEST_DIR. Reuses
