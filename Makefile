@@ -115,7 +115,8 @@ qemu:
 		apt-get update -qq; \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends qemu-utils cpio; \
 	fi
-	@# ip netns add/del: the network tests' namespaces (and make dev's).
+	@# iproute2's ip makes the network namespaces the network tests run in
+	@# (nothing is added to the machine's own namespace).
 	@if ! command -v ip >/dev/null; then \
 		echo ">> installing Debian's iproute2"; \
 		apt-get update -qq; \

@@ -71,12 +71,9 @@ type Activities struct {
 
 var _ workflows.HostActivities = (*Activities)(nil)
 
-// begin checks the instance id and returns the activity's logger. It takes
-// no lock of its own: an attempt that overlaps a previous attempt still
-// running on the instance (its heartbeat timed out, the server retried) is
-// kept apart by the host's two layers (see supervise's instance type): a
-// second StopVM fails fast with a retryable Busy, anything else waits for
-// the store's lock within its own deadline and is Busy if it ends first.
+// begin checks the instance id and returns the activity's logger. No lock of
+// its own: an overlapping retried attempt is kept apart by supervise's slot
+// and the store's lock (fast Busy for StopVM, else Busy at its deadline).
 func (a *Activities) begin(ctx context.Context, id string) (*zap.Logger, error) {
 	info := activity.GetInfo(ctx)
 	log := a.log().With(zap.String("instance_id", id), zap.String("activity", info.ActivityType.Name),
@@ -120,10 +117,9 @@ func heartbeat(ctx context.Context, every time.Duration, detail func() string) (
 
 const heartbeatEvery = 2 * time.Second
 
-// gracefulTimeout is the stop ladder's wait after system_powerdown for a
-// requested number of seconds: def for 0, at most contract.MaxGracefulTimeout
-// (capped rather than refused: refusing would fail the delete after the
-// manual-stop marker).
+// gracefulTimeout is the stop ladder's wait after system_powerdown: def for 0,
+// capped at contract.MaxGracefulTimeout, since refusing would fail the delete
+// after the manual-stop marker.
 func gracefulTimeout(seconds uint32, def time.Duration) time.Duration {
 	if seconds == 0 {
 		return def
@@ -131,16 +127,14 @@ func gracefulTimeout(seconds uint32, def time.Duration) time.Duration {
 	return min(time.Duration(seconds)*time.Second, contract.MaxGracefulTimeout)
 }
 
-// ValidateSpawn admits the request on this host; nothing is created. It is
-// an early check: CreateRecord admits again (admitSpawn), since a caller can
-// schedule it without this one.
+// ValidateSpawn admits the request on this host, creating nothing; an early
+// check only, as CreateRecord admits again.
 func (a *Activities) ValidateSpawn(ctx context.Context, req *vmflowv1.SpawnRequest) error {
 	return a.admitSpawn(ctx, req)
 }
 
-// admitSpawn is the admission of a spawn request against this host's
-// policy (admission.Host.Validate), for every activity that takes one: a refusal
-// is a non-retryable InvalidInput.
+// admitSpawn admits a spawn request against this host's policy; a refusal is
+// a non-retryable InvalidInput.
 func (a *Activities) admitSpawn(ctx context.Context, req *vmflowv1.SpawnRequest) error {
 	if err := a.Host.Validate(ctx, req); err != nil {
 		return classify(err)
@@ -148,18 +142,10 @@ func (a *Activities) admitSpawn(ctx context.Context, req *vmflowv1.SpawnRequest)
 	return nil
 }
 
-// CreateRecord creates the instance record (Creating), naming the spawn
-// that runs this activity as its creator: the workflow id and run id come
-// from the activity's own info, never from its input, so no caller can claim
-// another spawn's record. The same spec again returns the existing record
-// and says whether this spawn created it (a retried attempt) or another one
-// did (invariant 9: then the spawn's failure path must leave it alone);
-// another spec, or a record being deleted, is refused.
-//
-// The request is admitted first, exactly as ValidateSpawn does: the agent
-// takes work from anyone who can schedule activities in the namespace, and
-// a caller's own workflow may schedule CreateRecord without ValidateSpawn.
-// Nothing is written for a refused request.
+// CreateRecord admits the request and creates the record (Creating), its
+// creator taken from the activity's own info so no caller can claim another
+// spawn's record. The same spec again returns the record and whether this
+// spawn created it (invariant 9); another spec or a deleting record is refused.
 func (a *Activities) CreateRecord(ctx context.Context, req *vmflowv1.SpawnRequest) (*vmflowv1.CreateRecordResult, error) {
 	log, err := a.begin(ctx, req.GetInstanceId())
 	if err != nil {
@@ -236,16 +222,10 @@ func mdevUUID(c *vmflowv1.VgpuLease) string {
 	return c.GetUuid()
 }
 
-// LaunchVM starts the instance's QEMU (with its vGPU, when claimed) and
-// returns once QMP says running. A VM already running for the instance is
-// returned as it is. Before the fork the record is admitted against the
-// host's current policy (admission.PrepareLaunch): a refusal is a non-retryable
-// AdmissionRefused, with nothing opened or started.
-//
-// With existing_only it starts nothing: a spawn that found another spawn's
-// record asks only whether that instance runs as asked, and any other
-// answer is a non-retryable InstanceExists saying what is there
-// (invariant 9: nothing touched).
+// LaunchVM starts the instance's QEMU (with its vGPU) and returns once QMP says
+// running; a running VM is returned as is, a refused admission is a
+// non-retryable AdmissionRefused. With existing_only it starts nothing and
+// anything but "runs as asked" is a non-retryable InstanceExists (invariant 9).
 func (a *Activities) LaunchVM(ctx context.Context, req *vmflowv1.LaunchVMRequest) (*vmflowv1.LaunchVMResult, error) {
 	log, err := a.begin(ctx, req.GetInstanceId())
 	if err != nil {
@@ -279,10 +259,8 @@ func (a *Activities) LaunchVM(ctx context.Context, req *vmflowv1.LaunchVMRequest
 	return a.launchResult(rec, res.Identity.PID, res.AlreadyRunning), nil
 }
 
-// existing reports the instance's QEMU when it runs as asked (its record
-// Running, the process alive by identity, QMP answering "running"), else an
-// error naming the instance's creator and what is there. It starts, stops
-// and signals nothing (supervise.Existing).
+// existing reports the instance's QEMU when it runs as asked, else an error
+// naming its creator and what is there; it touches nothing (supervise.Existing).
 func (a *Activities) existing(ctx context.Context, id string) (*vmflowv1.LaunchVMResult, error) {
 	rec, err := a.Store.Get(id)
 	if err != nil {
@@ -309,11 +287,9 @@ func (a *Activities) launchResult(rec *vmflowv1.InstanceRecord, pid int, already
 	return res
 }
 
-// BeginDelete begins the instance's delete (store.Locked.BeginDelete: the
-// manual-stop marker, then Deleting; for a failed spawn's clean-up only if
-// that spawn created the record, invariant 9). A record another spawn
-// created is reported not_owned; a missing one "already absent"; one that
-// cannot be read, for a clean-up, fails RecordUnreadable.
+// BeginDelete writes the manual-stop marker, then Deleting (a clean-up only of
+// its own spawn's record, invariant 9): another spawn's record is not_owned, a
+// missing one "already absent", an unreadable one RecordUnreadable for a clean-up.
 func (a *Activities) BeginDelete(ctx context.Context, req *vmflowv1.BeginDeleteRequest) (*vmflowv1.BeginDeleteResult, error) {
 	log, err := a.begin(ctx, req.GetInstanceId())
 	if err != nil {
@@ -381,9 +357,8 @@ func (a *Activities) StopVM(ctx context.Context, req *vmflowv1.StopVMRequest) (*
 	return &vmflowv1.StopVMResult{StepReached: step, DurationMs: uint32(min(res.Total.Milliseconds(), 1<<31))}, nil
 }
 
-// stepNeeded names the last step of the ladder that was taken before the
-// group was gone: "powerdown" for a guest that powered off by itself,
-// "quit" or "kill" when it had to be forced, "none" when nothing ran.
+// stepNeeded names the last ladder step taken before the group was gone
+// ("powerdown", "quit", "kill"; "none" when nothing ran).
 func stepNeeded(res vmm.StopResult) string {
 	if res.AlreadyGone {
 		return "none"
@@ -415,11 +390,9 @@ func (a *Activities) WaitVMExit(ctx context.Context, ref *vmflowv1.InstanceRef) 
 	return nil
 }
 
-// ReleaseVGPU is the delete's release stage: it releases every lease the
-// instance holds (the activity keeps the name it had when a vGPU was the
-// only kind), each by its kind's releaser, which refuses while the VM may
-// live (invariant 2). A failure keeps that lease and the record (invariant
-// 1); the workflow retries. The result names the vGPU, when there is one.
+// ReleaseVGPU releases every lease the instance holds, each by its kind's
+// releaser, which refuses while the VM may live (invariants 2 and 1: a failure
+// keeps lease and record, and the workflow retries). Named for the first kind.
 func (a *Activities) ReleaseVGPU(ctx context.Context, ref *vmflowv1.InstanceRef) (*vmflowv1.ReleaseVGPUResult, error) {
 	log, err := a.begin(ctx, ref.GetInstanceId())
 	if err != nil {
@@ -506,10 +479,9 @@ func boolInt(b bool) int {
 	return 0
 }
 
-// unservedLease is the release stage's error for a lease this agent has no
-// driver to release. Invariant 12 without losing invariant 1: saying
-// "released" would leave a delete retrying a record the store refuses to
-// remove; the delete parks needing attention instead.
+// unservedLease parks the delete needing attention for a lease this agent has
+// no driver for (invariant 12 without losing 1): "released" would leave it
+// retrying a record the store refuses to remove.
 func (a *Activities) unservedLease(id string, lease *vmflowv1.Lease) error {
 	if c := lease.GetVgpu(); c != nil {
 		return fmt.Errorf("%w: it holds a %q claim on %s, and this agent runs without a vGPU driver (--vgpu-driver=none or no vGPU sysfs): restart it with the host's driver, then retry",
@@ -522,10 +494,8 @@ func (a *Activities) unservedLease(id string, lease *vmflowv1.Lease) error {
 	return fmt.Errorf("%w: it holds a %s lease this agent cannot release", errVGPUUnavailable, store.LeaseKind(lease))
 }
 
-// TearDown removes what the VM left on the host besides its record: the
-// QMP socket and the pidfile. It refuses while any QEMU of the instance may
-// still live: recorded, or forked by an agent that died before recording it
-// (supervise.TearDown finds and adopts that one first).
+// TearDown removes the VM's QMP socket and pidfile, refusing while any QEMU of
+// the instance may live, recorded or not (supervise.TearDown).
 func (a *Activities) TearDown(ctx context.Context, ref *vmflowv1.InstanceRef) error {
 	log, err := a.begin(ctx, ref.GetInstanceId())
 	if err != nil {

@@ -12,10 +12,9 @@ import (
 	"vmflow/workflows"
 )
 
-// classify turns a host error into a Temporal application error of its
-// class's type and retryability (workflows.ErrorType; a retryable HostError
-// for an error of no class, one from outside the host's code). This is the
-// only place where host errors meet Temporal.
+// classify turns a host error into a Temporal application error of its class's
+// type and retryability (a retryable HostError for no class); the only place
+// host errors meet Temporal.
 func classify(err error) error {
 	if err == nil {
 		return nil

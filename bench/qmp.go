@@ -22,9 +22,8 @@ type RawQMP struct {
 	r *bufio.Reader
 }
 
-// DialRawQMP connects to QEMU's QMP socket, retrying while QEMU has not
-// created it yet, and completes the capabilities negotiation. ctx bounds
-// the whole handshake (socket deadlines follow it).
+// DialRawQMP connects to QEMU's QMP socket, retrying until QEMU created it, and
+// negotiates capabilities; ctx bounds the whole handshake.
 func DialRawQMP(ctx context.Context, path string) (*RawQMP, error) {
 	var d net.Dialer
 	for {

@@ -14,9 +14,8 @@ type Summary struct {
 	Min, Max    time.Duration
 }
 
-// Summarize sorts a copy of ds and picks the nearest-rank median and p99.
-// With fewer than 100 samples the p99 is the maximum: the report says N so
-// a reader can tell.
+// Summarize picks the nearest-rank median and p99 of ds (p99 is the maximum
+// under 100 samples: the report says N).
 func Summarize(ds []time.Duration) Summary {
 	if len(ds) == 0 {
 		return Summary{}

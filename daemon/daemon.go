@@ -92,10 +92,8 @@ type usageError struct{ error }
 
 func (e usageError) Unwrap() error { return e.error }
 
-// Main runs a daemon: parses args, builds the logger, runs until ctx ends
-// and returns the exit code. --help and --version exit 0; bad flags and a
-// UsageError exit 2 after saying why; any other error from run is logged
-// and exits 1.
+// Main runs a daemon and returns its exit code: 0 for --help and --version, 2
+// for bad flags or a UsageError, 1 for any other error from run.
 func Main[C any, P Config[C]](ctx context.Context, name string, args []string,
 	parse func([]string, io.Writer) (C, error), run func(context.Context, C) error) int {
 	cfg, err := parse(args, os.Stderr)
@@ -138,9 +136,8 @@ func (f *Flags) Log() *zap.Logger {
 	return f.Logger
 }
 
-// NewMetrics is a daemon's metrics registry. The SDK labels metrics with
-// the workflow and activity names callers choose: only vmflow's keep
-// theirs.
+// NewMetrics is a daemon's metrics registry; only vmflow's workflow and
+// activity names keep their SDK labels, as callers choose the others.
 func NewMetrics(log *zap.Logger) (*tclient.Metrics, error) {
 	m, err := tclient.NewMetrics(tclient.WithMetricsLogger(log))
 	if err != nil {
@@ -151,8 +148,7 @@ func NewMetrics(log *zap.Logger) (*tclient.Metrics, error) {
 }
 
 // ServeMetrics serves m's /metrics, /healthz and /readyz on --metrics-addr
-// (none when it is empty) until life ends. Life outlives the daemon's run
-// context: the endpoints answer through the graceful stop.
+// until life ends, which outlives run's ctx so they answer through the stop.
 func (f *Flags) ServeMetrics(life context.Context, m *tclient.Metrics) {
 	if f.MetricsAddr == "" {
 		return

@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -58,6 +59,10 @@ const (
 	// release-failed with an hour's backoff), clears the fault and
 	// triggers the host's reconcile Schedule, which releases the claim.
 	reconcileRun
+	// migrateRun starts the agent unarmed, and after the spawn kills it,
+	// rewrites the record in the shape before leases and starts it armed:
+	// the point is in the migration agent start runs.
+	migrateRun
 )
 
 type crashCase struct {
@@ -118,6 +123,8 @@ func crashCases() []crashCase {
 				c.scenario = stuckRun
 			case crashpoint.ReconcileReleased:
 				c.scenario = reconcileRun
+			case crashpoint.StoreMigrated:
+				c.scenario = migrateRun
 			}
 			cases = append(cases, c)
 		}
@@ -248,8 +255,9 @@ func runCrashCase(t *testing.T, c crashCase, o *crashOutcome) {
 	}
 	id := "crash-" + suffix(t)
 	plainEnv := slices.Clone(e.agent.Env)
-	if c.point != "" {
-		e.agent.Env = append(e.agent.Env, crashpoint.EnvVar+"="+c.point)
+	armedEnv := append(slices.Clone(plainEnv), crashpoint.EnvVar+"="+c.point)
+	if c.point != "" && c.scenario != migrateRun {
+		e.agent.Env = armedEnv
 	}
 	d := &crashDriver{e: e, c: c, o: o, plainEnv: plainEnv, neighbour: "crash-nb-" + suffix(t)}
 	if msg, ok := agentLogLine[c.activity]; ok {
@@ -272,6 +280,9 @@ func runCrashCase(t *testing.T, c crashCase, o *crashOutcome) {
 		o.violations = append(o.violations, d.checkSpawned(id)...)
 	}
 	o.violations = append(o.violations, d.checkNeighbour("after spawn")...)
+	if c.scenario == migrateRun && err == nil {
+		o.violations = append(o.violations, d.restartOldShape(id, armedEnv)...)
+	}
 
 	// Delete.
 	var qemu proc.Identity
@@ -460,6 +471,34 @@ func (d *crashDriver) restartAgentIfDead() {
 	if d.neighbourRun == nil {
 		d.neighbourRun = d.e.startSpawn(d.spawnRequest(d.neighbour))
 	}
+}
+
+// restartOldShape kills the agent, rewrites id's record in the shape before
+// leases, and starts the agent with env (armed at the migration); drive
+// restarts it unarmed once it died. Once an agent is serving again, the
+// file must hold the lease in the current shape.
+func (d *crashDriver) restartOldShape(id string, env []string) []string {
+	d.e.agent.Kill(d.e.t)
+	if _, err := stacktest.WriteOldShape(d.e.st, id); err != nil {
+		return []string{err.Error()}
+	}
+	d.e.agent.Env = env
+	d.e.agent.Start(d.e.t)
+	var migrated bool
+	err := stacktest.PollUntil(d.e.ctx(crashWorkflowWait), poll, func() bool {
+		d.restartAgentIfDead()
+		paths, err := d.e.st.Paths(id)
+		if err != nil {
+			return false
+		}
+		b, err := os.ReadFile(paths.Record)
+		migrated = err == nil && !bytes.Contains(b, []byte(`"gpu_claim"`)) && bytes.Contains(b, []byte(`"leases"`))
+		return migrated
+	})
+	if err != nil {
+		return []string{fmt.Sprintf("the old-shape record of %s was not migrated: %v", id, err)}
+	}
+	return nil
 }
 
 // hitWord says whether the armed point fired, from the agent's log.

@@ -15,26 +15,10 @@ import (
 	"google.golang.org/protobuf/reflect/protoreflect"
 )
 
-// DataConverter returns the converter every vmflow client and worker uses.
-//
-// Proto messages travel as json/plain with proto field names (snake_case),
-// so the CLI's `--input '{"instance_id": ...}'` and what the Web UI shows
-// are the same JSON a person would type. Decoding into a proto message is
-// strict: unknown keys and camelCase spellings are errors that name the key.
-// The SDK's default converter decodes json/plain with encoding/json, which
-// drops a misspelled key silently (measured with SDK v1.51.0), and protojson
-// on its own accepts the camelCase json_name as well as the proto name, so
-// neither is enough alone.
-//
-// It also decodes what Temporal's official SDKs send with their default
-// converters, so a platform API needs no vmflow code to start a spawn:
-// json/protobuf (the Go, Java, Python and .NET SDKs' encoding for a proto
-// message: ProtoJSON, whose spec accepts both the proto name and the
-// lowerCamel name of a field; unknown fields are refused), binary/protobuf,
-// and json/plain objects with snake_case keys (the TypeScript SDK). It
-// encodes only json/plain: results and query answers stay snake_case JSON,
-// readable in the Web UI and the CLI. Everything that is not a proto message
-// is handled exactly as by the SDK's default converter.
+// DataConverter is every vmflow client's and worker's converter: proto messages
+// as json/plain with snake_case proto names, decoded strictly (unknown keys
+// and camelCase are errors naming the key); it also decodes what the official
+// SDKs' defaults send, and encodes only json/plain. Non-protos: the SDK default.
 func DataConverter() converter.DataConverter {
 	return dataConverter
 }
@@ -45,8 +29,12 @@ var dataConverter = converter.NewCompositeDataConverter(
 	// One converter owns json/plain: the composite converter picks the decoder
 	// by the payload's encoding, so a second json/plain converter would replace
 	// this one for decoding. It encodes every value that gets this far, so the
-	// converters below only ever decode.
+	// converters below only ever decode. Strict, as the SDK's default drops a
+	// misspelled key silently (measured, SDK v1.51.0) and protojson alone
+	// accepts the camelCase json_name too.
 	NewStrictJSONPayloadConverter(),
+	// What the Go, Java, Python and .NET SDKs send for a proto message (the
+	// TypeScript SDK sends snake_case json/plain).
 	NewProtoJSONDecoder(),
 	// Binary protobuf has no spelling ambiguity, so accepting it costs
 	// nothing and lets a client that sends binary protos still talk to us.
@@ -82,10 +70,9 @@ func (c *ProtoJSONDecoder) ToString(p *commonpb.Payload) string { return string(
 // ToPayload declines (nil, nil): vmflow encodes proto messages as json/plain.
 func (c *ProtoJSONDecoder) ToPayload(any) (*commonpb.Payload, error) { return nil, nil }
 
-// FromPayload decodes a json/protobuf payload into a proto message (*T or
-// **T, as StrictJSONPayloadConverter.FromPayload). A messageType in the
-// metadata (the SDKs set it) must name the target's type: a DeleteRequest
-// sent to SpawnInstance is refused even when its fields happen to fit.
+// FromPayload decodes a json/protobuf payload into *T or **T; a messageType in
+// the metadata must name the target's type, so a DeleteRequest sent to
+// SpawnInstance is refused even when its fields fit.
 func (c *ProtoJSONDecoder) FromPayload(payload *commonpb.Payload, valuePtr any) error {
 	target, set, ok := messageTarget(valuePtr)
 	if !ok {
@@ -139,11 +126,9 @@ func (c *StrictJSONPayloadConverter) Encoding() string { return converter.Metada
 // ToString returns the JSON text.
 func (c *StrictJSONPayloadConverter) ToString(p *commonpb.Payload) string { return string(p.GetData()) }
 
-// ToPayload encodes a proto message as snake_case JSON and anything else as
-// encoding/json does. No messageType metadata is added: the target type
-// decides decoding, and the temporal CLI (v1.5.1) shows a json/plain payload
-// as readable JSON only when encoding is its sole metadata; with messageType
-// it prints the raw payload with base64 data.
+// ToPayload encodes a proto message as snake_case JSON, anything else as
+// encoding/json. No messageType metadata: the target type decides, and with
+// it the temporal CLI (v1.5.1) prints base64, not JSON.
 func (c *StrictJSONPayloadConverter) ToPayload(value any) (*commonpb.Payload, error) {
 	msg, ok := asMessage(value)
 	if !ok {
@@ -167,9 +152,8 @@ func (c *StrictJSONPayloadConverter) ToPayload(value any) (*commonpb.Payload, er
 	}, nil
 }
 
-// asMessage returns value as a proto message when it is one (a pointer to a
-// generated struct) or when a pointer to it is one (a generated struct passed
-// by value).
+// asMessage returns value as a proto message when it or a pointer to it is one
+// (a generated struct passed by pointer or by value).
 func asMessage(value any) (proto.Message, bool) {
 	if m, ok := value.(proto.Message); ok {
 		return m, true
@@ -190,10 +174,8 @@ func asMessage(value any) (proto.Message, bool) {
 	return m, true
 }
 
-// FromPayload decodes into a proto message strictly, and into anything else
-// with encoding/json. valuePtr may be *T (T a generated message struct,
-// decoded in place) or **T (the SDK's shape for a *T workflow argument,
-// allocated here).
+// FromPayload decodes into a proto message strictly (*T in place, or **T
+// allocated here, the SDK's shape for a *T argument), else with encoding/json.
 func (c *StrictJSONPayloadConverter) FromPayload(payload *commonpb.Payload, valuePtr any) error {
 	target, set, ok := messageTarget(valuePtr)
 	if !ok {
@@ -214,9 +196,8 @@ func (c *StrictJSONPayloadConverter) FromPayload(payload *commonpb.Payload, valu
 	return nil
 }
 
-// messageTarget finds the proto message to decode into behind valuePtr. set
-// stores the decoded message (or nil for JSON null) where the caller expects
-// it. ok is false when valuePtr is not a pointer to a proto message type.
+// messageTarget finds the proto message behind valuePtr and set, which stores
+// the decoded one (nil for null); ok is false for no proto message type.
 func messageTarget(valuePtr any) (target proto.Message, set func(proto.Message), ok bool) {
 	if valuePtr == nil {
 		return nil, nil, false
@@ -279,10 +260,9 @@ func (e *UnknownKeyError) Error() string {
 	return fmt.Sprintf("unknown key %q", where)
 }
 
-// checkKeys walks the JSON along the message descriptor and reports every
-// key that is not a proto field name, all of them, sorted, so one run of
-// `temporal workflow start` shows every typo at once. Values that are not
-// what the descriptor expects are left for protojson to report.
+// checkKeys reports every key of the JSON that is not a proto field name,
+// sorted, so one `temporal workflow start` shows every typo; bad values are
+// protojson's to report.
 func checkKeys(md protoreflect.MessageDescriptor, data []byte) error {
 	var errs []error
 	walkMessage(md, json.RawMessage(data), "", &errs, 0)

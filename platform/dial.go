@@ -59,10 +59,9 @@ type Options struct {
 	AttemptTimeout time.Duration
 }
 
-// ClientOptions builds the SDK client options from envconfig and o, with
-// vmflow's data converter, logger and metrics handler. It does not connect.
-// A transport tclient.CheckTransport refuses (o.Insecure unset) is an error
-// wrapping tclient.ErrInsecureTransport.
+// ClientOptions builds the SDK client options from envconfig and o with
+// vmflow's converter, logger and metrics, without connecting; an insecure
+// transport without o.Insecure wraps tclient.ErrInsecureTransport.
 func ClientOptions(o Options) (client.Options, error) {
 	copts, err := envconfig.LoadClientOptions(envconfig.LoadClientOptionsRequest{
 		ConfigFilePath:    o.ConfigFile,
@@ -106,10 +105,8 @@ func ClientOptions(o Options) (client.Options, error) {
 }
 
 // Dial connects to Temporal, retrying with backoff until it answers or ctx is
-// done: the host agent starts before Temporal (supervision never waits on
-// it), so "connection refused" at boot is normal. Each failed attempt is
-// logged once. Configuration errors and refused credentials are returned at
-// once, since retrying cannot fix them.
+// done (the agent starts before Temporal); configuration errors and refused
+// credentials return at once.
 func Dial(ctx context.Context, o Options) (client.Client, error) {
 	copts, err := ClientOptions(o)
 	if err != nil {
@@ -167,9 +164,8 @@ func Dial(ctx context.Context, o Options) (client.Client, error) {
 	}
 }
 
-// permanent reports errors that no amount of retrying fixes: bad
-// credentials and bad requests. Unavailable, deadline and "namespace not
-// found" (a setup script may still be creating it) are retried.
+// permanent reports errors retrying never fixes (credentials, bad requests);
+// "namespace not found" is retried, as a setup script may be creating it.
 func permanent(err error) bool {
 	code := codes.Unknown
 	var svc serviceerror.ServiceError

@@ -52,9 +52,8 @@ func checkIDs(instanceID, hostID string) error {
 	return nil
 }
 
-// options: the search attributes set at start (not billed, unlike an
-// upsert) are what the workflow's first upsert would set, so a lazy
-// tracker finds them and skips it (newTrackerSA).
+// options sets at start (unbilled, unlike an upsert) the search attributes the
+// first upsert would set, so a lazy tracker skips it (newTrackerSA).
 func (c *Client) options(id, summary, instanceID, hostID, firstStage string) client.StartWorkflowOptions {
 	return client.StartWorkflowOptions{
 		ID:        id,
@@ -103,20 +102,15 @@ func (c *Client) StartDelete(ctx context.Context, req *vmflowv1.DeleteRequest) (
 	return run, nil
 }
 
-// Retry cuts a workflow's wait short (a backoff after a failed release
-// round, an unreachable host, a parked stage) with the retry update, and
-// returns the workflow's status once it acted (the next attempt is
-// scheduled). While a step or round runs it answers at once, with that try
-// in the status's Note ("already retrying: attempt N since T"). A workflow
-// in its last stage refuses, and the error is an application error of type
-// ErrTypeRefused saying why.
+// Retry cuts a workflow's wait short with the retry update and returns its
+// status once the next attempt is scheduled (at once, with a Note, while a try
+// runs). In its last stage it refuses with an ErrTypeRefused application error.
 func (c *Client) Retry(ctx context.Context, workflowID, reason string) (*vmflowv1.WorkflowStatus, error) {
 	return c.update(ctx, workflowID, RetryUpdate, &vmflowv1.RetrySignal{Reason: reason})
 }
 
-// Abandon ends a delete whose host is gone for good, with the abandon
-// update, and returns its final status. The workflow accepts it only while
-// the delete waits for an unreachable host or is parked; reason is required.
+// Abandon ends a delete whose host is gone for good and returns its final
+// status; accepted only while it waits for an unreachable host or is parked.
 func (c *Client) Abandon(ctx context.Context, instanceID, reason string) (*vmflowv1.WorkflowStatus, error) {
 	if reason == "" {
 		return nil, errors.New("abandon: a reason is required")

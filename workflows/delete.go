@@ -11,28 +11,10 @@ import (
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
-// DeleteInstance stops an instance's VM, waits until its whole thread group
-// is gone, releases its vGPU and removes its record.
-//
-// A release that keeps failing never loses the GPU: the record and its claim
-// stay on the host (the store refuses to delete them anyway), the workflow
-// shows release-failed with VmNeedsAttention=true and retries on a doubling
-// timer or at once on the retry signal. It never fails because the host is
-// away; only the abandon signal, while the host is unreachable, ends it
-// without cleaning up.
-//
-// Every other stage runs through hostRunner.runStage: one that has not
-// advanced for stuck_after_seconds shows needs-attention with its last
-// error, and one that failed for good waits for retry or abandon, never
-// failing the delete with the record and claim left behind.
-//
-// A failed spawn's clean-up names its spawn (only_if_created_by_*): the
-// host then leaves a record another spawn created alone, and the delete
-// ends at once as not-owned (invariant 9). Ownership is decided by the
-// first BeginDelete that answers and carried across continue-as-new
-// (carried_owned): a clean-up that owned the record never ends not-owned
-// (beginDelete), and a record the host cannot read parks it
-// (RecordUnreadable) rather than ending it.
+// DeleteInstance stops an instance's VM, waits until its whole group is gone,
+// releases its vGPU and removes its record, never failing with record and claim
+// left (invariant 1): stuck or failed stages wait, needing attention, for retry
+// or abandon. A clean-up of another spawn's record ends not-owned (invariant 9).
 func (w *Workflows) DeleteInstance(ctx workflow.Context, req *vmflowv1.DeleteRequest) (*vmflowv1.DeleteResult, error) {
 	res, err := w.deleteInstance(ctx, req)
 	awaitHandlers(ctx)
@@ -148,9 +130,8 @@ func (w *Workflows) deleteInstance(ctx workflow.Context, req *vmflowv1.DeleteReq
 	return &vmflowv1.DeleteResult{}, nil
 }
 
-// releaseLoop releases the instance's vGPU, round after round, until it
-// succeeds. Between rounds the workflow waits for the backoff timer or the
-// retry signal, whichever comes first.
+// releaseLoop releases the instance's vGPU round after round until it
+// succeeds, waiting between rounds for the backoff timer or a retry.
 func (w *Workflows) releaseLoop(ctx workflow.Context, t *tracker, h *hostRunner, req *vmflowv1.DeleteRequest) error {
 	call := w.calls()[ActivityReleaseVGPU]
 	ref := &vmflowv1.InstanceRef{InstanceId: req.GetInstanceId()}
@@ -192,10 +173,9 @@ func (w *Workflows) releaseLoop(ctx workflow.Context, t *tracker, h *hostRunner,
 	}
 }
 
-// continueDelete starts a fresh run of the same delete (same workflow id, so
-// signals by id still land) carrying the attempt count and the first failure
-// time. The new run starts from the top: every activity is idempotent, and a
-// stopped VM or a written marker is found as it was left.
+// continueDelete continues the delete as new under the same workflow id,
+// carrying the attempt count and first failure; it restarts from the top, as
+// every activity is idempotent.
 func (w *Workflows) continueDelete(ctx workflow.Context, t *tracker, req *vmflowv1.DeleteRequest) error {
 	if n := t.drainRetries(); n > 0 {
 		// The new run tries at once, which is what the signal asked for.
@@ -225,21 +205,17 @@ func (w *Workflows) continueDelete(ctx workflow.Context, t *tracker, req *vmflow
 	return workflow.NewContinueAsNewError(ctx, DeleteWorkflow, next)
 }
 
-// beginDelete runs BeginDelete. A clean-up that owned the record when it
-// began (carried_owned: an earlier run's first BeginDelete found the
-// spawn's own record) and is now told not-owned does not take the answer:
-// ending there would leave the record and its claim in Deleting with no
-// workflow to finish them. The record was replaced by hand, or an agent
-// answered not-owned for a record it could not read; either way an
-// operator looks, so the stage parks (retry asks again, abandon gives up).
-// Only a run continued by this code carries the fact, so histories
-// recorded before it replay unchanged.
+// beginDelete runs BeginDelete. A clean-up that owned the record when it began
+// (carried_owned) and is now told not-owned parks instead of ending, which
+// would leave record and claim in Deleting with no workflow to finish them.
 func (w *Workflows) beginDelete(ctx workflow.Context, h *hostRunner, req *vmflowv1.DeleteRequest, in *vmflowv1.BeginDeleteRequest, out *vmflowv1.BeginDeleteResult) error {
 	call := w.calls()[ActivityBeginDelete]
 	for round := uint32(1); ; round++ {
 		if err := h.runStage(ctx, call, in, out); err != nil {
 			return err
 		}
+		// Only runs continued by this code carry carried_owned, so older
+		// histories replay unchanged.
 		if !out.GetNotOwned() || !req.GetCarriedOwned() {
 			return nil
 		}
@@ -261,12 +237,9 @@ func (w *Workflows) beginDelete(ctx workflow.Context, h *hostRunner, req *vmflow
 // replay with neither.
 const versionStuckBound = "delete-stuck-bound"
 
-// stuckBound returns the run's stuck bound, fixed for the whole delete:
-// the request's stuck_after_seconds, or the worker's default recorded once
-// with SideEffect, so a replay on a worker with another flag value sees the
-// same bound. It stores the value in req, which continue-as-new carries.
-// 0: a run from before the bound existed. It also returns the run's
-// version of versionStuckBound.
+// stuckBound returns the delete's stuck bound (0 for runs from before it) and
+// its versionStuckBound: the request's, or the worker's recorded once
+// (recorded), stored in req so continue-as-new carries it.
 func (w *Workflows) stuckBound(ctx workflow.Context, req *vmflowv1.DeleteRequest) (time.Duration, workflow.Version) {
 	v := workflow.GetVersion(ctx, versionStuckBound, workflow.DefaultVersion, 2)
 	if v == workflow.DefaultVersion {

@@ -68,18 +68,16 @@ type hostRunner struct {
 // for a reconcile) the first time their host is unreachable.
 const changeHostWait = "host-wait-recorded"
 
-// hostWait returns the run's limit on an unreachable host, fixed the first
-// time it is needed: recorded with SideEffect, so a worker with another
-// flag value replays the same decision. Only runs whose host was away pay
-// for the record (a version marker, its search-attribute upsert and the
-// side-effect marker); runs recorded before it replay with the worker's
-// value, as they always did.
+// hostWait returns the run's limit on an unreachable host, recorded the first
+// time it is needed so a replay on another flag value decides the same.
 func (h *hostRunner) hostWait(ctx workflow.Context) time.Duration {
 	if h.giveUp <= 0 {
 		return 0
 	}
 	if h.fixedGiveUp == nil {
 		v := h.giveUp
+		// Only runs whose host was away pay for these markers; older runs
+		// replay with the worker's value.
 		if workflow.GetVersion(ctx, changeHostWait, workflow.DefaultVersion, 1) >= 1 {
 			v = recorded(ctx, h.giveUp, Config{}.WithDefaults().SpawnHostWait)
 		}
@@ -156,29 +154,20 @@ func (h *hostRunner) run(ctx workflow.Context, c hostCall, in, out any) error {
 	}
 }
 
-// runStage runs one stage activity of a delete that retries without limit
-// (BeginDelete, StopVM, WaitVMExit, TearDown, DeleteRecord) so that it is
-// never stuck unseen and never fails the delete:
-//
-//   - Each round of SDK retries is bounded by ScheduleToClose = stuckAfter
-//     (at least one pickup plus one whole attempt). A round that runs out
-//     shows the stage with needs-attention, the round as the attempt and
-//     the last attempt's failure, and the next round starts at once;
-//     needs-attention stays until the stage succeeds.
-//   - A non-retryable failure (IdentityMismatch, RecordUnreadable,
-//     VGPUUnavailable, ...) parks the stage in the same state, with no
-//     timer, until the retry signal (the operator repaired the host) or
-//     abandon with a reason (the host is gone).
-//
-// It returns nil, errAbandoned, errContinueAsNew or the cancel of ctx.
+// runStage runs a stage activity that retries without limit, in rounds bounded
+// by the stuck bound, so it is never stuck unseen and never fails the delete:
+// a round that runs out shows needs-attention, a non-retryable failure parks.
+// Returns nil, errAbandoned, errContinueAsNew or ctx's cancel.
 func (h *hostRunner) runStage(ctx workflow.Context, c hostCall, in, out any) error {
 	if h.stuckAfter <= 0 {
 		return h.run(ctx, c, in, out)
 	}
 	stage := h.t.status.Stage
+	// A round is at least one pickup plus one whole attempt.
 	c.scheduleToClose = max(h.stuckAfter, h.w.cfg.ScheduleToStartTimeout+c.timeout)
 	for round := uint32(1); ; round++ {
 		if round > 1 {
+			// needs-attention stays until the stage succeeds (recovered).
 			// Details only: the search attributes have not changed.
 			h.t.status.Stage, h.t.status.Attempt = stage, round
 			h.t.since = workflow.Now(ctx)
@@ -213,9 +202,8 @@ func (h *hostRunner) runStage(ctx workflow.Context, c hostCall, in, out any) err
 	}
 }
 
-// park waits, without a timer, for the retry signal (nil) or an abandon
-// with a reason (errAbandoned). Abandons sent before the stage parked are
-// refused, as they are before a host is unreachable.
+// park waits, without a timer, for a retry (nil) or an abandon with a reason
+// (errAbandoned); abandons sent before it parked are refused.
 func (h *hostRunner) park(ctx workflow.Context) error {
 	if h.abandonCh != nil {
 		h.rejectStaleAbandons()
@@ -235,11 +223,9 @@ func (h *hostRunner) park(ctx workflow.Context) error {
 	}
 }
 
-// retryable reports whether err, returned by an activity that ran under p,
-// is one that p retries: not an application error marked non-retryable or
-// of one of p's non-retryable types. For a policy without an attempt limit
-// such an error comes back only when ScheduleToClose ran out (as the last
-// failure, or as the cause of the timeout).
+// retryable reports whether p retries err: not marked non-retryable nor of one
+// of p's non-retryable types (without an attempt limit such an error comes
+// back only when ScheduleToClose ran out).
 func retryable(p *temporal.RetryPolicy, err error) bool {
 	var appErr *temporal.ApplicationError
 	if !errors.As(err, &appErr) {
@@ -299,13 +285,9 @@ func invalidInput(format string, args ...any) error {
 	return temporal.NewNonRetryableApplicationError(fmt.Sprintf(format, args...), ErrTypeInvalidInput, nil)
 }
 
-// recorded returns v as this run recorded it with SideEffect: the first
-// execution records the worker's v; a replay returns the recorded value,
-// whatever v is on the replaying worker. Values that decide which commands
-// a workflow issues (a give-up limit, a stuck bound) come from here or
-// from the input, never straight from Config. fallback, a constant, stands
-// in if the record cannot be decoded (the JSON converter always can), so
-// the run stays deterministic even then.
+// recorded returns v as this run first recorded it with SideEffect, whatever v
+// is on a replaying worker: values that decide commands never come straight
+// from Config. fallback keeps the run deterministic if decoding fails.
 func recorded[T comparable](ctx workflow.Context, v, fallback T) T {
 	var out, zero T
 	if err := workflow.SideEffect(ctx, func(workflow.Context) any { return v }).Get(&out); err != nil || out == zero {

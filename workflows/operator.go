@@ -59,9 +59,8 @@ type waitState struct {
 	abandon bool // abandon with a reason ends it (host unreachable, or parked)
 }
 
-// registerUpdates registers the retry and abandon updates. Both return the
-// workflow's status after it acted: for retry, once the next attempt is
-// scheduled; for abandon, once the delete has ended as abandoned.
+// registerUpdates registers the retry and abandon updates, which return the
+// status once the workflow acted (retry scheduled, or ended as abandoned).
 func (t *tracker) registerUpdates(ctx workflow.Context) error {
 	err := workflow.SetUpdateHandlerWithOptions(ctx, RetryUpdate,
 		func(ctx workflow.Context, req *vmflowv1.RetrySignal) (*vmflowv1.WorkflowStatus, error) {
@@ -112,10 +111,8 @@ func reasonRefusal(update, reason string) error {
 	return nil
 }
 
-// retryRefusal says why a retry cannot act: the workflow has reached the
-// stage it ends in. Anything else accepts one: a wait (a backoff after a
-// failed round, an unreachable host, a parked stage) is cut short, and a
-// step or round in progress is the retry already (operate answers so).
+// retryRefusal refuses a retry only in the stage the workflow ends in; any
+// wait is cut short, and a step in progress is the retry already.
 func (t *tracker) retryRefusal() error {
 	if terminalStage(t.status.Stage) {
 		return refused("retry refused: the %s has ended (stage %s)", t.kind, t.status.Stage)
@@ -123,17 +120,14 @@ func (t *tracker) retryRefusal() error {
 	return nil
 }
 
-// alreadyRetrying is the retry update's answer while a step or a round
-// runs: what runs and since when, so the operator knows the retry is under
-// way without waiting for it.
+// alreadyRetrying is the retry update's answer while a step or round runs:
+// what runs since when, so the operator need not wait.
 func (t *tracker) alreadyRetrying() string {
 	return fmt.Sprintf("already retrying: attempt %d since %s", t.status.Attempt, t.since.UTC().Format(time.RFC3339))
 }
 
-// abandonRefusal says why an abandon with reason cannot act now: abandon
-// is for a delete whose host is gone for good, so it needs a reason and a
-// wait that accepts it (the host does not pick up work, or the delete is
-// parked on a failure only an operator can fix).
+// abandonRefusal says why an abandon cannot act now: it needs a reason and a
+// wait that accepts it (host unreachable, or parked on an operator's fix).
 func (t *tracker) abandonRefusal(reason string) error {
 	switch {
 	case !t.canAbandon:
@@ -182,9 +176,8 @@ func (op *operatorOp) name() string {
 	return RetryUpdate
 }
 
-// settle ends an accepted update whose wait ended without taking it: a
-// retry is done (the wait it meant to cut short is over and the next
-// attempt runs), an abandon is refused (the workflow went on).
+// settle ends an accepted update whose wait ended without it: a retry is done,
+// an abandon refused.
 func (t *tracker) settle(op *operatorOp) {
 	if op.kind == opRetry {
 		op.done, op.running = true, true
@@ -195,13 +188,9 @@ func (t *tracker) settle(op *operatorOp) {
 		t.status.Stage, t.hostID)
 }
 
-// waitRetry blocks until a retry (signal or update) arrives, d passes, or,
-// when abandonCh is not nil, an abandon with a reason arrives. d <= 0
-// starts no timer: only an operator (or a cancel of ctx) ends the wait,
-// which costs nothing however long it lasts. It reports whether a retry
-// ended it and the abandon reason ("" unless abandoned). An abandon signal
-// without a reason is refused and ends the wait with neither, as it always
-// has (the caller goes on as after the timer).
+// waitRetry blocks until a retry, d passing (d <= 0: no timer, free however
+// long), or an abandon on abandonCh (if set). An abandon without a reason is
+// refused and ends the wait as the timer would.
 func (t *tracker) waitRetry(ctx workflow.Context, d time.Duration, abandonCh workflow.ReceiveChannel) (retried bool, abandonReason string) {
 	timerCtx, cancel := workflow.WithCancel(ctx)
 	defer cancel()
@@ -257,8 +246,7 @@ func (t *tracker) waitRetry(ctx workflow.Context, d time.Duration, abandonCh wor
 }
 
 // hostAnswered refuses abandons queued while the host was unreachable: it
-// answered again, so the delete goes on and an abandon would leave a host
-// that is not gone.
+// answered, so it is not gone.
 func (t *tracker) hostAnswered() {
 	t.hostDown = false
 	if t.wait != nil {
@@ -277,9 +265,8 @@ func (t *tracker) hostAnswered() {
 	}
 }
 
-// endWait closes the wait: updates accepted during it but not taken (the
-// timer or another action ended it first) are settled, so none waits for
-// a wait that is over and none ends a later one.
+// endWait settles updates accepted during the wait but not taken, so none
+// waits on a wait that is over or ends a later one.
 func (t *tracker) endWait(ctx workflow.Context) {
 	t.wait = nil
 	t.status.NextRetryTime = "" // the timer, if any, is over
@@ -293,10 +280,8 @@ func (t *tracker) endWait(ctx workflow.Context) {
 	}
 }
 
-// awaitHandlers lets update handlers still running finish before the run
-// ends (completes, fails or continues as new): an accepted update answers
-// with the status after the workflow acted, which may be its last. It
-// issues no command and, with no update in flight, returns at once.
+// awaitHandlers lets running update handlers finish before the run ends, as
+// their answer is the status after it acted; a no-op with none in flight.
 func awaitHandlers(ctx workflow.Context) {
 	// A cancelled ctx ends the wait early; the run ends anyway.
 	_ = workflow.Await(ctx, func() bool { return workflow.AllHandlersFinished(ctx) })

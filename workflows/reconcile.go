@@ -8,11 +8,8 @@ import (
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
-// ReconcileVGPU runs one host's vGPU reconcile (the agent triggers it when
-// its local scan finds work; its slow Schedule runs it as a safety net) and
-// wakes every delete whose claim it released, so a
-// delete waiting out a long backoff finishes now. A round that found
-// unreadable records ends with needs-attention set.
+// ReconcileVGPU runs one host's vGPU reconcile and wakes every delete whose
+// claim it released; unreadable records set needs-attention.
 func (w *Workflows) ReconcileVGPU(ctx workflow.Context, req *vmflowv1.ReconcileVGPURequest) (*vmflowv1.ReconcileVGPUResult, error) {
 	res, err := w.reconcileVGPU(ctx, req)
 	awaitHandlers(ctx)

@@ -10,16 +10,10 @@ import (
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
-// SpawnInstance creates an instance on its host: validate, record, claim a
-// vGPU if asked, launch QEMU and wait until QMP says running.
-//
-// Once this spawn may have created the record, any failure starts the
-// delete path for the instance as a child DeleteInstance that outlives this
-// workflow, so nothing a half-made spawn left on the host leaks, and then
-// fails with the original error. That delete carries this spawn's workflow
-// id and run id, and the host deletes only a record that names them as its
-// creator (invariant 9). A spawn that finds another spawn's instance never
-// starts one: it succeeds with the running VM or fails saying what is there.
+// SpawnInstance validates, records, claims a vGPU if asked and launches QEMU.
+// Once it may have created the record, a failure starts a child delete limited
+// to this spawn's record (invariant 9) that outlives it; a spawn finding
+// another's instance starts nothing.
 func (w *Workflows) SpawnInstance(ctx workflow.Context, req *vmflowv1.SpawnRequest) (*vmflowv1.SpawnResult, error) {
 	res, err := w.spawnInstance(ctx, req)
 	awaitHandlers(ctx)
@@ -105,11 +99,8 @@ func (w *Workflows) spawnInstance(ctx workflow.Context, req *vmflowv1.SpawnReque
 // path: a spawn that finds another spawn's record only reports it.
 const changeSpawnCreator = "spawn-creator"
 
-// spawnFoundExisting handles a record another spawn created (a re-sent
-// spawn, or one from before creators were recorded) with the same spec: if
-// its VM runs as asked, this spawn succeeds with it; otherwise it fails
-// with InstanceExists saying what is there. Either way it starts, stops,
-// claims, releases and deletes nothing (invariant 9).
+// spawnFoundExisting succeeds with another spawn's same-spec VM if it runs as
+// asked, else fails with InstanceExists; it touches nothing (invariant 9).
 func (w *Workflows) spawnFoundExisting(ctx workflow.Context, t *tracker, h *hostRunner, req *vmflowv1.SpawnRequest, created *vmflowv1.CreateRecordResult) (*vmflowv1.SpawnResult, error) {
 	t.setRetained(ctx, false) // not this spawn's to keep or lose
 	t.logger.Info("instance exists, created by another spawn", "created_by", created.GetCreatedBy())
@@ -136,10 +127,8 @@ func (w *Workflows) spawnFailed(ctx workflow.Context, t *tracker, cause error) e
 	return cause
 }
 
-// cleanUpAfter starts the delete path for a spawn that failed after its
-// record existed, then returns the original error. The child delete is
-// abandoned on close: it must finish even though this workflow is failing.
-// A delete already running for the instance counts as started.
+// cleanUpAfter starts the delete path for a spawn that failed after its record
+// existed (abandoned on close, so it finishes) and returns the original error.
 func (w *Workflows) cleanUpAfter(ctx workflow.Context, t *tracker, req *vmflowv1.SpawnRequest, cause error) error {
 	t.status.LastError = errorText(cause)
 	t.stage(ctx, StageSpawnFailed)

@@ -63,9 +63,8 @@ type tracker struct {
 // version 2 instead, which they record anyway.
 const changeLazySA = "sa-on-wait"
 
-// newLazyTracker is newTracker for runs recorded with lazy search
-// attributes: one upsert sets the ids, the first stage and
-// VmNeedsAttention=false together.
+// newLazyTracker is newTracker for runs with lazy search attributes: one
+// upsert sets the ids, first stage and VmNeedsAttention=false.
 func newLazyTracker(ctx workflow.Context, kind, instanceID, hostID, firstStage string) (*tracker, error) {
 	t, err := newTrackerSA(ctx, kind, instanceID, hostID, firstStage, true)
 	if err != nil {
@@ -153,9 +152,8 @@ func (t *tracker) failed(ctx workflow.Context, stage string, err error, attempt 
 	t.attention(ctx, stage, errorText(err), attempt, next)
 }
 
-// attention shows stage as needing attention with text as its last error;
-// a zero next means no retry is scheduled (one runs now, or the workflow
-// waits for a signal).
+// attention shows stage needing attention with text as its last error; a zero
+// next means no retry is scheduled.
 func (t *tracker) attention(ctx workflow.Context, stage, text string, attempt uint32, next time.Time) {
 	t.status.Stage = stage
 	t.status.Attempt = attempt
@@ -206,9 +204,8 @@ func (t *tracker) publish(ctx workflow.Context) {
 	t.publishSA(ctx, false)
 }
 
-// publishSA is publish where exact says the search attributes must match
-// the status now (the workflow waits or ends); a lazy tracker upserts only
-// then or when VmNeedsAttention changed.
+// publishSA publishes; exact means the search attributes must match now (a
+// wait or the end), else a lazy tracker upserts only on an attention change.
 func (t *tracker) publishSA(ctx workflow.Context, exact bool) {
 	// Current Details is workflow metadata, not a command: it is always
 	// refreshed, so the attempt and last error stay current for free.
@@ -255,16 +252,8 @@ func (t *tracker) details() string {
 	return b.String()
 }
 
-// codeSpan is s as one CommonMark code span: inside one, nothing is markup
-// (no link, autolink, image, HTML, entity or emphasis), so any text shows
-// as its characters. What could still break out goes first: a line break
-// would end the span's paragraph and start blocks of its own (headings,
-// list items, tables, fences), so line breaks and tabs become spaces;
-// other control characters (terminal escapes, NUL) and bidi controls
-// (which reorder what an operator reads), and invalid UTF-8, become
-// U+FFFD. The fence is one backtick longer than the longest run inside,
-// and a space pads a text that starts or ends with a backtick or a space
-// (the renderer strips one on each side).
+// codeSpan is s as one CommonMark code span, where nothing is markup, so any
+// text shows as its characters.
 func codeSpan(s string) string {
 	if s == "" {
 		return ""
@@ -272,8 +261,10 @@ func codeSpan(s string) string {
 	s = strings.Map(func(r rune) rune {
 		switch {
 		case r == '\n' || r == '\r' || r == '\t':
+			// A line break would end the span's paragraph and start blocks.
 			return ' '
 		case unicode.IsControl(r), bidiControl(r):
+			// Terminal escapes, NUL, and reordering of what an operator reads.
 			return unicode.ReplacementChar
 		}
 		return r
@@ -288,6 +279,7 @@ func codeSpan(s string) string {
 		longest = max(longest, run)
 	}
 	fence := strings.Repeat("`", longest+1)
+	// The renderer strips one space on each side.
 	if strings.HasPrefix(s, "`") || strings.HasSuffix(s, "`") || strings.HasPrefix(s, " ") || strings.HasSuffix(s, " ") {
 		s = " " + s + " "
 	}

@@ -90,22 +90,15 @@ type Registry interface {
 	RegisterWorkflowWithOptions(w interface{}, options workflow.RegisterOptions)
 }
 
-// Register registers the three workflows under their public names, each
-// with its Worker Versioning behaviour (used only by a worker that joins a
-// worker deployment; an unversioned worker ignores it):
-//
-//   - SpawnInstance is Pinned: a spawn takes minutes and finishes on the
-//     build it started on. That spares a GetVersion branch only on a fleet
-//     whose every worker runs --versioning; unversioned workers (the
-//     binary's default) replay old spawns, so keep GetVersion until then.
-//   - DeleteInstance and ReconcileVGPU are AutoUpgrade: a delete can wait
-//     in release-failed for days, and must move to the current build
-//     rather than keep an old one running (server 1.29.1 cannot upgrade a
-//     pinned run at continue-as-new). Their changes go behind
-//     workflow.GetVersion, since a new build replays histories the old
-//     one wrote (deploy/UPGRADES.md).
+// Register registers the three workflows under their public names, each with
+// the Worker Versioning behaviour a deployment-joined worker uses.
 func (w *Workflows) Register(r Registry) {
+	// Pinned: a spawn finishes on the build it started on. Unversioned workers
+	// still replay old spawns, so keep GetVersion until every one runs --versioning.
 	r.RegisterWorkflowWithOptions(w.SpawnInstance, workflow.RegisterOptions{Name: SpawnWorkflow, VersioningBehavior: workflow.VersioningBehaviorPinned})
+	// AutoUpgrade: a delete may wait for days and must move to the current
+	// build (server 1.29.1 cannot upgrade a pinned run at continue-as-new), so
+	// its changes go behind GetVersion (deploy/UPGRADES.md).
 	r.RegisterWorkflowWithOptions(w.DeleteInstance, workflow.RegisterOptions{Name: DeleteWorkflow, VersioningBehavior: workflow.VersioningBehaviorAutoUpgrade})
 	r.RegisterWorkflowWithOptions(w.ReconcileVGPU, workflow.RegisterOptions{Name: ReconcileWorkflow, VersioningBehavior: workflow.VersioningBehaviorAutoUpgrade})
 }
@@ -125,12 +118,9 @@ var (
 	}
 )
 
-// slowStart is p with its first retry at p's longest interval, or at half
-// the stuck bound when that is shorter: a stage retried again after a stuck
-// period has already backed off, and starting at one second again would
-// spend about twice the activity attempts per period; a first interval
-// longer than the period would end every round after one attempt and
-// reschedule at once, a busy loop.
+// slowStart is p with its first retry at p's longest interval, or half the
+// stuck bound if shorter: a re-run stage has backed off already, and a first
+// interval past the bound would busy-loop rounds of one attempt.
 func slowStart(p *temporal.RetryPolicy, bound time.Duration) *temporal.RetryPolicy {
 	q := *p
 	q.InitialInterval = max(p.InitialInterval, min(p.MaximumInterval, bound/2))

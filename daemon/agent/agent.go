@@ -43,11 +43,9 @@ const (
 	readyStopping = "stopping"
 )
 
-// Run runs the host agent: supervision first (it never waits for
-// Temporal), then the Temporal worker for this host's queue and the
-// reconcile Schedule, connected in the background with retries. It runs
-// until ctx ends (SIGTERM), then stops gracefully: no new activities,
-// running ones get cfg.StopTimeout to finish, VMs keep running.
+// Run runs the host agent: supervision first (never waiting for Temporal),
+// then the worker and reconcile Schedule, connected in the background, until
+// ctx ends; then running activities get cfg.StopTimeout and VMs keep running.
 func Run(ctx context.Context, cfg Config) error {
 	// VMFLOW_CPUPROFILE=FILE writes a CPU profile of the run, until
 	// SIGTERM or SIGINT, for `go tool pprof` (make bench's profiling aid;
@@ -266,13 +264,9 @@ func openNetwork(ctx context.Context, cfg Config, st *store.Store, log *zap.Logg
 	return nw, nil
 }
 
-// supervise re-attaches the host's VMs, then tells systemd the agent is
-// ready and starts the watchdog. Supervision comes first: VMs are
-// re-attached and restarted with the network down. One broken instance
-// never stops the host (invariant 12): records that cannot be read or
-// re-attached are reported and left alone, and everything else is
-// supervised and served. Its error is ctx's, before the records could be
-// listed.
+// supervise re-attaches the host's VMs with the network down, then tells
+// systemd it is ready and starts the watchdog; broken instances are reported
+// and left alone (invariant 12). Its error is ctx's, before records were listed.
 func (h *agentHost) supervise(ctx, life context.Context, log *zap.Logger) error {
 	rep, err := startSupervision(ctx, h.sup, log)
 	if err != nil {
@@ -307,9 +301,8 @@ func (h *agentHost) supervise(ctx, life context.Context, log *zap.Logger) error 
 	return nil
 }
 
-// serve connects to Temporal (retrying for as long as it takes) and serves
-// the host activities, the reconcile Schedule and the local scan until ctx
-// ends; then it stops gracefully.
+// serve connects to Temporal (retrying as long as it takes) and serves the
+// host activities, the reconcile Schedule and the local scan until ctx ends.
 func (h *agentHost) serve(ctx context.Context, cfg Config, log *zap.Logger) error {
 	tm := h.tm
 	topts := cfg.Temporal(tm, "vmflow-hostagent@"+cfg.HostID)
@@ -371,13 +364,9 @@ func (h *agentHost) serve(ctx context.Context, cfg Config, log *zap.Logger) erro
 // dialBackoffMax caps the wait between dial rounds after a refusal.
 const dialBackoffMax = 5 * time.Minute
 
-// dialForever connects to Temporal and keeps trying, whatever the error,
-// until ctx ends (then it returns ctx's error). platform.Dial already retries
-// an unreachable server; a refusal it gives up on (an expired API key:
-// Unauthenticated, a missing permission) is retried here too, with backoff
-// and its reason in the log, because the agent must never stop supervising
-// the host's VMs over a Temporal problem (invariant 12): an operator fixes
-// the credentials and the agent connects on its next round.
+// dialForever connects to Temporal, retrying with backoff whatever the error
+// (a refused API key too) until ctx ends: a Temporal problem must never stop
+// supervision (invariant 12), and fixed credentials are picked up next round.
 func dialForever(ctx context.Context, o platform.Options, log *zap.Logger) (client.Client, error) {
 	wait := 5 * time.Second
 	for round := 1; ; round++ {
@@ -401,13 +390,9 @@ func dialForever(ctx context.Context, o platform.Options, log *zap.Logger) (clie
 	}
 }
 
-// startSupervision runs the supervisor's re-attach until it could list the
-// instance records. Start absorbs every per-instance failure (an unreadable
-// record is quarantined, a failed re-attach counted); its error means the
-// instances folder itself could not be read (EIO, EMFILE, a mount not up
-// yet), so nothing is supervised: serving activities then would leave every
-// VM unwatched and every restart policy dead, so it waits and tries again,
-// saying why.
+// startSupervision retries the supervisor's Start until it can list the
+// instance records: serving activities before that would leave every VM
+// unwatched. Per-instance failures never fail Start.
 func startSupervision(ctx context.Context, sup *supervise.Supervisor, log *zap.Logger) (supervise.ReattachReport, error) {
 	wait := time.Second
 	for {
@@ -428,10 +413,9 @@ func startSupervision(ctx context.Context, sup *supervise.Supervisor, log *zap.L
 	}
 }
 
-// reportUnservedClaims names, at start, the instances whose vGPU claims an
-// agent without a vGPU driver cannot release: their deletes will park with
-// that reason (invariant 12 without breaking invariant 1), and the metric
-// makes the host show up on a dashboard before anyone deletes anything.
+// reportUnservedClaims names, at start, the instances whose vGPU claims this
+// agent cannot release (no driver), so the host shows on a dashboard before a
+// delete parks on them.
 func reportUnservedClaims(st *store.Store, am *metrics.Agent, log *zap.Logger) {
 	recs, err := st.List()
 	if _, listed := store.Unreadable(err); !listed {
@@ -475,10 +459,8 @@ func newClaims(cfg Config, st *store.Store, log *zap.Logger) (*claims.Claims, er
 	})
 }
 
-// pruneFDStore drops the log pipes systemd kept for VMs whose records are
-// gone. A record that cannot be read keeps every pipe of its id (its uid
-// is unknown); a name that is not a vmflow log pipe is not this agent's to
-// drop.
+// pruneFDStore drops the kept log pipes of VMs whose records are gone; an
+// unreadable record keeps all its id's pipes (its uid is unknown).
 func pruneFDStore(st *store.Store, sd *vmm.SystemdFDStore, log *zap.Logger) {
 	recs, err := st.List()
 	bad, listed := store.Unreadable(err)

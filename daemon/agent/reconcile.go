@@ -20,21 +20,17 @@ import (
 	"vmflow/workflows"
 )
 
-// reconcileSchedule is the Schedule this build wants for the host: every
-// cfg.ReconcileEvery, skipping a run while one is going, starting
-// ReconcileVGPU for the host on cfg.TaskQueue. No execution, run or retry
-// limit: a round ends by its own retries (ReconcileHost's attempts, its
-// give-up on an unreachable host), and a limit shorter than those would
-// cut a slow round after it released claims and before it woke their
-// deletes (its own retries allow about 20 minutes with the worker's
-// default flags: three 5-minute attempts, each after a pickup of up to a
-// minute, and the give-up on an unreachable host).
+// reconcileSchedule is the Schedule this build wants for the host: ReconcileVGPU
+// every cfg.ReconcileEvery, skipping a run while one is going.
 func reconcileSchedule(cfg Config) client.ScheduleOptions {
 	id := workflows.ReconcileScheduleID(cfg.HostID)
 	return client.ScheduleOptions{
 		ID:      id,
 		Spec:    client.ScheduleSpec{Intervals: []client.ScheduleIntervalSpec{{Every: cfg.ReconcileEvery}}},
 		Overlap: enumspb.SCHEDULE_OVERLAP_POLICY_SKIP,
+		// No execution, run or retry limit: a round ends by its own retries
+		// (about 20 minutes with default flags), and a shorter limit could cut
+		// it after it released claims and before it woke their deletes.
 		Action: &client.ScheduleWorkflowAction{
 			ID:        id,
 			Workflow:  workflows.ReconcileWorkflow,
@@ -44,14 +40,9 @@ func reconcileSchedule(cfg Config) client.ScheduleOptions {
 	}
 }
 
-// ensureReconcileSchedule makes the host's reconcile Schedule the one this
-// build wants (reconcileSchedule): it creates it, or updates an existing
-// one that differs in anything this build sets (interval, overlap policy,
-// workflow type, id, arguments, task queue, timeouts, retry policy, memo,
-// search attributes), such as one an older build made every minute (about
-// 13,000 billed actions a day) or with a 10-minute execution timeout. Its
-// state (an operator's pause and note) is kept; one that already matches
-// is left as it is (no update, no action).
+// ensureReconcileSchedule creates the host's reconcile Schedule, or updates
+// one that differs in anything this build sets, keeping its state (an
+// operator's pause and note); a matching one costs no action.
 func ensureReconcileSchedule(ctx context.Context, c client.Client, cfg Config, log *zap.Logger) error {
 	want := reconcileSchedule(cfg)
 	cctx, cancel := context.WithTimeout(ctx, 30*time.Second)
@@ -159,12 +150,9 @@ func triggerReconcile(ctx context.Context, c client.Client, scheduleID string) e
 	return nil
 }
 
-// scanForReconcile runs the host's read-only scan every `every` until ctx
-// ends; it costs no Temporal action. Work that two scans in a row found (a
-// delete in progress passes through a scan's findings for a moment) triggers
-// a reconcile round, the same work again no sooner than `every`, then twice
-// as long each time up to `safety` (the schedule's period). A scan that
-// fails is logged and tried again next tick: the schedule still runs.
+// scanForReconcile runs the free read-only scan every `every` and triggers a
+// reconcile round for work two scans in a row found, backing off to `safety`
+// for the same work; a failed scan is retried next tick.
 func scanForReconcile(ctx context.Context, scan func(context.Context) (claims.Work, error), every, safety time.Duration,
 	trigger func(context.Context) error, log *zap.Logger) {
 	gate := &claims.Gate{Min: every, Max: safety}

@@ -18,11 +18,8 @@ import (
 	"vmflow/workflows"
 )
 
-// workerOptions are the SDK worker's options. With --versioning the worker
-// joins its deployment version; each workflow's versioning behaviour is set
-// where it is registered (workflows.Register), so no default is given: a
-// workflow registered without one makes the SDK refuse it at registration
-// rather than run with a behaviour nobody chose.
+// workerOptions are the SDK worker's options. No default versioning behaviour:
+// each workflow sets its own at registration, and one without is refused.
 func workerOptions(cfg Config) worker.Options {
 	// WorkerStopTimeout: on SIGTERM the SDK stops polling and lets running
 	// tasks finish for this long before it cancels them (0 cancels at once).
@@ -33,10 +30,8 @@ func workerOptions(cfg Config) worker.Options {
 	return o
 }
 
-// reportRouting logs, once the server knows this version, whether it is the
-// deployment's current version: a version that is not current gets no
-// workflow tasks, and the log says which command makes it current. Only a
-// log line; the worker polls either way.
+// reportRouting logs whether this version is the deployment's current one (a
+// version that is not gets no workflow tasks) and the command that makes it so.
 func reportRouting(ctx context.Context, c client.Client, v worker.WorkerDeploymentVersion, log *zap.Logger) {
 	log = log.With(zap.String("deployment_name", v.DeploymentName), zap.String("build_id", v.BuildID))
 	ctx, cancel := context.WithTimeout(ctx, time.Minute)

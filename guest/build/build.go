@@ -141,11 +141,13 @@ func Build(ctx context.Context, opts Options) (Artifacts, error) {
 
 type builder struct {
 	dir, meta, moduleDir, goCmd string
+	roots                       []string // the modules the init needs: rootModules
 	log                         *slog.Logger
 }
 
 func newBuilder(opts Options) (*builder, error) {
-	b := &builder{dir: opts.Dir, meta: opts.MetaPackage, moduleDir: opts.ModuleDir, goCmd: opts.GoCmd, log: opts.Log}
+	b := &builder{dir: opts.Dir, meta: opts.MetaPackage, moduleDir: opts.ModuleDir, goCmd: opts.GoCmd,
+		roots: rootModules, log: opts.Log}
 	var err error
 	if b.dir == "" {
 		if b.dir, err = DefaultDir(); err != nil {
@@ -299,7 +301,7 @@ func parseField(out []byte, field string) (string, error) {
 }
 
 // fetchKernel returns a folder holding vmlinuz and the modules the init
-// needs (rootModules and what they depend on, named by moduleFile) of pkg at
+// needs (b.roots and what they depend on, named by moduleFile) of pkg at
 // version. The package is downloaded once per version and kept, so a change
 // of the module set only unpacks it again. The folder is filled under a
 // temporary name and renamed, so a folder that exists is complete. Files of
@@ -307,7 +309,7 @@ func parseField(out []byte, field string) (string, error) {
 func (b *builder) fetchKernel(ctx context.Context, pkg, version string) (string, error) {
 	kernels := filepath.Join(b.dir, "kernel")
 	base := safeName(pkg + "_" + version)
-	kdir := filepath.Join(kernels, base+"+"+moduleSetID(rootModules))
+	kdir := filepath.Join(kernels, base+"+"+moduleSetID(b.roots))
 	if _, err := os.Stat(kdir); err == nil {
 		b.log.Info("kernel cached", "dir", kdir)
 		return kdir, nil
@@ -328,7 +330,7 @@ func (b *builder) fetchKernel(ctx context.Context, pkg, version string) (string,
 		return "", fmt.Errorf("guest build: %w", err)
 	}
 	start := time.Now()
-	mods, err := extractKernel(ctx, deb, tmp)
+	mods, err := extractKernel(ctx, deb, b.roots, tmp)
 	if err != nil {
 		return "", fmt.Errorf("guest build: %s: %w", pkg, err)
 	}
@@ -405,13 +407,13 @@ func safeName(s string) string {
 	}, s)
 }
 
-// extractKernel writes vmlinuz and the needed modules, numbered in load
-// order, from the package deb into out, and returns the modules' names in
-// that order. It streams the package's data archive (dpkg-deb
+// extractKernel writes vmlinuz and the modules of roots with their
+// dependencies, numbered in load order, from the package deb into out, and
+// returns the modules' names in that order. It streams the package's data archive (dpkg-deb
 // --fsys-tarfile, the unpacking dpkg -x does) once per pass: a full dpkg -x
 // would write the whole module tree to pick a dozen files.
-func extractKernel(ctx context.Context, deb, out string) ([]string, error) {
-	kernel, mods, err := resolveModules(ctx, rootModules, func() (io.ReadCloser, error) {
+func extractKernel(ctx context.Context, deb string, roots []string, out string) ([]string, error) {
+	kernel, mods, err := resolveModules(ctx, roots, func() (io.ReadCloser, error) {
 		return packageData(ctx, deb)
 	})
 	if err != nil {

@@ -8,6 +8,9 @@ import (
 	"encoding/binary"
 	"errors"
 	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -218,4 +221,114 @@ func TestModuleSetID(t *testing.T) {
 func TestModuleFileSortsInLoadOrder(t *testing.T) {
 	assert.Less(t, moduleFile(99, "zz"), moduleFile(100, "aa"))
 	assert.Equal(t, "003-virtio_net.ko", moduleFile(3, "virtio_net"))
+}
+
+// fakeArchive puts an apt-get on PATH that "downloads" a kernel package
+// built here with dpkg-deb (version version, the modules given) and counts
+// its downloads in the returned file.
+func fakeArchive(t *testing.T, version string, modules map[string][]byte) (count string) {
+	t.Helper()
+	if _, err := exec.LookPath("dpkg-deb"); err != nil {
+		t.Skipf("needs dpkg-deb: %v", err)
+	}
+	root := t.TempDir()
+	pkg := filepath.Join(root, "pkg")
+	files := map[string][]byte{
+		"DEBIAN/control": []byte("Package: linux-image-test\nVersion: " + version +
+			"\nArchitecture: amd64\nMaintainer: t <t@example.org>\nDescription: test kernel\n"),
+		"boot/vmlinuz-6.1.0-test":                   []byte("KERNEL " + version),
+		"lib/modules/6.1.0-test/modules.builtin":    []byte("kernel/drivers/input/evdev.ko\n"),
+		"lib/modules/6.1.0-test/kernel/other/x.txt": []byte("not a module"),
+	}
+	for rel, data := range modules {
+		files["lib/modules/6.1.0-test/"+rel] = data
+	}
+	for rel, data := range files {
+		p := filepath.Join(pkg, rel)
+		require.NoError(t, os.MkdirAll(filepath.Dir(p), 0o755))
+		require.NoError(t, os.WriteFile(p, data, 0o644))
+	}
+	deb := filepath.Join(root, "linux-image-test_"+version+"_amd64.deb")
+	out, err := exec.Command("dpkg-deb", "--root-owner-group", "--build", pkg, deb).CombinedOutput()
+	require.NoError(t, err, "%s", out)
+
+	bin := filepath.Join(root, "bin")
+	require.NoError(t, os.Mkdir(bin, 0o755))
+	count = filepath.Join(root, "downloads")
+	script := "#!/bin/sh\necho \"$*\" >> '" + count + "'\ncp '" + deb + "' .\n"
+	require.NoError(t, os.WriteFile(filepath.Join(bin, "apt-get"), []byte(script), 0o755))
+	t.Setenv("PATH", bin+string(os.PathListSeparator)+os.Getenv("PATH"))
+	return count
+}
+
+func downloads(t *testing.T, count string) int {
+	t.Helper()
+	data, err := os.ReadFile(count)
+	if errors.Is(err, os.ErrNotExist) {
+		return 0
+	}
+	require.NoError(t, err)
+	return strings.Count(string(data), "\n")
+}
+
+func dirNames(t *testing.T, dir string) []string {
+	t.Helper()
+	entries, err := os.ReadDir(dir)
+	require.NoError(t, err)
+	var out []string
+	for _, e := range entries {
+		out = append(out, e.Name())
+	}
+	return out
+}
+
+// TestFetchKernelDownloadsOncePerVersion: the package is fetched once per
+// kernel version; the same version with another module set is unpacked
+// again from the kept package, not downloaded again; a new version is.
+func TestFetchKernelDownloadsOncePerVersion(t *testing.T) {
+	mods := map[string][]byte{
+		"kernel/net/core/failover.ko":        fakeModule(t, "depends=", "name=failover"),
+		"kernel/drivers/net/net_failover.ko": fakeModule(t, "depends=failover", "name=net_failover"),
+		"kernel/drivers/net/virtio_net.ko":   fakeModule(t, "depends=net_failover", "name=virtio_net"),
+		"kernel/drivers/acpi/button.ko":      fakeModule(t, "depends=", "name=button"),
+	}
+	count := fakeArchive(t, "1.0", mods)
+	b, err := newBuilder(Options{Dir: t.TempDir(), ModuleDir: "."})
+	require.NoError(t, err)
+	ctx := context.Background()
+	kernels := filepath.Join(b.dir, "kernel")
+
+	b.roots = []string{"evdev", "virtio_net"}
+	kdir, err := b.fetchKernel(ctx, "linux-image-test", "1.0")
+	require.NoError(t, err)
+	assert.Equal(t, 1, downloads(t, count))
+	assert.Equal(t, []string{"000-failover.ko", "001-net_failover.ko", "002-virtio_net.ko", KernelFile}, dirNames(t, kdir),
+		"evdev is built in; the rest in load order")
+	kernel, err := os.ReadFile(filepath.Join(kdir, KernelFile))
+	require.NoError(t, err)
+	assert.Equal(t, "KERNEL 1.0", string(kernel))
+
+	again, err := b.fetchKernel(ctx, "linux-image-test", "1.0")
+	require.NoError(t, err)
+	assert.Equal(t, kdir, again)
+	assert.Equal(t, 1, downloads(t, count), "cached: no second download")
+
+	b.roots = []string{"button", "virtio_net"}
+	other, err := b.fetchKernel(ctx, "linux-image-test", "1.0")
+	require.NoError(t, err)
+	assert.NotEqual(t, kdir, other, "another module set has a folder of its own")
+	assert.Equal(t, 1, downloads(t, count), "another module set unpacks the kept package")
+	assert.Equal(t, []string{"000-button.ko", "001-failover.ko", "002-net_failover.ko", "003-virtio_net.ko", KernelFile}, dirNames(t, other))
+	assert.Equal(t, []string{filepath.Base(other), "linux-image-test_1.0.deb"}, dirNames(t, kernels), "the old set's folder is gone")
+
+	count = fakeArchive(t, "1.1", mods)
+	newer, err := b.fetchKernel(ctx, "linux-image-test", "1.1")
+	require.NoError(t, err)
+	assert.Equal(t, 1, downloads(t, count), "a new version is downloaded")
+	assert.Equal(t, []string{filepath.Base(newer), "linux-image-test_1.1.deb"}, dirNames(t, kernels), "the old version is gone")
+
+	b.roots = []string{"virtio_mmio"}
+	_, err = b.fetchKernel(ctx, "linux-image-test", "1.1")
+	assert.ErrorContains(t, err, "virtio_mmio is neither in the package nor")
+	assert.Equal(t, []string{filepath.Base(newer), "linux-image-test_1.1.deb"}, dirNames(t, kernels), "a failed unpack leaves nothing behind")
 }

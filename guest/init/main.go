@@ -166,9 +166,8 @@ func powerOff() {
 	}
 }
 
-// mountAll mounts the pseudo filesystems the init reads. The Debian kernel has
-// CONFIG_DEVTMPFS_MOUNT off, so /dev is mounted here. EBUSY means it is
-// already mounted, which is fine.
+// mountAll mounts the pseudo filesystems the init reads, /dev too (Debian's
+// CONFIG_DEVTMPFS_MOUNT is off); EBUSY means already mounted.
 func mountAll() error {
 	for _, m := range []struct{ src, dir, fstype string }{
 		{"proc", "/proc", "proc"},
@@ -187,8 +186,7 @@ func mountAll() error {
 }
 
 // ensureConsole gives the init a stdout if the kernel could not open
-// /dev/console before starting it ("Warning: unable to open an initial
-// console"): the initramfs has the node, but be robust if it is lost.
+// /dev/console before starting it (the initramfs has the node, unless lost).
 func ensureConsole() {
 	var st unix.Stat_t
 	if unix.Fstat(1, &st) == nil {
@@ -257,10 +255,9 @@ func waitPowerButtons(class string, timeout time.Duration) ([]string, error) {
 	}
 }
 
-// findPowerButtons returns the /dev/input/eventN node of every event handler
-// whose input device is named "Power Button" (ACPI may register two: the
-// fixed-feature LNXPWRBN and a PNP0C0C device). A node devtmpfs has not made
-// yet is created from the handler's dev file.
+// findPowerButtons returns the event node of every "Power Button" input device
+// (ACPI may register two: LNXPWRBN and PNP0C0C), creating a node devtmpfs has
+// not made yet from the handler's dev file.
 func findPowerButtons(class string) ([]string, error) {
 	events, err := filepath.Glob(filepath.Join(class, "event*"))
 	if err != nil {

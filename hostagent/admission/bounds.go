@@ -52,9 +52,8 @@ var MaxBytes = map[string]int{
 	"only_if_created_by_run_id":      MaxRunIDBytes,
 }
 
-// CheckBound refuses a value of field longer than its bound in MaxBytes,
-// with a FieldError (ErrInvalid). A field missing from the table is refused
-// too: a new field must get its bound before it can be used.
+// CheckBound refuses (FieldError, ErrInvalid) a value longer than field's
+// bound in MaxBytes, or a field without one, so every new field gets a bound.
 func CheckBound(field, value string) error {
 	max, ok := MaxBytes[field]
 	if !ok {

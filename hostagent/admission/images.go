@@ -62,9 +62,8 @@ type imageRoot struct {
 	dir  *os.File // O_PATH | O_DIRECTORY
 }
 
-// OpenImageRoots opens each folder of paths (made absolute). A folder that
-// does not exist or is not a directory is an error; its ownership is checked
-// at each use instead.
+// OpenImageRoots opens each folder of paths (made absolute); a missing or
+// non-directory one is an error, its ownership checked at each use.
 func OpenImageRoots(paths []string) (*ImageRoots, error) {
 	r := &ImageRoots{}
 	for _, p := range paths {
@@ -116,10 +115,8 @@ func (r *ImageRoots) Paths() []string {
 	return out
 }
 
-// Locate maps an absolute, clean path to the root it lies under (as
-// configured, or as that root resolves) and its path relative to it. It
-// reads nothing: what the path leads to is Open's business. Where roots
-// nest, the innermost wins.
+// Locate maps an absolute, clean path to the innermost root it lies under (as
+// configured or resolved) and its relative path, reading nothing.
 func (r *ImageRoots) Locate(p string) (*vmflowv1.ImageRef, error) {
 	if !filepath.IsAbs(p) {
 		return nil, fmt.Errorf("%q is not an absolute path", p)
@@ -154,10 +151,9 @@ func beneath(dir, p string) (string, bool) {
 	return rel, true
 }
 
-// Open opens the image ref names, read-only, beneath its root, and checks
-// it: a regular file, it and everything used to reach it owned by root and
-// not group- or other-writable, and, for boot files (kernel, initrd),
-// world-readable. The caller owns the file. Its Name is root/path.
+// Open opens ref's image read-only beneath its root, checking it is a regular
+// file reached only through root-owned, not group/other-writable folders (boot
+// files world-readable). The caller owns the file, named root/path.
 func (r *ImageRoots) Open(ref *vmflowv1.ImageRef, boot bool) (*os.File, error) {
 	root, err := r.root(ref.GetRoot())
 	if err != nil {
@@ -288,11 +284,9 @@ func checkStat(st *unix.Stat_t, name string) error {
 	return nil
 }
 
-// checkFolders checks every folder used to reach the image beneath its
-// root: those its path names (symlinks in it followed, as the open did) and
-// those the file actually lies in (where a symlink in the path led). A
-// folder someone else may write is where they could swap what the next
-// launch opens.
+// checkFolders checks every folder on the way to the image, as its path names
+// them and where it actually lies: one someone else may write is where they
+// could swap what the next launch opens.
 func checkFolders(root imageRoot, rel string, f *os.File) error {
 	var dirs []string
 	for d := filepath.Dir(rel); d != "."; d = filepath.Dir(d) {

@@ -27,24 +27,17 @@ type Devices interface {
 // without a vGPU driver, so its VM cannot get its GPU.
 var ErrNoVGPUDriver = errdefs.NoDriver.New("the instance holds a vGPU claim and this agent has no vGPU driver")
 
-// PrepareLaunch returns the supervisor's Config.PrepareLaunch for a host:
-// before every launch and every restart, under the instance lock, the
-// record is admitted against the host's current policy (h.AdmitRecord: a
-// refusal wraps ErrAdmissionRefused, and nothing is opened, created or
-// started), the record's vGPU device is made sure of (missing after a host
-// reboot: re-created under the same UUID or on the same VF, or the launch
-// fails naming the claim), the record's images are opened beneath their
-// roots (OpenImages), then QEMU's spec is built from the record with the
-// files and, when attach is set, the device (vgpu-sim devices cannot be
-// opened by QEMU). devs is nil on a host without vGPUs; a record holding a
-// claim is then refused with ErrNoVGPUDriver rather than started without its
-// GPU. The returned spec owns open files: vmm.Launch closes them, and so
-// must a caller that does not launch (VMSpec.Close).
+// PrepareLaunch returns Config.PrepareLaunch for a host: under the instance
+// lock it admits the record (ErrAdmissionRefused, nothing touched), makes sure
+// of its vGPU (devs nil refuses a claim: ErrNoVGPUDriver), opens its images and
+// builds QEMU's spec, which owns those files (VMSpec.Close if not launched).
 func PrepareLaunch(h Host, devs Devices, attach bool) func(context.Context, *store.Locked, *vmflowv1.InstanceRecord) (vmm.VMSpec, error) {
 	return func(ctx context.Context, l *store.Locked, rec *vmflowv1.InstanceRecord) (vmm.VMSpec, error) {
 		if err := h.AdmitRecord(ctx, rec); err != nil {
 			return vmm.VMSpec{}, err
 		}
+		// A device lost in a reboot is re-created (same UUID or VF) or the
+		// launch fails naming the claim; vgpu-sim devices are not attached.
 		v, err := prepareDevice(ctx, devs, attach, l, rec)
 		if err != nil {
 			return vmm.VMSpec{}, err
@@ -65,13 +58,9 @@ func PrepareLaunch(h Host, devs Devices, attach bool) func(context.Context, *sto
 	}
 }
 
-// checkDiskBase holds the instance's overlay to the base it was made on: the
-// first launch with a disk records the base's identity (disk_base), every
-// later one must find the same file unchanged. A base replaced at its path
-// or rewritten would make the overlay read as a corrupt disk, so that launch
-// is refused like one admission refuses (ErrAdmissionRefused: a restart
-// parks the instance needing attention), naming both identities. An
-// overlay made before the field existed is trusted at its next launch.
+// checkDiskBase refuses (ErrAdmissionRefused) a launch whose disk base is not
+// the file the overlay was made on (disk_base, recorded at the first launch):
+// the overlay would read as a corrupt disk. An older overlay is trusted once.
 func checkDiskBase(l *store.Locked, rec *vmflowv1.InstanceRecord, d *vmm.Disk) error {
 	if d == nil {
 		return nil
@@ -132,12 +121,9 @@ func prepareDevice(ctx context.Context, devs Devices, attach bool, l *store.Lock
 	return ForRecord(rec, vfio), nil
 }
 
-// OpenImages opens rec's kernel, initrd and disk beneath their image roots
-// into v, and opens (creating it at the first launch) the instance's disk
-// overlay under paths. A record written before records kept the root has
-// only absolute paths: they are located under the current roots here. An
-// image the host's policy refuses is a *FieldError (ErrInvalid); an overlay
-// that cannot be made wraps vmm.ErrOverlay. On error nothing stays open.
+// OpenImages opens rec's kernel, initrd and disk beneath their roots into v,
+// and the disk overlay (created at the first launch); a policy refusal is a
+// *FieldError, an overlay failure vmm.ErrOverlay. On error nothing stays open.
 func (h Host) OpenImages(ctx context.Context, paths store.Paths, rec *vmflowv1.InstanceRecord, v *vmm.VMSpec) (err error) {
 	s := rec.GetSpec()
 	var opened []*os.File

@@ -106,9 +106,8 @@ type Host struct {
 	MemlockLimit uint64
 }
 
-// SystemHost describes this machine: its CPU count, its memory, its KVM
-// node (kvmDevice, vmm.DefaultKVMDevice when empty) and the given image
-// roots (which must exist), opened for the agent's life.
+// SystemHost describes this machine: CPUs, memory, KVM node (default
+// vmm.DefaultKVMDevice) and image roots, opened for the agent's life.
 func SystemHost(imageRoots []string, kvmDevice string, profiles func(context.Context) ([]string, error)) (Host, error) {
 	h := Host{MaxVCPUs: uint32(runtime.NumCPU()), Profiles: profiles, KVM: vmm.CheckKVM(kvmDevice), MemlockLimit: vmm.MemlockLimit()}
 	mem, err := memTotalMiB()
@@ -150,11 +149,9 @@ func memTotalMiB() (uint32, error) {
 // FieldErrors.
 var ErrAdmissionRefused = errdefs.Refused.New("refused by this host's admission policy")
 
-// Validate checks req against the host. It returns every field error found,
-// joined, each matching ErrInvalid; a failure to list the host's profiles is
-// returned as is (retryable: the request may be fine). The checks are the
-// ones AdmitRecord runs on a record (admit), plus host_id and the vGPU
-// profile against the profiles the host offers now.
+// Validate checks req against the host with admit's checks plus host_id and
+// the offered vGPU profiles, returning every field error joined (ErrInvalid);
+// failing to list profiles is returned as is (retryable).
 func (h Host) Validate(ctx context.Context, req *vmflowv1.SpawnRequest) error {
 	if req == nil {
 		return &FieldError{Field: "request", Reason: "empty"}
@@ -172,14 +169,9 @@ func (h Host) Validate(ctx context.Context, req *vmflowv1.SpawnRequest) error {
 	return errors.Join(append(errs, fieldErrs...)...)
 }
 
-// AdmitRecord checks a recorded instance against this host's current
-// policy with the checks Validate runs on a spawn request (admit): before
-// every launch and restart, since the record may have been admitted under
-// an older policy (an image root since removed, a lower maximum) or written
-// by a caller that skipped admission. The vGPU profile is bounded but not
-// listed again: a held claim's device is what the launch attaches, and
-// PrepareLaunch makes sure of it. A refusal wraps ErrAdmissionRefused and
-// every FieldError found.
+// AdmitRecord checks a record against the host's current policy before every
+// launch, as it may predate the policy or have skipped admission; a refusal
+// wraps ErrAdmissionRefused and every FieldError. The profile is not re-listed.
 func (h Host) AdmitRecord(ctx context.Context, rec *vmflowv1.InstanceRecord) error {
 	if rec == nil || rec.GetSpec() == nil {
 		return fmt.Errorf("%w: %w", ErrAdmissionRefused, &FieldError{Field: "spec", Reason: "the record has none"})
@@ -194,10 +186,8 @@ func (h Host) AdmitRecord(ctx context.Context, rec *vmflowv1.InstanceRecord) err
 	return nil
 }
 
-// admit is the one list of admission checks, for a spawn request (as the
-// record spec it becomes) and a record alike. It returns the field errors
-// found; err is a failure to list the host's vGPU profiles (only with
-// listProfiles), which says nothing about the request.
+// admit is the one list of admission checks, for requests and records alike;
+// err is only a failure to list vGPU profiles (with listProfiles).
 func (h Host) admit(ctx context.Context, id, restartPolicy string, s *vmflowv1.VMSpec, listProfiles bool) (fieldErrs []error, err error) {
 	var errs []error
 	bad := func(field, format string, args ...any) {
@@ -313,9 +303,8 @@ func (h Host) admit(ctx context.Context, id, restartPolicy string, s *vmflowv1.V
 	return errs, nil
 }
 
-// noKVM says why this host cannot run a KVM guest: it has no KVM at all (no
-// node: no vmx/svm CPU flag, or the kvm module is not loaded), or its node
-// is there but a confined QEMU could not open it.
+// noKVM says why this host cannot run a KVM guest: no node (no vmx/svm, no
+// kvm module), or a node a confined QEMU could not open.
 func noKVM(err error) string {
 	var ke *vmm.KVMAccessError
 	if errors.As(err, &ke) && errors.Is(err, fs.ErrNotExist) {
@@ -324,9 +313,8 @@ func noKVM(err error) string {
 	return "this host's KVM is unusable (" + err.Error() + ")"
 }
 
-// checkImage admits a path only if it is absolute, clean, under one of the
-// image roots, and opens beneath it as a launch would open it (see
-// ImageRoots.Open; boot for a kernel or initrd). It returns the open file.
+// checkImage admits an absolute, clean path under an image root that opens
+// as a launch would open it (ImageRoots.Open), and returns the open file.
 func (h Host) checkImage(p string, boot bool) (*os.File, error) {
 	ref, err := h.Images.Locate(p)
 	if err != nil {
@@ -365,9 +353,8 @@ func RecordSpec(req *vmflowv1.SpawnRequest) *vmflowv1.VMSpec {
 	}
 }
 
-// RecordSpec is the record's copy of an admitted request on this host: as
-// the package-level RecordSpec, plus, for each image, the root it lies in and
-// its path below it (what every launch opens).
+// RecordSpec is the record's copy of an admitted request: RecordSpec plus each
+// image's root and relative path, which every launch opens.
 func (h Host) RecordSpec(req *vmflowv1.SpawnRequest) (*vmflowv1.VMSpec, error) {
 	s := RecordSpec(req)
 	var errs []error
@@ -392,11 +379,8 @@ func (h Host) RecordSpec(req *vmflowv1.SpawnRequest) (*vmflowv1.VMSpec, error) {
 	return s, nil
 }
 
-// ForRecord is QEMU's spec for a recorded instance without its images (the
-// files PrepareLaunch opens): the one conversion from a record to what vmm
-// launches, used by the first launch and by every restart alike. vfioPath is
-// the vGPU's sysfs device path, empty for none (or when the agent does not
-// attach vGPUs).
+// ForRecord is QEMU's spec for a record, without images: the one conversion,
+// for first launch and restarts alike. vfioPath is the vGPU's sysfs path or "".
 func ForRecord(rec *vmflowv1.InstanceRecord, vfioPath string) vmm.VMSpec {
 	s := rec.GetSpec()
 	v := vmm.VMSpec{

@@ -17,9 +17,8 @@ commands:
   version    print the build's version and revision (also --version)
 `
 
-// Main is vmflow-hostagent's command line: args are os.Args[1:], run is
-// the run subcommand (daemon/agent, which hostagent/... may not import: it
-// dials Temporal). It returns the exit code.
+// Main is vmflow-hostagent's command line and returns the exit code; run is
+// the run subcommand (daemon/agent, which hostagent/... may not import).
 func Main(ctx context.Context, args []string, io IO, run func(context.Context, []string) int) int {
 	if len(args) < 1 {
 		fmt.Fprint(io.Stderr, usage)

@@ -57,9 +57,8 @@ type Instance struct {
 	rec *vmflowv1.InstanceRecord
 }
 
-// inspectHost reads every instance directory of st. A record that cannot be
-// read is an Instance of its own (invariant 12: one broken record never
-// hides the others); the error is only for a state dir that cannot be listed.
+// inspectHost reads every instance directory of st; an unreadable record is an
+// Instance of its own (invariant 12), the error only "cannot list".
 func inspectHost(st *store.Store, now time.Time) ([]*Instance, error) {
 	ids, err := st.IDs()
 	if err != nil {
@@ -123,9 +122,8 @@ func inspectInstance(st *store.Store, id string, now time.Time) *Instance {
 	return in
 }
 
-// checkRecord adds the reasons a readable record needs an operator. A held
-// claim in Deleting is named even though every delete passes through it: a
-// delete that stays there is the stuck one (ReleaseFailed says so itself).
+// checkRecord adds why a readable record needs an operator, naming a held claim
+// in Deleting too: the delete that stays there is the stuck one.
 func (in *Instance) checkRecord(rec *vmflowv1.InstanceRecord, now time.Time) {
 	c := store.VGPU(rec)
 	if rec.GetState() == vmflowv1.InstanceState_INSTANCE_STATE_RELEASE_FAILED {

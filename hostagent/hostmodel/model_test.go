@@ -14,7 +14,6 @@ import (
 	"testing"
 	"time"
 
-	"google.golang.org/protobuf/encoding/protojson"
 	"pgregory.net/rapid"
 
 	"vmflow/hostagent/network/nettest"
@@ -24,6 +23,7 @@ import (
 	"vmflow/hostagent/vgpu"
 	"vmflow/hostagent/vgpu/vgpusim"
 	vmflowv1 "vmflow/proto/vmflow/v1"
+	"vmflow/testsupport/stacktest"
 )
 
 // checksEnv sets the number of rapid checks per driver kind (make fuzz);
@@ -614,23 +614,10 @@ func (h *host) oldShape(t *rapid.T) {
 	if len(leased) == 0 {
 		t.Skip("no vGPU lease")
 	}
-	rec := rapid.SampledFrom(leased).Draw(t, "old shape")
-	id, l := rec.GetId(), store.VGPU(rec)
-	v := l.GetVgpu()
-	rec.Leases = nil
-	rec.GpuClaim = &vmflowv1.GpuClaim{Profile: v.GetProfile(), Parent: v.GetParent(), TypeId: v.GetTypeId(), Uuid: v.GetUuid(),
-		DeviceId: v.GetDeviceId(), Driver: v.GetDriver(), Phase: l.GetPhase(), ReleaseAttempts: l.GetReleaseAttempts(),
-		LastReleaseError: l.GetLastReleaseError(), ReleasedAt: l.GetReleasedAt(), ClaimedAt: l.GetClaimedAt()}
-	b, err := protojson.MarshalOptions{UseProtoNames: true}.Marshal(rec)
+	id := rapid.SampledFrom(leased).Draw(t, "old shape").GetId()
+	l, err := stacktest.WriteOldShape(h.st, id)
 	if err != nil {
-		t.Fatalf("old shape %s: %v", id, err)
-	}
-	paths, err := h.st.Paths(id)
-	if err != nil {
-		t.Fatalf("old shape %s: %v", id, err)
-	}
-	if err := os.WriteFile(paths.Record, b, 0o600); err != nil {
-		t.Fatalf("old shape %s: %v", id, err)
+		t.Fatalf("%v", err)
 	}
 	again, err := h.st.Get(id)
 	if err != nil || store.LeaseName(store.VGPU(again)) != store.LeaseName(l) || store.LeaseHeld(store.VGPU(again)) != store.LeaseHeld(l) {

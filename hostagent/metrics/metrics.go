@@ -53,9 +53,8 @@ type Agent struct {
 // most the store gauges lag the records.
 const DefaultStoreRefresh = 15 * time.Second
 
-// New registers the agent's metrics with reg. st, when not nil, backs the
-// vmflow_instances, vmflow_vgpu_claims and vmflow_records_unreadable gauges:
-// New reads the store once for them; RunStoreRefresh keeps them current.
+// New registers the agent's metrics with reg; st, if set, backs the instance,
+// claim and unreadable-record gauges, which RunStoreRefresh keeps current.
 func New(reg prometheus.Registerer, st *store.Store) (*Agent, error) {
 	a := &Agent{
 		StopDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
@@ -147,10 +146,8 @@ func (a *Agent) RefreshStore() {
 	}
 }
 
-// RunStoreRefresh calls RefreshStore every `every` (DefaultStoreRefresh when
-// not positive) until ctx ends. A refresh that hangs (a hung filesystem)
-// delays the next one, never a scrape: scrapes keep serving the last
-// snapshot.
+// RunStoreRefresh calls RefreshStore every `every` until ctx ends; a hung
+// refresh delays the next, never a scrape (scrapes serve the last snapshot).
 func (a *Agent) RunStoreRefresh(ctx context.Context, every time.Duration) {
 	if every <= 0 {
 		every = DefaultStoreRefresh

@@ -40,10 +40,9 @@ type Child struct {
 	exit Exit
 }
 
-// Start starts cmd in a session of its own (so it outlives this process and
-// the terminal signals sent to it), records its identity right after the
-// fork, and starts a goroutine that reaps it. The caller must not call
-// cmd.Wait itself; it watches Done instead.
+// Start starts cmd in its own session (outliving this process and terminal
+// signals), records its identity right after the fork and reaps it in a
+// goroutine: watch Done, never call cmd.Wait.
 func Start(cmd *exec.Cmd) (*Child, error) {
 	if cmd.SysProcAttr == nil {
 		cmd.SysProcAttr = &syscall.SysProcAttr{}

@@ -7,11 +7,8 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// SinceBoot is CLOCK_BOOTTIME now: the time since this boot, suspend
-// included. Unlike the wall clock, nothing steps it (NTP, an operator's
-// date, a VM's clock sync); unlike CLOCK_MONOTONIC, it keeps counting
-// while the host is suspended. Compared only with values of the same boot
-// (BootID).
+// SinceBoot is CLOCK_BOOTTIME now: nothing steps it (NTP, date, clock sync)
+// and it counts through suspend. Compare only within one boot (BootID).
 func SinceBoot() (time.Duration, error) {
 	var ts unix.Timespec
 	if err := unix.ClockGettime(unix.CLOCK_BOOTTIME, &ts); err != nil {

@@ -10,13 +10,9 @@ import (
 	"syscall"
 )
 
-// ReadCmdline returns the argv of the process that has pid now, as
-// /proc/<pid>/cmdline shows it (NUL-separated). A missing pid is ErrNotFound.
-// It is not bounded: the read takes the target's mmap lock (see Find).
-//
-// A leader that has exited while other tasks of its group live (a zombie
-// leader) has no memory map of its own any more and shows an empty cmdline;
-// its tasks still share the map, so their cmdline is read instead.
+// ReadCmdline returns pid's argv now (ErrNotFound when gone), unbounded: it
+// takes the target's mmap lock (see Find). A zombie leader's is read from a
+// live task of its group, as the leader has no memory map left.
 func ReadCmdline(pid int) ([]string, error) {
 	b, err := os.ReadFile(procRoot + "/" + strconv.Itoa(pid) + "/cmdline")
 	if err != nil {

@@ -85,9 +85,8 @@ func StatExecutable(path string) (Executable, error) {
 // taskCommLen is the kernel's TASK_COMM_LEN less its NUL.
 const taskCommLen = 15
 
-// CommOf is the process name the kernel gives a process at exec of path:
-// the base name of the path as exec'd (a symbolic link's own name, not its
-// target's), cut to 15 bytes.
+// CommOf is the comm the kernel gives at exec of path: the base name as
+// exec'd (a symlink's own name), cut to 15 bytes.
 func CommOf(path string) string {
 	c := filepath.Base(path)
 	if len(c) > taskCommLen {
@@ -100,16 +99,10 @@ func CommOf(path string) string {
 // file was unlinked (or replaced by a package upgrade) after the exec.
 const deletedSuffix = " (deleted)"
 
-// exeMatches reports whether the process whose /proc directory is dir runs
-// exe. It takes no mmap lock: readlink of /proc/<pid>/exe goes through
-// get_task_exe_file, which reads mm->exe_file under task_lock and RCU
-// (Linux >= 4.1; older kernels took mmap_sem there), and d_path asks no
-// filesystem. Only a path equal to exe's is stat'ed (then the filesystem is
-// exe's own, never a stranger's hung NFS or FUSE mount), and it must be the
-// same inode. A path equal to exe's plus " (deleted)" matches too: that
-// process exec'd the binary at exe's path before an upgrade replaced it (a
-// root-owned path: nobody else can have put a file there), and a QEMU
-// started before the upgrade is still the instance's QEMU.
+// exeMatches reports whether the process at /proc dir runs exe, taking no mmap
+// lock (readlink of exe uses task_lock and RCU since Linux 4.1), statting only
+// exe's own path, never a stranger's hung mount. exe's path + " (deleted)"
+// matches: a QEMU exec'd before an upgrade replaced the root-owned binary.
 func exeMatches(dir string, exe Executable) (bool, error) {
 	link, err := os.Readlink(dir + "/exe")
 	if err != nil {
@@ -163,10 +156,8 @@ func statSession(pid int) (Stat, int, error) {
 	return st, sid, nil
 }
 
-// memDir is the /proc directory to read pid's memory-backed files and exe
-// from. A zombie leader has dropped its mm (empty cmdline and environ, no
-// exe) while the other tasks of its group live on with it: one of those
-// is read instead. "" when no task is left (the group is gone).
+// memDir is the /proc dir to read pid's memory-backed files and exe from: a
+// zombie leader's mm is gone, so a live task of its group; "" when none is left.
 func memDir(pid int, st Stat) string {
 	dir := procRoot + "/" + strconv.Itoa(pid)
 	if st.State != 'Z' {
@@ -184,24 +175,10 @@ func memDir(pid int, st Stat) string {
 	return ""
 }
 
-// Find returns the identities of the processes q describes, this process
-// excluded.
-//
-// Reading /proc/<pid>/cmdline or environ takes the target's mmap lock, which
-// a QEMU in VFIO teardown (D state) or a process faulting on a hung NFS or
-// FUSE mount can hold for minutes; such a read cannot be interrupted. So Find
-// reads memory only of processes that already passed the checks that take
-// no mmap lock (stat, session, exe), each read in a goroutine bounded by ctx.
-// A read that does not finish in time makes Find return ErrCannotTell ("may
-// be the one"), never "none"; the read itself stays in flight (one per
-// process and file, however often Find is called) and ends when the lock
-// frees.
-//
-// Each identity is read around the checks (the start time before and after
-// must agree), so a pid that died and was reused during the scan is never
-// reported under the new process's identity. A process that vanishes
-// mid-scan is skipped; any other failure to read one that passed the cheap
-// checks is ErrCannotTell.
+// Find returns the identities of the processes q describes, this one excluded.
+// Reading cmdline or environ takes the target's mmap lock, held for minutes
+// by a QEMU in VFIO teardown or a hung mount, so only cheap-check matches are
+// read, bounded by ctx: a read not done in time is ErrCannotTell, never "none".
 func Find(ctx context.Context, q FindQuery) ([]Identity, error) {
 	if q.Exe.Path == "" {
 		return nil, errdefs.Internal.Errorf("find processes: FindQuery.Exe is required")
@@ -282,6 +259,8 @@ func (f *finder) check(ctx context.Context, pid int) (Identity, bool, error) {
 	if ok, err := exeMatches(dir, f.q.Exe); err != nil || !ok {
 		return Identity{}, false, err
 	}
+	// Memory reads last: only after the checks that take no mmap lock. A read
+	// that times out stays in flight (one per process and file) until the lock frees.
 	key := inflightKey{pid: pid, start: before.StartTime}
 	if f.q.Env != "" {
 		b, err := f.read(ctx, key, dir+"/environ")
@@ -295,6 +274,8 @@ func (f *finder) check(ctx context.Context, pid int) (Identity, bool, error) {
 			return Identity{}, false, err
 		}
 	}
+	// The start time read before and after: a pid reused during the scan is
+	// never reported under the new process's identity.
 	after, err := ReadStat(pid)
 	if errors.Is(err, ErrNotFound) || (err == nil && after.StartTime != before.StartTime) {
 		return Identity{}, false, nil // gone (or replaced) while we read it

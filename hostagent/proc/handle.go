@@ -27,9 +27,8 @@ type options struct {
 // Option changes how Open watches a process.
 type Option func(*options)
 
-// WithPolling makes the handle poll /proc instead of using a pidfd, as it
-// does by itself on kernels without pidfd_open. Tests use it to exercise
-// that path on kernels that have pidfds.
+// WithPolling makes the handle poll /proc, as it does without pidfd_open, for
+// tests of that path.
 func WithPolling() Option { return func(o *options) { o.forcePoll = true } }
 
 // WithPollInterval sets the /proc polling interval of the fallback path.
@@ -56,9 +55,8 @@ type Handle struct {
 	waitMu sync.Mutex
 }
 
-// Open returns a handle on the process id names. It fails with ErrNotFound
-// when the process is gone, ErrIdentityMismatch when another process holds the
-// pid. Open never signals anything.
+// Open returns a handle on the process id names: ErrNotFound when gone,
+// ErrIdentityMismatch when another holds the pid. It never signals.
 func Open(id Identity, opts ...Option) (*Handle, error) {
 	h := &Handle{id: id, opts: options{pollInterval: DefaultPollInterval}}
 	for _, o := range opts {
@@ -131,9 +129,8 @@ func (h *Handle) Exited() (bool, error) {
 	return ready, perr
 }
 
-// pidfdReady polls a pidfd without blocking. The kernel reports it readable
-// only once the task has exited and its thread group is empty (pidfd_poll in
-// fs/pidfs.c), which is exactly "the VMM and every worker it had are gone".
+// pidfdReady polls a pidfd without blocking; it is readable only once the
+// whole thread group is gone (pidfd_poll in fs/pidfs.c): VMM and workers.
 func pidfdReady(fd uintptr) (bool, error) {
 	fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
 	for {
@@ -148,9 +145,8 @@ func pidfdReady(fd uintptr) (bool, error) {
 	}
 }
 
-// Wait blocks until the whole thread group has exited or ctx is done. It
-// works for processes that are not children of this one: it never calls
-// wait(2), which would fail with ECHILD, and reaps nothing.
+// Wait blocks until the whole thread group exited or ctx is done; it never
+// calls wait(2), so it works for non-children and reaps nothing.
 func (h *Handle) Wait(ctx context.Context) error {
 	h.waitMu.Lock()
 	defer h.waitMu.Unlock()
@@ -212,9 +208,8 @@ func (h *Handle) waitPoll(ctx context.Context) error {
 	}
 }
 
-// Signal sends sig to the process. Through a pidfd it cannot reach a process
-// that reused the pid; on the polling path the identity is verified right
-// before kill(2). A process that has already exited gives ErrNotFound.
+// Signal sends sig through the pidfd, which cannot reach a pid's new owner (the
+// polling path verifies right before kill); ErrNotFound once exited.
 func (h *Handle) Signal(sig syscall.Signal) error {
 	if h.pidfd == nil {
 		if err := Verify(h.id); err != nil {

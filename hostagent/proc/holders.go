@@ -31,9 +31,8 @@ func (h Holder) String() string {
 	return fmt.Sprintf("pid %d holds it as fd %d", h.PID, h.FD)
 }
 
-// Holders returns the processes that have path open: one ScanFDs for one
-// path. A caller asking about several paths at once scans once and asks
-// the FDScan.
+// Holders returns the processes that have path open: one ScanFDs for one path
+// (ask one FDScan about several).
 func Holders(ctx context.Context, path string) ([]Holder, error) {
 	target, err := resolve(path)
 	if err != nil {
@@ -55,18 +54,9 @@ type FDScan struct {
 	everyTask bool
 }
 
-// ScanFDs reads every process's descriptors once.
-//
-// It reads /proc/<pid>/task/<tid>/fd rather than /proc/<pid>/fd: once a
-// leader has called exit(2) its own fd table reads empty while the threads
-// that remain (vhost workers, kvm-nx-lpage-re) still hold the files, VFIO
-// devices included. Threads usually share one table (CLONE_FILES), so a
-// task whose table kcmp(KCMP_FILES) says is one already read is skipped;
-// but an empty table never stands for another task's: a zombie leader has
-// none left, and vhost tasks have none of their own, while the group's
-// other tasks hold files. A task that vanishes mid-scan is skipped; one
-// that cannot be read is reported Uncertain, never taken as "holds
-// nothing".
+// ScanFDs reads every process's descriptors once, per task: an exited leader's
+// table reads empty while its threads (vhost, kvm-nx-lpage-re) still hold
+// VFIO files. An unreadable task is Uncertain, never "holds nothing".
 func ScanFDs(ctx context.Context) (*FDScan, error) { return scanFDs(ctx, false) }
 
 // scanFDs is ScanFDs; everyTask reads every task's table, shared or not
@@ -123,6 +113,8 @@ func (s *FDScan) scanPID(pid int) {
 	var read []int // tasks whose (non-empty) table was read
 	for _, t := range tids {
 		tid, err := strconv.Atoi(t.Name())
+		// Threads usually share one table (CLONE_FILES), but an empty table
+		// never stands for another's: a zombie leader and vhost tasks have none.
 		if err != nil || (!s.everyTask && sharesTable(read, tid)) {
 			continue
 		}
@@ -164,9 +156,8 @@ func (s *FDScan) scanPID(pid int) {
 // kcmpFiles is KCMP_FILES (linux/kcmp.h): compare two tasks' fd tables.
 const kcmpFiles = 2
 
-// sharesTable reports whether tid's fd table is one of read's. An error of
-// kcmp (ENOSYS without CONFIG_KCMP, EPERM, a task gone) is "not shared":
-// the table is read, which is never wrong, only slower.
+// sharesTable reports whether tid's fd table is one of read's; a kcmp error is
+// "not shared", so the table is read: slower, never wrong.
 func sharesTable(read []int, tid int) bool {
 	for _, r := range read {
 		ret, _, errno := unix.Syscall6(unix.SYS_KCMP, uintptr(r), uintptr(tid), kcmpFiles, 0, 0, 0)

@@ -89,9 +89,8 @@ func ReadIdentity(pid int) (Identity, error) {
 	return Identity{PID: pid, StartTime: st.StartTime, BootID: boot}, nil
 }
 
-// Verify checks that the process now holding id.PID is the one id names.
-// It returns ErrNotFound when the pid is free, ErrIdentityMismatch when
-// another process (or a record from another boot) is in the way.
+// Verify checks the process holding id.PID now is id's: ErrNotFound when the
+// pid is free, ErrIdentityMismatch for another process or boot.
 func Verify(id Identity) error {
 	if !id.Valid() {
 		return fmt.Errorf("%v: %w", id, ErrIncompleteIdentity)

@@ -54,9 +54,8 @@ func countTasks(pid int) (int, error) {
 	return len(names), err
 }
 
-// Inspect reports the liveness of the thread group that id names. A pid now
-// held by another process (other start time or boot) means the recorded
-// process is gone: StateExited.
+// Inspect reports the liveness of id's thread group; a pid held by another
+// process (start time or boot) means id's is gone: StateExited.
 func Inspect(id Identity) Status {
 	state, tasks, err := inspect(id)
 	s := Status{Identity: id, State: state, Tasks: tasks, Alive: state.Alive()}

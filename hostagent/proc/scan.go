@@ -6,10 +6,8 @@ import (
 	"strconv"
 )
 
-// eachPID calls fn for every process /proc lists now, until fn fails or
-// ctx ends (checked before each call); either error is returned as it is.
-// A process that appears during the scan may be missed and one that exits
-// during it may be passed: fn copes with both.
+// eachPID calls fn for every pid /proc lists until fn fails or ctx ends; fn
+// copes with a process missed as it appears or passed as it exits.
 func eachPID(ctx context.Context, fn func(pid int) error) error {
 	ents, err := os.ReadDir(procRoot)
 	if err != nil {

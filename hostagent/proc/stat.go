@@ -30,11 +30,8 @@ type Stat struct {
 // ErrMalformedStat is returned for /proc/<pid>/stat content that does not parse.
 var ErrMalformedStat = errdefs.Unavailable.New("malformed /proc stat")
 
-// ParseStat parses the content of /proc/<pid>/stat.
-//
-// The comm field (2) is wrapped in parentheses but may itself contain spaces
-// and parentheses ("(sd-pam)", "a) (b"), so the remaining fields are read
-// after the *last* ')' in the line, as the kernel's own tools do.
+// ParseStat parses /proc/<pid>/stat, reading the fields after the last ')' as
+// the comm may hold spaces and parentheses.
 func ParseStat(data []byte) (Stat, error) {
 	open := bytes.IndexByte(data, '(')
 	closing := bytes.LastIndexByte(data, ')')

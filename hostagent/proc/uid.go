@@ -9,10 +9,8 @@ import (
 	"strconv"
 )
 
-// ReadUIDs returns the real, effective, saved and filesystem uids of pid
-// (the "Uid:" line of /proc/<pid>/status). Reading status takes no mmap
-// lock, so it cannot hang on a process in VFIO teardown. A missing pid is
-// ErrNotFound.
+// ReadUIDs returns pid's real, effective, saved and filesystem uids from
+// status, which takes no mmap lock (no hang on VFIO teardown); ErrNotFound.
 func ReadUIDs(pid int) ([4]uint32, error) {
 	b, err := os.ReadFile(procRoot + "/" + strconv.Itoa(pid) + "/status")
 	if err != nil {
@@ -47,10 +45,8 @@ func parseUIDs(pid int, status []byte) ([4]uint32, error) {
 	return out, fmt.Errorf("pid %d: status has no Uid line", pid)
 }
 
-// UIDsInUse returns every uid (real, effective, saved or filesystem) that
-// some process holds now. A process that vanishes mid-scan is skipped; one
-// whose status cannot be read makes the scan fail (its uid is unknown, and
-// callers reuse a uid only when no process holds it).
+// UIDsInUse returns every uid some process holds now; an unreadable status
+// fails the scan, as its uid is unknown and callers reuse only free uids.
 func UIDsInUse(ctx context.Context) (map[uint32]bool, error) {
 	used := map[uint32]bool{}
 	err := eachPID(ctx, func(pid int) error {

@@ -7,11 +7,9 @@ import (
 	"vmflow/internal/fsx"
 )
 
-// writeFileAtomic replaces dir/name with data through fsx.WriteFile: a crash
-// or a power cut at any instant leaves the old file or the new one
-// (ARCHITECTURE invariant 7). afterTemp, when set, runs between the temp
-// file's fsync and the rename; tests use it to kill a writer at exactly that
-// point, as the crash points do.
+// writeFileAtomic replaces dir/name with data so a crash leaves the old file
+// or the new (invariant 7); afterTemp, if set, runs between the temp file's
+// fsync and the rename, for tests to kill a writer there.
 func writeFileAtomic(dir, name string, data []byte, afterTemp func(tmp string)) error {
 	return fsx.WriteFile(filepath.Join(dir, name), data, &fsx.Hooks{
 		Synced: func(tmp string) {

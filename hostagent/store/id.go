@@ -9,10 +9,8 @@ import (
 // MaxIDLen is the longest instance id (contract.MaxIDLen).
 const MaxIDLen = contract.MaxIDLen
 
-// ValidateID reports whether id is a valid instance id (contract.CheckID),
-// wrapping ErrInvalidID. Every path the store builds goes through it first,
-// so an id such as "..", "a/b" or "" can never name a file outside the
-// state directory.
+// ValidateID reports whether id is a valid instance id, wrapping ErrInvalidID;
+// every path the store builds checks it first, so no id escapes the state dir.
 func ValidateID(id string) error {
 	if err := contract.CheckID(id); err != nil {
 		return fmt.Errorf("%w: %w", ErrInvalidID, err)

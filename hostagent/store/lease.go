@@ -7,6 +7,7 @@ import (
 	"os"
 	"strings"
 
+	"vmflow/internal/crashpoint"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -47,9 +48,8 @@ func LeaseKind(l *vmflowv1.Lease) string {
 	return "unknown"
 }
 
-// LeaseName is the name under which l holds its resource on the host,
-// "<kind>:<resource>" (for a vGPU, its device: ClaimDevice): two held
-// leases with one name are one resource booked twice.
+// LeaseName is l's host-wide name, "<kind>:<resource>": two held leases with
+// one name are one resource booked twice.
 func LeaseName(l *vmflowv1.Lease) string {
 	switch r := l.GetResource().(type) {
 	case *vmflowv1.Lease_Vgpu:
@@ -123,10 +123,8 @@ func ClaimHeld(rec *vmflowv1.InstanceRecord) bool {
 	return LeaseHeld(VGPU(rec))
 }
 
-// ClaimDevice names the device a vGPU lease holds: the SR-IOV VF when there
-// is one, else the mdev UUID (the mdev's sysfs name and QEMU's sysfsdev).
-// The one rule every package names vGPUs by, so messages, the ledger and
-// the CLI agree.
+// ClaimDevice names a vGPU lease's device (the SR-IOV VF, else the mdev UUID):
+// the one rule, so messages, the ledger and the CLI agree.
 func ClaimDevice(c *vmflowv1.VgpuLease) string {
 	if c.GetDeviceId() != "" {
 		return c.GetDeviceId()
@@ -146,9 +144,8 @@ func describeLease(l *vmflowv1.Lease) string {
 	return fmt.Sprintf("%s lease (phase %s)", LeaseKind(l), l.GetPhase())
 }
 
-// validateLeases is ValidateRecord's part for leases: every lease has a
-// kind this agent knows and a phase it can name, and no two name one
-// resource; an instance holds at most one vGPU and one network lease.
+// validateLeases checks every lease has a known kind and phase, no two name
+// one resource, and there is at most one vGPU and one network lease.
 func validateLeases(rec *vmflowv1.InstanceRecord) error {
 	names := map[string]bool{}
 	vgpus, nets := 0, 0
@@ -180,14 +177,9 @@ func validateLeases(rec *vmflowv1.InstanceRecord) error {
 	return nil
 }
 
-// migrate converts the record's old shapes into the current one, in place,
-// and reports whether it changed anything. It is the only code that reads
-// an old shape: every record the store reads passes through it (readers
-// never see an old shape), and Store.Migrate writes the converted records
-// back once at agent start.
-//
-// Old shapes: gpu_claim, the one vGPU claim a record held before leases,
-// becomes a vgpu lease with the same phase and release bookkeeping.
+// migrate converts rec's old shapes in place (gpu_claim becomes a vgpu lease)
+// and reports whether it changed anything; the only code that reads an old
+// shape, as every read passes through it.
 func migrate(rec *vmflowv1.InstanceRecord) bool {
 	c := rec.GetGpuClaim()
 	if c == nil || VGPU(rec) != nil {
@@ -207,12 +199,9 @@ func migrate(rec *vmflowv1.InstanceRecord) bool {
 	return true
 }
 
-// Migrate writes back, once at agent start, every record still on disk in
-// an old shape (see migrate), each under its lock, and returns their ids.
-// Readers never depend on it (every read converts), but from here on the
-// files say what the agent reads. A record that cannot be read is left to
-// re-attach, which quarantines it; the others are migrated all the same,
-// and the error names the ones that failed.
+// Migrate writes back, once at agent start, every record still in an old shape
+// so the files say what the agent reads; an unreadable record is left for
+// re-attach to quarantine, and the error names those that failed.
 func (s *Store) Migrate(ctx context.Context) ([]string, error) {
 	ids, err := s.IDs()
 	if err != nil {
@@ -232,6 +221,7 @@ func (s *Store) Migrate(ctx context.Context) ([]string, error) {
 			if err := l.write(rec); err != nil {
 				return err
 			}
+			crashpoint.Hit(crashpoint.StoreMigrated)
 			done = append(done, id)
 			return nil
 		})

@@ -96,14 +96,10 @@ type TakeBack func(nodes []string) (left []string)
 
 func ts(t time.Time) *timestamppb.Timestamp { return timestamppb.New(t) }
 
-// MayQEMULive answers, from the record, whether a QEMU of it may run: nil
-// when none can, else an error saying why (no sentinel: each caller wraps
-// its own). A launch marker with no process yet, and a recorded process
-// alive or whose liveness cannot be read ("can't tell" is alive, invariant
-// 2), may live. With unproven set, a record that names no process and
-// whose absence no stop has confirmed (stop step not gone) also may, when
-// launched reports that it ever launched: an agent older than the launch
-// marker that died between fork and recording the pid left exactly that.
+// MayQEMULive returns nil when no QEMU of rec can run, else why: a launch
+// marker, or a process alive or unreadable (invariant 2). With unproven, also
+// a record naming none whose absence no stop confirmed, if launched says it
+// ever launched (an agent older than the marker killed between fork and pid).
 func MayQEMULive(rec *vmflowv1.InstanceRecord, unproven bool, launched func() (bool, error)) error {
 	if at := rec.GetLaunchStartedAt(); at != nil && rec.GetProcess() == nil {
 		return fmt.Errorf("a launch began at %s and its QEMU is not recorded yet", at.AsTime().UTC().Format(time.RFC3339Nano))
@@ -134,10 +130,9 @@ func MayQEMULive(rec *vmflowv1.InstanceRecord, unproven bool, launched func() (b
 	return fmt.Errorf("no process recorded and no stop has confirmed that none runs (stop step %s)", rec.GetStopStep())
 }
 
-// BeginLaunch writes the launch marker before QEMU is forked (invariant
-// 11), with the VFIO group nodes about to be given to its uid listed first
-// (so whoever records it gone takes them back). Refused while a delete runs
-// or while a process is recorded.
+// BeginLaunch writes the launch marker before the fork (invariant 11), with the
+// VFIO nodes its uid is about to get, so whoever records it gone takes them
+// back. Refused while deleting or while a process is recorded.
 func BeginLaunch(at time.Time, vfioNodes []string) Step {
 	const name = "begin launch"
 	return Step{name, func(r *vmflowv1.InstanceRecord) error {
@@ -157,10 +152,8 @@ func BeginLaunch(at time.Time, vfioNodes []string) Step {
 	}}
 }
 
-// Forked records the QEMU just forked in place of the launch marker, in one
-// write, so the record always names the QEMU or says one may exist. It
-// clears a refusal recorded earlier (admitted and started). Refused unless
-// a launch began and no process is recorded.
+// Forked replaces the launch marker with the forked QEMU in one write, and
+// clears an earlier refusal. Refused unless a launch began with no process.
 func Forked(pid proc.Identity, at time.Time) Step {
 	const name = "forked"
 	return Step{name, func(r *vmflowv1.InstanceRecord) error {
@@ -177,9 +170,8 @@ func Forked(pid proc.Identity, at time.Time) Step {
 	}}
 }
 
-// Adopted records a QEMU the record did not name (its agent died between
-// fork and recording it), found by the supervisor, and clears the marker.
-// Refused while a process is recorded.
+// Adopted records an unrecorded QEMU the supervisor found and clears the
+// marker. Refused while a process is recorded.
 func Adopted(pid proc.Identity) Step {
 	const name = "adopted"
 	return Step{name, func(r *vmflowv1.InstanceRecord) error {
@@ -220,9 +212,8 @@ func Running() Step {
 	}}
 }
 
-// LaunchFailed undoes a launch whose QEMU is confirmed gone (or never
-// started: pid not valid): the pid the launch recorded is cleared with the
-// exit, the marker removed, the VFIO nodes taken back, cause kept.
+// LaunchFailed undoes a launch whose QEMU is confirmed gone or never started:
+// pid and marker cleared, exit and cause kept, VFIO nodes taken back.
 func LaunchFailed(pid proc.Identity, ex Exit, cause string, takeBack TakeBack) Step {
 	return Step{"launch failed", func(r *vmflowv1.InstanceRecord) error {
 		if pid.Valid() && r.GetProcess() != nil && IdentityOf(r.GetProcess()) == pid {
@@ -236,10 +227,9 @@ func LaunchFailed(pid proc.Identity, ex Exit, cause string, takeBack TakeBack) S
 	}}
 }
 
-// Gone records that QEMU pid's thread group is gone: the process cleared,
-// the exit kept, the VFIO nodes taken back, Running moved to Exited, and the
-// restart count reset when the VM had stayed up its stable time. A record
-// that no longer names pid is left as it is.
+// Gone records pid's thread group gone: process cleared, exit kept, VFIO nodes
+// taken back, Running to Exited, restart count reset after a stable run. A
+// record no longer naming pid is left alone.
 func Gone(pid proc.Identity, ex Exit, takeBack TakeBack) Step {
 	return Step{"gone", func(r *vmflowv1.InstanceRecord) error {
 		if r.GetProcess() == nil || IdentityOf(r.GetProcess()) != pid {
@@ -261,9 +251,8 @@ func Gone(pid proc.Identity, ex Exit, takeBack TakeBack) Step {
 	}}
 }
 
-// LostProcess ends a Running record that names no process (an older agent
-// left it half written): its QEMU ended somehow, unseen. Refused while a
-// process is recorded; a record not Running is left as it is.
+// LostProcess ends a Running record that names no process; its QEMU ended
+// unseen. Refused while a process is recorded.
 func LostProcess(at time.Time) Step {
 	const name = "lost process"
 	return Step{name, func(r *vmflowv1.InstanceRecord) error {
@@ -285,8 +274,7 @@ func setExit(r *vmflowv1.InstanceRecord, ex Exit) {
 }
 
 // StopStepTaken records how far the stop ladder got, so a restarted agent
-// resumes it (a stop runs only under the manual-stop marker, which the
-// supervisor checks first).
+// resumes it.
 func StopStepTaken(step vmflowv1.StopStep, at time.Time) Step {
 	return Step{"stop step", func(r *vmflowv1.InstanceRecord) error {
 		r.StopStep, r.StopStepAt, r.StopStepBoot = step, ts(at), BootMomentNow()
@@ -294,9 +282,8 @@ func StopStepTaken(step vmflowv1.StopStep, at time.Time) Step {
 	}}
 }
 
-// NothingRuns records that a stop found no QEMU: stop step gone (its time
-// kept when it already was), Running moved to Exited. Refused while a
-// process is recorded.
+// NothingRuns records that a stop found no QEMU: stop step gone, Running to
+// Exited. Refused while a process is recorded.
 func NothingRuns(at time.Time) Step {
 	const name = "nothing runs"
 	return Step{name, func(r *vmflowv1.InstanceRecord) error {
@@ -323,9 +310,8 @@ func NewRestartStreak() Step {
 	}}
 }
 
-// RestartAttempt records the restart policy's attempt n before it launches.
-// Refused unless the record is Exited with no QEMU recorded: only an exited
-// VM is restarted.
+// RestartAttempt records the restart policy's attempt n before it launches;
+// only an Exited record with no QEMU.
 func RestartAttempt(n uint32) Step {
 	const name = "restart attempt"
 	return Step{name, func(r *vmflowv1.InstanceRecord) error {
@@ -337,9 +323,8 @@ func RestartAttempt(n uint32) Step {
 	}}
 }
 
-// RestartRefused records a restart the host's configuration refused: the
-// count goes back to count (nothing started) and the instance needs
-// attention.
+// RestartRefused records a restart the host's configuration refused: count
+// restored (nothing started), needs attention.
 func RestartRefused(count uint32, reason string, at time.Time) Step {
 	return Step{"restart refused", func(r *vmflowv1.InstanceRecord) error {
 		r.RestartCount = count
@@ -348,9 +333,8 @@ func RestartRefused(count uint32, reason string, at time.Time) Step {
 	}}
 }
 
-// NeedsAttention says an operator must look, and why. The time says when
-// the instance first needed attention: kept while the reason stays, and
-// while a reason of keepSince's kind is replaced by another.
+// NeedsAttention says an operator must look, and why; the first-needed time is
+// kept while the reason stays, or while keepSince's kind is replaced.
 func NeedsAttention(reason string, at time.Time, keepSince bool) Step {
 	return Step{"needs attention", func(r *vmflowv1.InstanceRecord) error {
 		if r.GetNeedsAttention() == reason {
@@ -404,14 +388,10 @@ type DeleteBegun struct {
 	CreatedBy string
 }
 
-// BeginDelete writes the manual-stop marker, then moves the record to
-// Deleting (invariant 6): from here neither the restart policy nor a spawn
-// brings the VM back. For a spawn's clean-up (by set) the record is touched
-// only if that spawn created it (invariant 9): one created by anyone else
-// is NotOwned with nothing written, and one that cannot be read is an
-// error (its owner is unknown, not another). A missing record is Absent.
-// The marker goes first even for a record that cannot be read when by is
-// zero: a delete asked for must block restarts.
+// BeginDelete writes the manual-stop marker, then Deleting (invariant 6). A
+// clean-up (by set) touches only its own spawn's record (NotOwned otherwise,
+// an error if unreadable, invariant 9); with by zero the marker goes first
+// even on an unreadable record. A missing record is Absent.
 func (l *Locked) BeginDelete(by Spawn) (DeleteBegun, error) {
 	if err := l.held(); err != nil {
 		return DeleteBegun{}, err
@@ -445,9 +425,8 @@ func (l *Locked) BeginDelete(by Spawn) (DeleteBegun, error) {
 
 // Leases.
 
-// LeaseIntent records a new lease before its resource exists (phase INTENT).
-// Refused (ErrDeleting) once a delete began, and (ErrConflict) when the
-// record already has a lease of that name or, for a vGPU, a held vGPU.
+// LeaseIntent records a lease before its resource exists (INTENT); ErrDeleting
+// once a delete began, ErrConflict for a lease of that name or a second vGPU.
 func LeaseIntent(lease *vmflowv1.Lease, at time.Time) Step {
 	const name = "lease intent"
 	return Step{name, func(r *vmflowv1.InstanceRecord) error {
@@ -513,9 +492,8 @@ func heldLease(step string, r *vmflowv1.InstanceRecord, name string) (*vmflowv1.
 	return nil, refuse(step, r, ErrIllegalTransition, "no held lease %s", name)
 }
 
-// LeaseReleasing marks the lease name's release under way (written before
-// the release's write to the kernel). Refused unless a delete began (only a
-// delete releases what an instance holds) and the lease is held.
+// LeaseReleasing marks lease name's release under way, before the kernel
+// write. Only a held lease of a deleting record.
 func LeaseReleasing(name string) Step {
 	const step = "lease releasing"
 	return Step{step, func(r *vmflowv1.InstanceRecord) error {
@@ -539,11 +517,8 @@ func leaseLabel(l *vmflowv1.Lease) string {
 	return LeaseKind(l)
 }
 
-// LeaseReleaseFailed records a failed release of lease name: the lease
-// stays held (invariant 1) with the attempt counted and the error kept, a
-// release in progress goes back to active, and a deleting record shows
-// ReleaseFailed. A lease no longer held is left alone (the error is still
-// kept on the record).
+// LeaseReleaseFailed keeps lease name held (invariant 1) with the attempt and
+// error, back from releasing to active; a deleting record shows ReleaseFailed.
 func LeaseReleaseFailed(name, cause string) Step {
 	return Step{"lease release failed", func(r *vmflowv1.InstanceRecord) error {
 		label := "lease"
@@ -563,9 +538,8 @@ func LeaseReleaseFailed(name, cause string) Step {
 	}}
 }
 
-// LeaseReleased records that lease name's resource is confirmed released
-// at: the lease is no longer held, and a record in ReleaseFailed with no
-// lease left returns to Deleting, from where it may be removed.
+// LeaseReleased records lease name's resource released at; ReleaseFailed with
+// no lease left returns to Deleting, from where it may be removed.
 func LeaseReleased(name string, at time.Time) Step {
 	return Step{"lease released", func(r *vmflowv1.InstanceRecord) error {
 		if l, err := heldLease("", r, name); err == nil {
@@ -584,10 +558,8 @@ func readyToRemove(r *vmflowv1.InstanceRecord) {
 	}
 }
 
-// MayRemove answers whether the record may be removed now: nil, or an
-// error wrapping ErrClaimHeld (a lease is held: invariant 1),
-// ErrProcessMayLive (invariant 11) or ErrIllegalTransition (no delete began,
-// or one still in ReleaseFailed with a lease held).
+// MayRemove returns nil when the record may be removed now, else ErrClaimHeld
+// (invariant 1), ErrProcessMayLive (invariant 11) or ErrIllegalTransition.
 func MayRemove(rec *vmflowv1.InstanceRecord) error {
 	// Leases first, whatever the state: a held GPU is the reason an
 	// operator most needs to read.

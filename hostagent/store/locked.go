@@ -12,6 +12,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"vmflow/internal/crashpoint"
+	"vmflow/internal/errdefs"
 	"vmflow/internal/fsx"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
@@ -33,10 +34,9 @@ func (l *Locked) ID() string { return l.id }
 // Paths are the locked instance's files.
 func (l *Locked) Paths() Paths { return l.paths }
 
-// Unlock releases the lock. When the instance has no directory (it was
-// deleted, or never created), the lock file is removed too so locks/ does not
-// grow with every id ever seen; waiters notice and lock the new file. Calling
-// Unlock again is a no-op.
+// Unlock releases the lock, removing the lock file when the instance has no
+// directory so locks/ does not grow with every id; waiters relock the new
+// file. Idempotent.
 func (l *Locked) Unlock() error {
 	if l.lock == nil {
 		return nil
@@ -152,25 +152,21 @@ func joinDiff(diff []string) string {
 	return out
 }
 
-// Update runs fn on a copy of the record and, if fn returns nil and changed
-// anything, writes the result atomically and returns it. fn's error is
-// returned wrapped, with nothing written. The store refuses (with nothing
-// written) a change of id, a state change the state machine does not allow
-// (ErrIllegalTransition), and a move to Deleting before the manual-stop
-// marker is on disk (ErrManualStopMissing). updated_at is set by the store.
+// Update writes fn's change to a copy of the record atomically, if any. It
+// refuses, writing nothing, fn's error, an id change, an illegal transition
+// and Deleting without the manual-stop marker; the store sets updated_at.
 func (l *Locked) Update(fn func(*vmflowv1.InstanceRecord) error) (*vmflowv1.InstanceRecord, error) {
 	return l.update(fn, false)
 }
 
-// update is Update; setUID allows qemu_uid to change, which only
-// AssignQEMUUID does (under the host-wide uid lock, so no two records ever
-// name one uid).
+// update is Update; setUID lets qemu_uid change, for AssignQEMUUID only (under
+// the host-wide uid lock, so no two records name one uid).
 func (l *Locked) update(fn func(*vmflowv1.InstanceRecord) error, setUID bool) (*vmflowv1.InstanceRecord, error) {
 	if err := l.held(); err != nil {
 		return nil, err
 	}
 	if fn == nil {
-		return nil, fmt.Errorf("update instance %s: nil update function", l.id)
+		return nil, errdefs.Internal.Errorf("update instance %s: nil update function", l.id)
 	}
 	old, err := readRecord(l.paths, l.id)
 	if err != nil {
@@ -224,9 +220,8 @@ func (l *Locked) Transition(to vmflowv1.InstanceState) (*vmflowv1.InstanceRecord
 	})
 }
 
-// write stores rec atomically. Under the lock no other writer has a temp file
-// in flight, so leftovers of a crashed writer are removed first. A record
-// too large to read back is refused with the old one left as it was.
+// write stores rec atomically, first removing a crashed writer's temp files
+// (no other is in flight under the lock); refuses a record too large to read back.
 func (l *Locked) write(rec *vmflowv1.InstanceRecord) error {
 	b, err := encodeForWrite(rec)
 	if err != nil {
@@ -273,9 +268,8 @@ func (l *Locked) MarkManualStop() error {
 	return nil
 }
 
-// Delete: see Store.Delete. The instance directory is renamed away in one
-// atomic step before it is removed, so a crash leaves either the whole
-// instance or none of it (New finishes removing a renamed directory).
+// Delete: see Store.Delete. The directory is renamed away before removal, so a
+// crash leaves all of the instance or none (New finishes the removal).
 func (l *Locked) Delete() error {
 	if err := l.held(); err != nil {
 		return err

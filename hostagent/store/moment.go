@@ -9,9 +9,8 @@ import (
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
-// BootMomentNow is now on CLOCK_BOOTTIME, with this boot's id, for a record
-// to keep beside a wall-clock timestamp; nil when either cannot be read
-// (Elapsed then falls back on the wall clock).
+// BootMomentNow is now on CLOCK_BOOTTIME with this boot's id, to keep beside
+// a wall-clock time; nil when unreadable (Elapsed then uses the wall clock).
 func BootMomentNow() *vmflowv1.BootMoment {
 	boot, err := proc.BootID()
 	if err != nil {
@@ -24,12 +23,9 @@ func BootMomentNow() *vmflowv1.BootMoment {
 	return &vmflowv1.BootMoment{BootId: boot, SinceBootNs: uint64(d)}
 }
 
-// Elapsed is how long ago an instant a record kept was: measured on
-// CLOCK_BOOTTIME when boot is of this boot (a clock step cannot move it),
-// else on the wall clock from wall to now (a record of another boot, or
-// older than BootMoment), never below zero. A wait that resumes with
-// "configured minus Elapsed" is never longer than the configured one. No
-// instant recorded at all is zero.
+// Elapsed is how long ago a recorded instant was, on CLOCK_BOOTTIME within
+// this boot (immune to clock steps), else on the wall clock; never negative,
+// so "configured minus Elapsed" never exceeds configured.
 func Elapsed(wall *timestamppb.Timestamp, boot *vmflowv1.BootMoment, now time.Time) time.Duration {
 	if boot != nil {
 		if id, err := proc.BootID(); err == nil && id == boot.GetBootId() {

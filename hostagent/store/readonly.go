@@ -8,12 +8,9 @@ import (
 	"slices"
 )
 
-// Open opens an existing state directory for reading. Unlike New it creates,
-// tightens and removes nothing (New also finishes interrupted deletes), so an
-// operator's command can read a host's records while the agent runs, and a
-// mistyped --state-dir is an error instead of a new empty store. Readers use
-// Get, IDs, Paths and ManualStop, which take no lock; the write methods still
-// work on an opened store but are not what Open is for.
+// Open opens an existing state directory to read while the agent runs: unlike
+// New it creates, tightens and removes nothing, and a mistyped --state-dir is
+// an error. Its readers (Get, IDs, Paths, ManualStop) take no lock.
 func Open(stateDir string) (*Store, error) {
 	if stateDir == "" {
 		return nil, errors.New("open store: empty state dir")
@@ -34,9 +31,8 @@ func Open(stateDir string) (*Store, error) {
 	return s, nil
 }
 
-// IDs lists the instances that have a directory, sorted, whether or not
-// their record can be read (List reads the records and skips a directory
-// without one). Trash, temp files and other strangers are not instances.
+// IDs lists, sorted, the instances with a directory, readable records or not;
+// trash and temp files are not instances.
 func (s *Store) IDs() ([]string, error) {
 	entries, err := os.ReadDir(s.instances)
 	if err != nil {

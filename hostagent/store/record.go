@@ -49,9 +49,8 @@ func encodeForWrite(rec *vmflowv1.InstanceRecord) ([]byte, error) {
 	return b, nil
 }
 
-// DecodeRecord parses record.json content strictly, converts an old shape
-// (migrate) and validates it with ValidateRecord. It never panics, whatever
-// b holds.
+// DecodeRecord parses record.json strictly, converts an old shape and
+// validates it; it never panics, whatever b holds.
 func DecodeRecord(b []byte) (*vmflowv1.InstanceRecord, error) {
 	if len(b) > maxRecordSize {
 		return nil, fmt.Errorf("%w: %d bytes, larger than %d", ErrInvalidRecord, len(b), maxRecordSize)
@@ -68,8 +67,7 @@ func DecodeRecord(b []byte) (*vmflowv1.InstanceRecord, error) {
 }
 
 // ValidateRecord checks what the store relies on: a valid id, a spec, and
-// enum values this agent knows (protojson accepts any number for an enum, and
-// a state we cannot name is a state we cannot reason about).
+// known enum values (a state we cannot name we cannot reason about).
 func ValidateRecord(rec *vmflowv1.InstanceRecord) error {
 	if rec == nil {
 		return fmt.Errorf("%w: nil", ErrInvalidRecord)
@@ -98,10 +96,8 @@ func ValidateRecord(rec *vmflowv1.InstanceRecord) error {
 	return nil
 }
 
-// CreatedBy reports whether rec was created by the spawn workflow execution
-// workflowID / runID (invariant 9: a spawn's failure path destroys only what
-// it created). A record without a creator (written before creators were
-// recorded) was created by no spawn, and an empty workflowID matches nothing.
+// CreatedBy reports whether spawn workflowID/runID created rec (invariant 9);
+// a record without a creator, and an empty workflowID, match nothing.
 func CreatedBy(rec *vmflowv1.InstanceRecord, workflowID, runID string) bool {
 	return workflowID != "" && runID != "" &&
 		rec.GetCreatedByWorkflowId() == workflowID && rec.GetCreatedByRunId() == runID
@@ -153,10 +149,8 @@ func cloneRecord(rec *vmflowv1.InstanceRecord) *vmflowv1.InstanceRecord {
 	return proto.Clone(rec).(*vmflowv1.InstanceRecord)
 }
 
-// IdentityOf is the process identity a record holds (the zero identity for
-// nil). One conversion for every reader of records, so no one rebuilds an
-// identity by hand and drops a field (without its boot id an identity is
-// incomplete and can never be acted on).
+// IdentityOf is the process identity a record holds (zero for nil): one
+// conversion, so no reader drops a field such as the boot id.
 func IdentityOf(p *vmflowv1.ProcessIdentity) proc.Identity {
 	if p == nil {
 		return proc.Identity{}

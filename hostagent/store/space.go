@@ -80,11 +80,9 @@ func (s *Store) Space() Space {
 
 func (s *Store) reservePath() string { return filepath.Join(s.root, reserveFile) }
 
-// checkRoom refuses a spawn (ErrDiskFull, saying how much is free) that
-// the state file system cannot hold beside the reserve and what the
-// running overlays may still grow to; disk is what its own overlay may
-// grow to. A reserve given up earlier is laid down again first when there
-// is room for it.
+// checkRoom refuses a spawn (ErrDiskFull) the state file system cannot hold
+// beside the reserve and the running overlays' growth; disk is its own
+// overlay's. A reserve given up earlier is laid down first when it fits.
 func (s *Store) checkRoom(disk uint64) error {
 	s.layReserve()
 	sp := s.Space()
@@ -105,10 +103,8 @@ func (s *Store) checkRoom(disk uint64) error {
 	return nil
 }
 
-// diskSize is what a new instance's overlay over the disk image at path
-// may grow to: the image's size (the overlay's virtual size is its base's).
-// 0 without a disk, or one that cannot be read here (the launch opens and
-// admits it).
+// diskSize is what an overlay over the image at path may grow to (the image's
+// size); 0 without a readable disk, which the launch admits.
 func diskSize(path string) uint64 {
 	if path == "" {
 		return 0
@@ -127,9 +123,8 @@ func heldWord(held bool) string {
 	return "given up, to be laid down again"
 }
 
-// layReserve lays the reserve down when it is missing and there is room
-// for it and a spawn besides; best effort (a full file system leaves it
-// missing, which Space reports).
+// layReserve lays the reserve down when missing and there is room for it and a
+// spawn; best effort (Space reports it missing).
 func (s *Store) layReserve() {
 	if s.reserve == 0 {
 		return
@@ -193,7 +188,9 @@ func (s *Store) withReserve(write func() error) error {
 }
 
 // overlayGrowth sums what every instance's qcow2 overlay may still grow
-// to: its virtual size (the qcow2 header's) less its allocated blocks.
+// to: its virtual size (the qcow2 header's) less its allocated blocks, or,
+// before the first launch made it, its disk's whole size. An unreadable
+// record counts nothing: it must not refuse every spawn on the host.
 func (s *Store) overlayGrowth() (uint64, error) {
 	ids, err := s.IDs()
 	if err != nil {
@@ -202,6 +199,12 @@ func (s *Store) overlayGrowth() (uint64, error) {
 	var sum uint64
 	for _, id := range ids {
 		p, _ := s.Paths(id)
+		if _, err := os.Lstat(p.Overlay); errors.Is(err, fs.ErrNotExist) {
+			if rec, err := readRecord(p, id); err == nil {
+				sum += diskSize(rec.GetSpec().GetDisk())
+			}
+			continue
+		}
 		g, err := growth(p.Overlay)
 		if err != nil {
 			return 0, err

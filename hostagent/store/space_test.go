@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -136,4 +137,61 @@ func TestAdmissionCountsOverlayGrowth(t *testing.T) {
 	_, err = s.Create(context.Background(), big)
 	require.ErrorIs(t, err, ErrDiskFull)
 	assert.Contains(t, err.Error(), "its disk may grow to 67108864")
+}
+
+// The room a created instance's disk may take counts from its record on,
+// not only once its overlay exists: two spawns whose disks fit the state
+// file system one at a time but not together get one yes and one
+// ErrDiskFull, also when they race. Fails if Create counts only existing
+// overlays (the second sees the first's record but no overlay yet), or if
+// two creates can check room at the same time.
+func TestAdmissionCountsCreatedDisks(t *testing.T) {
+	disk := filepath.Join(t.TempDir(), "disk.raw")
+	require.NoError(t, os.WriteFile(disk, nil, 0o600))
+	require.NoError(t, os.Truncate(disk, 20<<20))
+	want := func(id string) *vmflowv1.InstanceRecord {
+		w := wantRecord(id)
+		w.Spec.Disk = disk
+		return w
+	}
+
+	root := smallFS(t, 32<<20)
+	s, err := New(filepath.Join(root, "state"), WithReserve(1<<20))
+	require.NoError(t, err)
+	mustCreate(t, s, "vm1") // no disk
+	_, err = s.Create(context.Background(), want("vm2"))
+	require.NoError(t, err)
+	_, err = s.Create(context.Background(), want("vm3"))
+	require.ErrorIs(t, err, ErrDiskFull, "vm2's disk is not launched yet, but may grow to 20 MiB")
+
+	// The race: the first create is held between its record's temp file
+	// and the rename while the second one runs. Unserialised, the second
+	// finds no record of the first and both are admitted.
+	root = smallFS(t, 32<<20)
+	var second chan error
+	s, err = New(filepath.Join(root, "state"), WithReserve(1<<20), withAfterTemp(func(string) {
+		if second != nil {
+			return
+		}
+		second = make(chan error, 1)
+		go func() {
+			_, err := s.Create(context.Background(), want("race2"))
+			second <- err
+		}()
+		select {
+		case err := <-second:
+			second <- err
+		case <-time.After(time.Second): // serialised: it waits for this create
+		}
+	}))
+	require.NoError(t, err)
+	_, err = s.Create(context.Background(), want("race1"))
+	require.NoError(t, err)
+	created := 1
+	if err := <-second; err == nil {
+		created++
+	} else {
+		require.ErrorIs(t, err, ErrDiskFull)
+	}
+	assert.Equal(t, 1, created, "room for one 20 MiB disk on a 32 MiB file system")
 }

@@ -35,10 +35,9 @@ const (
 	releaseFailed = vmflowv1.InstanceState_INSTANCE_STATE_RELEASE_FAILED
 )
 
-// CheckTransition returns nil if the state machine allows from -> to, and a
-// *TransitionError (matching ErrIllegalTransition) otherwise. Staying in the
-// same state is not a transition and is refused here; Update only consults
-// the state machine when the state actually changes.
+// CheckTransition returns nil if the state machine allows from -> to, else a
+// *TransitionError (ErrIllegalTransition); staying put is refused here, and
+// Update asks only on a change.
 func CheckTransition(from, to vmflowv1.InstanceState) error {
 	for _, allowed := range transitions[from] {
 		if allowed == to {
@@ -63,9 +62,8 @@ func isDeleting(s vmflowv1.InstanceState) bool {
 	return s == deleting || s == releaseFailed
 }
 
-// IsDeleting reports whether a delete has begun for rec (Deleting or
-// ReleaseFailed): nothing may launch, restart or claim for it any more. The
-// one definition every package asks, so the rule cannot drift.
+// IsDeleting reports whether a delete began for rec (Deleting or
+// ReleaseFailed): nothing may launch, restart or claim for it any more.
 func IsDeleting(rec *vmflowv1.InstanceRecord) bool {
 	return isDeleting(rec.GetState())
 }

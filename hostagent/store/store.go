@@ -56,6 +56,8 @@ const (
 	// locked before its directory exists (Create) and while it is removed
 	// (Delete).
 	locksDir = "locks"
+	// admissionLock, in the state dir, serialises creates.
+	admissionLock = "admission.lock"
 	// trashPrefix names an instance directory being removed: Delete renames
 	// the whole directory away in one atomic step, then removes it. It starts
 	// with a dot, which no id can, so List never sees it.
@@ -77,10 +79,9 @@ type Store struct {
 // Option configures a Store.
 type Option func(*Store)
 
-// New opens (creating as needed) the store under stateDir. The path is made
-// absolute because QEMU is handed socket paths and may run with another
-// working directory. Directories are created 0700: records name processes
-// the agent (root) will signal.
+// New opens, creating as needed, the store under stateDir: made absolute, as
+// QEMU gets socket paths with another working directory; 0700, as records name
+// processes root will signal.
 func New(stateDir string, opts ...Option) (*Store, error) {
 	if stateDir == "" {
 		return nil, errors.New("open store: empty state dir")
@@ -165,10 +166,8 @@ func checkSocketPath(p Paths) error {
 	return nil
 }
 
-// Lock takes instance id's lock, waiting until ctx ends (then the error wraps
-// ErrBusy and the context's error). Everything done through the returned
-// handle is one check-then-act; call Unlock when done. The id need not have a
-// record yet.
+// Lock takes instance id's lock until ctx ends (ErrBusy); the handle's work is
+// one check-then-act, ended by Unlock. No record is needed yet.
 func (s *Store) Lock(ctx context.Context, id string) (*Locked, error) {
 	p, err := s.Paths(id)
 	if err != nil {
@@ -181,12 +180,9 @@ func (s *Store) Lock(ctx context.Context, id string) (*Locked, error) {
 	return &Locked{s: s, id: id, paths: p, lock: fl}, nil
 }
 
-// lockFile takes the lock file at path; one still held by another when ctx
-// ends gives ErrBusy, which callers retry. The wait ends a little before
-// ctx's deadline (a tenth of the time left, at most lockWaitMargin): a
-// caller whose time runs out while another holds the instance (an activity
-// overlapping a stop ladder) returns the typed, retryable ErrBusy rather
-// than being cut off by its own deadline with nothing to say.
+// lockFile takes the lock file at path, or ErrBusy (retryable) a little before
+// ctx's deadline, so a caller outwaited by another holder says why rather
+// than being cut off by its own deadline.
 func lockFile(ctx context.Context, path string) (*fsx.Lock, error) {
 	if dl, ok := ctx.Deadline(); ok {
 		var cancel context.CancelFunc
@@ -217,14 +213,20 @@ func (s *Store) withLock(ctx context.Context, id string, fn func(*Locked) error)
 	return fn(l)
 }
 
-// Create records a new instance in state Creating, under its lock. Only the
-// desired configuration and the creator are taken from want: id, spec, the
-// restart settings and created_by_*. If a record already exists with the
-// same configuration, Create returns it unchanged, creator included (a
-// retried create is not an error; CreatedBy tells whose it is); with a
-// different one it fails with ErrConflict naming the differences; while the
-// instance is being deleted it fails with ErrDeleting.
+// Create records a new instance (Creating) from want's id, spec, restart
+// settings and creator. The same configuration again returns the record
+// unchanged, creator included; another is ErrConflict, a deleting one ErrDeleting.
 func (s *Store) Create(ctx context.Context, want *vmflowv1.InstanceRecord) (rec *vmflowv1.InstanceRecord, err error) {
+	if _, err := s.Paths(want.GetId()); err != nil {
+		return nil, err
+	}
+	// One create at a time on the host, so each room check counts the disks
+	// of the records created before it.
+	adm, err := lockFile(ctx, filepath.Join(s.root, admissionLock))
+	if err != nil {
+		return nil, fmt.Errorf("create instance %s: %w", want.GetId(), err)
+	}
+	defer func() { err = errors.Join(err, adm.Release(false)) }()
 	err = s.withLock(ctx, want.GetId(), func(l *Locked) error {
 		rec, err = l.Create(want)
 		return err
@@ -232,11 +234,8 @@ func (s *Store) Create(ctx context.Context, want *vmflowv1.InstanceRecord) (rec 
 	return rec, err
 }
 
-// Update runs fn on a copy of instance id's record under its lock and writes
-// the result if fn returns nil and changed something. See Locked.Update for
-// the rules it enforces. It is for tests that fabricate a record's state:
-// the agent's code outside this package applies named steps (Apply), which
-// owned_test.go holds it to.
+// Update is Locked.Update under id's lock, for tests that fabricate a state:
+// agent code applies named steps (Apply), as owned_test.go enforces.
 func (s *Store) Update(ctx context.Context, id string, fn func(*vmflowv1.InstanceRecord) error) (rec *vmflowv1.InstanceRecord, err error) {
 	err = s.withLock(ctx, id, func(l *Locked) error {
 		rec, err = l.Update(fn)
@@ -245,9 +244,8 @@ func (s *Store) Update(ctx context.Context, id string, fn func(*vmflowv1.Instanc
 	return rec, err
 }
 
-// Transition moves instance id to state to under its lock, checked against
-// the state machine. Moving to the state it already has is a no-op. Like
-// Update, for tests.
+// Transition moves instance id to state to, checked; a no-op when already
+// there. Like Update, for tests.
 func (s *Store) Transition(ctx context.Context, id string, to vmflowv1.InstanceState) (*vmflowv1.InstanceRecord, error) {
 	return s.Update(ctx, id, func(r *vmflowv1.InstanceRecord) error {
 		r.State = to
@@ -255,25 +253,20 @@ func (s *Store) Transition(ctx context.Context, id string, to vmflowv1.InstanceS
 	})
 }
 
-// Delete removes instance id's record and directory (socket, log, pid file
-// and marker with it) under its lock, when MayRemove allows it: a delete
-// began, no lease is held (ErrClaimHeld) and no QEMU may still run
-// (ErrProcessMayLive). A missing record is ErrNotFound, which a delete path
-// treats as already done.
+// Delete removes instance id's record and directory when MayRemove allows
+// (ErrClaimHeld, ErrProcessMayLive otherwise); ErrNotFound means already done.
 func (s *Store) Delete(ctx context.Context, id string) error {
 	return s.withLock(ctx, id, func(l *Locked) error { return l.Delete() })
 }
 
-// MarkManualStop writes instance id's manual-stop marker durably, under its
-// lock, so the restart policy never brings the VM back. It is idempotent and
-// requires the record to exist.
+// MarkManualStop durably writes instance id's manual-stop marker so the restart
+// policy never brings the VM back; idempotent, the record must exist.
 func (s *Store) MarkManualStop(ctx context.Context, id string) error {
 	return s.withLock(ctx, id, func(l *Locked) error { return l.MarkManualStop() })
 }
 
-// ManualStop reports whether instance id's manual-stop marker is on disk. It
-// takes no lock: a decision based on it must be made under Lock, with
-// Locked.ManualStop.
+// ManualStop reports whether id's manual-stop marker is on disk, without a
+// lock: decide under Lock with Locked.ManualStop.
 func (s *Store) ManualStop(id string) (bool, error) {
 	p, err := s.Paths(id)
 	if err != nil {
@@ -282,9 +275,8 @@ func (s *Store) ManualStop(id string) (bool, error) {
 	return markerExists(p)
 }
 
-// Get reads instance id's record. It takes no lock: records are replaced by
-// rename, so a reader sees the old or the new one, never a torn one. Use Lock
-// when the answer decides a write.
+// Get reads instance id's record without a lock (rename means never a torn
+// one); use Lock when the answer decides a write.
 func (s *Store) Get(id string) (*vmflowv1.InstanceRecord, error) {
 	p, err := s.Paths(id)
 	if err != nil {
@@ -293,12 +285,9 @@ func (s *Store) Get(id string) (*vmflowv1.InstanceRecord, error) {
 	return readRecord(p, id)
 }
 
-// List reads every instance record, sorted by id, for re-attach when the
-// agent starts. A record that cannot be read does not hide the others: List
-// returns every record it could read together with a *ListError naming the
-// ones it could not (Unreadable reads it back). Any other error means the
-// listing itself failed and nothing was read. A directory without a record
-// (a create that crashed before its first write) is skipped.
+// List reads every record, sorted by id. Unreadable ones do not hide the
+// others: it returns those it read with a *ListError naming the rest (see
+// Unreadable); any other error means nothing was read.
 func (s *Store) List() ([]*vmflowv1.InstanceRecord, error) {
 	ids, err := s.IDs()
 	if err != nil {
@@ -355,9 +344,8 @@ func (e *ListError) Unwrap() []error {
 	return errs
 }
 
-// Unreadable reads List's error: the records it could not read, and
-// whether the listing itself worked (false: nothing was read at all). The
-// one reading of that error, for every caller.
+// Unreadable reads List's error: the unreadable records, and whether the
+// listing itself worked.
 func Unreadable(err error) (bad []UnreadableRecord, listed bool) {
 	if err == nil {
 		return nil, true
@@ -406,8 +394,7 @@ func markerExists(p Paths) (bool, error) {
 }
 
 // removeTrash finishes deletes that crashed after renaming an instance
-// directory away. Their records were already gone: Delete had checked the
-// claim and the state before the rename.
+// directory away (Delete had checked claim and state before).
 func (s *Store) removeTrash() error {
 	entries, err := os.ReadDir(s.instances)
 	if err != nil {

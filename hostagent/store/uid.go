@@ -53,9 +53,8 @@ func (r UIDRange) String() string { return fmt.Sprintf("%d-%d", r.First, r.Last)
 // Contains reports whether uid lies in r.
 func (r UIDRange) Contains(uid uint32) bool { return uid >= r.First && uid <= r.Last }
 
-// ParseUIDRange reads "FIRST-LAST". uid 0 (root) and 4294967295 ((uid_t)-1,
-// "no change" to setresuid) are refused, and so is 65534 (nobody: shared by
-// every service that runs as it, so never a uid of one VM's own).
+// ParseUIDRange reads "FIRST-LAST", refusing uid 0, 4294967295 (setresuid's
+// "no change") and 65534 (nobody, shared by many services).
 func ParseUIDRange(s string) (UIDRange, error) {
 	a, b, ok := strings.Cut(s, "-")
 	if !ok {
@@ -80,22 +79,9 @@ func ParseUIDRange(s string) (UIDRange, error) {
 	return r, nil
 }
 
-// AssignQEMUUID gives the locked instance a QEMU uid of its own from r and
-// writes it into the record together with steps, in one write. It runs under
-// the store's host-wide uid lock, so two instances assigning at once never
-// get one uid. The record's current uid is kept when it is still free and
-// lies in r (a restart keeps its uid); otherwise the lowest free uid of r is
-// taken. The caller must know no QEMU of the instance runs (a launch): a
-// process holding its own uid is then a stranger, and the uid is given up.
-//
-// "Can't tell" is "taken" (invariant 2's rule for uids): a uid is free only
-// when no readable record names it, no process or file inUse reports holds
-// it (a scan of /proc and of the VFIO nodes, taken under the lock), no file
-// in another instance's directory is owned by it, and the uid ledger gives
-// it to no record that cannot be read. The ledger (one file per uid, written
-// before the record names the uid) keeps a quarantined record's uid taken,
-// whatever is left of the record: its QEMU may be gone while its /dev/vfio
-// node is still that uid's.
+// AssignQEMUUID gives the locked instance a uid of its own from r (keeping a
+// free current one) and writes it with steps in one write, under the host-wide
+// uid lock (invariant 15). The caller knows no QEMU of it runs. Can't tell is taken.
 func (l *Locked) AssignQEMUUID(ctx context.Context, r UIDRange, inUse func(context.Context) (map[uint32]bool, error),
 	steps ...Step) (*vmflowv1.InstanceRecord, error) {
 	if err := l.held(); err != nil {
@@ -144,6 +130,9 @@ func (l *Locked) AssignQEMUUID(ctx context.Context, r UIDRange, inUse func(conte
 			held[uid] = true
 		}
 	}
+	// The ledger, written before a record names its uid, keeps a quarantined
+	// record's uid taken: its QEMU may be gone while its /dev/vfio node is
+	// still that uid's.
 	ledger, err := l.s.readUIDLedger()
 	if err != nil {
 		return nil, fmt.Errorf("assign qemu uid to %s: %w", l.id, err)
@@ -183,7 +172,12 @@ func (l *Locked) AssignQEMUUID(ctx context.Context, r UIDRange, inUse func(conte
 	if err != nil {
 		return nil, fmt.Errorf("assign qemu uid to %s: %w", l.id, err)
 	}
+	// Free only when nothing readable names it, no process or VFIO node holds
+	// it, no other instance's file is owned by it and no quarantined record's
+	// ledger entry keeps it (invariant 2's "can't tell is taken", for uids).
 	free := func(u uint32) bool { return !inRecords[u] && !held[u] && !busy[u] }
+	// A restart keeps its uid. No QEMU of this instance runs, so a process
+	// holding the uid is a stranger, and the uid is given up.
 	uid := cur.GetQemuUid()
 	if uid == 0 || !r.Contains(uid) || !free(uid) {
 		uid = 0
@@ -225,9 +219,8 @@ func (l *Locked) AssignQEMUUID(ctx context.Context, r UIDRange, inUse func(conte
 // assigned uid, named by the uid, holding the instance id.
 const uidsDir = "qemu-uids"
 
-// readUIDLedger reads the ledger (under the uid lock): uid -> instance id
-// ("" for an entry whose content is not an id: it holds its uid all the
-// same).
+// readUIDLedger reads the ledger (under the uid lock): uid -> instance id, ""
+// for an entry that is not an id (it holds its uid all the same).
 func (s *Store) readUIDLedger() (map[uint32]string, error) {
 	// Under the uid lock no other ledger write is in flight: a temp file
 	// is a crashed writer's.
@@ -269,9 +262,8 @@ func (s *Store) writeUID(uid uint32, id string) error {
 	return nil
 }
 
-// dropUID removes uid's ledger entry if it still names id. Best effort: an
-// entry left behind is stale (its record names another uid, or is gone) and
-// the next assignment removes it.
+// dropUID removes uid's ledger entry if it still names id; best effort, as the
+// next assignment removes a stale one.
 func (s *Store) dropUID(uid uint32, id string) {
 	path := filepath.Join(s.uids, strconv.FormatUint(uint64(uid), 10))
 	b, err := os.ReadFile(path)
@@ -281,9 +273,8 @@ func (s *Store) dropUID(uid uint32, id string) {
 	_ = os.Remove(path)
 }
 
-// lenientUID is the qemu_uid of whatever still parses of an unreadable
-// record at path (unknown fields ignored, no validation); 0 when nothing
-// does.
+// lenientUID is the qemu_uid of what still parses of the unreadable record at
+// path; 0 when nothing does.
 func lenientUID(path string) uint32 {
 	f, err := os.Open(path)
 	if err != nil {
@@ -301,9 +292,8 @@ func lenientUID(path string) uint32 {
 	return rec.GetQemuUid()
 }
 
-// OwnersIn returns the uids and gids (a QEMU's gid is its uid) owning dir
-// and the entries directly in it, root's excepted. A missing dir owns
-// nothing; one that cannot be read is an error, never an empty answer.
+// OwnersIn returns the uids and gids owning dir and its entries, root's
+// excepted; a missing dir owns nothing, an unreadable one is an error.
 func OwnersIn(dir string) (map[uint32]bool, error) {
 	out := map[uint32]bool{}
 	add := func(fi fs.FileInfo) {
@@ -343,12 +333,9 @@ func OwnersIn(dir string) (map[uint32]bool, error) {
 	return out, nil
 }
 
-// CheckUIDRange returns nil when no uid of r is handed out by the host files
-// under etc (normally "/etc"): no account in passwd, no group in group (a
-// QEMU's gid is its uid), no subordinate range in subuid or subgid. Else
-// an error wrapping ErrUIDRangeTaken that names every overlap, file and
-// line. A missing file hands out nothing; one that cannot be read is an
-// error (its ranges are unknown).
+// CheckUIDRange returns nil when the host's passwd, group, subuid and subgid
+// under etc hand out no uid of r, else ErrUIDRangeTaken naming every overlap.
+// A missing file hands out nothing; an unreadable one is an error.
 func CheckUIDRange(r UIDRange, etc string) error {
 	var found []string
 	for _, f := range []struct {

@@ -21,20 +21,10 @@ const (
 	existingQMPTimeout = 2 * time.Second
 )
 
-// Existing reports whether instance id runs as a spawn asks, and touches
-// nothing: it starts, stops, signals and records nothing. It is for a
-// re-sent spawn that found an instance another spawn created (invariant 9).
-//
-// It returns AlreadyRunning=true with the identity only when the record is
-// Running, its process is alive by identity and QMP answers "running"
-// within a short bound. Otherwise it returns an error wrapping
-// ErrNotRunningAsAsked whose text says what is there: "exited (last exit:
-// ...)", the QMP status ("paused", ...), "QMP did not answer (monitor busy
-// or hung)", "launch in progress" (launch marker set, Creating with a live
-// QEMU, or the instance's operation slot or lock held by another operation:
-// it does not wait for them), "being deleted", "no process", or "record
-// unreadable" (then it also wraps store.ErrInvalidRecord). A missing record
-// is an error wrapping store.ErrNotFound alone.
+// Existing reports, touching nothing, whether instance id runs as a spawn asks
+// (a re-sent spawn, invariant 9): AlreadyRunning only when Running, alive by
+// identity and QMP says "running"; otherwise ErrNotRunningAsAsked saying what
+// is there (never waiting on a held lock), or store.ErrNotFound.
 func (s *Supervisor) Existing(ctx context.Context, id string) (LaunchResult, error) {
 	start := time.Now()
 	in, err := s.instance(id)

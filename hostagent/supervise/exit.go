@@ -43,9 +43,8 @@ func exitFromProc(e proc.Exit) store.Exit {
 	}
 }
 
-// takeBackVFIO returns the VFIO group nodes a gone QEMU's uid was given to
-// root and returns those it could not chown: they stay listed for the next
-// exit or launch to try again (a store.TakeBack).
+// takeBackVFIO gives a gone QEMU's VFIO group nodes back to root and returns
+// those it could not chown, for the next exit or launch to retry.
 func takeBackVFIO(nodes []string) []string {
 	var left []string
 	for _, n := range nodes {
@@ -56,9 +55,8 @@ func takeBackVFIO(nodes []string) []string {
 	return left
 }
 
-// watch waits for vm's exit in the background and records it. A child is
-// watched through its reaper (closed once cmd.Wait reaped the whole group),
-// a re-attached VM through its pidfd: event driven, no periodic scan.
+// watch records vm's exit when it comes: a child through its reaper, a
+// re-attached VM through its pidfd, so no periodic scan.
 func (s *Supervisor) watch(in *instance, vm *vmm.VM) {
 	s.goBackground(func() { s.watchQMP(in, vm) }) // ends with vm.Close below
 	ok := s.goBackground(func() {
@@ -117,9 +115,8 @@ func (s *Supervisor) waitGone(in *instance, vm *vmm.VM) bool {
 	}
 }
 
-// detectedAt is when vm's exit became observable: when the reaper
-// returned for a child (its Exit.At), otherwise now, right after the pidfd
-// (or the /proc fallback) said the group is gone.
+// detectedAt is when vm's exit became observable: the reaper's Exit.At for a
+// child, otherwise now (the pidfd or /proc just said the group is gone).
 func (s *Supervisor) detectedAt(vm *vmm.VM) time.Time {
 	if c := vm.Child(); c != nil {
 		if e, ok := c.Exit(); ok && !e.At.IsZero() {
@@ -129,9 +126,8 @@ func (s *Supervisor) detectedAt(vm *vmm.VM) time.Time {
 	return time.Now()
 }
 
-// handleExit records an exit nobody asked for (a crash, a kill from
-// outside, a guest power-off) and applies the restart policy. detected is
-// when the exit became observable (for OnExitRecorded).
+// handleExit records an exit nobody asked for (crash, outside kill, guest
+// power-off) and applies the restart policy.
 func (s *Supervisor) handleExit(in *instance, vm *vmm.VM, detected time.Time) {
 	ex := s.exitOf(vm)
 	if err := in.acquire(s.ctx); err != nil {
@@ -178,10 +174,9 @@ func (s *Supervisor) recordGoneLocked(ctx context.Context, l *store.Locked, id p
 	return rec, nil
 }
 
-// applyPolicyLocked decides, under the lock, whether rec's VM comes back
-// and schedules the restart. The backoff counts from since (an in-process
-// instant), or when since is zero from the recorded exit (so time the agent
-// was down counts too), and is never longer than the policy's.
+// applyPolicyLocked decides whether rec's VM comes back and schedules it. The
+// backoff counts from since, or when zero from the recorded exit, so time the
+// agent was down counts too.
 func (s *Supervisor) applyPolicyLocked(l *store.Locked, in *instance, rec *vmflowv1.InstanceRecord, since time.Time) bool {
 	marked, err := l.ManualStop()
 	if err != nil {
@@ -222,10 +217,8 @@ func (s *Supervisor) scheduleRestart(in *instance, delay time.Duration) {
 	})
 }
 
-// restart is a restart-policy launch. The marker and state checks and the
-// launch happen under the instance lock: a marker written during the
-// backoff is seen here; one written while the launch runs waits for the
-// lock, and the Stop that follows it stops the new VM.
+// restart is a restart-policy launch, checked and run under the instance lock
+// so a manual-stop marker written meanwhile either stops it or is stopped after.
 func (s *Supervisor) restart(in *instance, gen uint64) {
 	if err := in.acquire(s.ctx); err != nil {
 		return
@@ -298,12 +291,9 @@ func (s *Supervisor) restart(in *instance, gen uint64) {
 	log.Info("restarted", zap.Int("pid", vm.Identity().PID))
 }
 
-// refuseRestartLocked records a restart the host's admission policy (or its
-// uid range) refused: needs_attention says so (last_error was written by
-// launchLocked), and the restart count goes back to count, since nothing was
-// started. No restart is scheduled: the policy is the agent's configuration,
-// which changes only with a new agent, whose re-attach applies the restart
-// policy again (and admits again).
+// refuseRestartLocked records a restart admission refused: needs_attention,
+// restart count back to count. Nothing is rescheduled: only a new agent's
+// configuration could change the answer, and its re-attach tries again.
 func (s *Supervisor) refuseRestartLocked(l *store.Locked, in *instance, count uint32, cause error) {
 	in.log.Error("restart refused by the host's configuration; not restarting until an agent runs with one that admits it",
 		zap.Error(cause))
@@ -315,10 +305,8 @@ func (s *Supervisor) refuseRestartLocked(l *store.Locked, in *instance, count ui
 	}
 }
 
-// deviceMissingLocked records a restart that could not get its vGPU: the
-// device is gone (a reboot) and could not be re-created, which retrying
-// alone may never fix (its slot taken by hand, the GPU's driver not
-// loaded). needs_attention says so until a launch succeeds; the restart
+// deviceMissingLocked marks needs_attention for a restart whose vGPU is gone
+// and cannot be re-created, which retrying alone may never fix; the restart
 // policy keeps trying.
 func (s *Supervisor) deviceMissingLocked(l *store.Locked, in *instance, cause error) {
 	if _, err := l.Apply(store.NeedsAttention("restart cannot get its vGPU: "+cause.Error(), s.cfg.Now(), true)); err != nil {

@@ -73,9 +73,8 @@ func (s *Supervisor) lookup(id string) *instance {
 	return s.insts[id]
 }
 
-// acquire takes the instance's operation slot, or fails with store.ErrBusy
-// when ctx ends first: to a caller, a slot and a store lock held by
-// another operation are the same "busy".
+// acquire takes the instance's operation slot, or store.ErrBusy when ctx ends
+// first: to a caller a held slot and a held store lock are the same "busy".
 func (in *instance) acquire(ctx context.Context) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("instance %s: %w: %w", in.id, store.ErrBusy, err)

@@ -30,27 +30,10 @@ type LaunchResult struct {
 	Duration time.Duration `json:"duration"`
 }
 
-// Launch starts QEMU for instance id and returns once QMP reports it running
-// and the record says Running. The spec comes from Config.PrepareLaunch,
-// called under the instance lock right before the fork. The record must
-// exist in Creating (first launch) or Exited (a restart asked for by the
-// caller); Launch refuses with ErrManualStop when the manual-stop marker is
-// on disk and with store.ErrDeleting in Deleting or ReleaseFailed. An
-// unreadable record is an error wrapping store.ErrInvalidRecord, with
-// nothing touched.
-//
-// Everything happens under the instance lock. Before the fork the record
-// gets the launch marker (launch_started_at); right after it, QEMU's pid and
-// start time replace the marker in one write (before anything waits on
-// QEMU). An agent killed at any instant leaves a record that names its QEMU
-// or says one may exist, and the next agent adopts it (invariant 11). A
-// failed launch leaves nothing: QEMU killed and reaped, socket removed, pid
-// and marker cleared (invariant 5). Idempotent: a record naming a live QEMU
-// with a matching identity that answers QMP as running returns that one with
-// AlreadyRunning set. An explicit Launch resets the restart counter.
-//
-// ctx bounds the lock waits and the launch; QEMU itself outlives ctx and the
-// agent.
+// Launch starts QEMU for instance id (Creating, or Exited for a restart) and
+// returns once QMP says running and the record says Running. Refuses with
+// ErrManualStop or store.ErrDeleting; idempotent for a live matching QEMU
+// (AlreadyRunning). Keeps invariants 5 and 11; QEMU outlives ctx and the agent.
 func (s *Supervisor) Launch(ctx context.Context, id string) (LaunchResult, error) {
 	start := time.Now()
 	in, err := s.instance(id)
@@ -177,10 +160,9 @@ func (s *Supervisor) waitReady(ctx context.Context, vm *vmm.VM) (vmm.StatusInfo,
 	}
 }
 
-// liveVMLocked returns a VM for the recorded process pid if its thread
-// group is alive: the watched one, or a new attachment (then watched). A
-// process that is gone (or a pid now held by a stranger, never signalled)
-// is recorded as gone and reported not alive. "Can't tell" is an error.
+// liveVMLocked returns a VM for the recorded pid if its group is alive
+// (watched, or newly attached); a gone process or a stranger's pid is recorded
+// as gone. "Can't tell" is an error.
 func (s *Supervisor) liveVMLocked(ctx context.Context, l *store.Locked, in *instance, pid proc.Identity) (*vmm.VM, bool, error) {
 	if vm := in.current(pid); vm != nil {
 		if gone, err := vm.Exited(); err == nil && !gone {
@@ -225,9 +207,8 @@ func (s *Supervisor) liveVMLocked(ctx context.Context, l *store.Locked, in *inst
 	return nil, false, nil
 }
 
-// useFDStore points an attached VM at the fd store (Config.FDStore), where
-// the agent that launched it kept its log pipe; false without a store or a
-// uid to name it by.
+// useFDStore points an attached VM at the fd store where its launching agent
+// kept its log pipe; false without a store or a uid to name it by.
 func (s *Supervisor) useFDStore(l *store.Locked, vm *vmm.VM) bool {
 	if s.cfg.FDStore == nil {
 		return false
@@ -240,9 +221,8 @@ func (s *Supervisor) useFDStore(l *store.Locked, vm *vmm.VM) bool {
 	return true
 }
 
-// captureLog resumes pumping a re-attached VM's guest output into its
-// bounded log. A failure costs the log only: the VM is supervised all the
-// same (invariant 12).
+// captureLog resumes pumping a re-attached VM's guest output into its log; a
+// failure costs only the log (invariant 12).
 func captureLog(in *instance, vm *vmm.VM) {
 	err := vm.CaptureLog()
 	switch {
@@ -264,9 +244,8 @@ func refuseLaunchLocked(l *store.Locked, err error) error {
 	return err
 }
 
-// uidsInUse is every uid a QEMU uid must not be: held by a process, or
-// owning a VFIO group node (given to a QEMU that is gone, and not taken
-// back yet).
+// uidsInUse is every uid a new QEMU must not get: held by a process, or
+// owning a VFIO node not yet taken back from a gone QEMU.
 func (s *Supervisor) uidsInUse(ctx context.Context) (map[uint32]bool, error) {
 	used, err := proc.UIDsInUse(ctx)
 	if err != nil {
@@ -282,10 +261,8 @@ func (s *Supervisor) uidsInUse(ctx context.Context) (map[uint32]bool, error) {
 	return used, nil
 }
 
-// launchLocked launches QEMU for the locked instance rec and moves its
-// record to Running. The spec comes from Config.PrepareLaunch. On failure
-// vmm has killed and reaped QEMU and removed the socket, and OnFailed has
-// cleared the pid and the launch marker: nothing remains.
+// launchLocked launches QEMU for the locked rec and moves it to Running; on
+// failure nothing remains (invariant 5).
 func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *instance, rec *vmflowv1.InstanceRecord) (*vmm.VM, error) {
 	// Before anything is opened: a uid range the host also hands out (a
 	// user's subordinate range, an account) would let someone else's

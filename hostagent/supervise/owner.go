@@ -38,26 +38,10 @@ const unprovableLaunch = "launch marker on a record with neither a qemu uid nor 
 // is then "can't tell", whatever the wait.
 const findTimeout = 5 * time.Second
 
-// resolveLaunchLocked makes the locked record name every QEMU of the
-// instance (invariant 11). A record with the launch marker and no process
-// was left by an agent killed between writing the marker and recording the
-// fork's pid: QEMU may run, or may never have started. vmm.FindUnrecorded
-// decides (it says what a match must be): a match is adopted (its identity
-// recorded, the marker cleared) and the caller's normal path then
-// re-attaches or stops it by that identity; none found clears the marker.
-// With scan set, a record without a marker is looked for too; scan is for
-// callers about to conclude "nothing runs" (Stop, TearDown). A record with
-// neither a uid nor a nonce is never matched by its command line: without a
-// marker nothing is looked for, with one the instance needs attention
-// (unprovableLaunch, ErrUnrecordedAmbiguous). A record whose stop step is
-// gone is not looked at again (a Stop looked before writing it).
-//
-// A candidate that cannot be read in time (proc.ErrCannotTell) or any other
-// failure to look wraps ErrStillRunning (retryable; the marker stays); more
-// than one match wraps ErrUnrecordedAmbiguous (not retryable; nothing
-// touched). The instance lock held here also closes the pre-exec window (see
-// vmm.FindUnrecorded). It returns the record as it now is and whether a QEMU
-// was adopted.
+// resolveLaunchLocked makes the locked record name every QEMU of the instance
+// (invariant 11): vmm.FindUnrecorded resolves a launch marker (with scan, any
+// record) and a match is adopted; can't tell wraps ErrStillRunning, several
+// ErrUnrecordedAmbiguous. The lock held closes FindUnrecorded's pre-exec window.
 func (s *Supervisor) resolveLaunchLocked(ctx context.Context, l *store.Locked, in *instance, rec *vmflowv1.InstanceRecord, scan bool) (*vmflowv1.InstanceRecord, bool, error) {
 	marked := rec.GetLaunchStartedAt() != nil
 	if rec.GetProcess() != nil {
@@ -132,10 +116,8 @@ func (s *Supervisor) resolveLaunchLocked(ctx context.Context, l *store.Locked, i
 	}
 }
 
-// unprovableLaunchLocked marks a marker FindUnrecorded cannot resolve
-// (vmm.ErrNoLaunchIdentity) needing attention and returns the error every
-// caller sees until an operator looked: not retryable, like an ambiguous
-// match, since retrying finds the same nothing to go on.
+// unprovableLaunchLocked marks a marker with no launch identity to go on
+// (vmm.ErrNoLaunchIdentity) needing attention; not retryable, like ambiguity.
 func (s *Supervisor) unprovableLaunchLocked(l *store.Locked, in *instance) error {
 	cause := fmt.Errorf("instance %s: %w: %w", in.id, ErrUnrecordedAmbiguous, vmm.ErrNoLaunchIdentity)
 	in.log.Error("launch marker without a uid or nonce: no qemu adopted by its command line; needs an operator", zap.Error(cause))
@@ -145,9 +127,8 @@ func (s *Supervisor) unprovableLaunchLocked(l *store.Locked, in *instance) error
 	return cause
 }
 
-// resolve takes instance id's slot and lock and resolves its launch marker
-// (resolveLaunchLocked without scan), for callers that work without the
-// lock (WaitExit).
+// resolve resolves instance id's launch marker under its slot and lock, for
+// callers that otherwise work without the lock (WaitExit).
 func (s *Supervisor) resolve(ctx context.Context, id string) (*vmflowv1.InstanceRecord, error) {
 	in, err := s.instance(id)
 	if err != nil {
@@ -182,15 +163,9 @@ func (s *Supervisor) resolve(ctx context.Context, id string) (*vmflowv1.Instance
 	return rec, nil
 }
 
-// TearDown removes instance id's qemu.sock and qemu.pid, and only once no
-// QEMU of the instance can be alive: the launch marker resolved (an
-// unrecorded QEMU found is adopted, so TearDown refuses and a Stop can end
-// it; see resolveLaunchLocked; more than one is ErrUnrecordedAmbiguous), the
-// recorded process confirmed gone (then recorded as gone), and the socket
-// not accepting connections. Otherwise it returns an error wrapping
-// ErrStillRunning (retryable) and removes nothing. A missing record is nil
-// (already torn down); an unreadable one is an error wrapping
-// store.ErrInvalidRecord.
+// TearDown removes instance id's qemu.sock and qemu.pid only once no QEMU of it
+// can be alive (marker resolved, process gone, socket dead); otherwise
+// ErrStillRunning (retryable) or ErrUnrecordedAmbiguous. No record is nil.
 func (s *Supervisor) TearDown(ctx context.Context, id string) error {
 	in, err := s.instance(id)
 	if err != nil {

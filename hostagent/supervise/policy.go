@@ -6,6 +6,7 @@ import (
 
 	"vmflow/hostagent/admission"
 	"vmflow/hostagent/store"
+	"vmflow/internal/errdefs"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -40,7 +41,7 @@ func ParsePolicy(s string) (Policy, error) {
 	case PolicyOnFailure, PolicyAlways:
 		return Policy(s), nil
 	}
-	return PolicyNever, fmt.Errorf("unknown restart policy %q (want never, on-failure or always)", s)
+	return PolicyNever, errdefs.InvalidInput.Errorf("unknown restart policy %q (want never, on-failure or always)", s)
 }
 
 // Backoff is the delay before restart number restarts+1 of a streak: base
@@ -62,9 +63,8 @@ func Backoff(restarts uint32, base, max time.Duration) time.Duration {
 	return min(d, max)
 }
 
-// Failed reports whether an exit code counts as a failure for
-// PolicyOnFailure. -1 is how the record writes "killed by a signal" and
-// "unknown".
+// Failed reports whether an exit code is a failure for PolicyOnFailure; -1 is
+// the record's "killed by a signal" or "unknown".
 func Failed(exitCode int32) bool { return exitCode != 0 }
 
 // decision is what the restart policy says about an exited instance.
@@ -75,10 +75,8 @@ type decision struct {
 	reason string
 }
 
-// decide applies the restart policy to rec, whose VM is gone. marked is
-// whether the manual-stop marker is on disk. It is a pure function of the
-// record, so the decision an agent makes after a restart is the one it would
-// have made before.
+// decide applies the restart policy to rec, whose VM is gone; pure, so an
+// agent decides the same after a restart as before.
 func decide(rec *vmflowv1.InstanceRecord, marked bool, base, max time.Duration) decision {
 	switch {
 	case marked:

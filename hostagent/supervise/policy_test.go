@@ -7,6 +7,7 @@ import (
 	"github.com/stretchr/testify/assert"
 
 	"vmflow/hostagent/vmm"
+	"vmflow/internal/errdefs"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -30,7 +31,7 @@ func TestParsePolicy(t *testing.T) {
 		assert.Equal(t, want, p)
 	}
 	p, err := ParsePolicy("sometimes")
-	assert.Error(t, err)
+	assert.ErrorIs(t, err, errdefs.InvalidInput, "classified where it arises: not a retryable host error")
 	assert.Equal(t, PolicyNever, p, "unknown is never: don't guess a restart")
 }
 

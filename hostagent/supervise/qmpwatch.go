@@ -10,11 +10,8 @@ import (
 	"vmflow/hostagent/vmm"
 )
 
-// watchQMP marks vm's instance needing attention when one of its QMP
-// connections broke the protocol (the monitor dropped it): a QEMU that sends
-// what QEMU never sends (a message past the bound, a line that is not QMP)
-// may be in a guest's hands. It returns when vm is closed or the supervisor
-// closes.
+// watchQMP marks vm's instance needing attention when a QMP connection broke
+// the protocol: a QEMU sending what QEMU never sends may be in a guest's hands.
 func (s *Supervisor) watchQMP(in *instance, vm *vmm.VM) {
 	select {
 	case err := <-vm.QMPViolation():

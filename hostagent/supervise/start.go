@@ -75,24 +75,10 @@ type errUnreadable struct{ err error }
 func (e *errUnreadable) Error() string { return e.err.Error() }
 func (e *errUnreadable) Unwrap() error { return e.err }
 
-// Start reads every instance record and takes ownership of what outlived the
-// previous agent: a record naming a live QEMU with a matching identity (pid,
-// start time, boot id) is re-attached: a pidfd watches its exit, QMP is
-// connected on demand, nothing is signalled. A record with a launch marker
-// and no process has its QEMU looked for and adopted (invariant 11). A
-// record whose QEMU is gone, whose pid another process now holds, or that
-// was written in an earlier boot is recorded as gone and its stale socket
-// removed; nothing is signalled. Then the restart policy runs for what has
-// exited. Work never waits on the network.
-//
-// One instance never stops the others (invariant 12): a record that cannot
-// be read is quarantined (logged with its path, listed in rep.Unreadable,
-// left untouched), a re-attach that fails is counted, logged and retried in
-// the background (reattachLater; not a record whose unrecorded QEMU is
-// ambiguous), and Start goes on with the rest. Each record's work is bounded
-// by Config.LockTimeout, the look for an unrecorded QEMU by a few seconds.
-// Its error is only for the host as a whole: the instances folder cannot be
-// listed. Call Start once, before serving.
+// Start takes ownership of what outlived the previous agent: re-attaches live
+// matching QEMUs without signalling, adopts unrecorded ones (invariant 11),
+// records the gone, then applies the restart policy. No instance stops the
+// others (invariant 12): the error means "cannot list". Call once, first.
 func (s *Supervisor) Start(ctx context.Context) (ReattachReport, error) {
 	start := time.Now()
 	var rep ReattachReport
@@ -142,9 +128,8 @@ func (s *Supervisor) Start(ctx context.Context) (ReattachReport, error) {
 	return rep, nil
 }
 
-// migrate writes the records still on disk in an old shape back in the
-// current one, once, before anything else reads them (store.Migrate).
-// Best effort: every read converts an old shape anyway.
+// migrate rewrites records still in an old shape, once, before anything reads
+// them; best effort, since every read converts anyway.
 func (s *Supervisor) migrate(ctx context.Context) {
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.LockTimeout)
 	defer cancel()
@@ -163,13 +148,8 @@ const (
 	reattachRetryMax     = 30 * time.Second
 )
 
-// reattachLater retries the re-attach of instance id in the background,
-// with backoff, until it succeeds, the record is gone or unreadable, or the
-// supervisor closes: Start does not wait for an instance it could not
-// settle in its bound (a lock held, a QEMU whose memory cannot be read), so
-// the others are served meanwhile. A Launch, Stop or TearDown of the
-// instance meanwhile resolves it on its own (each takes the same slot and
-// lock), and the retry then finds nothing left to do.
+// reattachLater retries a re-attach Start could not settle in its bound, with
+// backoff, so the other instances are served meanwhile.
 func (s *Supervisor) reattachLater(id string) {
 	s.goBackground(func() {
 		log := s.log.With(zap.String("instance_id", id))
@@ -205,11 +185,8 @@ func (s *Supervisor) reattachLater(id string) {
 	})
 }
 
-// instanceIDs lists the instance directories by id, readable records or
-// not (store.List skips what it cannot read; Start must see it to
-// quarantine it). Names that are not ids (the store's trash and temp
-// files) are skipped. The folder is the parent of any instance's folder,
-// so its name stays the store's.
+// instanceIDs lists instance directories by id, readable or not (store.List
+// skips the unreadable, which Start must see to quarantine).
 func (s *Supervisor) instanceIDs() ([]string, error) {
 	p, err := s.st.Paths("x")
 	if err != nil {

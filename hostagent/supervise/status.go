@@ -11,10 +11,8 @@ import (
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
-// Alive answers when the supervisor can still do its job: its own state is
-// not wedged (the lock every launch, exit and restart takes is free within
-// ctx) and the store's instances can be listed. The agent's systemd
-// watchdog pings only after it answers.
+// Alive answers when the supervisor is not wedged (its lock is free within
+// ctx) and the instances can be listed; the systemd watchdog pings on it.
 func (s *Supervisor) Alive(ctx context.Context) error {
 	done := make(chan error, 1)
 	go func() {
@@ -62,9 +60,8 @@ type Status struct {
 	LastError      string    `json:"last_error"`
 }
 
-// Status reports instance id: the record (read without the lock: records
-// are replaced by rename, so it is one consistent version) joined with what
-// this process watches and the thread group's liveness now.
+// Status joins instance id's record (read without the lock: rename makes it
+// consistent) with what this process watches and the group's liveness now.
 func (s *Supervisor) Status(id string) (Status, error) {
 	rec, err := s.st.Get(id)
 	if err != nil {
@@ -95,9 +92,8 @@ func (s *Supervisor) Status(id string) (Status, error) {
 	return st, nil
 }
 
-// QMPStatus asks the instance's QEMU for its run state over QMP, connecting
-// on demand (a re-attached VM has no connection until asked). ErrNotRunning
-// when this supervisor watches no VM for it.
+// QMPStatus asks the instance's QEMU for its run state, connecting on demand;
+// ErrNotRunning when no VM is watched for it.
 func (s *Supervisor) QMPStatus(ctx context.Context, id string) (vmm.StatusInfo, error) {
 	in := s.lookup(id)
 	if in == nil {

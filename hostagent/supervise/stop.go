@@ -26,29 +26,10 @@ type StopReport struct {
 	ResumedFrom vmm.StopStep `json:"resumed_from"`
 }
 
-// Stop runs the stop ladder on instance id's QEMU: system_powerdown, wait
-// graceful (Config.GracefulTimeout when <= 0), quit, SIGKILL through a
-// verified pidfd, wait up to Config.GroupExitCap for the whole thread group.
-//
-// It requires the manual-stop marker (store.ErrManualStopMissing otherwise):
-// the delete writes it first so the restart policy can never bring the VM
-// back (invariant 6); a pending restart is cancelled. It resumes from the
-// step the record says was reached and writes each step as it is taken, so a
-// Stop after an agent restart continues the ladder rather than restarting
-// it. Once the group is gone the record says stop step gone, the identity is
-// cleared and a Running record moves to Exited.
-//
-// A QEMU of the instance that its record does not name is found, adopted and
-// stopped (resolveLaunchLocked): can't tell is ErrStillRunning (retryable),
-// more than one match ErrUnrecordedAmbiguous (not retryable, nothing
-// touched). Every return without a process and without an error has written
-// stop step gone, which is what lets a vGPU release go ahead (mayRelease in
-// vgpu/claims).
-//
-// Idempotent: with no process recorded or found it returns at once
-// (AlreadyGone). A second Stop while one runs gets store.ErrBusy
-// (retryable). A *vmm.StillAliveError (errors.Is vmm.ErrStillAlive) means
-// the group outlived the cap: treat the VM as alive and retry.
+// Stop runs the stop ladder (powerdown, the graceful wait or Config's for <= 0,
+// quit, SIGKILL, the group's exit) from the recorded step, adopting an
+// unrecorded QEMU; it refuses without the manual-stop marker (invariant 6).
+// nil means stop step gone; retry on store.ErrBusy, ErrStillRunning, vmm.ErrStillAlive.
 func (s *Supervisor) Stop(ctx context.Context, id string, graceful time.Duration) (StopReport, error) {
 	in, err := s.instance(id)
 	if err != nil {
@@ -155,22 +136,15 @@ func (s *Supervisor) Stop(ctx context.Context, id string, graceful time.Duration
 	return out, nil
 }
 
-// resumedWait is what is left of a configured wait of which elapsed
-// (never negative: store.Elapsed) has passed: never longer than configured.
-// vmm reads <= 0 as "default", hence the floor.
+// resumedWait is what remains of a configured wait after elapsed, floored
+// above zero since vmm reads <= 0 as "default".
 func resumedWait(configured, elapsed time.Duration) time.Duration {
 	return max(configured-elapsed, time.Millisecond)
 }
 
-// WaitExit returns nil once instance id's QEMU thread group is gone (and,
-// when this process is its parent, reaped), or the error of ctx. It watches
-// the pidfd, so it also works for a VM re-attached after an agent restart;
-// a zombie leader with live tasks (vhost or KVM workers) still counts as
-// alive. progress, if not nil, is called every Config.ProgressInterval with
-// the group's state ("2 tasks of pid 4242 still running") so an activity can
-// heartbeat; it runs on the caller's goroutine. With no process recorded
-// WaitExit returns at once, after resolving a launch marker (a QEMU found by
-// its uid and guest name is adopted and waited for).
+// WaitExit returns nil once instance id's whole thread group is gone (a
+// zombie leader with live tasks is alive), or ctx's error. progress, if set,
+// is called every Config.ProgressInterval on the caller's goroutine.
 func (s *Supervisor) WaitExit(ctx context.Context, id string, progress func(proc.Status)) error {
 	rec, err := s.st.Get(id)
 	if err != nil {

@@ -228,10 +228,8 @@ func New(cfg Config) (*Supervisor, error) {
 	}, nil
 }
 
-// Close stops the supervisor's background work (exit watchers, pending
-// restarts) and releases pidfds and QMP connections. The VMs keep running;
-// a new Supervisor re-attaches to them with Start. Calling Close again is a
-// no-op.
+// Close stops background work and releases pidfds and QMP connections; the
+// VMs keep running for the next Start. Idempotent.
 func (s *Supervisor) Close() error {
 	s.mu.Lock()
 	if s.closed {
@@ -269,13 +267,8 @@ func (s *Supervisor) goBackground(fn func()) bool {
 	return true
 }
 
-// DefaultPrepareLaunch is Config.PrepareLaunch when none is set: the
-// record's spec through admission.ForRecord, without a vGPU or images. It
-// refuses a record that asks for or holds a vGPU (ErrNoSpec): the device
-// path depends on the vGPU driver and sysfs root, and the device may have to
-// be re-created first, which only the agent's wiring knows. It refuses a
-// record with a kernel, initrd or disk too: those are opened beneath the
-// agent's image roots (admission.PrepareLaunch).
+// DefaultPrepareLaunch is Config.PrepareLaunch's default: the record's spec
+// alone. It refuses (ErrNoSpec) a vGPU or images, which need the agent's wiring.
 func DefaultPrepareLaunch(_ context.Context, _ *store.Locked, rec *vmflowv1.InstanceRecord) (vmm.VMSpec, error) {
 	if rec.GetSpec() == nil {
 		return vmm.VMSpec{}, fmt.Errorf("instance %s: %w: the record has no spec", rec.GetId(), ErrNoSpec)

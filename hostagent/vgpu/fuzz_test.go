@@ -30,3 +30,28 @@ func FuzzParseCreatable(f *testing.F) {
 		}
 	})
 }
+
+// FuzzParseGPUFilter: --gpu-passthrough comes from an operator. A filter
+// that parses offers only display-class functions, prints back to a
+// string that parses to the same filter, and nothing panics.
+func FuzzParseGPUFilter(f *testing.F) {
+	for _, s := range []string{"", "all", "ALL", "10de:2335", "10de:2335,10DE:2330", " 10de:2335 , 1002:74a1 ", "10de", ",", "all,10de:2335", "10de:233g"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		flt, err := ParseGPUFilter(s)
+		if err != nil {
+			return
+		}
+		again, err := ParseGPUFilter(flt.String())
+		if err != nil || again.String() != flt.String() {
+			t.Fatalf("%q -> %q does not parse back (%v)", s, flt.String(), err)
+		}
+		for _, id := range strings.Split(flt.String(), ",") {
+			v, d, _ := strings.Cut(id, ":")
+			if flt.Match(PCIFunction{Vendor: v, Device: d, Class: 0x040300}) {
+				t.Fatalf("%q offers an audio function", s)
+			}
+		}
+	})
+}

@@ -27,10 +27,8 @@ func (e *ReleaseInProgressError) Error() string {
 		e.Device.Kind, e.Device.ID, e.Since.UTC().Format(time.RFC3339), e.Cause)
 }
 
-// Is makes errors.Is(err, ErrReleaseInProgress), and so its class, true.
-// The context error is deliberately not unwrapped: the caller's deadline
-// is not the release's failure, and callers must not mistake it for their
-// own timeout.
+// Is matches ErrReleaseInProgress and its class, but not the context error:
+// the caller's deadline is not the release's failure.
 func (e *ReleaseInProgressError) Is(target error) bool {
 	return errors.Is(ErrReleaseInProgress, target)
 }
@@ -87,7 +85,33 @@ func (r *releases) do(ctx context.Context, dev Device, write func() error) error
 	}
 	op.waiters++
 	r.mu.Unlock()
+	return r.wait(ctx, dev, op)
+}
 
+// settle waits, as do does, for a write for dev still in flight, and
+// drops an outcome nobody received: afterwards the caller reads the state
+// the kernel shows and the next do starts a write of its own.
+func (r *releases) settle(ctx context.Context, dev Device) error {
+	key := releaseKey(dev)
+	r.mu.Lock()
+	delete(r.unclaimed, key)
+	op := r.inflight[key]
+	if op == nil {
+		r.mu.Unlock()
+		return nil
+	}
+	op.waiters++
+	r.mu.Unlock()
+	err := r.wait(ctx, dev, op)
+	var inProgress *ReleaseInProgressError
+	if errors.As(err, &inProgress) {
+		return err
+	}
+	return nil
+}
+
+// wait waits for op, which counts the caller among its waiters.
+func (r *releases) wait(ctx context.Context, dev Device, op *releaseOp) error {
 	select {
 	case <-op.done:
 		return op.err

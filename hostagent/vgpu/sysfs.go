@@ -10,10 +10,8 @@ import (
 	"syscall"
 )
 
-// DevicePath is dev's directory under sysfsRoot, chosen by dev.Kind (mdev
-// when empty): the path QEMU's vfio-pci device opens, and where the
-// device's iommu_group link is. It is Driver.DevicePath for a device of
-// either ABI, whatever the host's driver.
+// DevicePath is dev's sysfs directory by dev.Kind (mdev when empty): what
+// QEMU's vfio-pci opens and where its iommu_group link is, whatever the driver.
 func DevicePath(sysfsRoot string, dev Device) string {
 	if dev.Kind == KindVendor {
 		return vfPath(sysfsRoot, dev.ID)
@@ -36,15 +34,12 @@ func readAttr(path string) (string, error) {
 	return strings.TrimSpace(string(b)), nil
 }
 
-// writeAttr writes val in one write(2), as sysfs expects, and returns the
-// kernel's errno wrapped in an *os.PathError.
-//
-// It bypasses os.File on purpose: sysfs (kernfs) and FUSE files support
-// poll, so os.File registers them with Go's netpoller and treats an EAGAIN
-// from write(2) as "would block", waiting for writability that never comes.
-// mdev remove answers EAGAIN for "removal in progress", and that must reach
-// the caller as an error, not hang it.
+// writeAttr writes val in one write(2), as sysfs expects, returning the errno
+// in an *os.PathError. Not os.File: the netpoller would turn mdev remove's
+// EAGAIN ("removal in progress") into a wait that never ends.
 func writeAttr(path, val string) error {
+	// sysfs (kernfs) and FUSE files support poll, so os.File would register
+	// them with the netpoller and wait on EAGAIN for writability.
 	fd, err := syscall.Open(path, syscall.O_WRONLY|syscall.O_CLOEXEC, 0)
 	if err != nil {
 		return &os.PathError{Op: "open", Path: path, Err: err}
@@ -71,11 +66,8 @@ func writeRetryEINTR(fd int, b []byte) (int, error) {
 	}
 }
 
-// readEntries reads every entry of the sysfs folder dir with read, in
-// directory order. A missing folder is an empty list, and an entry that
-// vanishes while it is read (a device removed meanwhile, or one that is not
-// of the kind read understands) is skipped; what describes the listing in
-// errors.
+// readEntries reads every entry of sysfs folder dir with read; a missing
+// folder is empty, an entry vanishing meanwhile is skipped.
 func readEntries[T any](ctx context.Context, dir, what string, read func(name string) (T, error)) ([]T, error) {
 	ents, err := os.ReadDir(dir)
 	if errors.Is(err, os.ErrNotExist) {

@@ -330,9 +330,8 @@ func freeVF(vfs []vfState, pl Placement) string {
 	return ""
 }
 
-// Release implements Driver: writes 0 to current_vgpu_type. A VF already at
-// 0, or gone, is success; a VF running a type other than dev.TypeID is left
-// alone (ErrDeviceMismatch). ctx bounds the wait only.
+// Release writes 0 to current_vgpu_type; a VF at 0 or gone is success, one of
+// another type is left alone (ErrDeviceMismatch). ctx bounds the wait only.
 func (d *VendorDriver) Release(ctx context.Context, dev Device) error {
 	if !pciAddr.MatchString(dev.ID) {
 		return fmt.Errorf("vgpu: release vendor vGPU %q: %w", dev.ID, ErrInvalid)

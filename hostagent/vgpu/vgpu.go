@@ -16,6 +16,17 @@
 // the device exists, and Config.OnReleaseDone reports the outcome of every
 // release write, including those that finished after every caller stopped
 // waiting.
+//
+// Whole GPUs (passthrough.go) are the same ABI layer for VFIO passthrough:
+// Passthrough lists display-class PCI functions with their IOMMU groups
+// (GPUs, each with Viable, Marked, Offered), Bind hands a whole group to
+// vfio-pci (BindRequest.Intent writes the lease ahead, Resume finishes a
+// recorded half-done bind) and returns the Binding the lease keeps, Return
+// gives a Binding back to the drivers it had; GPUFilter is
+// --gpu-passthrough. Errors: ErrGroupNotViable, ErrNotGPU, ErrVGPUParent,
+// ErrAlreadyBound (refusals, nothing written), ErrNotOurs (left alone),
+// ErrUnbindFailed, ErrResetFailed, ErrProbeFailed (retryable), and a
+// blocked unbind as ErrReleaseInProgress (Busy).
 package vgpu
 
 import (
@@ -136,12 +147,9 @@ func (req CreateRequest) held(ctx context.Context) ([]Device, error) {
 	return h, nil
 }
 
-// reserveHeld makes profs, read from sysfs, account for held claims whose
-// device does not exist now (exists says which do). Such a claim keeps a
-// slot of its type on its parent (countSlots: when the driver's
-// availability counts devices, not the claims' VFs it already left out),
-// and since a parent runs one vGPU type at a time (NVIDIA GPUs do, and the
-// simulator), every other type on that parent has none.
+// reserveHeld makes profs count held claims whose device is missing now: each
+// keeps a slot of its type on its parent, and as a parent runs one type at a
+// time (NVIDIA, the simulator), other types there have none.
 func reserveHeld(profs []Profile, held []Device, exists map[string]bool, countSlots bool) []Profile {
 	for _, h := range held {
 		if exists[h.ID] {
@@ -156,6 +164,7 @@ func reserveHeld(profs []Profile, held []Device, exists map[string]bool, countSl
 			case p.TypeID != h.TypeID:
 				p.Available = 0
 			case countSlots:
+				// The driver's availability counts devices, not the claims' VFs.
 				p.Available = max(0, p.Available-1)
 				p.Used++
 			}
@@ -170,9 +179,8 @@ func (req CreateRequest) taken(ctx context.Context, choosing bool) (map[string]s
 	return readTaken(ctx, req.Taken, choosing)
 }
 
-// readTaken is the one policy for records that cannot be read: they refuse
-// a choice among existing devices (choosing), and otherwise the readable
-// records decide. A nil taken names nothing.
+// readTaken is the one policy for unreadable records: they refuse choosing
+// among existing devices, else the readable ones decide. nil taken: none.
 func readTaken(ctx context.Context, taken func(context.Context) (map[string]string, error), choosing bool) (map[string]string, error) {
 	if taken == nil {
 		return nil, nil
@@ -184,11 +192,9 @@ func readTaken(ctx context.Context, taken func(context.Context) (map[string]stri
 	return m, nil
 }
 
-// NotClaimedByOther is invariant 10's check on a device the caller already
-// names (an adoption, a re-creation, a release): it reads taken as a create
-// at a known name does (records that cannot be read do not refuse; see
-// CreateRequest.Taken) and refuses with ErrClaimedByOther when another
-// instance's held claim names deviceID. A nil taken names nothing.
+// NotClaimedByOther is invariant 10's check on a device the caller names
+// (adoption, re-creation, release): ErrClaimedByOther if another's held claim
+// names it; unreadable records do not refuse. nil taken: none.
 func NotClaimedByOther(ctx context.Context, taken func(context.Context) (map[string]string, error), deviceID string) error {
 	m, err := readTaken(ctx, taken, false)
 	if err != nil {
@@ -197,11 +203,8 @@ func NotClaimedByOther(ctx context.Context, taken func(context.Context) (map[str
 	return claimedBy(m, deviceID)
 }
 
-// claimedBy is invariant 10's one rule: a device named by another
-// instance's held claim is never chosen, created, adopted, re-created or
-// released for anyone else. taken maps device ids to the instance whose
-// held claim names them; the error (wrapping ErrClaimedByOther) names the
-// device and that instance. The caller adds its own instance.
+// claimedBy is invariant 10's one rule: a device in taken (device -> holding
+// instance) is never acted on for anyone else; the error names both.
 func claimedBy(taken map[string]string, deviceID string) error {
 	if other, ok := taken[deviceID]; ok {
 		return fmt.Errorf("device %s is named by instance %s's held claim: %w", deviceID, other, ErrClaimedByOther)

@@ -81,8 +81,9 @@ type VMSpec struct {
 	Disk *Disk `json:"-"`
 	// VFIO lists sysfs device paths passed through with
 	// -device vfio-pci,sysfsdev=PATH: an mdev
-	// (/sys/bus/mdev/devices/<uuid>) or an SR-IOV VF
-	// (/sys/bus/pci/devices/<bdf>). Absolute, clean paths.
+	// (/sys/bus/mdev/devices/<uuid>), an SR-IOV VF or each function of a
+	// whole GPU's IOMMU group (/sys/bus/pci/devices/<bdf>). Absolute,
+	// clean paths.
 	VFIO []string `json:"vfio,omitempty"`
 	// SerialToLog connects the first serial port to QEMU's stdout, which
 	// Launch sends to the log file.
@@ -298,16 +299,11 @@ const (
 	DiskDeviceID = "vda"
 )
 
-// diskArgs attaches d as an explicit -blockdev chain over two fdsets, one
-// per file (the set id is the fd's own number, unique by construction):
-//
-//	base-file (file, read-only) <- base (raw, read-only) <- backing of
-//	disk0 (qcow2) -> file: overlay-file (file, read-write)
-//
-// QEMU dups from an fdset the fd whose access mode matches what it opens:
-// the base's only fd is O_RDONLY, so nothing in QEMU can get it writable.
-// The guest writes go to the overlay; the base is shared by every VM.
+// diskArgs attaches d as a -blockdev chain, raw read-only base under a qcow2
+// overlay, over one fdset per file. QEMU dups from an fdset the fd whose mode
+// matches its open, so the base's O_RDONLY fd can never become writable.
 func diskArgs(d *Disk, m Machine, fds *FDTable) []string {
+	// Each fdset's id is its fd's number, unique by construction.
 	base := fds.Add(d.Base)
 	overlay := fds.Add(d.Overlay)
 	dev := "virtio-blk-pci"
@@ -343,19 +339,15 @@ func nicArgs(n *NIC, m Machine, fds *FDTable) []string {
 // comma separates options and ",," is a literal comma.
 func optValue(v string) string { return strings.ReplaceAll(v, ",", ",,") }
 
-// Argv returns QEMU's arguments (without argv[0]) for spec with the given
-// paths, numbering the spec's files from a table of its own: BuildArgv with
-// a fresh FDTable. It is pure: it validates, builds and returns; it touches
-// no file.
+// Argv returns QEMU's arguments (without argv[0]) for spec: BuildArgv with a
+// fresh FDTable. Pure: it touches no file.
 func Argv(spec VMSpec, paths Paths) ([]string, error) {
 	return BuildArgv(spec, paths, &FDTable{})
 }
 
-// BuildArgv returns QEMU's arguments for spec with the given paths, adding
-// each file of the spec to fds as the argv names it (kernel, initrd, disk
-// base, disk overlay, the NIC's TAP, in that order) after a number reserved for the QMP
-// listener (Launch fills it): fds.Files() are then the exec.Cmd.ExtraFiles
-// that make those numbers real. It touches no file.
+// BuildArgv returns QEMU's arguments for spec, adding its files to fds in argv
+// order after a number reserved for the QMP listener, so fds.Files() are the
+// ExtraFiles that make those numbers real. It touches no file.
 func BuildArgv(spec VMSpec, paths Paths, fds *FDTable) ([]string, error) {
 	if err := spec.Validate(); err != nil {
 		return nil, err

@@ -94,6 +94,20 @@ func TestArgv(t *testing.T) {
 				"-device", "vfio-pci,sysfsdev=/sys/bus/pci/devices/0000:41:00.4"},
 		},
 		{
+			// A whole GPU on real hardware: each function of its IOMMU
+			// group (the GPU and its audio function) is a vfio-pci device
+			// of its own, named by its PCI directory.
+			name: "q35 passthrough GPU with its audio function",
+			spec: func() VMSpec {
+				s := q35
+				s.VFIO = []string{"/sys/bus/pci/devices/0000:82:00.0", "/sys/bus/pci/devices/0000:82:00.1"}
+				return s
+			}(),
+			want: []string{"-m", "4096", "-smp", "4",
+				"-device", "vfio-pci,sysfsdev=/sys/bus/pci/devices/0000:82:00.0",
+				"-device", "vfio-pci,sysfsdev=/sys/bus/pci/devices/0000:82:00.1"},
+		},
+		{
 			name: "microvm disk is virtio-mmio",
 			spec: VMSpec{Name: "m", VCPUs: 2, MemoryMiB: 256, Machine: MachineMicroVM, Accel: AccelKVM,
 				Kernel: nullFile(t), Disk: &Disk{Base: nullFile(t), Overlay: nullFile(t)}},

@@ -57,10 +57,8 @@ func CgroupLimitsFor(spec VMSpec) CgroupLimits {
 	return CgroupLimits{MemoryBytes: mem, Pids: nprocBase + 2*uint64(spec.VCPUs), CPUWeight: w}
 }
 
-// CgroupName is the name of the cgroup of the QEMU of instance id running
-// as uid: the uid makes it unique on the machine (agents sharing one have
-// disjoint uid ranges, and may have instances of the same id), the id
-// makes it readable. Both are safe as a path element and in a unit name.
+// CgroupName names the cgroup of instance id's QEMU running as uid: the uid
+// makes it unique on the machine (agents have disjoint ranges), the id readable.
 func CgroupName(id string, uid uint32) string { return id + "-" + strconv.FormatUint(uint64(uid), 10) }
 
 // Cgroups places a launched QEMU in a cgroup of its own, named by
@@ -242,10 +240,8 @@ func (s SystemdScope) Remove(ctx context.Context, name string) error {
 	}
 }
 
-// CgroupsFor picks how this host makes a cgroup per VM: a systemd scope
-// when systemd runs (conn dials it; nil for none), cgroup v2 under root
-// when the unified hierarchy has memory, pids and cpu, else cgroup v1 under
-// the agent's own cgroup in each hierarchy.
+// CgroupsFor picks how this host makes a cgroup per VM: a systemd scope when
+// systemd runs, cgroup v2 with memory, pids and cpu, else v1 under the agent's.
 func CgroupsFor(ctx context.Context, root string, dial func(context.Context) (ScopeConn, error)) (Cgroups, error) {
 	if _, err := os.Stat("/run/systemd/system"); err == nil && dial != nil {
 		conn, err := dial(ctx)

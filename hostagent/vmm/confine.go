@@ -48,9 +48,8 @@ func qmpArgs(fd int) []string {
 // started with reaches QEMU.
 const qemuPath = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
-// qemuEnv is QEMU's whole environment: PATH and LC_ALL=C, nothing else (no
-// HOME: QEMU's uid has no home). A nil Env would hand QEMU everything the
-// agent was started with, API keys and TLS keys included (measured).
+// qemuEnv is QEMU's whole environment, PATH and LC_ALL=C: a nil Env would hand
+// QEMU the agent's, API and TLS keys included (measured).
 func qemuEnv() []string { return []string{"PATH=" + qemuPath, "LC_ALL=C"} }
 
 // ErrNoQEMUUID: a launch without a uid of its own. Unconfined QEMU is not a
@@ -63,9 +62,8 @@ var ErrNoQEMUUID = errdefs.Misconfigured.New("qemu needs a uid of its own (not 0
 // LimitMEMLOCK=infinity is missing.
 var ErrMemlockLimit = errdefs.Misconfigured.New("the agent's hard RLIMIT_MEMLOCK is below what a VFIO VM pins (set LimitMEMLOCK=infinity)")
 
-// MemlockLimit is this process's hard RLIMIT_MEMLOCK, which no QEMU it
-// starts can exceed; 0 when it cannot be read (nothing is then refused for
-// it: the launch says what went wrong).
+// MemlockLimit is this process's hard RLIMIT_MEMLOCK, which bounds every QEMU
+// it starts; 0 when unreadable (nothing refused: the launch says what failed).
 func MemlockLimit() uint64 {
 	var own unix.Rlimit
 	if err := unix.Getrlimit(unix.RLIMIT_MEMLOCK, &own); err != nil {
@@ -74,10 +72,9 @@ func MemlockLimit() uint64 {
 	return own.Max
 }
 
-// CheckMemlock refuses a spec whose QEMU would need more locked memory than
-// hard (MemlockLimit; 0 or RLIM_INFINITY: no bound): its launch would fail
-// in the limit wrapper or the jail with no more than "operation not
-// permitted" in qemu.log. Only VFIO VMs pin memory.
+// CheckMemlock refuses a VFIO spec needing more locked memory than hard (0 or
+// infinity: no bound), whose launch would fail with only "operation not
+// permitted" in qemu.log.
 func CheckMemlock(spec VMSpec, hard uint64) error {
 	need := memlockFor(spec)
 	if len(spec.VFIO) == 0 || hard == 0 || hard == unix.RLIM_INFINITY || need <= hard {
@@ -175,10 +172,8 @@ func (c Confinement) check(accel Accel) error {
 	return nil
 }
 
-// sysProcAttr execs QEMU as c.UID with primary gid c.UID, and as its only
-// supplementary group the KVM node's group when it runs under KVM (setgroups
-// replaces root's groups). Setting the uid from root clears every
-// capability (no SECBIT_KEEP_CAPS, no ambient set): CapEff is 0.
+// sysProcAttr execs QEMU as c.UID:c.UID with only the KVM node's group under
+// KVM (setgroups replaces root's); setting the uid from root leaves CapEff 0.
 func (c Confinement) sysProcAttr(accel Accel) *syscall.SysProcAttr {
 	groups := []uint32{}
 	if accel == AccelKVM {
@@ -300,12 +295,9 @@ func wrapperArgs(l Limits, bin string, argv []string) []string {
 // closeRangeCloexec is CLOSE_RANGE_CLOEXEC (linux/close_range.h, 5.11).
 const closeRangeCloexec = 1 << 2
 
-// closeInheritedOnExec marks every descriptor above stderr close-on-exec in
-// the agent, right before a fork: Go opens its own files close-on-exec,
-// but a descriptor the agent inherited without it (from whatever started
-// it) would reach every QEMU. The files a launch names are dup'ed to their
-// numbers in the child, which clears the flag on the copies only; the
-// agent's own use of its descriptors is unchanged.
+// closeInheritedOnExec marks every fd above stderr close-on-exec before a
+// fork, so no descriptor the agent inherited reaches QEMU; the fds a launch
+// names are dup'ed in the child, which clears the flag on the copies only.
 func closeInheritedOnExec() error {
 	if err := unix.CloseRange(3, ^uint(0), closeRangeCloexec); err != nil {
 		return fmt.Errorf("mark inherited descriptors close-on-exec: %w", err)
@@ -313,11 +305,8 @@ func closeInheritedOnExec() error {
 	return nil
 }
 
-// listenQMP binds and listens on the QMP socket at path and returns the
-// listening socket as a file to pass to QEMU (close-on-exec here; exec.Cmd
-// gives it to the child as QMPFD). The socket file is the agent's, in the
-// root-only instance directory: the agent and a re-attaching agent dial it,
-// QEMU only accepts on the fd.
+// listenQMP listens on the QMP socket at path, in the root-only instance dir,
+// and returns it as the file QEMU gets as QMPFD: QEMU only accepts on the fd.
 func listenQMP(path string) (*os.File, error) {
 	fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
@@ -334,10 +323,8 @@ func listenQMP(path string) (*os.File, error) {
 	return os.NewFile(uintptr(fd), path), nil
 }
 
-// VFIOGroupNode is the VFIO group node (<devRoot>/vfio/<iommu group>) of a
-// sysfs device QEMU attaches (VMSpec.VFIO: /sys/bus/mdev/devices/<uuid> or
-// /sys/bus/pci/devices/<vf>), "" when the device has no iommu_group link
-// (the vGPU simulator's devices, or a device gone meanwhile).
+// VFIOGroupNode is the VFIO group node (<devRoot>/vfio/<group>) of a sysfs
+// device, "" when it has no iommu_group link (the simulator, or gone).
 func VFIOGroupNode(devRoot, sysfsdev string) (string, error) {
 	target, err := os.Readlink(filepath.Join(sysfsdev, "iommu_group"))
 	if errors.Is(err, fs.ErrNotExist) {
@@ -349,10 +336,9 @@ func VFIOGroupNode(devRoot, sysfsdev string) (string, error) {
 	return filepath.Join(devRoot, "vfio", filepath.Base(target)), nil
 }
 
-// GiveVFIOGroup makes uid (and gid uid) the owner of a VFIO group node for
-// as long as the instance holds the device's claim: QEMU, unprivileged,
-// opens it by its owner bits. A node that does not exist is nothing to give
-// (the simulator). The node itself is not followed if it is a symlink.
+// GiveVFIOGroup makes uid:uid own a VFIO group node while the instance holds
+// the claim, for unprivileged QEMU to open; a missing node is nothing to give,
+// a symlink is not followed.
 func GiveVFIOGroup(node string, uid uint32) error {
 	return chownNode(node, int(uid))
 }

@@ -32,14 +32,12 @@ func (t *FDTable) Add(f *os.File) int {
 	return firstInheritedFD + len(t.files) - 1
 }
 
-// Reserve hands out the next number for a file given later with Fill: the
-// QMP listener, which Launch binds only once the argv (which names its
-// number) is known to be valid.
+// Reserve hands out the next number for a file given later with Fill (the QMP
+// listener, bound only once the argv is known valid).
 func (t *FDTable) Reserve() int { return t.Add(nil) }
 
-// Fill gives the file for a number Reserve handed out. A number that was
-// not reserved, or was filled already, is an error: the argv and the fd
-// table must never disagree.
+// Fill gives the file for a reserved number; any other number, or a second
+// fill, is an error, so argv and fd table never disagree.
 func (t *FDTable) Fill(fd int, f *os.File) error {
 	i := fd - firstInheritedFD
 	if i < 0 || i >= len(t.files) || t.files[i] != nil {

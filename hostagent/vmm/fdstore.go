@@ -46,9 +46,8 @@ type FDStore interface {
 	Remove(name string) error
 }
 
-// LogFDName is the store name of the log pipe of instance id's QEMU running
-// as uid (FDNAME: at most 255 characters, no ':' or control character; an
-// instance id is [a-z0-9._-]).
+// LogFDName is the fd store name of the log pipe of id's QEMU running as uid
+// (fits FDNAME's rules for any instance id).
 func LogFDName(id string, uid uint32) string { return logFDPrefix + CgroupName(id, uid) }
 
 const logFDPrefix = "vmflow-log."
@@ -76,11 +75,9 @@ type SystemdFDStore struct {
 	handed map[string]*os.File
 }
 
-// NewSystemdFDStore is the store of this process when systemd runs it with
-// a notify socket, nil otherwise. It takes the descriptors systemd handed
-// back (LISTEN_FDS, LISTEN_FDNAMES, for this pid: LISTEN_PID), marks them
-// close-on-exec and unsets the variables, so nothing started later sees
-// them.
+// NewSystemdFDStore is this process's store when systemd runs it with a notify
+// socket, else nil; it takes the handed-back fds close-on-exec and unsets
+// LISTEN_*, so nothing started later sees them.
 func NewSystemdFDStore() (*SystemdFDStore, error) {
 	sock := os.Getenv("NOTIFY_SOCKET")
 	if sock == "" {
@@ -96,9 +93,8 @@ func NewSystemdFDStore() (*SystemdFDStore, error) {
 	return &SystemdFDStore{Socket: sock, handed: handed}, nil
 }
 
-// SystemdFDStoreFor is the store at the notify socket sock with handed as
-// what systemd handed back (NewSystemdFDStore builds it from the
-// environment; tests from a stand-in for systemd).
+// SystemdFDStoreFor is the store at notify socket sock with handed as what
+// systemd handed back (for tests: a stand-in for systemd).
 func SystemdFDStoreFor(sock string, handed map[string]*os.File) *SystemdFDStore {
 	if handed == nil {
 		handed = map[string]*os.File{}
@@ -154,11 +150,9 @@ func (s *SystemdFDStore) Take(name string) *os.File {
 	return f
 }
 
-// Prune drops from the store, and closes, every descriptor systemd handed
-// back that nobody has taken and keep does not claim: the log pipes of VMs
-// whose records are gone (deleted while no agent ran), which systemd would
-// otherwise hold, and this agent keep open, for the unit's whole life. It
-// returns the names dropped.
+// Prune drops and closes every handed-back fd nobody took and keep does not
+// claim (log pipes of deleted VMs, otherwise held for the unit's whole life)
+// and returns their names.
 func (s *SystemdFDStore) Prune(keep func(name string) bool) ([]string, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()

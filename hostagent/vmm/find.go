@@ -46,34 +46,10 @@ type FindConfig struct {
 	ReadMem func(path string) ([]byte, error)
 }
 
-// FindUnrecorded returns the QEMUs of an instance that its record does not
-// name: the processes an agent forked for it and died before recording
-// (invariant 11). A candidate must run the configured QEMU binary (same
-// device and inode, or that path deleted by an upgrade since) and lead its
-// own session (vmm forks QEMU with Setsid); then, with cfg.UID, run as that
-// uid (real, effective, saved and filesystem) and carry -name
-// guest=<cfg.Name>. Only root can start a process as a uid, the uid is in
-// the launch marker's write (before the fork) and in no other record, and
-// QEMU's sandbox forbids it to spawn anything: uid, executable and session
-// make the proof, the name makes a mix-up of records visible. Legacy
-// markers: with cfg.Nonce, the environment must hold LaunchNonceEnv=<nonce>.
-// With neither, FindUnrecorded looks for nothing and returns
-// ErrNoLaunchIdentity: a command line alone proves nothing (anyone can start
-// the QEMU binary in a session of its own with the instance's -qmp
-// argument).
-//
-// An error wrapping proc.ErrCannotTell means a candidate could not be read
-// in time (its mmap lock held: VFIO teardown, a hung mount): some QEMU of
-// the instance may run. See proc.Find for what is read and how it is
-// bounded.
-//
-// The pre-exec window: a child forked but not yet exec'd still runs the
-// agent's binary and is not found. Callers close that window by looking
-// under the instance's store lock: the lock is an flock on a file the agent
-// opened close-on-exec, and a forked child shares that open file, so the
-// lock stays held until the child has exec'd (or died). Whoever holds the
-// lock therefore sees the rlimit wrapper (LimitWrapper, found by the same
-// uid and name), QEMU, or no child at all.
+// FindUnrecorded returns the processes of a launch its record does not name
+// (invariant 11): QEMU, its rlimit wrapper or jail stage, proved by executable,
+// session, cfg.UID and -name guest=<Name> (legacy cfg.Nonce; neither:
+// ErrNoLaunchIdentity). Call under the instance lock; proc.ErrCannotTell: may run.
 func FindUnrecorded(ctx context.Context, cfg FindConfig) ([]proc.Identity, error) {
 	bin, err := resolveBinary(cfg.Binary)
 	if err != nil {
@@ -85,9 +61,14 @@ func FindUnrecorded(ctx context.Context, cfg FindConfig) ([]proc.Identity, error
 	}
 	// Argv never renames QEMU (no -name process=), so its comm is the
 	// name it was exec'd by.
+	// Exe matches by device and inode (or the path deleted by an upgrade);
+	// vmm forks QEMU with Setsid, so it leads its own session.
 	q := proc.FindQuery{Exe: exe, Comm: proc.CommOf(bin), SessionLeader: true, ReadMem: cfg.ReadMem}
 	switch {
 	case cfg.UID != 0:
+		// The proof: only root starts a process as a uid, this one is in this
+		// record's launch-marker write alone, and QEMU's sandbox spawns
+		// nothing. The name makes a mix-up of records visible.
 		if cfg.Name == "" {
 			return nil, errdefs.Internal.Errorf("find qemu of uid %d: no name given", cfg.UID)
 		}
@@ -97,8 +78,13 @@ func FindUnrecorded(ctx context.Context, cfg FindConfig) ([]proc.Identity, error
 		q.Env = LaunchNonceEnv + "=" + cfg.Nonce
 		q.Hint = fsx.ReadPIDFile(cfg.Paths.PIDFile)
 	default:
+		// A command line alone proves nothing: anyone can start the QEMU
+		// binary in a session of its own with the instance's -qmp argument.
 		return nil, fmt.Errorf("find qemu of %s: %w", cfg.Paths.QMPSocket, ErrNoLaunchIdentity)
 	}
+	// A child forked but not yet exec'd runs the agent's binary and is not
+	// found. Callers look under the instance's store lock: an flock on a file
+	// opened close-on-exec that the child shares until it execs (or dies).
 	ids, err := proc.Find(ctx, q)
 	if err != nil {
 		return nil, fmt.Errorf("find qemu of %s: %w", cfg.Paths.QMPSocket, err)
@@ -133,11 +119,9 @@ func FindUnrecorded(ctx context.Context, cfg FindConfig) ([]proc.Identity, error
 	return append(ids, setup...), nil
 }
 
-// findJailSetup finds a jail setup stage of the launch: the setup binary, a
-// session leader, "qemu-jail" with cfg.UID in its configuration and
-// -name guest=<Name> in QEMU's argv after it, running as root (real,
-// effective, saved and filesystem uid 0: only root starts it so, and the
-// agent is the only root that starts it with an instance's uid).
+// findJailSetup finds a launch's jail setup stage: the setup binary, leading
+// its session, all uids root (only the agent starts it with an instance's uid),
+// "qemu-jail" with cfg.UID in its configuration and -name guest=<Name> after.
 func findJailSetup(ctx context.Context, cfg FindConfig, q proc.FindQuery) ([]proc.Identity, error) {
 	exe, err := proc.StatExecutable(cfg.JailSetup)
 	if err != nil {

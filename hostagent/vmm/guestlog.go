@@ -225,11 +225,8 @@ func startGuestLog(r *os.File, path string) *GuestLog {
 	return g
 }
 
-// readLoop drains the pipe until EOF (every writer gone: QEMU exited) or
-// Stop closes it. It never blocks on the writer: what finds the pending
-// buffer full is dropped. Output arrives in small reads (a serial port
-// writes a byte at a time), so the writer takes everything pending in one
-// write.
+// readLoop drains the pipe until EOF (QEMU exited) or Stop, never blocking on
+// the writer: what finds the pending buffer full is dropped.
 func (g *GuestLog) readLoop() {
 	defer close(g.read)
 	buf := make([]byte, guestLogChunk)
@@ -325,11 +322,9 @@ func (g *GuestLog) waitEOF(d time.Duration) bool {
 	}
 }
 
-// Stop ends the pump: after waiting up to drain for EOF (QEMU exited: its
-// last words are still in the pipe), it closes the pipe. The writer finishes
-// what is queued on its own; Drained says when. What QEMU writes afterwards,
-// with no reader left, fails with EPIPE in QEMU (QEMU ignores SIGPIPE) and is
-// lost, until a re-attach reopens the pipe. Stop may be called more than once.
+// Stop waits up to drain for EOF (QEMU's last words), then closes the pipe;
+// Drained says when the writer finished. Later output is lost until a
+// re-attach (QEMU ignores the EPIPE). Idempotent.
 func (g *GuestLog) Stop(drain time.Duration) {
 	if drain > 0 {
 		g.waitEOF(drain)
@@ -357,16 +352,11 @@ func (g *GuestLog) Stop(drain time.Duration) {
 // read on disk.
 const guestLogFlush = 2 * time.Second
 
-// guestOutput is how Launch sets up QEMU's stdout and stderr: both are the
-// write end of a pipe whose read end the returned GuestLog pumps into the
-// bounded log at path. The caller gives w to QEMU (cmd.Stdout = cmd.Stderr =
-// w) and closes its own copy right after the fork, so the pump sees EOF when
-// QEMU is gone. On error nothing is left open.
-//
-// A pipe rather than the file itself: a file would be QEMU's to grow without
-// bound. After an agent restart, CaptureLog reopens the same pipe through
-// /proc/<pid>/fd/1.
+// guestOutput returns the write end w for QEMU's stdout and stderr and the
+// GuestLog pumping the read end into the bounded log at path; close w after
+// the fork so the pump sees EOF. A pipe, as a file would grow without bound.
 func guestOutput(path string) (w *os.File, g *GuestLog, err error) {
+	// After an agent restart CaptureLog reopens this pipe via /proc/<pid>/fd/1.
 	r, w, err := os.Pipe()
 	if err != nil {
 		return nil, nil, fmt.Errorf("guest log pipe: %w", err)
@@ -374,11 +364,9 @@ func guestOutput(path string) (w *os.File, g *GuestLog, err error) {
 	return w, startGuestLog(r, path), nil
 }
 
-// openStdoutPipe opens, for reading, the pipe that is fd 1 of process pid.
-// Opening /proc/<pid>/fd/1 makes a new reader of that very pipe (it works
-// like a FIFO's open), where pidfd_getfd would only give back QEMU's write
-// end. O_NONBLOCK: the open never waits, and the runtime poller can unblock
-// a Read when the pump stops.
+// openStdoutPipe opens a new reader of the pipe that is pid's fd 1 (like a
+// FIFO's open; pidfd_getfd would give QEMU's write end), O_NONBLOCK so the
+// open never waits and Stop can unblock a Read.
 func openStdoutPipe(pid int) (*os.File, error) {
 	path := "/proc/" + strconv.Itoa(pid) + "/fd/1"
 	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
@@ -406,12 +394,9 @@ const (
 	logFenceClose = "»"
 )
 
-// QuoteLog makes guest-controlled log text safe to put into an error, a log
-// line or the Web UI: control characters (escape sequences, carriage
-// returns, bidi overrides) are removed, line breaks become " ⏎ " so the text
-// stays on one line, invalid UTF-8 becomes U+FFFD, the fence's own markers
-// inside the text become '"', and the result is fenced «qemu.log: ...» so it
-// cannot pose as vmflow's own words. Empty input gives «qemu.log: (empty)».
+// QuoteLog makes guest-controlled log text safe for an error, a log line or
+// the Web UI: one line, no control characters, valid UTF-8, and fenced
+// «qemu.log: ...» so it cannot pose as vmflow's own words.
 func QuoteLog(b []byte) string {
 	var sb strings.Builder
 	sb.WriteString(logFenceOpen)

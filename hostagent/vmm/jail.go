@@ -93,14 +93,9 @@ var libDirs = []string{
 	"/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib64", "/lib", "/usr/lib",
 }
 
-// jailFiles lists what QEMU binary bin needs in its root, and the symlinks
-// on the way to those files (merged /usr's /lib64 -> usr/lib64, a library's
-// soname link), to be recreated there: the binary, its
-// interpreter and libraries (recursively), the module folder with the
-// libraries its modules need (a module whose library is not installed is
-// left out: QEMU only fails when it loads that module), and the firmware
-// folders. Every path is the real one (symlinks resolved), since binds land
-// at their own paths.
+// jailFiles lists, as real paths (binds land at their own paths), what QEMU
+// binary bin needs in its root: binary, interpreter, libraries, modules whose
+// libraries are installed, firmware; and the symlinks on the way to recreate.
 func jailFiles(bin string) ([]string, [][2]string, error) {
 	seen := map[string]bool{}
 	links := map[string]string{}
@@ -282,9 +277,8 @@ func jailArgv(setup string, cfg jailConfig, bin string, argv []string) ([]string
 	return append([]string{setup, JailSetupCommand, string(b), "--", bin}, argv...), nil
 }
 
-// JailMain is the setup stage (JailSetupCommand): args are CONFIG -- QEMU
-// ARGV. It returns only on failure, after writing why to stderr (QEMU's log),
-// with the exit code to exit with.
+// JailMain is the setup stage (JailSetupCommand), args CONFIG -- QEMU ARGV; it
+// returns only on failure, having said why on stderr (QEMU's log).
 func JailMain(args []string) int {
 	// Capabilities and the ambient set are per thread: everything from the
 	// drop to the exec happens on this one.
@@ -466,11 +460,8 @@ func setLimits(l Limits) error {
 	return nil
 }
 
-// dropPrivileges makes the process uid:uid with groups as its only
-// supplementary groups (every thread: Go's syscall package applies the
-// credential calls to all of them), then clears what capabilities a
-// non-root exec could keep (the ambient set; file capabilities are not
-// honoured under no_new_privs).
+// dropPrivileges makes every thread uid:uid with only groups, then clears the
+// ambient capabilities (file capabilities are ignored under no_new_privs).
 func dropPrivileges(uid uint32, groups []uint32) error {
 	gs := make([]int, len(groups))
 	for i, g := range groups {
@@ -549,12 +540,9 @@ func (l *launch) jailCmd(j Jail, bin string, argv []string, limits Limits, files
 	}, nil
 }
 
-// sysView is the part of /sys a QEMU with these VFIO devices sees: each
-// device's own folder (QEMU stats it, reads its iommu_group link and
-// resolves its subsystem link to tell an mdev from a PCI function), the
-// path it was given linked to that folder, and an empty folder where the
-// subsystem link leads. Not the parent GPU, not sibling mdevs of other VMs,
-// not the rest of sysfs.
+// sysView is the /sys a QEMU with these VFIO devices sees: each device's own
+// folder, its given path linked to it and an empty subsystem target; not the
+// parent GPU, other VMs' mdevs or the rest of sysfs.
 func sysView(devices []string) (binds, dirs []string, links [][2]string, err error) {
 	for _, p := range devices {
 		real, err := filepath.EvalSymlinks(p)
@@ -583,9 +571,8 @@ type jailFileSet struct {
 	links [][2]string
 }
 
-// jailFilesCached is jailFiles, read once per binary path for the agent's
-// life (an upgrade of QEMU's libraries under a running agent keeps the old
-// list: restart the agent, as for any QEMU upgrade).
+// jailFilesCached is jailFiles, once per binary for the agent's life: a QEMU
+// upgrade needs an agent restart, as always.
 func jailFilesCached(bin string) (jailFileSet, error) {
 	if v, ok := jailFilesCache.Load(bin); ok {
 		return v.(jailFileSet), nil

@@ -112,16 +112,9 @@ func reportTo(ch chan error) func(error) {
 	}
 }
 
-// Launch starts QEMU for cfg.Spec in a session of its own, with stdout and
-// stderr going through a pipe into the bounded, rotating log at
-// cfg.Paths.Log (DefaultLogFiles of DefaultLogMaxBytes), and returns once
-// QMP reports it running. On any failure it kills and reaps QEMU, removes
-// the socket, calls OnFailed and only then returns the error (invariant 5).
-// A launch may be retried with the same paths: a stale socket is removed
-// first.
-//
-// ctx bounds the launch only: QEMU is deliberately not tied to it (no
-// exec.CommandContext), since it must outlive the call and the agent.
+// Launch starts QEMU for cfg.Spec in its own session, output through a pipe
+// into the bounded log, and returns once QMP says running; on failure nothing
+// remains (invariant 5). Retryable with the same paths. QEMU outlives ctx.
 func Launch(ctx context.Context, cfg LaunchConfig) (*VM, error) {
 	// The agent's copies of the images are not needed past the fork (QEMU
 	// has its own) nor by a launch that never forks.
@@ -303,11 +296,9 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 	return vm, nil
 }
 
-// setGuestOutput gives QEMU its stdout and stderr: one pipe into the
-// bounded, rotating log at Paths.Log (guestOutput), pumped by this process
-// and, after a restart, by the next agent (VM.CaptureLog). It returns the
-// parent's copy of the write end, which the caller closes once QEMU is
-// forked. The pump is l's to stop on failure.
+// setGuestOutput pipes QEMU's stdout and stderr into the bounded log
+// (guestOutput) and returns the parent's write end to close after the fork;
+// the pump is l's to stop on failure.
 func (l *launch) setGuestOutput(cmd *exec.Cmd) (*os.File, error) {
 	w, g, err := guestOutput(l.cfg.Paths.Log)
 	if err != nil {
@@ -325,11 +316,9 @@ func (l *launch) setGuestOutput(cmd *exec.Cmd) (*os.File, error) {
 	return w, nil
 }
 
-// confineCmd sets what confines QEMU on cmd (confine.go): its minimal
-// environment, its uid, gid and only supplementary group, the files it gets
-// by number (the QMP listener as fd QMPFD, then the images), and / as its
-// working directory (never the instance directory, which QEMU's uid cannot
-// read).
+// confineCmd sets QEMU's confinement on cmd (confine.go): environment, uid,
+// groups, files by number, and / as working directory (QEMU's uid cannot read
+// the instance directory).
 func confineCmd(cmd *exec.Cmd, c Confinement, accel Accel, files []*os.File) {
 	cmd.Env = qemuEnv()
 	cmd.Dir = "/"
@@ -386,10 +375,8 @@ func (l *launch) waitQMP(ctx context.Context) (*Monitor, error) {
 	}
 }
 
-// notYetListening: QEMU has not created the socket, or not listened yet.
-// A dial that hit the launch deadline counts too: the net package can report
-// its i/o timeout an instant before ctx.Err() turns non-nil, and the loop's
-// ctx.Done case is where a timeout becomes ErrLaunchTimeout.
+// notYetListening: QEMU has not listened yet. A dial at the launch deadline
+// counts too, so the loop's ctx.Done case is where ErrLaunchTimeout comes from.
 func notYetListening(err error) bool {
 	return errors.Is(err, fs.ErrNotExist) || errors.Is(err, syscall.ECONNREFUSED) ||
 		errors.Is(err, os.ErrDeadlineExceeded) || errors.Is(err, context.DeadlineExceeded)
@@ -519,11 +506,9 @@ func RemoveStaleSocket(ctx context.Context, path string) error {
 	return nil
 }
 
-// Attach returns a VM for a QEMU this process did not start (after an agent
-// restart), identified by its record. It opens a pidfd and re-verifies the
-// identity; a process that is gone, or a pid now held by another process,
-// gives proc.ErrNotFound or proc.ErrIdentityMismatch. QMP is connected on
-// demand.
+// Attach returns a VM for a QEMU this process did not start, by a pidfd
+// re-verified against id (proc.ErrNotFound, proc.ErrIdentityMismatch); QMP
+// connects on demand.
 func Attach(id proc.Identity, paths Paths) (*VM, error) {
 	if !id.Valid() {
 		return nil, fmt.Errorf("attach %v: %w", id, ErrInvalidIdentity)
@@ -544,9 +529,8 @@ func (v *VM) Child() *proc.Child { return v.child }
 // Paths are the VM's socket, pidfile and log.
 func (v *VM) Paths() Paths { return v.paths }
 
-// Monitor returns the VM's QMP connection, connecting if there is none or
-// the previous one ended. QEMU serves one QMP client per socket: use this
-// rather than dialing a second one.
+// Monitor returns the VM's QMP connection, reconnecting if it ended; QEMU
+// serves one client per socket, so never dial a second.
 func (v *VM) Monitor(ctx context.Context) (*Monitor, error) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
@@ -567,11 +551,8 @@ func (v *VM) Monitor(ctx context.Context) (*Monitor, error) {
 	return m, nil
 }
 
-// QMPViolation receives a QMP protocol violation (ErrQMPProtocol: a
-// message longer than maxQMPMessage, a line that is not QMP) of any of the
-// VM's monitors: the monitor dropped that connection, and the QEMU behind
-// it is not to be trusted. At most one waits; the next arrives after it is
-// taken.
+// QMPViolation receives a QMP protocol violation (ErrQMPProtocol) of any of
+// the VM's monitors: the QEMU behind it is not to be trusted.
 func (v *VM) QMPViolation() <-chan error { return v.violations }
 
 // Closed is closed once Close was called.
@@ -626,13 +607,9 @@ func (v *VM) Stop(ctx context.Context, cfg StopConfig) (StopResult, error) {
 	return res, err
 }
 
-// CaptureLog starts pumping the guest output of an attached VM (one this
-// process did not start) into its bounded log, reading QEMU's stdout pipe
-// through /proc/<pid>/fd/1: what QEMU wrote while no agent read is lost
-// beyond what the pipe still held. A VM already capturing (a launched one)
-// is left as it is. ErrLogNotPipe: a QEMU launched by an agent from before
-// the bounded log writes qemu.log itself; nothing to capture until its next
-// launch.
+// CaptureLog starts pumping an attached VM's output into its bounded log via
+// /proc/<pid>/fd/1 (a launched VM captures already). ErrLogNotPipe: an older
+// QEMU writing qemu.log itself.
 func (v *VM) CaptureLog() error {
 	v.mu.Lock()
 	defer v.mu.Unlock()
@@ -692,10 +669,8 @@ func (v *VM) LogStats() (st LogStats, ok bool) {
 	return g.Stats(), true
 }
 
-// Close releases the monitor connection, the guest-output pump and the
-// pidfd. QEMU keeps running; its output waits in the pipe (and is lost
-// beyond its buffer) until a re-attach captures it again. For a VM that has
-// exited, the pump first reads what QEMU left in the pipe.
+// Close releases the monitor, the output pump (draining an exited QEMU's
+// output first) and the pidfd; QEMU keeps running.
 func (v *VM) Close() error {
 	v.closeOnce.Do(func() { close(v.closed) })
 	v.mu.Lock()

@@ -45,16 +45,9 @@ type OverlayConfig struct {
 	QEMUImg string
 }
 
-// OpenOverlay returns the instance's qcow2 overlay opened read-write,
-// creating it first when it does not exist yet (the first launch, or the
-// first launch of a record written before overlays existed). An existing
-// overlay is kept as it is: the guest's writes survive restarts, and only
-// the instance's removal deletes it. created says whether it was made now.
-//
-// Creation is "qemu-img create -f qcow2 -u -F raw -b BackingName" into
-// Temp, fsync, rename to Path, fsync of the directory: a crash leaves no
-// half-written overlay under Path. -u: qemu-img does not open the backing
-// file (the size comes from the base fd the agent holds).
+// OpenOverlay opens the instance's qcow2 overlay read-write, creating it when
+// missing (created); an existing one is kept, so the guest's writes survive
+// restarts until the instance is removed.
 func OpenOverlay(ctx context.Context, cfg OverlayConfig) (f *os.File, created bool, err error) {
 	f, err = openOverlay(cfg.Path)
 	if err == nil || !errors.Is(err, fs.ErrNotExist) {
@@ -86,6 +79,9 @@ func openOverlay(path string) (*os.File, error) {
 	return f, nil
 }
 
+// createOverlay runs qemu-img create into Temp, fsyncs, renames to Path and
+// fsyncs the dir, so no half-written overlay is ever at Path. -u: qemu-img
+// leaves the backing unopened (the size comes from the base fd).
 func createOverlay(ctx context.Context, cfg OverlayConfig) error {
 	if cfg.Base == nil {
 		return errdefs.Internal.Errorf("%w: no base image", ErrOverlay)

@@ -168,10 +168,8 @@ type Monitor struct {
 	closeOnce sync.Once
 }
 
-// DialQMP connects to the QMP socket at path, waits for the greeting and
-// negotiates capabilities. Events that arrive before the greeting are kept
-// as events, never mistaken for it. ctx bounds the whole handshake; without
-// a deadline DefaultQMPTimeout applies.
+// DialQMP connects to the QMP socket at path and negotiates capabilities;
+// events before the greeting stay events. ctx bounds it (DefaultQMPTimeout).
 func DialQMP(ctx context.Context, path string) (*Monitor, error) {
 	return dialQMP(ctx, path, nil)
 }
@@ -292,9 +290,8 @@ func readLine(r *bufio.Reader) ([]byte, error) {
 	}
 }
 
-// pushEvent keeps one event's raw message and never blocks: when nobody
-// drains Events, the oldest is dropped so replies keep flowing (go-qemu
-// blocks here instead). line is the reader's own copy.
+// pushEvent keeps one event's raw message without blocking: when nobody drains
+// Events the oldest is dropped so replies keep flowing.
 func (m *Monitor) pushEvent(line []byte) {
 	m.mu.Lock()
 	if len(m.evq) == eventBuffer {
@@ -388,10 +385,8 @@ func (m *Monitor) deliver(msg message) {
 	}
 }
 
-// Events returns the events QEMU sent, oldest first, each decoded as it is
-// taken. The monitor keeps the latest 64 as bytes; older ones are dropped
-// when nobody reads. The channel is never closed (Done tells when the
-// connection ended; events kept before it can still be read until Close).
+// Events returns QEMU's events, oldest first (the latest 64 kept). Never
+// closed: Done says when the connection ended.
 func (m *Monitor) Events() <-chan Event {
 	m.eventsOnce.Do(func() { go m.feedEvents() })
 	return m.events
@@ -407,19 +402,16 @@ func (m *Monitor) DroppedEvents() uint64 {
 // Done is closed when the connection has ended. That is not QEMU's exit.
 func (m *Monitor) Done() <-chan struct{} { return m.readDone }
 
-// Violation is the protocol violation (ErrQMPProtocol) for which the
-// monitor dropped the connection, or nil: while it is open, and when it
-// ended for any other reason.
+// Violation is the protocol violation (ErrQMPProtocol) for which the monitor
+// dropped the connection, else nil.
 func (m *Monitor) Violation() error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	return m.violation
 }
 
-// Execute runs command with args (nil for none) and decodes the reply's
-// "return" into out (nil to ignore it). ctx bounds the call; without a
-// deadline DefaultQMPTimeout applies. A call that gives up leaves the
-// connection usable: its late reply is recognised by id and dropped.
+// Execute runs command with args and decodes "return" into out (nil: ignore).
+// ctx bounds it (DefaultQMPTimeout); a late reply after giving up is dropped.
 func (m *Monitor) Execute(ctx context.Context, command string, args, out any) error {
 	ctx, cancel := withDefaultTimeout(ctx, DefaultQMPTimeout)
 	defer cancel()
@@ -530,9 +522,8 @@ func (m *Monitor) SystemPowerdown(ctx context.Context) error {
 	return m.Execute(ctx, "system_powerdown", nil, nil)
 }
 
-// Quit asks QEMU to exit. QEMU sends SHUTDOWN (reason host-qmp-quit), the
-// reply, then EOF; a connection that ends before the reply is reported as
-// ErrMonitorClosed. Neither the reply nor the EOF means QEMU is gone.
+// Quit asks QEMU to exit (ErrMonitorClosed if the connection ends before the
+// reply); neither the reply nor the EOF means QEMU is gone.
 func (m *Monitor) Quit(ctx context.Context) error {
 	return m.Execute(ctx, "quit", nil, nil)
 }

@@ -120,15 +120,10 @@ type StopResult struct {
 	Exit *proc.Exit `json:"exit,omitempty"`
 }
 
-// Stop runs the stop ladder on the QEMU cfg.Identity names, a child or not:
-// system_powerdown → wait GracefulTimeout → quit → wait QuitTimeout →
-// SIGKILL through the pidfd → wait KillTimeout for the whole thread group.
-// It returns nil only once the group is gone (the pidfd says so; QMP's EOF
-// never counts), a *StillAliveError when it outlived the cap, or another
-// error (the caller's context ended, a hook failed) that never means
-// "stopped". A process already gone is success at once. Stop signals a
-// process only through a pidfd opened and verified against the identity
-// (invariant 3).
+// Stop runs the stop ladder on cfg.Identity's QEMU: powerdown, quit, SIGKILL
+// through a verified pidfd (invariant 3), each with its wait. nil only once the
+// whole group is gone (never on QMP's EOF), else a *StillAliveError or an
+// error that never means "stopped".
 func Stop(ctx context.Context, cfg StopConfig) (res StopResult, err error) {
 	start := time.Now()
 	defer func() { res.Total = time.Since(start) }()

@@ -30,10 +30,9 @@ const IDPattern = `^[a-z0-9][a-z0-9-]{0,62}$`
 // an id is a valid DNS label and a short path component.
 const MaxIDLen = 63
 
-// CheckID returns nil for an id matching IDPattern and says why otherwise.
-// It is IDPattern checked by hand (no regexp on the store's hot path, and
-// none in workflow code); FuzzCheckID keeps the two equal. A valid id is
-// one plain path component: never "", "..", "a/b".
+// CheckID returns nil for an id matching IDPattern, checked by hand (no regexp
+// on hot paths or in workflows; FuzzCheckID keeps them equal): one plain path
+// component, never "", "..", "a/b".
 func CheckID(id string) error {
 	if id == "" {
 		return fmt.Errorf("empty (must match %s)", IDPattern)

@@ -41,6 +41,9 @@ const (
 	// AgentReattached: the agent re-attached its records at start, before
 	// it serves activities.
 	AgentReattached = "agent.reattached"
+	// StoreMigrated: agent start wrote one record back in the current
+	// shape (Store.Migrate); re-attach has not run.
+	StoreMigrated = "store.migrate.written"
 
 	// StoreCreateDir: Create made the instance directory durable; no
 	// record is in it yet.
@@ -139,7 +142,7 @@ const (
 
 // All lists every point, in the order of the constants above.
 var All = []string{
-	AgentReattached,
+	StoreMigrated, AgentReattached,
 	StoreCreateDir, StoreWriteTemp, StoreWriteRenamed, ActivityCreateRecordDone,
 	ClaimIntentWritten, ClaimDeviceCreated, ClaimActivated, ActivityClaimVGPUDone,
 	StoreUIDLedgerWritten, LaunchBeforeFork, LaunchForked, LaunchPIDRecorded, LaunchQMPReady, LaunchRunningRecorded, ActivityLaunchVMDone,

@@ -34,15 +34,12 @@ func (c *Class) Error() string { return c.name }
 // failed, with nobody changing the request or the host.
 func (c *Class) Retryable() bool { return c.retryable }
 
-// New returns a sentinel error of class c with text as its whole message:
-// errors.Is(err, sentinel) and errors.Is(err, c) both hold for an err that
-// wraps it.
+// New returns a sentinel of class c with text as its message: errors.Is holds
+// for both the sentinel and c.
 func (c *Class) New(text string) error { return &sentinel{text: text, class: c} }
 
-// Errorf is fmt.Errorf's error, of class c: for an error made where it
-// happens, with no sentinel of its own, whose class is known there. Its
-// text is fmt.Errorf's, and %w wraps as there; a class it wraps that comes
-// first in Classes still wins.
+// Errorf is fmt.Errorf of class c, for an error with no sentinel made where its
+// class is known; a wrapped class earlier in Classes still wins.
 func (c *Class) Errorf(format string, a ...any) error {
 	return &classed{err: fmt.Errorf(format, a...), class: c}
 }
@@ -67,10 +64,8 @@ func (s *sentinel) Error() string { return s.text }
 // chain, and errors.Unwrap, stay as they were.
 func (s *sentinel) Is(target error) bool { return target == s.class }
 
-// Context returns a sentinel that has no class of its own on purpose: it
-// names the step that failed (a caller's hook, a disk overlay), and the
-// error it wraps beside it decides the class, or makes it a HostError when
-// that came from outside.
+// Context returns a classless sentinel naming the failed step (a hook, an
+// overlay): the error beside it decides the class, or HostError if foreign.
 func Context(text string) error { return errors.New(text) }
 
 // The classes. Non-retryable ones need a changed request or an operator;

@@ -26,12 +26,9 @@ type Hooks struct {
 	Renamed func()
 }
 
-// WriteFile replaces path with data so that a crash or a power cut at any
-// instant leaves either the old file or the new one, never a torn mix or
-// nothing, and so that the new content is durable once it returns: a temp
-// file in the same directory (TempPrefix + base name + random suffix, mode
-// 0600, O_EXCL so no symlink is followed), then Install. A failed write
-// removes its temp file; one a crash leaves is RemoveStaleTemps's.
+// WriteFile replaces path with data so a crash leaves the old file or the new,
+// durable on return: an O_EXCL 0600 temp file beside it, then Install. A
+// crash's temp file is RemoveStaleTemps's.
 func WriteFile(path string, data []byte, h *Hooks) (err error) {
 	dir, name := filepath.Split(path)
 	f, err := os.CreateTemp(dir, TempPrefix+name+"-*")
@@ -52,9 +49,8 @@ func WriteFile(path string, data []byte, h *Hooks) (err error) {
 	return install(f, path, h)
 }
 
-// Install makes a file another program wrote at tmp durable under path, in
-// path's directory: fsync tmp, rename it over path, fsync the directory. On
-// an error tmp may remain; the caller removes it.
+// Install makes a file another program wrote at tmp durable under path (fsync,
+// rename, fsync dir); on error the caller removes tmp.
 func Install(tmp, path string, h *Hooks) error {
 	if filepath.Dir(tmp) != filepath.Dir(path) {
 		return fmt.Errorf("install %s as %s: not in the same directory", tmp, path)
@@ -70,11 +66,9 @@ func Install(tmp, path string, h *Hooks) error {
 	return nil
 }
 
-// install is the one place a file is made durable and renamed into place.
-// The file's fsync makes its data durable before any name points at it (else
-// a power cut after the rename leaves an empty file); the directory's fsync
-// makes the rename itself durable (else a power cut brings back the old file
-// after the writer was told the new one is there, or no file at all).
+// install is the one place a file is made durable and renamed into place: the
+// file's fsync before the rename (else a power cut leaves it empty), the
+// directory's after (else it brings back the old file, or none).
 func install(f *os.File, path string, h *Hooks) error {
 	tmp := f.Name()
 	if err := f.Sync(); err != nil {
@@ -115,9 +109,8 @@ func SyncDir(dir string) error {
 	return nil
 }
 
-// RemoveStaleTemps removes the temp files a crashed WriteFile left in dir.
-// Call it only while no WriteFile into dir can be in flight (under the lock
-// that serialises the writers), or it removes a live writer's temp file.
+// RemoveStaleTemps removes a crashed WriteFile's temp files in dir; call it
+// only under the writers' lock, or it removes a live writer's.
 func RemoveStaleTemps(dir string) error {
 	entries, err := os.ReadDir(dir)
 	if err != nil {
@@ -137,9 +130,8 @@ func RemoveStaleTemps(dir string) error {
 	return errors.Join(errs...)
 }
 
-// MkdirAll is os.MkdirAll that also fsyncs the parent of every directory
-// it creates, so a tree made on first start survives a power cut with the
-// files later written durably into it.
+// MkdirAll is os.MkdirAll that fsyncs each new directory's parent, so the tree
+// survives a power cut along with the files later written into it.
 func MkdirAll(path string, perm os.FileMode) error {
 	path = filepath.Clean(path)
 	fi, err := os.Stat(path)

@@ -32,11 +32,9 @@ type Lock struct {
 	f *os.File
 }
 
-// LockFile takes an exclusive lock on path, creating the file (0600) if
-// needed, polling until ctx ends; then the error wraps ErrLockHeld and
-// ctx.Err(). A holder may unlink the lock file (Release(true)), so after
-// locking it checks that path still names the locked inode; a lock on an
-// unlinked file excludes nobody, so it then starts over on the new file.
+// LockFile takes an exclusive lock on path (created 0600), polling until ctx
+// ends (ErrLockHeld). A holder may unlink the file, so it re-checks the inode
+// and starts over on a new file: a lock on an unlinked one excludes nobody.
 func LockFile(ctx context.Context, path string) (*Lock, error) {
 	wait := lockPollMin
 	var timer *time.Timer
@@ -122,9 +120,8 @@ func closeWith(f *os.File, err error) error {
 	return err
 }
 
-// Release unlinks the lock file first when remove is set (only safe while
-// holding the lock: waiters re-check the inode), then drops the lock by
-// closing the file.
+// Release unlinks the lock file first when remove is set (safe only while held:
+// waiters re-check the inode), then unlocks by closing it.
 func (l *Lock) Release(remove bool) error {
 	var errs []error
 	if remove {

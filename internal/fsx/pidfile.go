@@ -11,9 +11,8 @@ import (
 // must not). A QEMU an older agent started still has one: it is read as a
 // hint when adopting, and removed once that QEMU is gone.
 
-// ReadPIDFile is the pid a QEMU -pidfile at path names, 0 when there is none
-// or it does not hold a positive number. Only a hint: callers check the
-// process it names like any other.
+// ReadPIDFile is the positive pid a QEMU -pidfile at path names, else 0; only a
+// hint, checked like any other pid.
 func ReadPIDFile(path string) int {
 	if path == "" {
 		return 0
@@ -29,10 +28,8 @@ func ReadPIDFile(path string) int {
 	return n
 }
 
-// RemovePIDFile removes the pidfile at path if it still names pid. QEMU
-// removes it on a clean exit but not when killed; a file naming another pid
-// belongs to another QEMU and stays. Best effort: a file left behind is only
-// a stale hint.
+// RemovePIDFile removes path if it still names pid (QEMU leaves it when
+// killed; another pid's is another QEMU's). Best effort: a stale hint.
 func RemovePIDFile(path string, pid int) {
 	if pid > 0 && ReadPIDFile(path) == pid {
 		_ = os.Remove(path)

@@ -14,11 +14,9 @@ import (
 	"unicode/utf8"
 )
 
-// unsafeRune reports whether r must not reach a terminal as it is: C0
-// controls (tab and newline included: they forge columns and rows), DEL, C1
-// controls (U+0080-U+009F: U+009B is a one-character CSI on terminals that
-// honour 8-bit controls), and the bidirectional formatting characters
-// ("Trojan Source", CVE-2021-42574).
+// unsafeRune reports whether r must not reach a terminal raw: C0 (tab and
+// newline forge columns and rows), DEL, C1 (U+009B is a one-character CSI),
+// and bidi formatting ("Trojan Source", CVE-2021-42574).
 func unsafeRune(r rune) bool {
 	switch {
 	case r < 0x20, r == 0x7f, r >= 0x80 && r <= 0x9f:
@@ -42,9 +40,8 @@ func Needed(s string) bool {
 	return false
 }
 
-// Escape returns s with every unsafe rune written as Go writes it in a
-// quoted string (\x1b, \n, \u009b, \u202e) and every byte that is not UTF-8
-// as \xNN; printable text, a backslash included, is kept as it is.
+// Escape writes every unsafe rune of s as a Go quoted string would (\x1b,
+// \u202e) and non-UTF-8 bytes as \xNN; printable text is kept.
 func Escape(s string) string {
 	if !Needed(s) {
 		return s
@@ -74,12 +71,9 @@ func Escape(s string) string {
 	return b.String()
 }
 
-// EscapeJSON returns JSON text js with every unsafe rune that is not ASCII
-// written as a \uXXXX escape. JSON encoders escape C0 controls in strings
-// already but pass C1 and bidirectional controls through; outside strings
-// JSON is ASCII, so every rune this rewrites is inside a string, where the
-// escape means the same character. Invalid UTF-8 is left to the encoder
-// (encoding/json, protojson and zap write U+FFFD for it).
+// EscapeJSON writes every non-ASCII unsafe rune of JSON js as \uXXXX: encoders
+// pass C1 and bidi controls through, and outside strings JSON is ASCII, so the
+// escape means the same character.
 func EscapeJSON(js []byte) []byte {
 	clean := true
 	for i := 0; i < len(js); {

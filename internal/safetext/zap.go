@@ -5,10 +5,8 @@ import (
 	"go.uber.org/zap/zapcore"
 )
 
-// JSONEncoder wraps zap's JSON encoder so that every log line is passed
-// through EscapeJSON: zap escapes C0 controls but writes C1 and
-// bidirectional controls raw, and a log read with journalctl or tail on a
-// terminal would act on them.
+// JSONEncoder is zap's JSON encoder through EscapeJSON: zap writes C1 and bidi
+// controls raw, which a terminal running journalctl would act on.
 func JSONEncoder(cfg zapcore.EncoderConfig) zapcore.Encoder {
 	return jsonEncoder{zapcore.NewJSONEncoder(cfg)}
 }

@@ -77,9 +77,8 @@ func (r *Readiness) ServeHTTP(w http.ResponseWriter, _ *http.Request) {
 	fmt.Fprintln(w, "ready")
 }
 
-// Healthz answers /healthz: 200 while the process serves HTTP at all.
-// Liveness only; a probe that restarts on /readyz would restart an agent
-// that is waiting for Temporal, which supervision does not need.
+// Healthz answers 200 while the process serves HTTP: liveness only, since an
+// agent waiting for Temporal still supervises and must not be restarted.
 func Healthz(w http.ResponseWriter, _ *http.Request) {
 	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
 	fmt.Fprintln(w, "ok")

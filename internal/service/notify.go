@@ -25,13 +25,9 @@ func notify(log *zap.Logger, state string) {
 	}
 }
 
-// Watchdog sends WATCHDOG=1 every half of WATCHDOG_USEC (systemd's
-// WatchdogSec, set for this process) until ctx ends, but only while alive
-// answers within a quarter of the interval: a ping proves the work the
-// service exists for still moves, not that some goroutine still ticks, so a
-// wedged service is restarted by systemd. Without a watchdog it returns at
-// once. Half the interval is systemd's own advice: one ping may come late
-// without the service being killed.
+// Watchdog pings systemd's watchdog every half WATCHDOG_USEC (systemd's advice)
+// while alive answers within a quarter, so a wedged service is restarted, not
+// one whose goroutines merely tick. Returns at once without a watchdog.
 func Watchdog(ctx context.Context, log *zap.Logger, alive func(context.Context) error) error {
 	every, err := daemon.SdWatchdogEnabled(false)
 	if err != nil {
@@ -57,9 +53,8 @@ func Watchdog(ctx context.Context, log *zap.Logger, alive func(context.Context) 
 	}
 }
 
-// probe runs alive bounded by timeout. A probe that never returns (a
-// mutex held for good, a read stuck in D state) is left behind: the process
-// is about to be killed by systemd anyway.
+// probe runs alive bounded by timeout; one that never returns is left behind,
+// as systemd is about to kill the process.
 func probe(ctx context.Context, timeout time.Duration, alive func(context.Context) error) error {
 	if alive == nil {
 		return nil

@@ -70,9 +70,8 @@ func (b Build) Fields() []zap.Field {
 	return []zap.Field{zap.String("version", b.Version), zap.String("revision", b.Revision), zap.String("go_version", b.GoVersion)}
 }
 
-// BuildInfoCollector is the vmflow_build_info gauge: always 1, the build in
-// its labels, so a dashboard shows which build each host and worker runs
-// and a query can join it onto any other series by instance.
+// BuildInfoCollector is vmflow_build_info: 1, with the build in its labels, to
+// show and join which build each host and worker runs.
 func (b Build) BuildInfoCollector() prometheus.Collector {
 	g := prometheus.NewGauge(prometheus.GaugeOpts{
 		Name:        "vmflow_build_info",

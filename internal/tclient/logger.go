@@ -59,9 +59,8 @@ var (
 	_ log.WithSkipCallers = (*ZapLogger)(nil)
 )
 
-// NewZapLogger wraps z. The wrapper adds one stack frame, skipped here so
-// zap's caller field points at the SDK code (or workflow code) that logged.
-// A nil z logs nothing.
+// NewZapLogger wraps z, skipping the wrapper's frame so zap's caller is the
+// code that logged; a nil z logs nothing.
 func NewZapLogger(z *zap.Logger) *ZapLogger {
 	if z == nil {
 		z = zap.NewNop()
@@ -95,10 +94,8 @@ func (l *ZapLogger) WithCallerSkip(skip int) log.Logger {
 	return &ZapLogger{z: l.z.WithOptions(zap.AddCallerSkip(skip))}
 }
 
-// Fields turns the SDK's alternating key/value list into zap fields with
-// vmflow's key spellings. A key without a value is kept under
-// "missing_value" rather than dropped, and a non-string key is printed, so a
-// malformed call never loses information or panics.
+// Fields turns the SDK's key/value list into zap fields with vmflow's key
+// spellings; a malformed list never loses information or panics.
 func Fields(keyvals ...any) []zap.Field {
 	fields := make([]zap.Field, 0, (len(keyvals)+1)/2)
 	for i := 0; i < len(keyvals); i += 2 {
@@ -133,9 +130,8 @@ func LogKey(key string) string {
 	return snakeCase(key)
 }
 
-// snakeCase turns CamelCase (with acronyms: "TaskFirstEventID",
-// "HTTPServer") into snake_case ("task_first_event_id", "http_server").
-// Keys that are already snake_case come back unchanged.
+// snakeCase turns CamelCase, acronyms included ("HTTPServer"), into
+// snake_case; snake_case comes back unchanged.
 func snakeCase(s string) string {
 	rs := []rune(s)
 	var b strings.Builder

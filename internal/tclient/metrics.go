@@ -67,9 +67,8 @@ func WithMetricsLogger(l *zap.Logger) MetricsOption {
 	}
 }
 
-// NewMetrics builds the registry (with the Go runtime and process
-// collectors and vmflow_build_info), an OTel MeterProvider exporting into
-// it, and the SDK's metrics handler over that provider.
+// NewMetrics builds the registry (runtime, process, vmflow_build_info), an
+// OTel MeterProvider exporting into it and the SDK's handler over it.
 func NewMetrics(opts ...MetricsOption) (*Metrics, error) {
 	m := &Metrics{Registry: prometheus.NewRegistry(), Readiness: service.NewReadiness(), log: zap.NewNop()}
 	for _, o := range opts {
@@ -107,11 +106,8 @@ func NewMetrics(opts ...MetricsOption) (*Metrics, error) {
 	return m, nil
 }
 
-// latencyView gives every histogram the SDK records vmflow's latency
-// bounds. The SDK's histograms are all timers recorded in seconds (the
-// contrib handler's Timer: unit "s", d.Seconds()); OTel's default bounds
-// (0, 5, 10, ... 10000) are meant for milliseconds and would put almost
-// every SDK latency in one bucket.
+// latencyView gives every SDK histogram (all timers, in seconds) vmflow's
+// latency bounds (service.LatencyBuckets).
 func latencyView() sdkmetric.View {
 	return sdkmetric.NewView(
 		sdkmetric.Instrument{Kind: sdkmetric.InstrumentKindHistogram},
@@ -119,13 +115,9 @@ func latencyView() sdkmetric.View {
 	)
 }
 
-// AllowTypes names the workflow and activity types this process registered:
-// SDK metrics labelled with any other workflow_type or activity_type are
-// reported as OtherType. Anyone who can schedule in the namespace chooses
-// those names (an activity nobody registered still reaches the worker that
-// polls the queue, and is labelled with its name), so without a bound each
-// new name is a new series for ever. Until AllowTypes is called every name is
-// "other". Safe to call at any time; it replaces the previous lists.
+// AllowTypes names the workflow and activity types this process registered;
+// SDK metrics with any other (anyone who can schedule chooses them) are
+// labelled OtherType, so names cannot grow series for ever. Replaces the lists.
 func (m *Metrics) AllowTypes(workflowTypes, activityTypes []string) {
 	n := &typeNames{workflows: map[string]bool{}, activities: map[string]bool{}}
 	for _, w := range workflowTypes {
@@ -137,9 +129,8 @@ func (m *Metrics) AllowTypes(workflowTypes, activityTypes []string) {
 	m.allowed.Store(n)
 }
 
-// SDKHandler is what client.Options.MetricsHandler takes: the SDK's OTel
-// handler, with its workflow_type and activity_type labels bounded to the
-// names AllowTypes lists.
+// SDKHandler is client.Options.MetricsHandler: the SDK's OTel handler with its
+// type labels bounded by AllowTypes.
 func (m *Metrics) SDKHandler() client.MetricsHandler { return boundedHandler{h: m.sdk, m: m} }
 
 // boundedHandler maps the caller-chosen labels of the SDK's metrics to
@@ -181,9 +172,8 @@ func (m *Metrics) Handler() http.Handler {
 	return promhttp.HandlerFor(m.Registry, promhttp.HandlerOpts{Registry: m.Registry})
 }
 
-// Serve serves /metrics, /healthz and /readyz on addr until ctx is done,
-// then shuts the server down (with a short grace for a scrape in flight) and
-// returns nil. A listen failure is returned at once.
+// Serve serves /metrics, /healthz and /readyz on addr until ctx is done, then
+// shuts down with a short grace; a listen failure returns at once.
 func (m *Metrics) Serve(ctx context.Context, addr string) error {
 	ln, err := (&net.ListenConfig{}).Listen(ctx, "tcp", addr)
 	if err != nil {

@@ -17,11 +17,8 @@ import (
 	"vmflow/internal/contract"
 )
 
-// SearchAttributes returns vmflow's search attributes (named in contract)
-// and their types, a new map each call, so callers may change it. Both
-// binaries ensure them at start; the dev server registers them with
-// --search-attribute. The workflows' typed keys (workflows.SearchAttributes)
-// must agree; a test there checks.
+// SearchAttributes returns a fresh map of vmflow's search attributes and
+// their types; workflows.SearchAttributes must agree (a test there checks).
 func SearchAttributes() map[string]enumspb.IndexedValueType {
 	return map[string]enumspb.IndexedValueType{
 		contract.SAInstanceID:     enumspb.INDEXED_VALUE_TYPE_KEYWORD,
@@ -35,12 +32,9 @@ func SearchAttributes() map[string]enumspb.IndexedValueType {
 // EnsureSearchAttributes returns when the caller may not create attributes.
 var ErrSearchAttributePermission = errors.New("permission denied creating search attributes")
 
-// EnsureSearchAttributes makes sure every attribute in attrs exists in
-// namespace with its type, creating the missing ones through the operator
-// service. It is idempotent (present ones are left alone, and another
-// process creating the same ones at the same moment is fine). An attribute
-// that exists with another type is an error: vmflow would write values the
-// server cannot index.
+// EnsureSearchAttributes creates the attributes of attrs missing in namespace;
+// idempotent, also against a concurrent creator. One with another type is an
+// error: the server could not index vmflow's values.
 func EnsureSearchAttributes(ctx context.Context, c client.Client, namespace string, attrs map[string]enumspb.IndexedValueType) error {
 	if c == nil {
 		return errors.New("ensure search attributes: nil client")
@@ -128,10 +122,8 @@ func isPermissionDenied(err error) bool {
 	return errors.As(err, &svc) && svc.Status().Code() == codes.PermissionDenied
 }
 
-// createCommands is what an admin runs to create attrs: one command per
-// attribute, joined with " && ". One command with several --name and one
-// --type does not work: CLI v1.5.1 pairs names and types by index, so it
-// creates the first name only and the next start fails the same way.
+// createCommands is the admin's command to create attrs, one per attribute:
+// CLI v1.5.1 pairs several --name with --type by index, creating only the first.
 func createCommands(namespace string, attrs map[string]enumspb.IndexedValueType) string {
 	var cmds []string
 	for _, name := range slices.Sorted(maps.Keys(attrs)) {

@@ -14,15 +14,9 @@ import (
 // host agent refuses to connect (and keeps supervising); the worker exits.
 var ErrInsecureTransport = errors.New("insecure Temporal transport refused (pass --insecure to allow it)")
 
-// TransportRisks lists what is insecure about copts' connection, in words,
-// empty when nothing is:
-//   - credentials (an API key) sent over plaintext, readable on the wire;
-//   - TLS that does not verify the server (skip-verify): anyone on the path
-//     can pose as Temporal and hand the agent activities;
-//   - plaintext to an address that is not loopback.
-//
-// Plaintext to a loopback address without credentials (make dev, the tests'
-// dev servers) is fine.
+// TransportRisks lists in words what is insecure about copts' connection:
+// credentials over plaintext, TLS skip-verify (anyone on the path can hand the
+// agent activities), plaintext off loopback. Empty when nothing is.
 func TransportRisks(copts client.Options) []string {
 	tlsOn := copts.ConnectionOptions.TLS != nil && !copts.ConnectionOptions.TLSDisabled
 	var risks []string
@@ -38,10 +32,8 @@ func TransportRisks(copts client.Options) []string {
 	return risks
 }
 
-// CheckTransport refuses copts' connection when TransportRisks finds
-// anything and insecure (the --insecure flag) is false: an error wrapping
-// ErrInsecureTransport that names every risk. With insecure it returns nil;
-// the caller logs the risks.
+// CheckTransport refuses a risky connection unless insecure (--insecure, then
+// the caller logs the risks): ErrInsecureTransport naming every risk.
 func CheckTransport(copts client.Options, insecure bool) error {
 	risks := TransportRisks(copts)
 	if len(risks) == 0 || insecure {
@@ -50,11 +42,9 @@ func CheckTransport(copts client.Options, insecure bool) error {
 	return fmt.Errorf("temporal at %s: %s: %w", copts.HostPort, strings.Join(risks, "; "), ErrInsecureTransport)
 }
 
-// IsLoopback reports whether a Temporal host:port (optionally with a gRPC
-// resolver scheme such as dns:///) names this machine only: "localhost", a
-// loopback IP, or the unspecified address (0.0.0.0, ::), which Linux
-// connects to this machine: `make dev` with DEV_IP=0.0.0.0 dials it. Any
-// other name may resolve anywhere.
+// IsLoopback reports whether a Temporal host:port (with an optional resolver
+// scheme) names this machine only: localhost, a loopback IP or the unspecified
+// address, which Linux connects locally (make dev with DEV_IP=0.0.0.0).
 func IsLoopback(hostPort string) bool {
 	if i := strings.Index(hostPort, ":///"); i >= 0 {
 		hostPort = hostPort[i+len(":///"):]

@@ -10,20 +10,16 @@ import (
 	"go.temporal.io/sdk/client"
 )
 
-// BilledActions counts a history's actions the way Temporal Cloud bills
-// them (docs.temporal.io/cloud/actions), by kind: workflow started (plus
-// the schedule action when a Schedule started it; continue-as-new and
-// child starts show as the new run's start), activity attempt, timer,
-// signal received, update accepted, search-attribute upsert (not the SDK's
-// TemporalChangeVersion upsert, which Cloud exempts: it is listed under a
-// "(not billed)" key that Sum skips), side effect, local activity. Billed
-// kinds that leave no event are not here: activity heartbeats that reach
-// the server, queries, rejected updates.
+// BilledActions counts a history's actions by kind as Temporal Cloud bills them
+// (docs.temporal.io/cloud/actions). Kinds that leave no event (heartbeats,
+// queries, rejected updates) are missing; exempt ones go under "(not billed)"
+// keys, which Sum skips.
 func BilledActions(events []*historypb.HistoryEvent) map[string]int {
 	out := map[string]int{}
 	for _, e := range events {
 		switch e.GetEventType() {
 		case enumspb.EVENT_TYPE_WORKFLOW_EXECUTION_STARTED:
+			// Continue-as-new and child starts show as the new run's start.
 			out["workflow-started"]++
 			if _, ok := e.GetWorkflowExecutionStartedEventAttributes().GetSearchAttributes().GetIndexedFields()["TemporalScheduledById"]; ok {
 				out["schedule-action"]++

@@ -23,11 +23,9 @@ type child struct {
 	log  *os.File
 }
 
-// startChild starts cmd (whose Stdout/Stderr it sets to logPath, appended)
-// so that it dies with the test binary: a timeout panic or kill -9 of the
-// test must not leave it holding ports and files for the next run.
-// cred, when not nil, runs it as another user; PR_SET_PDEATHSIG survives
-// that because Go sets it after changing credentials.
+// startChild starts cmd, output appended to logPath, so it dies with the test
+// binary (PR_SET_PDEATHSIG, which Go sets after cred's change of user) rather
+// than hold ports and files for the next run.
 func startChild(name string, cmd *exec.Cmd, logPath string, cred *syscall.Credential) (*child, error) {
 	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {

@@ -86,9 +86,8 @@ type Server struct {
 	proc *child // nil before the first start
 }
 
-// Binary finds the temporal CLI: $VMFLOW_TEMPORAL, or bin/temporal in the
-// module root found by walking up from the working directory (go test runs
-// in the package's folder).
+// Binary finds the temporal CLI: $VMFLOW_TEMPORAL, or bin/temporal in the module
+// root above the working directory.
 func Binary() (string, error) {
 	if p := os.Getenv(EnvBinary); p != "" {
 		if _, err := os.Stat(p); err != nil {
@@ -150,11 +149,9 @@ var shared struct {
 	dir  string
 }
 
-// Shared returns one headless server for the whole test binary, started on
-// first use, so e2e tests do not each pay for a start. Tests sharing it must
-// use their own workflow ids and task queues. It is stopped by StopShared
-// (call it from TestMain) or, failing that, killed with the test binary
-// (the child gets SIGKILL when its parent dies).
+// Shared returns one headless server for the test binary, started on first use;
+// tests sharing it use their own ids and queues. StopShared (from TestMain)
+// stops it, else it dies with the binary.
 func Shared(t testing.TB) *Server {
 	t.Helper()
 	bin := RequireBinary(t)
@@ -171,9 +168,8 @@ func Shared(t testing.TB) *Server {
 	return shared.srv
 }
 
-// StopShared stops the shared servers (dev server and PostgreSQL backend),
-// those that were started, and removes their files. For TestMain, after
-// m.Run.
+// StopShared stops the shared servers started and removes their files; for
+// TestMain, after m.Run.
 func StopShared() error {
 	var errs []error
 	if shared.srv != nil {
@@ -452,12 +448,9 @@ func (s *Server) signal(sig syscall.Signal) error {
 	return c.stop(sig, 15*time.Second)
 }
 
-// Restart kills the server (SIGKILL: the crash a restart test means, not a
-// clean shutdown) and starts it again on the same ports with the same DB
-// file, so running workflows continue and clients reconnect. The ports
-// must be the same, so a start that fails (another process may have bound
-// one of them meanwhile, if only for a moment) is retried on them until
-// Options.StartTimeout has passed.
+// Restart SIGKILLs the server (a crash, not a shutdown) and starts it on the
+// same ports and DB, so workflows continue; a start on a port taken meanwhile
+// is retried until Options.StartTimeout.
 func (s *Server) Restart() error {
 	if err := s.Kill(); err != nil {
 		return err
@@ -491,9 +484,8 @@ func (s *Server) waitErr() error {
 // logTail is the end of the server's log, for start failures.
 func (s *Server) logTail() string { return logTail(s.LogFile()) }
 
-// testLogger logs warnings and errors to stderr: go test shows them only
-// for a failing package, and unlike zaptest it is safe to use from SDK
-// goroutines that outlive a test.
+// testLogger logs warnings and errors to stderr (shown for a failing package),
+// safe, unlike zaptest, from SDK goroutines outliving a test.
 func testLogger() *zap.Logger {
 	cfg := zap.NewDevelopmentEncoderConfig()
 	core := zapcore.NewCore(zapcore.NewConsoleEncoder(cfg), zapcore.Lock(os.Stderr), zapcore.WarnLevel)
@@ -512,10 +504,8 @@ func (s *Server) MetricsAddress() string {
 // ErrNoMetrics: the server was started without Options.Metrics.
 var ErrNoMetrics = errors.New("devserver: started without metrics (Options.Metrics)")
 
-// Actions reads the server's own `action` counter, the one Temporal Cloud's
-// billing mirrors, summed per action_type over namespace (all namespaces
-// when namespace is ""). It includes what the server itself does, e.g. its
-// internal scheduler workflows in temporal_system.
+// Actions sums the server's own `action` counter, which Cloud billing mirrors,
+// per action_type over namespace ("" for all), the server's own work included.
 func (s *Server) Actions(ctx context.Context, namespace string) (map[string]float64, error) {
 	if s.metricsPort == 0 {
 		return nil, ErrNoMetrics

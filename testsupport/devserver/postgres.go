@@ -160,9 +160,8 @@ func postgresBinDir() (string, error) {
 	return "", fmt.Errorf("%w: no initdb and postgres in %v (%s)", ErrNoPostgres, dirs, EnvPostgresBin)
 }
 
-// schemaDirOf is schema/postgresql/v12 of the module the server was built
-// from, in the module cache: its version is read from the binary, so the
-// Makefile's version is the only place it is written.
+// schemaDirOf is the server module's schema/postgresql/v12 in the module cache,
+// its version read from the binary, so the Makefile alone names it.
 func schemaDirOf(server string) (string, error) {
 	info, err := buildinfo.ReadFile(server)
 	if err != nil {
@@ -179,9 +178,8 @@ func schemaDirOf(server string) (string, error) {
 	return dir, nil
 }
 
-// RequirePostgres skips t when the PostgreSQL backend cannot run here (no
-// server build, no PostgreSQL): `make tools` provides both, so CI never
-// skips.
+// RequirePostgres skips t without a server build or PostgreSQL (`make tools`
+// provides both, so CI never skips).
 func RequirePostgres(t testing.TB) {
 	t.Helper()
 	if _, err := newPostgres(PostgresOptions{}); err != nil {
@@ -222,9 +220,8 @@ func newPostgres(o PostgresOptions) (*PostgresServer, error) {
 	return &PostgresServer{cli: cli, server: server, sqlTool: sqlTool, schemaDir: schema, pgBin: pgBin, root: root, opts: o}, nil
 }
 
-// StartPostgres runs a PostgreSQL cluster and a Temporal server on it for
-// t, with the namespace and vmflow's search attributes set up by
-// deploy/setup-temporal.sh (unless NoSetup), and stops both when t ends.
+// StartPostgres runs PostgreSQL and a Temporal server on it for t, set up by
+// deploy/setup-temporal.sh unless NoSetup, and stops both when t ends.
 func StartPostgres(t testing.TB, o PostgresOptions) *PostgresServer {
 	t.Helper()
 	RequirePostgres(t)
@@ -568,8 +565,7 @@ func (s *PostgresServer) serving(ctx context.Context) error {
 }
 
 // setupNamespace runs deploy/setup-temporal.sh against this server for
-// namespace (the namespace and vmflow's search attributes) and returns
-// its error with its output.
+// namespace, returning its error with its output.
 func (s *PostgresServer) setupNamespace(ctx context.Context, namespace string) error {
 	cmd := exec.CommandContext(ctx, "bash", filepath.Join(s.root, setupTemporalPath))
 	cmd.Env = append(os.Environ(),
@@ -640,9 +636,8 @@ func (s *PostgresServer) PostgresPid() int {
 	return s.pg.pid()
 }
 
-// Stop ends the Temporal server (SIGTERM), then PostgreSQL (SIGINT, its
-// fast shutdown), each with 15 s before SIGKILL. Its files stay (StartPostgres
-// removes them).
+// Stop ends Temporal (SIGTERM), then PostgreSQL (SIGINT, fast shutdown), each
+// SIGKILLed after 15 s; the files stay.
 func (s *PostgresServer) Stop() error {
 	s.mu.Lock()
 	srv, pg := s.srv, s.pg

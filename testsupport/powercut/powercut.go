@@ -112,10 +112,9 @@ func (f *FS) Cut() {
 	f.mu.Unlock()
 }
 
-// Restart cuts the power if it is still on, unmounts, brings every file and
-// directory back to its last fsynced state and mounts again at the same
-// place. Let the writers stop first (every operation fails once cut): a
-// file still open keeps the old mount alive, detached, answering EIO.
+// Restart cuts the power if on, unmounts, restores every file and directory to
+// its last fsync and remounts. Stop the writers first: an open file keeps the
+// old mount alive, detached, answering EIO.
 func (f *FS) Restart() error {
 	f.Cut()
 	if err := f.unmount(); err != nil {
@@ -384,9 +383,8 @@ func (x *fnode) Unlink(ctx context.Context, name string) syscall.Errno { return 
 
 func (x *fnode) Rmdir(ctx context.Context, name string) syscall.Errno { return x.remove(name, true) }
 
-// Rename follows rename(2): a file replaces a file, a directory replaces an
-// empty directory; RENAME_NOREPLACE refuses any target, RENAME_EXCHANGE is
-// not supported.
+// Rename follows rename(2); RENAME_NOREPLACE refuses any target,
+// RENAME_EXCHANGE is not supported.
 func (x *fnode) Rename(ctx context.Context, name string, newParent fs.InodeEmbedder, newName string, flags uint32) syscall.Errno {
 	if !x.lock() {
 		x.unlock()
@@ -479,9 +477,8 @@ func (x *fnode) Write(ctx context.Context, fh fs.FileHandle, data []byte, off in
 	return uint32(len(data)), 0
 }
 
-// Fsync makes a file's content, or a directory's entries, durable: what
-// Restart brings back. A directory's fsync covers its names, not the
-// content of the files they name.
+// Fsync makes a file's content, or a directory's names (not their files'
+// content), durable: what Restart brings back.
 func (x *fnode) Fsync(ctx context.Context, fh fs.FileHandle, flags uint32) syscall.Errno {
 	if !x.lock() {
 		x.unlock()

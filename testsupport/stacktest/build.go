@@ -37,10 +37,9 @@ func ModuleRoot() (string, error) {
 	}
 }
 
-// BuildBinaries builds vmflow-worker and vmflow-hostagent from this
-// checkout into dir (so tests never run stale bin/ files) and returns their
-// paths. They are built with the crash points compiled in
-// (crashpoint.BuildTag), which production builds never have.
+// BuildBinaries builds vmflow-worker and vmflow-hostagent from this checkout
+// into dir (never stale bin/ files), with the crash points compiled in
+// (crashpoint.BuildTag, never in production), and returns their paths.
 func BuildBinaries(ctx context.Context, dir string) (worker, agent string, err error) {
 	if err := GoBuild(ctx, "-tags", crashpoint.BuildTag, "-o", dir+"/", "./worker", "./hostagent"); err != nil {
 		return "", "", err
@@ -51,10 +50,8 @@ func BuildBinaries(ctx context.Context, dir string) (worker, agent string, err e
 // Stamp is the version and revision a build says it is.
 type Stamp struct{ Version, Revision string }
 
-// Build builds package pkg of this checkout ("./worker") into the file out.
-// With a stamp it gets `make build`'s -ldflags for that version and
-// revision, read from `make print-ldflags` so that the flags live in the
-// Makefile alone.
+// Build builds package pkg of this checkout into out; with a stamp, with `make
+// build`'s -ldflags from `make print-ldflags`, so they live in the Makefile alone.
 func Build(ctx context.Context, out, pkg string, stamp *Stamp) error {
 	args := []string{"-o", out}
 	if stamp != nil {
@@ -72,9 +69,8 @@ func Build(ctx context.Context, out, pkg string, stamp *Stamp) error {
 	return GoBuild(ctx, append(args, pkg)...)
 }
 
-// BuildCommand builds package pkg of this checkout ("./hostagent/vmm/
-// vmmtest/escapee") with ldflags into a short folder every uid may enter (a
-// launch runs it as a uid of its own) and returns the binary's path.
+// BuildCommand builds package pkg with ldflags into a short folder every uid
+// may enter (a launch runs it as its own uid) and returns the binary's path.
 func BuildCommand(tb testing.TB, pkg, ldflags string) string {
 	tb.Helper()
 	bin := filepath.Join(proctest.ShortDir(tb, "cmd"), filepath.Base(pkg))
@@ -116,13 +112,9 @@ func HoldersIgnoreInit() []string {
 // agentUIDs counts the agents this test process started.
 var agentUIDs atomic.Uint32
 
-// QEMUUIDRange is a QEMU uid range (--qemu-uid-range) for one agent: its
-// own, disjoint from every other agent this process or another test
-// process (keyed by pid) starts, as agents sharing a machine must have.
-// Far above the default range and below the vmm and supervise tests' own.
-// A process with a uid in it is a QEMU (or its rlimit wrapper) of that
-// agent: how a test finds them, QEMU's argv naming no instance path.
-// 1,000 uids each: bench-fleet runs 200 VMs on one agent.
+// QEMUUIDRange is one agent's own --qemu-uid-range, disjoint from every other
+// agent of any test process (keyed by pid) and the vmm and supervise tests':
+// a process in it is that agent's QEMU or wrapper. 1,000 uids: bench-fleet's 200 VMs.
 func QEMUUIDRange() store.UIDRange {
 	first := 1_000_000_000 + uint32(os.Getpid()%1_000)*100_000 + (agentUIDs.Add(1)%100)*1_000
 	return store.UIDRange{First: first, Last: first + 999}

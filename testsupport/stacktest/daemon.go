@@ -122,9 +122,8 @@ func (d *Daemon) Start(t testing.TB) {
 	d.cmd, d.done, d.started = cmd, done, started
 }
 
-// copyLines copies the daemon's output to the log and hands matching lines
-// to watchers. The pipe ends when the daemon (and any child holding its
-// stderr) exits; QEMU's own output goes to its log file, not here.
+// copyLines copies the daemon's output to the log and hands matching lines to
+// watchers, until the daemon and any child holding its stderr exit.
 func (d *Daemon) copyLines(r io.Reader, f *os.File) {
 	sc := bufio.NewScanner(r)
 	sc.Buffer(make([]byte, 64<<10), 1<<20)
@@ -156,9 +155,8 @@ func (d *Daemon) Pid() int {
 	return d.cmd.Process.Pid
 }
 
-// Exited reports whether the daemon's last start has exited (and been
-// reaped); false before the first start. A crash test polls it to restart
-// a daemon that killed itself.
+// Exited reports whether the daemon's last start exited and was reaped (false
+// before any), for a crash test to restart one that killed itself.
 func (d *Daemon) Exited() bool {
 	d.mu.Lock()
 	done := d.done
@@ -190,9 +188,8 @@ func (d *Daemon) Kill(t testing.TB) {
 	}
 }
 
-// Stop sends SIGTERM, then SIGKILL after the binaries' default graceful
-// stop (service.StopTimeout, running activities finish) and 5 s more, and
-// waits until reaped.
+// Stop sends SIGTERM, then SIGKILL after service.StopTimeout plus 5 s, and waits
+// until reaped.
 func (d *Daemon) Stop() error {
 	if err := d.Signal(syscall.SIGTERM, service.StopTimeout+5*time.Second); err != nil {
 		return errors.Join(err, d.Signal(syscall.SIGKILL, 10*time.Second))

@@ -12,12 +12,9 @@ import (
 	"vmflow/hostagent/store"
 )
 
-// KillLeftoverVMs kills, by verified identity, every QEMU a record in st
-// still names, and waits until it is gone; each one it finds is a test
-// error. Run it after the host agent has stopped (register it as a cleanup
-// before the agent's own): such a QEMU is then this process's child, which
-// the subreaper's reaper reaps. adopt, when not nil, is told the pid first,
-// for a reaper that takes only the pids it was given.
+// KillLeftoverVMs kills by verified identity every QEMU a record in st still
+// names, each a test error, and waits until gone. Register it before the
+// agent's cleanup, so the QEMU is then this subreaper's; adopt is told each pid first.
 func KillLeftoverVMs(t testing.TB, st *store.Store, adopt func(pid int)) {
 	recs, err := st.List()
 	if err != nil {
@@ -55,13 +52,9 @@ func killAndWait(t testing.TB, id proc.Identity) {
 	}
 }
 
-// KillUIDRange kills, by verified identity, every live process whose real
-// uid is in r, and waits until each is gone; each one it finds is a test
-// error. Run it after the host agent has stopped: a QEMU of the agent's
-// --qemu-uid-range still alive then was started for this test but escaped
-// KillLeftoverVMs, which only knows the QEMUs records name (a record
-// deleted while its QEMU ran, a launch whose pid never reached the record).
-// Such a QEMU is an orphan of PID 1; nobody else would ever stop it.
+// KillUIDRange kills by verified identity every live process with a real uid
+// in r, each a test error, and waits until gone: after the agent stopped, what
+// KillLeftoverVMs missed (no record names it) is an orphan nobody else stops.
 func KillUIDRange(t testing.TB, r store.UIDRange) {
 	ents, err := os.ReadDir("/proc")
 	if err != nil {

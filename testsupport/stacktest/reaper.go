@@ -28,15 +28,9 @@ func StartReaper(reap func(ctx context.Context)) (stop func()) {
 	}
 }
 
-// ReapOrphanQEMUs waits for every zombie child of this process whose
-// command is QEMU, until ctx ends. It waits only for QEMU zombies: the
-// test's own children (dev server, agent, worker, Chromium) are reaped by
-// their exec.Cmd, and waiting for them here would steal their exit status.
-// Polling /proc is the only way to wait for some children but not others:
-// wait4(-1) would take any child.
-//
-// A process that starts QEMUs itself through exec.Cmd must not run it (they
-// too would lose their exit status): bench reaps only the pids it adopted.
+// ReapOrphanQEMUs reaps this process's zombie QEMU children until ctx ends,
+// polling /proc, as wait4(-1) would steal other children's exit status. Not for
+// a process that starts QEMUs through exec.Cmd itself (bench reaps its adopted pids).
 func ReapOrphanQEMUs(ctx context.Context) {
 	tick := time.NewTicker(50 * time.Millisecond)
 	defer tick.Stop()

@@ -33,9 +33,8 @@ func (e Event) IsPowerPress() bool {
 	return e.Type == evKey && e.Code == keyPower && e.Value == 1
 }
 
-// Parse decodes the whole input_event records in b (native byte
-// order, as the kernel writes them) and returns the bytes of a trailing
-// partial record.
+// Parse decodes the whole native-order input_event records in b and returns
+// the bytes of a trailing partial record.
 func Parse(b []byte) (events []Event, rest []byte) {
 	for len(b) >= Size {
 		rec := b[Size-8 : Size]

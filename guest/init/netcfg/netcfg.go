@@ -21,18 +21,27 @@ import (
 // Up configures the interface named ifname: waits (up to timeout) for it to
 // exist — virtio_net registers it while probing, which may trail the
 // module load — then sets it up, adds the address and the default route.
-// Each step replaces what is there, so running it again is harmless.
+// It sets the loopback device up first (the kernel then gives it
+// 127.0.0.1): nothing else in the initramfs does. Each step replaces what
+// is there, so running it again is harmless.
 func Up(ifname string, c guest.NetConfig, timeout time.Duration) error {
 	deadline := time.Now().Add(timeout)
-	ifc, err := waitInterface(ifname, deadline)
-	if err != nil {
-		return err
-	}
 	nl, err := dialNetlink(deadline)
 	if err != nil {
 		return err
 	}
 	defer nl.close()
+	lo, err := net.InterfaceByName(loopback)
+	if err != nil {
+		return fmt.Errorf("no interface %s: %w", loopback, err)
+	}
+	if err := nl.request(unix.RTM_NEWLINK, 0, linkUp(uint32(lo.Index))); err != nil {
+		return fmt.Errorf("set %s up: %w", loopback, err)
+	}
+	ifc, err := waitInterface(ifname, deadline)
+	if err != nil {
+		return err
+	}
 	idx := uint32(ifc.Index)
 	if err := nl.request(unix.RTM_NEWLINK, 0, linkUp(idx)); err != nil {
 		return fmt.Errorf("set %s up: %w", ifname, err)
@@ -45,6 +54,8 @@ func Up(ifname string, c guest.NetConfig, timeout time.Duration) error {
 	}
 	return nil
 }
+
+const loopback = "lo"
 
 func waitInterface(name string, deadline time.Time) (*net.Interface, error) {
 	for {

@@ -133,8 +133,9 @@ func threadRoutes() ([]string, error) {
 }
 
 // TestUpConfiguresLoopbackInFreshNetns runs Up against the real kernel, on
-// the loopback device of a new namespace (the only interface one has), and
-// reads back the link flags, the address and the default route.
+// the loopback device of a new namespace (the only interface one has, so
+// it stands in for eth0 too), and reads back the link flags, the address
+// and the default route.
 func TestUpConfiguresLoopbackInFreshNetns(t *testing.T) {
 	c := guest.NetConfig{Addr: netip.MustParsePrefix("10.99.0.2/24"), Gateway: netip.MustParseAddr("10.99.0.1")}
 	var (

@@ -27,11 +27,9 @@ var accelChoice struct {
 	why   string
 }
 
-// Accel is the accelerator tests use: "kvm" or "tcg", decided once per test
-// binary from AccelEnv and kvmUsable, which is nil when a confined QEMU can
-// open /dev/kvm (vmm.CheckKVM's answer: vmmtest and vmm's own tests pass it
-// in, since this package sits below vmm). An AccelEnv value other than the
-// ones above panics: a typo must not quietly test the other accelerator.
+// Accel is the tests' accelerator, "kvm" or "tcg", from AccelEnv and
+// kvmUsable (vmm.CheckKVM's answer, passed in from above); an unknown AccelEnv
+// panics so a typo never tests the other one.
 func Accel(kvmUsable error) string {
 	accelChoice.once.Do(func() {
 		switch v := strings.ToLower(strings.TrimSpace(os.Getenv(AccelEnv))); v {
@@ -58,9 +56,8 @@ func Accel(kvmUsable error) string {
 // AccelReason says why Accel chose what it chose (after a call to Accel).
 func AccelReason() string { return accelChoice.why }
 
-// ScaleDeadline scales d, a deadline for a wait on QEMU (a launch until QMP
-// answers, a spawn until running, a stop until the group is gone), to the
-// accelerator the wait runs under: longer under TCG.
+// ScaleDeadline scales d, a deadline on a QEMU wait, to the accelerator:
+// longer under TCG.
 func ScaleDeadline(accel string, d time.Duration) time.Duration {
 	if accel == "tcg" {
 		return d * tcgSlowdown

@@ -21,9 +21,8 @@ import (
 // vmmtest (it imports vmm), so what they share with it lives here, below
 // both.
 
-// RequiresBinary skips tb when program is not on PATH, saying how to get
-// it (hint: "make qemu installs it"), and returns its path otherwise. CI
-// installs every program the tests need, so nothing is skipped there.
+// RequiresBinary returns program's path, or skips tb saying how to get it
+// (CI installs them all, so nothing is skipped there).
 func RequiresBinary(tb testing.TB, program, hint string) string {
 	tb.Helper()
 	p, err := exec.LookPath(program)
@@ -75,9 +74,8 @@ func KVMOpens() bool {
 	return true
 }
 
-// ShortDir is a fresh directory under /tmp, removed after the test: a unix
-// socket path (a QMP socket inside it) holds at most 107 bytes, which
-// t.TempDir's long names can exceed.
+// ShortDir is a fresh /tmp directory, removed after the test: a unix socket
+// path holds at most 107 bytes, which t.TempDir can exceed.
 func ShortDir(tb testing.TB, prefix string) string {
 	tb.Helper()
 	d, err := os.MkdirTemp("/tmp", prefix)
@@ -97,12 +95,9 @@ func Context(tb testing.TB, d time.Duration) context.Context {
 	return ctx
 }
 
-// BecomeSubreaper makes this process a child subreaper: a QEMU whose agent
-// was killed with SIGKILL is re-parented to the nearest subreaper instead of
-// to PID 1, and PID 1 of this sandbox never reaps orphans (FACTS.md), so
-// without it every such QEMU would stay a zombie. In production systemd
-// (PID 1) plays this part. Call it in TestMain before any test starts an
-// agent, and reap what it adopts.
+// BecomeSubreaper makes this process a child subreaper, as systemd is in
+// production: this sandbox's PID 1 never reaps orphans (FACTS.md), so a
+// killed agent's QEMU would stay a zombie. Call in TestMain; reap what it adopts.
 func BecomeSubreaper() error {
 	if err := unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0); err != nil {
 		return fmt.Errorf("prctl(PR_SET_CHILD_SUBREAPER): %w", err)
@@ -149,10 +144,8 @@ func AssertNoZombieChildren(t testing.TB) {
 		"<defunct> children left: %v", ZombieChildren())
 }
 
-// UninspectableInit is the pids to pass as IgnoreUninspectable (the agent's
-// --holders-ignore-pid): PID 1 where its open files cannot be read even by
-// root (this sandbox's init outranks root), none elsewhere. A vGPU release
-// would otherwise count PID 1 as a possible VFIO holder and never go ahead.
+// UninspectableInit is the IgnoreUninspectable pids: PID 1 where even root
+// cannot read its fds (this sandbox), else none, or no release would go ahead.
 func UninspectableInit() []int {
 	if _, err := os.Readlink("/proc/1/fd/0"); errors.Is(err, os.ErrPermission) {
 		return []int{1}

@@ -2,10 +2,8 @@ package proctest
 
 import "vmflow/hostagent/proc"
 
-// Certain returns the holders that were seen holding the file, dropping the
-// processes that could not be inspected: what a test waits on to know its
-// own holder has the file open (production code counts an uninspectable
-// process as a holder instead).
+// Certain drops uninspectable processes from hs, so a test can wait for its own
+// holder (production counts them as holders).
 func Certain(hs []proc.Holder) []proc.Holder {
 	var out []proc.Holder
 	for _, h := range hs {

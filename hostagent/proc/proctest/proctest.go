@@ -75,10 +75,8 @@ func RunHelperIfRequested() {
 	}
 }
 
-// runZombieLeader becomes a zombie leader with one live thread. The thread
-// exits the whole process (exit_group) when stdin reaches EOF, first writing
-// the CLOCK_MONOTONIC time of that moment so a benchmark can measure how
-// long detection took.
+// runZombieLeader becomes a zombie leader with one live thread, which writes
+// the CLOCK_MONOTONIC time and exits the group at stdin's EOF (for benchmarks).
 func runZombieLeader() {
 	if p := os.Getenv(HoldFileEnv); p != "" {
 		if _, err := os.Open(p); err != nil {
@@ -124,10 +122,8 @@ func runHolders() {
 	os.Exit(0)
 }
 
-// runCrowd is a process like a busy QEMU: many threads sharing one fd table
-// with many descriptors, and optionally a thread with a table of its own
-// holding HoldFileEnv. It prints "ready" (with the private thread's tid)
-// and exits when stdin closes.
+// runCrowd is like a busy QEMU: many threads sharing one fd table, optionally
+// one with its own holding HoldFileEnv. Prints "ready", exits when stdin closes.
 func runCrowd() {
 	fail := func(err error) {
 		fmt.Fprintln(os.Stderr, err)
@@ -182,9 +178,8 @@ type Crowd struct {
 	PrivateTID int
 }
 
-// StartCrowd starts a crowd helper with threads threads (besides the Go
-// runtime's own) and fds open descriptors; extraEnv may add HoldFileEnv. It
-// is ended and reaped at cleanup.
+// StartCrowd starts a crowd helper with threads threads and fds descriptors,
+// ended and reaped at cleanup; extraEnv may add HoldFileEnv.
 func StartCrowd(t testing.TB, threads, fds int, extraEnv ...string) Crowd {
 	t.Helper()
 	cmd := helperCmd(helperCrowd, append([]string{CrowdThreadsEnv + "=" + strconv.Itoa(threads),
@@ -260,11 +255,8 @@ func helperCmd(mode string, extraEnv ...string) *exec.Cmd {
 	return cmd
 }
 
-// ZombieCommand is the unstarted command StartZombie runs, for callers that
-// manage the helper's lifetime themselves (a rapid state machine: its checks
-// are not a testing.TB, so StartZombie's cleanups cannot attach to them).
-// Start it with proc.Start and a stdin pipe; the leader becomes a zombie with
-// one live thread at once, and the whole group exits when stdin closes.
+// ZombieCommand is StartZombie's unstarted command, for callers without a
+// testing.TB (rapid): start it with proc.Start and a stdin pipe, close to end.
 func ZombieCommand(extraEnv ...string) *exec.Cmd { return helperCmd(helperZombie, extraEnv...) }
 
 // StartZombie starts a zombie-leader helper as a child of this process and
@@ -309,9 +301,8 @@ func StartForeignZombie(t testing.TB) *Zombie {
 	return &Zombie{PID: pid, stdin: stdin, stdout: r}
 }
 
-// startWithStdout starts cmd with proc.Start, its stdout on a pipe that,
-// unlike cmd.StdoutPipe, the reaper's cmd.Wait does not close: the exit line
-// must stay readable after the helper has been reaped.
+// startWithStdout starts cmd with its stdout on a pipe the reaper's cmd.Wait
+// does not close, so the exit line stays readable after reaping.
 func startWithStdout(t testing.TB, cmd *exec.Cmd) (*proc.Child, *os.File) {
 	t.Helper()
 	r, w, err := os.Pipe()
@@ -372,9 +363,8 @@ func Status(tb testing.TB, pid int) map[string]string {
 	return out
 }
 
-// KillGroupOnCleanup kills c's whole process group when tb ends and reaps
-// what this (subreaper) process inherits of it: a wrapper's QEMU is
-// reparented here when the wrapper dies.
+// KillGroupOnCleanup kills c's process group when tb ends and reaps what this
+// subreaper inherits of it (a dead wrapper's QEMU).
 func KillGroupOnCleanup(tb testing.TB, c *proc.Child) {
 	tb.Cleanup(func() {
 		_ = syscall.Kill(-c.Identity().PID, syscall.SIGKILL)

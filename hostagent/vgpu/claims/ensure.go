@@ -11,16 +11,10 @@ import (
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
-// EnsureDeviceLocked makes the locked instance's held claim launchable: for
-// an ACTIVE claim it checks that the device exists and is the claim's own
-// (no other instance's held claim names it: ErrClaimedByOther; for vendor
-// VFIO, the VF runs the claim's type) and, when the device is missing (a
-// host reboot removes mdevs and resets VF types), re-creates it under the
-// same UUID (mdev) or on the same VF with the same type (vendor). It
-// returns the claim, or an error wrapping ErrClaimDeviceMissing (naming the
-// instance, profile and device) when the re-creation failed. No held claim:
-// (nil, nil). A held claim that is not active: ErrClaimNotActive. Call it
-// under the instance lock before every launch and restart.
+// EnsureDeviceLocked makes the locked instance's held claim launchable: its
+// device must exist and be its own (ErrClaimedByOther), and one lost in a
+// reboot is re-created under the same UUID or VF (else ErrClaimDeviceMissing).
+// No claim: (nil, nil); not active: ErrClaimNotActive. Before every launch.
 func (c *Claims) EnsureDeviceLocked(ctx context.Context, l *store.Locked) (*vmflowv1.Lease, error) {
 	rec, err := l.Get()
 	if err != nil {

@@ -15,11 +15,9 @@ import (
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
-// Claim gives instance id a vGPU of profile. The claim's intent (profile,
-// placement, UUID) is in the record before the device is created, then the
-// claim is marked active. Idempotent: an active claim of the same profile
-// is returned; an intent left by a crash is finished at its recorded
-// placement.
+// Claim gives instance id a vGPU of profile, writing the intent (profile,
+// placement, UUID) before creating the device (invariant 13). Idempotent: an
+// active claim is returned, a crash's intent finished where it was placed.
 func (c *Claims) Claim(ctx context.Context, id, profile string) (*vmflowv1.Lease, error) {
 	l, err := c.st.Lock(ctx, id)
 	if err != nil {
@@ -79,10 +77,8 @@ func placementOf(lease *vmflowv1.Lease) *vgpu.Placement {
 	return &vgpu.Placement{Profile: cl.GetProfile(), TypeID: cl.GetTypeId(), Parent: cl.GetParent(), VF: cl.GetDeviceId()}
 }
 
-// heldDevices is the record ledger of invariant 10: every device a held
-// claim names (whatever its phase and the record's state: intent, active,
-// releasing, release-failed), mapped to the instance naming it, except
-// self's own claim.
+// heldDevices is invariant 10's record ledger: every device a held claim of
+// any phase names, mapped to its instance, self's excepted.
 func heldDevices(recs []*vmflowv1.InstanceRecord, self string, kind vgpu.Kind) map[string]string {
 	m := map[string]string{}
 	for _, r := range recs {
@@ -94,9 +90,8 @@ func heldDevices(recs []*vmflowv1.InstanceRecord, self string, kind vgpu.Kind) m
 	return m
 }
 
-// takenBy reads the ledger for vgpu.CreateRequest.Taken: the devices held by
-// instances other than self. When records cannot be read the map holds the
-// readable ones and the error wraps vgpu.ErrRecordsUnreadable.
+// takenBy reads the ledger for vgpu.CreateRequest.Taken: devices held by
+// others than self; unreadable records wrap vgpu.ErrRecordsUnreadable.
 func (c *Claims) takenBy(self string) func(context.Context) (map[string]string, error) {
 	return func(context.Context) (map[string]string, error) {
 		recs, err := c.st.List()
@@ -138,12 +133,9 @@ func (c *Claims) heldBy(self string) func(context.Context) ([]vgpu.Device, error
 	}
 }
 
-// ownDevice refuses (ErrClaimedByOther, naming both instances) when another
-// instance's held claim names dev: release, adoption and re-creation act
-// only on the claim's own device. A record that cannot be read does not
-// refuse here: placement never puts a claim on a device while a record is
-// unreadable, so one cannot name a device id's held claim has named since
-// it was placed.
+// ownDevice refuses (ErrClaimedByOther) when another instance's held claim
+// names dev. An unreadable record does not refuse: placement never places
+// while one is unreadable, so it cannot name a device placed since.
 func (c *Claims) ownDevice(ctx context.Context, id string, dev vgpu.Device) error {
 	err := vgpu.NotClaimedByOther(ctx, c.takenBy(id), dev.ID)
 	if errors.Is(err, vgpu.ErrClaimedByOther) {

@@ -13,12 +13,9 @@ import (
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
-// Reconcile runs one round over the host, under each instance's lock:
-// claims of instances being deleted whose VM is confirmed gone are
-// released; devices no record claims, unclaimed for longer than the grace
-// period (measured from when this agent first saw them, persisted) and held
-// by nobody, are removed; everything a spawn or a restart owns, or whose VM
-// is alive or ambiguous, is left alone.
+// Reconcile runs one round, under each instance's lock: releases deleting
+// instances' claims whose VM is confirmed gone, removes devices unclaimed past
+// the grace period and held by nobody, and leaves everything else alone.
 func (c *Claims) Reconcile(ctx context.Context) (*vmflowv1.ReconcileVGPUResult, error) {
 	res := &vmflowv1.ReconcileVGPUResult{}
 	recs, listErr := c.st.List()

@@ -19,11 +19,9 @@ import (
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
-// Release releases instance id's vGPU. It refuses while the VM may live
-// (ErrVMAlive) or anything holds the device's VFIO node (ErrDeviceHeld). A
-// failed release keeps the claim, counts the attempt, records the error and
-// moves the record to ReleaseFailed; a later Release retries from the
-// record. released is false when the instance holds no claim.
+// Release releases instance id's vGPU, refusing while the VM may live
+// (ErrVMAlive) or its VFIO node is held (ErrDeviceHeld). A failure keeps the
+// claim and moves to ReleaseFailed (invariant 1); released is false for no claim.
 func (c *Claims) Release(ctx context.Context, id string) (released bool, deviceID string, err error) {
 	l, err := c.st.Lock(ctx, id)
 	if err != nil {
@@ -83,9 +81,8 @@ func (c *Claims) releaseLocked(ctx context.Context, l *store.Locked) (bool, stri
 // /proc, before a release) or one FDScan shared by a scan's items.
 type holdersFunc func(ctx context.Context, path string) ([]proc.Holder, error)
 
-// mayRelease is invariant 2: the VM's whole thread group must be confirmed
-// gone (store.MayQEMULive, with an unproven absence counting as alive),
-// and nothing may hold the device's VFIO node (deviceFree).
+// mayRelease is invariant 2: the VM's group confirmed gone (an unproven
+// absence counts as alive) and nothing holding the device's VFIO node.
 func (c *Claims) mayRelease(ctx context.Context, rec *vmflowv1.InstanceRecord, dev vgpu.Device, holders holdersFunc) error {
 	// QEMU creates its QMP socket while it sets up its backends, before it
 	// opens any VFIO device, and both files stay until TearDown, which runs
@@ -165,9 +162,8 @@ func (c *Claims) recordFailure(l *store.Locked, name string, cause error) {
 	}
 }
 
-// releaseDone records the outcome of a release write that returned after
-// every caller stopped waiting (a blocked mdev remove), so the record says
-// what happened even if no one asks again.
+// releaseDone records a release write that returned after every caller
+// stopped waiting (a blocked mdev remove), so the record says what happened.
 func (c *Claims) releaseDone(dev vgpu.Device, err error) {
 	go func() {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)

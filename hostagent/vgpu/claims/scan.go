@@ -33,20 +33,9 @@ type scanSeen struct {
 	first map[string]time.Time
 }
 
-// Scan is Reconcile's read-only twin: it reads the records, the devices,
-// the reconcile ledger and the processes, and says what a round would do:
-//
-//   - release: a deleting instance holds a claim and its VM is confirmed
-//     gone with nothing holding the device (mayRelease, invariant 2);
-//   - wake: a deleting instance's claim is released but still recorded,
-//     so its delete may wait out a backoff for nothing;
-//   - orphan: a device no record claims, unclaimed for longer than the
-//     grace period and held by nobody.
-//
-// It writes nothing, takes no instance lock and runs no Temporal call, so
-// the agent can run it every minute for free. A delete in progress passes
-// through release and wake for a moment: callers act on items seen by two
-// scans in a row (Due).
+// Scan says, reading only, what a Reconcile round would do (release, wake,
+// orphan), with no lock and no Temporal call, so it is free to run every
+// minute. A delete in progress shows for a moment: act on what two scans saw (Due).
 func (c *Claims) Scan(ctx context.Context) (Work, error) {
 	var w Work
 	holders := sharedHolders(c.scanFDs)
@@ -115,10 +104,8 @@ func (c *Claims) scanOrphans(ctx context.Context, claimed map[string]string, hol
 	return out, nil
 }
 
-// sharedHolders answers every item of one scan from one walk of /proc,
-// taken when the first item asks (a scan with nothing to ask walks none).
-// Scan acts on nothing, so a walk some milliseconds old is good enough;
-// a release asks proc.Holders afresh, right before its write.
+// sharedHolders answers one scan's items from one /proc walk, taken at the
+// first ask; fine for a read-only scan, as a release asks afresh.
 func sharedHolders(scanFDs func(context.Context) (*proc.FDScan, error)) holdersFunc {
 	var scan *proc.FDScan
 	return func(ctx context.Context, path string) ([]proc.Holder, error) {

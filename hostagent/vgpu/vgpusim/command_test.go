@@ -39,7 +39,7 @@ func TestVGPUSimMountError(t *testing.T) {
 func TestVGPUSimServesUntilCancelled(t *testing.T) {
 	proctest.RequiresFUSE(t)
 	dir := t.TempDir()
-	mnt, ctl := filepath.Join(dir, "sys"), filepath.Join(dir, "ctl")
+	mnt, ctl, dev := filepath.Join(dir, "sys"), filepath.Join(dir, "ctl"), filepath.Join(dir, "dev")
 	require.NoError(t, os.Mkdir(mnt, 0o755))
 	require.NoError(t, os.Mkdir(ctl, 0o755))
 
@@ -50,7 +50,7 @@ func TestVGPUSimServesUntilCancelled(t *testing.T) {
 	exited := make(chan struct{})
 	go func() {
 		defer close(exited)
-		done <- vgpusim.Command(ctx, []string{"--mount", mnt, "--control", ctl, "--mdev-parents", "1", "--vendor-vfs", "1"}, &out)
+		done <- vgpusim.Command(ctx, []string{"--mount", mnt, "--control", ctl, "--mdev-parents", "1", "--vendor-vfs", "1", "--pci-gpus", "1", "--dev-root", dev}, &out)
 	}()
 	t.Cleanup(func() {
 		cancel()
@@ -67,6 +67,14 @@ func TestVGPUSimServesUntilCancelled(t *testing.T) {
 	b, err := exec.Command("sh", "-c", "echo "+u+" > "+create).CombinedOutput()
 	require.NoError(t, err, string(b))
 	assert.DirExists(t, filepath.Join(mnt, "bus/mdev/devices", u))
+
+	// The README's passthrough recipe.
+	gpu := vgpusim.PCIGPUAt(0)
+	fn := filepath.Join(mnt, "bus/pci/devices", gpu.GPU)
+	b, err = exec.Command("sh", "-ec", "echo vfio-pci > "+fn+"/driver_override; echo "+gpu.GPU+" > "+mnt+"/bus/pci/drivers/nvidia/unbind; echo "+gpu.GPU+" > "+mnt+"/bus/pci/drivers_probe; readlink "+fn+"/driver").CombinedOutput()
+	require.NoError(t, err, string(b))
+	assert.Equal(t, "vfio-pci", filepath.Base(strings.TrimSpace(string(b))))
+	assert.FileExists(t, filepath.Join(dev, "vfio", gpu.Group))
 
 	cancel()
 	select {

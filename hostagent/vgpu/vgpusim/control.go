@@ -19,12 +19,25 @@ const (
 	CtlBlockRelease = "block-release"
 	// CtlFailCreate holds an errno name; every create write fails with it.
 	CtlFailCreate = "fail-create"
+	// CtlFailUnbind holds an errno name; every PCI driver unbind write
+	// fails with it, with nothing changed.
+	CtlFailUnbind = "fail-unbind"
+	// CtlBlockUnbind makes every PCI driver unbind block, after the
+	// driver link is gone, until it is removed.
+	CtlBlockUnbind = "block-unbind"
+	// CtlFailReset holds an errno name; every PCI reset write fails with it.
+	CtlFailReset = "fail-reset"
 )
 
-// blockPoll is how often a blocked release re-checks CtlBlockRelease. The
+// blockPoll is how often a blocked write re-checks its block file (or a
+// device node's holders). The
 // control directory is a plain directory on the real file system; polling
 // keeps the simulator free of inotify and works on any file system.
 const blockPoll = 10 * time.Millisecond
+
+// holderPoll is how often an unbind waiting for a device node's users
+// looks again: each look reads every process's descriptors.
+const holderPoll = 100 * time.Millisecond
 
 // errnoNames are the errno names a control file may hold.
 var errnoNames = map[string]syscall.Errno{
@@ -44,9 +57,8 @@ var errnoNames = map[string]syscall.Errno{
 	"ETIMEDOUT": syscall.ETIMEDOUT,
 }
 
-// ParseErrno turns an errno name ("EBUSY") or number ("16") into an Errno.
-// Anything else, including an empty file, is EIO: a fault file that exists
-// must fail the write, and EIO is what a confused driver would return.
+// ParseErrno turns an errno name ("EBUSY") or number into an Errno; anything
+// else is EIO, so an existing fault file always fails the write.
 func ParseErrno(s string) syscall.Errno {
 	s = strings.ToUpper(strings.TrimSpace(s))
 	if e, ok := errnoNames[s]; ok {
@@ -66,7 +78,7 @@ type control struct {
 
 // fault returns the errno held in file name, or 0 when the file is absent.
 func (c control) fault(name string) syscall.Errno {
-	if c.dir == "" {
+	if c.dir == "" || name == "" {
 		return 0
 	}
 	b, err := os.ReadFile(filepath.Join(c.dir, name))
@@ -76,29 +88,11 @@ func (c control) fault(name string) syscall.Errno {
 	return ParseErrno(string(b))
 }
 
-func (c control) blocked() bool {
-	if c.dir == "" {
+// exists reports whether control file name exists ("" never does).
+func (c control) exists(name string) bool {
+	if c.dir == "" || name == "" {
 		return false
 	}
-	_, err := os.Lstat(filepath.Join(c.dir, CtlBlockRelease))
+	_, err := os.Lstat(filepath.Join(c.dir, name))
 	return err == nil
-}
-
-// waitUnblocked returns once CtlBlockRelease is gone or closing is closed
-// (shutdown lifts every block so that no writer hangs on unmount). It
-// deliberately ignores the FUSE request's interrupt: a real blocked mdev
-// remove waits in vfio_unregister_group_dev and ignores signals too.
-func (c control) waitUnblocked(closing <-chan struct{}) {
-	if !c.blocked() {
-		return
-	}
-	t := time.NewTicker(blockPoll)
-	defer t.Stop()
-	for c.blocked() {
-		select {
-		case <-closing:
-			return
-		case <-t.C:
-		}
-	}
 }

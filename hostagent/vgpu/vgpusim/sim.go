@@ -34,6 +34,14 @@
 //     type's max instances.
 //   - unknown paths give ENOENT; errors reach the writer as write(2) errnos.
 //
+// With Options.PCIGPUs, whole GPUs for passthrough (pci.go; their layout is
+// PCIGPUAt): bus/pci/devices/<addr>/{vendor,device,class,driver_override,
+// reset,driver->,iommu_group->}, bus/pci/drivers/<drv>/{bind,unbind},
+// bus/pci/drivers_probe, with the kernel's matching and errnos, an unbind
+// that waits while the driver's device node is held open, and the faults
+// fail-unbind, block-unbind and fail-reset. README.md lists what the PCI
+// model leaves out.
+//
 // Fault injection through the control directory (see Options.Control),
 // checked at each write, each effective while its file exists:
 // fail-release (an errno name: every release write fails with it),
@@ -50,6 +58,7 @@ import (
 	"fmt"
 	"os"
 	"path"
+	"path/filepath"
 	"sort"
 	"strconv"
 	"strings"
@@ -80,6 +89,14 @@ type Options struct {
 	// VendorVFs is the number of NVIDIA vendor-VFIO virtual functions on
 	// one physical GPU (VendorPF).
 	VendorVFs int
+	// PCIGPUs is the number of whole GPUs for passthrough (see PCIGPUAt
+	// for their functions and IOMMU groups), each bound to nvidia at start.
+	PCIGPUs int
+	// DevRoot, if set, is where the simulator keeps device nodes as plain
+	// files: nvidia<N> per PCI GPU, and vfio/<group> while a function of
+	// the group is bound to vfio-pci. A process holding one open makes
+	// the driver's unbind wait, as on a real host.
+	DevRoot string
 	// Control is the fault-injection directory; empty disables injection.
 	Control string
 }
@@ -106,6 +123,9 @@ type Server struct {
 	devices   map[string]*mdevDevice
 	vfs       []*vendorVF
 	nextGroup int
+
+	pci        map[string]*pciFn
+	pciDrivers map[string]*pciDriver
 }
 
 // Mount mounts a simulator at dir (which must exist) and serves it until
@@ -116,6 +136,14 @@ func Mount(dir string, opts Options) (*Server, error) {
 	}
 	if opts.VendorVFs < 0 || opts.VendorVFs > MaxVendorVFs {
 		return nil, fmt.Errorf("vgpusim: vendor VFs %d out of range 0..%d", opts.VendorVFs, MaxVendorVFs)
+	}
+	if opts.PCIGPUs < 0 || opts.PCIGPUs > MaxPCIGPUs {
+		return nil, fmt.Errorf("vgpusim: PCI GPUs %d out of range 0..%d", opts.PCIGPUs, MaxPCIGPUs)
+	}
+	if opts.DevRoot != "" {
+		if err := makeDevNodes(opts.DevRoot, opts.PCIGPUs); err != nil {
+			return nil, err
+		}
 	}
 	if opts.Control != "" {
 		st, err := os.Stat(opts.Control)
@@ -158,17 +186,16 @@ func Mount(dir string, opts Options) (*Server, error) {
 	return s, nil
 }
 
-// Blocked is the number of release writes waiting on block-release now;
+// Blocked is the number of writes waiting now: releases on
+// block-release, PCI unbinds on block-unbind or on a device node's users;
 // tests wait on it instead of sleeping.
 func (s *Server) Blocked() int { return int(s.blocked.Load()) }
 
 // Dir is the mount point.
 func (s *Server) Dir() string { return s.dir }
 
-// Unmount lifts every block-release, lets the writers it held finish, and
-// unmounts. If another process still holds a file open the mount is
-// detached lazily (the kernel ends it when the last file closes) rather
-// than failing or hanging. It is idempotent.
+// Unmount lifts every block-release, lets held writers finish and unmounts,
+// lazily if a file is still open, rather than fail or hang. Idempotent.
 func (s *Server) Unmount() error {
 	var err error
 	s.once.Do(func() {
@@ -188,20 +215,65 @@ func (s *Server) Unmount() error {
 
 // releaseGate applies block-release then fail-release to one release write.
 func (s *Server) releaseGate() syscall.Errno {
+	return s.gate(CtlBlockRelease, CtlFailRelease, nil)
+}
+
+// gate holds a write while control file block exists, then fails it with
+// the errno in control file fail (if any), then holds it while busy
+// reports true. Waits count in Blocked and end at Unmount, so no writer
+// hangs on shutdown.
+func (s *Server) gate(block, fail string, busy func() bool) syscall.Errno {
 	s.wmu.Lock()
 	if s.closed {
 		s.wmu.Unlock()
-		return s.ctl.fault(CtlFailRelease)
+		return s.ctl.fault(fail)
 	}
 	s.writers.Add(1)
 	s.wmu.Unlock()
 	defer s.writers.Done()
-	if s.ctl.blocked() {
-		s.blocked.Add(1)
-		s.ctl.waitUnblocked(s.closing)
-		s.blocked.Add(-1)
+	s.waitWhile(func() bool { return s.ctl.exists(block) }, blockPoll)
+	if e := s.ctl.fault(fail); e != 0 {
+		return e
 	}
-	return s.ctl.fault(CtlFailRelease)
+	if busy != nil {
+		s.waitWhile(busy, holderPoll)
+	}
+	return 0
+}
+
+// waitWhile polls cond every poll until it is false or the simulator
+// closes. It deliberately ignores the FUSE request's interrupt:
+// a real blocked remove waits in the kernel and ignores signals too.
+func (s *Server) waitWhile(cond func() bool, poll time.Duration) {
+	if !cond() {
+		return
+	}
+	s.blocked.Add(1)
+	defer s.blocked.Add(-1)
+	t := time.NewTicker(poll)
+	defer t.Stop()
+	for cond() {
+		select {
+		case <-s.closing:
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// makeDevNodes creates <dev>/vfio and a plain file nvidia<N> per PCI GPU.
+func makeDevNodes(dev string, gpus int) error {
+	if err := os.MkdirAll(filepath.Join(dev, "vfio"), 0o755); err != nil {
+		return fmt.Errorf("vgpusim: dev root: %w", err)
+	}
+	for i := 0; i < gpus; i++ {
+		fd, err := os.OpenFile(filepath.Join(dev, "nvidia"+strconv.Itoa(i)), os.O_CREATE|os.O_RDWR, 0o666)
+		if err != nil {
+			return fmt.Errorf("vgpusim: dev root: %w", err)
+		}
+		_ = fd.Close()
+	}
+	return nil
 }
 
 // ---- topology ----
@@ -285,6 +357,7 @@ func (s *Server) build(ctx context.Context, root *fs.Inode) {
 		p := &mdevParent{addr: mdevParentAddr(i), types: map[string]*mdevType{}}
 		s.parents = append(s.parents, p)
 		addLink(ctx, mdevBus, p.addr, up(2)+"bus/pci/devices/"+p.addr)
+		addIDs(ctx, mkdir(ctx, pci, p.addr), "10de", "20b0") // A100-40GB
 		types := mkpath(ctx, pci, p.addr, "mdev_supported_types")
 		for _, spec := range mdevCatalog {
 			t := &mdevType{spec: spec, parent: p}
@@ -309,6 +382,7 @@ func (s *Server) build(ctx context.Context, root *fs.Inode) {
 
 	if s.opts.VendorVFs > 0 {
 		pf := mkdir(ctx, pci, VendorPF)
+		addIDs(ctx, pf, "10de", "26b5") // L40
 		n := strconv.Itoa(s.opts.VendorVFs) + "\n"
 		addFile(ctx, pf, "sriov_totalvfs", roAttr(func() string { return n }))
 		addFile(ctx, pf, "sriov_numvfs", roAttr(func() string { return n }))
@@ -318,6 +392,7 @@ func (s *Server) build(ctx context.Context, root *fs.Inode) {
 			addLink(ctx, pf, "virtfn"+strconv.Itoa(i), "../"+vf.addr)
 			vd := mkdir(ctx, pci, vf.addr)
 			addLink(ctx, vd, "physfn", "../"+VendorPF)
+			addIDs(ctx, vd, "10de", "26b5")
 			s.addGroupLocked(ctx, vd, vf.group, vf.addr, "bus/pci/devices/"+vf.addr)
 			nv := mkdir(ctx, vd, "nvidia")
 			addFile(ctx, nv, "creatable_vgpu_types", roAttr(func() string { return s.creatable(vf) }))
@@ -334,6 +409,16 @@ func (s *Server) build(ctx context.Context, root *fs.Inode) {
 			))
 		}
 	}
+	s.buildPCI(ctx, pci)
+}
+
+// addIDs gives a vGPU parent or VF the vendor, device and class (3D
+// controller) a GPU has, so that the passthrough driver sees it and leaves
+// it to the vGPU drivers.
+func addIDs(ctx context.Context, dir *fs.Inode, vendor, device string) {
+	addFile(ctx, dir, "vendor", roAttr(func() string { return "0x" + vendor + "\n" }))
+	addFile(ctx, dir, "device", roAttr(func() string { return "0x" + device + "\n" }))
+	addFile(ctx, dir, "class", roAttr(func() string { return "0x030200\n" }))
 }
 
 // addGroupLocked creates kernel/iommu_groups/<group>/devices/<name> and the
@@ -444,9 +529,8 @@ func (s *Server) mdevRemove(d *mdevDevice, b []byte) syscall.Errno {
 
 // ---- NVIDIA vendor VFIO ----
 
-// creatableLocked lists the types vf could take now: none while it has one;
-// otherwise the types compatible with the GPU's active type (homogeneous)
-// that have an instance left.
+// creatableLocked lists the types vf could take now: none while it has one,
+// else those compatible with the GPU's active type with an instance left.
 func (s *Server) creatableLocked(vf *vendorVF) []vendorTypeSpec {
 	if vf.typ != nil {
 		return nil

@@ -33,18 +33,8 @@ func read(t *testing.T, path string) string {
 	return strings.TrimSpace(string(b))
 }
 
-// write does one write(2) and returns its errno. Raw syscalls, not os.File:
-// os.File puts pollable files (FUSE, sysfs) in the netpoller and would wait
-// forever on an EAGAIN instead of returning it.
-func write(path, val string) error {
-	fd, err := syscall.Open(path, syscall.O_WRONLY|syscall.O_CLOEXEC, 0)
-	if err != nil {
-		return err
-	}
-	defer syscall.Close(fd)
-	_, err = syscall.Write(fd, []byte(val))
-	return err
-}
+// write is simtest.Write: one write(2), its errno.
+var write = simtest.Write
 
 // assertDir checks path leads to a directory, following symlinks (sysfs
 // links such as iommu_group).

@@ -25,11 +25,8 @@ func RequiresQEMU(tb testing.TB) string {
 	return proctest.RequiresBinary(tb, vmm.DefaultBinary, "make qemu installs it")
 }
 
-// Accel is the accelerator of every test and benchmark that runs QEMU
-// (proctest.Accel): KVM where a confined QEMU can open /dev/kvm (its group
-// can: QEMU runs as a uid of its own with that group), TCG otherwise, or
-// what VMFLOW_TEST_ACCEL forces. -machine none runs the same either way,
-// only faster under KVM.
+// Accel is the accelerator of every test running QEMU (proctest.Accel): KVM
+// where a confined QEMU can open /dev/kvm, else TCG, or VMFLOW_TEST_ACCEL's.
 func Accel() vmm.Accel { return vmm.Accel(proctest.Accel(vmm.CheckKVM("").Err)) }
 
 // QEMUDeadline scales d, a deadline for a wait on QEMU, to Accel: longer
@@ -47,11 +44,9 @@ func RequiresKVM(tb testing.TB) {
 
 var confineUIDs atomic.Uint32
 
-// Confine is a Confinement for a test launch: a uid of its own (from a
-// block no agent's default range and no other test process overlaps:
-// 3.1e9 + 1000 per test process, by pid) and this machine's /dev/kvm.
-// A QEMU stand-in script run under it must be readable and executable by
-// that uid (see WorldReadable).
+// Confine is a test launch's Confinement: a uid outside every agent's default
+// range and other test processes' (3.1e9 + 1000 per pid) and /dev/kvm; a
+// stand-in script must be readable by that uid (WorldReadable).
 func Confine() vmm.Confinement {
 	uid := 3_100_000_000 + uint32(os.Getpid()%100_000)*1_000 + confineUIDs.Add(1)%1_000
 	return vmm.Confinement{UID: uid, KVM: vmm.CheckKVM("")}
@@ -135,10 +130,8 @@ func Cmdline(tb testing.TB, pid int) string {
 //	mov dx, 0x3f8 ; mov al, 'A' ; l: out dx, al ; jmp l
 var floodCode = []byte{0xBA, 0xF8, 0x03, 0xB0, 0x41, 0xEE, 0xEB, 0xFD}
 
-// SerialFlood returns a QEMU binary (a wrapper adding -bios with floodCode as
-// the firmware) and a spec whose guest writes its serial port in a tight
-// loop into the log, without end. The files are world-readable, in a
-// world-searchable directory, so a QEMU of another uid can use them.
+// SerialFlood returns a QEMU wrapper and spec whose guest firmware writes its
+// serial port without end, world-readable for a QEMU of another uid.
 func SerialFlood(tb testing.TB, name string) (binary string, spec vmm.VMSpec) {
 	tb.Helper()
 	qemu := RequiresQEMU(tb)

@@ -166,9 +166,8 @@ func serveQMP() {
 	}
 }
 
-// trySys reports what of sysfs and /dev/vfio the jail shows: its own
-// device (read, its iommu_group link, its subsystem resolved, a write),
-// another VM's device and the rest of sysfs.
+// trySys reports what of sysfs and /dev/vfio the jail shows: its own device,
+// another VM's, and the rest of sysfs.
 func trySys(say func(string, ...any)) {
 	read := func(what, p string) {
 		if b, err := os.ReadFile(p); err != nil {

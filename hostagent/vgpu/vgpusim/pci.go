@@ -1,0 +1,418 @@
+package vgpusim
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/hanwen/go-fuse/v2/fs"
+
+	"vmflow/hostagent/proc"
+)
+
+// MaxPCIGPUs bounds Options.PCIGPUs (buses 0x81 onwards).
+const MaxPCIGPUs = 32
+
+// Driver names the simulated PCI functions bind to.
+const (
+	DrvNvidia   = "nvidia"
+	DrvVFIO     = "vfio-pci"
+	DrvHDA      = "snd_hda_intel"
+	DrvPCIePort = "pcieport"
+	DrvMLX5     = "mlx5_core"
+)
+
+// PCIGPU describes simulated PCI GPU i: its functions and IOMMU group.
+// The shape repeats every four GPUs: i%4 == 0 a lone H200; 1 a GPU with a
+// companion audio function; 2 an H200 sharing its group with a PCIe bridge
+// bound to pcieport; 3 an H200 sharing its group with a NIC bound to
+// mlx5_core (not viable: vmflow never unbinds the NIC).
+type PCIGPU struct {
+	GPU   string // the display function's address
+	ID    string // its vendor:device
+	Group string // IOMMU group number
+	// Audio, Bridge and NIC are the other functions of the group, "" when
+	// absent.
+	Audio, Bridge, NIC string
+	// Viable: the group can be handed out whole.
+	Viable bool
+}
+
+// PCIGPUAt returns the layout of simulated PCI GPU i (0 <= i < MaxPCIGPUs).
+func PCIGPUAt(i int) PCIGPU {
+	bus := 0x81 + i
+	g := PCIGPU{GPU: fmt.Sprintf("0000:%02x:00.0", bus), ID: "10de:2335", Group: strconv.Itoa(pciGroupBase + i), Viable: true}
+	switch i % 4 {
+	case 1:
+		g.ID = "10de:2684"
+		g.Audio = fmt.Sprintf("0000:%02x:00.1", bus)
+	case 2:
+		g.Bridge = fmt.Sprintf("0000:80:%02x.0", i)
+	case 3:
+		g.NIC = fmt.Sprintf("0000:%02x:01.0", bus)
+		g.Viable = false
+	}
+	return g
+}
+
+// pciGroupBase numbers the PCI GPUs' groups clear of the vendor VFs'
+// (100 + i) and the mdevs' (1000 on).
+const pciGroupBase = 400
+
+// pciFn is one simulated PCI function.
+type pciFn struct {
+	addr           string
+	vendor, device string
+	class          uint32
+	group          int
+	minor          int // /dev/nvidia<minor> for a GPU; -1 otherwise
+	driver         string
+	override       string
+	dir            *fs.Inode
+	// lock is the kernel's device_lock: unbind, bind, drivers_probe,
+	// driver_override and reset take it, and a blocked unbind holds it.
+	lock chan struct{}
+}
+
+// pciDriver is one bus/pci/drivers/<name>: which functions it matches
+// without an override (vfio-pci matches none: no id table until new_id).
+type pciDriver struct {
+	name  string
+	match func(f *pciFn) bool
+	dir   *fs.Inode
+}
+
+var pciDriverSpecs = []pciDriver{
+	{name: DrvNvidia, match: func(f *pciFn) bool { return f.vendor == "10de" && f.class>>16 == 0x03 }},
+	{name: DrvVFIO, match: func(*pciFn) bool { return false }},
+	{name: DrvHDA, match: func(f *pciFn) bool { return f.class>>8 == 0x0403 }},
+	{name: DrvPCIePort, match: func(f *pciFn) bool { return f.class>>8 == 0x0604 }},
+	{name: DrvMLX5, match: func(f *pciFn) bool { return f.vendor == "15b3" }},
+}
+
+// buildPCI creates the PCI GPUs, their groups and the drivers; called
+// from build with s.mu held.
+func (s *Server) buildPCI(ctx context.Context, pci *fs.Inode) {
+	drvRoot := mkpath(ctx, s.root, "bus", "pci", "drivers")
+	s.pciDrivers = map[string]*pciDriver{}
+	for _, spec := range pciDriverSpecs {
+		d := spec
+		d.dir = mkdir(ctx, drvRoot, d.name)
+		s.pciDrivers[d.name] = &d
+		addFile(ctx, d.dir, "bind", woAttr(func(ctx context.Context, b []byte) syscall.Errno { return s.pciBind(d.name, b) }))
+		addFile(ctx, d.dir, "unbind", woAttr(func(ctx context.Context, b []byte) syscall.Errno { return s.pciUnbind(d.name, b) }))
+	}
+	addFile(ctx, mkpath(ctx, s.root, "bus", "pci"), "drivers_probe", woAttr(func(ctx context.Context, b []byte) syscall.Errno {
+		return s.pciProbe(b)
+	}))
+	s.pci = map[string]*pciFn{}
+	for i := 0; i < s.opts.PCIGPUs; i++ {
+		g := PCIGPUAt(i)
+		group, _ := strconv.Atoi(g.Group)
+		vendor, device, _ := strings.Cut(g.ID, ":")
+		cls := uint32(0x030200)
+		if i%4 == 1 {
+			cls = 0x030000 // a VGA controller, as cards with outputs are
+		}
+		s.addPCIFn(ctx, pci, &pciFn{addr: g.GPU, vendor: vendor, device: device, class: cls, group: group, minor: i, driver: DrvNvidia}, true)
+		if g.Audio != "" {
+			s.addPCIFn(ctx, pci, &pciFn{addr: g.Audio, vendor: "10de", device: "22ba", class: 0x040300, group: group, minor: -1, driver: DrvHDA}, false)
+		}
+		if g.Bridge != "" {
+			s.addPCIFn(ctx, pci, &pciFn{addr: g.Bridge, vendor: "1000", device: "c010", class: 0x060400, group: group, minor: -1, driver: DrvPCIePort}, false)
+		}
+		if g.NIC != "" {
+			s.addPCIFn(ctx, pci, &pciFn{addr: g.NIC, vendor: "15b3", device: "101d", class: 0x020000, group: group, minor: -1, driver: DrvMLX5}, true)
+		}
+	}
+}
+
+// addPCIFn adds f's directory, attributes, group and driver links.
+// reset: the function offers the reset attribute (the kernel hides it
+// when the function has no reset method; the audio functions here have
+// none).
+func (s *Server) addPCIFn(ctx context.Context, pci *fs.Inode, f *pciFn, reset bool) {
+	f.lock = make(chan struct{}, 1)
+	s.pci[f.addr] = f
+	f.dir = mkdir(ctx, pci, f.addr)
+	addFile(ctx, f.dir, "vendor", roAttr(func() string { return "0x" + f.vendor + "\n" }))
+	addFile(ctx, f.dir, "device", roAttr(func() string { return "0x" + f.device + "\n" }))
+	addFile(ctx, f.dir, "class", roAttr(func() string { return fmt.Sprintf("0x%06x\n", f.class) }))
+	addFile(ctx, f.dir, "driver_override", rwAttr(
+		func() string {
+			s.mu.Lock()
+			defer s.mu.Unlock()
+			if f.override == "" {
+				return "(null)\n"
+			}
+			return f.override + "\n"
+		},
+		func(ctx context.Context, b []byte) syscall.Errno { return s.pciOverride(f, b) },
+	))
+	if reset {
+		addFile(ctx, f.dir, "reset", woAttr(func(ctx context.Context, b []byte) syscall.Errno { return s.pciReset(f, b) }))
+	}
+	s.addGroupLocked(ctx, f.dir, f.group, f.addr, "bus/pci/devices/"+f.addr)
+	s.attachLocked(ctx, f, f.driver)
+}
+
+// attachLocked binds f to drv: the driver link, the driver's device link,
+// and for vfio-pci the group's VFIO node.
+func (s *Server) attachLocked(ctx context.Context, f *pciFn, drv string) {
+	f.driver = drv
+	addLink(ctx, f.dir, "driver", up(4)+"bus/pci/drivers/"+drv)
+	addLink(ctx, s.pciDrivers[drv].dir, f.addr, up(4)+"bus/pci/devices/"+f.addr)
+	s.syncVFIONodeLocked(f.group)
+}
+
+// vfioNode and nvidiaNode are the device nodes under Options.DevRoot; ""
+// without one.
+func (s *Server) vfioNode(group int) string {
+	if s.opts.DevRoot == "" {
+		return ""
+	}
+	return filepath.Join(s.opts.DevRoot, "vfio", strconv.Itoa(group))
+}
+
+func (s *Server) nvidiaNode(f *pciFn) string {
+	if s.opts.DevRoot == "" || f.minor < 0 {
+		return ""
+	}
+	return filepath.Join(s.opts.DevRoot, "nvidia"+strconv.Itoa(f.minor))
+}
+
+// syncVFIONodeLocked makes the group's VFIO node exist while any of its
+// functions is bound to vfio-pci, as the kernel creates the VFIO group at
+// the first vfio-pci probe and removes it after the last remove. The
+// node is a plain file: a test holds it open to stand for QEMU.
+func (s *Server) syncVFIONodeLocked(group int) {
+	node := s.vfioNode(group)
+	if node == "" {
+		return
+	}
+	any := false
+	for _, f := range s.pci {
+		if f.group == group && f.driver == DrvVFIO {
+			any = true
+		}
+	}
+	if any {
+		if fd, err := os.OpenFile(node, os.O_CREATE|os.O_RDWR, 0o600); err == nil {
+			_ = fd.Close()
+		}
+		return
+	}
+	_ = os.Remove(node)
+}
+
+// lockFn takes f's device lock, or gives up at shutdown.
+func (s *Server) lockFn(f *pciFn) bool {
+	select {
+	case f.lock <- struct{}{}:
+		return true
+	case <-s.closing:
+		return false
+	}
+}
+
+func (s *Server) unlockFn(f *pciFn) { <-f.lock }
+
+// named runs op under the device lock of the function a bind, unbind or
+// drivers_probe write names (like sysfs_streq, one trailing newline is
+// ignored): ENODEV when there is none.
+func (s *Server) named(b []byte, op func(f *pciFn) syscall.Errno) syscall.Errno {
+	s.mu.Lock()
+	f := s.pci[strings.TrimSuffix(string(b), "\n")]
+	s.mu.Unlock()
+	if f == nil {
+		return syscall.ENODEV
+	}
+	return s.withLock(f, op)
+}
+
+// withLock runs op holding f's device lock (ENODEV at shutdown).
+func (s *Server) withLock(f *pciFn, op func(f *pciFn) syscall.Errno) syscall.Errno {
+	if !s.lockFn(f) {
+		return syscall.ENODEV
+	}
+	defer s.unlockFn(f)
+	return op(f)
+}
+
+// pciOverride is driver_override_store: a newline alone or nothing
+// clears it; the kernel does not check that the driver exists.
+func (s *Server) pciOverride(f *pciFn, b []byte) syscall.Errno {
+	v := strings.TrimSuffix(string(b), "\n")
+	if len(b) >= 4096 {
+		return syscall.EINVAL
+	}
+	return s.withLock(f, func(f *pciFn) syscall.Errno {
+		s.mu.Lock()
+		f.override = v
+		s.mu.Unlock()
+		return 0
+	})
+}
+
+// pciBind is bind_store: ENODEV for no such function or no match (an
+// override naming another driver, vfio-pci without one), EBUSY when the
+// function has a driver.
+func (s *Server) pciBind(drv string, b []byte) syscall.Errno {
+	return s.named(b, func(f *pciFn) syscall.Errno {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		if s.matchLocked(f) != drv {
+			return syscall.ENODEV
+		}
+		if f.driver != "" {
+			return syscall.EBUSY
+		}
+		s.attachLocked(context.Background(), f, drv)
+		return 0
+	})
+}
+
+// matchLocked is the driver that would take f now (pci_match_device: an
+// override matches only the driver it names).
+func (s *Server) matchLocked(f *pciFn) string {
+	if f.override != "" {
+		if _, ok := s.pciDrivers[f.override]; ok {
+			return f.override
+		}
+		return ""
+	}
+	names := make([]string, 0, len(s.pciDrivers))
+	for n := range s.pciDrivers {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	for _, n := range names {
+		if s.pciDrivers[n].match(f) {
+			return n
+		}
+	}
+	return ""
+}
+
+// pciProbe is drivers_probe_store: ENODEV for no such function; a bound
+// function is left as it is, and one no driver matches stays unbound,
+// both successes, as the kernel's bus_rescan_devices_helper.
+func (s *Server) pciProbe(b []byte) syscall.Errno {
+	return s.named(b, func(f *pciFn) syscall.Errno {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		if f.driver != "" {
+			return 0
+		}
+		if drv := s.matchLocked(f); drv != "" {
+			s.attachLocked(context.Background(), f, drv)
+		}
+		return 0
+	})
+}
+
+// pciUnbind is unbind_store: ENODEV unless the function is bound to drv.
+// As the kernel's __device_release_driver, the driver link goes first and
+// the driver's remove then waits, holding the device lock: NVIDIA's while
+// a process holds the GPU's /dev/nvidia<N>, vfio-pci's while one holds the
+// group's VFIO node (vfio_unregister_group_dev). fail-unbind fails the
+// write before anything changes; block-unbind holds it after the link is
+// gone.
+func (s *Server) pciUnbind(drv string, b []byte) syscall.Errno {
+	return s.named(b, func(f *pciFn) syscall.Errno { return s.unbindLocked(f, drv) })
+}
+
+// unbindLocked is pciUnbind under f's device lock.
+func (s *Server) unbindLocked(f *pciFn, drv string) syscall.Errno {
+	s.mu.Lock()
+	bound := f.driver == drv
+	s.mu.Unlock()
+	if !bound {
+		return syscall.ENODEV
+	}
+	if e := s.ctl.fault(CtlFailUnbind); e != 0 {
+		return e
+	}
+	s.mu.Lock()
+	f.dir.RmChild("driver")
+	s.pciDrivers[drv].dir.RmChild(f.addr)
+	s.mu.Unlock()
+	var node string
+	switch drv {
+	case DrvNvidia:
+		node = s.nvidiaNode(f)
+	case DrvVFIO:
+		node = s.vfioNode(f.group)
+	}
+	s.gate(CtlBlockUnbind, "", func() bool { return held(node) })
+	s.mu.Lock()
+	f.driver = ""
+	s.syncVFIONodeLocked(f.group)
+	s.mu.Unlock()
+	return 0
+}
+
+// held reports whether a process has node open. Processes whose
+// descriptors cannot be read are not counted: the simulator models a
+// driver's use count, not vmflow's guard.
+func held(node string) bool {
+	if node == "" {
+		return false
+	}
+	if _, err := os.Stat(node); err != nil {
+		return false
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	hs, err := proc.Holders(ctx, node)
+	if err != nil {
+		return false
+	}
+	for _, h := range hs {
+		if !h.Uncertain {
+			return true
+		}
+	}
+	return false
+}
+
+// pciReset is reset_store: "1" resets (fail-reset fails it), anything
+// else is EINVAL.
+func (s *Server) pciReset(f *pciFn, b []byte) syscall.Errno {
+	v, err := strconv.ParseUint(strings.TrimSuffix(string(b), "\n"), 0, 64)
+	if err != nil || v != 1 {
+		return syscall.EINVAL
+	}
+	return s.withLock(f, func(*pciFn) syscall.Errno { return s.ctl.fault(CtlFailReset) })
+}
+
+// PCIDriver is the driver simulated function addr is bound to ("" none),
+// and whether the function exists; tests read the model, not sysfs.
+func (s *Server) PCIDriver(addr string) (string, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	f := s.pci[addr]
+	if f == nil {
+		return "", false
+	}
+	return f.driver, true
+}
+
+// errNoDevRoot: a node was asked of a simulator without Options.DevRoot.
+var errNoDevRoot = errors.New("vgpusim: no DevRoot")
+
+// NvidiaNode is /dev/nvidia<N> of PCI GPU i under Options.DevRoot: a test
+// holds it open to stand for a host process using the GPU.
+func (s *Server) NvidiaNode(i int) (string, error) {
+	if s.opts.DevRoot == "" {
+		return "", errNoDevRoot
+	}
+	return filepath.Join(s.opts.DevRoot, "nvidia"+strconv.Itoa(i)), nil
+}
