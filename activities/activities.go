@@ -6,9 +6,11 @@
 package activities
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -18,6 +20,7 @@ import (
 
 	"vmflow/hostagent/admission"
 	"vmflow/hostagent/metrics"
+	"vmflow/hostagent/network"
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/supervise"
@@ -58,6 +61,8 @@ type Activities struct {
 	GPUs GPUs
 	// Whole is nil on a host handing out no whole GPUs (--gpu-passthrough).
 	Whole WholeGPUs
+	// Network is nil on a host without a network (no --net-subnet).
+	Network *network.Net
 	// AttachVGPU adds the claimed device to QEMU's command line. Only the
 	// vgpu-sim simulator turns it off: QEMU cannot open simulated devices.
 	AttachVGPU bool
@@ -296,6 +301,9 @@ func (a *Activities) launchResult(rec *vmflowv1.InstanceRecord, pid int, already
 	for _, lease := range store.HeldPassthrough(rec) {
 		res.GpuDeviceIds = append(res.GpuDeviceIds, store.PassthroughDevices(lease)...)
 	}
+	if l := store.Network(rec); store.LeaseHeld(l) {
+		res.Ip, res.Mac = l.GetNetwork().GetAddress(), l.GetNetwork().GetMac()
+	}
 	return res
 }
 
@@ -418,7 +426,12 @@ func (a *Activities) ReleaseVGPU(ctx context.Context, ref *vmflowv1.InstanceRef)
 	var errs []error
 	stop := heartbeat(ctx, heartbeatEvery, func() string { return "releasing the leases of " + ref.GetInstanceId() })
 	done := map[string]bool{} // a releaser releases every lease of its kind
-	for _, lease := range store.HeldLeases(rec) {
+	for _, lease := range releaseOrder(store.HeldLeases(rec)) {
+		if lease.GetNetwork() != nil && len(errs) > 0 {
+			// The address goes back last: not while a device the VM
+			// held is still unreleased.
+			break
+		}
 		kind := store.LeaseKind(lease)
 		if done[kind] {
 			continue
@@ -472,7 +485,33 @@ func (a *Activities) releasers() map[string]releaser {
 	if a.Whole != nil {
 		m[store.KindPassthrough] = a.Whole.Release
 	}
+	if a.Network != nil {
+		m[store.KindNetwork] = func(ctx context.Context, id string) (bool, []string, error) {
+			released, addr, err := a.Network.Release(ctx, id)
+			if addr == "" {
+				return released, nil, err
+			}
+			return released, []string{addr}, err
+		}
+	}
 	return m
+}
+
+// releaseOrder is leases with the network lease last: the TAP and address
+// are given back after every device.
+func releaseOrder(leases []*vmflowv1.Lease) []*vmflowv1.Lease {
+	out := slices.Clone(leases)
+	slices.SortStableFunc(out, func(a, b *vmflowv1.Lease) int {
+		return cmp.Compare(boolInt(a.GetNetwork() != nil), boolInt(b.GetNetwork() != nil))
+	})
+	return out
+}
+
+func boolInt(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }
 
 // unservedLease parks the delete needing attention for a lease this agent has
@@ -482,6 +521,10 @@ func (a *Activities) unservedLease(id string, lease *vmflowv1.Lease) error {
 	if c := lease.GetVgpu(); c != nil {
 		return fmt.Errorf("%w: it holds a %q claim on %s, and this agent runs without a vGPU driver (--vgpu-driver=none or no vGPU sysfs): restart it with the host's driver, then retry",
 			errVGPUUnavailable, c.GetProfile(), store.ClaimDevice(c))
+	}
+	if n := lease.GetNetwork(); n != nil {
+		return fmt.Errorf("%w: it holds the address %s (TAP %s), and this agent runs without a network (--net-subnet): restart it with the host's network, then retry",
+			errVGPUUnavailable, n.GetAddress(), n.GetTap())
 	}
 	return fmt.Errorf("%w: it holds a %s lease this agent cannot release", errVGPUUnavailable, store.LeaseKind(lease))
 }

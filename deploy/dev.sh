@@ -138,8 +138,12 @@ if ! [[ $HOSTS =~ ^[1-9][0-9]*$ ]] || ((HOSTS > 16)); then
 	echo "HOSTS=$HOSTS: give a number of hosts from 1 to 16" >&2
 	exit 1
 fi
-declare -a H_ID H_STATE H_SYS H_CTL H_DEV H_AGENT H_SIM
+declare -a H_ID H_STATE H_SYS H_CTL H_DEV H_AGENT H_SIM H_NETNS
+# Each host's network (bridge, TAPs) lives in a namespace of its own, made
+# here and deleted at the stop: nothing reaches the machine's own.
+DEV_SUBNET=10.88.0.0/24
 for ((i = 1; i <= HOSTS; i++)); do
+	H_NETNS[i]=vmflow-dev-$i
 	if ((i == 1)); then
 		H_ID[i]=$HOST_ID H_STATE[i]=$DEV/state H_SYS[i]=$DEV/sys H_CTL[i]=$DEV/ctl H_DEV[i]=$DEV/dev
 		H_AGENT[i]=agent H_SIM[i]=vgpu-sim
@@ -185,6 +189,9 @@ shutdown() {
 	stop worker 35
 	stop_vms # any an agent restarted meanwhile (restart policy always)
 	for ((i = 1; i <= HOSTS; i++)); do
+		ip netns del "${H_NETNS[i]}" 2>/dev/null || true
+	done
+	for ((i = 1; i <= HOSTS; i++)); do
 		stop "${H_SIM[i]}" 10
 		unmount_sim "${H_SYS[i]}"
 	done
@@ -215,8 +222,11 @@ for p in "$DEV_PORT" "$DEV_UI_PORT"; do
 done
 for ((i = 1; i <= HOSTS; i++)); do
 	mkdir -p "${H_SYS[i]}" "${H_CTL[i]}" "${H_STATE[i]}" "${H_DEV[i]}"
-	# A previous run that was killed (-9) left its FUSE mount behind.
+	# A previous run that was killed (-9) left its FUSE mount behind, and
+	# its namespace.
 	unmount_sim "${H_SYS[i]}"
+	ip netns del "${H_NETNS[i]}" 2>/dev/null || true
+	ip netns add "${H_NETNS[i]}"
 done
 for ((i = 1; i <= HOSTS; i++)); do echo "${H_ID[i]} ${H_STATE[i]}"; done >"$DEV/hosts.list"
 
@@ -252,6 +262,7 @@ for ((i = 1; i <= HOSTS; i++)); do
 	uid_first=$((DEV_UID_FIRST + (i - 1) * DEV_UIDS_PER_HOST))
 	start "${H_AGENT[i]}" "$BIN/vmflow-hostagent" run --host-id "${H_ID[i]}" --state-dir "${H_STATE[i]}" \
 		--sysfs-root "${H_SYS[i]}" --dev-root "${H_DEV[i]}" \
+		--net-netns "${H_NETNS[i]}" --net-subnet "$DEV_SUBNET" \
 		--qemu-uid-range "$uid_first-$((uid_first + DEV_UIDS_PER_HOST - 1))" "${agent_args[@]}"
 done
 
@@ -280,6 +291,10 @@ cat <<EOF
     --input '{"instance_id":"vm2","host_id":"$HOST_ID","vcpus":1,"memory_mib":256,$GUEST_JSON}'
   # its serial console
   tail -f .dev/state/instances/vm1/qemu.log
+  # one on the host's network (its address is in the result; the bridge is in
+  # namespace ${H_NETNS[1]}: ip netns exec ${H_NETNS[1]} ... reaches it)
+  $T workflow execute --task-queue vmflow --type SpawnInstance --workflow-id spawn/vm3 \\
+    --input '{"instance_id":"vm3","host_id":"$HOST_ID","vcpus":1,"memory_mib":256,$GUEST_JSON,"network":"default"}'
 
   # delete vm2 (system_powerdown; the guest powers itself off)
   $T workflow execute --task-queue vmflow --type DeleteInstance --workflow-id delete/vm2 \\

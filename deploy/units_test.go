@@ -61,7 +61,7 @@ func TestHostAgentUnit(t *testing.T) {
 	require.Len(t, s["CapabilityBoundingSet"], 1)
 	caps := strings.Fields(s["CapabilityBoundingSet"][0])
 	assert.ElementsMatch(t, []string{"CAP_SYS_PTRACE", "CAP_DAC_READ_SEARCH", "CAP_KILL", "CAP_SETUID", "CAP_SETGID",
-		"CAP_CHOWN", "CAP_SYS_ADMIN"}, caps, "each capability is documented in the unit; change both (CAP_SYS_ADMIN: the jail's namespaces, mounts and pivot_root)")
+		"CAP_CHOWN", "CAP_SYS_ADMIN", "CAP_NET_ADMIN"}, caps, "each capability is documented in the unit; change both (CAP_SYS_ADMIN: the jail's namespaces, mounts and pivot_root; CAP_NET_ADMIN: the bridge, TAPs and NAT)")
 	assert.NotContains(t, caps, "CAP_SYS_CHROOT", "the jail pivot_roots, it never chroots")
 	// QEMU inherits the unit's namespaces and device policy: none may be set.
 	for _, k := range []string{"PrivateTmp", "PrivateDevices", "ProtectSystem", "ProtectHome", "DeviceAllow",

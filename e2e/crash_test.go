@@ -93,6 +93,7 @@ type crashCase struct {
 	activity string // worker cases: killed after this activity completed
 	scenario scenario
 	vendor   bool // the agent runs the vendor-VFIO driver (else mdev)
+	network  bool // the agent has a network and the instances ask for it (q35, TCG)
 }
 
 // vendorProfile is a profile of the simulator's vendor-VFIO VFs; the mdev
@@ -131,8 +132,11 @@ func crashCases() []crashCase {
 	var cases []crashCase
 	for _, vendor := range []bool{false, true} {
 		for _, p := range crashpoint.All {
-			c := crashCase{name: "agent/" + p, point: p, vendor: vendor}
+			c := crashCase{name: "agent/" + p, point: p, vendor: vendor, network: strings.HasPrefix(p, "network.")}
 			if vendor {
+				if c.network {
+					continue // the network's points do not depend on the vGPU driver
+				}
 				c.name = "agent-vendor/" + p
 			}
 			switch p {
@@ -286,7 +290,7 @@ func runCrashCase(t *testing.T, c crashCase, o *crashOutcome) {
 		// Only the reconcile (or a retry signal) may end the delete's wait.
 		workerArgs = append(workerArgs, "--release-backoff", "1h", "--release-backoff-max", "1h")
 	}
-	e := newEnv(t, envOptions{noStart: true, workerArgs: workerArgs})
+	e := newEnv(t, envOptions{noStart: true, workerArgs: workerArgs, network: c.network})
 	if c.vendor {
 		e.agent.Args = append(e.agent.Args, "--vgpu-driver", "vendor") // the last flag wins
 	}
@@ -433,6 +437,9 @@ type crashDriver struct {
 
 func (d *crashDriver) spawnRequest(id string) *vmflowv1.SpawnRequest {
 	r := d.e.noneSpawn(id, true)
+	if d.c.network {
+		r = d.e.netSpawn(id, true)
+	}
 	if d.c.vendor {
 		r.VgpuProfile = vendorProfile
 	}
@@ -772,7 +779,49 @@ func (d *crashDriver) checkLedger(when string) []string {
 	if len(devs) != held {
 		v = append(v, fmt.Sprintf("%s: %d vGPU devices for %d held claims: %v", when, len(devs), held, devs))
 	}
-	return append(v, d.e.checkWholeGPUs(when, recs)...)
+	v = append(v, d.e.checkWholeGPUs(when, recs)...)
+	return append(v, d.checkNetLedger(when, recs)...)
+}
+
+// checkNetLedger: no two held network leases name one address, and the
+// namespace holds exactly the TAPs of the held active leases (a release
+// under way may or may not have removed its TAP yet).
+func (d *crashDriver) checkNetLedger(when string, recs []*vmflowv1.InstanceRecord) []string {
+	e := d.e
+	if e.net == nil {
+		return nil
+	}
+	var v []string
+	addr := map[string]string{}
+	want := map[string]bool{}
+	maybe := map[string]bool{}
+	for _, r := range recs {
+		l := store.Network(r)
+		if !store.LeaseHeld(l) {
+			continue
+		}
+		n := l.GetNetwork()
+		if other, ok := addr[n.GetAddress()]; ok {
+			v = append(v, fmt.Sprintf("%s: %s and %s both lease %s", when, other, r.GetId(), n.GetAddress()))
+		}
+		addr[n.GetAddress()] = r.GetId()
+		if l.GetPhase() == vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE && r.GetProcess() != nil {
+			want[n.GetTap()] = true
+		} else {
+			maybe[n.GetTap()] = true
+		}
+	}
+	have := e.taps()
+	for _, tp := range have {
+		if !want[tp] && !maybe[tp] {
+			v = append(v, fmt.Sprintf("%s: TAP %s no held lease names", when, tp))
+		}
+		delete(want, tp)
+	}
+	for tp := range want {
+		v = append(v, fmt.Sprintf("%s: the TAP %s of a running VM's lease is missing", when, tp))
+	}
+	return v
 }
 
 // checkSpawned: the instance runs as it should and the ledger adds up.

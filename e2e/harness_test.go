@@ -17,12 +17,16 @@ import (
 	"testing"
 	"time"
 
+	"github.com/vishvananda/netlink"
 	enumspb "go.temporal.io/api/enums/v1"
 	"go.temporal.io/sdk/client"
 	"golang.org/x/sys/unix"
 
 	"vmflow/guest"
 	"vmflow/guest/build"
+	"vmflow/hostagent/admission"
+	"vmflow/hostagent/network"
+	"vmflow/hostagent/network/nettest"
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vgpu/vgpusim"
@@ -131,7 +135,13 @@ type envOptions struct {
 	// server, task queue and worker (this env starts no worker of its own),
 	// with its own agent, host id, state dir and simulator.
 	shareWith *env
+	// network gives the agent a network (netSubnet) in a namespace of the
+	// env's own, deleted after.
+	network bool
 }
+
+// netSubnet is every network env's subnet: each has a namespace of its own.
+const netSubnet = "10.77.0.0/24"
 
 // env is one test's vmflow stack: its own simulator, host id, state dir,
 // task queue, agent and worker, against a dev server.
@@ -149,6 +159,10 @@ type env struct {
 	guest    build.Artifacts
 	agent    *stacktest.Daemon
 	worker   *stacktest.Daemon
+	// netns and net: the agent's network namespace and a netlink handle in
+	// it (envOptions.network); empty and nil without.
+	netns string
+	net   *netlink.Handle
 }
 
 func newEnv(t *testing.T, o envOptions) *env {
@@ -227,6 +241,11 @@ func newEnv(t *testing.T, o envOptions) *env {
 	}
 	if o.qemu != "" {
 		agentArgs = append(agentArgs, "--qemu", o.qemu)
+	}
+	if o.network {
+		e.netns = nettest.Namespace(t)
+		e.net = nettest.Handle(t, e.netns)
+		agentArgs = append(agentArgs, "--net-netns", e.netns, "--net-subnet", netSubnet)
 	}
 	agentArgs = append(agentArgs, stacktest.HoldersIgnoreInit()...)
 	// Agents of shared-server tests run side by side: disjoint ranges.
@@ -341,6 +360,33 @@ func (e *env) guestSpawn(id string, vgpu bool) *vmflowv1.SpawnRequest {
 		r.VgpuProfile = "GRID A100-4C"
 	}
 	return r
+}
+
+// netSpawn is a spawn request for a q35 VM with a network and no images:
+// QEMU runs its firmware under TCG, which holds the TAP and answers QMP.
+func (e *env) netSpawn(id string, vgpu bool) *vmflowv1.SpawnRequest {
+	r := &vmflowv1.SpawnRequest{InstanceId: id, HostId: e.hostID, Vcpus: 1, MemoryMib: 128, Machine: "q35", Accel: "tcg",
+		Network: admission.NetworkDefault}
+	if vgpu {
+		r.VgpuProfile = "GRID A100-4C"
+	}
+	return r
+}
+
+// taps lists the agent's TAPs (network.TAPPrefix) in its namespace.
+func (e *env) taps() []string {
+	e.t.Helper()
+	links, err := e.net.LinkList()
+	if err != nil {
+		e.t.Fatalf("list links in %s: %v", e.netns, err)
+	}
+	var out []string
+	for _, l := range links {
+		if strings.HasPrefix(l.Attrs().Name, network.TAPPrefix) {
+			out = append(out, l.Attrs().Name)
+		}
+	}
+	return out
 }
 
 // noneSpawn is a spawn request for QEMU -machine none under the tests'

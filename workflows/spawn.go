@@ -92,6 +92,7 @@ func (w *Workflows) spawnInstance(ctx workflow.Context, req *vmflowv1.SpawnReque
 		return nil, w.cleanUpAfter(ctx, t, req, err)
 	}
 	res.Pid, res.QmpSocket = launched.GetPid(), launched.GetQmpSocket()
+	res.Ip, res.Mac = launched.GetIp(), launched.GetMac()
 	t.stage(ctx, StageRunning)
 	return res, nil
 }
@@ -115,6 +116,7 @@ func (w *Workflows) spawnFoundExisting(ctx workflow.Context, t *tracker, h *host
 	return &vmflowv1.SpawnResult{
 		Pid: found.GetPid(), QmpSocket: found.GetQmpSocket(), VgpuUuid: found.GetVgpuUuid(),
 		VgpuDeviceId: found.GetVgpuDeviceId(), InstanceUuid: created.GetInstanceUuid(), GpuDeviceIds: found.GetGpuDeviceIds(),
+		Ip: found.GetIp(), Mac: found.GetMac(),
 	}, nil
 }
 

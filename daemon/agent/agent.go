@@ -23,6 +23,7 @@ import (
 	"vmflow/daemon"
 	"vmflow/hostagent/admission"
 	"vmflow/hostagent/metrics"
+	"vmflow/hostagent/network"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/supervise"
 	"vmflow/hostagent/vgpu"
@@ -88,7 +89,11 @@ type agentHost struct {
 	sup     *supervise.Supervisor
 	fdStore vmm.FDStore // nil without systemd's fd store
 	acts    *activities.Activities
-	closers []func()
+	net     *network.Net // nil without --net-subnet
+	// scanEvery is --reconcile-scan-every: how often unleased TAPs are
+	// looked for.
+	scanEvery time.Duration
+	closers   []func()
 }
 
 func (h *agentHost) close() {
@@ -170,6 +175,14 @@ func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentH
 		host.Whole = whole
 	}
 	h.closers = append(h.closers, func() { _ = host.Images.Close() })
+	var nw *network.Net
+	if cfg.NetSubnet.IsValid() {
+		if nw, err = openNetwork(ctx, cfg, st, log); err != nil {
+			return nil, err
+		}
+		h.closers = append(h.closers, nw.Close)
+		host.Network = true
+	}
 	// Which QEMU this agent launches, in its start log: the confinement
 	// relies on QEMU 7.2's -sandbox options and its fd passing, and an
 	// operator reading a launch failure wants the version beside it. A QEMU
@@ -181,7 +194,7 @@ func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentH
 		log.Info("qemu", zap.String("qemu", cfg.QEMU), zap.String("qemu_version", v.String()))
 	}
 	acts := &activities.Activities{
-		Store: st, Host: host, GPUs: gpus, AttachVGPU: cfg.VGPUAttach,
+		Store: st, Host: host, GPUs: gpus, Network: nw, AttachVGPU: cfg.VGPUAttach,
 		DefaultGraceful: cfg.GracefulTimeout, Logger: log, Metrics: am,
 	}
 	if whole != nil {
@@ -223,6 +236,7 @@ func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentH
 		// made at the first), then QEMU's spec from the record.
 		PrepareLaunch: admission.PrepareLaunch(host, devs, cfg.VGPUAttach),
 		QEMUUIDs:      cfg.QEMUUIDs, KVMDevice: cfg.KVMDevice, DevRoot: cfg.DevRoot, Cgroups: cgroups, JailSetup: jailSetup, FDStore: fdStore,
+		Network:                nw,
 		OnExitRecorded:         func(d time.Duration) { am.ExitDetect.Observe(d.Seconds()) },
 		OnRestartRefused:       am.RestartsRefused.Inc,
 		OnRestartDeviceMissing: am.RestartsDeviceMissing.Inc,
@@ -233,8 +247,32 @@ func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentH
 	}
 	h.closers = append(h.closers, func() { _ = sup.Close() })
 	acts.Supervisor = sup
-	h.store, h.tm, h.metrics, h.vgpus, h.sup, h.fdStore, h.acts = st, tm, am, vgpus, sup, fdStore, acts
+	h.store, h.tm, h.metrics, h.vgpus, h.sup, h.fdStore, h.acts, h.net = st, tm, am, vgpus, sup, fdStore, acts, nw
+	h.scanEvery = cfg.ReconcileScanEvery
 	return h, nil
+}
+
+// openNetwork opens the host's network and makes its egress NAT and its
+// bridge (and its gateway address, after a reboot) as configured. A bridge
+// that cannot be made now is only reported: VMs without a network go on,
+// and every launch with one tries again.
+func openNetwork(ctx context.Context, cfg Config, st *store.Store, log *zap.Logger) (*network.Net, error) {
+	nw, err := network.New(network.Config{Bridge: cfg.NetBridge, Subnet: cfg.NetSubnet, Egress: cfg.NetEgress, NetNS: cfg.NetNetNS,
+		Store: st, Logger: log})
+	if err != nil {
+		return nil, fmt.Errorf("network: %w", err)
+	}
+	// Egress NAT (or, without --net-egress, the removal of an earlier
+	// run's): reported, not fatal, as the bridge is.
+	if err := nw.EnsureEgress(); err != nil {
+		log.Error("network egress not set up", zap.String("egress", cfg.NetEgress), zap.Error(err))
+	}
+	if err := nw.EnsureBridge(ctx); err != nil {
+		log.Error("network bridge not ready; launches with a network try again", zap.String("bridge", cfg.NetBridge), zap.Error(err))
+	} else {
+		log.Info("network", zap.String("bridge", cfg.NetBridge), zap.String("subnet", cfg.NetSubnet.String()), zap.String("netns", cfg.NetNetNS))
+	}
+	return nw, nil
 }
 
 // supervise re-attaches the host's VMs with the network down, then tells
@@ -255,6 +293,9 @@ func (h *agentHost) supervise(ctx, life context.Context, log *zap.Logger) error 
 	}
 	if sd, ok := h.fdStore.(*vmm.SystemdFDStore); ok {
 		pruneFDStore(h.store, sd, log)
+	}
+	if h.net != nil && h.scanEvery > 0 {
+		go reconcileTAPs(ctx, h.net, h.scanEvery, log)
 	}
 	// Ready for systemd means supervising: re-attach is done, whatever
 	// Temporal's state or the state of single records (invariant 12).

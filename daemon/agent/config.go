@@ -5,6 +5,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -13,6 +14,7 @@ import (
 	"go.uber.org/zap"
 
 	"vmflow/daemon"
+	"vmflow/hostagent/network"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vgpu"
 	"vmflow/hostagent/vgpu/claims"
@@ -61,6 +63,12 @@ type Config struct {
 	// IgnoreUninspectable: pids whose open files cannot be read yet known
 	// not to hold VFIO devices (a sandbox's init). Empty in production.
 	IgnoreUninspectable []int
+	// The host's network (hostagent/network): no network without a
+	// subnet.
+	NetBridge string
+	NetSubnet netip.Prefix
+	NetEgress string
+	NetNetNS  string
 }
 
 type pidsFlag []int
@@ -130,6 +138,11 @@ flags:
 	fs.DurationVar(&c.GracefulTimeout, "graceful-timeout", contract.DefaultGracefulTimeout, "default wait after system_powerdown before quit")
 	fs.DurationVar(&c.GroupExitCap, "group-exit-cap", contract.DefaultGroupExitCap, "how long the stop ladder waits for the whole thread group after SIGKILL")
 	fs.StringVar(&c.TaskQueue, "workflow-task-queue", contract.DefaultTaskQueue, "task queue of the workflow worker (where the reconcile schedule starts workflows)")
+	var subnet string
+	fs.StringVar(&c.NetBridge, "net-bridge", network.DefaultBridge, "the bridge VMs with a network are ports of (made when missing)")
+	fs.StringVar(&subnet, "net-subnet", "", "`CIDR` (IPv4) of the VMs' network: the bridge takes its first address, the guests' gateway; empty: no network, and a spawn asking for one is refused")
+	fs.StringVar(&c.NetEgress, "net-egress", "", "`IFACE` the guests' traffic leaves by, masqueraded (nftables); empty: no egress")
+	fs.StringVar(&c.NetNetNS, "net-netns", "", "`NAME` of the network namespace (/run/netns/NAME) the bridge and TAPs live in; empty: the agent's own (production)")
 	fs.Var(&ignore, "holders-ignore-pid", "a pid whose open files cannot be read but that holds no VFIO device (repeatable; for sandboxes whose init outranks the agent, never in production)")
 	if err := fs.Parse(args); err != nil {
 		return c, err
@@ -163,6 +176,14 @@ flags:
 	c.QEMUUIDs = r
 	if c.QuarantineAfter < 1 {
 		return c, fmt.Errorf("--gpu-quarantine-after must be at least 1, got %d", c.QuarantineAfter)
+	}
+	if subnet != "" {
+		if c.NetSubnet, err = netip.ParsePrefix(subnet); err != nil {
+			return c, fmt.Errorf("--net-subnet: %w", err)
+		}
+		if _, err := network.Gateway(c.NetSubnet); err != nil {
+			return c, fmt.Errorf("--net-subnet: %w", err)
+		}
 	}
 	switch c.VGPUDriver {
 	case "auto", "mdev", "vendor", "none":

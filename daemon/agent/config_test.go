@@ -2,6 +2,7 @@ package agent_test
 
 import (
 	"io"
+	"net/netip"
 	"testing"
 	"time"
 
@@ -9,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"vmflow/daemon/agent"
+	"vmflow/hostagent/network"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vgpu"
 	"vmflow/hostagent/vgpu/claims"
@@ -43,6 +45,14 @@ func TestParseFlags(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, "10de:2335,10de:2330", p.GPUPassthrough.String())
 	assert.Equal(t, 3, p.QuarantineAfter)
+	assert.False(t, d.NetSubnet.IsValid(), "no network unless a subnet is given")
+	assert.Equal(t, network.DefaultBridge, d.NetBridge)
+
+	n, err := agent.ParseFlags([]string{"--host-id", "h1", "--net-subnet", "10.88.0.0/24", "--net-egress", "eth0", "--net-netns", "t1"}, io.Discard)
+	require.NoError(t, err)
+	assert.Equal(t, netip.MustParsePrefix("10.88.0.0/24"), n.NetSubnet)
+	assert.Equal(t, "eth0", n.NetEgress)
+	assert.Equal(t, "t1", n.NetNetNS)
 
 	u, err := agent.ParseFlags([]string{"--host-id", "h1", "--qemu-uid-range", "300000-300999"}, io.Discard)
 	require.NoError(t, err)
@@ -66,6 +76,10 @@ func TestParseFlagsRejects(t *testing.T) {
 		{"--host-id", "h1", "--qemu-uid-range", "300999-300000"},
 		{"--host-id", "h1", "--gpu-passthrough", "h200"},
 		{"--host-id", "h1", "--gpu-quarantine-after", "0"},
+		{"--host-id", "h1", "--net-subnet", "10.88.0.1/24"}, // host bits
+		{"--host-id", "h1", "--net-subnet", "fd00::/64"},
+		{"--host-id", "h1", "--net-subnet", "10.88.0.0/31"},
+		{"--host-id", "h1", "--net-subnet", "ten"},
 	} {
 		_, err := agent.ParseFlags(args, io.Discard)
 		assert.Error(t, err, "%q", args)

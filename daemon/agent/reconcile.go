@@ -13,6 +13,7 @@ import (
 	"go.uber.org/zap"
 	"google.golang.org/protobuf/proto"
 
+	"vmflow/hostagent/network"
 	"vmflow/hostagent/vgpu/claims"
 	"vmflow/platform"
 	vmflowv1 "vmflow/proto/vmflow/v1"
@@ -186,5 +187,29 @@ func scanForReconcile(ctx context.Context, scan func(context.Context) (claims.Wo
 			continue
 		}
 		log.Info("reconcile scan found work: reconcile triggered", zap.Strings("work", due))
+	}
+}
+
+// reconcileTAPs removes, every `every` until ctx ends, the TAPs no record
+// leases once past their grace (network.ReconcileTAPs). Local work: no
+// Temporal call. A failed round is logged and tried again.
+func reconcileTAPs(ctx context.Context, nw *network.Net, every time.Duration, log *zap.Logger) {
+	tick := time.NewTicker(every)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+		if ctx.Err() != nil {
+			return
+		}
+		rctx, cancel := context.WithTimeout(ctx, every)
+		removed, err := nw.ReconcileTAPs(rctx)
+		cancel()
+		if err != nil {
+			log.Warn("TAP reconcile failed; tried again next round", zap.Strings("removed", removed), zap.Error(err))
+		}
 	}
 }

@@ -296,3 +296,32 @@ func TestPrepareLaunchGivesEveryWholeGPU(t *testing.T) {
 	require.ErrorIs(t, err, ErrAdmissionRefused, "an agent without --gpu-passthrough refuses the record")
 	require.NoError(t, l.Unlock())
 }
+
+// TestNetworkAdmission: "default" is admitted only on a host with a
+// network, and never for machine "none" (no bus for a NIC); any other
+// value is refused; the record keeps what was asked.
+func TestNetworkAdmission(t *testing.T) {
+	h, root := testHost(t)
+	ctx := context.Background()
+	req := good(root)
+	req.Network = NetworkDefault
+	err := h.Validate(ctx, req)
+	require.ErrorIs(t, err, ErrInvalid)
+	assert.Contains(t, err.Error(), "network:")
+	assert.Contains(t, err.Error(), "--net-subnet")
+
+	h.Network = true
+	require.NoError(t, h.Validate(ctx, req))
+	assert.Equal(t, NetworkDefault, RecordSpec(req).GetNetwork())
+	require.NoError(t, h.AdmitRecord(ctx, &vmflowv1.InstanceRecord{Id: "vm1", Spec: RecordSpec(req)}))
+
+	none := &vmflowv1.SpawnRequest{InstanceId: "vm1", HostId: "h", Vcpus: 1, MemoryMib: 64, Machine: "none", Accel: "tcg", Network: NetworkDefault}
+	err = h.Validate(ctx, none)
+	require.ErrorIs(t, err, ErrInvalid)
+	assert.Contains(t, err.Error(), "no bus for a NIC")
+
+	req.Network = "bridged"
+	err = h.Validate(ctx, req)
+	require.ErrorIs(t, err, ErrInvalid)
+	assert.Contains(t, err.Error(), "network:")
+}

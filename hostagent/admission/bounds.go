@@ -47,6 +47,7 @@ var MaxBytes = map[string]int{
 	"machine":                        maxEnumBytes,
 	"accel":                          maxEnumBytes,
 	"restart_policy":                 maxEnumBytes,
+	"network":                        maxEnumBytes,
 	"only_if_created_by_workflow_id": MaxWorkflowIDBytes,
 	"only_if_created_by_run_id":      MaxRunIDBytes,
 	"gpu_passthrough_model":          len("10de:2335"),

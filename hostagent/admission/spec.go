@@ -40,12 +40,17 @@ const (
 	RestartAlways    = "always"
 )
 
+// NetworkDefault is the one network a spec may ask for: the host's bridge
+// and subnet. Empty is none.
+const NetworkDefault = "default"
+
 // Accepted values of the enum-like string fields. A spawn may not ask for
 // every machine vmm knows: pc is not offered.
 var (
 	Machines        = []string{string(vmm.MachineNone), string(vmm.MachineQ35), string(vmm.MachineMicroVM)}
 	Accels          = []string{string(vmm.AccelKVM), string(vmm.AccelTCG)}
 	RestartPolicies = []string{RestartNever, RestartOnFailure, RestartAlways}
+	Networks        = []string{NetworkDefault}
 )
 
 // ErrInvalid marks every admission failure; FieldError says which field.
@@ -93,6 +98,9 @@ type Host struct {
 	// "kvm", or empty) is refused before anything is created for it, where
 	// the launch would only fail later. The zero value is a usable KVM.
 	KVM vmm.KVMAccess
+	// Network says the host has a network (--net-subnet): a spec asking for
+	// one is refused without it.
+	Network bool
 	// MemlockLimit is the agent's own hard RLIMIT_MEMLOCK
 	// (vmm.MemlockLimit), which a VFIO VM's pinned RAM must fit under;
 	// 0 bounds nothing.
@@ -194,7 +202,7 @@ func (h Host) admit(ctx context.Context, id, restartPolicy string, s *vmflowv1.V
 		{"machine", s.GetMachine()}, {"accel", s.GetAccel()}, {"restart_policy", restartPolicy},
 		{"kernel", s.GetKernel()}, {"initrd", s.GetInitrd()}, {"cmdline", s.GetCmdline()},
 		{"disk", s.GetDisk()}, {"vgpu_profile", s.GetVgpuProfile()}, {"uuid", s.GetUuid()}, {"gpu_passthrough_model", s.GetGpuPassthroughModel()},
-		{"instance_id", id},
+		{"network", s.GetNetwork()}, {"instance_id", id},
 	} {
 		if err := CheckBound(f.field, f.v); err != nil {
 			errs = append(errs, err)
@@ -233,6 +241,15 @@ func (h Host) admit(ctx context.Context, id, restartPolicy string, s *vmflowv1.V
 			noKVM(h.KVM.Err))
 	}
 	oneOf("restart_policy", restartPolicy, RestartPolicies, true)
+	oneOf("network", s.GetNetwork(), Networks, true)
+	if s.GetNetwork() != "" {
+		switch {
+		case !h.Network:
+			bad("network", "%q: this host has no network (the agent runs without --net-subnet)", s.GetNetwork())
+		case s.GetMachine() == string(vmm.MachineNone):
+			bad("network", "machine \"none\" has no bus for a NIC")
+		}
+	}
 
 	// The images are opened as a launch opens them, and handed to vmm's
 	// check below (which knows which machines take a kernel or a disk).
@@ -351,6 +368,7 @@ func RecordSpec(req *vmflowv1.SpawnRequest) *vmflowv1.VMSpec {
 		GpuPassthroughCount: req.GetGpuPassthroughCount(),
 		GpuPassthroughModel: req.GetGpuPassthroughModel(),
 		Uuid:                InstanceUUID(req.GetInstanceId()),
+		Network:             req.GetNetwork(),
 	}
 }
 

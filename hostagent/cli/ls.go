@@ -44,10 +44,16 @@ type Instance struct {
 	// the released ones.
 	GPUDevices []string `json:"gpu_devices,omitempty"`
 	// ClaimHeld is absent when the record cannot be read: unknown, not no.
-	ClaimHeld  *bool      `json:"claim_held,omitempty"`
-	ManualStop bool       `json:"manual_stop"`
-	CreatedAt  *time.Time `json:"created_at,omitempty"`
-	AgeSeconds int64      `json:"age_seconds,omitempty"`
+	ClaimHeld *bool `json:"claim_held,omitempty"`
+	// The network lease's address (with its prefix), MAC, TAP and phase
+	// ("released" once given back); empty without one.
+	Address      string     `json:"address,omitempty"`
+	MAC          string     `json:"mac,omitempty"`
+	TAP          string     `json:"tap,omitempty"`
+	NetworkPhase string     `json:"network_phase,omitempty"`
+	ManualStop   bool       `json:"manual_stop"`
+	CreatedAt    *time.Time `json:"created_at,omitempty"`
+	AgeSeconds   int64      `json:"age_seconds,omitempty"`
 	// NeedsAttention names every reason an operator should look; empty
 	// (never null in JSON) when there is none.
 	NeedsAttention []string `json:"needs_attention"`
@@ -123,6 +129,13 @@ func inspectInstance(st *store.Store, id string, now time.Time) *Instance {
 		in.ClaimDevice = in.GPUDevices[0]
 		if !held {
 			in.ClaimPhase = "released"
+		}
+	}
+	if l := store.Network(rec); l != nil {
+		n := l.GetNetwork()
+		in.Address, in.MAC, in.TAP, in.NetworkPhase = n.GetAddress(), n.GetMac(), n.GetTap(), claimPhaseName(l.GetPhase())
+		if !store.LeaseHeld(l) {
+			in.NetworkPhase = "released"
 		}
 	}
 	in.checkRecord(rec, now)
@@ -203,6 +216,8 @@ func leaseWord(c *vmflowv1.Lease) string {
 		return "vGPU " + store.ClaimDevice(c.GetVgpu())
 	case c.GetGpuPassthrough() != nil:
 		return "whole GPU (IOMMU group " + c.GetGpuPassthrough().GetIommuGroup() + ")"
+	case c.GetNetwork() != nil:
+		return "network"
 	}
 	return store.LeaseKind(c)
 }
@@ -330,7 +345,7 @@ func Ls(args []string, out IO) int {
 
 func writeTable(w io.Writer, insts []*Instance) {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "ID\tSTATE\tPID\tALIVE\tVGPU\tAGE\tNEEDS ATTENTION")
+	fmt.Fprintln(tw, "ID\tSTATE\tPID\tALIVE\tVGPU\tIP\tAGE\tNEEDS ATTENTION")
 	for _, in := range insts {
 		pid, alive := "-", "-"
 		if in.Process != nil {
@@ -341,6 +356,13 @@ func writeTable(w io.Writer, insts []*Instance) {
 		if in.ClaimPhase != "" {
 			gpu = in.ClaimPhase + " " + orDash(strings.Join(in.GPUDevices, ","))
 		}
+		ip := "-"
+		if in.Address != "" {
+			ip = in.Address
+			if in.NetworkPhase != claimPhaseName(vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE) {
+				ip += " (" + in.NetworkPhase + ")"
+			}
+		}
 		age := "-"
 		if in.CreatedAt != nil {
 			age = fmtAge(time.Duration(in.AgeSeconds) * time.Second)
@@ -349,7 +371,7 @@ func writeTable(w io.Writer, insts []*Instance) {
 		if len(in.NeedsAttention) > 0 {
 			attn = strings.Join(in.NeedsAttention, "; ")
 		}
-		cols := []string{in.ID, in.State, pid, alive, gpu, age, attn}
+		cols := []string{in.ID, in.State, pid, alive, gpu, ip, age, attn}
 		for i, c := range cols {
 			cols[i] = safetext.Escape(c) // a tab or newline in a field would forge a column or a row
 		}

@@ -82,6 +82,10 @@ func newHostFixture(t *testing.T) *hostFixture {
 		r.Process = store.ProcessRecord(self)
 		r.Leases = claim("0000:3b:00.4", "6f9b6c1e-0000-4000-8000-000000000001")
 		r.Leases[0].GetVgpu().Driver = "vendor"
+		net := store.NetworkLease(&vmflowv1.NetworkLease{Tap: "vmtap0a580002", Mac: "02:11:22:33:44:55", Address: "10.88.0.2/24",
+			Gateway: "10.88.0.1", Bridge: "vmflow0"})
+		net.Phase = vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE
+		r.Leases = append(r.Leases, net)
 		r.CreatedAt = timestamppb.New(time.Now().Add(-2 * time.Hour))
 	})
 
@@ -274,7 +278,7 @@ func TestLsTable(t *testing.T) {
 	require.Equal(t, cli.ExitOK, code, stderr)
 	lines := strings.Split(strings.TrimRight(out, "\n"), "\n")
 	require.Len(t, lines, 12, out)
-	assert.Regexp(t, `^ID +STATE +PID +ALIVE +VGPU +AGE +NEEDS ATTENTION$`, lines[0])
+	assert.Regexp(t, `^ID +STATE +PID +ALIVE +VGPU +IP +AGE +NEEDS ATTENTION$`, lines[0])
 	row := func(id string) string {
 		for _, l := range lines[1:] {
 			if strings.HasPrefix(l, id+" ") {
@@ -284,7 +288,7 @@ func TestLsTable(t *testing.T) {
 		t.Fatalf("no row for %s in\n%s", id, out)
 		return ""
 	}
-	assert.Regexp(t, fmt.Sprintf(`^%s +running +%d +yes +active 0000:3b:00.4 +2h\dm +-$`, idRunning, os.Getpid()), row(idRunning))
+	assert.Regexp(t, fmt.Sprintf(`^%s +running +%d +yes +active 0000:3b:00.4 +10.88.0.2/24 +2h\dm +-$`, idRunning, os.Getpid()), row(idRunning))
 	assert.Regexp(t, `^vm-gone +running +\d+ +no +- `, row(idGone))
 	assert.Contains(t, row(idBad), "unreadable")
 	assert.Contains(t, row(idBad), f.recordPath(t, idBad))
@@ -362,4 +366,26 @@ func TestLsBadArgs(t *testing.T) {
 	code, out, _ := runLs(t, "--state-dir", dir, "-o", "json")
 	assert.Equal(t, cli.ExitOK, code)
 	assert.JSONEq(t, "[]", out, "an empty host is an empty list, not null")
+}
+
+// TestNetworkReleaseFailureNamed: a delete parked on its network lease's
+// release says so (not "vGPU release failed 0 time(s)").
+func TestNetworkReleaseFailureNamed(t *testing.T) {
+	dir := t.TempDir()
+	st, err := store.New(dir)
+	require.NoError(t, err)
+	ctx := context.Background()
+	_, err = st.Create(ctx, &vmflowv1.InstanceRecord{Id: "vm-net", Spec: &vmflowv1.VMSpec{Vcpus: 1, MemoryMib: 64, Machine: "q35", Network: "default"}})
+	require.NoError(t, err)
+	_, err = st.Apply(ctx, "vm-net", store.LeaseIntent(store.NetworkLease(&vmflowv1.NetworkLease{Tap: "vmtap0a580002", Address: "10.88.0.2/24",
+		Gateway: "10.88.0.1", Mac: "02:00:00:00:00:01"}), time.Now()), store.NetworkActive())
+	require.NoError(t, err)
+	require.NoError(t, st.MarkManualStop(ctx, "vm-net"))
+	_, err = st.Transition(ctx, "vm-net", vmflowv1.InstanceState_INSTANCE_STATE_DELETING)
+	require.NoError(t, err)
+	_, err = st.Apply(ctx, "vm-net", store.LeaseReleaseFailed("network:10.88.0.2", "link is not this lease's TAP"))
+	require.NoError(t, err)
+	r := lsJSON(t, dir)["vm-net"]
+	assert.Equal(t, "release_failed", r.State)
+	assertAttention(t, r, "network release failed 1 time(s): link is not this lease's TAP")
 }

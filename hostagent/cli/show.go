@@ -139,6 +139,7 @@ func writeShow(w io.Writer, in *Instance) {
 					strings.Join(store.PassthroughDevices(c), " "), orDash(p.GetModel()), c.GetReleaseAttempts(), lastError(c))
 			}
 		}
+		row("network", "%s", networkLine(in))
 		row("restarts", "%d (policy %s, max %d)", rec.GetRestartCount(), orDefault(rec.GetRestartPolicy(), "never"), rec.GetRestartMaxAttempts())
 		if rec.GetLastExit() != nil || rec.GetLastExitStatus() != "" {
 			row("last exit", "%s (code %d) at %s", orDefault(rec.GetLastExitStatus(), "-"), rec.GetLastExitCode(),
@@ -211,6 +212,23 @@ func lastError(c *vmflowv1.Lease) string {
 		return ""
 	}
 	return ", last: " + c.GetLastReleaseError()
+}
+
+func networkLine(in *Instance) string {
+	l := store.Network(in.rec)
+	if l == nil {
+		if in.rec.GetSpec().GetNetwork() != "" {
+			return "none yet (" + in.rec.GetSpec().GetNetwork() + ", leased at the first launch)"
+		}
+		return "none"
+	}
+	n := l.GetNetwork()
+	line := fmt.Sprintf("%s %s, mac %s, tap %s on %s, gateway %s", in.NetworkPhase, n.GetAddress(), n.GetMac(), n.GetTap(),
+		orDash(n.GetBridge()), n.GetGateway())
+	if l.GetReleaseAttempts() > 0 {
+		line += fmt.Sprintf(", %d failed release(s), last: %s", l.GetReleaseAttempts(), orNone(l.GetLastReleaseError()))
+	}
+	return line
 }
 
 func yesNo(b bool) string {

@@ -51,6 +51,7 @@ func TestShowInstance(t *testing.T) {
 	require.Equal(t, cli.ExitOK, code, stderr)
 	assert.Contains(t, out, fmt.Sprintf("process          %s: running, alive yes", f.self))
 	assert.Contains(t, out, "needs attention  no")
+	assert.Contains(t, out, "network          active 10.88.0.2/24, mac 02:11:22:33:44:55, tap vmtap0a580002 on vmflow0, gateway 10.88.0.1")
 
 	code, out, stderr = runShow(t, "--state-dir", f.dir, "-o", "json", idRunning)
 	require.Equal(t, cli.ExitOK, code, stderr)
@@ -62,6 +63,8 @@ func TestShowInstance(t *testing.T) {
 	require.NoError(t, json.Unmarshal([]byte(out), &js), out)
 	assert.Equal(t, idRunning, js.ID)
 	assert.True(t, js.Process.Alive)
+	assert.Contains(t, out, `"address": "10.88.0.2/24"`)
+	assert.Contains(t, out, `"mac": "02:11:22:33:44:55"`)
 	assert.Equal(t, "spawn/vm-running (run run-vm-running)", js.Creator)
 	rec, err := store.DecodeRecord(js.Record)
 	require.NoError(t, err, "the record is record.json as the store writes it")

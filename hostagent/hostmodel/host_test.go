@@ -15,9 +15,11 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 	"pgregory.net/rapid"
 
+	"vmflow/hostagent/network"
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/proc/proctest"
 	"vmflow/hostagent/store"
@@ -41,6 +43,7 @@ type driverCase struct {
 	kind    vgpu.Kind
 	opts    vgpusim.Options
 	profile string
+	netns   string // the network namespace TestHostModel made for the case
 }
 
 var driverCases = []driverCase{
@@ -131,6 +134,8 @@ type host struct {
 	// it quarantined: any other lease naming it was placed there after.
 	quarantine      *claims.Quarantine
 	quarantinedWith map[string]map[string]bool
+	net             *network.Net
+	nh              *netlink.Handle // in dc.netns, for the checks
 }
 
 // quarantineKey is the device a vGPU lease's failed release quarantines:
@@ -229,6 +234,7 @@ func newHost(t *rapid.T, dc driverCase) *host {
 	}
 	h.quarantine = claims.NewQuarantine(h.state, claims.DefaultQuarantineAfter, h.clock)
 	h.startAgent(t)
+	h.startNetwork(t)
 	h.prev = h.observe(t)
 	return h
 }

@@ -17,6 +17,7 @@ import (
 
 	"pgregory.net/rapid"
 
+	"vmflow/hostagent/network/nettest"
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/proc/proctest"
 	"vmflow/hostagent/store"
@@ -86,6 +87,7 @@ func TestHostModel(t *testing.T) {
 	proctest.RequiresFUSE(t)
 	for _, dc := range driverCases {
 		t.Run(string(dc.kind), func(t *testing.T) {
+			dc.netns = nettest.Namespace(t)
 			var checks, steps int
 			events := map[string]int{}
 			start := time.Now()
@@ -131,6 +133,8 @@ func (h *host) actions() map[string]func(*rapid.T) {
 		"fillDisk":    h.fillDisk,
 		"clearQuar":   h.clearQuarantine,
 		"freeDisk":    h.freeDisk,
+		"netAttach":   h.netAttach,
+		"netRelease":  h.netRelease,
 	}
 }
 
@@ -755,6 +759,7 @@ func (h *host) reboot(t *rapid.T) {
 			t.Fatalf("reboot: remove %s: %v", d, err)
 		}
 	}
+	h.wipeLinks(t)
 	h.startAgent(t)
 	h.rebooted = true
 	h.events["reboots"]++
@@ -861,6 +866,7 @@ func (h *host) check(t *rapid.T) {
 	t.Logf("  state: %s", h.describe(t))
 	h.checkUIDs(t)
 	h.checkQuarantine(t, now)
+	h.checkNetwork(t)
 
 	// One device, one claim (invariant 10).
 	uuids := map[string]string{}

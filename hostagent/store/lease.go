@@ -34,6 +34,7 @@ import (
 const (
 	KindVGPU        = "vgpu"
 	KindPassthrough = "passthrough"
+	KindNetwork     = "network"
 )
 
 // LeaseKind names l's kind ("vgpu"); "unknown" for a lease with no
@@ -44,6 +45,8 @@ func LeaseKind(l *vmflowv1.Lease) string {
 		return KindVGPU
 	case *vmflowv1.Lease_GpuPassthrough:
 		return KindPassthrough
+	case *vmflowv1.Lease_Network:
+		return KindNetwork
 	}
 	return "unknown"
 }
@@ -57,6 +60,11 @@ func LeaseName(l *vmflowv1.Lease) string {
 	case *vmflowv1.Lease_GpuPassthrough:
 		// The group, not a function: placement never splits a group.
 		return KindPassthrough + ":" + r.GpuPassthrough.GetIommuGroup()
+	case *vmflowv1.Lease_Network:
+		// The address, without its prefix: the one thing two VMs on a
+		// host must never share (the TAP's name is derived from it).
+		addr, _, _ := strings.Cut(r.Network.GetAddress(), "/")
+		return KindNetwork + ":" + addr
 	}
 	return "unknown:"
 }
@@ -98,6 +106,22 @@ func PassthroughCount(spec *vmflowv1.VMSpec) int { return int(spec.GetGpuPassthr
 // MaxPassthrough bounds the whole GPUs one instance may hold: an 8-GPU
 // node's.
 const MaxPassthrough = 8
+
+// NetworkLease is a lease on the TAP and address n names, for LeaseIntent.
+func NetworkLease(n *vmflowv1.NetworkLease) *vmflowv1.Lease {
+	return &vmflowv1.Lease{Resource: &vmflowv1.Lease_Network{Network: n}}
+}
+
+// Network is rec's network lease, held or released; nil when it has none.
+// An instance has at most one (ValidateRecord).
+func Network(rec *vmflowv1.InstanceRecord) *vmflowv1.Lease {
+	for _, l := range rec.GetLeases() {
+		if l.GetNetwork() != nil {
+			return l
+		}
+	}
+	return nil
+}
 
 // LeaseHeld reports whether l is held: from the moment it is recorded
 // (INTENT, before the resource exists) until its release is confirmed.
@@ -191,14 +215,17 @@ func describeLease(l *vmflowv1.Lease) string {
 	case *vmflowv1.Lease_GpuPassthrough:
 		return fmt.Sprintf("passthrough lease (IOMMU group %s, %s, phase %s)", r.GpuPassthrough.GetIommuGroup(),
 			strings.Join(PassthroughDevices(l), " "), l.GetPhase())
+	case *vmflowv1.Lease_Network:
+		return fmt.Sprintf("network lease (address %s, tap %s, phase %s)", r.Network.GetAddress(), r.Network.GetTap(), l.GetPhase())
 	}
 	return fmt.Sprintf("%s lease (phase %s)", LeaseKind(l), l.GetPhase())
 }
 
 // validateLeases checks every lease has a known kind and phase, no two name
-// one resource, and there are at most MaxVGPUs vGPUs.
+// one resource, and there are at most MaxVGPUs vGPUs and one network lease.
 func validateLeases(rec *vmflowv1.InstanceRecord) error {
 	names := map[string]bool{}
+	nets := 0
 	for i, l := range rec.GetLeases() {
 		if l.GetResource() == nil {
 			return fmt.Errorf("%w: instance %s: lease %d has no resource", ErrInvalidRecord, rec.GetId(), i)
@@ -211,6 +238,9 @@ func validateLeases(rec *vmflowv1.InstanceRecord) error {
 		} else {
 			names[n] = true
 		}
+		if l.GetNetwork() != nil {
+			nets++
+		}
 	}
 	if n := len(rec.GetLeases()) - len(VGPUs(rec)); n > MaxPassthrough+16 {
 		// Whole GPUs and whatever other kinds: bounded so a hand-made
@@ -219,6 +249,9 @@ func validateLeases(rec *vmflowv1.InstanceRecord) error {
 	}
 	if n := len(VGPUs(rec)); n > MaxVGPUs {
 		return fmt.Errorf("%w: instance %s has %d vgpu leases, at most %d are allowed", ErrInvalidRecord, rec.GetId(), n, MaxVGPUs)
+	}
+	if nets > 1 {
+		return fmt.Errorf("%w: instance %s has %d network leases, at most one is allowed", ErrInvalidRecord, rec.GetId(), nets)
 	}
 	return nil
 }

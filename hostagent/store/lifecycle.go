@@ -28,7 +28,7 @@ import (
 // A stop:    StopStepTaken … (with Gone at the last step), or NothingRuns
 // A delete:  Locked.BeginDelete → the leases' LeaseReleasing →
 //            LeaseReleased | LeaseReleaseFailed → Locked.Delete
-// A lease:   LeaseIntent → VGPUActive → LeaseReleasing → LeaseReleased
+// A lease:   LeaseIntent → VGPUActive or NetworkActive → LeaseReleasing → LeaseReleased
 
 // A Step is one named transition of an instance record.
 type Step struct {
@@ -436,7 +436,7 @@ func LeaseIntent(lease *vmflowv1.Lease, at time.Time) Step {
 		}
 		n := LeaseName(lease)
 		for _, have := range r.GetLeases() {
-			if LeaseName(have) == n {
+			if LeaseName(have) == n || (lease.GetNetwork() != nil && have.GetNetwork() != nil) {
 				return refuse(name, r, ErrConflict, "the record already has %s", describeLease(have))
 			}
 		}
@@ -480,6 +480,23 @@ func PassthroughActive(name string) Step {
 		}
 		if l.GetGpuPassthrough() == nil {
 			return refuse(step, r, ErrIllegalTransition, "lease %s is no passthrough lease", name)
+		}
+		l.Phase = vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE
+		return nil
+	}}
+}
+
+// NetworkActive records that the network lease's TAP exists (phase
+// ACTIVE).
+func NetworkActive() Step {
+	const name = "network active"
+	return Step{name, func(r *vmflowv1.InstanceRecord) error {
+		l := Network(r)
+		if !LeaseHeld(l) {
+			return refuse(name, r, ErrIllegalTransition, "no held network lease")
+		}
+		if l.GetPhase() == vmflowv1.ClaimPhase_CLAIM_PHASE_RELEASING {
+			return refuse(name, r, ErrIllegalTransition, "the network lease is being released")
 		}
 		l.Phase = vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE
 		return nil

@@ -9,6 +9,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"vmflow/hostagent/proc"
@@ -191,4 +192,32 @@ func TestLeaseReleasingOnlyInADelete(t *testing.T) {
 	require.ErrorIs(t, applySteps([]Step{LeaseReleasing("vgpu:other")})(r), ErrIllegalTransition, "no such lease")
 	applyTo(t, r, LeaseReleasing("vgpu:u1"))
 	assert.Equal(t, vmflowv1.ClaimPhase_CLAIM_PHASE_RELEASING, VGPU(r).GetPhase())
+}
+
+// TestNetworkLeaseKind: a network lease is named by its address, is held
+// from its intent, keeps the record, and an instance has one at most;
+// NetworkActive refuses a lease under release.
+func TestNetworkLeaseKind(t *testing.T) {
+	n := NetworkLease(&vmflowv1.NetworkLease{Tap: "vmtap0a580002", Mac: "02:00:00:00:00:01", Address: "10.88.0.2/24", Gateway: "10.88.0.1"})
+	assert.Equal(t, KindNetwork, LeaseKind(n))
+	assert.Equal(t, "network:10.88.0.2", LeaseName(n))
+	r := &vmflowv1.InstanceRecord{Id: "vm1", State: running}
+	applyTo(t, r, LeaseIntent(n, time.Now()))
+	assert.Equal(t, vmflowv1.ClaimPhase_CLAIM_PHASE_INTENT, Network(r).GetPhase())
+	assert.True(t, AnyLeaseHeld(r))
+	other := NetworkLease(&vmflowv1.NetworkLease{Tap: "vmtap0a580003", Address: "10.88.0.3/24"})
+	require.ErrorIs(t, applySteps([]Step{LeaseIntent(other, time.Now())})(r), ErrConflict, "one network lease per instance")
+	applyTo(t, r, NetworkActive())
+	assert.Equal(t, vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE, Network(r).GetPhase())
+	require.NoError(t, validateLeases(r))
+	r.Leases = append(r.Leases, proto.CloneOf(other))
+	require.ErrorIs(t, validateLeases(r), ErrInvalidRecord, "two network leases")
+	r.Leases = r.Leases[:1]
+
+	r.State = deleting
+	require.ErrorIs(t, MayRemove(r), ErrClaimHeld, "the record stays while the address is held")
+	applyTo(t, r, LeaseReleasing("network:10.88.0.2"))
+	require.ErrorIs(t, applySteps([]Step{NetworkActive()})(r), ErrIllegalTransition)
+	applyTo(t, r, LeaseReleased("network:10.88.0.2", time.Now()))
+	require.NoError(t, MayRemove(r))
 }

@@ -6,10 +6,12 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"go.uber.org/zap"
 
+	"vmflow/hostagent/network"
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vmm"
@@ -304,6 +306,13 @@ func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *inst
 			return nil, errors.Join(err, uerr)
 		}
 	}
+	if rec.GetSpec().GetNetwork() != "" {
+		if err := s.attachNetworkLocked(ctx, l, uid, &spec); err != nil {
+			_, uerr := l.Apply(store.LaunchFailed(proc.Identity{}, store.Exit{}, err.Error(), takeBackVFIO))
+			return nil, errors.Join(err, uerr, s.detachNetworkLocked(l))
+		}
+		log = log.With(zap.String("address", spec.NIC.Address), zap.String("mac", spec.NIC.MAC))
+	}
 	log.Info("launching qemu", zap.String("machine", string(spec.Machine)), zap.String("accel", string(spec.Accel)))
 	vm, err := vmm.Launch(ctx, vmm.LaunchConfig{
 		Spec:           spec,
@@ -338,18 +347,47 @@ func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *inst
 	})
 	if err != nil {
 		// Returned, not logged: the caller logs it (a restart) or returns
-		// it (a Launch, to its activity).
-		return nil, err
+		// it (a Launch, to its activity). A failed launch leaves no TAP.
+		return nil, errors.Join(err, s.detachNetworkLocked(l))
 	}
 	pid := vm.Identity()
 	if _, err := l.Apply(store.Running()); err != nil {
 		// QEMU runs but the record cannot say so: undo the launch rather
 		// than leave a VM the record does not describe (invariant 5).
-		return nil, s.undoLaunchLocked(l, vm, fmt.Errorf("record running: %w", err))
+		return nil, errors.Join(s.undoLaunchLocked(l, vm, fmt.Errorf("record running: %w", err)), s.detachNetworkLocked(l))
 	}
 	crashpoint.Hit(crashpoint.LaunchRunningRecorded)
 	log.Info("running", zap.Int("pid", pid.PID), zap.Duration("took", time.Since(start)))
 	return vm, nil
+}
+
+// attachNetworkLocked gives the locked instance's launch its NIC: the
+// network lease (written ahead when new), its TAP made and opened for uid,
+// and the guest's address on the kernel command line (direct kernel boot;
+// a disk image's guest configures itself from the same lease).
+func (s *Supervisor) attachNetworkLocked(ctx context.Context, l *store.Locked, uid uint32, spec *vmm.VMSpec) error {
+	if s.cfg.Network == nil {
+		return fmt.Errorf("attach network: %w", network.ErrNoNetwork)
+	}
+	a, err := s.cfg.Network.AttachLocked(ctx, l, uid)
+	if err != nil {
+		return err
+	}
+	spec.NIC = &vmm.NIC{TAP: a.TAP, MAC: a.MAC, Address: a.Address.String()}
+	if spec.Kernel != nil {
+		spec.Cmdline = strings.TrimSpace(spec.Cmdline + " " + a.KernelParam())
+	}
+	return nil
+}
+
+// detachNetworkLocked removes the TAP of a launch that failed (the lease
+// stays: the next launch makes the TAP again). Nothing without a network,
+// and nothing while the record says a QEMU may live.
+func (s *Supervisor) detachNetworkLocked(l *store.Locked) error {
+	if s.cfg.Network == nil {
+		return nil
+	}
+	return s.cfg.Network.DetachLocked(l)
 }
 
 // vfioNodes are the VFIO group nodes of spec's devices that exist (the

@@ -10,6 +10,7 @@ import (
 	"go.uber.org/zap"
 
 	"vmflow/hostagent/admission"
+	"vmflow/hostagent/network"
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vmm"
@@ -78,6 +79,10 @@ type Config struct {
 	// store: vmm.NewSystemdFDStore); nil without one (make dev), where
 	// what QEMU writes while no agent runs is lost.
 	FDStore vmm.FDStore
+	// Network puts a VM whose spec asks for a network on the host's bridge
+	// at every launch (its TAP made and opened, QEMU given the descriptor);
+	// nil: the host has none, and such a launch fails.
+	Network *network.Net
 
 	// OnExitRecorded, when set, is called after an exit nobody asked for
 	// (a crash, a kill from outside, a guest power-off) is written to the

@@ -3,6 +3,7 @@ package vmm
 import (
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -89,6 +90,22 @@ type VMSpec struct {
 	SerialToLog bool `json:"serial_to_log,omitempty"`
 	// NoReboot makes a guest reboot end QEMU (-no-reboot).
 	NoReboot bool `json:"no_reboot,omitempty"`
+	// NIC is the guest's network card on a TAP the agent made and opened;
+	// nil: no network.
+	NIC *NIC `json:"-"`
+}
+
+// NIC is a virtio-net card backed by a TAP descriptor: QEMU gets only the
+// descriptor (-netdev tap,fd=N), so in its jail it opens no TAP and sees no
+// network of the host's.
+type NIC struct {
+	// TAP is an open queue of the TAP (/dev/net/tun after TUNSETIFF).
+	TAP *os.File
+	// MAC is the card's address, unicast, "02:xx:xx:xx:xx:xx".
+	MAC string
+	// Address is the guest's address with its prefix, for logs; QEMU
+	// does not use it.
+	Address string
 }
 
 // Disk is a boot disk as QEMU gets it: two files the agent opened, passed
@@ -111,6 +128,9 @@ func (s VMSpec) Close() error {
 	errs := []error{closeFile(s.Kernel), closeFile(s.Initrd)}
 	if s.Disk != nil {
 		errs = append(errs, closeFile(s.Disk.Base), closeFile(s.Disk.Overlay))
+	}
+	if s.NIC != nil {
+		errs = append(errs, closeFile(s.NIC.TAP))
 	}
 	return errors.Join(errs...)
 }
@@ -199,6 +219,15 @@ func (s VMSpec) Validate() error {
 	if s.Disk != nil && s.Disk.Base == nil {
 		return invalid("disk without a base image")
 	}
+	if s.NIC != nil {
+		if s.NIC.TAP == nil {
+			return invalid("nic without a tap")
+		}
+		hw, err := net.ParseMAC(s.NIC.MAC)
+		if err != nil || len(hw) != 6 || hw[0]&1 != 0 || hw.String() != s.NIC.MAC {
+			return invalid("nic mac %q: want a unicast 02:xx:xx:xx:xx:xx", s.NIC.MAC)
+		}
+	}
 	seen := map[string]bool{}
 	for i, p := range s.VFIO {
 		if err := checkPath(fmt.Sprintf("vfio[%d]", i), p); err != nil {
@@ -217,8 +246,8 @@ func (s VMSpec) Validate() error {
 		if s.VCPUs != 1 {
 			return invalid("machine none supports exactly 1 vcpu, not %d", s.VCPUs)
 		}
-		if s.Kernel != nil || s.Disk != nil || len(s.VFIO) > 0 || s.SerialToLog {
-			return invalid("machine none takes no kernel, disk, vfio device or serial port")
+		if s.Kernel != nil || s.Disk != nil || len(s.VFIO) > 0 || s.SerialToLog || s.NIC != nil {
+			return invalid("machine none takes no kernel, disk, vfio device, nic or serial port")
 		}
 	case MachineMicroVM:
 		// microvm has no firmware boot path worth supporting and no PCI bus
@@ -292,6 +321,20 @@ func diskArgs(d *Disk, m Machine, fds *FDTable) []string {
 	}
 }
 
+// NetdevID is the TAP backend's id; the card is its only user.
+const NetdevID = "net0"
+
+// nicArgs attaches n as virtio-net on its TAP descriptor: on PCI for q35
+// and pc, with no option ROM (romfile=: iPXE's ROM is not in the jail and a
+// direct kernel boot never runs it), on virtio-mmio for microvm.
+func nicArgs(n *NIC, m Machine, fds *FDTable) []string {
+	dev := "virtio-net-pci,netdev=" + NetdevID + ",mac=" + n.MAC + ",romfile="
+	if m == MachineMicroVM {
+		dev = "virtio-net-device,netdev=" + NetdevID + ",mac=" + n.MAC
+	}
+	return []string{"-netdev", fmt.Sprintf("tap,fd=%d,id=%s", fds.Add(n.TAP), NetdevID), "-device", dev}
+}
+
 // optValue escapes a value for QEMU's option parser (QemuOpts), where a
 // comma separates options and ",," is a literal comma.
 func optValue(v string) string { return strings.ReplaceAll(v, ",", ",,") }
@@ -346,6 +389,9 @@ func BuildArgv(spec VMSpec, paths Paths, fds *FDTable) ([]string, error) {
 	}
 	if spec.Disk != nil {
 		a = append(a, diskArgs(spec.Disk, spec.Machine, fds)...)
+	}
+	if spec.NIC != nil {
+		a = append(a, nicArgs(spec.NIC, spec.Machine, fds)...)
 	}
 	for _, p := range spec.VFIO {
 		a = append(a, "-device", "vfio-pci,sysfsdev="+optValue(p))

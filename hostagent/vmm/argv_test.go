@@ -120,6 +120,30 @@ func TestArgv(t *testing.T) {
 				"-device", "virtio-blk-device,drive=disk0,id=vda"},
 		},
 		{
+			name: "q35 nic on its tap descriptor, no option rom",
+			spec: func() VMSpec {
+				s := q35
+				s.Disk = &Disk{Base: nullFile(t), Overlay: nullFile(t)}
+				s.NIC = &NIC{TAP: nullFile(t), MAC: "02:aa:bb:cc:dd:ee"}
+				return s
+			}(),
+			want: []string{"-m", "4096", "-smp", "4",
+				"-add-fd", "fd=4,set=4", "-add-fd", "fd=5,set=5",
+				"-blockdev", "driver=file,node-name=base-file,filename=/dev/fdset/4,read-only=on",
+				"-blockdev", "driver=raw,node-name=base,file=base-file,read-only=on",
+				"-blockdev", "driver=file,node-name=overlay-file,filename=/dev/fdset/5",
+				"-blockdev", "driver=qcow2,node-name=disk0,file=overlay-file,backing=base",
+				"-device", "virtio-blk-pci,drive=disk0,id=vda",
+				"-netdev", "tap,fd=6,id=net0", "-device", "virtio-net-pci,netdev=net0,mac=02:aa:bb:cc:dd:ee,romfile="},
+		},
+		{
+			name: "microvm nic is virtio-mmio",
+			spec: VMSpec{Name: "m", VCPUs: 1, MemoryMiB: 256, Machine: MachineMicroVM, Accel: AccelTCG,
+				Kernel: nullFile(t), NIC: &NIC{TAP: nullFile(t), MAC: "02:00:00:00:00:01"}},
+			want: []string{"-m", "256", "-smp", "1", "-kernel", "/proc/self/fd/4",
+				"-netdev", "tap,fd=5,id=net0", "-device", "virtio-net-device,netdev=net0,mac=02:00:00:00:00:01"},
+		},
+		{
 			name: "pc",
 			spec: VMSpec{Name: "p", VCPUs: 1, MemoryMiB: 64, Machine: MachinePC, Accel: AccelTCG},
 			want: []string{"-m", "64", "-smp", "1"},
@@ -213,6 +237,10 @@ func TestArgvRejects(t *testing.T) {
 		{"none with 2 vcpus", mod(func(s *VMSpec) { s.VCPUs = 2 }), testPaths, "exactly 1 vcpu"},
 		{"none with kernel", mod(func(s *VMSpec) { s.Kernel = nullFile(t) }), testPaths, "machine none"},
 		{"none with serial", mod(func(s *VMSpec) { s.SerialToLog = true }), testPaths, "machine none"},
+		{"none with nic", mod(func(s *VMSpec) { s.NIC = &NIC{TAP: nullFile(t), MAC: "02:00:00:00:00:01"} }), testPaths, "machine none"},
+		{"nic without tap", q35(func(s *VMSpec) { s.NIC = &NIC{MAC: "02:00:00:00:00:01"} }), testPaths, "without a tap"},
+		{"nic multicast mac", q35(func(s *VMSpec) { s.NIC = &NIC{TAP: nullFile(t), MAC: "03:00:00:00:00:01"} }), testPaths, "unicast"},
+		{"nic mac with options", q35(func(s *VMSpec) { s.NIC = &NIC{TAP: nullFile(t), MAC: "02:00:00:00:00:01,romfile=/x"} }), testPaths, "unicast"},
 		{"initrd without kernel", q35(func(s *VMSpec) { s.Initrd = nullFile(t) }), testPaths, "initrd without kernel"},
 		{"cmdline without kernel", q35(func(s *VMSpec) { s.Cmdline = "quiet" }), testPaths, "cmdline without kernel"},
 		{"cmdline newline", q35(func(s *VMSpec) { s.Kernel, s.Cmdline = nullFile(t), "a\nb" }), testPaths, "newline"},

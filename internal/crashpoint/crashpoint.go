@@ -147,6 +147,22 @@ const (
 	RecordTrashed = "store.delete.trashed"
 	// ActivityDeleteRecordDone: DeleteRecord is about to report success.
 	ActivityDeleteRecordDone = "activity.delete_record.done"
+
+	// NetIntentWritten: the network lease's intent (address, TAP name,
+	// MAC) is in the record; no TAP made yet.
+	NetIntentWritten = "network.lease.intent_written"
+	// NetTAPCreated: the lease's TAP exists on the bridge; the lease may
+	// still say intent.
+	NetTAPCreated = "network.tap.created"
+	// NetActivated: the record says the network lease is active.
+	NetActivated = "network.lease.activated"
+	// NetReleasing: the network lease's phase says Releasing; the TAP is
+	// still there.
+	NetReleasing = "network.release.releasing_recorded"
+	// NetTAPRemoved: the TAP is gone; the record still holds the lease.
+	NetTAPRemoved = "network.release.tap_removed"
+	// NetReleased: the record says the network lease is released.
+	NetReleased = "network.release.recorded"
 )
 
 // All lists every point, in the order of the constants above.
@@ -161,6 +177,7 @@ var All = []string{
 	ReleaseReleasing, ReleaseWritten, ReleaseRecorded, PassthroughReleasing, PassthroughReturned, PassthroughReleased,
 	ActivityReleaseVGPUDone, ReconcileReleased,
 	TearDownSocketRemoved, RecordTrashed, ActivityDeleteRecordDone,
+	NetIntentWritten, NetTAPCreated, NetActivated, NetReleasing, NetTAPRemoved, NetReleased,
 }
 
 // StopStep is the point of a stop-ladder step, named as vmm names its steps

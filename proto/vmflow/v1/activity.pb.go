@@ -379,7 +379,11 @@ type LaunchVMResult struct {
 	VgpuDeviceId string `protobuf:"bytes,5,opt,name=vgpu_device_id,json=vgpuDeviceId,proto3" json:"vgpu_device_id,omitempty"`
 	InstanceUuid string `protobuf:"bytes,6,opt,name=instance_uuid,json=instanceUuid,proto3" json:"instance_uuid,omitempty"`
 	// Every GPU device the record holds, in claim order.
-	GpuDeviceIds  []string `protobuf:"bytes,20,rep,name=gpu_device_ids,json=gpuDeviceIds,proto3" json:"gpu_device_ids,omitempty"`
+	GpuDeviceIds []string `protobuf:"bytes,20,rep,name=gpu_device_ids,json=gpuDeviceIds,proto3" json:"gpu_device_ids,omitempty"`
+	// The instance's network lease as its record holds it: the address with
+	// its prefix and the MAC; empty without one.
+	Ip            string `protobuf:"bytes,30,opt,name=ip,proto3" json:"ip,omitempty"`
+	Mac           string `protobuf:"bytes,31,opt,name=mac,proto3" json:"mac,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -461,6 +465,20 @@ func (x *LaunchVMResult) GetGpuDeviceIds() []string {
 		return x.GpuDeviceIds
 	}
 	return nil
+}
+
+func (x *LaunchVMResult) GetIp() string {
+	if x != nil {
+		return x.Ip
+	}
+	return ""
+}
+
+func (x *LaunchVMResult) GetMac() string {
+	if x != nil {
+		return x.Mac
+	}
+	return ""
 }
 
 // BeginDeleteRequest is the input of BeginDelete.
@@ -804,7 +822,7 @@ const file_vmflow_v1_activity_proto_rawDesc = "" +
 	"\x0fLaunchVMRequest\x12\x1f\n" +
 	"\vinstance_id\x18\x01 \x01(\tR\n" +
 	"instanceId\x12#\n" +
-	"\rexisting_only\x18\x02 \x01(\bR\fexistingOnly\"\xf8\x01\n" +
+	"\rexisting_only\x18\x02 \x01(\bR\fexistingOnly\"\x9a\x02\n" +
 	"\x0eLaunchVMResult\x12\x10\n" +
 	"\x03pid\x18\x01 \x01(\x05R\x03pid\x12\x1d\n" +
 	"\n" +
@@ -813,7 +831,9 @@ const file_vmflow_v1_activity_proto_rawDesc = "" +
 	"\tvgpu_uuid\x18\x04 \x01(\tR\bvgpuUuid\x12$\n" +
 	"\x0evgpu_device_id\x18\x05 \x01(\tR\fvgpuDeviceId\x12#\n" +
 	"\rinstance_uuid\x18\x06 \x01(\tR\finstanceUuid\x12$\n" +
-	"\x0egpu_device_ids\x18\x14 \x03(\tR\fgpuDeviceIds\"\xb1\x01\n" +
+	"\x0egpu_device_ids\x18\x14 \x03(\tR\fgpuDeviceIds\x12\x0e\n" +
+	"\x02ip\x18\x1e \x01(\tR\x02ip\x12\x10\n" +
+	"\x03mac\x18\x1f \x01(\tR\x03mac\"\xb1\x01\n" +
 	"\x12BeginDeleteRequest\x12\x1f\n" +
 	"\vinstance_id\x18\x01 \x01(\tR\n" +
 	"instanceId\x12A\n" +

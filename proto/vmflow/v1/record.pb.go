@@ -256,8 +256,11 @@ type VMSpec struct {
 	// (empty: any the host offers). Never together with vgpu_profile.
 	GpuPassthroughCount uint32 `protobuf:"varint,32,opt,name=gpu_passthrough_count,json=gpuPassthroughCount,proto3" json:"gpu_passthrough_count,omitempty"`
 	GpuPassthroughModel string `protobuf:"bytes,33,opt,name=gpu_passthrough_model,json=gpuPassthroughModel,proto3" json:"gpu_passthrough_model,omitempty"`
-	unknownFields       protoimpl.UnknownFields
-	sizeCache           protoimpl.SizeCache
+	// Fields 40-49: the network. "default" puts the VM on its host's bridge
+	// with an address of the host's subnet; empty: no network.
+	Network       string `protobuf:"bytes,40,opt,name=network,proto3" json:"network,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *VMSpec) Reset() {
@@ -398,6 +401,13 @@ func (x *VMSpec) GetGpuPassthroughCount() uint32 {
 func (x *VMSpec) GetGpuPassthroughModel() string {
 	if x != nil {
 		return x.GpuPassthroughModel
+	}
+	return ""
+}
+
+func (x *VMSpec) GetNetwork() string {
+	if x != nil {
+		return x.Network
 	}
 	return ""
 }
@@ -812,6 +822,7 @@ type Lease struct {
 	//
 	//	*Lease_Vgpu
 	//	*Lease_GpuPassthrough
+	//	*Lease_Network
 	Resource      isLease_Resource `protobuf_oneof:"resource"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -907,6 +918,15 @@ func (x *Lease) GetGpuPassthrough() *PassthroughLease {
 	return nil
 }
 
+func (x *Lease) GetNetwork() *NetworkLease {
+	if x != nil {
+		if x, ok := x.Resource.(*Lease_Network); ok {
+			return x.Network
+		}
+	}
+	return nil
+}
+
 type isLease_Resource interface {
 	isLease_Resource()
 }
@@ -919,9 +939,15 @@ type Lease_GpuPassthrough struct {
 	GpuPassthrough *PassthroughLease `protobuf:"bytes,11,opt,name=gpu_passthrough,json=gpuPassthrough,proto3,oneof"`
 }
 
+type Lease_Network struct {
+	Network *NetworkLease `protobuf:"bytes,12,opt,name=network,proto3,oneof"`
+}
+
 func (*Lease_Vgpu) isLease_Resource() {}
 
 func (*Lease_GpuPassthrough) isLease_Resource() {}
+
+func (*Lease_Network) isLease_Resource() {}
 
 // PassthroughLease is one IOMMU group handed whole to the VM with vfio-pci:
 // its GPU and every other endpoint function of the group (a companion
@@ -1145,6 +1171,91 @@ func (x *VgpuLease) GetDriver() string {
 	return ""
 }
 
+// NetworkLease is the VM's place on its host's bridge: a TAP and an
+// address of the host's subnet, held from before the TAP exists until it is
+// removed, and kept across restarts and reboots under the same name, MAC
+// and address.
+type NetworkLease struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The TAP's interface name on the host (in the agent's network namespace).
+	Tap string `protobuf:"bytes,1,opt,name=tap,proto3" json:"tap,omitempty"`
+	// The guest NIC's MAC, derived from the instance id.
+	Mac string `protobuf:"bytes,2,opt,name=mac,proto3" json:"mac,omitempty"`
+	// The guest's IPv4 address with the subnet's prefix length, "10.88.0.2/24".
+	Address string `protobuf:"bytes,3,opt,name=address,proto3" json:"address,omitempty"`
+	// The gateway (the bridge's own address), "10.88.0.1".
+	Gateway string `protobuf:"bytes,4,opt,name=gateway,proto3" json:"gateway,omitempty"`
+	// The bridge the TAP is a port of.
+	Bridge        string `protobuf:"bytes,5,opt,name=bridge,proto3" json:"bridge,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *NetworkLease) Reset() {
+	*x = NetworkLease{}
+	mi := &file_vmflow_v1_record_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *NetworkLease) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*NetworkLease) ProtoMessage() {}
+
+func (x *NetworkLease) ProtoReflect() protoreflect.Message {
+	mi := &file_vmflow_v1_record_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use NetworkLease.ProtoReflect.Descriptor instead.
+func (*NetworkLease) Descriptor() ([]byte, []int) {
+	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{10}
+}
+
+func (x *NetworkLease) GetTap() string {
+	if x != nil {
+		return x.Tap
+	}
+	return ""
+}
+
+func (x *NetworkLease) GetMac() string {
+	if x != nil {
+		return x.Mac
+	}
+	return ""
+}
+
+func (x *NetworkLease) GetAddress() string {
+	if x != nil {
+		return x.Address
+	}
+	return ""
+}
+
+func (x *NetworkLease) GetGateway() string {
+	if x != nil {
+		return x.Gateway
+	}
+	return ""
+}
+
+func (x *NetworkLease) GetBridge() string {
+	if x != nil {
+		return x.Bridge
+	}
+	return ""
+}
+
 // InstanceRecord is everything the host agent knows about one instance.
 type InstanceRecord struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1249,7 +1360,7 @@ type InstanceRecord struct {
 
 func (x *InstanceRecord) Reset() {
 	*x = InstanceRecord{}
-	mi := &file_vmflow_v1_record_proto_msgTypes[10]
+	mi := &file_vmflow_v1_record_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1261,7 +1372,7 @@ func (x *InstanceRecord) String() string {
 func (*InstanceRecord) ProtoMessage() {}
 
 func (x *InstanceRecord) ProtoReflect() protoreflect.Message {
-	mi := &file_vmflow_v1_record_proto_msgTypes[10]
+	mi := &file_vmflow_v1_record_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1274,7 +1385,7 @@ func (x *InstanceRecord) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InstanceRecord.ProtoReflect.Descriptor instead.
 func (*InstanceRecord) Descriptor() ([]byte, []int) {
-	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{10}
+	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *InstanceRecord) GetId() string {
@@ -1491,7 +1602,7 @@ var File_vmflow_v1_record_proto protoreflect.FileDescriptor
 
 const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\n" +
-	"\x16vmflow/v1/record.proto\x12\tvmflow.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xad\x04\n" +
+	"\x16vmflow/v1/record.proto\x12\tvmflow.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xc7\x04\n" +
 	"\x06VMSpec\x12\x14\n" +
 	"\x05vcpus\x18\x01 \x01(\rR\x05vcpus\x12\x1d\n" +
 	"\n" +
@@ -1512,7 +1623,8 @@ const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\n" +
 	"vgpu_count\x18\x1f \x01(\rR\tvgpuCount\x122\n" +
 	"\x15gpu_passthrough_count\x18  \x01(\rR\x13gpuPassthroughCount\x122\n" +
-	"\x15gpu_passthrough_model\x18! \x01(\tR\x13gpuPassthroughModel\"n\n" +
+	"\x15gpu_passthrough_model\x18! \x01(\tR\x13gpuPassthroughModel\x12\x18\n" +
+	"\anetwork\x18( \x01(\tR\anetwork\"n\n" +
 	"\fFileIdentity\x12\x10\n" +
 	"\x03dev\x18\x01 \x01(\x04R\x03dev\x12\x10\n" +
 	"\x03ino\x18\x02 \x01(\x04R\x03ino\x12\x12\n" +
@@ -1544,7 +1656,7 @@ const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\n" +
 	"claimed_at\x18\n" +
 	" \x01(\v2\x1a.google.protobuf.TimestampR\tclaimedAt\x12\x16\n" +
-	"\x06driver\x18\v \x01(\tR\x06driver\"\x85\x03\n" +
+	"\x06driver\x18\v \x01(\tR\x06driver\"\xba\x03\n" +
 	"\x05Lease\x12+\n" +
 	"\x05phase\x18\x01 \x01(\x0e2\x15.vmflow.v1.ClaimPhaseR\x05phase\x129\n" +
 	"\n" +
@@ -1555,7 +1667,8 @@ const file_vmflow_v1_record_proto_rawDesc = "" +
 	"releasedAt\x12*\n" +
 	"\x04vgpu\x18\n" +
 	" \x01(\v2\x14.vmflow.v1.VgpuLeaseH\x00R\x04vgpu\x12F\n" +
-	"\x0fgpu_passthrough\x18\v \x01(\v2\x1b.vmflow.v1.PassthroughLeaseH\x00R\x0egpuPassthroughB\n" +
+	"\x0fgpu_passthrough\x18\v \x01(\v2\x1b.vmflow.v1.PassthroughLeaseH\x00R\x0egpuPassthrough\x123\n" +
+	"\anetwork\x18\f \x01(\v2\x17.vmflow.v1.NetworkLeaseH\x00R\anetworkB\n" +
 	"\n" +
 	"\bresource\"\x87\x01\n" +
 	"\x10PassthroughLease\x12\x1f\n" +
@@ -1573,7 +1686,13 @@ const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\atype_id\x18\x03 \x01(\tR\x06typeId\x12\x12\n" +
 	"\x04uuid\x18\x04 \x01(\tR\x04uuid\x12\x1b\n" +
 	"\tdevice_id\x18\x05 \x01(\tR\bdeviceId\x12\x16\n" +
-	"\x06driver\x18\x06 \x01(\tR\x06driver\"\xc4\v\n" +
+	"\x06driver\x18\x06 \x01(\tR\x06driver\"~\n" +
+	"\fNetworkLease\x12\x10\n" +
+	"\x03tap\x18\x01 \x01(\tR\x03tap\x12\x10\n" +
+	"\x03mac\x18\x02 \x01(\tR\x03mac\x12\x18\n" +
+	"\aaddress\x18\x03 \x01(\tR\aaddress\x12\x18\n" +
+	"\agateway\x18\x04 \x01(\tR\agateway\x12\x16\n" +
+	"\x06bridge\x18\x05 \x01(\tR\x06bridge\"\xc4\v\n" +
 	"\x0eInstanceRecord\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12%\n" +
 	"\x04spec\x18\x02 \x01(\v2\x11.vmflow.v1.VMSpecR\x04spec\x12%\n" +
@@ -1644,7 +1763,7 @@ func file_vmflow_v1_record_proto_rawDescGZIP() []byte {
 }
 
 var file_vmflow_v1_record_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_vmflow_v1_record_proto_msgTypes = make([]protoimpl.MessageInfo, 11)
+var file_vmflow_v1_record_proto_msgTypes = make([]protoimpl.MessageInfo, 12)
 var file_vmflow_v1_record_proto_goTypes = []any{
 	(InstanceState)(0),            // 0: vmflow.v1.InstanceState
 	(StopStep)(0),                 // 1: vmflow.v1.StopStep
@@ -1659,43 +1778,45 @@ var file_vmflow_v1_record_proto_goTypes = []any{
 	(*PassthroughLease)(nil),      // 10: vmflow.v1.PassthroughLease
 	(*PassthroughFunction)(nil),   // 11: vmflow.v1.PassthroughFunction
 	(*VgpuLease)(nil),             // 12: vmflow.v1.VgpuLease
-	(*InstanceRecord)(nil),        // 13: vmflow.v1.InstanceRecord
-	(*timestamppb.Timestamp)(nil), // 14: google.protobuf.Timestamp
+	(*NetworkLease)(nil),          // 13: vmflow.v1.NetworkLease
+	(*InstanceRecord)(nil),        // 14: vmflow.v1.InstanceRecord
+	(*timestamppb.Timestamp)(nil), // 15: google.protobuf.Timestamp
 }
 var file_vmflow_v1_record_proto_depIdxs = []int32{
 	5,  // 0: vmflow.v1.VMSpec.kernel_image:type_name -> vmflow.v1.ImageRef
 	5,  // 1: vmflow.v1.VMSpec.initrd_image:type_name -> vmflow.v1.ImageRef
 	5,  // 2: vmflow.v1.VMSpec.disk_image:type_name -> vmflow.v1.ImageRef
 	2,  // 3: vmflow.v1.GpuClaim.phase:type_name -> vmflow.v1.ClaimPhase
-	14, // 4: vmflow.v1.GpuClaim.released_at:type_name -> google.protobuf.Timestamp
-	14, // 5: vmflow.v1.GpuClaim.claimed_at:type_name -> google.protobuf.Timestamp
+	15, // 4: vmflow.v1.GpuClaim.released_at:type_name -> google.protobuf.Timestamp
+	15, // 5: vmflow.v1.GpuClaim.claimed_at:type_name -> google.protobuf.Timestamp
 	2,  // 6: vmflow.v1.Lease.phase:type_name -> vmflow.v1.ClaimPhase
-	14, // 7: vmflow.v1.Lease.claimed_at:type_name -> google.protobuf.Timestamp
-	14, // 8: vmflow.v1.Lease.released_at:type_name -> google.protobuf.Timestamp
+	15, // 7: vmflow.v1.Lease.claimed_at:type_name -> google.protobuf.Timestamp
+	15, // 8: vmflow.v1.Lease.released_at:type_name -> google.protobuf.Timestamp
 	12, // 9: vmflow.v1.Lease.vgpu:type_name -> vmflow.v1.VgpuLease
 	10, // 10: vmflow.v1.Lease.gpu_passthrough:type_name -> vmflow.v1.PassthroughLease
-	11, // 11: vmflow.v1.PassthroughLease.functions:type_name -> vmflow.v1.PassthroughFunction
-	3,  // 12: vmflow.v1.InstanceRecord.spec:type_name -> vmflow.v1.VMSpec
-	0,  // 13: vmflow.v1.InstanceRecord.state:type_name -> vmflow.v1.InstanceState
-	1,  // 14: vmflow.v1.InstanceRecord.stop_step:type_name -> vmflow.v1.StopStep
-	14, // 15: vmflow.v1.InstanceRecord.stop_step_at:type_name -> google.protobuf.Timestamp
-	6,  // 16: vmflow.v1.InstanceRecord.process:type_name -> vmflow.v1.ProcessIdentity
-	8,  // 17: vmflow.v1.InstanceRecord.gpu_claim:type_name -> vmflow.v1.GpuClaim
-	14, // 18: vmflow.v1.InstanceRecord.last_start:type_name -> google.protobuf.Timestamp
-	14, // 19: vmflow.v1.InstanceRecord.last_exit:type_name -> google.protobuf.Timestamp
-	14, // 20: vmflow.v1.InstanceRecord.created_at:type_name -> google.protobuf.Timestamp
-	14, // 21: vmflow.v1.InstanceRecord.updated_at:type_name -> google.protobuf.Timestamp
-	14, // 22: vmflow.v1.InstanceRecord.launch_started_at:type_name -> google.protobuf.Timestamp
-	14, // 23: vmflow.v1.InstanceRecord.needs_attention_at:type_name -> google.protobuf.Timestamp
-	4,  // 24: vmflow.v1.InstanceRecord.disk_base:type_name -> vmflow.v1.FileIdentity
-	7,  // 25: vmflow.v1.InstanceRecord.stop_step_boot:type_name -> vmflow.v1.BootMoment
-	7,  // 26: vmflow.v1.InstanceRecord.last_exit_boot:type_name -> vmflow.v1.BootMoment
-	9,  // 27: vmflow.v1.InstanceRecord.leases:type_name -> vmflow.v1.Lease
-	28, // [28:28] is the sub-list for method output_type
-	28, // [28:28] is the sub-list for method input_type
-	28, // [28:28] is the sub-list for extension type_name
-	28, // [28:28] is the sub-list for extension extendee
-	0,  // [0:28] is the sub-list for field type_name
+	13, // 11: vmflow.v1.Lease.network:type_name -> vmflow.v1.NetworkLease
+	11, // 12: vmflow.v1.PassthroughLease.functions:type_name -> vmflow.v1.PassthroughFunction
+	3,  // 13: vmflow.v1.InstanceRecord.spec:type_name -> vmflow.v1.VMSpec
+	0,  // 14: vmflow.v1.InstanceRecord.state:type_name -> vmflow.v1.InstanceState
+	1,  // 15: vmflow.v1.InstanceRecord.stop_step:type_name -> vmflow.v1.StopStep
+	15, // 16: vmflow.v1.InstanceRecord.stop_step_at:type_name -> google.protobuf.Timestamp
+	6,  // 17: vmflow.v1.InstanceRecord.process:type_name -> vmflow.v1.ProcessIdentity
+	8,  // 18: vmflow.v1.InstanceRecord.gpu_claim:type_name -> vmflow.v1.GpuClaim
+	15, // 19: vmflow.v1.InstanceRecord.last_start:type_name -> google.protobuf.Timestamp
+	15, // 20: vmflow.v1.InstanceRecord.last_exit:type_name -> google.protobuf.Timestamp
+	15, // 21: vmflow.v1.InstanceRecord.created_at:type_name -> google.protobuf.Timestamp
+	15, // 22: vmflow.v1.InstanceRecord.updated_at:type_name -> google.protobuf.Timestamp
+	15, // 23: vmflow.v1.InstanceRecord.launch_started_at:type_name -> google.protobuf.Timestamp
+	15, // 24: vmflow.v1.InstanceRecord.needs_attention_at:type_name -> google.protobuf.Timestamp
+	4,  // 25: vmflow.v1.InstanceRecord.disk_base:type_name -> vmflow.v1.FileIdentity
+	7,  // 26: vmflow.v1.InstanceRecord.stop_step_boot:type_name -> vmflow.v1.BootMoment
+	7,  // 27: vmflow.v1.InstanceRecord.last_exit_boot:type_name -> vmflow.v1.BootMoment
+	9,  // 28: vmflow.v1.InstanceRecord.leases:type_name -> vmflow.v1.Lease
+	29, // [29:29] is the sub-list for method output_type
+	29, // [29:29] is the sub-list for method input_type
+	29, // [29:29] is the sub-list for extension type_name
+	29, // [29:29] is the sub-list for extension extendee
+	0,  // [0:29] is the sub-list for field type_name
 }
 
 func init() { file_vmflow_v1_record_proto_init() }
@@ -1706,6 +1827,7 @@ func file_vmflow_v1_record_proto_init() {
 	file_vmflow_v1_record_proto_msgTypes[6].OneofWrappers = []any{
 		(*Lease_Vgpu)(nil),
 		(*Lease_GpuPassthrough)(nil),
+		(*Lease_Network)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -1713,7 +1835,7 @@ func file_vmflow_v1_record_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_vmflow_v1_record_proto_rawDesc), len(file_vmflow_v1_record_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   11,
+			NumMessages:   12,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

@@ -65,8 +65,12 @@ type SpawnRequest struct {
 	GpuPassthroughCount uint32 `protobuf:"varint,21,opt,name=gpu_passthrough_count,json=gpuPassthroughCount,proto3" json:"gpu_passthrough_count,omitempty"`
 	// PCI vendor:device in hex ("10de:2335"); empty: any the host offers.
 	GpuPassthroughModel string `protobuf:"bytes,22,opt,name=gpu_passthrough_model,json=gpuPassthroughModel,proto3" json:"gpu_passthrough_model,omitempty"`
-	unknownFields       protoimpl.UnknownFields
-	sizeCache           protoimpl.SizeCache
+	// Fields 30-39: the network. "default": a NIC on the host's bridge with
+	// an address of its subnet (refused when the host has none, and for
+	// machine "none"); empty: no network.
+	Network       string `protobuf:"bytes,30,opt,name=network,proto3" json:"network,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *SpawnRequest) Reset() {
@@ -218,6 +222,13 @@ func (x *SpawnRequest) GetGpuPassthroughModel() string {
 	return ""
 }
 
+func (x *SpawnRequest) GetNetwork() string {
+	if x != nil {
+		return x.Network
+	}
+	return ""
+}
+
 // SpawnResult is SpawnInstance's result.
 type SpawnResult struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -232,7 +243,11 @@ type SpawnResult struct {
 	InstanceUuid string `protobuf:"bytes,5,opt,name=instance_uuid,json=instanceUuid,proto3" json:"instance_uuid,omitempty"`
 	// Every GPU device the VM was given, in claim order: mdev UUIDs, VF or
 	// whole-GPU PCI addresses.
-	GpuDeviceIds  []string `protobuf:"bytes,10,rep,name=gpu_device_ids,json=gpuDeviceIds,proto3" json:"gpu_device_ids,omitempty"`
+	GpuDeviceIds []string `protobuf:"bytes,10,rep,name=gpu_device_ids,json=gpuDeviceIds,proto3" json:"gpu_device_ids,omitempty"`
+	// The guest's IPv4 address with its prefix ("10.88.0.2/24") and its NIC's
+	// MAC; empty without a network.
+	Ip            string `protobuf:"bytes,20,opt,name=ip,proto3" json:"ip,omitempty"`
+	Mac           string `protobuf:"bytes,21,opt,name=mac,proto3" json:"mac,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -307,6 +322,20 @@ func (x *SpawnResult) GetGpuDeviceIds() []string {
 		return x.GpuDeviceIds
 	}
 	return nil
+}
+
+func (x *SpawnResult) GetIp() string {
+	if x != nil {
+		return x.Ip
+	}
+	return ""
+}
+
+func (x *SpawnResult) GetMac() string {
+	if x != nil {
+		return x.Mac
+	}
+	return ""
 }
 
 // DeleteRequest is DeleteInstance's input.
@@ -849,7 +878,7 @@ var File_vmflow_v1_workflow_proto protoreflect.FileDescriptor
 
 const file_vmflow_v1_workflow_proto_rawDesc = "" +
 	"\n" +
-	"\x18vmflow/v1/workflow.proto\x12\tvmflow.v1\"\xcf\x04\n" +
+	"\x18vmflow/v1/workflow.proto\x12\tvmflow.v1\"\xe9\x04\n" +
 	"\fSpawnRequest\x12\x1f\n" +
 	"\vinstance_id\x18\x01 \x01(\tR\n" +
 	"instanceId\x12\x17\n" +
@@ -871,7 +900,8 @@ const file_vmflow_v1_workflow_proto_rawDesc = "" +
 	"\n" +
 	"vgpu_count\x18\x14 \x01(\rR\tvgpuCount\x122\n" +
 	"\x15gpu_passthrough_count\x18\x15 \x01(\rR\x13gpuPassthroughCount\x122\n" +
-	"\x15gpu_passthrough_model\x18\x16 \x01(\tR\x13gpuPassthroughModel\"\xcc\x01\n" +
+	"\x15gpu_passthrough_model\x18\x16 \x01(\tR\x13gpuPassthroughModel\x12\x18\n" +
+	"\anetwork\x18\x1e \x01(\tR\anetwork\"\xee\x01\n" +
 	"\vSpawnResult\x12\x10\n" +
 	"\x03pid\x18\x01 \x01(\x05R\x03pid\x12\x1d\n" +
 	"\n" +
@@ -880,7 +910,9 @@ const file_vmflow_v1_workflow_proto_rawDesc = "" +
 	"\x0evgpu_device_id\x18\x04 \x01(\tR\fvgpuDeviceId\x12#\n" +
 	"\rinstance_uuid\x18\x05 \x01(\tR\finstanceUuid\x12$\n" +
 	"\x0egpu_device_ids\x18\n" +
-	" \x03(\tR\fgpuDeviceIds\"\xbc\x03\n" +
+	" \x03(\tR\fgpuDeviceIds\x12\x0e\n" +
+	"\x02ip\x18\x14 \x01(\tR\x02ip\x12\x10\n" +
+	"\x03mac\x18\x15 \x01(\tR\x03mac\"\xbc\x03\n" +
 	"\rDeleteRequest\x12\x1f\n" +
 	"\vinstance_id\x18\x01 \x01(\tR\n" +
 	"instanceId\x12\x17\n" +

@@ -1,0 +1,187 @@
+package network
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"strings"
+
+	"github.com/vishvananda/netlink"
+	"go.uber.org/zap"
+	"golang.org/x/sys/unix"
+)
+
+// tapFlags are the TAP's flags, at creation and at every open: no packet
+// information header, and the virtio-net header QEMU's virtio-net uses.
+const tapFlags = unix.IFF_TAP | unix.IFF_NO_PI | unix.IFF_VNET_HDR
+
+func notFound(err error) bool {
+	var nf netlink.LinkNotFoundError
+	return errors.As(err, &nf)
+}
+
+// EnsureBridge makes the host's bridge when it is missing, gives it the
+// gateway address when it has not (after a reboot, or a hand removed it)
+// and brings it up. Idempotent; a link of that name that is no bridge is
+// refused (ErrMisconfigured), never changed.
+func (n *Net) EnsureBridge(ctx context.Context) error {
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("ensure bridge %s: %w", n.cfg.Bridge, err)
+	}
+	br, err := n.h.LinkByName(n.cfg.Bridge)
+	if notFound(err) {
+		la := netlink.NewLinkAttrs()
+		la.Name = n.cfg.Bridge
+		if err := n.h.LinkAdd(&netlink.Bridge{LinkAttrs: la}); err != nil && !errors.Is(err, unix.EEXIST) {
+			return fmt.Errorf("create bridge %s: %w", n.cfg.Bridge, err)
+		}
+		n.cfg.Logger.Info("bridge created", zap.String("bridge", n.cfg.Bridge))
+		br, err = n.h.LinkByName(n.cfg.Bridge)
+	}
+	if err != nil {
+		return fmt.Errorf("ensure bridge %s: %w", n.cfg.Bridge, err)
+	}
+	if br.Type() != "bridge" {
+		return fmt.Errorf("%w: link %s is a %s, not a bridge", ErrMisconfigured, n.cfg.Bridge, br.Type())
+	}
+	want := &net.IPNet{IP: n.gateway.AsSlice(), Mask: net.CIDRMask(n.cfg.Subnet.Bits(), 32)}
+	addrs, err := n.h.AddrList(br, netlink.FAMILY_V4)
+	if err != nil {
+		return fmt.Errorf("ensure bridge %s: list addresses: %w", n.cfg.Bridge, err)
+	}
+	have := false
+	for _, a := range addrs {
+		if a.IPNet != nil && a.IPNet.String() == want.String() {
+			have = true
+		}
+	}
+	if !have {
+		if err := n.h.AddrAdd(br, &netlink.Addr{IPNet: want}); err != nil && !errors.Is(err, unix.EEXIST) {
+			return fmt.Errorf("ensure bridge %s: add %s: %w", n.cfg.Bridge, want, err)
+		}
+		n.cfg.Logger.Info("bridge address added", zap.String("bridge", n.cfg.Bridge), zap.String("address", want.String()))
+	}
+	if err := n.h.LinkSetUp(br); err != nil {
+		return fmt.Errorf("ensure bridge %s: up: %w", n.cfg.Bridge, err)
+	}
+	return nil
+}
+
+// tap is the link named name when it is a TAP; (nil, nil) when there is no
+// link of that name; ErrNotOurs when it is something else.
+func (n *Net) tap(name string) (*netlink.Tuntap, error) {
+	link, err := n.h.LinkByName(name)
+	if notFound(err) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("look up %s: %w", name, err)
+	}
+	t, ok := link.(*netlink.Tuntap)
+	if !ok || t.Mode != netlink.TUNTAP_MODE_TAP {
+		return nil, fmt.Errorf("%w: %s is a %s", ErrNotOurs, name, link.Type())
+	}
+	return t, nil
+}
+
+// ensureTAP makes the TAP name when it is missing (owned by uid, so no
+// other uid can attach to it), or again when it is owned by another uid (a
+// lease's TAP whose VM was given a new uid); then makes it a port of the
+// bridge, isolated from the other ports (guests reach the gateway, not each
+// other), and up. Idempotent.
+func (n *Net) ensureTAP(name string, uid uint32) error {
+	t, err := n.tap(name)
+	if err != nil {
+		return err
+	}
+	if t != nil && t.Owner != uid {
+		if err := n.h.LinkDel(t); err != nil && !notFound(err) {
+			return fmt.Errorf("remove %s of uid %d: %w", name, t.Owner, err)
+		}
+		t = nil
+	}
+	if t == nil {
+		la := netlink.NewLinkAttrs()
+		la.Name = name
+		t = &netlink.Tuntap{LinkAttrs: la, Mode: netlink.TUNTAP_MODE_TAP, Flags: netlink.TUNTAP_NO_PI | netlink.TUNTAP_VNET_HDR,
+			Owner: uid, Group: uid}
+		// TUNSETIFF makes the TAP in the namespace of the thread that
+		// opened /dev/net/tun, whatever netlink socket the handle has.
+		if err := n.inNS(func() error { return n.h.LinkAdd(t) }); err != nil {
+			return fmt.Errorf("create %s: %w", name, err)
+		}
+	}
+	br, err := n.h.LinkByName(n.cfg.Bridge)
+	if err != nil {
+		return fmt.Errorf("attach %s: bridge %s: %w", name, n.cfg.Bridge, err)
+	}
+	if err := n.h.LinkSetMasterByIndex(t, br.Attrs().Index); err != nil {
+		return fmt.Errorf("attach %s to %s: %w", name, n.cfg.Bridge, err)
+	}
+	if err := n.h.LinkSetIsolated(t, true); err != nil {
+		return fmt.Errorf("isolate %s: %w", name, err)
+	}
+	if err := n.h.LinkSetUp(t); err != nil {
+		return fmt.Errorf("up %s: %w", name, err)
+	}
+	return nil
+}
+
+// openTAP opens a queue of the TAP name for QEMU. The TAP is single
+// queue: while another descriptor is attached (a QEMU still holding it)
+// the kernel refuses with EBUSY.
+func (n *Net) openTAP(name string) (*os.File, error) {
+	var f *os.File
+	err := n.inNS(func() error {
+		fd, err := unix.Open("/dev/net/tun", unix.O_RDWR|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return fmt.Errorf("open /dev/net/tun: %w", err)
+		}
+		ifr, err := unix.NewIfreq(name)
+		if err != nil {
+			unix.Close(fd)
+			return fmt.Errorf("%w: tap name %q: %w", ErrInvalid, name, err)
+		}
+		ifr.SetUint16(tapFlags)
+		if err := unix.IoctlIfreq(fd, unix.TUNSETIFF, ifr); err != nil {
+			unix.Close(fd)
+			return fmt.Errorf("attach to %s: %w", name, err)
+		}
+		f = os.NewFile(uintptr(fd), "/dev/net/tun:"+name)
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("open tap: %w", err)
+	}
+	return f, nil
+}
+
+// removeTAP removes the TAP name; one already gone is success, a link of
+// that name that is no TAP is left alone (ErrNotOurs).
+func (n *Net) removeTAP(name string) error {
+	t, err := n.tap(name)
+	if err != nil || t == nil {
+		return err
+	}
+	if err := n.h.LinkDel(t); err != nil && !notFound(err) {
+		return fmt.Errorf("remove %s: %w", name, err)
+	}
+	return nil
+}
+
+// taps lists the TAPs whose names carry TAPPrefix.
+func (n *Net) taps() ([]string, error) {
+	links, err := n.h.LinkList()
+	if err != nil {
+		return nil, fmt.Errorf("list links: %w", err)
+	}
+	var out []string
+	for _, l := range links {
+		if t, ok := l.(*netlink.Tuntap); ok && t.Mode == netlink.TUNTAP_MODE_TAP && strings.HasPrefix(t.Attrs().Name, TAPPrefix) {
+			out = append(out, t.Attrs().Name)
+		}
+	}
+	return out, nil
+}

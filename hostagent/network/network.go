@@ -1,0 +1,243 @@
+// Package network puts VMs on their host's network: one bridge per host
+// (the guests' gateway, on the first address of the host's subnet), a TAP per
+// VM that is a port of it (owned by the VM's uid, isolated from the other
+// ports), an address per VM from the subnet, and optional egress NAT. A VM's
+// TAP, MAC and address are a lease in its record (store.KindNetwork),
+// written before the TAP exists and held until the TAP is removed after the
+// VM's thread group is gone; an address is named by at most one record on
+// the host. Everything lives in one network namespace (Config.NetNS, the
+// host's own in production); QEMU gets only the TAP's open descriptor.
+package network
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"path/filepath"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
+	"go.uber.org/zap"
+
+	"vmflow/hostagent/store"
+	"vmflow/internal/errdefs"
+	"vmflow/internal/fsx"
+)
+
+// Errors, each in its class.
+var (
+	// ErrInvalid: a configuration value or a recorded lease is malformed.
+	ErrInvalid = errdefs.InvalidInput.New("network: invalid")
+	// ErrNoNetwork: the host has no network (no --net-subnet) and a VM asks
+	// for one.
+	ErrNoNetwork = errdefs.Refused.New("network: this host has no network")
+	// ErrMisconfigured: what the host has under the configured names is not
+	// what the agent would make (a link named like the bridge that is no
+	// bridge, a namespace that cannot be entered).
+	ErrMisconfigured = errdefs.Misconfigured.New("network: host misconfigured")
+	// ErrNoAddress: every address of the subnet is named by a record.
+	ErrNoAddress = errdefs.NoCapacity.New("network: no free address in the subnet")
+	// ErrRecordsUnreadable: a record that cannot be read may name an
+	// address, so none is placed until it is repaired ("can't tell" is
+	// taken).
+	ErrRecordsUnreadable = errdefs.Unavailable.New("network: records unreadable")
+	// ErrNotOurs: a link under the lease's TAP name is not a TAP (another
+	// tool made it); it is never touched.
+	ErrNotOurs = errdefs.Conflict.New("network: link is not this lease's TAP")
+	// ErrVMAlive: the VM may still run, so its TAP and address are kept
+	// (invariant 2).
+	ErrVMAlive = errdefs.StillAlive.New("network: VM may still be running")
+	// ErrLeaseNotActive: the lease is releasing: no launch may use it.
+	ErrLeaseNotActive = errdefs.DeviceMissing.New("network: lease not active")
+)
+
+// Defaults.
+const (
+	DefaultBridge = "vmflow0"
+	// TAPPrefix starts every TAP name the agent makes: reconcile removes
+	// only TAPs with it that no record leases.
+	TAPPrefix = "vmtap"
+	// DefaultOrphanGrace is how long a TAP no record leases is left before
+	// reconcile removes it: an operator who made one by hand, or is
+	// repairing a record, sees it named in the log first.
+	DefaultOrphanGrace = 5 * time.Minute
+	// netlinkTimeout bounds every netlink request's send and receive.
+	netlinkTimeout = 10 * time.Second
+	// lockFile is the host-wide placement lock, in the state dir.
+	lockFile = "network.lock"
+)
+
+// Config configures Net.
+type Config struct {
+	// Bridge is the bridge's name (DefaultBridge when empty).
+	Bridge string
+	// Subnet is the host's IPv4 subnet: the bridge takes its first address
+	// (the guests' gateway), VMs the others. Required.
+	Subnet netip.Prefix
+	// Egress, when set, is the uplink whose address guests' traffic is
+	// masqueraded behind (nftables).
+	Egress string
+	// NetNS names the network namespace (/run/netns/NAME) the bridge and
+	// TAPs live in; empty: the agent's own.
+	NetNS string
+	// Store holds the records whose leases name the addresses.
+	Store *store.Store
+	// OrphanGrace: see DefaultOrphanGrace.
+	OrphanGrace time.Duration
+	Logger      *zap.Logger
+	// Now stamps the records (time.Now when nil).
+	Now func() time.Time
+}
+
+// WithDefaults is c with every zero field that has a default set to it.
+func (c Config) WithDefaults() Config {
+	if c.Bridge == "" {
+		c.Bridge = DefaultBridge
+	}
+	if c.OrphanGrace <= 0 {
+		c.OrphanGrace = DefaultOrphanGrace
+	}
+	if c.Logger == nil {
+		c.Logger = zap.NewNop()
+	}
+	if c.Now == nil {
+		c.Now = time.Now
+	}
+	return c
+}
+
+// Net is a host's network: its bridge, its address pool over the records,
+// the VMs' TAPs.
+type Net struct {
+	cfg     Config
+	gateway netip.Addr
+	ns      netns.NsHandle // -1: the agent's own namespace
+	h       *netlink.Handle
+	lock    string
+	mu      sync.Mutex
+	seen    map[string]time.Time // reconcile's first sightings of unleased TAPs, under mu
+}
+
+// New checks cfg and opens a netlink handle in its namespace. It changes
+// nothing on the host: EnsureBridge does.
+func New(cfg Config) (*Net, error) {
+	cfg = cfg.WithDefaults()
+	if cfg.Store == nil {
+		return nil, fmt.Errorf("%w: no store", ErrInvalid)
+	}
+	gw, err := Gateway(cfg.Subnet)
+	if err != nil {
+		return nil, err
+	}
+	if err := checkIfName("bridge", cfg.Bridge); err != nil {
+		return nil, err
+	}
+	if strings.HasPrefix(cfg.Bridge, TAPPrefix) {
+		return nil, fmt.Errorf("%w: bridge %q starts with the TAP prefix %q", ErrInvalid, cfg.Bridge, TAPPrefix)
+	}
+	if cfg.Egress != "" {
+		if err := checkIfName("egress", cfg.Egress); err != nil {
+			return nil, err
+		}
+	}
+	n := &Net{cfg: cfg, gateway: gw, ns: netns.None(), lock: filepath.Join(cfg.Store.StateDir(), lockFile), seen: map[string]time.Time{}}
+	if cfg.NetNS != "" {
+		if strings.ContainsAny(cfg.NetNS, "/\x00") || cfg.NetNS == "." || cfg.NetNS == ".." {
+			return nil, fmt.Errorf("%w: netns %q: want a name under /run/netns", ErrInvalid, cfg.NetNS)
+		}
+		if n.ns, err = netns.GetFromName(cfg.NetNS); err != nil {
+			return nil, fmt.Errorf("%w: open netns %q: %w", ErrMisconfigured, cfg.NetNS, err)
+		}
+		n.h, err = netlink.NewHandleAt(n.ns)
+	} else {
+		n.h, err = netlink.NewHandle()
+	}
+	if err != nil {
+		n.Close()
+		return nil, fmt.Errorf("network: netlink handle: %w", err)
+	}
+	// The kernel answers at once; a bound keeps a wedged answer from
+	// holding an instance's lock for ever.
+	if err := n.h.SetSocketTimeout(netlinkTimeout); err != nil {
+		n.Close()
+		return nil, fmt.Errorf("network: netlink handle: %w", err)
+	}
+	return n, nil
+}
+
+// Close releases the handle and the namespace's descriptor.
+func (n *Net) Close() {
+	if n.h != nil {
+		n.h.Close()
+	}
+	if n.ns.IsOpen() {
+		n.ns.Close()
+	}
+}
+
+// Bridge is the bridge's name.
+func (n *Net) Bridge() string { return n.cfg.Bridge }
+
+// Subnet is the host's subnet.
+func (n *Net) Subnet() netip.Prefix { return n.cfg.Subnet }
+
+// Gateway is subnet's first address, the bridge's own: the guests' gateway.
+// The subnet must be IPv4, masked, and leave room for at least one guest.
+func Gateway(subnet netip.Prefix) (netip.Addr, error) {
+	if !subnet.IsValid() || !subnet.Addr().Is4() {
+		return netip.Addr{}, fmt.Errorf("%w: subnet %q: want an IPv4 CIDR", ErrInvalid, subnet)
+	}
+	if subnet.Masked() != subnet {
+		return netip.Addr{}, fmt.Errorf("%w: subnet %s: host bits set (want %s)", ErrInvalid, subnet, subnet.Masked())
+	}
+	if subnet.Bits() > 30 {
+		return netip.Addr{}, fmt.Errorf("%w: subnet %s: want a prefix of at most /30 (a gateway and a guest)", ErrInvalid, subnet)
+	}
+	return subnet.Addr().Next(), nil
+}
+
+// checkIfName accepts a Linux interface name: 1-15 bytes, no '/', ':',
+// whitespace or NUL, not "." or "..".
+func checkIfName(field, name string) error {
+	if name == "" || len(name) > 15 || name == "." || name == ".." || strings.ContainsAny(name, "/: \t\n\x00") {
+		return fmt.Errorf("%w: %s %q: want an interface name of 1-15 bytes", ErrInvalid, field, name)
+	}
+	return nil
+}
+
+// TAPName is the TAP of the lease on addr: the prefix and the address in
+// hex, unique among held leases as their addresses are.
+func TAPName(addr netip.Addr) string {
+	b := addr.As4()
+	return fmt.Sprintf("%s%08x", TAPPrefix, binary.BigEndian.Uint32(b[:]))
+}
+
+// MAC is the guest NIC's MAC for instance id and attempt (0 first; the next
+// when a held lease of another instance has it): locally administered,
+// unicast, stable across restarts and reboots because the lease keeps it.
+func MAC(id string, attempt int) string {
+	sum := sha256.Sum256(fmt.Appendf(nil, "vmflow-mac\x00%s\x00%d", id, attempt))
+	hw := net.HardwareAddr{0x02, sum[0], sum[1], sum[2], sum[3], sum[4]}
+	return hw.String()
+}
+
+// hostLock takes the host-wide placement lock: two launches never pick one
+// address. flock excludes two descriptors of one process as it does two
+// processes.
+func (n *Net) hostLock(ctx context.Context) (*fsx.Lock, error) {
+	l, err := fsx.LockFile(ctx, n.lock)
+	if err != nil {
+		if errors.Is(err, fsx.ErrLockHeld) {
+			return nil, fmt.Errorf("network: host lock: %w: %w", store.ErrBusy, err)
+		}
+		return nil, fmt.Errorf("network: host lock: %w", err)
+	}
+	return l, nil
+}
