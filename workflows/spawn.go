@@ -84,6 +84,7 @@ func (w *Workflows) spawnInstance(ctx workflow.Context, req *vmflowv1.SpawnReque
 		}
 		res.VgpuUuid, res.VgpuDeviceId = claim.GetVgpuUuid(), claim.GetDeviceId()
 		res.GpuDeviceIds = claim.GetDeviceIds()
+		t.status.GpuDeviceIds = res.GpuDeviceIds // read by the status query; no action billed
 	}
 
 	t.stage(ctx, StageLaunching)
@@ -93,6 +94,7 @@ func (w *Workflows) spawnInstance(ctx workflow.Context, req *vmflowv1.SpawnReque
 	}
 	res.Pid, res.QmpSocket = launched.GetPid(), launched.GetQmpSocket()
 	res.Ip, res.Mac = launched.GetIp(), launched.GetMac()
+	t.status.Ip, t.status.Mac = res.Ip, res.Mac
 	t.stage(ctx, StageRunning)
 	return res, nil
 }
@@ -112,6 +114,7 @@ func (w *Workflows) spawnFoundExisting(ctx workflow.Context, t *tracker, h *host
 	if err := h.run(ctx, w.calls()[ActivityLaunchVM], in, &found); err != nil {
 		return nil, w.spawnFailed(ctx, t, err)
 	}
+	t.status.GpuDeviceIds, t.status.Ip, t.status.Mac = found.GetGpuDeviceIds(), found.GetIp(), found.GetMac()
 	t.stage(ctx, StageRunning)
 	return &vmflowv1.SpawnResult{
 		Pid: found.GetPid(), QmpSocket: found.GetQmpSocket(), VgpuUuid: found.GetVgpuUuid(),

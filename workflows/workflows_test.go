@@ -139,8 +139,9 @@ func TestSpawnHappy(t *testing.T) {
 	e.OnActivity(h.ValidateSpawn, mock.Anything, mock.Anything).Return(nil).Once()
 	e.OnActivity(h.CreateRecord, mock.Anything, mock.Anything).Return(&vmflowv1.CreateRecordResult{InstanceUuid: "u-1", CreatedByThisSpawn: true}, nil).Once()
 	e.OnActivity(h.ClaimVGPU, mock.Anything, &vmflowv1.ClaimVGPURequest{InstanceId: "vm1", VgpuProfile: "GRID A100-4C"}).
-		Return(&vmflowv1.ClaimVGPUResult{DeviceId: "0000:3b:00.4", VgpuUuid: ""}, nil).Once()
-	e.OnActivity(h.LaunchVM, mock.Anything, mock.Anything).Return(&vmflowv1.LaunchVMResult{Pid: 42, QmpSocket: "/s"}, nil).Once()
+		Return(&vmflowv1.ClaimVGPUResult{DeviceId: "0000:3b:00.4", VgpuUuid: "", DeviceIds: []string{"0000:3b:00.4"}}, nil).Once()
+	e.OnActivity(h.LaunchVM, mock.Anything, mock.Anything).
+		Return(&vmflowv1.LaunchVMResult{Pid: 42, QmpSocket: "/s", Ip: "10.88.0.2/24", Mac: "52:54:00:12:34:56"}, nil).Once()
 
 	e.ExecuteWorkflow(SpawnWorkflow, req)
 	require.True(t, e.IsWorkflowCompleted())
@@ -154,6 +155,9 @@ func TestSpawnHappy(t *testing.T) {
 	st := e.status()
 	assert.Equal(t, StageRunning, st.GetStage())
 	assert.True(t, st.GetMetadataRetained())
+	assert.Equal(t, []string{"0000:3b:00.4"}, st.GetGpuDeviceIds(), "the status query names what the VM was given")
+	assert.Equal(t, "10.88.0.2/24", st.GetIp())
+	assert.Equal(t, "52:54:00:12:34:56", st.GetMac())
 	assert.Equal(t, "vm1", e.lastSeen["VmInstanceId"])
 	assert.Equal(t, "h1", e.lastSeen["VmHostId"])
 	assert.Equal(t, StageRunning, e.lastSeen["VmStage"])

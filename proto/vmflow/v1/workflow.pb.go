@@ -700,7 +700,14 @@ type WorkflowStatus struct {
 	// Only in the answer of the retry update that found the workflow already
 	// trying (a step or a release round running): "already retrying: attempt
 	// N since T", T in RFC 3339. Empty in the status query.
-	Note          string `protobuf:"bytes,7,opt,name=note,proto3" json:"note,omitempty"`
+	Note string `protobuf:"bytes,7,opt,name=note,proto3" json:"note,omitempty"`
+	// Fields 10-19: what a spawn gave the VM, once known. Every GPU device,
+	// in claim order (mdev UUIDs, VF or whole-GPU PCI addresses).
+	GpuDeviceIds []string `protobuf:"bytes,10,rep,name=gpu_device_ids,json=gpuDeviceIds,proto3" json:"gpu_device_ids,omitempty"`
+	// The guest's address with its prefix and its NIC's MAC; empty without a
+	// network.
+	Ip            string `protobuf:"bytes,11,opt,name=ip,proto3" json:"ip,omitempty"`
+	Mac           string `protobuf:"bytes,12,opt,name=mac,proto3" json:"mac,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -780,6 +787,27 @@ func (x *WorkflowStatus) GetNeedsAttention() bool {
 func (x *WorkflowStatus) GetNote() string {
 	if x != nil {
 		return x.Note
+	}
+	return ""
+}
+
+func (x *WorkflowStatus) GetGpuDeviceIds() []string {
+	if x != nil {
+		return x.GpuDeviceIds
+	}
+	return nil
+}
+
+func (x *WorkflowStatus) GetIp() string {
+	if x != nil {
+		return x.Ip
+	}
+	return ""
+}
+
+func (x *WorkflowStatus) GetMac() string {
+	if x != nil {
+		return x.Mac
 	}
 	return ""
 }
@@ -939,7 +967,7 @@ const file_vmflow_v1_workflow_proto_rawDesc = "" +
 	"\askipped\x18\x03 \x01(\rR\askipped\x12\x16\n" +
 	"\x06failed\x18\x04 \x01(\rR\x06failed\x12'\n" +
 	"\x0fretried_deletes\x18\x05 \x03(\tR\x0eretriedDeletes\x12-\n" +
-	"\x12unreadable_records\x18\x06 \x01(\rR\x11unreadableRecords\"\xf1\x01\n" +
+	"\x12unreadable_records\x18\x06 \x01(\rR\x11unreadableRecords\"\xb9\x02\n" +
 	"\x0eWorkflowStatus\x12\x14\n" +
 	"\x05stage\x18\x01 \x01(\tR\x05stage\x12\x18\n" +
 	"\aattempt\x18\x02 \x01(\rR\aattempt\x12\x1d\n" +
@@ -948,7 +976,11 @@ const file_vmflow_v1_workflow_proto_rawDesc = "" +
 	"\x0fnext_retry_time\x18\x04 \x01(\tR\rnextRetryTime\x12+\n" +
 	"\x11metadata_retained\x18\x05 \x01(\bR\x10metadataRetained\x12'\n" +
 	"\x0fneeds_attention\x18\x06 \x01(\bR\x0eneedsAttention\x12\x12\n" +
-	"\x04note\x18\a \x01(\tR\x04note\"%\n" +
+	"\x04note\x18\a \x01(\tR\x04note\x12$\n" +
+	"\x0egpu_device_ids\x18\n" +
+	" \x03(\tR\fgpuDeviceIds\x12\x0e\n" +
+	"\x02ip\x18\v \x01(\tR\x02ip\x12\x10\n" +
+	"\x03mac\x18\f \x01(\tR\x03mac\"%\n" +
 	"\vRetrySignal\x12\x16\n" +
 	"\x06reason\x18\x01 \x01(\tR\x06reason\"'\n" +
 	"\rAbandonSignal\x12\x16\n" +
