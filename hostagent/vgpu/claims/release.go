@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"slices"
@@ -225,6 +226,11 @@ func (c *Claims) releaseDone(dev vgpu.Device, err error) {
 				return
 			}
 			_, uerr := c.st.Apply(ctx, r.GetId(), store.LeaseReleased(store.LeaseName(lease), c.now()))
+			if errors.Is(uerr, store.ErrNotFound) || errors.Is(uerr, fs.ErrNotExist) || errors.Is(uerr, store.ErrIllegalTransition) {
+				// The waiting caller recorded it first, or the record is
+				// gone since: nothing left to say.
+				return
+			}
 			if uerr != nil {
 				c.log.Warn("record late release", zap.String("instance_id", r.GetId()), zap.Error(uerr))
 			}
