@@ -226,10 +226,11 @@ func TestIntentAdoptionRefusesAnothersDevice(t *testing.T) {
 	assert.Equal(t, vmflowv1.ClaimPhase_CLAIM_PHASE_INTENT, store.VGPU(rec).GetPhase(), "not adopted")
 }
 
-// TestVendorPlacementRefusedWhileRecordUnreadable: an unreadable record may
-// name any VF, so vendor placement waits for it; mdev claims (fresh UUIDs)
-// go on.
-func TestVendorPlacementRefusedWhileRecordUnreadable(t *testing.T) {
+// TestPlacementRefusedWhileRecordUnreadable: an unreadable record may name
+// any VF, so vendor placement waits for it; an mdev placement too (a fresh
+// UUID cannot be named, but the record may keep slots of missing devices:
+// TestUnreadableRecordKeepsItsSlotsAcrossReboot).
+func TestPlacementRefusedWhileRecordUnreadable(t *testing.T) {
 	ctx := context.Background()
 	e := newClaims(t, vgpusim.Options{VendorVFs: 2})
 	e.record(t, "vm-bad")
@@ -249,10 +250,14 @@ func TestVendorPlacementRefusedWhileRecordUnreadable(t *testing.T) {
 
 	m := newClaims(t, vgpusim.Options{MdevParents: 1})
 	m.record(t, "vm-bad")
-	m.truncate(t, "vm-bad")
+	restore = m.truncate(t, "vm-bad")
 	m.record(t, "vm1")
 	_, err = claimOne(ctx, m.claims, "vm1", profile)
-	require.NoError(t, err, "a fresh mdev UUID cannot be named by any record")
+	require.ErrorIs(t, err, vgpu.ErrRecordsUnreadable)
+	assert.Empty(t, m.devices(t))
+	restore()
+	_, err = claimOne(ctx, m.claims, "vm1", profile)
+	require.NoError(t, err)
 }
 
 // TestReleaseRefusedWhileLaunchUnrecorded: a launch marker without a
