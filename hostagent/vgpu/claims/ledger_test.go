@@ -452,3 +452,29 @@ func TestConcurrentVendorClaimsNeverShareAVF(t *testing.T) {
 	}
 	assert.Len(t, seen, 3)
 }
+
+// TestLateReleaseSparesNextClaimOnTheVF: a release write that returns after
+// every caller stopped waiting is recorded late, by its device and UUID. By
+// then A's release may be recorded and the VF B's: B's claim stays held.
+func TestLateReleaseSparesNextClaimOnTheVF(t *testing.T) {
+	e := newClaims(t, vgpusim.Options{VendorVFs: 1})
+	ctx := context.Background()
+	e.record(t, "vm-a")
+	a, err := claimOne(ctx, e.claims, "vm-a", vendorProfile)
+	require.NoError(t, err)
+	e.beginDelete(t, "vm-a")
+	released, _, err := e.claims.Release(ctx, "vm-a")
+	require.NoError(t, err)
+	require.True(t, released)
+	e.record(t, "vm-b")
+	b, err := claimOne(ctx, e.claims, "vm-b", vendorProfile)
+	require.NoError(t, err)
+	require.Equal(t, a.GetVgpu().GetDeviceId(), b.GetVgpu().GetDeviceId(), "the only VF")
+
+	claims.RecordLateRelease(e.claims, vgpu.Device{Kind: vgpu.KindVendor, ID: a.GetVgpu().GetDeviceId(), UUID: a.GetVgpu().GetUuid()})
+	rec, err := e.st.Get("vm-b")
+	require.NoError(t, err)
+	held := store.HeldVGPUs(rec)
+	require.Len(t, held, 1, "vm-b's claim is not vm-a's late release")
+	assert.Equal(t, vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE, held[0].GetPhase())
+}
