@@ -156,7 +156,7 @@ func reason(err error) string {
 		{claims.ErrVMAlive, "VM alive"}, {claims.ErrDeviceHeld, "device held"}, {vgpu.ErrReleaseInProgress, "in progress"},
 		{vgpu.ErrNoCapacity, "no capacity"}, {vgpu.ErrDeviceMismatch, "device mismatch"},
 		{store.ErrDeleting, "deleting"}, {store.ErrClaimHeld, "claim held"}, {store.ErrIllegalTransition, "illegal transition"},
-		{store.ErrInvalidRecord, "unreadable record"}, {store.ErrNotFound, "no record"}, {syscall.EIO, "EIO"},
+		{vgpu.ErrRecordsUnreadable, "records unreadable"}, {store.ErrInvalidRecord, "unreadable record"}, {store.ErrNotFound, "no record"}, {syscall.EIO, "EIO"},
 	} {
 		if errors.Is(err, r.err) {
 			return r.name

@@ -123,28 +123,27 @@ type CreateRequest struct {
 	// could read: a vendor placement, which chooses among existing VFs, then
 	// refuses (an unreadable record may name any VF); a create at a name
 	// the caller already owns (At, or a fresh mdev UUID) goes on with the
-	// readable records. Any other error refuses the create.
+	// readable records (a fresh mdev placement is refused by Held). Any
+	// other error refuses the create.
 	Taken func(ctx context.Context) (map[string]string, error)
 	// Held, if set, is called under the host lock before a placement is
 	// chosen. It returns the devices (placement included) of other
 	// instances' held claims, whether or not they exist now: after a
 	// reboot every mdev is gone and every VF reads type 0 while the claims
 	// stay held, and each must keep its slot and its parent's type
-	// (reserveHeld). Records that cannot be read are handled as by Taken.
+	// (reserveHeld). Its error may wrap ErrRecordsUnreadable: the placement
+	// is then refused, mdev's too (see held).
 	Held func(ctx context.Context) ([]Device, error)
 }
 
-// held calls req.Held: the readable records decide when some cannot be
-// read (a fresh placement is refused on them by Taken where it must be).
+// held calls req.Held before a fresh placement. Records that cannot be read
+// refuse it: their claims' devices may be missing (a reboot), and only the
+// records say which slots those keep.
 func (req CreateRequest) held(ctx context.Context) ([]Device, error) {
 	if req.Held == nil {
 		return nil, nil
 	}
-	h, err := req.Held(ctx)
-	if err != nil && !errors.Is(err, ErrRecordsUnreadable) {
-		return nil, err
-	}
-	return h, nil
+	return req.Held(ctx)
 }
 
 // reserveHeld makes profs count held claims whose device is missing now: each

@@ -5,6 +5,7 @@ import (
 	"sync/atomic"
 
 	"vmflow/hostagent/proc"
+	"vmflow/hostagent/vgpu"
 )
 
 // CountFDScans makes c count its walks of every process's descriptors.
@@ -16,3 +17,7 @@ func CountFDScans(c *Claims) *atomic.Int32 {
 	}
 	return &n
 }
+
+// RecordLateRelease is what c does, in a goroutine of its own, when a
+// release write returns after every caller stopped waiting.
+func RecordLateRelease(c *Claims, dev vgpu.Device) { c.recordLateRelease(dev) }

@@ -226,10 +226,11 @@ func TestIntentAdoptionRefusesAnothersDevice(t *testing.T) {
 	assert.Equal(t, vmflowv1.ClaimPhase_CLAIM_PHASE_INTENT, store.VGPU(rec).GetPhase(), "not adopted")
 }
 
-// TestVendorPlacementRefusedWhileRecordUnreadable: an unreadable record may
-// name any VF, so vendor placement waits for it; mdev claims (fresh UUIDs)
-// go on.
-func TestVendorPlacementRefusedWhileRecordUnreadable(t *testing.T) {
+// TestPlacementRefusedWhileRecordUnreadable: an unreadable record may name
+// any VF, so vendor placement waits for it; an mdev placement too (a fresh
+// UUID cannot be named, but the record may keep slots of missing devices:
+// TestUnreadableRecordKeepsItsSlotsAcrossReboot).
+func TestPlacementRefusedWhileRecordUnreadable(t *testing.T) {
 	ctx := context.Background()
 	e := newClaims(t, vgpusim.Options{VendorVFs: 2})
 	e.record(t, "vm-bad")
@@ -249,10 +250,14 @@ func TestVendorPlacementRefusedWhileRecordUnreadable(t *testing.T) {
 
 	m := newClaims(t, vgpusim.Options{MdevParents: 1})
 	m.record(t, "vm-bad")
-	m.truncate(t, "vm-bad")
+	restore = m.truncate(t, "vm-bad")
 	m.record(t, "vm1")
 	_, err = claimOne(ctx, m.claims, "vm1", profile)
-	require.NoError(t, err, "a fresh mdev UUID cannot be named by any record")
+	require.ErrorIs(t, err, vgpu.ErrRecordsUnreadable)
+	assert.Empty(t, m.devices(t))
+	restore()
+	_, err = claimOne(ctx, m.claims, "vm1", profile)
+	require.NoError(t, err)
 }
 
 // TestReleaseRefusedWhileLaunchUnrecorded: a launch marker without a
@@ -446,4 +451,30 @@ func TestConcurrentVendorClaimsNeverShareAVF(t *testing.T) {
 		seen[vf] = r.GetId()
 	}
 	assert.Len(t, seen, 3)
+}
+
+// TestLateReleaseSparesNextClaimOnTheVF: a release write that returns after
+// every caller stopped waiting is recorded late, by its device and UUID. By
+// then A's release may be recorded and the VF B's: B's claim stays held.
+func TestLateReleaseSparesNextClaimOnTheVF(t *testing.T) {
+	e := newClaims(t, vgpusim.Options{VendorVFs: 1})
+	ctx := context.Background()
+	e.record(t, "vm-a")
+	a, err := claimOne(ctx, e.claims, "vm-a", vendorProfile)
+	require.NoError(t, err)
+	e.beginDelete(t, "vm-a")
+	released, _, err := e.claims.Release(ctx, "vm-a")
+	require.NoError(t, err)
+	require.True(t, released)
+	e.record(t, "vm-b")
+	b, err := claimOne(ctx, e.claims, "vm-b", vendorProfile)
+	require.NoError(t, err)
+	require.Equal(t, a.GetVgpu().GetDeviceId(), b.GetVgpu().GetDeviceId(), "the only VF")
+
+	claims.RecordLateRelease(e.claims, vgpu.Device{Kind: vgpu.KindVendor, ID: a.GetVgpu().GetDeviceId(), UUID: a.GetVgpu().GetUuid()})
+	rec, err := e.st.Get("vm-b")
+	require.NoError(t, err)
+	held := store.HeldVGPUs(rec)
+	require.Len(t, held, 1, "vm-b's claim is not vm-a's late release")
+	assert.Equal(t, vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE, held[0].GetPhase())
 }

@@ -86,3 +86,35 @@ func TestHeldVendorClaimKeepsItsTypeAcrossReboot(t *testing.T) {
 	assert.Equal(t, a.GetVgpu().GetDeviceId(), got.GetVgpu().GetDeviceId())
 	require.Len(t, e.devices(t), 2)
 }
+
+// After a reboot an unreadable record's held claims are missing devices no
+// placement can see: a new mdev spawn placed meanwhile would take their
+// slots, and the instance, once its record is repaired, could not get its
+// devices back. So mdev placement waits for the record, as vendor
+// placement does.
+func TestUnreadableRecordKeepsItsSlotsAcrossReboot(t *testing.T) {
+	const half = "GRID A100-20C" // two per GPU
+	e := newClaims(t, vgpusim.Options{MdevParents: 1})
+	ctx := context.Background()
+	e.record(t, "vm-b")
+	b, err := e.claims.Claim(ctx, "vm-b", half, 2)
+	require.NoError(t, err)
+	for _, l := range b {
+		e.removeBehindBack(t, l) // the reboot
+	}
+	restore := e.truncate(t, "vm-b")
+
+	e.record(t, "vm-a")
+	_, err = claimOne(ctx, e.claims, "vm-a", half)
+	assert.ErrorIs(t, err, vgpu.ErrRecordsUnreadable, "vm-b's record may hold every slot")
+	assert.Empty(t, e.devices(t), "nothing was created for vm-a")
+
+	restore()
+	l, err := e.st.Lock(ctx, "vm-b")
+	require.NoError(t, err)
+	got, err := e.claims.EnsureDevicesLocked(ctx, l)
+	_ = l.Unlock()
+	require.NoError(t, err, "vm-b's restart gets both its devices back")
+	assert.Equal(t, deviceIDs(b), deviceIDs(got))
+	require.Len(t, e.devices(t), 2)
+}

@@ -3,8 +3,8 @@ package claims
 import (
 	"context"
 	"errors"
-	"fmt"
 	"io/fs"
+	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
@@ -207,34 +207,39 @@ func (c *Claims) recordFailure(l *store.Locked, name string, cause error) {
 // releaseDone records a release write that returned after every caller
 // stopped waiting (a blocked mdev remove), so the record says what happened.
 func (c *Claims) releaseDone(dev vgpu.Device, err error) {
-	go func() {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-		defer cancel()
-		recs, lerr := c.st.List()
-		if lerr != nil && len(recs) == 0 {
+	if err != nil {
+		return // the next Release receives this outcome from the driver and records it then
+	}
+	go c.recordLateRelease(dev)
+}
+
+// recordLateRelease marks released the held lease of dev: its device and
+// its UUID, since a vendor VF may be another instance's claim by now.
+func (c *Claims) recordLateRelease(dev vgpu.Device) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	recs, lerr := c.st.List()
+	if lerr != nil && len(recs) == 0 {
+		return
+	}
+	for _, r := range recs {
+		i := slices.IndexFunc(store.HeldVGPUs(r), func(l *vmflowv1.Lease) bool {
+			d := deviceOf(l, c.drv.Kind())
+			return d.ID == dev.ID && d.UUID == dev.UUID
+		})
+		if i < 0 {
+			continue
+		}
+		lease := store.HeldVGPUs(r)[i]
+		_, uerr := c.st.Apply(ctx, r.GetId(), store.LeaseReleased(store.LeaseName(lease), c.now()))
+		if errors.Is(uerr, store.ErrNotFound) || errors.Is(uerr, fs.ErrNotExist) || errors.Is(uerr, store.ErrIllegalTransition) {
+			// The waiting caller recorded it first, or the record is gone
+			// since: nothing left to say.
 			return
 		}
-		for _, r := range recs {
-			i := slices.IndexFunc(store.HeldVGPUs(r), func(l *vmflowv1.Lease) bool { return deviceOf(l, c.drv.Kind()).ID == dev.ID })
-			if i < 0 {
-				continue
-			}
-			lease := store.HeldVGPUs(r)[i]
-			if err != nil {
-				// The next Release receives this outcome from the driver
-				// and records it then.
-				return
-			}
-			_, uerr := c.st.Apply(ctx, r.GetId(), store.LeaseReleased(store.LeaseName(lease), c.now()))
-			if errors.Is(uerr, store.ErrNotFound) || errors.Is(uerr, fs.ErrNotExist) || errors.Is(uerr, store.ErrIllegalTransition) {
-				// The waiting caller recorded it first, or the record is
-				// gone since: nothing left to say.
-				return
-			}
-			if uerr != nil {
-				c.log.Warn("record late release", zap.String("instance_id", r.GetId()), zap.Error(uerr))
-			}
-			return
+		if uerr != nil {
+			c.log.Warn("record late release", zap.String("instance_id", r.GetId()), zap.Error(uerr))
 		}
-	}()
+		return
+	}
 }
