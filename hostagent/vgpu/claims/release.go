@@ -3,8 +3,8 @@ package claims
 import (
 	"context"
 	"errors"
-	"io/fs"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"slices"
