@@ -30,6 +30,7 @@ func Namespace(tb testing.TB) string {
 	if _, err := os.Stat("/dev/net/tun"); err != nil {
 		tb.Skip("needs /dev/net/tun")
 	}
+	sweepStale()
 	name := fmt.Sprintf("vmflow-t%d-%d", os.Getpid(), seq.Add(1))
 	if out, err := exec.Command("ip", "netns", "add", name).CombinedOutput(); err != nil {
 		tb.Skipf("needs CAP_SYS_ADMIN to create a network namespace: %v: %s", err, out)
@@ -144,4 +145,24 @@ func Listen(tb testing.TB, ns string, addr netip.Addr) (netip.AddrPort, <-chan s
 	}()
 	ap := ln.Addr().(*net.TCPAddr).AddrPort()
 	return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()), peers
+}
+
+// sweepStale deletes the namespaces of test processes that died before
+// their cleanup ran (a panic, a kill), so a crashed run leaves nothing
+// behind for long. A namespace of a live process is left alone.
+func sweepStale() {
+	ents, err := os.ReadDir("/run/netns")
+	if err != nil {
+		return
+	}
+	for _, e := range ents {
+		var pid, n int
+		if _, err := fmt.Sscanf(e.Name(), "vmflow-t%d-%d", &pid, &n); err != nil || pid <= 0 {
+			continue
+		}
+		if _, err := os.Stat(fmt.Sprintf("/proc/%d", pid)); err == nil {
+			continue
+		}
+		_ = exec.Command("ip", "netns", "del", e.Name()).Run()
+	}
 }
