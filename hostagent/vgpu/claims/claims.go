@@ -9,6 +9,7 @@ package claims
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"path/filepath"
 	"slices"
@@ -176,4 +177,44 @@ func deviceOf(lease *vmflowv1.Lease, kind vgpu.Kind) vgpu.Device {
 	}
 	d.ID = store.ClaimDevice(claim)
 	return d
+}
+
+// lockToClaim locks instance id for a claim of what ("vGPU", "whole GPU")
+// and reads its record, refusing one being deleted. The caller unlocks.
+func lockToClaim(ctx context.Context, st *store.Store, id, what string) (*store.Locked, *vmflowv1.InstanceRecord, error) {
+	l, err := st.Lock(ctx, id)
+	if err != nil {
+		return nil, nil, fmt.Errorf("claim %s for %s: %w", what, id, err)
+	}
+	rec, err := l.Get()
+	if err == nil && store.IsDeleting(rec) {
+		err = store.ErrDeleting
+	}
+	if err != nil {
+		l.Unlock()
+		return nil, nil, fmt.Errorf("claim %s for %s: %w", what, id, err)
+	}
+	return l, rec, nil
+}
+
+// lockToRelease locks instance id for a release and reads its record; a
+// record that is gone is (nil, nil, nil): nothing to release. The caller
+// unlocks a non-nil lock.
+func lockToRelease(ctx context.Context, st *store.Store, id, what string) (*store.Locked, *vmflowv1.InstanceRecord, error) {
+	l, err := st.Lock(ctx, id)
+	if errors.Is(err, store.ErrNotFound) {
+		return nil, nil, nil
+	}
+	if err != nil {
+		return nil, nil, fmt.Errorf("release %s of %s: %w", what, id, err)
+	}
+	rec, err := l.Get()
+	if err != nil {
+		l.Unlock()
+		if errors.Is(err, store.ErrNotFound) {
+			return nil, nil, nil
+		}
+		return nil, nil, err
+	}
+	return l, rec, nil
 }

@@ -27,18 +27,11 @@ func (c *Claims) Claim(ctx context.Context, id, profile string, count int) ([]*v
 	if count < 1 || count > store.MaxVGPUs {
 		return nil, fmt.Errorf("claim %d vGPUs for %s: %w: from 1 to %d", count, id, vgpu.ErrInvalid, store.MaxVGPUs)
 	}
-	l, err := c.st.Lock(ctx, id)
+	l, rec, err := lockToClaim(ctx, c.st, id, "vGPU")
 	if err != nil {
-		return nil, fmt.Errorf("claim vGPU for %s: %w", id, err)
+		return nil, err
 	}
 	defer l.Unlock()
-	rec, err := l.Get()
-	if err != nil {
-		return nil, fmt.Errorf("claim vGPU for %s: %w", id, err)
-	}
-	if store.IsDeleting(rec) {
-		return nil, fmt.Errorf("claim vGPU for %s: %w", id, store.ErrDeleting)
-	}
 	held := store.HeldVGPUs(rec)
 	for _, have := range held {
 		if p := have.GetVgpu().GetProfile(); p != profile {

@@ -25,21 +25,11 @@ import (
 // keeps that lease and moves to ReleaseFailed (invariant 1); the others are
 // released all the same. released: every held lease is released now.
 func (c *Claims) Release(ctx context.Context, id string) (released bool, devices []string, err error) {
-	l, err := c.st.Lock(ctx, id)
-	if err != nil {
-		if errors.Is(err, store.ErrNotFound) {
-			return false, nil, nil
-		}
-		return false, nil, fmt.Errorf("release vGPUs of %s: %w", id, err)
-	}
-	defer l.Unlock()
-	rec, err := l.Get()
-	if errors.Is(err, store.ErrNotFound) {
-		return false, nil, nil
-	}
-	if err != nil {
+	l, rec, err := lockToRelease(ctx, c.st, id, "vGPUs")
+	if l == nil || err != nil {
 		return false, nil, err
 	}
+	defer l.Unlock()
 	held := store.HeldVGPUs(rec)
 	var errs []error
 	for _, lease := range held {

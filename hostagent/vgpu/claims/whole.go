@@ -107,18 +107,11 @@ func (w *Whole) Claim(ctx context.Context, id, model string, count int) ([]*vmfl
 	if count < 1 || count > store.MaxPassthrough {
 		return nil, fmt.Errorf("claim %d whole GPUs for %s: %w: from 1 to %d", count, id, vgpu.ErrInvalid, store.MaxPassthrough)
 	}
-	l, err := w.st.Lock(ctx, id)
+	l, rec, err := lockToClaim(ctx, w.st, id, "whole GPU")
 	if err != nil {
-		return nil, fmt.Errorf("claim whole GPU for %s: %w", id, err)
+		return nil, err
 	}
 	defer l.Unlock()
-	rec, err := l.Get()
-	if err != nil {
-		return nil, fmt.Errorf("claim whole GPU for %s: %w", id, err)
-	}
-	if store.IsDeleting(rec) {
-		return nil, fmt.Errorf("claim whole GPU for %s: %w", id, store.ErrDeleting)
-	}
 	held := store.HeldPassthrough(rec)
 	if len(held) > count {
 		return nil, fmt.Errorf("claim %d whole GPUs for %s: %w (it holds %d)", count, id, ErrClaimConflict, len(held))
@@ -312,21 +305,11 @@ func (w *Whole) ownGroup(ctx context.Context, id string, lease *vmflowv1.Lease) 
 // lease and moves the record to ReleaseFailed; the others are released.
 // devices names the functions returned now.
 func (w *Whole) Release(ctx context.Context, id string) (released bool, devices []string, err error) {
-	l, err := w.st.Lock(ctx, id)
-	if errors.Is(err, store.ErrNotFound) {
-		return false, nil, nil
-	}
-	if err != nil {
-		return false, nil, fmt.Errorf("release whole GPUs of %s: %w", id, err)
-	}
-	defer l.Unlock()
-	rec, err := l.Get()
-	if errors.Is(err, store.ErrNotFound) {
-		return false, nil, nil
-	}
-	if err != nil {
+	l, rec, err := lockToRelease(ctx, w.st, id, "whole GPUs")
+	if l == nil || err != nil {
 		return false, nil, err
 	}
+	defer l.Unlock()
 	held := store.HeldPassthrough(rec)
 	var errs []error
 	for _, lease := range held {
