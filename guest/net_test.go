@@ -20,6 +20,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"vmflow/guest"
+	"vmflow/hostagent/network/nettest"
 	"vmflow/hostagent/proc/proctest"
 )
 
@@ -160,39 +161,6 @@ func (n *testNetns) probe(t *testing.T, request string) string {
 	return reply
 }
 
-// listen opens a TCP listener on the gateway's address inside the
-// namespace and reports the peers it accepts.
-func (n *testNetns) listen(t *testing.T) (addr netip.AddrPort, peers <-chan string) {
-	t.Helper()
-	var ln net.Listener
-	require.NoError(t, n.do(func() (err error) {
-		ln, err = net.Listen("tcp4", net.JoinHostPort(gatewayAddr, "0"))
-		return err
-	}))
-	t.Cleanup(func() { ln.Close() })
-	ch := make(chan string, 8)
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			select {
-			case ch <- c.RemoteAddr().(*net.TCPAddr).IP.String():
-			default:
-			}
-			c.Close()
-		}
-	}()
-	return addrPort(ln), ch
-}
-
-// addrPort is ln's address in the 4-byte form the probe takes.
-func addrPort(ln net.Listener) netip.AddrPort {
-	ap := ln.Addr().(*net.TCPAddr).AddrPort()
-	return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
-}
-
 // unservedPort is a port on the gateway's address nothing listens on.
 func (n *testNetns) unservedPort(t *testing.T) netip.AddrPort {
 	t.Helper()
@@ -240,7 +208,7 @@ func TestGuestNetwork(t *testing.T) {
 			g.waitLine(t, guest.UpLine, upTimeout)
 			up := time.Since(g.spawned) // an upper bound when "up" came first
 
-			listener, peers := ns.listen(t)
+			listener, peers := nettest.Listen(t, ns.name, netip.MustParseAddr(gatewayAddr))
 			reply := ns.probe(t, guest.DialRequest(listener))
 			assert.Equal(t, guest.ProbeOK, reply, "the guest reaches the gateway%s", g.diag())
 			select {
@@ -272,4 +240,10 @@ func TestGuestNetwork(t *testing.T) {
 				guest.UpLine, up.Round(time.Millisecond))
 		})
 	}
+}
+
+// addrPort is ln's address in the 4-byte form the probe takes.
+func addrPort(ln net.Listener) netip.AddrPort {
+	ap := ln.Addr().(*net.TCPAddr).AddrPort()
+	return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
 }
