@@ -11,3 +11,6 @@ func (s *FDScan) TablesRead(pid int) int { return s.tables[pid] }
 // ScanFDsEveryTask reads every task's table, shared or not: the baseline
 // the benchmarks compare ScanFDs with.
 func ScanFDsEveryTask(ctx context.Context) (*FDScan, error) { return scanFDs(ctx, true) }
+
+// StatFromRead is ReadStat's answer to one read of the stat file.
+var StatFromRead = statFromRead

@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io/fs"
 	"os"
 	"path/filepath"
 	"slices"
@@ -126,10 +125,6 @@ func exeMatches(dir string, exe Executable) (bool, error) {
 		return false, fmt.Errorf("%w: stat %s/exe: %w", ErrCannotTell, dir, err)
 	}
 	return uint64(st.Dev) == exe.Dev && st.Ino == exe.Ino, nil
-}
-
-func gone(err error) bool {
-	return errors.Is(err, fs.ErrNotExist) || errors.Is(err, syscall.ESRCH)
 }
 
 // statSession reads /proc/<pid>/stat once and returns it with field 6
@@ -264,13 +259,13 @@ func (f *finder) check(ctx context.Context, pid int) (Identity, bool, error) {
 	key := inflightKey{pid: pid, start: before.StartTime}
 	if f.q.Env != "" {
 		b, err := f.read(ctx, key, dir+"/environ")
-		if err != nil || !slices.Contains(splitCmdline(b), f.q.Env) {
+		if err != nil || !slices.Contains(splitNUL(b), f.q.Env) {
 			return Identity{}, false, err
 		}
 	}
 	if f.q.Argv != nil {
 		b, err := f.read(ctx, key, dir+"/cmdline")
-		if err != nil || !f.q.Argv(splitCmdline(b)) {
+		if err != nil || !f.q.Argv(splitNUL(b)) {
 			return Identity{}, false, err
 		}
 	}
@@ -344,4 +339,18 @@ func startRead(key inflightKey, read func(string) ([]byte, error)) *inflightRead
 		close(r.done)
 	}()
 	return r
+}
+
+// splitNUL splits a NUL-separated /proc file (cmdline, environ).
+func splitNUL(b []byte) []string {
+	b = bytes.TrimSuffix(b, []byte{0})
+	if len(b) == 0 {
+		return nil
+	}
+	parts := bytes.Split(b, []byte{0})
+	out := make([]string, len(parts))
+	for i, p := range parts {
+		out[i] = string(p)
+	}
+	return out
 }

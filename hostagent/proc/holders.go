@@ -2,9 +2,7 @@ package proc
 
 import (
 	"context"
-	"errors"
 	"fmt"
-	"io/fs"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -105,7 +103,7 @@ func (s *FDScan) scanPID(pid int) {
 	}
 	tids, err := os.ReadDir(taskDir(pid))
 	if err != nil {
-		if !errors.Is(err, fs.ErrNotExist) {
+		if !gone(err) {
 			uncertain(pid, err)
 		}
 		return
@@ -121,7 +119,7 @@ func (s *FDScan) scanPID(pid int) {
 		fdDir := taskDir(pid) + "/" + t.Name() + "/fd"
 		fds, err := os.ReadDir(fdDir)
 		if err != nil {
-			if errors.Is(err, fs.ErrNotExist) {
+			if gone(err) {
 				continue
 			}
 			uncertain(tid, err)
@@ -136,7 +134,7 @@ func (s *FDScan) scanPID(pid int) {
 			}
 			link, err := os.Readlink(fdDir + "/" + f.Name())
 			if err != nil {
-				if errors.Is(err, fs.ErrNotExist) {
+				if gone(err) {
 					continue
 				}
 				// EACCES here, even as root, when the target has

@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 
 	"vmflow/internal/errdefs"
 )
@@ -57,14 +58,25 @@ func BootID() (string, error) { return bootID() }
 
 func statPath(pid int) string { return procRoot + "/" + strconv.Itoa(pid) + "/stat" }
 
+// gone reports a /proc read that failed because the process went away:
+// ENOENT before the open, ESRCH when it was reaped between open and read.
+func gone(err error) bool {
+	return errors.Is(err, fs.ErrNotExist) || errors.Is(err, syscall.ESRCH)
+}
+
 // ReadStat reads and parses /proc/<pid>/stat. A missing pid is ErrNotFound.
 func ReadStat(pid int) (Stat, error) {
 	if pid <= 0 {
 		return Stat{}, fmt.Errorf("pid %d: %w", pid, ErrNotFound)
 	}
 	b, err := os.ReadFile(statPath(pid))
+	return statFromRead(pid, b, err)
+}
+
+// statFromRead is ReadStat's answer to one read of the stat file.
+func statFromRead(pid int, b []byte, err error) (Stat, error) {
 	if err != nil {
-		if errors.Is(err, fs.ErrNotExist) {
+		if gone(err) {
 			return Stat{}, fmt.Errorf("pid %d: %w", pid, ErrNotFound)
 		}
 		return Stat{}, fmt.Errorf("read stat of pid %d: %w", pid, err)

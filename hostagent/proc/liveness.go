@@ -3,7 +3,6 @@ package proc
 import (
 	"errors"
 	"fmt"
-	"io/fs"
 	"os"
 	"strconv"
 )
@@ -102,7 +101,7 @@ func inspect(id Identity) (State, int, error) {
 	}
 	n, err := countTasks(id.PID)
 	switch {
-	case errors.Is(err, fs.ErrNotExist):
+	case gone(err):
 		return StateExited, 0, nil // reaped since the stat read
 	case err != nil:
 		return StateUnknown, 0, fmt.Errorf("list tasks of pid %d: %w", id.PID, err)

@@ -31,6 +31,9 @@ const (
 	IOTimeout = 5 * time.Second
 
 	acceptRetry = 100 * time.Millisecond
+	// lingerMax and lingerTimeout bound what finish reads after the reply.
+	lingerMax     = 4 << 10
+	lingerTimeout = time.Second
 )
 
 // Serve answers connections on ln until ctx ends or ln fails for good.
@@ -89,7 +92,23 @@ func serveConn(ctx context.Context, c net.Conn) {
 	default:
 		reply = Answer(ctx, line)
 	}
-	writeLine(c, reply)
+	if writeLine(c, reply) {
+		finish(c)
+	}
+}
+
+// finish ends the connection after the reply has been written: FIN first,
+// then what the client still sends is read (bounded in bytes and time)
+// before the close. Closing a socket with unread input (the rest of a line
+// that was too long) sends RST, and an RST can discard the reply before the
+// client reads it.
+func finish(c net.Conn) {
+	if cw, ok := c.(interface{ CloseWrite() error }); ok {
+		_ = cw.CloseWrite()
+	}
+	if c.SetReadDeadline(time.Now().Add(lingerTimeout)) == nil {
+		_, _ = io.Copy(io.Discard, io.LimitReader(c, lingerMax))
+	}
 }
 
 // readLine reads one line of at most MaxLine bytes.
