@@ -20,6 +20,7 @@ import (
 
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/store"
+	"vmflow/hostagent/vgpu/claims"
 	"vmflow/hostagent/vgpu/vgpusim"
 	"vmflow/internal/crashpoint"
 	vmflowv1 "vmflow/proto/vmflow/v1"
@@ -83,6 +84,10 @@ var passthroughPoints = []string{crashpoint.PassthroughIntentWritten, crashpoint
 
 // severalPoints are armed at their second hit in a severalRun: the second
 // vGPU's intent, device and activation, and its release.
+// quarantinePoints run with a release that fails: once with each vGPU
+// driver, once with whole GPUs.
+var quarantinePoints = []string{crashpoint.QuarantineDue, crashpoint.QuarantineWritten}
+
 var severalPoints = []string{crashpoint.ClaimIntentWritten, crashpoint.ClaimDeviceCreated, crashpoint.ClaimActivated,
 	crashpoint.ReleaseReleasing, crashpoint.ReleaseWritten, crashpoint.ReleaseRecorded}
 
@@ -93,7 +98,10 @@ type crashCase struct {
 	activity string // worker cases: killed after this activity completed
 	scenario scenario
 	vendor   bool // the agent runs the vendor-VFIO driver (else mdev)
-	network  bool // the agent has a network and the instances ask for it (q35, TCG)
+	// quarantine: the agent quarantines after one failed release, and the
+	// delete's release fails (see quarantineDuringDelete).
+	quarantine bool
+	network    bool // the agent has a network and the instances ask for it (q35, TCG)
 }
 
 // vendorProfile is a profile of the simulator's vendor-VFIO VFs; the mdev
@@ -149,6 +157,7 @@ func crashCases() []crashCase {
 			case crashpoint.ClaimRollingBack, crashpoint.ClaimRolledBack:
 				c.scenario = rollbackRun
 			}
+			c.quarantine = slices.Contains(quarantinePoints, p)
 			if slices.Contains(passthroughPoints, p) {
 				if vendor {
 					continue // the vGPU driver plays no part
@@ -179,6 +188,9 @@ func crashCases() []crashCase {
 		crashpoint.PassthroughSysfsWritten + "@2", crashpoint.PassthroughSysfsWritten + "@5", crashpoint.PassthroughSysfsWritten + "@9",
 		crashpoint.PassthroughSysfsWritten + "@12", crashpoint.PassthroughSysfsWritten + "@15"} {
 		cases = append(cases, crashCase{name: "agent-passthrough/" + p, point: p, scenario: passthroughRun})
+	}
+	for _, p := range quarantinePoints {
+		cases = append(cases, crashCase{name: "agent-passthrough/" + p, point: p, scenario: passthroughRun, quarantine: true})
 	}
 	for _, a := range []string{workflows.ActivityValidateSpawn, workflows.ActivityCreateRecord, workflows.ActivityClaimVGPU, workflows.ActivityLaunchVM} {
 		cases = append(cases, crashCase{name: "worker/spawn/" + a, workflow: "spawn", activity: a})
@@ -290,12 +302,19 @@ func runCrashCase(t *testing.T, c crashCase, o *crashOutcome) {
 		// Only the reconcile (or a retry signal) may end the delete's wait.
 		workerArgs = append(workerArgs, "--release-backoff", "1h", "--release-backoff-max", "1h")
 	}
+	if c.quarantine {
+		// Only a retry signal may end the delete's wait.
+		workerArgs = append(workerArgs, "--release-backoff", "1h", "--release-backoff-max", "1h")
+	}
 	e := newEnv(t, envOptions{noStart: true, workerArgs: workerArgs, network: c.network})
 	if c.vendor {
 		e.agent.Args = append(e.agent.Args, "--vgpu-driver", "vendor") // the last flag wins
 	}
 	if c.scenario == passthroughRun {
 		e.agent.Args = append(e.agent.Args, "--gpu-passthrough", "all")
+	}
+	if c.quarantine {
+		e.agent.Args = append(e.agent.Args, "--gpu-quarantine-after", "1")
 	}
 	id := "crash-" + suffix(t)
 	plainEnv := slices.Clone(e.agent.Env)
@@ -354,9 +373,17 @@ func runCrashCase(t *testing.T, c crashCase, o *crashOutcome) {
 	case reconcileRun:
 		e.sim.Set(t, vgpusim.CtlFailRelease, "EBUSY")
 	}
+	var quarantined []string
+	if c.quarantine {
+		quarantined = d.quarantineWant(id)
+		e.sim.Set(t, d.quarantineFault(), "EIO")
+	}
 	delRun := e.startDelete(id, 1)
-	if c.scenario == reconcileRun {
+	switch {
+	case c.scenario == reconcileRun:
 		d.reconcileDuringDelete(id)
+	case c.quarantine:
+		d.quarantineDuringDelete(id, quarantined)
 	}
 	err = d.drive(delRun, "delete", nil)
 	o.delete = outcomeOf(err)
@@ -365,6 +392,9 @@ func runCrashCase(t *testing.T, c crashCase, o *crashOutcome) {
 	}
 	d.waitNeighbour()
 	o.violations = append(o.violations, d.checkDeleted(id)...)
+	if c.quarantine {
+		o.violations = append(o.violations, d.checkQuarantine("after delete", id, quarantined)...)
+	}
 	o.violations = append(o.violations, d.checkNeighbour("after delete")...)
 	if d.neighbourRun != nil {
 		// The neighbour's own delete, unarmed: the host ends empty.
@@ -668,6 +698,122 @@ func (d *crashDriver) reconcileDuringDelete(id string) {
 		d.o.violations = append(d.o.violations, "reconcile's wake-up of the parked delete was lost (woken by hand to finish the run)")
 		e.cli("workflow", "signal", "--workflow-id", delID, "--name", workflows.RetrySignal, "--input", `{"reason":"crash matrix: reconcile released the claim"}`)
 	}
+}
+
+// quarantineFault is the simulator's fault that fails this run's release.
+func (d *crashDriver) quarantineFault() string {
+	if d.c.scenario == passthroughRun {
+		return vgpusim.CtlFailReset
+	}
+	return vgpusim.CtlFailRelease
+}
+
+// quarantineWant lists the devices id's failing release must quarantine:
+// the parent GPU of an mdev, the VF of a vendor vGPU, each display
+// function of a whole GPU's group.
+func (d *crashDriver) quarantineWant(id string) []string {
+	rec, err := d.e.st.Get(id)
+	if err != nil {
+		return nil // checkSpawned has said so
+	}
+	var want []string
+	for _, l := range store.HeldVGPUs(rec) {
+		if d.c.vendor {
+			want = append(want, store.ClaimDevice(l.GetVgpu()))
+		} else {
+			want = append(want, l.GetVgpu().GetParent())
+		}
+	}
+	for _, l := range store.HeldPassthrough(rec) {
+		for _, f := range l.GetGpuPassthrough().GetFunctions() {
+			if f.GetDisplay() {
+				want = append(want, f.GetAddr())
+			}
+		}
+	}
+	slices.Sort(want)
+	return want
+}
+
+// quarantined lists the devices the host's quarantine names, each with the
+// instance it names; an unreadable file is its error.
+func (d *crashDriver) quarantined() (map[string]string, error) {
+	m, err := claims.NewQuarantine(d.e.stateDir, 0, nil).List()
+	if err != nil {
+		return nil, err
+	}
+	out := map[string]string{}
+	for dev, q := range m {
+		out[dev] = q.Instance
+	}
+	return out, nil
+}
+
+// quarantineDuringDelete waits for the delete to park in release-failed
+// with want quarantined, then clears the fault and sends the operator's
+// retry, which finishes the delete. A kill between the failure's record
+// and the quarantine's write costs at most that one count: while the
+// quarantine lacks a device, the run retries with the fault still set, and
+// the next failure must quarantine it.
+func (d *crashDriver) quarantineDuringDelete(id string, want []string) {
+	e := d.e
+	delID := workflows.DeleteWorkflowID(id)
+	retries := 0
+	var lastRetry time.Time
+	waitFor(e.t, crashWorkflowWait, "the failing release quarantined "+strings.Join(want, ", "), func() (bool, string) {
+		d.restartAgentIfDead()
+		st, err := e.status(delID)
+		if err != nil {
+			return false, err.Error()
+		}
+		if st.GetStage() != workflows.StageReleaseFailed {
+			return false, st.GetStage()
+		}
+		got, err := d.quarantined()
+		if err != nil {
+			return false, err.Error()
+		}
+		missing := slices.DeleteFunc(slices.Clone(want), func(dev string) bool { return got[dev] == id })
+		if len(missing) == 0 {
+			return true, ""
+		}
+		if retries == 0 {
+			d.o.notes = append(d.o.notes, fmt.Sprintf("parked with %v not quarantined yet: retried with the fault set", missing))
+		}
+		// One retry at a time: the signal takes a moment to move the stage.
+		if retries == 3 || time.Since(lastRetry) < 10*time.Second {
+			return false, fmt.Sprintf("not quarantined after %d retries: %v (quarantine %v)", retries, missing, got)
+		}
+		retries++
+		lastRetry = time.Now()
+		e.cli("workflow", "signal", "--workflow-id", delID, "--name", workflows.RetrySignal, "--input", `{"reason":"crash matrix: fail again"}`)
+		return false, "retried"
+	})
+	e.sim.Clear(e.t, d.quarantineFault())
+	e.cli("workflow", "signal", "--workflow-id", delID, "--name", workflows.RetrySignal, "--input", `{"reason":"crash matrix: fault cleared"}`)
+}
+
+// checkQuarantine: every device in want is still quarantined for id once
+// its instance is gone (only an operator clears it), and nothing else is.
+func (d *crashDriver) checkQuarantine(when, id string, want []string) []string {
+	got, err := d.quarantined()
+	if err != nil {
+		return []string{fmt.Sprintf("%s: quarantine: %v", when, err)}
+	}
+	if len(want) == 0 {
+		return []string{when + ": the instance held no GPU to quarantine"}
+	}
+	var v []string
+	for _, dev := range want {
+		if got[dev] != id {
+			v = append(v, fmt.Sprintf("%s: %s not quarantined for %s: %v", when, dev, id, got))
+		}
+		delete(got, dev)
+	}
+	if len(got) > 0 {
+		v = append(v, fmt.Sprintf("%s: devices quarantined that %s's release never failed on: %v", when, id, got))
+	}
+	return v
 }
 
 // qemusOf lists the processes of instance id (alive or zombie); live

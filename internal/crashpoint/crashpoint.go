@@ -136,6 +136,11 @@ const (
 	PassthroughReleased = "passthrough.release.recorded"
 	// ActivityReleaseVGPUDone: ReleaseVGPU is about to report success.
 	ActivityReleaseVGPUDone = "activity.release_vgpu.done"
+	// QuarantineDue: a device's release failed for the K-th time and that
+	// failure is in the record; the quarantine file is not written yet.
+	QuarantineDue = "gpu.quarantine.due"
+	// QuarantineWritten: the quarantine file names the device.
+	QuarantineWritten = "gpu.quarantine.written"
 	// ReconcileReleased: a reconcile round released (and recorded) the
 	// claim of an instance being deleted.
 	ReconcileReleased = "vgpu.reconcile.released"
@@ -175,7 +180,7 @@ var All = []string{
 	MarkerWritten, BeginDeleteRecorded,
 	StopPowerdownSent, StopQuitSent, StopKillSent, StopGone, ActivityStopVMDone, ActivityWaitVMExitDone,
 	ReleaseReleasing, ReleaseWritten, ReleaseRecorded, PassthroughReleasing, PassthroughReturned, PassthroughReleased,
-	ActivityReleaseVGPUDone, ReconcileReleased,
+	QuarantineDue, QuarantineWritten, ActivityReleaseVGPUDone, ReconcileReleased,
 	TearDownSocketRemoved, RecordTrashed, ActivityDeleteRecordDone,
 	NetIntentWritten, NetTAPCreated, NetActivated, NetReleasing, NetTAPRemoved, NetReleased,
 }

@@ -10,6 +10,7 @@ import (
 	"sort"
 	"time"
 
+	"vmflow/internal/crashpoint"
 	"vmflow/internal/errdefs"
 	"vmflow/internal/fsx"
 )
@@ -123,6 +124,7 @@ func (q *Quarantine) Failed(ctx context.Context, instance string, attempts uint3
 	if q == nil || int(attempts) < q.after || len(devices) == 0 {
 		return false, nil
 	}
+	crashpoint.Hit(crashpoint.QuarantineDue)
 	added := false
 	err := q.update(ctx, func(m map[string]Quarantined) error {
 		for _, d := range devices {
@@ -133,6 +135,9 @@ func (q *Quarantine) Failed(ctx context.Context, instance string, attempts uint3
 		}
 		return nil
 	})
+	if added && err == nil {
+		crashpoint.Hit(crashpoint.QuarantineWritten)
+	}
 	return added, err
 }
 
