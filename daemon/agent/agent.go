@@ -85,7 +85,8 @@ type agentHost struct {
 	store   *store.Store
 	tm      *tclient.Metrics // /metrics, /readyz
 	metrics *metrics.Agent
-	vgpus   *claims.Claims // nil without vGPUs: no reconcile work to scan for
+	vgpus   *claims.Claims // nil without vGPUs
+	whole   *claims.Whole  // nil without --gpu-passthrough
 	sup     *supervise.Supervisor
 	fdStore vmm.FDStore // nil without systemd's fd store
 	acts    *activities.Activities
@@ -94,6 +95,22 @@ type agentHost struct {
 	// looked for.
 	scanEvery time.Duration
 	closers   []func()
+}
+
+// reconcileScan is the free local scan for reconcile work over the host's
+// GPU claims, vGPUs and whole GPUs; nil without either.
+func (h *agentHost) reconcileScan() func(context.Context) (claims.Work, error) {
+	var scans []func(context.Context) (claims.Work, error)
+	if h.vgpus != nil {
+		scans = append(scans, h.vgpus.Scan)
+	}
+	if h.whole != nil {
+		scans = append(scans, h.whole.Scan)
+	}
+	if len(scans) == 0 {
+		return nil
+	}
+	return claims.ScanAll(scans...)
 }
 
 func (h *agentHost) close() {
@@ -147,7 +164,7 @@ func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentH
 	var gpus activities.GPUs
 	var devs admission.Devices // nil interface, not a typed nil, without vGPUs
 	var profiles func(context.Context) ([]string, error)
-	var vgpus *claims.Claims // nil without vGPUs: no reconcile work to scan for
+	var vgpus *claims.Claims // nil without vGPUs
 	if cfg.VGPUDriver != "none" {
 		c, err := newClaims(cfg, st, log)
 		if err != nil {
@@ -247,7 +264,7 @@ func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentH
 	}
 	h.closers = append(h.closers, func() { _ = sup.Close() })
 	acts.Supervisor = sup
-	h.store, h.tm, h.metrics, h.vgpus, h.sup, h.fdStore, h.acts, h.net = st, tm, am, vgpus, sup, fdStore, acts, nw
+	h.store, h.tm, h.metrics, h.vgpus, h.whole, h.sup, h.fdStore, h.acts, h.net = st, tm, am, vgpus, whole, sup, fdStore, acts, nw
 	h.scanEvery = cfg.ReconcileScanEvery
 	return h, nil
 }
@@ -356,9 +373,9 @@ func (h *agentHost) serve(ctx context.Context, cfg Config, log *zap.Logger) erro
 		// The host works without it; reconcile is a safety net.
 		log.Error("reconcile schedule", zap.Error(err))
 	}
-	if vgpus := h.vgpus; vgpus != nil && cfg.ReconcileScanEvery > 0 {
+	if scan := h.reconcileScan(); scan != nil && cfg.ReconcileScanEvery > 0 {
 		sched := workflows.ReconcileScheduleID(cfg.HostID)
-		go scanForReconcile(ctx, vgpus.Scan, cfg.ReconcileScanEvery, cfg.ReconcileEvery,
+		go scanForReconcile(ctx, scan, cfg.ReconcileScanEvery, cfg.ReconcileEvery,
 			func(ctx context.Context) error { return triggerReconcile(ctx, c, sched) }, log)
 	}
 	<-ctx.Done()

@@ -128,3 +128,11 @@ func TestScanTriggersOnlyLastingWork(t *testing.T) {
 	defer mu.Unlock()
 	assert.Equal(t, []int{5}, triggeredAt, "the first work seen by two scans in a row is the 4th and 5th scan's")
 }
+
+// TestReconcileScanCoversWholeGPUs: a host with whole GPUs and no vGPUs
+// still scans for reconcile work; a host with neither has nothing to scan.
+func TestReconcileScanCoversWholeGPUs(t *testing.T) {
+	assert.Nil(t, (&agentHost{}).reconcileScan())
+	assert.NotNil(t, (&agentHost{whole: &claims.Whole{}}).reconcileScan())
+	assert.NotNil(t, (&agentHost{vgpus: &claims.Claims{}}).reconcileScan())
+}

@@ -70,10 +70,8 @@ func (c *Claims) Reconcile(ctx context.Context) (*vmflowv1.ReconcileVGPUResult, 
 		if _, ok := claimed[d.ID]; ok {
 			continue
 		}
-		first, ok := seen[d.ID]
-		if !ok {
-			first = now
-		}
+		// A scan's sighting counts: it is this agent's as much as the ledger's.
+		first := c.seen.since(seen, d.ID, now)
 		if now.Sub(first) < c.grace {
 			next[d.ID] = first
 			res.Skipped++

@@ -2,6 +2,7 @@ package claims_test
 
 import (
 	"context"
+	"errors"
 	"os"
 	"testing"
 	"time"
@@ -72,6 +73,30 @@ func TestScanFindsReconcileWork(t *testing.T) {
 	require.NoError(t, f.Close())
 	assert.Equal(t, []string{"orphan:" + orphan.ID}, scan().Items, "an orphan past its grace, held by nobody")
 	assert.Len(t, e.devices(t), 1, "the scan removed nothing")
+	// The round the scan triggers counts the scan's sighting: it does not
+	// start the grace again (and the scan trigger again) for want of a
+	// ledger entry.
+	res, err = e.claims.Reconcile(ctx)
+	require.NoError(t, err)
+	assert.EqualValues(t, 1, res.GetOrphansRemoved())
+	assert.Empty(t, e.devices(t))
+}
+
+func TestScanAllMergesScans(t *testing.T) {
+	scan := func(w claims.Work, err error) func(context.Context) (claims.Work, error) {
+		return func(context.Context) (claims.Work, error) { return w, err }
+	}
+	all := claims.ScanAll(
+		scan(claims.Work{Items: []string{"orphan:d1", "release:vm1"}, UnreadableRecords: 1}, nil),
+		scan(claims.Work{Items: []string{"orphan-group:7", "release:vm1"}, UnreadableRecords: 1}, nil))
+	w, err := all(context.Background())
+	require.NoError(t, err)
+	assert.Equal(t, []string{"orphan-group:7", "orphan:d1", "release:vm1"}, w.Items, "sorted, once each")
+	assert.Equal(t, 1, w.UnreadableRecords, "each scan reads the same records")
+
+	boom := errors.New("sysfs unreadable")
+	_, err = claims.ScanAll(scan(claims.Work{}, nil), scan(claims.Work{}, boom))(context.Background())
+	assert.ErrorIs(t, err, boom)
 }
 
 func TestDueNeedsTwoScans(t *testing.T) {

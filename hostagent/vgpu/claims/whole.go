@@ -54,6 +54,9 @@ type Whole struct {
 	log    *zap.Logger
 	now    func() time.Time
 	quar   *Quarantine
+	// seen and scanFDs serve Scan, as Claims' do.
+	seen    scanSeen
+	scanFDs func(context.Context) (*proc.FDScan, error)
 }
 
 // NewWhole returns the whole-GPU claims over cfg.Driver and cfg.Store.
@@ -63,7 +66,7 @@ func NewWhole(cfg WholeConfig) (*Whole, error) {
 	}
 	c := Config{Store: cfg.Store, OrphanGrace: cfg.OrphanGrace, Logger: cfg.Logger, Now: cfg.Now}.WithDefaults()
 	return &Whole{drv: cfg.Driver, st: cfg.Store, grace: c.OrphanGrace, ignore: cfg.IgnoreUninspectable, log: c.Logger, now: c.Now, quar: cfg.Quarantine,
-		ledger: filepath.Join(cfg.Store.StateDir(), "passthrough-unclaimed.json")}, nil
+		ledger: filepath.Join(cfg.Store.StateDir(), "passthrough-unclaimed.json"), scanFDs: proc.ScanFDs}, nil
 }
 
 // Driver is the passthrough driver the claims use.
@@ -466,10 +469,7 @@ func (w *Whole) Reconcile(ctx context.Context) (*vmflowv1.ReconcileVGPUResult, e
 		if _, ok := claimed[b.Group]; ok {
 			continue
 		}
-		first, ok := seen[b.Group]
-		if !ok {
-			first = now
-		}
+		first := w.seen.since(seen, b.Group, now)
 		if now.Sub(first) < w.grace {
 			next[b.Group] = first
 			res.Skipped++

@@ -218,3 +218,55 @@ func TestWholeReconcileReturnsOnlyItsOwn(t *testing.T) {
 	assert.Equal(t, "nvidia", d[g0.GPU], "vmflow's unclaimed group is returned")
 	assert.Equal(t, "vfio-pci", d[g2.GPU], "a GPU vmflow never bound is left alone")
 }
+
+// TestWholeScanFindsReconcileWork: the read-only scan reports a deleting
+// instance's whole GPUs once its VM is gone and nothing holds the group's
+// node, and a group vmflow marked that no lease names once past the grace;
+// never a GPU vmflow did not bind. It changes nothing.
+func TestWholeScanFindsReconcileWork(t *testing.T) {
+	e := newWhole(t, 3)
+	ctx := context.Background()
+	scan := func() []string {
+		t.Helper()
+		w, err := e.whole.Scan(ctx)
+		require.NoError(t, err)
+		return w.Items
+	}
+	g0, g1, g2 := vgpusim.PCIGPUAt(0), vgpusim.PCIGPUAt(1), vgpusim.PCIGPUAt(2)
+	assert.Empty(t, scan(), "an empty host")
+
+	e.record(t, "vm1", 1)
+	_, err := e.whole.Claim(ctx, "vm1", "", 1)
+	require.NoError(t, err)
+	assert.Empty(t, scan(), "a lease a spawn owns is no reconcile work")
+	e.beginDelete(t, "vm1")
+	stop := holdOpen(t, filepath.Join(e.sim.DevRoot, "vfio", g0.Group))
+	assert.Empty(t, scan(), "the group's node is held")
+	stop()
+	assert.Equal(t, []string{"release:vm1"}, scan())
+	assert.Equal(t, "vfio-pci", e.drivers(t, 1)[g0.GPU], "the scan returned nothing")
+	res, err := e.whole.Reconcile(ctx)
+	require.NoError(t, err)
+	assert.EqualValues(t, 1, res.GetClaimsReleased())
+	require.NoError(t, e.st.Delete(ctx, "vm1"))
+	assert.Empty(t, scan())
+
+	_, err = e.whole.Driver().Bind(ctx, vgpu.BindRequest{Group: g1.Group}) // a lease lost with its record
+	require.NoError(t, err)
+	require.NoError(t, simtest.Write(e.sim.Path("bus", "pci", "devices", g2.GPU, "driver_override"), "vfio-pci"))
+	require.NoError(t, simtest.Write(e.sim.Path("bus", "pci", "drivers", "nvidia", "unbind"), g2.GPU))
+	require.NoError(t, simtest.Write(e.sim.Path("bus", "pci", "drivers_probe"), g2.GPU))
+	require.NoError(t, simtest.Write(e.sim.Path("bus", "pci", "devices", g2.GPU, "driver_override"), "\n"))
+	assert.Empty(t, scan(), "inside the grace")
+	e.now.Advance(2 * time.Minute)
+	assert.Equal(t, []string{"orphan-group:" + g1.Group}, scan(), "only vmflow's mark, past the grace")
+	assert.Equal(t, "vfio-pci", e.drivers(t, 3)[g1.GPU], "the scan returned nothing")
+
+	res, err = e.whole.Reconcile(ctx)
+	require.NoError(t, err)
+	assert.EqualValues(t, 1, res.GetOrphansRemoved(), "the round counts the scan's sighting")
+	d := e.drivers(t, 3)
+	assert.Equal(t, "nvidia", d[g1.GPU])
+	assert.Equal(t, "vfio-pci", d[g2.GPU], "a GPU vmflow never bound is left alone")
+	assert.Empty(t, scan())
+}
