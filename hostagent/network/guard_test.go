@@ -339,3 +339,23 @@ func TestGuardRebuildKeepsTheElementOfAnUnreadableRecord(t *testing.T) {
 	assert.ElementsMatch(t, []string{a.element(), b.element()}, network.GuardElements(t, e.net),
 		"A's is restored from its record; B's, which no record can tell about, kept")
 }
+
+func TestGuardStaleElementOfAReleasedLeaseLetsNoOneSpoof(t *testing.T) {
+	e := newEnv(t, subnet)
+	a := e.attachOpen(t, "vm-a", 1_900_000_001)
+	a.tap.Close()
+	e.beginDelete(t, "vm-a")
+	_, _, err := e.net.Release(context.Background(), "vm-a")
+	require.NoError(t, err)
+	// A crash between the recorded release and the element's removal.
+	network.EditGuard(t, e.net, [3]string{a.name, a.mac.String(), a.addr.String()})
+	// The next lease of the address has the same TAP: its element
+	// replaces the stale one before the TAP is made.
+	c := e.attachOpen(t, "vm-c", 1_900_000_003)
+	require.Equal(t, a.name, c.name, "the freed address, so the same TAP name")
+	assert.Equal(t, []string{c.element()}, network.GuardElements(t, e.net))
+	s := e.sniff(t)
+	s.forwarding(t, c)
+	asA := ether(a.mac, unix.ETH_P_IP, ipv4UDP(c.addr, netip.MustParseAddr("10.88.0.1"), tagged("as-a")))
+	assert.False(t, s.passed(t, c, "as-a", asA), "the released lease's MAC is no one's to use")
+}
