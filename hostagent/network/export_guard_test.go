@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/google/nftables"
+	"github.com/google/nftables/expr"
 	"github.com/stretchr/testify/require"
 )
 
@@ -55,5 +56,38 @@ func DropGuard(t *testing.T, n *Net) {
 	c, err := n.nft()
 	require.NoError(t, err)
 	c.DelTable(n.guardTable())
+	require.NoError(t, c.Flush())
+}
+
+// GuardChain is the number of rules of n's guard chain and the packets its
+// drop rule counted.
+func GuardChain(t *testing.T, n *Net) (rules int, drops uint64) {
+	t.Helper()
+	c, err := n.nft()
+	require.NoError(t, err)
+	tb := n.guardTable()
+	rs, err := c.GetRules(tb, &nftables.Chain{Name: guardChain, Table: tb})
+	require.NoError(t, err)
+	for _, r := range rs {
+		for _, e := range r.Exprs {
+			if ctr, ok := e.(*expr.Counter); ok {
+				drops += ctr.Packets
+			}
+		}
+	}
+	return len(rs), drops
+}
+
+// CutGuardChain deletes the last rule of n's guard chain (a hand's edit).
+func CutGuardChain(t *testing.T, n *Net) {
+	t.Helper()
+	c, err := n.nft()
+	require.NoError(t, err)
+	tb := n.guardTable()
+	ch := &nftables.Chain{Name: guardChain, Table: tb}
+	rs, err := c.GetRules(tb, ch)
+	require.NoError(t, err)
+	require.NotEmpty(t, rs)
+	require.NoError(t, c.DelRule(rs[len(rs)-1]))
 	require.NoError(t, c.Flush())
 }

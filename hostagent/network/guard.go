@@ -132,9 +132,11 @@ func (n *Net) heldPorts() (ports map[string]port, owner map[string]string, unkno
 	return ports, owner, unknown, len(bad) > 0, nil
 }
 
-// RebuildGuard replaces the guard's table whole, in one transaction, with
-// an element for each held network lease: idempotent, and what it leaves
-// is what the records say, whatever a crash, a reboot or a hand left. An
+// RebuildGuard makes the guard's table, in one transaction, hold an
+// element for each held network lease: the set replaced when it differs,
+// the whole table when it is missing or its chain is not as made (so the
+// drop counter counts across rounds). Idempotent, and what it leaves is
+// what the records say, whatever a crash, a reboot or a hand left. An
 // element of the old set is kept only where no readable record can tell
 // (an unreadable record's TAP): its guest keeps working until the record
 // is repaired.
@@ -160,10 +162,10 @@ func (n *Net) rebuildGuardLocked() error {
 	// A missing table (first start, after a reboot) has no elements; one
 	// that cannot be read is replaced, unless an unreadable lease may
 	// have its element there.
-	old, err := c.GetSetElements(guardPorts(t))
-	if err != nil && (all || len(unknown) > 0) {
+	old, lerr := c.GetSetElements(guardPorts(t))
+	if lerr != nil && (all || len(unknown) > 0) {
 		if _, terr := c.ListTableOfFamily(t.Name, t.Family); terr == nil {
-			return fmt.Errorf("network filter: %w: and table bridge %s unreadable: %w", ErrRecordsUnreadable, t.Name, err)
+			return fmt.Errorf("network filter: %w: and table bridge %s unreadable: %w", ErrRecordsUnreadable, t.Name, lerr)
 		}
 	}
 	want := map[string]bool{}
@@ -180,13 +182,30 @@ func (n *Net) rebuildGuardLocked() error {
 		want[string(e.Key)] = true
 		elems = append(elems, nftables.SetElement{Key: e.Key})
 	}
-	n.guardRuleset(c, t, elems)
-	if err := c.Flush(); err != nil {
-		return fmt.Errorf("network filter table bridge %s: %w", t.Name, err)
-	}
 	had := map[string]bool{}
 	for _, e := range old {
 		had[string(e.Key)] = true
+	}
+	malformed := slices.ContainsFunc(old, func(e nftables.SetElement) bool { return len(e.Key) != keyLen })
+	switch {
+	case lerr != nil || malformed || !guardIntact(c, t):
+		n.guardRuleset(c, t, elems)
+	case len(had) == len(want) && !slices.ContainsFunc(elems, func(e nftables.SetElement) bool { return !had[string(e.Key)] }):
+		return nil
+	default:
+		// One transaction: no frame sees the set empty.
+		set := guardPorts(t)
+		c.FlushSet(set)
+		if len(elems) > 0 {
+			if err := c.SetAddElements(set, elems); err != nil {
+				return fmt.Errorf("network filter: %w", err)
+			}
+		}
+	}
+	if err := c.Flush(); err != nil {
+		return fmt.Errorf("network filter table bridge %s: %w", t.Name, err)
+	}
+	for _, e := range old {
 		if !want[string(e.Key)] {
 			n.cfg.Logger.Info("network filter element removed: no held lease names it", zap.String("tap", keyTAP(e.Key)))
 		}
@@ -212,40 +231,57 @@ func (n *Net) guardRuleset(c *nftables.Conn, t *nftables.Table, elems []nftables
 	accept := nftables.ChainPolicyAccept
 	ch := c.AddChain(&nftables.Chain{Name: guardChain, Table: t, Type: nftables.ChainTypeFilter,
 		Hooknum: nftables.ChainHookPrerouting, Priority: nftables.ChainPriorityRef(guardPriority), Policy: &accept})
-	rule := func(ex ...expr.Any) { c.AddRule(&nftables.Rule{Table: t, Chain: ch, Exprs: ex}) }
-	// Frames of a port that is no guest's: not judged. Every TAPPrefix
-	// port of the namespace is judged, whatever its bridge, as reconcile
-	// owns every such TAP; meta ibrname would need nft_meta_bridge, which
-	// not every kernel has.
-	rule(&expr.Meta{Key: expr.MetaKeyIIFNAME, Register: 1},
-		&expr.Cmp{Op: expr.CmpOpNeq, Register: 1, Data: []byte(TAPPrefix)},
-		&expr.Verdict{Kind: expr.VerdictAccept})
+	for _, ex := range guardRules(set) {
+		c.AddRule(&nftables.Rule{Table: t, Chain: ch, Exprs: ex})
+	}
+}
+
+// guardRules are the guard chain's rules, in order.
+func guardRules(set *nftables.Set) [][]expr.Any {
 	lookup := []expr.Any{
 		&expr.Meta{Key: expr.MetaKeyIIFNAME, Register: regName},
 		&expr.Payload{DestRegister: regMAC, Base: expr.PayloadBaseLLHeader, Offset: 6, Len: 6},
 	}
 	inSet := &expr.Lookup{SourceRegister: regName, SetName: set.Name, SetID: set.ID}
-	// IPv4: iifname . ether saddr . ip saddr @ports accept
-	rule(slices.Concat(etherTypeIs(unix.ETH_P_IP), lookup, []expr.Any{
-		&expr.Payload{DestRegister: regAddr, Base: expr.PayloadBaseNetworkHeader, Offset: 12, Len: 4},
-		inSet,
-		&expr.Verdict{Kind: expr.VerdictAccept},
-	})...)
-	// ARP: the sender's MAC must be the frame's source, and both the
-	// lease's: iifname . ether saddr . arp spa @ports and
-	// iifname . arp sha . arp spa @ports.
-	rule(slices.Concat(etherTypeIs(unix.ETH_P_ARP), []expr.Any{
-		&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseNetworkHeader, Offset: 0, Len: 6},
-		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: arpEthIPv4},
-	}, lookup, []expr.Any{
-		&expr.Payload{DestRegister: regAddr, Base: expr.PayloadBaseNetworkHeader, Offset: 14, Len: 4},
-		inSet,
-		&expr.Payload{DestRegister: regMAC, Base: expr.PayloadBaseNetworkHeader, Offset: 8, Len: 6},
-		inSet,
-		&expr.Verdict{Kind: expr.VerdictAccept},
-	})...)
-	// Everything else from a guest's port.
-	rule(&expr.Counter{}, &expr.Verdict{Kind: expr.VerdictDrop})
+	return [][]expr.Any{
+		// Frames of a port that is no guest's: not judged. Every
+		// TAPPrefix port of the namespace is judged, whatever its bridge,
+		// as reconcile owns every such TAP; meta ibrname would need
+		// nft_meta_bridge, which not every kernel has.
+		{
+			&expr.Meta{Key: expr.MetaKeyIIFNAME, Register: 1},
+			&expr.Cmp{Op: expr.CmpOpNeq, Register: 1, Data: []byte(TAPPrefix)},
+			&expr.Verdict{Kind: expr.VerdictAccept},
+		},
+		// IPv4: iifname . ether saddr . ip saddr @ports accept
+		slices.Concat(etherTypeIs(unix.ETH_P_IP), lookup, []expr.Any{
+			&expr.Payload{DestRegister: regAddr, Base: expr.PayloadBaseNetworkHeader, Offset: 12, Len: 4},
+			inSet,
+			&expr.Verdict{Kind: expr.VerdictAccept},
+		}),
+		// ARP: the sender's MAC must be the frame's source, and both the
+		// lease's: iifname . ether saddr . arp spa @ports and
+		// iifname . arp sha . arp spa @ports.
+		slices.Concat(etherTypeIs(unix.ETH_P_ARP), []expr.Any{
+			&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseNetworkHeader, Offset: 0, Len: 6},
+			&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: arpEthIPv4},
+		}, lookup, []expr.Any{
+			&expr.Payload{DestRegister: regAddr, Base: expr.PayloadBaseNetworkHeader, Offset: 14, Len: 4},
+			inSet,
+			&expr.Payload{DestRegister: regMAC, Base: expr.PayloadBaseNetworkHeader, Offset: 8, Len: 6},
+			inSet,
+			&expr.Verdict{Kind: expr.VerdictAccept},
+		}),
+		// Everything else from a guest's port, counted.
+		{&expr.Counter{}, &expr.Verdict{Kind: expr.VerdictDrop}},
+	}
+}
+
+// guardIntact reports whether table t's guard chain has its rules: then a
+// rebuild changes only the set, and the drop rule's counter keeps counting.
+func guardIntact(c *nftables.Conn, t *nftables.Table) bool {
+	rules, err := c.GetRules(t, &nftables.Chain{Name: guardChain, Table: t})
+	return err == nil && len(rules) == len(guardRules(guardPorts(t)))
 }
 
 func etherType(t uint16) *expr.Cmp {

@@ -359,3 +359,36 @@ func TestGuardStaleElementOfAReleasedLeaseLetsNoOneSpoof(t *testing.T) {
 	asA := ether(a.mac, unix.ETH_P_IP, ipv4UDP(c.addr, netip.MustParseAddr("10.88.0.1"), tagged("as-a")))
 	assert.False(t, s.passed(t, c, "as-a", asA), "the released lease's MAC is no one's to use")
 }
+
+func TestGuardRebuildKeepsTheChainAndItsCounter(t *testing.T) {
+	e, a, b, s := twoGuests(t)
+	ctx := context.Background()
+	spoof := func(tag string) {
+		t.Helper()
+		f := ether(spoofed, unix.ETH_P_IP, ipv4UDP(a.addr, netip.MustParseAddr("10.88.0.1"), tagged(tag)))
+		require.False(t, s.passed(t, a, tag, f))
+	}
+	spoof("spoof-1")
+	rules, drops := network.GuardChain(t, e.net)
+	require.Equal(t, uint64(1), drops, "the drop rule counts what a guest sent that is not its own")
+
+	require.NoError(t, e.net.RebuildGuard(ctx))
+	_, after := network.GuardChain(t, e.net)
+	assert.Equal(t, drops, after, "a rebuild that changes nothing keeps the chain")
+	b.tap.Close()
+	e.beginDelete(t, "vm-b")
+	_, _, err := e.net.Release(context.Background(), "vm-b")
+	require.NoError(t, err)
+	network.EditGuard(t, e.net, [3]string{a.name, a.mac.String(), a.addr.String()}, [3]string{b.name, b.mac.String(), b.addr.String()})
+	require.NoError(t, e.net.RebuildGuard(ctx))
+	assert.Equal(t, []string{a.element()}, network.GuardElements(t, e.net))
+	_, after = network.GuardChain(t, e.net)
+	assert.Equal(t, drops, after, "a rebuild that changes the set keeps the chain")
+
+	// A chain a hand cut short is made again whole.
+	network.CutGuardChain(t, e.net)
+	require.NoError(t, e.net.RebuildGuard(ctx))
+	again, _ := network.GuardChain(t, e.net)
+	assert.Equal(t, rules, again)
+	spoof("spoof-2")
+}
