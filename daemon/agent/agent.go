@@ -254,9 +254,9 @@ func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentH
 
 // openNetwork opens the host's network and makes its egress NAT, its
 // anti-spoofing filter and its bridge (and its gateway address, after a
-// reboot) as configured. A bridge
-// that cannot be made now is only reported: VMs without a network go on,
-// and every launch with one tries again.
+// reboot) as configured. A bridge that cannot be made now is only
+// reported: VMs without a network go on, and every launch with one tries
+// again.
 func openNetwork(ctx context.Context, cfg Config, st *store.Store, log *zap.Logger) (*network.Net, error) {
 	nw, err := network.New(network.Config{Bridge: cfg.NetBridge, Subnet: cfg.NetSubnet, Egress: cfg.NetEgress, NetNS: cfg.NetNetNS,
 		Store: st, Logger: log})

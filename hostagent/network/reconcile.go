@@ -12,12 +12,12 @@ import (
 )
 
 // ReconcileTAPs rebuilds the anti-spoofing filter from the records
-// (RebuildGuard), then removes the TAPs (named with TAPPrefix) that no record's
-// held lease names once they have been seen unleased for the orphan grace.
-// The agent writes a lease before it makes its TAP, so these are TAPs of a
-// record removed by hand, or made by a hand. The TAPs are listed before the
-// records,
-// so a launch that leases and makes one in between is seen leased. Nothing
+// (RebuildGuard), then removes the TAPs (named with TAPPrefix) that no
+// record's held lease names once they have been seen unleased for the
+// orphan grace. The agent writes a lease before it makes its TAP, so these
+// are TAPs of a record removed by hand, or made by a hand. The TAPs are
+// listed before the records, so a launch that leases and makes one in
+// between is seen leased. Nothing
 // is removed while a record cannot be read (it may name a TAP). It returns
 // the TAPs it removed.
 func (n *Net) ReconcileTAPs(ctx context.Context) ([]string, error) {
