@@ -269,10 +269,11 @@ func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentH
 	return h, nil
 }
 
-// openNetwork opens the host's network and makes its egress NAT and its
-// bridge (and its gateway address, after a reboot) as configured. A bridge
-// that cannot be made now is only reported: VMs without a network go on,
-// and every launch with one tries again.
+// openNetwork opens the host's network and makes its egress NAT, its
+// anti-spoofing filter and its bridge (and its gateway address, after a
+// reboot) as configured. A bridge that cannot be made now is only
+// reported: VMs without a network go on, and every launch with one tries
+// again.
 func openNetwork(ctx context.Context, cfg Config, st *store.Store, log *zap.Logger) (*network.Net, error) {
 	nw, err := network.New(network.Config{Bridge: cfg.NetBridge, Subnet: cfg.NetSubnet, Egress: cfg.NetEgress, NetNS: cfg.NetNetNS,
 		Store: st, Logger: log})
@@ -283,6 +284,11 @@ func openNetwork(ctx context.Context, cfg Config, st *store.Store, log *zap.Logg
 	// run's): reported, not fatal, as the bridge is.
 	if err := nw.EnsureEgress(); err != nil {
 		log.Error("network egress not set up", zap.String("egress", cfg.NetEgress), zap.Error(err))
+	}
+	// The anti-spoofing filter from the records (lost at a reboot): not
+	// fatal either, as every launch with a network makes it again.
+	if err := nw.RebuildGuard(ctx); err != nil {
+		log.Error("network filter not set up; launches with a network try again", zap.String("bridge", cfg.NetBridge), zap.Error(err))
 	}
 	if err := nw.EnsureBridge(ctx); err != nil {
 		log.Error("network bridge not ready; launches with a network try again", zap.String("bridge", cfg.NetBridge), zap.Error(err))

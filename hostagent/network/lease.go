@@ -79,6 +79,15 @@ func (n *Net) AttachLocked(ctx context.Context, l *store.Locked, uid uint32) (At
 		return Attachment{}, fmt.Errorf("attach network of %s: %w: its address %s is not in this host's subnet %s",
 			l.ID(), ErrMisconfigured, nl.Address, n.cfg.Subnet)
 	}
+	p, err := nl.port()
+	if err != nil {
+		return Attachment{}, fmt.Errorf("attach network of %s: %w", l.ID(), err)
+	}
+	// The filter's element before the TAP: a guest's port forwards
+	// nothing until its element exists.
+	if err := n.guardPort(l.ID(), p); err != nil {
+		return Attachment{}, fmt.Errorf("attach network of %s: %w", l.ID(), err)
+	}
 	if err := n.EnsureBridge(ctx); err != nil {
 		return Attachment{}, fmt.Errorf("attach network of %s: %w", l.ID(), err)
 	}
@@ -251,6 +260,11 @@ func (n *Net) Release(ctx context.Context, id string) (released bool, name strin
 		return false, nl.GetAddress(), fmt.Errorf("record release of network of %s: %w", id, err)
 	}
 	crashpoint.Hit(crashpoint.NetReleased)
+	if err := n.unguardTAP(id, nl.GetTap()); err != nil {
+		// Its TAP is gone, so the element passes nothing; the next
+		// rebuild, or the next lease of the address, replaces it.
+		n.cfg.Logger.Warn("network filter element not removed", zap.String("instance_id", id), zap.String("tap", nl.GetTap()), zap.Error(err))
+	}
 	n.cfg.Logger.Info("network released", zap.String("instance_id", id), zap.String("address", nl.GetAddress()), zap.String("tap", nl.GetTap()))
 	return true, nl.GetAddress(), nil
 }

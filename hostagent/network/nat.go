@@ -4,21 +4,29 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"time"
 
 	"github.com/google/nftables"
 	"github.com/google/nftables/expr"
+	mnl "github.com/mdlayher/netlink"
 	"golang.org/x/sys/unix"
 )
 
-// natTable is the nftables table of the host's network: one per bridge,
-// replaced whole by EnsureEgress.
+// tableName names the nftables tables of the host's network, one per
+// bridge in each family: ip (egress NAT) and bridge (the guard).
+func (n *Net) tableName() string { return "vmflow_" + n.cfg.Bridge }
+
+// natTable is the egress table, replaced whole by EnsureEgress.
 func (n *Net) natTable() *nftables.Table {
-	return &nftables.Table{Family: nftables.TableFamilyIPv4, Name: "vmflow_" + n.cfg.Bridge}
+	return &nftables.Table{Family: nftables.TableFamilyIPv4, Name: n.tableName()}
 }
 
 // nft is an nftables connection in the host network's namespace.
 func (n *Net) nft() (*nftables.Conn, error) {
-	var opts []nftables.ConnOption
+	// Each request dials its own socket: the deadline bounds each one.
+	opts := []nftables.ConnOption{nftables.WithSockOptions(func(c *mnl.Conn) error {
+		return c.SetDeadline(time.Now().Add(netlinkTimeout))
+	})}
 	if n.ns.IsOpen() {
 		opts = append(opts, nftables.WithNetNSFd(int(n.ns)))
 	}

@@ -123,6 +123,7 @@ type Net struct {
 	lock    string
 	mu      sync.Mutex
 	seen    map[string]time.Time // reconcile's first sightings of unleased TAPs, under mu
+	gmu     sync.Mutex           // orders changes of the guard's set (guard.go)
 }
 
 // New checks cfg and opens a netlink handle in its namespace. It changes

@@ -1,0 +1,93 @@
+package network
+
+import (
+	"fmt"
+	"net"
+	"net/netip"
+	"testing"
+
+	"github.com/google/nftables"
+	"github.com/google/nftables/expr"
+	"github.com/stretchr/testify/require"
+)
+
+// GuardElements are the elements of n's anti-spoofing set, each as
+// "TAP MAC ADDRESS".
+func GuardElements(t *testing.T, n *Net) []string {
+	t.Helper()
+	c, err := n.nft()
+	require.NoError(t, err)
+	es, err := c.GetSetElements(guardPorts(n.guardTable()))
+	require.NoError(t, err)
+	var out []string
+	for _, e := range es {
+		require.Len(t, e.Key, keyLen)
+		addr := netip.AddrFrom4([4]byte(e.Key[keyLen-4:]))
+		out = append(out, fmt.Sprintf("%s %s %s", keyTAP(e.Key), net.HardwareAddr(e.Key[16:22]), addr))
+	}
+	return out
+}
+
+// GuardElement is how GuardElements shows the element of tap, mac, addr.
+func GuardElement(tap, mac string, addr netip.Addr) string {
+	return fmt.Sprintf("%s %s %s", tap, mac, addr)
+}
+
+// EditGuard flushes n's anti-spoofing set, then adds an element of tap, mac,
+// addr for each given (what a hand or a crash leaves).
+func EditGuard(t *testing.T, n *Net, add ...[3]string) {
+	t.Helper()
+	c, err := n.nft()
+	require.NoError(t, err)
+	set := guardPorts(n.guardTable())
+	c.FlushSet(set)
+	for _, a := range add {
+		mac, err := net.ParseMAC(a[1])
+		require.NoError(t, err)
+		p := port{tap: a[0], mac: mac, addr: netip.MustParseAddr(a[2])}
+		require.NoError(t, c.SetAddElements(set, []nftables.SetElement{{Key: p.key()}}))
+	}
+	require.NoError(t, c.Flush())
+}
+
+// DropGuard deletes n's anti-spoofing table (what a reboot or a hand does).
+func DropGuard(t *testing.T, n *Net) {
+	t.Helper()
+	c, err := n.nft()
+	require.NoError(t, err)
+	c.DelTable(n.guardTable())
+	require.NoError(t, c.Flush())
+}
+
+// GuardChain is the number of rules of n's guard chain and the packets its
+// drop rule counted.
+func GuardChain(t *testing.T, n *Net) (rules int, drops uint64) {
+	t.Helper()
+	c, err := n.nft()
+	require.NoError(t, err)
+	tb := n.guardTable()
+	rs, err := c.GetRules(tb, &nftables.Chain{Name: guardChain, Table: tb})
+	require.NoError(t, err)
+	for _, r := range rs {
+		for _, e := range r.Exprs {
+			if ctr, ok := e.(*expr.Counter); ok {
+				drops += ctr.Packets
+			}
+		}
+	}
+	return len(rs), drops
+}
+
+// CutGuardChain deletes the last rule of n's guard chain (a hand's edit).
+func CutGuardChain(t *testing.T, n *Net) {
+	t.Helper()
+	c, err := n.nft()
+	require.NoError(t, err)
+	tb := n.guardTable()
+	ch := &nftables.Chain{Name: guardChain, Table: tb}
+	rs, err := c.GetRules(tb, ch)
+	require.NoError(t, err)
+	require.NotEmpty(t, rs)
+	require.NoError(t, c.DelRule(rs[len(rs)-1]))
+	require.NoError(t, c.Flush())
+}

@@ -1,0 +1,389 @@
+package network
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"net"
+	"net/netip"
+	"slices"
+
+	"github.com/google/nftables"
+	"github.com/google/nftables/expr"
+	"go.uber.org/zap"
+	"golang.org/x/sys/unix"
+
+	"vmflow/hostagent/store"
+	vmflowv1 "vmflow/proto/vmflow/v1"
+)
+
+// The guard is the per-port anti-spoofing filter: a bridge-family table (the
+// NAT table's name, in its own family) whose prerouting chain judges every
+// frame entering a bridge from a port named with TAPPrefix. A frame passes
+// only when its (port, source MAC, source IPv4) is an element of the ports
+// set, or, for ARP over Ethernet/IPv4, when both (port, source MAC, sender
+// address) and (port, sender MAC, sender address) are; every other frame from
+// such a port is dropped: spoofed ones, IPv6, VLAN-tagged, any other
+// ethertype (a guest's network is IPv4 with a static address, so it needs
+// neither IPv6 nor the unspecified source). A port not in the set forwards
+// nothing, so a TAP forwards only once its lease's element exists.
+//
+// The set holds one element per held network lease, derived from the
+// records: AttachLocked adds the lease's before it makes the TAP, Release
+// removes it once the release is recorded, and RebuildGuard replaces the
+// table whole from the records (at start, after a reboot, each reconcile).
+const (
+	guardChain = "guard"
+	guardSet   = "ports"
+	// guardPriority is nft's "filter" priority in the bridge family.
+	guardPriority = -200
+	// Registers of the concatenated key: NFT_REG32_00 takes the port's
+	// name (16 bytes), NFT_REG32_04 the MAC (6 bytes, padded to 8),
+	// NFT_REG32_06 the IPv4 address.
+	regName, regMAC, regAddr = 8, 12, 14
+	// keyLen is the key's length: each field padded to 4 bytes.
+	keyLen = unix.IFNAMSIZ + 8 + 4
+)
+
+var guardKeyType = nftables.MustConcatSetType(nftables.TypeIFName, nftables.TypeEtherAddr, nftables.TypeIPAddr)
+
+// arpEthIPv4 is an ARP header's first six bytes for Ethernet and IPv4:
+// htype 1, ptype 0x0800, hlen 6, plen 4; it fixes where sha and spa are.
+var arpEthIPv4 = []byte{0x00, 0x01, 0x08, 0x00, 0x06, 0x04}
+
+func (n *Net) guardTable() *nftables.Table {
+	return &nftables.Table{Family: nftables.TableFamilyBridge, Name: n.tableName()}
+}
+
+func guardPorts(t *nftables.Table) *nftables.Set {
+	return &nftables.Set{Table: t, Name: guardSet, KeyType: guardKeyType, Concatenation: true}
+}
+
+// port is one element of the guard's set: a TAP and the source MAC and
+// IPv4 address its frames may carry.
+type port struct {
+	tap  string
+	mac  net.HardwareAddr
+	addr netip.Addr
+}
+
+// portOf is the port a recorded network lease allows.
+func portOf(nl *vmflowv1.NetworkLease) (port, error) {
+	l, err := ParseLease(nl)
+	if err != nil {
+		return port{}, err
+	}
+	return l.port()
+}
+
+// port is the port l allows.
+func (l Lease) port() (port, error) {
+	mac, err := net.ParseMAC(l.MAC)
+	if err != nil || len(mac) != 6 {
+		return port{}, fmt.Errorf("%w: lease mac %q", ErrInvalid, l.MAC)
+	}
+	return port{tap: l.TAP, mac: mac, addr: l.Address.Addr()}, nil
+}
+
+// key is p as the set holds it: name NUL-padded, MAC zero-padded, address.
+func (p port) key() []byte {
+	k := make([]byte, 0, keyLen)
+	k = append(k, ifname(p.tap)...)
+	k = append(k, p.mac...)
+	k = append(k, 0, 0)
+	a := p.addr.As4()
+	return append(k, a[:]...)
+}
+
+// keyTAP is the port name a key starts with.
+func keyTAP(k []byte) string {
+	name, _, _ := bytes.Cut(k[:min(len(k), unix.IFNAMSIZ)], []byte{0})
+	return string(name)
+}
+
+// heldPorts reads the ports of the records' held network leases, each with
+// its instance. unknown names the TAPs whose lease cannot be parsed; all is
+// true when a record cannot be read at all (it may lease any TAP).
+func (n *Net) heldPorts() (ports map[string]port, owner map[string]string, unknown map[string]bool, all bool, err error) {
+	recs, err := n.cfg.Store.List()
+	bad, listed := store.Unreadable(err)
+	if !listed {
+		return nil, nil, nil, false, fmt.Errorf("read leases: %w", err)
+	}
+	ports, owner, unknown = map[string]port{}, map[string]string{}, map[string]bool{}
+	for _, r := range recs {
+		lease := store.Network(r)
+		if !store.LeaseHeld(lease) {
+			continue
+		}
+		p, perr := portOf(lease.GetNetwork())
+		if perr != nil {
+			unknown[lease.GetNetwork().GetTap()] = true
+			n.cfg.Logger.Warn("network filter: lease unreadable; its TAP's element is kept as it is",
+				zap.String("instance_id", r.GetId()), zap.Error(perr))
+			continue
+		}
+		ports[p.tap], owner[p.tap] = p, r.GetId()
+	}
+	if len(bad) > 0 {
+		n.cfg.Logger.Warn("network filter: records unreadable; elements no readable record names are kept",
+			zap.Int("unreadable", len(bad)), zap.String("instance_id", bad[0].ID))
+	}
+	return ports, owner, unknown, len(bad) > 0, nil
+}
+
+// RebuildGuard makes the guard's table, in one transaction, hold an
+// element for each held network lease: the set replaced when it differs,
+// the whole table when it is missing or its chain is not as made (so the
+// drop counter counts across rounds). Idempotent, and what it leaves is
+// what the records say, whatever a crash, a reboot or a hand left. An
+// element of the old set is kept only where no readable record can tell
+// (an unreadable record's TAP): its guest keeps working until the record
+// is repaired.
+func (n *Net) RebuildGuard(ctx context.Context) error {
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("network filter: %w", err)
+	}
+	n.gmu.Lock()
+	defer n.gmu.Unlock()
+	return n.rebuildGuardLocked()
+}
+
+func (n *Net) rebuildGuardLocked() error {
+	ports, owner, unknown, all, err := n.heldPorts()
+	if err != nil {
+		return fmt.Errorf("network filter: %w", err)
+	}
+	c, err := n.nft()
+	if err != nil {
+		return fmt.Errorf("network filter: %w", err)
+	}
+	t := n.guardTable()
+	// A missing table (first start, after a reboot) has no elements; one
+	// that cannot be read is replaced, unless an unreadable lease may
+	// have its element there.
+	old, lerr := c.GetSetElements(guardPorts(t))
+	if lerr != nil && (all || len(unknown) > 0) {
+		if _, terr := c.ListTableOfFamily(t.Name, t.Family); terr == nil {
+			return fmt.Errorf("network filter: %w: and table bridge %s unreadable: %w", ErrRecordsUnreadable, t.Name, lerr)
+		}
+	}
+	want := map[string]bool{}
+	var elems []nftables.SetElement
+	for _, p := range ports {
+		want[string(p.key())] = true
+		elems = append(elems, nftables.SetElement{Key: p.key()})
+	}
+	for _, e := range old {
+		tap := keyTAP(e.Key)
+		if _, leased := ports[tap]; want[string(e.Key)] || leased || !(all || unknown[tap]) {
+			continue
+		}
+		want[string(e.Key)] = true
+		elems = append(elems, nftables.SetElement{Key: e.Key})
+	}
+	had := map[string]bool{}
+	for _, e := range old {
+		had[string(e.Key)] = true
+	}
+	malformed := slices.ContainsFunc(old, func(e nftables.SetElement) bool { return len(e.Key) != keyLen })
+	switch {
+	case lerr != nil || malformed || !guardIntact(c, t):
+		n.guardRuleset(c, t, elems)
+	case len(had) == len(want) && !slices.ContainsFunc(elems, func(e nftables.SetElement) bool { return !had[string(e.Key)] }):
+		return nil
+	default:
+		// One transaction: no frame sees the set empty.
+		set := guardPorts(t)
+		c.FlushSet(set)
+		if len(elems) > 0 {
+			if err := c.SetAddElements(set, elems); err != nil {
+				return fmt.Errorf("network filter: %w", err)
+			}
+		}
+	}
+	if err := c.Flush(); err != nil {
+		return fmt.Errorf("network filter table bridge %s: %w", t.Name, err)
+	}
+	for _, e := range old {
+		if !want[string(e.Key)] {
+			n.cfg.Logger.Info("network filter element removed: no held lease names it", zap.String("tap", keyTAP(e.Key)))
+		}
+	}
+	for tap, p := range ports {
+		if !had[string(p.key())] {
+			n.logPort("network filter element added", owner[tap], p)
+		}
+	}
+	return nil
+}
+
+// guardRuleset queues, on c, table t replaced whole: the ports set with
+// elems and the guard chain.
+func (n *Net) guardRuleset(c *nftables.Conn, t *nftables.Table, elems []nftables.SetElement) {
+	// Adding an existing table is no error; deleting it then empties it.
+	c.AddTable(t)
+	c.DelTable(t)
+	c.AddTable(t)
+	set := guardPorts(t)
+	// AddSet fails only on a malformed set; c.Flush reports what it queued.
+	_ = c.AddSet(set, elems)
+	accept := nftables.ChainPolicyAccept
+	ch := c.AddChain(&nftables.Chain{Name: guardChain, Table: t, Type: nftables.ChainTypeFilter,
+		Hooknum: nftables.ChainHookPrerouting, Priority: nftables.ChainPriorityRef(guardPriority), Policy: &accept})
+	for _, ex := range guardRules(set) {
+		c.AddRule(&nftables.Rule{Table: t, Chain: ch, Exprs: ex})
+	}
+}
+
+// guardRules are the guard chain's rules, in order.
+func guardRules(set *nftables.Set) [][]expr.Any {
+	lookup := []expr.Any{
+		&expr.Meta{Key: expr.MetaKeyIIFNAME, Register: regName},
+		&expr.Payload{DestRegister: regMAC, Base: expr.PayloadBaseLLHeader, Offset: 6, Len: 6},
+	}
+	inSet := &expr.Lookup{SourceRegister: regName, SetName: set.Name, SetID: set.ID}
+	return [][]expr.Any{
+		// Frames of a port that is no guest's: not judged. Every
+		// TAPPrefix port of the namespace is judged, whatever its bridge,
+		// as reconcile owns every such TAP; meta ibrname would need
+		// nft_meta_bridge, which not every kernel has.
+		{
+			&expr.Meta{Key: expr.MetaKeyIIFNAME, Register: 1},
+			&expr.Cmp{Op: expr.CmpOpNeq, Register: 1, Data: []byte(TAPPrefix)},
+			&expr.Verdict{Kind: expr.VerdictAccept},
+		},
+		// IPv4: iifname . ether saddr . ip saddr @ports accept
+		slices.Concat(etherTypeIs(unix.ETH_P_IP), lookup, []expr.Any{
+			&expr.Payload{DestRegister: regAddr, Base: expr.PayloadBaseNetworkHeader, Offset: 12, Len: 4},
+			inSet,
+			&expr.Verdict{Kind: expr.VerdictAccept},
+		}),
+		// ARP: the sender's MAC must be the frame's source, and both the
+		// lease's: iifname . ether saddr . arp spa @ports and
+		// iifname . arp sha . arp spa @ports.
+		slices.Concat(etherTypeIs(unix.ETH_P_ARP), []expr.Any{
+			&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseNetworkHeader, Offset: 0, Len: 6},
+			&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: arpEthIPv4},
+		}, lookup, []expr.Any{
+			&expr.Payload{DestRegister: regAddr, Base: expr.PayloadBaseNetworkHeader, Offset: 14, Len: 4},
+			inSet,
+			&expr.Payload{DestRegister: regMAC, Base: expr.PayloadBaseNetworkHeader, Offset: 8, Len: 6},
+			inSet,
+			&expr.Verdict{Kind: expr.VerdictAccept},
+		}),
+		// Everything else from a guest's port, counted.
+		{&expr.Counter{}, &expr.Verdict{Kind: expr.VerdictDrop}},
+	}
+}
+
+// guardIntact reports whether table t's guard chain has its rules: then a
+// rebuild changes only the set, and the drop rule's counter keeps counting.
+func guardIntact(c *nftables.Conn, t *nftables.Table) bool {
+	rules, err := c.GetRules(t, &nftables.Chain{Name: guardChain, Table: t})
+	return err == nil && len(rules) == len(guardRules(guardPorts(t)))
+}
+
+func etherType(t uint16) *expr.Cmp {
+	return &expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{byte(t >> 8), byte(t)}}
+}
+
+// etherTypeIs matches frames of ethertype t.
+func etherTypeIs(t uint16) []expr.Any {
+	return []expr.Any{
+		&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseLLHeader, Offset: 12, Len: 2},
+		etherType(t),
+	}
+}
+
+// guardPort makes p instance id's element in the guard's set, the only one
+// of its TAP: an element of an earlier lease on the same address (left by a
+// crash) goes in the same transaction. Without a readable table it rebuilds
+// the whole table, which holds p as p's lease is already recorded.
+func (n *Net) guardPort(id string, p port) error {
+	n.gmu.Lock()
+	defer n.gmu.Unlock()
+	c, set, old, err := n.readPorts()
+	if c == nil {
+		return err
+	}
+	if err != nil {
+		n.cfg.Logger.Info("network filter table unreadable; rebuilt", zap.String("instance_id", id), zap.Error(err))
+		return n.rebuildGuardLocked()
+	}
+	var stale []nftables.SetElement
+	have := false
+	for _, e := range old {
+		switch {
+		case bytes.Equal(e.Key, p.key()):
+			have = true
+		case keyTAP(e.Key) == p.tap:
+			stale = append(stale, nftables.SetElement{Key: e.Key})
+		}
+	}
+	if have && len(stale) == 0 {
+		return nil
+	}
+	if err := changePorts(c, set, []nftables.SetElement{{Key: p.key()}}, stale); err != nil {
+		return fmt.Errorf("network filter: add %s: %w", p.tap, err)
+	}
+	n.logPort("network filter element added", id, p)
+	return nil
+}
+
+// unguardTAP removes the elements of TAP tap from the guard's set.
+func (n *Net) unguardTAP(id, tap string) error {
+	n.gmu.Lock()
+	defer n.gmu.Unlock()
+	c, set, old, err := n.readPorts()
+	if err != nil {
+		return err
+	}
+	var gone []nftables.SetElement
+	for _, e := range old {
+		if keyTAP(e.Key) == tap {
+			gone = append(gone, nftables.SetElement{Key: e.Key})
+		}
+	}
+	if len(gone) == 0 {
+		return nil
+	}
+	if err := changePorts(c, set, nil, gone); err != nil {
+		return fmt.Errorf("network filter: remove %s: %w", tap, err)
+	}
+	n.cfg.Logger.Info("network filter element removed", zap.String("instance_id", id), zap.String("tap", tap))
+	return nil
+}
+
+// readPorts reads the guard's set on a new connection; c is nil when there
+// is none, set and c are good when only the read failed.
+func (n *Net) readPorts() (c *nftables.Conn, set *nftables.Set, old []nftables.SetElement, err error) {
+	if c, err = n.nft(); err != nil {
+		return nil, nil, nil, fmt.Errorf("network filter: %w", err)
+	}
+	set = guardPorts(n.guardTable())
+	if old, err = c.GetSetElements(set); err != nil {
+		return c, set, nil, fmt.Errorf("network filter: list table bridge %s: %w", set.Table.Name, err)
+	}
+	return c, set, old, nil
+}
+
+// changePorts adds add to and deletes del from set, in one transaction.
+func changePorts(c *nftables.Conn, set *nftables.Set, add, del []nftables.SetElement) error {
+	if len(add) > 0 {
+		if err := c.SetAddElements(set, add); err != nil {
+			return err
+		}
+	}
+	if len(del) > 0 {
+		if err := c.SetDeleteElements(set, del); err != nil {
+			return err
+		}
+	}
+	return c.Flush()
+}
+
+func (n *Net) logPort(msg, id string, p port) {
+	n.cfg.Logger.Info(msg, zap.String("instance_id", id), zap.String("tap", p.tap),
+		zap.String("mac", p.mac.String()), zap.String("address", p.addr.String()))
+}
