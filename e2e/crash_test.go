@@ -941,6 +941,7 @@ func (d *crashDriver) checkNetLedger(when string, recs []*vmflowv1.InstanceRecor
 	addr := map[string]string{}
 	want := map[string]bool{}
 	maybe := map[string]bool{}
+	var leased []string
 	for _, r := range recs {
 		l := store.Network(r)
 		if !store.LeaseHeld(l) {
@@ -951,6 +952,7 @@ func (d *crashDriver) checkNetLedger(when string, recs []*vmflowv1.InstanceRecor
 			v = append(v, fmt.Sprintf("%s: %s and %s both lease %s", when, other, r.GetId(), n.GetAddress()))
 		}
 		addr[n.GetAddress()] = r.GetId()
+		leased = append(leased, n.GetTap())
 		if l.GetPhase() == vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE && r.GetProcess() != nil {
 			want[n.GetTap()] = true
 		} else {
@@ -966,6 +968,17 @@ func (d *crashDriver) checkNetLedger(when string, recs []*vmflowv1.InstanceRecor
 	}
 	for tp := range want {
 		v = append(v, fmt.Sprintf("%s: the TAP %s of a running VM's lease is missing", when, tp))
+	}
+	// The anti-spoofing filter holds an element for each held lease and
+	// no other: added before its TAP, removed after its release, rebuilt
+	// from the records at every agent start.
+	slices.Sort(leased)
+	filtered, err := e.netView.FilterTAPs()
+	switch {
+	case err != nil:
+		v = append(v, fmt.Sprintf("%s: read the network filter: %v", when, err))
+	case !slices.Equal(filtered, leased):
+		v = append(v, fmt.Sprintf("%s: the network filter has elements for %v, the held leases name %v", when, filtered, leased))
 	}
 	return v
 }

@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -160,9 +161,11 @@ type env struct {
 	agent    *stacktest.Daemon
 	worker   *stacktest.Daemon
 	// netns and net: the agent's network namespace and a netlink handle in
-	// it (envOptions.network); empty and nil without.
-	netns string
-	net   *netlink.Handle
+	// it (envOptions.network); empty and nil without. netView reads the
+	// agent's network (its anti-spoofing filter) without changing it.
+	netns   string
+	net     *netlink.Handle
+	netView *network.Net
 }
 
 func newEnv(t *testing.T, o envOptions) *env {
@@ -245,6 +248,13 @@ func newEnv(t *testing.T, o envOptions) *env {
 	if o.network {
 		e.netns = nettest.Namespace(t)
 		e.net = nettest.Handle(t, e.netns)
+		// A read-only view of the agent's network (New changes nothing).
+		view, err := network.New(network.Config{Subnet: netip.MustParsePrefix(netSubnet), NetNS: e.netns, Store: e.st})
+		if err != nil {
+			t.Fatalf("network view: %v", err)
+		}
+		t.Cleanup(view.Close)
+		e.netView = view
 		agentArgs = append(agentArgs, "--net-netns", e.netns, "--net-subnet", netSubnet)
 	}
 	agentArgs = append(agentArgs, stacktest.HoldersIgnoreInit()...)

@@ -368,6 +368,22 @@ func (n *Net) readPorts() (c *nftables.Conn, set *nftables.Set, old []nftables.S
 	return c, set, old, nil
 }
 
+// FilterTAPs lists, sorted, the TAPs the anti-spoofing filter holds an
+// element for (what `nft list set bridge vmflow_<bridge> ports` shows);
+// reading only.
+func (n *Net) FilterTAPs() ([]string, error) {
+	_, _, elems, err := n.readPorts()
+	if err != nil {
+		return nil, err
+	}
+	taps := make([]string, 0, len(elems))
+	for _, e := range elems {
+		taps = append(taps, keyTAP(e.Key))
+	}
+	slices.Sort(taps)
+	return taps, nil
+}
+
 // changePorts adds add to and deletes del from set, in one transaction.
 func changePorts(c *nftables.Conn, set *nftables.Set, add, del []nftables.SetElement) error {
 	if len(add) > 0 {
