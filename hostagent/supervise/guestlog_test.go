@@ -49,9 +49,8 @@ func readFloodLog(t *testing.T, path string) floodLog {
 // waitLogGrows waits, checking the bound at every look, until qemu.log has
 // taken more than `more` bytes of new output since from. A rotation between
 // two looks counts what the old file had left to fill.
-func waitLogGrows(t *testing.T, path string, from floodLog, more int64, within time.Duration) floodLog {
+func waitLogGrows(t *testing.T, path string, from floodLog, more int64, bound *vmmtest.FloodStall) floodLog {
 	t.Helper()
-	deadline := time.Now().Add(within)
 	prev, grown := from, int64(0)
 	for {
 		l := readFloodLog(t, path)
@@ -67,7 +66,9 @@ func waitLogGrows(t *testing.T, path string, from floodLog, more int64, within t
 		if grown > more {
 			return l
 		}
-		require.True(t, time.Now().Before(deadline), "%s took %d bytes of new guest output in %s, want %d", path, grown, within, more)
+		if err := bound.Check(grown); err != nil {
+			t.Fatalf("%s took %d bytes of new guest output, want %d: %v", path, grown, more, err)
+		}
 		time.Sleep(20 * time.Millisecond) // polling a file size: there is no event for it
 	}
 }
@@ -94,7 +95,7 @@ func TestReattachKeepsCapturingGuestLog(t *testing.T) {
 	paths, err := e.st.Paths("vm1")
 	require.NoError(t, err)
 
-	waitLogGrows(t, paths.Log, floodLog{}, vmm.DefaultLogMaxBytes/4, 3*time.Minute)
+	waitLogGrows(t, paths.Log, floodLog{}, vmm.DefaultLogMaxBytes/4, vmmtest.DefaultFloodStall())
 	// The agent goes away: nobody reads the pipe.
 	require.NoError(t, sup.Close())
 	l := readFloodLog(t, paths.Log)
@@ -109,7 +110,7 @@ func TestReattachKeepsCapturingGuestLog(t *testing.T) {
 	assert.True(t, st.Liveness.Alive, "QEMU survived writing to a pipe nobody read (it ignores SIGPIPE)")
 
 	// A whole file's worth of new output: captured, rotated, bounded.
-	waitLogGrows(t, paths.Log, l, vmm.DefaultLogMaxBytes, 3*time.Minute)
+	waitLogGrows(t, paths.Log, l, vmm.DefaultLogMaxBytes, vmmtest.DefaultFloodStall())
 }
 
 // Guest output the log cannot take is dropped, never blocking QEMU, and

@@ -202,7 +202,9 @@ func TestPassthroughFaults(t *testing.T) {
 	e.sim.Clear(t, vgpusim.CtlFailUnbind)
 
 	e.sim.Set(t, vgpusim.CtlBlockUnbind, "")
-	err = e.p.Return(ctxFor(t, 200*time.Millisecond), b)
+	// The caller gives up once the unbind blocks: a deadline could end
+	// the call before it wrote the unbind (reset goes first).
+	err = e.p.Return(untilBlocked(t, e.sim), b)
 	require.ErrorIs(t, err, vgpu.ErrReleaseInProgress)
 	assert.Equal(t, errdefs.Busy, errdefs.ClassOf(err))
 	assert.NotErrorIs(t, err, vgpu.ErrUnbindFailed, "waiting is not failing")

@@ -44,6 +44,27 @@ func (l *releaseLog) get() []releaseCall {
 	return append([]releaseCall(nil), l.calls...)
 }
 
+// waitBlocked waits until a write is blocked in the simulator.
+func waitBlocked(t *testing.T, sim *simtest.Sim) {
+	t.Helper()
+	require.Eventually(t, func() bool { return sim.Server.Blocked() > 0 }, waitFor, time.Millisecond,
+		"no write reached the device")
+}
+
+// untilBlocked is a context that ends once a write is blocked in the
+// simulator (at the latest after waitFor): a caller that gives up then.
+func untilBlocked(t *testing.T, sim *simtest.Sim) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), waitFor)
+	t.Cleanup(cancel)
+	go func() {
+		defer cancel()
+		for ctx.Err() == nil && sim.Server.Blocked() == 0 {
+			time.Sleep(time.Millisecond) // polling a counter: there is no event for it
+		}
+	}()
+	return ctx
+}
+
 func (l *releaseLog) waitLen(t *testing.T, n int) []releaseCall {
 	t.Helper()
 	require.Eventually(t, func() bool { return len(l.get()) >= n }, waitFor, time.Millisecond)
@@ -301,6 +322,9 @@ func TestBlockedReleaseBoundedJoinedAndCompleted(t *testing.T) {
 		var rip *vgpu.ReleaseInProgressError
 		require.ErrorAs(t, err, &rip)
 		assert.Equal(t, dev.ID, rip.Device.ID)
+		// The write goes on after the caller gave up; on a loaded machine it
+		// may reach the device only after the caller's deadline.
+		waitBlocked(t, e.sim)
 		assert.Equal(t, 1, e.sim.Server.Blocked())
 
 		// A second caller joins the write in flight rather than starting one.

@@ -35,6 +35,7 @@ func TestMain(m *testing.M) {
 	if os.Getenv(listenEnv) != "" {
 		runListenHelper()
 	}
+	runStage(os.Getenv(stageEnv))
 	switch os.Getenv(hogEnv) {
 	case "":
 		os.Exit(m.Run())

@@ -85,12 +85,25 @@ func FindUnrecorded(ctx context.Context, cfg FindConfig) ([]proc.Identity, error
 	// A child forked but not yet exec'd runs the agent's binary and is not
 	// found. Callers look under the instance's store lock: an flock on a file
 	// opened close-on-exec that the child shares until it execs (or dies).
-	ids, err := proc.Find(ctx, q)
-	if err != nil {
-		return nil, fmt.Errorf("find qemu of %s: %w", cfg.Paths.QMPSocket, err)
-	}
 	if q.UID == 0 {
+		ids, err := proc.Find(ctx, q)
+		if err != nil {
+			return nil, fmt.Errorf("find qemu of %s: %w", cfg.Paths.QMPSocket, err)
+		}
 		return ids, nil
+	}
+	// A launch moves on by exec, keeping its pid and start time: the jail's
+	// setup stage or the rlimit wrapper, then QEMU. The stages are looked
+	// for in that order, so a launch that execs between two scans is seen
+	// by the later one; the other way round it could pass each scan as the
+	// stage that scan did not look for. One process seen twice is one.
+	var ids []proc.Identity
+	if cfg.JailSetup != "" {
+		setup, err := findJailSetup(ctx, cfg, q)
+		if err != nil {
+			return nil, fmt.Errorf("find qemu of %s: %w", cfg.Paths.QMPSocket, err)
+		}
+		ids = append(ids, setup...)
 	}
 	// The same uid and name on the rlimit wrapper: a launch caught in the
 	// wrapper's moment before it execs QEMU (the instance lock's open file
@@ -100,23 +113,23 @@ func FindUnrecorded(ctx context.Context, cfg FindConfig) ([]proc.Identity, error
 	if err != nil {
 		return nil, fmt.Errorf("find qemu of %s: %w", cfg.Paths.QMPSocket, err)
 	}
-	if q.Exe, err = proc.StatExecutable(wrapper); err != nil {
+	wq := q
+	if wq.Exe, err = proc.StatExecutable(wrapper); err != nil {
 		return nil, fmt.Errorf("find qemu of %s: %w", cfg.Paths.QMPSocket, err)
 	}
-	q.Comm = proc.CommOf(wrapper)
-	more, err := proc.Find(ctx, q)
-	if err != nil {
-		return nil, fmt.Errorf("find qemu of %s: %w", cfg.Paths.QMPSocket, err)
+	wq.Comm = proc.CommOf(wrapper)
+	for _, stage := range []proc.FindQuery{wq, q} {
+		found, err := proc.Find(ctx, stage)
+		if err != nil {
+			return nil, fmt.Errorf("find qemu of %s: %w", cfg.Paths.QMPSocket, err)
+		}
+		for _, id := range found {
+			if !slices.Contains(ids, id) {
+				ids = append(ids, id)
+			}
+		}
 	}
-	ids = append(ids, more...)
-	if cfg.JailSetup == "" {
-		return ids, nil
-	}
-	setup, err := findJailSetup(ctx, cfg, q)
-	if err != nil {
-		return nil, fmt.Errorf("find qemu of %s: %w", cfg.Paths.QMPSocket, err)
-	}
-	return append(ids, setup...), nil
+	return ids, nil
 }
 
 // findJailSetup finds a launch's jail setup stage: the setup binary, leading

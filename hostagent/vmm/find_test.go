@@ -1,10 +1,17 @@
 package vmm
 
 import (
+	"bufio"
+	"errors"
+	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
+	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -131,4 +138,138 @@ func TestFindUnrecordedIgnoresImpostors(t *testing.T) {
 	require.NoError(t, err)
 	assert.Empty(t, ids, "uid search: a copied command line as another uid is not the instance's")
 	assert.True(t, proc.Inspect(cc.Identity()).Alive && proc.Inspect(wc.Identity()).Alive, "nothing was signalled")
+}
+
+// stageEnv makes the re-executed test binary a stage of a launch:
+// "wrapper" waits for a line on stdin, then execs what follows "--" as
+// prlimit does (as stage "qemu"); "qemu" runs until stdin closes.
+const stageEnv = "VMFLOW_VMM_TEST_STAGE"
+
+func runStage(stage string) {
+	switch stage {
+	case "wrapper":
+		_, _ = bufio.NewReader(os.Stdin).ReadString('\n')
+		i := slices.Index(os.Args, "--")
+		if i < 0 || i+1 >= len(os.Args) {
+			fmt.Fprintln(os.Stderr, "wrapper stage: no command after --")
+			os.Exit(2)
+		}
+		err := syscall.Exec(os.Args[i+1], os.Args[i+1:], []string{stageEnv + "=qemu"})
+		fmt.Fprintln(os.Stderr, "wrapper stage:", err)
+		os.Exit(2)
+	case "qemu":
+		_, _ = io.Copy(io.Discard, os.Stdin)
+		os.Exit(0)
+	}
+}
+
+// stagedProc is a stage helper started as uid in a session of its own; a
+// line on stdin lets a wrapper exec.
+type stagedProc struct {
+	child *proc.Child
+	stdin io.WriteCloser
+}
+
+func startStage(t *testing.T, uid uint32, stage, bin string, args ...string) stagedProc {
+	t.Helper()
+	cmd := exec.Command(bin, args...)
+	cmd.Env = []string{stageEnv + "=" + stage}
+	cmd.Dir = "/"
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true, Credential: &syscall.Credential{Uid: uid, Gid: uid}}
+	cmd.Stderr = os.Stderr
+	stdin, err := cmd.StdinPipe()
+	require.NoError(t, err)
+	c, err := proc.Start(cmd)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_ = stdin.Close()
+		_ = proc.Signal(c.Identity(), syscall.SIGKILL)
+		<-c.Done()
+	})
+	return stagedProc{child: c, stdin: stdin}
+}
+
+// waitExec waits until pid has exec'd bin: its exe, comm and argv[0] are bin's.
+func waitExec(pid int, bin string) error {
+	dir := "/proc/" + strconv.Itoa(pid)
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		exe, _ := os.Readlink(dir + "/exe")
+		comm, _ := os.ReadFile(dir + "/comm")
+		argv, _ := os.ReadFile(dir + "/cmdline")
+		if exe == bin && strings.TrimSpace(string(comm)) == proc.CommOf(bin) && strings.HasPrefix(string(argv), bin+"\x00") {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("pid %d never exec'd %s: exe %q, comm %q", pid, bin, exe, comm)
+		}
+		time.Sleep(time.Millisecond) // polling /proc: there is no event for an exec
+	}
+}
+
+// A launch is the rlimit wrapper (prlimit, the same uid and argv with the
+// guest name) until it execs QEMU, with the same pid and start time.
+// FindUnrecorded finds it once whenever that exec happens: between the
+// scans (here while the QEMU scan reads a decoy's cmdline, after it passed
+// the launch as a wrapper), or while a scan reads the launch's own cmdline.
+// Looking for QEMU before the wrapper missed it in the first case: a QEMU
+// that ran was taken for none and its launch marker cleared.
+func TestFindUnrecordedFollowsTheLaunchAcrossExec(t *testing.T) {
+	requiresRoot(t)
+	dir := testDir(t)
+	require.NoError(t, os.Chmod(dir, 0o755)) // the stages' uid execs from it
+	self, err := os.ReadFile(os.Args[0])
+	require.NoError(t, err)
+	wrapper, qemu := filepath.Join(dir, LimitWrapper), filepath.Join(dir, "qemu-stage")
+	for _, p := range []string{wrapper, qemu} {
+		require.NoError(t, os.WriteFile(p, self, 0o755)) // copies: exe is matched by inode
+	}
+	t.Setenv("PATH", dir+":"+os.Getenv("PATH")) // FindUnrecorded's wrapper is PATH's prlimit
+
+	for _, tc := range []struct {
+		name     string
+		onDecoy  bool // released on the decoy's read, else on the launch's own
+		released string
+	}{
+		{"exec between the scans", true, "the QEMU scan's read of the decoy"},
+		{"exec during the launch's read", false, "the read of the launch's cmdline"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			uid := testUID()
+			var launch, decoy stagedProc
+			// /proc is scanned in name order: the decoy must come after the
+			// launch, so the QEMU scan has passed the launch when the
+			// decoy's read lets it exec. Only pids across a digit-count
+			// boundary (9999, 10000) are out of that order: start again.
+			for try := 0; ; try++ {
+				launch = startStage(t, uid, "wrapper", wrapper, "--nofile=64:64", "--", qemu, "-name", "guest=vm1")
+				decoy = startStage(t, uid, "qemu", qemu, "-name", "guest=other")
+				if strconv.Itoa(launch.child.Identity().PID) < strconv.Itoa(decoy.child.Identity().PID) {
+					break
+				}
+				require.Less(t, try, 5, "pids never came in name order")
+			}
+			trigger := launch.child.Identity().PID
+			if tc.onDecoy {
+				trigger = decoy.child.Identity().PID
+			}
+			var once sync.Once
+			var fired error = errors.New("never released")
+			readMem := func(path string) ([]byte, error) {
+				if path == "/proc/"+strconv.Itoa(trigger)+"/cmdline" {
+					once.Do(func() {
+						if _, fired = io.WriteString(launch.stdin, "go\n"); fired == nil {
+							fired = waitExec(launch.child.Identity().PID, qemu)
+						}
+					})
+				}
+				return os.ReadFile(path)
+			}
+			ids, err := FindUnrecorded(ctxT(t, 20*time.Second), FindConfig{Binary: qemu, Paths: Paths{QMPSocket: "unused"},
+				UID: uid, Name: "vm1", ReadMem: readMem})
+			require.NoError(t, err)
+			require.NoError(t, fired, "released on %s", tc.released)
+			assert.Equal(t, []proc.Identity{launch.child.Identity()}, ids, "released on %s", tc.released)
+		})
+	}
 }
