@@ -318,7 +318,7 @@ func (h *agentHost) supervise(ctx, life context.Context, log *zap.Logger) error 
 		pruneFDStore(h.store, sd, log)
 	}
 	if h.net != nil && h.scanEvery > 0 {
-		go reconcileTAPs(ctx, h.net, h.scanEvery, log)
+		go reconcileTAPs(ctx, h.net, h.metrics, h.scanEvery, log)
 	}
 	// Ready for systemd means supervising: re-attach is done, whatever
 	// Temporal's state or the state of single records (invariant 12).

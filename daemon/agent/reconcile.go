@@ -13,6 +13,7 @@ import (
 	"go.uber.org/zap"
 	"google.golang.org/protobuf/proto"
 
+	"vmflow/hostagent/metrics"
 	"vmflow/hostagent/network"
 	"vmflow/hostagent/vgpu/claims"
 	"vmflow/platform"
@@ -193,7 +194,7 @@ func scanForReconcile(ctx context.Context, scan func(context.Context) (claims.Wo
 // reconcileTAPs removes, every `every` until ctx ends, the TAPs no record
 // leases once past their grace (network.ReconcileTAPs). Local work: no
 // Temporal call. A failed round is logged and tried again.
-func reconcileTAPs(ctx context.Context, nw *network.Net, every time.Duration, log *zap.Logger) {
+func reconcileTAPs(ctx context.Context, nw *network.Net, am *metrics.Agent, every time.Duration, log *zap.Logger) {
 	tick := time.NewTicker(every)
 	defer tick.Stop()
 	for {
@@ -210,6 +211,11 @@ func reconcileTAPs(ctx context.Context, nw *network.Net, every time.Duration, lo
 		cancel()
 		if err != nil {
 			log.Warn("TAP reconcile failed; tried again next round", zap.Strings("removed", removed), zap.Error(err))
+		}
+		if dropped, err := nw.FilterDropped(); err != nil {
+			log.Warn("read the network filter's drop count", zap.Error(err))
+		} else {
+			am.SetNetworkFilterDropped(dropped)
 		}
 	}
 }

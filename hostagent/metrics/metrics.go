@@ -12,6 +12,7 @@ package metrics
 import (
 	"context"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -49,9 +50,16 @@ type Agent struct {
 	// quarantined, not-vmflows), as `vmflow-hostagent devices` lists them;
 	// the agent sets it (SetGPUDevices).
 	GPUDevices *prometheus.GaugeVec
+	// filterDropped backs vmflow_network_filter_dropped_frames_total: the
+	// kernel's count, read each TAP reconcile round (SetNetworkFilterDropped).
+	filterDropped atomic.Uint64
 
 	store *storeCollector // nil without a store
 }
+
+// SetNetworkFilterDropped sets vmflow_network_filter_dropped_frames_total to
+// the anti-spoofing filter's drop count, as the kernel last reported it.
+func (a *Agent) SetNetworkFilterDropped(frames uint64) { a.filterDropped.Store(frames) }
 
 // SetGPUDevices sets vmflow_gpu_devices to counts (state -> devices); a
 // state counts gives no number keeps its last value.
@@ -122,7 +130,13 @@ func New(reg prometheus.Registerer, st *store.Store) (*Agent, error) {
 	for _, errno := range []string{"EAGAIN", "EBUSY", "EIO", "ENODEV"} {
 		a.ReleaseFailures.WithLabelValues(errno)
 	}
-	cs := []prometheus.Collector{a.StopDuration, a.ExitDetect, a.LaunchDuration, a.ReleaseFailures, a.Reattach, a.ClaimsUnserved, a.RestartsRefused, a.RestartsDeviceMissing, a.GuestLogDropped, a.GPUDevices}
+	// A counter kept by the kernel: a replaced table or a reboot resets it,
+	// which rate() and increase() take as a counter reset.
+	filterDropped := prometheus.NewCounterFunc(prometheus.CounterOpts{
+		Name: "vmflow_network_filter_dropped_frames_total",
+		Help: "Frames from guest TAPs the anti-spoofing filter dropped (a spoofed source, IPv6, another ethertype), as of the last TAP reconcile round.",
+	}, func() float64 { return float64(a.filterDropped.Load()) })
+	cs := []prometheus.Collector{filterDropped, a.StopDuration, a.ExitDetect, a.LaunchDuration, a.ReleaseFailures, a.Reattach, a.ClaimsUnserved, a.RestartsRefused, a.RestartsDeviceMissing, a.GuestLogDropped, a.GPUDevices}
 	if st != nil {
 		a.store = &storeCollector{st: st}
 		a.store.refresh()

@@ -153,3 +153,16 @@ vmflow_gpu_devices{state="quarantined"} 1
 `
 	assert.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(want), "vmflow_gpu_devices"))
 }
+
+func TestNetworkFilterDroppedFollowsTheKernelCount(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	a, err := New(reg, nil)
+	require.NoError(t, err)
+	a.SetNetworkFilterDropped(7)
+	want := `
+# HELP vmflow_network_filter_dropped_frames_total Frames from guest TAPs the anti-spoofing filter dropped (a spoofed source, IPv6, another ethertype), as of the last TAP reconcile round.
+# TYPE vmflow_network_filter_dropped_frames_total counter
+vmflow_network_filter_dropped_frames_total 7
+`
+	assert.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(want), "vmflow_network_filter_dropped_frames_total"))
+}

@@ -7,7 +7,6 @@ import (
 	"testing"
 
 	"github.com/google/nftables"
-	"github.com/google/nftables/expr"
 	"github.com/stretchr/testify/require"
 )
 
@@ -68,13 +67,8 @@ func GuardChain(t *testing.T, n *Net) (rules int, drops uint64) {
 	tb := n.guardTable()
 	rs, err := c.GetRules(tb, &nftables.Chain{Name: guardChain, Table: tb})
 	require.NoError(t, err)
-	for _, r := range rs {
-		for _, e := range r.Exprs {
-			if ctr, ok := e.(*expr.Counter); ok {
-				drops += ctr.Packets
-			}
-		}
-	}
+	drops, err = n.FilterDropped()
+	require.NoError(t, err)
 	return len(rs), drops
 }
 

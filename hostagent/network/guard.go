@@ -384,6 +384,30 @@ func (n *Net) FilterTAPs() ([]string, error) {
 	return taps, nil
 }
 
+// FilterDropped is how many frames from guest TAPs the filter's drop rule
+// has counted since its table was made (a reboot or a replaced table starts
+// it again from 0, as a Prometheus counter's reset).
+func (n *Net) FilterDropped() (uint64, error) {
+	c, err := n.nft()
+	if err != nil {
+		return 0, fmt.Errorf("network filter: %w", err)
+	}
+	t := n.guardTable()
+	rules, err := c.GetRules(t, &nftables.Chain{Name: guardChain, Table: t})
+	if err != nil {
+		return 0, fmt.Errorf("network filter: list chain bridge %s %s: %w", t.Name, guardChain, err)
+	}
+	var drops uint64
+	for _, r := range rules {
+		for _, e := range r.Exprs {
+			if ctr, ok := e.(*expr.Counter); ok {
+				drops += ctr.Packets
+			}
+		}
+	}
+	return drops, nil
+}
+
 // changePorts adds add to and deletes del from set, in one transaction.
 func changePorts(c *nftables.Conn, set *nftables.Set, add, del []nftables.SetElement) error {
 	if len(add) > 0 {
