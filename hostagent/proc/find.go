@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"sync"
 	"syscall"
+	"time"
 
 	"vmflow/internal/errdefs"
 )
@@ -264,7 +265,7 @@ func (f *finder) check(ctx context.Context, pid int) (Identity, bool, error) {
 		}
 	}
 	if f.q.Argv != nil {
-		b, err := f.read(ctx, key, dir+"/cmdline")
+		b, err := f.readArgv(ctx, key, dir+"/cmdline")
 		if err != nil || !f.q.Argv(splitNUL(b)) {
 			return Identity{}, false, err
 		}
@@ -299,6 +300,37 @@ func (f *finder) read(ctx context.Context, key inflightKey, path string) ([]byte
 	}
 	return r.b, nil
 }
+
+// readArgv reads a cmdline, waiting out an exec in progress: exe and comm
+// name the new binary while the kernel still loads it (milliseconds on a
+// loaded machine) and cmdline reads empty until its arguments are set up.
+// Empty is "not yet", not "no match": the read is repeated until it has
+// bytes, the process is gone, replaced or exiting, or ctx ends (ErrCannotTell).
+func (f *finder) readArgv(ctx context.Context, key inflightKey, path string) ([]byte, error) {
+	for {
+		b, err := f.read(ctx, key, path)
+		if err != nil || len(b) > 0 {
+			return b, err
+		}
+		st, err := ReadStat(key.pid)
+		switch {
+		case errors.Is(err, ErrNotFound):
+			return nil, nil
+		case err != nil:
+			return nil, fmt.Errorf("%w: %w", ErrCannotTell, err)
+		case st.StartTime != key.start || st.State == 'Z' || st.State == 'X':
+			return nil, nil
+		}
+		select {
+		case <-ctx.Done():
+			return nil, fmt.Errorf("%w: %s stays empty (an exec that does not finish): %w", ErrCannotTell, path, ctx.Err())
+		case <-time.After(execPoll):
+		}
+	}
+}
+
+// execPoll is how often readArgv looks again at an empty cmdline.
+const execPoll = time.Millisecond
 
 // inflightKey names one read of one process's file: pid and start time, so
 // a read begun on a process that has since died is never shared with a new

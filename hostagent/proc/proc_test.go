@@ -567,3 +567,44 @@ func TestReapedMidReadIsGone(t *testing.T) {
 	_, err = proc.StatFromRead(cmd.Process.Pid, b[:n], &fs.PathError{Op: "read", Path: f.Name(), Err: err})
 	assert.ErrorIs(t, err, proc.ErrNotFound)
 }
+
+// A process caught in exec already shows the new binary as exe and comm but
+// an empty cmdline until the kernel has set up its arguments (seen for QEMU
+// exec'd by prlimit: TestAgentKilledBeforePidRecorded found no QEMU, 4 runs
+// in 600). Find waits that out instead of calling it no match; one that
+// stays empty is "can't tell", never "none". ReadMem plays the kernel here.
+func TestFindWaitsOutAnExecInProgress(t *testing.T) {
+	bin, err := exec.LookPath("sleep")
+	require.NoError(t, err)
+	exe, err := proc.StatExecutable(bin)
+	require.NoError(t, err)
+	arg := fmt.Sprintf("3603.%d", os.Getpid())
+	id := startSleep(t, arg, true)
+	cmdline := fmt.Sprintf("/proc/%d/cmdline", id.PID)
+	byArg := func(a []string) bool { return len(a) == 2 && a[1] == arg }
+
+	var empty atomic.Int32
+	empty.Store(3)
+	loading := func(path string) ([]byte, error) {
+		if path == cmdline && empty.Add(-1) >= 0 {
+			return nil, nil // the new mm has no arguments yet
+		}
+		return os.ReadFile(path)
+	}
+	q := proc.FindQuery{Exe: exe, Comm: proc.CommOf(bin), SessionLeader: true, Argv: byArg, ReadMem: loading}
+	got, err := proc.Find(ctxT(t, 10*time.Second), q)
+	require.NoError(t, err)
+	assert.Equal(t, []proc.Identity{id}, got, "found once its exec is done")
+
+	q.ReadMem = func(path string) ([]byte, error) {
+		if path == cmdline {
+			return nil, nil
+		}
+		return os.ReadFile(path)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	got, err = proc.Find(ctx, q)
+	require.ErrorIs(t, err, proc.ErrCannotTell, "an exec that never finishes")
+	assert.Empty(t, got)
+}
