@@ -84,12 +84,16 @@ var passthroughPoints = []string{crashpoint.PassthroughIntentWritten, crashpoint
 
 // severalPoints are armed at their second hit in a severalRun: the second
 // vGPU's intent, device and activation, and its release.
+var severalPoints = []string{crashpoint.ClaimIntentWritten, crashpoint.ClaimDeviceCreated, crashpoint.ClaimActivated,
+	crashpoint.ReleaseReleasing, crashpoint.ReleaseWritten, crashpoint.ReleaseRecorded}
+
 // quarantinePoints run with a release that fails: once with each vGPU
 // driver, once with whole GPUs.
 var quarantinePoints = []string{crashpoint.QuarantineDue, crashpoint.QuarantineWritten}
 
-var severalPoints = []string{crashpoint.ClaimIntentWritten, crashpoint.ClaimDeviceCreated, crashpoint.ClaimActivated,
-	crashpoint.ReleaseReleasing, crashpoint.ReleaseWritten, crashpoint.ReleaseRecorded}
+// quarantineAfter is the quarantine runs' --gpu-quarantine-after: more than
+// one, so a count lost to the kill would show.
+const quarantineAfter = 2
 
 type crashCase struct {
 	name     string
@@ -98,8 +102,8 @@ type crashCase struct {
 	activity string // worker cases: killed after this activity completed
 	scenario scenario
 	vendor   bool // the agent runs the vendor-VFIO driver (else mdev)
-	// quarantine: the agent quarantines after one failed release, and the
-	// delete's release fails (see quarantineDuringDelete).
+	// quarantine: the agent quarantines after quarantineAfter failed
+	// releases, and the delete's release fails (see quarantineDuringDelete).
 	quarantine bool
 	network    bool // the agent has a network and the instances ask for it (q35, TCG)
 }
@@ -302,6 +306,11 @@ func runCrashCase(t *testing.T, c crashCase, o *crashOutcome) {
 		// Only the reconcile (or a retry signal) may end the delete's wait.
 		workerArgs = append(workerArgs, "--release-backoff", "1h", "--release-backoff-max", "1h")
 	}
+	if c.network {
+		// A q35 guest's launch (TAP, filter, QEMU under TCG) takes seconds
+		// on a loaded machine: 5 s left a restarted agent's LaunchVM no room.
+		workerArgs = []string{"--activity-timeout-cap", "15s"}
+	}
 	if c.quarantine {
 		// Only a retry signal may end the delete's wait.
 		workerArgs = append(workerArgs, "--release-backoff", "1h", "--release-backoff-max", "1h")
@@ -314,7 +323,7 @@ func runCrashCase(t *testing.T, c crashCase, o *crashOutcome) {
 		e.agent.Args = append(e.agent.Args, "--gpu-passthrough", "all")
 	}
 	if c.quarantine {
-		e.agent.Args = append(e.agent.Args, "--gpu-quarantine-after", "1")
+		e.agent.Args = append(e.agent.Args, "--gpu-quarantine-after", strconv.Itoa(quarantineAfter))
 	}
 	id := "crash-" + suffix(t)
 	plainEnv := slices.Clone(e.agent.Env)
@@ -737,16 +746,8 @@ func (d *crashDriver) quarantineWant(id string) []string {
 
 // quarantined lists the devices the host's quarantine names, each with the
 // instance it names; an unreadable file is its error.
-func (d *crashDriver) quarantined() (map[string]string, error) {
-	m, err := claims.NewQuarantine(d.e.stateDir, 0, nil).List()
-	if err != nil {
-		return nil, err
-	}
-	out := map[string]string{}
-	for dev, q := range m {
-		out[dev] = q.Instance
-	}
-	return out, nil
+func (d *crashDriver) quarantined() (map[string]claims.Quarantined, error) {
+	return claims.NewQuarantine(d.e.stateDir, 0, nil).List()
 }
 
 // quarantineDuringDelete waits for the delete to park in release-failed
@@ -773,7 +774,7 @@ func (d *crashDriver) quarantineDuringDelete(id string, want []string) {
 		if err != nil {
 			return false, err.Error()
 		}
-		missing := slices.DeleteFunc(slices.Clone(want), func(dev string) bool { return got[dev] == id })
+		missing := slices.DeleteFunc(slices.Clone(want), func(dev string) bool { return got[dev].Instance == id })
 		if len(missing) == 0 {
 			return true, ""
 		}
@@ -794,7 +795,9 @@ func (d *crashDriver) quarantineDuringDelete(id string, want []string) {
 }
 
 // checkQuarantine: every device in want is still quarantined for id once
-// its instance is gone (only an operator clears it), and nothing else is.
+// its instance is gone (only an operator clears it), at the K-th failure or
+// the one after (a kill before the write costs at most that one count), and
+// nothing else is.
 func (d *crashDriver) checkQuarantine(when, id string, want []string) []string {
 	got, err := d.quarantined()
 	if err != nil {
@@ -805,8 +808,14 @@ func (d *crashDriver) checkQuarantine(when, id string, want []string) []string {
 	}
 	var v []string
 	for _, dev := range want {
-		if got[dev] != id {
+		q := got[dev]
+		var n int
+		_, _ = fmt.Sscanf(q.Reason, "release failed %d times", &n)
+		switch {
+		case q.Instance != id:
 			v = append(v, fmt.Sprintf("%s: %s not quarantined for %s: %v", when, dev, id, got))
+		case n < quarantineAfter || n > quarantineAfter+1:
+			v = append(v, fmt.Sprintf("%s: %s quarantined at failure %d, want %d or %d: %q", when, dev, n, quarantineAfter, quarantineAfter+1, q.Reason))
 		}
 		delete(got, dev)
 	}

@@ -5,6 +5,7 @@ import (
 	"net"
 	"net/netip"
 	"testing"
+	vmflowv1 "vmflow/proto/vmflow/v1"
 
 	"github.com/google/nftables"
 	"github.com/stretchr/testify/require"
@@ -85,3 +86,6 @@ func CutGuardChain(t *testing.T, n *Net) {
 	require.NoError(t, c.DelRule(rs[len(rs)-1]))
 	require.NoError(t, c.Flush())
 }
+
+// UnguardPort is what Release does last: remove the released lease's element.
+func UnguardPort(n *Net, id string, nl *vmflowv1.NetworkLease) error { return n.unguardPort(id, nl) }

@@ -134,8 +134,9 @@ func (n *Net) heldPorts() (ports map[string]port, owner map[string]string, unkno
 
 // RebuildGuard makes the guard's table, in one transaction, hold an
 // element for each held network lease: the set replaced when it differs,
-// the whole table when it is missing or its chain is not as made (so the
-// drop counter counts across rounds). Idempotent, and what it leaves is
+// the whole table when it is missing or its chain lacks rules (only the
+// count is compared; a rule edited in place stays until the table is
+// replaced), so the drop counter counts across rounds. Idempotent, and what it leaves is
 // what the records say, whatever a crash, a reboot or a hand left. An
 // element of the old set is kept only where no readable record can tell
 // (an unreadable record's TAP): its guest keeps working until the record
@@ -331,27 +332,28 @@ func (n *Net) guardPort(id string, p port) error {
 	return nil
 }
 
-// unguardTAP removes the elements of TAP tap from the guard's set.
-func (n *Net) unguardTAP(id, tap string) error {
+// unguardPort removes the released lease nl's own element from the guard's
+// set, and only it: once the release is recorded the address is free, and
+// the next lease of it (the same TAP name, another MAC) may already have
+// added its element.
+func (n *Net) unguardPort(id string, nl *vmflowv1.NetworkLease) error {
+	p, err := portOf(nl)
+	if err != nil {
+		return fmt.Errorf("network filter: %w", err)
+	}
 	n.gmu.Lock()
 	defer n.gmu.Unlock()
 	c, set, old, err := n.readPorts()
 	if err != nil {
 		return err
 	}
-	var gone []nftables.SetElement
-	for _, e := range old {
-		if keyTAP(e.Key) == tap {
-			gone = append(gone, nftables.SetElement{Key: e.Key})
-		}
-	}
-	if len(gone) == 0 {
+	if !slices.ContainsFunc(old, func(e nftables.SetElement) bool { return bytes.Equal(e.Key, p.key()) }) {
 		return nil
 	}
-	if err := changePorts(c, set, nil, gone); err != nil {
-		return fmt.Errorf("network filter: remove %s: %w", tap, err)
+	if err := changePorts(c, set, nil, []nftables.SetElement{{Key: p.key()}}); err != nil {
+		return fmt.Errorf("network filter: remove %s: %w", p.tap, err)
 	}
-	n.cfg.Logger.Info("network filter element removed", zap.String("instance_id", id), zap.String("tap", tap))
+	n.logPort("network filter element removed", id, p)
 	return nil
 }
 

@@ -18,6 +18,7 @@ import (
 
 	"vmflow/hostagent/network"
 	"vmflow/hostagent/network/nettest"
+	"vmflow/hostagent/store"
 )
 
 // guestPort is a guest's end of its TAP: what its QEMU would write.
@@ -340,13 +341,20 @@ func TestGuardRebuildKeepsTheElementOfAnUnreadableRecord(t *testing.T) {
 		"A's is restored from its record; B's, which no record can tell about, kept")
 }
 
+// released is a guest attached and then released, as a delete does.
+func (e *env) released(t *testing.T, id string, uid uint32) guestPort {
+	t.Helper()
+	g := e.attachOpen(t, id, uid)
+	g.tap.Close()
+	e.beginDelete(t, id)
+	_, _, err := e.net.Release(context.Background(), id)
+	require.NoError(t, err)
+	return g
+}
+
 func TestGuardStaleElementOfAReleasedLeaseLetsNoOneSpoof(t *testing.T) {
 	e := newEnv(t, subnet)
-	a := e.attachOpen(t, "vm-a", 1_900_000_001)
-	a.tap.Close()
-	e.beginDelete(t, "vm-a")
-	_, _, err := e.net.Release(context.Background(), "vm-a")
-	require.NoError(t, err)
+	a := e.released(t, "vm-a", 1_900_000_001)
 	// A crash between the recorded release and the element's removal.
 	network.EditGuard(t, e.net, [3]string{a.name, a.mac.String(), a.addr.String()})
 	// The next lease of the address has the same TAP: its element
@@ -391,4 +399,18 @@ func TestGuardRebuildKeepsTheChainAndItsCounter(t *testing.T) {
 	again, _ := network.GuardChain(t, e.net)
 	assert.Equal(t, rules, again)
 	spoof("spoof-2")
+}
+
+// TestGuardLateRemovalSparesTheNextLease: once A's release is recorded its
+// address is free, and the next lease of it (the same TAP, another MAC) may
+// add its element before A's removal runs; that removal takes only A's.
+func TestGuardLateRemovalSparesTheNextLease(t *testing.T) {
+	e := newEnv(t, subnet)
+	a := e.released(t, "vm-a", 1_900_000_001)
+	c := e.attachOpen(t, "vm-c", 1_900_000_003)
+	require.Equal(t, a.name, c.name, "the freed address, so the same TAP name")
+	rec, err := e.st.Get("vm-a")
+	require.NoError(t, err)
+	require.NoError(t, network.UnguardPort(e.net, "vm-a", store.Network(rec).GetNetwork()))
+	assert.Equal(t, []string{c.element()}, network.GuardElements(t, e.net), "C's element stays")
 }

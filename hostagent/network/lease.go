@@ -260,7 +260,7 @@ func (n *Net) Release(ctx context.Context, id string) (released bool, name strin
 		return false, nl.GetAddress(), fmt.Errorf("record release of network of %s: %w", id, err)
 	}
 	crashpoint.Hit(crashpoint.NetReleased)
-	if err := n.unguardTAP(id, nl.GetTap()); err != nil {
+	if err := n.unguardPort(id, nl); err != nil {
 		// Its TAP is gone, so the element passes nothing; the next
 		// rebuild, or the next lease of the address, replaces it.
 		n.cfg.Logger.Warn("network filter element not removed", zap.String("instance_id", id), zap.String("tap", nl.GetTap()), zap.Error(err))

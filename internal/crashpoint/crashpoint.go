@@ -136,8 +136,9 @@ const (
 	PassthroughReleased = "passthrough.release.recorded"
 	// ActivityReleaseVGPUDone: ReleaseVGPU is about to report success.
 	ActivityReleaseVGPUDone = "activity.release_vgpu.done"
-	// QuarantineDue: a device's release failed for the K-th time and that
-	// failure is in the record; the quarantine file is not written yet.
+	// QuarantineDue: a device's release failed K times or more, the last
+	// failure is in the record, and the quarantine file is not written yet
+	// (hit on every such failure, even one that adds nothing).
 	QuarantineDue = "gpu.quarantine.due"
 	// QuarantineWritten: the quarantine file names the device.
 	QuarantineWritten = "gpu.quarantine.written"

@@ -92,6 +92,10 @@ func (c *Claims) Reconcile(ctx context.Context) (*vmflowv1.ReconcileVGPUResult, 
 		res.OrphansRemoved++
 		c.log.Info("reconcile: orphan removed", zap.String("device_id", d.ID), zap.Duration("unclaimed_for", now.Sub(first)))
 	}
+	// The scan's sightings become the round's: a device removed or found
+	// claimed now starts its grace again if it is ever unclaimed again (a
+	// VF reused by a claim whose intent this round's listing missed).
+	c.seen.set(next)
 	if err := c.saveLedger(next); err != nil {
 		return res, err
 	}

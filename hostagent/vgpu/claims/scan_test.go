@@ -80,6 +80,15 @@ func TestScanFindsReconcileWork(t *testing.T) {
 	require.NoError(t, err)
 	assert.EqualValues(t, 1, res.GetOrphansRemoved())
 	assert.Empty(t, e.devices(t))
+	// The same device made again before any scan (a claim in flight to a
+	// round that listed the records before its intent): its grace starts
+	// again, whatever the scan saw before the removal.
+	_, err = e.claims.Driver().Create(ctx, vgpu.CreateRequest{Profile: profile, UUID: orphan.UUID})
+	require.NoError(t, err)
+	res, err = e.claims.Reconcile(ctx)
+	require.NoError(t, err)
+	assert.Zero(t, res.GetOrphansRemoved())
+	assert.Len(t, e.devices(t), 1)
 }
 
 func TestScanAllMergesScans(t *testing.T) {

@@ -490,5 +490,6 @@ func (w *Whole) Reconcile(ctx context.Context) (*vmflowv1.ReconcileVGPUResult, e
 		w.log.Info("reconcile: unclaimed group returned to its drivers", zap.String("iommu_group", b.Group),
 			zap.String("functions", strings.Join(b.Addrs(), " ")), zap.Duration("unclaimed_for", now.Sub(first)))
 	}
+	w.seen.set(next) // as Claims.Reconcile: a returned group starts its grace again
 	return res, saveLedger(w.ledger, next)
 }
