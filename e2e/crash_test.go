@@ -5,6 +5,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"slices"
@@ -18,6 +20,7 @@ import (
 	enumspb "go.temporal.io/api/enums/v1"
 	"go.temporal.io/sdk/client"
 
+	"vmflow/hostagent/network"
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vgpu/claims"
@@ -961,7 +964,13 @@ func (d *crashDriver) checkNetLedger(when string, recs []*vmflowv1.InstanceRecor
 			v = append(v, fmt.Sprintf("%s: %s and %s both lease %s", when, other, r.GetId(), n.GetAddress()))
 		}
 		addr[n.GetAddress()] = r.GetId()
-		leased = append(leased, n.GetTap())
+		a, aerr := netip.ParsePrefix(n.GetAddress())
+		mac, merr := net.ParseMAC(n.GetMac())
+		if aerr == nil && merr == nil {
+			leased = append(leased, network.FilterPort(n.GetTap(), mac.String(), a.Addr()))
+		} else {
+			v = append(v, fmt.Sprintf("%s: %s leases a malformed address %q or MAC %q", when, r.GetId(), n.GetAddress(), n.GetMac()))
+		}
 		if l.GetPhase() == vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE && r.GetProcess() != nil {
 			want[n.GetTap()] = true
 		} else {
@@ -978,11 +987,11 @@ func (d *crashDriver) checkNetLedger(when string, recs []*vmflowv1.InstanceRecor
 	for tp := range want {
 		v = append(v, fmt.Sprintf("%s: the TAP %s of a running VM's lease is missing", when, tp))
 	}
-	// The anti-spoofing filter holds an element for each held lease and
-	// no other: added before its TAP, removed after its release, rebuilt
-	// from the records at every agent start.
+	// The anti-spoofing filter holds the element (TAP, MAC, address) of
+	// each held lease and no other: added before its TAP, removed after its
+	// release, rebuilt from the records at every agent start.
 	slices.Sort(leased)
-	filtered, err := e.netView.FilterTAPs()
+	filtered, err := e.netView.FilterPorts()
 	switch {
 	case err != nil:
 		v = append(v, fmt.Sprintf("%s: read the network filter: %v", when, err))

@@ -1,7 +1,6 @@
 package network
 
 import (
-	"fmt"
 	"net"
 	"net/netip"
 	"testing"
@@ -15,23 +14,13 @@ import (
 // "TAP MAC ADDRESS".
 func GuardElements(t *testing.T, n *Net) []string {
 	t.Helper()
-	c, err := n.nft()
+	out, err := n.FilterPorts()
 	require.NoError(t, err)
-	es, err := c.GetSetElements(guardPorts(n.guardTable()))
-	require.NoError(t, err)
-	var out []string
-	for _, e := range es {
-		require.Len(t, e.Key, keyLen)
-		addr := netip.AddrFrom4([4]byte(e.Key[keyLen-4:]))
-		out = append(out, fmt.Sprintf("%s %s %s", keyTAP(e.Key), net.HardwareAddr(e.Key[16:22]), addr))
-	}
 	return out
 }
 
 // GuardElement is how GuardElements shows the element of tap, mac, addr.
-func GuardElement(tap, mac string, addr netip.Addr) string {
-	return fmt.Sprintf("%s %s %s", tap, mac, addr)
-}
+func GuardElement(tap, mac string, addr netip.Addr) string { return FilterPort(tap, mac, addr) }
 
 // EditGuard flushes n's anti-spoofing set, then adds an element of tap, mac,
 // addr for each given (what a hand or a crash leaves).

@@ -370,20 +370,30 @@ func (n *Net) readPorts() (c *nftables.Conn, set *nftables.Set, old []nftables.S
 	return c, set, old, nil
 }
 
-// FilterTAPs lists, sorted, the TAPs the anti-spoofing filter holds an
-// element for (what `nft list set bridge vmflow_<bridge> ports` shows);
-// reading only.
-func (n *Net) FilterTAPs() ([]string, error) {
+// FilterPorts lists, sorted, the anti-spoofing filter's elements, each as
+// FilterPort writes it (what `nft list set bridge vmflow_<bridge> ports`
+// shows); reading only.
+func (n *Net) FilterPorts() ([]string, error) {
 	_, _, elems, err := n.readPorts()
 	if err != nil {
 		return nil, err
 	}
-	taps := make([]string, 0, len(elems))
+	out := make([]string, 0, len(elems))
 	for _, e := range elems {
-		taps = append(taps, keyTAP(e.Key))
+		if len(e.Key) != keyLen {
+			out = append(out, fmt.Sprintf("malformed %x", e.Key))
+			continue
+		}
+		out = append(out, FilterPort(keyTAP(e.Key), net.HardwareAddr(e.Key[unix.IFNAMSIZ:unix.IFNAMSIZ+6]).String(),
+			netip.AddrFrom4([4]byte(e.Key[keyLen-4:]))))
 	}
-	slices.Sort(taps)
-	return taps, nil
+	slices.Sort(out)
+	return out, nil
+}
+
+// FilterPort is one element of the filter as FilterPorts lists it.
+func FilterPort(tap, mac string, addr netip.Addr) string {
+	return tap + " " + mac + " " + addr.String()
 }
 
 // FilterDropped is how many frames from guest TAPs the filter's drop rule
