@@ -191,10 +191,16 @@ func testAccel() string { return string(vmmtest.Accel()) }
 // testDir is a short directory: a unix socket path holds at most 107 bytes.
 func testDir(tb testing.TB) string { return proctest.ShortDir(tb, "sv") }
 
-var (
-	ctxT                   = proctest.Context
-	assertNoZombieChildren = proctest.AssertNoZombieChildren
-)
+var assertNoZombieChildren = proctest.AssertNoZombieChildren
+
+// ctxT bounds a test's wait on the supervisor: every one waits on QEMU, so
+// under TCG the bound is scaled as QEMU's own deadlines are (a CI run with
+// the crash matrix beside it once took over 30 s to get a -machine none
+// QEMU's QMP greeting).
+func ctxT(tb testing.TB, d time.Duration) context.Context {
+	tb.Helper()
+	return proctest.Context(tb, vmmtest.QEMUDeadline(d))
+}
 
 type env struct {
 	t    testing.TB
