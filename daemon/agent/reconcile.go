@@ -158,6 +158,28 @@ func scanForReconcile(ctx context.Context, scan func(context.Context) (claims.Wo
 	trigger func(context.Context) error, log *zap.Logger) {
 	gate := &claims.Gate{Min: every, Max: safety}
 	var prev claims.Work
+	eachRound(ctx, every, func(rctx context.Context) {
+		cur, err := scan(rctx)
+		if err != nil {
+			log.Warn("reconcile scan failed; the schedule still runs", zap.Error(err))
+			return
+		}
+		due := claims.Due(prev, cur)
+		prev = cur
+		if !gate.Should(time.Now(), due) {
+			return
+		}
+		if err := trigger(ctx); err != nil {
+			log.Warn("reconcile scan found work, trigger failed; the schedule still runs", zap.Strings("work", due), zap.Error(err))
+			return
+		}
+		log.Info("reconcile scan found work: reconcile triggered", zap.Strings("work", due))
+	})
+}
+
+// eachRound runs round every `every` until ctx ends, each with a context
+// bounded by the interval.
+func eachRound(ctx context.Context, every time.Duration, round func(context.Context)) {
 	tick := time.NewTicker(every)
 	defer tick.Stop()
 	for {
@@ -167,27 +189,13 @@ func scanForReconcile(ctx context.Context, scan func(context.Context) (claims.Wo
 		case <-tick.C:
 		}
 		// select picks at random when a tick is pending as ctx ends: an
-		// agent that is stopping must not scan, and trigger, once more.
+		// agent that is stopping must not run one round more.
 		if ctx.Err() != nil {
 			return
 		}
-		sctx, cancel := context.WithTimeout(ctx, every)
-		cur, err := scan(sctx)
+		rctx, cancel := context.WithTimeout(ctx, every)
+		round(rctx)
 		cancel()
-		if err != nil {
-			log.Warn("reconcile scan failed; the schedule still runs", zap.Error(err))
-			continue
-		}
-		due := claims.Due(prev, cur)
-		prev = cur
-		if !gate.Should(time.Now(), due) {
-			continue
-		}
-		if err := trigger(ctx); err != nil {
-			log.Warn("reconcile scan found work, trigger failed; the schedule still runs", zap.Strings("work", due), zap.Error(err))
-			continue
-		}
-		log.Info("reconcile scan found work: reconcile triggered", zap.Strings("work", due))
 	}
 }
 
@@ -195,21 +203,8 @@ func scanForReconcile(ctx context.Context, scan func(context.Context) (claims.Wo
 // leases once past their grace (network.ReconcileTAPs). Local work: no
 // Temporal call. A failed round is logged and tried again.
 func reconcileTAPs(ctx context.Context, nw *network.Net, am *metrics.Agent, every time.Duration, log *zap.Logger) {
-	tick := time.NewTicker(every)
-	defer tick.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-tick.C:
-		}
-		if ctx.Err() != nil {
-			return
-		}
-		rctx, cancel := context.WithTimeout(ctx, every)
-		removed, err := nw.ReconcileTAPs(rctx)
-		cancel()
-		if err != nil {
+	eachRound(ctx, every, func(rctx context.Context) {
+		if removed, err := nw.ReconcileTAPs(rctx); err != nil {
 			log.Warn("TAP reconcile failed; tried again next round", zap.Strings("removed", removed), zap.Error(err))
 		}
 		if dropped, err := nw.FilterDropped(); err != nil {
@@ -217,5 +212,5 @@ func reconcileTAPs(ctx context.Context, nw *network.Net, am *metrics.Agent, ever
 		} else {
 			am.SetNetworkFilterDropped(dropped)
 		}
-	}
+	})
 }
