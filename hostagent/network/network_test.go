@@ -84,6 +84,15 @@ func (e *env) attach(t *testing.T, id string, uid uint32) (network.Attachment, e
 	return a, err
 }
 
+// attached records id, attaches it and returns its TAP's name.
+func (e *env) attached(t *testing.T, id string, uid uint32) string {
+	t.Helper()
+	e.record(t, id)
+	_, err := e.attach(t, id, uid)
+	require.NoError(t, err)
+	return e.lease(t, id).GetNetwork().GetTap()
+}
+
 func (e *env) beginDelete(t *testing.T, id string) {
 	t.Helper()
 	ctx := context.Background()
@@ -315,10 +324,7 @@ func TestPlacementRefusedWhileARecordIsUnreadable(t *testing.T) {
 
 func TestReleaseRefusedWhileVMMayLive(t *testing.T) {
 	e := newEnv(t, subnet)
-	e.record(t, "vm-a")
-	_, err := e.attach(t, "vm-a", 1_900_000_001)
-	require.NoError(t, err)
-	tap := e.lease(t, "vm-a").GetNetwork().GetTap()
+	tap := e.attached(t, "vm-a", 1_900_000_001)
 	self, err := proc.ReadIdentity(os.Getpid())
 	require.NoError(t, err)
 	_, err = e.st.Update(context.Background(), "vm-a", func(r *vmflowv1.InstanceRecord) error {
@@ -341,14 +347,11 @@ func TestReleaseRefusedWhileVMMayLive(t *testing.T) {
 
 func TestReleaseRemovesTAPThenFreesAddressIdempotently(t *testing.T) {
 	e := newEnv(t, subnet)
-	e.record(t, "vm-a")
-	_, err := e.attach(t, "vm-a", 1_900_000_001)
-	require.NoError(t, err)
-	tap := e.lease(t, "vm-a").GetNetwork().GetTap()
+	tap := e.attached(t, "vm-a", 1_900_000_001)
 	e.beginDelete(t, "vm-a")
 	// A release that died after removing the TAP: the lease says
 	// releasing, the TAP is gone.
-	_, err = e.st.Apply(context.Background(), "vm-a", store.LeaseReleasing(store.LeaseName(e.lease(t, "vm-a"))))
+	_, err := e.st.Apply(context.Background(), "vm-a", store.LeaseReleasing(store.LeaseName(e.lease(t, "vm-a"))))
 	require.NoError(t, err)
 	require.NoError(t, e.h.LinkDel(e.link(t, tap)))
 	released, _, err := e.net.Release(context.Background(), "vm-a")
@@ -364,14 +367,11 @@ func TestReleaseRemovesTAPThenFreesAddressIdempotently(t *testing.T) {
 
 func TestReleaseLeavesALinkThatIsNoTAP(t *testing.T) {
 	e := newEnv(t, subnet)
-	e.record(t, "vm-a")
-	_, err := e.attach(t, "vm-a", 1_900_000_001)
-	require.NoError(t, err)
-	tap := e.lease(t, "vm-a").GetNetwork().GetTap()
+	tap := e.attached(t, "vm-a", 1_900_000_001)
 	require.NoError(t, e.h.LinkDel(e.link(t, tap)))
 	nettest.MakeTAP(t, e.ns, tap, true)
 	e.beginDelete(t, "vm-a")
-	_, _, err = e.net.Release(context.Background(), "vm-a")
+	_, _, err := e.net.Release(context.Background(), "vm-a")
 	require.ErrorIs(t, err, network.ErrNotOurs)
 	assert.True(t, store.LeaseHeld(e.lease(t, "vm-a")))
 	assert.NotNil(t, e.link(t, tap), "a TUN of the TAP's name is left alone")
