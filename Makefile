@@ -49,7 +49,7 @@ LDFLAGS  := -X vmflow/internal/service.version=$(VERSION) -X vmflow/internal/ser
 
 build:
 	$(GO) build -ldflags '$(LDFLAGS)' -o $(BIN)/vmflow-hostagent ./hostagent
-	$(GO) build -ldflags '$(LDFLAGS)' -o $(BIN)/vmflow-vgpusim ./hostagent/vgpu/vgpusim/cmd/vmflow-vgpusim
+	$(GO) build -ldflags '$(LDFLAGS)' -o $(BIN)/vmflow-vgpusim ./hostagent/gpu/vgpusim/cmd/vmflow-vgpusim
 	@if [ -d worker ]; then $(GO) build -ldflags '$(LDFLAGS)' -o $(BIN)/vmflow-worker ./worker; fi
 
 ## print-ldflags: the -ldflags `make build` uses (a test builds with them).

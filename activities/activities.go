@@ -19,12 +19,12 @@ import (
 	"go.uber.org/zap"
 
 	"vmflow/hostagent/admission"
+	"vmflow/hostagent/gpu"
 	"vmflow/hostagent/metrics"
 	"vmflow/hostagent/network"
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/supervise"
-	"vmflow/hostagent/vgpu"
 	"vmflow/hostagent/vmm"
 	"vmflow/internal/contract"
 	"vmflow/internal/crashpoint"
@@ -230,7 +230,7 @@ func (a *Activities) ClaimVGPU(ctx context.Context, req *vmflowv1.ClaimVGPUReque
 // mdevUUID is the claim's mdev UUID; empty for a vendor VF, whose UUID
 // (QEMU's -uuid) sysfs never holds.
 func mdevUUID(c *vmflowv1.VgpuLease) string {
-	if c.GetDriver() == string(vgpu.KindVendor) {
+	if c.GetDriver() == string(gpu.KindVendor) {
 		return ""
 	}
 	return c.GetUuid()

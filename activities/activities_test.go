@@ -19,14 +19,14 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"vmflow/hostagent/admission"
+	"vmflow/hostagent/gpu"
+	"vmflow/hostagent/gpu/vgpusim"
+	"vmflow/hostagent/gpu/vgpusim/simtest"
+	"vmflow/hostagent/lease"
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/proc/proctest"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/supervise"
-	"vmflow/hostagent/vgpu"
-	"vmflow/hostagent/vgpu/claims"
-	"vmflow/hostagent/vgpu/vgpusim"
-	"vmflow/hostagent/vgpu/vgpusim/simtest"
 	"vmflow/hostagent/vmm"
 	"vmflow/hostagent/vmm/vmmtest"
 	vmflowv1 "vmflow/proto/vmflow/v1"
@@ -74,8 +74,8 @@ func newHostPolicy(t *testing.T, policy func(*admission.Host)) *hostEnv {
 	h.st, err = store.New(dir)
 	require.NoError(t, err)
 	log := zaptest.NewLogger(t)
-	gpus, err := claims.New(claims.Config{
-		Driver: vgpu.Config{SysfsRoot: h.sim.Root, StateDir: dir}, Store: h.st, DevRoot: t.TempDir(),
+	gpus, err := lease.New(lease.Config{
+		Driver: gpu.Config{SysfsRoot: h.sim.Root, StateDir: dir}, Store: h.st, DevRoot: t.TempDir(),
 		Logger: log, IgnoreUninspectable: proctest.UninspectableInit(),
 	})
 	require.NoError(t, err)
@@ -357,18 +357,18 @@ func TestClassify(t *testing.T) {
 		{proc.ErrIncompleteIdentity, workflows.ErrTypeIdentityMismatch, true},
 		{store.ErrBusy, workflows.ErrTypeBusy, false},
 		{store.ErrClaimHeld, workflows.ErrTypeClaimHeld, false},
-		{vgpu.ErrNoCapacity, workflows.ErrTypeNoCapacity, false},
+		{gpu.ErrNoCapacity, workflows.ErrTypeNoCapacity, false},
 		{store.ErrInvalidRecord, workflows.ErrTypeRecordUnreadable, true},
 		{errVGPUUnavailable, workflows.ErrTypeVGPUUnavailable, true},
-		{vgpu.ErrClaimedByOther, workflows.ErrTypeDeviceClaimedTwice, true},
+		{gpu.ErrClaimedByOther, workflows.ErrTypeDeviceClaimedTwice, true},
 		{supervise.ErrUnrecordedAmbiguous, workflows.ErrTypeAmbiguousQEMU, true},
 		{supervise.ErrStillRunning, workflows.ErrTypeStillAlive, false},
-		{claims.ErrClaimDeviceMissing, workflows.ErrTypeClaimDeviceMissing, false},
-		{vgpu.ErrRecordsUnreadable, workflows.ErrTypeUnavailable, false},
+		{lease.ErrClaimDeviceMissing, workflows.ErrTypeClaimDeviceMissing, false},
+		{gpu.ErrRecordsUnreadable, workflows.ErrTypeUnavailable, false},
 		{fmt.Errorf("%w: %w", admission.ErrAdmissionRefused, &admission.FieldError{Field: "disk", Reason: "gone"}), workflows.ErrTypeAdmissionRefused, true},
 		{fmt.Errorf("instance vm1: %w: record unreadable: %w", supervise.ErrNotRunningAsAsked, store.ErrInvalidRecord), workflows.ErrTypeInstanceExists, true},
-		{fmt.Errorf("release: %w", claims.ErrVMAlive), workflows.ErrTypeStillAlive, false},
-		{fmt.Errorf("release: %w", vgpu.ErrInvalid), workflows.ErrTypeInternal, false},
+		{fmt.Errorf("release: %w", lease.ErrVMAlive), workflows.ErrTypeStillAlive, false},
+		{fmt.Errorf("release: %w", gpu.ErrInvalid), workflows.ErrTypeInternal, false},
 		{&store.TransitionError{}, workflows.ErrTypeInternal, false},
 		{fmt.Errorf("stop: %w", vmm.ErrMonitorClosed), workflows.ErrTypeUnavailable, false},
 		{fmt.Errorf("stop: %w", proc.ErrNotFound), workflows.ErrTypeNotFound, false},
@@ -394,7 +394,7 @@ func TestClassify(t *testing.T) {
 	}
 	assert.NoError(t, classify(nil))
 	assert.Equal(t, "EBUSY", errnoName(syscall.EBUSY))
-	assert.Equal(t, "vm_alive", errnoName(claims.ErrVMAlive))
+	assert.Equal(t, "vm_alive", errnoName(lease.ErrVMAlive))
 	assert.Equal(t, workflows.ErrTypeReleaseFailed, appError(t, retype(classify(syscall.EBUSY), workflows.ErrTypeReleaseFailed)).Type(),
 		"an error from outside becomes the release's own type")
 	assert.Equal(t, workflows.ErrTypeBusy, appError(t, retype(classify(store.ErrBusy), workflows.ErrTypeReleaseFailed)).Type(),

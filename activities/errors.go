@@ -6,8 +6,8 @@ import (
 
 	"go.temporal.io/sdk/temporal"
 
-	"vmflow/hostagent/vgpu"
-	"vmflow/hostagent/vgpu/claims"
+	"vmflow/hostagent/gpu"
+	"vmflow/hostagent/lease"
 	"vmflow/internal/errdefs"
 	"vmflow/workflows"
 )
@@ -34,20 +34,20 @@ func classify(err error) error {
 // errnoName is the errno of a failed release for the metric label, or
 // "other".
 func errnoName(err error) string {
-	if errno, ok := vgpu.Errno(err); ok {
+	if errno, ok := gpu.Errno(err); ok {
 		if name := errnoNames[errno]; name != "" {
 			return name
 		}
 		return "errno_" + errno.Error()
 	}
 	switch {
-	case errors.Is(err, vgpu.ErrReleaseInProgress):
+	case errors.Is(err, gpu.ErrReleaseInProgress):
 		return "in_progress"
-	case errors.Is(err, claims.ErrVMAlive):
+	case errors.Is(err, lease.ErrVMAlive):
 		return "vm_alive"
-	case errors.Is(err, claims.ErrDeviceHeld):
+	case errors.Is(err, lease.ErrDeviceHeld):
 		return "device_held"
-	case errors.Is(err, vgpu.ErrClaimedByOther):
+	case errors.Is(err, gpu.ErrClaimedByOther):
 		return "claimed_twice"
 	}
 	return "other"

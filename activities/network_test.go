@@ -10,12 +10,12 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"vmflow/hostagent/admission"
+	"vmflow/hostagent/gpu/vgpusim"
 	"vmflow/hostagent/network"
 	"vmflow/hostagent/network/nettest"
 	"vmflow/hostagent/proc/proctest"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/supervise"
-	"vmflow/hostagent/vgpu/vgpusim"
 	"vmflow/hostagent/vmm"
 	"vmflow/hostagent/vmm/vmmtest"
 	vmflowv1 "vmflow/proto/vmflow/v1"

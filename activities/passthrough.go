@@ -14,7 +14,7 @@ import (
 )
 
 // WholeGPUs is what the activities need of whole-GPU (passthrough) claims;
-// claims.Whole implements it.
+// lease.Whole implements it.
 type WholeGPUs interface {
 	// Claim gives the instance count whole GPUs of model ("" any), all
 	// or none.

@@ -13,7 +13,7 @@ import (
 	"go.temporal.io/sdk/converter"
 
 	"vmflow/daemon/agent"
-	"vmflow/hostagent/vgpu/vgpusim"
+	"vmflow/hostagent/gpu/vgpusim"
 	"vmflow/testsupport/devserver"
 	"vmflow/workflows"
 )

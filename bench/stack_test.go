@@ -11,9 +11,9 @@ import (
 
 	"go.temporal.io/sdk/client"
 
+	"vmflow/hostagent/gpu/vgpusim"
+	"vmflow/hostagent/gpu/vgpusim/simtest"
 	"vmflow/hostagent/store"
-	"vmflow/hostagent/vgpu/vgpusim"
-	"vmflow/hostagent/vgpu/vgpusim/simtest"
 	"vmflow/testsupport/devserver"
 	"vmflow/testsupport/stacktest"
 	"vmflow/workflows"

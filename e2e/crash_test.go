@@ -20,11 +20,11 @@ import (
 	enumspb "go.temporal.io/api/enums/v1"
 	"go.temporal.io/sdk/client"
 
+	"vmflow/hostagent/gpu/vgpusim"
+	"vmflow/hostagent/lease"
 	"vmflow/hostagent/network"
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/store"
-	"vmflow/hostagent/vgpu/claims"
-	"vmflow/hostagent/vgpu/vgpusim"
 	"vmflow/internal/crashpoint"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 	"vmflow/testsupport/stacktest"
@@ -749,8 +749,8 @@ func (d *crashDriver) quarantineWant(id string) []string {
 
 // quarantined lists the devices the host's quarantine names, each with the
 // instance it names; an unreadable file is its error.
-func (d *crashDriver) quarantined() (map[string]claims.Quarantined, error) {
-	return claims.NewQuarantine(d.e.stateDir, 0, nil).List()
+func (d *crashDriver) quarantined() (map[string]lease.Quarantined, error) {
+	return lease.NewQuarantine(d.e.stateDir, 0, nil).List()
 }
 
 // quarantineDuringDelete waits for the delete to park in release-failed

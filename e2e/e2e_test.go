@@ -13,9 +13,9 @@ import (
 	enumspb "go.temporal.io/api/enums/v1"
 
 	"vmflow/guest"
+	"vmflow/hostagent/gpu/vgpusim"
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/store"
-	"vmflow/hostagent/vgpu/vgpusim"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 	"vmflow/testsupport/devserver"
 	"vmflow/workflows"

@@ -8,8 +8,8 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"vmflow/hostagent/gpu/vgpusim"
 	"vmflow/hostagent/store"
-	"vmflow/hostagent/vgpu/vgpusim"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 	"vmflow/workflows"
 )

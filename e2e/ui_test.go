@@ -15,7 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 	enumspb "go.temporal.io/api/enums/v1"
 
-	"vmflow/hostagent/vgpu/vgpusim"
+	"vmflow/hostagent/gpu/vgpusim"
 	"vmflow/testsupport/devserver"
 	"vmflow/workflows"
 )

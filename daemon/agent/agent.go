@@ -22,12 +22,12 @@ import (
 	"vmflow/activities"
 	"vmflow/daemon"
 	"vmflow/hostagent/admission"
+	"vmflow/hostagent/gpu"
+	"vmflow/hostagent/lease"
 	"vmflow/hostagent/metrics"
 	"vmflow/hostagent/network"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/supervise"
-	"vmflow/hostagent/vgpu"
-	"vmflow/hostagent/vgpu/claims"
 	"vmflow/hostagent/vmm"
 	"vmflow/internal/crashpoint"
 	"vmflow/internal/service"
@@ -85,8 +85,8 @@ type agentHost struct {
 	store   *store.Store
 	tm      *tclient.Metrics // /metrics, /readyz
 	metrics *metrics.Agent
-	vgpus   *claims.Claims // nil without vGPUs
-	whole   *claims.Whole  // nil without --gpu-passthrough
+	vgpus   *lease.Claims // nil without vGPUs
+	whole   *lease.Whole  // nil without --gpu-passthrough
 	sup     *supervise.Supervisor
 	fdStore vmm.FDStore // nil without systemd's fd store
 	acts    *activities.Activities
@@ -99,8 +99,8 @@ type agentHost struct {
 
 // reconcileScan is the free local scan for reconcile work over the host's
 // GPU claims, vGPUs and whole GPUs; nil without either.
-func (h *agentHost) reconcileScan() func(context.Context) (claims.Work, error) {
-	var scans []func(context.Context) (claims.Work, error)
+func (h *agentHost) reconcileScan() func(context.Context) (lease.Work, error) {
+	var scans []func(context.Context) (lease.Work, error)
 	if h.vgpus != nil {
 		scans = append(scans, h.vgpus.Scan)
 	}
@@ -110,7 +110,7 @@ func (h *agentHost) reconcileScan() func(context.Context) (claims.Work, error) {
 	if len(scans) == 0 {
 		return nil
 	}
-	return claims.ScanAll(scans...)
+	return lease.ScanAll(scans...)
 }
 
 func (h *agentHost) close() {
@@ -164,7 +164,7 @@ func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentH
 	var gpus activities.GPUs
 	var devs admission.Devices // nil interface, not a typed nil, without vGPUs
 	var profiles func(context.Context) ([]string, error)
-	var vgpus *claims.Claims // nil without vGPUs
+	var vgpus *lease.Claims // nil without vGPUs
 	if cfg.VGPUDriver != "none" {
 		c, err := newClaims(cfg, st, log)
 		if err != nil {
@@ -473,16 +473,16 @@ func reportUnservedClaims(st *store.Store, am *metrics.Agent, log *zap.Logger) {
 
 // newClaims sets up the vGPU driver and claims, or returns nil when
 // --vgpu-driver=auto finds no vGPU sysfs on the host.
-func newClaims(cfg Config, st *store.Store, log *zap.Logger) (*claims.Claims, error) {
-	kind := vgpu.Kind("")
+func newClaims(cfg Config, st *store.Store, log *zap.Logger) (*lease.Claims, error) {
+	kind := gpu.Kind("")
 	switch cfg.VGPUDriver {
 	case "mdev":
-		kind = vgpu.KindMdev
+		kind = gpu.KindMdev
 	case "vendor":
-		kind = vgpu.KindVendor
+		kind = gpu.KindVendor
 	}
-	return claims.New(claims.Config{
-		Driver:      vgpu.Config{SysfsRoot: cfg.SysfsRoot, StateDir: cfg.StateDir, Kind: kind},
+	return lease.New(lease.Config{
+		Driver:      gpu.Config{SysfsRoot: cfg.SysfsRoot, StateDir: cfg.StateDir, Kind: kind},
 		Store:       st,
 		DevRoot:     cfg.DevRoot,
 		OrphanGrace: cfg.OrphanGrace,

@@ -21,7 +21,7 @@ import (
 var testMachinery = []string{
 	crashpoint.EnvVar,
 	"vmflow/internal/crashpoint",
-	"vmflow/hostagent/vgpu/vgpusim",
+	"vmflow/hostagent/gpu/vgpusim",
 	"github.com/hanwen/go-fuse",
 }
 

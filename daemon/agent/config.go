@@ -14,10 +14,10 @@ import (
 	"go.uber.org/zap"
 
 	"vmflow/daemon"
+	"vmflow/hostagent/gpu"
+	"vmflow/hostagent/lease"
 	"vmflow/hostagent/network"
 	"vmflow/hostagent/store"
-	"vmflow/hostagent/vgpu"
-	"vmflow/hostagent/vgpu/claims"
 	"vmflow/hostagent/vmm"
 	"vmflow/internal/contract"
 )
@@ -48,7 +48,7 @@ type Config struct {
 	VGPUDriver string // auto, mdev, vendor, none
 	// GPUPassthrough is --gpu-passthrough: which GPUs the host hands out
 	// whole (the zero filter: none).
-	GPUPassthrough vgpu.GPUFilter
+	GPUPassthrough gpu.GPUFilter
 	// QuarantineAfter is --gpu-quarantine-after: failed releases of one
 	// device before placement skips it.
 	QuarantineAfter int
@@ -115,7 +115,7 @@ flags:
 	var ignore pidsFlag
 	fs.StringVar(&c.HostID, "host-id", host, "this host's id ("+contract.IDPattern+")")
 	fs.StringVar(&c.StateDir, "state-dir", contract.DefaultStateDir, "instance records, QMP sockets and logs")
-	fs.StringVar(&c.SysfsRoot, "sysfs-root", vgpu.DefaultSysfsRoot, "where the vGPU sysfs files are (the simulator's mount in tests)")
+	fs.StringVar(&c.SysfsRoot, "sysfs-root", gpu.DefaultSysfsRoot, "where the vGPU sysfs files are (the simulator's mount in tests)")
 	fs.StringVar(&c.DevRoot, "dev-root", "/dev", "where the VFIO device nodes are")
 	fs.Var(&roots, "image-root", "folder kernels, initrds and disks must lie in, root-owned and not group/other-writable; images are opened beneath it (repeatable)")
 	fs.StringVar(&c.QEMU, "qemu", vmm.DefaultBinary, "QEMU binary")
@@ -125,14 +125,14 @@ flags:
 	fs.BoolVar(&c.Jail, "jail", true, "run every QEMU in network, mount, pid, IPC and UTS namespaces and a read-only root of its own; false only where the agent lacks CAP_SYS_ADMIN")
 	fs.BoolVar(&c.VGPUAttach, "vgpu-attach", true, "attach claimed vGPUs to QEMU; false only with the vmflow-vgpusim simulator, whose devices QEMU cannot open")
 	fs.StringVar(&c.VGPUDriver, "vgpu-driver", "auto", "auto, mdev, vendor or none")
-	fs.IntVar(&c.QuarantineAfter, "gpu-quarantine-after", claims.DefaultQuarantineAfter, "failed releases or resets of one GPU device after which placement skips it until vmflow-hostagent devices clear")
+	fs.IntVar(&c.QuarantineAfter, "gpu-quarantine-after", lease.DefaultQuarantineAfter, "failed releases or resets of one GPU device after which placement skips it until vmflow-hostagent devices clear")
 	fs.Func("gpu-passthrough", "GPUs this host hands out whole by VFIO passthrough: a comma list of PCI vendor:device ids (10de:2335), or all for every display-class device not serving vGPUs; empty (the default): none",
 		func(v string) error {
-			f, err := vgpu.ParseGPUFilter(v)
+			f, err := gpu.ParseGPUFilter(v)
 			c.GPUPassthrough = f
 			return err
 		})
-	fs.DurationVar(&c.OrphanGrace, "vgpu-orphan-grace", claims.DefaultOrphanGrace, "an unclaimed vGPU device is removed after this long")
+	fs.DurationVar(&c.OrphanGrace, "vgpu-orphan-grace", lease.DefaultOrphanGrace, "an unclaimed vGPU device is removed after this long")
 	fs.DurationVar(&c.ReconcileEvery, "reconcile-every", DefaultReconcileEvery, "how often the Schedule runs ReconcileVGPU, the safety net behind the local scan")
 	fs.DurationVar(&c.ReconcileScanEvery, "reconcile-scan-every", time.Minute, "how often the agent scans the host for reconcile work (read-only, no Temporal call) and, finding some, triggers ReconcileVGPU; 0: off")
 	fs.DurationVar(&c.GracefulTimeout, "graceful-timeout", contract.DefaultGracefulTimeout, "default wait after system_powerdown before quit")

@@ -10,10 +10,10 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"vmflow/daemon/agent"
+	"vmflow/hostagent/gpu"
+	"vmflow/hostagent/lease"
 	"vmflow/hostagent/network"
 	"vmflow/hostagent/store"
-	"vmflow/hostagent/vgpu"
-	"vmflow/hostagent/vgpu/claims"
 	"vmflow/hostagent/vmm"
 )
 
@@ -35,11 +35,11 @@ func TestParseFlags(t *testing.T) {
 	assert.Equal(t, "/var/lib/vmflow", d.StateDir)
 	assert.Equal(t, store.DefaultQEMUUIDRange, d.QEMUUIDs, "a bare run confines QEMU with the default range")
 	assert.Equal(t, "/dev/kvm", d.KVMDevice)
-	assert.Equal(t, claims.DefaultOrphanGrace, d.OrphanGrace, "the flag's default is the package's")
-	assert.Equal(t, vgpu.DefaultSysfsRoot, d.SysfsRoot)
+	assert.Equal(t, lease.DefaultOrphanGrace, d.OrphanGrace, "the flag's default is the package's")
+	assert.Equal(t, gpu.DefaultSysfsRoot, d.SysfsRoot)
 	assert.Equal(t, vmm.DefaultBinary, d.QEMU)
 	assert.False(t, d.GPUPassthrough.Enabled(), "no whole GPUs unless named")
-	assert.Equal(t, claims.DefaultQuarantineAfter, d.QuarantineAfter)
+	assert.Equal(t, lease.DefaultQuarantineAfter, d.QuarantineAfter)
 
 	p, err := agent.ParseFlags([]string{"--host-id", "h1", "--gpu-passthrough", "10de:2335,10DE:2330", "--gpu-quarantine-after", "3"}, io.Discard)
 	require.NoError(t, err)

@@ -8,36 +8,36 @@ import (
 
 	"vmflow/hostagent/metrics"
 
+	"vmflow/hostagent/gpu"
+	"vmflow/hostagent/lease"
 	"vmflow/hostagent/store"
-	"vmflow/hostagent/vgpu"
-	"vmflow/hostagent/vgpu/claims"
 	"vmflow/internal/crashpoint"
 )
 
 // newWhole sets up the whole-GPU driver and claims when --gpu-passthrough
 // names any GPU; nil otherwise (a spec asking for one is then refused).
-func newWhole(cfg Config, st *store.Store, log *zap.Logger) (*claims.Whole, error) {
+func newWhole(cfg Config, st *store.Store, log *zap.Logger) (*lease.Whole, error) {
 	if !cfg.GPUPassthrough.Enabled() {
 		return nil, nil
 	}
-	drv := vgpu.NewPassthrough(vgpu.PassthroughConfig{
+	drv := gpu.NewPassthrough(gpu.PassthroughConfig{
 		SysfsRoot: cfg.SysfsRoot, StateDir: cfg.StateDir, DevRoot: cfg.DevRoot, Filter: cfg.GPUPassthrough,
 		AfterWrite: func(string, string) { crashpoint.Hit(crashpoint.PassthroughSysfsWritten) },
 	})
 	log.Info("whole GPUs by passthrough", zap.String("gpu_passthrough", cfg.GPUPassthrough.String()))
-	return claims.NewWhole(claims.WholeConfig{Driver: drv, Store: st, OrphanGrace: cfg.OrphanGrace, Logger: log,
+	return lease.NewWhole(lease.WholeConfig{Driver: drv, Store: st, OrphanGrace: cfg.OrphanGrace, Logger: log,
 		IgnoreUninspectable: cfg.IgnoreUninspectable, Quarantine: quarantineOf(cfg)})
 }
 
 // runGPUInventory sets vmflow_gpu_devices from the host's GPU inventory
-// (claims.HostInventory) every `every`, until ctx ends. A listing that
+// (lease.HostInventory) every `every`, until ctx ends. A listing that
 // fails keeps the last numbers and is logged.
-func runGPUInventory(ctx context.Context, am *metrics.Agent, st *store.Store, cfg Config, whole *claims.Whole, vgpus *claims.Claims, every time.Duration, log *zap.Logger) {
-	var drv vgpu.Driver
+func runGPUInventory(ctx context.Context, am *metrics.Agent, st *store.Store, cfg Config, whole *lease.Whole, vgpus *lease.Claims, every time.Duration, log *zap.Logger) {
+	var drv gpu.Driver
 	if vgpus != nil {
 		drv = vgpus.Driver()
 	}
-	var pt *vgpu.Passthrough
+	var pt *gpu.Passthrough
 	if whole != nil {
 		pt = whole.Driver()
 	}
@@ -46,12 +46,12 @@ func runGPUInventory(ctx context.Context, am *metrics.Agent, st *store.Store, cf
 	defer t.Stop()
 	for {
 		rctx, cancel := context.WithTimeout(ctx, every)
-		rows, err := claims.HostInventory(rctx, st, q, pt, drv)
+		rows, err := lease.HostInventory(rctx, st, q, pt, drv)
 		cancel()
 		if err != nil {
 			log.Warn("GPU inventory for vmflow_gpu_devices", zap.Error(err))
 		} else {
-			am.SetGPUDevices(claims.CountByState(rows))
+			am.SetGPUDevices(lease.CountByState(rows))
 		}
 		select {
 		case <-ctx.Done():
@@ -62,6 +62,6 @@ func runGPUInventory(ctx context.Context, am *metrics.Agent, st *store.Store, cf
 }
 
 // quarantineOf is the host's GPU quarantine, in the state dir.
-func quarantineOf(cfg Config) *claims.Quarantine {
-	return claims.NewQuarantine(cfg.StateDir, cfg.QuarantineAfter, nil)
+func quarantineOf(cfg Config) *lease.Quarantine {
+	return lease.NewQuarantine(cfg.StateDir, cfg.QuarantineAfter, nil)
 }

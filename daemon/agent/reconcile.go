@@ -13,9 +13,9 @@ import (
 	"go.uber.org/zap"
 	"google.golang.org/protobuf/proto"
 
+	"vmflow/hostagent/lease"
 	"vmflow/hostagent/metrics"
 	"vmflow/hostagent/network"
-	"vmflow/hostagent/vgpu/claims"
 	"vmflow/platform"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 	"vmflow/workflows"
@@ -154,17 +154,17 @@ func triggerReconcile(ctx context.Context, c client.Client, scheduleID string) e
 // scanForReconcile runs the free read-only scan every `every` and triggers a
 // reconcile round for work two scans in a row found, backing off to `safety`
 // for the same work; a failed scan is retried next tick.
-func scanForReconcile(ctx context.Context, scan func(context.Context) (claims.Work, error), every, safety time.Duration,
+func scanForReconcile(ctx context.Context, scan func(context.Context) (lease.Work, error), every, safety time.Duration,
 	trigger func(context.Context) error, log *zap.Logger) {
-	gate := &claims.Gate{Min: every, Max: safety}
-	var prev claims.Work
+	gate := &lease.Gate{Min: every, Max: safety}
+	var prev lease.Work
 	eachRound(ctx, every, func(rctx context.Context) {
 		cur, err := scan(rctx)
 		if err != nil {
 			log.Warn("reconcile scan failed; the schedule still runs", zap.Error(err))
 			return
 		}
-		due := claims.Due(prev, cur)
+		due := lease.Due(prev, cur)
 		prev = cur
 		if !gate.Should(time.Now(), due) {
 			return

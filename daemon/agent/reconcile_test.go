@@ -14,7 +14,7 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
 
-	"vmflow/hostagent/vgpu/claims"
+	"vmflow/hostagent/lease"
 	"vmflow/platform"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 	"vmflow/testsupport/devserver"
@@ -98,11 +98,11 @@ func assertThisBuilds(t *testing.T, d *client.ScheduleDescription, cfg Config) {
 func TestScanTriggersOnlyLastingWork(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	work := claims.Work{Items: []string{"release:vm1"}}
-	script := []claims.Work{{}, work, {}, work, work}
+	work := lease.Work{Items: []string{"release:vm1"}}
+	script := []lease.Work{{}, work, {}, work, work}
 	var mu sync.Mutex
 	scans, triggeredAt := 0, []int{}
-	scan := func(context.Context) (claims.Work, error) {
+	scan := func(context.Context) (lease.Work, error) {
 		mu.Lock()
 		defer mu.Unlock()
 		scans++
@@ -133,6 +133,6 @@ func TestScanTriggersOnlyLastingWork(t *testing.T) {
 // still scans for reconcile work; a host with neither has nothing to scan.
 func TestReconcileScanCoversWholeGPUs(t *testing.T) {
 	assert.Nil(t, (&agentHost{}).reconcileScan())
-	assert.NotNil(t, (&agentHost{whole: &claims.Whole{}}).reconcileScan())
-	assert.NotNil(t, (&agentHost{vgpus: &claims.Claims{}}).reconcileScan())
+	assert.NotNil(t, (&agentHost{whole: &lease.Whole{}}).reconcileScan())
+	assert.NotNil(t, (&agentHost{vgpus: &lease.Claims{}}).reconcileScan())
 }

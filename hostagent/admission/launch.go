@@ -17,14 +17,14 @@ import (
 
 // Devices is the vGPU side a launch needs: the claim's device made sure of
 // (re-created after a reboot) under the instance lock, and its sysfs path.
-// claims.Claims implements it.
+// lease.Claims implements it.
 type Devices interface {
 	EnsureDevicesLocked(ctx context.Context, l *store.Locked) ([]*vmflowv1.Lease, error)
 	DevicePath(claim *vmflowv1.Lease) string
 }
 
 // WholeDevices is what a launch needs of whole-GPU claims: every held lease
-// bound, and the sysfs paths of its functions. claims.Whole implements it.
+// bound, and the sysfs paths of its functions. lease.Whole implements it.
 type WholeDevices interface {
 	EnsureDevicesLocked(ctx context.Context, l *store.Locked) ([]*vmflowv1.Lease, error)
 	DevicePaths(lease *vmflowv1.Lease) []string

@@ -24,8 +24,8 @@ import (
 
 	"github.com/google/uuid"
 
+	"vmflow/hostagent/gpu"
 	"vmflow/hostagent/store"
-	"vmflow/hostagent/vgpu"
 	"vmflow/hostagent/vmm"
 	"vmflow/internal/contract"
 	"vmflow/internal/errdefs"
@@ -409,7 +409,7 @@ func CheckPassthrough(profile string, count uint32, model string) error {
 		return &FieldError{Field: "gpu_passthrough_count", Reason: fmt.Sprintf("%d exceeds the %d whole GPUs an instance may hold", count, store.MaxPassthrough)}
 	case model != "" && count == 0:
 		return &FieldError{Field: "gpu_passthrough_model", Reason: "needs gpu_passthrough_count"}
-	case model != "" && !vgpu.ValidPCIID(model):
+	case model != "" && !gpu.ValidPCIID(model):
 		return &FieldError{Field: "gpu_passthrough_model", Reason: fmt.Sprintf("%q is not a PCI vendor:device id in lower-case hex (10de:2335)", model)}
 	}
 	return nil

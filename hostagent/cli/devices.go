@@ -12,9 +12,9 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"vmflow/hostagent/gpu"
+	"vmflow/hostagent/lease"
 	"vmflow/hostagent/store"
-	"vmflow/hostagent/vgpu"
-	"vmflow/hostagent/vgpu/claims"
 	"vmflow/internal/contract"
 	"vmflow/internal/safetext"
 )
@@ -49,7 +49,7 @@ func Devices(ctx context.Context, args []string, out IO) int {
 	fs.Usage = func() { fmt.Fprint(out.Stderr, devicesHelp) }
 	var v viewFlags
 	v.register(fs)
-	sysfs := fs.String("sysfs-root", vgpu.DefaultSysfsRoot, "sysfs root (as given to run)")
+	sysfs := fs.String("sysfs-root", gpu.DefaultSysfsRoot, "sysfs root (as given to run)")
 	filter := fs.String("gpu-passthrough", "", "the agent's --gpu-passthrough")
 	driver := fs.String("vgpu-driver", "auto", "the agent's --vgpu-driver: auto, mdev, vendor or none")
 	if err := fs.Parse(args); err != nil {
@@ -62,7 +62,7 @@ func Devices(ctx context.Context, args []string, out IO) int {
 		fmt.Fprintf(out.Stderr, "devices: %v\n", err)
 		return ExitUsage
 	}
-	f, err := vgpu.ParseGPUFilter(*filter)
+	f, err := gpu.ParseGPUFilter(*filter)
 	if err != nil {
 		fmt.Fprintf(out.Stderr, "devices: %v\n", err)
 		return ExitUsage
@@ -72,20 +72,20 @@ func Devices(ctx context.Context, args []string, out IO) int {
 		fmt.Fprintf(out.Stderr, "devices: %v\n", err)
 		return ExitError
 	}
-	whole := vgpu.NewPassthrough(vgpu.PassthroughConfig{SysfsRoot: *sysfs, StateDir: v.stateDir, Filter: f})
-	var drv vgpu.Driver
+	whole := gpu.NewPassthrough(gpu.PassthroughConfig{SysfsRoot: *sysfs, StateDir: v.stateDir, Filter: f})
+	var drv gpu.Driver
 	if *driver != "none" {
-		kind := vgpu.Kind("")
+		kind := gpu.Kind("")
 		if *driver != "auto" {
-			kind = vgpu.Kind(*driver)
+			kind = gpu.Kind(*driver)
 		}
-		if d, err := vgpu.New(vgpu.Config{SysfsRoot: *sysfs, StateDir: v.stateDir, Kind: kind}); err == nil {
+		if d, err := gpu.New(gpu.Config{SysfsRoot: *sysfs, StateDir: v.stateDir, Kind: kind}); err == nil {
 			if _, perr := d.Profiles(ctx); perr == nil {
 				drv = d // a host without vGPU sysfs lists whole GPUs only
 			}
 		}
 	}
-	rows, err := claims.HostInventory(ctx, st, claims.NewQuarantine(v.stateDir, 0, nil), whole, drv)
+	rows, err := lease.HostInventory(ctx, st, lease.NewQuarantine(v.stateDir, 0, nil), whole, drv)
 	if err != nil {
 		fmt.Fprintf(out.Stderr, "devices: %v\n", err)
 		return ExitError
@@ -133,10 +133,10 @@ func devicesClear(ctx context.Context, args []string, out IO) int {
 	}
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	was, err := claims.NewQuarantine(*stateDir, 0, nil).Clear(ctx, id)
+	was, err := lease.NewQuarantine(*stateDir, 0, nil).Clear(ctx, id)
 	if err != nil {
 		fmt.Fprintf(out.Stderr, "devices clear: %v\n", err)
-		if errors.Is(err, claims.ErrNotQuarantined) {
+		if errors.Is(err, lease.ErrNotQuarantined) {
 			return ExitUsage
 		}
 		return ExitError

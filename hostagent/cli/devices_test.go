@@ -12,11 +12,11 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"vmflow/hostagent/cli"
+	"vmflow/hostagent/gpu"
+	"vmflow/hostagent/gpu/vgpusim"
+	"vmflow/hostagent/gpu/vgpusim/simtest"
+	"vmflow/hostagent/lease"
 	"vmflow/hostagent/store"
-	"vmflow/hostagent/vgpu"
-	"vmflow/hostagent/vgpu/claims"
-	"vmflow/hostagent/vgpu/vgpusim"
-	"vmflow/hostagent/vgpu/vgpusim/simtest"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -37,41 +37,41 @@ func TestDevicesListsAndClears(t *testing.T) {
 	st, err := store.New(dir)
 	require.NoError(t, err)
 	ctx := context.Background()
-	f, err := vgpu.ParseGPUFilter("all")
+	f, err := gpu.ParseGPUFilter("all")
 	require.NoError(t, err)
-	w, err := claims.NewWhole(claims.WholeConfig{Driver: vgpu.NewPassthrough(vgpu.PassthroughConfig{SysfsRoot: sim.Root, StateDir: dir, DevRoot: sim.DevRoot, Filter: f}), Store: st})
+	w, err := lease.NewWhole(lease.WholeConfig{Driver: gpu.NewPassthrough(gpu.PassthroughConfig{SysfsRoot: sim.Root, StateDir: dir, DevRoot: sim.DevRoot, Filter: f}), Store: st})
 	require.NoError(t, err)
 	_, err = st.Create(ctx, &vmflowv1.InstanceRecord{Id: "vm1", Spec: &vmflowv1.VMSpec{Vcpus: 1, MemoryMib: 64, Machine: "none", GpuPassthroughCount: 1}})
 	require.NoError(t, err)
 	_, err = w.Claim(ctx, "vm1", "", 1)
 	require.NoError(t, err)
 	g := func(i int) string { return vgpusim.PCIGPUAt(i).GPU }
-	_, err = claims.NewQuarantine(dir, 1, nil).Failed(ctx, "vm0", 1, "reset: EIO", g(2))
+	_, err = lease.NewQuarantine(dir, 1, nil).Failed(ctx, "vm0", 1, "reset: EIO", g(2))
 	require.NoError(t, err)
 
-	list := func() map[string]claims.DeviceRow {
+	list := func() map[string]lease.DeviceRow {
 		code, out, stderr := runDevices(t, "--state-dir", dir, "--sysfs-root", sim.Root, "--gpu-passthrough", "all", "-o", "json")
 		require.Equal(t, cli.ExitOK, code, stderr)
-		var rows []claims.DeviceRow
+		var rows []lease.DeviceRow
 		require.NoError(t, json.Unmarshal([]byte(out), &rows))
-		m := map[string]claims.DeviceRow{}
+		m := map[string]lease.DeviceRow{}
 		for _, r := range rows {
 			m[r.ID] = r
 		}
 		return m
 	}
 	rows := list()
-	assert.Equal(t, claims.DeviceClaimed, rows[g(0)].State)
+	assert.Equal(t, lease.DeviceClaimed, rows[g(0)].State)
 	assert.Equal(t, "vm1", rows[g(0)].Instance)
-	assert.Equal(t, claims.DeviceFree, rows[g(1)].State)
-	assert.Equal(t, claims.DeviceQuarantined, rows[g(2)].State)
+	assert.Equal(t, lease.DeviceFree, rows[g(1)].State)
+	assert.Equal(t, lease.DeviceQuarantined, rows[g(2)].State)
 	assert.Contains(t, rows[g(2)].Why, "reset: EIO")
-	assert.Equal(t, claims.DeviceNotOurs, rows[g(3)].State, "its group holds a NIC")
+	assert.Equal(t, lease.DeviceNotOurs, rows[g(3)].State, "its group holds a NIC")
 	parents := 0
 	for _, r := range rows {
 		if r.Kind == "vgpu-parent" {
 			parents++
-			assert.Equal(t, claims.DeviceFree, r.State)
+			assert.Equal(t, lease.DeviceFree, r.State)
 		}
 	}
 	assert.Equal(t, 1, parents)
@@ -91,5 +91,5 @@ func TestDevicesListsAndClears(t *testing.T) {
 	b, err := os.ReadFile(filepath.Join(dir, cli.QuarantineLogFile))
 	require.NoError(t, err)
 	assert.Contains(t, string(b), "GPU reseated, RMA 42")
-	assert.Equal(t, claims.DeviceFree, list()[g(2)].State)
+	assert.Equal(t, lease.DeviceFree, list()[g(2)].State)
 }

@@ -19,13 +19,13 @@ import (
 	"golang.org/x/sys/unix"
 	"pgregory.net/rapid"
 
+	"vmflow/hostagent/gpu"
+	"vmflow/hostagent/gpu/vgpusim"
+	"vmflow/hostagent/lease"
 	"vmflow/hostagent/network"
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/proc/proctest"
 	"vmflow/hostagent/store"
-	"vmflow/hostagent/vgpu"
-	"vmflow/hostagent/vgpu/claims"
-	"vmflow/hostagent/vgpu/vgpusim"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -40,7 +40,7 @@ const opTimeout = 20 * time.Second
 // driverCase is one vGPU ABI the model runs over. The simulated host is
 // small on purpose (few VFs, one mdev parent) so that placements collide.
 type driverCase struct {
-	kind    vgpu.Kind
+	kind    gpu.Kind
 	opts    vgpusim.Options
 	profile string
 	netns   string // the network namespace TestHostModel made for the case
@@ -49,8 +49,8 @@ type driverCase struct {
 var driverCases = []driverCase{
 	// Two per GPU for four vGPUs (vgpuCounts) and strays: capacity binds part-way through a claim, and a reboot's
 	// missing devices meet new claims competing for their slots.
-	{kind: vgpu.KindMdev, opts: vgpusim.Options{MdevParents: 1}, profile: "GRID A100-20C"},
-	{kind: vgpu.KindVendor, opts: vgpusim.Options{VendorVFs: 3}, profile: "NVIDIA L40-4Q"},
+	{kind: gpu.KindMdev, opts: vgpusim.Options{MdevParents: 1}, profile: "GRID A100-20C"},
+	{kind: gpu.KindVendor, opts: vgpusim.Options{VendorVFs: 3}, profile: "NVIDIA L40-4Q"},
 }
 
 // stateFSSize is the model's state file system: room for the records and
@@ -118,7 +118,7 @@ type host struct {
 	ignore []int
 
 	st     *store.Store
-	claims *claims.Claims
+	claims *lease.Claims
 	now    atomic.Int64 // unix nanos; read by Claims from its goroutines
 
 	helpers        map[string]*helper   // the latest helper of each instance
@@ -132,7 +132,7 @@ type host struct {
 	// quarantine is the host's GPU quarantine; quarantinedWith maps each
 	// quarantined device to the leases naming it when the model first saw
 	// it quarantined: any other lease naming it was placed there after.
-	quarantine      *claims.Quarantine
+	quarantine      *lease.Quarantine
 	quarantinedWith map[string]map[string]bool
 	net             *network.Net
 	nh              *netlink.Handle // in dc.netns, for the checks
@@ -141,7 +141,7 @@ type host struct {
 // quarantineKey is the device a vGPU lease's failed release quarantines:
 // the VF (vendor), else the mdev's parent GPU.
 func (h *host) quarantineKey(l *vmflowv1.Lease) string {
-	if h.dc.kind == vgpu.KindVendor {
+	if h.dc.kind == gpu.KindVendor {
 		return l.GetVgpu().GetDeviceId()
 	}
 	return l.GetVgpu().GetParent()
@@ -153,16 +153,16 @@ func reason(err error) string {
 		err  error
 		name string
 	}{
-		{claims.ErrVMAlive, "VM alive"}, {claims.ErrDeviceHeld, "device held"}, {vgpu.ErrReleaseInProgress, "in progress"},
-		{vgpu.ErrNoCapacity, "no capacity"}, {vgpu.ErrDeviceMismatch, "device mismatch"},
+		{lease.ErrVMAlive, "VM alive"}, {lease.ErrDeviceHeld, "device held"}, {gpu.ErrReleaseInProgress, "in progress"},
+		{gpu.ErrNoCapacity, "no capacity"}, {gpu.ErrDeviceMismatch, "device mismatch"},
 		{store.ErrDeleting, "deleting"}, {store.ErrClaimHeld, "claim held"}, {store.ErrIllegalTransition, "illegal transition"},
-		{vgpu.ErrRecordsUnreadable, "records unreadable"}, {store.ErrInvalidRecord, "unreadable record"}, {store.ErrNotFound, "no record"}, {syscall.EIO, "EIO"},
+		{gpu.ErrRecordsUnreadable, "records unreadable"}, {store.ErrInvalidRecord, "unreadable record"}, {store.ErrNotFound, "no record"}, {syscall.EIO, "EIO"},
 	} {
 		if errors.Is(err, r.err) {
 			return r.name
 		}
 	}
-	if e, ok := vgpu.Errno(err); ok {
+	if e, ok := gpu.Errno(err); ok {
 		return e.Error()
 	}
 	return "other"
@@ -225,14 +225,14 @@ func newHost(t *rapid.T, dc driverCase) *host {
 		}
 	})
 	// pid 1 of a sandbox can be more privileged than root here; it is
-	// ignored only when it really cannot be inspected (as in vgpu/claims' tests).
+	// ignored only when it really cannot be inspected (as in lease' tests).
 	h.ignore = proctest.UninspectableInit()
 	h.now.Store(time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC).UnixNano())
 	h.st, err = store.New(h.state)
 	if err != nil {
 		t.Fatalf("setup: %v", err)
 	}
-	h.quarantine = claims.NewQuarantine(h.state, claims.DefaultQuarantineAfter, h.clock)
+	h.quarantine = lease.NewQuarantine(h.state, lease.DefaultQuarantineAfter, h.clock)
 	h.startAgent(t)
 	h.startNetwork(t)
 	h.prev = h.observe(t)
@@ -242,8 +242,8 @@ func newHost(t *rapid.T, dc driverCase) *host {
 // startAgent builds the Claims the way the agent does at start, over the
 // same store, sysfs and state directory (the orphan ledger persists).
 func (h *host) startAgent(t *rapid.T) {
-	c, err := claims.New(claims.Config{
-		Driver: vgpu.Config{SysfsRoot: h.sys, StateDir: h.state, Kind: h.dc.kind},
+	c, err := lease.New(lease.Config{
+		Driver: gpu.Config{SysfsRoot: h.sys, StateDir: h.state, Kind: h.dc.kind},
 		Store:  h.st, DevRoot: h.devDir, OrphanGrace: grace, IgnoreUninspectable: h.ignore,
 		Now:        func() time.Time { return time.Unix(0, h.now.Load()).UTC() },
 		Quarantine: h.quarantine,
@@ -284,7 +284,7 @@ func waitFor(cond func() bool) bool {
 	return true
 }
 
-// claimKey names the device a claim is about the way the claims layer
+// claimKey names the device a claim is about the way the lease layer
 // does: the device id (mdev UUID once active, the VF for vendor), else the
 // UUID (an mdev intent).
 func claimKey(cl *vmflowv1.Lease) string {
@@ -351,7 +351,7 @@ func (h *host) observe(t *rapid.T) snapshot {
 // so that a helper can hold it open; "" when the device has no IOMMU group.
 func (h *host) vfioNode(t *rapid.T, id string) string {
 	var link string
-	if h.dc.kind == vgpu.KindVendor {
+	if h.dc.kind == gpu.KindVendor {
 		link = filepath.Join(h.sys, "bus", "pci", "devices", id, "iommu_group")
 	} else {
 		link = filepath.Join(h.sys, "bus", "mdev", "devices", id, "iommu_group")
@@ -370,7 +370,7 @@ func (h *host) vfioNode(t *rapid.T, id string) string {
 }
 
 // held reports whether anything has the device's VFIO node open, as the
-// claims layer decides it (an uninspectable process counts, except ignored
+// lease layer decides it (an uninspectable process counts, except ignored
 // ones).
 func (h *host) heldOpen(t *rapid.T, id string) bool {
 	node := h.vfioNode(t, id)

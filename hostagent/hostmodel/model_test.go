@@ -17,12 +17,12 @@ import (
 
 	"pgregory.net/rapid"
 
+	"vmflow/hostagent/gpu"
+	"vmflow/hostagent/gpu/vgpusim"
 	"vmflow/hostagent/network/nettest"
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/proc/proctest"
 	"vmflow/hostagent/store"
-	"vmflow/hostagent/vgpu"
-	"vmflow/hostagent/vgpu/vgpusim"
 	"vmflow/internal/errdefs"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 	"vmflow/testsupport/stacktest"
@@ -620,7 +620,7 @@ func (h *host) strayDevice(t *rapid.T) {
 	c, cancel := ctx()
 	defer cancel()
 	u := fmt.Sprintf("2b6c4e3a-0d4f-4a8e-9a43-%012d", rapid.IntRange(0, 999).Draw(t, "n"))
-	d, err := h.claims.Driver().Create(c, vgpu.CreateRequest{Profile: h.dc.profile, UUID: u})
+	d, err := h.claims.Driver().Create(c, gpu.CreateRequest{Profile: h.dc.profile, UUID: u})
 	t.Logf("stray device: %s %v", d.ID, err)
 }
 
@@ -726,7 +726,7 @@ func (h *host) ensureDevice(t *rapid.T, id string, cl *vmflowv1.Lease) bool {
 	if err == nil {
 		return true
 	}
-	if errors.Is(err, vgpu.ErrNoCapacity) || errors.Is(err, vgpu.ErrDeviceMismatch) {
+	if errors.Is(err, gpu.ErrNoCapacity) || errors.Is(err, gpu.ErrDeviceMismatch) {
 		now := h.observe(t)
 		for d := range now.devices {
 			if len(now.holders[d]) == 0 {
@@ -752,7 +752,7 @@ func (h *host) reboot(t *rapid.T) {
 	}
 	for d := range h.devices(t) {
 		path, val := filepath.Join(h.sys, "bus/mdev/devices", d, "remove"), "1"
-		if h.dc.kind == vgpu.KindVendor {
+		if h.dc.kind == gpu.KindVendor {
 			path, val = filepath.Join(h.sys, "bus/pci/devices", d, "nvidia/current_vgpu_type"), "0"
 		}
 		if err := os.WriteFile(path, []byte(val), 0o200); err != nil {

@@ -11,8 +11,8 @@ import (
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
+	"vmflow/hostagent/lease"
 	"vmflow/hostagent/store"
-	"vmflow/hostagent/vgpu/claims"
 	"vmflow/hostagent/vmm"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
@@ -38,7 +38,7 @@ func TestRestartWithoutDeviceNeedsAttention(t *testing.T) {
 		c.RestartBackoff, c.RestartBackoffMax = 10*time.Millisecond, 10*time.Millisecond
 		c.PrepareLaunch = func(context.Context, *store.Locked, *vmflowv1.InstanceRecord) (vmm.VMSpec, error) {
 			return vmm.VMSpec{}, fmt.Errorf("instance vm1: vGPU %q device %s: %w: no capacity", "GRID A100-40C",
-				"6c2b0cd4-6f5e-4c3e-9b5e-1c0e6c2b0cd4", claims.ErrClaimDeviceMissing)
+				"6c2b0cd4-6f5e-4c3e-9b5e-1c0e6c2b0cd4", lease.ErrClaimDeviceMissing)
 		}
 		c.OnRestartDeviceMissing = func() { missing.Add(1) }
 	})

@@ -9,9 +9,9 @@ import (
 	"go.uber.org/zap"
 
 	"vmflow/hostagent/admission"
+	"vmflow/hostagent/lease"
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/store"
-	"vmflow/hostagent/vgpu/claims"
 	"vmflow/hostagent/vmm"
 	"vmflow/internal/fsx"
 	vmflowv1 "vmflow/proto/vmflow/v1"
@@ -274,7 +274,7 @@ func (s *Supervisor) restart(in *instance, gen uint64) {
 		s.refuseRestartLocked(l, in, attempt-1, err)
 		return
 	}
-	if errors.Is(err, claims.ErrClaimDeviceMissing) {
+	if errors.Is(err, lease.ErrClaimDeviceMissing) {
 		s.deviceMissingLocked(l, in, err)
 	}
 	if err != nil {

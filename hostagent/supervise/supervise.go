@@ -98,7 +98,7 @@ type Config struct {
 	OnRestartRefused func()
 	// OnRestartDeviceMissing, when set, is called after a restart failed
 	// because its vGPU is missing and could not be re-created
-	// (claims.ErrClaimDeviceMissing), with needs_attention written: the
+	// (lease.ErrClaimDeviceMissing), with needs_attention written: the
 	// agent's vmflow_restarts_device_missing_total. It must not block.
 	OnRestartDeviceMissing func()
 	// OnGuestLogDropped, when set, is called once per VM whose guest output

@@ -1,0 +1,262 @@
+package gpu
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"syscall"
+)
+
+// MdevDriver drives mediated devices:
+// class/mdev_bus/<parent>/mdev_supported_types/<type>/{name,available_instances,create}
+// and bus/mdev/devices/<uuid>/remove.
+type MdevDriver struct {
+	root     string
+	lock     *hostLock
+	releases *releases
+}
+
+var _ Driver = (*MdevDriver)(nil)
+
+// NewMdev returns an mdev driver; cfg.Kind is ignored.
+func NewMdev(cfg Config) *MdevDriver {
+	cfg = cfg.WithDefaults()
+	return &MdevDriver{root: cfg.SysfsRoot, lock: newHostLock(cfg.StateDir), releases: newReleases(cfg.OnReleaseDone)}
+}
+
+// Kind implements Driver.
+func (d *MdevDriver) Kind() Kind { return KindMdev }
+
+func (d *MdevDriver) typesDir(parent string) string {
+	return filepath.Join(d.root, "class", "mdev_bus", parent, "mdev_supported_types")
+}
+
+func (d *MdevDriver) devDir(id string) string { return mdevPath(d.root, id) }
+
+// DevicePath implements Driver.
+func (d *MdevDriver) DevicePath(dev Device) string { return d.devDir(dev.ID) }
+
+// Profiles implements Driver.
+func (d *MdevDriver) Profiles(ctx context.Context) ([]Profile, error) {
+	devs, err := d.Devices(ctx)
+	if err != nil {
+		return nil, err
+	}
+	used := map[string]int{}
+	for _, dev := range devs {
+		used[dev.Parent]++
+	}
+	parents, err := os.ReadDir(filepath.Join(d.root, "class", "mdev_bus"))
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("vgpu: list mdev parents: %w", err)
+	}
+	var out []Profile
+	for _, p := range parents {
+		if err := ctx.Err(); err != nil {
+			return nil, fmt.Errorf("vgpu: list mdev profiles: %w", err)
+		}
+		types, err := os.ReadDir(d.typesDir(p.Name()))
+		if err != nil {
+			return nil, fmt.Errorf("vgpu: list mdev types of %s: %w", p.Name(), err)
+		}
+		for _, t := range types {
+			dir := filepath.Join(d.typesDir(p.Name()), t.Name())
+			name, err := readAttr(filepath.Join(dir, "name"))
+			if err != nil {
+				return nil, fmt.Errorf("vgpu: mdev type %s/%s: %w", p.Name(), t.Name(), err)
+			}
+			avs, err := readAttr(filepath.Join(dir, "available_instances"))
+			if err != nil {
+				return nil, fmt.Errorf("vgpu: mdev type %s/%s: %w", p.Name(), t.Name(), err)
+			}
+			av, err := strconv.Atoi(avs)
+			if err != nil {
+				return nil, fmt.Errorf("vgpu: mdev type %s/%s: available_instances %q: %w", p.Name(), t.Name(), avs, err)
+			}
+			out = append(out, Profile{Name: name, TypeID: t.Name(), Parent: p.Name(), Available: av, Used: used[p.Name()]})
+		}
+	}
+	sortProfiles(out)
+	return out, nil
+}
+
+// Devices implements Driver.
+func (d *MdevDriver) Devices(ctx context.Context) ([]Device, error) {
+	// A device that vanishes while listed was removed meanwhile.
+	return readEntries(ctx, filepath.Join(d.root, "bus", "mdev", "devices"), "mdev devices", d.device)
+}
+
+// device describes an existing mdev from its mdev_type link, which ends in
+// <parent>/mdev_supported_types/<type>.
+func (d *MdevDriver) device(id string) (Device, error) {
+	link := filepath.Join(d.devDir(id), "mdev_type")
+	target, err := os.Readlink(link)
+	if err != nil {
+		return Device{}, fmt.Errorf("vgpu: mdev %s: %w", id, err)
+	}
+	typeID := filepath.Base(target)
+	parent := filepath.Base(filepath.Dir(filepath.Dir(target)))
+	name, err := readAttr(filepath.Join(link, "name"))
+	if err != nil {
+		return Device{}, fmt.Errorf("vgpu: mdev %s: %w", id, err)
+	}
+	return Device{Kind: KindMdev, ID: id, UUID: id, Profile: name, TypeID: typeID, Parent: parent}, nil
+}
+
+// Create implements Driver.
+func (d *MdevDriver) Create(ctx context.Context, req CreateRequest) (Device, error) {
+	id, err := canonicalUUID(req.UUID)
+	if err != nil {
+		return Device{}, fmt.Errorf("vgpu: create mdev: %w", err)
+	}
+	unlock, err := d.lock.lock(ctx)
+	if err != nil {
+		return Device{}, err
+	}
+	defer unlock()
+
+	// The UUID is the device: fresh (random) or the caller's own claim's,
+	// so the records that can be read decide (see CreateRequest.Taken).
+	taken, err := req.taken(ctx, false)
+	if err != nil {
+		return Device{}, fmt.Errorf("vgpu: create mdev %s: taken UUIDs: %w", id, err)
+	}
+	if err := claimedBy(taken, id); err != nil {
+		return Device{}, fmt.Errorf("vgpu: create mdev: %w", err)
+	}
+	var pl Placement
+	if req.At != nil {
+		pl = *req.At
+		if !safeName(pl.Parent) || !safeName(pl.TypeID) {
+			return Device{}, fmt.Errorf("vgpu: create mdev %s at %+v: %w", id, pl, ErrInvalid)
+		}
+	} else {
+		profs, err := d.Profiles(ctx)
+		if err != nil {
+			return Device{}, err
+		}
+		held, err := req.held(ctx)
+		if err != nil {
+			return Device{}, fmt.Errorf("vgpu: create mdev %s: held claims: %w", id, err)
+		}
+		devs, err := d.Devices(ctx)
+		if err != nil {
+			return Device{}, err
+		}
+		pl, err = place(reserveHeld(profs, held, deviceIDs(devs), true), req.Profile)
+		if err != nil {
+			return Device{}, fmt.Errorf("vgpu: create mdev %s: %w", id, err)
+		}
+	}
+	if req.Intent != nil {
+		if err := req.Intent(pl); err != nil {
+			return Device{}, fmt.Errorf("vgpu: create mdev %s: intent: %w", id, err)
+		}
+	}
+	dev := Device{Kind: KindMdev, ID: id, UUID: id, Profile: pl.Profile, TypeID: pl.TypeID, Parent: pl.Parent}
+	err = writeAttr(filepath.Join(d.typesDir(pl.Parent), pl.TypeID, "create"), id+"\n")
+	if errors.Is(err, syscall.EEXIST) {
+		// Idempotent create: a retry after a crash finds its own device.
+		if got, gerr := d.device(id); gerr == nil && got.Parent == pl.Parent && got.TypeID == pl.TypeID {
+			d.releases.forget(got)
+			return got, nil
+		}
+	}
+	if errors.Is(err, syscall.EUSERS) || errors.Is(err, syscall.ENOSPC) {
+		// The mdev core answers EUSERS when available_instances is 0;
+		// some vendor drivers ENOSPC. Both mean "full".
+		return Device{}, fmt.Errorf("vgpu: create mdev %s on %s/%s: %w: %w", id, pl.Parent, pl.TypeID, ErrNoCapacity, err)
+	}
+	if err != nil {
+		return Device{}, fmt.Errorf("vgpu: create mdev %s on %s/%s: %w", id, pl.Parent, pl.TypeID, err)
+	}
+	if _, err := os.Stat(d.devDir(id)); err != nil {
+		return Device{}, fmt.Errorf("vgpu: create mdev %s: device missing after create: %w", id, err)
+	}
+	d.releases.forget(dev)
+	return dev, nil
+}
+
+// Release implements Driver. "1" to remove; ENOENT (already gone) is
+// success. ctx bounds the wait only.
+func (d *MdevDriver) Release(ctx context.Context, dev Device) error {
+	id, err := canonicalUUID(dev.ID)
+	if err != nil {
+		return fmt.Errorf("vgpu: release mdev: %w", err)
+	}
+	dev.Kind, dev.ID = KindMdev, id
+	if dev.UUID == "" {
+		dev.UUID = id
+	}
+	path := filepath.Join(d.devDir(id), "remove")
+	err = d.releases.do(ctx, dev, func() error {
+		err := writeAttr(path, "1\n")
+		if errors.Is(err, os.ErrNotExist) {
+			return nil // already gone
+		}
+		return err
+	})
+	if err != nil {
+		return fmt.Errorf("vgpu: release mdev %s: %w", id, err)
+	}
+	return nil
+}
+
+// deviceIDs is the set of devs' ids.
+func deviceIDs(devs []Device) map[string]bool {
+	m := make(map[string]bool, len(devs))
+	for _, d := range devs {
+		m[d.ID] = true
+	}
+	return m
+}
+
+// place picks the least used parent with capacity for profile.
+func place(profs []Profile, profile string) (Placement, error) {
+	known := false
+	var best *Profile
+	for i := range profs {
+		p := &profs[i]
+		if p.Name != profile {
+			continue
+		}
+		known = true
+		if p.Available <= 0 {
+			continue
+		}
+		if best == nil || p.Used < best.Used || (p.Used == best.Used && p.Parent < best.Parent) {
+			best = p
+		}
+	}
+	switch {
+	case best != nil:
+		return Placement{Profile: best.Name, TypeID: best.TypeID, Parent: best.Parent}, nil
+	case known:
+		return Placement{}, fmt.Errorf("profile %q: %w", profile, ErrNoCapacity)
+	default:
+		return Placement{}, fmt.Errorf("profile %q: %w", profile, ErrUnknownProfile)
+	}
+}
+
+func sortProfiles(ps []Profile) {
+	sort.Slice(ps, func(i, j int) bool {
+		if ps[i].Parent != ps[j].Parent {
+			return ps[i].Parent < ps[j].Parent
+		}
+		return ps[i].TypeID < ps[j].TypeID
+	})
+}
+
+// safeName is a single path element: sysfs names come back from records,
+// and must not walk out of the sysfs root.
+func safeName(s string) bool {
+	return s != "" && s != "." && s != ".." && !strings.ContainsRune(s, '/') && !strings.ContainsRune(s, 0)
+}

@@ -1,0 +1,667 @@
+package gpu
+
+// Whole GPUs by VFIO passthrough: the kernel ABI (bus/pci/devices/<addr>/
+// {driver,driver_override,iommu_group,reset}, bus/pci/drivers/<drv>/unbind,
+// bus/pci/drivers_probe). The claim, its lease and reconcile are the
+// lease layer's; this file only reads and writes sysfs. The lease
+// layer's use:
+//
+//	p := gpu.NewPassthrough(gpu.PassthroughConfig{SysfsRoot, StateDir, DevRoot, Filter})
+//	gpus, _ := p.GPUs(ctx) // place on one with Offered && Viable && !Marked, unclaimed
+//	b, err := p.Bind(ctx, gpu.BindRequest{Group: gpu.Group, Intent: writeLease})
+//	p.DevicePath(addr), p.VFIONode(b.Group) // QEMU's sysfsdev per b.Addrs(), the jail's node
+//	err = p.Return(ctx, b) // b as the lease recorded it; retry until nil
+//
+// BindRequest.Taken keeps invariant 10 under the host lock, as
+// CreateRequest.Taken does; before Return the lease layer checks
+// NotClaimedByOther for the group, as it does before a vGPU release.
+//
+// vmflow's mark is driver_override=vfio-pci: written before anything else
+// and cleared last, so a function bound to vfio-pci without it was bound
+// by someone else and Return never touches it.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+
+	"vmflow/internal/errdefs"
+)
+
+// KindPassthrough names a whole GPU handed to a VM with vfio-pci.
+const KindPassthrough Kind = "passthrough"
+
+// Errors of passthrough callers branch on. Kernel errnos stay reachable
+// (errors.Is(err, syscall.EIO)). A blocked unbind (the NVIDIA driver waits
+// while a host process uses the GPU; vfio-pci waits while a VFIO user
+// holds the device) is a *ReleaseInProgressError: ErrReleaseInProgress,
+// Busy, retryable; a later call joins the write still in flight.
+var (
+	// ErrGroupNotViable: the group holds an endpoint the bind would not
+	// take (not the GPU's card) bound to a kernel driver, so vfio cannot
+	// own the group. Nothing was written.
+	ErrGroupNotViable = errdefs.Refused.New("vgpu: IOMMU group not viable")
+	// ErrNotGPU: the group holds no display-class function.
+	ErrNotGPU = errdefs.Refused.New("vgpu: IOMMU group holds no GPU")
+	// ErrVGPUParent: a GPU of the group serves vGPUs; one GPU is never
+	// both.
+	ErrVGPUParent = errdefs.Refused.New("vgpu: GPU serves vGPUs")
+	// ErrNoGroup: no IOMMU group of that number (or a function vanished).
+	ErrNoGroup = errdefs.NotFound.New("vgpu: no such IOMMU group")
+	// ErrAlreadyBound: a function of the group already has
+	// driver_override set or is bound to vfio-pci, and the request does
+	// not resume a recorded binding of it: another user may hold it.
+	ErrAlreadyBound = errdefs.Conflict.New("vgpu: PCI function already bound to vfio-pci")
+	// ErrNotOurs: Return met a function vmflow did not bind (bound to
+	// vfio-pci without vmflow's driver_override, or another override).
+	// It was left alone.
+	ErrNotOurs = errdefs.Conflict.New("vgpu: PCI function not bound by vmflow")
+	// ErrUnbindFailed: an unbind write failed.
+	ErrUnbindFailed = errdefs.Unavailable.New("vgpu: unbind failed")
+	// ErrResetFailed: the reset write failed; the function stays bound
+	// to vfio-pci and claimed.
+	ErrResetFailed = errdefs.Unavailable.New("vgpu: reset failed")
+	// ErrProbeFailed: after drivers_probe the function is not bound to
+	// the driver it should be (vfio-pci on bind, the previous driver on
+	// return), or a driver_override or drivers_probe write failed.
+	ErrProbeFailed = errdefs.Unavailable.New("vgpu: driver bind failed")
+)
+
+// GPUFilter is --gpu-passthrough: which display-class functions a host
+// hands out whole. The zero value offers none.
+type GPUFilter struct {
+	all bool
+	ids []string // vendor:device, lower case
+}
+
+// ParseGPUFilter reads "" (none), "all" (every display-class function not
+// serving vGPUs) or a comma list of vendor:device ids ("10de:2335,10de:2330").
+func ParseGPUFilter(s string) (GPUFilter, error) {
+	s = strings.TrimSpace(s)
+	if s == "" {
+		return GPUFilter{}, nil
+	}
+	if strings.EqualFold(s, "all") {
+		return GPUFilter{all: true}, nil
+	}
+	var f GPUFilter
+	for _, id := range strings.Split(s, ",") {
+		id = strings.ToLower(strings.TrimSpace(id))
+		if !ValidPCIID(id) {
+			return GPUFilter{}, fmt.Errorf("vgpu: --gpu-passthrough: %q is not a PCI vendor:device id (like 10de:2335) or all: %w", id, ErrInvalid)
+		}
+		f.ids = append(f.ids, id)
+	}
+	return f, nil
+}
+
+// ValidPCIID reports whether s is vendor:device in lower-case hex, 4 digits
+// each ("10de:2335").
+func ValidPCIID(s string) bool {
+	v, d, ok := strings.Cut(s, ":")
+	return ok && isHex4(v) && isHex4(d)
+}
+
+func isHex4(s string) bool {
+	if len(s) != 4 {
+		return false
+	}
+	for _, c := range s {
+		if (c < '0' || c > '9') && (c < 'a' || c > 'f') {
+			return false
+		}
+	}
+	return true
+}
+
+// Enabled reports whether the filter offers anything.
+func (f GPUFilter) Enabled() bool { return f.all || len(f.ids) > 0 }
+
+// String is the filter as --gpu-passthrough takes it.
+func (f GPUFilter) String() string {
+	if f.all {
+		return "all"
+	}
+	return strings.Join(f.ids, ",")
+}
+
+// Match reports whether fn is offered by the filter (a display-class
+// function of a listed id, or any with all). vGPU parents are excluded by
+// GPU.Offered, not here.
+func (f GPUFilter) Match(fn PCIFunction) bool {
+	if !fn.IsDisplay() {
+		return false
+	}
+	if f.all {
+		return true
+	}
+	for _, id := range f.ids {
+		if id == fn.ID() {
+			return true
+		}
+	}
+	return false
+}
+
+// GPU is one display-class function and what its IOMMU group allows.
+type GPU struct {
+	PCIFunction
+	// Others are the other endpoint functions of its group (a companion
+	// audio function, a second GPU, a foreign device); Bridges the
+	// group's PCI bridges, which a bind leaves alone.
+	Others  []PCIFunction `json:"others,omitempty"`
+	Bridges []PCIFunction `json:"bridges,omitempty"`
+	// Marked: vmflow bound it (driver_override is vfio-pci). Whether a
+	// claim still holds it is the lease layer's to say.
+	Marked bool `json:"marked,omitempty"`
+	// VGPUParent: it serves vGPUs (mdev parent, SR-IOV PF with VFs, VF).
+	VGPUParent bool `json:"vgpu_parent,omitempty"`
+	// Viable: Bind could take its group now; NotViable says why not.
+	Viable    bool   `json:"viable"`
+	NotViable string `json:"not_viable,omitempty"`
+	// Offered: the host's filter names it and it serves no vGPUs: the
+	// lease layer may place on it (when Viable and unclaimed).
+	Offered bool `json:"offered,omitempty"`
+}
+
+// BoundFunction is one function of a Binding.
+type BoundFunction struct {
+	// Addr is the PCI address; QEMU gets one vfio-pci device per function.
+	Addr string `json:"addr"`
+	// Previous is the driver the function had before the bind ("" none);
+	// Return binds it back. AnyDriver: not known (a marked function no
+	// lease names, from MarkedGroups); Return lets drivers_probe choose.
+	Previous string `json:"previous_driver,omitempty"`
+	// Display: a GPU (not its companion audio function).
+	Display bool `json:"display,omitempty"`
+}
+
+// AnyDriver as a BoundFunction's Previous makes Return accept whatever
+// driver drivers_probe binds, or none, so long as it is not vfio-pci.
+const AnyDriver = "*"
+
+// Binding is a group handed to vfio-pci: what the lease records. Its
+// Functions may hold more than one display function (GPUs that share a
+// group travel together).
+type Binding struct {
+	Group     string          `json:"iommu_group"`
+	Functions []BoundFunction `json:"functions"`
+}
+
+// Addrs lists the functions' addresses, in address order.
+func (b Binding) Addrs() []string {
+	out := make([]string, len(b.Functions))
+	for i, f := range b.Functions {
+		out[i] = f.Addr
+	}
+	return out
+}
+
+func (b Binding) find(addr string) (BoundFunction, bool) {
+	for _, f := range b.Functions {
+		if f.Addr == addr {
+			return f, true
+		}
+	}
+	return BoundFunction{}, false
+}
+
+// BindRequest asks for one IOMMU group.
+type BindRequest struct {
+	// Group is the IOMMU group's number.
+	Group string
+	// Resume is the binding a lease recorded for this group (a retried
+	// or crashed bind): its Previous drivers are kept, and functions
+	// already bound to vfio-pci with vmflow's mark are taken as done.
+	// Nil: a fresh bind, which refuses a group any function of which is
+	// bound to vfio-pci or has an override (ErrAlreadyBound).
+	Resume *Binding
+	// Intent, if set, is called under the host lock with the binding
+	// (every function and the driver it has) before the first write: the
+	// place to write the lease ahead. It is called on a resumed bind too,
+	// so it must be idempotent. Its error aborts the bind.
+	Intent func(Binding) error
+	// Taken, if set, is called under the host lock before the lease and
+	// any write, as CreateRequest.Taken: it maps what other
+	// instances' held claims name (IOMMU group numbers or PCI addresses)
+	// to the instance. Invariant 10: a group any of whose keys is in the
+	// map is refused (ErrClaimedByOther), so a lease written ahead by an
+	// agent that died before its first write still keeps its group. Records
+	// that cannot be read (ErrRecordsUnreadable) refuse a fresh bind, which
+	// chooses among existing groups, and not a resumed one.
+	Taken func(ctx context.Context) (map[string]string, error)
+}
+
+// PassthroughConfig configures the passthrough driver.
+type PassthroughConfig struct {
+	// SysfsRoot is where sysfs is mounted (default /sys).
+	SysfsRoot string
+	// StateDir holds the host-wide lock file vGPU placement uses too
+	// (default /var/lib/vmflow).
+	StateDir string
+	// DevRoot holds the VFIO group nodes (default /dev).
+	DevRoot string
+	// Filter is --gpu-passthrough.
+	Filter GPUFilter
+	// AfterWrite, if set, is called after each sysfs write of Bind or
+	// Return succeeded, with the function and what was written
+	// ("driver_override", "unbind", "drivers_probe", "reset"): where the
+	// lease layer puts a crash point, so a kill between any two writes is
+	// tried.
+	AfterWrite func(addr, attr string)
+}
+
+// WithDefaults is c with every empty field that has a default set to it.
+func (c PassthroughConfig) WithDefaults() PassthroughConfig {
+	v := Config{SysfsRoot: c.SysfsRoot, StateDir: c.StateDir}.WithDefaults()
+	c.SysfsRoot, c.StateDir = v.SysfsRoot, v.StateDir
+	if c.DevRoot == "" {
+		c.DevRoot = "/dev"
+	}
+	return c
+}
+
+// Passthrough binds whole IOMMU groups to vfio-pci and returns them to the
+// drivers they had.
+type Passthrough struct {
+	cfg      PassthroughConfig
+	lock     *hostLock
+	releases *releases // writes in flight, one per function (any may wait)
+}
+
+// NewPassthrough returns the passthrough driver.
+func NewPassthrough(cfg PassthroughConfig) *Passthrough {
+	cfg = cfg.WithDefaults()
+	return &Passthrough{cfg: cfg, lock: newHostLock(cfg.StateDir), releases: newReleases(nil)}
+}
+
+// Filter is the host's --gpu-passthrough.
+func (p *Passthrough) Filter() GPUFilter { return p.cfg.Filter }
+
+// DevicePath is the function's sysfs directory: QEMU's
+// -device vfio-pci,sysfsdev=<it>.
+func (p *Passthrough) DevicePath(addr string) string { return vfPath(p.cfg.SysfsRoot, addr) }
+
+// VFIONode is the group's VFIO node, <DevRoot>/vfio/<group>, which the
+// VM's jail needs and no other process may hold at release.
+func (p *Passthrough) VFIONode(group string) string {
+	return filepath.Join(p.cfg.DevRoot, "vfio", group)
+}
+
+// GPUs lists every display-class PCI function on the host, in address
+// order.
+func (p *Passthrough) GPUs(ctx context.Context) ([]GPU, error) {
+	fns, err := pciFunctions(ctx, p.cfg.SysfsRoot)
+	if err != nil {
+		return nil, err
+	}
+	groups := map[string][]PCIFunction{}
+	for _, f := range fns {
+		if f.Group != "" {
+			groups[f.Group] = append(groups[f.Group], f)
+		}
+	}
+	var out []GPU
+	for _, f := range fns {
+		if !f.IsDisplay() {
+			continue
+		}
+		g := GPU{PCIFunction: f, Marked: f.Override == DriverVFIO, VGPUParent: isVGPUParent(p.cfg.SysfsRoot, f.Addr)}
+		sharesWithVGPU, others := false, false
+		for _, o := range groups[f.Group] {
+			others = others || someoneElses(o)
+			switch {
+			case o.Addr == f.Addr:
+			case o.IsBridge():
+				g.Bridges = append(g.Bridges, o)
+			default:
+				g.Others = append(g.Others, o)
+				sharesWithVGPU = sharesWithVGPU || (o.IsDisplay() && isVGPUParent(p.cfg.SysfsRoot, o.Addr))
+			}
+		}
+		switch _, err := viable(groups[f.Group]); {
+		case f.Group == "":
+			g.NotViable = "no IOMMU group"
+		case err != nil:
+			g.NotViable = err.Error()
+		default:
+			g.Viable = true
+		}
+		g.Offered = p.cfg.Filter.Match(f) && !g.VGPUParent && !sharesWithVGPU && !others && f.Group != ""
+		out = append(out, g)
+	}
+	return out, nil
+}
+
+// viable is the kernel's viability rule, which vmflow applies before it
+// writes anything: every endpoint of the group belongs to a GPU's card
+// (the slot of a display function: the bind takes it), has no driver, or is
+// on vfio-pci with vmflow's mark; bridges may be on pcieport. An endpoint
+// of someone else's on a kernel driver (a NIC, a disk) refuses the group:
+// vmflow never unbinds it to hand out a GPU. Since Linux 5.19 the kernel
+// binds vfio-pci in a group that is not viable, and only the VFIO user's
+// open fails (EPERM), so the check is vmflow's. It returns the cards'
+// slots.
+func viable(fns []PCIFunction) (map[string]bool, error) {
+	cards := map[string]bool{}
+	group := ""
+	for _, f := range fns {
+		group = f.Group
+		if f.IsDisplay() {
+			cards[f.slot()] = true
+		}
+	}
+	if len(cards) == 0 {
+		return nil, fmt.Errorf("vgpu: IOMMU group %s: %w", group, ErrNotGPU)
+	}
+	for _, f := range fns {
+		switch {
+		case f.IsBridge():
+			if f.Driver != "" && f.Driver != DriverPCIePort {
+				return nil, fmt.Errorf("vgpu: IOMMU group %s: bridge %s is bound to %s: %w", f.Group, f.Addr, f.Driver, ErrGroupNotViable)
+			}
+		case cards[f.slot()], f.Driver == "", f.Driver == DriverVFIO && f.Override == DriverVFIO:
+		default:
+			return nil, fmt.Errorf("vgpu: IOMMU group %s: %s (%s, class %#06x) is bound to %s: %w", f.Group, f.Addr, f.ID(), f.Class, f.Driver, ErrGroupNotViable)
+		}
+	}
+	return cards, nil
+}
+
+// plan is the binding Bind would make of group fns, or why it cannot:
+// every endpoint is taken, bridges are left alone. resume supplies the
+// previous drivers a lease recorded; without it a function already on
+// vfio-pci or with an override refuses (another user may hold it).
+func (p *Passthrough) plan(fns []PCIFunction, resume *Binding) (Binding, error) {
+	if _, err := viable(fns); err != nil {
+		return Binding{}, err
+	}
+	var b Binding
+	for _, f := range fns {
+		b.Group = f.Group
+		if f.IsDisplay() && isVGPUParent(p.cfg.SysfsRoot, f.Addr) {
+			return Binding{}, fmt.Errorf("vgpu: %s serves vGPUs: %w", f.Addr, ErrVGPUParent)
+		}
+	}
+	for _, f := range fns {
+		if f.IsBridge() {
+			continue
+		}
+		if resume != nil {
+			if rec, ok := resume.find(f.Addr); ok {
+				rec.Display = f.IsDisplay()
+				b.Functions = append(b.Functions, rec)
+				continue
+			}
+		}
+		if f.Override != "" || f.Driver == DriverVFIO {
+			return Binding{}, fmt.Errorf("vgpu: %s (driver %q, driver_override %q): %w", f.Addr, f.Driver, f.Override, ErrAlreadyBound)
+		}
+		b.Functions = append(b.Functions, BoundFunction{Addr: f.Addr, Previous: f.Driver, Display: f.IsDisplay()})
+	}
+	sort.Slice(b.Functions, func(i, j int) bool { return b.Functions[i].Addr < b.Functions[j].Addr })
+	return b, nil
+}
+
+// someoneElses reports a function another user moved: on vfio-pci without
+// vmflow's mark, or with an override of someone else's. Bind refuses its
+// group (ErrAlreadyBound) and Return never touches it.
+func someoneElses(f PCIFunction) bool {
+	return (f.Driver == DriverVFIO && f.Override != DriverVFIO) || (f.Override != "" && f.Override != DriverVFIO)
+}
+
+// MarkedGroups lists every IOMMU group with a function that carries
+// vmflow's mark (driver_override=vfio-pci), as a Binding of its marked
+// functions with Previous AnyDriver: what reconcile returns when no claim
+// names the group (it compares them with the leases, whose Previous
+// drivers win).
+func (p *Passthrough) MarkedGroups(ctx context.Context) ([]Binding, error) {
+	fns, err := pciFunctions(ctx, p.cfg.SysfsRoot)
+	if err != nil {
+		return nil, err
+	}
+	var out []Binding
+	at := map[string]int{}
+	for _, f := range fns {
+		if f.Override != DriverVFIO || f.Group == "" {
+			continue
+		}
+		i, ok := at[f.Group]
+		if !ok {
+			i = len(out)
+			at[f.Group] = i
+			out = append(out, Binding{Group: f.Group})
+		}
+		out[i].Functions = append(out[i].Functions, BoundFunction{Addr: f.Addr, Previous: AnyDriver, Display: f.IsDisplay()})
+	}
+	return out, nil
+}
+
+// Bind hands every endpoint function of req.Group to vfio-pci: per
+// function, driver_override=vfio-pci, unbind from its driver,
+// drivers_probe, and a check that vfio-pci has it. Bridges are left
+// alone. A group that is not viable is refused before any write. It is
+// idempotent with req.Resume: a half-done bind completes.
+func (p *Passthrough) Bind(ctx context.Context, req BindRequest) (Binding, error) {
+	unlock, err := p.lock.lock(ctx)
+	if err != nil {
+		return Binding{}, err
+	}
+	defer unlock()
+	fns, err := groupFunctions(ctx, p.cfg.SysfsRoot, req.Group)
+	if err != nil {
+		return Binding{}, err
+	}
+	taken, err := readTaken(ctx, req.Taken, req.Resume == nil)
+	if err != nil {
+		return Binding{}, fmt.Errorf("vgpu: bind group %s: %w", req.Group, err)
+	}
+	if err := claimedBy(taken, req.Group); err != nil {
+		return Binding{}, fmt.Errorf("vgpu: IOMMU group %s: %w", req.Group, err)
+	}
+	for _, f := range fns {
+		if err := claimedBy(taken, f.Addr); err != nil {
+			return Binding{}, fmt.Errorf("vgpu: IOMMU group %s: %w", req.Group, err)
+		}
+	}
+	if req.Resume != nil {
+		if req.Resume.Group != req.Group {
+			return Binding{}, fmt.Errorf("vgpu: resume of group %s for group %s: %w", req.Resume.Group, req.Group, ErrInvalid)
+		}
+		for _, rf := range req.Resume.Functions {
+			if !hasAddr(fns, rf.Addr) {
+				return Binding{}, fmt.Errorf("vgpu: recorded function %s is not in IOMMU group %s: %w", rf.Addr, req.Group, ErrNoGroup)
+			}
+		}
+	}
+	b, err := p.plan(fns, req.Resume)
+	if err != nil {
+		return Binding{}, err
+	}
+	if req.Intent != nil {
+		if err := req.Intent(b); err != nil {
+			return Binding{}, fmt.Errorf("vgpu: bind group %s: intent: %w", req.Group, err)
+		}
+	}
+	for _, bf := range b.Functions {
+		if err := p.bindOne(ctx, bf.Addr); err != nil {
+			return b, err
+		}
+	}
+	return b, nil
+}
+
+func hasAddr(fns []PCIFunction, addr string) bool {
+	for _, f := range fns {
+		if f.Addr == addr {
+			return true
+		}
+	}
+	return false
+}
+
+// bindOne moves one function to vfio-pci, from whatever step a previous
+// attempt reached.
+func (p *Passthrough) bindOne(ctx context.Context, addr string) error {
+	f, err := p.settled(ctx, addr)
+	if err != nil {
+		return err
+	}
+	if f.Override != DriverVFIO {
+		if err := p.write(ctx, addr, "driver_override", DriverVFIO); err != nil {
+			return failed(err, ErrProbeFailed, addr+" driver_override")
+		}
+	}
+	if f.Driver == DriverVFIO {
+		return nil
+	}
+	if f.Driver != "" {
+		if err := p.unbind(ctx, f.Addr, f.Driver); err != nil {
+			return err
+		}
+	}
+	return p.probe(ctx, addr, DriverVFIO)
+}
+
+// Return resets each function of b (where it offers reset), unbinds it
+// from vfio-pci, clears driver_override and binds it back to the driver it
+// had (drivers_probe), checking that driver has it. It is idempotent: a
+// function already back ("already returned") is success, and a half-done
+// return completes. Unbind comes before clearing the override so that
+// vmflow's mark outlives every step but the last. A function vmflow did not
+// bind is never touched (ErrNotOurs).
+func (p *Passthrough) Return(ctx context.Context, b Binding) error {
+	unlock, err := p.lock.lock(ctx)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	for _, bf := range b.Functions {
+		if err := p.returnOne(ctx, bf); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (p *Passthrough) returnOne(ctx context.Context, bf BoundFunction) error {
+	f, err := p.settled(ctx, bf.Addr)
+	if err != nil {
+		return err
+	}
+	switch {
+	case someoneElses(f):
+		return fmt.Errorf("vgpu: %s (driver %q, driver_override %q) was moved by someone else: %w", f.Addr, f.Driver, f.Override, ErrNotOurs)
+	case f.Override == "" && f.Driver == "" && bf.Previous != "" && bf.Previous != AnyDriver:
+		// Cleared but not yet probed: finish.
+		return p.probe(ctx, f.Addr, bf.Previous)
+	case f.Override == "":
+		return nil // already returned (or someone bound it elsewhere since)
+	}
+	// Ours: driver_override is vfio-pci.
+	if f.Driver != "" && f.Driver != DriverVFIO && f.Driver != bf.Previous && bf.Previous != AnyDriver {
+		return fmt.Errorf("vgpu: %s is bound to %s, neither vfio-pci nor its previous driver %q: %w", f.Addr, f.Driver, bf.Previous, ErrNotOurs)
+	}
+	if f.Driver == DriverVFIO {
+		if f.HasReset {
+			if err := p.write(ctx, f.Addr, "reset", "1"); err != nil {
+				return failed(err, ErrResetFailed, "reset "+f.Addr)
+			}
+		}
+		if err := p.unbind(ctx, f.Addr, DriverVFIO); err != nil {
+			return err
+		}
+	}
+	if err := p.write(ctx, f.Addr, "driver_override", "\n"); err != nil {
+		return failed(err, ErrProbeFailed, f.Addr+" clear driver_override")
+	}
+	if f.Driver == bf.Previous || bf.Previous == "" || (bf.Previous == AnyDriver && f.Driver != DriverVFIO && f.Driver != "") {
+		return nil
+	}
+	return p.probe(ctx, f.Addr, bf.Previous)
+}
+
+func (p *Passthrough) read(addr string) (PCIFunction, error) {
+	f, err := readPCIFunction(p.cfg.SysfsRoot, addr)
+	if errors.Is(err, os.ErrNotExist) {
+		return PCIFunction{}, fmt.Errorf("vgpu: PCI function %s: %w: %w", addr, ErrNoGroup, err)
+	}
+	return f, err
+}
+
+// writeKey names addr's writes in the registry of writes in flight: one
+// at a time per function, as the kernel's device lock allows.
+func writeKey(addr string) Device { return Device{Kind: KindPassthrough, ID: addr} }
+
+// settled waits for a write to addr an earlier call left in flight (it
+// holds the function's device lock in the kernel, so nothing else would
+// get through), then reads the function.
+func (p *Passthrough) settled(ctx context.Context, addr string) (PCIFunction, error) {
+	if err := p.releases.settle(ctx, writeKey(addr)); err != nil {
+		return PCIFunction{}, fmt.Errorf("vgpu: %s: an earlier write is still running: %w", addr, err)
+	}
+	return p.read(addr)
+}
+
+// write writes one attribute of addr's function. Any write to a function
+// may wait: the kernel takes its device lock for driver_override, reset,
+// unbind and drivers_probe, and a driver's remove holds it until the
+// device's users are gone. ctx bounds the wait, not the write, which goes
+// on and which the next call waits for (ErrReleaseInProgress, Busy).
+func (p *Passthrough) write(ctx context.Context, addr, attr, val string) error {
+	return p.writePath(ctx, addr, filepath.Join(p.DevicePath(addr), attr), val)
+}
+
+func (p *Passthrough) writePath(ctx context.Context, addr, path, val string) error {
+	err := p.releases.do(ctx, writeKey(addr), func() error { return writeAttr(path, val) })
+	if err == nil && p.cfg.AfterWrite != nil {
+		p.cfg.AfterWrite(addr, filepath.Base(path))
+	}
+	return err
+}
+
+// unbind writes addr to drivers/<drv>/unbind; ENODEV with the function
+// no longer on drv is success.
+func (p *Passthrough) unbind(ctx context.Context, addr, drv string) error {
+	err := p.writePath(ctx, addr, filepath.Join(p.cfg.SysfsRoot, "bus", "pci", "drivers", drv, "unbind"), addr)
+	if err == nil {
+		return nil
+	}
+	if !errors.Is(err, ErrReleaseInProgress) {
+		if f, rerr := p.read(addr); rerr == nil && f.Driver != drv {
+			return nil
+		}
+	}
+	return failed(err, ErrUnbindFailed, "unbind "+addr+" from "+drv)
+}
+
+// probe writes addr to drivers_probe and checks that want has it.
+func (p *Passthrough) probe(ctx context.Context, addr, want string) error {
+	if err := p.writePath(ctx, addr, filepath.Join(p.cfg.SysfsRoot, "bus", "pci", "drivers_probe"), addr); err != nil {
+		return failed(err, ErrProbeFailed, "drivers_probe "+addr)
+	}
+	f, err := p.read(addr)
+	if err != nil {
+		return err
+	}
+	if want == AnyDriver && f.Driver != DriverVFIO {
+		return nil
+	}
+	if f.Driver != want {
+		return fmt.Errorf("vgpu: %s is bound to %q after drivers_probe, not %s (is its module loaded?): %w", addr, f.Driver, want, ErrProbeFailed)
+	}
+	return nil
+}
+
+// failed wraps a write's error in its failure class as, except a write
+// still waiting (ErrReleaseInProgress), which is only Busy: nothing failed.
+func failed(err, as error, what string) error {
+	if errors.Is(err, ErrReleaseInProgress) {
+		return fmt.Errorf("vgpu: %s: %w", what, err)
+	}
+	return fmt.Errorf("vgpu: %s: %w: %w", what, as, err)
+}

@@ -1,0 +1,235 @@
+package lease
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"time"
+
+	"go.uber.org/zap"
+
+	"vmflow/hostagent/gpu"
+	"vmflow/hostagent/proc"
+	"vmflow/hostagent/store"
+	"vmflow/internal/crashpoint"
+	vmflowv1 "vmflow/proto/vmflow/v1"
+)
+
+// Release releases every vGPU instance id holds, each refused while the VM
+// may live (ErrVMAlive) or its VFIO node is held (ErrDeviceHeld). A failure
+// keeps that lease and moves to ReleaseFailed (invariant 1); the others are
+// released all the same. released: every held lease is released now.
+func (c *Claims) Release(ctx context.Context, id string) (released bool, devices []string, err error) {
+	l, rec, err := lockToRelease(ctx, c.st, id, "vGPUs")
+	if l == nil || err != nil {
+		return false, nil, err
+	}
+	defer l.Unlock()
+	held := store.HeldVGPUs(rec)
+	var errs []error
+	for _, lease := range held {
+		dev, err := c.releaseLocked(ctx, l, rec, lease)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("vGPU %s: %w", dev, err))
+			continue
+		}
+		devices = append(devices, dev)
+	}
+	return len(held) > 0 && len(errs) == 0, devices, errors.Join(errs...)
+}
+
+// releaseLocked releases one held vGPU lease of the locked instance rec.
+func (c *Claims) releaseLocked(ctx context.Context, l *store.Locked, rec *vmflowv1.InstanceRecord, lease *vmflowv1.Lease) (string, error) {
+	name := store.LeaseName(lease)
+	dev := deviceOf(lease, c.drv.Kind())
+	// Invariant 10 first: a device another claim names is not ours to
+	// release, whatever sysfs says about it.
+	err := c.ownDevice(ctx, l.ID(), lease)
+	if err == nil {
+		err = c.mayRelease(ctx, rec, dev, proc.Holders)
+	}
+	if err != nil {
+		c.recordFailure(l, name, err)
+		return dev.ID, err
+	}
+	if _, err := l.Apply(store.LeaseReleasing(name)); err != nil {
+		return dev.ID, err
+	}
+	crashpoint.Hit(crashpoint.ReleaseReleasing)
+	if err := c.drv.Release(ctx, dev); err != nil {
+		c.recordFailure(l, name, err)
+		if !errors.Is(err, gpu.ErrReleaseInProgress) { // a write still waiting has not failed
+			c.quarantineIfDue(ctx, l.ID(), lease.GetReleaseAttempts()+1, dev, err)
+		}
+		return dev.ID, err
+	}
+	crashpoint.Hit(crashpoint.ReleaseWritten)
+	if _, err := l.Apply(store.LeaseReleased(name, c.now())); err != nil {
+		// The device is gone but the record still holds the claim: the next
+		// release finds it "already gone" and records it then.
+		return dev.ID, fmt.Errorf("record release of %s: %w", dev.ID, err)
+	}
+	crashpoint.Hit(crashpoint.ReleaseRecorded)
+	c.log.Info("vGPU released", zap.String("instance_id", l.ID()), zap.String("device_id", dev.ID))
+	return dev.ID, nil
+}
+
+// holdersFunc answers who holds a path: proc.Holders (a fresh walk of
+// /proc, before a release) or one FDScan shared by a scan's items.
+type holdersFunc func(ctx context.Context, path string) ([]proc.Holder, error)
+
+// mayRelease is invariant 2: the VM's group confirmed gone (an unproven
+// absence counts as alive) and nothing holding the device's VFIO node.
+func (c *Claims) mayRelease(ctx context.Context, rec *vmflowv1.InstanceRecord, dev gpu.Device, holders holdersFunc) error {
+	if err := vmGone(c.st, rec); err != nil {
+		return err
+	}
+	return c.deviceFree(ctx, dev, holders)
+}
+
+// vmGone is the VM's half of invariant 2: rec's whole thread group must be
+// confirmed gone (store.MayQEMULive, an unproven absence counting as
+// alive), else ErrVMAlive.
+func vmGone(st *store.Store, rec *vmflowv1.InstanceRecord) error {
+	// QEMU creates its QMP socket while it sets up its backends, before it
+	// opens any VFIO device, and both files stay until TearDown, which runs
+	// after the release: without them (and no start or exit recorded) the
+	// instance never launched.
+	launched := func() (bool, error) {
+		paths, err := st.Paths(rec.GetId())
+		if err != nil {
+			return false, err
+		}
+		for _, f := range []string{paths.Socket, paths.PID} {
+			if _, err := os.Lstat(f); err == nil {
+				return true, nil
+			} else if !errors.Is(err, os.ErrNotExist) {
+				return false, err
+			}
+		}
+		return false, nil
+	}
+	if err := store.MayQEMULive(rec, true, launched); err != nil {
+		return fmt.Errorf("%w: %w", ErrVMAlive, err)
+	}
+	return nil
+}
+
+// deviceFree is the device's half of invariant 2: nothing holds its VFIO
+// node (asked of holders); a device that is gone is free.
+func (c *Claims) deviceFree(ctx context.Context, dev gpu.Device, holders holdersFunc) error {
+	node, err := c.vfioNode(dev)
+	if err != nil {
+		return err
+	}
+	return nodeFree(ctx, node, holders, c.ignore)
+}
+
+// nodeFree: nothing holds the VFIO node (pids in ignore whose descriptors
+// cannot be read excepted); "" is a node that is gone, and free.
+func nodeFree(ctx context.Context, node string, holders holdersFunc, ignore []int) error {
+	if node == "" {
+		return nil // the device is gone: nothing can hold it
+	}
+	hs, err := holders(ctx, node)
+	if err != nil {
+		return fmt.Errorf("%w: cannot tell who holds %s: %w", ErrDeviceHeld, node, err)
+	}
+	var held []string
+	for _, h := range hs {
+		if h.Uncertain && slices.Contains(ignore, h.PID) {
+			continue
+		}
+		held = append(held, h.String())
+	}
+	if len(held) > 0 {
+		return fmt.Errorf("%w: %s: %s", ErrDeviceHeld, node, strings.Join(held, "; "))
+	}
+	return nil
+}
+
+// vfioNode is <DevRoot>/vfio/<iommu group> of the device, or "" when the
+// device no longer exists.
+func (c *Claims) vfioNode(dev gpu.Device) (string, error) {
+	link := filepath.Join(gpu.DevicePath(c.sysfs, dev), "iommu_group")
+	target, err := os.Readlink(link)
+	if errors.Is(err, os.ErrNotExist) {
+		if dev.Kind == gpu.KindVendor {
+			if _, serr := os.Stat(filepath.Dir(link)); serr == nil {
+				// The VF exists without an IOMMU group: cannot tell.
+				return "", fmt.Errorf("%w: %s has no iommu_group", ErrDeviceHeld, dev.ID)
+			}
+		}
+		return "", nil
+	}
+	if err != nil {
+		return "", fmt.Errorf("%w: %s: %w", ErrDeviceHeld, link, err)
+	}
+	return filepath.Join(c.devRoot, "vfio", filepath.Base(target)), nil
+}
+
+// quarantineIfDue quarantines dev's quarantineKey once its release failed
+// K times (attempts, the one just recorded included).
+func (c *Claims) quarantineIfDue(ctx context.Context, id string, attempts uint32, dev gpu.Device, cause error) {
+	key := quarantineKey(dev)
+	added, err := c.quar.Failed(ctx, id, attempts, cause.Error(), key)
+	switch {
+	case err != nil:
+		c.log.Error("quarantine a failing GPU", zap.String("instance_id", id), zap.String("device_id", key), zap.Error(err))
+	case added:
+		c.log.Warn("GPU quarantined: placement skips it until an operator clears it (vmflow-hostagent devices clear)",
+			zap.String("instance_id", id), zap.String("device_id", key), zap.NamedError("cause", cause))
+	}
+}
+
+func (c *Claims) recordFailure(l *store.Locked, name string, cause error) {
+	_, err := l.Apply(store.LeaseReleaseFailed(name, cause.Error()))
+	if err != nil {
+		c.log.Error("record release failure", zap.String("instance_id", l.ID()), zap.Error(err), zap.NamedError("cause", cause))
+	}
+}
+
+// releaseDone records a release write that returned after every caller
+// stopped waiting (a blocked mdev remove), so the record says what happened.
+func (c *Claims) releaseDone(dev gpu.Device, err error) {
+	if err != nil {
+		return // the next Release receives this outcome from the driver and records it then
+	}
+	go c.recordLateRelease(dev)
+}
+
+// recordLateRelease marks released the held lease of dev: its device and
+// its UUID, since a vendor VF may be another instance's claim by now.
+func (c *Claims) recordLateRelease(dev gpu.Device) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	recs, lerr := c.st.List()
+	if lerr != nil && len(recs) == 0 {
+		return
+	}
+	for _, r := range recs {
+		i := slices.IndexFunc(store.HeldVGPUs(r), func(l *vmflowv1.Lease) bool {
+			d := deviceOf(l, c.drv.Kind())
+			return d.ID == dev.ID && d.UUID == dev.UUID
+		})
+		if i < 0 {
+			continue
+		}
+		lease := store.HeldVGPUs(r)[i]
+		_, uerr := c.st.Apply(ctx, r.GetId(), store.LeaseReleased(store.LeaseName(lease), c.now()))
+		if errors.Is(uerr, store.ErrNotFound) || errors.Is(uerr, fs.ErrNotExist) || errors.Is(uerr, store.ErrIllegalTransition) {
+			// The waiting caller recorded it first, or the record is gone
+			// since: nothing left to say.
+			return
+		}
+		if uerr != nil {
+			c.log.Warn("record late release", zap.String("instance_id", r.GetId()), zap.Error(uerr))
+		}
+		return
+	}
+}
