@@ -813,7 +813,7 @@ func (d *crashDriver) checkQuarantine(when, id string, want []string) []string {
 	for _, dev := range want {
 		q := got[dev]
 		var n int
-		_, _ = fmt.Sscanf(q.Reason, "release failed %d times", &n)
+		_, _ = fmt.Sscanf(q.Reason, "failed %d times", &n)
 		switch {
 		case q.Instance != id:
 			v = append(v, fmt.Sprintf("%s: %s not quarantined for %s: %v", when, dev, id, got))

@@ -46,7 +46,7 @@ func TestDevicesListsAndClears(t *testing.T) {
 	_, err = w.Claim(ctx, "vm1", "", 1)
 	require.NoError(t, err)
 	g := func(i int) string { return vgpusim.PCIGPUAt(i).GPU }
-	_, err = lease.NewQuarantine(dir, 1, nil).Failed(ctx, "vm0", 1, "reset: EIO", g(2))
+	_, err = lease.NewQuarantine(dir, 1, nil).Strike(ctx, "vm0", "reset: EIO", g(2))
 	require.NoError(t, err)
 
 	list := func() map[string]lease.DeviceRow {

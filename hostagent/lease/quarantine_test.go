@@ -48,7 +48,7 @@ func TestQuarantineWholeGPU(t *testing.T) {
 	require.ErrorIs(t, err, lease.ErrNoWholeGPU, "placement skips the quarantined GPU")
 	was, err := q.Clear(ctx, addr)
 	require.NoError(t, err)
-	assert.Contains(t, was.Reason, "release failed 2 times")
+	assert.Contains(t, was.Reason, "failed 2 times")
 	assert.Equal(t, "vm1", was.Instance)
 	_, err = q.Clear(ctx, addr)
 	require.ErrorIs(t, err, lease.ErrNotQuarantined)

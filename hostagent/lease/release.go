@@ -17,6 +17,7 @@ import (
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/store"
 	"vmflow/internal/crashpoint"
+	"vmflow/internal/errdefs"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -63,12 +64,11 @@ func (c *Claims) releaseLocked(ctx context.Context, l *store.Locked, rec *vmflow
 	crashpoint.Hit(crashpoint.ReleaseReleasing)
 	if err := c.drv.Release(ctx, dev); err != nil {
 		c.recordFailure(l, name, err)
-		if !errors.Is(err, gpu.ErrReleaseInProgress) { // a write still waiting has not failed
-			c.quarantineIfDue(ctx, l.ID(), lease.GetReleaseAttempts()+1, dev, err)
-		}
+		strikeIfFault(ctx, c.quar, c.log, l.ID(), err, quarantineKey(dev))
 		return dev.ID, err
 	}
 	crashpoint.Hit(crashpoint.ReleaseWritten)
+	succeeded(ctx, c.quar, c.log, quarantineKey(dev))
 	if _, err := l.Apply(store.LeaseReleased(name, c.now())); err != nil {
 		// The device is gone but the record still holds the claim: the next
 		// release finds it "already gone" and records it then.
@@ -173,17 +173,50 @@ func (c *Claims) vfioNode(dev gpu.Device) (string, error) {
 	return filepath.Join(c.devRoot, "vfio", filepath.Base(target)), nil
 }
 
-// quarantineIfDue quarantines dev's quarantineKey once its release failed
-// K times (attempts, the one just recorded included).
-func (c *Claims) quarantineIfDue(ctx context.Context, id string, attempts uint32, dev gpu.Device, cause error) {
-	key := quarantineKey(dev)
-	added, err := c.quar.Failed(ctx, id, attempts, cause.Error(), key)
+// recordTimeout bounds writing down an outcome that already happened
+// (a failure's count), whatever deadline the step itself had.
+const recordTimeout = 10 * time.Second
+
+// deviceFault reports whether err, from a device's own step (a create,
+// bind, unbind, reset, rebind or remove), is the device's failure: not a
+// write still in flight or a deadline that ended a wait (Busy, a context
+// error), which is no failure of the device's, and not a refusal, which
+// never reaches the device's step.
+func deviceFault(err error) bool {
+	if err == nil || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {
+		return false
+	}
+	return errdefs.ClassOf(err) != errdefs.Busy
+}
+
+// strikeIfFault counts err against devices when it is their fault
+// (deviceFault), quarantining those at the threshold: the one place a
+// failure becomes a quarantine.
+func strikeIfFault(ctx context.Context, q *Quarantine, log *zap.Logger, id string, err error, devices ...string) {
+	if !deviceFault(err) {
+		return
+	}
+	// Counted even when the caller's deadline is what ended the step: the
+	// failure happened, and the quarantine's lock is brief.
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), recordTimeout)
+	defer cancel()
+	added, qerr := q.Strike(ctx, id, err.Error(), devices...)
 	switch {
-	case err != nil:
-		c.log.Error("quarantine a failing GPU", zap.String("instance_id", id), zap.String("device_id", key), zap.Error(err))
-	case added:
-		c.log.Warn("GPU quarantined: placement skips it until an operator clears it (vmflow-hostagent devices clear)",
-			zap.String("instance_id", id), zap.String("device_id", key), zap.NamedError("cause", cause))
+	case qerr != nil:
+		log.Error("count a GPU failure toward quarantine", zap.String("instance_id", id), zap.Strings("device_ids", devices), zap.Error(qerr))
+	case len(added) > 0:
+		log.Warn("GPU quarantined: placement skips it until an operator clears it (vmflow-hostagent devices clear)",
+			zap.String("instance_id", id), zap.Strings("device_ids", added), zap.NamedError("cause", err))
+	}
+}
+
+// succeeded ends devices' runs of failures after a step of theirs went
+// through.
+func succeeded(ctx context.Context, q *Quarantine, log *zap.Logger, devices ...string) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), recordTimeout)
+	defer cancel()
+	if err := q.Succeeded(ctx, devices...); err != nil {
+		log.Warn("reset a GPU's failure count", zap.Strings("device_ids", devices), zap.Error(err))
 	}
 }
 

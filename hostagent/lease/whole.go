@@ -349,10 +349,11 @@ func (w *Whole) releaseLocked(ctx context.Context, l *store.Locked, rec *vmflowv
 	crashpoint.Hit(crashpoint.PassthroughReleasing)
 	if err := w.drv.Return(ctx, bindingOf(lease)); err != nil {
 		err = fail(err)
-		w.quarantineIfDue(ctx, l, lease, err)
+		strikeIfFault(ctx, w.quar, w.log, l.ID(), err, wholeGPUs(lease)...)
 		return err
 	}
 	crashpoint.Hit(crashpoint.PassthroughReturned)
+	succeeded(ctx, w.quar, w.log, wholeGPUs(lease)...)
 	if _, err := l.Apply(store.LeaseReleased(name, w.now())); err != nil {
 		return fmt.Errorf("record return of IOMMU group %s: %w", lease.GetGpuPassthrough().GetIommuGroup(), err)
 	}
@@ -361,25 +362,16 @@ func (w *Whole) releaseLocked(ctx context.Context, l *store.Locked, rec *vmflowv
 	return nil
 }
 
-// quarantineIfDue quarantines lease's GPUs once their return failed K times
-// (the failure just recorded included). Only the device's own failures
-// count: a refusal because the VM may live or a process holds the node is
-// not the GPU's fault.
-func (w *Whole) quarantineIfDue(ctx context.Context, l *store.Locked, lease *vmflowv1.Lease, cause error) {
+// wholeGPUs are the GPUs (display functions) of a whole-GPU lease: what
+// its failures count against.
+func wholeGPUs(lease *vmflowv1.Lease) []string {
 	var gpus []string
 	for _, f := range lease.GetGpuPassthrough().GetFunctions() {
 		if f.GetDisplay() {
 			gpus = append(gpus, f.GetAddr())
 		}
 	}
-	added, err := w.quar.Failed(ctx, l.ID(), lease.GetReleaseAttempts()+1, cause.Error(), gpus...)
-	switch {
-	case err != nil:
-		w.log.Error("quarantine a failing GPU", zap.String("instance_id", l.ID()), zap.Strings("device_ids", gpus), zap.Error(err))
-	case added:
-		w.log.Warn("GPU quarantined: placement skips it until an operator clears it (vmflow-hostagent devices clear)",
-			zap.String("instance_id", l.ID()), zap.Strings("device_ids", gpus), zap.NamedError("cause", cause))
-	}
+	return gpus
 }
 
 // rollback undoes the held whole-GPU leases of a failed claim while the
