@@ -69,7 +69,7 @@ type Strike struct {
 type Quarantine struct {
 	path, strikes, lock string
 	after               int
-	now        func() time.Time
+	now                 func() time.Time
 }
 
 // NewQuarantine is the quarantine of the state dir; a device is quarantined
