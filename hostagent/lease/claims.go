@@ -91,6 +91,9 @@ type Claims struct {
 	seen    scanSeen // Scan's own first sightings of unclaimed devices
 	scanFDs func(context.Context) (*proc.FDScan, error)
 	quar    *Quarantine
+	// eng runs the protocol for the vGPU leases these claims make (its
+	// one driver is LeaseDriver): Release is the engine's.
+	eng *Engine
 }
 
 // WithDefaults is c with every zero field that has a default set to it.
@@ -134,6 +137,8 @@ func New(cfg Config) (*Claims, error) {
 		return nil, err
 	}
 	c.drv = drv
+	c.eng = NewEngine(EngineConfig{Store: cfg.Store, Quarantine: cfg.Quarantine, IgnoreUninspectable: cfg.IgnoreUninspectable, Logger: cfg.Logger, Now: cfg.Now})
+	c.eng.Register(c.LeaseDriver())
 	return c, nil
 }
 

@@ -21,76 +21,56 @@ import (
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
-// Release releases every vGPU instance id holds, each refused while the VM
-// may live (ErrVMAlive) or its VFIO node is held (ErrDeviceHeld). A failure
-// keeps that lease and moves to ReleaseFailed (invariant 1); the others are
-// released all the same. released: every held lease is released now.
+// Release releases every vGPU instance id holds, through the engine
+// (Engine.Release): each refused while the VM may live (ErrVMAlive) or its
+// VFIO node is held (ErrDeviceHeld). A failure keeps that lease and moves
+// to ReleaseFailed (invariant 1); the others are released all the same.
+// released: every held vGPU lease is released now.
 func (c *Claims) Release(ctx context.Context, id string) (released bool, devices []string, err error) {
-	l, rec, err := lockToRelease(ctx, c.st, id, "vGPUs")
-	if l == nil || err != nil {
-		return false, nil, err
+	out, err := c.eng.Release(ctx, id, store.KindVGPU)
+	for _, l := range out.Released {
+		devices = append(devices, store.ClaimDevice(l.GetVgpu()))
 	}
-	defer l.Unlock()
-	held := store.HeldVGPUs(rec)
-	var errs []error
-	for _, lease := range held {
-		dev, err := c.releaseLocked(ctx, l, rec, lease)
-		if err != nil {
-			errs = append(errs, fmt.Errorf("vGPU %s: %w", dev, err))
-			continue
-		}
-		devices = append(devices, dev)
-	}
-	return len(held) > 0 && len(errs) == 0, devices, errors.Join(errs...)
+	return out.All, devices, err
 }
 
-// releaseLocked releases one held vGPU lease of the locked instance rec.
-func (c *Claims) releaseLocked(ctx context.Context, l *store.Locked, rec *vmflowv1.InstanceRecord, lease *vmflowv1.Lease) (string, error) {
-	name := store.LeaseName(lease)
-	dev := deviceOf(lease, c.drv.Kind())
-	// Invariant 10 first: a device another claim names is not ours to
-	// release, whatever sysfs says about it.
-	err := c.ownDevice(ctx, l.ID(), lease)
-	if err == nil {
-		err = c.mayRelease(ctx, rec, dev, proc.Holders)
-	}
-	if err != nil {
-		c.recordFailure(l, name, err)
-		return dev.ID, err
-	}
-	if _, err := l.Apply(store.LeaseReleasing(name)); err != nil {
-		return dev.ID, err
-	}
-	crashpoint.Hit(crashpoint.ReleaseReleasing)
-	if err := c.drv.Release(ctx, dev); err != nil {
-		c.recordFailure(l, name, err)
-		strikeIfFault(ctx, c.quar, c.log, l.ID(), err, quarantineKey(dev))
-		return dev.ID, err
-	}
-	crashpoint.Hit(crashpoint.ReleaseWritten)
-	succeeded(ctx, c.quar, c.log, quarantineKey(dev))
-	if _, err := l.Apply(store.LeaseReleased(name, c.now())); err != nil {
-		// The device is gone but the record still holds the claim: the next
-		// release finds it "already gone" and records it then.
-		return dev.ID, fmt.Errorf("record release of %s: %w", dev.ID, err)
-	}
-	crashpoint.Hit(crashpoint.ReleaseRecorded)
-	c.log.Info("vGPU released", zap.String("instance_id", l.ID()), zap.String("device_id", dev.ID))
-	return dev.ID, nil
+// vgpuDriver is the engine's driver of vGPU leases (mdev or vendor VF,
+// as the host's gpu.Driver makes them).
+type vgpuDriver struct{ c *Claims }
+
+var _ Driver = vgpuDriver{}
+
+// LeaseDriver is the engine's driver of the vGPU leases these claims make.
+func (c *Claims) LeaseDriver() Driver { return vgpuDriver{c} }
+
+func (d vgpuDriver) Kind() string { return store.KindVGPU }
+
+func (d vgpuDriver) Owned(ctx context.Context, id string, l *vmflowv1.Lease) error {
+	return d.c.ownDevice(ctx, id, l)
+}
+
+func (d vgpuDriver) Nodes(_ context.Context, l *vmflowv1.Lease) ([]string, error) {
+	n, err := d.c.vfioNode(deviceOf(l, d.c.drv.Kind()))
+	return []string{n}, err
+}
+
+// Release removes the vGPU; one already gone is released (the driver's
+// rule), and a write still in flight is ErrReleaseInProgress (Busy).
+func (d vgpuDriver) Release(ctx context.Context, _ string, l *vmflowv1.Lease) error {
+	return d.c.drv.Release(ctx, deviceOf(l, d.c.drv.Kind()))
+}
+
+func (d vgpuDriver) Devices(l *vmflowv1.Lease) []string {
+	return []string{quarantineKey(deviceOf(l, d.c.drv.Kind()))}
+}
+
+func (d vgpuDriver) Points() ReleasePoints {
+	return ReleasePoints{Releasing: crashpoint.ReleaseReleasing, Done: crashpoint.ReleaseWritten, Recorded: crashpoint.ReleaseRecorded}
 }
 
 // holdersFunc answers who holds a path: proc.Holders (a fresh walk of
 // /proc, before a release) or one FDScan shared by a scan's items.
 type holdersFunc func(ctx context.Context, path string) ([]proc.Holder, error)
-
-// mayRelease is invariant 2: the VM's group confirmed gone (an unproven
-// absence counts as alive) and nothing holding the device's VFIO node.
-func (c *Claims) mayRelease(ctx context.Context, rec *vmflowv1.InstanceRecord, dev gpu.Device, holders holdersFunc) error {
-	if err := vmGone(c.st, rec); err != nil {
-		return err
-	}
-	return c.deviceFree(ctx, dev, holders)
-}
 
 // vmGone is the VM's half of invariant 2: rec's whole thread group must be
 // confirmed gone (store.MayQEMULive, an unproven absence counting as
@@ -217,13 +197,6 @@ func succeeded(ctx context.Context, q *Quarantine, log *zap.Logger, devices ...s
 	defer cancel()
 	if err := q.Succeeded(ctx, devices...); err != nil {
 		log.Warn("reset a GPU's failure count", zap.Strings("device_ids", devices), zap.Error(err))
-	}
-}
-
-func (c *Claims) recordFailure(l *store.Locked, name string, cause error) {
-	_, err := l.Apply(store.LeaseReleaseFailed(name, cause.Error()))
-	if err != nil {
-		c.log.Error("record release failure", zap.String("instance_id", l.ID()), zap.Error(err), zap.NamedError("cause", cause))
 	}
 }
 

@@ -64,7 +64,7 @@ func (c *Claims) Scan(ctx context.Context) (Work, error) {
 			return "wake:" + r.GetId()
 		case roundRelease:
 			if slices.ContainsFunc(store.HeldVGPUs(r), func(l *vmflowv1.Lease) bool {
-				return c.mayRelease(ctx, r, deviceOf(l, c.drv.Kind()), holders) == nil
+				return c.eng.mayRelease(ctx, r, c.LeaseDriver(), l, holders) == nil
 			}) {
 				return "release:" + r.GetId()
 			}

@@ -206,9 +206,9 @@ func ClaimDevice(c *vmflowv1.VgpuLease) string {
 	return c.GetUuid()
 }
 
-// describeLease is l for messages: "vgpu lease (profile "p", device d,
+// DescribeLease is l for messages: "vgpu lease (profile "p", device d,
 // phase ACTIVE)".
-func describeLease(l *vmflowv1.Lease) string {
+func DescribeLease(l *vmflowv1.Lease) string {
 	switch r := l.GetResource().(type) {
 	case *vmflowv1.Lease_Vgpu:
 		return fmt.Sprintf("vgpu lease (profile %q, device %s, phase %s)", r.Vgpu.GetProfile(), ClaimDevice(r.Vgpu), l.GetPhase())

@@ -437,7 +437,7 @@ func LeaseIntent(lease *vmflowv1.Lease, at time.Time) Step {
 		n := LeaseName(lease)
 		for _, have := range r.GetLeases() {
 			if LeaseName(have) == n || (lease.GetNetwork() != nil && have.GetNetwork() != nil) {
-				return refuse(name, r, ErrConflict, "the record already has %s", describeLease(have))
+				return refuse(name, r, ErrConflict, "the record already has %s", DescribeLease(have))
 			}
 		}
 		l := proto.CloneOf(lease)
@@ -641,7 +641,7 @@ func MayRemove(rec *vmflowv1.InstanceRecord) error {
 	// Leases first, whatever the state: a held GPU is the reason an
 	// operator most needs to read.
 	if held := HeldLeases(rec); len(held) > 0 {
-		return fmt.Errorf("%w: %s; release it first", ErrClaimHeld, describeLease(held[0]))
+		return fmt.Errorf("%w: %s; release it first", ErrClaimHeld, DescribeLease(held[0]))
 	}
 	if err := MayQEMULive(rec, false, nil); err != nil {
 		return fmt.Errorf("%w: %w; stop it and wait for its exit first", ErrProcessMayLive, err)

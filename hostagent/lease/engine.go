@@ -1,0 +1,273 @@
+package lease
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"time"
+
+	"go.uber.org/zap"
+
+	"vmflow/hostagent/proc"
+	"vmflow/hostagent/store"
+	"vmflow/internal/crashpoint"
+	"vmflow/internal/errdefs"
+	vmflowv1 "vmflow/proto/vmflow/v1"
+)
+
+// Driver is one kind of lease (a vGPU, a whole GPU, a place on the
+// network), as a Nomad device plugin is one kind of device: it knows its
+// resource, and the engine runs the protocol around it, never switching
+// on the kind. Adding a kind is a proto message, one Driver and one
+// Register call.
+//
+// Every method is called under the instance's lock.
+type Driver interface {
+	// Kind is store.LeaseKind of the leases it serves.
+	Kind() string
+	// Owned refuses (an error wrapping gpu.ErrClaimedByOther or the
+	// kind's own conflict) when another instance's held lease names what
+	// l names: then it is not this instance's to release (invariant 10).
+	Owned(ctx context.Context, id string, l *vmflowv1.Lease) error
+	// Nodes are the device nodes no process may hold when l's resource
+	// is released (a VFIO group's node); "" for a device already gone.
+	// An error means it cannot tell, which refuses the release.
+	Nodes(ctx context.Context, l *vmflowv1.Lease) ([]string, error)
+	// Release gives l's resource back; a resource that no longer exists
+	// is released. Its error is the device's failure unless it is Busy
+	// (a write still in flight) or the context's.
+	Release(ctx context.Context, id string, l *vmflowv1.Lease) error
+	// Devices are what a failure of l's resource counts against toward
+	// quarantine (a VF, an mdev's parent GPU, a whole GPU's display
+	// functions); none for a kind never quarantined.
+	Devices(l *vmflowv1.Lease) []string
+	// Points are the crash points at the release's persisted steps.
+	Points() ReleasePoints
+}
+
+// Released is implemented by a driver with work once a release is
+// recorded (the network's filter element); its failure is only logged:
+// the resource is released.
+type Released interface {
+	Released(ctx context.Context, id string, l *vmflowv1.Lease)
+}
+
+// ReleasePoints name a kind's crash points: after its lease says
+// releasing, after its resource was given back, after the release is
+// recorded.
+type ReleasePoints struct{ Releasing, Done, Recorded string }
+
+// ErrKindNotServed: the instance holds a lease of a kind this agent has
+// no driver for (started without the host's GPU driver or network). Its
+// release cannot end until the agent serves the kind: NoDriver, so the
+// delete parks needing attention rather than retrying blind.
+var ErrKindNotServed = errdefs.NoDriver.New("lease cannot be served by this agent")
+
+// EngineConfig configures an Engine.
+type EngineConfig struct {
+	Store *store.Store
+	// Quarantine counts the devices' failures (nil: none counted).
+	Quarantine *Quarantine
+	// IgnoreUninspectable: see Config.IgnoreUninspectable.
+	IgnoreUninspectable []int
+	Logger              *zap.Logger
+	Now                 func() time.Time
+}
+
+// Engine runs the lease protocol once for every kind: a release only
+// once the VM's whole thread group is gone and no process holds its
+// device's node (MayRelease), the failure recorded on the lease with the
+// record kept, the device's own failures counted toward its quarantine,
+// and the lease released only when its resource is.
+type Engine struct {
+	st      *store.Store
+	quar    *Quarantine
+	ignore  []int
+	log     *zap.Logger
+	now     func() time.Time
+	holders holdersFunc
+	drivers []registered
+}
+
+type registered struct {
+	Driver
+	afterOthers bool
+}
+
+// NewEngine returns an engine with no driver yet.
+func NewEngine(cfg EngineConfig) *Engine {
+	c := Config{Store: cfg.Store, Logger: cfg.Logger, Now: cfg.Now}.WithDefaults()
+	return &Engine{st: cfg.Store, quar: cfg.Quarantine, ignore: cfg.IgnoreUninspectable, log: c.Logger, now: c.Now, holders: proc.Holders}
+}
+
+// RegisterOption shapes how a driver's leases are released.
+type RegisterOption func(*registered)
+
+// AfterOthers releases the kind's leases only once every lease of the
+// kinds registered before it is released: the network's address goes
+// back last, never while a device the VM held is unreleased.
+func AfterOthers() RegisterOption { return func(r *registered) { r.afterOthers = true } }
+
+// Register adds a driver; kinds are released in the order registered.
+// Registering a kind twice replaces it.
+func (e *Engine) Register(d Driver, opts ...RegisterOption) {
+	r := registered{Driver: d}
+	for _, o := range opts {
+		o(&r)
+	}
+	if i := slices.IndexFunc(e.drivers, func(x registered) bool { return x.Kind() == d.Kind() }); i >= 0 {
+		e.drivers[i] = r
+		return
+	}
+	e.drivers = append(e.drivers, r)
+}
+
+// Serves reports whether a driver of kind is registered.
+func (e *Engine) Serves(kind string) bool { return e.driver(kind) != nil }
+
+func (e *Engine) driver(kind string) Driver {
+	for _, r := range e.drivers {
+		if r.Kind() == kind {
+			return r.Driver
+		}
+	}
+	return nil
+}
+
+// Outcome is what one Release did.
+type Outcome struct {
+	// All: every lease the instance held (of the kinds asked) is
+	// released now; false when it held none.
+	All bool
+	// Released are the leases released now, in release order.
+	Released []*vmflowv1.Lease
+}
+
+// Of are the leases of kind released now.
+func (o Outcome) Of(kind string) []*vmflowv1.Lease {
+	var out []*vmflowv1.Lease
+	for _, l := range o.Released {
+		if store.LeaseKind(l) == kind {
+			out = append(out, l)
+		}
+	}
+	return out
+}
+
+// Release releases every lease instance id holds (only those of kinds,
+// when given), kind by kind in the order registered, each lease only when
+// MayRelease allows it. A failure keeps that lease, records why and moves
+// the record to ReleaseFailed (invariant 1); the other leases are
+// released all the same, except the kinds registered AfterOthers. A lease
+// of a kind no driver serves is ErrKindNotServed. A record that is gone
+// has nothing to release.
+func (e *Engine) Release(ctx context.Context, id string, kinds ...string) (Outcome, error) {
+	var out Outcome
+	l, rec, err := lockToRelease(ctx, e.st, id, "leases")
+	if l == nil || err != nil {
+		return out, err
+	}
+	defer l.Unlock()
+	var held []*vmflowv1.Lease
+	for _, lease := range store.HeldLeases(rec) {
+		if len(kinds) == 0 || slices.Contains(kinds, store.LeaseKind(lease)) {
+			held = append(held, lease)
+		}
+	}
+	var errs []error
+	for _, lease := range held {
+		if !e.Serves(store.LeaseKind(lease)) {
+			errs = append(errs, fmt.Errorf("%w: instance %s holds a %s, and this agent runs without a driver for it: restart it with the host's %s driver, then retry",
+				ErrKindNotServed, id, store.DescribeLease(lease), store.LeaseKind(lease)))
+		}
+	}
+	for _, r := range e.drivers {
+		if r.afterOthers && len(errs) > 0 {
+			break
+		}
+		for _, lease := range held {
+			if store.LeaseKind(lease) != r.Kind() {
+				continue
+			}
+			if err := e.releaseOne(ctx, l, rec, r.Driver, lease); err != nil {
+				errs = append(errs, err)
+				continue
+			}
+			out.Released = append(out.Released, lease)
+		}
+	}
+	out.All = len(held) > 0 && len(errs) == 0
+	return out, errors.Join(errs...)
+}
+
+// releaseOne releases one held lease of the locked instance rec.
+func (e *Engine) releaseOne(ctx context.Context, l *store.Locked, rec *vmflowv1.InstanceRecord, d Driver, lease *vmflowv1.Lease) error {
+	name := store.LeaseName(lease)
+	fail := func(err error) error {
+		err = fmt.Errorf("%s: %w", store.DescribeLease(lease), err)
+		if _, rerr := l.Apply(store.LeaseReleaseFailed(name, err.Error())); rerr != nil {
+			e.log.Error("record release failure", zap.String("instance_id", l.ID()), zap.Error(rerr), zap.NamedError("cause", err))
+		}
+		return err
+	}
+	// Invariant 10 first: a resource another lease names is not ours to
+	// release, whatever the kernel says about it.
+	err := d.Owned(ctx, l.ID(), lease)
+	if err == nil {
+		err = e.mayRelease(ctx, rec, d, lease, e.holders)
+	}
+	if err != nil {
+		return fail(err) // a refusal: not the device's failure
+	}
+	if _, err := l.Apply(store.LeaseReleasing(name)); err != nil {
+		return err
+	}
+	pts := d.Points()
+	crashpoint.Hit(pts.Releasing)
+	if err := d.Release(ctx, l.ID(), lease); err != nil {
+		err = fail(err)
+		strikeIfFault(ctx, e.quar, e.log, l.ID(), err, d.Devices(lease)...)
+		return err
+	}
+	crashpoint.Hit(pts.Done)
+	succeeded(ctx, e.quar, e.log, d.Devices(lease)...)
+	if _, err := l.Apply(store.LeaseReleased(name, e.now())); err != nil {
+		// Given back, but the record still holds it: the next release
+		// finds it already gone and records it then.
+		return fmt.Errorf("record release of %s: %w", store.DescribeLease(lease), err)
+	}
+	crashpoint.Hit(pts.Recorded)
+	if after, ok := d.(Released); ok {
+		after.Released(ctx, l.ID(), lease)
+	}
+	e.log.Info("lease released", zap.String("instance_id", l.ID()), zap.String("kind", d.Kind()), zap.String("lease", name))
+	return nil
+}
+
+// MayRelease is invariant 2, decided here and nowhere else: rec's whole
+// thread group confirmed gone (an unproven absence counts as alive:
+// ErrVMAlive) and no process holding any node of the lease's device
+// (ErrDeviceHeld; one that cannot be inspected counts as a holder). A
+// refusal is retryable and never counts against the device.
+func (e *Engine) MayRelease(ctx context.Context, rec *vmflowv1.InstanceRecord, d Driver, lease *vmflowv1.Lease) error {
+	return e.mayRelease(ctx, rec, d, lease, e.holders)
+}
+
+// mayRelease is MayRelease asking holders who holds a node (one /proc
+// walk shared by a scan's items, or a fresh one before a release).
+func (e *Engine) mayRelease(ctx context.Context, rec *vmflowv1.InstanceRecord, d Driver, lease *vmflowv1.Lease, holders holdersFunc) error {
+	if err := vmGone(e.st, rec); err != nil {
+		return err
+	}
+	nodes, err := d.Nodes(ctx, lease)
+	if err != nil {
+		return err
+	}
+	for _, n := range nodes {
+		if err := nodeFree(ctx, n, holders, e.ignore); err != nil {
+			return err
+		}
+	}
+	return nil
+}
