@@ -151,11 +151,11 @@ func (s *scanSeen) set(next map[string]time.Time) {
 func (w *Whole) Scan(ctx context.Context) (Work, error) {
 	return scanRecords(ctx, w.st, w.scanFDs, func(r *vmflowv1.InstanceRecord, holders holdersFunc) string {
 		held := store.HeldPassthrough(r)
-		if len(held) == 0 || !store.IsDeleting(r) || vmGone(w.st, r) != nil {
+		if len(held) == 0 || !store.IsDeleting(r) {
 			return ""
 		}
 		if slices.ContainsFunc(held, func(l *vmflowv1.Lease) bool {
-			return nodeFree(ctx, w.drv.VFIONode(l.GetGpuPassthrough().GetIommuGroup()), holders, w.ignore) == nil
+			return w.eng.mayRelease(ctx, r, w.LeaseDriver(), l, holders) == nil
 		}) {
 			return "release:" + r.GetId()
 		}

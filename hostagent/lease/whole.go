@@ -57,6 +57,8 @@ type Whole struct {
 	// seen and scanFDs serve Scan, as Claims' do.
 	seen    scanSeen
 	scanFDs func(context.Context) (*proc.FDScan, error)
+	// eng runs the protocol for the whole-GPU leases (LeaseDriver).
+	eng *Engine
 }
 
 // NewWhole returns the whole-GPU claims over cfg.Driver and cfg.Store.
@@ -65,8 +67,11 @@ func NewWhole(cfg WholeConfig) (*Whole, error) {
 		return nil, fmt.Errorf("passthrough claims: %w: no driver or store", gpu.ErrInvalid)
 	}
 	c := Config{Store: cfg.Store, OrphanGrace: cfg.OrphanGrace, Logger: cfg.Logger, Now: cfg.Now}.WithDefaults()
-	return &Whole{drv: cfg.Driver, st: cfg.Store, grace: c.OrphanGrace, ignore: cfg.IgnoreUninspectable, log: c.Logger, now: c.Now, quar: cfg.Quarantine,
-		ledger: filepath.Join(cfg.Store.StateDir(), "passthrough-unclaimed.json"), scanFDs: proc.ScanFDs}, nil
+	w := &Whole{drv: cfg.Driver, st: cfg.Store, grace: c.OrphanGrace, ignore: cfg.IgnoreUninspectable, log: c.Logger, now: c.Now, quar: cfg.Quarantine,
+		ledger: filepath.Join(cfg.Store.StateDir(), "passthrough-unclaimed.json"), scanFDs: proc.ScanFDs}
+	w.eng = NewEngine(EngineConfig{Store: cfg.Store, Quarantine: cfg.Quarantine, IgnoreUninspectable: cfg.IgnoreUninspectable, Logger: c.Logger, Now: c.Now})
+	w.eng.Register(w.LeaseDriver())
+	return w, nil
 }
 
 // Driver is the passthrough driver the claims use.
@@ -302,64 +307,17 @@ func (w *Whole) ownGroup(ctx context.Context, id string, lease *vmflowv1.Lease) 
 	return err
 }
 
-// Release returns every whole GPU instance id holds, each only when the VM
-// may not live and nothing holds its group's VFIO node (invariant 2), as
-// Claims.Release does vGPUs: a failed unbind, reset or rebind keeps that
-// lease and moves the record to ReleaseFailed; the others are released.
-// devices names the functions returned now.
+// Release returns every whole GPU instance id holds, through the engine
+// (Engine.Release, with wholeDriver): each only when the VM may not live
+// and nothing holds its group's VFIO node (invariant 2); a failed unbind,
+// reset or rebind keeps that lease and moves the record to ReleaseFailed;
+// the others are released. devices names the functions returned now.
 func (w *Whole) Release(ctx context.Context, id string) (released bool, devices []string, err error) {
-	l, rec, err := lockToRelease(ctx, w.st, id, "whole GPUs")
-	if l == nil || err != nil {
-		return false, nil, err
+	out, err := w.eng.Release(ctx, id, store.KindPassthrough)
+	for _, l := range out.Released {
+		devices = append(devices, store.PassthroughDevices(l)...)
 	}
-	defer l.Unlock()
-	held := store.HeldPassthrough(rec)
-	var errs []error
-	for _, lease := range held {
-		if err := w.releaseLocked(ctx, l, rec, lease); err != nil {
-			errs = append(errs, fmt.Errorf("whole GPU of IOMMU group %s: %w", lease.GetGpuPassthrough().GetIommuGroup(), err))
-			continue
-		}
-		devices = append(devices, store.PassthroughDevices(lease)...)
-	}
-	return len(held) > 0 && len(errs) == 0, devices, errors.Join(errs...)
-}
-
-func (w *Whole) releaseLocked(ctx context.Context, l *store.Locked, rec *vmflowv1.InstanceRecord, lease *vmflowv1.Lease) error {
-	name := store.LeaseName(lease)
-	fail := func(err error) error {
-		if _, rerr := l.Apply(store.LeaseReleaseFailed(name, err.Error())); rerr != nil {
-			w.log.Error("record release failure", zap.String("instance_id", l.ID()), zap.Error(rerr), zap.NamedError("cause", err))
-		}
-		return err
-	}
-	err := w.ownGroup(ctx, l.ID(), lease)
-	if err == nil {
-		err = vmGone(w.st, rec)
-	}
-	if err == nil {
-		err = nodeFree(ctx, w.drv.VFIONode(lease.GetGpuPassthrough().GetIommuGroup()), proc.Holders, w.ignore)
-	}
-	if err != nil {
-		return fail(err)
-	}
-	if _, err := l.Apply(store.LeaseReleasing(name)); err != nil {
-		return err
-	}
-	crashpoint.Hit(crashpoint.PassthroughReleasing)
-	if err := w.drv.Return(ctx, bindingOf(lease)); err != nil {
-		err = fail(err)
-		strikeIfFault(ctx, w.quar, w.log, l.ID(), err, wholeGPUs(lease)...)
-		return err
-	}
-	crashpoint.Hit(crashpoint.PassthroughReturned)
-	succeeded(ctx, w.quar, w.log, wholeGPUs(lease)...)
-	if _, err := l.Apply(store.LeaseReleased(name, w.now())); err != nil {
-		return fmt.Errorf("record return of IOMMU group %s: %w", lease.GetGpuPassthrough().GetIommuGroup(), err)
-	}
-	crashpoint.Hit(crashpoint.PassthroughReleased)
-	w.log.Info("whole GPU released", zap.String("instance_id", l.ID()), zap.String("iommu_group", lease.GetGpuPassthrough().GetIommuGroup()))
-	return nil
+	return out.All, devices, err
 }
 
 // wholeGPUs are the GPUs (display functions) of a whole-GPU lease: what
