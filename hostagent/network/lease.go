@@ -2,7 +2,6 @@ package network
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net/netip"
 	"os"
@@ -10,6 +9,7 @@ import (
 	"go.uber.org/zap"
 
 	"vmflow/guest"
+	"vmflow/hostagent/lease"
 	"vmflow/hostagent/store"
 	"vmflow/internal/crashpoint"
 	vmflowv1 "vmflow/proto/vmflow/v1"
@@ -208,65 +208,77 @@ func (n *Net) DetachLocked(l *store.Locked) error {
 	return nil
 }
 
-// Release releases instance id's network lease: its TAP removed, then the
-// lease marked released, which returns the address to the pool. Refused
-// while the VM may live (ErrVMAlive). A failed release keeps the lease,
-// counts the attempt, records the error and moves the record to
-// ReleaseFailed; a later Release retries from the record. released is
-// false when the instance holds no network lease; name is its address.
+// Release releases instance id's network lease through the engine
+// (lease.Engine, with LeaseDriver): its TAP removed, then the lease marked
+// released, which returns the address to the pool, then its filter
+// element removed. Refused while the VM may live (lease.ErrVMAlive), by the
+// one rule every kind follows. A failed release keeps the lease, counts
+// the attempt, records the error and moves the record to ReleaseFailed; a
+// later Release retries from the record. released is false when the
+// instance holds no network lease; name is its address.
 func (n *Net) Release(ctx context.Context, id string) (released bool, name string, err error) {
-	l, err := n.cfg.Store.Lock(ctx, id)
+	eng := lease.NewEngine(lease.EngineConfig{Store: n.cfg.Store, Logger: n.cfg.Logger, Now: n.cfg.Now})
+	eng.Register(n.LeaseDriver())
+	out, err := eng.Release(ctx, id, store.KindNetwork)
+	for _, l := range out.Released {
+		name = l.GetNetwork().GetAddress()
+	}
+	return out.All, name, err
+}
+
+// leaseDriver is the engine's driver of network leases: a TAP on the
+// bridge and an address of the host's subnet.
+type leaseDriver struct{ n *Net }
+
+var _ lease.Driver = leaseDriver{}
+
+// LeaseDriver is the engine's driver of the network leases n makes.
+// Register it lease.AfterOthers: the address goes back last.
+func (n *Net) LeaseDriver() lease.Driver { return leaseDriver{n} }
+
+func (d leaseDriver) Kind() string { return store.KindNetwork }
+
+// Owned refuses when another record's held lease names the address: the
+// TAP (named from the address) is then that instance's.
+func (d leaseDriver) Owned(_ context.Context, id string, l *vmflowv1.Lease) error {
+	addr, err := netip.ParsePrefix(l.GetNetwork().GetAddress())
 	if err != nil {
-		if errors.Is(err, store.ErrNotFound) {
-			return false, "", nil
-		}
-		return false, "", fmt.Errorf("release network of %s: %w", id, err)
+		return fmt.Errorf("%w: lease address %q", ErrInvalid, l.GetNetwork().GetAddress())
 	}
-	defer l.Unlock()
-	rec, err := l.Get()
-	if errors.Is(err, store.ErrNotFound) {
-		return false, "", nil
-	}
+	taken, _, err := d.n.held(id)
 	if err != nil {
-		return false, "", fmt.Errorf("release network of %s: %w", id, err)
+		return err
 	}
-	lease := store.Network(rec)
-	if !store.LeaseHeld(lease) {
-		return false, "", nil
+	if other, ok := taken[addr.Addr()]; ok && other != id {
+		return fmt.Errorf("%w: address %s is held by instance %s", ErrNotOurs, addr.Addr(), other)
 	}
-	lname := store.LeaseName(lease)
-	nl := lease.GetNetwork()
-	fail := func(err error) (bool, string, error) {
-		err = fmt.Errorf("release network of %s (%s): %w", id, nl.GetAddress(), err)
-		if _, rerr := l.Apply(store.LeaseReleaseFailed(lname, err.Error())); rerr != nil {
-			err = errors.Join(err, rerr)
-		}
-		return false, nl.GetAddress(), err
-	}
-	// Every agent that writes network leases writes the launch marker
-	// before a fork, so the record alone says whether a QEMU may live.
-	if err := store.MayQEMULive(rec, false, nil); err != nil {
-		return fail(fmt.Errorf("%w: %w", ErrVMAlive, err))
-	}
-	if _, err := l.Apply(store.LeaseReleasing(lname)); err != nil {
-		return false, nl.GetAddress(), fmt.Errorf("release network of %s: %w", id, err)
-	}
-	crashpoint.Hit(crashpoint.NetReleasing)
-	if err := n.removeTAP(nl.GetTap()); err != nil {
-		return fail(err)
-	}
-	crashpoint.Hit(crashpoint.NetTAPRemoved)
-	if _, err := l.Apply(store.LeaseReleased(lname, n.cfg.Now())); err != nil {
-		return false, nl.GetAddress(), fmt.Errorf("record release of network of %s: %w", id, err)
-	}
-	crashpoint.Hit(crashpoint.NetReleased)
-	if err := n.unguardPort(id, nl); err != nil {
+	return nil
+}
+
+// Nodes: QEMU gets its TAP as a descriptor; no device node to wait for.
+func (d leaseDriver) Nodes(context.Context, *vmflowv1.Lease) ([]string, error) { return nil, nil }
+
+// Release removes the TAP; one already gone is released.
+func (d leaseDriver) Release(_ context.Context, _ string, l *vmflowv1.Lease) error {
+	return d.n.removeTAP(l.GetNetwork().GetTap())
+}
+
+// Devices: an address is never quarantined.
+func (d leaseDriver) Devices(*vmflowv1.Lease) []string { return nil }
+
+func (d leaseDriver) Points() lease.ReleasePoints {
+	return lease.ReleasePoints{Releasing: crashpoint.NetReleasing, Done: crashpoint.NetTAPRemoved, Recorded: crashpoint.NetReleased}
+}
+
+// Released removes the lease's own element from the anti-spoofing filter.
+func (d leaseDriver) Released(_ context.Context, id string, l *vmflowv1.Lease) {
+	nl := l.GetNetwork()
+	if err := d.n.unguardPort(id, nl); err != nil {
 		// Its TAP is gone, so the element passes nothing; the next
 		// rebuild, or the next lease of the address, replaces it.
-		n.cfg.Logger.Warn("network filter element not removed", zap.String("instance_id", id), zap.String("tap", nl.GetTap()), zap.Error(err))
+		d.n.cfg.Logger.Warn("network filter element not removed", zap.String("instance_id", id), zap.String("tap", nl.GetTap()), zap.Error(err))
 	}
-	n.cfg.Logger.Info("network released", zap.String("instance_id", id), zap.String("address", nl.GetAddress()), zap.String("tap", nl.GetTap()))
-	return true, nl.GetAddress(), nil
+	d.n.cfg.Logger.Info("network released", zap.String("instance_id", id), zap.String("address", nl.GetAddress()), zap.String("tap", nl.GetTap()))
 }
 
 // KernelParam is the guest's network as its init reads it from the kernel

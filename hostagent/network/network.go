@@ -26,6 +26,7 @@ import (
 	"github.com/vishvananda/netns"
 	"go.uber.org/zap"
 
+	"vmflow/hostagent/lease"
 	"vmflow/hostagent/store"
 	"vmflow/internal/errdefs"
 	"vmflow/internal/fsx"
@@ -52,8 +53,8 @@ var (
 	// tool made it); it is never touched.
 	ErrNotOurs = errdefs.Conflict.New("network: link is not this lease's TAP")
 	// ErrVMAlive: the VM may still run, so its TAP and address are kept
-	// (invariant 2).
-	ErrVMAlive = errdefs.StillAlive.New("network: VM may still be running")
+	// (invariant 2): the lease engine's one refusal, for every kind.
+	ErrVMAlive = lease.ErrVMAlive
 	// ErrLeaseNotActive: the lease is releasing: no launch may use it.
 	ErrLeaseNotActive = errdefs.DeviceMissing.New("network: lease not active")
 )
