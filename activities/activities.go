@@ -6,11 +6,9 @@
 package activities
 
 import (
-	"cmp"
 	"context"
 	"errors"
 	"fmt"
-	"slices"
 	"sync"
 	"time"
 
@@ -20,6 +18,7 @@ import (
 
 	"vmflow/hostagent/admission"
 	"vmflow/hostagent/gpu"
+	"vmflow/hostagent/lease"
 	"vmflow/hostagent/metrics"
 	"vmflow/hostagent/network"
 	"vmflow/hostagent/proc"
@@ -28,7 +27,6 @@ import (
 	"vmflow/hostagent/vmm"
 	"vmflow/internal/contract"
 	"vmflow/internal/crashpoint"
-	"vmflow/internal/errdefs"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 	"vmflow/workflows"
 )
@@ -46,6 +44,8 @@ type GPUs interface {
 	// when it held none or one failed, devices names those released now.
 	// It refuses while the VM may live or a device is held.
 	Release(ctx context.Context, instanceID string) (released bool, devices []string, err error)
+	// LeaseDriver is the lease engine's driver of vGPU leases.
+	LeaseDriver() lease.Driver
 	// Reconcile runs one reconcile round over the host.
 	Reconcile(ctx context.Context) (*vmflowv1.ReconcileVGPUResult, error)
 }
@@ -63,6 +63,9 @@ type Activities struct {
 	Whole WholeGPUs
 	// Network is nil on a host without a network (no --net-subnet).
 	Network *network.Net
+	// LeaseConfig configures the lease engine the release stage runs
+	// over the drivers above (its quarantine, its uninspectable pids).
+	LeaseConfig lease.EngineConfig
 	// AttachVGPU adds the claimed device to QEMU's command line. Only the
 	// vgpu-sim simulator turns it off: QEMU cannot open simulated devices.
 	AttachVGPU bool
@@ -193,8 +196,15 @@ func (a *Activities) CreateRecord(ctx context.Context, req *vmflowv1.SpawnReques
 	}, nil
 }
 
-// ClaimVGPU claims a vGPU of the requested profile for the instance.
+// ClaimVGPU is ClaimDevices under the name histories recorded before the
+// lease engine: a workflow that scheduled it still finds it.
 func (a *Activities) ClaimVGPU(ctx context.Context, req *vmflowv1.ClaimVGPURequest) (*vmflowv1.ClaimVGPUResult, error) {
+	return a.ClaimDevices(ctx, req)
+}
+
+// ClaimDevices gives the instance the GPUs it asks for: vgpu_count vGPUs
+// of its profile, or gpu_passthrough_count whole GPUs, all or none.
+func (a *Activities) ClaimDevices(ctx context.Context, req *vmflowv1.ClaimVGPURequest) (*vmflowv1.ClaimVGPUResult, error) {
 	log, err := a.begin(ctx, req.GetInstanceId())
 	if err != nil {
 		return nil, err
@@ -216,7 +226,7 @@ func (a *Activities) ClaimVGPU(ctx context.Context, req *vmflowv1.ClaimVGPUReque
 	if err != nil {
 		return nil, classify(fmt.Errorf("claim vGPU: %w", err))
 	}
-	crashpoint.Hit(crashpoint.ActivityClaimVGPUDone)
+	crashpoint.Hit(crashpoint.ActivityClaimDevicesDone)
 	res := &vmflowv1.ClaimVGPUResult{}
 	for _, lease := range leases {
 		res.DeviceIds = append(res.DeviceIds, store.ClaimDevice(lease.GetVgpu()))
@@ -410,124 +420,82 @@ func (a *Activities) WaitVMExit(ctx context.Context, ref *vmflowv1.InstanceRef) 
 	return nil
 }
 
-// ReleaseVGPU releases every lease the instance holds, each by its kind's
-// releaser, which refuses while the VM may live (invariants 2 and 1: a failure
-// keeps lease and record, and the workflow retries). Named for the first kind.
-func (a *Activities) ReleaseVGPU(ctx context.Context, ref *vmflowv1.InstanceRef) (*vmflowv1.ReleaseVGPUResult, error) {
+// ReleaseLeases releases every lease the instance holds through the lease
+// engine (lease.Engine: one may-release rule, each kind by its driver, the
+// network's address last), which refuses while the VM may live
+// (invariants 2 and 1: a failure keeps lease and record, and the workflow
+// retries).
+func (a *Activities) ReleaseLeases(ctx context.Context, ref *vmflowv1.InstanceRef) (*vmflowv1.ReleaseVGPUResult, error) {
 	log, err := a.begin(ctx, ref.GetInstanceId())
 	if err != nil {
 		return nil, err
 	}
-	rec, err := a.Store.Get(ref.GetInstanceId())
-	if err != nil && !errors.Is(err, store.ErrNotFound) {
-		return nil, classify(fmt.Errorf("release vGPU of %s: %w", ref.GetInstanceId(), err))
-	}
-	res := &vmflowv1.ReleaseVGPUResult{}
-	var errs []error
 	stop := heartbeat(ctx, heartbeatEvery, func() string { return "releasing the leases of " + ref.GetInstanceId() })
-	done := map[string]bool{} // a releaser releases every lease of its kind
-	for _, lease := range releaseOrder(store.HeldLeases(rec)) {
-		if lease.GetNetwork() != nil && len(errs) > 0 {
-			// The address goes back last: not while a device the VM
-			// held is still unreleased.
-			break
-		}
-		kind := store.LeaseKind(lease)
-		if done[kind] {
-			continue
-		}
-		done[kind] = true
-		release, ok := a.releasers()[kind]
-		if !ok {
-			errs = append(errs, a.unservedLease(ref.GetInstanceId(), lease))
-			continue
-		}
-		released, names, err := release(ctx, ref.GetInstanceId())
-		if kind == store.KindVGPU {
-			res.Released, res.DeviceIds = released, names
-			if len(names) > 0 {
-				res.DeviceId = names[0]
-				log.Info("vGPU released", zap.Strings("device_ids", names))
-			}
-		}
-		if err != nil {
-			errs = append(errs, err)
-		}
-	}
+	out, err := LeaseEngine(a).Release(ctx, ref.GetInstanceId())
 	stop()
-	if err := errors.Join(errs...); err != nil {
+	res := &vmflowv1.ReleaseVGPUResult{}
+	if vg := out.Of(store.KindVGPU); len(vg) > 0 {
+		for _, l := range vg {
+			res.DeviceIds = append(res.DeviceIds, store.ClaimDevice(l.GetVgpu()))
+		}
+		res.DeviceId, res.Released = res.DeviceIds[0], err == nil
+		log.Info("vGPU released", zap.Strings("device_ids", res.DeviceIds))
+	}
+	if err != nil {
 		if a.Metrics != nil {
 			a.Metrics.ReleaseFailures.WithLabelValues(errnoName(err)).Inc()
 		}
 		// The leases and the record are kept; the error goes back to the
 		// workflow, which retries (logged by the SDK, not here).
-		ce := classify(fmt.Errorf("release vGPU of %s: %w", ref.GetInstanceId(), err))
-		if errors.Is(err, errVGPUUnavailable) {
+		ce := classify(fmt.Errorf("release leases of %s: %w", ref.GetInstanceId(), err))
+		if errors.Is(err, lease.ErrKindNotServed) {
 			return nil, ce
 		}
 		return nil, retype(ce, workflows.ErrTypeReleaseFailed)
 	}
-	crashpoint.Hit(crashpoint.ActivityReleaseVGPUDone)
+	crashpoint.Hit(crashpoint.ActivityReleaseLeasesDone)
+	log.Info("leases released", zap.Int("released", len(out.Released)))
 	return res, nil
 }
 
-// releaser releases every lease of one kind an instance holds: released is
-// false when it held none or one failed, names names those released now.
-type releaser func(ctx context.Context, instanceID string) (released bool, names []string, err error)
-
-// releasers are the release stage's releaser per lease kind this agent
-// serves (store.LeaseKind): a kind the host has no driver for is absent.
-func (a *Activities) releasers() map[string]releaser {
-	m := map[string]releaser{}
-	if a.GPUs != nil {
-		m[store.KindVGPU] = a.GPUs.Release
-	}
-	if a.Whole != nil {
-		m[store.KindPassthrough] = a.Whole.Release
-	}
-	if a.Network != nil {
-		m[store.KindNetwork] = func(ctx context.Context, id string) (bool, []string, error) {
-			released, addr, err := a.Network.Release(ctx, id)
-			if addr == "" {
-				return released, nil, err
-			}
-			return released, []string{addr}, err
-		}
-	}
-	return m
+// ReleaseVGPU is ReleaseLeases under the name histories recorded before
+// the lease engine: a workflow that scheduled it still finds it.
+func (a *Activities) ReleaseVGPU(ctx context.Context, ref *vmflowv1.InstanceRef) (*vmflowv1.ReleaseVGPUResult, error) {
+	return a.ReleaseLeases(ctx, ref)
 }
 
-// releaseOrder is leases with the network lease last: the TAP and address
-// are given back after every device.
-func releaseOrder(leases []*vmflowv1.Lease) []*vmflowv1.Lease {
-	out := slices.Clone(leases)
-	slices.SortStableFunc(out, func(a, b *vmflowv1.Lease) int {
-		return cmp.Compare(boolInt(a.GetNetwork() != nil), boolInt(b.GetNetwork() != nil))
-	})
-	return out
+// LeaseEngine is the engine of the drivers a's fields serve (made per
+// call: a few small structs, and fields set after a is made count). A
+// function, not a method: every exported method of Activities is
+// registered as an activity.
+func LeaseEngine(a *Activities) *lease.Engine {
+	cfg := a.LeaseConfig
+	if cfg.Store == nil {
+		cfg.Store = a.Store
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = a.Logger
+	}
+	return NewLeaseEngine(cfg, a.GPUs, a.Whole, a.Network)
 }
 
-func boolInt(b bool) int {
-	if b {
-		return 1
+// NewLeaseEngine is the host's lease engine over the drivers it serves
+// (a nil one is a kind the host has not): vGPUs, whole GPUs, then the
+// network, whose address is released only after every device.
+func NewLeaseEngine(cfg lease.EngineConfig, gpus GPUs, whole WholeGPUs, nw *network.Net) *lease.Engine {
+	eng := lease.NewEngine(cfg)
+	if gpus != nil {
+		eng.Register(gpus.LeaseDriver())
 	}
-	return 0
+	if whole != nil {
+		eng.Register(whole.LeaseDriver())
+	}
+	if nw != nil {
+		eng.Register(nw.LeaseDriver(), lease.AfterOthers())
+	}
+	return eng
 }
 
-// unservedLease parks the delete needing attention for a lease this agent has
-// no driver for (invariant 12 without losing 1): "released" would leave it
-// retrying a record the store refuses to remove.
-func (a *Activities) unservedLease(id string, lease *vmflowv1.Lease) error {
-	if c := lease.GetVgpu(); c != nil {
-		return fmt.Errorf("%w: it holds a %q claim on %s, and this agent runs without a vGPU driver (--vgpu-driver=none or no vGPU sysfs): restart it with the host's driver, then retry",
-			errVGPUUnavailable, c.GetProfile(), store.ClaimDevice(c))
-	}
-	if n := lease.GetNetwork(); n != nil {
-		return fmt.Errorf("%w: it holds the address %s (TAP %s), and this agent runs without a network (--net-subnet): restart it with the host's network, then retry",
-			errVGPUUnavailable, n.GetAddress(), n.GetTap())
-	}
-	return fmt.Errorf("%w: it holds a %s lease this agent cannot release", errVGPUUnavailable, store.LeaseKind(lease))
-}
 
 // TearDown removes the VM's QMP socket and pidfile, refusing while any QEMU of
 // the instance may live, recorded or not (supervise.TearDown).
@@ -542,10 +510,6 @@ func (a *Activities) TearDown(ctx context.Context, ref *vmflowv1.InstanceRef) er
 	log.Info("runtime files removed")
 	return nil
 }
-
-// errVGPUUnavailable: the instance holds a vGPU claim this agent has no
-// driver to serve.
-var errVGPUUnavailable = errdefs.NoDriver.New("vGPU claim cannot be served by this agent")
 
 // DeleteRecord removes the instance record. The store refuses while it holds
 // any lease (invariant 1); a record already gone is success.

@@ -84,7 +84,8 @@ func newHostPolicy(t *testing.T, policy func(*admission.Host)) *hostEnv {
 	if policy != nil {
 		policy(&host)
 	}
-	h.acts = &Activities{Store: h.st, Host: host, GPUs: gpus, AttachVGPU: false, DefaultGraceful: time.Second, Logger: log}
+	h.acts = &Activities{Store: h.st, Host: host, GPUs: gpus, AttachVGPU: false, DefaultGraceful: time.Second, Logger: log,
+		LeaseConfig: lease.EngineConfig{IgnoreUninspectable: proctest.UninspectableInit()}}
 	sup, err := supervise.New(supervise.Config{Store: h.st, Logger: log, GracefulTimeout: time.Second,
 		PrepareLaunch: admission.PrepareLaunch(host, gpus, false), ReadyTimeout: vmmtest.QEMUDeadline(vmm.DefaultReadyTimeout)})
 	require.NoError(t, err)
@@ -137,9 +138,9 @@ func TestSpawnAndDeleteThroughActivities(t *testing.T) {
 
 	var claim vmflowv1.ClaimVGPUResult
 	cin := &vmflowv1.ClaimVGPURequest{InstanceId: "vm1", VgpuProfile: req.GetVgpuProfile()}
-	require.NoError(t, h.run(t, a.ClaimVGPU, cin, &claim))
+	require.NoError(t, h.run(t, a.ClaimDevices, cin, &claim))
 	var again vmflowv1.ClaimVGPUResult
-	require.NoError(t, h.run(t, a.ClaimVGPU, cin, &again))
+	require.NoError(t, h.run(t, a.ClaimDevices, cin, &again))
 	assert.Equal(t, claim.GetDeviceId(), again.GetDeviceId())
 
 	var launched vmflowv1.LaunchVMResult
@@ -172,7 +173,7 @@ func TestSpawnAndDeleteThroughActivities(t *testing.T) {
 	// A failed release: typed, retryable, record and claim kept, and the
 	// record cannot be deleted.
 	h.sim.Set(t, vgpusim.CtlFailRelease, "EBUSY")
-	err = h.run(t, a.ReleaseVGPU, ref, nil)
+	err = h.run(t, a.ReleaseLeases, ref, nil)
 	ae := appError(t, err)
 	assert.Equal(t, workflows.ErrTypeReleaseFailed, ae.Type())
 	assert.False(t, ae.NonRetryable())
@@ -185,9 +186,9 @@ func TestSpawnAndDeleteThroughActivities(t *testing.T) {
 
 	h.sim.Clear(t, vgpusim.CtlFailRelease)
 	var rel vmflowv1.ReleaseVGPUResult
-	require.NoError(t, h.run(t, a.ReleaseVGPU, ref, &rel))
+	require.NoError(t, h.run(t, a.ReleaseLeases, ref, &rel))
 	assert.True(t, rel.GetReleased())
-	require.NoError(t, h.run(t, a.ReleaseVGPU, ref, &rel))
+	require.NoError(t, h.run(t, a.ReleaseLeases, ref, &rel))
 	assert.False(t, rel.GetReleased(), "nothing left to release")
 
 	require.NoError(t, h.run(t, a.TearDown, ref, nil))
@@ -227,7 +228,7 @@ func TestReconcileHostReleasesParkedDelete(t *testing.T) {
 	h := newHost(t)
 	a, req, ref := h.acts, spawnReq("vm1"), &vmflowv1.InstanceRef{InstanceId: "vm1"}
 	require.NoError(t, h.run(t, a.CreateRecord, req, nil))
-	require.NoError(t, h.run(t, a.ClaimVGPU, &vmflowv1.ClaimVGPURequest{InstanceId: "vm1", VgpuProfile: req.GetVgpuProfile()}, nil))
+	require.NoError(t, h.run(t, a.ClaimDevices, &vmflowv1.ClaimVGPURequest{InstanceId: "vm1", VgpuProfile: req.GetVgpuProfile()}, nil))
 	devices := func() []os.DirEntry {
 		t.Helper()
 		entries, err := os.ReadDir(h.sim.Path("bus", "mdev", "devices"))
@@ -242,7 +243,7 @@ func TestReconcileHostReleasesParkedDelete(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, h.run(t, a.StopVM, &vmflowv1.StopVMRequest{InstanceId: "vm1"}, nil))
 	h.sim.Set(t, vgpusim.CtlFailRelease, "EIO")
-	require.Error(t, h.run(t, a.ReleaseVGPU, ref, nil))
+	require.Error(t, h.run(t, a.ReleaseLeases, ref, nil))
 
 	host := &vmflowv1.ReconcileVGPURequest{HostId: "h1"}
 	var res vmflowv1.ReconcileVGPUResult
@@ -269,7 +270,7 @@ func TestReconcileHostReleasesParkedDelete(t *testing.T) {
 	assert.Zero(t, res.GetClaimsReleased(), "nothing left to release")
 	assert.Zero(t, res.GetFailed())
 	var rel vmflowv1.ReleaseVGPUResult
-	require.NoError(t, h.run(t, a.ReleaseVGPU, ref, &rel))
+	require.NoError(t, h.run(t, a.ReleaseLeases, ref, &rel))
 	assert.False(t, rel.GetReleased(), "the delete's own release finds it done")
 }
 
@@ -359,7 +360,7 @@ func TestClassify(t *testing.T) {
 		{store.ErrClaimHeld, workflows.ErrTypeClaimHeld, false},
 		{gpu.ErrNoCapacity, workflows.ErrTypeNoCapacity, false},
 		{store.ErrInvalidRecord, workflows.ErrTypeRecordUnreadable, true},
-		{errVGPUUnavailable, workflows.ErrTypeVGPUUnavailable, true},
+		{lease.ErrKindNotServed, workflows.ErrTypeVGPUUnavailable, true},
 		{gpu.ErrClaimedByOther, workflows.ErrTypeDeviceClaimedTwice, true},
 		{supervise.ErrUnrecordedAmbiguous, workflows.ErrTypeAmbiguousQEMU, true},
 		{supervise.ErrStillRunning, workflows.ErrTypeStillAlive, false},

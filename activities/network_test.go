@@ -46,7 +46,7 @@ func TestNetworkReleasedAfterVGPU(t *testing.T) {
 	req.Machine, req.Network = "q35", admission.NetworkDefault
 	ref := &vmflowv1.InstanceRef{InstanceId: "vm1"}
 	require.NoError(t, h.run(t, a.CreateRecord, req, nil))
-	require.NoError(t, h.run(t, a.ClaimVGPU, &vmflowv1.ClaimVGPURequest{InstanceId: "vm1", VgpuProfile: req.GetVgpuProfile()}, nil))
+	require.NoError(t, h.run(t, a.ClaimDevices, &vmflowv1.ClaimVGPURequest{InstanceId: "vm1", VgpuProfile: req.GetVgpuProfile()}, nil))
 	var launched vmflowv1.LaunchVMResult
 	require.NoError(t, h.run(t, a.LaunchVM, &vmflowv1.LaunchVMRequest{InstanceId: "vm1"}, &launched))
 	assert.Equal(t, "10.90.0.2/24", launched.GetIp())
@@ -59,7 +59,7 @@ func TestNetworkReleasedAfterVGPU(t *testing.T) {
 	require.NoError(t, h.run(t, a.WaitVMExit, ref, nil))
 
 	h.sim.Set(t, vgpusim.CtlFailRelease, "EBUSY")
-	require.Error(t, h.run(t, a.ReleaseVGPU, ref, nil))
+	require.Error(t, h.run(t, a.ReleaseLeases, ref, nil))
 	rec, err := h.st.Get("vm1")
 	require.NoError(t, err)
 	assert.True(t, store.ClaimHeld(rec))
@@ -67,7 +67,7 @@ func TestNetworkReleasedAfterVGPU(t *testing.T) {
 	assert.NotNil(t, nettest.Link(t, nh, tap))
 
 	h.sim.Clear(t, vgpusim.CtlFailRelease)
-	require.NoError(t, h.run(t, a.ReleaseVGPU, ref, nil))
+	require.NoError(t, h.run(t, a.ReleaseLeases, ref, nil))
 	rec, err = h.st.Get("vm1")
 	require.NoError(t, err)
 	assert.False(t, store.AnyLeaseHeld(rec))

@@ -151,7 +151,7 @@ func TestUnreadableRecordIsNotRetried(t *testing.T) {
 		{"LaunchVM", h.acts.LaunchVM, &vmflowv1.LaunchVMRequest{InstanceId: "vm1"}},
 		{"StopVM", h.acts.StopVM, &vmflowv1.StopVMRequest{InstanceId: "vm1"}},
 		{"WaitVMExit", h.acts.WaitVMExit, ref},
-		{"ReleaseVGPU", h.acts.ReleaseVGPU, ref},
+		{"ReleaseLeases", h.acts.ReleaseLeases, ref},
 		{"TearDown", h.acts.TearDown, ref},
 		{"DeleteRecord", h.acts.DeleteRecord, ref},
 	} {
@@ -174,7 +174,7 @@ func TestReleaseWithoutDriverKeepsClaim(t *testing.T) {
 
 	h.acts.GPUs = nil // as under --vgpu-driver=none
 	h.acts.Logger = zaptest.NewLogger(t)
-	err := h.run(t, h.acts.ReleaseVGPU, &vmflowv1.InstanceRef{InstanceId: "vm1"}, nil)
+	err := h.run(t, h.acts.ReleaseLeases, &vmflowv1.InstanceRef{InstanceId: "vm1"}, nil)
 	ae := appError(t, err)
 	assert.Equal(t, workflows.ErrTypeVGPUUnavailable, ae.Type())
 	assert.True(t, ae.NonRetryable())
@@ -186,7 +186,7 @@ func TestReleaseWithoutDriverKeepsClaim(t *testing.T) {
 	// Without a claim there is nothing to release, driver or not.
 	require.NoError(t, h.run(t, h.acts.CreateRecord, spawnReq("vm2"), nil))
 	var res vmflowv1.ReleaseVGPUResult
-	require.NoError(t, h.run(t, h.acts.ReleaseVGPU, &vmflowv1.InstanceRef{InstanceId: "vm2"}, &res))
+	require.NoError(t, h.run(t, h.acts.ReleaseLeases, &vmflowv1.InstanceRef{InstanceId: "vm2"}, &res))
 	assert.False(t, res.GetReleased())
 }
 

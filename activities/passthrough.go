@@ -8,6 +8,7 @@ import (
 	"go.uber.org/zap"
 
 	"vmflow/hostagent/admission"
+	"vmflow/hostagent/lease"
 	"vmflow/hostagent/store"
 	"vmflow/internal/crashpoint"
 	vmflowv1 "vmflow/proto/vmflow/v1"
@@ -21,6 +22,8 @@ type WholeGPUs interface {
 	Claim(ctx context.Context, instanceID, model string, count int) ([]*vmflowv1.Lease, error)
 	// Release returns every whole GPU the instance holds, as GPUs.Release.
 	Release(ctx context.Context, instanceID string) (released bool, devices []string, err error)
+	// LeaseDriver is the lease engine's driver of whole-GPU leases.
+	LeaseDriver() lease.Driver
 	// Reconcile runs one reconcile round over the host's whole GPUs.
 	Reconcile(ctx context.Context) (*vmflowv1.ReconcileVGPUResult, error)
 }
@@ -42,7 +45,7 @@ func (a *Activities) claimWhole(ctx context.Context, log *zap.Logger, req *vmflo
 	if err != nil {
 		return nil, classify(fmt.Errorf("claim whole GPU: %w", err))
 	}
-	crashpoint.Hit(crashpoint.ActivityClaimVGPUDone)
+	crashpoint.Hit(crashpoint.ActivityClaimDevicesDone)
 	res := &vmflowv1.ClaimVGPUResult{}
 	for _, l := range leases {
 		res.DeviceIds = append(res.DeviceIds, store.PassthroughDevices(l)...)

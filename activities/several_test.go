@@ -22,7 +22,7 @@ func TestTwoVGPUsThroughActivities(t *testing.T) {
 	require.NoError(t, h.run(t, a.ValidateSpawn, req, nil))
 	require.NoError(t, h.run(t, a.CreateRecord, req, nil))
 	var claim vmflowv1.ClaimVGPUResult
-	require.NoError(t, h.run(t, a.ClaimVGPU, &vmflowv1.ClaimVGPURequest{InstanceId: "vm2", VgpuProfile: req.GetVgpuProfile(), VgpuCount: 2}, &claim))
+	require.NoError(t, h.run(t, a.ClaimDevices, &vmflowv1.ClaimVGPURequest{InstanceId: "vm2", VgpuProfile: req.GetVgpuProfile(), VgpuCount: 2}, &claim))
 	require.Len(t, claim.GetDeviceIds(), 2)
 	assert.Equal(t, claim.GetDeviceIds()[0], claim.GetDeviceId())
 	var launched vmflowv1.LaunchVMResult
@@ -33,7 +33,7 @@ func TestTwoVGPUsThroughActivities(t *testing.T) {
 	require.NoError(t, h.run(t, a.StopVM, &vmflowv1.StopVMRequest{InstanceId: "vm2", GracefulTimeoutSeconds: 1}, nil))
 	require.NoError(t, h.run(t, a.WaitVMExit, ref, nil))
 	var rel vmflowv1.ReleaseVGPUResult
-	require.NoError(t, h.run(t, a.ReleaseVGPU, ref, &rel))
+	require.NoError(t, h.run(t, a.ReleaseLeases, ref, &rel))
 	assert.True(t, rel.GetReleased())
 	assert.ElementsMatch(t, claim.GetDeviceIds(), rel.GetDeviceIds())
 	rec, err := h.st.Get("vm2")

@@ -173,8 +173,8 @@ func TestBinariesServeMetrics(t *testing.T) {
 		want       []string
 	}{
 		{"vmflow-hostagent", agentAddr, agentOut, []string{
-			"vmflow_instances", "vmflow_stop_duration_seconds", "vmflow_exit_detect_seconds", "vmflow_vgpu_claims",
-			"vmflow_vgpu_release_failures_total", "vmflow_reattach_total", "vmflow_restarts_refused_total",
+			"vmflow_instances", "vmflow_stop_duration_seconds", "vmflow_exit_detect_seconds", "vmflow_leases",
+			"vmflow_lease_release_failures_total", "vmflow_reattach_total", "vmflow_restarts_refused_total",
 			"vmflow_restarts_device_missing_total", "vmflow_state_fs_free_bytes",
 			"vmflow_guest_log_dropped_bytes_total", "vmflow_records_unreadable", "vmflow_network_filter_dropped_frames_total",
 			// SDK metrics: the agent's activity worker polls its host queue.

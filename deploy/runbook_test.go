@@ -59,7 +59,7 @@ func (*stuckHost) ValidateSpawn(context.Context, *vmflowv1.SpawnRequest) error {
 func (*stuckHost) CreateRecord(context.Context, *vmflowv1.SpawnRequest) (*vmflowv1.CreateRecordResult, error) {
 	return &vmflowv1.CreateRecordResult{CreatedByThisSpawn: true}, nil
 }
-func (*stuckHost) ClaimVGPU(context.Context, *vmflowv1.ClaimVGPURequest) (*vmflowv1.ClaimVGPUResult, error) {
+func (*stuckHost) ClaimDevices(context.Context, *vmflowv1.ClaimVGPURequest) (*vmflowv1.ClaimVGPUResult, error) {
 	return &vmflowv1.ClaimVGPUResult{}, nil
 }
 func (*stuckHost) LaunchVM(context.Context, *vmflowv1.LaunchVMRequest) (*vmflowv1.LaunchVMResult, error) {
@@ -72,7 +72,7 @@ func (*stuckHost) StopVM(context.Context, *vmflowv1.StopVMRequest) (*vmflowv1.St
 	return &vmflowv1.StopVMResult{StepReached: "quit"}, nil
 }
 func (*stuckHost) WaitVMExit(context.Context, *vmflowv1.InstanceRef) error { return nil }
-func (h *stuckHost) ReleaseVGPU(context.Context, *vmflowv1.InstanceRef) (*vmflowv1.ReleaseVGPUResult, error) {
+func (h *stuckHost) ReleaseLeases(context.Context, *vmflowv1.InstanceRef) (*vmflowv1.ReleaseVGPUResult, error) {
 	h.releases.Add(1)
 	// NonRetryable: each round is one attempt, so the workflow (not the
 	// activity retry policy) shows release-failed at once.

@@ -120,12 +120,12 @@ const vendorProfile = "NVIDIA L40-1Q"
 // shows the completion only after the worker may already have moved on).
 var agentLogLine = map[string]string{
 	workflows.ActivityCreateRecord: "record created",
-	workflows.ActivityClaimVGPU:    "vGPU claimed",
+	workflows.ActivityClaimDevices:    "vGPU claimed",
 	workflows.ActivityLaunchVM:     "VM running",
 	workflows.ActivityBeginDelete:  "delete begun",
 	workflows.ActivityStopVM:       "VM stopped",
 	workflows.ActivityWaitVMExit:   "thread group gone",
-	workflows.ActivityReleaseVGPU:  "vGPU released",
+	workflows.ActivityReleaseLeases:  "leases released",
 	workflows.ActivityTearDown:     "runtime files removed",
 	workflows.ActivityDeleteRecord: "record deleted",
 }
@@ -199,11 +199,11 @@ func crashCases() []crashCase {
 	for _, p := range quarantinePoints {
 		cases = append(cases, crashCase{name: "agent-passthrough/" + p, point: p, scenario: passthroughRun, quarantine: true})
 	}
-	for _, a := range []string{workflows.ActivityValidateSpawn, workflows.ActivityCreateRecord, workflows.ActivityClaimVGPU, workflows.ActivityLaunchVM} {
+	for _, a := range []string{workflows.ActivityValidateSpawn, workflows.ActivityCreateRecord, workflows.ActivityClaimDevices, workflows.ActivityLaunchVM} {
 		cases = append(cases, crashCase{name: "worker/spawn/" + a, workflow: "spawn", activity: a})
 	}
 	for _, a := range []string{workflows.ActivityBeginDelete, workflows.ActivityStopVM, workflows.ActivityWaitVMExit,
-		workflows.ActivityReleaseVGPU, workflows.ActivityTearDown, workflows.ActivityDeleteRecord} {
+		workflows.ActivityReleaseLeases, workflows.ActivityTearDown, workflows.ActivityDeleteRecord} {
 		cases = append(cases, crashCase{name: "worker/delete/" + a, workflow: "delete", activity: a})
 	}
 	if only := os.Getenv("VMFLOW_CRASH_ONLY"); only != "" {

@@ -46,7 +46,7 @@ func (h *scriptedHost) StopVM(context.Context, *vmflowv1.StopVMRequest) (*vmflow
 	return &vmflowv1.StopVMResult{StepReached: "quit"}, nil
 }
 
-func (h *scriptedHost) ReleaseVGPU(context.Context, *vmflowv1.InstanceRef) (*vmflowv1.ReleaseVGPUResult, error) {
+func (h *scriptedHost) ReleaseLeases(context.Context, *vmflowv1.InstanceRef) (*vmflowv1.ReleaseVGPUResult, error) {
 	if h.failRelease.Load() {
 		return nil, temporal.NewApplicationError("write remove: device or resource busy", ErrTypeReleaseFailed)
 	}

@@ -114,7 +114,7 @@ func (w *Workflows) deleteInstance(ctx workflow.Context, req *vmflowv1.DeleteReq
 		return end(err)
 	}
 
-	if err := w.releaseLoop(ctx, t, h, req); err != nil {
+	if err := w.releaseLoop(ctx, t, h, req, version); err != nil {
 		return end(err)
 	}
 
@@ -132,8 +132,11 @@ func (w *Workflows) deleteInstance(ctx workflow.Context, req *vmflowv1.DeleteReq
 
 // releaseLoop releases the instance's vGPU round after round until it
 // succeeds, waiting between rounds for the backoff timer or a retry.
-func (w *Workflows) releaseLoop(ctx workflow.Context, t *tracker, h *hostRunner, req *vmflowv1.DeleteRequest) error {
+func (w *Workflows) releaseLoop(ctx workflow.Context, t *tracker, h *hostRunner, req *vmflowv1.DeleteRequest, version workflow.Version) error {
 	call := w.calls()[ActivityReleaseVGPU]
+	if version >= 3 {
+		call = w.calls()[ActivityReleaseLeases]
+	}
 	ref := &vmflowv1.InstanceRef{InstanceId: req.GetInstanceId()}
 	attempts := req.GetCarriedAttempts()
 	t.stage(ctx, StageReleasingVGPU)
@@ -233,15 +236,17 @@ func (w *Workflows) beginDelete(ctx workflow.Context, h *hostRunner, req *vmflow
 
 // versionStuckBound marks delete runs that bound their stages (runStage)
 // and upsert search attributes only on change (version 1), and only where
-// they must be exact (version 2, a lazy tracker). Runs recorded before it
-// replay with neither.
+// they must be exact (version 2, a lazy tracker), and release through
+// ReleaseLeases (version 3, the lease engine's name: no marker of its own,
+// which would cost a billed upsert). Runs recorded before it replay with
+// neither.
 const versionStuckBound = "delete-stuck-bound"
 
 // stuckBound returns the delete's stuck bound (0 for runs from before it) and
 // its versionStuckBound: the request's, or the worker's recorded once
 // (recorded), stored in req so continue-as-new carries it.
 func (w *Workflows) stuckBound(ctx workflow.Context, req *vmflowv1.DeleteRequest) (time.Duration, workflow.Version) {
-	v := workflow.GetVersion(ctx, versionStuckBound, workflow.DefaultVersion, 2)
+	v := workflow.GetVersion(ctx, versionStuckBound, workflow.DefaultVersion, 3)
 	if v == workflow.DefaultVersion {
 		return 0, v
 	}

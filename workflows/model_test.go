@@ -416,7 +416,7 @@ func (m *model) violation(e *env) string {
 	}
 	// Parked: the last answer was one only an operator can change, and no
 	// attempt came since.
-	parked := last != nil && !last.ok && last.nonRetry && last.activity != ActivityReleaseVGPU ||
+	parked := last != nil && !last.ok && last.nonRetry && last.activity != ActivityReleaseLeases ||
 		last != nil && last.notOwned && f.owned
 	waiting := st.GetStage() == StageReleaseFailed || st.GetStage() == StageHostUnreachable
 	var failingSince time.Time
@@ -565,7 +565,7 @@ func (*fakeHost) ValidateSpawn(context.Context, *vmflowv1.SpawnRequest) error { 
 func (*fakeHost) CreateRecord(context.Context, *vmflowv1.SpawnRequest) (*vmflowv1.CreateRecordResult, error) {
 	return nil, errNotModelled
 }
-func (*fakeHost) ClaimVGPU(context.Context, *vmflowv1.ClaimVGPURequest) (*vmflowv1.ClaimVGPUResult, error) {
+func (*fakeHost) ClaimDevices(context.Context, *vmflowv1.ClaimVGPURequest) (*vmflowv1.ClaimVGPUResult, error) {
 	return nil, errNotModelled
 }
 func (*fakeHost) LaunchVM(context.Context, *vmflowv1.LaunchVMRequest) (*vmflowv1.LaunchVMResult, error) {
@@ -634,9 +634,9 @@ func (f *fakeHost) WaitVMExit(context.Context, *vmflowv1.InstanceRef) error {
 	})
 }
 
-func (f *fakeHost) ReleaseVGPU(context.Context, *vmflowv1.InstanceRef) (*vmflowv1.ReleaseVGPUResult, error) {
+func (f *fakeHost) ReleaseLeases(context.Context, *vmflowv1.InstanceRef) (*vmflowv1.ReleaseVGPUResult, error) {
 	had := false
-	err := f.recordStep(ActivityReleaseVGPU, func(hs *modelHost) error {
+	err := f.recordStep(ActivityReleaseLeases, func(hs *modelHost) error {
 		if hs.vmAlive {
 			return f.fail(ErrTypeReleaseFailed, false, "the VM may be alive", false)
 		}

@@ -54,12 +54,14 @@ const (
 const (
 	ActivityValidateSpawn = "ValidateSpawn"
 	ActivityCreateRecord  = "CreateRecord"
-	ActivityClaimVGPU     = "ClaimVGPU"
+	ActivityClaimDevices  = "ClaimDevices"
+	ActivityClaimVGPU     = "ClaimVGPU" // ClaimDevices' name before the lease engine
 	ActivityLaunchVM      = "LaunchVM"
 	ActivityBeginDelete   = "BeginDelete"
 	ActivityStopVM        = "StopVM"
 	ActivityWaitVMExit    = "WaitVMExit"
-	ActivityReleaseVGPU   = "ReleaseVGPU"
+	ActivityReleaseLeases = "ReleaseLeases"
+	ActivityReleaseVGPU   = "ReleaseVGPU" // ReleaseLeases' name before the lease engine
 	ActivityTearDown      = "TearDown"
 	ActivityDeleteRecord  = "DeleteRecord"
 	ActivityReconcileHost = "ReconcileHost"
@@ -67,8 +69,8 @@ const (
 
 // HostActivityNames lists every activity the host agent must register.
 var HostActivityNames = []string{
-	ActivityValidateSpawn, ActivityCreateRecord, ActivityClaimVGPU, ActivityLaunchVM,
-	ActivityBeginDelete, ActivityStopVM, ActivityWaitVMExit, ActivityReleaseVGPU,
+	ActivityValidateSpawn, ActivityCreateRecord, ActivityClaimDevices, ActivityClaimVGPU, ActivityLaunchVM,
+	ActivityBeginDelete, ActivityStopVM, ActivityWaitVMExit, ActivityReleaseLeases, ActivityReleaseVGPU,
 	ActivityTearDown, ActivityDeleteRecord, ActivityReconcileHost,
 }
 
@@ -91,8 +93,10 @@ const (
 	// The instance's record cannot be read (truncated, hand-edited, from a
 	// newer agent): nothing acts on it until an operator repairs it.
 	ErrTypeRecordUnreadable = "RecordUnreadable"
-	// The instance holds a vGPU claim this agent cannot serve (it runs
-	// with --vgpu-driver=none, or the claim's driver is not the host's).
+	// The instance holds a lease of a kind this agent cannot serve (a
+	// vGPU with --vgpu-driver=none, an address without --net-subnet, a
+	// whole GPU without --gpu-passthrough). The string keeps its first
+	// name: operators' filters and recorded failures carry it.
 	ErrTypeVGPUUnavailable = "VGPUUnavailable"
 	// An operator action (the retry or abandon update) was refused; the
 	// message says why ("abandon refused: host h1 is reachable (stage

@@ -64,7 +64,7 @@ func refusal(t *testing.T, o *updateOutcome, msg string) {
 func TestUpdatesRefusedWithReason(t *testing.T) {
 	e := newEnv(t)
 	e.happyDelete()
-	e.OnActivity(h.ReleaseVGPU, mock.Anything, mock.Anything).After(time.Minute).Return(&vmflowv1.ReleaseVGPUResult{Released: true}, nil)
+	e.OnActivity(h.ReleaseLeases, mock.Anything, mock.Anything).After(time.Minute).Return(&vmflowv1.ReleaseVGPUResult{Released: true}, nil)
 	var retry, abandon, noReason *updateOutcome
 	e.RegisterDelayedCallback(func() {
 		retry = e.update(RetryUpdate, &vmflowv1.RetrySignal{Reason: "impatient"})
@@ -95,8 +95,8 @@ func TestRetryUpdateDuringARound(t *testing.T) {
 	e.happyDelete()
 	// The first round fails (three attempts within 3 s); the second, after
 	// the 30 s backoff, takes five minutes and succeeds.
-	e.OnActivity(h.ReleaseVGPU, mock.Anything, mock.Anything).Return(nil, releaseErr).Times(int(retryFew.MaximumAttempts))
-	e.OnActivity(h.ReleaseVGPU, mock.Anything, mock.Anything).After(5*time.Minute).Return(&vmflowv1.ReleaseVGPUResult{Released: true}, nil).Once()
+	e.OnActivity(h.ReleaseLeases, mock.Anything, mock.Anything).Return(nil, releaseErr).Times(int(retryFew.MaximumAttempts))
+	e.OnActivity(h.ReleaseLeases, mock.Anything, mock.Anything).After(5*time.Minute).Return(&vmflowv1.ReleaseVGPUResult{Released: true}, nil).Once()
 	start := time.Date(2026, 12, 1, 20, 0, 0, 0, time.UTC)
 	e.SetStartTime(start)
 	// Attempts at 0, 1 s and 3 s, then the 30 s backoff.
@@ -124,7 +124,7 @@ func TestRetryUpdateDuringARound(t *testing.T) {
 	assert.Equal(t, "already retrying: attempt 2 since "+roundStart.UTC().Format(time.RFC3339), retry.status.GetNote())
 	assert.Equal(t, StageDeleted, e.status().GetStage())
 	assert.Empty(t, e.status().GetNote(), "the status query carries no answer")
-	e.AssertActivityNumberOfCalls(t, "ReleaseVGPU", int(retryFew.MaximumAttempts)+1) // the retry started no round of its own
+	e.AssertActivityNumberOfCalls(t, "ReleaseLeases", int(retryFew.MaximumAttempts)+1) // the retry started no round of its own
 }
 
 // TestRetryRefusedOnlyWhenItCannotAct: a workflow that has reached its
@@ -155,7 +155,7 @@ func TestRetryUpdateStartsRoundAndAnswersWithStatus(t *testing.T) {
 	e := newEnv(t)
 	e.happyDelete()
 	failing := true
-	e.OnActivity(h.ReleaseVGPU, mock.Anything, mock.Anything).Return(
+	e.OnActivity(h.ReleaseLeases, mock.Anything, mock.Anything).Return(
 		func(context.Context, *vmflowv1.InstanceRef) (*vmflowv1.ReleaseVGPUResult, error) {
 			if failing {
 				return nil, releaseErr
@@ -197,7 +197,7 @@ func TestAbandonUpdateWhileHostUnreachable(t *testing.T) {
 	e := newEnv(t)
 	e.OnActivity(h.BeginDelete, mock.Anything, mock.Anything).Return(&vmflowv1.BeginDeleteResult{HasClaim: true}, nil)
 	e.OnActivity(h.StopVM, mock.Anything, mock.Anything).Return(nil, scheduleToStart())
-	e.counted("ReleaseVGPU")
+	e.counted("ReleaseLeases")
 	var abandon *updateOutcome
 	e.RegisterDelayedCallback(func() {
 		abandon = e.update(AbandonUpdate, &vmflowv1.AbandonSignal{Reason: "host h1 decommissioned"})
@@ -215,7 +215,7 @@ func TestAbandonUpdateWhileHostUnreachable(t *testing.T) {
 	require.NoError(t, e.GetWorkflowResult(&res))
 	assert.True(t, res.GetAbandoned())
 	assert.Equal(t, "host h1 decommissioned", res.GetAbandonReason())
-	e.AssertActivityNumberOfCalls(t, "ReleaseVGPU", 0)
+	e.AssertActivityNumberOfCalls(t, "ReleaseLeases", 0)
 }
 
 // TestAbandonUpdateWhileParked: a delete parked on a failure retrying
@@ -225,7 +225,7 @@ func TestAbandonUpdateWhileParked(t *testing.T) {
 	e := newEnv(t)
 	e.OnActivity(h.BeginDelete, mock.Anything, mock.Anything).Return(&vmflowv1.BeginDeleteResult{HasClaim: true}, nil)
 	e.OnActivity(h.StopVM, mock.Anything, mock.Anything).Return(nil, appErr(ErrTypeIdentityMismatch, true))
-	e.counted("ReleaseVGPU")
+	e.counted("ReleaseLeases")
 	var retry, abandon *updateOutcome
 	e.RegisterDelayedCallback(func() {
 		retry = e.update(RetryUpdate, &vmflowv1.RetrySignal{Reason: "record fixed"})
@@ -243,7 +243,7 @@ func TestAbandonUpdateWhileParked(t *testing.T) {
 	require.NotNil(t, abandon)
 	require.NoError(t, abandon.err)
 	assert.Equal(t, StageAbandoned, abandon.status.GetStage())
-	e.AssertActivityNumberOfCalls(t, "ReleaseVGPU", 0)
+	e.AssertActivityNumberOfCalls(t, "ReleaseLeases", 0)
 }
 
 // TestAbandonUpdateRefusedOnSpawn: abandon is a delete's; a spawn says so.
@@ -275,7 +275,7 @@ func TestRetryUpdateAsTheWaitEnds(t *testing.T) {
 	e := newEnv(t)
 	e.happyDelete()
 	rounds := 0
-	e.OnActivity(h.ReleaseVGPU, mock.Anything, mock.Anything).Return(
+	e.OnActivity(h.ReleaseLeases, mock.Anything, mock.Anything).Return(
 		func(context.Context, *vmflowv1.InstanceRef) (*vmflowv1.ReleaseVGPUResult, error) {
 			rounds++
 			if rounds <= 2*int(retryFew.MaximumAttempts) {

@@ -27,7 +27,7 @@ func continuedCleanup(t *testing.T) *vmflowv1.DeleteRequest {
 	e.OnActivity(h.BeginDelete, mock.Anything, mock.Anything).Return(&vmflowv1.BeginDeleteResult{HasClaim: true}, nil).Once()
 	e.OnActivity(h.StopVM, mock.Anything, mock.Anything).Return(&vmflowv1.StopVMResult{}, nil)
 	e.OnActivity(h.WaitVMExit, mock.Anything, mock.Anything).Return(nil)
-	e.OnActivity(h.ReleaseVGPU, mock.Anything, mock.Anything).Return(nil, releaseErr)
+	e.OnActivity(h.ReleaseLeases, mock.Anything, mock.Anything).Return(nil, releaseErr)
 	e.RegisterDelayedCallback(func() { e.SetContinueAsNewSuggested(true) }, 2*time.Minute)
 	e.ExecuteWorkflow(DeleteWorkflow, cleanupReq())
 	var can *workflow.ContinueAsNewError
@@ -56,7 +56,7 @@ func TestCleanupDeleteOwnershipDecidedOnce(t *testing.T) {
 	e.OnActivity(h.BeginDelete, mock.Anything, mock.Anything).Return(&vmflowv1.BeginDeleteResult{HasClaim: true}, nil).Once()
 	e.OnActivity(h.StopVM, mock.Anything, mock.Anything).Return(&vmflowv1.StopVMResult{}, nil)
 	e.OnActivity(h.WaitVMExit, mock.Anything, mock.Anything).Return(nil)
-	e.OnActivity(h.ReleaseVGPU, mock.Anything, mock.Anything).Return(&vmflowv1.ReleaseVGPUResult{Released: true}, nil)
+	e.OnActivity(h.ReleaseLeases, mock.Anything, mock.Anything).Return(&vmflowv1.ReleaseVGPUResult{Released: true}, nil)
 	e.counted("TearDown", "DeleteRecord")
 	var parked *vmflowv1.WorkflowStatus
 	var retry *updateOutcome

@@ -20,7 +20,7 @@ func TestUpdateReasonsAreBounded(t *testing.T) {
 	e := newEnv(t)
 	e.OnActivity(h.BeginDelete, mock.Anything, mock.Anything).Return(&vmflowv1.BeginDeleteResult{HasClaim: true}, nil)
 	e.OnActivity(h.StopVM, mock.Anything, mock.Anything).Return(nil, scheduleToStart())
-	e.counted("ReleaseVGPU")
+	e.counted("ReleaseLeases")
 	huge := strings.Repeat("r", 1<<20)
 	var hugeAbandon, hugeRetry, abandon *updateOutcome
 	e.RegisterDelayedCallback(func() {

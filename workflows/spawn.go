@@ -33,7 +33,9 @@ func (w *Workflows) spawnInstance(ctx workflow.Context, req *vmflowv1.SpawnReque
 	// Runs recorded before lazy search attributes replay with one upsert
 	// per stage; new runs also always take invariant 9's path, so they
 	// record no second version marker (each costs a billed upsert).
-	lazy := workflow.GetVersion(ctx, changeLazySA, workflow.DefaultVersion, 1) >= 1
+	// Version 2: the claim is ClaimDevices (the lease engine's name).
+	spawnVersion := workflow.GetVersion(ctx, changeLazySA, workflow.DefaultVersion, 2)
+	lazy := spawnVersion >= 1
 	var t *tracker
 	var err error
 	if lazy {
@@ -79,7 +81,11 @@ func (w *Workflows) spawnInstance(ctx workflow.Context, req *vmflowv1.SpawnReque
 		var claim vmflowv1.ClaimVGPUResult
 		in := &vmflowv1.ClaimVGPURequest{InstanceId: req.GetInstanceId(), VgpuProfile: req.GetVgpuProfile(), VgpuCount: req.GetVgpuCount(),
 			GpuPassthroughCount: req.GetGpuPassthroughCount(), GpuPassthroughModel: req.GetGpuPassthroughModel()}
-		if err := h.run(ctx, calls[ActivityClaimVGPU], in, &claim); err != nil {
+		claimCall := calls[ActivityClaimVGPU]
+		if spawnVersion >= 2 {
+			claimCall = calls[ActivityClaimDevices]
+		}
+		if err := h.run(ctx, claimCall, in, &claim); err != nil {
 			return nil, w.cleanUpAfter(ctx, t, req, err)
 		}
 		res.VgpuUuid, res.VgpuDeviceId = claim.GetVgpuUuid(), claim.GetDeviceId()

@@ -42,7 +42,7 @@ func TestRespawnOfRunningInstanceSucceedsWithoutTouchingIt(t *testing.T) {
 	assert.Equal(t, "u-1", res.GetInstanceUuid())
 	assert.False(t, deleted)
 	assert.Equal(t, StageRunning, e.status().GetStage())
-	e.AssertNotCalled(t, "ClaimVGPU", mock.Anything, mock.Anything)
+	e.AssertNotCalled(t, "ClaimDevices", mock.Anything, mock.Anything)
 	e.AssertExpectations(t)
 }
 

@@ -54,7 +54,7 @@ func TestDeleteStuckStopShowsAttentionThenClears(t *testing.T) {
 			return &vmflowv1.StopVMResult{StepReached: "kill"}, nil
 		})
 	e.OnActivity(h.WaitVMExit, mock.Anything, mock.Anything).Return(nil).Once()
-	e.OnActivity(h.ReleaseVGPU, mock.Anything, mock.Anything).Return(&vmflowv1.ReleaseVGPUResult{Released: true}, nil).Once()
+	e.OnActivity(h.ReleaseLeases, mock.Anything, mock.Anything).Return(&vmflowv1.ReleaseVGPUResult{Released: true}, nil).Once()
 	e.OnActivity(h.TearDown, mock.Anything, mock.Anything).Return(nil).Once()
 	e.OnActivity(h.DeleteRecord, mock.Anything, mock.Anything).Return(nil).Once()
 
@@ -126,7 +126,7 @@ func TestDeleteParksOnIdentityMismatch(t *testing.T) {
 			return &vmflowv1.StopVMResult{StepReached: "powerdown"}, nil
 		})
 	e.OnActivity(h.WaitVMExit, mock.Anything, mock.Anything).Return(nil).Once()
-	e.OnActivity(h.ReleaseVGPU, mock.Anything, mock.Anything).Return(&vmflowv1.ReleaseVGPUResult{Released: true}, nil).Once()
+	e.OnActivity(h.ReleaseLeases, mock.Anything, mock.Anything).Return(&vmflowv1.ReleaseVGPUResult{Released: true}, nil).Once()
 	e.OnActivity(h.TearDown, mock.Anything, mock.Anything).Return(nil).Once()
 	e.OnActivity(h.DeleteRecord, mock.Anything, mock.Anything).Return(nil).Once()
 
@@ -162,7 +162,7 @@ func TestDeleteAbandonWhileParked(t *testing.T) {
 	e := newEnv(t)
 	e.OnActivity(h.BeginDelete, mock.Anything, mock.Anything).Return(&vmflowv1.BeginDeleteResult{HasClaim: true}, nil)
 	e.OnActivity(h.StopVM, mock.Anything, mock.Anything).Return(nil, appErr(ErrTypeIdentityMismatch, true))
-	e.counted("ReleaseVGPU", "DeleteRecord")
+	e.counted("ReleaseLeases", "DeleteRecord")
 	e.RegisterDelayedCallback(func() { e.SignalWorkflow(AbandonSignal, &vmflowv1.AbandonSignal{}) }, time.Minute)
 	e.RegisterDelayedCallback(func() {
 		e.SignalWorkflow(AbandonSignal, &vmflowv1.AbandonSignal{Reason: "host h1 scrapped"})
@@ -177,7 +177,7 @@ func TestDeleteAbandonWhileParked(t *testing.T) {
 	st := e.status()
 	assert.Equal(t, StageAbandoned, st.GetStage())
 	assert.False(t, st.GetNeedsAttention())
-	e.AssertActivityNumberOfCalls(t, "ReleaseVGPU", 0)
+	e.AssertActivityNumberOfCalls(t, "ReleaseLeases", 0)
 	e.AssertActivityNumberOfCalls(t, "DeleteRecord", 0)
 }
 
@@ -247,7 +247,7 @@ func TestDeleteNotOwned(t *testing.T) {
 	e.OnActivity(h.BeginDelete, mock.Anything, &vmflowv1.BeginDeleteRequest{
 		InstanceId: "vm1", OnlyIfCreatedByWorkflowId: "spawn/vm1", OnlyIfCreatedByRunId: "run-2",
 	}).Return(&vmflowv1.BeginDeleteResult{NotOwned: true, CreatedBy: "spawn/vm1 run-1"}, nil).Once()
-	e.counted("StopVM", "ReleaseVGPU", "TearDown", "DeleteRecord")
+	e.counted("StopVM", "ReleaseLeases", "TearDown", "DeleteRecord")
 	req := deleteReq()
 	req.OnlyIfCreatedByWorkflowId, req.OnlyIfCreatedByRunId = "spawn/vm1", "run-2"
 	e.ExecuteWorkflow(DeleteWorkflow, req)
@@ -259,7 +259,7 @@ func TestDeleteNotOwned(t *testing.T) {
 	st := e.status()
 	assert.Equal(t, StageNotOwned, st.GetStage())
 	assert.False(t, st.GetNeedsAttention())
-	for _, n := range []string{"StopVM", "ReleaseVGPU", "TearDown", "DeleteRecord"} {
+	for _, n := range []string{"StopVM", "ReleaseLeases", "TearDown", "DeleteRecord"} {
 		e.AssertActivityNumberOfCalls(t, n, 0)
 	}
 	e.AssertExpectations(t)

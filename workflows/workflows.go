@@ -149,6 +149,7 @@ func (w *Workflows) uncappedCalls() map[string]hostCall {
 	return map[string]hostCall{
 		ActivityValidateSpawn: {name: ActivityValidateSpawn, summary: "validate", timeout: 30 * time.Second, retry: retryFew},
 		ActivityCreateRecord:  {name: ActivityCreateRecord, summary: "create record", timeout: 30 * time.Second, retry: retryFew},
+		ActivityClaimDevices:  {name: ActivityClaimDevices, summary: "claim GPUs", timeout: time.Minute, retry: retryFew},
 		ActivityClaimVGPU:     {name: ActivityClaimVGPU, summary: "claim vGPU", timeout: time.Minute, retry: retryFew},
 		ActivityLaunchVM:      {name: ActivityLaunchVM, summary: "launch", timeout: 2 * time.Minute, heartbeat: 10 * time.Second, retry: retryFew},
 		ActivityBeginDelete:   {name: ActivityBeginDelete, summary: "mark stopped", timeout: 30 * time.Second, retry: retryForever},
@@ -156,6 +157,7 @@ func (w *Workflows) uncappedCalls() map[string]hostCall {
 		ActivityWaitVMExit:    {name: ActivityWaitVMExit, summary: "wait for exit", timeout: w.cfg.GroupExitCap + 30*time.Second, heartbeat: 10 * time.Second, retry: retryForever},
 		// Releases retry a few times within seconds; after that the
 		// workflow's own loop takes over, with needs-attention set.
+		ActivityReleaseLeases: {name: ActivityReleaseLeases, summary: "release leases", timeout: time.Minute, heartbeat: 10 * time.Second, retry: retryFew},
 		ActivityReleaseVGPU:   {name: ActivityReleaseVGPU, summary: "release vGPU", timeout: time.Minute, heartbeat: 10 * time.Second, retry: retryFew},
 		ActivityTearDown:      {name: ActivityTearDown, summary: "tear down", timeout: 30 * time.Second, retry: retryForever},
 		ActivityDeleteRecord:  {name: ActivityDeleteRecord, summary: "delete record", timeout: 30 * time.Second, retry: retryForever},

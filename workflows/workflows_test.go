@@ -27,7 +27,7 @@ func (*stubHost) ValidateSpawn(context.Context, *vmflowv1.SpawnRequest) error { 
 func (*stubHost) CreateRecord(context.Context, *vmflowv1.SpawnRequest) (*vmflowv1.CreateRecordResult, error) {
 	return nil, nil
 }
-func (*stubHost) ClaimVGPU(context.Context, *vmflowv1.ClaimVGPURequest) (*vmflowv1.ClaimVGPUResult, error) {
+func (*stubHost) ClaimDevices(context.Context, *vmflowv1.ClaimVGPURequest) (*vmflowv1.ClaimVGPUResult, error) {
 	return nil, nil
 }
 func (*stubHost) LaunchVM(context.Context, *vmflowv1.LaunchVMRequest) (*vmflowv1.LaunchVMResult, error) {
@@ -40,7 +40,7 @@ func (*stubHost) StopVM(context.Context, *vmflowv1.StopVMRequest) (*vmflowv1.Sto
 	return nil, nil
 }
 func (*stubHost) WaitVMExit(context.Context, *vmflowv1.InstanceRef) error { return nil }
-func (*stubHost) ReleaseVGPU(context.Context, *vmflowv1.InstanceRef) (*vmflowv1.ReleaseVGPUResult, error) {
+func (*stubHost) ReleaseLeases(context.Context, *vmflowv1.InstanceRef) (*vmflowv1.ReleaseVGPUResult, error) {
 	return nil, nil
 }
 func (*stubHost) TearDown(context.Context, *vmflowv1.InstanceRef) error     { return nil }
@@ -93,8 +93,8 @@ func (e *env) counted(names ...string) {
 			e.OnActivity(h.TearDown, mock.Anything, mock.Anything).Return(nil).Maybe()
 		case "DeleteRecord":
 			e.OnActivity(h.DeleteRecord, mock.Anything, mock.Anything).Return(nil).Maybe()
-		case "ReleaseVGPU":
-			e.OnActivity(h.ReleaseVGPU, mock.Anything, mock.Anything).Return(&vmflowv1.ReleaseVGPUResult{}, nil).Maybe()
+		case "ReleaseLeases":
+			e.OnActivity(h.ReleaseLeases, mock.Anything, mock.Anything).Return(&vmflowv1.ReleaseVGPUResult{}, nil).Maybe()
 		default:
 			e.t.Fatalf("counted: add %s", n)
 		}
@@ -138,7 +138,7 @@ func TestSpawnHappy(t *testing.T) {
 	req.VgpuProfile = "GRID A100-4C"
 	e.OnActivity(h.ValidateSpawn, mock.Anything, mock.Anything).Return(nil).Once()
 	e.OnActivity(h.CreateRecord, mock.Anything, mock.Anything).Return(&vmflowv1.CreateRecordResult{InstanceUuid: "u-1", CreatedByThisSpawn: true}, nil).Once()
-	e.OnActivity(h.ClaimVGPU, mock.Anything, &vmflowv1.ClaimVGPURequest{InstanceId: "vm1", VgpuProfile: "GRID A100-4C"}).
+	e.OnActivity(h.ClaimDevices, mock.Anything, &vmflowv1.ClaimVGPURequest{InstanceId: "vm1", VgpuProfile: "GRID A100-4C"}).
 		Return(&vmflowv1.ClaimVGPUResult{DeviceId: "0000:3b:00.4", VgpuUuid: "", DeviceIds: []string{"0000:3b:00.4"}}, nil).Once()
 	e.OnActivity(h.LaunchVM, mock.Anything, mock.Anything).
 		Return(&vmflowv1.LaunchVMResult{Pid: 42, QmpSocket: "/s", Ip: "10.88.0.2/24", Mac: "52:54:00:12:34:56"}, nil).Once()
@@ -233,11 +233,11 @@ func TestSpawnFailureStartsDeletePath(t *testing.T) {
 		}, true, ErrTypeBusy},
 		{"claim fails", func(e *env) {
 			e.OnActivity(h.CreateRecord, mock.Anything, mock.Anything).Return(&vmflowv1.CreateRecordResult{CreatedByThisSpawn: true}, nil)
-			e.OnActivity(h.ClaimVGPU, mock.Anything, mock.Anything).Return(nil, appErr("NoCapacity", true))
+			e.OnActivity(h.ClaimDevices, mock.Anything, mock.Anything).Return(nil, appErr("NoCapacity", true))
 		}, true, "NoCapacity"},
 		{"launch fails", func(e *env) {
 			e.OnActivity(h.CreateRecord, mock.Anything, mock.Anything).Return(&vmflowv1.CreateRecordResult{CreatedByThisSpawn: true}, nil)
-			e.OnActivity(h.ClaimVGPU, mock.Anything, mock.Anything).Return(&vmflowv1.ClaimVGPUResult{DeviceId: "d"}, nil)
+			e.OnActivity(h.ClaimDevices, mock.Anything, mock.Anything).Return(&vmflowv1.ClaimVGPUResult{DeviceId: "d"}, nil)
 			e.OnActivity(h.LaunchVM, mock.Anything, mock.Anything).Return(nil, appErr("LaunchExited", true))
 		}, true, "LaunchExited"},
 	}
@@ -277,7 +277,7 @@ func TestSpawnFailureStartsDeletePath(t *testing.T) {
 func TestDeleteHappy(t *testing.T) {
 	e := newEnv(t)
 	e.happyDelete()
-	e.OnActivity(h.ReleaseVGPU, mock.Anything, mock.Anything).Return(&vmflowv1.ReleaseVGPUResult{Released: true}, nil).Once()
+	e.OnActivity(h.ReleaseLeases, mock.Anything, mock.Anything).Return(&vmflowv1.ReleaseVGPUResult{Released: true}, nil).Once()
 	e.ExecuteWorkflow(DeleteWorkflow, deleteReq())
 	require.True(t, e.IsWorkflowCompleted())
 	require.NoError(t, e.GetWorkflowError())
@@ -319,8 +319,8 @@ func TestDeleteReleaseFailsThenSucceeds(t *testing.T) {
 	e := newEnv(t)
 	e.happyDelete()
 	const failures = 3
-	e.OnActivity(h.ReleaseVGPU, mock.Anything, mock.Anything).Return(nil, releaseErr).Times(failures * int(retryFew.MaximumAttempts))
-	e.OnActivity(h.ReleaseVGPU, mock.Anything, mock.Anything).Return(&vmflowv1.ReleaseVGPUResult{Released: true}, nil).Once()
+	e.OnActivity(h.ReleaseLeases, mock.Anything, mock.Anything).Return(nil, releaseErr).Times(failures * int(retryFew.MaximumAttempts))
+	e.OnActivity(h.ReleaseLeases, mock.Anything, mock.Anything).Return(&vmflowv1.ReleaseVGPUResult{Released: true}, nil).Once()
 	start := e.Now()
 	e.ExecuteWorkflow(DeleteWorkflow, deleteReq())
 	require.NoError(t, e.GetWorkflowError())
@@ -339,7 +339,7 @@ func TestDeleteReleaseFailingForGood(t *testing.T) {
 	e.OnActivity(h.BeginDelete, mock.Anything, mock.Anything).Return(&vmflowv1.BeginDeleteResult{HasClaim: true}, nil)
 	e.OnActivity(h.StopVM, mock.Anything, mock.Anything).Return(&vmflowv1.StopVMResult{}, nil)
 	e.OnActivity(h.WaitVMExit, mock.Anything, mock.Anything).Return(nil)
-	e.OnActivity(h.ReleaseVGPU, mock.Anything, mock.Anything).Return(nil, releaseErr)
+	e.OnActivity(h.ReleaseLeases, mock.Anything, mock.Anything).Return(nil, releaseErr)
 	e.counted("TearDown", "DeleteRecord")
 	var st *vmflowv1.WorkflowStatus
 	e.RegisterDelayedCallback(func() {
@@ -368,7 +368,7 @@ func TestRetrySignalCutsBackoffShort(t *testing.T) {
 	e := newEnv(t)
 	e.happyDelete()
 	failing := true
-	e.OnActivity(h.ReleaseVGPU, mock.Anything, mock.Anything).Return(
+	e.OnActivity(h.ReleaseLeases, mock.Anything, mock.Anything).Return(
 		func(context.Context, *vmflowv1.InstanceRef) (*vmflowv1.ReleaseVGPUResult, error) {
 			if failing {
 				return nil, releaseErr
@@ -404,7 +404,7 @@ func TestContinueAsNewKeepsCountsAndRetry(t *testing.T) {
 	e.OnActivity(h.BeginDelete, mock.Anything, mock.Anything).Return(&vmflowv1.BeginDeleteResult{HasClaim: true}, nil)
 	e.OnActivity(h.StopVM, mock.Anything, mock.Anything).Return(&vmflowv1.StopVMResult{}, nil)
 	e.OnActivity(h.WaitVMExit, mock.Anything, mock.Anything).Return(nil)
-	e.OnActivity(h.ReleaseVGPU, mock.Anything, mock.Anything).Return(nil, releaseErr)
+	e.OnActivity(h.ReleaseLeases, mock.Anything, mock.Anything).Return(nil, releaseErr)
 	e.RegisterDelayedCallback(func() {
 		e.SetContinueAsNewSuggested(true)
 		e.SignalWorkflow(RetrySignal, &vmflowv1.RetrySignal{Reason: "just before continue-as-new"})
@@ -424,7 +424,7 @@ func TestContinueAsNewKeepsCountsAndRetry(t *testing.T) {
 	e2.OnActivity(h.BeginDelete, mock.Anything, mock.Anything).Return(&vmflowv1.BeginDeleteResult{HasClaim: true}, nil)
 	e2.OnActivity(h.StopVM, mock.Anything, mock.Anything).Return(&vmflowv1.StopVMResult{StepReached: "none"}, nil)
 	e2.OnActivity(h.WaitVMExit, mock.Anything, mock.Anything).Return(nil)
-	e2.OnActivity(h.ReleaseVGPU, mock.Anything, mock.Anything).Return(nil, releaseErr)
+	e2.OnActivity(h.ReleaseLeases, mock.Anything, mock.Anything).Return(nil, releaseErr)
 	var st *vmflowv1.WorkflowStatus
 	e2.RegisterDelayedCallback(func() { st = e2.status(); e2.CancelWorkflow() }, time.Second)
 	e2.ExecuteWorkflow(DeleteWorkflow, &next)
@@ -441,7 +441,7 @@ func TestHostUnreachableThenBack(t *testing.T) {
 	// The first StopVMs are never picked up (agent down); the next one is.
 	e.OnActivity(h.StopVM, mock.Anything, mock.Anything).Return(nil, scheduleToStart()).Twice()
 	e.OnActivity(h.StopVM, mock.Anything, mock.Anything).Return(&vmflowv1.StopVMResult{}, nil).Once()
-	e.OnActivity(h.ReleaseVGPU, mock.Anything, mock.Anything).Return(&vmflowv1.ReleaseVGPUResult{}, nil)
+	e.OnActivity(h.ReleaseLeases, mock.Anything, mock.Anything).Return(&vmflowv1.ReleaseVGPUResult{}, nil)
 	var during *vmflowv1.WorkflowStatus
 	e.RegisterDelayedCallback(func() { during = e.status() }, 10*time.Second)
 	e.ExecuteWorkflow(DeleteWorkflow, deleteReq())
@@ -462,7 +462,7 @@ func TestAbandonOnlyWhileHostUnreachable(t *testing.T) {
 	e := newEnv(t)
 	e.OnActivity(h.BeginDelete, mock.Anything, mock.Anything).Return(&vmflowv1.BeginDeleteResult{}, nil)
 	e.OnActivity(h.StopVM, mock.Anything, mock.Anything).Return(nil, scheduleToStart())
-	e.counted("ReleaseVGPU")
+	e.counted("ReleaseLeases")
 	// An abandon without a reason is refused; one with a reason ends it.
 	e.RegisterDelayedCallback(func() {
 		e.SignalWorkflow(AbandonSignal, &vmflowv1.AbandonSignal{})
@@ -477,14 +477,14 @@ func TestAbandonOnlyWhileHostUnreachable(t *testing.T) {
 	assert.True(t, res.GetAbandoned())
 	assert.Equal(t, "host h1 decommissioned", res.GetAbandonReason())
 	assert.Equal(t, StageAbandoned, e.lastSeen["VmStage"])
-	e.AssertActivityNumberOfCalls(t, "ReleaseVGPU", 0)
+	e.AssertActivityNumberOfCalls(t, "ReleaseLeases", 0)
 }
 
 func TestAbandonRefusedWhileHostAnswers(t *testing.T) {
 	e := newEnv(t)
 	e.happyDelete()
-	e.OnActivity(h.ReleaseVGPU, mock.Anything, mock.Anything).Return(nil, releaseErr).Times(int(retryFew.MaximumAttempts))
-	e.OnActivity(h.ReleaseVGPU, mock.Anything, mock.Anything).Return(&vmflowv1.ReleaseVGPUResult{}, nil)
+	e.OnActivity(h.ReleaseLeases, mock.Anything, mock.Anything).Return(nil, releaseErr).Times(int(retryFew.MaximumAttempts))
+	e.OnActivity(h.ReleaseLeases, mock.Anything, mock.Anything).Return(&vmflowv1.ReleaseVGPUResult{}, nil)
 	e.RegisterDelayedCallback(func() {
 		e.SignalWorkflow(AbandonSignal, &vmflowv1.AbandonSignal{Reason: "too early"})
 	}, 10*time.Second)

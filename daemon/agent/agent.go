@@ -217,6 +217,8 @@ func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentH
 	if whole != nil {
 		acts.Whole = whole
 	}
+	// One engine releases every kind, with the host's quarantine.
+	acts.LeaseConfig = lease.EngineConfig{Store: st, Quarantine: quarantineOf(cfg), IgnoreUninspectable: cfg.IgnoreUninspectable, Logger: log}
 	go runGPUInventory(life, am, st, cfg, whole, vgpus, metrics.DefaultStoreRefresh, log)
 	// A cgroup per VM: a transient scope under systemd, cgroupfs otherwise.
 	cgroups, err := vmm.CgroupsFor(ctx, "/sys/fs/cgroup", func(ctx context.Context) (vmm.ScopeConn, error) {
@@ -311,9 +313,7 @@ func (h *agentHost) supervise(ctx, life context.Context, log *zap.Logger) error 
 	h.metrics.RefreshStore() // re-attach rewrote records: the gauges show it now
 	log.Info("supervising", zap.Int("records", rep.Records), zap.Int("attached", rep.Attached),
 		zap.Int("gone", rep.Gone), zap.Int("failed", rep.Failed), zap.Duration("took", rep.Duration))
-	if h.acts.GPUs == nil {
-		reportUnservedClaims(h.store, h.metrics, log)
-	}
+	reportUnservedLeases(h.store, activities.LeaseEngine(h.acts), h.metrics, log)
 	if sd, ok := h.fdStore.(*vmm.SystemdFDStore); ok {
 		pruneFDStore(h.store, sd, log)
 	}
@@ -447,27 +447,36 @@ func startSupervision(ctx context.Context, sup *supervise.Supervisor, log *zap.L
 	}
 }
 
-// reportUnservedClaims names, at start, the instances whose vGPU claims this
-// agent cannot release (no driver), so the host shows on a dashboard before a
-// delete parks on them.
-func reportUnservedClaims(st *store.Store, am *metrics.Agent, log *zap.Logger) {
+// reportUnservedLeases names, at start, the instances holding leases of a
+// kind this agent cannot release (no driver for it: a vGPU without
+// --vgpu-driver, an address without --net-subnet), so the host shows on a
+// dashboard before a delete parks on them.
+func reportUnservedLeases(st *store.Store, eng *lease.Engine, am *metrics.Agent, log *zap.Logger) {
 	recs, err := st.List()
 	if _, listed := store.Unreadable(err); !listed {
-		log.Error("cannot list the records to find vGPU claims this agent cannot serve", zap.Error(err))
+		log.Error("cannot list the records to find leases this agent cannot serve", zap.Error(err))
 		return
 	}
-	// Claims inside unreadable records cannot be counted; re-attach names
+	// Leases inside unreadable records cannot be counted; re-attach names
 	// those records and vmflow_records_unreadable counts them.
 	var ids []string
+	n := 0
 	for _, r := range recs {
-		if store.ClaimHeld(r) {
+		unserved := 0
+		for _, l := range store.HeldLeases(r) {
+			if !eng.Serves(store.LeaseKind(l)) {
+				unserved++
+			}
+		}
+		if unserved > 0 {
 			ids = append(ids, r.GetId())
+			n += unserved
 		}
 	}
-	am.ClaimsUnserved.Set(float64(len(ids)))
+	am.LeasesUnserved.Set(float64(n))
 	if len(ids) > 0 {
-		log.Warn("instances hold vGPU claims but this agent has no vGPU driver: their deletes will wait, needing attention, until the agent runs with the host's driver",
-			zap.Strings("instance_ids", ids), zap.Int("claims", len(ids)))
+		log.Warn("instances hold leases of a kind this agent has no driver for: their deletes will wait, needing attention, until the agent runs with the host's driver or network",
+			zap.Strings("instance_ids", ids), zap.Int("leases", n))
 	}
 }
 

@@ -24,7 +24,7 @@ import (
 )
 
 // rolloutHost answers the host activities like a healthy host, except that
-// ReleaseVGPU fails while failRelease is set and LaunchVM waits until
+// ReleaseLeases fails while failRelease is set and LaunchVM waits until
 // launch is closed. It stands in for the agent at the host-queue boundary
 // and polls unversioned, as vmflow-hostagent does.
 type rolloutHost struct {
@@ -42,7 +42,7 @@ func (*rolloutHost) ValidateSpawn(context.Context, *vmflowv1.SpawnRequest) error
 func (*rolloutHost) CreateRecord(context.Context, *vmflowv1.SpawnRequest) (*vmflowv1.CreateRecordResult, error) {
 	return &vmflowv1.CreateRecordResult{InstanceUuid: "u", CreatedByThisSpawn: true}, nil
 }
-func (*rolloutHost) ClaimVGPU(context.Context, *vmflowv1.ClaimVGPURequest) (*vmflowv1.ClaimVGPUResult, error) {
+func (*rolloutHost) ClaimDevices(context.Context, *vmflowv1.ClaimVGPURequest) (*vmflowv1.ClaimVGPUResult, error) {
 	return &vmflowv1.ClaimVGPUResult{}, nil
 }
 func (h *rolloutHost) LaunchVM(ctx context.Context, req *vmflowv1.LaunchVMRequest) (*vmflowv1.LaunchVMResult, error) {
@@ -63,7 +63,7 @@ func (*rolloutHost) StopVM(context.Context, *vmflowv1.StopVMRequest) (*vmflowv1.
 	return &vmflowv1.StopVMResult{StepReached: "quit"}, nil
 }
 func (*rolloutHost) WaitVMExit(context.Context, *vmflowv1.InstanceRef) error { return nil }
-func (h *rolloutHost) ReleaseVGPU(context.Context, *vmflowv1.InstanceRef) (*vmflowv1.ReleaseVGPUResult, error) {
+func (h *rolloutHost) ReleaseLeases(context.Context, *vmflowv1.InstanceRef) (*vmflowv1.ReleaseVGPUResult, error) {
 	if h.failRelease.Load() {
 		// NonRetryable: each round is one attempt, so the delete parks
 		// in release-failed at once.

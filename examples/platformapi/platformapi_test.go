@@ -35,7 +35,7 @@ import (
 const EnvTemporal = "VMFLOW_TEMPORAL"
 
 // host answers the host activities like a healthy host, except that
-// ReleaseVGPU fails while failRelease is set. It stands in for the host
+// ReleaseLeases fails while failRelease is set. It stands in for the host
 // agent: this test is about what crosses the wire between a platform API,
 // the workers and the host queue.
 type host struct {
@@ -49,7 +49,7 @@ func (*host) ValidateSpawn(context.Context, *vmflowv1.SpawnRequest) error { retu
 func (*host) CreateRecord(context.Context, *vmflowv1.SpawnRequest) (*vmflowv1.CreateRecordResult, error) {
 	return &vmflowv1.CreateRecordResult{InstanceUuid: "u1", CreatedByThisSpawn: true}, nil
 }
-func (*host) ClaimVGPU(context.Context, *vmflowv1.ClaimVGPURequest) (*vmflowv1.ClaimVGPUResult, error) {
+func (*host) ClaimDevices(context.Context, *vmflowv1.ClaimVGPURequest) (*vmflowv1.ClaimVGPUResult, error) {
 	return nil, temporal.NewNonRetryableApplicationError("no vGPU in this test", workflows.ErrTypeVGPUUnavailable, nil)
 }
 func (h *host) LaunchVM(context.Context, *vmflowv1.LaunchVMRequest) (*vmflowv1.LaunchVMResult, error) {
@@ -63,7 +63,7 @@ func (*host) StopVM(context.Context, *vmflowv1.StopVMRequest) (*vmflowv1.StopVMR
 	return &vmflowv1.StopVMResult{StepReached: "quit"}, nil
 }
 func (*host) WaitVMExit(context.Context, *vmflowv1.InstanceRef) error { return nil }
-func (h *host) ReleaseVGPU(context.Context, *vmflowv1.InstanceRef) (*vmflowv1.ReleaseVGPUResult, error) {
+func (h *host) ReleaseLeases(context.Context, *vmflowv1.InstanceRef) (*vmflowv1.ReleaseVGPUResult, error) {
 	if h.failRelease.Load() {
 		return nil, temporal.NewApplicationError("write remove: device or resource busy", workflows.ErrTypeReleaseFailed)
 	}

@@ -30,10 +30,10 @@ type Agent struct {
 	LaunchDuration  prometheus.Histogram
 	ReleaseFailures *prometheus.CounterVec
 	Reattach        prometheus.Counter
-	// ClaimsUnserved counts held vGPU claims this agent has no driver for
+	// LeasesUnserved counts held vGPU claims this agent has no driver for
 	// (--vgpu-driver=none on a host whose records hold claims): their
 	// deletes park needing attention until the agent runs with a driver.
-	ClaimsUnserved prometheus.Gauge
+	LeasesUnserved prometheus.Gauge
 	// RestartsRefused counts restarts the host's admission policy refused
 	// (the recorded spec is outside the policy the agent runs with): each
 	// leaves its instance needing attention.
@@ -94,16 +94,16 @@ func New(reg prometheus.Registerer, st *store.Store) (*Agent, error) {
 			Buckets: service.LatencyBuckets(),
 		}),
 		ReleaseFailures: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "vmflow_vgpu_release_failures_total",
-			Help: "vGPU releases that failed, by errno (or reason when no errno applies).",
+			Name: "vmflow_lease_release_failures_total",
+			Help: "Release stages (every lease of one instance) that failed, by errno (or reason when no errno applies).",
 		}, []string{"errno"}),
 		Reattach: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "vmflow_reattach_total",
 			Help: "VMs re-attached after an agent restart.",
 		}),
-		ClaimsUnserved: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "vmflow_vgpu_claims_unserved",
-			Help: "Held vGPU claims this agent cannot release because it runs without a vGPU driver.",
+		LeasesUnserved: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "vmflow_leases_unserved",
+			Help: "Held leases this agent cannot release because it runs without a driver for their kind (a vGPU without --vgpu-driver, an address without --net-subnet).",
 		}),
 		RestartsRefused: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "vmflow_restarts_refused_total",
@@ -136,7 +136,7 @@ func New(reg prometheus.Registerer, st *store.Store) (*Agent, error) {
 		Name: "vmflow_network_filter_dropped_frames_total",
 		Help: "Frames from guest TAPs the anti-spoofing filter dropped (a spoofed source, IPv6, another ethertype), as of the last TAP reconcile round.",
 	}, func() float64 { return float64(a.filterDropped.Load()) })
-	cs := []prometheus.Collector{filterDropped, a.StopDuration, a.ExitDetect, a.LaunchDuration, a.ReleaseFailures, a.Reattach, a.ClaimsUnserved, a.RestartsRefused, a.RestartsDeviceMissing, a.GuestLogDropped, a.GPUDevices}
+	cs := []prometheus.Collector{filterDropped, a.StopDuration, a.ExitDetect, a.LaunchDuration, a.ReleaseFailures, a.Reattach, a.LeasesUnserved, a.RestartsRefused, a.RestartsDeviceMissing, a.GuestLogDropped, a.GPUDevices}
 	if st != nil {
 		a.store = &storeCollector{st: st}
 		a.store.refresh()
@@ -152,7 +152,7 @@ func New(reg prometheus.Registerer, st *store.Store) (*Agent, error) {
 
 var (
 	instancesDesc = prometheus.NewDesc("vmflow_instances", "Instance records on this host, by state.", []string{"state"}, nil)
-	claimsDesc    = prometheus.NewDesc("vmflow_vgpu_claims", "vGPU claims held by instance records on this host.", nil, nil)
+	leasesDesc    = prometheus.NewDesc("vmflow_leases", "Leases held by instance records on this host, by kind (vgpu, passthrough, network) and phase (intent, active, releasing).", []string{"kind", "phase"}, nil)
 	unreadable    = prometheus.NewDesc("vmflow_records_unreadable", "Instance records that could not be read.", nil, nil)
 	freeDesc      = prometheus.NewDesc("vmflow_state_fs_free_bytes",
 		"Bytes the agent can still write on the state file system, its reserve not included.", nil, nil)
@@ -194,10 +194,13 @@ func (a *Agent) RunStoreRefresh(ctx context.Context, every time.Duration) {
 	}
 }
 
+// leaseKey is one series of vmflow_leases.
+type leaseKey struct{ kind, phase string }
+
 // storeSnapshot is what the store gauges report.
 type storeSnapshot struct {
 	byState    map[string]float64
-	claims     float64
+	leases     map[leaseKey]float64
 	unreadable float64
 	space      store.Space
 }
@@ -217,7 +220,7 @@ type storeCollector struct {
 
 func (c *storeCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- instancesDesc
-	ch <- claimsDesc
+	ch <- leasesDesc
 	ch <- unreadable
 	ch <- freeDesc
 	ch <- reserveDesc
@@ -227,7 +230,16 @@ func (c *storeCollector) refresh() {
 	c.refreshMu.Lock()
 	defer c.refreshMu.Unlock()
 	recs, err := c.st.List()
-	snap := storeSnapshot{byState: map[string]float64{}}
+	snap := storeSnapshot{byState: map[string]float64{}, leases: map[leaseKey]float64{}}
+	// Every series from the start, at 0: an alert on a kind's held leases
+	// sees the series before the first one.
+	for _, kind := range store.LeaseKinds {
+		for p := range vmflowv1.ClaimPhase_name {
+			if ph := vmflowv1.ClaimPhase(p); ph != vmflowv1.ClaimPhase_CLAIM_PHASE_UNSPECIFIED {
+				snap.leases[leaseKey{kind, store.PhaseName(ph)}] = 0
+			}
+		}
+	}
 	for _, s := range vmflowv1.InstanceState_value {
 		if st := vmflowv1.InstanceState(s); st != vmflowv1.InstanceState_INSTANCE_STATE_UNSPECIFIED {
 			snap.byState[store.StateName(st)] = 0
@@ -235,8 +247,8 @@ func (c *storeCollector) refresh() {
 	}
 	for _, r := range recs {
 		snap.byState[store.StateName(r.GetState())]++
-		if store.ClaimHeld(r) {
-			snap.claims++
+		for _, l := range store.HeldLeases(r) {
+			snap.leases[leaseKey{store.LeaseKind(l), store.PhaseName(l.GetPhase())}]++
 		}
 	}
 	bad, _ := store.Unreadable(err)
@@ -257,7 +269,9 @@ func (c *storeCollector) Collect(ch chan<- prometheus.Metric) {
 	for state, n := range snap.byState {
 		ch <- prometheus.MustNewConstMetric(instancesDesc, prometheus.GaugeValue, n, state)
 	}
-	ch <- prometheus.MustNewConstMetric(claimsDesc, prometheus.GaugeValue, snap.claims)
+	for k, n := range snap.leases {
+		ch <- prometheus.MustNewConstMetric(leasesDesc, prometheus.GaugeValue, n, k.kind, k.phase)
+	}
 	ch <- prometheus.MustNewConstMetric(unreadable, prometheus.GaugeValue, snap.unreadable)
 	ch <- prometheus.MustNewConstMetric(freeDesc, prometheus.GaugeValue, float64(snap.space.Free))
 	held := 0.0

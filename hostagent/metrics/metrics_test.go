@@ -34,6 +34,11 @@ func TestStoreGaugesFollowRecords(t *testing.T) {
 	}
 	_, err = st.Apply(ctx, "b", store.LeaseIntent(store.VGPULease(&vmflowv1.VgpuLease{Profile: "GRID A100-4C", Uuid: "u"}), time.Now()))
 	require.NoError(t, err)
+	net := store.NetworkLease(&vmflowv1.NetworkLease{Address: "10.88.0.2/24", Gateway: "10.88.0.1", Tap: "vmtap10.88.0.2", Mac: "52:54:00:00:00:02"})
+	_, err = st.Apply(ctx, "a", store.LeaseIntent(net, time.Now()))
+	require.NoError(t, err)
+	_, err = st.Apply(ctx, "a", store.NetworkActive())
+	require.NoError(t, err)
 	a.ReleaseFailures.WithLabelValues("EBUSY").Inc()
 	a.RefreshStore() // what RunStoreRefresh does every DefaultStoreRefresh
 
@@ -45,18 +50,26 @@ vmflow_instances{state="deleting"} 0
 vmflow_instances{state="exited"} 0
 vmflow_instances{state="release_failed"} 0
 vmflow_instances{state="running"} 0
-# HELP vmflow_vgpu_claims vGPU claims held by instance records on this host.
-# TYPE vmflow_vgpu_claims gauge
-vmflow_vgpu_claims 1
-# HELP vmflow_vgpu_release_failures_total vGPU releases that failed, by errno (or reason when no errno applies).
-# TYPE vmflow_vgpu_release_failures_total counter
-vmflow_vgpu_release_failures_total{errno="EAGAIN"} 0
-vmflow_vgpu_release_failures_total{errno="EBUSY"} 1
-vmflow_vgpu_release_failures_total{errno="EIO"} 0
-vmflow_vgpu_release_failures_total{errno="ENODEV"} 0
+# HELP vmflow_leases Leases held by instance records on this host, by kind (vgpu, passthrough, network) and phase (intent, active, releasing).
+# TYPE vmflow_leases gauge
+vmflow_leases{kind="network",phase="active"} 1
+vmflow_leases{kind="network",phase="intent"} 0
+vmflow_leases{kind="network",phase="releasing"} 0
+vmflow_leases{kind="passthrough",phase="active"} 0
+vmflow_leases{kind="passthrough",phase="intent"} 0
+vmflow_leases{kind="passthrough",phase="releasing"} 0
+vmflow_leases{kind="vgpu",phase="active"} 0
+vmflow_leases{kind="vgpu",phase="intent"} 1
+vmflow_leases{kind="vgpu",phase="releasing"} 0
+# HELP vmflow_lease_release_failures_total Release stages (every lease of one instance) that failed, by errno (or reason when no errno applies).
+# TYPE vmflow_lease_release_failures_total counter
+vmflow_lease_release_failures_total{errno="EAGAIN"} 0
+vmflow_lease_release_failures_total{errno="EBUSY"} 1
+vmflow_lease_release_failures_total{errno="EIO"} 0
+vmflow_lease_release_failures_total{errno="ENODEV"} 0
 `
 	assert.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(want),
-		"vmflow_instances", "vmflow_vgpu_claims", "vmflow_vgpu_release_failures_total"))
+		"vmflow_instances", "vmflow_leases", "vmflow_lease_release_failures_total"))
 
 	names := map[string]bool{}
 	mfs, err := reg.Gather()

@@ -37,6 +37,9 @@ const (
 	KindNetwork     = "network"
 )
 
+// LeaseKinds are every kind LeaseKind names.
+var LeaseKinds = []string{KindVGPU, KindPassthrough, KindNetwork}
+
 // LeaseKind names l's kind ("vgpu"); "unknown" for a lease with no
 // resource, which ValidateRecord refuses.
 func LeaseKind(l *vmflowv1.Lease) string {
@@ -323,4 +326,14 @@ func oldShape(path string) bool {
 		return false
 	}
 	return migrate(rec)
+}
+
+// PhaseName is the short, lower-case name of a lease phase ("intent",
+// "active", "releasing"), as vmflow_leases labels it.
+func PhaseName(p vmflowv1.ClaimPhase) string {
+	name, ok := vmflowv1.ClaimPhase_name[int32(p)]
+	if !ok {
+		return "phase(" + p.String() + ")"
+	}
+	return strings.ToLower(strings.TrimPrefix(name, "CLAIM_PHASE_"))
 }

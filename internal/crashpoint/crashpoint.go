@@ -66,8 +66,8 @@ const (
 	ClaimDeviceCreated = "vgpu.claim.device_created"
 	// ClaimActivated: the record says the claim is active.
 	ClaimActivated = "vgpu.claim.activated"
-	// ActivityClaimVGPUDone: ClaimVGPU is about to report success.
-	ActivityClaimVGPUDone = "activity.claim_vgpu.done"
+	// ActivityClaimDevicesDone: ClaimVGPU is about to report success.
+	ActivityClaimDevicesDone = "activity.claim_devices.done"
 
 	// StoreUIDLedgerWritten: the uid ledger names the instance's new QEMU
 	// uid; the record does not yet.
@@ -134,8 +134,8 @@ const (
 	PassthroughReturned = "passthrough.release.returned"
 	// PassthroughReleased: the record says the lease is released.
 	PassthroughReleased = "passthrough.release.recorded"
-	// ActivityReleaseVGPUDone: ReleaseVGPU is about to report success.
-	ActivityReleaseVGPUDone = "activity.release_vgpu.done"
+	// ActivityReleaseLeasesDone: ReleaseVGPU is about to report success.
+	ActivityReleaseLeasesDone = "activity.release_leases.done"
 	// QuarantineDue: a device's release failed K times or more, the last
 	// failure is in the record, and the quarantine file is not written yet
 	// (hit on every such failure, even one that adds nothing).
@@ -176,12 +176,12 @@ var All = []string{
 	StoreMigrated, AgentReattached,
 	StoreCreateDir, StoreWriteTemp, StoreWriteRenamed, ActivityCreateRecordDone,
 	ClaimIntentWritten, ClaimDeviceCreated, ClaimActivated, ClaimRollingBack, ClaimRolledBack,
-	PassthroughIntentWritten, PassthroughSysfsWritten, PassthroughActivated, ActivityClaimVGPUDone,
+	PassthroughIntentWritten, PassthroughSysfsWritten, PassthroughActivated, ActivityClaimDevicesDone,
 	StoreUIDLedgerWritten, LaunchBeforeFork, LaunchForked, LaunchPIDRecorded, LaunchQMPReady, LaunchRunningRecorded, ActivityLaunchVMDone,
 	MarkerWritten, BeginDeleteRecorded,
 	StopPowerdownSent, StopQuitSent, StopKillSent, StopGone, ActivityStopVMDone, ActivityWaitVMExitDone,
 	ReleaseReleasing, ReleaseWritten, ReleaseRecorded, PassthroughReleasing, PassthroughReturned, PassthroughReleased,
-	QuarantineDue, QuarantineWritten, ActivityReleaseVGPUDone, ReconcileReleased,
+	QuarantineDue, QuarantineWritten, ActivityReleaseLeasesDone, ReconcileReleased,
 	TearDownSocketRemoved, RecordTrashed, ActivityDeleteRecordDone,
 	NetIntentWritten, NetTAPCreated, NetActivated, NetReleasing, NetTAPRemoved, NetReleased,
 }
