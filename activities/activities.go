@@ -496,7 +496,6 @@ func NewLeaseEngine(cfg lease.EngineConfig, gpus GPUs, whole WholeGPUs, nw *netw
 	return eng
 }
 
-
 // TearDown removes the VM's QMP socket and pidfile, refusing while any QEMU of
 // the instance may live, recorded or not (supervise.TearDown).
 func (a *Activities) TearDown(ctx context.Context, ref *vmflowv1.InstanceRef) error {

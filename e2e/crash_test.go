@@ -119,15 +119,15 @@ const vendorProfile = "NVIDIA L40-1Q"
 // worker case kills the worker as soon as the agent says it (the history
 // shows the completion only after the worker may already have moved on).
 var agentLogLine = map[string]string{
-	workflows.ActivityCreateRecord: "record created",
-	workflows.ActivityClaimDevices:    "vGPU claimed",
-	workflows.ActivityLaunchVM:     "VM running",
-	workflows.ActivityBeginDelete:  "delete begun",
-	workflows.ActivityStopVM:       "VM stopped",
-	workflows.ActivityWaitVMExit:   "thread group gone",
-	workflows.ActivityReleaseLeases:  "leases released",
-	workflows.ActivityTearDown:     "runtime files removed",
-	workflows.ActivityDeleteRecord: "record deleted",
+	workflows.ActivityCreateRecord:  "record created",
+	workflows.ActivityClaimDevices:  "vGPU claimed",
+	workflows.ActivityLaunchVM:      "VM running",
+	workflows.ActivityBeginDelete:   "delete begun",
+	workflows.ActivityStopVM:        "VM stopped",
+	workflows.ActivityWaitVMExit:    "thread group gone",
+	workflows.ActivityReleaseLeases: "leases released",
+	workflows.ActivityTearDown:      "runtime files removed",
+	workflows.ActivityDeleteRecord:  "record deleted",
 }
 
 // crashOutcome is one row of the matrix's table.
