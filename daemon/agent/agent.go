@@ -123,9 +123,11 @@ func (h *agentHost) close() {
 // and the supervisor: nothing runs yet, and nothing needs Temporal.
 func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentHost, err error) {
 	h = &agentHost{}
+	// Every failure returns (nil, err): close what was opened, not h.
+	opened := h
 	defer func() {
 		if err != nil {
-			h.close()
+			opened.close()
 		}
 	}()
 	st, err := store.New(cfg.StateDir)
