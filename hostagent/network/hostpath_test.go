@@ -182,13 +182,14 @@ func TestEgressDeniesMetadataAndOperatorRanges(t *testing.T) {
 	ok, _ := nettest.Listen(t, p.world, allowed)
 	md, _ := nettest.Listen(t, p.world, metadata)
 	dn, _ := nettest.Listen(t, p.world, denied)
+	up, _ := nettest.Listen(t, p.host, upHost.Addr())
 	n := p.net(t, "uplink0", denyNet)
 	require.NoError(t, n.EnsureHostPath())
 	assert.Equal(t, "1\n", readSysctl(t, p.host, "net/ipv4/ip_forward"), "forwarding on")
 	assert.True(t, p.reach(t, 0, ok), "an allowed address, masqueraded")
 	assert.False(t, p.reach(t, 0, md), "cloud metadata")
 	assert.False(t, p.reach(t, 1, dn), "a --net-deny range")
-	assert.False(t, p.reach(t, 0, netip.AddrPortFrom(upHost.Addr(), 22)), "the host's own uplink address")
+	assert.False(t, p.reach(t, 0, up), "the host's own uplink address")
 }
 
 // TestWithoutEgressNoForwarding (finding 4): without --net-egress there
