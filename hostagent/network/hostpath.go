@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"maps"
 	"net"
 	"net/netip"
 	"os"
@@ -114,12 +115,9 @@ func (n *Net) EnsureHostPath() error {
 	if err := n.checkRouteLocalnet(); err != nil {
 		return err
 	}
-	var deny []netip.Prefix
-	if n.cfg.Egress != "" {
-		var err error
-		if deny, err = n.denied(); err != nil {
-			return err
-		}
+	deny, err := n.denied()
+	if err != nil {
+		return err
 	}
 	c, err := n.nft()
 	if err != nil {
@@ -133,7 +131,7 @@ func (n *Net) EnsureHostPath() error {
 	c.AddTable(t)
 	c.DelTable(t)
 	c.AddTable(t)
-	n.hostPathRuleset(c, t, deny)
+	n.hostPathRuleset(&ruleset{c: c, t: t, shape: map[string]int{}}, deny)
 	if err := c.Flush(); err != nil {
 		return fmt.Errorf("host-path table %s: %w", t.Name, err)
 	}
@@ -143,44 +141,112 @@ func (n *Net) EnsureHostPath() error {
 	return n.enableForwarding()
 }
 
-// hostPathRuleset queues t's chains and rules on c.
-func (n *Net) hostPathRuleset(c *nftables.Conn, t *nftables.Table, deny []netip.Prefix) {
-	in := c.AddChain(&nftables.Chain{Name: inputChain, Table: t, Type: nftables.ChainTypeFilter,
+// RestoreHostPath runs EnsureHostPath when the table is not what it would
+// make: missing, a chain missing, or a chain with another number of rules
+// (a hand's flush or edit; the host gained or lost an address). Only the
+// counts are compared: a rule edited in place stays until the agent
+// restarts. It reports whether it rebuilt the table. route_localnet turned
+// on since is ErrRouteLocalnet each time (the table stays and drops what
+// the kernel would now route to 127/8).
+func (n *Net) RestoreHostPath() (bool, error) {
+	if err := n.checkRouteLocalnet(); err != nil {
+		return false, err
+	}
+	deny, err := n.denied()
+	if err != nil {
+		return false, err
+	}
+	want := &ruleset{shape: map[string]int{}}
+	n.hostPathRuleset(want, deny)
+	c, err := n.nft()
+	if err != nil {
+		return false, err
+	}
+	chains, err := c.ListChainsOfTableFamily(nftables.TableFamilyINet)
+	if err != nil {
+		return false, fmt.Errorf("host-path table: list chains: %w", err)
+	}
+	have := map[string]int{}
+	for _, ch := range chains {
+		if ch.Table.Name != n.tableName() {
+			continue
+		}
+		rules, err := c.GetRules(ch.Table, ch)
+		if err != nil {
+			return false, fmt.Errorf("host-path table: list rules of %s: %w", ch.Name, err)
+		}
+		have[ch.Name] = len(rules)
+	}
+	if maps.Equal(have, want.shape) {
+		return false, nil
+	}
+	return true, n.EnsureHostPath()
+}
+
+// ruleset queues chains and rules of table t on c and counts each chain's
+// rules in shape; with c nil it only counts (what RestoreHostPath compares
+// the kernel's table with).
+type ruleset struct {
+	c     *nftables.Conn
+	t     *nftables.Table
+	shape map[string]int
+}
+
+func (r *ruleset) chain(ch *nftables.Chain) *nftables.Chain {
+	ch.Table = r.t
+	r.shape[ch.Name] += 0
+	if r.c != nil {
+		r.c.AddChain(ch)
+	}
+	return ch
+}
+
+func (r *ruleset) rule(ch *nftables.Chain, exprs ...expr.Any) {
+	r.shape[ch.Name]++
+	if r.c != nil {
+		r.c.AddRule(&nftables.Rule{Table: r.t, Chain: ch, Exprs: exprs})
+	}
+}
+
+// hostPathRuleset queues the table's chains and rules on r; deny is the
+// egress denylist (unused without egress).
+func (n *Net) hostPathRuleset(r *ruleset, deny []netip.Prefix) {
+	in := r.chain(&nftables.Chain{Name: inputChain, Type: nftables.ChainTypeFilter,
 		Hooknum: nftables.ChainHookInput, Priority: nftables.ChainPriorityFilter})
-	c.AddRule(&nftables.Rule{Table: t, Chain: in, Exprs: []expr.Any{
+	r.rule(in,
 		&expr.Ct{Key: expr.CtKeySTATE, Register: 1},
 		&expr.Bitwise{SourceRegister: 1, DestRegister: 1, Len: 4,
 			Mask: binaryutil.NativeEndian.PutUint32(expr.CtStateBitESTABLISHED | expr.CtStateBitRELATED), Xor: make([]byte, 4)},
 		&expr.Cmp{Op: expr.CmpOpNeq, Register: 1, Data: make([]byte, 4)},
 		&expr.Verdict{Kind: expr.VerdictAccept},
-	}})
+	)
+	drop := []expr.Any{&expr.Counter{}, &expr.Verdict{Kind: expr.VerdictDrop}}
 	for _, from := range n.guestSides() {
-		c.AddRule(&nftables.Rule{Table: t, Chain: in, Exprs: append(from, &expr.Counter{}, &expr.Verdict{Kind: expr.VerdictDrop})})
+		r.rule(in, append(from, drop...)...)
 	}
 
-	fwd := c.AddChain(&nftables.Chain{Name: forwardChain, Table: t, Type: nftables.ChainTypeFilter,
+	fwd := r.chain(&nftables.Chain{Name: forwardChain, Type: nftables.ChainTypeFilter,
 		Hooknum: nftables.ChainHookForward, Priority: nftables.ChainPriorityFilter})
-	guests := c.AddChain(&nftables.Chain{Name: fromGuestsChain, Table: t})
+	guests := r.chain(&nftables.Chain{Name: fromGuestsChain})
 	for _, from := range n.guestSides() {
-		c.AddRule(&nftables.Rule{Table: t, Chain: fwd, Exprs: append(from, &expr.Verdict{Kind: expr.VerdictJump, Chain: guests.Name})})
+		r.rule(fwd, append(from, &expr.Verdict{Kind: expr.VerdictJump, Chain: guests.Name})...)
 	}
-	drop := []expr.Any{&expr.Counter{}, &expr.Verdict{Kind: expr.VerdictDrop}}
 	if n.cfg.Egress == "" {
-		c.AddRule(&nftables.Rule{Table: t, Chain: guests, Exprs: drop})
+		r.rule(guests, drop...)
 		return
 	}
 	// Out of any other interface (back into the bridge too) is dropped.
-	c.AddRule(&nftables.Rule{Table: t, Chain: guests, Exprs: append([]expr.Any{
+	r.rule(guests, append([]expr.Any{
 		&expr.Meta{Key: expr.MetaKeyOIFNAME, Register: 1},
 		&expr.Cmp{Op: expr.CmpOpNeq, Register: 1, Data: ifname(n.cfg.Egress)},
-	}, drop...)})
+	}, drop...)...)
 	// The denylist reads IPv4 headers; the guard lets nothing else leave a
 	// port, this keeps the offsets right whatever comes.
-	c.AddRule(&nftables.Rule{Table: t, Chain: guests, Exprs: append(notIPv4(), drop...)})
+	r.rule(guests, append(notIPv4(), drop...)...)
 	for _, p := range deny {
-		c.AddRule(&nftables.Rule{Table: t, Chain: guests, Exprs: append(ipIn(16, p), drop...)})
+		r.rule(guests, append(ipIn(16, p), drop...)...)
 	}
-	n.addEgressNAT(c, t)
+	n.addEgressNAT(r)
 }
 
 // guestSides are the matches of what comes from the guests: the bridge

@@ -224,7 +224,8 @@ func TestWithoutEgressNoForwarding(t *testing.T) {
 
 // TestEnsureHostPathReplacesTheTable: each run replaces the table whole,
 // with or without egress, and removes the ip-family egress table of earlier
-// versions in the same transaction.
+// versions in the same transaction; RestoreHostPath rebuilds only a table
+// that is not whole.
 func TestEnsureHostPathReplacesTheTable(t *testing.T) {
 	ns := nettest.Namespace(t)
 	st, err := store.New(t.TempDir())
@@ -251,6 +252,17 @@ func TestEnsureHostPathReplacesTheTable(t *testing.T) {
 	assert.Empty(t, ts)
 	assert.ElementsMatch(t, []string{"input", "forward", "from_guests", "postrouting"}, chains)
 	assert.Equal(t, first, rules, "nothing doubled")
+
+	// A scan round leaves an intact table alone and makes a lost one again.
+	restored, err := n.RestoreHostPath()
+	require.NoError(t, err)
+	assert.False(t, restored, "intact: left as it is")
+	dropHostPath(t, ns)
+	restored, err = n.RestoreHostPath()
+	require.NoError(t, err)
+	assert.True(t, restored, "a flushed table is made again")
+	_, _, rules = network.NFTDump(t, n)
+	assert.Equal(t, first, rules)
 
 	off, err := network.New(network.Config{Subnet: subnet, NetNS: ns, Store: st})
 	require.NoError(t, err)

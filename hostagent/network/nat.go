@@ -32,13 +32,13 @@ func (n *Net) nft() (*nftables.Conn, error) {
 	return c, nil
 }
 
-// addEgressNAT queues on c, in the inet table t, the chain that gives the
+// addEgressNAT queues on r, in the inet table, the chain that gives the
 // guests a way out when Config.Egress is set: their IPv4 traffic from the
 // subnet leaving by the egress interface is masqueraded behind its
 // address. What may leave at all is the forward chain's to say
 // (hostPathRuleset).
-func (n *Net) addEgressNAT(c *nftables.Conn, t *nftables.Table) {
-	post := c.AddChain(&nftables.Chain{Name: natChain, Table: t, Type: nftables.ChainTypeNAT,
+func (n *Net) addEgressNAT(r *ruleset) {
+	post := r.chain(&nftables.Chain{Name: natChain, Type: nftables.ChainTypeNAT,
 		Hooknum: nftables.ChainHookPostrouting, Priority: nftables.ChainPriorityNATSource})
 	exprs := []expr.Any{
 		// An inet chain sees IPv6 too: the payload offsets are IPv4's.
@@ -51,7 +51,7 @@ func (n *Net) addEgressNAT(c *nftables.Conn, t *nftables.Table) {
 		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: ifname(n.cfg.Egress)},
 		&expr.Masq{},
 	)
-	c.AddRule(&nftables.Rule{Table: t, Chain: post, Exprs: exprs})
+	r.rule(post, exprs...)
 }
 
 // enableForwarding turns IPv4 forwarding on in the network's namespace.
