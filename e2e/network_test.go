@@ -84,8 +84,8 @@ func (e *env) netPing(t *testing.T, addr netip.Addr) {
 // TestGuestNetworking: two real guests on one host's network, inside the
 // namespace the harness made for the agent. Each answers a ping and a TCP
 // connection to its probe port on its leased address; neither reaches the
-// other (isolated bridge ports) but both reach a listener on the gateway;
-// a delete removes the TAP and frees the address, which the next spawn
+// other (isolated bridge ports) nor a listener on the gateway (the
+// host-path filter), while the host's own connections to them work; a delete removes the TAP and frees the address, which the next spawn
 // gets.
 func TestGuestNetworking(t *testing.T) {
 	timeTest(t)
@@ -105,18 +105,19 @@ func TestGuestNetworking(t *testing.T) {
 
 	for _, addr := range []netip.Addr{addrA, addrB} {
 		e.netPing(t, addr)
-		// The greeting alone proves the TCP connection; "dial" the gateway
-		// listener proves the way back.
+		// The greeting alone proves the TCP connection, the host's own.
 	}
+	// No path to the host: a guest's own dial of a listener on the
+	// gateway fails (issue 32, finding 4).
 	gw, peers := nettest.Listen(t, e.netns, netGateway)
 	for _, addr := range []netip.Addr{addrA, addrB} {
-		assert.Equal(t, guest.ProbeOK, e.netProbe(t, addr, guest.DialRequest(gw)), "guest %s reaches the gateway", addr)
-		select {
-		case peer := <-peers:
-			assert.Equal(t, addr.String(), peer, "seen from the guest's own address")
-		case <-time.After(10 * time.Second):
-			t.Fatalf("the gateway listener saw no connection from %s", addr)
-		}
+		reply := e.netProbe(t, addr, guest.DialRequest(gw))
+		assert.True(t, strings.HasPrefix(reply, guest.ProbeFail), "guest %s must not reach the host's listener: %q", addr, reply)
+	}
+	select {
+	case peer := <-peers:
+		t.Errorf("the gateway listener saw a connection from %s", peer)
+	default:
 	}
 	// Isolation: A cannot open B's probe port, nor B A's.
 	replyAB := e.netProbe(t, addrA, guest.DialRequest(netip.AddrPortFrom(addrB, guest.ProbePort)))

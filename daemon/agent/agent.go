@@ -123,9 +123,11 @@ func (h *agentHost) close() {
 // and the supervisor: nothing runs yet, and nothing needs Temporal.
 func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentHost, err error) {
 	h = &agentHost{}
+	// Every failure returns (nil, err): close what was opened, not h.
+	opened := h
 	defer func() {
 		if err != nil {
-			h.close()
+			opened.close()
 		}
 	}()
 	st, err := store.New(cfg.StateDir)
@@ -271,21 +273,22 @@ func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentH
 	return h, nil
 }
 
-// openNetwork opens the host's network and makes its egress NAT, its
-// anti-spoofing filter and its bridge (and its gateway address, after a
-// reboot) as configured. A bridge that cannot be made now is only
-// reported: VMs without a network go on, and every launch with one tries
-// again.
+// openNetwork opens the host's network and makes its host-path filter
+// (with egress NAT when asked), its anti-spoofing filter and its bridge (and
+// its gateway address, after a reboot) as configured. A bridge that cannot
+// be made now is only reported: VMs without a network go on, and every
+// launch with one tries again.
 func openNetwork(ctx context.Context, cfg Config, st *store.Store, log *zap.Logger) (*network.Net, error) {
-	nw, err := network.New(network.Config{Bridge: cfg.NetBridge, Subnet: cfg.NetSubnet, Egress: cfg.NetEgress, NetNS: cfg.NetNetNS,
-		Store: st, Logger: log})
+	nw, err := network.New(network.Config{Bridge: cfg.NetBridge, Subnet: cfg.NetSubnet, Egress: cfg.NetEgress, Deny: cfg.NetDeny,
+		NetNS: cfg.NetNetNS, Store: st, Logger: log})
 	if err != nil {
 		return nil, fmt.Errorf("network: %w", err)
 	}
-	// Egress NAT (or, without --net-egress, the removal of an earlier
-	// run's): reported, not fatal, as the bridge is.
-	if err := nw.EnsureEgress(); err != nil {
-		log.Error("network egress not set up", zap.String("egress", cfg.NetEgress), zap.Error(err))
+	// Fatal: without it guests reach the host's services (and with
+	// route_localnet on, its 127.0.0.1 ones); nothing launches unguarded.
+	if err := nw.EnsureHostPath(); err != nil {
+		nw.Close()
+		return nil, fmt.Errorf("network: %w", err)
 	}
 	// The anti-spoofing filter from the records (lost at a reboot): not
 	// fatal either, as every launch with a network makes it again.

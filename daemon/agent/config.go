@@ -68,6 +68,7 @@ type Config struct {
 	NetBridge string
 	NetSubnet netip.Prefix
 	NetEgress string
+	NetDeny   []netip.Prefix // ranges egress never reaches (network.ParseDeny)
 	NetNetNS  string
 }
 
@@ -142,6 +143,8 @@ flags:
 	fs.StringVar(&c.NetBridge, "net-bridge", network.DefaultBridge, "the bridge VMs with a network are ports of (made when missing)")
 	fs.StringVar(&subnet, "net-subnet", "", "`CIDR` (IPv4) of the VMs' network: the bridge takes its first address, the guests' gateway; empty: no network, and a spawn asking for one is refused")
 	fs.StringVar(&c.NetEgress, "net-egress", "", "`IFACE` the guests' traffic leaves by, masqueraded (nftables); empty: no egress")
+	fs.Func("net-deny", "`CIDR,...` (IPv4) the guests never reach through --net-egress (the operator's management networks); 127.0.0.0/8, 169.254.0.0/16 and the host's own addresses are always denied",
+		func(v string) (err error) { c.NetDeny, err = network.ParseDeny(v); return err })
 	fs.StringVar(&c.NetNetNS, "net-netns", "", "`NAME` of the network namespace (/run/netns/NAME) the bridge and TAPs live in; empty: the agent's own (production)")
 	fs.Var(&ignore, "holders-ignore-pid", "a pid whose open files cannot be read but that holds no VFIO device (repeatable; for sandboxes whose init outranks the agent, never in production)")
 	if err := fs.Parse(args); err != nil {

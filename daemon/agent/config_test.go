@@ -53,6 +53,10 @@ func TestParseFlags(t *testing.T) {
 	assert.Equal(t, netip.MustParsePrefix("10.88.0.0/24"), n.NetSubnet)
 	assert.Equal(t, "eth0", n.NetEgress)
 	assert.Equal(t, "t1", n.NetNetNS)
+	assert.Empty(t, n.NetDeny)
+	dn, err := agent.ParseFlags([]string{"--host-id", "h1", "--net-subnet", "10.88.0.0/24", "--net-deny", "10.0.0.0/8,192.168.10.0/24"}, io.Discard)
+	require.NoError(t, err)
+	assert.Equal(t, []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8"), netip.MustParsePrefix("192.168.10.0/24")}, dn.NetDeny)
 
 	u, err := agent.ParseFlags([]string{"--host-id", "h1", "--qemu-uid-range", "300000-300999"}, io.Discard)
 	require.NoError(t, err)
@@ -80,6 +84,8 @@ func TestParseFlagsRejects(t *testing.T) {
 		{"--host-id", "h1", "--net-subnet", "fd00::/64"},
 		{"--host-id", "h1", "--net-subnet", "10.88.0.0/31"},
 		{"--host-id", "h1", "--net-subnet", "ten"},
+		{"--host-id", "h1", "--net-deny", "10.0.0.1/8"}, // host bits
+		{"--host-id", "h1", "--net-deny", "10.0.0.0/8,fd00::/64"},
 	} {
 		_, err := agent.ParseFlags(args, io.Discard)
 		assert.Error(t, err, "%q", args)

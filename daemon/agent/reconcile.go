@@ -200,10 +200,16 @@ func eachRound(ctx context.Context, every time.Duration, round func(context.Cont
 }
 
 // reconcileTAPs removes, every `every` until ctx ends, the TAPs no record
-// leases once past their grace (network.ReconcileTAPs). Local work: no
-// Temporal call. A failed round is logged and tried again.
+// leases once past their grace (network.ReconcileTAPs), and makes the
+// host-path filter again when it is not whole. Local work: no Temporal
+// call. A failed round is logged and tried again.
 func reconcileTAPs(ctx context.Context, nw *network.Net, am *metrics.Agent, every time.Duration, log *zap.Logger) {
 	eachRound(ctx, every, func(rctx context.Context) {
+		if restored, err := nw.RestoreHostPath(); err != nil {
+			log.Error("network host-path filter not restored; tried again next round", zap.Error(err))
+		} else if restored {
+			log.Warn("network host-path filter was not whole (flushed by hand, or the host's addresses changed); made again")
+		}
 		if removed, err := nw.ReconcileTAPs(rctx); err != nil {
 			log.Warn("TAP reconcile failed; tried again next round", zap.Strings("removed", removed), zap.Error(err))
 		}

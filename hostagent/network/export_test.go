@@ -3,11 +3,12 @@ package network
 import (
 	"testing"
 
+	"github.com/google/nftables"
 	"github.com/stretchr/testify/require"
 )
 
 // NFTDump lists the nftables tables of n's namespace, the chains and the
-// number of rules of n's table.
+// number of rules of n's host-path table.
 func NFTDump(t *testing.T, n *Net) (tables, chains []string, rules int) {
 	t.Helper()
 	c, err := n.nft()
@@ -20,7 +21,7 @@ func NFTDump(t *testing.T, n *Net) (tables, chains []string, rules int) {
 	cs, err := c.ListChains()
 	require.NoError(t, err)
 	for _, ch := range cs {
-		if ch.Table.Name != n.natTable().Name {
+		if ch.Table.Name != n.tableName() || ch.Table.Family != nftables.TableFamilyINet {
 			continue
 		}
 		chains = append(chains, ch.Name)

@@ -2,7 +2,6 @@ package network
 
 import (
 	"fmt"
-	"net"
 	"os"
 	"time"
 
@@ -13,13 +12,9 @@ import (
 )
 
 // tableName names the nftables tables of the host's network, one per
-// bridge in each family: ip (egress NAT) and bridge (the guard).
+// bridge in each family: inet (the host-path filter and egress NAT,
+// hostpath.go) and bridge (the guard).
 func (n *Net) tableName() string { return "vmflow_" + n.cfg.Bridge }
-
-// natTable is the egress table, replaced whole by EnsureEgress.
-func (n *Net) natTable() *nftables.Table {
-	return &nftables.Table{Family: nftables.TableFamilyIPv4, Name: n.tableName()}
-}
 
 // nft is an nftables connection in the host network's namespace.
 func (n *Net) nft() (*nftables.Conn, error) {
@@ -37,57 +32,32 @@ func (n *Net) nft() (*nftables.Conn, error) {
 	return c, nil
 }
 
-// EnsureEgress gives the guests a way out when Config.Egress is set: their
-// traffic from the subnet leaving by the egress interface is masqueraded
-// behind its address, and forwarding is on; traffic routed from the bridge
-// back into it is dropped, so a guest cannot reach another through the
-// gateway either (the bridge's isolated ports already keep them apart at
-// layer 2). The table is replaced whole in one transaction: idempotent,
-// and an agent's restart after a changed flag leaves no rule of the old.
-// Without Egress it removes the table an earlier run made.
-func (n *Net) EnsureEgress() error {
-	c, err := n.nft()
-	if err != nil {
-		return err
-	}
-	t := n.natTable()
-	// Adding an existing table is no error; deleting it then empties it.
-	c.AddTable(t)
-	c.DelTable(t)
-	if n.cfg.Egress == "" {
-		if err := c.Flush(); err != nil {
-			return fmt.Errorf("remove egress table %s: %w", t.Name, err)
-		}
-		return nil
-	}
-	c.AddTable(t)
-	post := c.AddChain(&nftables.Chain{Name: "postrouting", Table: t, Type: nftables.ChainTypeNAT,
+// addEgressNAT queues on r, in the inet table, the chain that gives the
+// guests a way out when Config.Egress is set: their IPv4 traffic from the
+// subnet leaving by the egress interface is masqueraded behind its
+// address. What may leave at all is the forward chain's to say
+// (hostPathRuleset).
+func (n *Net) addEgressNAT(r *ruleset) {
+	post := r.chain(&nftables.Chain{Name: natChain, Type: nftables.ChainTypeNAT,
 		Hooknum: nftables.ChainHookPostrouting, Priority: nftables.ChainPriorityNATSource})
-	sub := n.cfg.Subnet
-	addr := sub.Addr().As4()
-	mask := net.CIDRMask(sub.Bits(), 32)
-	c.AddRule(&nftables.Rule{Table: t, Chain: post, Exprs: []expr.Any{
-		// ip saddr & mask == subnet
-		&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseNetworkHeader, Offset: 12, Len: 4},
-		&expr.Bitwise{SourceRegister: 1, DestRegister: 1, Len: 4, Mask: mask, Xor: []byte{0, 0, 0, 0}},
-		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: addr[:]},
-		// oifname == egress
+	exprs := []expr.Any{
+		// An inet chain sees IPv6 too: the payload offsets are IPv4's.
+		&expr.Meta{Key: expr.MetaKeyNFPROTO, Register: 1},
+		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{unix.NFPROTO_IPV4}},
+	}
+	exprs = append(exprs, ipIn(12, n.cfg.Subnet)...)
+	exprs = append(exprs,
 		&expr.Meta{Key: expr.MetaKeyOIFNAME, Register: 1},
 		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: ifname(n.cfg.Egress)},
 		&expr.Masq{},
-	}})
-	fwd := c.AddChain(&nftables.Chain{Name: "forward", Table: t, Type: nftables.ChainTypeFilter,
-		Hooknum: nftables.ChainHookForward, Priority: nftables.ChainPriorityFilter})
-	c.AddRule(&nftables.Rule{Table: t, Chain: fwd, Exprs: []expr.Any{
-		&expr.Meta{Key: expr.MetaKeyIIFNAME, Register: 1},
-		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: ifname(n.cfg.Bridge)},
-		&expr.Meta{Key: expr.MetaKeyOIFNAME, Register: 1},
-		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: ifname(n.cfg.Bridge)},
-		&expr.Verdict{Kind: expr.VerdictDrop},
-	}})
-	if err := c.Flush(); err != nil {
-		return fmt.Errorf("egress table %s: %w", t.Name, err)
-	}
+	)
+	r.rule(post, exprs...)
+}
+
+// enableForwarding turns IPv4 forwarding on in the network's namespace.
+// Without egress it is left as it is (another of the host's users may need
+// it): the forward chain drops the guests' traffic then.
+func (n *Net) enableForwarding() error {
 	return n.inNS(func() error {
 		// /proc/sys/net is the namespace of the thread that opens it.
 		f, err := os.OpenFile("/proc/sys/net/ipv4/ip_forward", os.O_WRONLY|unix.O_CLOEXEC, 0)

@@ -85,6 +85,10 @@ type Config struct {
 	// Egress, when set, is the uplink whose address guests' traffic is
 	// masqueraded behind (nftables).
 	Egress string
+	// Deny are IPv4 ranges guests never reach through Egress (the
+	// operator's management networks), besides those always denied
+	// (hostpath.go).
+	Deny []netip.Prefix
 	// NetNS names the network namespace (/run/netns/NAME) the bridge and
 	// TAPs live in; empty: the agent's own.
 	NetNS string
@@ -148,6 +152,9 @@ func New(cfg Config) (*Net, error) {
 		if err := checkIfName("egress", cfg.Egress); err != nil {
 			return nil, err
 		}
+	}
+	if err := checkHostPath(cfg); err != nil {
+		return nil, err
 	}
 	n := &Net{cfg: cfg, gateway: gw, ns: netns.None(), lock: filepath.Join(cfg.Store.StateDir(), lockFile), seen: map[string]time.Time{}}
 	if cfg.NetNS != "" {

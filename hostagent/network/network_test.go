@@ -425,33 +425,3 @@ func TestTAPNameFitsIFNAMSIZ(t *testing.T) {
 	assert.NotEqual(t, network.MAC("a", 0), network.MAC("a", 1))
 	assert.Equal(t, network.MAC("a", 0), network.MAC("a", 0))
 }
-
-func TestEnsureEgressIdempotent(t *testing.T) {
-	ns := nettest.Namespace(t)
-	st, err := store.New(t.TempDir())
-	require.NoError(t, err)
-	n, err := network.New(network.Config{Subnet: subnet, NetNS: ns, Store: st, Egress: "uplink0"})
-	require.NoError(t, err)
-	defer n.Close()
-	require.NoError(t, n.EnsureEgress())
-	require.NoError(t, n.EnsureEgress(), "a second run replaces the table")
-	tables, chains, rules := network.NFTDump(t, n)
-	assert.Equal(t, []string{"vmflow_vmflow0"}, tables)
-	assert.ElementsMatch(t, []string{"postrouting", "forward"}, chains)
-	assert.Equal(t, 2, rules, "one masquerade, one drop: nothing doubled")
-	var fwd string
-	require.NoError(t, nettest.In(t, ns, func() error {
-		b, err := os.ReadFile("/proc/sys/net/ipv4/ip_forward")
-		fwd = string(b)
-		return err
-	}))
-	assert.Equal(t, "1\n", fwd, "forwarding on in the namespace")
-
-	// Without --net-egress the table goes.
-	off, err := network.New(network.Config{Subnet: subnet, NetNS: ns, Store: st})
-	require.NoError(t, err)
-	defer off.Close()
-	require.NoError(t, off.EnsureEgress())
-	tables, _, _ = network.NFTDump(t, off)
-	assert.Empty(t, tables)
-}
