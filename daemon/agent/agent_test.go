@@ -88,7 +88,7 @@ func TestAgentOutlivesBadRecordAndRefusedCredentials(t *testing.T) {
 	refused := logs.FilterMessageSnippet("temporal refused the agent").All()[0]
 	assert.Contains(t, refused.ContextMap()["error"], "API key expired")
 
-	unserved := logs.FilterMessageSnippet("no vGPU driver").All()
+	unserved := logs.FilterMessageSnippet("has no driver for").All()
 	require.Len(t, unserved, 1)
 	assert.Equal(t, []interface{}{"claimed"}, unserved[0].ContextMap()["instance_ids"])
 	assert.Positive(t, logs.FilterMessageSnippet("supervising").Len(), "supervision went on past the torn record")

@@ -200,7 +200,9 @@ func eachRound(ctx context.Context, every time.Duration, round func(context.Cont
 }
 
 // reconcileTAPs removes, every `every` until ctx ends, the TAPs no record
-// leases once past their grace (network.ReconcileTAPs), and makes the
+// leases once past their grace and puts leased TAPs that lost their bridge
+// back on it (network.ReconcileTAPs, counted in
+// vmflow_network_ports_reattached_total), and makes the
 // host-path filter again when it is not whole. Local work: no Temporal
 // call. A failed round is logged and tried again.
 func reconcileTAPs(ctx context.Context, nw *network.Net, am *metrics.Agent, every time.Duration, log *zap.Logger) {
@@ -210,8 +212,10 @@ func reconcileTAPs(ctx context.Context, nw *network.Net, am *metrics.Agent, ever
 		} else if restored {
 			log.Warn("network host-path filter was not whole (flushed by hand, or the host's addresses changed); made again")
 		}
-		if removed, err := nw.ReconcileTAPs(rctx); err != nil {
-			log.Warn("TAP reconcile failed; tried again next round", zap.Strings("removed", removed), zap.Error(err))
+		round, err := nw.ReconcileTAPs(rctx)
+		am.NetworkPortsReattached.Add(float64(len(round.Reattached)))
+		if err != nil {
+			log.Warn("TAP reconcile failed; tried again next round", zap.Strings("removed", round.Removed), zap.Strings("reattached", round.Reattached), zap.Error(err))
 		}
 		if dropped, err := nw.FilterDropped(); err != nil {
 			log.Warn("read the network filter's drop count", zap.Error(err))

@@ -21,6 +21,7 @@ import (
 
 const devicesHelp = `usage: vmflow-hostagent devices [--state-dir DIR] [--sysfs-root DIR] [--gpu-passthrough LIST] [--vgpu-driver KIND] [-o table|json]
        vmflow-hostagent devices clear ID --reason TEXT [--state-dir DIR]
+       vmflow-hostagent devices clear --reset --reason TEXT [--state-dir DIR]
 
 Lists every GPU device of this host with its state: free, claimed (by
 which instance), quarantined (and why: its release or reset failed
@@ -34,6 +35,11 @@ operator fixed it; the reason is required and logged, with the time and
 the quarantine it ends, to <state-dir>/gpu-quarantine.log. It is the one
 CLI command that writes, under the quarantine's own lock, beside a running
 agent.
+
+A quarantine file that cannot be read (torn, not JSON, null) counts every
+device as quarantined: no GPU is handed out. devices clear --reset sets it
+aside (renamed <file>.unreadable-<time>, kept) and starts an empty one:
+every device it may have named is offered again, so look at it first.
 `
 
 // QuarantineLogFile is the audit log of devices clear, in the state dir.
@@ -88,6 +94,10 @@ func Devices(ctx context.Context, args []string, out IO) int {
 	rows, err := lease.HostInventory(ctx, st, lease.NewQuarantine(v.stateDir, 0, nil), whole, drv)
 	if err != nil {
 		fmt.Fprintf(out.Stderr, "devices: %v\n", err)
+		if errors.Is(err, lease.ErrQuarantineUnreadable) {
+			fmt.Fprintf(out.Stderr, "devices: no GPU is handed out until it is mended: read %s, then vmflow-hostagent devices clear --reset --reason TEXT\n",
+				filepath.Join(v.stateDir, lease.QuarantineFile))
+		}
 		return ExitError
 	}
 	if v.output == "json" {
@@ -113,6 +123,7 @@ func devicesClear(ctx context.Context, args []string, out IO) int {
 	fs.Usage = func() { fmt.Fprint(out.Stderr, devicesHelp) }
 	stateDir := fs.String("state-dir", contract.DefaultStateDir, "the agent's state directory (as given to run)")
 	reason := fs.String("reason", "", "why the device may be used again (required, logged)")
+	reset := fs.Bool("reset", false, "set an unreadable quarantine file aside and start an empty one")
 	// The id may come before or after the flags.
 	var id string
 	if len(args) > 0 && !strings.HasPrefix(args[0], "-") {
@@ -127,12 +138,15 @@ func devicesClear(ctx context.Context, args []string, out IO) int {
 	if id == "" && fs.NArg() == 1 {
 		id = fs.Arg(0)
 	}
-	if id == "" || strings.TrimSpace(*reason) == "" {
-		fmt.Fprint(out.Stderr, "devices clear: a device id and --reason are required\n"+devicesHelp)
+	if (id == "") == !*reset || strings.TrimSpace(*reason) == "" {
+		fmt.Fprint(out.Stderr, "devices clear: a device id (or --reset) and --reason are required\n"+devicesHelp)
 		return ExitUsage
 	}
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
+	if *reset {
+		return devicesReset(ctx, *stateDir, *reason, out)
+	}
 	was, err := lease.NewQuarantine(*stateDir, 0, nil).Clear(ctx, id)
 	if err != nil {
 		fmt.Fprintf(out.Stderr, "devices clear: %v\n", err)
@@ -149,6 +163,26 @@ func devicesClear(ctx context.Context, args []string, out IO) int {
 		return ExitError
 	}
 	fmt.Fprintf(out.Stdout, "%s cleared (was quarantined since %s: %s)\n", safetext.Escape(id), was.Since.Format(time.RFC3339), safetext.Escape(was.Reason))
+	return ExitOK
+}
+
+// devicesReset is devices clear --reset: an unreadable quarantine set
+// aside for an empty one, logged like a clear.
+func devicesReset(ctx context.Context, stateDir, reason string, out IO) int {
+	aside, err := lease.NewQuarantine(stateDir, 0, nil).Reset(ctx)
+	if err != nil {
+		fmt.Fprintf(out.Stderr, "devices clear --reset: %v\n", err)
+		if errors.Is(err, lease.ErrQuarantineReadable) {
+			return ExitUsage
+		}
+		return ExitError
+	}
+	entry := map[string]string{"time": time.Now().UTC().Format(time.RFC3339), "reset": "unreadable quarantine set aside", "set_aside": aside, "reason": reason}
+	if err := appendLog(filepath.Join(stateDir, QuarantineLogFile), entry); err != nil {
+		fmt.Fprintf(out.Stderr, "devices clear --reset: done, but the log line was not written: %v\n", err)
+		return ExitError
+	}
+	fmt.Fprintf(out.Stdout, "quarantine reset: the unreadable file is kept as %s\n", safetext.Escape(aside))
 	return ExitOK
 }
 

@@ -93,3 +93,37 @@ func TestDevicesListsAndClears(t *testing.T) {
 	assert.Contains(t, string(b), "GPU reseated, RMA 42")
 	assert.Equal(t, lease.DeviceFree, list()[g(2)].State)
 }
+
+// TestDevicesUnreadableQuarantine (issue 31 case 7): a quarantine file
+// holding null is unreadable: devices says so and how to mend it, and
+// devices clear --reset (with a reason, logged) sets it aside for an
+// empty one. A readable quarantine is not reset.
+func TestDevicesUnreadableQuarantine(t *testing.T) {
+	sim := simtest.Start(t, vgpusim.Options{PCIGPUs: 1})
+	dir := t.TempDir()
+	_, err := store.New(dir)
+	require.NoError(t, err)
+	path := filepath.Join(dir, lease.QuarantineFile)
+	require.NoError(t, os.WriteFile(path, []byte("null"), 0o600))
+
+	code, _, stderr := runDevices(t, "--state-dir", dir, "--sysfs-root", sim.Root, "--gpu-passthrough", "all")
+	assert.Equal(t, cli.ExitError, code)
+	assert.Contains(t, stderr, "quarantine unreadable")
+	assert.Contains(t, stderr, "devices clear --reset")
+
+	code, _, _ = runDevices(t, "clear", "--reset", "--state-dir", dir)
+	assert.Equal(t, cli.ExitUsage, code, "a reason is required")
+	code, _, _ = runDevices(t, "clear", "0000:01:00.0", "--reset", "--state-dir", dir, "--reason", "x")
+	assert.Equal(t, cli.ExitUsage, code, "an id or --reset, not both")
+	code, out, stderr := runDevices(t, "clear", "--reset", "--state-dir", dir, "--reason", "file zeroed by a bad restore, checked by hand")
+	require.Equal(t, cli.ExitOK, code, stderr)
+	assert.Contains(t, out, ".unreadable-")
+	b, err := os.ReadFile(filepath.Join(dir, cli.QuarantineLogFile))
+	require.NoError(t, err)
+	assert.Contains(t, string(b), "checked by hand")
+
+	code, _, stderr = runDevices(t, "--state-dir", dir, "--sysfs-root", sim.Root, "--gpu-passthrough", "all")
+	assert.Equal(t, cli.ExitOK, code, stderr)
+	code, _, _ = runDevices(t, "clear", "--reset", "--state-dir", dir, "--reason", "again")
+	assert.Equal(t, cli.ExitUsage, code, "a readable quarantine is cleared by id")
+}

@@ -30,9 +30,10 @@ type Agent struct {
 	LaunchDuration  prometheus.Histogram
 	ReleaseFailures *prometheus.CounterVec
 	Reattach        prometheus.Counter
-	// LeasesUnserved counts held vGPU claims this agent has no driver for
-	// (--vgpu-driver=none on a host whose records hold claims): their
-	// deletes park needing attention until the agent runs with a driver.
+	// LeasesUnserved counts held leases of a kind this agent has no driver
+	// for (a vGPU with --vgpu-driver=none, an address without
+	// --net-subnet): their deletes park needing attention until the agent
+	// runs with one.
 	LeasesUnserved prometheus.Gauge
 	// RestartsRefused counts restarts the host's admission policy refused
 	// (the recorded spec is outside the policy the agent runs with): each
@@ -46,6 +47,9 @@ type Agent struct {
 	// qemu.log (its disk full, failing or behind): output is dropped rather
 	// than QEMU blocked.
 	GuestLogDropped prometheus.Counter
+	// NetworkPortsReattached counts leased TAPs the TAP reconcile put back
+	// on the bridge (a deleted bridge detaches its ports).
+	NetworkPortsReattached prometheus.Counter
 	// GPUDevices counts the host's GPU devices by state (free, claimed,
 	// quarantined, not-vmflows), as `vmflow-hostagent devices` lists them;
 	// the agent sets it (SetGPUDevices).
@@ -117,6 +121,10 @@ func New(reg prometheus.Registerer, st *store.Store) (*Agent, error) {
 			Name: "vmflow_gpu_devices",
 			Help: "GPU devices on this host by state: free, claimed, quarantined (a release or reset failed --gpu-quarantine-after times), not-vmflows.",
 		}, []string{"state"}),
+		NetworkPortsReattached: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "vmflow_network_ports_reattached_total",
+			Help: "Leased guest TAPs the TAP reconcile found off the bridge (the bridge deleted or the port moved) and put back.",
+		}),
 		GuestLogDropped: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "vmflow_guest_log_dropped_bytes_total",
 			Help: "Guest output bytes dropped instead of written to qemu.log (disk full, failing or behind), counted when a VM's log pump ends.",
@@ -136,7 +144,7 @@ func New(reg prometheus.Registerer, st *store.Store) (*Agent, error) {
 		Name: "vmflow_network_filter_dropped_frames_total",
 		Help: "Frames from guest TAPs the anti-spoofing filter dropped (a spoofed source, IPv6, another ethertype), as of the last TAP reconcile round.",
 	}, func() float64 { return float64(a.filterDropped.Load()) })
-	cs := []prometheus.Collector{filterDropped, a.StopDuration, a.ExitDetect, a.LaunchDuration, a.ReleaseFailures, a.Reattach, a.LeasesUnserved, a.RestartsRefused, a.RestartsDeviceMissing, a.GuestLogDropped, a.GPUDevices}
+	cs := []prometheus.Collector{filterDropped, a.StopDuration, a.ExitDetect, a.LaunchDuration, a.ReleaseFailures, a.Reattach, a.LeasesUnserved, a.RestartsRefused, a.RestartsDeviceMissing, a.GuestLogDropped, a.GPUDevices, a.NetworkPortsReattached}
 	if st != nil {
 		a.store = &storeCollector{st: st}
 		a.store.refresh()

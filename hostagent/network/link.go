@@ -117,6 +117,14 @@ func (n *Net) ensureTAP(name string, uid uint32) error {
 	if err != nil {
 		return fmt.Errorf("attach %s: bridge %s: %w", name, n.cfg.Bridge, err)
 	}
+	return n.setupPort(t, br)
+}
+
+// setupPort makes t a port of the bridge br, isolated from the other ports
+// (guests reach the gateway, not each other), and up: the one port setup,
+// for a launch and for the reconcile that puts a detached port back.
+func (n *Net) setupPort(t netlink.Link, br netlink.Link) error {
+	name := t.Attrs().Name
 	if err := n.h.LinkSetMasterByIndex(t, br.Attrs().Index); err != nil {
 		return fmt.Errorf("attach %s to %s: %w", name, n.cfg.Bridge, err)
 	}

@@ -128,6 +128,9 @@ type Net struct {
 	lock    string
 	mu      sync.Mutex
 	seen    map[string]time.Time // reconcile's first sightings of unleased TAPs, under mu
+	// afterList, set by tests only, runs in ReconcileTAPs between its read
+	// of the records and its removals: where a placement would race it.
+	afterList func()
 	gmu     sync.Mutex           // orders changes of the guard's set (guard.go)
 }
 

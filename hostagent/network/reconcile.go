@@ -9,40 +9,76 @@ import (
 	"go.uber.org/zap"
 
 	"vmflow/hostagent/store"
+	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
+// TAPRound is what one ReconcileTAPs round did.
+type TAPRound struct {
+	// Removed are the unleased TAPs removed, past their grace.
+	Removed []string
+	// Reattached are the leased TAPs put back on the bridge (a hand or a
+	// tool deleted the bridge, or moved the port).
+	Reattached []string
+}
+
 // ReconcileTAPs rebuilds the anti-spoofing filter from the records
-// (RebuildGuard), then removes the TAPs (named with TAPPrefix) that no
+// (RebuildGuard) and makes the bridge again when it is gone
+// (EnsureBridge); puts every leased TAP that is not a port of the bridge
+// back on it; then removes the TAPs (named with TAPPrefix) that no
 // record's held lease names once they have been seen unleased for the
 // orphan grace. The agent writes a lease before it makes its TAP, so these
-// are TAPs of a record removed by hand, or made by a hand. The TAPs are
-// listed before the records, so a launch that leases and makes one in
-// between is seen leased. Nothing
-// is removed while a record cannot be read (it may name a TAP). It returns
-// the TAPs it removed.
-func (n *Net) ReconcileTAPs(ctx context.Context) ([]string, error) {
+// are TAPs of a record removed by hand, or made by a hand. The records are
+// read and the TAPs removed under the placement lock, so a lease placed
+// meanwhile is either seen (its TAP kept) or placed after the removal (its
+// TAP made afresh). Nothing is removed while a record cannot be read (it
+// may name a TAP).
+func (n *Net) ReconcileTAPs(ctx context.Context) (TAPRound, error) {
+	var round TAPRound
 	if err := ctx.Err(); err != nil {
-		return nil, fmt.Errorf("reconcile taps: %w", err)
+		return round, fmt.Errorf("reconcile taps: %w", err)
 	}
 	gerr := n.RebuildGuard(ctx)
+	if err := n.EnsureBridge(ctx); err != nil {
+		gerr = errors.Join(gerr, fmt.Errorf("reconcile taps: %w", err))
+	}
+	hl, err := n.hostLock(ctx)
+	if err != nil {
+		return round, errors.Join(gerr, fmt.Errorf("reconcile taps: %w", err))
+	}
+	defer hl.Release(false)
 	taps, err := n.taps()
 	if err != nil {
-		return nil, errors.Join(gerr, fmt.Errorf("reconcile taps: %w", err))
+		return round, errors.Join(gerr, fmt.Errorf("reconcile taps: %w", err))
 	}
 	recs, err := n.cfg.Store.List()
-	if bad, listed := store.Unreadable(err); !listed || len(bad) > 0 {
-		return nil, errors.Join(gerr, fmt.Errorf("reconcile taps: %w: %w", ErrRecordsUnreadable, err))
-	}
+	// Leased TAPs go back on the bridge whatever else the records say.
 	leased := map[string]bool{}
 	for _, r := range recs {
-		if l := store.Network(r); store.LeaseHeld(l) {
-			leased[l.GetNetwork().GetTap()] = true
+		l := store.Network(r)
+		if !store.LeaseHeld(l) {
+			continue
 		}
+		leased[l.GetNetwork().GetTap()] = true
+		if !slices.Contains(taps, l.GetNetwork().GetTap()) {
+			continue // made by the VM's next launch
+		}
+		if did, rerr := n.reattach(ctx, l.GetNetwork()); rerr != nil {
+			gerr = errors.Join(gerr, fmt.Errorf("reconcile taps: instance %s: %w", r.GetId(), rerr))
+		} else if did {
+			round.Reattached = append(round.Reattached, l.GetNetwork().GetTap())
+			n.cfg.Logger.Warn("leased TAP was not on the bridge; put back", zap.String("instance_id", r.GetId()),
+				zap.String("tap", l.GetNetwork().GetTap()), zap.String("bridge", n.cfg.Bridge))
+		}
+	}
+	if bad, listed := store.Unreadable(err); !listed || len(bad) > 0 {
+		return round, errors.Join(gerr, fmt.Errorf("reconcile taps: %w: %w", ErrRecordsUnreadable, err))
+	}
+	if n.afterList != nil {
+		n.afterList()
 	}
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	now := n.cfg.Now()
-	var removed []string
 	var errs []error
 	for name := range n.seen {
 		if !slices.Contains(taps, name) || leased[name] {
@@ -67,8 +103,29 @@ func (n *Net) ReconcileTAPs(ctx context.Context) ([]string, error) {
 			continue
 		}
 		delete(n.seen, name)
-		removed = append(removed, name)
+		round.Removed = append(round.Removed, name)
 		n.cfg.Logger.Warn("unleased TAP removed", zap.String("tap", name))
 	}
-	return removed, errors.Join(append(errs, gerr)...)
+	return round, errors.Join(append(errs, gerr)...)
+}
+
+// reattach puts a leased TAP that is not a port of the bridge back on it
+// (master, isolated, up), and reports whether it had to. The TAP itself
+// is never made again here: a running QEMU holds its queue.
+func (n *Net) reattach(ctx context.Context, nl *vmflowv1.NetworkLease) (bool, error) {
+	if err := ctx.Err(); err != nil {
+		return false, err
+	}
+	t, err := n.tap(nl.GetTap())
+	if err != nil || t == nil {
+		return false, err
+	}
+	br, err := n.h.LinkByName(n.cfg.Bridge)
+	if err != nil {
+		return false, fmt.Errorf("bridge %s: %w", n.cfg.Bridge, err)
+	}
+	if t.Attrs().MasterIndex == br.Attrs().Index {
+		return false, nil
+	}
+	return true, n.setupPort(t, br)
 }
