@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
-	"net"
 	"os"
 	"os/exec"
 	"sync"
@@ -173,7 +172,7 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 		return nil, fmt.Errorf("launch: %w", err)
 	}
 	l.socketOwned = true
-	qmpListener, err := listenQMP(cfg.Paths.QMPSocket)
+	qmpListener, err := viaShortPath(cfg.Paths.QMPSocket, listenQMP)
 	if err != nil {
 		return nil, fmt.Errorf("launch: %w", err)
 	}
@@ -491,8 +490,7 @@ func RemoveStaleSocket(ctx context.Context, path string) error {
 	}
 	dctx, cancel := context.WithTimeout(ctx, time.Second)
 	defer cancel()
-	var d net.Dialer
-	c, err := d.DialContext(dctx, "unix", path)
+	c, err := dialSocket(dctx, path)
 	if err == nil {
 		c.Close()
 		return fmt.Errorf("%s: %w", path, ErrSocketInUse)
