@@ -93,6 +93,9 @@ type VMSpec struct {
 	// NIC is the guest's network card on a TAP the agent made and opened;
 	// nil: no network.
 	NIC *NIC `json:"-"`
+	// IO bounds the disk's I/O through the VM's cgroup (not argv: QEMU's
+	// own throttling would be the guest's to lift, were QEMU taken over).
+	IO IOLimits `json:"io,omitzero"`
 }
 
 // NIC is a virtio-net card backed by a TAP descriptor: QEMU gets only the

@@ -185,6 +185,13 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 	if err != nil {
 		return nil, fmt.Errorf("launch: %w", err)
 	}
+	cgLimits, err := cgroupLimitsOf(cfg.Spec)
+	if err != nil {
+		return nil, fmt.Errorf("launch: %w", err)
+	}
+	if len(cgLimits.IODevices) > 0 && cfg.Confine.Cgroups == nil {
+		return nil, fmt.Errorf("launch: %w: no cgroup per VM on this host", ErrIOUnbounded)
+	}
 	var cmd *exec.Cmd
 	if j := cfg.Confine.Jail; j != nil {
 		// QEMU is exec'd by the setup stage (jail.go) in its namespaces
@@ -240,7 +247,7 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 		// the wrapper's exec and QEMU's first instructions run in the
 		// agent's cgroup, guest RAM is allocated in the VM's.
 		l.cgroupPlaced = true
-		if err := cg.Place(ctx, CgroupName(cfg.Spec.Name, cfg.Confine.UID), id.PID, CgroupLimitsFor(cfg.Spec)); err != nil {
+		if err := cg.Place(ctx, CgroupName(cfg.Spec.Name, cfg.Confine.UID), id.PID, cgLimits); err != nil {
 			return nil, fmt.Errorf("launch %v: %w", id, err)
 		}
 	}
