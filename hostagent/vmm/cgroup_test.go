@@ -212,10 +212,13 @@ func TestLaunchIOLimitsInCgroup(t *testing.T) {
 	cfg.Spec.Disk = &Disk{Base: base, Overlay: ov}
 	cfg.Spec.IO = IOLimits{ReadBPS: 1 << 20, WriteBPS: 2 << 20, ReadIOPS: 100, WriteIOPS: 200}
 	cfg.Confine.Cgroups = cg
+	name := CgroupName(cfg.Spec.Name, cfg.Confine.UID)
+	t.Cleanup(func() { // after killOnCleanup's kill, also when a check failed
+		assert.Eventually(t, func() bool { return cg.Remove(context.Background(), name) == nil }, 10*time.Second, 10*time.Millisecond)
+	})
 	vm, err := Launch(ctxT(t, 60*time.Second), cfg)
 	require.NoError(t, err)
 	killOnCleanup(t, vm)
-	name := CgroupName(cfg.Spec.Name, cfg.Confine.UID)
 	want := CgroupLimitsFor(cfg.Spec)
 	var gone []string
 	switch c := cg.(type) {
