@@ -148,11 +148,11 @@ func ioDevices(sysfs string, files ...*os.File) ([]string, error) {
 		if _, err := os.Stat(filepath.Join(node, "partition")); err == nil {
 			// /sys/dev/block/8:1 -> ../../devices/.../block/sda/sda1: the
 			// disk is the partition's parent folder.
-			real, err := filepath.EvalSymlinks(node)
+			target, err := filepath.EvalSymlinks(node)
 			if err != nil {
 				return nil, fmt.Errorf("disk I/O limits: %w", err)
 			}
-			b, err := os.ReadFile(filepath.Join(filepath.Dir(real), "dev"))
+			b, err := os.ReadFile(filepath.Join(filepath.Dir(target), "dev"))
 			if err != nil {
 				return nil, fmt.Errorf("disk I/O limits: the disk of partition %s: %w", dev, err)
 			}
