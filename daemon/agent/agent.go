@@ -228,6 +228,9 @@ func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentH
 	})
 	if err != nil {
 		log.Warn("no cgroup per VM: QEMUs stay in the agent's cgroup", zap.Error(err))
+		if !cfg.VMIO.IsZero() {
+			log.Warn("--vm-io-* set without a cgroup per VM: launches of VMs with a disk are refused")
+		}
 		cgroups = nil
 	}
 	// Guest output across restarts: systemd's fd store when systemd runs
@@ -256,7 +259,7 @@ func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentH
 		// reboot), the images opened beneath their roots (the disk's overlay
 		// made at the first), then QEMU's spec from the record.
 		PrepareLaunch: admission.PrepareLaunch(host, devs, cfg.VGPUAttach),
-		QEMUUIDs:      cfg.QEMUUIDs, KVMDevice: cfg.KVMDevice, DevRoot: cfg.DevRoot, Cgroups: cgroups, JailSetup: jailSetup, FDStore: fdStore,
+		QEMUUIDs:      cfg.QEMUUIDs, KVMDevice: cfg.KVMDevice, DevRoot: cfg.DevRoot, Cgroups: cgroups, VMIO: cfg.VMIO, JailSetup: jailSetup, FDStore: fdStore,
 		Network:                nw,
 		OnExitRecorded:         func(d time.Duration) { am.ExitDetect.Observe(d.Seconds()) },
 		OnRestartRefused:       am.RestartsRefused.Inc,

@@ -42,6 +42,9 @@ type Config struct {
 	// KVMDevice is the KVM node checked at start; its group is a KVM
 	// QEMU's only supplementary group.
 	KVMDevice string
+	// VMIO is --vm-io-*: every VM's disk I/O bound (0: none), applied
+	// through its cgroup on the block devices under its disk.
+	VMIO vmm.IOLimits
 	// Jail runs every QEMU in namespaces and a root of its own (vmm.Jail).
 	Jail       bool
 	VGPUAttach bool
@@ -138,6 +141,10 @@ flags:
 	fs.DurationVar(&c.ReconcileScanEvery, "reconcile-scan-every", time.Minute, "how often the agent scans the host for reconcile work (read-only, no Temporal call) and, finding some, triggers ReconcileVGPU; 0: off")
 	fs.DurationVar(&c.GracefulTimeout, "graceful-timeout", contract.DefaultGracefulTimeout, "default wait after system_powerdown before quit")
 	fs.DurationVar(&c.GroupExitCap, "group-exit-cap", contract.DefaultGroupExitCap, "how long the stop ladder waits for the whole thread group after SIGKILL")
+	fs.Uint64Var(&c.VMIO.ReadBPS, "vm-io-read-bps", 0, "every VM's disk reads in bytes/s, through its cgroup (io.max, v1 blkio.throttle); 0: unbounded")
+	fs.Uint64Var(&c.VMIO.WriteBPS, "vm-io-write-bps", 0, "every VM's disk writes in bytes/s (on cgroup v1 only direct I/O: QEMU's cache.direct=on); 0: unbounded")
+	fs.Uint64Var(&c.VMIO.ReadIOPS, "vm-io-read-iops", 0, "every VM's disk read operations/s; 0: unbounded")
+	fs.Uint64Var(&c.VMIO.WriteIOPS, "vm-io-write-iops", 0, "every VM's disk write operations/s; 0: unbounded")
 	fs.StringVar(&c.TaskQueue, "workflow-task-queue", contract.DefaultTaskQueue, "task queue of the workflow worker (where the reconcile schedule starts workflows)")
 	var subnet string
 	fs.StringVar(&c.NetBridge, "net-bridge", network.DefaultBridge, "the bridge VMs with a network are ports of (made when missing)")

@@ -23,6 +23,7 @@ import (
 	"strings"
 
 	"github.com/google/uuid"
+	"google.golang.org/protobuf/proto"
 
 	"vmflow/hostagent/gpu"
 	"vmflow/hostagent/store"
@@ -369,6 +370,7 @@ func RecordSpec(req *vmflowv1.SpawnRequest) *vmflowv1.VMSpec {
 		GpuPassthroughModel: req.GetGpuPassthroughModel(),
 		Uuid:                InstanceUUID(req.GetInstanceId()),
 		Network:             req.GetNetwork(),
+		DiskIo:              proto.CloneOf(req.GetDiskIo()),
 	}
 }
 
@@ -436,5 +438,7 @@ func ForRecord(rec *vmflowv1.InstanceRecord, vfioPaths []string) vmm.VMSpec {
 		NoReboot: true,
 	}
 	v.VFIO = slices.Clone(vfioPaths)
+	io := s.GetDiskIo() // nil: no bound of the caller's
+	v.IO = vmm.IOLimits{ReadBPS: io.GetReadBps(), WriteBPS: io.GetWriteBps(), ReadIOPS: io.GetReadIops(), WriteIOPS: io.GetWriteIops()}
 	return v
 }

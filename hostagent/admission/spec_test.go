@@ -168,6 +168,11 @@ func TestForRecord(t *testing.T) {
 	assert.True(t, v.NoReboot, "a guest reboot ends QEMU; the restart policy decides")
 	assert.Equal(t, v.Machine != vmm.MachineNone, v.SerialToLog, "console to qemu.log where there is a serial port")
 	assert.Empty(t, ForRecord(rec, nil).VFIO)
+	assert.True(t, v.IO.IsZero(), "no disk I/O bound asked for")
+	bounded := good(root)
+	bounded.DiskIo = &vmflowv1.DiskIOLimits{ReadBps: 1 << 20, WriteIops: 50}
+	rec = &vmflowv1.InstanceRecord{Id: "vm1", Spec: RecordSpec(bounded)}
+	assert.Equal(t, vmm.IOLimits{ReadBPS: 1 << 20, WriteIOPS: 50}, ForRecord(rec, nil).IO, "the caller's disk I/O bound, from request to record to QEMU's cgroup")
 	noAccel := good(root)
 	noAccel.Accel = ""
 	assert.Equal(t, "kvm", RecordSpec(noAccel).GetAccel(), "kvm is the default accelerator")

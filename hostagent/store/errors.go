@@ -12,9 +12,6 @@ import (
 var (
 	// ErrInvalidID: the instance id does not match contract.IDPattern.
 	ErrInvalidID = errdefs.InvalidInput.New("invalid instance id")
-	// ErrSocketPathTooLong: <state-dir>/instances/<id>/qemu.sock would not
-	// fit a Unix socket address (107 bytes plus the terminating NUL).
-	ErrSocketPathTooLong = errdefs.Refused.New("QMP socket path too long")
 	// ErrNotFound: no record exists for the instance.
 	ErrNotFound = errdefs.NotFound.New("instance record not found")
 	// ErrConflict: a record exists for the id with a different spec.

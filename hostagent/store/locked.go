@@ -90,9 +90,6 @@ func (l *Locked) Create(want *vmflowv1.InstanceRecord) (*vmflowv1.InstanceRecord
 	if want.GetSpec() == nil {
 		return nil, fmt.Errorf("create instance %s: %w: no spec", l.id, ErrInvalidRecord)
 	}
-	if err := checkSocketPath(l.paths); err != nil {
-		return nil, fmt.Errorf("create instance %s: %w", l.id, err)
-	}
 	have, err := readRecord(l.paths, l.id)
 	switch {
 	case err == nil:

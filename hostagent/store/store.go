@@ -46,10 +46,6 @@ const (
 	OverlayFile = "disk.qcow2"
 )
 
-// MaxSocketPathLen is the longest path a Unix socket address can hold:
-// sun_path is 108 bytes on Linux, one of them the terminating NUL.
-const MaxSocketPathLen = 107
-
 const (
 	instancesDir = "instances"
 	// Lock files live outside the instance directories so an instance can be
@@ -137,8 +133,9 @@ type Paths struct {
 	OverlayTemp string
 }
 
-// Paths returns the paths of instance id, after validating the id. It does
-// not check the socket path's length; Create does.
+// Paths returns the paths of instance id, after validating the id. Socket
+// may be longer than a Unix socket address holds: the VMM binds and dials
+// it through its directory.
 func (s *Store) Paths(id string) (Paths, error) {
 	if err := ValidateID(id); err != nil {
 		return Paths{}, err
@@ -154,16 +151,6 @@ func (s *Store) Paths(id string) (Paths, error) {
 		Overlay:     filepath.Join(dir, OverlayFile),
 		OverlayTemp: filepath.Join(dir, fsx.TempPrefix+OverlayFile),
 	}, nil
-}
-
-// checkSocketPath refuses an instance whose QMP socket path would not fit a
-// sockaddr_un: QEMU would fail later with a far less helpful message.
-func checkSocketPath(p Paths) error {
-	if n := len(p.Socket); n > MaxSocketPathLen {
-		return fmt.Errorf("%w: %s is %d bytes, a Unix socket path holds at most %d; use a shorter --state-dir or instance id",
-			ErrSocketPathTooLong, p.Socket, n, MaxSocketPathLen)
-	}
-	return nil
 }
 
 // Lock takes instance id's lock until ctx ends (ErrBusy); the handle's work is

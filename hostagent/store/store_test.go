@@ -197,35 +197,22 @@ func TestGoodIDs(t *testing.T) {
 	}
 }
 
-func TestSocketPathTooLong(t *testing.T) {
+// A 63-byte id under a state dir far longer than the 23 bytes a Unix socket
+// address leaves it is created: the socket path's length is the VMM's
+// business (it binds and dials through the directory), not a refusal.
+func TestLongStateDirCreates(t *testing.T) {
 	ctx := context.Background()
-	base, err := os.MkdirTemp("", "vst")
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = os.RemoveAll(base) })
-
-	// Pick the state dir so "<dir>/instances/<id>/qemu.sock" is exactly 107
-	// bytes for a 10-byte id; one more byte of id must fail.
-	suffix := len("/instances/") + 10 + len("/qemu.sock")
-	pad := MaxSocketPathLen - suffix - len(base) - 1
-	require.Positive(t, pad)
-	dir := filepath.Join(base, strings.Repeat("d", pad))
+	dir := filepath.Join(t.TempDir(), strings.Repeat("d", 90))
 	s, err := New(dir)
 	require.NoError(t, err)
-
-	fits := strings.Repeat("a", 10)
-	p, err := s.Paths(fits)
+	id := strings.Repeat("a", 63)
+	p, err := s.Paths(id)
 	require.NoError(t, err)
-	require.Len(t, p.Socket, MaxSocketPathLen)
-	_, err = s.Create(ctx, wantRecord(fits))
+	require.Greater(t, len(p.Socket), 107, "longer than sun_path holds")
+	_, err = s.Create(ctx, wantRecord(id))
 	require.NoError(t, err)
-
-	tooLong := strings.Repeat("b", 11)
-	_, err = s.Create(ctx, wantRecord(tooLong))
-	require.ErrorIs(t, err, ErrSocketPathTooLong)
-	assert.Contains(t, err.Error(), "108 bytes")
-	assert.Contains(t, err.Error(), "at most 107")
-	_, err = s.Get(tooLong)
-	assert.ErrorIs(t, err, ErrNotFound, "nothing is created for a refused id")
+	_, err = s.Get(id)
+	assert.NoError(t, err)
 }
 
 func TestUpdate(t *testing.T) {

@@ -313,6 +313,7 @@ func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *inst
 		}
 		log = log.With(zap.String("address", spec.NIC.Address), zap.String("mac", spec.NIC.MAC))
 	}
+	spec.IO = spec.IO.Tighter(s.cfg.VMIO)
 	log.Info("launching qemu", zap.String("machine", string(spec.Machine)), zap.String("accel", string(spec.Accel)))
 	vm, err := vmm.Launch(ctx, vmm.LaunchConfig{
 		Spec:           spec,

@@ -71,6 +71,9 @@ type Config struct {
 	// Cgroups gives every QEMU a cgroup of its own (vmm.CgroupsFor); nil
 	// leaves QEMUs in the agent's. TearDown removes an instance's.
 	Cgroups vmm.Cgroups
+	// VMIO is the operator's disk I/O bound for every VM (--vm-io-*),
+	// applied through its cgroup; a spec's own may only be tighter.
+	VMIO vmm.IOLimits
 	// JailSetup, when set, jails every QEMU (vmm.Jail) with this binary as
 	// the setup stage: the agent's own (os.Executable). Its root is mounted
 	// on the folder "root" of the instance's directory.

@@ -93,6 +93,9 @@ type VMSpec struct {
 	// NIC is the guest's network card on a TAP the agent made and opened;
 	// nil: no network.
 	NIC *NIC `json:"-"`
+	// IO bounds the disk's I/O through the VM's cgroup (not argv: QEMU's
+	// own throttling would be the guest's to lift, were QEMU taken over).
+	IO IOLimits `json:"io,omitzero"`
 }
 
 // NIC is a virtio-net card backed by a TAP descriptor: QEMU gets only the
@@ -137,8 +140,9 @@ func (s VMSpec) Close() error {
 
 // Paths are the per-instance files QEMU uses.
 type Paths struct {
-	// QMPSocket is the Unix socket QEMU listens on for QMP; at most
-	// MaxSocketPath bytes.
+	// QMPSocket is the Unix socket QEMU listens on for QMP, of any length
+	// (a longer one than MaxSocketPath is bound and dialled through its
+	// directory: viaShortPath).
 	QMPSocket string `json:"qmp_socket"`
 	// PIDFile is where an older agent had QEMU write its -pidfile. QEMU
 	// gets none now (it could not write into the root-only instance
@@ -262,15 +266,10 @@ func (s VMSpec) Validate() error {
 	return nil
 }
 
-// Validate checks the paths: absolute and clean, and a socket path short
-// enough to bind.
+// Validate checks the paths: absolute and clean.
 func (p Paths) Validate() error {
 	if err := checkPath("qmp socket", p.QMPSocket); err != nil {
 		return err
-	}
-	if len(p.QMPSocket) > MaxSocketPath {
-		return invalid("qmp socket path is %d bytes, a unix socket path holds at most %d: %q",
-			len(p.QMPSocket), MaxSocketPath, p.QMPSocket)
 	}
 	if p.PIDFile != "" {
 		if err := checkPath("pid file", p.PIDFile); err != nil {

@@ -8,11 +8,13 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 
 	sddbus "github.com/coreos/go-systemd/v22/dbus"
 	"github.com/godbus/dbus/v5"
+	"golang.org/x/sys/unix"
 
 	"vmflow/internal/errdefs"
 )
@@ -42,19 +44,129 @@ const (
 
 // CgroupLimits are the limits of a VM's own cgroup.
 type CgroupLimits struct {
-	MemoryBytes uint64 // memory.max / memory.limit_in_bytes / MemoryMax
+	// MemoryBytes is memory.max / memory.limit_in_bytes / MemoryMax, and
+	// with no swap beside it: memory.swap.max 0, v1's
+	// memory.memsw.limit_in_bytes equal to it, MemorySwapMax 0.
+	MemoryBytes uint64
 	Pids        uint64 // pids.max / TasksMax: the same bound as RLIMIT_NPROC
 	CPUWeight   uint64 // cpu.weight / CPUWeight (1-10000); v1 cpu.shares = weight*1024/100
+	// IO bounds the VM's disk I/O on IODevices (io.max, v1's
+	// blkio.throttle.*, systemd's IO*Max); zero: unbounded.
+	IO IOLimits
+	// IODevices are the whole block devices ("major:minor") holding the
+	// VM's disk files (ioDevices); empty without a disk or without IO.
+	IODevices []string
 }
 
-// CgroupLimitsFor is spec's cgroup limits.
+// IOLimits bound a VM's disk I/O, per block device; 0 leaves a bound off.
+type IOLimits struct {
+	ReadBPS   uint64 `json:"read_bps,omitempty"`
+	WriteBPS  uint64 `json:"write_bps,omitempty"`
+	ReadIOPS  uint64 `json:"read_iops,omitempty"`
+	WriteIOPS uint64 `json:"write_iops,omitempty"`
+}
+
+// ioBound is one of IOLimits' bounds under the name a cgroup interface
+// gives it.
+type ioBound struct {
+	name string
+	v    uint64
+}
+
+// named is l's bounds with their names: read bytes/s, write bytes/s, read
+// and write operations/s, in that order.
+func (l IOLimits) named(rbps, wbps, riops, wiops string) []ioBound {
+	return []ioBound{{rbps, l.ReadBPS}, {wbps, l.WriteBPS}, {riops, l.ReadIOPS}, {wiops, l.WriteIOPS}}
+}
+
+// IsZero: no bound is set.
+func (l IOLimits) IsZero() bool { return l == IOLimits{} }
+
+// Tighter is the stricter of l and o, bound by bound (0 is no bound): a
+// caller's limit may lower the operator's, never lift it.
+func (l IOLimits) Tighter(o IOLimits) IOLimits {
+	t := func(a, b uint64) uint64 {
+		if a == 0 || (b != 0 && b < a) {
+			return b
+		}
+		return a
+	}
+	return IOLimits{ReadBPS: t(l.ReadBPS, o.ReadBPS), WriteBPS: t(l.WriteBPS, o.WriteBPS),
+		ReadIOPS: t(l.ReadIOPS, o.ReadIOPS), WriteIOPS: t(l.WriteIOPS, o.WriteIOPS)}
+}
+
+// CgroupLimitsFor is spec's cgroup limits, without IODevices (see
+// cgroupLimitsOf).
 func CgroupLimitsFor(spec VMSpec) CgroupLimits {
 	mem := uint64(spec.MemoryMiB)<<20 + cgroupMemoryOverhead
 	if spec.Accel == AccelTCG {
 		mem += cgroupTCGCodeBuffer
 	}
 	w := min(max(uint64(spec.VCPUs), 1)*cgroupCPUWeightPerVCPU, cgroupCPUWeightMax)
-	return CgroupLimits{MemoryBytes: mem, Pids: nprocBase + 2*uint64(spec.VCPUs), CPUWeight: w}
+	return CgroupLimits{MemoryBytes: mem, Pids: nprocBase + 2*uint64(spec.VCPUs), CPUWeight: w, IO: spec.IO}
+}
+
+// cgroupLimitsOf is CgroupLimitsFor with the block devices under spec's
+// disk, when it has I/O limits: ErrIOUnbounded when a disk file lies on no
+// block device the kernel can throttle.
+func cgroupLimitsOf(spec VMSpec) (CgroupLimits, error) {
+	l := CgroupLimitsFor(spec)
+	if l.IO.IsZero() || spec.Disk == nil {
+		return l, nil
+	}
+	devs, err := ioDevices(sysDevBlock, spec.Disk.Base, spec.Disk.Overlay)
+	if err != nil {
+		return CgroupLimits{}, err
+	}
+	l.IODevices = devs
+	return l, nil
+}
+
+// sysDevBlock names every block device by major:minor.
+const sysDevBlock = "/sys/dev/block"
+
+// ioDevices are the whole block devices holding files, each once, as
+// "major:minor". blk-throttle (v1 and v2 alike) takes a whole disk and
+// refuses a partition (ENODEV), so a partition stands for its disk; a file
+// system on no block device (tmpfs, overlayfs, NFS, btrfs's anonymous
+// device numbers) cannot be bounded at all.
+func ioDevices(sysfs string, files ...*os.File) ([]string, error) {
+	var devs []string
+	for _, f := range files {
+		if f == nil {
+			continue
+		}
+		var st unix.Stat_t
+		if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+			return nil, fmt.Errorf("disk I/O limits: stat %s: %w", f.Name(), err)
+		}
+		dev := fmt.Sprintf("%d:%d", unix.Major(st.Dev), unix.Minor(st.Dev))
+		node := filepath.Join(sysfs, dev)
+		if unix.Major(st.Dev) == 0 {
+			return nil, fmt.Errorf("%w: %s lies on %s, no block device", ErrIOUnbounded, f.Name(), dev)
+		}
+		if _, err := os.Stat(filepath.Join(node, "partition")); err == nil {
+			// /sys/dev/block/8:1 -> ../../devices/.../block/sda/sda1: the
+			// disk is the partition's parent folder.
+			target, err := filepath.EvalSymlinks(node)
+			if err != nil {
+				return nil, fmt.Errorf("disk I/O limits: %w", err)
+			}
+			b, err := os.ReadFile(filepath.Join(filepath.Dir(target), "dev"))
+			if err != nil {
+				return nil, fmt.Errorf("disk I/O limits: the disk of partition %s: %w", dev, err)
+			}
+			dev = strings.TrimSpace(string(b))
+		} else if !errors.Is(err, fs.ErrNotExist) {
+			return nil, fmt.Errorf("disk I/O limits: %w", err)
+		} else if _, err := os.Stat(node); err != nil {
+			return nil, fmt.Errorf("%w: %s lies on %s: %w", ErrIOUnbounded, f.Name(), dev, err)
+		}
+		if !slices.Contains(devs, dev) {
+			devs = append(devs, dev)
+		}
+	}
+	return devs, nil
 }
 
 // CgroupName names the cgroup of instance id's QEMU running as uid: the uid
@@ -72,15 +184,22 @@ type Cgroups interface {
 	Remove(ctx context.Context, name string) error
 }
 
-// ErrNoCgroups: this host offers no way to make a cgroup per VM.
-var ErrNoCgroups = errdefs.Misconfigured.New("no cgroup per VM: neither systemd, cgroup v2 with memory, pids and cpu, nor cgroup v1 with them")
+var (
+	// ErrNoCgroups: this host offers no way to make a cgroup per VM.
+	ErrNoCgroups = errdefs.Misconfigured.New("no cgroup per VM: neither systemd, cgroup v2 with memory, pids and cpu, nor cgroup v1 with them")
+	// ErrIOUnbounded: a VM has disk I/O limits this host cannot apply (its
+	// disk on no block device, or no io/blkio controller): refused rather
+	// than run without the bound its caller or operator set.
+	ErrIOUnbounded = errdefs.Misconfigured.New("disk I/O limits cannot be applied")
+)
 
 // cgroupV1Controllers are the v1 hierarchies a VM's cgroup is made in.
 var cgroupV1Controllers = []string{"memory", "pids", "cpu"}
 
 // CgroupV1 makes VM cgroups in cgroup v1 hierarchies: Root/<controller>/
-// Parent/vm-<name>, for memory, pids and cpu. Parent is relative to each
-// hierarchy's root; CgroupsFor sets it under the agent's own cgroup.
+// Parent/vm-<name>, for memory, pids and cpu, and blkio when the VM has I/O
+// limits. Parent is relative to each hierarchy's root; CgroupsFor sets it
+// under the agent's own cgroup.
 type CgroupV1 struct {
 	Root   string // "/sys/fs/cgroup"
 	Parent string // per controller: the agent's own cgroup plus "vmflow"
@@ -100,14 +219,26 @@ func (c CgroupV1) dir(ctrl, name string) string {
 // Place implements Cgroups.
 func (c CgroupV1) Place(_ context.Context, name string, pid int, l CgroupLimits) error {
 	files := map[string][][2]string{
-		"memory": {{"memory.limit_in_bytes", strconv.FormatUint(l.MemoryBytes, 10)}},
-		"pids":   {{"pids.max", strconv.FormatUint(l.Pids, 10)}},
-		"cpu":    {{"cpu.shares", strconv.FormatUint(l.CPUWeight*1024/100, 10)}},
+		"pids": {{"pids.max", strconv.FormatUint(l.Pids, 10)}},
+		"cpu":  {{"cpu.shares", strconv.FormatUint(l.CPUWeight*1024/100, 10)}},
 	}
-	for _, ctrl := range cgroupV1Controllers {
+	ctrls := cgroupV1Controllers
+	if len(l.IODevices) > 0 && !l.IO.IsZero() {
+		if _, err := os.Stat(filepath.Join(c.Root, cgroupV1IO, "cgroup.procs")); err != nil {
+			return fmt.Errorf("%w: no blkio hierarchy: %w", ErrIOUnbounded, err)
+		}
+		ctrls = append(slices.Clone(ctrls), cgroupV1IO)
+		files[cgroupV1IO] = v1Throttle(l)
+	}
+	for _, ctrl := range ctrls {
 		dir := c.dir(ctrl, name)
 		if err := os.MkdirAll(dir, 0o755); err != nil {
 			return fmt.Errorf("cgroup v1 %s: %w", ctrl, err)
+		}
+		if ctrl == "memory" {
+			if err := v1Memory(dir, l.MemoryBytes); err != nil {
+				return err
+			}
 		}
 		for _, kv := range files[ctrl] {
 			if err := writeCgroup(dir, kv[0], kv[1]); err != nil {
@@ -121,10 +252,71 @@ func (c CgroupV1) Place(_ context.Context, name string, pid int, l CgroupLimits)
 	return nil
 }
 
+// cgroupV1IO is the v1 hierarchy of the I/O limits, made only for a VM
+// that has them (and only required then).
+const cgroupV1IO = "blkio"
+
+// v1Memory sets a v1 memory cgroup's limit and, where swap accounting is
+// on (memory.memsw.* exists), memory plus swap to the same value: no swap,
+// as memory.swap.max 0 and MemorySwapMax 0 say on v2 and under systemd. The
+// kernel wants memsw >= limit at every step, so a limit raised on a cgroup
+// taken over (after an agent restart) goes memsw first.
+func v1Memory(dir string, bytes uint64) error {
+	v := strconv.FormatUint(bytes, 10)
+	err := writeCgroup(dir, "memory.limit_in_bytes", v)
+	if errors.Is(err, unix.EINVAL) {
+		if err := writeCgroup(dir, "memory.memsw.limit_in_bytes", v); err != nil {
+			return err
+		}
+		return writeCgroup(dir, "memory.limit_in_bytes", v)
+	}
+	if err != nil {
+		return err
+	}
+	if err := writeCgroup(dir, "memory.memsw.limit_in_bytes", v); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return err
+	}
+	return nil
+}
+
+// v1Throttle is l's blkio.throttle.* lines, one write per device and
+// bound ("8:0 1048576"); a bound of 0 is not written (0 would remove it).
+func v1Throttle(l CgroupLimits) [][2]string {
+	var out [][2]string
+	for _, b := range l.IO.named("blkio.throttle.read_bps_device", "blkio.throttle.write_bps_device",
+		"blkio.throttle.read_iops_device", "blkio.throttle.write_iops_device") {
+		if b.v == 0 {
+			continue
+		}
+		for _, d := range l.IODevices {
+			out = append(out, [2]string{b.name, d + " " + strconv.FormatUint(b.v, 10)})
+		}
+	}
+	return out
+}
+
+// v2IOMax is l's io.max lines, one per device ("8:0 rbps=1048576 wbps=max
+// riops=max wiops=max").
+func v2IOMax(l CgroupLimits) []string {
+	var kv []string
+	for _, b := range l.IO.named("rbps", "wbps", "riops", "wiops") {
+		v := "max"
+		if b.v != 0 {
+			v = strconv.FormatUint(b.v, 10)
+		}
+		kv = append(kv, b.name+"="+v)
+	}
+	var out []string
+	for _, d := range l.IODevices {
+		out = append(out, d+" "+strings.Join(kv, " "))
+	}
+	return out
+}
+
 // Remove implements Cgroups.
 func (c CgroupV1) Remove(_ context.Context, name string) error {
 	var errs []error
-	for _, ctrl := range cgroupV1Controllers {
+	for _, ctrl := range append(slices.Clone(cgroupV1Controllers), cgroupV1IO) {
 		if err := removeCgroup(c.dir(ctrl, name)); err != nil {
 			errs = append(errs, err)
 		}
@@ -152,6 +344,14 @@ func (c CgroupV2) Place(_ context.Context, name string, pid int, l CgroupLimits)
 	if err := writeCgroup(parent, "cgroup.subtree_control", "+memory +pids +cpu"); err != nil {
 		return err
 	}
+	io := len(l.IODevices) > 0 && !l.IO.IsZero()
+	if io {
+		// Only a VM with I/O limits needs the io controller, so a host
+		// without it runs the others.
+		if err := writeCgroup(parent, "cgroup.subtree_control", "+io"); err != nil {
+			return fmt.Errorf("%w: %w", ErrIOUnbounded, err)
+		}
+	}
 	dir := c.dir(name)
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return fmt.Errorf("cgroup v2: %w", err)
@@ -164,6 +364,13 @@ func (c CgroupV2) Place(_ context.Context, name string, pid int, l CgroupLimits)
 	} {
 		if err := writeCgroup(dir, kv[0], kv[1]); err != nil && !(kv[0] == "memory.swap.max" && errors.Is(err, fs.ErrNotExist)) {
 			return err
+		}
+	}
+	if io {
+		for _, line := range v2IOMax(l) {
+			if err := writeCgroup(dir, "io.max", line); err != nil {
+				return err
+			}
 		}
 	}
 	return writeCgroup(dir, "cgroup.procs", strconv.Itoa(pid))
@@ -206,6 +413,9 @@ func (s SystemdScope) Place(ctx context.Context, name string, pid int, l CgroupL
 		// A QEMU killed by the OOM killer ends its own scope only.
 		{Name: "OOMPolicy", Value: dbus.MakeVariant("stop")},
 	}
+	if len(l.IODevices) > 0 {
+		props = append(props, scopeIO(l)...)
+	}
 	done := make(chan string, 1)
 	if _, err := s.Conn.StartTransientUnitContext(ctx, ScopeName(name), "fail", props, done); err != nil {
 		return fmt.Errorf("start scope %s: %w", ScopeName(name), err)
@@ -219,6 +429,27 @@ func (s SystemdScope) Place(ctx context.Context, name string, pid int, l CgroupL
 	case <-ctx.Done():
 		return fmt.Errorf("start scope %s: %w", ScopeName(name), ctx.Err())
 	}
+}
+
+// scopeIO is l's I/O bounds as a scope's IO*Max properties, a(st) of
+// (device node, value); systemd resolves the node to its major:minor.
+func scopeIO(l CgroupLimits) []sddbus.Property {
+	type devMax struct {
+		Path string
+		Max  uint64
+	}
+	var props []sddbus.Property
+	for _, b := range l.IO.named("IOReadBandwidthMax", "IOWriteBandwidthMax", "IOReadIOPSMax", "IOWriteIOPSMax") {
+		if b.v == 0 {
+			continue
+		}
+		var v []devMax
+		for _, d := range l.IODevices {
+			v = append(v, devMax{"/dev/block/" + d, b.v})
+		}
+		props = append(props, sddbus.Property{Name: b.name, Value: dbus.MakeVariant(v)})
+	}
+	return props
 }
 
 // Remove implements Cgroups: systemd removes an empty scope by itself; a
@@ -266,6 +497,9 @@ func CgroupsFor(ctx context.Context, root string, dial func(context.Context) (Sc
 			return nil, fmt.Errorf("%w: %s: %w", ErrNoCgroups, ctrl, err)
 		}
 		c.parents[ctrl] = filepath.Join(own[ctrl], "vmflow")
+	}
+	if _, err := os.Stat(filepath.Join(root, cgroupV1IO, "cgroup.procs")); err == nil {
+		c.parents[cgroupV1IO] = filepath.Join(own[cgroupV1IO], "vmflow")
 	}
 	return c, nil
 }

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
-	"net"
 	"os"
 	"os/exec"
 	"sync"
@@ -173,7 +172,7 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 		return nil, fmt.Errorf("launch: %w", err)
 	}
 	l.socketOwned = true
-	qmpListener, err := listenQMP(cfg.Paths.QMPSocket)
+	qmpListener, err := viaShortPath(cfg.Paths.QMPSocket, listenQMP)
 	if err != nil {
 		return nil, fmt.Errorf("launch: %w", err)
 	}
@@ -185,6 +184,13 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 	limits, err := LimitsFor(cfg.Spec)
 	if err != nil {
 		return nil, fmt.Errorf("launch: %w", err)
+	}
+	cgLimits, err := cgroupLimitsOf(cfg.Spec)
+	if err != nil {
+		return nil, fmt.Errorf("launch: %w", err)
+	}
+	if len(cgLimits.IODevices) > 0 && cfg.Confine.Cgroups == nil {
+		return nil, fmt.Errorf("launch: %w: no cgroup per VM on this host", ErrIOUnbounded)
 	}
 	var cmd *exec.Cmd
 	if j := cfg.Confine.Jail; j != nil {
@@ -241,7 +247,7 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 		// the wrapper's exec and QEMU's first instructions run in the
 		// agent's cgroup, guest RAM is allocated in the VM's.
 		l.cgroupPlaced = true
-		if err := cg.Place(ctx, CgroupName(cfg.Spec.Name, cfg.Confine.UID), id.PID, CgroupLimitsFor(cfg.Spec)); err != nil {
+		if err := cg.Place(ctx, CgroupName(cfg.Spec.Name, cfg.Confine.UID), id.PID, cgLimits); err != nil {
 			return nil, fmt.Errorf("launch %v: %w", id, err)
 		}
 	}
@@ -491,8 +497,7 @@ func RemoveStaleSocket(ctx context.Context, path string) error {
 	}
 	dctx, cancel := context.WithTimeout(ctx, time.Second)
 	defer cancel()
-	var d net.Dialer
-	c, err := d.DialContext(dctx, "unix", path)
+	c, err := dialSocket(dctx, path)
 	if err == nil {
 		c.Close()
 		return fmt.Errorf("%s: %w", path, ErrSocketInUse)

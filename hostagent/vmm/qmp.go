@@ -8,9 +8,12 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"path/filepath"
 	"strconv"
 	"sync"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"vmflow/internal/errdefs"
 )
@@ -179,8 +182,7 @@ func DialQMP(ctx context.Context, path string) (*Monitor, error) {
 func dialQMP(ctx context.Context, path string, onViolation func(error)) (*Monitor, error) {
 	ctx, cancel := withDefaultTimeout(ctx, DefaultQMPTimeout)
 	defer cancel()
-	var d net.Dialer
-	c, err := d.DialContext(ctx, "unix", path)
+	c, err := dialSocket(ctx, path)
 	if err != nil {
 		return nil, fmt.Errorf("dial qmp %s: %w", path, err)
 	}
@@ -190,6 +192,34 @@ func dialQMP(ctx context.Context, path string, onViolation func(error)) (*Monito
 		return nil, fmt.Errorf("qmp handshake on %s: %w", path, err)
 	}
 	return m, nil
+}
+
+// A Unix socket's address is bounded by sun_path (108 bytes), and the QMP
+// socket lies under the operator's --state-dir: <state-dir>/instances/<id>/
+// qemu.sock with a 63-byte id leaves 23 bytes for the state dir. A path
+// that does not fit is reached through its directory instead, opened
+// O_PATH for the one bind or connect, as /proc/self/fd/<n>/<name>: the
+// kernel follows the magic link to that directory itself, so bind and
+// connect reach the same socket whatever the state dir's length.
+func viaShortPath[T any](path string, use func(short string) (T, error)) (T, error) {
+	if len(path) <= MaxSocketPath {
+		return use(path)
+	}
+	dir, err := unix.Open(filepath.Dir(path), unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		var zero T
+		return zero, fmt.Errorf("open the directory of socket %s: %w", path, err)
+	}
+	defer unix.Close(dir)
+	return use("/proc/self/fd/" + strconv.Itoa(dir) + "/" + filepath.Base(path))
+}
+
+// dialSocket connects to the Unix socket at path, of any length.
+func dialSocket(ctx context.Context, path string) (net.Conn, error) {
+	return viaShortPath(path, func(p string) (net.Conn, error) {
+		var d net.Dialer
+		return d.DialContext(ctx, "unix", p)
+	})
 }
 
 func newMonitor(c *net.UnixConn, onViolation func(error)) *Monitor {

@@ -373,3 +373,46 @@ func TestVMReportsQMPViolation(t *testing.T) {
 	require.NoError(t, vm.Close())
 	<-vm.Closed()
 }
+
+// A QMP socket path past sun_path's 107 bytes (a 63-byte id under a 90-byte
+// state dir) is bound and dialled through its directory: QEMU, jailed or
+// not, launches and answers; a second VM attached by identity (as after an
+// agent restart) dials it again; the stop removes the socket. Before, the
+// launch failed ("qmp socket path is 174 bytes").
+func TestLongQMPSocketPath(t *testing.T) {
+	requiresQEMU(t)
+	for _, jail := range []bool{false, true} {
+		t.Run("jail="+strconv.FormatBool(jail), func(t *testing.T) {
+			if jail {
+				requiresRoot(t)
+			}
+			cfg := testLaunchConfig(t, "long")
+			stateDir := filepath.Join(filepath.Dir(cfg.Paths.QMPSocket), strings.Repeat("s", 90))
+			stateDir = stateDir[:90]
+			dir := filepath.Join(stateDir, "instances", strings.Repeat("v", 63))
+			require.NoError(t, os.MkdirAll(dir, 0o700))
+			cfg.Paths.QMPSocket = filepath.Join(dir, "qemu.sock")
+			require.Greater(t, len(cfg.Paths.QMPSocket), MaxSocketPath)
+			if jail {
+				cfg = jailed(t, cfg)
+			}
+			vm, err := Launch(ctxT(t, 30*time.Second), cfg)
+			require.NoError(t, err, "log: %s", readLog(cfg.Paths.Log))
+			killOnCleanup(t, vm)
+			assert.FileExists(t, cfg.Paths.QMPSocket)
+			vm.Close() // the agent gone: its QMP connection with it
+
+			again, err := Attach(vm.Identity(), cfg.Paths)
+			require.NoError(t, err)
+			defer again.Close()
+			mon, err := again.Monitor(ctxT(t, 10*time.Second))
+			require.NoError(t, err, "dialled through the directory")
+			st, err := mon.Status(ctxT(t, 10*time.Second))
+			require.NoError(t, err)
+			assert.True(t, st.Running)
+			_, err = again.Stop(ctxT(t, 30*time.Second), StopConfig{GracefulTimeout: time.Millisecond})
+			require.NoError(t, err)
+			assert.NoFileExists(t, cfg.Paths.QMPSocket)
+		})
+	}
+}

@@ -258,7 +258,11 @@ type VMSpec struct {
 	GpuPassthroughModel string `protobuf:"bytes,33,opt,name=gpu_passthrough_model,json=gpuPassthroughModel,proto3" json:"gpu_passthrough_model,omitempty"`
 	// Fields 40-49: the network. "default" puts the VM on its host's bridge
 	// with an address of the host's subnet; empty: no network.
-	Network       string `protobuf:"bytes,40,opt,name=network,proto3" json:"network,omitempty"`
+	Network string `protobuf:"bytes,40,opt,name=network,proto3" json:"network,omitempty"`
+	// Fields 50-59: fair shares. The disk's I/O bound as the caller asked
+	// (unset or 0: none of its own); the host's --vm-io-* bound holds
+	// whatever this says: each bound is the tighter of the two.
+	DiskIo        *DiskIOLimits `protobuf:"bytes,50,opt,name=disk_io,json=diskIo,proto3" json:"disk_io,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -412,6 +416,83 @@ func (x *VMSpec) GetNetwork() string {
 	return ""
 }
 
+func (x *VMSpec) GetDiskIo() *DiskIOLimits {
+	if x != nil {
+		return x.DiskIo
+	}
+	return nil
+}
+
+// DiskIOLimits bound a VM's disk I/O on the block device under its images,
+// through its cgroup; 0 leaves a bound off.
+type DiskIOLimits struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	ReadBps       uint64                 `protobuf:"varint,1,opt,name=read_bps,json=readBps,proto3" json:"read_bps,omitempty"`
+	WriteBps      uint64                 `protobuf:"varint,2,opt,name=write_bps,json=writeBps,proto3" json:"write_bps,omitempty"`
+	ReadIops      uint64                 `protobuf:"varint,3,opt,name=read_iops,json=readIops,proto3" json:"read_iops,omitempty"`
+	WriteIops     uint64                 `protobuf:"varint,4,opt,name=write_iops,json=writeIops,proto3" json:"write_iops,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DiskIOLimits) Reset() {
+	*x = DiskIOLimits{}
+	mi := &file_vmflow_v1_record_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DiskIOLimits) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DiskIOLimits) ProtoMessage() {}
+
+func (x *DiskIOLimits) ProtoReflect() protoreflect.Message {
+	mi := &file_vmflow_v1_record_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DiskIOLimits.ProtoReflect.Descriptor instead.
+func (*DiskIOLimits) Descriptor() ([]byte, []int) {
+	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *DiskIOLimits) GetReadBps() uint64 {
+	if x != nil {
+		return x.ReadBps
+	}
+	return 0
+}
+
+func (x *DiskIOLimits) GetWriteBps() uint64 {
+	if x != nil {
+		return x.WriteBps
+	}
+	return 0
+}
+
+func (x *DiskIOLimits) GetReadIops() uint64 {
+	if x != nil {
+		return x.ReadIops
+	}
+	return 0
+}
+
+func (x *DiskIOLimits) GetWriteIops() uint64 {
+	if x != nil {
+		return x.WriteIops
+	}
+	return 0
+}
+
 // ImageRef is an image file as the agent opens it: beneath one of its
 // --image-root folders.
 // FileIdentity names one file's content as the kernel sees it: a file
@@ -429,7 +510,7 @@ type FileIdentity struct {
 
 func (x *FileIdentity) Reset() {
 	*x = FileIdentity{}
-	mi := &file_vmflow_v1_record_proto_msgTypes[1]
+	mi := &file_vmflow_v1_record_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -441,7 +522,7 @@ func (x *FileIdentity) String() string {
 func (*FileIdentity) ProtoMessage() {}
 
 func (x *FileIdentity) ProtoReflect() protoreflect.Message {
-	mi := &file_vmflow_v1_record_proto_msgTypes[1]
+	mi := &file_vmflow_v1_record_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -454,7 +535,7 @@ func (x *FileIdentity) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FileIdentity.ProtoReflect.Descriptor instead.
 func (*FileIdentity) Descriptor() ([]byte, []int) {
-	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{1}
+	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *FileIdentity) GetDev() uint64 {
@@ -498,7 +579,7 @@ type ImageRef struct {
 
 func (x *ImageRef) Reset() {
 	*x = ImageRef{}
-	mi := &file_vmflow_v1_record_proto_msgTypes[2]
+	mi := &file_vmflow_v1_record_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -510,7 +591,7 @@ func (x *ImageRef) String() string {
 func (*ImageRef) ProtoMessage() {}
 
 func (x *ImageRef) ProtoReflect() protoreflect.Message {
-	mi := &file_vmflow_v1_record_proto_msgTypes[2]
+	mi := &file_vmflow_v1_record_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -523,7 +604,7 @@ func (x *ImageRef) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImageRef.ProtoReflect.Descriptor instead.
 func (*ImageRef) Descriptor() ([]byte, []int) {
-	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{2}
+	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *ImageRef) GetRoot() string {
@@ -556,7 +637,7 @@ type ProcessIdentity struct {
 
 func (x *ProcessIdentity) Reset() {
 	*x = ProcessIdentity{}
-	mi := &file_vmflow_v1_record_proto_msgTypes[3]
+	mi := &file_vmflow_v1_record_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -568,7 +649,7 @@ func (x *ProcessIdentity) String() string {
 func (*ProcessIdentity) ProtoMessage() {}
 
 func (x *ProcessIdentity) ProtoReflect() protoreflect.Message {
-	mi := &file_vmflow_v1_record_proto_msgTypes[3]
+	mi := &file_vmflow_v1_record_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -581,7 +662,7 @@ func (x *ProcessIdentity) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ProcessIdentity.ProtoReflect.Descriptor instead.
 func (*ProcessIdentity) Descriptor() ([]byte, []int) {
-	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{3}
+	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *ProcessIdentity) GetPid() int32 {
@@ -621,7 +702,7 @@ type BootMoment struct {
 
 func (x *BootMoment) Reset() {
 	*x = BootMoment{}
-	mi := &file_vmflow_v1_record_proto_msgTypes[4]
+	mi := &file_vmflow_v1_record_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -633,7 +714,7 @@ func (x *BootMoment) String() string {
 func (*BootMoment) ProtoMessage() {}
 
 func (x *BootMoment) ProtoReflect() protoreflect.Message {
-	mi := &file_vmflow_v1_record_proto_msgTypes[4]
+	mi := &file_vmflow_v1_record_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -646,7 +727,7 @@ func (x *BootMoment) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BootMoment.ProtoReflect.Descriptor instead.
 func (*BootMoment) Descriptor() ([]byte, []int) {
-	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{4}
+	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *BootMoment) GetBootId() string {
@@ -696,7 +777,7 @@ type GpuClaim struct {
 
 func (x *GpuClaim) Reset() {
 	*x = GpuClaim{}
-	mi := &file_vmflow_v1_record_proto_msgTypes[5]
+	mi := &file_vmflow_v1_record_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -708,7 +789,7 @@ func (x *GpuClaim) String() string {
 func (*GpuClaim) ProtoMessage() {}
 
 func (x *GpuClaim) ProtoReflect() protoreflect.Message {
-	mi := &file_vmflow_v1_record_proto_msgTypes[5]
+	mi := &file_vmflow_v1_record_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -721,7 +802,7 @@ func (x *GpuClaim) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GpuClaim.ProtoReflect.Descriptor instead.
 func (*GpuClaim) Descriptor() ([]byte, []int) {
-	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{5}
+	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *GpuClaim) GetProfile() string {
@@ -830,7 +911,7 @@ type Lease struct {
 
 func (x *Lease) Reset() {
 	*x = Lease{}
-	mi := &file_vmflow_v1_record_proto_msgTypes[6]
+	mi := &file_vmflow_v1_record_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -842,7 +923,7 @@ func (x *Lease) String() string {
 func (*Lease) ProtoMessage() {}
 
 func (x *Lease) ProtoReflect() protoreflect.Message {
-	mi := &file_vmflow_v1_record_proto_msgTypes[6]
+	mi := &file_vmflow_v1_record_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -855,7 +936,7 @@ func (x *Lease) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Lease.ProtoReflect.Descriptor instead.
 func (*Lease) Descriptor() ([]byte, []int) {
-	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{6}
+	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *Lease) GetPhase() ClaimPhase {
@@ -966,7 +1047,7 @@ type PassthroughLease struct {
 
 func (x *PassthroughLease) Reset() {
 	*x = PassthroughLease{}
-	mi := &file_vmflow_v1_record_proto_msgTypes[7]
+	mi := &file_vmflow_v1_record_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -978,7 +1059,7 @@ func (x *PassthroughLease) String() string {
 func (*PassthroughLease) ProtoMessage() {}
 
 func (x *PassthroughLease) ProtoReflect() protoreflect.Message {
-	mi := &file_vmflow_v1_record_proto_msgTypes[7]
+	mi := &file_vmflow_v1_record_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -991,7 +1072,7 @@ func (x *PassthroughLease) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PassthroughLease.ProtoReflect.Descriptor instead.
 func (*PassthroughLease) Descriptor() ([]byte, []int) {
-	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{7}
+	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *PassthroughLease) GetIommuGroup() string {
@@ -1030,7 +1111,7 @@ type PassthroughFunction struct {
 
 func (x *PassthroughFunction) Reset() {
 	*x = PassthroughFunction{}
-	mi := &file_vmflow_v1_record_proto_msgTypes[8]
+	mi := &file_vmflow_v1_record_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1042,7 +1123,7 @@ func (x *PassthroughFunction) String() string {
 func (*PassthroughFunction) ProtoMessage() {}
 
 func (x *PassthroughFunction) ProtoReflect() protoreflect.Message {
-	mi := &file_vmflow_v1_record_proto_msgTypes[8]
+	mi := &file_vmflow_v1_record_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1055,7 +1136,7 @@ func (x *PassthroughFunction) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PassthroughFunction.ProtoReflect.Descriptor instead.
 func (*PassthroughFunction) Descriptor() ([]byte, []int) {
-	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{8}
+	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *PassthroughFunction) GetAddr() string {
@@ -1101,7 +1182,7 @@ type VgpuLease struct {
 
 func (x *VgpuLease) Reset() {
 	*x = VgpuLease{}
-	mi := &file_vmflow_v1_record_proto_msgTypes[9]
+	mi := &file_vmflow_v1_record_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1113,7 +1194,7 @@ func (x *VgpuLease) String() string {
 func (*VgpuLease) ProtoMessage() {}
 
 func (x *VgpuLease) ProtoReflect() protoreflect.Message {
-	mi := &file_vmflow_v1_record_proto_msgTypes[9]
+	mi := &file_vmflow_v1_record_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1126,7 +1207,7 @@ func (x *VgpuLease) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VgpuLease.ProtoReflect.Descriptor instead.
 func (*VgpuLease) Descriptor() ([]byte, []int) {
-	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{9}
+	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *VgpuLease) GetProfile() string {
@@ -1193,7 +1274,7 @@ type NetworkLease struct {
 
 func (x *NetworkLease) Reset() {
 	*x = NetworkLease{}
-	mi := &file_vmflow_v1_record_proto_msgTypes[10]
+	mi := &file_vmflow_v1_record_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1205,7 +1286,7 @@ func (x *NetworkLease) String() string {
 func (*NetworkLease) ProtoMessage() {}
 
 func (x *NetworkLease) ProtoReflect() protoreflect.Message {
-	mi := &file_vmflow_v1_record_proto_msgTypes[10]
+	mi := &file_vmflow_v1_record_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1218,7 +1299,7 @@ func (x *NetworkLease) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NetworkLease.ProtoReflect.Descriptor instead.
 func (*NetworkLease) Descriptor() ([]byte, []int) {
-	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{10}
+	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *NetworkLease) GetTap() string {
@@ -1360,7 +1441,7 @@ type InstanceRecord struct {
 
 func (x *InstanceRecord) Reset() {
 	*x = InstanceRecord{}
-	mi := &file_vmflow_v1_record_proto_msgTypes[11]
+	mi := &file_vmflow_v1_record_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1372,7 +1453,7 @@ func (x *InstanceRecord) String() string {
 func (*InstanceRecord) ProtoMessage() {}
 
 func (x *InstanceRecord) ProtoReflect() protoreflect.Message {
-	mi := &file_vmflow_v1_record_proto_msgTypes[11]
+	mi := &file_vmflow_v1_record_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1385,7 +1466,7 @@ func (x *InstanceRecord) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InstanceRecord.ProtoReflect.Descriptor instead.
 func (*InstanceRecord) Descriptor() ([]byte, []int) {
-	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{11}
+	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *InstanceRecord) GetId() string {
@@ -1602,7 +1683,7 @@ var File_vmflow_v1_record_proto protoreflect.FileDescriptor
 
 const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\n" +
-	"\x16vmflow/v1/record.proto\x12\tvmflow.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xc7\x04\n" +
+	"\x16vmflow/v1/record.proto\x12\tvmflow.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xf9\x04\n" +
 	"\x06VMSpec\x12\x14\n" +
 	"\x05vcpus\x18\x01 \x01(\rR\x05vcpus\x12\x1d\n" +
 	"\n" +
@@ -1624,7 +1705,14 @@ const file_vmflow_v1_record_proto_rawDesc = "" +
 	"vgpu_count\x18\x1f \x01(\rR\tvgpuCount\x122\n" +
 	"\x15gpu_passthrough_count\x18  \x01(\rR\x13gpuPassthroughCount\x122\n" +
 	"\x15gpu_passthrough_model\x18! \x01(\tR\x13gpuPassthroughModel\x12\x18\n" +
-	"\anetwork\x18( \x01(\tR\anetwork\"n\n" +
+	"\anetwork\x18( \x01(\tR\anetwork\x120\n" +
+	"\adisk_io\x182 \x01(\v2\x17.vmflow.v1.DiskIOLimitsR\x06diskIo\"\x82\x01\n" +
+	"\fDiskIOLimits\x12\x19\n" +
+	"\bread_bps\x18\x01 \x01(\x04R\areadBps\x12\x1b\n" +
+	"\twrite_bps\x18\x02 \x01(\x04R\bwriteBps\x12\x1b\n" +
+	"\tread_iops\x18\x03 \x01(\x04R\breadIops\x12\x1d\n" +
+	"\n" +
+	"write_iops\x18\x04 \x01(\x04R\twriteIops\"n\n" +
 	"\fFileIdentity\x12\x10\n" +
 	"\x03dev\x18\x01 \x01(\x04R\x03dev\x12\x10\n" +
 	"\x03ino\x18\x02 \x01(\x04R\x03ino\x12\x12\n" +
@@ -1763,60 +1851,62 @@ func file_vmflow_v1_record_proto_rawDescGZIP() []byte {
 }
 
 var file_vmflow_v1_record_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_vmflow_v1_record_proto_msgTypes = make([]protoimpl.MessageInfo, 12)
+var file_vmflow_v1_record_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
 var file_vmflow_v1_record_proto_goTypes = []any{
 	(InstanceState)(0),            // 0: vmflow.v1.InstanceState
 	(StopStep)(0),                 // 1: vmflow.v1.StopStep
 	(ClaimPhase)(0),               // 2: vmflow.v1.ClaimPhase
 	(*VMSpec)(nil),                // 3: vmflow.v1.VMSpec
-	(*FileIdentity)(nil),          // 4: vmflow.v1.FileIdentity
-	(*ImageRef)(nil),              // 5: vmflow.v1.ImageRef
-	(*ProcessIdentity)(nil),       // 6: vmflow.v1.ProcessIdentity
-	(*BootMoment)(nil),            // 7: vmflow.v1.BootMoment
-	(*GpuClaim)(nil),              // 8: vmflow.v1.GpuClaim
-	(*Lease)(nil),                 // 9: vmflow.v1.Lease
-	(*PassthroughLease)(nil),      // 10: vmflow.v1.PassthroughLease
-	(*PassthroughFunction)(nil),   // 11: vmflow.v1.PassthroughFunction
-	(*VgpuLease)(nil),             // 12: vmflow.v1.VgpuLease
-	(*NetworkLease)(nil),          // 13: vmflow.v1.NetworkLease
-	(*InstanceRecord)(nil),        // 14: vmflow.v1.InstanceRecord
-	(*timestamppb.Timestamp)(nil), // 15: google.protobuf.Timestamp
+	(*DiskIOLimits)(nil),          // 4: vmflow.v1.DiskIOLimits
+	(*FileIdentity)(nil),          // 5: vmflow.v1.FileIdentity
+	(*ImageRef)(nil),              // 6: vmflow.v1.ImageRef
+	(*ProcessIdentity)(nil),       // 7: vmflow.v1.ProcessIdentity
+	(*BootMoment)(nil),            // 8: vmflow.v1.BootMoment
+	(*GpuClaim)(nil),              // 9: vmflow.v1.GpuClaim
+	(*Lease)(nil),                 // 10: vmflow.v1.Lease
+	(*PassthroughLease)(nil),      // 11: vmflow.v1.PassthroughLease
+	(*PassthroughFunction)(nil),   // 12: vmflow.v1.PassthroughFunction
+	(*VgpuLease)(nil),             // 13: vmflow.v1.VgpuLease
+	(*NetworkLease)(nil),          // 14: vmflow.v1.NetworkLease
+	(*InstanceRecord)(nil),        // 15: vmflow.v1.InstanceRecord
+	(*timestamppb.Timestamp)(nil), // 16: google.protobuf.Timestamp
 }
 var file_vmflow_v1_record_proto_depIdxs = []int32{
-	5,  // 0: vmflow.v1.VMSpec.kernel_image:type_name -> vmflow.v1.ImageRef
-	5,  // 1: vmflow.v1.VMSpec.initrd_image:type_name -> vmflow.v1.ImageRef
-	5,  // 2: vmflow.v1.VMSpec.disk_image:type_name -> vmflow.v1.ImageRef
-	2,  // 3: vmflow.v1.GpuClaim.phase:type_name -> vmflow.v1.ClaimPhase
-	15, // 4: vmflow.v1.GpuClaim.released_at:type_name -> google.protobuf.Timestamp
-	15, // 5: vmflow.v1.GpuClaim.claimed_at:type_name -> google.protobuf.Timestamp
-	2,  // 6: vmflow.v1.Lease.phase:type_name -> vmflow.v1.ClaimPhase
-	15, // 7: vmflow.v1.Lease.claimed_at:type_name -> google.protobuf.Timestamp
-	15, // 8: vmflow.v1.Lease.released_at:type_name -> google.protobuf.Timestamp
-	12, // 9: vmflow.v1.Lease.vgpu:type_name -> vmflow.v1.VgpuLease
-	10, // 10: vmflow.v1.Lease.gpu_passthrough:type_name -> vmflow.v1.PassthroughLease
-	13, // 11: vmflow.v1.Lease.network:type_name -> vmflow.v1.NetworkLease
-	11, // 12: vmflow.v1.PassthroughLease.functions:type_name -> vmflow.v1.PassthroughFunction
-	3,  // 13: vmflow.v1.InstanceRecord.spec:type_name -> vmflow.v1.VMSpec
-	0,  // 14: vmflow.v1.InstanceRecord.state:type_name -> vmflow.v1.InstanceState
-	1,  // 15: vmflow.v1.InstanceRecord.stop_step:type_name -> vmflow.v1.StopStep
-	15, // 16: vmflow.v1.InstanceRecord.stop_step_at:type_name -> google.protobuf.Timestamp
-	6,  // 17: vmflow.v1.InstanceRecord.process:type_name -> vmflow.v1.ProcessIdentity
-	8,  // 18: vmflow.v1.InstanceRecord.gpu_claim:type_name -> vmflow.v1.GpuClaim
-	15, // 19: vmflow.v1.InstanceRecord.last_start:type_name -> google.protobuf.Timestamp
-	15, // 20: vmflow.v1.InstanceRecord.last_exit:type_name -> google.protobuf.Timestamp
-	15, // 21: vmflow.v1.InstanceRecord.created_at:type_name -> google.protobuf.Timestamp
-	15, // 22: vmflow.v1.InstanceRecord.updated_at:type_name -> google.protobuf.Timestamp
-	15, // 23: vmflow.v1.InstanceRecord.launch_started_at:type_name -> google.protobuf.Timestamp
-	15, // 24: vmflow.v1.InstanceRecord.needs_attention_at:type_name -> google.protobuf.Timestamp
-	4,  // 25: vmflow.v1.InstanceRecord.disk_base:type_name -> vmflow.v1.FileIdentity
-	7,  // 26: vmflow.v1.InstanceRecord.stop_step_boot:type_name -> vmflow.v1.BootMoment
-	7,  // 27: vmflow.v1.InstanceRecord.last_exit_boot:type_name -> vmflow.v1.BootMoment
-	9,  // 28: vmflow.v1.InstanceRecord.leases:type_name -> vmflow.v1.Lease
-	29, // [29:29] is the sub-list for method output_type
-	29, // [29:29] is the sub-list for method input_type
-	29, // [29:29] is the sub-list for extension type_name
-	29, // [29:29] is the sub-list for extension extendee
-	0,  // [0:29] is the sub-list for field type_name
+	6,  // 0: vmflow.v1.VMSpec.kernel_image:type_name -> vmflow.v1.ImageRef
+	6,  // 1: vmflow.v1.VMSpec.initrd_image:type_name -> vmflow.v1.ImageRef
+	6,  // 2: vmflow.v1.VMSpec.disk_image:type_name -> vmflow.v1.ImageRef
+	4,  // 3: vmflow.v1.VMSpec.disk_io:type_name -> vmflow.v1.DiskIOLimits
+	2,  // 4: vmflow.v1.GpuClaim.phase:type_name -> vmflow.v1.ClaimPhase
+	16, // 5: vmflow.v1.GpuClaim.released_at:type_name -> google.protobuf.Timestamp
+	16, // 6: vmflow.v1.GpuClaim.claimed_at:type_name -> google.protobuf.Timestamp
+	2,  // 7: vmflow.v1.Lease.phase:type_name -> vmflow.v1.ClaimPhase
+	16, // 8: vmflow.v1.Lease.claimed_at:type_name -> google.protobuf.Timestamp
+	16, // 9: vmflow.v1.Lease.released_at:type_name -> google.protobuf.Timestamp
+	13, // 10: vmflow.v1.Lease.vgpu:type_name -> vmflow.v1.VgpuLease
+	11, // 11: vmflow.v1.Lease.gpu_passthrough:type_name -> vmflow.v1.PassthroughLease
+	14, // 12: vmflow.v1.Lease.network:type_name -> vmflow.v1.NetworkLease
+	12, // 13: vmflow.v1.PassthroughLease.functions:type_name -> vmflow.v1.PassthroughFunction
+	3,  // 14: vmflow.v1.InstanceRecord.spec:type_name -> vmflow.v1.VMSpec
+	0,  // 15: vmflow.v1.InstanceRecord.state:type_name -> vmflow.v1.InstanceState
+	1,  // 16: vmflow.v1.InstanceRecord.stop_step:type_name -> vmflow.v1.StopStep
+	16, // 17: vmflow.v1.InstanceRecord.stop_step_at:type_name -> google.protobuf.Timestamp
+	7,  // 18: vmflow.v1.InstanceRecord.process:type_name -> vmflow.v1.ProcessIdentity
+	9,  // 19: vmflow.v1.InstanceRecord.gpu_claim:type_name -> vmflow.v1.GpuClaim
+	16, // 20: vmflow.v1.InstanceRecord.last_start:type_name -> google.protobuf.Timestamp
+	16, // 21: vmflow.v1.InstanceRecord.last_exit:type_name -> google.protobuf.Timestamp
+	16, // 22: vmflow.v1.InstanceRecord.created_at:type_name -> google.protobuf.Timestamp
+	16, // 23: vmflow.v1.InstanceRecord.updated_at:type_name -> google.protobuf.Timestamp
+	16, // 24: vmflow.v1.InstanceRecord.launch_started_at:type_name -> google.protobuf.Timestamp
+	16, // 25: vmflow.v1.InstanceRecord.needs_attention_at:type_name -> google.protobuf.Timestamp
+	5,  // 26: vmflow.v1.InstanceRecord.disk_base:type_name -> vmflow.v1.FileIdentity
+	8,  // 27: vmflow.v1.InstanceRecord.stop_step_boot:type_name -> vmflow.v1.BootMoment
+	8,  // 28: vmflow.v1.InstanceRecord.last_exit_boot:type_name -> vmflow.v1.BootMoment
+	10, // 29: vmflow.v1.InstanceRecord.leases:type_name -> vmflow.v1.Lease
+	30, // [30:30] is the sub-list for method output_type
+	30, // [30:30] is the sub-list for method input_type
+	30, // [30:30] is the sub-list for extension type_name
+	30, // [30:30] is the sub-list for extension extendee
+	0,  // [0:30] is the sub-list for field type_name
 }
 
 func init() { file_vmflow_v1_record_proto_init() }
@@ -1824,7 +1914,7 @@ func file_vmflow_v1_record_proto_init() {
 	if File_vmflow_v1_record_proto != nil {
 		return
 	}
-	file_vmflow_v1_record_proto_msgTypes[6].OneofWrappers = []any{
+	file_vmflow_v1_record_proto_msgTypes[7].OneofWrappers = []any{
 		(*Lease_Vgpu)(nil),
 		(*Lease_GpuPassthrough)(nil),
 		(*Lease_Network)(nil),
@@ -1835,7 +1925,7 @@ func file_vmflow_v1_record_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_vmflow_v1_record_proto_rawDesc), len(file_vmflow_v1_record_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   12,
+			NumMessages:   13,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

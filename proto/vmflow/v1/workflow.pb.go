@@ -68,7 +68,10 @@ type SpawnRequest struct {
 	// Fields 30-39: the network. "default": a NIC on the host's bridge with
 	// an address of its subnet (refused when the host has none, and for
 	// machine "none"); empty: no network.
-	Network       string `protobuf:"bytes,30,opt,name=network,proto3" json:"network,omitempty"`
+	Network string `protobuf:"bytes,30,opt,name=network,proto3" json:"network,omitempty"`
+	// Fields 40-49: fair shares. The disk's I/O bound (unset or 0: the
+	// host's --vm-io-* alone); it can only tighten the host's.
+	DiskIo        *DiskIOLimits `protobuf:"bytes,40,opt,name=disk_io,json=diskIo,proto3" json:"disk_io,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -227,6 +230,13 @@ func (x *SpawnRequest) GetNetwork() string {
 		return x.Network
 	}
 	return ""
+}
+
+func (x *SpawnRequest) GetDiskIo() *DiskIOLimits {
+	if x != nil {
+		return x.DiskIo
+	}
+	return nil
 }
 
 // SpawnResult is SpawnInstance's result.
@@ -906,7 +916,7 @@ var File_vmflow_v1_workflow_proto protoreflect.FileDescriptor
 
 const file_vmflow_v1_workflow_proto_rawDesc = "" +
 	"\n" +
-	"\x18vmflow/v1/workflow.proto\x12\tvmflow.v1\"\xe9\x04\n" +
+	"\x18vmflow/v1/workflow.proto\x12\tvmflow.v1\x1a\x16vmflow/v1/record.proto\"\x9b\x05\n" +
 	"\fSpawnRequest\x12\x1f\n" +
 	"\vinstance_id\x18\x01 \x01(\tR\n" +
 	"instanceId\x12\x17\n" +
@@ -929,7 +939,8 @@ const file_vmflow_v1_workflow_proto_rawDesc = "" +
 	"vgpu_count\x18\x14 \x01(\rR\tvgpuCount\x122\n" +
 	"\x15gpu_passthrough_count\x18\x15 \x01(\rR\x13gpuPassthroughCount\x122\n" +
 	"\x15gpu_passthrough_model\x18\x16 \x01(\tR\x13gpuPassthroughModel\x12\x18\n" +
-	"\anetwork\x18\x1e \x01(\tR\anetwork\"\xee\x01\n" +
+	"\anetwork\x18\x1e \x01(\tR\anetwork\x120\n" +
+	"\adisk_io\x18( \x01(\v2\x17.vmflow.v1.DiskIOLimitsR\x06diskIo\"\xee\x01\n" +
 	"\vSpawnResult\x12\x10\n" +
 	"\x03pid\x18\x01 \x01(\x05R\x03pid\x12\x1d\n" +
 	"\n" +
@@ -1009,13 +1020,15 @@ var file_vmflow_v1_workflow_proto_goTypes = []any{
 	(*WorkflowStatus)(nil),       // 6: vmflow.v1.WorkflowStatus
 	(*RetrySignal)(nil),          // 7: vmflow.v1.RetrySignal
 	(*AbandonSignal)(nil),        // 8: vmflow.v1.AbandonSignal
+	(*DiskIOLimits)(nil),         // 9: vmflow.v1.DiskIOLimits
 }
 var file_vmflow_v1_workflow_proto_depIdxs = []int32{
-	0, // [0:0] is the sub-list for method output_type
-	0, // [0:0] is the sub-list for method input_type
-	0, // [0:0] is the sub-list for extension type_name
-	0, // [0:0] is the sub-list for extension extendee
-	0, // [0:0] is the sub-list for field type_name
+	9, // 0: vmflow.v1.SpawnRequest.disk_io:type_name -> vmflow.v1.DiskIOLimits
+	1, // [1:1] is the sub-list for method output_type
+	1, // [1:1] is the sub-list for method input_type
+	1, // [1:1] is the sub-list for extension type_name
+	1, // [1:1] is the sub-list for extension extendee
+	0, // [0:1] is the sub-list for field type_name
 }
 
 func init() { file_vmflow_v1_workflow_proto_init() }
@@ -1023,6 +1036,7 @@ func file_vmflow_v1_workflow_proto_init() {
 	if File_vmflow_v1_workflow_proto != nil {
 		return
 	}
+	file_vmflow_v1_record_proto_init()
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
