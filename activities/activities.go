@@ -209,20 +209,17 @@ func (a *Activities) ClaimDevices(ctx context.Context, req *vmflowv1.ClaimVGPURe
 	if err != nil {
 		return nil, err
 	}
-	if req.GetGpuPassthroughCount() > 0 {
-		return a.claimWhole(ctx, log, req)
+	want, err := a.admittedClaim(req)
+	if err != nil {
+		return nil, classify(fmt.Errorf("claim GPUs: %w", err))
 	}
-	if err := admission.CheckBound("vgpu_profile", req.GetVgpuProfile()); err != nil {
-		return nil, classify(fmt.Errorf("claim vGPU: %w", err))
+	if want.passthrough > 0 {
+		return a.claimWhole(ctx, log, req.GetInstanceId(), want)
 	}
 	if a.GPUs == nil {
-		return nil, classify(fmt.Errorf("vgpu_profile %q: %w: this host has no vGPUs", req.GetVgpuProfile(), admission.ErrInvalid))
+		return nil, classify(fmt.Errorf("vgpu_profile %q: %w: this host has no vGPUs", want.profile, admission.ErrInvalid))
 	}
-	n := store.VGPUCount(req.GetVgpuProfile(), req.GetVgpuCount())
-	if n > store.MaxVGPUs {
-		return nil, classify(fmt.Errorf("vgpu_count %d: %w: at most %d", n, admission.ErrInvalid, store.MaxVGPUs))
-	}
-	leases, err := a.GPUs.Claim(ctx, req.GetInstanceId(), req.GetVgpuProfile(), n)
+	leases, err := a.GPUs.Claim(ctx, req.GetInstanceId(), want.profile, want.vgpus)
 	if err != nil {
 		return nil, classify(fmt.Errorf("claim vGPU: %w", err))
 	}
@@ -235,6 +232,50 @@ func (a *Activities) ClaimDevices(ctx context.Context, req *vmflowv1.ClaimVGPURe
 	res.DeviceId, res.Parent, res.Profile, res.VgpuUuid = store.ClaimDevice(first), first.GetParent(), first.GetProfile(), mdevUUID(first)
 	log.Info("vGPU claimed", zap.Strings("device_ids", res.DeviceIds), zap.String("profile", first.GetProfile()))
 	return res, nil
+}
+
+// deviceClaim is what one instance's claim asks for: vgpus of profile, or
+// passthrough whole GPUs of model ("" any).
+type deviceClaim struct {
+	profile     string
+	vgpus       int
+	passthrough int
+	model       string
+}
+
+func claimOf(profile string, vgpuCount, passthrough uint32, model string) deviceClaim {
+	return deviceClaim{profile: profile, vgpus: store.VGPUCount(profile, vgpuCount), passthrough: int(passthrough), model: model}
+}
+
+// admittedClaim is the claim the instance's admitted record names: the
+// host serves that kind, model and count and nothing else. A request that
+// asks for anything else (a caller's mistake or a forgery; a spawn always
+// sends what it recorded) is refused before anything is held.
+func (a *Activities) admittedClaim(req *vmflowv1.ClaimVGPURequest) (deviceClaim, error) {
+	rec, err := a.Store.Get(req.GetInstanceId())
+	if err != nil {
+		return deviceClaim{}, err
+	}
+	spec := rec.GetSpec()
+	want := claimOf(spec.GetVgpuProfile(), spec.GetVgpuCount(), spec.GetGpuPassthroughCount(), spec.GetGpuPassthroughModel())
+	got := claimOf(req.GetVgpuProfile(), req.GetVgpuCount(), req.GetGpuPassthroughCount(), req.GetGpuPassthroughModel())
+	if got != want {
+		return deviceClaim{}, fmt.Errorf("instance %s: %w: the request asks for %s, its admitted record for %s", req.GetInstanceId(), admission.ErrInvalid, got, want)
+	}
+	if want.vgpus == 0 && want.passthrough == 0 {
+		return deviceClaim{}, fmt.Errorf("instance %s: %w: its record asks for no GPU", req.GetInstanceId(), admission.ErrInvalid)
+	}
+	return want, nil
+}
+
+func (c deviceClaim) String() string {
+	switch {
+	case c.passthrough > 0:
+		return fmt.Sprintf("%d whole GPU(s) of model %q", c.passthrough, c.model)
+	case c.vgpus > 0:
+		return fmt.Sprintf("%d vGPU(s) of profile %q", c.vgpus, c.profile)
+	}
+	return "no GPU"
 }
 
 // mdevUUID is the claim's mdev UUID; empty for a vendor VF, whose UUID

@@ -183,3 +183,29 @@ func TestNoKVMSpawnRefused(t *testing.T) {
 	_, err := h.st.Get("vm1")
 	assert.ErrorIs(t, err, store.ErrNotFound, "nothing written for a refused spawn")
 }
+
+// TestClaimServesOnlyWhatTheRecordNames: the claim is what the admitted
+// record names: a request for more vGPUs, another profile or whole GPUs
+// for a vGPU record is refused as invalid input with nothing held (before,
+// the claim took the request's fields).
+func TestClaimServesOnlyWhatTheRecordNames(t *testing.T) {
+	h := newHost(t)
+	a := h.acts
+	req := spawnReq("vm1")
+	require.NoError(t, h.run(t, a.CreateRecord, req, nil))
+	for _, bad := range []*vmflowv1.ClaimVGPURequest{
+		{InstanceId: "vm1", VgpuProfile: req.GetVgpuProfile(), VgpuCount: 2},
+		{InstanceId: "vm1", VgpuProfile: "GRID A100-8C"},
+		{InstanceId: "vm1", GpuPassthroughCount: 1},
+	} {
+		err := h.run(t, a.ClaimDevices, bad, nil)
+		require.Error(t, err, "%v", bad)
+		assert.Equal(t, workflows.ErrTypeInvalidInput, appError(t, err).Type(), "%v", bad)
+		rec, err := h.st.Get("vm1")
+		require.NoError(t, err)
+		assert.Empty(t, store.HeldLeases(rec), "nothing held after %v", bad)
+	}
+	var claim vmflowv1.ClaimVGPUResult
+	require.NoError(t, h.run(t, a.ClaimDevices, &vmflowv1.ClaimVGPURequest{InstanceId: "vm1", VgpuProfile: req.GetVgpuProfile()}, &claim))
+	assert.Len(t, claim.GetDeviceIds(), 1)
+}

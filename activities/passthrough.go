@@ -28,20 +28,13 @@ type WholeGPUs interface {
 	Reconcile(ctx context.Context) (*vmflowv1.ReconcileVGPUResult, error)
 }
 
-// claimWhole is ClaimVGPU for a request of whole GPUs.
-func (a *Activities) claimWhole(ctx context.Context, log *zap.Logger, req *vmflowv1.ClaimVGPURequest) (*vmflowv1.ClaimVGPUResult, error) {
-	err := admission.CheckBound("gpu_passthrough_model", req.GetGpuPassthroughModel())
-	if err == nil {
-		err = admission.CheckPassthrough(req.GetVgpuProfile(), req.GetGpuPassthroughCount(), req.GetGpuPassthroughModel())
-	}
-	if err != nil {
-		return nil, classify(fmt.Errorf("claim whole GPU: %w", err))
-	}
+// claimWhole is ClaimDevices for an admitted claim of whole GPUs.
+func (a *Activities) claimWhole(ctx context.Context, log *zap.Logger, id string, want deviceClaim) (*vmflowv1.ClaimVGPUResult, error) {
 	if a.Whole == nil {
 		return nil, classify(fmt.Errorf("gpu_passthrough_count %d: %w: this host hands out no whole GPUs (--gpu-passthrough)",
-			req.GetGpuPassthroughCount(), admission.ErrInvalid))
+			want.passthrough, admission.ErrInvalid))
 	}
-	leases, err := a.Whole.Claim(ctx, req.GetInstanceId(), req.GetGpuPassthroughModel(), int(req.GetGpuPassthroughCount()))
+	leases, err := a.Whole.Claim(ctx, id, want.model, want.passthrough)
 	if err != nil {
 		return nil, classify(fmt.Errorf("claim whole GPU: %w", err))
 	}
@@ -53,7 +46,7 @@ func (a *Activities) claimWhole(ctx context.Context, log *zap.Logger, req *vmflo
 	if len(res.DeviceIds) > 0 {
 		res.DeviceId = res.DeviceIds[0]
 	}
-	log.Info("vGPU claimed", zap.Strings("device_ids", res.DeviceIds), zap.String("kind", store.KindPassthrough))
+	log.Info("whole GPUs claimed", zap.Strings("device_ids", res.DeviceIds), zap.String("kind", store.KindPassthrough))
 	return res, nil
 }
 
