@@ -179,7 +179,7 @@ func TestRunbookCommands(t *testing.T) {
 			assert.Contains(t, out, workflows.StageReleaseFailed, "%s: VmStage", line)
 		case strings.HasPrefix(line, "temporal workflow update") && strings.Contains(line, "--name retry"):
 			// The update answers once the round it asked for started.
-			assert.Contains(t, out, workflows.StageReleasingVGPU, "%s: the new status", line)
+			assert.Contains(t, out, workflows.StageReleasingLeases, "%s: the new status", line)
 			waitStage(workflows.StageReleaseFailed, before+1)
 		case strings.Contains(line, "--name retry"):
 			// The signal starts a round at once (the timer is an hour);

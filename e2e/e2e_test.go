@@ -122,10 +122,10 @@ func testStuckReleaseRetry(t *testing.T, srv devserver.Temporal) {
 	// that round's release blocks, as remove does while a VFIO user holds
 	// the device). The CLI answers at once, without an error, naming the
 	// try under way; before, it printed "retry refused: nothing is
-	// waiting (stage releasing-vgpu)" as an ERROR.
+	// waiting (stage releasing-leases)" as an ERROR.
 	e.sim.Set(t, vgpusim.CtlBlockRelease, "")
 	e.sim.Clear(t, vgpusim.CtlFailRelease)
-	e.waitStage(delID, workflows.StageReleasingVGPU, 30*time.Second, nil)
+	e.waitStage(delID, workflows.StageReleasingLeases, 30*time.Second, nil)
 	asked := time.Now()
 	out = e.cli("workflow", "update", "execute", "--workflow-id", delID, "--name", workflows.RetryUpdate, "--input", `{"reason":"e2e: fault removed"}`)
 	t.Logf("retry update during a round answered in %s:\n%s", time.Since(asked).Round(time.Millisecond), out)

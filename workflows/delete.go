@@ -58,7 +58,7 @@ func (w *Workflows) deleteInstance(ctx workflow.Context, req *vmflowv1.DeleteReq
 		case errors.Is(err, errAbandoned):
 			t.stage(ctx, StageAbandoned)
 			// Abandon cleans nothing up: say where what is left stays.
-			t.status.LastError = fmt.Sprintf("abandoned: %s (the instance's record and any vGPU claim stay on host %s; if it comes back, a new delete finishes the job)",
+			t.status.LastError = fmt.Sprintf("abandoned: %s (the instance's record and any lease it holds stay on host %s; if it comes back, a new delete finishes the job)",
 				h.abandonReason, req.GetHostId())
 			t.status.NeedsAttention = false
 			t.publish(ctx)
@@ -133,13 +133,13 @@ func (w *Workflows) deleteInstance(ctx workflow.Context, req *vmflowv1.DeleteReq
 // releaseLoop releases the instance's vGPU round after round until it
 // succeeds, waiting between rounds for the backoff timer or a retry.
 func (w *Workflows) releaseLoop(ctx workflow.Context, t *tracker, h *hostRunner, req *vmflowv1.DeleteRequest, version workflow.Version) error {
-	call := w.calls()[ActivityReleaseVGPU]
+	call, stage := w.calls()[ActivityReleaseVGPU], StageReleasingVGPU
 	if version >= 3 {
-		call = w.calls()[ActivityReleaseLeases]
+		call, stage = w.calls()[ActivityReleaseLeases], StageReleasingLeases
 	}
 	ref := &vmflowv1.InstanceRef{InstanceId: req.GetInstanceId()}
 	attempts := req.GetCarriedAttempts()
-	t.stage(ctx, StageReleasingVGPU)
+	t.stage(ctx, stage)
 	for {
 		if attempts > 0 {
 			t.status.Attempt = attempts + 1
@@ -172,7 +172,7 @@ func (w *Workflows) releaseLoop(ctx workflow.Context, t *tracker, h *hostRunner,
 		if workflow.GetInfo(ctx).GetContinueAsNewSuggested() {
 			return errContinueAsNew
 		}
-		t.status.Stage = StageReleasingVGPU
+		t.status.Stage = stage
 	}
 }
 

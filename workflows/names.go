@@ -172,21 +172,23 @@ var (
 
 // Stages (the VmStage values and the status query's stage).
 const (
-	StageValidating     = "validating"
-	StageCreatingRecord = "creating-record"
-	StageClaimingVGPU   = "claiming-vgpu"
-	StageLaunching      = "launching"
-	StageRunning        = "running"
-	StageSpawnFailed    = "spawn-failed"
-	StageMarkingStopped = "marking-stopped"
-	StageStopping       = "stopping"
-	StageWaitingExit    = "waiting-exit"
-	StageReleasingVGPU  = "releasing-vgpu"
-	StageReleaseFailed  = "release-failed"
-	StageTearingDown    = "tearing-down"
-	StageDeleted        = "deleted"
-	StageAlreadyAbsent  = "already-absent"
-	StageAbandoned      = "abandoned"
+	StageValidating      = "validating"
+	StageCreatingRecord  = "creating-record"
+	StageClaimingGPUs    = "claiming-gpus"
+	StageClaimingVGPU    = "claiming-vgpu" // StageClaimingGPUs in runs recorded before the lease engine
+	StageLaunching       = "launching"
+	StageRunning         = "running"
+	StageSpawnFailed     = "spawn-failed"
+	StageMarkingStopped  = "marking-stopped"
+	StageStopping        = "stopping"
+	StageWaitingExit     = "waiting-exit"
+	StageReleasingLeases = "releasing-leases"
+	StageReleasingVGPU   = "releasing-vgpu" // StageReleasingLeases in runs recorded before the lease engine
+	StageReleaseFailed   = "release-failed"
+	StageTearingDown     = "tearing-down"
+	StageDeleted         = "deleted"
+	StageAlreadyAbsent   = "already-absent"
+	StageAbandoned       = "abandoned"
 	// A failed spawn's clean-up found a record another spawn created and
 	// left it alone (invariant 9).
 	StageNotOwned        = "not-owned"

@@ -75,7 +75,7 @@ func TestUpdatesRefusedWithReason(t *testing.T) {
 	require.NoError(t, e.GetWorkflowError())
 	require.NotNil(t, retry)
 	assert.True(t, retry.accepted, "a retry while a step runs is accepted: %v", retry.rejected)
-	refusal(t, abandon, "abandon refused: host h1 is reachable (stage releasing-vgpu)")
+	refusal(t, abandon, "abandon refused: host h1 is reachable (stage releasing-leases)")
 	refusal(t, noReason, "abandon refused: a reason is required")
 	var res vmflowv1.DeleteResult
 	require.NoError(t, e.GetWorkflowResult(&res))
@@ -89,7 +89,7 @@ func TestUpdatesRefusedWithReason(t *testing.T) {
 // round in progress, "already retrying: attempt N since T", without
 // holding the caller for the round, which may last minutes. Before, it was
 // refused as an error: "retry refused: nothing is waiting (stage
-// releasing-vgpu)", while the delete was in fact retrying.
+// releasing-leases)", while the delete was in fact retrying.
 func TestRetryUpdateDuringARound(t *testing.T) {
 	e := newEnv(t)
 	e.happyDelete()
@@ -112,7 +112,7 @@ func TestRetryUpdateDuringARound(t *testing.T) {
 	e.ExecuteWorkflow(DeleteWorkflow, deleteReq())
 	require.NoError(t, e.GetWorkflowError())
 	require.NotNil(t, before)
-	require.Equal(t, StageReleasingVGPU, before.GetStage(), "sent while the second round runs")
+	require.Equal(t, StageReleasingLeases, before.GetStage(), "sent while the second round runs")
 	require.EqualValues(t, 2, before.GetAttempt())
 	require.NotNil(t, retry)
 	require.True(t, retry.accepted, "accepted, not refused: %v", retry.rejected)
@@ -120,7 +120,7 @@ func TestRetryUpdateDuringARound(t *testing.T) {
 	require.NoError(t, retry.err)
 	assert.Equal(t, sentAt, retry.at, "answered at once, not after the round")
 	require.NotNil(t, retry.status)
-	assert.Equal(t, StageReleasingVGPU, retry.status.GetStage())
+	assert.Equal(t, StageReleasingLeases, retry.status.GetStage())
 	assert.Equal(t, "already retrying: attempt 2 since "+roundStart.UTC().Format(time.RFC3339), retry.status.GetNote())
 	assert.Equal(t, StageDeleted, e.status().GetStage())
 	assert.Empty(t, e.status().GetNote(), "the status query carries no answer")
@@ -139,7 +139,7 @@ func TestRetryRefusedOnlyWhenItCannotAct(t *testing.T) {
 			assert.Equal(t, "retry refused: the delete has ended (stage "+stage+")", ae.Message())
 		}
 	}
-	for _, stage := range []string{StageMarkingStopped, StageStopping, StageWaitingExit, StageReleasingVGPU, StageReleaseFailed,
+	for _, stage := range []string{StageMarkingStopped, StageStopping, StageWaitingExit, StageReleasingLeases, StageReleaseFailed,
 		StageTearingDown, StageHostUnreachable, StageValidating, StageLaunching, StageReconciling} {
 		tr := &tracker{kind: "delete", status: &vmflowv1.WorkflowStatus{Stage: stage}}
 		assert.NoError(t, tr.retryRefusal(), stage)
@@ -148,7 +148,7 @@ func TestRetryRefusedOnlyWhenItCannotAct(t *testing.T) {
 
 // TestRetryUpdateStartsRoundAndAnswersWithStatus: a delete waiting out a
 // release backoff starts the next round on the retry update, and the
-// update answers with the status of that round (releasing-vgpu, the next
+// update answers with the status of that round (releasing-leases, the next
 // attempt), not with the status before it acted. Abandon is refused in
 // release-failed: the host answers, it just cannot release yet.
 func TestRetryUpdateStartsRoundAndAnswersWithStatus(t *testing.T) {
@@ -183,7 +183,7 @@ func TestRetryUpdateStartsRoundAndAnswersWithStatus(t *testing.T) {
 	require.True(t, retry.accepted)
 	require.NoError(t, retry.err)
 	require.NotNil(t, retry.status)
-	assert.Equal(t, StageReleasingVGPU, retry.status.GetStage(), "answers after the round started")
+	assert.Equal(t, StageReleasingLeases, retry.status.GetStage(), "answers after the round started")
 	assert.Equal(t, before.GetAttempt()+1, retry.status.GetAttempt())
 	assert.Empty(t, retry.status.GetNextRetryTime(), "no timer pending while the round runs")
 	assert.Less(t, e.Now().Sub(sentAt), time.Minute, "the round ran at once, not after the backoff")

@@ -44,7 +44,7 @@ func (w *Workflows) reconcileVGPU(ctx workflow.Context, req *vmflowv1.ReconcileV
 		return nil, err
 	}
 	for _, id := range res.GetRetriedDeletes() {
-		sig := &vmflowv1.RetrySignal{Reason: "reconcile released the vGPU of " + id}
+		sig := &vmflowv1.RetrySignal{Reason: "reconcile released the leases of " + id}
 		// A delete that is not running (already finished, or never
 		// started) is not an error for the reconcile.
 		err := workflow.SignalExternalWorkflow(ctx, DeleteWorkflowID(id), "", RetrySignal, sig).Get(ctx, nil)
@@ -57,7 +57,7 @@ func (w *Workflows) reconcileVGPU(ctx workflow.Context, req *vmflowv1.ReconcileV
 		// read may claim one; until that record is repaired or removed,
 		// every round says so.
 		t.status.NeedsAttention = true
-		t.status.LastError = fmt.Sprintf("%d instance record(s) on host %s cannot be read: no orphan vGPU device was removed "+
+		t.status.LastError = fmt.Sprintf("%d instance record(s) on host %s cannot be read: no orphan device was removed "+
 			"(an unreadable record may claim it); repair or remove the record(s) (see the agent log, vmflow_records_unreadable)",
 			n, req.GetHostId())
 		t.logger.Warn("needs attention", "error", t.status.LastError)

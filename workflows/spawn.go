@@ -77,7 +77,11 @@ func (w *Workflows) spawnInstance(ctx workflow.Context, req *vmflowv1.SpawnReque
 
 	res := &vmflowv1.SpawnResult{InstanceUuid: created.GetInstanceUuid()}
 	if req.GetVgpuProfile() != "" || req.GetGpuPassthroughCount() > 0 {
-		t.stage(ctx, StageClaimingVGPU)
+		claimStage := StageClaimingVGPU
+		if spawnVersion >= 2 {
+			claimStage = StageClaimingGPUs
+		}
+		t.stage(ctx, claimStage)
 		var claim vmflowv1.ClaimVGPUResult
 		in := &vmflowv1.ClaimVGPURequest{InstanceId: req.GetInstanceId(), VgpuProfile: req.GetVgpuProfile(), VgpuCount: req.GetVgpuCount(),
 			GpuPassthroughCount: req.GetGpuPassthroughCount(), GpuPassthroughModel: req.GetGpuPassthroughModel()}

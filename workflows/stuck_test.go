@@ -277,7 +277,7 @@ func TestReconcileUnreadableRecordsNeedsAttention(t *testing.T) {
 	assert.Equal(t, StageReconciled, st.GetStage())
 	assert.True(t, st.GetNeedsAttention())
 	assert.Contains(t, st.GetLastError(), "2 instance record(s)")
-	assert.Contains(t, st.GetLastError(), "no orphan vGPU device was removed")
+	assert.Contains(t, st.GetLastError(), "no orphan device was removed")
 	assert.Equal(t, true, e.lastSeen["VmNeedsAttention"])
 
 	clean := newEnv(t)
