@@ -271,3 +271,84 @@ func (e *Engine) mayRelease(ctx context.Context, rec *vmflowv1.InstanceRecord, d
 	}
 	return nil
 }
+
+// ClaimSteps are one kind's steps of an all-or-nothing claim (ClaimAll).
+type ClaimSteps struct {
+	// What names the claim's unit in errors ("vGPU", "whole GPU"), Detail
+	// what follows the count (` ("GRID A100-4C")`).
+	What, Detail string
+	// Held are the instance's held leases of the kind, in claim order.
+	Held []*vmflowv1.Lease
+	// Finish makes a held lease active (an intent finished where it was
+	// placed, an active one ensured).
+	Finish func(context.Context, *vmflowv1.Lease) (*vmflowv1.Lease, error)
+	// Place places one new lease, its intent written ahead, and makes it.
+	Place func(context.Context) (*vmflowv1.Lease, error)
+	// Rollback undoes every held lease of the kind while the record never
+	// launched (a no-op once it did: the delete releases them).
+	Rollback func(context.Context) error
+	// Units is how much of the count one lease fills (a vGPU: 1; a whole
+	// GPU's group: its GPUs). Nil: 1.
+	Units func(*vmflowv1.Lease) int
+}
+
+// ClaimAll gives instance id count units of one kind, all or none: the
+// held leases are finished first, then new ones placed until count is
+// met. A failure that ends the claim (final: its class says no retry can
+// change the answer, or the host has no room for the rest, as holding
+// some while waiting for others would starve every other claim) rolls
+// back this kind's leases; any other failure, or a crash, leaves them for
+// the retried claim to finish or the delete to release.
+func ClaimAll(ctx context.Context, id string, count int, s ClaimSteps) ([]*vmflowv1.Lease, error) {
+	units := s.Units
+	if units == nil {
+		units = func(*vmflowv1.Lease) int { return 1 }
+	}
+	held := s.Held
+	if n := sumUnits(held, units); n > count {
+		return nil, fmt.Errorf("claim %d %s%s for %s: %w (it holds %d)", count, s.What, s.Detail, id, ErrClaimConflict, n)
+	}
+	if slices.ContainsFunc(held, rollingBack) {
+		// A rollback a crash interrupted: that claim failed, and is
+		// finished undoing before this one starts afresh.
+		if err := s.Rollback(ctx); err != nil {
+			return nil, fmt.Errorf("claim %s%s for %s: finish an interrupted rollback: %w", s.What, s.Detail, id, err)
+		}
+		held = nil
+	}
+	var out []*vmflowv1.Lease
+	var err error
+	have := 0
+	for i := 0; have < count; i++ {
+		var lease *vmflowv1.Lease
+		if i < len(held) {
+			lease, err = s.Finish(ctx, held[i])
+		} else {
+			lease, err = s.Place(ctx)
+		}
+		if err != nil {
+			err = fmt.Errorf("claim %s %d of %d%s for %s: %w", s.What, have+1, count, s.Detail, id, err)
+			break
+		}
+		out = append(out, lease)
+		have += max(units(lease), 1)
+	}
+	if err == nil {
+		return out, nil
+	}
+	if !final(err) {
+		return nil, err
+	}
+	if rerr := s.Rollback(ctx); rerr != nil {
+		return nil, errors.Join(err, fmt.Errorf("roll back the claim of %s: %w", id, rerr))
+	}
+	return nil, err
+}
+
+func sumUnits(ls []*vmflowv1.Lease, units func(*vmflowv1.Lease) int) int {
+	n := 0
+	for _, l := range ls {
+		n += max(units(l), 1)
+	}
+	return n
+}

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"slices"
 	"strings"
 
 	"github.com/google/uuid"
@@ -38,43 +37,16 @@ func (c *Claims) Claim(ctx context.Context, id, profile string, count int) ([]*v
 			return nil, fmt.Errorf("claim %q for %s: %w (%q)", profile, id, ErrClaimConflict, p)
 		}
 	}
-	if len(held) > count {
-		return nil, fmt.Errorf("claim %d of %q for %s: %w (it holds %d)", count, profile, id, ErrClaimConflict, len(held))
-	}
-	if slices.ContainsFunc(held, rollingBack) {
-		// A rollback a crash interrupted: that claim failed, and is
-		// finished undoing before this one starts afresh.
-		if err := c.rollback(ctx, l); err != nil {
-			return nil, fmt.Errorf("claim %q for %s: finish an interrupted rollback: %w", profile, id, err)
-		}
-		held = nil
-	}
-	var out []*vmflowv1.Lease
-	for i := range count {
-		var lease *vmflowv1.Lease
-		if i < len(held) {
-			lease, err = c.finish(ctx, l, held[i])
-		} else {
-			lease, err = c.claimOne(ctx, l, profile)
-		}
-		if err != nil {
-			err = fmt.Errorf("claim vGPU %d of %d (%q) for %s: %w", i+1, count, profile, id, err)
-			break
-		}
-		out = append(out, lease)
-	}
-	if err == nil {
-		return out, nil
-	}
-	if !final(err) {
-		// A retry may succeed (a syscall's error, a busy device): the
-		// activity's retry finishes the leases written so far.
-		return nil, err
-	}
-	if rerr := c.rollback(ctx, l); rerr != nil {
-		return nil, errors.Join(err, fmt.Errorf("roll back the claim of %s: %w", id, rerr))
-	}
-	return nil, err
+	return ClaimAll(ctx, id, count, ClaimSteps{
+		What:   "vGPU",
+		Detail: fmt.Sprintf(" (%q)", profile),
+		Held:   held,
+		Finish: func(ctx context.Context, have *vmflowv1.Lease) (*vmflowv1.Lease, error) {
+			return c.finish(ctx, l, have)
+		},
+		Place:    func(ctx context.Context) (*vmflowv1.Lease, error) { return c.claimOne(ctx, l, profile) },
+		Rollback: func(ctx context.Context) error { return c.rollback(ctx, l) },
+	})
 }
 
 // final reports whether err ends a claim, which is then undone rather than
