@@ -131,7 +131,7 @@ type Net struct {
 	// afterList, set by tests only, runs in ReconcileTAPs between its read
 	// of the records and its removals: where a placement would race it.
 	afterList func()
-	gmu     sync.Mutex           // orders changes of the guard's set (guard.go)
+	gmu       sync.Mutex // orders changes of the guard's set (guard.go)
 }
 
 // New checks cfg and opens a netlink handle in its namespace. It changes
