@@ -97,7 +97,7 @@ func testStuckReleaseRetry(t *testing.T, srv devserver.Temporal) {
 	// (in this sandbox, a child of its PID 1 between fork and exec) it is
 	// "may hold it" instead, just as refusing: either is the release
 	// failing, which is what the status must carry.
-	assert.Contains(t, strings.ToLower(st.GetLastError()), "release vgpu of "+id, "status carries the release error")
+	assert.Contains(t, strings.ToLower(st.GetLastError()), "release leases of "+id, "status carries the release error")
 	assert.Regexp(t, `busy|may hold it`, st.GetLastError())
 
 	out := e.cli("workflow", "list", "--query", "VmNeedsAttention=true AND VmInstanceId='"+id+"'")
