@@ -280,10 +280,14 @@ type ClaimSteps struct {
 	// Held are the instance's held leases of the kind, in claim order.
 	Held []*vmflowv1.Lease
 	// Finish makes a held lease active (an intent finished where it was
-	// placed, an active one ensured).
+	// placed, an active one ensured); (nil, nil): the lease was undone (its
+	// device failed) and the claim places anew.
 	Finish func(context.Context, *vmflowv1.Lease) (*vmflowv1.Lease, error)
-	// Place places one new lease, its intent written ahead, and makes it.
-	Place func(context.Context) (*vmflowv1.Lease, error)
+	// Place places one new lease toward need more units, its intent
+	// written ahead, and makes it; (nil, nil): its device failed and was
+	// undone and left out, and the claim places again (Place must leave
+	// out what failed, so the loop ends).
+	Place func(ctx context.Context, need int) (*vmflowv1.Lease, error)
 	// Rollback undoes every held lease of the kind while the record never
 	// launched (a no-op once it did: the delete releases them).
 	Rollback func(context.Context) error
@@ -324,11 +328,14 @@ func ClaimAll(ctx context.Context, id string, count int, s ClaimSteps) ([]*vmflo
 		if i < len(held) {
 			lease, err = s.Finish(ctx, held[i])
 		} else {
-			lease, err = s.Place(ctx)
+			lease, err = s.Place(ctx, count-have)
 		}
 		if err != nil {
 			err = fmt.Errorf("claim %s %d of %d%s for %s: %w", s.What, have+1, count, s.Detail, id, err)
 			break
+		}
+		if lease == nil {
+			continue // undone: placed anew
 		}
 		out = append(out, lease)
 		have += max(units(lease), 1)

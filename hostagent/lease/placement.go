@@ -44,7 +44,7 @@ func (c *Claims) Claim(ctx context.Context, id, profile string, count int) ([]*v
 		Finish: func(ctx context.Context, have *vmflowv1.Lease) (*vmflowv1.Lease, error) {
 			return c.finish(ctx, l, have)
 		},
-		Place:    func(ctx context.Context) (*vmflowv1.Lease, error) { return c.claimOne(ctx, l, profile) },
+		Place:    func(ctx context.Context, _ int) (*vmflowv1.Lease, error) { return c.claimOne(ctx, l, profile) },
 		Rollback: func(ctx context.Context) error { return c.rollback(ctx, l) },
 	})
 }
