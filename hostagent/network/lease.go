@@ -239,18 +239,27 @@ func (n *Net) LeaseDriver() lease.Driver { return leaseDriver{n} }
 func (d leaseDriver) Kind() string { return store.KindNetwork }
 
 // Owned refuses when another record's held lease names the address: the
-// TAP (named from the address) is then that instance's.
+// TAP (named from the address) is then that instance's. A record that
+// cannot be read does not refuse (one broken instance never holds up
+// another's delete): no address is placed while one is unreadable, so it
+// cannot name one placed since.
 func (d leaseDriver) Owned(_ context.Context, id string, l *vmflowv1.Lease) error {
 	addr, err := netip.ParsePrefix(l.GetNetwork().GetAddress())
 	if err != nil {
 		return fmt.Errorf("%w: lease address %q", ErrInvalid, l.GetNetwork().GetAddress())
 	}
-	taken, _, err := d.n.held(id)
-	if err != nil {
-		return err
+	recs, err := d.n.cfg.Store.List()
+	if _, listed := store.Unreadable(err); !listed {
+		return fmt.Errorf("network: read leases: %w", err)
 	}
-	if other, ok := taken[addr.Addr()]; ok && other != id {
-		return fmt.Errorf("%w: address %s is held by instance %s", ErrNotOurs, addr.Addr(), other)
+	for _, r := range recs {
+		other := store.Network(r)
+		if r.GetId() == id || !store.LeaseHeld(other) {
+			continue
+		}
+		if p, err := netip.ParsePrefix(other.GetNetwork().GetAddress()); err == nil && p.Addr() == addr.Addr() {
+			return fmt.Errorf("%w: address %s is held by instance %s", ErrNotOurs, addr.Addr(), r.GetId())
+		}
 	}
 	return nil
 }

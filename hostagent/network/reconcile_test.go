@@ -3,6 +3,7 @@ package network_test
 import (
 	"context"
 	"net/netip"
+	"os"
 	"testing"
 	"time"
 
@@ -80,4 +81,22 @@ func TestTAPReconcileHoldsThePlacementLock(t *testing.T) {
 	tap := e.lease(t, "vm-a").GetNetwork().GetTap()
 	require.Equal(t, stray, tap, "the spawn leased the stray TAP's address")
 	assert.NotNil(t, e.link(t, tap), "the spawn's TAP survives the round that removed the stray")
+}
+
+// TestReleaseBesideAnUnreadableRecord: a record another instance's agent
+// tore (or a hand) does not hold up this instance's network release (one
+// broken instance never stops a host): the ownership check reads past it,
+// as the GPU kinds' does.
+func TestReleaseBesideAnUnreadableRecord(t *testing.T) {
+	e := newEnv(t, subnet)
+	tap := e.attached(t, "vm-a", 1_900_000_001)
+	e.record(t, "vm-torn")
+	p, err := e.st.Paths("vm-torn")
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(p.Record, []byte(`{"id": "vm-torn", "sp`), 0o600))
+	e.beginDelete(t, "vm-a")
+	released, _, err := e.net.Release(context.Background(), "vm-a")
+	require.NoError(t, err)
+	assert.True(t, released)
+	assert.Nil(t, e.link(t, tap))
 }
