@@ -155,7 +155,8 @@ func (w *Whole) Scan(ctx context.Context) (Work, error) {
 			return ""
 		}
 		if slices.ContainsFunc(held, func(l *vmflowv1.Lease) bool {
-			return nodeFree(ctx, w.drv.VFIONode(l.GetGpuPassthrough().GetIommuGroup()), holders, w.ignore) == nil
+			node, err := w.nodeOf(l)
+			return err == nil && nodeFree(ctx, node, holders, w.ignore) == nil
 		}) {
 			return "release:" + r.GetId()
 		}
@@ -174,6 +175,7 @@ func (w *Whole) scanOrphans(ctx context.Context, claimed map[string]string, hold
 	if err != nil {
 		return nil, err
 	}
+	claimed = claimedGroups(marked, claimed) // held leases name functions, not group numbers
 	ids := make([]string, len(marked))
 	for i, b := range marked {
 		ids[i] = b.Group

@@ -58,8 +58,16 @@ func LeaseName(l *vmflowv1.Lease) string {
 	case *vmflowv1.Lease_Vgpu:
 		return KindVGPU + ":" + ClaimDevice(r.Vgpu)
 	case *vmflowv1.Lease_GpuPassthrough:
-		// The group, not a function: placement never splits a group.
-		return KindPassthrough + ":" + r.GpuPassthrough.GetIommuGroup()
+		// Its first function's address: a card's address is its name
+		// (its group number may change across a reboot) and placement
+		// never splits a group, so no two leases share a function. A
+		// lease recorded before identities (functions without an id)
+		// keeps the name it had, its group.
+		fns := r.GpuPassthrough.GetFunctions()
+		if len(fns) == 0 || fns[0].GetId() == "" {
+			return KindPassthrough + ":" + r.GpuPassthrough.GetIommuGroup()
+		}
+		return KindPassthrough + ":" + fns[0].GetAddr()
 	case *vmflowv1.Lease_Network:
 		// The address, without its prefix: the one thing two VMs on a
 		// host must never share (the TAP's name is derived from it).
