@@ -83,7 +83,7 @@ type pciFn struct {
 	// serial is the PCIe Device Serial Number config space shows; 0:
 	// none (the audio functions, bridges and NICs here).
 	serial uint64
-	dir            *fs.Inode
+	dir    *fs.Inode
 	// lock is the kernel's device_lock: unbind, bind, drivers_probe,
 	// driver_override and reset take it, and a blocked unbind holds it.
 	lock chan struct{}
