@@ -40,6 +40,7 @@ import (
 	"slices"
 	"sort"
 	"strings"
+	"sync"
 
 	"vmflow/internal/errdefs"
 )
@@ -308,12 +309,19 @@ type Passthrough struct {
 	cfg      PassthroughConfig
 	lock     *hostLock
 	releases *releases // writes in flight, one per function (any may wait)
+	// returning counts the Returns under way per function. Return holds
+	// no lock, and between its writes (override cleared, probe not yet
+	// written) a function looks unmarked and free: a fresh Bind in this
+	// process must not take it then, or it would record no driver to go
+	// back to and race the probe.
+	mu        sync.Mutex
+	returning map[string]int
 }
 
 // NewPassthrough returns the passthrough driver.
 func NewPassthrough(cfg PassthroughConfig) *Passthrough {
 	cfg = cfg.WithDefaults()
-	return &Passthrough{cfg: cfg, lock: newHostLock(cfg.StateDir), releases: newReleases(nil)}
+	return &Passthrough{cfg: cfg, lock: newHostLock(cfg.StateDir), releases: newReleases(nil), returning: map[string]int{}}
 }
 
 // Filter is the host's --gpu-passthrough.
@@ -593,6 +601,9 @@ func (p *Passthrough) intend(ctx context.Context, req BindRequest) (Binding, err
 		if err := claimedBy(taken, f.Addr); err != nil {
 			return Binding{}, fmt.Errorf("vgpu: IOMMU group %s: %w", group, err)
 		}
+		if req.Resume == nil && p.beingReturned(f.Addr) {
+			return Binding{}, fmt.Errorf("vgpu: %s: a return to its driver is under way: %w", f.Addr, ErrAlreadyBound)
+		}
 	}
 	if req.Resume != nil {
 		for _, rf := range req.Resume.Functions {
@@ -660,12 +671,39 @@ func (p *Passthrough) bindOne(ctx context.Context, addr string) error {
 // (BoundFunction.Holds), counts as returned: the card bound is not there,
 // and the one there now is a new device, never touched for b.
 func (p *Passthrough) Return(ctx context.Context, b Binding) error {
+	defer p.beginReturn(b)()
 	for _, bf := range b.Functions {
 		if err := p.returnOne(ctx, bf, b.Group); err != nil {
 			return err
 		}
 	}
 	return nil
+}
+
+// beginReturn counts b's functions as being returned until the function
+// it returns is called.
+func (p *Passthrough) beginReturn(b Binding) func() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, bf := range b.Functions {
+		p.returning[bf.Addr]++
+	}
+	return func() {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		for _, bf := range b.Functions {
+			if p.returning[bf.Addr]--; p.returning[bf.Addr] <= 0 {
+				delete(p.returning, bf.Addr)
+			}
+		}
+	}
+}
+
+// beingReturned reports whether a Return of addr is under way.
+func (p *Passthrough) beingReturned(addr string) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.returning[addr] > 0
 }
 
 func (p *Passthrough) returnOne(ctx context.Context, bf BoundFunction, group string) error {

@@ -31,10 +31,14 @@ const (
 	// as a driver whose probe fails does (the write itself succeeds: the
 	// kernel ignores a probe's error there).
 	CtlFailProbe = "fail-probe"
+	// CtlBlockProbe makes every drivers_probe of an unbound function
+	// block, holding its device lock as a slow driver probe does, until
+	// it is removed.
+	CtlBlockProbe = "block-probe"
 )
 
 // At names the per-device form of a PCI control file (CtlFailUnbind,
-// CtlBlockUnbind, CtlFailReset, CtlFailProbe): "fail-unbind@0000:81:00.0"
+// CtlBlockUnbind, CtlFailReset, CtlFailProbe, CtlBlockProbe): "fail-unbind@0000:81:00.0"
 // acts on that function alone, so a test can show one bad card beside a
 // healthy one. The global file still acts on every function.
 func At(name, addr string) string { return name + "@" + addr }

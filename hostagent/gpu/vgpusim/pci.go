@@ -319,6 +319,7 @@ func (s *Server) matchLocked(f *pciFn) string {
 // both successes, as the kernel's bus_rescan_devices_helper.
 func (s *Server) pciProbe(b []byte) syscall.Errno {
 	return s.named(b, func(f *pciFn) syscall.Errno {
+		s.gate(func() bool { return s.ctl.existsAt(CtlBlockProbe, f.addr) && s.unbound(f) }, "", nil)
 		s.mu.Lock()
 		defer s.mu.Unlock()
 		if f.driver != "" {
@@ -431,6 +432,13 @@ func (s *Server) NvidiaNode(i int) (string, error) {
 		return "", errNoDevRoot
 	}
 	return filepath.Join(s.opts.DevRoot, "nvidia"+strconv.Itoa(i)), nil
+}
+
+// unbound reports whether f has no driver.
+func (s *Server) unbound(f *pciFn) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return f.driver == ""
 }
 
 // locked runs get under mu.
