@@ -182,8 +182,9 @@ type GPU struct {
 	// Viable: Bind could take its group now; NotViable says why not.
 	Viable    bool   `json:"viable"`
 	NotViable string `json:"not_viable,omitempty"`
-	// Offered: the host's filter names it and it serves no vGPUs: the
-	// lease layer may place on it (when Viable and unclaimed).
+	// Offered: the host's filter names it, it serves no vGPUs and its
+	// group is viable (every endpoint of a GPU's own card): the lease
+	// layer may place on it when unmarked and unclaimed.
 	Offered bool `json:"offered,omitempty"`
 }
 

@@ -19,8 +19,9 @@ import (
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
-// ErrNoWholeGPU: no offered, viable, unclaimed IOMMU group holds a GPU of
-// the model asked for. Retryable: a delete may free one.
+// ErrNoWholeGPU: no set of offered, unclaimed IOMMU groups gives exactly
+// the GPUs of the model asked for (a group is taken whole, so a 2-GPU
+// group never serves a request for 1). Retryable: a delete may free one.
 var ErrNoWholeGPU = errdefs.NoCapacity.New("passthrough: no free whole GPU")
 
 // WholeConfig configures Whole.
