@@ -359,7 +359,11 @@ func modelOf(b gpu.Binding) string {
 // lease stays, rolling back, for the claim's retry to finish).
 func (w *Whole) bindFailed(ctx context.Context, l *store.Locked, lease *vmflowv1.Lease, cause error, failed map[string]bool) error {
 	gpus := wholeGPUs(lease)
-	strikeIfFault(ctx, w.quar, w.log, l.ID(), cause, gpus...)
+	if !errors.Is(cause, gpu.ErrCardGone) {
+		// A card no longer at its address did not fail: the card there
+		// now (a new device at the same address) must not inherit a strike.
+		strikeIfFault(ctx, w.quar, w.log, l.ID(), cause, gpus...)
+	}
 	for _, a := range store.PassthroughDevices(lease) {
 		failed[a] = true
 	}

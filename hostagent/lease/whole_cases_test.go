@@ -359,3 +359,30 @@ func TestWholeLegacyLease(t *testing.T) {
 	require.NoError(t, err)
 	assert.True(t, released)
 }
+
+// A claim retried after its card was removed (the intent written, the
+// bind not finished): the lease is rolled back without a strike (the card
+// did not fail; a new card at the address must not inherit one) and the
+// claim places on the next GPU.
+func TestWholeRetriedClaimCardGone(t *testing.T) {
+	e, q := newWholeOpts(t, vgpusim.Options{PCIGPUs: 2}, 1)
+	ctx := context.Background()
+	g0, g1 := vgpusim.PCIGPUAt(0), vgpusim.PCIGPUAt(1)
+	e.record(t, "vm1", 1)
+	intent := store.PassthroughLeaseOf(&vmflowv1.PassthroughLease{IommuGroup: g0.Group, Model: g0.ID,
+		Functions: []*vmflowv1.PassthroughFunction{{Addr: g0.GPU, PreviousDriver: "nvidia", Display: true, Id: g0.ID, Serial: "48-30-00-00-00-00-00-81"}}})
+	l, err := e.st.Lock(ctx, "vm1")
+	require.NoError(t, err)
+	_, err = l.Apply(store.LeaseIntent(intent, time.Now()))
+	require.NoError(t, err)
+	l.Unlock()
+	require.NoError(t, e.sim.Server.Reboot(vgpusim.Reboot{Remove: []string{g0.GPU}}))
+
+	got, err := e.whole.Claim(ctx, "vm1", "", 1)
+	require.NoError(t, err)
+	assert.Equal(t, []string{g1.GPU, g1.Audio}, store.PassthroughDevices(got[0]))
+	require.Len(t, e.held(t, "vm1").GetLeases(), 1, "the gone card's intent rolled back")
+	qm, err := q.List()
+	require.NoError(t, err)
+	assert.Empty(t, qm, "no strike for a card that is gone")
+}
