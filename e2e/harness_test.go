@@ -139,6 +139,8 @@ type envOptions struct {
 	// network gives the agent a network (netSubnet) in a namespace of the
 	// env's own, deleted after.
 	network bool
+	// sim, when set, changes the simulator's options before it starts.
+	sim func(*vgpusim.Options)
 }
 
 // netSubnet is every network env's subnet: each has a namespace of its own.
@@ -189,7 +191,11 @@ func newEnv(t *testing.T, o envOptions) *env {
 	}
 	// Two whole GPUs (vgpusim.PCIGPUAt: one alone, one with its audio
 	// function), handed out only by agents run with --gpu-passthrough.
-	e.sim = simtest.Start(t, vgpusim.Options{MdevParents: 2, VendorVFs: 2, PCIGPUs: 2})
+	simOpts := vgpusim.Options{MdevParents: 2, VendorVFs: 2, PCIGPUs: 2}
+	if o.sim != nil {
+		o.sim(&simOpts)
+	}
+	e.sim = simtest.Start(t, simOpts)
 
 	// A short state dir: QMP socket paths must fit in 107 bytes.
 	var err error

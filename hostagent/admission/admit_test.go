@@ -325,3 +325,32 @@ func TestNetworkAdmission(t *testing.T) {
 	require.ErrorIs(t, err, ErrInvalid)
 	assert.Contains(t, err.Error(), "network:")
 }
+
+// TestPrepareLaunchCountsGPUsNotGroups (issue 31 case 9): a VM asking for
+// two whole GPUs that holds one IOMMU group of two GPUs launches with all
+// four functions; it is refused only when it holds fewer GPUs than asked
+// (before, the check counted leases and refused it).
+func TestPrepareLaunchCountsGPUsNotGroups(t *testing.T) {
+	h, root := testHost(t)
+	h.MemlockLimit = 0
+	h.Whole = fakeWhole{}
+	spec := RecordSpec(good(root))
+	spec.Disk, spec.VgpuProfile, spec.GpuPassthroughCount = "", "", 2
+	st, err := store.New(t.TempDir())
+	require.NoError(t, err)
+	ctx := context.Background()
+	rec, err := st.Create(ctx, &vmflowv1.InstanceRecord{Id: "vm1", Spec: spec})
+	require.NoError(t, err)
+	l, err := st.Lock(ctx, "vm1")
+	require.NoError(t, err)
+	defer l.Unlock()
+	rec, err = l.Apply(store.LeaseIntent(store.PassthroughLeaseOf(&vmflowv1.PassthroughLease{IommuGroup: "401", Functions: []*vmflowv1.PassthroughFunction{
+		{Addr: "0000:82:00.0", PreviousDriver: "nvidia", Display: true}, {Addr: "0000:82:00.1", PreviousDriver: "snd_hda_intel"},
+		{Addr: "0000:83:00.0", PreviousDriver: "nvidia", Display: true}, {Addr: "0000:83:00.1", PreviousDriver: "snd_hda_intel"}}}), time.Now()))
+	require.NoError(t, err)
+	assert.Equal(t, 2, store.HeldPassthroughGPUs(rec))
+	v, err := PrepareLaunch(h, nil, true)(ctx, l, rec)
+	require.NoError(t, err, "one group of two GPUs is the two GPUs asked for")
+	t.Cleanup(func() { v.Close() })
+	assert.Len(t, v.VFIO, 4)
+}

@@ -142,8 +142,8 @@ func prepareDevice(ctx context.Context, devs Devices, attach bool, l *store.Lock
 // set (under the simulator QEMU cannot open a simulated function either).
 func prepareWhole(ctx context.Context, whole WholeDevices, attach bool, l *store.Locked, rec *vmflowv1.InstanceRecord) ([]string, error) {
 	want, held := store.PassthroughCount(rec.GetSpec()), store.HeldPassthrough(rec)
-	if len(held) < want {
-		return nil, fmt.Errorf("instance %s asks for %d whole GPU(s) but holds %d: %w", rec.GetId(), want, len(held), ErrInvalid)
+	if n := store.HeldPassthroughGPUs(rec); n < want {
+		return nil, fmt.Errorf("instance %s asks for %d whole GPU(s) but holds %d: %w", rec.GetId(), want, n, ErrInvalid)
 	}
 	if len(held) == 0 {
 		return nil, nil

@@ -27,7 +27,8 @@ Lists every GPU device of this host with its state: free, claimed (by
 which instance), quarantined (and why: its release or reset failed
 --gpu-quarantine-after times; placement skips it), or not vmflow's (not
 named by --gpu-passthrough, bound to vfio-pci by someone else, in an IOMMU
-group vmflow cannot take whole). Give it the agent's --sysfs-root,
+group vmflow cannot take whole: "group 42 also holds 0000:82:00.0 (network
+controller)", any device not of the GPU's own card, with a driver or not). Give it the agent's --sysfs-root,
 --gpu-passthrough and --vgpu-driver. Read-only.
 
 devices clear puts a quarantined device back into placement once an

@@ -9,12 +9,23 @@ package gpu
 //	p := gpu.NewPassthrough(gpu.PassthroughConfig{SysfsRoot, StateDir, DevRoot, Filter})
 //	gpus, _ := p.GPUs(ctx) // place on one with Offered && Viable && !Marked, unclaimed
 //	b, err := p.Bind(ctx, gpu.BindRequest{Group: gpu.Group, Intent: writeLease})
-//	p.DevicePath(addr), p.VFIONode(b.Group) // QEMU's sysfsdev per b.Addrs(), the jail's node
+//	node, _ := p.NodeOf(b) // the group read live: the jail's node ("" when the card is gone)
+//	p.DevicePath(addr)     // QEMU's sysfsdev per b.Addrs()
 //	err = p.Return(ctx, b) // b as the lease recorded it; retry until nil
+//
+// A Binding names its card by identity: each function's address with the
+// vendor:device (and PCIe serial number, where the card has one) it held
+// when bound. The IOMMU group is read live at every use, since the kernel
+// numbers groups anew when a card is added or removed; a function that
+// is gone or holds another card counts as returned (ErrCardGone where a
+// caller needs the card itself), and the card now there is a new device.
 //
 // BindRequest.Taken keeps invariant 10 under the host lock, as
 // CreateRequest.Taken does; before Return the lease layer checks
-// NotClaimedByOther for the group, as it does before a vGPU release.
+// NotClaimedByOther for the functions, as it does before a vGPU release.
+// No lock is held while a sysfs write is in flight (any may wait on a
+// driver's remove): Bind holds the host lock only to decide and write
+// its intent, and Return takes none: the lease says whose the group is.
 //
 // vmflow's mark is driver_override=vfio-pci: written before anything else
 // and cleared last, so a function bound to vfio-pci without it was bound
@@ -26,8 +37,10 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
+	"sync"
 
 	"vmflow/internal/errdefs"
 )
@@ -52,6 +65,12 @@ var (
 	ErrVGPUParent = errdefs.Refused.New("vgpu: GPU serves vGPUs")
 	// ErrNoGroup: no IOMMU group of that number (or a function vanished).
 	ErrNoGroup = errdefs.NotFound.New("vgpu: no such IOMMU group")
+	// ErrCardGone: a function a binding names is gone, or its address
+	// holds another card (another vendor:device or serial number, or, for
+	// a binding recorded without identities, another IOMMU group) than the
+	// one bound. The card bound is not there to bind again; Return counts
+	// it as returned.
+	ErrCardGone = errdefs.NotFound.New("gpu: the bound card is no longer at its PCI address")
 	// ErrAlreadyBound: a function of the group already has
 	// driver_override set or is bound to vfio-pci, and the request does
 	// not resume a recorded binding of it: another user may hold it.
@@ -163,8 +182,9 @@ type GPU struct {
 	// Viable: Bind could take its group now; NotViable says why not.
 	Viable    bool   `json:"viable"`
 	NotViable string `json:"not_viable,omitempty"`
-	// Offered: the host's filter names it and it serves no vGPUs: the
-	// lease layer may place on it (when Viable and unclaimed).
+	// Offered: the host's filter names it, it serves no vGPUs and its
+	// group is viable (every endpoint of a GPU's own card): the lease
+	// layer may place on it when unmarked and unclaimed.
 	Offered bool `json:"offered,omitempty"`
 }
 
@@ -178,6 +198,22 @@ type BoundFunction struct {
 	Previous string `json:"previous_driver,omitempty"`
 	// Display: a GPU (not its companion audio function).
 	Display bool `json:"display,omitempty"`
+	// ID (vendor:device) and Serial (the PCIe device serial number, ""
+	// when the card has none) are the card the function held when bound.
+	// A function without an ID (a binding from before identities) is the
+	// card bound while it is in the binding's recorded Group.
+	ID     string `json:"id,omitempty"`
+	Serial string `json:"serial,omitempty"`
+}
+
+// Holds reports whether live function f is still the card bf names
+// (recorded is the binding's Group, which identifies a function recorded
+// without an ID).
+func (bf BoundFunction) Holds(f PCIFunction, recorded string) bool {
+	if bf.ID == "" {
+		return f.Group != "" && f.Group == recorded
+	}
+	return bf.ID == f.ID() && bf.Serial == f.Serial
 }
 
 // AnyDriver as a BoundFunction's Previous makes Return accept whatever
@@ -186,7 +222,8 @@ const AnyDriver = "*"
 
 // Binding is a group handed to vfio-pci: what the lease records. Its
 // Functions may hold more than one display function (GPUs that share a
-// group travel together).
+// group travel together). Group is the group when bound: a record for
+// operators, and the identity of functions recorded without an ID.
 type Binding struct {
 	Group     string          `json:"iommu_group"`
 	Functions []BoundFunction `json:"functions"`
@@ -212,11 +249,13 @@ func (b Binding) find(addr string) (BoundFunction, bool) {
 
 // BindRequest asks for one IOMMU group.
 type BindRequest struct {
-	// Group is the IOMMU group's number.
+	// Group is the IOMMU group's number, as GPUs listed it, for a fresh
+	// bind; a resumed one reads the group of Resume's functions live.
 	Group string
-	// Resume is the binding a lease recorded for this group (a retried
-	// or crashed bind): its Previous drivers are kept, and functions
-	// already bound to vfio-pci with vmflow's mark are taken as done.
+	// Resume is the binding a lease recorded (a retried or crashed bind,
+	// or a launch after a reboot): its Previous drivers are kept, and
+	// functions already bound to vfio-pci with vmflow's mark are taken as
+	// done. A card no longer at its address refuses (ErrCardGone).
 	// Nil: a fresh bind, which refuses a group any function of which is
 	// bound to vfio-pci or has an override (ErrAlreadyBound).
 	Resume *Binding
@@ -226,10 +265,10 @@ type BindRequest struct {
 	// so it must be idempotent. Its error aborts the bind.
 	Intent func(Binding) error
 	// Taken, if set, is called under the host lock before the lease and
-	// any write, as CreateRequest.Taken: it maps what other
-	// instances' held claims name (IOMMU group numbers or PCI addresses)
-	// to the instance. Invariant 10: a group any of whose keys is in the
-	// map is refused (ErrClaimedByOther), so a lease written ahead by an
+	// any write, as CreateRequest.Taken: it maps the PCI addresses other
+	// instances' held leases name to the instance (not group numbers,
+	// which a reboot may give to another card). Invariant 10: a group any
+	// of whose functions is in the map is refused (ErrClaimedByOther), so a lease written ahead by an
 	// agent that died before its first write still keeps its group. Records
 	// that cannot be read (ErrRecordsUnreadable) refuse a fresh bind, which
 	// chooses among existing groups, and not a resumed one.
@@ -271,12 +310,19 @@ type Passthrough struct {
 	cfg      PassthroughConfig
 	lock     *hostLock
 	releases *releases // writes in flight, one per function (any may wait)
+	// returning counts the Returns under way per function. Return holds
+	// no lock, and between its writes (override cleared, probe not yet
+	// written) a function looks unmarked and free: a fresh Bind in this
+	// process must not take it then, or it would record no driver to go
+	// back to and race the probe.
+	mu        sync.Mutex
+	returning map[string]int
 }
 
 // NewPassthrough returns the passthrough driver.
 func NewPassthrough(cfg PassthroughConfig) *Passthrough {
 	cfg = cfg.WithDefaults()
-	return &Passthrough{cfg: cfg, lock: newHostLock(cfg.StateDir), releases: newReleases(nil)}
+	return &Passthrough{cfg: cfg, lock: newHostLock(cfg.StateDir), releases: newReleases(nil), returning: map[string]int{}}
 }
 
 // Filter is the host's --gpu-passthrough.
@@ -290,6 +336,54 @@ func (p *Passthrough) DevicePath(addr string) string { return vfPath(p.cfg.Sysfs
 // VM's jail needs and no other process may hold at release.
 func (p *Passthrough) VFIONode(group string) string {
 	return filepath.Join(p.cfg.DevRoot, "vfio", group)
+}
+
+// LiveGroup is the IOMMU group b's functions are in now, read from sysfs:
+// ErrCardGone when any of them is gone or holds another card than b names
+// (BoundFunction.Holds), or when they no longer share one group.
+func (p *Passthrough) LiveGroup(b Binding) (string, error) {
+	group := ""
+	for _, bf := range b.Functions {
+		f, err := p.read(bf.Addr)
+		if errors.Is(err, ErrNoGroup) {
+			return "", fmt.Errorf("vgpu: %s: %w: %w", bf.Addr, ErrCardGone, err)
+		}
+		if err != nil {
+			return "", err
+		}
+		if !bf.Holds(f, b.Group) {
+			return "", fmt.Errorf("vgpu: %s holds %s (serial %q, IOMMU group %q), not the card bound (%s, serial %q, IOMMU group %s): %w",
+				bf.Addr, f.ID(), f.Serial, f.Group, orUnrecorded(bf.ID), bf.Serial, b.Group, ErrCardGone)
+		}
+		if group != "" && f.Group != group {
+			return "", fmt.Errorf("vgpu: %s is in IOMMU group %s, apart from the rest of its binding (%s): %w", bf.Addr, f.Group, group, ErrCardGone)
+		}
+		group = f.Group
+	}
+	if group == "" {
+		return "", fmt.Errorf("vgpu: a binding without functions: %w", ErrInvalid)
+	}
+	return group, nil
+}
+
+func orUnrecorded(id string) string {
+	if id == "" {
+		return "not recorded"
+	}
+	return id
+}
+
+// NodeOf is the VFIO node of b's group read live, "" when b's card is no
+// longer there (nothing can hold it).
+func (p *Passthrough) NodeOf(b Binding) (string, error) {
+	g, err := p.LiveGroup(b)
+	if errors.Is(err, ErrCardGone) {
+		return "", nil
+	}
+	if err != nil {
+		return "", err
+	}
+	return p.VFIONode(g), nil
 }
 
 // GPUs lists every display-class PCI function on the host, in address
@@ -323,30 +417,32 @@ func (p *Passthrough) GPUs(ctx context.Context) ([]GPU, error) {
 				sharesWithVGPU = sharesWithVGPU || (o.IsDisplay() && isVGPUParent(p.cfg.SysfsRoot, o.Addr))
 			}
 		}
-		switch _, err := viable(groups[f.Group]); {
+		switch _, why := viable(groups[f.Group]); {
 		case f.Group == "":
 			g.NotViable = "no IOMMU group"
-		case err != nil:
-			g.NotViable = err.Error()
+		case why != "":
+			g.NotViable = why
 		default:
 			g.Viable = true
 		}
-		g.Offered = p.cfg.Filter.Match(f) && !g.VGPUParent && !sharesWithVGPU && !others && f.Group != ""
+		g.Offered = p.cfg.Filter.Match(f) && !g.VGPUParent && !sharesWithVGPU && !others && g.Viable
 		out = append(out, g)
 	}
 	return out, nil
 }
 
-// viable is the kernel's viability rule, which vmflow applies before it
-// writes anything: every endpoint of the group belongs to a GPU's card
-// (the slot of a display function: the bind takes it), has no driver, or is
-// on vfio-pci with vmflow's mark; bridges may be on pcieport. An endpoint
-// of someone else's on a kernel driver (a NIC, a disk) refuses the group:
-// vmflow never unbinds it to hand out a GPU. Since Linux 5.19 the kernel
-// binds vfio-pci in a group that is not viable, and only the VFIO user's
-// open fails (EPERM), so the check is vmflow's. It returns the cards'
-// slots.
-func viable(fns []PCIFunction) (map[string]bool, error) {
+// viable is vmflow's rule for a group it hands out whole: every endpoint
+// is a function of a GPU's own card (the slot of a display function: its
+// audio function; the bind takes them all), and bridges are on pcieport
+// or none. Any other endpoint refuses the group, with a driver or
+// without: a NIC whose driver has not loaded yet (right after boot) is
+// still someone else's device, and binding it to vfio-pci would hand it to
+// the guest. The kernel does not refuse such a group at bind: since Linux
+// 5.19 vfio-pci binds in a group that is not viable and only the VFIO
+// user's open fails (EPERM), and a driverless endpoint does not make it
+// unviable at all. It returns the cards' slots, or why the group is not
+// offered ("group 42 also holds 0000:82:00.0 (network controller)").
+func viable(fns []PCIFunction) (map[string]bool, string) {
 	cards := map[string]bool{}
 	group := ""
 	for _, f := range fns {
@@ -356,20 +452,36 @@ func viable(fns []PCIFunction) (map[string]bool, error) {
 		}
 	}
 	if len(cards) == 0 {
-		return nil, fmt.Errorf("vgpu: IOMMU group %s: %w", group, ErrNotGPU)
+		return nil, fmt.Sprintf("group %s holds no GPU", group)
 	}
+	var foreign []string
 	for _, f := range fns {
 		switch {
 		case f.IsBridge():
 			if f.Driver != "" && f.Driver != DriverPCIePort {
-				return nil, fmt.Errorf("vgpu: IOMMU group %s: bridge %s is bound to %s: %w", f.Group, f.Addr, f.Driver, ErrGroupNotViable)
+				return nil, fmt.Sprintf("group %s: bridge %s is bound to %s", f.Group, f.Addr, f.Driver)
 			}
-		case cards[f.slot()], f.Driver == "", f.Driver == DriverVFIO && f.Override == DriverVFIO:
+		case cards[f.slot()]:
 		default:
-			return nil, fmt.Errorf("vgpu: IOMMU group %s: %s (%s, class %#06x) is bound to %s: %w", f.Group, f.Addr, f.ID(), f.Class, f.Driver, ErrGroupNotViable)
+			foreign = append(foreign, fmt.Sprintf("%s (%s)", f.Addr, ClassName(f.Class)))
 		}
 	}
-	return cards, nil
+	if len(foreign) > 0 {
+		return nil, fmt.Sprintf("group %s also holds %s", group, strings.Join(foreign, ", "))
+	}
+	return cards, ""
+}
+
+// viableErr is viable as Bind's error: ErrNotGPU or ErrGroupNotViable.
+func viableErr(fns []PCIFunction) error {
+	cards, why := viable(fns)
+	switch {
+	case why == "":
+		return nil
+	case cards == nil && !slices.ContainsFunc(fns, PCIFunction.IsDisplay):
+		return fmt.Errorf("vgpu: %s: %w", why, ErrNotGPU)
+	}
+	return fmt.Errorf("vgpu: %s: %w", why, ErrGroupNotViable)
 }
 
 // plan is the binding Bind would make of group fns, or why it cannot:
@@ -377,7 +489,7 @@ func viable(fns []PCIFunction) (map[string]bool, error) {
 // previous drivers a lease recorded; without it a function already on
 // vfio-pci or with an override refuses (another user may hold it).
 func (p *Passthrough) plan(fns []PCIFunction, resume *Binding) (Binding, error) {
-	if _, err := viable(fns); err != nil {
+	if err := viableErr(fns); err != nil {
 		return Binding{}, err
 	}
 	var b Binding
@@ -401,7 +513,7 @@ func (p *Passthrough) plan(fns []PCIFunction, resume *Binding) (Binding, error) 
 		if f.Override != "" || f.Driver == DriverVFIO {
 			return Binding{}, fmt.Errorf("vgpu: %s (driver %q, driver_override %q): %w", f.Addr, f.Driver, f.Override, ErrAlreadyBound)
 		}
-		b.Functions = append(b.Functions, BoundFunction{Addr: f.Addr, Previous: f.Driver, Display: f.IsDisplay()})
+		b.Functions = append(b.Functions, BoundFunction{Addr: f.Addr, Previous: f.Driver, Display: f.IsDisplay(), ID: f.ID(), Serial: f.Serial})
 	}
 	sort.Slice(b.Functions, func(i, j int) bool { return b.Functions[i].Addr < b.Functions[j].Addr })
 	return b, nil
@@ -447,34 +559,57 @@ func (p *Passthrough) MarkedGroups(ctx context.Context) ([]Binding, error) {
 // alone. A group that is not viable is refused before any write. It is
 // idempotent with req.Resume: a half-done bind completes.
 func (p *Passthrough) Bind(ctx context.Context, req BindRequest) (Binding, error) {
+	b, err := p.intend(ctx, req)
+	if err != nil {
+		return Binding{}, err
+	}
+	// The writes run without the host lock: an unbind may wait on a
+	// driver's remove for as long as a host process holds the GPU, and
+	// every other claim on the host would wait behind it. The intent (and
+	// Taken, for the others) already keeps the group this claim's.
+	for _, bf := range b.Functions {
+		if err := p.bindOne(ctx, bf.Addr); err != nil {
+			return b, err
+		}
+	}
+	return b, nil
+}
+
+// intend is Bind's decision, under the host lock: the group read live,
+// Taken checked, the binding planned and its intent written. It writes
+// nothing to sysfs.
+func (p *Passthrough) intend(ctx context.Context, req BindRequest) (Binding, error) {
 	unlock, err := p.lock.lock(ctx)
 	if err != nil {
 		return Binding{}, err
 	}
 	defer unlock()
-	fns, err := groupFunctions(ctx, p.cfg.SysfsRoot, req.Group)
+	group := req.Group
+	if req.Resume != nil {
+		if group, err = p.LiveGroup(*req.Resume); err != nil {
+			return Binding{}, err
+		}
+	}
+	fns, err := groupFunctions(ctx, p.cfg.SysfsRoot, group)
 	if err != nil {
 		return Binding{}, err
 	}
 	taken, err := readTaken(ctx, req.Taken, req.Resume == nil)
 	if err != nil {
-		return Binding{}, fmt.Errorf("vgpu: bind group %s: %w", req.Group, err)
-	}
-	if err := claimedBy(taken, req.Group); err != nil {
-		return Binding{}, fmt.Errorf("vgpu: IOMMU group %s: %w", req.Group, err)
+		return Binding{}, fmt.Errorf("vgpu: bind group %s: %w", group, err)
 	}
 	for _, f := range fns {
 		if err := claimedBy(taken, f.Addr); err != nil {
-			return Binding{}, fmt.Errorf("vgpu: IOMMU group %s: %w", req.Group, err)
+			return Binding{}, fmt.Errorf("vgpu: IOMMU group %s: %w", group, err)
+		}
+		if req.Resume == nil && p.beingReturned(f.Addr) {
+			return Binding{}, fmt.Errorf("vgpu: %s: a return to its driver is under way: %w", f.Addr, ErrAlreadyBound)
 		}
 	}
 	if req.Resume != nil {
-		if req.Resume.Group != req.Group {
-			return Binding{}, fmt.Errorf("vgpu: resume of group %s for group %s: %w", req.Resume.Group, req.Group, ErrInvalid)
-		}
 		for _, rf := range req.Resume.Functions {
 			if !hasAddr(fns, rf.Addr) {
-				return Binding{}, fmt.Errorf("vgpu: recorded function %s is not in IOMMU group %s: %w", rf.Addr, req.Group, ErrNoGroup)
+				return Binding{}, fmt.Errorf("vgpu: recorded function %s is not in IOMMU group %s: %w", rf.Addr, group, ErrCardGone)
 			}
 		}
 	}
@@ -484,12 +619,7 @@ func (p *Passthrough) Bind(ctx context.Context, req BindRequest) (Binding, error
 	}
 	if req.Intent != nil {
 		if err := req.Intent(b); err != nil {
-			return Binding{}, fmt.Errorf("vgpu: bind group %s: intent: %w", req.Group, err)
-		}
-	}
-	for _, bf := range b.Functions {
-		if err := p.bindOne(ctx, bf.Addr); err != nil {
-			return b, err
+			return Binding{}, fmt.Errorf("vgpu: bind group %s: intent: %w", group, err)
 		}
 	}
 	return b, nil
@@ -534,26 +664,60 @@ func (p *Passthrough) bindOne(ctx context.Context, addr string) error {
 // return completes. Unbind comes before clearing the override so that
 // vmflow's mark outlives every step but the last. A function vmflow did not
 // bind is never touched (ErrNotOurs).
+//
+// It takes no host lock: the lease, not the lock, says whose the group is
+// (the lease layer checks that no other lease names it first), and a
+// blocked unbind must not stop every other claim on the host. A function
+// that is gone, or whose address holds another card than b names
+// (BoundFunction.Holds), counts as returned: the card bound is not there,
+// and the one there now is a new device, never touched for b.
 func (p *Passthrough) Return(ctx context.Context, b Binding) error {
-	unlock, err := p.lock.lock(ctx)
-	if err != nil {
-		return err
-	}
-	defer unlock()
+	defer p.beginReturn(b)()
 	for _, bf := range b.Functions {
-		if err := p.returnOne(ctx, bf); err != nil {
+		if err := p.returnOne(ctx, bf, b.Group); err != nil {
 			return err
 		}
 	}
 	return nil
 }
 
-func (p *Passthrough) returnOne(ctx context.Context, bf BoundFunction) error {
+// beginReturn counts b's functions as being returned until the function
+// it returns is called.
+func (p *Passthrough) beginReturn(b Binding) func() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, bf := range b.Functions {
+		p.returning[bf.Addr]++
+	}
+	return func() {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		for _, bf := range b.Functions {
+			if p.returning[bf.Addr]--; p.returning[bf.Addr] <= 0 {
+				delete(p.returning, bf.Addr)
+			}
+		}
+	}
+}
+
+// beingReturned reports whether a Return of addr is under way.
+func (p *Passthrough) beingReturned(addr string) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.returning[addr] > 0
+}
+
+func (p *Passthrough) returnOne(ctx context.Context, bf BoundFunction, group string) error {
 	f, err := p.settled(ctx, bf.Addr)
+	if errors.Is(err, ErrNoGroup) {
+		return nil // gone: nothing left to return
+	}
 	if err != nil {
 		return err
 	}
 	switch {
+	case !bf.Holds(f, group):
+		return nil // another card: not the one bound
 	case someoneElses(f):
 		return fmt.Errorf("vgpu: %s (driver %q, driver_override %q) was moved by someone else: %w", f.Addr, f.Driver, f.Override, ErrNotOurs)
 	case f.Override == "" && f.Driver == "" && bf.Previous != "" && bf.Previous != AnyDriver:

@@ -89,7 +89,8 @@ func TestPassthroughListsGPUs(t *testing.T) {
 	assert.Empty(t, two.Others)
 	assert.True(t, two.Viable)
 	assert.False(t, three.Viable)
-	assert.Contains(t, three.NotViable, "mlx5_core")
+	assert.Equal(t, "group "+vgpusim.PCIGPUAt(3).Group+" also holds "+vgpusim.PCIGPUAt(3).NIC+" (network controller)", three.NotViable)
+	assert.False(t, three.Offered)
 
 	only, err := gpu.ParseGPUFilter("10de:2684")
 	require.NoError(t, err)
@@ -107,9 +108,10 @@ func TestPassthroughListsGPUs(t *testing.T) {
 func TestPassthroughRoundTrip(t *testing.T) {
 	e := newPassthrough(t, vgpusim.Options{PCIGPUs: 3}, "all")
 	for i, want := range [][]gpu.BoundFunction{
-		{{Addr: vgpusim.PCIGPUAt(0).GPU, Previous: "nvidia", Display: true}},
-		{{Addr: vgpusim.PCIGPUAt(1).GPU, Previous: "nvidia", Display: true}, {Addr: vgpusim.PCIGPUAt(1).Audio, Previous: "snd_hda_intel"}},
-		{{Addr: vgpusim.PCIGPUAt(2).GPU, Previous: "nvidia", Display: true}},
+		{{Addr: vgpusim.PCIGPUAt(0).GPU, Previous: "nvidia", Display: true, ID: "10de:2335", Serial: "48-30-00-00-00-00-00-81"}},
+		{{Addr: vgpusim.PCIGPUAt(1).GPU, Previous: "nvidia", Display: true, ID: "10de:2684", Serial: "48-30-00-00-00-00-00-82"},
+			{Addr: vgpusim.PCIGPUAt(1).Audio, Previous: "snd_hda_intel", ID: "10de:22ba"}},
+		{{Addr: vgpusim.PCIGPUAt(2).GPU, Previous: "nvidia", Display: true, ID: "10de:2335", Serial: "48-30-00-00-00-00-00-83"}},
 	} {
 		g := vgpusim.PCIGPUAt(i)
 		before := e.state(t, i)
@@ -443,7 +445,7 @@ func TestPassthroughRespectsOtherClaims(t *testing.T) {
 	before := e.state(t, 1)
 	called := false
 	intent := func(gpu.Binding) error { called = true; return nil }
-	for _, key := range []string{g.Group, g.Audio} {
+	for _, key := range []string{g.GPU, g.Audio} {
 		_, err := e.p.Bind(ctxFor(t, 10*time.Second), gpu.BindRequest{Group: g.Group, Intent: intent,
 			Taken: func(context.Context) (map[string]string, error) { return map[string]string{key: "vm-other"}, nil }})
 		require.ErrorIs(t, err, gpu.ErrClaimedByOther, key)

@@ -2,6 +2,7 @@ package gpu
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"os"
@@ -51,6 +52,10 @@ type PCIFunction struct {
 	// HasReset: the function offers the reset attribute (a function-level
 	// or other reset the kernel can do to this function alone).
 	HasReset bool `json:"has_reset,omitempty"`
+	// Serial is the PCIe Device Serial Number ("00-11-22-33-44-55-66-77",
+	// as lspci prints it), "" when the function has none or its extended
+	// config space cannot be read (only root reads past 64 bytes).
+	Serial string `json:"serial,omitempty"`
 }
 
 // ID is vendor:device, as lspci -n and --gpu-passthrough write it.
@@ -69,6 +74,27 @@ func (f PCIFunction) slot() string {
 		return f.Addr[:i]
 	}
 	return f.Addr
+}
+
+// pciClasses are the PCI base classes by name, as lspci prints them
+// (pci.ids), for an operator reading why a group is not offered.
+var pciClasses = map[uint32]string{
+	0x00: "unclassified device", 0x01: "mass storage controller", 0x02: "network controller",
+	0x03: "display controller", 0x04: "multimedia controller", 0x05: "memory controller",
+	0x06: "bridge", 0x07: "communication controller", 0x08: "generic system peripheral",
+	0x09: "input device controller", 0x0a: "docking station", 0x0b: "processor",
+	0x0c: "serial bus controller", 0x0d: "wireless controller", 0x0e: "intelligent controller",
+	0x0f: "satellite communications controller", 0x10: "encryption controller",
+	0x11: "signal processing controller", 0x12: "processing accelerators", 0x13: "non-essential instrumentation",
+}
+
+// ClassName names class's base class ("network controller"), or gives
+// it in hex.
+func ClassName(class uint32) string {
+	if n, ok := pciClasses[class>>16]; ok {
+		return n
+	}
+	return fmt.Sprintf("class %#06x", class)
 }
 
 // readPCIFunction reads bus/pci/devices/<addr>. A directory without a
@@ -116,7 +142,45 @@ func readPCIFunction(root, addr string) (PCIFunction, error) {
 	if _, err := os.Lstat(filepath.Join(dir, "reset")); err == nil {
 		f.HasReset = true
 	}
+	if cfg, err := os.ReadFile(filepath.Join(dir, "config")); err == nil {
+		f.Serial = deviceSerial(cfg)
+	}
 	return f, nil
+}
+
+// PCI Express extended capabilities (PCIe base spec 7.6): a chain of
+// 32-bit headers from offset 0x100 of config space, each [15:0] the
+// capability id, [31:20] the next one's offset (0 ends it).
+const (
+	extCapStart = 0x100
+	extCapDSN   = 0x0003 // Device Serial Number: two dwords after the header
+)
+
+// deviceSerial is the Device Serial Number in config space cfg, "" when
+// there is none. The chain is walked at most 1024 steps, so a looped one
+// in a bad card ends.
+func deviceSerial(cfg []byte) string {
+	off := extCapStart
+	for range 1024 {
+		if off < extCapStart || off+12 > len(cfg) {
+			return ""
+		}
+		hdr := binary.LittleEndian.Uint32(cfg[off:])
+		if hdr == 0 || hdr == 0xffffffff {
+			return ""
+		}
+		if hdr&0xffff == extCapDSN {
+			var b [8]byte
+			binary.BigEndian.PutUint64(b[:], uint64(binary.LittleEndian.Uint32(cfg[off+8:]))<<32|uint64(binary.LittleEndian.Uint32(cfg[off+4:])))
+			parts := make([]string, len(b))
+			for i, v := range b {
+				parts[i] = fmt.Sprintf("%02x", v)
+			}
+			return strings.Join(parts, "-")
+		}
+		off = int(hdr>>20) &^ 3
+	}
+	return ""
 }
 
 // linkBase is the last element of a symlink's target, "" when the link is

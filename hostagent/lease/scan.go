@@ -174,6 +174,7 @@ func (w *Whole) scanOrphans(ctx context.Context, claimed map[string]string, hold
 	if err != nil {
 		return nil, err
 	}
+	claimed = claimedGroups(marked, claimed) // held leases name functions, not group numbers
 	ids := make([]string, len(marked))
 	for i, b := range marked {
 		ids[i] = b.Group

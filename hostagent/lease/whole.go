@@ -19,8 +19,9 @@ import (
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
-// ErrNoWholeGPU: no offered, viable, unclaimed IOMMU group holds a GPU of
-// the model asked for. Retryable: a delete may free one.
+// ErrNoWholeGPU: no set of offered, unclaimed IOMMU groups gives exactly
+// the GPUs of the model asked for (a group is taken whole, so a 2-GPU
+// group never serves a request for 1). Retryable: a delete may free one.
 var ErrNoWholeGPU = errdefs.NoCapacity.New("passthrough: no free whole GPU")
 
 // WholeConfig configures Whole.
@@ -82,7 +83,8 @@ func bindingOf(lease *vmflowv1.Lease) gpu.Binding {
 	p := lease.GetGpuPassthrough()
 	b := gpu.Binding{Group: p.GetIommuGroup()}
 	for _, f := range p.GetFunctions() {
-		b.Functions = append(b.Functions, gpu.BoundFunction{Addr: f.GetAddr(), Previous: f.GetPreviousDriver(), Display: f.GetDisplay()})
+		b.Functions = append(b.Functions, gpu.BoundFunction{Addr: f.GetAddr(), Previous: f.GetPreviousDriver(), Display: f.GetDisplay(),
+			ID: f.GetId(), Serial: f.GetSerial()})
 	}
 	return b
 }
@@ -91,7 +93,8 @@ func bindingOf(lease *vmflowv1.Lease) gpu.Binding {
 func leaseOf(b gpu.Binding, model string) *vmflowv1.Lease {
 	p := &vmflowv1.PassthroughLease{IommuGroup: b.Group, Model: model}
 	for _, f := range b.Functions {
-		p.Functions = append(p.Functions, &vmflowv1.PassthroughFunction{Addr: f.Addr, PreviousDriver: f.Previous, Display: f.Display})
+		p.Functions = append(p.Functions, &vmflowv1.PassthroughFunction{Addr: f.Addr, PreviousDriver: f.Previous, Display: f.Display,
+			Id: f.ID, Serial: f.Serial})
 	}
 	return store.PassthroughLeaseOf(p)
 }
@@ -108,9 +111,12 @@ func (w *Whole) DevicePaths(lease *vmflowv1.Lease) []string {
 
 // Claim gives instance id count whole GPUs of model ("" any offered), all
 // or none, as Claims.Claim does vGPUs: held leases are finished first (a
-// bind resumed from its recorded binding), then groups are placed; a
+// bind resumed from its recorded binding), then groups are placed until
+// the instance holds count GPUs (a group of two GPUs gives two); a
 // failure that ends the claim (final) undoes its leases while the record
-// never launched.
+// never launched. A GPU whose bind fails is struck (quarantined at the
+// threshold), its lease rolled back, and the claim moves on to the next
+// free GPU: one bad card does not stop whole-GPU spawns on its host.
 func (w *Whole) Claim(ctx context.Context, id, model string, count int) ([]*vmflowv1.Lease, error) {
 	if count < 1 || count > store.MaxPassthrough {
 		return nil, fmt.Errorf("claim %d whole GPUs for %s: %w: from 1 to %d", count, id, gpu.ErrInvalid, store.MaxPassthrough)
@@ -121,8 +127,8 @@ func (w *Whole) Claim(ctx context.Context, id, model string, count int) ([]*vmfl
 	}
 	defer l.Unlock()
 	held := store.HeldPassthrough(rec)
-	if len(held) > count {
-		return nil, fmt.Errorf("claim %d whole GPUs for %s: %w (it holds %d)", count, id, ErrClaimConflict, len(held))
+	if n := store.HeldPassthroughGPUs(rec); n > count {
+		return nil, fmt.Errorf("claim %d whole GPUs for %s: %w (it holds %d)", count, id, ErrClaimConflict, n)
 	}
 	if slices.ContainsFunc(held, rollingBack) {
 		if err := w.rollback(ctx, l); err != nil {
@@ -130,23 +136,11 @@ func (w *Whole) Claim(ctx context.Context, id, model string, count int) ([]*vmfl
 		}
 		held = nil
 	}
-	var out []*vmflowv1.Lease
-	for i := range count {
-		var lease *vmflowv1.Lease
-		if i < len(held) {
-			lease, err = w.bind(ctx, l, held[i])
-		} else {
-			lease, err = w.place(ctx, l, model)
-		}
-		if err != nil {
-			err = fmt.Errorf("claim whole GPU %d of %d for %s: %w", i+1, count, id, err)
-			break
-		}
-		out = append(out, lease)
-	}
+	out, err := w.claimLocked(ctx, l, held, model, count)
 	if err == nil {
 		return out, nil
 	}
+	err = fmt.Errorf("claim %d whole GPU(s) for %s: %w", count, id, err)
 	if !final(err) {
 		return nil, err
 	}
@@ -156,11 +150,52 @@ func (w *Whole) Claim(ctx context.Context, id, model string, count int) ([]*vmfl
 	return nil, err
 }
 
-// place binds one new group holding a GPU of model: the first offered,
-// viable, unmarked one no held lease names, in address order; a group
-// another claim took meanwhile (Bind's Taken, under the host lock) is
-// passed over for the next.
-func (w *Whole) place(ctx context.Context, l *store.Locked, model string) (*vmflowv1.Lease, error) {
+// claimLocked finishes held and places groups until the locked instance
+// holds count GPUs.
+func (w *Whole) claimLocked(ctx context.Context, l *store.Locked, held []*vmflowv1.Lease, model string, count int) ([]*vmflowv1.Lease, error) {
+	var out []*vmflowv1.Lease
+	failed := map[string]bool{} // addresses whose bind failed in this claim
+	need := count
+	for _, lease := range held {
+		got, err := w.bind(ctx, l, lease)
+		if err != nil && lease.GetPhase() == vmflowv1.ClaimPhase_CLAIM_PHASE_INTENT && deviceFault(err) {
+			// A bind an earlier attempt began fails on its card: as a
+			// fresh one does, it is undone and placed elsewhere.
+			if err := w.bindFailed(ctx, l, lease, err, failed); err != nil {
+				return nil, err
+			}
+			continue
+		}
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, got)
+		need -= len(store.PassthroughGPUs(got))
+	}
+	for need > 0 {
+		lease, err := w.place(ctx, l, model, need, failed)
+		if err != nil {
+			return nil, err
+		}
+		if lease == nil {
+			continue // its bind failed: placed again, elsewhere
+		}
+		out = append(out, lease)
+		need -= len(store.PassthroughGPUs(lease))
+	}
+	return out, nil
+}
+
+// freeGroup is an IOMMU group placement may take whole: its GPUs.
+type freeGroup struct {
+	group string
+	gpus  []string
+}
+
+// freeGroups lists, in address order, the groups every GPU of which is
+// offered, viable, unmarked, of model, not quarantined, not named by a
+// held lease and not failed in this claim.
+func (w *Whole) freeGroups(ctx context.Context, l *store.Locked, model string, failed map[string]bool) ([]freeGroup, error) {
 	gpus, err := w.drv.GPUs(ctx)
 	if err != nil {
 		return nil, err
@@ -173,52 +208,180 @@ func (w *Whole) place(ctx context.Context, l *store.Locked, model string) (*vmfl
 	if err != nil {
 		return nil, err
 	}
+	var order []string
+	groups, bad := map[string]*freeGroup{}, map[string]bool{}
 	for _, g := range gpus {
-		if !g.Offered || !g.Viable || g.Marked || (model != "" && g.ID() != model) {
+		if g.Group == "" {
 			continue
 		}
-		if _, ok := quarantined[g.Addr]; ok {
-			continue
+		if _, ok := groups[g.Group]; !ok {
+			groups[g.Group] = &freeGroup{group: g.Group}
+			order = append(order, g.Group)
 		}
-		if _, ok := taken[g.Group]; ok {
-			continue
+		_, q := quarantined[g.Addr]
+		_, t := taken[g.Addr]
+		if !g.Offered || !g.Viable || g.Marked || (model != "" && g.ID() != model) || q || t || failed[g.Addr] {
+			bad[g.Group] = true
 		}
-		name := ""
-		req := gpu.BindRequest{Group: g.Group, Taken: w.takenBy(l.ID(), ""), Intent: func(b gpu.Binding) error {
-			lease := leaseOf(b, g.ID())
-			name = store.LeaseName(lease)
+		groups[g.Group].gpus = append(groups[g.Group].gpus, g.Addr)
+	}
+	var out []freeGroup
+	for _, g := range order {
+		if !bad[g] {
+			out = append(out, *groups[g])
+		}
+	}
+	return out, nil
+}
+
+// fit picks, in address order, groups that give exactly need GPUs: two
+// GPUs in one group are two, and a claim never takes more GPUs than it
+// asked for. nil when none do.
+func fit(groups []freeGroup, need int) []freeGroup {
+	memo := map[[2]int]bool{}
+	var can func(i, n int) bool // groups[i:] can give exactly n
+	can = func(i, n int) bool {
+		if n == 0 {
+			return true
+		}
+		if n < 0 || i == len(groups) {
+			return false
+		}
+		k := [2]int{i, n}
+		if v, ok := memo[k]; ok {
+			return v
+		}
+		v := can(i+1, n-len(groups[i].gpus)) || can(i+1, n)
+		memo[k] = v
+		return v
+	}
+	if !can(0, need) {
+		return nil
+	}
+	var out []freeGroup
+	for i, n := 0, need; n > 0; i++ {
+		if k := len(groups[i].gpus); k <= n && can(i+1, n-k) {
+			out = append(out, groups[i])
+			n -= k
+		}
+	}
+	return out
+}
+
+// place binds one new group toward need more GPUs: the first of the
+// groups fit picks. A group another claim took meanwhile (Bind's Taken,
+// under the host lock) is passed over for the next; a bind that fails on
+// its card is struck and undone (bindFailed) and (nil, nil) returned, for
+// the claim to place again.
+func (w *Whole) place(ctx context.Context, l *store.Locked, model string, need int, failed map[string]bool) (*vmflowv1.Lease, error) {
+	for {
+		groups, err := w.freeGroups(ctx, l, model, failed)
+		if err != nil {
+			return nil, err
+		}
+		pick := fit(groups, need)
+		if pick == nil {
+			m := model
+			if m == "" {
+				m = "any model"
+			}
+			return nil, fmt.Errorf("%w: %d more of %s (offered by --gpu-passthrough %q)", ErrNoWholeGPU, need, m, w.drv.Filter().String())
+		}
+		g := pick[0]
+		var intent *vmflowv1.Lease
+		req := gpu.BindRequest{Group: g.group, Taken: w.takenBy(l.ID(), ""), Intent: func(b gpu.Binding) error {
+			lease := leaseOf(b, modelOf(b))
 			_, err := l.Apply(store.LeaseIntent(lease, w.now()))
 			crashpoint.Hit(crashpoint.PassthroughIntentWritten)
+			if err == nil {
+				intent = lease
+			}
 			return err
 		}}
-		_, err := w.drv.Bind(ctx, req)
-		if errors.Is(err, gpu.ErrClaimedByOther) || errors.Is(err, gpu.ErrAlreadyBound) {
-			continue // another claim or user got there first: nothing written
+		_, err = w.drv.Bind(ctx, req)
+		switch {
+		case err == nil:
+			succeeded(ctx, w.quar, w.log, g.gpus...)
+			return w.activate(l, store.LeaseName(intent))
+		case intent == nil && passOver(err):
+			// Nothing written: another claim or user got there first, or
+			// the group changed since the listing.
+			for _, a := range g.gpus {
+				failed[a] = true
+			}
+			w.log.Info("whole GPU passed over", zap.String("instance_id", l.ID()), zap.String("iommu_group", g.group), zap.Error(err))
+			continue
+		case intent == nil:
+			return nil, err
+		case deviceFault(err):
+			if err := w.bindFailed(ctx, l, intent, err, failed); err != nil {
+				return nil, err
+			}
+			return nil, nil
+		default:
+			return nil, err // a write still in flight: the intent stays and the retry resumes the bind
 		}
-		if err != nil {
-			return nil, err // the intent stays: the retry resumes the bind
+	}
+}
+
+// passOver reports a bind refused before its intent because the group is
+// not to be had now (taken, bound by someone else, changed or gone since
+// the listing): placement tries the next.
+func passOver(err error) bool {
+	if errors.Is(err, gpu.ErrClaimedByOther) || errors.Is(err, gpu.ErrAlreadyBound) {
+		return true
+	}
+	c := errdefs.ClassOf(err)
+	return c == errdefs.Refused || c == errdefs.NotFound
+}
+
+// modelOf is the vendor:device of b's first GPU.
+func modelOf(b gpu.Binding) string {
+	for _, f := range b.Functions {
+		if f.Display {
+			return f.ID
 		}
-		return w.activate(l, name)
 	}
-	m := model
-	if m == "" {
-		m = "any model"
+	return ""
+}
+
+// bindFailed handles a bind that failed on lease's card (cause): the
+// card is struck (strikeIfFault: quarantined at the threshold), what the
+// bind wrote is returned and the lease rolled back, and its GPUs are left
+// out of the rest of the claim. An error: the rollback did not finish (the
+// lease stays, rolling back, for the claim's retry to finish).
+func (w *Whole) bindFailed(ctx context.Context, l *store.Locked, lease *vmflowv1.Lease, cause error, failed map[string]bool) error {
+	gpus := store.PassthroughGPUs(lease)
+	if !errors.Is(cause, gpu.ErrCardGone) {
+		// A card no longer at its address did not fail: the card there
+		// now (a new device at the same address) must not inherit a strike.
+		strikeIfFault(ctx, w.quar, w.log, l.ID(), cause, gpus...)
 	}
-	return nil, fmt.Errorf("%w of %s (offered by --gpu-passthrough %q)", ErrNoWholeGPU, m, w.drv.Filter().String())
+	for _, a := range store.PassthroughDevices(lease) {
+		failed[a] = true
+	}
+	w.log.Warn("whole GPU bind failed: trying another", zap.String("instance_id", l.ID()), zap.Strings("device_ids", gpus), zap.Error(cause))
+	if err := w.rollbackOne(ctx, l, lease); err != nil {
+		return fmt.Errorf("whole GPU %s: bind failed (%w), and undoing it too: %w", strings.Join(gpus, " "), cause, err)
+	}
+	return nil
 }
 
 // bind finishes a held lease: its group bound (resumed from the recorded
 // binding, so each function keeps the driver it had) and the lease active.
 // Before every launch too: a reboot returns every function to its driver.
+// A card no longer at its address is gpu.ErrCardGone: the card there now
+// is never bound for this lease.
 func (w *Whole) bind(ctx context.Context, l *store.Locked, lease *vmflowv1.Lease) (*vmflowv1.Lease, error) {
 	b := bindingOf(lease)
 	name := store.LeaseName(lease)
-	if _, err := w.drv.Bind(ctx, gpu.BindRequest{Group: b.Group, Resume: &b, Taken: w.takenBy(l.ID(), name)}); err != nil {
+	if _, err := w.drv.Bind(ctx, gpu.BindRequest{Resume: &b, Taken: w.takenBy(l.ID(), name)}); err != nil {
 		return nil, err
 	}
 	if lease.GetPhase() == vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE {
 		return lease, nil
 	}
+	succeeded(ctx, w.quar, w.log, store.PassthroughGPUs(lease)...)
 	return w.activate(l, name)
 }
 
@@ -241,7 +404,9 @@ func (w *Whole) activate(l *store.Locked, name string) (*vmflowv1.Lease, error) 
 // EnsureDevicesLocked makes the locked instance's whole GPUs launchable:
 // every held lease active and its group on vfio-pci (bound again after a
 // reboot, from the recorded binding). ErrClaimNotActive for a lease whose
-// claim has not finished.
+// claim has not finished; ErrClaimDeviceMissing for one whose card is no
+// longer at its address (gone, or another card there: never bound for
+// this lease).
 func (w *Whole) EnsureDevicesLocked(ctx context.Context, l *store.Locked) ([]*vmflowv1.Lease, error) {
 	rec, err := l.Get()
 	if err != nil {
@@ -249,20 +414,21 @@ func (w *Whole) EnsureDevicesLocked(ctx context.Context, l *store.Locked) ([]*vm
 	}
 	var out []*vmflowv1.Lease
 	for _, lease := range store.HeldPassthrough(rec) {
+		devs := strings.Join(store.PassthroughDevices(lease), " ")
 		if lease.GetPhase() != vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE {
-			return nil, fmt.Errorf("whole GPU of %s (IOMMU group %s) is %s: %w", l.ID(), lease.GetGpuPassthrough().GetIommuGroup(), lease.GetPhase(), ErrClaimNotActive)
+			return nil, fmt.Errorf("whole GPU of %s (%s) is %s: %w", l.ID(), devs, lease.GetPhase(), ErrClaimNotActive)
 		}
 		if _, err := w.bind(ctx, l, lease); err != nil {
-			return nil, fmt.Errorf("instance %s: whole GPU of IOMMU group %s: %w: %w", l.ID(), lease.GetGpuPassthrough().GetIommuGroup(), ErrClaimDeviceMissing, err)
+			return nil, fmt.Errorf("instance %s: whole GPU %s: %w: %w", l.ID(), devs, ErrClaimDeviceMissing, err)
 		}
 		out = append(out, lease)
 	}
 	return out, nil
 }
 
-// takenBy maps what held whole-GPU leases name (IOMMU groups and PCI
-// addresses) to the instance, leaving out self's lease named except, for
-// BindRequest.Taken and placement.
+// takenBy maps the PCI functions held whole-GPU leases name to the
+// instance, leaving out self's lease named except, for BindRequest.Taken
+// and placement.
 func (w *Whole) takenBy(self, except string) func(context.Context) (map[string]string, error) {
 	return func(context.Context) (map[string]string, error) {
 		recs, err := w.st.List()
@@ -278,9 +444,11 @@ func (w *Whole) takenBy(self, except string) func(context.Context) (map[string]s
 	}
 }
 
-// heldGroups is the ledger of invariant 10 for whole GPUs: every group and
-// function a held lease names, mapped to its instance, except self's lease
-// named except.
+// heldGroups is the ledger of invariant 10 for whole GPUs: every PCI
+// function a held lease names, mapped to its instance, except self's
+// lease named except. Functions, not group numbers: a reboot may give a
+// lease's group number to another card, while a lease holds every
+// endpoint of its group.
 func heldGroups(recs []*vmflowv1.InstanceRecord, self, except string) map[string]string {
 	m := map[string]string{}
 	for _, r := range recs {
@@ -288,7 +456,6 @@ func heldGroups(recs []*vmflowv1.InstanceRecord, self, except string) map[string
 			if r.GetId() == self && store.LeaseName(lease) == except {
 				continue
 			}
-			m[lease.GetGpuPassthrough().GetIommuGroup()] = r.GetId()
 			for _, a := range store.PassthroughDevices(lease) {
 				m[a] = r.GetId()
 			}
@@ -297,21 +464,42 @@ func heldGroups(recs []*vmflowv1.InstanceRecord, self, except string) map[string
 	return m
 }
 
-// ownGroup refuses (ErrClaimedByOther) when another instance's held lease
-// names lease's group: it is not this instance's to return.
-func (w *Whole) ownGroup(ctx context.Context, id string, lease *vmflowv1.Lease) error {
-	err := gpu.NotClaimedByOther(ctx, w.takenBy(id, store.LeaseName(lease)), lease.GetGpuPassthrough().GetIommuGroup())
-	if errors.Is(err, gpu.ErrClaimedByOther) {
-		return fmt.Errorf("instance %s: %w", id, err)
+// claimedGroups maps each marked group any function of which a held
+// lease names (claimed, from heldGroups) to that lease's instance: what
+// reconcile leaves alone.
+func claimedGroups(marked []gpu.Binding, claimed map[string]string) map[string]string {
+	m := map[string]string{}
+	for _, b := range marked {
+		for _, a := range b.Addrs() {
+			if inst, ok := claimed[a]; ok {
+				m[b.Group] = inst
+			}
+		}
 	}
-	return err
+	return m
+}
+
+// ownGroup refuses (ErrClaimedByOther) when another instance's held lease
+// names a function of lease's: it is not this instance's to return.
+func (w *Whole) ownGroup(ctx context.Context, id string, lease *vmflowv1.Lease) error {
+	for _, a := range store.PassthroughDevices(lease) {
+		err := gpu.NotClaimedByOther(ctx, w.takenBy(id, store.LeaseName(lease)), a)
+		if errors.Is(err, gpu.ErrClaimedByOther) {
+			return fmt.Errorf("instance %s: %w", id, err)
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // Release returns every whole GPU instance id holds, through the engine
 // (Engine.Release, with wholeDriver): each only when the VM may not live
 // and nothing holds its group's VFIO node (invariant 2); a failed unbind,
 // reset or rebind keeps that lease and moves the record to ReleaseFailed;
-// the others are released. devices names the functions returned now.
+// the others are released. A card no longer at its address counts as
+// released. devices names the functions returned now.
 func (w *Whole) Release(ctx context.Context, id string) (released bool, devices []string, err error) {
 	out, err := w.eng.Release(ctx, id, store.KindPassthrough)
 	for _, l := range out.Released {
@@ -320,16 +508,14 @@ func (w *Whole) Release(ctx context.Context, id string) (released bool, devices 
 	return out.All, devices, err
 }
 
-// wholeGPUs are the GPUs (display functions) of a whole-GPU lease: what
-// its failures count against.
-func wholeGPUs(lease *vmflowv1.Lease) []string {
-	var gpus []string
-	for _, f := range lease.GetGpuPassthrough().GetFunctions() {
-		if f.GetDisplay() {
-			gpus = append(gpus, f.GetAddr())
-		}
+// nodeOf is the VFIO node of lease's group, read live ("" when its card
+// is gone: nothing can hold it).
+func (w *Whole) nodeOf(lease *vmflowv1.Lease) (string, error) {
+	node, err := w.drv.NodeOf(bindingOf(lease))
+	if err != nil {
+		return "", fmt.Errorf("%w: %w", ErrDeviceHeld, err)
 	}
-	return gpus
+	return node, nil
 }
 
 // rollback undoes the held whole-GPU leases of a failed claim while the
@@ -344,29 +530,44 @@ func (w *Whole) rollback(ctx context.Context, l *store.Locked) error {
 	}
 	var errs []error
 	for _, lease := range store.HeldPassthrough(rec) {
-		name := store.LeaseName(lease)
-		err := w.ownGroup(ctx, l.ID(), lease)
-		if err == nil {
-			err = nodeFree(ctx, w.drv.VFIONode(lease.GetGpuPassthrough().GetIommuGroup()), proc.Holders, w.ignore)
+		if err := w.rollbackOne(ctx, l, lease); err != nil {
+			errs = append(errs, err)
 		}
-		if err == nil {
-			_, err = l.Apply(store.LeaseRollingBack(name))
-		}
-		if err == nil {
-			crashpoint.Hit(crashpoint.ClaimRollingBack)
-			err = w.drv.Return(ctx, bindingOf(lease))
-		}
-		if err == nil {
-			_, err = l.Apply(store.LeaseRolledBack(name))
-		}
-		if err != nil {
-			errs = append(errs, fmt.Errorf("whole GPU of IOMMU group %s: %w", lease.GetGpuPassthrough().GetIommuGroup(), err))
-			continue
-		}
-		crashpoint.Hit(crashpoint.ClaimRolledBack)
-		w.log.Info("whole GPU claim rolled back", zap.String("instance_id", l.ID()), zap.String("iommu_group", lease.GetGpuPassthrough().GetIommuGroup()))
 	}
 	return errors.Join(errs...)
+}
+
+// rollbackOne undoes one held lease of a claim: its functions returned to
+// their drivers and the lease dropped from the record.
+func (w *Whole) rollbackOne(ctx context.Context, l *store.Locked, lease *vmflowv1.Lease) error {
+	name := store.LeaseName(lease)
+	devs := strings.Join(store.PassthroughDevices(lease), " ")
+	err := w.ownGroup(ctx, l.ID(), lease)
+	var node string
+	if err == nil {
+		node, err = w.nodeOf(lease)
+	}
+	if err == nil {
+		err = nodeFree(ctx, node, proc.Holders, w.ignore)
+	}
+	if err == nil {
+		_, err = l.Apply(store.LeaseRollingBack(name))
+	}
+	if err == nil {
+		crashpoint.Hit(crashpoint.ClaimRollingBack)
+		if err = w.drv.Return(ctx, bindingOf(lease)); err != nil {
+			strikeIfFault(ctx, w.quar, w.log, l.ID(), err, store.PassthroughGPUs(lease)...)
+		}
+	}
+	if err == nil {
+		_, err = l.Apply(store.LeaseRolledBack(name))
+	}
+	if err != nil {
+		return fmt.Errorf("whole GPU %s: %w", devs, err)
+	}
+	crashpoint.Hit(crashpoint.ClaimRolledBack)
+	w.log.Info("whole GPU claim rolled back", zap.String("instance_id", l.ID()), zap.Strings("device_ids", store.PassthroughDevices(lease)))
+	return nil
 }
 
 // Reconcile runs one round, as Claims.Reconcile does for vGPUs: the whole
@@ -412,7 +613,7 @@ func (w *Whole) Reconcile(ctx context.Context) (*vmflowv1.ReconcileVGPUResult, e
 	if err != nil {
 		return res, err
 	}
-	claimed := heldGroups(recs, "", "")
+	claimed := claimedGroups(marked, heldGroups(recs, "", ""))
 	now := w.now()
 	next := map[string]time.Time{}
 	for _, b := range marked {

@@ -3,6 +3,8 @@ package lease
 import (
 	"context"
 
+	"go.uber.org/zap"
+
 	"vmflow/hostagent/store"
 	"vmflow/internal/crashpoint"
 	vmflowv1 "vmflow/proto/vmflow/v1"
@@ -24,17 +26,29 @@ func (d wholeDriver) Owned(ctx context.Context, id string, l *vmflowv1.Lease) er
 	return d.w.ownGroup(ctx, id, l)
 }
 
+// Nodes is the VFIO node of the lease's group, read live (the kernel may
+// renumber groups across a reboot); none when its card is gone.
 func (d wholeDriver) Nodes(_ context.Context, l *vmflowv1.Lease) ([]string, error) {
-	return []string{d.w.drv.VFIONode(l.GetGpuPassthrough().GetIommuGroup())}, nil
+	node, err := d.w.nodeOf(l)
+	return []string{node}, err
 }
 
 // Release resets and returns every function of the group to its recorded
-// driver; an unbind still in flight is ErrReleaseInProgress (Busy).
-func (d wholeDriver) Release(ctx context.Context, _ string, l *vmflowv1.Lease) error {
-	return d.w.drv.Return(ctx, bindingOf(l))
+// driver; a function that no longer holds the lease's card (removed, or
+// another card there since a reboot) counts as returned; an unbind still
+// in flight is ErrReleaseInProgress (Busy).
+func (d wholeDriver) Release(ctx context.Context, id string, l *vmflowv1.Lease) error {
+	if err := d.w.drv.Return(ctx, bindingOf(l)); err != nil {
+		return err
+	}
+	if node, err := d.w.nodeOf(l); err == nil && node == "" {
+		d.w.log.Info("whole GPU released: its card is no longer at its address (removed, or another card there since a reboot)",
+			zap.String("instance_id", id), zap.Strings("device_ids", store.PassthroughDevices(l)))
+	}
+	return nil
 }
 
-func (d wholeDriver) Devices(l *vmflowv1.Lease) []string { return wholeGPUs(l) }
+func (d wholeDriver) Devices(l *vmflowv1.Lease) []string { return store.PassthroughGPUs(l) }
 
 func (d wholeDriver) Points() ReleasePoints {
 	return ReleasePoints{Releasing: crashpoint.PassthroughReleasing, Done: crashpoint.PassthroughReturned, Recorded: crashpoint.PassthroughReleased}

@@ -2,7 +2,6 @@ package lease_test
 
 import (
 	"context"
-	"os"
 	"path/filepath"
 	"syscall"
 	"testing"
@@ -15,7 +14,6 @@ import (
 	"vmflow/hostagent/gpu/vgpusim"
 	"vmflow/hostagent/gpu/vgpusim/simtest"
 	"vmflow/hostagent/lease"
-	"vmflow/hostagent/proc/proctest"
 	"vmflow/hostagent/store"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
@@ -32,18 +30,7 @@ type wholeEnv struct {
 // it offering every GPU.
 func newWhole(t *testing.T, n int) *wholeEnv {
 	t.Helper()
-	e := &wholeEnv{sim: simtest.Start(t, vgpusim.Options{PCIGPUs: n}), now: newClock()}
-	state, err := os.MkdirTemp("/tmp", "wh")
-	require.NoError(t, err)
-	t.Cleanup(func() { os.RemoveAll(state) })
-	e.st, err = store.New(state)
-	require.NoError(t, err)
-	f, err := gpu.ParseGPUFilter("all")
-	require.NoError(t, err)
-	drv := gpu.NewPassthrough(gpu.PassthroughConfig{SysfsRoot: e.sim.Root, StateDir: state, DevRoot: e.sim.DevRoot, Filter: f})
-	e.whole, err = lease.NewWhole(lease.WholeConfig{Driver: drv, Store: e.st, OrphanGrace: time.Minute,
-		IgnoreUninspectable: proctest.UninspectableInit(), Now: e.now.Now})
-	require.NoError(t, err)
+	e, _ := newWholeOpts(t, vgpusim.Options{PCIGPUs: n}, 0)
 	return e
 }
 

@@ -61,8 +61,16 @@ func LeaseName(l *vmflowv1.Lease) string {
 	case *vmflowv1.Lease_Vgpu:
 		return KindVGPU + ":" + ClaimDevice(r.Vgpu)
 	case *vmflowv1.Lease_GpuPassthrough:
-		// The group, not a function: placement never splits a group.
-		return KindPassthrough + ":" + r.GpuPassthrough.GetIommuGroup()
+		// Its first function's address: a card's address is its name
+		// (its group number may change across a reboot) and placement
+		// never splits a group, so no two leases share a function. A
+		// lease recorded before identities (functions without an id)
+		// keeps the name it had, its group.
+		fns := r.GpuPassthrough.GetFunctions()
+		if len(fns) == 0 || fns[0].GetId() == "" {
+			return KindPassthrough + ":" + r.GpuPassthrough.GetIommuGroup()
+		}
+		return KindPassthrough + ":" + fns[0].GetAddr()
 	case *vmflowv1.Lease_Network:
 		// The address, without its prefix: the one thing two VMs on a
 		// host must never share (the TAP's name is derived from it).
@@ -99,6 +107,31 @@ func PassthroughDevices(l *vmflowv1.Lease) []string {
 	var out []string
 	for _, f := range l.GetGpuPassthrough().GetFunctions() {
 		out = append(out, f.GetAddr())
+	}
+	return out
+}
+
+// HeldPassthroughGPUs is how many whole GPUs rec's held leases give it:
+// display functions, not leases (GPUs that share an IOMMU group are one
+// lease). The one count of whole GPUs a record holds: the claim, the
+// launch's check against the spec and what a user is shown agree on it.
+func HeldPassthroughGPUs(rec *vmflowv1.InstanceRecord) int {
+	n := 0
+	for _, l := range HeldPassthrough(rec) {
+		n += len(PassthroughGPUs(l))
+	}
+	return n
+}
+
+// PassthroughGPUs are the GPUs (display functions) a whole-GPU lease
+// holds, in address order; its other functions are their companions
+// (audio).
+func PassthroughGPUs(l *vmflowv1.Lease) []string {
+	var out []string
+	for _, f := range l.GetGpuPassthrough().GetFunctions() {
+		if f.GetDisplay() {
+			out = append(out, f.GetAddr())
+		}
 	}
 	return out
 }

@@ -27,7 +27,21 @@ const (
 	CtlBlockUnbind = "block-unbind"
 	// CtlFailReset holds an errno name; every PCI reset write fails with it.
 	CtlFailReset = "fail-reset"
+	// CtlFailProbe makes every drivers_probe leave its function unbound,
+	// as a driver whose probe fails does (the write itself succeeds: the
+	// kernel ignores a probe's error there).
+	CtlFailProbe = "fail-probe"
+	// CtlBlockProbe makes every drivers_probe of an unbound function
+	// block, holding its device lock as a slow driver probe does, until
+	// it is removed.
+	CtlBlockProbe = "block-probe"
 )
+
+// At names the per-device form of a PCI control file (CtlFailUnbind,
+// CtlBlockUnbind, CtlFailReset, CtlFailProbe, CtlBlockProbe): "fail-unbind@0000:81:00.0"
+// acts on that function alone, so a test can show one bad card beside a
+// healthy one. The global file still acts on every function.
+func At(name, addr string) string { return name + "@" + addr }
 
 // blockPoll is how often a blocked write re-checks its block file (or a
 // device node's holders). The
@@ -86,6 +100,19 @@ func (c control) fault(name string) syscall.Errno {
 		return 0 // absent (or unreadable): no fault
 	}
 	return ParseErrno(string(b))
+}
+
+// faultAt is fault of name, else of its per-device form for addr.
+func (c control) faultAt(name, addr string) syscall.Errno {
+	if e := c.fault(name); e != 0 {
+		return e
+	}
+	return c.fault(At(name, addr))
+}
+
+// existsAt is exists of name or of its per-device form for addr.
+func (c control) existsAt(name, addr string) bool {
+	return c.exists(name) || c.exists(At(name, addr))
 }
 
 // exists reports whether control file name exists ("" never does).

@@ -2,6 +2,7 @@ package vgpusim
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"os"
@@ -43,12 +44,16 @@ type PCIGPU struct {
 	Audio, Bridge, NIC string
 	// Viable: the group can be handed out whole.
 	Viable bool
+	// Serial is the GPU's PCIe Device Serial Number (its config space
+	// shows it; the other functions have none).
+	Serial uint64
 }
 
 // PCIGPUAt returns the layout of simulated PCI GPU i (0 <= i < MaxPCIGPUs).
 func PCIGPUAt(i int) PCIGPU {
 	bus := 0x81 + i
-	g := PCIGPU{GPU: fmt.Sprintf("0000:%02x:00.0", bus), ID: "10de:2335", Group: strconv.Itoa(pciGroupBase + i), Viable: true}
+	g := PCIGPU{GPU: fmt.Sprintf("0000:%02x:00.0", bus), ID: "10de:2335", Group: strconv.Itoa(pciGroupBase + i), Viable: true,
+		Serial: 0x48_30_00_00_00_00_00_00 | uint64(bus)}
 	switch i % 4 {
 	case 1:
 		g.ID = "10de:2684"
@@ -75,7 +80,10 @@ type pciFn struct {
 	minor          int // /dev/nvidia<minor> for a GPU; -1 otherwise
 	driver         string
 	override       string
-	dir            *fs.Inode
+	// serial is the PCIe Device Serial Number config space shows; 0:
+	// none (the audio functions, bridges and NICs here).
+	serial uint64
+	dir    *fs.Inode
 	// lock is the kernel's device_lock: unbind, bind, drivers_probe,
 	// driver_override and reset take it, and a blocked unbind holds it.
 	lock chan struct{}
@@ -116,12 +124,15 @@ func (s *Server) buildPCI(ctx context.Context, pci *fs.Inode) {
 	for i := 0; i < s.opts.PCIGPUs; i++ {
 		g := PCIGPUAt(i)
 		group, _ := strconv.Atoi(g.Group)
+		if j, ok := s.opts.PCIGroupWith[i]; ok {
+			group, _ = strconv.Atoi(PCIGPUAt(j).Group)
+		}
 		vendor, device, _ := strings.Cut(g.ID, ":")
 		cls := uint32(0x030200)
 		if i%4 == 1 {
 			cls = 0x030000 // a VGA controller, as cards with outputs are
 		}
-		s.addPCIFn(ctx, pci, &pciFn{addr: g.GPU, vendor: vendor, device: device, class: cls, group: group, minor: i, driver: DrvNvidia}, true)
+		s.addPCIFn(ctx, pci, &pciFn{addr: g.GPU, vendor: vendor, device: device, class: cls, group: group, minor: i, driver: DrvNvidia, serial: g.Serial}, true)
 		if g.Audio != "" {
 			s.addPCIFn(ctx, pci, &pciFn{addr: g.Audio, vendor: "10de", device: "22ba", class: 0x040300, group: group, minor: -1, driver: DrvHDA}, false)
 		}
@@ -142,9 +153,11 @@ func (s *Server) addPCIFn(ctx context.Context, pci *fs.Inode, f *pciFn, reset bo
 	f.lock = make(chan struct{}, 1)
 	s.pci[f.addr] = f
 	f.dir = mkdir(ctx, pci, f.addr)
-	addFile(ctx, f.dir, "vendor", roAttr(func() string { return "0x" + f.vendor + "\n" }))
-	addFile(ctx, f.dir, "device", roAttr(func() string { return "0x" + f.device + "\n" }))
+	// Read under mu: Reboot may put another card at the address.
+	addFile(ctx, f.dir, "vendor", roAttr(func() string { return "0x" + s.locked(func() string { return f.vendor }) + "\n" }))
+	addFile(ctx, f.dir, "device", roAttr(func() string { return "0x" + s.locked(func() string { return f.device }) + "\n" }))
 	addFile(ctx, f.dir, "class", roAttr(func() string { return fmt.Sprintf("0x%06x\n", f.class) }))
+	addFile(ctx, f.dir, "config", roAttr(func() string { return s.config(f) }))
 	addFile(ctx, f.dir, "driver_override", rwAttr(
 		func() string {
 			s.mu.Lock()
@@ -306,10 +319,14 @@ func (s *Server) matchLocked(f *pciFn) string {
 // both successes, as the kernel's bus_rescan_devices_helper.
 func (s *Server) pciProbe(b []byte) syscall.Errno {
 	return s.named(b, func(f *pciFn) syscall.Errno {
+		s.gate(func() bool { return s.ctl.existsAt(CtlBlockProbe, f.addr) && s.unbound(f) }, "", nil)
 		s.mu.Lock()
 		defer s.mu.Unlock()
 		if f.driver != "" {
 			return 0
+		}
+		if s.ctl.existsAt(CtlFailProbe, f.addr) {
+			return 0 // the driver's probe failed: the write succeeds, unbound
 		}
 		if drv := s.matchLocked(f); drv != "" {
 			s.attachLocked(context.Background(), f, drv)
@@ -337,7 +354,7 @@ func (s *Server) unbindLocked(f *pciFn, drv string) syscall.Errno {
 	if !bound {
 		return syscall.ENODEV
 	}
-	if e := s.ctl.fault(CtlFailUnbind); e != 0 {
+	if e := s.ctl.faultAt(CtlFailUnbind, f.addr); e != 0 {
 		return e
 	}
 	s.mu.Lock()
@@ -351,7 +368,7 @@ func (s *Server) unbindLocked(f *pciFn, drv string) syscall.Errno {
 	case DrvVFIO:
 		node = s.vfioNode(f.group)
 	}
-	s.gate(CtlBlockUnbind, "", func() bool { return held(node) })
+	s.gate(func() bool { return s.ctl.existsAt(CtlBlockUnbind, f.addr) }, "", func() bool { return held(node) })
 	s.mu.Lock()
 	f.driver = ""
 	s.syncVFIONodeLocked(f.group)
@@ -390,7 +407,7 @@ func (s *Server) pciReset(f *pciFn, b []byte) syscall.Errno {
 	if err != nil || v != 1 {
 		return syscall.EINVAL
 	}
-	return s.withLock(f, func(*pciFn) syscall.Errno { return s.ctl.fault(CtlFailReset) })
+	return s.withLock(f, func(*pciFn) syscall.Errno { return s.ctl.faultAt(CtlFailReset, f.addr) })
 }
 
 // PCIDriver is the driver simulated function addr is bound to ("" none),
@@ -415,4 +432,129 @@ func (s *Server) NvidiaNode(i int) (string, error) {
 		return "", errNoDevRoot
 	}
 	return filepath.Join(s.opts.DevRoot, "nvidia"+strconv.Itoa(i)), nil
+}
+
+// unbound reports whether f has no driver.
+func (s *Server) unbound(f *pciFn) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return f.driver == ""
+}
+
+// locked runs get under mu.
+func (s *Server) locked(get func() string) string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return get()
+}
+
+// config is f's config space: the ids and class in the header, and at
+// 0x100 a Device Serial Number capability when f has a serial (the rest
+// of the chain is empty), as root reads it.
+func (s *Server) config(f *pciFn) string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	b := make([]byte, 0x10c)
+	v, _ := strconv.ParseUint(f.vendor, 16, 16)
+	d, _ := strconv.ParseUint(f.device, 16, 16)
+	binary.LittleEndian.PutUint16(b[0:], uint16(v))
+	binary.LittleEndian.PutUint16(b[2:], uint16(d))
+	b[9], b[10], b[11] = byte(f.class), byte(f.class>>8), byte(f.class>>16)
+	if f.serial != 0 {
+		binary.LittleEndian.PutUint32(b[0x100:], 0x0003|1<<16) // DSN, version 1, last
+		binary.LittleEndian.PutUint32(b[0x104:], uint32(f.serial))
+		binary.LittleEndian.PutUint32(b[0x108:], uint32(f.serial>>32))
+	}
+	return string(b)
+}
+
+// Reboot describes a host reboot of the PCI GPUs: every function comes
+// back on the driver that matches it, with no driver_override and no VFIO
+// node, and the kernel may number the IOMMU groups anew or find other
+// cards.
+type Reboot struct {
+	// GroupOffset is added to every PCI function's IOMMU group number: the
+	// kernel numbers groups in discovery order, so a card added or removed
+	// renumbers the rest.
+	GroupOffset int
+	// Remove lists the PCI functions gone after the reboot (a card taken
+	// out).
+	Remove []string
+	// Replace maps an address to the vendor:device of the card now there
+	// (another card in the slot, or a re-enumeration that moved cards); it
+	// has another serial number, even of the same model.
+	Replace map[string]string
+}
+
+// Reboot reboots the simulated host's PCI GPUs as r says. Functions that
+// remain keep their address; a write blocked on a function finishes first
+// (the reboot takes every device lock).
+func (s *Server) Reboot(r Reboot) error {
+	for id := range r.Replace {
+		if v, d, ok := strings.Cut(r.Replace[id], ":"); !ok || len(v) != 4 || len(d) != 4 {
+			return fmt.Errorf("vgpusim: reboot: %s: %q is not vendor:device", id, r.Replace[id])
+		}
+	}
+	s.mu.Lock()
+	fns := make([]*pciFn, 0, len(s.pci))
+	for _, f := range s.pci {
+		fns = append(fns, f)
+	}
+	s.mu.Unlock()
+	for _, f := range fns {
+		if !s.lockFn(f) {
+			return fmt.Errorf("vgpusim: reboot: %w", syscall.ENODEV)
+		}
+		defer s.unlockFn(f)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	ctx := context.Background()
+	devices := mkpath(ctx, s.root, "bus", "pci", "devices")
+	groups := mkpath(ctx, s.root, "kernel", "iommu_groups")
+	old := map[int]bool{}
+	for _, f := range fns {
+		if f.driver != "" {
+			f.dir.RmChild("driver")
+			s.pciDrivers[f.driver].dir.RmChild(f.addr)
+		}
+		f.driver, f.override = "", ""
+		f.dir.RmChild("iommu_group")
+		old[f.group] = true
+	}
+	for g := range old {
+		groups.RmChild(strconv.Itoa(g))
+		s.syncVFIONodeLocked(g)
+	}
+	for _, a := range r.Remove {
+		if f := s.pci[a]; f != nil {
+			devices.RmChild(a)
+			delete(s.pci, a)
+		}
+	}
+	for _, f := range s.pci {
+		if id, ok := r.Replace[f.addr]; ok {
+			f.vendor, f.device, _ = strings.Cut(id, ":")
+			if f.serial != 0 {
+				f.serial += 1 << 32
+			}
+		}
+		f.group += r.GroupOffset
+		s.addGroupLocked(ctx, f.dir, f.group, f.addr, "bus/pci/devices/"+f.addr)
+		if drv := s.matchLocked(f); drv != "" {
+			s.attachLocked(ctx, f, drv)
+		}
+	}
+	return nil
+}
+
+// PCIGroup is the IOMMU group of simulated function addr now ("" when it
+// does not exist).
+func (s *Server) PCIGroup(addr string) string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if f := s.pci[addr]; f != nil {
+		return strconv.Itoa(f.group)
+	}
+	return ""
 }

@@ -99,6 +99,10 @@ type Options struct {
 	DevRoot string
 	// Control is the fault-injection directory; empty disables injection.
 	Control string
+	// PCIGroupWith puts PCI GPU i (every function of its group) in PCI GPU
+	// j's IOMMU group, for each i: j: GPUs behind one switch without ACS,
+	// which only travel together.
+	PCIGroupWith map[int]int
 }
 
 // Server is a mounted simulator.
@@ -139,6 +143,11 @@ func Mount(dir string, opts Options) (*Server, error) {
 	}
 	if opts.PCIGPUs < 0 || opts.PCIGPUs > MaxPCIGPUs {
 		return nil, fmt.Errorf("vgpusim: PCI GPUs %d out of range 0..%d", opts.PCIGPUs, MaxPCIGPUs)
+	}
+	for i, j := range opts.PCIGroupWith {
+		if i == j || i < 0 || j < 0 || i >= opts.PCIGPUs || j >= opts.PCIGPUs {
+			return nil, fmt.Errorf("vgpusim: PCI GPU %d in the group of %d: no such pair of %d GPUs", i, j, opts.PCIGPUs)
+		}
 	}
 	if opts.DevRoot != "" {
 		if err := makeDevNodes(opts.DevRoot, opts.PCIGPUs); err != nil {
@@ -215,14 +224,14 @@ func (s *Server) Unmount() error {
 
 // releaseGate applies block-release then fail-release to one release write.
 func (s *Server) releaseGate() syscall.Errno {
-	return s.gate(CtlBlockRelease, CtlFailRelease, nil)
+	return s.gate(func() bool { return s.ctl.exists(CtlBlockRelease) }, CtlFailRelease, nil)
 }
 
-// gate holds a write while control file block exists, then fails it with
+// gate holds a write while blocked reports true, then fails it with
 // the errno in control file fail (if any), then holds it while busy
 // reports true. Waits count in Blocked and end at Unmount, so no writer
 // hangs on shutdown.
-func (s *Server) gate(block, fail string, busy func() bool) syscall.Errno {
+func (s *Server) gate(blocked func() bool, fail string, busy func() bool) syscall.Errno {
 	s.wmu.Lock()
 	if s.closed {
 		s.wmu.Unlock()
@@ -231,7 +240,7 @@ func (s *Server) gate(block, fail string, busy func() bool) syscall.Errno {
 	s.writers.Add(1)
 	s.wmu.Unlock()
 	defer s.writers.Done()
-	s.waitWhile(func() bool { return s.ctl.exists(block) }, blockPoll)
+	s.waitWhile(blocked, blockPoll)
 	if e := s.ctl.fault(fail); e != 0 {
 		return e
 	}

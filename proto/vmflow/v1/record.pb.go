@@ -1036,7 +1036,10 @@ func (*Lease_Network) isLease_Resource() {}
 // binds back.
 type PassthroughLease struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// The IOMMU group's number (its /dev/vfio/<group> node).
+	// The IOMMU group's number when bound (its /dev/vfio/<group> node
+	// then): for operators, and the identity of functions recorded without
+	// an id. The group in use is read live from sysfs: the kernel may
+	// renumber groups across a reboot.
 	IommuGroup string                 `protobuf:"bytes,1,opt,name=iommu_group,json=iommuGroup,proto3" json:"iommu_group,omitempty"`
 	Functions  []*PassthroughFunction `protobuf:"bytes,2,rep,name=functions,proto3" json:"functions,omitempty"`
 	// The GPU's PCI vendor:device ("10de:2335").
@@ -1104,7 +1107,15 @@ type PassthroughFunction struct {
 	// The driver before the claim ("" none).
 	PreviousDriver string `protobuf:"bytes,2,opt,name=previous_driver,json=previousDriver,proto3" json:"previous_driver,omitempty"`
 	// A GPU, not its companion.
-	Display       bool `protobuf:"varint,3,opt,name=display,proto3" json:"display,omitempty"`
+	Display bool `protobuf:"varint,3,opt,name=display,proto3" json:"display,omitempty"`
+	// The card the function held when bound: its PCI vendor:device
+	// ("10de:2335") and PCIe Device Serial Number ("" when it has none).
+	// The lease names its card by these and addr, never by IOMMU group
+	// (read live at each use). A function without an id is from a record
+	// written before identities: it is the card bound while it stays in the
+	// lease's recorded iommu_group.
+	Id            string `protobuf:"bytes,4,opt,name=id,proto3" json:"id,omitempty"`
+	Serial        string `protobuf:"bytes,5,opt,name=serial,proto3" json:"serial,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1158,6 +1169,20 @@ func (x *PassthroughFunction) GetDisplay() bool {
 		return x.Display
 	}
 	return false
+}
+
+func (x *PassthroughFunction) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+func (x *PassthroughFunction) GetSerial() string {
+	if x != nil {
+		return x.Serial
+	}
+	return ""
 }
 
 // VgpuLease is the vGPU device a lease names.
@@ -1763,11 +1788,13 @@ const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\viommu_group\x18\x01 \x01(\tR\n" +
 	"iommuGroup\x12<\n" +
 	"\tfunctions\x18\x02 \x03(\v2\x1e.vmflow.v1.PassthroughFunctionR\tfunctions\x12\x14\n" +
-	"\x05model\x18\x03 \x01(\tR\x05model\"l\n" +
+	"\x05model\x18\x03 \x01(\tR\x05model\"\x94\x01\n" +
 	"\x13PassthroughFunction\x12\x12\n" +
 	"\x04addr\x18\x01 \x01(\tR\x04addr\x12'\n" +
 	"\x0fprevious_driver\x18\x02 \x01(\tR\x0epreviousDriver\x12\x18\n" +
-	"\adisplay\x18\x03 \x01(\bR\adisplay\"\x9f\x01\n" +
+	"\adisplay\x18\x03 \x01(\bR\adisplay\x12\x0e\n" +
+	"\x02id\x18\x04 \x01(\tR\x02id\x12\x16\n" +
+	"\x06serial\x18\x05 \x01(\tR\x06serial\"\x9f\x01\n" +
 	"\tVgpuLease\x12\x18\n" +
 	"\aprofile\x18\x01 \x01(\tR\aprofile\x12\x16\n" +
 	"\x06parent\x18\x02 \x01(\tR\x06parent\x12\x17\n" +
