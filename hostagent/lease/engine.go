@@ -245,6 +245,67 @@ func (e *Engine) releaseOne(ctx context.Context, l *store.Locked, rec *vmflowv1.
 	return nil
 }
 
+// Rollback undoes every held lease of kind of the locked instance, a
+// claim that failed, while the record never launched (no QEMU can have had
+// its devices; a record that launched keeps its leases for the delete):
+// each is marked rolling back, its resource released by its driver, and
+// the lease dropped. A lease another instance's held lease names, or whose
+// node a process holds, is kept (invariant 10, and an operator's case) and
+// the others are undone all the same; a device's own failure is struck.
+func (e *Engine) Rollback(ctx context.Context, l *store.Locked, kind string) error {
+	rec, err := l.Get()
+	if err != nil {
+		return err
+	}
+	if !store.NeverLaunched(rec) {
+		return nil
+	}
+	d := e.driver(kind)
+	if d == nil {
+		return fmt.Errorf("%w: roll back %s leases of %s", ErrKindNotServed, kind, l.ID())
+	}
+	var errs []error
+	for _, lease := range store.HeldLeases(rec) {
+		if store.LeaseKind(lease) != kind {
+			continue
+		}
+		if err := e.rollbackOne(ctx, l, d, lease); err != nil {
+			errs = append(errs, fmt.Errorf("%s: %w", store.DescribeLease(lease), err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func (e *Engine) rollbackOne(ctx context.Context, l *store.Locked, d Driver, lease *vmflowv1.Lease) error {
+	name := store.LeaseName(lease)
+	if err := d.Owned(ctx, l.ID(), lease); err != nil {
+		return err
+	}
+	nodes, err := d.Nodes(ctx, lease)
+	if err != nil {
+		return err
+	}
+	for _, n := range nodes {
+		if err := nodeFree(ctx, n, e.holders, e.ignore); err != nil {
+			return err
+		}
+	}
+	if _, err := l.Apply(store.LeaseRollingBack(name)); err != nil {
+		return err
+	}
+	crashpoint.Hit(crashpoint.ClaimRollingBack)
+	if err := d.Release(ctx, l.ID(), lease); err != nil {
+		strikeIfFault(ctx, e.quar, e.log, l.ID(), err, d.Devices(lease)...)
+		return err
+	}
+	if _, err := l.Apply(store.LeaseRolledBack(name)); err != nil {
+		return err
+	}
+	crashpoint.Hit(crashpoint.ClaimRolledBack)
+	e.log.Info("claim rolled back", zap.String("instance_id", l.ID()), zap.String("kind", d.Kind()), zap.String("lease", name))
+	return nil
+}
+
 // MayRelease is invariant 2, decided here and nowhere else: rec's whole
 // thread group confirmed gone (an unproven absence counts as alive:
 // ErrVMAlive) and no process holding any node of the lease's device

@@ -10,7 +10,6 @@ import (
 	"go.uber.org/zap"
 
 	"vmflow/hostagent/gpu"
-	"vmflow/hostagent/proc"
 	"vmflow/hostagent/store"
 	"vmflow/internal/crashpoint"
 	"vmflow/internal/errdefs"
@@ -113,50 +112,9 @@ func (c *Claims) claimOne(ctx context.Context, l *store.Locked, profile string) 
 }
 
 // rollback undoes every held vGPU lease of a claim that failed, while the
-// record never launched (no QEMU can have had its devices): each is marked
-// rolling back, its device released, and the lease dropped. A lease whose
-// device another instance's held claim names, or that a process holds, is
-// kept (invariant 10, and an operator's case) and the others are undone
-// all the same. A record that launched keeps its leases for the delete.
+// record never launched (Engine.Rollback).
 func (c *Claims) rollback(ctx context.Context, l *store.Locked) error {
-	rec, err := l.Get()
-	if err != nil {
-		return err
-	}
-	if !store.NeverLaunched(rec) {
-		return nil
-	}
-	var errs []error
-	for _, lease := range store.HeldVGPUs(rec) {
-		if err := c.rollbackOne(ctx, l, lease); err != nil {
-			errs = append(errs, fmt.Errorf("vGPU %s: %w", store.LeaseName(lease), err))
-		}
-	}
-	return errors.Join(errs...)
-}
-
-func (c *Claims) rollbackOne(ctx context.Context, l *store.Locked, lease *vmflowv1.Lease) error {
-	name := store.LeaseName(lease)
-	dev := deviceOf(lease, c.drv.Kind())
-	if err := c.ownDevice(ctx, l.ID(), lease); err != nil {
-		return err
-	}
-	if err := c.deviceFree(ctx, dev, proc.Holders); err != nil {
-		return err
-	}
-	if _, err := l.Apply(store.LeaseRollingBack(name)); err != nil {
-		return err
-	}
-	crashpoint.Hit(crashpoint.ClaimRollingBack)
-	if err := c.drv.Release(ctx, dev); err != nil {
-		return fmt.Errorf("release %s: %w", dev.ID, err)
-	}
-	if _, err := l.Apply(store.LeaseRolledBack(name)); err != nil {
-		return err
-	}
-	crashpoint.Hit(crashpoint.ClaimRolledBack)
-	c.log.Info("vGPU claim rolled back", zap.String("instance_id", l.ID()), zap.String("device_id", dev.ID))
-	return nil
+	return c.eng.Rollback(ctx, l, store.KindVGPU)
 }
 
 // placementOf is where a recorded vGPU lease was placed.

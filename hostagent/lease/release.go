@@ -160,13 +160,15 @@ const recordTimeout = 10 * time.Second
 // deviceFault reports whether err, from a device's own step (a create,
 // bind, unbind, reset, rebind or remove), is the device's failure: not a
 // write still in flight or a deadline that ended a wait (Busy, a context
-// error), which is no failure of the device's, and not a refusal, which
-// never reaches the device's step.
+// error), which is no failure of the device's; not a device that is gone
+// (NotFound: the card there now, if any, is another device and inherits
+// nothing); and not a refusal, which never reaches the device's step.
 func deviceFault(err error) bool {
 	if err == nil || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {
 		return false
 	}
-	return errdefs.ClassOf(err) != errdefs.Busy
+	c := errdefs.ClassOf(err)
+	return c != errdefs.Busy && c != errdefs.NotFound
 }
 
 // strikeIfFault counts err against devices when it is their fault

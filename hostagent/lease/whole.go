@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
-	"slices"
 	"strings"
 	"time"
 
@@ -126,64 +125,32 @@ func (w *Whole) Claim(ctx context.Context, id, model string, count int) ([]*vmfl
 		return nil, err
 	}
 	defer l.Unlock()
-	held := store.HeldPassthrough(rec)
-	if n := store.HeldPassthroughGPUs(rec); n > count {
-		return nil, fmt.Errorf("claim %d whole GPUs for %s: %w (it holds %d)", count, id, ErrClaimConflict, n)
-	}
-	if slices.ContainsFunc(held, rollingBack) {
-		if err := w.rollback(ctx, l); err != nil {
-			return nil, fmt.Errorf("claim whole GPU for %s: finish an interrupted rollback: %w", id, err)
-		}
-		held = nil
-	}
-	out, err := w.claimLocked(ctx, l, held, model, count)
-	if err == nil {
-		return out, nil
-	}
-	err = fmt.Errorf("claim %d whole GPU(s) for %s: %w", count, id, err)
-	if !final(err) {
-		return nil, err
-	}
-	if rerr := w.rollback(ctx, l); rerr != nil {
-		return nil, errors.Join(err, fmt.Errorf("roll back the claim of %s: %w", id, rerr))
-	}
-	return nil, err
+	failed := map[string]bool{} // addresses whose bind failed in this claim
+	return ClaimAll(ctx, id, count, ClaimSteps{
+		What:   "whole GPU",
+		Held:   store.HeldPassthrough(rec),
+		Finish: func(ctx context.Context, lease *vmflowv1.Lease) (*vmflowv1.Lease, error) { return w.finish(ctx, l, lease, failed) },
+		Place: func(ctx context.Context, need int) (*vmflowv1.Lease, error) {
+			return w.place(ctx, l, model, need, failed)
+		},
+		Rollback: func(ctx context.Context) error { return w.rollback(ctx, l) },
+		Units:    func(lease *vmflowv1.Lease) int { return len(store.PassthroughGPUs(lease)) },
+	})
 }
 
-// claimLocked finishes held and places groups until the locked instance
-// holds count GPUs.
-func (w *Whole) claimLocked(ctx context.Context, l *store.Locked, held []*vmflowv1.Lease, model string, count int) ([]*vmflowv1.Lease, error) {
-	var out []*vmflowv1.Lease
-	failed := map[string]bool{} // addresses whose bind failed in this claim
-	need := count
-	for _, lease := range held {
-		got, err := w.bind(ctx, l, lease)
-		if err != nil && lease.GetPhase() == vmflowv1.ClaimPhase_CLAIM_PHASE_INTENT && deviceFault(err) {
-			// A bind an earlier attempt began fails on its card: as a
-			// fresh one does, it is undone and placed elsewhere.
-			if err := w.bindFailed(ctx, l, lease, err, failed); err != nil {
-				return nil, err
-			}
-			continue
-		}
-		if err != nil {
-			return nil, err
-		}
-		out = append(out, got)
-		need -= len(store.PassthroughGPUs(got))
+// undoBind reports whether a bind's error undoes its lease and places
+// elsewhere: the card failed (deviceFault) or is gone from its address.
+func undoBind(err error) bool { return deviceFault(err) || errors.Is(err, gpu.ErrCardGone) }
+
+// finish binds a held lease of a claim under way; one an earlier attempt
+// began whose bind now fails on its card is undone as a fresh one is
+// (bindFailed) and (nil, nil) returned, for the claim to place anew.
+func (w *Whole) finish(ctx context.Context, l *store.Locked, lease *vmflowv1.Lease, failed map[string]bool) (*vmflowv1.Lease, error) {
+	got, err := w.bind(ctx, l, lease)
+	if err != nil && lease.GetPhase() == vmflowv1.ClaimPhase_CLAIM_PHASE_INTENT && undoBind(err) {
+		return nil, w.bindFailed(ctx, l, lease, err, failed)
 	}
-	for need > 0 {
-		lease, err := w.place(ctx, l, model, need, failed)
-		if err != nil {
-			return nil, err
-		}
-		if lease == nil {
-			continue // its bind failed: placed again, elsewhere
-		}
-		out = append(out, lease)
-		need -= len(store.PassthroughGPUs(lease))
-	}
-	return out, nil
+	return got, err
 }
 
 // freeGroup is an IOMMU group placement may take whole: its GPUs.
@@ -313,7 +280,7 @@ func (w *Whole) place(ctx context.Context, l *store.Locked, model string, need i
 			continue
 		case intent == nil:
 			return nil, err
-		case deviceFault(err):
+		case undoBind(err):
 			if err := w.bindFailed(ctx, l, intent, err, failed); err != nil {
 				return nil, err
 			}
@@ -352,16 +319,15 @@ func modelOf(b gpu.Binding) string {
 // lease stays, rolling back, for the claim's retry to finish).
 func (w *Whole) bindFailed(ctx context.Context, l *store.Locked, lease *vmflowv1.Lease, cause error, failed map[string]bool) error {
 	gpus := store.PassthroughGPUs(lease)
-	if !errors.Is(cause, gpu.ErrCardGone) {
-		// A card no longer at its address did not fail: the card there
-		// now (a new device at the same address) must not inherit a strike.
-		strikeIfFault(ctx, w.quar, w.log, l.ID(), cause, gpus...)
-	}
+	// A card no longer at its address (gpu.ErrCardGone, NotFound) did not
+	// fail: deviceFault leaves it out, so the card there now inherits no
+	// strike.
+	strikeIfFault(ctx, w.quar, w.log, l.ID(), cause, gpus...)
 	for _, a := range store.PassthroughDevices(lease) {
 		failed[a] = true
 	}
 	w.log.Warn("whole GPU bind failed: trying another", zap.String("instance_id", l.ID()), zap.Strings("device_ids", gpus), zap.Error(cause))
-	if err := w.rollbackOne(ctx, l, lease); err != nil {
+	if err := w.eng.rollbackOne(ctx, l, w.LeaseDriver(), lease); err != nil {
 		return fmt.Errorf("whole GPU %s: bind failed (%w), and undoing it too: %w", strings.Join(gpus, " "), cause, err)
 	}
 	return nil
@@ -521,53 +487,7 @@ func (w *Whole) nodeOf(lease *vmflowv1.Lease) (string, error) {
 // rollback undoes the held whole-GPU leases of a failed claim while the
 // record never launched, as Claims.rollback does vGPUs'.
 func (w *Whole) rollback(ctx context.Context, l *store.Locked) error {
-	rec, err := l.Get()
-	if err != nil {
-		return err
-	}
-	if !store.NeverLaunched(rec) {
-		return nil
-	}
-	var errs []error
-	for _, lease := range store.HeldPassthrough(rec) {
-		if err := w.rollbackOne(ctx, l, lease); err != nil {
-			errs = append(errs, err)
-		}
-	}
-	return errors.Join(errs...)
-}
-
-// rollbackOne undoes one held lease of a claim: its functions returned to
-// their drivers and the lease dropped from the record.
-func (w *Whole) rollbackOne(ctx context.Context, l *store.Locked, lease *vmflowv1.Lease) error {
-	name := store.LeaseName(lease)
-	devs := strings.Join(store.PassthroughDevices(lease), " ")
-	err := w.ownGroup(ctx, l.ID(), lease)
-	var node string
-	if err == nil {
-		node, err = w.nodeOf(lease)
-	}
-	if err == nil {
-		err = nodeFree(ctx, node, proc.Holders, w.ignore)
-	}
-	if err == nil {
-		_, err = l.Apply(store.LeaseRollingBack(name))
-	}
-	if err == nil {
-		crashpoint.Hit(crashpoint.ClaimRollingBack)
-		if err = w.drv.Return(ctx, bindingOf(lease)); err != nil {
-			strikeIfFault(ctx, w.quar, w.log, l.ID(), err, store.PassthroughGPUs(lease)...)
-		}
-	}
-	if err == nil {
-		_, err = l.Apply(store.LeaseRolledBack(name))
-	}
-	if err != nil {
-		return fmt.Errorf("whole GPU %s: %w", devs, err)
-	}
-	crashpoint.Hit(crashpoint.ClaimRolledBack)
-	w.log.Info("whole GPU claim rolled back", zap.String("instance_id", l.ID()), zap.Strings("device_ids", store.PassthroughDevices(lease)))
-	return nil
+	return w.eng.Rollback(ctx, l, store.KindPassthrough)
 }
 
 // Reconcile runs one round, as Claims.Reconcile does for vGPUs: the whole
