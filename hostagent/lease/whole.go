@@ -127,9 +127,11 @@ func (w *Whole) Claim(ctx context.Context, id, model string, count int) ([]*vmfl
 	defer l.Unlock()
 	failed := map[string]bool{} // addresses whose bind failed in this claim
 	return ClaimAll(ctx, id, count, ClaimSteps{
-		What:   "whole GPU",
-		Held:   store.HeldPassthrough(rec),
-		Finish: func(ctx context.Context, lease *vmflowv1.Lease) (*vmflowv1.Lease, error) { return w.finish(ctx, l, lease, failed) },
+		What: "whole GPU",
+		Held: store.HeldPassthrough(rec),
+		Finish: func(ctx context.Context, lease *vmflowv1.Lease) (*vmflowv1.Lease, error) {
+			return w.finish(ctx, l, lease, failed)
+		},
 		Place: func(ctx context.Context, need int) (*vmflowv1.Lease, error) {
 			return w.place(ctx, l, model, need, failed)
 		},
