@@ -121,6 +121,11 @@ type Config struct {
 	// against a host policy and refuses a record with a vGPU: the agent
 	// sets admission.PrepareLaunch.
 	PrepareLaunch func(ctx context.Context, l *store.Locked, rec *vmflowv1.InstanceRecord) (vmm.VMSpec, error)
+	// Admit, when set, admits the record against this host's policy before
+	// every launch (the launch's first stage), before PrepareLaunch holds or
+	// opens anything; a refusal wraps admission.ErrAdmissionRefused as
+	// PrepareLaunch's does. The agent sets admission.Host.AdmitRecord.
+	Admit func(ctx context.Context, rec *vmflowv1.InstanceRecord) error
 	// Now stamps records (time.Now when nil).
 	Now func() time.Time
 }
@@ -162,6 +167,10 @@ type testHooks struct {
 	// the bounded-scan test blocks here as the kernel's read does while the
 	// target's mmap lock is held.
 	readProcMem func(path string) ([]byte, error)
+	// launchStages, when set, gives the stages a launch runs (launchStages
+	// in, the test's list out): the undo tests cut the list and fail the
+	// next stage.
+	launchStages func([]launchStage) []launchStage
 }
 
 // WithDefaults is c with every zero field that has a default set to it.
