@@ -130,57 +130,53 @@ func (e *stageEnv) assertQEMUGone(t *testing.T) {
 // One test per undo: the launch is cut after a stage, the next fails, and
 // what the stages done made is taken back (and only that: leases stay).
 func TestLaunchUndoAfterEachStage(t *testing.T) {
-	t.Run("admit, failed at ensure leases: the record untouched", func(t *testing.T) {
-		e := newStageEnv(t, stageAdmit)
-		rec := e.launch(t)
-		assert.Zero(t, rec.GetQemuUid(), "no uid assigned")
-		assert.Nil(t, store.Network(rec), "no lease taken")
-	})
-	t.Run("ensure leases, failed at uid: the spec's files closed", func(t *testing.T) {
-		e := newStageEnv(t, stageLeases)
-		rec := e.launch(t)
-		assertClosed(t, e.opened)
-		assert.Zero(t, rec.GetQemuUid(), "no uid assigned")
-	})
-	t.Run("uid, failed at VFIO nodes: marker cleared, node never given, cause recorded", func(t *testing.T) {
-		e := newStageEnv(t, stageUID)
-		rec := e.launch(t)
-		assert.NotZero(t, rec.GetQemuUid(), "the uid stays the instance's")
-		assert.Equal(t, errInjected.Error(), rec.GetLastError())
-		assert.Empty(t, rec.GetVfioGroupNodes())
-		assertOwner(t, e.node, 0)
-		assertClosed(t, e.opened)
-	})
-	t.Run("VFIO nodes, failed at network: the node taken back", func(t *testing.T) {
-		e := newStageEnv(t, stageVFIO)
-		rec := e.launch(t)
-		assert.Empty(t, rec.GetVfioGroupNodes(), "no node left given")
-		assertOwner(t, e.node, 0)
-		assert.Equal(t, errInjected.Error(), rec.GetLastError())
-	})
-	t.Run("network, failed at fork: no TAP, lease kept", func(t *testing.T) {
-		e := newStageEnv(t, stageNetwork)
-		rec := e.launch(t)
-		e.assertNoTAPLeaseKept(t, rec)
-		assertOwner(t, e.node, 0)
-		assertClosed(t, e.opened)
-		assert.Equal(t, errInjected.Error(), rec.GetLastError())
-	})
-	t.Run("fork, failed at record: no process, no socket, no TAP, lease kept", func(t *testing.T) {
-		e := newStageEnv(t, stageFork)
-		rec := e.launch(t)
-		e.assertQEMUGone(t)
-		e.assertNoTAPLeaseKept(t, rec)
-		assert.Contains(t, rec.GetLastError(), errInjected.Error())
-	})
-	t.Run("record, failed at QMP ready: process killed and reaped, socket removed, pid cleared", func(t *testing.T) {
-		e := newStageEnv(t, stageRecord)
-		rec := e.launch(t)
-		e.assertQEMUGone(t)
-		e.assertNoTAPLeaseKept(t, rec)
-		assert.Equal(t, errInjected.Error(), rec.GetLastError())
-		assert.NotNil(t, rec.GetLastExit(), "the undone QEMU's exit recorded")
-	})
+	for _, c := range []struct {
+		after, want string
+		check       func(t *testing.T, e *stageEnv, rec *vmflowv1.InstanceRecord)
+	}{
+		{stageAdmit, "the record untouched", func(t *testing.T, _ *stageEnv, rec *vmflowv1.InstanceRecord) {
+			assert.Zero(t, rec.GetQemuUid(), "no uid assigned")
+			assert.Nil(t, store.Network(rec), "no lease taken")
+		}},
+		{stageLeases, "the spec's files closed", func(t *testing.T, e *stageEnv, rec *vmflowv1.InstanceRecord) {
+			assertClosed(t, e.opened)
+			assert.Zero(t, rec.GetQemuUid(), "no uid assigned")
+		}},
+		{stageUID, "marker cleared, node never given, cause recorded", func(t *testing.T, e *stageEnv, rec *vmflowv1.InstanceRecord) {
+			assert.NotZero(t, rec.GetQemuUid(), "the uid stays the instance's")
+			assert.Equal(t, errInjected.Error(), rec.GetLastError())
+			assert.Empty(t, rec.GetVfioGroupNodes())
+			assertOwner(t, e.node, 0)
+			assertClosed(t, e.opened)
+		}},
+		{stageVFIO, "the node taken back", func(t *testing.T, e *stageEnv, rec *vmflowv1.InstanceRecord) {
+			assert.Empty(t, rec.GetVfioGroupNodes(), "no node left given")
+			assertOwner(t, e.node, 0)
+			assert.Equal(t, errInjected.Error(), rec.GetLastError())
+		}},
+		{stageNetwork, "no TAP, lease kept", func(t *testing.T, e *stageEnv, rec *vmflowv1.InstanceRecord) {
+			e.assertNoTAPLeaseKept(t, rec)
+			assertOwner(t, e.node, 0)
+			assertClosed(t, e.opened)
+			assert.Equal(t, errInjected.Error(), rec.GetLastError())
+		}},
+		{stageFork, "no process, no socket, no TAP, lease kept", func(t *testing.T, e *stageEnv, rec *vmflowv1.InstanceRecord) {
+			e.assertQEMUGone(t)
+			e.assertNoTAPLeaseKept(t, rec)
+			assert.Contains(t, rec.GetLastError(), errInjected.Error())
+		}},
+		{stageRecord, "process killed and reaped, socket removed, pid cleared", func(t *testing.T, e *stageEnv, rec *vmflowv1.InstanceRecord) {
+			e.assertQEMUGone(t)
+			e.assertNoTAPLeaseKept(t, rec)
+			assert.Equal(t, errInjected.Error(), rec.GetLastError())
+			assert.NotNil(t, rec.GetLastExit(), "the undone QEMU's exit recorded")
+		}},
+	} {
+		t.Run(c.after+" then a failure: "+c.want, func(t *testing.T) {
+			e := newStageEnv(t, c.after)
+			c.check(t, e, e.launch(t))
+		})
+	}
 }
 
 // assertOwner: path is owned by uid.

@@ -117,9 +117,10 @@ type Config struct {
 	// record through l. An error wrapping admission.ErrAdmissionRefused stops a
 	// restart for good: the record gets last_error and needs_attention and
 	// nothing is rescheduled (the policy will not change until the agent
-	// restarts). Default: DefaultPrepareLaunch, which admits nothing
-	// against a host policy and refuses a record with a vGPU: the agent
-	// sets admission.PrepareLaunch.
+	// restarts). It runs as the launch's "ensure leases" stage, after
+	// Admit. Default: DefaultPrepareLaunch, which admits nothing against a
+	// host policy and refuses a record with a vGPU: the agent sets
+	// admission.Assemble.
 	PrepareLaunch func(ctx context.Context, l *store.Locked, rec *vmflowv1.InstanceRecord) (vmm.VMSpec, error)
 	// Admit, when set, admits the record against this host's policy before
 	// every launch (the launch's first stage), before PrepareLaunch holds or
