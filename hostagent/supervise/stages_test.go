@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -25,14 +26,23 @@ import (
 // The launch's stages in order: a reorder, an insertion or a removal is a
 // diff here. Every crash point a stage names is one the crash matrix arms.
 func TestLaunchStagesInOrder(t *testing.T) {
-	var names []string
+	var names, points []string
 	for _, st := range launchStages {
 		names = append(names, st.name)
 		for _, p := range st.crash {
 			assert.Contains(t, crashpoint.All, p, "stage %q", st.name)
 		}
+		points = append(points, st.crash...)
 	}
 	assert.Equal(t, []string{"admit", "ensure leases", "uid", "VFIO nodes", "network", "fork", "record", "QMP ready"}, names)
+	// Every launch point of the crash matrix is named by some stage.
+	var launch []string
+	for _, p := range crashpoint.All {
+		if strings.HasPrefix(p, "vmm.launch.") || strings.HasPrefix(p, "supervise.launch.") {
+			launch = append(launch, p)
+		}
+	}
+	assert.Subset(t, points, launch)
 }
 
 var errInjected = errors.New("injected stage failure")
