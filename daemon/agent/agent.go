@@ -255,10 +255,12 @@ func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentH
 		Store: st, QEMU: cfg.QEMU, Logger: log,
 		GracefulTimeout: cfg.GracefulTimeout, GroupExitCap: cfg.GroupExitCap,
 		// Before every launch and restart: the record admitted against this
-		// host's policy, the vGPU device made sure of (re-created after a
-		// reboot), the images opened beneath their roots (the disk's overlay
-		// made at the first), then QEMU's spec from the record.
-		PrepareLaunch: admission.PrepareLaunch(host, devs, cfg.VGPUAttach),
+		// host's policy (the launch's first stage), then the held devices
+		// made sure of (re-created after a reboot), the images opened
+		// beneath their roots (the disk's overlay made at the first), and
+		// QEMU's spec from the record.
+		Admit:         host.AdmitRecord,
+		PrepareLaunch: admission.Assemble(host, devs, cfg.VGPUAttach),
 		QEMUUIDs:      cfg.QEMUUIDs, KVMDevice: cfg.KVMDevice, DevRoot: cfg.DevRoot, Cgroups: cgroups, VMIO: cfg.VMIO, JailSetup: jailSetup, FDStore: fdStore,
 		Network:                nw,
 		OnExitRecorded:         func(d time.Duration) { am.ExitDetect.Observe(d.Seconds()) },

@@ -416,29 +416,3 @@ func CheckPassthrough(profile string, count uint32, model string) error {
 	}
 	return nil
 }
-
-// ForRecord is QEMU's spec for a record, without images: the one conversion,
-// for first launch and restarts alike. vfioPaths are the devices' sysfs
-// paths in claim order (none when the agent does not attach them).
-func ForRecord(rec *vmflowv1.InstanceRecord, vfioPaths []string) vmm.VMSpec {
-	s := rec.GetSpec()
-	v := vmm.VMSpec{
-		Name:      rec.GetId(),
-		UUID:      s.GetUuid(),
-		VCPUs:     int(s.GetVcpus()),
-		MemoryMiB: int(s.GetMemoryMib()),
-		Machine:   vmm.Machine(s.GetMachine()),
-		Accel:     vmm.Accel(s.GetAccel()),
-		Cmdline:   s.GetCmdline(),
-		// The guest's console goes to qemu.log; -machine none has no
-		// serial port to connect.
-		SerialToLog: s.GetMachine() != "none",
-		// A guest that reboots is restarted by the restart policy, not by
-		// QEMU behind the agent's back.
-		NoReboot: true,
-	}
-	v.VFIO = slices.Clone(vfioPaths)
-	io := s.GetDiskIo() // nil: no bound of the caller's
-	v.IO = vmm.IOLimits{ReadBPS: io.GetReadBps(), WriteBPS: io.GetWriteBps(), ReadIOPS: io.GetReadIops(), WriteIOPS: io.GetWriteIops()}
-	return v
-}

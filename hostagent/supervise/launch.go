@@ -4,18 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"path/filepath"
-	"strings"
 	"time"
 
 	"go.uber.org/zap"
 
-	"vmflow/hostagent/network"
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vmm"
-	"vmflow/internal/crashpoint"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -235,15 +231,6 @@ func captureLog(in *instance, vm *vmm.VM) {
 	}
 }
 
-// refuseLaunchLocked records why a launch was refused before anything was
-// opened or started, and returns that error.
-func refuseLaunchLocked(l *store.Locked, err error) error {
-	if _, uerr := l.Apply(store.RecordError(err.Error())); uerr != nil {
-		err = errors.Join(err, uerr)
-	}
-	return err
-}
-
 // uidsInUse is every uid a new QEMU must not get: held by a process, or
 // owning a VFIO node not yet taken back from a gone QEMU.
 func (s *Supervisor) uidsInUse(ctx context.Context) (map[uint32]bool, error) {
@@ -261,166 +248,35 @@ func (s *Supervisor) uidsInUse(ctx context.Context) (map[uint32]bool, error) {
 	return used, nil
 }
 
-// launchLocked launches QEMU for the locked rec and moves it to Running; on
-// failure nothing remains (invariant 5).
+// launchLocked launches QEMU for the locked rec by running launchStages and
+// moves it to Running; on failure nothing remains but the leases (invariant
+// 5).
 func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *instance, rec *vmflowv1.InstanceRecord) (*vmm.VM, error) {
-	// Before anything is opened: a uid range the host also hands out (a
-	// user's subordinate range, an account) would let someone else's
-	// processes run as this VM's uid.
-	if err := store.CheckUIDRange(s.cfg.QEMUUIDs, s.cfg.EtcDir); err != nil {
-		return nil, refuseLaunchLocked(l, err)
+	r := &launchRun{s: s, l: l, in: in, rec: rec, log: in.log, start: time.Now(), stages: launchStages}
+	if s.hooks.launchStages != nil {
+		r.stages = s.hooks.launchStages(launchStages)
 	}
-	spec, err := s.cfg.PrepareLaunch(ctx, l, rec)
-	if err != nil {
-		return nil, refuseLaunchLocked(l, fmt.Errorf("prepare launch: %w", err))
-	}
-	// The spec holds the images the agent opened: vmm.Launch closes them
-	// after the fork; this covers the returns before it.
-	defer spec.Close()
-	// The guest name is the instance id: with the uid, it is what finds a
-	// QEMU whose pid never made it into the record (resolveLaunchLocked).
-	spec.Name = in.id
-	log := in.log
-	start := time.Now()
-	// The launch marker goes to disk before the fork: an agent killed
-	// between the fork and the pid's write leaves a record that says "a
-	// QEMU of mine may exist", which the next agent resolves
-	// (resolveLaunchLocked) instead of finding nothing. The instance's own
-	// uid is assigned in the same write (under the store's host-wide uid
-	// lock): what proves later that a process is this instance's QEMU, as
-	// only the agent can start a process with it.
-	nodes, err := s.vfioNodes(spec)
-	if err != nil {
+	if err := r.run(ctx); err != nil {
 		return nil, err
 	}
-	rec, err = l.AssignQEMUUID(ctx, s.cfg.QEMUUIDs, s.uidsInUse, store.BeginLaunch(s.cfg.Now(), nodes))
-	if err != nil {
-		return nil, fmt.Errorf("record launch marker: %w", err)
-	}
-	uid := rec.GetQemuUid()
-	log = log.With(zap.Uint32("qemu_uid", uid))
-	for _, n := range nodes {
-		if err := vmm.GiveVFIOGroup(n, uid); err != nil {
-			err = fmt.Errorf("give vfio group: %w", err)
-			_, uerr := l.Apply(store.LaunchFailed(proc.Identity{}, store.Exit{}, err.Error(), takeBackVFIO))
-			return nil, errors.Join(err, uerr)
-		}
-	}
-	if rec.GetSpec().GetNetwork() != "" {
-		if err := s.attachNetworkLocked(ctx, l, uid, &spec); err != nil {
-			_, uerr := l.Apply(store.LaunchFailed(proc.Identity{}, store.Exit{}, err.Error(), takeBackVFIO))
-			return nil, errors.Join(err, uerr, s.detachNetworkLocked(l))
-		}
-		log = log.With(zap.String("address", spec.NIC.Address), zap.String("mac", spec.NIC.MAC))
-	}
-	spec.IO = spec.IO.Tighter(s.cfg.VMIO)
-	log.Info("launching qemu", zap.String("machine", string(spec.Machine)), zap.String("accel", string(spec.Accel)))
-	vm, err := vmm.Launch(ctx, vmm.LaunchConfig{
-		Spec:           spec,
-		Paths:          vmmPaths(l.Paths()),
-		Binary:         s.cfg.QEMU,
-		Confine:        vmm.Confinement{UID: uid, KVM: s.kvm, Cgroups: s.cfg.Cgroups, Jail: s.jail(l.Paths())},
-		FDStore:        s.cfg.FDStore,
-		ReadyTimeout:   s.cfg.ReadyTimeout,
-		CleanupTimeout: s.cfg.GroupExitCap,
-		OnStarted: func(pid proc.Identity) error {
-			if s.hooks.beforeRecorded != nil {
-				s.hooks.beforeRecorded(in.id, pid)
-			}
-			// Right after the fork: the pid replaces the marker in one
-			// write, so the record always names the QEMU or says one may
-			// exist.
-			if _, err := l.Apply(store.Forked(pid, s.cfg.Now())); err != nil {
-				return err
-			}
-			log.Info("qemu started", zap.Int("pid", pid.PID), zap.Uint64("start_time", pid.StartTime))
-			if s.hooks.afterStarted != nil {
-				s.hooks.afterStarted(in.id, pid)
-			}
-			return nil
-		},
-		OnFailed: func(pid proc.Identity, cause error) error {
-			// Called only once QEMU is confirmed gone (or never started):
-			// the marker has nothing left to stand for.
-			_, err := l.Apply(store.LaunchFailed(pid, store.Exit{At: s.cfg.Now(), Status: "launch failed", Code: -1}, cause.Error(), takeBackVFIO))
-			return err
-		},
-	})
-	if err != nil {
-		// Returned, not logged: the caller logs it (a restart) or returns
-		// it (a Launch, to its activity). A failed launch leaves no TAP.
-		return nil, errors.Join(err, s.detachNetworkLocked(l))
-	}
-	pid := vm.Identity()
-	if _, err := l.Apply(store.Running()); err != nil {
-		// QEMU runs but the record cannot say so: undo the launch rather
-		// than leave a VM the record does not describe (invariant 5).
-		return nil, errors.Join(s.undoLaunchLocked(l, vm, fmt.Errorf("record running: %w", err)), s.detachNetworkLocked(l))
-	}
-	crashpoint.Hit(crashpoint.LaunchRunningRecorded)
-	log.Info("running", zap.Int("pid", pid.PID), zap.Duration("took", time.Since(start)))
-	return vm, nil
+	_ = r.spec.Close() // vmm.Launch closed them after the fork; the agent holds no image
+	return r.vm, nil
 }
 
-// attachNetworkLocked gives the locked instance's launch its NIC: the
-// network lease (written ahead when new), its TAP made and opened for uid,
-// and the guest's address on the kernel command line (direct kernel boot;
-// a disk image's guest configures itself from the same lease).
-func (s *Supervisor) attachNetworkLocked(ctx context.Context, l *store.Locked, uid uint32, spec *vmm.VMSpec) error {
-	if s.cfg.Network == nil {
-		return fmt.Errorf("attach network: %w", network.ErrNoNetwork)
-	}
-	a, err := s.cfg.Network.AttachLocked(ctx, l, uid)
-	if err != nil {
-		return err
-	}
-	spec.NIC = &vmm.NIC{TAP: a.TAP, MAC: a.MAC, Address: a.Address.String()}
-	if spec.Kernel != nil {
-		spec.Cmdline = strings.TrimSpace(spec.Cmdline + " " + a.KernelParam())
-	}
-	return nil
-}
-
-// detachNetworkLocked removes the TAP of a launch that failed (the lease
-// stays: the next launch makes the TAP again). Nothing without a network,
-// and nothing while the record says a QEMU may live.
-func (s *Supervisor) detachNetworkLocked(l *store.Locked) error {
-	if s.cfg.Network == nil {
-		return nil
-	}
-	return s.cfg.Network.DetachLocked(l)
-}
-
-// vfioNodes are the VFIO group nodes of spec's devices that exist (the
-// vGPU simulator's devices have none).
-func (s *Supervisor) vfioNodes(spec vmm.VMSpec) ([]string, error) {
-	var nodes []string
-	for _, dev := range spec.VFIO {
-		n, err := vmm.VFIOGroupNode(s.cfg.DevRoot, dev)
-		if err != nil {
-			return nil, fmt.Errorf("prepare launch: %w", err)
-		}
-		if n != "" {
-			if _, err := os.Lstat(n); err == nil {
-				nodes = append(nodes, n)
-			}
-		}
-	}
-	return nodes, nil
-}
-
+// undoLaunchLocked stops vm, a launch that cannot be completed, and clears
+// it from the record with cause; it returns only its own failure.
 func (s *Supervisor) undoLaunchLocked(l *store.Locked, vm *vmm.VM, cause error) error {
 	ctx, cancel := context.WithTimeout(s.ctx, s.cfg.GroupExitCap+5*time.Second)
 	defer cancel()
 	defer vm.Close()
 	if _, err := vm.Stop(ctx, vmm.StopConfig{From: vmm.StepKillSent, KillTimeout: s.cfg.GroupExitCap}); err != nil {
 		// Not confirmed gone: keep the pid in the record for a Stop.
-		return errors.Join(cause, fmt.Errorf("undo launch: %w", err))
+		return fmt.Errorf("undo launch: %w", err)
 	}
 	pid := vm.Identity()
 	if _, err := l.Apply(store.Gone(pid, store.Exit{At: s.cfg.Now(), Status: "launch undone", Code: -1}, takeBackVFIO),
 		store.ClearLaunchMarker(), store.RecordError(cause.Error())); err != nil {
-		return errors.Join(cause, fmt.Errorf("undo launch: clear pid: %w", err))
+		return fmt.Errorf("undo launch: clear pid: %w", err)
 	}
-	return cause
+	return nil
 }

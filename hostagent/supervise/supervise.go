@@ -117,10 +117,16 @@ type Config struct {
 	// record through l. An error wrapping admission.ErrAdmissionRefused stops a
 	// restart for good: the record gets last_error and needs_attention and
 	// nothing is rescheduled (the policy will not change until the agent
-	// restarts). Default: DefaultPrepareLaunch, which admits nothing
-	// against a host policy and refuses a record with a vGPU: the agent
-	// sets admission.PrepareLaunch.
+	// restarts). It runs as the launch's "ensure leases" stage, after
+	// Admit. Default: DefaultPrepareLaunch, which admits nothing against a
+	// host policy and refuses a record with a vGPU: the agent sets
+	// admission.Assemble.
 	PrepareLaunch func(ctx context.Context, l *store.Locked, rec *vmflowv1.InstanceRecord) (vmm.VMSpec, error)
+	// Admit, when set, admits the record against this host's policy before
+	// every launch (the launch's first stage), before PrepareLaunch holds or
+	// opens anything; a refusal wraps admission.ErrAdmissionRefused as
+	// PrepareLaunch's does. The agent sets admission.Host.AdmitRecord.
+	Admit func(ctx context.Context, rec *vmflowv1.InstanceRecord) error
 	// Now stamps records (time.Now when nil).
 	Now func() time.Time
 }
@@ -162,6 +168,10 @@ type testHooks struct {
 	// the bounded-scan test blocks here as the kernel's read does while the
 	// target's mmap lock is held.
 	readProcMem func(path string) ([]byte, error)
+	// launchStages, when set, gives the stages a launch runs (launchStages
+	// in, the test's list out): the undo tests cut the list and fail the
+	// next stage.
+	launchStages func([]launchStage) []launchStage
 }
 
 // WithDefaults is c with every zero field that has a default set to it.
