@@ -58,6 +58,7 @@ func TestJailedQEMU(t *testing.T) {
 	assert.Equal(t, "0000000000000000", st["CapEff"])
 	assert.Equal(t, "0000000000000000", st["CapAmb"])
 	assert.Equal(t, "2", st["Seccomp"])
+	assert.Equal(t, "3", st["Seccomp_filters"], "vmflow's two (seccomp.go), installed by the setup stage, and QEMU's -sandbox")
 
 	exe, err := proc.StatExecutable(qemu)
 	require.NoError(t, err)

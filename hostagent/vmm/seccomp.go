@@ -88,6 +88,10 @@ var seccompAllowed = []string{
 	// KVM: vCPU threads are kicked with a signal (SIG_IPI, tgkill) whose
 	// handler returns through rt_sigreturn; host-nodes= binds guest RAM.
 	"rt_sigreturn", "tgkill", "getpid", "rt_sigtimedwait", "mbind", "sched_yield",
+	// kill reaches no further than tgkill (its uid is its own, jailed its
+	// pid namespace too); a wrapper script or a stand-in stops its
+	// children with it (Go does when pidfds are refused).
+	"kill",
 	// The unjailed launch forks QEMU from a thread under this filter
 	// (startConfined): Go's runtime on that thread and its fork child
 	// before the exec (setsid, the uid and groups, descriptors, then
