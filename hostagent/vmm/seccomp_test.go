@@ -1,8 +1,10 @@
 package vmm
 
 import (
+	"context"
 	"encoding/binary"
 	"os"
+	"path/filepath"
 	"testing"
 	"time"
 
@@ -13,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"vmflow/hostagent/network/nettest"
+	"vmflow/hostagent/proc/proctest"
 )
 
 // seccompRet runs the assembled filters on one syscall as the kernel
@@ -184,26 +187,7 @@ func TestSeccompClosesEscapedQEMU(t *testing.T) {
 	for _, jail := range []bool{true, false} {
 		name := map[bool]string{true: "jailed", false: "unjailed"}[jail]
 		t.Run(name, func(t *testing.T) {
-			ns := nettest.Namespace(t)
-			var tap *os.File
-			require.NoError(t, nettest.In(t, ns, func() error {
-				fd, err := unix.Open("/dev/net/tun", unix.O_RDWR|unix.O_CLOEXEC, 0)
-				if err != nil {
-					return err
-				}
-				ifr, err := unix.NewIfreq("vmtapseccomp")
-				if err != nil {
-					unix.Close(fd)
-					return err
-				}
-				ifr.SetUint16(unix.IFF_TAP | unix.IFF_NO_PI | unix.IFF_VNET_HDR)
-				if err := unix.IoctlIfreq(fd, unix.TUNSETIFF, ifr); err != nil {
-					unix.Close(fd)
-					return err
-				}
-				tap = os.NewFile(uintptr(fd), "tap")
-				return nil
-			}))
+			tap := testTAP(t)
 			cfg := testLaunchConfig(t, "seccomp")
 			if jail {
 				cfg = jailed(t, cfg)
@@ -223,4 +207,60 @@ func TestSeccompClosesEscapedQEMU(t *testing.T) {
 			assert.Equal(t, "2", lines["seccomp filters"], "vmflow's two filters (the stand-in has no -sandbox of its own)")
 		})
 	}
+}
+
+// testTAP is an open queue of a TAP made in a network namespace of the
+// test's own, as the agent opens one for a VM with a network.
+func testTAP(t *testing.T) *os.File {
+	t.Helper()
+	ns := nettest.Namespace(t)
+	var tap *os.File
+	require.NoError(t, nettest.In(t, ns, func() error {
+		fd, err := unix.Open("/dev/net/tun", unix.O_RDWR|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return err
+		}
+		ifr, err := unix.NewIfreq("vmtapseccomp")
+		if err != nil {
+			unix.Close(fd)
+			return err
+		}
+		ifr.SetUint16(unix.IFF_TAP | unix.IFF_NO_PI | unix.IFF_VNET_HDR)
+		if err := unix.IoctlIfreq(fd, unix.TUNSETIFF, ifr); err != nil {
+			unix.Close(fd)
+			return err
+		}
+		tap = os.NewFile(uintptr(fd), "tap")
+		return nil
+	}))
+	return tap
+}
+
+// The devices vmflow launches work under the allowlist: the test guest
+// (q35, TCG) boots jailed with a virtio-blk qcow2 overlay over a raw base
+// and virtio-net on a TAP descriptor, to its init, and powers off on
+// system_powerdown: QEMU exits by itself with status 0, not EPERM's error
+// nor SIGSYS.
+func TestGuestWithDiskAndNICUnderSeccomp(t *testing.T) {
+	requiresQEMU(t)
+	requiresRoot(t)
+	proctest.RequiresBinary(t, "qemu-img", "make qemu installs it")
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	dir := proctest.ShortDir(t, "img")
+	basePath := filepath.Join(dir, "base.raw")
+	require.NoError(t, os.WriteFile(basePath, make([]byte, 4<<20), 0o644))
+	base, err := os.Open(basePath)
+	require.NoError(t, err)
+	ov, _, err := OpenOverlay(ctx, OverlayConfig{Path: filepath.Join(dir, "disk.qcow2"), Temp: filepath.Join(dir, ".tmp-disk.qcow2"),
+		Base: base, BackingName: basePath})
+	require.NoError(t, err)
+
+	cfg := jailed(t, testLaunchConfig(t, "guest"))
+	cfg.Spec = guestSpec(t)
+	cfg.Spec.Disk = &Disk{Base: base, Overlay: ov}
+	cfg.Spec.NIC = &NIC{TAP: testTAP(t), MAC: "02:00:00:00:00:02"}
+	bootThenPowerOff(t, cfg, func(vm *VM) {
+		assert.Equal(t, "3", procStatus(t, vm.Identity().PID)["Seccomp_filters"], "vmflow's two and QEMU's -sandbox")
+	})
 }
