@@ -15,13 +15,15 @@ import (
 )
 
 // How every QEMU is confined: exec'd already unprivileged, with
-// a uid of its own and no capabilities, under QEMU's seccomp sandbox, with
+// a uid of its own and no capabilities, under vmflow's seccomp allowlist
+// (seccomp.go) with QEMU's own -sandbox stacked on it, with
 // an explicit minimal environment, its resources bounded by rlimits, and
 // given what it must reach as file descriptors the agent opened (the QMP
 // listener) or as a supplementary group (/dev/kvm) or an owner (its VFIO
 // group node) — never as paths in the root-only instance directory.
 
-// sandboxOption is QEMU's -sandbox for every launch. elevateprivileges=deny
+// sandboxOption is QEMU's -sandbox for every launch: a denylist of a few
+// families, on top of vmflow's allowlist (seccomp.go). elevateprivileges=deny
 // is why QEMU must be exec'd unprivileged: with -runas it kills QEMU with
 // SIGSYS (measured with QEMU 7.2).
 const sandboxOption = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"

@@ -88,6 +88,7 @@ func TestLaunchConfined(t *testing.T) {
 	assert.Equal(t, "0000000000000000", st["CapEff"])
 	assert.Equal(t, "0000000000000000", st["CapPrm"])
 	assert.Equal(t, "2", st["Seccomp"], "QEMU's -sandbox filter")
+	assert.Equal(t, "3", st["Seccomp_filters"], "vmflow's two (seccomp.go), inherited from the thread the launch forked from, and QEMU's -sandbox")
 	assert.Equal(t, "1", st["NoNewPrivs"])
 
 	env, err := os.ReadFile(fmt.Sprintf("/proc/%d/environ", pid))

@@ -30,7 +30,8 @@ import (
 // module folder and its firmware; a fresh procfs; a /dev of null, zero,
 // urandom and, when used, kvm and the VFIO nodes), pivot_roots into it,
 // lowers its rlimits, closes every descriptor but QEMU's, drops to QEMU's uid
-// and gid with no capabilities left, and execs QEMU in place. QEMU is the
+// and gid with no capabilities left, installs vmflow's seccomp allowlist
+// (seccomp.go) and execs QEMU in place. QEMU is the
 // process the agent forked and reaps, PID 1 of its pid namespace, with no
 // init in between. Firecracker's jailer works the same way (chroot +
 // pivot_root, namespaces, cgroup, rlimits, then exec of the VMM); libvirt
@@ -325,6 +326,11 @@ func jailSetup(args []string) error {
 		return fmt.Errorf("close descriptors: %w", err)
 	}
 	if err := dropPrivileges(cfg.UID, cfg.Groups); err != nil {
+		return err
+	}
+	// Last, on this locked thread: from here only the exec is made, and
+	// QEMU starts under the allowlist (seccomp.go).
+	if err := installQEMUSeccomp(); err != nil {
 		return err
 	}
 	if err := unix.Exec(bin, argv, cfg.Env); err != nil {

@@ -58,6 +58,7 @@ func TestJailedQEMU(t *testing.T) {
 	assert.Equal(t, "0000000000000000", st["CapEff"])
 	assert.Equal(t, "0000000000000000", st["CapAmb"])
 	assert.Equal(t, "2", st["Seccomp"])
+	assert.Equal(t, "3", st["Seccomp_filters"], "vmflow's two (seccomp.go), installed by the setup stage, and QEMU's -sandbox")
 
 	exe, err := proc.StatExecutable(qemu)
 	require.NoError(t, err)
@@ -106,6 +107,15 @@ func TestJailedQEMU(t *testing.T) {
 func TestJailedGuestPowersOff(t *testing.T) {
 	requiresQEMU(t)
 	requiresRoot(t)
+	cfg := jailed(t, testLaunchConfig(t, "guest"))
+	cfg.Spec = guestSpec(t)
+	bootThenPowerOff(t, cfg, nil)
+}
+
+// guestSpec is the test guest (make guest; built here when missing) as a
+// q35 TCG VM with its console in the log.
+func guestSpec(t *testing.T) VMSpec {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	a, err := build.Build(ctx, build.Options{Log: slog.New(slog.DiscardHandler)})
@@ -114,14 +124,23 @@ func TestJailedGuestPowersOff(t *testing.T) {
 	require.NoError(t, err)
 	initrd, err := os.Open(a.Initrd)
 	require.NoError(t, err)
-	cfg := jailed(t, testLaunchConfig(t, "guest"))
-	cfg.Spec = VMSpec{Name: "guest", VCPUs: 1, MemoryMiB: 256, Machine: MachineQ35, Accel: AccelTCG,
+	return VMSpec{Name: "guest", VCPUs: 1, MemoryMiB: 256, Machine: MachineQ35, Accel: AccelTCG,
 		Kernel: kernel, Initrd: initrd, Cmdline: guest.KernelCmdline, SerialToLog: true, NoReboot: true}
+}
+
+// bootThenPowerOff launches cfg's guest, waits for its init, runs up (when
+// set) on the running VM, presses the power button and checks that QEMU
+// ended by itself with status 0 after the guest said so.
+func bootThenPowerOff(t *testing.T, cfg LaunchConfig, up func(*VM)) {
+	t.Helper()
 	vm, err := Launch(ctxT(t, 60*time.Second), cfg)
 	require.NoError(t, err, "log: %s", readLog(cfg.Paths.Log))
 	killOnCleanup(t, vm)
 	require.Eventually(t, func() bool { return strings.Contains(readLog(cfg.Paths.Log), guest.UpLine) },
 		2*time.Minute, 50*time.Millisecond, "the guest's init came up")
+	if up != nil {
+		up(vm)
+	}
 	m, err := vm.Monitor(ctxT(t, 5*time.Second))
 	require.NoError(t, err)
 	require.NoError(t, m.SystemPowerdown(ctxT(t, 5*time.Second)))

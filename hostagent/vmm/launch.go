@@ -219,7 +219,15 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 		return nil, fmt.Errorf("launch: %w", err)
 	}
 	crashpoint.Hit(crashpoint.LaunchBeforeFork)
-	child, err := proc.Start(cmd)
+	var child *proc.Child
+	start := func() (err error) { child, err = proc.Start(cmd); return err }
+	if cfg.Confine.Jail == nil {
+		// The jail's setup stage installs the seccomp allowlist itself;
+		// unjailed, the fork inherits it from a filtered thread.
+		err = startConfined(start)
+	} else {
+		err = start()
+	}
 	out.Close() // QEMU holds the write end now; the pump sees EOF when QEMU is gone
 	// QEMU has its own copies from the fork on (the QMP listener among
 	// them: a QEMU that dies leaves no listener behind a pending dial): the

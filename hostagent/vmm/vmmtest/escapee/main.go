@@ -21,6 +21,9 @@ import (
 	"strings"
 	"syscall"
 	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
 )
 
 // Set by the test with -ldflags "-X main.tcpAddr=... -X main.otherRecord=...".
@@ -28,13 +31,15 @@ import (
 // of /sys and /dev (and sibling, a device it was not given), then waits.
 // With zombieLeader set it tries nothing: its leader thread exits at once
 // and another thread writes a numbered line every 20 ms, as a QEMU whose
-// leader is a zombie while its vCPU threads still print.
+// leader is a zombie while its vCPU threads still print. With syscalls set
+// it tries only what vmflow's seccomp allowlist closes (trySyscalls).
 var (
 	tcpAddr      string
 	otherRecord  string
 	sysfsdev     string
 	sibling      string
 	zombieLeader string
+	syscalls     string
 )
 
 func init() {
@@ -46,6 +51,15 @@ func init() {
 func main() {
 	if os.Getenv("ESCAPEE_CHILD") != "" {
 		time.Sleep(time.Hour)
+		return
+	}
+	if os.Getenv("ESCAPEE_USERFAULTFD") != "" {
+		// In a child of its own: the allowlist kills the process.
+		fd, _, errno := unix.Syscall(unix.SYS_USERFAULTFD, unix.O_CLOEXEC|uffdUserModeOnly, 0, 0)
+		if errno != 0 {
+			os.Exit(3)
+		}
+		syscall.Close(int(fd))
 		return
 	}
 	go serveQMP()
@@ -61,6 +75,12 @@ func main() {
 		// exit(2) of the leader alone, not exit_group(2) (proctest's zombie
 		// helper does the same).
 		_, _, _ = syscall.Syscall(syscall.SYS_EXIT, 0, 0, 0)
+	}
+	if syscalls != "" {
+		trySyscalls(say)
+		say("checks done")
+		time.Sleep(time.Hour)
+		return
 	}
 	if sysfsdev != "" {
 		trySys(say)
@@ -196,5 +216,73 @@ func trySys(say func(string, ...any)) {
 			names = append(names, e.Name())
 		}
 		say("dev vfio: %s", strings.Join(names, " "))
+	}
+}
+
+// uffdUserModeOnly is UFFD_USER_MODE_ONLY (linux/userfaultfd.h): with it
+// an unprivileged process gets a userfaultfd whatever
+// vm.unprivileged_userfaultfd says.
+const uffdUserModeOnly = 1
+
+// trySyscalls reports what a QEMU taken over would try beyond the jail's
+// files: an io_uring, a userfaultfd (in a child: the allowlist kills it),
+// and on the TAP descriptor it was given (-netdev tap,fd=N in its argv) a
+// new MAC, a new owner, persistence, another TAP. Each line is
+// "NAME: refused: why" or "NAME: DONE".
+func trySyscalls(say func(string, ...any)) {
+	report := func(what string, errno syscall.Errno) {
+		if errno != 0 {
+			say("%s: refused: %v", what, errno)
+		} else {
+			say("%s: DONE", what)
+		}
+	}
+	var params [120]byte // struct io_uring_params
+	fd, _, errno := unix.Syscall(unix.SYS_IO_URING_SETUP, 1, uintptr(unsafe.Pointer(&params[0])), 0)
+	if errno == 0 {
+		syscall.Close(int(fd))
+	}
+	report("io_uring_setup", errno)
+
+	c := exec.Command("/proc/self/exe")
+	c.Env = []string{"ESCAPEE_USERFAULTFD=1"}
+	if err := c.Run(); err != nil {
+		say("userfaultfd: refused: %v", err)
+	} else {
+		say("userfaultfd: DONE")
+	}
+
+	tap := -1
+	for i, a := range os.Args {
+		if a == "-netdev" && i+1 < len(os.Args) {
+			if _, err := fmt.Sscanf(os.Args[i+1], "tap,fd=%d", &tap); err != nil {
+				tap = -1
+			}
+		}
+	}
+	if tap < 0 {
+		say("tap: none in argv %q", os.Args)
+		return
+	}
+	ioctl := func(req, arg uintptr) syscall.Errno {
+		_, _, errno := unix.Syscall(unix.SYS_IOCTL, uintptr(tap), req, arg)
+		return errno
+	}
+	var ifr [40]byte // struct ifreq: name, then the hardware address
+	ifr[16] = 1      // ARPHRD_ETHER, little-endian
+	copy(ifr[18:], []byte{0x02, 0, 0, 0, 0, 0x66})
+	report("tap SIOCSIFHWADDR", ioctl(unix.SIOCSIFHWADDR, uintptr(unsafe.Pointer(&ifr[0]))))
+	report("tap TUNSETOWNER", ioctl(unix.TUNSETOWNER, uintptr(os.Getuid())))
+	report("tap TUNSETPERSIST", ioctl(unix.TUNSETPERSIST, 0)) // 0: a no-op on this TAP, never a TAP left behind
+	var set [40]byte
+	copy(set[:], "vmflowx0")
+	set[16] = 0x02 // IFF_TAP
+	report("tap TUNSETIFF", ioctl(unix.TUNSETIFF, uintptr(unsafe.Pointer(&set[0]))))
+	if b, err := os.ReadFile("/proc/self/status"); err == nil {
+		for _, l := range strings.Split(string(b), "\n") {
+			if strings.HasPrefix(l, "Seccomp_filters:") {
+				say("seccomp filters: %s", strings.TrimSpace(strings.TrimPrefix(l, "Seccomp_filters:")))
+			}
+		}
 	}
 }
