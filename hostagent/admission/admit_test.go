@@ -339,12 +339,12 @@ func TestPrepareLaunchCountsGPUsNotGroups(t *testing.T) {
 	st, err := store.New(t.TempDir())
 	require.NoError(t, err)
 	ctx := context.Background()
-	rec, err := st.Create(ctx, &vmflowv1.InstanceRecord{Id: "vm1", Spec: spec})
+	_, err = st.Create(ctx, &vmflowv1.InstanceRecord{Id: "vm1", Spec: spec})
 	require.NoError(t, err)
 	l, err := st.Lock(ctx, "vm1")
 	require.NoError(t, err)
 	defer l.Unlock()
-	rec, err = l.Apply(store.LeaseIntent(store.PassthroughLeaseOf(&vmflowv1.PassthroughLease{IommuGroup: "401", Functions: []*vmflowv1.PassthroughFunction{
+	rec, err := l.Apply(store.LeaseIntent(store.PassthroughLeaseOf(&vmflowv1.PassthroughLease{IommuGroup: "401", Functions: []*vmflowv1.PassthroughFunction{
 		{Addr: "0000:82:00.0", PreviousDriver: "nvidia", Display: true}, {Addr: "0000:82:00.1", PreviousDriver: "snd_hda_intel"},
 		{Addr: "0000:83:00.0", PreviousDriver: "nvidia", Display: true}, {Addr: "0000:83:00.1", PreviousDriver: "snd_hda_intel"}}}), time.Now()))
 	require.NoError(t, err)
