@@ -712,10 +712,12 @@ func (d *crashDriver) reconcileDuringDelete(id string) {
 	}
 }
 
-// quarantineFault is the simulator's fault that fails this run's release.
+// quarantineFault is the simulator's fault that fails this run's release
+// and counts toward K (a failed reset quarantines at once and lets the
+// release finish, so a whole GPU's run fails its unbind instead).
 func (d *crashDriver) quarantineFault() string {
 	if d.c.scenario == passthroughRun {
-		return vgpusim.CtlFailReset
+		return vgpusim.CtlFailUnbind
 	}
 	return vgpusim.CtlFailRelease
 }

@@ -55,8 +55,11 @@ type Config struct {
 	// QuarantineAfter is --gpu-quarantine-after: failed releases of one
 	// device before placement skips it.
 	QuarantineAfter int
-	OrphanGrace     time.Duration
-	ReconcileEvery  time.Duration
+	// GPUScrub is --gpu-scrub: an executable run on a whole GPU between
+	// tenants (lease.WholeConfig.Scrub); "" for none.
+	GPUScrub       string
+	OrphanGrace    time.Duration
+	ReconcileEvery time.Duration
 	// ReconcileScanEvery: how often the agent's local scan (no Temporal
 	// call) looks for reconcile work; 0 turns it off.
 	ReconcileScanEvery time.Duration
@@ -129,13 +132,14 @@ flags:
 	fs.BoolVar(&c.Jail, "jail", true, "run every QEMU in network, mount, pid, IPC and UTS namespaces and a read-only root of its own; false only where the agent lacks CAP_SYS_ADMIN")
 	fs.BoolVar(&c.VGPUAttach, "vgpu-attach", true, "attach claimed vGPUs to QEMU; false only with the vmflow-vgpusim simulator, whose devices QEMU cannot open")
 	fs.StringVar(&c.VGPUDriver, "vgpu-driver", "auto", "auto, mdev, vendor or none")
-	fs.IntVar(&c.QuarantineAfter, "gpu-quarantine-after", lease.DefaultQuarantineAfter, "failed releases or resets of one GPU device after which placement skips it until vmflow-hostagent devices clear")
+	fs.IntVar(&c.QuarantineAfter, "gpu-quarantine-after", lease.DefaultQuarantineAfter, "failed releases of one GPU device in a row after which placement skips it until vmflow-hostagent devices clear (a failed reset or scrub: at once)")
 	fs.Func("gpu-passthrough", "GPUs this host hands out whole by VFIO passthrough: a comma list of PCI vendor:device ids (10de:2335), or all for every display-class device not serving vGPUs; empty (the default): none",
 		func(v string) error {
 			f, err := gpu.ParseGPUFilter(v)
 			c.GPUPassthrough = f
 			return err
 		})
+	fs.StringVar(&c.GPUScrub, "gpu-scrub", "", "`PATH` of an executable run on every released whole GPU before its next tenant, with the GPU's PCI addresses as arguments (no shell); it must be idempotent, and its failure quarantines the GPU. A reset does not clear VRAM: without a scrub, a tenant's data may remain in it")
 	fs.DurationVar(&c.OrphanGrace, "vgpu-orphan-grace", lease.DefaultOrphanGrace, "an unclaimed vGPU device is removed after this long")
 	fs.DurationVar(&c.ReconcileEvery, "reconcile-every", DefaultReconcileEvery, "how often the Schedule runs ReconcileVGPU, the safety net behind the local scan")
 	fs.DurationVar(&c.ReconcileScanEvery, "reconcile-scan-every", time.Minute, "how often the agent scans the host for reconcile work (read-only, no Temporal call) and, finding some, triggers ReconcileVGPU; 0: off")
@@ -187,6 +191,11 @@ flags:
 	if c.QuarantineAfter < 1 {
 		return c, fmt.Errorf("--gpu-quarantine-after must be at least 1, got %d", c.QuarantineAfter)
 	}
+	if c.GPUScrub != "" {
+		if err := checkExecutable(c.GPUScrub); err != nil {
+			return c, fmt.Errorf("--gpu-scrub: %w", err)
+		}
+	}
 	if subnet != "" {
 		if c.NetSubnet, err = netip.ParsePrefix(subnet); err != nil {
 			return c, fmt.Errorf("--net-subnet: %w", err)
@@ -213,4 +222,21 @@ flags:
 		return c, errors.New("--workflow-task-queue must not be empty")
 	}
 	return c, nil
+}
+
+// checkExecutable refuses a path that is not absolute or not an
+// executable regular file, so a typo fails at start, not at the first
+// release.
+func checkExecutable(path string) error {
+	if !filepath.IsAbs(path) {
+		return fmt.Errorf("%q is not an absolute path", path)
+	}
+	st, err := os.Stat(path)
+	if err != nil {
+		return err
+	}
+	if !st.Mode().IsRegular() || st.Mode().Perm()&0o111 == 0 {
+		return fmt.Errorf("%s is not an executable file (mode %v)", path, st.Mode())
+	}
+	return nil
 }

@@ -45,6 +45,10 @@ func TestParseFlags(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, "10de:2335,10de:2330", p.GPUPassthrough.String())
 	assert.Equal(t, 3, p.QuarantineAfter)
+	assert.Empty(t, d.GPUScrub, "no scrub unless named")
+	sc, err := agent.ParseFlags([]string{"--host-id", "h1", "--gpu-scrub", "/bin/true"}, io.Discard)
+	require.NoError(t, err)
+	assert.Equal(t, "/bin/true", sc.GPUScrub)
 	assert.False(t, d.NetSubnet.IsValid(), "no network unless a subnet is given")
 	assert.Equal(t, network.DefaultBridge, d.NetBridge)
 
@@ -80,7 +84,10 @@ func TestParseFlagsRejects(t *testing.T) {
 		{"--host-id", "h1", "--qemu-uid-range", "300999-300000"},
 		{"--host-id", "h1", "--gpu-passthrough", "h200"},
 		{"--host-id", "h1", "--gpu-quarantine-after", "0"},
-		{"--host-id", "h1", "--net-subnet", "10.88.0.1/24"}, // host bits
+		{"--host-id", "h1", "--gpu-scrub", "true"},               // not absolute
+		{"--host-id", "h1", "--gpu-scrub", "/nonexistent/scrub"}, // a typo fails at start
+		{"--host-id", "h1", "--gpu-scrub", "/etc"},               // not an executable file
+		{"--host-id", "h1", "--net-subnet", "10.88.0.1/24"},      // host bits
 		{"--host-id", "h1", "--net-subnet", "fd00::/64"},
 		{"--host-id", "h1", "--net-subnet", "10.88.0.0/31"},
 		{"--host-id", "h1", "--net-subnet", "ten"},

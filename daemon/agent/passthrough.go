@@ -24,9 +24,15 @@ func newWhole(cfg Config, st *store.Store, log *zap.Logger) (*lease.Whole, error
 		SysfsRoot: cfg.SysfsRoot, StateDir: cfg.StateDir, DevRoot: cfg.DevRoot, Filter: cfg.GPUPassthrough,
 		AfterWrite: func(string, string) { crashpoint.Hit(crashpoint.PassthroughSysfsWritten) },
 	})
-	log.Info("whole GPUs by passthrough", zap.String("gpu_passthrough", cfg.GPUPassthrough.String()))
+	log.Info("whole GPUs by passthrough", zap.String("gpu_passthrough", cfg.GPUPassthrough.String()), zap.String("gpu_scrub", cfg.GPUScrub))
+	if why := drv.Unsafe(); why != "" {
+		// Not fatal: vGPUs and CPU-only VMs are still served. Every GPU is
+		// listed as not offered with this reason (devices), and each claim
+		// checks again, so a host set right is served without a restart.
+		log.Error("whole GPUs are not offered: the host's IOMMU does not isolate them", zap.String("reason", why))
+	}
 	return lease.NewWhole(lease.WholeConfig{Driver: drv, Store: st, OrphanGrace: cfg.OrphanGrace, Logger: log,
-		IgnoreUninspectable: cfg.IgnoreUninspectable, Quarantine: quarantineOf(cfg)})
+		IgnoreUninspectable: cfg.IgnoreUninspectable, Quarantine: quarantineOf(cfg), Scrub: cfg.GPUScrub})
 }
 
 // runGPUInventory sets vmflow_gpu_devices from the host's GPU inventory

@@ -238,6 +238,18 @@ func (b Binding) Addrs() []string {
 	return out
 }
 
+// GPUs lists the display functions' addresses: what a failure of the
+// binding counts against toward quarantine.
+func (b Binding) GPUs() []string {
+	var out []string
+	for _, f := range b.Functions {
+		if f.Display {
+			out = append(out, f.Addr)
+		}
+	}
+	return out
+}
+
 func (b Binding) find(addr string) (BoundFunction, bool) {
 	for _, f := range b.Functions {
 		if f.Addr == addr {
@@ -286,6 +298,9 @@ type PassthroughConfig struct {
 	DevRoot string
 	// Filter is --gpu-passthrough.
 	Filter GPUFilter
+	// Cmdline is the kernel command line's file (default /proc/cmdline),
+	// which IOMMUUnsafe reads.
+	Cmdline string
 	// AfterWrite, if set, is called after each sysfs write of Bind or
 	// Return succeeded, with the function and what was written
 	// ("driver_override", "unbind", "drivers_probe", "reset"): where the
@@ -301,8 +316,17 @@ func (c PassthroughConfig) WithDefaults() PassthroughConfig {
 	if c.DevRoot == "" {
 		c.DevRoot = "/dev"
 	}
+	if c.Cmdline == "" {
+		c.Cmdline = "/proc/cmdline"
+	}
 	return c
 }
+
+// Unsafe is IOMMUUnsafe of the host: why no GPU is offered or bound, ""
+// when the IOMMU isolates. It is read at every listing and bind (a few
+// small files), so a module reloaded with allow_unsafe_interrupts is seen
+// at the next claim, not at the next agent start.
+func (p *Passthrough) Unsafe() string { return IOMMUUnsafe(p.cfg.SysfsRoot, p.cfg.Cmdline) }
 
 // Passthrough binds whole IOMMU groups to vfio-pci and returns them to the
 // drivers they had.
@@ -399,6 +423,7 @@ func (p *Passthrough) GPUs(ctx context.Context) ([]GPU, error) {
 			groups[f.Group] = append(groups[f.Group], f)
 		}
 	}
+	unsafe := p.Unsafe()
 	var out []GPU
 	for _, f := range fns {
 		if !f.IsDisplay() {
@@ -418,10 +443,14 @@ func (p *Passthrough) GPUs(ctx context.Context) ([]GPU, error) {
 			}
 		}
 		switch _, why := viable(groups[f.Group]); {
+		case unsafe != "":
+			g.NotViable = "passthrough refused on this host: " + unsafe
 		case f.Group == "":
 			g.NotViable = "no IOMMU group"
 		case why != "":
 			g.NotViable = why
+		case noReset(groups[f.Group]) != "":
+			g.NotViable = noReset(groups[f.Group])
 		default:
 			g.Viable = true
 		}
@@ -472,6 +501,19 @@ func viable(fns []PCIFunction) (map[string]bool, string) {
 	return cards, ""
 }
 
+// noReset says which GPU of group fns has no reset method (the kernel
+// shows no reset attribute for it), "" when each has one. Such a GPU is
+// never handed out: nothing would clear what one tenant left in it before
+// the next (Bind resets every function that can be, and so does Return).
+func noReset(fns []PCIFunction) string {
+	for _, f := range fns {
+		if f.IsDisplay() && !f.HasReset {
+			return fmt.Sprintf("%s has no reset method (no reset in sysfs): what a tenant leaves in it would reach the next", f.Addr)
+		}
+	}
+	return ""
+}
+
 // viableErr is viable as Bind's error: ErrNotGPU or ErrGroupNotViable.
 func viableErr(fns []PCIFunction) error {
 	cards, why := viable(fns)
@@ -498,6 +540,9 @@ func (p *Passthrough) plan(fns []PCIFunction, resume *Binding) (Binding, error) 
 		if f.IsDisplay() && isVGPUParent(p.cfg.SysfsRoot, f.Addr) {
 			return Binding{}, fmt.Errorf("vgpu: %s serves vGPUs: %w", f.Addr, ErrVGPUParent)
 		}
+	}
+	if why := noReset(fns); why != "" {
+		return Binding{}, fmt.Errorf("vgpu: %s: %w", why, ErrGroupNotViable)
 	}
 	for _, f := range fns {
 		if f.IsBridge() {
@@ -572,13 +617,40 @@ func (p *Passthrough) Bind(ctx context.Context, req BindRequest) (Binding, error
 			return b, err
 		}
 	}
+	// Reset on vfio-pci, before the tenant's QEMU opens it: whatever the
+	// host driver or an earlier tenant left in the card does not reach
+	// this one (the release resets too; this one also covers a card a
+	// crash left unreset, and the first tenant after boot).
+	for _, bf := range b.Functions {
+		if err := p.reset(ctx, bf.Addr); err != nil {
+			return b, err
+		}
+	}
 	return b, nil
+}
+
+// reset resets addr's function when it offers a reset method.
+func (p *Passthrough) reset(ctx context.Context, addr string) error {
+	f, err := p.settled(ctx, addr)
+	if err != nil {
+		return err
+	}
+	if !f.HasReset {
+		return nil
+	}
+	if err := p.write(ctx, addr, "reset", "1"); err != nil {
+		return failed(err, ErrResetFailed, "reset "+addr)
+	}
+	return nil
 }
 
 // intend is Bind's decision, under the host lock: the group read live,
 // Taken checked, the binding planned and its intent written. It writes
 // nothing to sysfs.
 func (p *Passthrough) intend(ctx context.Context, req BindRequest) (Binding, error) {
+	if why := p.Unsafe(); why != "" {
+		return Binding{}, fmt.Errorf("vgpu: %s: %w", why, ErrUnsafeIOMMU)
+	}
 	unlock, err := p.lock.lock(ctx)
 	if err != nil {
 		return Binding{}, err
@@ -671,14 +743,36 @@ func (p *Passthrough) bindOne(ctx context.Context, addr string) error {
 // that is gone, or whose address holds another card than b names
 // (BoundFunction.Holds), counts as returned: the card bound is not there,
 // and the one there now is a new device, never touched for b.
-func (p *Passthrough) Return(ctx context.Context, b Binding) error {
+func (p *Passthrough) Return(ctx context.Context, b Binding, opts ...ReturnOption) error {
+	var o returnOptions
+	for _, opt := range opts {
+		opt(&o)
+	}
 	defer p.beginReturn(b)()
 	for _, bf := range b.Functions {
-		if err := p.returnOne(ctx, bf, b.Group); err != nil {
+		if err := p.returnOne(ctx, bf, b.Group, o); err != nil {
 			return err
 		}
 	}
 	return nil
+}
+
+// ReturnOption shapes one Return.
+type ReturnOption func(*returnOptions)
+
+type returnOptions struct {
+	resetFailed func(addr string, cause error) error
+}
+
+// QuarantineOnResetFailure lets a Return whose reset failed go on
+// returning the function to its driver once quarantine(addr, cause) has
+// taken the card out of placement (nil error): the card may still hold
+// what its tenant left, but no tenant gets it until an operator clears
+// it, and the tenant's delete (or the claim's rollback) is not stuck on a
+// reset that keeps failing. Without it, or when quarantine fails, the
+// Return fails with ErrResetFailed and the function stays on vfio-pci.
+func QuarantineOnResetFailure(quarantine func(addr string, cause error) error) ReturnOption {
+	return func(o *returnOptions) { o.resetFailed = quarantine }
 }
 
 // beginReturn counts b's functions as being returned until the function
@@ -707,7 +801,7 @@ func (p *Passthrough) beingReturned(addr string) bool {
 	return p.returning[addr] > 0
 }
 
-func (p *Passthrough) returnOne(ctx context.Context, bf BoundFunction, group string) error {
+func (p *Passthrough) returnOne(ctx context.Context, bf BoundFunction, group string, o returnOptions) error {
 	f, err := p.settled(ctx, bf.Addr)
 	if errors.Is(err, ErrNoGroup) {
 		return nil // gone: nothing left to return
@@ -731,9 +825,12 @@ func (p *Passthrough) returnOne(ctx context.Context, bf BoundFunction, group str
 		return fmt.Errorf("vgpu: %s is bound to %s, neither vfio-pci nor its previous driver %q: %w", f.Addr, f.Driver, bf.Previous, ErrNotOurs)
 	}
 	if f.Driver == DriverVFIO {
-		if f.HasReset {
-			if err := p.write(ctx, f.Addr, "reset", "1"); err != nil {
-				return failed(err, ErrResetFailed, "reset "+f.Addr)
+		if err := p.reset(ctx, f.Addr); err != nil {
+			if o.resetFailed == nil || !errors.Is(err, ErrResetFailed) {
+				return err
+			}
+			if qerr := o.resetFailed(f.Addr, err); qerr != nil {
+				return fmt.Errorf("%w; quarantining the card: %w", err, qerr)
 			}
 		}
 		if err := p.unbind(ctx, f.Addr, DriverVFIO); err != nil {

@@ -167,6 +167,18 @@ func writeJSON(path string, v any) error {
 // between the two costs no count: the next failure finds it at or past
 // the threshold (crash points gpu.quarantine.due and .written).
 func (q *Quarantine) Strike(ctx context.Context, instance, cause string, devices ...string) ([]string, error) {
+	return q.strike(ctx, false, instance, cause, devices...)
+}
+
+// StrikeOut counts one failure of each of devices and quarantines them at
+// once, whatever their count: a failure that says the device may carry a
+// tenant's state to the next (its reset, or the operator's scrub, failed)
+// is not worth a second try on someone's VM.
+func (q *Quarantine) StrikeOut(ctx context.Context, instance, cause string, devices ...string) ([]string, error) {
+	return q.strike(ctx, true, instance, cause, devices...)
+}
+
+func (q *Quarantine) strike(ctx context.Context, atOnce bool, instance, cause string, devices ...string) ([]string, error) {
 	if q == nil || len(devices) == 0 {
 		return nil, nil
 	}
@@ -179,7 +191,7 @@ func (q *Quarantine) Strike(ctx context.Context, instance, cause string, devices
 			st.Count++
 			st.Last, st.At, st.Instance = cause, q.now().UTC(), instance
 			strikes[d] = st
-			if st.Count >= q.after {
+			if st.Count >= q.after || atOnce {
 				due = append(due, d)
 			}
 		}
@@ -196,7 +208,11 @@ func (q *Quarantine) Strike(ctx context.Context, instance, cause string, devices
 		}
 		for _, d := range due {
 			if _, ok := m[d]; !ok {
-				m[d] = Quarantined{Reason: fmt.Sprintf("failed %d times: %s", strikes[d].Count, cause), Since: q.now().UTC(), Instance: instance}
+				why := fmt.Sprintf("failed %d times: %s", strikes[d].Count, cause)
+				if atOnce {
+					why = "quarantined at its first such failure: " + cause
+				}
+				m[d] = Quarantined{Reason: why, Since: q.now().UTC(), Instance: instance}
 				added = append(added, d)
 			}
 		}

@@ -14,7 +14,7 @@ import (
 	"vmflow/hostagent/proc/proctest"
 )
 
-// TestQuarantineWholeGPU: a GPU whose reset failed twice is quarantined
+// TestQuarantineWholeGPU: a GPU whose unbind failed twice is quarantined
 // (on disk: a fresh Quarantine reads it), placement skips it even once its
 // lease is released, and clearing it puts it back.
 func TestQuarantineWholeGPU(t *testing.T) {
@@ -29,15 +29,15 @@ func TestQuarantineWholeGPU(t *testing.T) {
 	_, err = w.Claim(ctx, "vm1", "", 1)
 	require.NoError(t, err)
 	e.beginDelete(t, "vm1")
-	e.sim.Set(t, vgpusim.CtlFailReset, "EIO")
+	e.sim.Set(t, vgpusim.CtlFailUnbind, "EIO")
 	for i := 1; i <= 2; i++ {
 		_, _, err = w.Release(ctx, "vm1")
-		require.ErrorIs(t, err, gpu.ErrResetFailed)
+		require.ErrorIs(t, err, gpu.ErrUnbindFailed)
 		has, err := lease.NewQuarantine(e.st.StateDir(), 2, nil).Has(addr)
 		require.NoError(t, err)
 		assert.Equal(t, i == 2, has, "quarantined at the second failure, not the first")
 	}
-	e.sim.Clear(t, vgpusim.CtlFailReset)
+	e.sim.Clear(t, vgpusim.CtlFailUnbind)
 	released, _, err := w.Release(ctx, "vm1")
 	require.NoError(t, err)
 	assert.True(t, released, "a quarantined GPU is still released")

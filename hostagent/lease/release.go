@@ -171,18 +171,30 @@ func deviceFault(err error) bool {
 	return c != errdefs.Busy && c != errdefs.NotFound
 }
 
+// stateMayRemain reports a failure after which the device may still hold
+// what its last tenant left (its reset or the operator's scrub failed):
+// quarantined at once.
+func stateMayRemain(err error) bool {
+	return errors.Is(err, gpu.ErrResetFailed) || errors.Is(err, ErrScrubFailed)
+}
+
 // strikeIfFault counts err against devices when it is their fault
 // (deviceFault), quarantining those at the threshold: the one place a
-// failure becomes a quarantine.
-func strikeIfFault(ctx context.Context, q *Quarantine, log *zap.Logger, id string, err error, devices ...string) {
+// failure becomes a quarantine. Its error is the quarantine's own (the
+// count could not be written), already logged.
+func strikeIfFault(ctx context.Context, q *Quarantine, log *zap.Logger, id string, err error, devices ...string) error {
 	if !deviceFault(err) {
-		return
+		return nil
 	}
 	// Counted even when the caller's deadline is what ended the step: the
 	// failure happened, and the quarantine's lock is brief.
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), recordTimeout)
 	defer cancel()
-	added, qerr := q.Strike(ctx, id, err.Error(), devices...)
+	strike := q.Strike
+	if stateMayRemain(err) {
+		strike = q.StrikeOut
+	}
+	added, qerr := strike(ctx, id, err.Error(), devices...)
 	switch {
 	case qerr != nil:
 		log.Error("count a GPU failure toward quarantine", zap.String("instance_id", id), zap.Strings("device_ids", devices), zap.Error(qerr))
@@ -190,6 +202,7 @@ func strikeIfFault(ctx context.Context, q *Quarantine, log *zap.Logger, id strin
 		log.Warn("GPU quarantined: placement skips it until an operator clears it (vmflow-hostagent devices clear)",
 			zap.String("instance_id", id), zap.Strings("device_ids", added), zap.NamedError("cause", err))
 	}
+	return qerr
 }
 
 // succeeded ends devices' runs of failures after a step of theirs went

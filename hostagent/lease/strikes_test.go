@@ -90,13 +90,13 @@ func TestRefusalNeverStrikes(t *testing.T) {
 		_, _, err = w.Release(ctx, "vm1")
 		require.ErrorIs(t, err, lease.ErrVMAlive)
 		gone()
-		e.sim.Set(t, vgpusim.CtlFailReset, "EIO")
+		e.sim.Set(t, vgpusim.CtlFailUnbind, "EIO")
 		_, _, err = w.Release(ctx, "vm1")
-		require.ErrorIs(t, err, gpu.ErrResetFailed)
-		requireQuarantined(t, q, addr, false, "one refusal and one failed reset")
+		require.ErrorIs(t, err, gpu.ErrUnbindFailed)
+		requireQuarantined(t, q, addr, false, "one refusal and one failed unbind")
 		_, _, err = w.Release(ctx, "vm1")
-		require.ErrorIs(t, err, gpu.ErrResetFailed)
-		requireQuarantined(t, q, addr, true, "the second failed reset in a row")
+		require.ErrorIs(t, err, gpu.ErrUnbindFailed)
+		requireQuarantined(t, q, addr, true, "the second failed unbind in a row")
 	})
 }
 

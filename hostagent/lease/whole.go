@@ -37,6 +37,11 @@ type WholeConfig struct {
 	// Quarantine, if set, takes a GPU whose return failed K times out of
 	// placement.
 	Quarantine *Quarantine
+	// Scrub, if set, is --gpu-scrub: an executable run between tenants,
+	// once a released GPU is back on its host driver, with the group's
+	// PCI addresses as its arguments (no shell). Its failure quarantines
+	// the GPU at once.
+	Scrub string
 }
 
 // Whole keeps whole-GPU (passthrough) claims in the instance records, as
@@ -54,6 +59,7 @@ type Whole struct {
 	log    *zap.Logger
 	now    func() time.Time
 	quar   *Quarantine
+	scrub  string
 	// seen and scanFDs serve Scan, as Claims' do.
 	seen    scanSeen
 	scanFDs func(context.Context) (*proc.FDScan, error)
@@ -67,7 +73,7 @@ func NewWhole(cfg WholeConfig) (*Whole, error) {
 		return nil, fmt.Errorf("passthrough claims: %w: no driver or store", gpu.ErrInvalid)
 	}
 	c := Config{Store: cfg.Store, OrphanGrace: cfg.OrphanGrace, Logger: cfg.Logger, Now: cfg.Now}.WithDefaults()
-	w := &Whole{drv: cfg.Driver, st: cfg.Store, grace: c.OrphanGrace, ignore: cfg.IgnoreUninspectable, log: c.Logger, now: c.Now, quar: cfg.Quarantine,
+	w := &Whole{drv: cfg.Driver, st: cfg.Store, grace: c.OrphanGrace, ignore: cfg.IgnoreUninspectable, log: c.Logger, now: c.Now, quar: cfg.Quarantine, scrub: cfg.Scrub,
 		ledger: filepath.Join(cfg.Store.StateDir(), "passthrough-unclaimed.json"), scanFDs: proc.ScanFDs}
 	w.eng = NewEngine(EngineConfig{Store: cfg.Store, Quarantine: cfg.Quarantine, IgnoreUninspectable: cfg.IgnoreUninspectable, Logger: c.Logger, Now: c.Now})
 	w.eng.Register(w.LeaseDriver())
@@ -553,7 +559,7 @@ func (w *Whole) Reconcile(ctx context.Context) (*vmflowv1.ReconcileVGPUResult, e
 			res.Skipped++
 			continue
 		}
-		if err := w.drv.Return(ctx, b); err != nil {
+		if err := w.drv.Return(ctx, b, w.quarantineOnReset(ctx, "", b.GPUs())...); err != nil {
 			next[b.Group] = first
 			res.Failed++
 			w.log.Warn("reconcile: returning an unclaimed group failed", zap.String("iommu_group", b.Group), zap.Error(err))

@@ -34,18 +34,19 @@ func (d wholeDriver) Nodes(_ context.Context, l *vmflowv1.Lease) ([]string, erro
 }
 
 // Release resets and returns every function of the group to its recorded
-// driver; a function that no longer holds the lease's card (removed, or
+// driver, then runs the operator's scrub (scrubbed); a function that no longer holds the lease's card (removed, or
 // another card there since a reboot) counts as returned; an unbind still
 // in flight is ErrReleaseInProgress (Busy).
 func (d wholeDriver) Release(ctx context.Context, id string, l *vmflowv1.Lease) error {
-	if err := d.w.drv.Return(ctx, bindingOf(l)); err != nil {
+	if err := d.w.drv.Return(ctx, bindingOf(l), d.w.quarantineOnReset(ctx, id, store.PassthroughGPUs(l))...); err != nil {
 		return err
 	}
 	if node, err := d.w.nodeOf(l); err == nil && node == "" {
 		d.w.log.Info("whole GPU released: its card is no longer at its address (removed, or another card there since a reboot)",
 			zap.String("instance_id", id), zap.Strings("device_ids", store.PassthroughDevices(l)))
+		return nil
 	}
-	return nil
+	return d.w.scrubbed(ctx, id, l)
 }
 
 func (d wholeDriver) Devices(l *vmflowv1.Lease) []string { return store.PassthroughGPUs(l) }

@@ -80,7 +80,7 @@ type VMSpec struct {
 	// under the instance's own qcow2 overlay.
 	Disk *Disk `json:"-"`
 	// VFIO lists sysfs device paths passed through with
-	// -device vfio-pci,sysfsdev=PATH: an mdev
+	// -device vfio-pci,sysfsdev=PATH,rombar=0: an mdev
 	// (/sys/bus/mdev/devices/<uuid>), an SR-IOV VF or each function of a
 	// whole GPU's IOMMU group (/sys/bus/pci/devices/<bdf>). Absolute,
 	// clean paths.
@@ -393,7 +393,10 @@ func BuildArgv(spec VMSpec, paths Paths, fds *FDTable) ([]string, error) {
 		a = append(a, nicArgs(spec.NIC, spec.Machine, fds)...)
 	}
 	for _, p := range spec.VFIO {
-		a = append(a, "-device", "vfio-pci,sysfsdev="+optValue(p))
+		// rombar=0: the guest sees no option ROM BAR, so it cannot read a
+		// VBIOS image through QEMU nor write one back to a card the next
+		// tenant gets. Guests of vmflow boot by -kernel, not the card's ROM.
+		a = append(a, "-device", "vfio-pci,sysfsdev="+optValue(p)+",rombar=0")
 	}
 	if spec.SerialToLog {
 		// stdio rather than file:PATH: the file chardev truncates unless

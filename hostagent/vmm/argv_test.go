@@ -90,8 +90,8 @@ func TestArgv(t *testing.T) {
 				"-blockdev", "driver=file,node-name=overlay-file,filename=/dev/fdset/5",
 				"-blockdev", "driver=qcow2,node-name=disk0,file=overlay-file,backing=base",
 				"-device", "virtio-blk-pci,drive=disk0,id=vda",
-				"-device", "vfio-pci,sysfsdev=/sys/bus/mdev/devices/5e1b5c4a-2c55-4b1e-9a34-7d0c3f2a9b10",
-				"-device", "vfio-pci,sysfsdev=/sys/bus/pci/devices/0000:41:00.4"},
+				"-device", "vfio-pci,sysfsdev=/sys/bus/mdev/devices/5e1b5c4a-2c55-4b1e-9a34-7d0c3f2a9b10,rombar=0",
+				"-device", "vfio-pci,sysfsdev=/sys/bus/pci/devices/0000:41:00.4,rombar=0"},
 		},
 		{
 			// A whole GPU on real hardware: each function of its IOMMU
@@ -104,8 +104,8 @@ func TestArgv(t *testing.T) {
 				return s
 			}(),
 			want: []string{"-m", "4096", "-smp", "4",
-				"-device", "vfio-pci,sysfsdev=/sys/bus/pci/devices/0000:82:00.0",
-				"-device", "vfio-pci,sysfsdev=/sys/bus/pci/devices/0000:82:00.1"},
+				"-device", "vfio-pci,sysfsdev=/sys/bus/pci/devices/0000:82:00.0,rombar=0",
+				"-device", "vfio-pci,sysfsdev=/sys/bus/pci/devices/0000:82:00.1,rombar=0"},
 		},
 		{
 			name: "microvm disk is virtio-mmio",

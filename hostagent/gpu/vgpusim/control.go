@@ -35,6 +35,12 @@ const (
 	// block, holding its device lock as a slow driver probe does, until
 	// it is removed.
 	CtlBlockProbe = "block-probe"
+	// CtlNoIntRemap clears the IOMMU's interrupt-remapping capability
+	// (ecap bit 3), as on a host without it.
+	CtlNoIntRemap = "no-intremap"
+	// CtlUnsafeInterrupts sets vfio_iommu_type1's
+	// allow_unsafe_interrupts to Y.
+	CtlUnsafeInterrupts = "unsafe-interrupts"
 )
 
 // At names the per-device form of a PCI control file (CtlFailUnbind,

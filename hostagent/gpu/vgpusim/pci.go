@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -120,6 +121,7 @@ func (s *Server) buildPCI(ctx context.Context, pci *fs.Inode) {
 	addFile(ctx, mkpath(ctx, s.root, "bus", "pci"), "drivers_probe", woAttr(func(ctx context.Context, b []byte) syscall.Errno {
 		return s.pciProbe(b)
 	}))
+	s.buildIOMMU(ctx)
 	s.pci = map[string]*pciFn{}
 	for i := 0; i < s.opts.PCIGPUs; i++ {
 		g := PCIGPUAt(i)
@@ -132,7 +134,8 @@ func (s *Server) buildPCI(ctx context.Context, pci *fs.Inode) {
 		if i%4 == 1 {
 			cls = 0x030000 // a VGA controller, as cards with outputs are
 		}
-		s.addPCIFn(ctx, pci, &pciFn{addr: g.GPU, vendor: vendor, device: device, class: cls, group: group, minor: i, driver: DrvNvidia, serial: g.Serial}, true)
+		s.addPCIFn(ctx, pci, &pciFn{addr: g.GPU, vendor: vendor, device: device, class: cls, group: group, minor: i, driver: DrvNvidia, serial: g.Serial},
+			!slices.Contains(s.opts.PCINoReset, i))
 		if g.Audio != "" {
 			s.addPCIFn(ctx, pci, &pciFn{addr: g.Audio, vendor: "10de", device: "22ba", class: 0x040300, group: group, minor: -1, driver: DrvHDA}, false)
 		}
@@ -171,6 +174,7 @@ func (s *Server) addPCIFn(ctx context.Context, pci *fs.Inode, f *pciFn, reset bo
 	))
 	if reset {
 		addFile(ctx, f.dir, "reset", woAttr(func(ctx context.Context, b []byte) syscall.Errno { return s.pciReset(f, b) }))
+		addFile(ctx, f.dir, "reset_method", roAttr(func() string { return "flr bus\n" }))
 	}
 	s.addGroupLocked(ctx, f.dir, f.group, f.addr, "bus/pci/devices/"+f.addr)
 	s.attachLocked(ctx, f, f.driver)
@@ -557,4 +561,26 @@ func (s *Server) PCIGroup(addr string) string {
 		return strconv.Itoa(f.group)
 	}
 	return ""
+}
+
+// buildIOMMU gives the host an Intel IOMMU with interrupt remapping
+// (class/iommu/dmar0/intel-iommu/ecap, bit 3) and vfio_iommu_type1's
+// allow_unsafe_interrupts parameter, which the passthrough driver checks
+// before it offers a GPU. CtlNoIntRemap and CtlUnsafeInterrupts flip them
+// while they exist, as a host booted with intremap=off or with the module
+// option set would show them.
+func (s *Server) buildIOMMU(ctx context.Context) {
+	addFile(ctx, mkpath(ctx, s.root, "class", "iommu", "dmar0", "intel-iommu"), "ecap", roAttr(func() string {
+		ecap := uint64(0xf0205e)
+		if s.ctl.exists(CtlNoIntRemap) {
+			ecap &^= 1 << 3
+		}
+		return fmt.Sprintf("%x\n", ecap)
+	}))
+	addFile(ctx, mkpath(ctx, s.root, "module", "vfio_iommu_type1", "parameters"), "allow_unsafe_interrupts", roAttr(func() string {
+		if s.ctl.exists(CtlUnsafeInterrupts) {
+			return "Y\n"
+		}
+		return "N\n"
+	}))
 }

@@ -103,6 +103,11 @@ type Options struct {
 	// j's IOMMU group, for each i: j: GPUs behind one switch without ACS,
 	// which only travel together.
 	PCIGroupWith map[int]int
+	// PCINoReset lists PCI GPUs (by index) whose display function has no
+	// reset method: the kernel shows neither reset nor reset_method for
+	// it, and vmflow must not offer it (a tenant's state would reach the
+	// next).
+	PCINoReset []int
 }
 
 // Server is a mounted simulator.
@@ -143,6 +148,11 @@ func Mount(dir string, opts Options) (*Server, error) {
 	}
 	if opts.PCIGPUs < 0 || opts.PCIGPUs > MaxPCIGPUs {
 		return nil, fmt.Errorf("vgpusim: PCI GPUs %d out of range 0..%d", opts.PCIGPUs, MaxPCIGPUs)
+	}
+	for _, i := range opts.PCINoReset {
+		if i < 0 || i >= opts.PCIGPUs {
+			return nil, fmt.Errorf("vgpusim: PCI GPU %d without reset: no such GPU of %d", i, opts.PCIGPUs)
+		}
 	}
 	for i, j := range opts.PCIGroupWith {
 		if i == j || i < 0 || j < 0 || i >= opts.PCIGPUs || j >= opts.PCIGPUs {
