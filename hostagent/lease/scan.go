@@ -59,17 +59,7 @@ type scanSeen struct {
 // minute. A delete in progress shows for a moment: act on what two scans saw (Due).
 func (c *Claims) Scan(ctx context.Context) (Work, error) {
 	return scanRecords(ctx, c.st, c.scanFDs, func(r *vmflowv1.InstanceRecord, holders holdersFunc) string {
-		switch roundFor(r) {
-		case roundWake:
-			return "wake:" + r.GetId()
-		case roundRelease:
-			if slices.ContainsFunc(store.HeldVGPUs(r), func(l *vmflowv1.Lease) bool {
-				return c.eng.mayRelease(ctx, r, c.LeaseDriver(), l, holders) == nil
-			}) {
-				return "release:" + r.GetId()
-			}
-		}
-		return ""
+		return scanItem(ctx, c.eng, c.LeaseDriver(), r, holders)
 	}, func(recs []*vmflowv1.InstanceRecord, holders holdersFunc) ([]string, error) {
 		return c.scanOrphans(ctx, heldDevices(recs, "", "", c.drv.Kind()), holders)
 	})
@@ -150,16 +140,7 @@ func (s *scanSeen) set(next map[string]time.Time) {
 // the grace. As Claims.Scan: no lock, no write, no Temporal call.
 func (w *Whole) Scan(ctx context.Context) (Work, error) {
 	return scanRecords(ctx, w.st, w.scanFDs, func(r *vmflowv1.InstanceRecord, holders holdersFunc) string {
-		held := store.HeldPassthrough(r)
-		if len(held) == 0 || !store.IsDeleting(r) {
-			return ""
-		}
-		if slices.ContainsFunc(held, func(l *vmflowv1.Lease) bool {
-			return w.eng.mayRelease(ctx, r, w.LeaseDriver(), l, holders) == nil
-		}) {
-			return "release:" + r.GetId()
-		}
-		return ""
+		return scanItem(ctx, w.eng, w.LeaseDriver(), r, holders)
 	}, func(recs []*vmflowv1.InstanceRecord, holders holdersFunc) ([]string, error) {
 		return w.scanOrphans(ctx, heldGroups(recs, "", ""), holders)
 	})

@@ -512,24 +512,7 @@ func (w *Whole) Reconcile(ctx context.Context) (*vmflowv1.ReconcileVGPUResult, e
 		return res, fmt.Errorf("reconcile whole GPUs: list records: %w", listErr)
 	}
 	res.UnreadableRecords = uint32(len(bad))
-	for _, r := range recs {
-		if len(store.HeldPassthrough(r)) == 0 {
-			continue
-		}
-		if !store.IsDeleting(r) {
-			res.Skipped++
-			continue
-		}
-		released, devs, err := w.Release(ctx, r.GetId())
-		switch {
-		case err != nil:
-			res.Failed++
-			w.log.Info("reconcile: whole GPU not released", zap.String("instance_id", r.GetId()), zap.Strings("device_ids", devs), zap.Error(err))
-		case released:
-			res.ClaimsReleased++
-			res.RetriedDeletes = append(res.RetriedDeletes, r.GetId())
-		}
-	}
+	releaseRound(ctx, w.log, recs, store.KindPassthrough, w.Release, res)
 	if listErr != nil {
 		return res, nil // an unreadable record may name any group
 	}
@@ -542,33 +525,18 @@ func (w *Whole) Reconcile(ctx context.Context) (*vmflowv1.ReconcileVGPUResult, e
 		return res, err
 	}
 	claimed := claimedGroups(marked, heldGroups(recs, "", ""))
-	now := w.now()
-	next := map[string]time.Time{}
+	var orphans []orphan
 	for _, b := range marked {
 		if _, ok := claimed[b.Group]; ok {
 			continue
 		}
-		first := w.seen.since(seen, b.Group, now)
-		if now.Sub(first) < w.grace {
-			next[b.Group] = first
-			res.Skipped++
-			continue
-		}
-		if err := nodeFree(ctx, w.drv.VFIONode(b.Group), proc.Holders, w.ignore); err != nil {
-			next[b.Group] = first
-			res.Skipped++
-			continue
-		}
-		if err := w.drv.Return(ctx, b, w.quarantineOnReset(ctx, "", b.GPUs())...); err != nil {
-			next[b.Group] = first
-			res.Failed++
-			w.log.Warn("reconcile: returning an unclaimed group failed", zap.String("iommu_group", b.Group), zap.Error(err))
-			continue
-		}
-		res.OrphansRemoved++
-		w.log.Info("reconcile: unclaimed group returned to its drivers", zap.String("iommu_group", b.Group),
-			zap.String("functions", strings.Join(b.Addrs(), " ")), zap.Duration("unclaimed_for", now.Sub(first)))
+		orphans = append(orphans, orphan{id: b.Group,
+			free: func(ctx context.Context) error { return nodeFree(ctx, w.drv.VFIONode(b.Group), proc.Holders, w.ignore) },
+			remove: func(ctx context.Context) error {
+				return w.drv.Return(ctx, b, w.quarantineOnReset(ctx, "", b.GPUs())...)
+			},
+			log: []zap.Field{zap.String("iommu_group", b.Group), zap.String("functions", strings.Join(b.Addrs(), " "))}})
 	}
-	w.seen.set(next) // as Claims.Reconcile: a returned group starts its grace again
+	next := sweepOrphans(ctx, w.log, &w.seen, seen, w.now(), w.grace, orphans, res)
 	return res, saveLedger(w.ledger, next)
 }

@@ -386,3 +386,35 @@ func TestWholeRetriedClaimCardGone(t *testing.T) {
 	require.NoError(t, err)
 	assert.Empty(t, qm, "no strike for a card that is gone")
 }
+
+// TestWholeReconcileWakesAReleasedDelete: a reconcile round reads a
+// record's whole-GPU leases as it reads vGPU ones (roundFor, one rule): a
+// deleting record whose lease a round released is woken by the next round
+// too, in case the first died before its wake-up reached the delete, and
+// the scan says so. Before, the whole-GPU round skipped a record with no
+// held lease, and its delete waited out its backoff.
+func TestWholeReconcileWakesAReleasedDelete(t *testing.T) {
+	e := newWhole(t, 1)
+	ctx := context.Background()
+	e.record(t, "vm1", 1)
+	_, err := e.whole.Claim(ctx, "vm1", "", 1)
+	require.NoError(t, err)
+	res, err := e.whole.Reconcile(ctx)
+	require.NoError(t, err)
+	assert.EqualValues(t, 1, res.GetSkipped(), "a lease a live instance holds is left alone")
+	assert.Empty(t, res.GetRetriedDeletes())
+
+	e.beginDelete(t, "vm1")
+	res, err = e.whole.Reconcile(ctx)
+	require.NoError(t, err)
+	assert.EqualValues(t, 1, res.GetClaimsReleased())
+	assert.Equal(t, []string{"vm1"}, res.GetRetriedDeletes())
+
+	res, err = e.whole.Reconcile(ctx)
+	require.NoError(t, err)
+	assert.Zero(t, res.GetClaimsReleased())
+	assert.Equal(t, []string{"vm1"}, res.GetRetriedDeletes(), "a lost wake-up is sent again")
+	w, err := e.whole.Scan(ctx)
+	require.NoError(t, err)
+	assert.Equal(t, []string{"wake:vm1"}, w.Items)
+}
