@@ -77,7 +77,7 @@ func TestAgentWithoutDriverNeverReleasesSilently(t *testing.T) {
 	e.agent.Start(t)
 	waitFor(t, 30*time.Second, "start log names the unserved claim", func() (bool, string) {
 		for _, l := range strings.Split(e.agent.Tail(1<<20), "\n") {
-			if strings.Contains(l, "no vGPU driver") && strings.Contains(l, id) {
+			if strings.Contains(l, "no driver for") && strings.Contains(l, id) {
 				return true, ""
 			}
 		}

@@ -201,7 +201,7 @@ func TestWebUIShowsStuckDelete(t *testing.T) {
 			return false, err.Error()
 		}
 		for _, pa := range desc.RawResponse.GetPendingActivities() {
-			if pa.GetActivityType().GetName() != workflows.ActivityReleaseVGPU || pa.GetLastFailure() == nil {
+			if pa.GetActivityType().GetName() != workflows.ActivityReleaseLeases || pa.GetLastFailure() == nil {
 				continue
 			}
 			if !blocked {

@@ -7,11 +7,13 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+
+	"vmflow/internal/errdefs"
 )
 
 // ErrUnsafeIOMMU: the host's IOMMU does not keep a passed-through GPU to
 // its guest (IOMMUUnsafe says why); no whole GPU is offered or bound.
-var ErrUnsafeIOMMU = fmt.Errorf("vgpu: the host's IOMMU does not isolate a passed-through GPU: %w", ErrGroupNotViable)
+var ErrUnsafeIOMMU = errdefs.Refused.New("gpu: the host's IOMMU does not isolate a passed-through GPU")
 
 // intelECapIR is the Interrupt Remapping bit of an Intel IOMMU's extended
 // capability register (VT-d specification, 11.4.3), which sysfs shows in

@@ -80,7 +80,7 @@ func sentinels(t *testing.T, path string) []sentinelDecl {
 				if i < len(vs.Values) {
 					value = vs.Values[i]
 				}
-				out = append(out, sentinelDecl{name: name.Name, pos: fset.Position(name.Pos()), classified: local != "" && isClassified(value, local)})
+				out = append(out, sentinelDecl{name: name.Name, pos: fset.Position(name.Pos()), classified: isAlias(value) || (local != "" && isClassified(value, local))})
 			}
 		}
 	}
@@ -90,6 +90,18 @@ func sentinels(t *testing.T, path string) []sentinelDecl {
 func isSentinelName(name string) bool {
 	rest, ok := strings.CutPrefix(name, "Err")
 	return ok && rest != "" && strings.ToUpper(rest[:1]) == rest[:1]
+}
+
+// isAlias reports whether e names another package's sentinel
+// (network.ErrVMAlive = lease.ErrVMAlive): one value, classified where it
+// is declared, which this walk checks too when it is under hostagent/.
+func isAlias(e ast.Expr) bool {
+	sel, ok := e.(*ast.SelectorExpr)
+	if !ok {
+		return false
+	}
+	_, pkg := sel.X.(*ast.Ident)
+	return pkg && isSentinelName(sel.Sel.Name)
 }
 
 // isClassified reports whether e is errdefs.<Class>.New(...) or
