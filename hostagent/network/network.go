@@ -11,11 +11,9 @@ package network
 
 import (
 	"context"
-	"crypto/sha256"
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"net"
 	"net/netip"
 	"path/filepath"
 	"strings"
@@ -132,6 +130,8 @@ type Net struct {
 	// of the records and its removals: where a placement would race it.
 	afterList func()
 	gmu       sync.Mutex // orders changes of the guard's set (guard.go)
+	kmu       sync.Mutex // guards key
+	key       []byte     // the host's MAC key once read (mackey.go), under kmu
 }
 
 // New checks cfg and opens a netlink handle in its namespace. It changes
@@ -229,15 +229,6 @@ func checkIfName(field, name string) error {
 func TAPName(addr netip.Addr) string {
 	b := addr.As4()
 	return fmt.Sprintf("%s%08x", TAPPrefix, binary.BigEndian.Uint32(b[:]))
-}
-
-// MAC is the guest NIC's MAC for instance id and attempt (0 first; the next
-// when a held lease of another instance has it): locally administered,
-// unicast, stable across restarts and reboots because the lease keeps it.
-func MAC(id string, attempt int) string {
-	sum := sha256.Sum256(fmt.Appendf(nil, "vmflow-mac\x00%s\x00%d", id, attempt))
-	hw := net.HardwareAddr{0x02, sum[0], sum[1], sum[2], sum[3], sum[4]}
-	return hw.String()
 }
 
 // hostLock takes the host-wide placement lock: two launches never pick one
