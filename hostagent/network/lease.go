@@ -91,7 +91,7 @@ func (n *Net) AttachLocked(ctx context.Context, l *store.Locked, uid uint32) (At
 	if err := n.EnsureBridge(ctx); err != nil {
 		return Attachment{}, fmt.Errorf("attach network of %s: %w", l.ID(), err)
 	}
-	if err := n.ensureTAP(nl.TAP, uid); err != nil {
+	if err := n.ensureTAP(nl, uid); err != nil {
 		return Attachment{}, fmt.Errorf("attach network of %s: %w", l.ID(), err)
 	}
 	crashpoint.Hit(crashpoint.NetTAPCreated)

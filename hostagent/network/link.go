@@ -24,20 +24,33 @@ func notFound(err error) bool {
 
 // EnsureBridge makes the host's bridge when it is missing, gives it the
 // gateway address when it has not (after a reboot, or a hand removed it)
-// and brings it up. Idempotent; a link of that name that is no bridge is
-// refused (ErrMisconfigured), never changed.
+// and brings it up. Its MAC is pinned to the host's (bridgeMAC): a bridge
+// whose MAC no one set takes the lowest of its ports' and changes as
+// guests come and go, and every change flushes the gateway's neighbour
+// entries and leaves the guests' ARP entries for the gateway stale. Its
+// learned FDB entries are bounded (fdbMaxLearned) where the kernel can.
+// Idempotent; a link of that name that is no bridge is refused
+// (ErrMisconfigured), never changed.
 func (n *Net) EnsureBridge(ctx context.Context) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("ensure bridge %s: %w", n.cfg.Bridge, err)
 	}
+	key, err := n.MACKey(ctx)
+	if err != nil {
+		return fmt.Errorf("ensure bridge %s: %w", n.cfg.Bridge, err)
+	}
+	mac := bridgeMAC(key, n.cfg.Bridge)
 	br, err := n.h.LinkByName(n.cfg.Bridge)
 	if notFound(err) {
 		la := netlink.NewLinkAttrs()
 		la.Name = n.cfg.Bridge
+		// Made with its MAC: the kernel marks an address given at
+		// creation as set, and never replaces it with a port's.
+		la.HardwareAddr = mac
 		if err := n.h.LinkAdd(&netlink.Bridge{LinkAttrs: la}); err != nil && !errors.Is(err, unix.EEXIST) {
 			return fmt.Errorf("create bridge %s: %w", n.cfg.Bridge, err)
 		}
-		n.cfg.Logger.Info("bridge created", zap.String("bridge", n.cfg.Bridge))
+		n.cfg.Logger.Info("bridge created", zap.String("bridge", n.cfg.Bridge), zap.String("mac", mac.String()))
 		br, err = n.h.LinkByName(n.cfg.Bridge)
 	}
 	if err != nil {
@@ -45,6 +58,21 @@ func (n *Net) EnsureBridge(ctx context.Context) error {
 	}
 	if br.Type() != "bridge" {
 		return fmt.Errorf("%w: link %s is a %s, not a bridge", ErrMisconfigured, n.cfg.Bridge, br.Type())
+	}
+	// Set only when it differs: setting a MAC, even the same, flushes
+	// the bridge's neighbour entries (measured here). A bridge with the
+	// host's MAC got it from here: netlink does not say whether an
+	// address is set or the kernel's choice, and the kernel's (random,
+	// or a port's) is the host's only by a 2^-40 chance.
+	if old := br.Attrs().HardwareAddr; old.String() != mac.String() {
+		if err := n.h.LinkSetHardwareAddr(br, mac); err != nil {
+			return fmt.Errorf("ensure bridge %s: pin its MAC %s: %w", n.cfg.Bridge, mac, err)
+		}
+		n.cfg.Logger.Warn("bridge MAC pinned (guests re-learn the gateway's by ARP)", zap.String("bridge", n.cfg.Bridge),
+			zap.String("was", old.String()), zap.String("mac", mac.String()))
+	}
+	if err := n.bridgeSettings(br); err != nil {
+		return fmt.Errorf("ensure bridge %s: %w", n.cfg.Bridge, err)
 	}
 	want := &net.IPNet{IP: n.gateway.AsSlice(), Mask: net.CIDRMask(n.cfg.Subnet.Bits(), 32)}
 	addrs, err := n.h.AddrList(br, netlink.FAMILY_V4)
@@ -86,12 +114,16 @@ func (n *Net) tap(name string) (*netlink.Tuntap, error) {
 	return t, nil
 }
 
-// ensureTAP makes the TAP name when it is missing (owned by uid, so no
-// other uid can attach to it), or again when it is owned by another uid (a
-// lease's TAP whose VM was given a new uid); then makes it a port of the
-// bridge, isolated from the other ports (guests reach the gateway, not each
-// other), and up. Idempotent.
-func (n *Net) ensureTAP(name string, uid uint32) error {
+// ensureTAP makes the TAP of lease l when it is missing (owned by uid, so
+// no other uid can attach to it), or again when it is owned by another uid
+// (a lease's TAP whose VM was given a new uid); then makes it a guest's
+// port of the bridge (setupPort). Idempotent.
+func (n *Net) ensureTAP(l Lease, uid uint32) error {
+	name := l.TAP
+	mac, err := net.ParseMAC(l.MAC)
+	if err != nil || len(mac) != 6 {
+		return fmt.Errorf("%w: lease mac %q", ErrInvalid, l.MAC)
+	}
 	t, err := n.tap(name)
 	if err != nil {
 		return err
@@ -117,19 +149,29 @@ func (n *Net) ensureTAP(name string, uid uint32) error {
 	if err != nil {
 		return fmt.Errorf("attach %s: bridge %s: %w", name, n.cfg.Bridge, err)
 	}
-	return n.setupPort(t, br)
+	return n.setupPort(t, br, mac)
 }
 
-// setupPort makes t a port of the bridge br, isolated from the other ports
-// (guests reach the gateway, not each other), and up: the one port setup,
-// for a launch and for the reconcile that puts a detached port back.
-func (n *Net) setupPort(t netlink.Link, br netlink.Link) error {
+// setupPort makes t a guest's port of the bridge br for the guest NIC's
+// mac, and up: the one port setup, for a launch and for the reconcile
+// that puts a detached or altered port back. The port is isolated from
+// the other ports (guests reach the gateway, not each other), learns
+// nothing and is flooded nothing (guestPortFlags), and the bridge knows
+// mac on it by a static, sticky FDB entry, which leaving the bridge
+// removes (so it is made again here each time).
+func (n *Net) setupPort(t netlink.Link, br netlink.Link, mac net.HardwareAddr) error {
 	name := t.Attrs().Name
 	if err := n.h.LinkSetMasterByIndex(t, br.Attrs().Index); err != nil {
 		return fmt.Errorf("attach %s to %s: %w", name, n.cfg.Bridge, err)
 	}
-	if err := n.h.LinkSetIsolated(t, true); err != nil {
+	// A frame in the instant between the two steps may be learnt, at
+	// worst: no guest's entry moves (they are sticky), and learnt ones
+	// age out.
+	if err := n.setGuestPort(t.Attrs().Index); err != nil {
 		return fmt.Errorf("isolate %s: %w", name, err)
+	}
+	if err := n.h.NeighSet(guestFDB(t.Attrs().Index, mac)); err != nil {
+		return fmt.Errorf("fdb entry of %s on %s: %w", mac, name, err)
 	}
 	if err := n.h.LinkSetUp(t); err != nil {
 		return fmt.Errorf("up %s: %w", name, err)

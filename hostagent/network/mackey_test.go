@@ -3,6 +3,7 @@ package network_test
 import (
 	"context"
 	"fmt"
+	"net"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -50,11 +51,13 @@ func TestGuestMACIsTheHostsSecret(t *testing.T) {
 	b, err := other.attach(t, "vm-a", 1_900_000_001)
 	require.NoError(t, err)
 	assert.NotEqual(t, a.MAC, b.MAC, "the id alone does not give the MAC")
+	assert.NotEqual(t, e.link(t, network.DefaultBridge).Attrs().HardwareAddr.String(),
+		other.link(t, network.DefaultBridge).Attrs().HardwareAddr.String(), "nor the bridge's")
 }
 
 // TestLeaseKeepsItsRecordedMAC: a lease placed before the key existed (its
-// MAC the unkeyed hash) keeps its MAC: its NIC is made from the record,
-// never derived again.
+// MAC the unkeyed hash) keeps its MAC: its NIC, its guard element and its
+// FDB entry are made from the record, never derived again.
 func TestLeaseKeepsItsRecordedMAC(t *testing.T) {
 	e := newEnv(t, subnet)
 	e.record(t, "vm-old")
@@ -70,6 +73,9 @@ func TestLeaseKeepsItsRecordedMAC(t *testing.T) {
 	a, err := e.attach(t, "vm-old", 1_900_000_001)
 	require.NoError(t, err)
 	assert.Equal(t, old, a.MAC)
+	mac, _ := net.ParseMAC(old)
+	assert.Equal(t, []string{network.TAPName(netip.MustParseAddr("10.88.0.9"))}, e.fdbPorts(t, mac))
+	assert.True(t, network.GuestPortWhole(t, e.net, network.TAPName(netip.MustParseAddr("10.88.0.9")), mac))
 }
 
 // TestUnusableMACKeyRefusesPlacement: a key others may read, or that is not

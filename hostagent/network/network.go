@@ -132,6 +132,7 @@ type Net struct {
 	gmu       sync.Mutex // orders changes of the guard's set (guard.go)
 	kmu       sync.Mutex // guards key
 	key       []byte     // the host's MAC key once read (mackey.go), under kmu
+	fdbOnce   sync.Once  // says once that the kernel has no FDB bound (l2.go)
 }
 
 // New checks cfg and opens a netlink handle in its namespace. It changes
