@@ -57,9 +57,9 @@ func GuardChain(t *testing.T, n *Net) (rules int, drops uint64) {
 	tb := n.guardTable()
 	rs, err := c.GetRules(tb, &nftables.Chain{Name: guardChain, Table: tb})
 	require.NoError(t, err)
-	drops, err = n.FilterDropped()
+	d, err := n.FilterDropped()
 	require.NoError(t, err)
-	return len(rs), drops
+	return len(rs), d.Spoofed
 }
 
 // CutGuardChain deletes the last rule of n's guard chain (a hand's edit).

@@ -67,6 +67,12 @@ const (
 	// reconcile removes it: an operator who made one by hand, or is
 	// repairing a record, sees it named in the log first.
 	DefaultOrphanGrace = 5 * time.Minute
+	// DefaultPortPPS is each guest port's frames a second: enough for a
+	// guest's bulk TCP (QEMU hands the bridge segments of up to 64 KiB,
+	// one frame each: 10 Gbit/s is about 20,000) and for small-packet
+	// traffic of about 1 Gbit/s at 1,200 bytes, while a flood of minimum
+	// frames from one guest is cut to a bounded share of the host.
+	DefaultPortPPS = 100_000
 	// netlinkTimeout bounds every netlink request's send and receive.
 	netlinkTimeout = 10 * time.Second
 	// lockFile is the host-wide placement lock, in the state dir.
@@ -92,6 +98,10 @@ type Config struct {
 	NetNS string
 	// Store holds the records whose leases name the addresses.
 	Store *store.Store
+	// PortPPS bounds the frames a second each guest's TAP may send into
+	// the bridge (DefaultPortPPS when 0); over it frames are dropped and
+	// counted (guard.go).
+	PortPPS uint32
 	// OrphanGrace: see DefaultOrphanGrace.
 	OrphanGrace time.Duration
 	Logger      *zap.Logger
@@ -103,6 +113,9 @@ type Config struct {
 func (c Config) WithDefaults() Config {
 	if c.Bridge == "" {
 		c.Bridge = DefaultBridge
+	}
+	if c.PortPPS == 0 {
+		c.PortPPS = DefaultPortPPS
 	}
 	if c.OrphanGrace <= 0 {
 		c.OrphanGrace = DefaultOrphanGrace
