@@ -82,3 +82,14 @@ func PortFloods(t *testing.T, n *Net, tap string) (unicast, multicast, broadcast
 	f := ps.flags[l.Attrs().Index]
 	return f[unix.IFLA_BRPORT_UNICAST_FLOOD] == 1, f[unix.IFLA_BRPORT_MCAST_FLOOD] == 1, f[unix.IFLA_BRPORT_BCAST_FLOOD] == 1
 }
+
+// SetupGuestPort makes the link named port (a veth standing for a guest's
+// TAP) a guest's port of the bridge for mac, as a launch makes a TAP one.
+func SetupGuestPort(t *testing.T, n *Net, port string, mac net.HardwareAddr) {
+	t.Helper()
+	l, err := n.h.LinkByName(port)
+	require.NoError(t, err)
+	br, err := n.h.LinkByName(n.cfg.Bridge)
+	require.NoError(t, err)
+	require.NoError(t, n.setupPort(l, br, mac))
+}

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/netip"
 	"os"
 	"testing"
 	"time"
@@ -392,4 +393,30 @@ func TestReconcileRestoresAnAlteredPort(t *testing.T) {
 	round, err = e.net.ReconcileTAPs(ctx)
 	require.NoError(t, err)
 	assert.Empty(t, round.Reattached)
+}
+
+// TestGatewayAndGuestStillTalk: with learning and flooding off, the kernel's
+// own ARP still works both ways between the gateway and a guest (here a
+// namespace behind a veth set up as a guest's port): the gateway's ARP
+// request is a broadcast of the bridge's own, which the ports' flood flags
+// exempt, and its frames to the guest find the static entry.
+func TestGatewayAndGuestStillTalk(t *testing.T) {
+	e := newEnv(t, subnet)
+	ctx := context.Background()
+	require.NoError(t, e.net.EnsureBridge(ctx))
+	require.NoError(t, e.net.RebuildGuard(ctx))
+	guestNS := nettest.Namespace(t)
+	addr := netip.MustParseAddr("10.88.0.2")
+	port := network.TAPName(addr)
+	nettest.Veth(t, e.ns, port, netip.Prefix{}, guestNS, "eth0", netip.PrefixFrom(addr, 24))
+	nettest.Up(t, guestNS, "lo", netip.Prefix{})
+	mac := nettest.Link(t, nettest.Handle(t, guestNS), "eth0").Attrs().HardwareAddr
+	network.SetupGuestPort(t, e.net, port, mac)
+	network.EditGuard(t, e.net, [3]string{port, mac.String(), addr.String()})
+	require.True(t, network.GuestPortWhole(t, e.net, port, mac))
+
+	inGuest, _ := nettest.Listen(t, guestNS, addr)
+	assert.NoError(t, nettest.Dial(t, e.ns, inGuest, 5*time.Second), "the gateway reaches the guest")
+	onGateway, _ := nettest.Listen(t, e.ns, netip.MustParseAddr("10.88.0.1"))
+	assert.NoError(t, nettest.Dial(t, guestNS, onGateway, 5*time.Second), "the guest reaches the gateway")
 }
