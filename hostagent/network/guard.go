@@ -34,10 +34,12 @@ import (
 // Config.PortPPS a second (issue 32, finding 6): a per-port token bucket
 // (a meter: the rate set holds one limit per port name) drops and counts
 // what is over it, so a guest flooding the bridge costs the host a bounded
-// share of its time and leaves its neighbours' buckets alone. Link-local
-// frames (01:80:c2:00:00:0x) never reach this hook: the bridge hands them
-// to the host's stack on the TAP, where the host-path filter drops them
-// (hostpath.go).
+// share of its time and leaves its neighbours' buckets alone. LLDP and STP
+// group frames (01:80:c2:00:00:0e and :00) never reach this hook: the
+// bridge hands them to the host's stack on the TAP itself, where nothing
+// takes them (and the host-path filter, hostpath.go, drops any IP in
+// them); a guest flooding those costs the host its TAP's receive path, as
+// bounded as its QEMU's CPU share.
 //
 // The set holds one element per held network lease, derived from the
 // records: AttachLocked adds the lease's before it makes the TAP, Release

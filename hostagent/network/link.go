@@ -168,7 +168,7 @@ func (n *Net) setupPort(t netlink.Link, br netlink.Link, mac net.HardwareAddr) e
 	// worst: no guest's entry moves (they are sticky), and learnt ones
 	// age out.
 	if err := n.setGuestPort(t.Attrs().Index); err != nil {
-		return fmt.Errorf("isolate %s: %w", name, err)
+		return fmt.Errorf("guest port settings of %s: %w", name, err)
 	}
 	if err := n.h.NeighSet(guestFDB(t.Attrs().Index, mac)); err != nil {
 		return fmt.Errorf("fdb entry of %s on %s: %w", mac, name, err)

@@ -1,7 +1,9 @@
 // Package network puts VMs on their host's network: one bridge per host
-// (the guests' gateway, on the first address of the host's subnet), a TAP per
-// VM that is a port of it (owned by the VM's uid, isolated from the other
-// ports), an address per VM from the subnet, and optional egress NAT. A VM's
+// (the guests' gateway, on the first address of the host's subnet, its MAC
+// pinned), a TAP per VM that is a port of it (owned by the VM's uid,
+// isolated from the other ports, learning nothing, flooded nothing, its
+// guest's MAC a static FDB entry; l2.go), an address per VM from the
+// subnet, and optional egress NAT. A VM's
 // TAP, MAC and address are a lease in its record (store.KindNetwork),
 // written before the TAP exists and held until the TAP is removed after the
 // VM's thread group is gone; an address is named by at most one record on

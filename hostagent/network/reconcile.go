@@ -17,17 +17,19 @@ import (
 type TAPRound struct {
 	// Removed are the unleased TAPs removed, past their grace.
 	Removed []string
-	// Reattached are the leased TAPs put back on the bridge (a hand or a
-	// tool deleted the bridge, or moved the port).
+	// Reattached are the leased TAPs set up again as guests' ports: put
+	// back on the bridge (a hand or a tool deleted the bridge, or moved
+	// the port), or given back their port settings or static FDB entry (a
+	// hand changed them).
 	Reattached []string
 }
 
 // ReconcileTAPs rebuilds the anti-spoofing filter from the records
 // (RebuildGuard) and makes the bridge again when it is gone
-// (EnsureBridge); puts every leased TAP that is not a port of the bridge
-// back on it; then removes the TAPs (named with TAPPrefix) that no
-// record's held lease names once they have been seen unleased for the
-// orphan grace. The agent writes a lease before it makes its TAP, so these
+// (EnsureBridge); sets every leased TAP that is not a whole guest's port
+// of the bridge up again (reattach); then removes the TAPs (named with
+// TAPPrefix) that no record's held lease names once they have been seen
+// unleased for the orphan grace. The agent writes a lease before it makes its TAP, so these
 // are TAPs of a record removed by hand, or made by a hand. The records are
 // read and the TAPs removed under the placement lock, so a lease placed
 // meanwhile is either seen (its TAP kept) or placed after the removal (its
