@@ -399,7 +399,9 @@ func TestReconcileRestoresAnAlteredPort(t *testing.T) {
 // own ARP still works both ways between the gateway and a guest (here a
 // namespace behind a veth set up as a guest's port): the gateway's ARP
 // request is a broadcast of the bridge's own, which the ports' flood flags
-// exempt, and its frames to the guest find the static entry.
+// exempt, and its frames to the guest find the static entry. When the
+// bridge's MAC is pinned anew, the guest's kernel takes it from the
+// gateway's announcement.
 func TestGatewayAndGuestStillTalk(t *testing.T) {
 	e := newEnv(t, subnet)
 	ctx := context.Background()
@@ -419,4 +421,83 @@ func TestGatewayAndGuestStillTalk(t *testing.T) {
 	assert.NoError(t, nettest.Dial(t, e.ns, inGuest, 5*time.Second), "the gateway reaches the guest")
 	onGateway, _ := nettest.Listen(t, e.ns, netip.MustParseAddr("10.88.0.1"))
 	assert.NoError(t, nettest.Dial(t, guestNS, onGateway, 5*time.Second), "the guest reaches the gateway")
+
+	// The bridge had another MAC, which the guest learnt (an older
+	// agent's bridge); pinned anew, the guest's ARP entry follows at once.
+	br := e.link(t, network.DefaultBridge)
+	pinned := br.Attrs().HardwareAddr
+	require.NoError(t, e.h.LinkSetHardwareAddr(br, randomMAC(t)))
+	gh := nettest.Handle(t, guestNS)
+	gatewayEntry := func() *netlink.Neigh {
+		t.Helper()
+		ns, err := gh.NeighList(nettest.Link(t, gh, "eth0").Attrs().Index, unix.AF_INET)
+		require.NoError(t, err)
+		for _, n := range ns {
+			if n.IP.String() == "10.88.0.1" {
+				return &n
+			}
+		}
+		return nil
+	}
+	gatewayMAC := func() string {
+		t.Helper()
+		if n := gatewayEntry(); n != nil {
+			return n.HardwareAddr.String()
+		}
+		return ""
+	}
+	// The guest learns the bridge's MAC of then.
+	require.NoError(t, gh.NeighDel(gatewayEntry()))
+	require.NoError(t, nettest.Dial(t, guestNS, onGateway, 5*time.Second))
+	require.NotEqual(t, pinned.String(), gatewayMAC())
+	require.NoError(t, e.net.EnsureBridge(ctx))
+	// The announcement reaches the guest's kernel through the veth's
+	// backlog: waited for, within a bound.
+	for deadline := time.Now().Add(5 * time.Second); gatewayMAC() != pinned.String() && time.Now().Before(deadline); {
+		time.Sleep(10 * time.Millisecond)
+	}
+	assert.Equal(t, pinned.String(), gatewayMAC(), "the guest took the gateway's pinned MAC from its announcement")
+	assert.NoError(t, nettest.Dial(t, guestNS, onGateway, 5*time.Second))
+}
+
+// TestPinningAnnouncesTheGateway: a bridge whose MAC was not the host's
+// (the bridge of an agent before pinning, or a hand's) gets its MAC pinned
+// under running guests, whose ARP entries still hold the old MAC: the agent
+// announces the gateway at the new one by a gratuitous ARP, which reaches
+// every guest.
+func TestPinningAnnouncesTheGateway(t *testing.T) {
+	e, a, b, _ := twoGuests(t)
+	br := e.link(t, network.DefaultBridge)
+	pinned := br.Attrs().HardwareAddr
+	require.NoError(t, e.h.LinkSetHardwareAddr(br, randomMAC(t)))
+	require.NoError(t, e.net.EnsureBridge(context.Background()))
+	require.Equal(t, pinned.String(), e.link(t, network.DefaultBridge).Attrs().HardwareAddr.String())
+	for _, g := range []guestPort{a, b} {
+		assert.True(t, g.gotARP(t, pinned, netip.MustParseAddr("10.88.0.1")), "%s hears the gateway at its MAC", g.name)
+	}
+}
+
+// gotARP reads what the bridge sent out of g's port until an ARP frame
+// whose sender is mac at addr comes (true), or for 10 s.
+func (g guestPort) gotARP(t *testing.T, mac net.HardwareAddr, addr netip.Addr) bool {
+	t.Helper()
+	fd := int(g.tap.Fd())
+	buf := make([]byte, 65536)
+	a := addr.As4()
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); {
+		pfd := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
+		n, err := unix.Poll(pfd, 200)
+		if errors.Is(err, unix.EINTR) || n == 0 {
+			continue
+		}
+		require.NoError(t, err)
+		nr, err := unix.Read(fd, buf)
+		require.NoError(t, err)
+		f := buf[10:nr] // after the virtio-net header
+		if len(f) >= 42 && binary.BigEndian.Uint16(f[12:]) == unix.ETH_P_ARP &&
+			bytes.Equal(f[22:28], mac) && bytes.Equal(f[28:32], a[:]) {
+			return true
+		}
+	}
+	return false
 }

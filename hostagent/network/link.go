@@ -64,11 +64,13 @@ func (n *Net) EnsureBridge(ctx context.Context) error {
 	// host's MAC got it from here: netlink does not say whether an
 	// address is set or the kernel's choice, and the kernel's (random,
 	// or a port's) is the host's only by a 2^-40 chance.
+	pinned := false
 	if old := br.Attrs().HardwareAddr; old.String() != mac.String() {
 		if err := n.h.LinkSetHardwareAddr(br, mac); err != nil {
 			return fmt.Errorf("ensure bridge %s: pin its MAC %s: %w", n.cfg.Bridge, mac, err)
 		}
-		n.cfg.Logger.Warn("bridge MAC pinned (guests re-learn the gateway's by ARP)", zap.String("bridge", n.cfg.Bridge),
+		pinned = true
+		n.cfg.Logger.Warn("bridge MAC pinned; the gateway announced at it", zap.String("bridge", n.cfg.Bridge),
 			zap.String("was", old.String()), zap.String("mac", mac.String()))
 	}
 	if err := n.bridgeSettings(br); err != nil {
@@ -94,7 +96,44 @@ func (n *Net) EnsureBridge(ctx context.Context) error {
 	if err := n.h.LinkSetUp(br); err != nil {
 		return fmt.Errorf("ensure bridge %s: up: %w", n.cfg.Bridge, err)
 	}
+	if pinned {
+		if err := n.announceGateway(br.Attrs().Index, mac); err != nil {
+			n.cfg.Logger.Warn("gateway not announced; guests re-learn its MAC when their ARP entries expire",
+				zap.String("bridge", n.cfg.Bridge), zap.Error(err))
+		}
+	}
 	return nil
+}
+
+// announceGateway sends a gratuitous ARP for the gateway's address at mac
+// out of the bridge (index): guests whose ARP entry holds the bridge's old
+// MAC (the first agent of a release that pins it, a bridge a hand made)
+// take the new one at once, where they would otherwise lose the gateway
+// until the entry failed its unicast probes (the old MAC is no longer the
+// bridge's, so the host drops what is sent to it). The bridge's own
+// broadcast reaches every guest port whatever its flood flags.
+func (n *Net) announceGateway(index int, mac net.HardwareAddr) error {
+	gw := n.gateway.As4()
+	f := append(append([]byte{}, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff), mac...)
+	f = append(f, byte(unix.ETH_P_ARP>>8), byte(unix.ETH_P_ARP&0xff))
+	f = append(f, arpEthIPv4...)
+	f = append(f, 0x00, 0x01) // a request: who has the gateway, told by the gateway
+	f = append(append(f, mac...), gw[:]...)
+	f = append(append(f, make([]byte, 6)...), gw[:]...)
+	return n.inNS(func() error {
+		fd, err := unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			return fmt.Errorf("announce gateway: %w", err)
+		}
+		defer unix.Close(fd)
+		if err := unix.Bind(fd, &unix.SockaddrLinklayer{Ifindex: index}); err != nil {
+			return fmt.Errorf("announce gateway: %w", err)
+		}
+		if _, err := unix.Write(fd, f); err != nil {
+			return fmt.Errorf("announce gateway: %w", err)
+		}
+		return nil
+	})
 }
 
 // tap is the link named name when it is a TAP; (nil, nil) when there is no
