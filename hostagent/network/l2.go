@@ -1,6 +1,7 @@
 package network
 
 import (
+	"bytes"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -128,13 +129,13 @@ func guestFDB(port int, mac net.HardwareAddr) *netlink.Neigh {
 // once for a reconcile round.
 type bridgePorts struct {
 	flags map[int]map[uint16]uint8 // port index -> IFLA_BRPORT_* -> value
-	fdb   []netlink.Neigh
+	fdb   map[int][]netlink.Neigh  // port index -> its entries in a bridge's FDB
 }
 
 // readBridgePorts reads every bridge port's settings and the bridge FDB of
 // the namespace.
 func (n *Net) readBridgePorts() (*bridgePorts, error) {
-	ps := &bridgePorts{flags: map[int]map[uint16]uint8{}}
+	ps := &bridgePorts{flags: map[int]map[uint16]uint8{}, fdb: map[int][]netlink.Neigh{}}
 	c, err := n.rtnl()
 	if err != nil {
 		return ps, err
@@ -175,9 +176,16 @@ func (n *Net) readBridgePorts() (*bridgePorts, error) {
 			return ps, fmt.Errorf("list bridge ports: %w", err)
 		}
 	}
-	ps.fdb, err = n.h.NeighList(0, unix.AF_BRIDGE)
+	fdb, err := n.h.NeighList(0, unix.AF_BRIDGE)
 	if err != nil {
 		return ps, fmt.Errorf("list bridge fdb: %w", err)
+	}
+	for _, e := range fdb {
+		// A dump marks a bridge's entries by NDA_MASTER, not NTF_MASTER;
+		// the rest are the ports' own (self) addresses.
+		if e.MasterIndex != 0 {
+			ps.fdb[e.LinkIndex] = append(ps.fdb[e.LinkIndex], e)
+		}
 	}
 	return ps, nil
 }
@@ -194,10 +202,8 @@ func (ps *bridgePorts) whole(index int, mac net.HardwareAddr, br int) bool {
 			return false
 		}
 	}
-	for _, e := range ps.fdb {
-		// A dump marks the bridge's entries by NDA_MASTER, not NTF_MASTER.
-		if e.LinkIndex == index && e.MasterIndex == br && e.HardwareAddr.String() == mac.String() &&
-			e.Flags&netlink.NTF_STICKY != 0 && e.State&unix.NUD_NOARP != 0 {
+	for _, e := range ps.fdb[index] {
+		if e.MasterIndex == br && bytes.Equal(e.HardwareAddr, mac) && e.Flags&netlink.NTF_STICKY != 0 && e.State&unix.NUD_NOARP != 0 {
 			return true
 		}
 	}

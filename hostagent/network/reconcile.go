@@ -29,12 +29,12 @@ type TAPRound struct {
 // (EnsureBridge); sets every leased TAP that is not a whole guest's port
 // of the bridge up again (reattach); then removes the TAPs (named with
 // TAPPrefix) that no record's held lease names once they have been seen
-// unleased for the orphan grace. The agent writes a lease before it makes its TAP, so these
-// are TAPs of a record removed by hand, or made by a hand. The records are
-// read and the TAPs removed under the placement lock, so a lease placed
-// meanwhile is either seen (its TAP kept) or placed after the removal (its
-// TAP made afresh). Nothing is removed while a record cannot be read (it
-// may name a TAP).
+// unleased for the orphan grace. The agent writes a lease before it makes
+// its TAP, so these are TAPs of a record removed by hand, or made by a
+// hand. The records are read and the TAPs removed under the placement
+// lock, so a lease placed meanwhile is either seen (its TAP kept) or
+// placed after the removal (its TAP made afresh). Nothing is removed while
+// a record cannot be read (it may name a TAP).
 func (n *Net) ReconcileTAPs(ctx context.Context) (TAPRound, error) {
 	var round TAPRound
 	if err := ctx.Err(); err != nil {
@@ -76,8 +76,8 @@ func (n *Net) ReconcileTAPs(ctx context.Context) (TAPRound, error) {
 			gerr = errors.Join(gerr, fmt.Errorf("reconcile taps: instance %s: %w", r.GetId(), rerr))
 		} else if did {
 			round.Reattached = append(round.Reattached, l.GetNetwork().GetTap())
-			n.cfg.Logger.Warn("leased TAP was off the bridge, or its port settings or FDB entry changed; set up again", zap.String("instance_id", r.GetId()),
-				zap.String("tap", l.GetNetwork().GetTap()), zap.String("bridge", n.cfg.Bridge))
+			n.cfg.Logger.Warn("leased TAP was off the bridge, or its port settings or FDB entry changed; set up again",
+				zap.String("instance_id", r.GetId()), zap.String("tap", l.GetNetwork().GetTap()), zap.String("bridge", n.cfg.Bridge))
 		}
 	}
 	if bad, listed := store.Unreadable(err); !listed || len(bad) > 0 {
