@@ -73,8 +73,10 @@ func (n *Net) EnsureBridge(ctx context.Context) error {
 		n.cfg.Logger.Warn("bridge MAC pinned; the gateway announced at it", zap.String("bridge", n.cfg.Bridge),
 			zap.String("was", old.String()), zap.String("mac", mac.String()))
 	}
+	// The bound is a second line (no guest port learns): a bridge that
+	// cannot be given it still serves, and the next ensure tries again.
 	if err := n.bridgeSettings(br); err != nil {
-		return fmt.Errorf("ensure bridge %s: %w", n.cfg.Bridge, err)
+		n.cfg.Logger.Warn("bridge FDB bound not set; tried again at the next launch or scan round", zap.String("bridge", n.cfg.Bridge), zap.Error(err))
 	}
 	want := &net.IPNet{IP: n.gateway.AsSlice(), Mask: net.CIDRMask(n.cfg.Subnet.Bits(), 32)}
 	addrs, err := n.h.AddrList(br, netlink.FAMILY_V4)
