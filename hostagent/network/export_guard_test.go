@@ -7,6 +7,7 @@ import (
 	vmflowv1 "vmflow/proto/vmflow/v1"
 
 	"github.com/google/nftables"
+	"github.com/google/nftables/userdata"
 	"github.com/stretchr/testify/require"
 )
 
@@ -78,3 +79,19 @@ func CutGuardChain(t *testing.T, n *Net) {
 
 // UnguardPort is what Release does last: remove the released lease's element.
 func UnguardPort(n *Net, id string, nl *vmflowv1.NetworkLease) error { return n.unguardPort(id, nl) }
+
+// GuardComments are the comments of n's guard chain's rules, in order.
+func GuardComments(t *testing.T, n *Net) []string {
+	t.Helper()
+	c, err := n.nft()
+	require.NoError(t, err)
+	tb := n.guardTable()
+	rs, err := c.GetRules(tb, &nftables.Chain{Name: guardChain, Table: tb})
+	require.NoError(t, err)
+	var out []string
+	for _, r := range rs {
+		comment, _ := userdata.GetString(r.UserData, userdata.TypeComment)
+		out = append(out, comment)
+	}
+	return out
+}

@@ -364,6 +364,23 @@ func TestPortRateLimitCutsAFlood(t *testing.T) {
 	assert.True(t, s.passed(t, b, "b-after-flood", b.own("b-after-flood")), "the neighbour's bucket is its own")
 }
 
+// TestPortRateFollowsTheFlag: an agent started with another --net-port-pps
+// makes the guard's table again with it (the rate is in its rule's
+// comment, which the rebuild checks), and keeps the ports' elements.
+func TestPortRateFollowsTheFlag(t *testing.T) {
+	e := newEnvConfig(t, subnet, func(c *network.Config) { c.PortPPS = 1 })
+	a := e.attachOpen(t, "vm-a", 1_900_000_001)
+	require.Contains(t, network.GuardComments(t, e.net), "vmflow: over 1 frames/s (burst 5) from one guest port: dropped")
+	again, err := network.New(network.Config{Subnet: subnet, NetNS: e.ns, Store: e.st, PortPPS: 5000})
+	require.NoError(t, err)
+	t.Cleanup(again.Close)
+	require.NoError(t, again.RebuildGuard(context.Background()))
+	comments := network.GuardComments(t, e.net)
+	assert.Contains(t, comments, "vmflow: over 5000 frames/s (burst 500) from one guest port: dropped")
+	assert.NotContains(t, comments, "vmflow: over 1 frames/s (burst 5) from one guest port: dropped")
+	assert.Equal(t, []string{a.element()}, network.GuardElements(t, e.net))
+}
+
 // TestReconcileRestoresAnAlteredPort: a hand that turns a guest's port back
 // to the kernel's defaults (learning, flooding, not isolated) or deletes
 // its FDB entry has it set up again by the next TAP reconcile round.
