@@ -1,6 +1,7 @@
 package activities
 
 import (
+	"context"
 	"net/netip"
 	"testing"
 	"time"
@@ -50,7 +51,9 @@ func TestNetworkReleasedAfterVGPU(t *testing.T) {
 	var launched vmflowv1.LaunchVMResult
 	require.NoError(t, h.run(t, a.LaunchVM, &vmflowv1.LaunchVMRequest{InstanceId: "vm1"}, &launched))
 	assert.Equal(t, "10.90.0.2/24", launched.GetIp())
-	assert.Equal(t, network.MAC("vm1", 0), launched.GetMac())
+	key, err := nw.MACKey(context.Background())
+	require.NoError(t, err)
+	assert.Equal(t, network.MAC(key, "vm1", 0), launched.GetMac())
 	tap := network.TAPName(netip.MustParseAddr("10.90.0.2"))
 	require.NotNil(t, nettest.Link(t, nh, tap))
 

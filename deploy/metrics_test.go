@@ -177,6 +177,7 @@ func TestBinariesServeMetrics(t *testing.T) {
 			"vmflow_lease_release_failures_total", "vmflow_reattach_total", "vmflow_restarts_refused_total",
 			"vmflow_restarts_device_missing_total", "vmflow_state_fs_free_bytes",
 			"vmflow_guest_log_dropped_bytes_total", "vmflow_records_unreadable", "vmflow_network_filter_dropped_frames_total",
+			"vmflow_network_port_rate_dropped_frames_total",
 			// SDK metrics: the agent's activity worker polls its host queue.
 			"temporal_request_total", "temporal_long_request_total",
 		}},

@@ -285,7 +285,7 @@ func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentH
 // launch with one tries again.
 func openNetwork(ctx context.Context, cfg Config, st *store.Store, log *zap.Logger) (*network.Net, error) {
 	nw, err := network.New(network.Config{Bridge: cfg.NetBridge, Subnet: cfg.NetSubnet, Egress: cfg.NetEgress, Deny: cfg.NetDeny,
-		NetNS: cfg.NetNetNS, Store: st, Logger: log})
+		NetNS: cfg.NetNetNS, PortPPS: uint32(cfg.NetPortPPS), Store: st, Logger: log})
 	if err != nil {
 		return nil, fmt.Errorf("network: %w", err)
 	}

@@ -5,6 +5,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"math"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -76,6 +77,9 @@ type Config struct {
 	NetEgress string
 	NetDeny   []netip.Prefix // ranges egress never reaches (network.ParseDeny)
 	NetNetNS  string
+	// NetPortPPS bounds each guest port's frames a second
+	// (network.Config.PortPPS).
+	NetPortPPS uint
 }
 
 type pidsFlag []int
@@ -156,6 +160,7 @@ flags:
 	fs.StringVar(&c.NetEgress, "net-egress", "", "`IFACE` the guests' traffic leaves by, masqueraded (nftables); empty: no egress")
 	fs.Func("net-deny", "`CIDR,...` (IPv4) the guests never reach through --net-egress (the operator's management networks); 127.0.0.0/8, 169.254.0.0/16 and the host's own addresses are always denied",
 		func(v string) (err error) { c.NetDeny, err = network.ParseDeny(v); return err })
+	fs.UintVar(&c.NetPortPPS, "net-port-pps", network.DefaultPortPPS, "frames a second each VM's TAP may send into the bridge (a tenth of a second's worth at once); over it frames are dropped and counted in vmflow_network_port_rate_dropped_frames_total")
 	fs.StringVar(&c.NetNetNS, "net-netns", "", "`NAME` of the network namespace (/run/netns/NAME) the bridge and TAPs live in; empty: the agent's own (production)")
 	fs.Var(&ignore, "holders-ignore-pid", "a pid whose open files cannot be read but that holds no VFIO device (repeatable; for sandboxes whose init outranks the agent, never in production)")
 	if err := fs.Parse(args); err != nil {
@@ -195,6 +200,9 @@ flags:
 		if err := checkExecutable(c.GPUScrub); err != nil {
 			return c, fmt.Errorf("--gpu-scrub: %w", err)
 		}
+	}
+	if c.NetPortPPS < 1 || c.NetPortPPS > math.MaxUint32 {
+		return c, fmt.Errorf("--net-port-pps must be 1 to %d, got %d", uint32(math.MaxUint32), c.NetPortPPS)
 	}
 	if subnet != "" {
 		if c.NetSubnet, err = netip.ParsePrefix(subnet); err != nil {

@@ -51,6 +51,7 @@ func TestParseFlags(t *testing.T) {
 	assert.Equal(t, "/bin/true", sc.GPUScrub)
 	assert.False(t, d.NetSubnet.IsValid(), "no network unless a subnet is given")
 	assert.Equal(t, network.DefaultBridge, d.NetBridge)
+	assert.Equal(t, uint(network.DefaultPortPPS), d.NetPortPPS, "the flag's default is the package's")
 
 	n, err := agent.ParseFlags([]string{"--host-id", "h1", "--net-subnet", "10.88.0.0/24", "--net-egress", "eth0", "--net-netns", "t1"}, io.Discard)
 	require.NoError(t, err)
@@ -58,6 +59,9 @@ func TestParseFlags(t *testing.T) {
 	assert.Equal(t, "eth0", n.NetEgress)
 	assert.Equal(t, "t1", n.NetNetNS)
 	assert.Empty(t, n.NetDeny)
+	pps, err := agent.ParseFlags([]string{"--host-id", "h1", "--net-port-pps", "5000"}, io.Discard)
+	require.NoError(t, err)
+	assert.Equal(t, uint(5000), pps.NetPortPPS)
 	dn, err := agent.ParseFlags([]string{"--host-id", "h1", "--net-subnet", "10.88.0.0/24", "--net-deny", "10.0.0.0/8,192.168.10.0/24"}, io.Discard)
 	require.NoError(t, err)
 	assert.Equal(t, []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8"), netip.MustParsePrefix("192.168.10.0/24")}, dn.NetDeny)
@@ -76,6 +80,8 @@ func TestParseFlagsRejects(t *testing.T) {
 		{"--host-id", "h1", "stray"},
 		{"--host-id", "h1", "--workflow-task-queue", ""},
 		{"--host-id", "h1", "--holders-ignore-pid", "one"},
+		{"--host-id", "h1", "--net-port-pps", "0"},
+		{"--host-id", "h1", "--net-port-pps", "4294967296"},
 		// QEMU runs as a uid of its own, always: the flag that ran it as
 		// root (or one shared user) is gone; root is never in a range.
 		{"--host-id", "h1", "--qemu-user", "nobody"},

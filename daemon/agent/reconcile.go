@@ -200,8 +200,8 @@ func eachRound(ctx context.Context, every time.Duration, round func(context.Cont
 }
 
 // reconcileTAPs removes, every `every` until ctx ends, the TAPs no record
-// leases once past their grace and puts leased TAPs that lost their bridge
-// back on it (network.ReconcileTAPs, counted in
+// leases once past their grace and sets leased TAPs that lost their bridge
+// or their port settings up again (network.ReconcileTAPs, counted in
 // vmflow_network_ports_reattached_total), and makes the
 // host-path filter again when it is not whole. Local work: no Temporal
 // call. A failed round is logged and tried again.
@@ -220,7 +220,8 @@ func reconcileTAPs(ctx context.Context, nw *network.Net, am *metrics.Agent, ever
 		if dropped, err := nw.FilterDropped(); err != nil {
 			log.Warn("read the network filter's drop count", zap.Error(err))
 		} else {
-			am.SetNetworkFilterDropped(dropped)
+			am.SetNetworkFilterDropped(dropped.Spoofed)
+			am.SetNetworkRateDropped(dropped.OverRate)
 		}
 	})
 }

@@ -48,7 +48,8 @@ type Agent struct {
 	// than QEMU blocked.
 	GuestLogDropped prometheus.Counter
 	// NetworkPortsReattached counts leased TAPs the TAP reconcile put back
-	// on the bridge (a deleted bridge detaches its ports).
+	// on the bridge (a deleted bridge detaches its ports) or whose port
+	// settings or static FDB entry it made again.
 	NetworkPortsReattached prometheus.Counter
 	// GPUDevices counts the host's GPU devices by state (free, claimed,
 	// quarantined, not-vmflows), as `vmflow-hostagent devices` lists them;
@@ -57,6 +58,9 @@ type Agent struct {
 	// filterDropped backs vmflow_network_filter_dropped_frames_total: the
 	// kernel's count, read each TAP reconcile round (SetNetworkFilterDropped).
 	filterDropped atomic.Uint64
+	// rateDropped backs vmflow_network_port_rate_dropped_frames_total
+	// likewise (SetNetworkRateDropped).
+	rateDropped atomic.Uint64
 
 	store *storeCollector // nil without a store
 }
@@ -64,6 +68,11 @@ type Agent struct {
 // SetNetworkFilterDropped sets vmflow_network_filter_dropped_frames_total to
 // the anti-spoofing filter's drop count, as the kernel last reported it.
 func (a *Agent) SetNetworkFilterDropped(frames uint64) { a.filterDropped.Store(frames) }
+
+// SetNetworkRateDropped sets vmflow_network_port_rate_dropped_frames_total
+// to the guest ports' rate limit's drop count, as the kernel last reported
+// it.
+func (a *Agent) SetNetworkRateDropped(frames uint64) { a.rateDropped.Store(frames) }
 
 // SetGPUDevices sets vmflow_gpu_devices to counts (state -> devices); a
 // state counts gives no number keeps its last value.
@@ -123,7 +132,7 @@ func New(reg prometheus.Registerer, st *store.Store) (*Agent, error) {
 		}, []string{"state"}),
 		NetworkPortsReattached: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "vmflow_network_ports_reattached_total",
-			Help: "Leased guest TAPs the TAP reconcile found off the bridge (the bridge deleted or the port moved) and put back.",
+			Help: "Leased guest TAPs the TAP reconcile found off the bridge (the bridge deleted or the port moved), or on it with their port settings or static FDB entry changed, and set up again.",
 		}),
 		GuestLogDropped: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "vmflow_guest_log_dropped_bytes_total",
@@ -144,7 +153,11 @@ func New(reg prometheus.Registerer, st *store.Store) (*Agent, error) {
 		Name: "vmflow_network_filter_dropped_frames_total",
 		Help: "Frames from guest TAPs the anti-spoofing filter dropped (a spoofed source, IPv6, another ethertype), as of the last TAP reconcile round.",
 	}, func() float64 { return float64(a.filterDropped.Load()) })
-	cs := []prometheus.Collector{filterDropped, a.StopDuration, a.ExitDetect, a.LaunchDuration, a.ReleaseFailures, a.Reattach, a.LeasesUnserved, a.RestartsRefused, a.RestartsDeviceMissing, a.GuestLogDropped, a.GPUDevices, a.NetworkPortsReattached}
+	rateDropped := prometheus.NewCounterFunc(prometheus.CounterOpts{
+		Name: "vmflow_network_port_rate_dropped_frames_total",
+		Help: "Frames from guest TAPs dropped for being over a port's frames-a-second limit (--net-port-pps), as of the last TAP reconcile round.",
+	}, func() float64 { return float64(a.rateDropped.Load()) })
+	cs := []prometheus.Collector{filterDropped, rateDropped, a.StopDuration, a.ExitDetect, a.LaunchDuration, a.ReleaseFailures, a.Reattach, a.LeasesUnserved, a.RestartsRefused, a.RestartsDeviceMissing, a.GuestLogDropped, a.GPUDevices, a.NetworkPortsReattached}
 	if st != nil {
 		a.store = &storeCollector{st: st}
 		a.store.refresh()

@@ -178,4 +178,11 @@ func TestNetworkFilterDroppedFollowsTheKernelCount(t *testing.T) {
 vmflow_network_filter_dropped_frames_total 7
 `
 	assert.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(want), "vmflow_network_filter_dropped_frames_total"))
+	a.SetNetworkRateDropped(9)
+	want = `
+# HELP vmflow_network_port_rate_dropped_frames_total Frames from guest TAPs dropped for being over a port's frames-a-second limit (--net-port-pps), as of the last TAP reconcile round.
+# TYPE vmflow_network_port_rate_dropped_frames_total counter
+vmflow_network_port_rate_dropped_frames_total 9
+`
+	assert.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(want), "vmflow_network_port_rate_dropped_frames_total"))
 }

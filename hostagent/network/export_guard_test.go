@@ -7,6 +7,7 @@ import (
 	vmflowv1 "vmflow/proto/vmflow/v1"
 
 	"github.com/google/nftables"
+	"github.com/google/nftables/userdata"
 	"github.com/stretchr/testify/require"
 )
 
@@ -57,9 +58,9 @@ func GuardChain(t *testing.T, n *Net) (rules int, drops uint64) {
 	tb := n.guardTable()
 	rs, err := c.GetRules(tb, &nftables.Chain{Name: guardChain, Table: tb})
 	require.NoError(t, err)
-	drops, err = n.FilterDropped()
+	d, err := n.FilterDropped()
 	require.NoError(t, err)
-	return len(rs), drops
+	return len(rs), d.Spoofed
 }
 
 // CutGuardChain deletes the last rule of n's guard chain (a hand's edit).
@@ -78,3 +79,19 @@ func CutGuardChain(t *testing.T, n *Net) {
 
 // UnguardPort is what Release does last: remove the released lease's element.
 func UnguardPort(n *Net, id string, nl *vmflowv1.NetworkLease) error { return n.unguardPort(id, nl) }
+
+// GuardComments are the comments of n's guard chain's rules, in order.
+func GuardComments(t *testing.T, n *Net) []string {
+	t.Helper()
+	c, err := n.nft()
+	require.NoError(t, err)
+	tb := n.guardTable()
+	rs, err := c.GetRules(tb, &nftables.Chain{Name: guardChain, Table: tb})
+	require.NoError(t, err)
+	var out []string
+	for _, r := range rs {
+		comment, _ := userdata.GetString(r.UserData, userdata.TypeComment)
+		out = append(out, comment)
+	}
+	return out
+}

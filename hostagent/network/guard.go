@@ -7,9 +7,11 @@ import (
 	"net"
 	"net/netip"
 	"slices"
+	"strings"
 
 	"github.com/google/nftables"
 	"github.com/google/nftables/expr"
+	"github.com/google/nftables/userdata"
 	"go.uber.org/zap"
 	"golang.org/x/sys/unix"
 
@@ -28,6 +30,17 @@ import (
 // neither IPv6 nor the unspecified source). A port not in the set forwards
 // nothing, so a TAP forwards only once its lease's element exists.
 //
+// Before any of that, each guest port's frames are bounded to
+// Config.PortPPS a second (issue 32, finding 6): a per-port token bucket
+// (a meter: the rate set holds one limit per port name) drops and counts
+// what is over it, so a guest flooding the bridge costs the host a bounded
+// share of its time and leaves its neighbours' buckets alone. LLDP and STP
+// group frames (01:80:c2:00:00:0e and :00) never reach this hook: the
+// bridge hands them to the host's stack on the TAP itself, where nothing
+// takes them (and the host-path filter, hostpath.go, drops any IP in
+// them); a guest flooding those costs the host its TAP's receive path, as
+// bounded as its QEMU's CPU share.
+//
 // The set holds one element per held network lease, derived from the
 // records: AttachLocked adds the lease's before it makes the TAP, Release
 // removes it once the release is recorded, and RebuildGuard replaces the
@@ -35,6 +48,15 @@ import (
 const (
 	guardChain = "guard"
 	guardSet   = "ports"
+	// rateSet is the meter: one per-port limit, keyed by the port's name.
+	// Its size bounds the ports it tracks: names come from addresses, and
+	// a subnet has fewer.
+	rateSet     = "rate"
+	rateSetSize = 1 << 16
+	// commentSpoofed marks the rule that drops what is not the lease's;
+	// commentRate starts the one that drops what is over the rate.
+	commentSpoofed = "vmflow: anything else from a guest port: dropped"
+	commentRate    = "vmflow: over "
 	// guardPriority is nft's "filter" priority in the bridge family.
 	guardPriority = -200
 	// Registers of the concatenated key: NFT_REG32_00 takes the port's
@@ -58,6 +80,14 @@ func (n *Net) guardTable() *nftables.Table {
 func guardPorts(t *nftables.Table) *nftables.Set {
 	return &nftables.Set{Table: t, Name: guardSet, KeyType: guardKeyType, Concatenation: true}
 }
+
+func guardRate(t *nftables.Table) *nftables.Set {
+	return &nftables.Set{Table: t, Name: rateSet, KeyType: nftables.TypeIFName, Dynamic: true, Size: rateSetSize}
+}
+
+// portBurst is the frames a guest port may send at once beyond the rate:
+// a tenth of a second's worth, and at least nft's default of 5.
+func portBurst(pps uint32) uint32 { return max(pps/10, 5) }
 
 // port is one element of the guard's set: a TAP and the source MAC and
 // IPv4 address its frames may carry.
@@ -189,7 +219,7 @@ func (n *Net) rebuildGuardLocked() error {
 	}
 	malformed := slices.ContainsFunc(old, func(e nftables.SetElement) bool { return len(e.Key) != keyLen })
 	switch {
-	case lerr != nil || malformed || !guardIntact(c, t):
+	case lerr != nil || malformed || !n.guardIntact(c, t):
 		n.guardRuleset(c, t, elems)
 	case len(had) == len(want) && !slices.ContainsFunc(elems, func(e nftables.SetElement) bool { return !had[string(e.Key)] }):
 		return nil
@@ -226,44 +256,65 @@ func (n *Net) guardRuleset(c *nftables.Conn, t *nftables.Table, elems []nftables
 	c.AddTable(t)
 	c.DelTable(t)
 	c.AddTable(t)
-	set := guardPorts(t)
+	set, rate := guardPorts(t), guardRate(t)
 	// AddSet fails only on a malformed set; c.Flush reports what it queued.
 	_ = c.AddSet(set, elems)
+	_ = c.AddSet(rate, nil)
 	accept := nftables.ChainPolicyAccept
 	ch := c.AddChain(&nftables.Chain{Name: guardChain, Table: t, Type: nftables.ChainTypeFilter,
 		Hooknum: nftables.ChainHookPrerouting, Priority: nftables.ChainPriorityRef(guardPriority), Policy: &accept})
-	for _, ex := range guardRules(set) {
-		c.AddRule(&nftables.Rule{Table: t, Chain: ch, Exprs: ex})
+	for _, r := range guardRules(set, rate, n.cfg.PortPPS) {
+		c.AddRule(&nftables.Rule{Table: t, Chain: ch, Exprs: r.exprs, UserData: userdata.AppendString(nil, userdata.TypeComment, r.comment)})
 	}
 }
 
-// guardRules are the guard chain's rules, in order.
-func guardRules(set *nftables.Set) [][]expr.Any {
+// guardRule is one rule of the guard chain and its comment (what `nft
+// list` shows; the counters are told apart, and the chain checked, by it).
+type guardRule struct {
+	comment string
+	exprs   []expr.Any
+}
+
+// guardRules are the guard chain's rules, in order, for ports and rate
+// limit sets and pps frames a second per port.
+func guardRules(set, rate *nftables.Set, pps uint32) []guardRule {
 	lookup := []expr.Any{
 		&expr.Meta{Key: expr.MetaKeyIIFNAME, Register: regName},
 		&expr.Payload{DestRegister: regMAC, Base: expr.PayloadBaseLLHeader, Offset: 6, Len: 6},
 	}
 	inSet := &expr.Lookup{SourceRegister: regName, SetName: set.Name, SetID: set.ID}
-	return [][]expr.Any{
+	return []guardRule{
 		// Frames of a port that is no guest's: not judged. Every
 		// TAPPrefix port of the namespace is judged, whatever its bridge,
 		// as reconcile owns every such TAP; meta ibrname would need
 		// nft_meta_bridge, which not every kernel has.
-		{
+		{"vmflow: ports that are no guest's are not judged", []expr.Any{
 			&expr.Meta{Key: expr.MetaKeyIIFNAME, Register: 1},
 			&expr.Cmp{Op: expr.CmpOpNeq, Register: 1, Data: []byte(TAPPrefix)},
 			&expr.Verdict{Kind: expr.VerdictAccept},
-		},
+		}},
+		// iifname . limit over pps: add @rate { iifname limit rate over
+		// pps/second burst b packets } counter drop. First, so a flood
+		// of spoofed frames costs no more than the rest. The rate is in
+		// the comment: a changed --net-port-pps makes the chain not
+		// intact, and the table is made again with it.
+		{fmt.Sprintf("%s%d frames/s (burst %d) from one guest port: dropped", commentRate, pps, portBurst(pps)), []expr.Any{
+			&expr.Meta{Key: expr.MetaKeyIIFNAME, Register: 1},
+			&expr.Dynset{SrcRegKey: 1, SetName: rate.Name, SetID: rate.ID, Operation: unix.NFT_DYNSET_OP_ADD,
+				Exprs: []expr.Any{&expr.Limit{Type: expr.LimitTypePkts, Rate: uint64(pps), Unit: expr.LimitTimeSecond, Over: true, Burst: portBurst(pps)}}},
+			&expr.Counter{},
+			&expr.Verdict{Kind: expr.VerdictDrop},
+		}},
 		// IPv4: iifname . ether saddr . ip saddr @ports accept
-		slices.Concat(etherTypeIs(unix.ETH_P_IP), lookup, []expr.Any{
+		{"vmflow: IPv4 from the lease's MAC and address", slices.Concat(etherTypeIs(unix.ETH_P_IP), lookup, []expr.Any{
 			&expr.Payload{DestRegister: regAddr, Base: expr.PayloadBaseNetworkHeader, Offset: 12, Len: 4},
 			inSet,
 			&expr.Verdict{Kind: expr.VerdictAccept},
-		}),
+		})},
 		// ARP: the sender's MAC must be the frame's source, and both the
 		// lease's: iifname . ether saddr . arp spa @ports and
 		// iifname . arp sha . arp spa @ports.
-		slices.Concat(etherTypeIs(unix.ETH_P_ARP), []expr.Any{
+		{"vmflow: ARP as the lease's MAC and address", slices.Concat(etherTypeIs(unix.ETH_P_ARP), []expr.Any{
 			&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseNetworkHeader, Offset: 0, Len: 6},
 			&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: arpEthIPv4},
 		}, lookup, []expr.Any{
@@ -272,17 +323,32 @@ func guardRules(set *nftables.Set) [][]expr.Any {
 			&expr.Payload{DestRegister: regMAC, Base: expr.PayloadBaseNetworkHeader, Offset: 8, Len: 6},
 			inSet,
 			&expr.Verdict{Kind: expr.VerdictAccept},
-		}),
+		})},
 		// Everything else from a guest's port, counted.
-		{&expr.Counter{}, &expr.Verdict{Kind: expr.VerdictDrop}},
+		{commentSpoofed, []expr.Any{&expr.Counter{}, &expr.Verdict{Kind: expr.VerdictDrop}}},
 	}
 }
 
-// guardIntact reports whether table t's guard chain has its rules: then a
-// rebuild changes only the set, and the drop rule's counter keeps counting.
-func guardIntact(c *nftables.Conn, t *nftables.Table) bool {
+// guardIntact reports whether table t's guard chain has its rules, as
+// their comments say (a table an older agent made has none), and its rate
+// set is there: then a rebuild changes only the set, and the drop rules'
+// counters keep counting.
+func (n *Net) guardIntact(c *nftables.Conn, t *nftables.Table) bool {
 	rules, err := c.GetRules(t, &nftables.Chain{Name: guardChain, Table: t})
-	return err == nil && len(rules) == len(guardRules(guardPorts(t)))
+	if err != nil {
+		return false
+	}
+	want := guardRules(guardPorts(t), guardRate(t), n.cfg.PortPPS)
+	if len(rules) != len(want) {
+		return false
+	}
+	for i, r := range rules {
+		if got, _ := userdata.GetString(r.UserData, userdata.TypeComment); got != want[i].comment {
+			return false
+		}
+	}
+	_, err = c.GetSetByName(t, rateSet)
+	return err == nil
 }
 
 func etherType(t uint16) *expr.Cmp {
@@ -396,28 +462,43 @@ func FilterPort(tap, mac string, addr netip.Addr) string {
 	return tap + " " + mac + " " + addr.String()
 }
 
-// FilterDropped is how many frames from guest TAPs the filter's drop rule
-// has counted since its table was made (a reboot or a replaced table starts
-// it again from 0, as a Prometheus counter's reset).
-func (n *Net) FilterDropped() (uint64, error) {
+// FilterDrops are the guard's drop counters.
+type FilterDrops struct {
+	// Spoofed: frames from guest TAPs that were not their lease's (a
+	// spoofed source, IPv6, another ethertype).
+	Spoofed uint64
+	// OverRate: frames over a guest port's frames-a-second limit.
+	OverRate uint64
+}
+
+// FilterDropped is how many frames from guest TAPs the filter's drop rules
+// have counted since its table was made (a reboot or a replaced table
+// starts them again from 0, as a Prometheus counter's reset).
+func (n *Net) FilterDropped() (FilterDrops, error) {
+	var d FilterDrops
 	c, err := n.nft()
 	if err != nil {
-		return 0, fmt.Errorf("network filter: %w", err)
+		return d, fmt.Errorf("network filter: %w", err)
 	}
 	t := n.guardTable()
 	rules, err := c.GetRules(t, &nftables.Chain{Name: guardChain, Table: t})
 	if err != nil {
-		return 0, fmt.Errorf("network filter: list chain bridge %s %s: %w", t.Name, guardChain, err)
+		return d, fmt.Errorf("network filter: list chain bridge %s %s: %w", t.Name, guardChain, err)
 	}
-	var drops uint64
 	for _, r := range rules {
+		comment, _ := userdata.GetString(r.UserData, userdata.TypeComment)
 		for _, e := range r.Exprs {
-			if ctr, ok := e.(*expr.Counter); ok {
-				drops += ctr.Packets
+			ctr, ok := e.(*expr.Counter)
+			switch {
+			case !ok:
+			case comment == commentSpoofed:
+				d.Spoofed += ctr.Packets
+			case strings.HasPrefix(comment, commentRate):
+				d.OverRate += ctr.Packets
 			}
 		}
 	}
-	return drops, nil
+	return d, nil
 }
 
 // changePorts adds add to and deletes del from set, in one transaction.

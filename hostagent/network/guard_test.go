@@ -282,7 +282,7 @@ func TestGuardElementBeforeTheTAP(t *testing.T) {
 	nettest.MakeTAP(t, e.ns, tap, true)
 	_, err := e.attach(t, "vm-a", 1_900_000_001)
 	require.ErrorIs(t, err, network.ErrNotOurs)
-	assert.Equal(t, []string{network.GuardElement(tap, network.MAC("vm-a", 0), netip.MustParseAddr("10.88.0.2"))},
+	assert.Equal(t, []string{network.GuardElement(tap, network.MAC(e.macKey(t), "vm-a", 0), netip.MustParseAddr("10.88.0.2"))},
 		network.GuardElements(t, e.net), "the element is there before the TAP")
 }
 

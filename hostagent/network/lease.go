@@ -91,7 +91,7 @@ func (n *Net) AttachLocked(ctx context.Context, l *store.Locked, uid uint32) (At
 	if err := n.EnsureBridge(ctx); err != nil {
 		return Attachment{}, fmt.Errorf("attach network of %s: %w", l.ID(), err)
 	}
-	if err := n.ensureTAP(nl.TAP, uid); err != nil {
+	if err := n.ensureTAP(nl, uid); err != nil {
 		return Attachment{}, fmt.Errorf("attach network of %s: %w", l.ID(), err)
 	}
 	crashpoint.Hit(crashpoint.NetTAPCreated)
@@ -116,6 +116,11 @@ func (n *Net) AttachLocked(ctx context.Context, l *store.Locked, uid uint32) (At
 // the gateway's or the broadcast address; and writes the lease's intent.
 // No address is placed while a record cannot be read: it may name one.
 func (n *Net) place(ctx context.Context, l *store.Locked) (*vmflowv1.Lease, error) {
+	// Before the placement lock: making the key takes it.
+	key, err := n.MACKey(ctx)
+	if err != nil {
+		return nil, err
+	}
 	hl, err := n.hostLock(ctx)
 	if err != nil {
 		return nil, err
@@ -131,7 +136,7 @@ func (n *Net) place(ctx context.Context, l *store.Locked) (*vmflowv1.Lease, erro
 	}
 	mac := ""
 	for i := 0; mac == ""; i++ {
-		if m := MAC(l.ID(), i); !macs[m] {
+		if m := MAC(key, l.ID(), i); !macs[m] && m != bridgeMAC(key, n.cfg.Bridge).String() {
 			mac = m
 		}
 	}

@@ -1,7 +1,9 @@
 // Package network puts VMs on their host's network: one bridge per host
-// (the guests' gateway, on the first address of the host's subnet), a TAP per
-// VM that is a port of it (owned by the VM's uid, isolated from the other
-// ports), an address per VM from the subnet, and optional egress NAT. A VM's
+// (the guests' gateway, on the first address of the host's subnet, its MAC
+// pinned), a TAP per VM that is a port of it (owned by the VM's uid,
+// isolated from the other ports, learning nothing, flooded nothing, its
+// guest's MAC a static FDB entry; l2.go), an address per VM from the
+// subnet, and optional egress NAT. A VM's
 // TAP, MAC and address are a lease in its record (store.KindNetwork),
 // written before the TAP exists and held until the TAP is removed after the
 // VM's thread group is gone; an address is named by at most one record on
@@ -11,11 +13,9 @@ package network
 
 import (
 	"context"
-	"crypto/sha256"
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"net"
 	"net/netip"
 	"path/filepath"
 	"strings"
@@ -69,6 +69,12 @@ const (
 	// reconcile removes it: an operator who made one by hand, or is
 	// repairing a record, sees it named in the log first.
 	DefaultOrphanGrace = 5 * time.Minute
+	// DefaultPortPPS is each guest port's frames a second: enough for a
+	// guest's bulk TCP (QEMU hands the bridge segments of up to 64 KiB,
+	// one frame each: 10 Gbit/s is about 20,000) and for small-packet
+	// traffic of about 1 Gbit/s at 1,200 bytes, while a flood of minimum
+	// frames from one guest is cut to a bounded share of the host.
+	DefaultPortPPS = 100_000
 	// netlinkTimeout bounds every netlink request's send and receive.
 	netlinkTimeout = 10 * time.Second
 	// lockFile is the host-wide placement lock, in the state dir.
@@ -94,6 +100,10 @@ type Config struct {
 	NetNS string
 	// Store holds the records whose leases name the addresses.
 	Store *store.Store
+	// PortPPS bounds the frames a second each guest's TAP may send into
+	// the bridge (DefaultPortPPS when 0); over it frames are dropped and
+	// counted (guard.go).
+	PortPPS uint32
 	// OrphanGrace: see DefaultOrphanGrace.
 	OrphanGrace time.Duration
 	Logger      *zap.Logger
@@ -105,6 +115,9 @@ type Config struct {
 func (c Config) WithDefaults() Config {
 	if c.Bridge == "" {
 		c.Bridge = DefaultBridge
+	}
+	if c.PortPPS == 0 {
+		c.PortPPS = DefaultPortPPS
 	}
 	if c.OrphanGrace <= 0 {
 		c.OrphanGrace = DefaultOrphanGrace
@@ -132,6 +145,9 @@ type Net struct {
 	// of the records and its removals: where a placement would race it.
 	afterList func()
 	gmu       sync.Mutex // orders changes of the guard's set (guard.go)
+	kmu       sync.Mutex // guards key
+	key       []byte     // the host's MAC key once read (mackey.go), under kmu
+	fdbOnce   sync.Once  // says once that the kernel has no FDB bound (l2.go)
 }
 
 // New checks cfg and opens a netlink handle in its namespace. It changes
@@ -229,15 +245,6 @@ func checkIfName(field, name string) error {
 func TAPName(addr netip.Addr) string {
 	b := addr.As4()
 	return fmt.Sprintf("%s%08x", TAPPrefix, binary.BigEndian.Uint32(b[:]))
-}
-
-// MAC is the guest NIC's MAC for instance id and attempt (0 first; the next
-// when a held lease of another instance has it): locally administered,
-// unicast, stable across restarts and reboots because the lease keeps it.
-func MAC(id string, attempt int) string {
-	sum := sha256.Sum256(fmt.Appendf(nil, "vmflow-mac\x00%s\x00%d", id, attempt))
-	hw := net.HardwareAddr{0x02, sum[0], sum[1], sum[2], sum[3], sum[4]}
-	return hw.String()
 }
 
 // hostLock takes the host-wide placement lock: two launches never pick one

@@ -52,13 +52,23 @@ var subnet = netip.MustParsePrefix("10.88.0.0/24")
 
 func newEnv(t *testing.T, p netip.Prefix) *env {
 	t.Helper()
+	return newEnvConfig(t, p, nil)
+}
+
+// newEnvConfig is newEnv with its network's configuration changed by mod.
+func newEnvConfig(t *testing.T, p netip.Prefix, mod func(*network.Config)) *env {
+	t.Helper()
 	e := &env{ns: nettest.Namespace(t), now: &clock{t: time.Now()}}
 	e.h = nettest.Handle(t, e.ns)
 	state := t.TempDir()
 	var err error
 	e.st, err = store.New(state)
 	require.NoError(t, err)
-	e.net, err = network.New(network.Config{Subnet: p, NetNS: e.ns, Store: e.st, OrphanGrace: time.Minute, Now: e.now.Now})
+	cfg := network.Config{Subnet: p, NetNS: e.ns, Store: e.st, OrphanGrace: time.Minute, Now: e.now.Now}
+	if mod != nil {
+		mod(&cfg)
+	}
+	e.net, err = network.New(cfg)
 	require.NoError(t, err)
 	t.Cleanup(e.net.Close)
 	return e
@@ -106,6 +116,14 @@ func (e *env) lease(t *testing.T, id string) *vmflowv1.Lease {
 	rec, err := e.st.Get(id)
 	require.NoError(t, err)
 	return store.Network(rec)
+}
+
+// macKey is the host's MAC key (made on first use).
+func (e *env) macKey(t *testing.T) []byte {
+	t.Helper()
+	key, err := e.net.MACKey(context.Background())
+	require.NoError(t, err)
+	return key
 }
 
 func (e *env) link(t *testing.T, name string) netlink.Link {
@@ -180,7 +198,7 @@ func TestAttachWritesLeaseThenTAP(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, "10.88.0.2/24", a.Address.String(), "the first guest address: the gateway has .1")
 	assert.Equal(t, "10.88.0.1", a.Gateway.String())
-	assert.Equal(t, network.MAC("vm-a", 0), a.MAC)
+	assert.Equal(t, network.MAC(e.macKey(t), "vm-a", 0), a.MAC)
 	hw, err := net.ParseMAC(a.MAC)
 	require.NoError(t, err)
 	assert.Equal(t, byte(0x02), hw[0]&0x03, "locally administered, unicast")
@@ -422,6 +440,7 @@ func TestTAPNameFitsIFNAMSIZ(t *testing.T) {
 	n := network.TAPName(netip.MustParseAddr("255.255.255.254"))
 	assert.LessOrEqual(t, len(n), unix.IFNAMSIZ-1)
 	assert.Equal(t, "vmtapfffffffe", n)
-	assert.NotEqual(t, network.MAC("a", 0), network.MAC("a", 1))
-	assert.Equal(t, network.MAC("a", 0), network.MAC("a", 0))
+	key := []byte("a key")
+	assert.NotEqual(t, network.MAC(key, "a", 0), network.MAC(key, "a", 1))
+	assert.Equal(t, network.MAC(key, "a", 0), network.MAC(key, "a", 0))
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"slices"
 
 	"go.uber.org/zap"
@@ -16,22 +17,24 @@ import (
 type TAPRound struct {
 	// Removed are the unleased TAPs removed, past their grace.
 	Removed []string
-	// Reattached are the leased TAPs put back on the bridge (a hand or a
-	// tool deleted the bridge, or moved the port).
+	// Reattached are the leased TAPs set up again as guests' ports: put
+	// back on the bridge (a hand or a tool deleted the bridge, or moved
+	// the port), or given back their port settings or static FDB entry (a
+	// hand changed them).
 	Reattached []string
 }
 
 // ReconcileTAPs rebuilds the anti-spoofing filter from the records
 // (RebuildGuard) and makes the bridge again when it is gone
-// (EnsureBridge); puts every leased TAP that is not a port of the bridge
-// back on it; then removes the TAPs (named with TAPPrefix) that no
-// record's held lease names once they have been seen unleased for the
-// orphan grace. The agent writes a lease before it makes its TAP, so these
-// are TAPs of a record removed by hand, or made by a hand. The records are
-// read and the TAPs removed under the placement lock, so a lease placed
-// meanwhile is either seen (its TAP kept) or placed after the removal (its
-// TAP made afresh). Nothing is removed while a record cannot be read (it
-// may name a TAP).
+// (EnsureBridge); sets every leased TAP that is not a whole guest's port
+// of the bridge up again (reattach); then removes the TAPs (named with
+// TAPPrefix) that no record's held lease names once they have been seen
+// unleased for the orphan grace. The agent writes a lease before it makes
+// its TAP, so these are TAPs of a record removed by hand, or made by a
+// hand. The records are read and the TAPs removed under the placement
+// lock, so a lease placed meanwhile is either seen (its TAP kept) or
+// placed after the removal (its TAP made afresh). Nothing is removed while
+// a record cannot be read (it may name a TAP).
 func (n *Net) ReconcileTAPs(ctx context.Context) (TAPRound, error) {
 	var round TAPRound
 	if err := ctx.Err(); err != nil {
@@ -51,6 +54,13 @@ func (n *Net) ReconcileTAPs(ctx context.Context) (TAPRound, error) {
 		return round, errors.Join(gerr, fmt.Errorf("reconcile taps: %w", err))
 	}
 	recs, err := n.cfg.Store.List()
+	// One read of every port's settings for the round; without it only
+	// ports off the bridge are found.
+	ports, perr := n.readBridgePorts()
+	if perr != nil {
+		gerr = errors.Join(gerr, fmt.Errorf("reconcile taps: %w", perr))
+		ports = nil
+	}
 	// Leased TAPs go back on the bridge whatever else the records say.
 	leased := map[string]bool{}
 	for _, r := range recs {
@@ -62,12 +72,12 @@ func (n *Net) ReconcileTAPs(ctx context.Context) (TAPRound, error) {
 		if !slices.Contains(taps, l.GetNetwork().GetTap()) {
 			continue // made by the VM's next launch
 		}
-		if did, rerr := n.reattach(ctx, l.GetNetwork()); rerr != nil {
+		if did, rerr := n.reattach(ctx, l.GetNetwork(), ports); rerr != nil {
 			gerr = errors.Join(gerr, fmt.Errorf("reconcile taps: instance %s: %w", r.GetId(), rerr))
 		} else if did {
 			round.Reattached = append(round.Reattached, l.GetNetwork().GetTap())
-			n.cfg.Logger.Warn("leased TAP was not on the bridge; put back", zap.String("instance_id", r.GetId()),
-				zap.String("tap", l.GetNetwork().GetTap()), zap.String("bridge", n.cfg.Bridge))
+			n.cfg.Logger.Warn("leased TAP was off the bridge, or its port settings or FDB entry changed; set up again",
+				zap.String("instance_id", r.GetId()), zap.String("tap", l.GetNetwork().GetTap()), zap.String("bridge", n.cfg.Bridge))
 		}
 	}
 	if bad, listed := store.Unreadable(err); !listed || len(bad) > 0 {
@@ -109,12 +119,19 @@ func (n *Net) ReconcileTAPs(ctx context.Context) (TAPRound, error) {
 	return round, errors.Join(append(errs, gerr)...)
 }
 
-// reattach puts a leased TAP that is not a port of the bridge back on it
-// (master, isolated, up), and reports whether it had to. The TAP itself
-// is never made again here: a running QEMU holds its queue.
-func (n *Net) reattach(ctx context.Context, nl *vmflowv1.NetworkLease) (bool, error) {
+// reattach sets a leased TAP up again as a guest's port of the bridge
+// (setupPort) when it is not one: off the bridge (a hand deleted the
+// bridge or moved the port), or, as ports (nil: not known) says, on it
+// without a guest port's settings or its FDB entry (a hand changed them);
+// and reports whether it had to. The TAP itself is never made again here:
+// a running QEMU holds its queue.
+func (n *Net) reattach(ctx context.Context, nl *vmflowv1.NetworkLease, ports *bridgePorts) (bool, error) {
 	if err := ctx.Err(); err != nil {
 		return false, err
+	}
+	mac, err := net.ParseMAC(nl.GetMac())
+	if err != nil || len(mac) != 6 {
+		return false, fmt.Errorf("%w: lease mac %q", ErrInvalid, nl.GetMac())
 	}
 	t, err := n.tap(nl.GetTap())
 	if err != nil || t == nil {
@@ -124,8 +141,8 @@ func (n *Net) reattach(ctx context.Context, nl *vmflowv1.NetworkLease) (bool, er
 	if err != nil {
 		return false, fmt.Errorf("bridge %s: %w", n.cfg.Bridge, err)
 	}
-	if t.Attrs().MasterIndex == br.Attrs().Index {
+	if t.Attrs().MasterIndex == br.Attrs().Index && (ports == nil || ports.whole(t.Attrs().Index, mac, br.Attrs().Index)) {
 		return false, nil
 	}
-	return true, n.setupPort(t, br)
+	return true, n.setupPort(t, br, mac)
 }

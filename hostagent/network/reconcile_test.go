@@ -2,6 +2,7 @@ package network_test
 
 import (
 	"context"
+	"net"
 	"net/netip"
 	"os"
 	"testing"
@@ -17,10 +18,18 @@ import (
 // TestBridgeLossPutsLeasedTAPsBack (issue 31 case 6): an operator deletes
 // the bridge under running VMs; their TAPs stay, detached. The next TAP
 // reconcile round makes the bridge again and puts every leased TAP back on
-// it (isolated, up), and says which. Before, nothing put them back.
+// it (isolated, learning nothing, flooded nothing, its guest's static FDB
+// entry made again, up), and says which. Before, nothing put them back.
 func TestBridgeLossPutsLeasedTAPsBack(t *testing.T) {
 	e := newEnv(t, subnet)
 	taps := []string{e.attached(t, "vm-a", 1_900_000_001), e.attached(t, "vm-b", 1_900_000_002)}
+	macs := map[string]net.HardwareAddr{}
+	for _, id := range []string{"vm-a", "vm-b"} {
+		nl := e.lease(t, id).GetNetwork()
+		mac, err := net.ParseMAC(nl.GetMac())
+		require.NoError(t, err)
+		macs[nl.GetTap()] = mac
+	}
 	require.NoError(t, e.h.LinkDel(e.link(t, network.DefaultBridge)))
 	for _, tap := range taps {
 		require.Zero(t, e.link(t, tap).Attrs().MasterIndex, "deleting the bridge detaches its ports")
@@ -37,6 +46,7 @@ func TestBridgeLossPutsLeasedTAPsBack(t *testing.T) {
 		pi, err := e.h.LinkGetProtinfo(l)
 		require.NoError(t, err)
 		assert.True(t, pi.Isolated, "%s is isolated again", tap)
+		assert.True(t, network.GuestPortWhole(t, e.net, tap, macs[tap]), "%s has its guest port settings and FDB entry again", tap)
 	}
 	round, err = e.net.ReconcileTAPs(context.Background())
 	require.NoError(t, err)

@@ -27,6 +27,27 @@ func Veth(tb testing.TB, a, aName string, aAddr netip.Prefix, b, bName string, b
 	require.NoError(tb, ha.LinkAdd(&netlink.Veth{LinkAttrs: la, PeerName: bName, PeerNamespace: netlink.NsFd(int(bns))}))
 	Up(tb, a, aName, aAddr)
 	Up(tb, b, bName, bAddr)
+	// The kernel gives a link its queue once it has seen the carrier
+	// (its link watch, up to a second later, later still under load);
+	// until then what it sends is dropped, the first ARP request too, and
+	// a dial waits for the retry. Both ends up first.
+	operUp(tb, a, aName)
+	operUp(tb, b, bName)
+}
+
+// operUp waits, within a bound, until the link name in ns is
+// operationally up.
+func operUp(tb testing.TB, ns, name string) {
+	tb.Helper()
+	h := Handle(tb, ns)
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		l, err := h.LinkByName(name)
+		require.NoError(tb, err)
+		if l.Attrs().OperState == netlink.OperUp {
+			return
+		}
+	}
+	tb.Fatalf("%s in %s never came up", name, ns)
 }
 
 // Local makes a link named name in ns, up, with addrs: addresses the
