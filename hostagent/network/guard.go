@@ -3,6 +3,7 @@ package network
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"net/netip"
@@ -34,17 +35,24 @@ import (
 // Config.PortPPS a second (issue 32, finding 6): a per-port token bucket
 // (a meter: the rate set holds one limit per port name) drops and counts
 // what is over it, so a guest flooding the bridge costs the host a bounded
-// share of its time and leaves its neighbours' buckets alone. LLDP and STP
-// group frames (01:80:c2:00:00:0e and :00) never reach this hook: the
-// bridge hands them to the host's stack on the TAP itself, where nothing
-// takes them (and the host-path filter, hostpath.go, drops any IP in
-// them); a guest flooding those costs the host its TAP's receive path, as
-// bounded as its QEMU's CPU share.
+// share of its time and leaves its neighbours' buckets alone.
+//
+// LLDP and STP group frames (01:80:c2:00:00:0e and :00) never reach this
+// hook: the bridge hands them to the host's stack on the TAP itself. The
+// ingress guard (ingress.go) judges every frame at the TAP first, those
+// included: its chain drops a source MAC that is not the lease's and
+// bounds the port to the same rate. So of this chain, the meter and the
+// MAC in the set's key repeat the ingress chain's judgement for the frames
+// that reach the bridge; they are kept as a second line (a port whose
+// ingress chain a hand deleted, until the next scan round makes it again),
+// while the IPv4 source, ARP's sender fields and the ethertypes are judged
+// here only.
 //
 // The set holds one element per held network lease, derived from the
 // records: AttachLocked adds the lease's before it makes the TAP, Release
 // removes it once the release is recorded, and RebuildGuard replaces the
-// table whole from the records (at start, after a reboot, each reconcile).
+// table whole from the records (at start, after a reboot, each reconcile),
+// and the ingress chains with it.
 const (
 	guardChain = "guard"
 	guardSet   = "ports"
@@ -171,6 +179,10 @@ func (n *Net) heldPorts() (ports map[string]port, owner map[string]string, unkno
 // element of the old set is kept only where no readable record can tell
 // (an unreadable record's TAP): its guest keeps working until the record
 // is repaired.
+//
+// It makes the ingress chains from the same read of the records
+// (rebuildIngressLocked): each held lease's TAP has its whole chain, no
+// other TAP has one.
 func (n *Net) RebuildGuard(ctx context.Context) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("network filter: %w", err)
@@ -185,6 +197,12 @@ func (n *Net) rebuildGuardLocked() error {
 	if err != nil {
 		return fmt.Errorf("network filter: %w", err)
 	}
+	// One fails without holding up the other: each judges on its own.
+	return errors.Join(n.rebuildSetLocked(ports, owner, unknown, all), n.rebuildIngressLocked(ports, owner, unknown, all))
+}
+
+// rebuildSetLocked is RebuildGuard's bridge table.
+func (n *Net) rebuildSetLocked(ports map[string]port, owner map[string]string, unknown map[string]bool, all bool) error {
 	c, err := n.nft()
 	if err != nil {
 		return fmt.Errorf("network filter: %w", err)
@@ -399,9 +417,10 @@ func (n *Net) guardPort(id string, p port) error {
 }
 
 // unguardPort removes the released lease nl's own element from the guard's
-// set, and only it: once the release is recorded the address is free, and
-// the next lease of it (the same TAP name, another MAC) may already have
-// added its element.
+// set, and only it, and its own ingress chain: once the release is
+// recorded the address is free, and the next lease of it (the same TAP
+// name, another MAC) may already have added its element and made its
+// chain.
 func (n *Net) unguardPort(id string, nl *vmflowv1.NetworkLease) error {
 	p, err := portOf(nl)
 	if err != nil {
@@ -409,6 +428,11 @@ func (n *Net) unguardPort(id string, nl *vmflowv1.NetworkLease) error {
 	}
 	n.gmu.Lock()
 	defer n.gmu.Unlock()
+	return errors.Join(n.unguardSetLocked(id, p), n.unIngressLocked(id, p))
+}
+
+// unguardSetLocked is unguardPort's bridge set. Under gmu.
+func (n *Net) unguardSetLocked(id string, p port) error {
 	c, set, old, err := n.readPorts()
 	if err != nil {
 		return err
@@ -462,22 +486,28 @@ func FilterPort(tap, mac string, addr netip.Addr) string {
 	return tap + " " + mac + " " + addr.String()
 }
 
-// FilterDrops are the guard's drop counters.
+// FilterDrops are the guard's drop counters: the bridge table's and the
+// ingress table's together.
 type FilterDrops struct {
 	// Spoofed: frames from guest TAPs that were not their lease's (a
-	// spoofed source, IPv6, another ethertype).
+	// spoofed source MAC, at the TAP's ingress; a spoofed source address,
+	// IPv6, another ethertype, at the bridge).
 	Spoofed uint64
 	// OverRate: frames over a guest port's frames-a-second limit.
 	OverRate uint64
 }
 
 // FilterDropped is how many frames from guest TAPs the filter's drop rules
-// have counted since its table was made (a reboot or a replaced table
-// starts them again from 0, as a Prometheus counter's reset).
+// have counted since their tables were made (a reboot or a replaced table
+// starts them again from 0, as a Prometheus counter's reset; a port's
+// ingress chain going keeps its counts, which are the table's).
 func (n *Net) FilterDropped() (FilterDrops, error) {
 	var d FilterDrops
 	c, err := n.nft()
 	if err != nil {
+		return d, fmt.Errorf("network filter: %w", err)
+	}
+	if d.Spoofed, d.OverRate, err = n.ingressCounts(c); err != nil {
 		return d, fmt.Errorf("network filter: %w", err)
 	}
 	t := n.guardTable()

@@ -195,13 +195,19 @@ func (n *Net) ensureTAP(l Lease, uid uint32) error {
 
 // setupPort makes t a guest's port of the bridge br for the guest NIC's
 // mac, and up: the one port setup, for a launch and for the reconcile
-// that puts a detached or altered port back. The port is isolated from
-// the other ports (guests reach the gateway, not each other), learns
-// nothing and is flooded nothing (guestPortFlags), and the bridge knows
-// mac on it by a static, sticky FDB entry, which leaving the bridge
-// removes (so it is made again here each time).
+// that puts a detached or altered port back. First t gets its ingress
+// chain (ingress.go), so no frame from it reaches the bridge unjudged,
+// not even a link-local one: only mac's frames, at most the port's rate.
+// The port is isolated from the other ports (guests reach the gateway,
+// not each other), learns nothing and is flooded nothing
+// (guestPortFlags), and the bridge knows mac on it by a static, sticky FDB
+// entry, which leaving the bridge removes (so it is made again here each
+// time).
 func (n *Net) setupPort(t netlink.Link, br netlink.Link, mac net.HardwareAddr) error {
 	name := t.Attrs().Name
+	if err := n.ingressPort(name, mac); err != nil {
+		return err
+	}
 	if err := n.h.LinkSetMasterByIndex(t, br.Attrs().Index); err != nil {
 		return fmt.Errorf("attach %s to %s: %w", name, n.cfg.Bridge, err)
 	}
