@@ -284,13 +284,15 @@ func (d leaseDriver) Points() lease.ReleasePoints {
 	return lease.ReleasePoints{Releasing: crashpoint.NetReleasing, Done: crashpoint.NetTAPRemoved, Recorded: crashpoint.NetReleased}
 }
 
-// Released removes the lease's own element from the anti-spoofing filter.
+// Released removes the lease's own element from the anti-spoofing filter
+// and its TAP's ingress chain.
 func (d leaseDriver) Released(_ context.Context, id string, l *vmflowv1.Lease) {
 	nl := l.GetNetwork()
 	if err := d.n.unguardPort(id, nl); err != nil {
 		// Its TAP is gone, so the element passes nothing; the next
-		// rebuild, or the next lease of the address, replaces it.
-		d.n.cfg.Logger.Warn("network filter element not removed", zap.String("instance_id", id), zap.String("tap", nl.GetTap()), zap.Error(err))
+		// rebuild removes what no held lease names, and the next lease of
+		// the address replaces it.
+		d.n.cfg.Logger.Warn("network filter element or ingress chain not removed", zap.String("instance_id", id), zap.String("tap", nl.GetTap()), zap.Error(err))
 	}
 	d.n.cfg.Logger.Info("network released", zap.String("instance_id", id), zap.String("address", nl.GetAddress()), zap.String("tap", nl.GetTap()))
 }
