@@ -135,6 +135,10 @@ func (h *host) actions() map[string]func(*rapid.T) {
 		"freeDisk":    h.freeDisk,
 		"netAttach":   h.netAttach,
 		"netRelease":  h.netRelease,
+		"strayGroup":  h.strayGroup,
+		"releaseAll":  h.releaseAll,
+		"bridgeLoss":  h.bridgeLoss,
+		"tapRound":    h.tapReconcile,
 	}
 }
 
@@ -197,8 +201,11 @@ func (h *host) create(t *rapid.T) {
 	id := drawID(t) // any id: creating an existing one is a retried create
 	c, cancel := ctx()
 	defer cancel()
-	_, err := h.st.Create(c, &vmflowv1.InstanceRecord{Id: id, Spec: &vmflowv1.VMSpec{Vcpus: 1, MemoryMib: 64, Machine: "none",
-		VgpuProfile: h.dc.profile, VgpuCount: vgpuCounts[id]}})
+	spec := &vmflowv1.VMSpec{Vcpus: 1, MemoryMib: 64, Machine: "none", VgpuProfile: h.dc.profile, VgpuCount: vgpuCounts[id]}
+	if n := wholeCounts[id]; n > 0 {
+		spec = &vmflowv1.VMSpec{Vcpus: 1, MemoryMib: 64, Machine: "none", GpuPassthroughCount: uint32(n)}
+	}
+	_, err := h.st.Create(c, &vmflowv1.InstanceRecord{Id: id, Spec: spec})
 	t.Logf("create %s: %v", id, err)
 }
 
@@ -207,6 +214,10 @@ func (h *host) create(t *rapid.T) {
 // must leave its record holding no vGPU and no device it made behind.
 func (h *host) claim(t *rapid.T) {
 	id := h.existingID(t)
+	if wholeCounts[id] > 0 {
+		h.claimWhole(t, id)
+		return
+	}
 	failCreate := rarely(t, "failCreate")
 	if failCreate {
 		h.setFault(t, vgpusim.CtlFailCreate, "EIO")
@@ -261,21 +272,15 @@ func (h *host) launch(t *rapid.T) {
 		t.Logf("launch %s: %v", id, err)
 		return
 	}
-	// Every model instance asks for vGPUs, so QEMU starts only with all
-	// of them active and existing, and holds its first one's VFIO node
-	// open (the release guard for the others is the VM's liveness).
-	held := store.HeldVGPUs(rec)
-	if len(held) != store.VGPUCount(h.dc.profile, vgpuCounts[id]) ||
-		slices.ContainsFunc(held, func(l *vmflowv1.Lease) bool { return l.GetPhase() != vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE }) {
-		t.Logf("launch %s: not every claim active", id)
+	node, ok := "", false
+	if wholeCounts[id] > 0 {
+		node, ok = h.wholeNode(t, id, rec)
+	} else {
+		node, ok = h.vgpuNode(t, id, rec)
+	}
+	if !ok {
 		return
 	}
-	cl := held[0]
-	devs := h.devices(t)
-	if slices.ContainsFunc(held, func(l *vmflowv1.Lease) bool { return !devs[claimKey(l)] }) && !h.ensureDevice(t, id, cl) {
-		return
-	}
-	node := h.vfioNode(t, claimKey(cl))
 	hp, err := startHelper(node)
 	if err != nil {
 		t.Fatalf("launch %s: %v", id, err)
@@ -299,6 +304,26 @@ func (h *host) launch(t *rapid.T) {
 	h.helpers[id] = hp
 	t.Logf("launch %s: pid %d holding %q", id, ident.PID, node)
 	h.events["launched"]++
+}
+
+// vgpuNode makes id's vGPUs launchable and returns the VFIO node of the
+// first for the QEMU stand-in to hold. Every vGPU instance asks for vGPUs,
+// so QEMU starts only with all of them active and existing, and holds its
+// first one's VFIO node open (the release guard for the others is the
+// VM's liveness).
+func (h *host) vgpuNode(t *rapid.T, id string, rec *vmflowv1.InstanceRecord) (string, bool) {
+	held := store.HeldVGPUs(rec)
+	if len(held) != store.VGPUCount(h.dc.profile, vgpuCounts[id]) ||
+		slices.ContainsFunc(held, func(l *vmflowv1.Lease) bool { return l.GetPhase() != vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE }) {
+		t.Logf("launch %s: not every claim active", id)
+		return "", false
+	}
+	cl := held[0]
+	devs := h.devices(t)
+	if slices.ContainsFunc(held, func(l *vmflowv1.Lease) bool { return !devs[claimKey(l)] }) && !h.ensureDevice(t, id, cl) {
+		return "", false
+	}
+	return h.vfioNode(t, claimKey(cl)), true
 }
 
 // exit ends id's process group and records Exited, as the supervisor's exit
@@ -398,6 +423,10 @@ const (
 func (h *host) release(t *rapid.T) {
 	id := h.existingID(t)
 	mode := rapid.SampledFrom([]string{releaseOK, releaseFail, releaseBlocked, releaseCrash}).Draw(t, "mode")
+	if wholeCounts[id] > 0 {
+		h.releaseWhole(t, id, mode)
+		return
+	}
 	before, _ := h.st.Get(id)
 	recorded := store.IdentityOf(before.GetProcess())
 
@@ -446,6 +475,15 @@ func (h *host) callRelease(id string, wait time.Duration) (bool, []string, error
 
 func (h *host) releaseCrash(t *rapid.T, id string) (bool, []string, error) {
 	h.setFault(t, vgpusim.CtlBlockRelease, "")
+	return h.crashDuring(t, id, func() { h.clearFault(t, vgpusim.CtlBlockRelease) },
+		func() (bool, []string, error) { return h.callRelease(id, opTimeout) })
+}
+
+// crashDuring runs call, a release whose sysfs write the caller blocked:
+// while it is blocked, id's record is cut (the agent "died" between the
+// write and the record update), then unblock lifts the block and the
+// write completes.
+func (h *host) crashDuring(t *rapid.T, id string, unblock func(), call func() (bool, []string, error)) (bool, []string, error) {
 	type result struct {
 		released bool
 		dev      []string
@@ -453,7 +491,7 @@ func (h *host) releaseCrash(t *rapid.T, id string) (bool, []string, error) {
 	}
 	done := make(chan result, 1)
 	go func() {
-		r, d, e := h.callRelease(id, opTimeout)
+		r, d, e := call()
 		done <- result{r, d, e}
 	}()
 	var res result
@@ -472,7 +510,7 @@ func (h *host) releaseCrash(t *rapid.T, id string) (bool, []string, error) {
 	if !returned {
 		h.truncate(t, id)
 	}
-	h.clearFault(t, vgpusim.CtlBlockRelease)
+	unblock()
 	if !returned {
 		select {
 		case res = <-done:
@@ -522,7 +560,6 @@ func (h *host) reconcile(t *rapid.T) {
 	}
 	if failRelease {
 		h.setFault(t, vgpusim.CtlFailRelease, "EIO")
-		defer h.clearFault(t, vgpusim.CtlFailRelease)
 	}
 	c, cancel := ctx()
 	defer cancel()
@@ -535,6 +572,10 @@ func (h *host) reconcile(t *rapid.T) {
 		// sightings are not remembered, so their grace starts again.
 		h.unclaimedSince = prevSince
 	}
+	if failRelease {
+		h.clearFault(t, vgpusim.CtlFailRelease)
+	}
+	h.reconcileWhole(t, recs, unreadable, now)
 	if unreadable || failRelease || err != nil {
 		return
 	}
@@ -759,6 +800,7 @@ func (h *host) reboot(t *rapid.T) {
 			t.Fatalf("reboot: remove %s: %v", d, err)
 		}
 	}
+	h.rebootPCI(t)
 	h.wipeLinks(t)
 	h.startAgent(t)
 	h.rebooted = true
@@ -842,6 +884,13 @@ func (h *host) checkQuarantine(t *rapid.T, now snapshot) {
 				}
 			}
 		}
+		for id, ls := range now.whole {
+			for _, l := range ls {
+				if slices.Contains(store.PassthroughGPUs(l), key) {
+					m[id+" "+store.LeaseName(l)] = true
+				}
+			}
+		}
 		return m
 	}
 	for key := range q {
@@ -864,9 +913,12 @@ func (h *host) check(t *rapid.T) {
 	now := h.observe(t)
 	defer func() { h.prev = now }()
 	t.Logf("  state: %s", h.describe(t))
+	rebooted := h.rebooted
+	h.rebooted = false
 	h.checkUIDs(t)
 	h.checkQuarantine(t, now)
 	h.checkNetwork(t)
+	h.checkWhole(t, now, rebooted)
 
 	// One device, one claim (invariant 10).
 	uuids := map[string]string{}
@@ -893,8 +945,6 @@ func (h *host) check(t *rapid.T) {
 	}
 	// A device goes only when every instance whose held claim named it has
 	// no live process group (invariant 2); a reboot takes them all.
-	rebooted := h.rebooted
-	h.rebooted = false
 	for d := range h.prev.devices {
 		if rebooted {
 			break
