@@ -143,9 +143,11 @@ type host struct {
 	quarantineAfter int
 	net             *network.Net
 	nh              *netlink.Handle // in dc.netns, for the checks
-	// bridgeLost: the model deleted the bridge and no TAP reconcile
-	// round has run since, so leased TAPs may be off it.
-	bridgeLost bool
+	// detached are the instances whose leased TAP may be off the bridge:
+	// the model deleted the bridge and no TAP reconcile round has since
+	// read their record (one that was unreadable waits for the round
+	// after its repair).
+	detached map[string]bool
 
 	whole *lease.Whole
 	// cards is the PCI hardware installed now (address -> the card's
@@ -217,7 +219,7 @@ func newHost(t *rapid.T, dc driverCase) *host {
 		state: filepath.Join(dir, "state"), devDir: filepath.Join(dir, "dev"),
 		events: map[string]int{}, helpers: map[string]*helper{}, corrupt: map[string][]byte{}, unclaimedSince: map[string]time.Time{},
 		quarantinedWith: map[string]map[string]bool{}, strays: map[string]bool{}, unmarkedSince: map[string]time.Time{},
-		faulted: map[string]bool{}, cards: installedCards(),
+		faulted: map[string]bool{}, cards: installedCards(), detached: map[string]bool{},
 	}
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	for _, d := range []string{h.sys, h.ctl, h.state, filepath.Join(h.devDir, "vfio")} {

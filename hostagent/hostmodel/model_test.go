@@ -90,6 +90,7 @@ func TestHostModel(t *testing.T) {
 			dc.netns = nettest.Namespace(t)
 			var checks, steps int
 			events := map[string]int{}
+			spent := map[string]time.Duration{} // per action, skipped draws included
 			start := time.Now()
 			rapid.Check(t, func(rt *rapid.T) {
 				checks++
@@ -97,15 +98,18 @@ func TestHostModel(t *testing.T) {
 				h.events = events
 				actions := h.actions()
 				for name, a := range actions {
-					if name == "" {
-						continue
+					actions[name] = func(rt *rapid.T) {
+						defer func(t0 time.Time) { spent[name] += time.Since(t0) }(time.Now())
+						a(rt)
+						if name != "" {
+							steps++ // one that ran: a skipped draw does not return here
+						}
 					}
-					actions[name] = func(rt *rapid.T) { steps++; a(rt) }
 				}
 				rt.Repeat(actions)
 			})
-			t.Logf("host model (%s): %d checks, %d steps in %s; outcomes: %s", dc.kind, checks, steps,
-				time.Since(start).Round(time.Millisecond), formatEvents(events))
+			t.Logf("host model (%s): %d checks, %d steps (%.1f per check) in %s; slowest: %s; outcomes: %s", dc.kind, checks, steps,
+				float64(steps)/float64(max(checks, 1)), time.Since(start).Round(time.Millisecond), slowest(spent, 5), formatEvents(events))
 		})
 	}
 }
@@ -135,11 +139,32 @@ func (h *host) actions() map[string]func(*rapid.T) {
 		"freeDisk":    h.freeDisk,
 		"netAttach":   h.netAttach,
 		"netRelease":  h.netRelease,
+		"spawn":       h.spawn,
+		"remove":      h.remove,
 		"strayGroup":  h.strayGroup,
 		"releaseAll":  h.releaseAll,
 		"bridgeLoss":  h.bridgeLoss,
 		"tapRound":    h.tapReconcile,
 	}
+}
+
+// slowest names the n actions the run spent most time in ("" is the
+// checks between them).
+func slowest(spent map[string]time.Duration, n int) string {
+	names := make([]string, 0, len(spent))
+	for k := range spent {
+		names = append(names, k)
+	}
+	sort.Slice(names, func(i, j int) bool { return spent[names[i]] > spent[names[j]] })
+	var parts []string
+	for _, k := range names[:min(n, len(names))] {
+		label := k
+		if k == "" {
+			label = "(checks)"
+		}
+		parts = append(parts, fmt.Sprintf("%s %s", label, spent[k].Round(time.Millisecond)))
+	}
+	return strings.Join(parts, ", ")
 }
 
 // formatEvents lists outcome counts, so a run shows which paths it walked.
@@ -197,8 +222,9 @@ func rarely(t *rapid.T, label string) bool { return rapid.IntRange(0, 3).Draw(t,
 // instances of one and one of two, capacity binds part-way through a claim.
 var vgpuCounts = map[string]uint32{"vm-a": 1, "vm-b": 2, "vm-c": 1}
 
-func (h *host) create(t *rapid.T) {
-	id := drawID(t) // any id: creating an existing one is a retried create
+func (h *host) create(t *rapid.T) { h.createOf(t, drawID(t)) } // any id: creating an existing one is a retried create
+
+func (h *host) createOf(t *rapid.T, id string) {
 	c, cancel := ctx()
 	defer cancel()
 	spec := &vmflowv1.VMSpec{Vcpus: 1, MemoryMib: 64, Machine: "none", VgpuProfile: h.dc.profile, VgpuCount: vgpuCounts[id]}
@@ -209,11 +235,112 @@ func (h *host) create(t *rapid.T) {
 	t.Logf("create %s: %v", id, err)
 }
 
+// spawn drives one instance along the spawn workflow (create, claim,
+// network, launch) for one to four stages, as far as they go: the
+// single-stage actions alone rarely get a VM running, and most holes
+// need one. The other actions still come in between.
+func (h *host) spawn(t *rapid.T) {
+	id := drawID(t)
+	stages := rapid.IntRange(1, 4).Draw(t, "stages")
+	last := ""
+	for i := 0; i < stages; i++ {
+		rec, err := h.st.Get(id)
+		var stage string
+		switch {
+		case errors.Is(err, store.ErrNotFound):
+			stage = "create"
+		case err != nil || store.IsDeleting(rec):
+		case !h.claimed(id, rec):
+			stage = "claim"
+		case !store.LeaseHeld(store.Network(rec)):
+			stage = "network"
+		case h.helpers[id] == nil || !h.helpers[id].alive():
+			stage = "launch"
+		}
+		if stage == "" || stage == last {
+			if i == 0 {
+				t.Skip("nothing to spawn")
+			}
+			return
+		}
+		if i > 0 {
+			h.check(t) // every invariant after every change, as between steps // the stage did not go through: the workflow would retry later
+		}
+		last = stage
+		switch stage {
+		case "create":
+			h.createOf(t, id)
+		case "claim":
+			h.claimOf(t, id)
+		case "network":
+			h.netAttachOf(t, id)
+		case "launch":
+			h.launchOf(t, id)
+		}
+	}
+}
+
+// claimed reports whether rec holds every GPU its spec asks for, active.
+func (h *host) claimed(id string, rec *vmflowv1.InstanceRecord) bool {
+	held, want := store.HeldVGPUs(rec), store.VGPUCount(h.dc.profile, vgpuCounts[id])
+	got := len(held)
+	if n := wholeCounts[id]; n > 0 {
+		held, want, got = store.HeldPassthrough(rec), n, store.HeldPassthroughGPUs(rec)
+	}
+	return got == want && !slices.ContainsFunc(held, func(l *vmflowv1.Lease) bool { return l.GetPhase() != vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE })
+}
+
+// remove drives one instance along the delete workflow (begin, stop,
+// release every lease through the host's engine, tear down and remove
+// the record) for one to four stages, as spawn does the spawn's.
+func (h *host) remove(t *rapid.T) {
+	id := h.existingID(t)
+	stages := rapid.IntRange(1, 4).Draw(t, "stages")
+	last := ""
+	for i := 0; i < stages; i++ {
+		rec, err := h.st.Get(id)
+		var stage string
+		switch {
+		case err != nil:
+		case !store.IsDeleting(rec):
+			stage = "begin"
+		case h.helpers[id] != nil && h.helpers[id].alive():
+			stage = "stop"
+		case store.AnyLeaseHeld(rec):
+			stage = "release"
+		default:
+			stage = "remove"
+		}
+		if stage == "" || stage == last {
+			if i == 0 {
+				t.Skip("nothing to remove")
+			}
+			return
+		}
+		if i > 0 {
+			h.check(t) // every invariant after every change, as between steps
+		}
+		last = stage
+		switch stage {
+		case "begin":
+			h.beginDeleteOf(t, id)
+		case "stop":
+			h.exitOf(t, id)
+		case "release":
+			h.releaseAllOf(t, id)
+		case "remove":
+			h.teardownOf(t, id)
+			h.deleteRecordOf(t, id)
+		}
+	}
+}
+
 // claim claims the instance's vGPUs; failCreate injects a create fault after
 // an intent is written. A claim no retry can finish (no capacity part-way)
 // must leave its record holding no vGPU and no device it made behind.
-func (h *host) claim(t *rapid.T) {
-	id := h.existingID(t)
+func (h *host) claim(t *rapid.T) { h.claimOf(t, h.existingID(t)) }
+
+func (h *host) claimOf(t *rapid.T, id string) {
 	if wholeCounts[id] > 0 {
 		h.claimWhole(t, id)
 		return
@@ -262,8 +389,9 @@ func (h *host) claim(t *rapid.T) {
 // launch starts a QEMU stand-in for id, holding its claim's device open,
 // and records its identity with state Running. A claim whose device is
 // missing fails the launch, as QEMU would.
-func (h *host) launch(t *rapid.T) {
-	id := h.existingID(t)
+func (h *host) launch(t *rapid.T) { h.launchOf(t, h.existingID(t)) }
+
+func (h *host) launchOf(t *rapid.T, id string) {
 	if hp := h.helpers[id]; hp != nil && hp.alive() {
 		t.Skip("already running")
 	}
@@ -335,8 +463,11 @@ func (h *host) exit(t *rapid.T) {
 			running[id] = hp
 		}
 	}
-	id := drawKey(t, running)
-	hp := running[id]
+	h.exitOf(t, drawKey(t, running))
+}
+
+func (h *host) exitOf(t *rapid.T, id string) {
+	hp := h.helpers[id]
 	if err := hp.end(); err != nil {
 		t.Fatalf("exit %s: %v", id, err)
 	}
@@ -353,8 +484,9 @@ func (h *host) exit(t *rapid.T) {
 
 // beginDelete is the delete path's first step: the manual-stop marker, then
 // Deleting.
-func (h *host) beginDelete(t *rapid.T) {
-	id := h.existingID(t)
+func (h *host) beginDelete(t *rapid.T) { h.beginDeleteOf(t, h.existingID(t)) }
+
+func (h *host) beginDeleteOf(t *rapid.T, id string) {
 	c, cancel := ctx()
 	defer cancel()
 	reserved := h.st.Space().Held
@@ -597,8 +729,9 @@ func (h *host) reconcile(t *rapid.T) {
 
 // teardown is the host side of the delete path's TearDown: refused while
 // the recorded VM may live, else the runtime files go.
-func (h *host) teardown(t *rapid.T) {
-	id := h.existingID(t)
+func (h *host) teardown(t *rapid.T) { h.teardownOf(t, h.existingID(t)) }
+
+func (h *host) teardownOf(t *rapid.T, id string) {
 	rec, err := h.st.Get(id)
 	if err != nil {
 		t.Logf("teardown %s: %v", id, err)
@@ -624,8 +757,9 @@ func (h *host) teardown(t *rapid.T) {
 
 // deleteRecord: the store must refuse while the record holds a claim, or
 // while the model cannot tell (an unreadable record).
-func (h *host) deleteRecord(t *rapid.T) {
-	id := h.existingID(t)
+func (h *host) deleteRecord(t *rapid.T) { h.deleteRecordOf(t, h.existingID(t)) }
+
+func (h *host) deleteRecordOf(t *rapid.T, id string) {
 	before, getErr := h.st.Get(id)
 	c, cancel := ctx()
 	defer cancel()

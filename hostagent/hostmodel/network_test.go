@@ -65,8 +65,9 @@ func (h *host) wipeLinks(t *rapid.T) {
 }
 
 // netAttach attaches id as a launch does (lease, TAP, open descriptor).
-func (h *host) netAttach(t *rapid.T) {
-	id := h.existingID(t)
+func (h *host) netAttach(t *rapid.T) { h.netAttachOf(t, h.existingID(t)) }
+
+func (h *host) netAttachOf(t *rapid.T, id string) {
 	c, cancel := ctx()
 	defer cancel()
 	l, err := h.st.Lock(c, id)
@@ -149,7 +150,9 @@ func (h *host) bridgeLoss(t *rapid.T) {
 	if err := h.nh.LinkDel(br); err != nil {
 		t.Fatalf("delete bridge: %v", err)
 	}
-	h.bridgeLost = true
+	for _, id := range instanceIDs {
+		h.detached[id] = true
+	}
 	h.events["bridge lost"]++
 	t.Logf("bridge %s deleted", h.net.Bridge())
 }
@@ -166,21 +169,22 @@ func (h *host) tapReconcile(t *rapid.T) {
 	if err != nil && len(h.corrupt) == 0 {
 		t.Fatalf("tap round with every record readable: %v", err)
 	}
-	h.bridgeLost = false
+	for id := range h.detached {
+		if _, unreadable := h.corrupt[id]; !unreadable {
+			delete(h.detached, id)
+		}
+	}
 }
 
 // checkPorts: every TAP a readable record's held lease names, where it
 // exists, is a port of the bridge, isolated from the other ports and up:
-// always, except between the bridge's loss and the next TAP round.
-// (Unreadable records are not known; their TAPs wait for the repair.)
+// always, except between the bridge's loss and the next TAP round that
+// could read the record.
 func (h *host) checkPorts(t *rapid.T, recs []*vmflowv1.InstanceRecord) {
-	if h.bridgeLost {
-		return
-	}
 	var br netlink.Link
 	for _, r := range recs {
 		l := store.Network(r)
-		if !store.LeaseHeld(l) {
+		if !store.LeaseHeld(l) || h.detached[r.GetId()] {
 			continue
 		}
 		name := l.GetNetwork().GetTap()
@@ -218,8 +222,9 @@ func (h *host) checkPorts(t *rapid.T, recs []*vmflowv1.InstanceRecord) {
 // host's one lease engine over every kind it serves (vGPUs, whole GPUs,
 // then the network, AfterOthers). The address goes back last: never
 // while a GPU lease of the record is still held.
-func (h *host) releaseAll(t *rapid.T) {
-	id := h.existingID(t)
+func (h *host) releaseAll(t *rapid.T) { h.releaseAllOf(t, h.existingID(t)) }
+
+func (h *host) releaseAllOf(t *rapid.T, id string) {
 	before, _ := h.st.Get(id)
 	recorded := store.IdentityOf(before.GetProcess())
 	eng := activities.NewLeaseEngine(lease.EngineConfig{Store: h.st, Quarantine: h.quarantine, IgnoreUninspectable: h.ignore, Now: h.clock},

@@ -441,7 +441,10 @@ func (h *host) rebootPCI(t *rapid.T) {
 		c.serial += 1 << 32 // as the simulator gives the new card its serial number
 		h.cards[a] = c
 	}
-	h.strays = map[string]bool{}
+	// No mark survives a reboot: a function marked after it is a new
+	// sighting (the agent's ledger, by group number, may remember an
+	// older one, which only shortens a grace).
+	h.strays, h.unmarkedSince = map[string]bool{}, map[string]time.Time{}
 	t.Logf("reboot PCI: groups +%d, removed %v, replaced %v", r.GroupOffset, r.Remove, r.Replace)
 }
 
@@ -495,17 +498,23 @@ func (h *host) reconcileWhole(t *rapid.T, recs []*vmflowv1.InstanceRecord, unrea
 	t.Logf("reconcile whole (fail-unbind at %q): %v %v", f.addr, res, err)
 	h.events["reconcile whole released"] += int(res.GetClaimsReleased())
 	h.events["reconcile whole orphans returned"] += int(res.GetOrphansRemoved())
-	if err != nil {
+	marked := h.markedFunctions(t)
+	switch {
+	case err != nil:
+		// The round's ledger was not written: its first sightings are
+		// not remembered.
 		h.unmarkedSince = prevSince
+	case !unreadable:
+		// Like the ledger, forget what the round returned: bound again,
+		// it starts its grace afresh.
+		for a := range h.unmarkedSince {
+			if !marked[a] {
+				delete(h.unmarkedSince, a)
+			}
+		}
 	}
 	if unreadable || f.name != "" || err != nil {
 		return
-	}
-	marked := h.markedFunctions(t)
-	for a := range h.unmarkedSince {
-		if !marked[a] {
-			delete(h.unmarkedSince, a)
-		}
 	}
 	for _, a := range unmarked {
 		since, ok := h.unmarkedSince[a]
