@@ -173,8 +173,9 @@ func deviceFault(err error) bool {
 
 // strikeIfFault counts err against devices when it is their fault
 // (deviceFault), quarantining those at the threshold: the one place a
-// failure becomes a quarantine.
-func strikeIfFault(ctx context.Context, q *Quarantine, log *zap.Logger, id string, err error, devices ...string) {
+// failure becomes a quarantine. cards names the card each device is,
+// where a reboot may swap it (nil: not known).
+func strikeIfFault(ctx context.Context, q *Quarantine, log *zap.Logger, id string, err error, devices, cards []string) {
 	if !deviceFault(err) {
 		return
 	}
@@ -182,7 +183,7 @@ func strikeIfFault(ctx context.Context, q *Quarantine, log *zap.Logger, id strin
 	// failure happened, and the quarantine's lock is brief.
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), recordTimeout)
 	defer cancel()
-	added, qerr := q.Strike(ctx, id, err.Error(), devices...)
+	added, qerr := q.StrikeCards(ctx, id, err.Error(), devices, cards)
 	switch {
 	case qerr != nil:
 		log.Error("count a GPU failure toward quarantine", zap.String("instance_id", id), zap.Strings("device_ids", devices), zap.Error(qerr))

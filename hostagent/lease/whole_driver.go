@@ -50,6 +50,10 @@ func (d wholeDriver) Release(ctx context.Context, id string, l *vmflowv1.Lease) 
 
 func (d wholeDriver) Devices(l *vmflowv1.Lease) []string { return store.PassthroughGPUs(l) }
 
+// cards: a reboot may put another card at a GPU's address, whose
+// failures are its own.
+func (d wholeDriver) cards(l *vmflowv1.Lease) []string { return leaseCards(l) }
+
 func (d wholeDriver) Points() ReleasePoints {
 	return ReleasePoints{Releasing: crashpoint.PassthroughReleasing, Done: crashpoint.PassthroughReturned, Recorded: crashpoint.PassthroughReleased}
 }
