@@ -100,6 +100,7 @@ type snapshot struct {
 	whole   map[string][]*vmflowv1.Lease // instance -> its held whole-GPU leases
 	bound   map[string]bool              // PCI functions on vfio-pci (the simulator's bindings)
 	strikes map[string]lease.Strike      // the quarantine's runs of failures
+	quar    map[string]bool              // the quarantined devices
 }
 
 // heldOn is the lease of leases naming device key, nil for none.
@@ -164,6 +165,12 @@ type host struct {
 	// injected during this step. Any other strike is a violation.
 	faulted     map[string]bool
 	vgpuFaulted bool
+	// own counts each whole GPU's failures in a row as the strikes file
+	// showed them, from 0 when a reboot put another card at its address:
+	// that card's failures are its own, not the one's it replaced.
+	own map[string]int
+	// bad are the PCI functions whose fault stays (badCard), with it.
+	bad map[string]string
 }
 
 // quarantineKey is the device a vGPU lease's failed release quarantines:
@@ -219,7 +226,7 @@ func newHost(t *rapid.T, dc driverCase) *host {
 		state: filepath.Join(dir, "state"), devDir: filepath.Join(dir, "dev"),
 		events: map[string]int{}, helpers: map[string]*helper{}, corrupt: map[string][]byte{}, unclaimedSince: map[string]time.Time{},
 		quarantinedWith: map[string]map[string]bool{}, strays: map[string]bool{}, unmarkedSince: map[string]time.Time{},
-		faulted: map[string]bool{}, cards: installedCards(), detached: map[string]bool{},
+		faulted: map[string]bool{}, cards: installedCards(), detached: map[string]bool{}, own: map[string]int{}, bad: map[string]string{},
 	}
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	for _, d := range []string{h.sys, h.ctl, h.state, filepath.Join(h.devDir, "vfio")} {
@@ -369,7 +376,12 @@ func (h *host) records(t *rapid.T) (recs []*vmflowv1.InstanceRecord, unreadable 
 // keep what was last seen of them: the model cannot read them either.
 func (h *host) observe(t *rapid.T) snapshot {
 	s := snapshot{devices: h.devices(t), holders: map[string][]string{}, procs: map[string]proc.Identity{}, held: map[string][]*vmflowv1.Lease{},
-		whole: map[string][]*vmflowv1.Lease{}, bound: h.boundFunctions(), strikes: h.quarantine.Strikes()}
+		whole: map[string][]*vmflowv1.Lease{}, bound: h.boundFunctions(), strikes: h.quarantine.Strikes(), quar: map[string]bool{}}
+	if q, err := h.quarantine.List(); err == nil {
+		for d := range q {
+			s.quar[d] = true
+		}
+	}
 	recs, _ := h.records(t)
 	for _, r := range recs {
 		if p := r.GetProcess(); p != nil {

@@ -142,6 +142,8 @@ func (h *host) actions() map[string]func(*rapid.T) {
 		"spawn":       h.spawn,
 		"remove":      h.remove,
 		"strayGroup":  h.strayGroup,
+		"badCard":     h.badCard,
+		"swapCard":    h.swapCard,
 		"releaseAll":  h.releaseAll,
 		"bridgeLoss":  h.bridgeLoss,
 		"tapRound":    h.tapReconcile,
@@ -920,6 +922,18 @@ func (h *host) reboot(t *rapid.T) {
 	if !rarely(t, "reboot") {
 		t.Skip("not this time")
 	}
+	h.rebootHost(t, "")
+}
+
+// swapCard is a reboot in which an operator swaps a card that failed
+// (one with strikes) for another of the same model: the new card's
+// failures must count as its own.
+func (h *host) swapCard(t *rapid.T) {
+	h.rebootHost(t, drawKey(t, h.failingCards()))
+}
+
+// rebootHost reboots the host, swapping the card at swap ("" none).
+func (h *host) rebootHost(t *rapid.T, swap string) {
 	for id, hp := range h.helpers {
 		if err := hp.end(); err != nil {
 			t.Fatalf("reboot: %s: %v", id, err)
@@ -934,7 +948,7 @@ func (h *host) reboot(t *rapid.T) {
 			t.Fatalf("reboot: remove %s: %v", d, err)
 		}
 	}
-	h.rebootPCI(t)
+	h.rebootPCI(t, swap)
 	h.wipeLinks(t)
 	h.startAgent(t)
 	h.rebooted = true

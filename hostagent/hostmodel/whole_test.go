@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"slices"
@@ -179,31 +180,84 @@ func (h *host) drawFunction(t *rapid.T, leases []*vmflowv1.Lease) string {
 // pciFault is one fault of the simulator's per-function control files.
 type pciFault struct{ name, addr string }
 
-// inject sets a fault on one PCI function and notes which GPUs its
-// failure may be struck against: the GPUs of its IOMMU group, and those
-// of any held lease naming it.
+// inject sets a fault on one PCI function for this step and notes which
+// GPUs its failure may be struck against.
 func (h *host) inject(t *rapid.T, name, addr, errno string) pciFault {
 	h.setFault(t, vgpusim.At(name, addr), errno)
 	if name == vgpusim.CtlBlockUnbind {
 		return pciFault{name, addr} // a wait is no failure: nothing may be struck for it
 	}
+	for _, g := range h.strikable(t, addr) {
+		h.faulted[g] = true
+	}
+	return pciFault{name, addr}
+}
+
+// strikable are the GPUs a failure of PCI function addr may be struck
+// against: those of its IOMMU group, and those of any held lease naming
+// it.
+func (h *host) strikable(t *rapid.T, addr string) []string {
+	var out []string
 	group := h.srv.PCIGroup(addr)
 	for a := range h.cards {
-		if isGPU(a) && h.srv.PCIGroup(a) == group {
-			h.faulted[a] = true
+		if isGPU(a) && group != "" && h.srv.PCIGroup(a) == group {
+			out = append(out, a)
 		}
 	}
 	recs, _ := h.records(t)
 	for _, r := range recs {
 		for _, l := range store.HeldPassthrough(r) {
 			if slices.Contains(store.PassthroughDevices(l), addr) {
-				for _, g := range store.PassthroughGPUs(l) {
-					h.faulted[g] = true
-				}
+				out = append(out, store.PassthroughGPUs(l)...)
 			}
 		}
 	}
-	return pciFault{name, addr}
+	return out
+}
+
+// badCard makes one card fail its unbind, reset or probe from now on, as
+// a wedged GPU does, until a reboot puts another card in its slot: its
+// claims move on and strike it, its releases fail until then.
+func (h *host) badCard(t *rapid.T) {
+	addr := rapid.SampledFrom(h.functions()).Draw(t, "function")
+	if h.bad[addr] != "" {
+		t.Skip("already bad")
+	}
+	name := rapid.SampledFrom([]string{vgpusim.CtlFailUnbind, vgpusim.CtlFailReset, vgpusim.CtlFailProbe}).Draw(t, "fault")
+	h.setFault(t, vgpusim.At(name, addr), "EIO")
+	h.bad[addr] = name
+	h.events["bad card"]++
+	t.Logf("bad card: %s at %s", name, addr)
+}
+
+// failingCards are the installed GPUs with strikes: what an operator
+// swaps.
+func (h *host) failingCards() map[string]bool {
+	out := map[string]bool{}
+	for d := range h.quarantine.Strikes() {
+		if _, ok := h.cards[d]; ok && isGPU(d) {
+			out[d] = true
+		}
+	}
+	return out
+}
+
+// badGroup reports whether a function of addr's IOMMU group is a bad
+// card's: its group's steps may fail at any time.
+func (h *host) badGroup(addr string) bool {
+	g := h.srv.PCIGroup(addr)
+	for b := range h.bad {
+		if h.srv.PCIGroup(b) == g {
+			return true
+		}
+	}
+	return false
+}
+
+// badLease reports whether a function of l's, or of its group, is a bad
+// card's.
+func (h *host) badLease(l *vmflowv1.Lease) bool {
+	return slices.ContainsFunc(store.PassthroughDevices(l), h.badGroup)
 }
 
 // lift removes the fault; after a block, it waits until the blocked
@@ -257,6 +311,11 @@ func (h *host) claimWhole(t *rapid.T, id string) {
 	if err == nil && gpus != n {
 		t.Fatalf("VIOLATION claim of %d whole GPUs for %s returned %d (%v)", n, id, gpus, devs)
 	}
+	for _, l := range ls {
+		if !h.leaseCardsThere(l) {
+			t.Fatalf("VIOLATION %s's lease of %v does not record the cards there now (%v)", id, store.PassthroughDevices(l), l.GetGpuPassthrough().GetFunctions())
+		}
+	}
 	rec, gerr := h.st.Get(id)
 	if err == nil || !errors.Is(err, errdefs.NoCapacity) || gerr != nil || !store.NeverLaunched(rec) {
 		return
@@ -298,8 +357,14 @@ func (h *host) wholeNode(t *rapid.T, id string, rec *vmflowv1.InstanceRecord) (s
 	_ = l.Unlock()
 	t.Logf("launch %s: ensure whole GPUs: %v", id, err)
 	h.event("ensure whole", err == nil, err)
+	there := !slices.ContainsFunc(held, func(l *vmflowv1.Lease) bool { return !h.leaseCardsThere(l) })
+	if err == nil && !there {
+		t.Fatalf("VIOLATION %s launched with a lease whose card is no longer at its address", id)
+	}
 	if err != nil {
-		there := !slices.ContainsFunc(held, func(l *vmflowv1.Lease) bool { return !h.leaseCardsThere(l) })
+		if there && slices.ContainsFunc(held, h.badLease) {
+			return "", false // a bad card fails its bind
+		}
 		if there {
 			t.Fatalf("VIOLATION a held lease's cards are all there and cannot be bound again: %s: %v", id, err)
 		}
@@ -402,10 +467,8 @@ func (h *host) strayGroup(t *rapid.T) {
 	c, cancel := ctx()
 	defer cancel()
 	b, err := h.whole.Driver().Bind(c, gpu.BindRequest{Group: g, Taken: taken})
-	if err == nil {
-		for _, a := range b.Addrs() {
-			h.strays[a] = true
-		}
+	for _, a := range b.Addrs() {
+		h.strays[a] = true // bound part-way too, when a bad card failed the rest
 	}
 	t.Logf("stray group %s: %v %v", g, b.Addrs(), err)
 	h.event("stray group", err == nil, err)
@@ -413,10 +476,10 @@ func (h *host) strayGroup(t *rapid.T) {
 
 // rebootPCI is the PCI half of a reboot: every function back on the
 // driver that matches it, the IOMMU groups maybe renumbered, maybe a
-// card taken out or another put in its slot.
-func (h *host) rebootPCI(t *rapid.T) {
+// card taken out or another put in its slot (swap's, when given).
+func (h *host) rebootPCI(t *rapid.T, swap string) {
 	r := vgpusim.Reboot{GroupOffset: rapid.SampledFrom([]int{0, 1, 2, 5}).Draw(t, "groupOffset")}
-	if rarely(t, "removeCard") {
+	if swap == "" && rarely(t, "removeCard") {
 		g := vgpusim.PCIGPUAt(rapid.IntRange(0, pciGPUs-1).Draw(t, "removed"))
 		for _, a := range []string{g.GPU, g.Audio} {
 			if _, ok := h.cards[a]; ok && a != "" {
@@ -424,10 +487,12 @@ func (h *host) rebootPCI(t *rapid.T) {
 			}
 		}
 	}
-	if rarely(t, "replaceCard") {
-		g := vgpusim.PCIGPUAt(rapid.IntRange(0, pciGPUs-1).Draw(t, "replaced"))
-		if _, ok := h.cards[g.GPU]; ok && !slices.Contains(r.Remove, g.GPU) {
-			r.Replace = map[string]string{g.GPU: g.ID} // the same model, another serial number
+	if swap != "" {
+		r.Replace = map[string]string{swap: h.cards[swap].id} // the same model, another serial number
+	} else if rarely(t, "replaceCard") {
+		addr := vgpusim.PCIGPUAt(rapid.IntRange(0, pciGPUs-1).Draw(t, "replaced")).GPU
+		if _, ok := h.cards[addr]; ok && !slices.Contains(r.Remove, addr) {
+			r.Replace = map[string]string{addr: h.cards[addr].id}
 		}
 	}
 	if err := h.srv.Reboot(r); err != nil {
@@ -436,15 +501,33 @@ func (h *host) rebootPCI(t *rapid.T) {
 	for _, a := range r.Remove {
 		delete(h.cards, a)
 	}
+	// The card taken out, or the one put in its place, is not the bad
+	// one any more (nor its audio function); unless the slot was the
+	// fault (a riser, its power), and the new card fails as the old did.
+	slot := len(r.Replace) > 0 && rapid.Bool().Draw(t, "badSlot")
+	for _, a := range append(slices.Collect(maps.Keys(r.Replace)), r.Remove...) {
+		for b := range h.bad {
+			if slot && r.Replace[a] != "" {
+				break
+			}
+			if b == a || strings.TrimSuffix(b, ".1") == strings.TrimSuffix(a, ".0") {
+				h.clearFault(t, vgpusim.At(h.bad[b], b))
+				delete(h.bad, b)
+			}
+		}
+	}
 	for a := range r.Replace {
 		c := h.cards[a]
 		c.serial += 1 << 32 // as the simulator gives the new card its serial number
 		h.cards[a] = c
+		h.own[a] = 0
 	}
 	// No mark survives a reboot: a function marked after it is a new
 	// sighting (the agent's ledger, by group number, may remember an
 	// older one, which only shortens a grace).
 	h.strays, h.unmarkedSince = map[string]bool{}, map[string]time.Time{}
+	h.events["card removed"] += len(r.Remove)
+	h.events["card replaced"] += len(r.Replace)
 	t.Logf("reboot PCI: groups +%d, removed %v, replaced %v", r.GroupOffset, r.Remove, r.Replace)
 }
 
@@ -518,7 +601,7 @@ func (h *host) reconcileWhole(t *rapid.T, recs []*vmflowv1.InstanceRecord, unrea
 	}
 	for _, a := range unmarked {
 		since, ok := h.unmarkedSince[a]
-		if ok && now.Sub(since) >= grace && !h.nodeHeld(filepath.Join(h.devDir, "vfio", h.srv.PCIGroup(a))) {
+		if ok && now.Sub(since) >= grace && !h.badGroup(a) && !h.nodeHeld(filepath.Join(h.devDir, "vfio", h.srv.PCIGroup(a))) {
 			t.Fatalf("VIOLATION orphan group: %s (group %s), marked and named by no held lease since %s (%s ago), survived a reconcile",
 				a, h.srv.PCIGroup(a), since.Format(time.TimeOnly), now.Sub(since))
 		}
@@ -640,14 +723,44 @@ func (h *host) checkWhole(t *rapid.T, now snapshot, rebooted bool) {
 
 // checkStrikes (invariant 16): a strike only for a failure the model
 // injected in this step on that device (a refusal or a wait never
-// strikes), and a device whose strikes reached --gpu-quarantine-after is
-// quarantined (when the disk had room to write it).
+// strikes); a device whose strikes reached --gpu-quarantine-after is
+// quarantined (when the disk had room to write it); and a whole GPU is
+// quarantined only for that many failures of its own card in a row,
+// never for those of the card a reboot took from its address.
 func (h *host) checkStrikes(t *rapid.T, now snapshot) {
 	defer func() { h.faulted, h.vgpuFaulted = map[string]bool{}, false }()
+	for b := range h.bad {
+		for _, g := range h.strikable(t, b) {
+			h.faulted[g] = true // a bad card fails in every step
+		}
+	}
+	for d := range h.own {
+		if _, ok := now.strikes[d]; !ok {
+			h.own[d] = 0 // a success, or a clear: the run starts over
+		}
+	}
 	var q map[string]lease.Quarantined
 	for d, s := range now.strikes {
-		if was, ok := h.prev.strikes[d]; ok && was == s {
+		was, ok := h.prev.strikes[d]
+		if ok && was == s {
 			continue
+		}
+		if isGPU(d) {
+			// No step both succeeds and fails on one whole GPU: the count
+			// grew by this step's failures, or a success (or another
+			// card) started it over before them.
+			if s.Count > was.Count {
+				h.own[d] += s.Count - was.Count
+			} else {
+				h.own[d] = s.Count
+			}
+			if h.own[d] < s.Count {
+				h.events["struck with the count of a card swapped out"]++
+			}
+			if now.quar[d] && !h.prev.quar[d] && h.own[d] < h.quarantineAfter {
+				t.Fatalf("VIOLATION %s quarantined after %d failure(s) of the card there now (--gpu-quarantine-after %d; the count says %d: the card a reboot took from the address failed before)",
+					d, h.own[d], h.quarantineAfter, s.Count)
+			}
 		}
 		if isGPU(d) && !h.faulted[d] || !isGPU(d) && !h.vgpuFaulted {
 			t.Fatalf("VIOLATION %s struck with no failure of its own: %+v (faults this step: %v)", d, s, h.faulted)
