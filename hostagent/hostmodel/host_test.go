@@ -169,6 +169,10 @@ type host struct {
 	// showed them, from 0 when a reboot put another card at its address:
 	// that card's failures are its own, not the one's it replaced.
 	own map[string]int
+	// swapped are the GPUs a reboot put another card at and that have
+	// not failed since; double, those a fault this step may fail twice
+	// (a probe fault fails a claim's bind and then its undo).
+	swapped, double map[string]bool
 	// bad are the PCI functions whose fault stays (badCard), with it.
 	bad map[string]string
 }
@@ -227,6 +231,7 @@ func newHost(t *rapid.T, dc driverCase) *host {
 		events: map[string]int{}, helpers: map[string]*helper{}, corrupt: map[string][]byte{}, unclaimedSince: map[string]time.Time{},
 		quarantinedWith: map[string]map[string]bool{}, strays: map[string]bool{}, unmarkedSince: map[string]time.Time{},
 		faulted: map[string]bool{}, cards: installedCards(), detached: map[string]bool{}, own: map[string]int{}, bad: map[string]string{},
+		swapped: map[string]bool{}, double: map[string]bool{},
 	}
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	for _, d := range []string{h.sys, h.ctl, h.state, filepath.Join(h.devDir, "vfio")} {

@@ -189,6 +189,7 @@ func (h *host) inject(t *rapid.T, name, addr, errno string) pciFault {
 	}
 	for _, g := range h.strikable(t, addr) {
 		h.faulted[g] = true
+		h.double[g] = h.double[g] || name == vgpusim.CtlFailProbe
 	}
 	return pciFault{name, addr}
 }
@@ -520,7 +521,7 @@ func (h *host) rebootPCI(t *rapid.T, swap string) {
 		c := h.cards[a]
 		c.serial += 1 << 32 // as the simulator gives the new card its serial number
 		h.cards[a] = c
-		h.own[a] = 0
+		h.own[a], h.swapped[a] = 0, true
 	}
 	// No mark survives a reboot: a function marked after it is a new
 	// sighting (the agent's ledger, by group number, may remember an
@@ -728,15 +729,17 @@ func (h *host) checkWhole(t *rapid.T, now snapshot, rebooted bool) {
 // quarantined only for that many failures of its own card in a row,
 // never for those of the card a reboot took from its address.
 func (h *host) checkStrikes(t *rapid.T, now snapshot) {
-	defer func() { h.faulted, h.vgpuFaulted = map[string]bool{}, false }()
-	for b := range h.bad {
+	defer func() { h.faulted, h.double, h.vgpuFaulted = map[string]bool{}, map[string]bool{}, false }()
+	for b, name := range h.bad {
 		for _, g := range h.strikable(t, b) {
 			h.faulted[g] = true // a bad card fails in every step
+			h.double[g] = h.double[g] || name == vgpusim.CtlFailProbe
 		}
 	}
 	for d := range h.own {
 		if _, ok := now.strikes[d]; !ok {
 			h.own[d] = 0 // a success, or a clear: the run starts over
+			delete(h.swapped, d)
 		}
 	}
 	var q map[string]lease.Quarantined
@@ -746,16 +749,24 @@ func (h *host) checkStrikes(t *rapid.T, now snapshot) {
 			continue
 		}
 		if isGPU(d) {
-			// No step both succeeds and fails on one whole GPU: the count
-			// grew by this step's failures, or a success (or another
-			// card) started it over before them.
-			if s.Count > was.Count {
-				h.own[d] += s.Count - was.Count
-			} else {
+			switch {
+			case h.swapped[d]:
+				// The first failures of a card a reboot put at d: the
+				// count is this step's alone, one (two where a probe fault
+				// failed both a claim's bind and its undo).
+				delete(h.swapped, d)
+				h.events["struck after a card swap"]++
+				if s.Count != 1 && !h.double[d] {
+					t.Fatalf("VIOLATION the card a reboot put at %s failed once and its count says %d: the failures of the card it replaced were kept", d, s.Count)
+				}
 				h.own[d] = s.Count
-			}
-			if h.own[d] < s.Count {
-				h.events["struck with the count of a card swapped out"]++
+			case s.Count > was.Count:
+				// No step both succeeds and fails on one whole GPU: the
+				// count grew by this step's failures...
+				h.own[d] += s.Count - was.Count
+			default:
+				// ... or a success started it over before them.
+				h.own[d] = s.Count
 			}
 			if now.quar[d] && !h.prev.quar[d] && h.own[d] < h.quarantineAfter {
 				t.Fatalf("VIOLATION %s quarantined after %d failure(s) of the card there now (--gpu-quarantine-after %d; the count says %d: the card a reboot took from the address failed before)",
