@@ -29,7 +29,8 @@ import (
 // launches, releases, reconcile rounds, stray binds and reboots that
 // renumber the IOMMU groups, remove a card or put another in its slot are
 // among the random steps, with faults on one PCI function at a time (one
-// bad card beside healthy ones), so strikes and quarantines happen.
+// bad card beside healthy ones), for one step or until a reboot swaps the
+// card, so strikes and quarantines happen.
 
 // pciGPUs and pciGroupWith make the model's whole-GPU host: GPUs 0 and 4
 // share an IOMMU group (behind a switch without ACS: two GPUs in one
@@ -269,6 +270,9 @@ func (h *host) lift(t *rapid.T, f pciFault) {
 		return
 	}
 	blocked, from := h.srv.Blocked() > 0, h.driverOf(f.addr)
+	if h.bad[f.addr] == f.name {
+		return // the bad card's own fault: it stays
+	}
 	h.clearFault(t, vgpusim.At(f.name, f.addr))
 	if f.name != vgpusim.CtlBlockUnbind || !blocked {
 		return
