@@ -171,14 +171,14 @@ func writeJSON(path string, v any) error {
 // between the two costs no count: the next failure finds it at or past
 // the threshold (crash points gpu.quarantine.due and .written).
 func (q *Quarantine) Strike(ctx context.Context, instance, cause string, devices ...string) ([]string, error) {
-	return q.StrikeCards(ctx, instance, cause, devices, nil)
+	return q.strikeCards(ctx, instance, cause, devices, nil)
 }
 
-// StrikeCards is Strike with the card each device is (cards[i] for
+// strikeCards is Strike with the card each device is (cards[i] for
 // devices[i], "" where not known): a device whose count was run up by
 // another card (swapped in at its address by a reboot) starts its count
 // over, as the card there now is a new device and inherits no failure.
-func (q *Quarantine) StrikeCards(ctx context.Context, instance, cause string, devices, cards []string) ([]string, error) {
+func (q *Quarantine) strikeCards(ctx context.Context, instance, cause string, devices, cards []string) ([]string, error) {
 	if q == nil || len(devices) == 0 {
 		return nil, nil
 	}

@@ -183,7 +183,7 @@ func strikeIfFault(ctx context.Context, q *Quarantine, log *zap.Logger, id strin
 	// failure happened, and the quarantine's lock is brief.
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), recordTimeout)
 	defer cancel()
-	added, qerr := q.StrikeCards(ctx, id, err.Error(), devices, cards)
+	added, qerr := q.strikeCards(ctx, id, err.Error(), devices, cards)
 	switch {
 	case qerr != nil:
 		log.Error("count a GPU failure toward quarantine", zap.String("instance_id", id), zap.Strings("device_ids", devices), zap.Error(qerr))
