@@ -494,8 +494,9 @@ func startHelper(node string) (*helper, error) {
 	return hp, nil
 }
 
-// describe is a one-line view of the store for the step log.
-func (h *host) describe(t *rapid.T) string {
+// describe is a one-line view of the store and of now's devices for the
+// step log.
+func (h *host) describe(t *rapid.T, now snapshot) string {
 	recs, _ := h.records(t)
 	var b strings.Builder
 	for _, r := range recs {
@@ -516,15 +517,14 @@ func (h *host) describe(t *rapid.T) string {
 	for id := range h.corrupt {
 		fmt.Fprintf(&b, "%s:UNREADABLE ", id)
 	}
-	devs := h.devices(t)
-	keys := make([]string, 0, len(devs))
-	for d := range devs {
+	keys := make([]string, 0, len(now.devices))
+	for d := range now.devices {
 		keys = append(keys, d)
 	}
 	sort.Strings(keys)
 	fmt.Fprintf(&b, "devices=%v", keys)
 	var bound []string
-	for a := range h.boundFunctions() {
+	for a := range now.bound {
 		bound = append(bound, a)
 	}
 	sort.Strings(bound)

@@ -32,8 +32,8 @@ import (
 // -rapid.checks and RAPID_CHECKS win over it.
 const checksEnv = "VMFLOW_MODEL_CHECKS"
 
-// defaultChecks keeps `make test` short: about 30 s under
-// -race on 2 busy cores, both kinds together.
+// defaultChecks keeps `make test` short: 25 to 45 s under -race on 2
+// busy cores, both kinds together (rapid's first checks are short).
 const defaultChecks = 15
 
 // defaultSteps is the mean number of actions per check (rapid.steps).
@@ -1060,7 +1060,7 @@ func (h *host) checkQuarantine(t *rapid.T, now snapshot) {
 func (h *host) check(t *rapid.T) {
 	now := h.observe(t)
 	defer func() { h.prev = now }()
-	t.Logf("  state: %s", h.describe(t))
+	t.Logf("  state: %s", h.describe(t, now))
 	rebooted := h.rebooted
 	h.rebooted = false
 	h.checkUIDs(t)
