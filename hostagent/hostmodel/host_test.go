@@ -171,7 +171,7 @@ type host struct {
 	own map[string]int
 	// swapped are the GPUs a reboot put another card at and that have
 	// not failed since; double, those a fault this step may fail twice
-	// (a probe fault fails a claim's bind and then its undo).
+	// (failsUndo: a claim's bind and then its undo).
 	swapped, double map[string]bool
 	// bad are the PCI functions whose fault stays (badCard), with it.
 	bad map[string]string

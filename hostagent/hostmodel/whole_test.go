@@ -190,9 +190,17 @@ func (h *host) inject(t *rapid.T, name, addr, errno string) pciFault {
 	}
 	for _, g := range h.strikable(t, addr) {
 		h.faulted[g] = true
-		h.double[g] = h.double[g] || name == vgpusim.CtlFailProbe
+		h.double[g] = h.double[g] || failsUndo(name)
 	}
 	return pciFault{name, addr}
+}
+
+// failsUndo reports whether a fault of name can fail a claim's undo of a
+// bind that failed: a probe back to the previous driver, or the reset of
+// a function of the group the bind did move to vfio-pci. Its group's GPUs
+// are then struck twice in one step, for two failed steps.
+func failsUndo(name string) bool {
+	return name == vgpusim.CtlFailProbe || name == vgpusim.CtlFailReset
 }
 
 // strikable are the GPUs a failure of PCI function addr may be struck
@@ -737,7 +745,7 @@ func (h *host) checkStrikes(t *rapid.T, now snapshot) {
 	for b, name := range h.bad {
 		for _, g := range h.strikable(t, b) {
 			h.faulted[g] = true // a bad card fails in every step
-			h.double[g] = h.double[g] || name == vgpusim.CtlFailProbe
+			h.double[g] = h.double[g] || failsUndo(name)
 		}
 	}
 	for d := range h.own {
@@ -756,7 +764,7 @@ func (h *host) checkStrikes(t *rapid.T, now snapshot) {
 			switch {
 			case h.swapped[d]:
 				// The first failures of a card a reboot put at d: the
-				// count is this step's alone, one (two where a probe fault
+				// count is this step's alone, one (two where a fault
 				// failed both a claim's bind and its undo).
 				delete(h.swapped, d)
 				h.events["struck after a card swap"]++
