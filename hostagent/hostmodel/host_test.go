@@ -58,7 +58,9 @@ var driverCases = []driverCase{
 const stateFSSize = 16 << 20
 
 // instanceIDs is the model's whole id space: few ids, so actions meet.
-var instanceIDs = []string{"vm-a", "vm-b", "vm-c"}
+// vm-a to vm-c ask for vGPUs (vgpuCounts), vm-d and vm-e for whole GPUs
+// (wholeCounts).
+var instanceIDs = []string{"vm-a", "vm-b", "vm-c", "vm-d", "vm-e"}
 
 // helper is one QEMU stand-in: a zombie leader with a live thread that
 // holds its instance's VFIO node open, as QEMU's workers do.
@@ -95,6 +97,10 @@ type snapshot struct {
 	holders map[string][]string          // device key -> instances whose held claims name it
 	procs   map[string]proc.Identity     // instance -> recorded process
 	held    map[string][]*vmflowv1.Lease // instance -> its held vGPU leases
+	whole   map[string][]*vmflowv1.Lease // instance -> its held whole-GPU leases
+	bound   map[string]bool              // PCI functions on vfio-pci (the simulator's bindings)
+	strikes map[string]lease.Strike      // the quarantine's runs of failures
+	quar    map[string]bool              // the quarantined devices
 }
 
 // heldOn is the lease of leases naming device key, nil for none.
@@ -134,8 +140,44 @@ type host struct {
 	// it quarantined: any other lease naming it was placed there after.
 	quarantine      *lease.Quarantine
 	quarantinedWith map[string]map[string]bool
+	// quarantineAfter is the check's --gpu-quarantine-after.
+	quarantineAfter int
 	net             *network.Net
 	nh              *netlink.Handle // in dc.netns, for the checks
+	// detached are the instances whose leased TAP may be off the bridge:
+	// the model deleted the bridge and no TAP reconcile round has since
+	// read their record (one that was unreadable waits for the round
+	// after its repair).
+	detached map[string]bool
+
+	whole *lease.Whole
+	// cards is the PCI hardware installed now (address -> the card's
+	// identity), as the model's reboots changed it.
+	cards map[string]card
+	// strays are PCI functions the model bound to vfio-pci with no lease
+	// (a record removed by hand): reconcile returns them after the grace.
+	strays map[string]bool
+	// unmarkedSince mirrors the whole-GPU reconcile ledger: functions
+	// with vmflow's mark that no held lease names, first seen when.
+	unmarkedSince map[string]time.Time
+	// faulted are the devices a failure injected during this step may
+	// be struck for (whole GPUs); vgpuFaulted: a vGPU release fault was
+	// injected during this step. Any other strike is a violation.
+	faulted     map[string]bool
+	vgpuFaulted bool
+	// own counts each whole GPU's failures in a row as the strikes file
+	// showed them, from 0 when a reboot put another card at its address:
+	// that card's failures are its own, not the one's it replaced.
+	own map[string]int
+	// swapped are the GPUs a reboot put another card at and that have
+	// not failed since; double, those a fault this step may fail twice
+	// (failsUndo: a claim's bind and then its undo).
+	swapped, double map[string]bool
+	// atOnce: GPUs a reset fault may fail this step, which quarantines
+	// at its first failure (the card may hold its tenant's data).
+	atOnce map[string]bool
+	// bad are the PCI functions whose fault stays (badCard), with it.
+	bad map[string]string
 }
 
 // quarantineKey is the device a vGPU lease's failed release quarantines:
@@ -190,7 +232,9 @@ func newHost(t *rapid.T, dc driverCase) *host {
 		dc: dc, sys: filepath.Join(dir, "sys"), ctl: filepath.Join(dir, "ctl"),
 		state: filepath.Join(dir, "state"), devDir: filepath.Join(dir, "dev"),
 		events: map[string]int{}, helpers: map[string]*helper{}, corrupt: map[string][]byte{}, unclaimedSince: map[string]time.Time{},
-		quarantinedWith: map[string]map[string]bool{},
+		quarantinedWith: map[string]map[string]bool{}, strays: map[string]bool{}, unmarkedSince: map[string]time.Time{},
+		faulted: map[string]bool{}, cards: installedCards(), detached: map[string]bool{}, own: map[string]int{}, bad: map[string]string{},
+		swapped: map[string]bool{}, double: map[string]bool{}, atOnce: map[string]bool{},
 	}
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	for _, d := range []string{h.sys, h.ctl, h.state, filepath.Join(h.devDir, "vfio")} {
@@ -206,6 +250,9 @@ func newHost(t *rapid.T, dc driverCase) *host {
 	t.Cleanup(func() { _ = unix.Unmount(h.state, unix.MNT_DETACH) })
 	opts := dc.opts
 	opts.Control = h.ctl
+	// Every host also has whole GPUs, for the instances that ask for them
+	// (wholeCounts); the simulator keeps their VFIO nodes in the model's /dev.
+	opts.PCIGPUs, opts.PCIGroupWith, opts.DevRoot = pciGPUs, pciGroupWith, h.devDir
 	h.srv, err = vgpusim.Mount(h.sys, opts)
 	if err != nil {
 		t.Fatalf("setup: %v", err)
@@ -232,7 +279,10 @@ func newHost(t *rapid.T, dc driverCase) *host {
 	if err != nil {
 		t.Fatalf("setup: %v", err)
 	}
-	h.quarantine = lease.NewQuarantine(h.state, lease.DefaultQuarantineAfter, h.clock)
+	// --gpu-quarantine-after: at 1 a single failure quarantines, at 3 a
+	// success in between must start the count over.
+	h.quarantineAfter = rapid.IntRange(1, 3).Draw(t, "quarantineAfter")
+	h.quarantine = lease.NewQuarantine(h.state, h.quarantineAfter, h.clock)
 	h.startAgent(t)
 	h.startNetwork(t)
 	h.prev = h.observe(t)
@@ -252,6 +302,18 @@ func (h *host) startAgent(t *rapid.T) {
 		t.Fatalf("start agent: %v", err)
 	}
 	h.claims = c
+	f, err := gpu.ParseGPUFilter("all")
+	if err != nil {
+		t.Fatalf("start agent: %v", err)
+	}
+	// A new Passthrough too: its registry of writes in flight and of
+	// returns under way is the process's, lost with it.
+	drv := gpu.NewPassthrough(gpu.PassthroughConfig{SysfsRoot: h.sys, StateDir: h.state, DevRoot: h.devDir, Filter: f})
+	h.whole, err = lease.NewWhole(lease.WholeConfig{Driver: drv, Store: h.st, OrphanGrace: grace, IgnoreUninspectable: h.ignore,
+		Now: h.clock, Quarantine: h.quarantine})
+	if err != nil {
+		t.Fatalf("start agent: %v", err)
+	}
 }
 
 func (h *host) clock() time.Time { return time.Unix(0, h.now.Load()).UTC() }
@@ -261,6 +323,9 @@ func ctx() (context.Context, context.CancelFunc) {
 }
 
 func (h *host) setFault(t *rapid.T, name, content string) {
+	if name == vgpusim.CtlFailRelease {
+		h.vgpuFaulted = true
+	}
 	if err := os.WriteFile(filepath.Join(h.ctl, name), []byte(content+"\n"), 0o644); err != nil {
 		t.Fatalf("fault %s: %v", name, err)
 	}
@@ -318,7 +383,13 @@ func (h *host) records(t *rapid.T) (recs []*vmflowv1.InstanceRecord, unreadable 
 // observe reads the real system. Instances whose records are unreadable
 // keep what was last seen of them: the model cannot read them either.
 func (h *host) observe(t *rapid.T) snapshot {
-	s := snapshot{devices: h.devices(t), holders: map[string][]string{}, procs: map[string]proc.Identity{}, held: map[string][]*vmflowv1.Lease{}}
+	s := snapshot{devices: h.devices(t), holders: map[string][]string{}, procs: map[string]proc.Identity{}, held: map[string][]*vmflowv1.Lease{},
+		whole: map[string][]*vmflowv1.Lease{}, bound: h.boundFunctions(), strikes: h.quarantine.Strikes(), quar: map[string]bool{}}
+	if q, err := h.quarantine.List(); err == nil {
+		for d := range q {
+			s.quar[d] = true
+		}
+	}
 	recs, _ := h.records(t)
 	for _, r := range recs {
 		if p := r.GetProcess(); p != nil {
@@ -327,10 +398,16 @@ func (h *host) observe(t *rapid.T) snapshot {
 		if store.ClaimHeld(r) {
 			s.held[r.GetId()] = store.HeldVGPUs(r)
 		}
+		if ls := store.HeldPassthrough(r); len(ls) > 0 {
+			s.whole[r.GetId()] = ls
+		}
 	}
 	for id := range h.corrupt {
 		if cl, ok := h.prev.held[id]; ok {
 			s.held[id] = cl
+		}
+		if ls, ok := h.prev.whole[id]; ok {
+			s.whole[id] = ls
 		}
 		if p, ok := h.prev.procs[id]; ok {
 			s.procs[id] = p
@@ -420,14 +497,20 @@ func startHelper(node string) (*helper, error) {
 	return hp, nil
 }
 
-// describe is a one-line view of the store for the step log.
-func (h *host) describe(t *rapid.T) string {
+// describe is a one-line view of the store and of now's devices for the
+// step log.
+func (h *host) describe(t *rapid.T, now snapshot) string {
 	recs, _ := h.records(t)
 	var b strings.Builder
 	for _, r := range recs {
 		fmt.Fprintf(&b, "%s:%s", r.GetId(), store.StateName(r.GetState()))
 		for _, cl := range store.VGPUs(r) {
 			fmt.Fprintf(&b, "[%s %s held=%t]", claimKey(cl), strings.TrimPrefix(cl.GetPhase().String(), "CLAIM_PHASE_"), store.LeaseHeld(cl))
+		}
+		for _, l := range r.GetLeases() {
+			if l.GetGpuPassthrough() != nil {
+				fmt.Fprintf(&b, "[%s %s held=%t]", strings.Join(store.PassthroughDevices(l), "+"), strings.TrimPrefix(l.GetPhase().String(), "CLAIM_PHASE_"), store.LeaseHeld(l))
+			}
 		}
 		if p := r.GetProcess(); p != nil {
 			fmt.Fprintf(&b, "(pid %d alive=%t)", p.GetPid(), proc.Inspect(store.IdentityOf(p)).Alive)
@@ -437,12 +520,17 @@ func (h *host) describe(t *rapid.T) string {
 	for id := range h.corrupt {
 		fmt.Fprintf(&b, "%s:UNREADABLE ", id)
 	}
-	devs := h.devices(t)
-	keys := make([]string, 0, len(devs))
-	for d := range devs {
+	keys := make([]string, 0, len(now.devices))
+	for d := range now.devices {
 		keys = append(keys, d)
 	}
 	sort.Strings(keys)
 	fmt.Fprintf(&b, "devices=%v", keys)
+	var bound []string
+	for a := range now.bound {
+		bound = append(bound, a)
+	}
+	sort.Strings(bound)
+	fmt.Fprintf(&b, " vfio-pci=%v", bound)
 	return b.String()
 }

@@ -32,8 +32,8 @@ import (
 // -rapid.checks and RAPID_CHECKS win over it.
 const checksEnv = "VMFLOW_MODEL_CHECKS"
 
-// defaultChecks keeps `make test` short: about 30 s under
-// -race on 2 busy cores, both kinds together.
+// defaultChecks keeps `make test` short: 25 to 45 s under -race on 2
+// busy cores, both kinds together (rapid's first checks are short).
 const defaultChecks = 15
 
 // defaultSteps is the mean number of actions per check (rapid.steps).
@@ -90,6 +90,7 @@ func TestHostModel(t *testing.T) {
 			dc.netns = nettest.Namespace(t)
 			var checks, steps int
 			events := map[string]int{}
+			spent := map[string]time.Duration{} // per action, skipped draws included
 			start := time.Now()
 			rapid.Check(t, func(rt *rapid.T) {
 				checks++
@@ -97,15 +98,18 @@ func TestHostModel(t *testing.T) {
 				h.events = events
 				actions := h.actions()
 				for name, a := range actions {
-					if name == "" {
-						continue
+					actions[name] = func(rt *rapid.T) {
+						defer func(t0 time.Time) { spent[name] += time.Since(t0) }(time.Now())
+						a(rt)
+						if name != "" {
+							steps++ // one that ran: a skipped draw does not return here
+						}
 					}
-					actions[name] = func(rt *rapid.T) { steps++; a(rt) }
 				}
 				rt.Repeat(actions)
 			})
-			t.Logf("host model (%s): %d checks, %d steps in %s; outcomes: %s", dc.kind, checks, steps,
-				time.Since(start).Round(time.Millisecond), formatEvents(events))
+			t.Logf("host model (%s): %d checks, %d steps (%.1f per check) in %s; slowest: %s; outcomes: %s", dc.kind, checks, steps,
+				float64(steps)/float64(max(checks, 1)), time.Since(start).Round(time.Millisecond), slowest(spent, 5), formatEvents(events))
 		})
 	}
 }
@@ -135,7 +139,34 @@ func (h *host) actions() map[string]func(*rapid.T) {
 		"freeDisk":    h.freeDisk,
 		"netAttach":   h.netAttach,
 		"netRelease":  h.netRelease,
+		"spawn":       h.spawn,
+		"remove":      h.remove,
+		"strayGroup":  h.strayGroup,
+		"badCard":     h.badCard,
+		"swapCard":    h.swapCard,
+		"releaseAll":  h.releaseAll,
+		"bridgeLoss":  h.bridgeLoss,
+		"tapRound":    h.tapReconcile,
 	}
+}
+
+// slowest names the n actions the run spent most time in ("" is the
+// checks between them).
+func slowest(spent map[string]time.Duration, n int) string {
+	names := make([]string, 0, len(spent))
+	for k := range spent {
+		names = append(names, k)
+	}
+	sort.Slice(names, func(i, j int) bool { return spent[names[i]] > spent[names[j]] })
+	var parts []string
+	for _, k := range names[:min(n, len(names))] {
+		label := k
+		if k == "" {
+			label = "(checks)"
+		}
+		parts = append(parts, fmt.Sprintf("%s %s", label, spent[k].Round(time.Millisecond)))
+	}
+	return strings.Join(parts, ", ")
 }
 
 // formatEvents lists outcome counts, so a run shows which paths it walked.
@@ -193,20 +224,129 @@ func rarely(t *rapid.T, label string) bool { return rapid.IntRange(0, 3).Draw(t,
 // instances of one and one of two, capacity binds part-way through a claim.
 var vgpuCounts = map[string]uint32{"vm-a": 1, "vm-b": 2, "vm-c": 1}
 
-func (h *host) create(t *rapid.T) {
-	id := drawID(t) // any id: creating an existing one is a retried create
+func (h *host) create(t *rapid.T) { h.createOf(t, drawID(t)) } // any id: creating an existing one is a retried create
+
+func (h *host) createOf(t *rapid.T, id string) {
 	c, cancel := ctx()
 	defer cancel()
-	_, err := h.st.Create(c, &vmflowv1.InstanceRecord{Id: id, Spec: &vmflowv1.VMSpec{Vcpus: 1, MemoryMib: 64, Machine: "none",
-		VgpuProfile: h.dc.profile, VgpuCount: vgpuCounts[id]}})
+	spec := &vmflowv1.VMSpec{Vcpus: 1, MemoryMib: 64, Machine: "none", VgpuProfile: h.dc.profile, VgpuCount: vgpuCounts[id]}
+	if n := wholeCounts[id]; n > 0 {
+		spec = &vmflowv1.VMSpec{Vcpus: 1, MemoryMib: 64, Machine: "none", GpuPassthroughCount: uint32(n)}
+	}
+	_, err := h.st.Create(c, &vmflowv1.InstanceRecord{Id: id, Spec: spec})
 	t.Logf("create %s: %v", id, err)
+}
+
+// spawn drives one instance along the spawn workflow (create, claim,
+// network, launch) for one to four stages, as far as they go: the
+// single-stage actions alone rarely get a VM running, and most holes
+// need one. The other actions still come in between.
+func (h *host) spawn(t *rapid.T) {
+	id := drawID(t)
+	stages := rapid.IntRange(1, 4).Draw(t, "stages")
+	last := ""
+	for i := 0; i < stages; i++ {
+		rec, err := h.st.Get(id)
+		var stage string
+		switch {
+		case errors.Is(err, store.ErrNotFound):
+			stage = "create"
+		case err != nil || store.IsDeleting(rec):
+		case !h.claimed(id, rec):
+			stage = "claim"
+		case !store.LeaseHeld(store.Network(rec)):
+			stage = "network"
+		case h.helpers[id] == nil || !h.helpers[id].alive():
+			stage = "launch"
+		}
+		if stage == "" || stage == last {
+			if i == 0 {
+				t.Skip("nothing to spawn")
+			}
+			return
+		}
+		if i > 0 {
+			h.check(t) // every invariant after every change, as between steps // the stage did not go through: the workflow would retry later
+		}
+		last = stage
+		switch stage {
+		case "create":
+			h.createOf(t, id)
+		case "claim":
+			h.claimOf(t, id)
+		case "network":
+			h.netAttachOf(t, id)
+		case "launch":
+			h.launchOf(t, id)
+		}
+	}
+}
+
+// claimed reports whether rec holds every GPU its spec asks for, active.
+func (h *host) claimed(id string, rec *vmflowv1.InstanceRecord) bool {
+	held, want := store.HeldVGPUs(rec), store.VGPUCount(h.dc.profile, vgpuCounts[id])
+	got := len(held)
+	if n := wholeCounts[id]; n > 0 {
+		held, want, got = store.HeldPassthrough(rec), n, store.HeldPassthroughGPUs(rec)
+	}
+	return got == want && !slices.ContainsFunc(held, func(l *vmflowv1.Lease) bool { return l.GetPhase() != vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE })
+}
+
+// remove drives one instance along the delete workflow (begin, stop,
+// release every lease through the host's engine, tear down and remove
+// the record) for one to four stages, as spawn does the spawn's.
+func (h *host) remove(t *rapid.T) {
+	id := h.existingID(t)
+	stages := rapid.IntRange(1, 4).Draw(t, "stages")
+	last := ""
+	for i := 0; i < stages; i++ {
+		rec, err := h.st.Get(id)
+		var stage string
+		switch {
+		case err != nil:
+		case !store.IsDeleting(rec):
+			stage = "begin"
+		case h.helpers[id] != nil && h.helpers[id].alive():
+			stage = "stop"
+		case store.AnyLeaseHeld(rec):
+			stage = "release"
+		default:
+			stage = "remove"
+		}
+		if stage == "" || stage == last {
+			if i == 0 {
+				t.Skip("nothing to remove")
+			}
+			return
+		}
+		if i > 0 {
+			h.check(t) // every invariant after every change, as between steps
+		}
+		last = stage
+		switch stage {
+		case "begin":
+			h.beginDeleteOf(t, id)
+		case "stop":
+			h.exitOf(t, id)
+		case "release":
+			h.releaseAllOf(t, id)
+		case "remove":
+			h.teardownOf(t, id)
+			h.deleteRecordOf(t, id)
+		}
+	}
 }
 
 // claim claims the instance's vGPUs; failCreate injects a create fault after
 // an intent is written. A claim no retry can finish (no capacity part-way)
 // must leave its record holding no vGPU and no device it made behind.
-func (h *host) claim(t *rapid.T) {
-	id := h.existingID(t)
+func (h *host) claim(t *rapid.T) { h.claimOf(t, h.existingID(t)) }
+
+func (h *host) claimOf(t *rapid.T, id string) {
+	if wholeCounts[id] > 0 {
+		h.claimWhole(t, id)
+		return
+	}
 	failCreate := rarely(t, "failCreate")
 	if failCreate {
 		h.setFault(t, vgpusim.CtlFailCreate, "EIO")
@@ -251,8 +391,9 @@ func (h *host) claim(t *rapid.T) {
 // launch starts a QEMU stand-in for id, holding its claim's device open,
 // and records its identity with state Running. A claim whose device is
 // missing fails the launch, as QEMU would.
-func (h *host) launch(t *rapid.T) {
-	id := h.existingID(t)
+func (h *host) launch(t *rapid.T) { h.launchOf(t, h.existingID(t)) }
+
+func (h *host) launchOf(t *rapid.T, id string) {
 	if hp := h.helpers[id]; hp != nil && hp.alive() {
 		t.Skip("already running")
 	}
@@ -261,21 +402,15 @@ func (h *host) launch(t *rapid.T) {
 		t.Logf("launch %s: %v", id, err)
 		return
 	}
-	// Every model instance asks for vGPUs, so QEMU starts only with all
-	// of them active and existing, and holds its first one's VFIO node
-	// open (the release guard for the others is the VM's liveness).
-	held := store.HeldVGPUs(rec)
-	if len(held) != store.VGPUCount(h.dc.profile, vgpuCounts[id]) ||
-		slices.ContainsFunc(held, func(l *vmflowv1.Lease) bool { return l.GetPhase() != vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE }) {
-		t.Logf("launch %s: not every claim active", id)
+	node, ok := "", false
+	if wholeCounts[id] > 0 {
+		node, ok = h.wholeNode(t, id, rec)
+	} else {
+		node, ok = h.vgpuNode(t, id, rec)
+	}
+	if !ok {
 		return
 	}
-	cl := held[0]
-	devs := h.devices(t)
-	if slices.ContainsFunc(held, func(l *vmflowv1.Lease) bool { return !devs[claimKey(l)] }) && !h.ensureDevice(t, id, cl) {
-		return
-	}
-	node := h.vfioNode(t, claimKey(cl))
 	hp, err := startHelper(node)
 	if err != nil {
 		t.Fatalf("launch %s: %v", id, err)
@@ -301,6 +436,26 @@ func (h *host) launch(t *rapid.T) {
 	h.events["launched"]++
 }
 
+// vgpuNode makes id's vGPUs launchable and returns the VFIO node of the
+// first for the QEMU stand-in to hold. Every vGPU instance asks for vGPUs,
+// so QEMU starts only with all of them active and existing, and holds its
+// first one's VFIO node open (the release guard for the others is the
+// VM's liveness).
+func (h *host) vgpuNode(t *rapid.T, id string, rec *vmflowv1.InstanceRecord) (string, bool) {
+	held := store.HeldVGPUs(rec)
+	if len(held) != store.VGPUCount(h.dc.profile, vgpuCounts[id]) ||
+		slices.ContainsFunc(held, func(l *vmflowv1.Lease) bool { return l.GetPhase() != vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE }) {
+		t.Logf("launch %s: not every claim active", id)
+		return "", false
+	}
+	cl := held[0]
+	devs := h.devices(t)
+	if slices.ContainsFunc(held, func(l *vmflowv1.Lease) bool { return !devs[claimKey(l)] }) && !h.ensureDevice(t, id, cl) {
+		return "", false
+	}
+	return h.vfioNode(t, claimKey(cl)), true
+}
+
 // exit ends id's process group and records Exited, as the supervisor's exit
 // watcher does.
 func (h *host) exit(t *rapid.T) {
@@ -310,8 +465,11 @@ func (h *host) exit(t *rapid.T) {
 			running[id] = hp
 		}
 	}
-	id := drawKey(t, running)
-	hp := running[id]
+	h.exitOf(t, drawKey(t, running))
+}
+
+func (h *host) exitOf(t *rapid.T, id string) {
+	hp := h.helpers[id]
 	if err := hp.end(); err != nil {
 		t.Fatalf("exit %s: %v", id, err)
 	}
@@ -328,8 +486,9 @@ func (h *host) exit(t *rapid.T) {
 
 // beginDelete is the delete path's first step: the manual-stop marker, then
 // Deleting.
-func (h *host) beginDelete(t *rapid.T) {
-	id := h.existingID(t)
+func (h *host) beginDelete(t *rapid.T) { h.beginDeleteOf(t, h.existingID(t)) }
+
+func (h *host) beginDeleteOf(t *rapid.T, id string) {
 	c, cancel := ctx()
 	defer cancel()
 	reserved := h.st.Space().Held
@@ -398,6 +557,10 @@ const (
 func (h *host) release(t *rapid.T) {
 	id := h.existingID(t)
 	mode := rapid.SampledFrom([]string{releaseOK, releaseFail, releaseBlocked, releaseCrash}).Draw(t, "mode")
+	if wholeCounts[id] > 0 {
+		h.releaseWhole(t, id, mode)
+		return
+	}
 	before, _ := h.st.Get(id)
 	recorded := store.IdentityOf(before.GetProcess())
 
@@ -446,6 +609,15 @@ func (h *host) callRelease(id string, wait time.Duration) (bool, []string, error
 
 func (h *host) releaseCrash(t *rapid.T, id string) (bool, []string, error) {
 	h.setFault(t, vgpusim.CtlBlockRelease, "")
+	return h.crashDuring(t, id, func() { h.clearFault(t, vgpusim.CtlBlockRelease) },
+		func() (bool, []string, error) { return h.callRelease(id, opTimeout) })
+}
+
+// crashDuring runs call, a release whose sysfs write the caller blocked:
+// while it is blocked, id's record is cut (the agent "died" between the
+// write and the record update), then unblock lifts the block and the
+// write completes.
+func (h *host) crashDuring(t *rapid.T, id string, unblock func(), call func() (bool, []string, error)) (bool, []string, error) {
 	type result struct {
 		released bool
 		dev      []string
@@ -453,7 +625,7 @@ func (h *host) releaseCrash(t *rapid.T, id string) (bool, []string, error) {
 	}
 	done := make(chan result, 1)
 	go func() {
-		r, d, e := h.callRelease(id, opTimeout)
+		r, d, e := call()
 		done <- result{r, d, e}
 	}()
 	var res result
@@ -472,7 +644,7 @@ func (h *host) releaseCrash(t *rapid.T, id string) (bool, []string, error) {
 	if !returned {
 		h.truncate(t, id)
 	}
-	h.clearFault(t, vgpusim.CtlBlockRelease)
+	unblock()
 	if !returned {
 		select {
 		case res = <-done:
@@ -522,7 +694,6 @@ func (h *host) reconcile(t *rapid.T) {
 	}
 	if failRelease {
 		h.setFault(t, vgpusim.CtlFailRelease, "EIO")
-		defer h.clearFault(t, vgpusim.CtlFailRelease)
 	}
 	c, cancel := ctx()
 	defer cancel()
@@ -535,6 +706,10 @@ func (h *host) reconcile(t *rapid.T) {
 		// sightings are not remembered, so their grace starts again.
 		h.unclaimedSince = prevSince
 	}
+	if failRelease {
+		h.clearFault(t, vgpusim.CtlFailRelease)
+	}
+	h.reconcileWhole(t, recs, unreadable, now)
 	if unreadable || failRelease || err != nil {
 		return
 	}
@@ -556,8 +731,9 @@ func (h *host) reconcile(t *rapid.T) {
 
 // teardown is the host side of the delete path's TearDown: refused while
 // the recorded VM may live, else the runtime files go.
-func (h *host) teardown(t *rapid.T) {
-	id := h.existingID(t)
+func (h *host) teardown(t *rapid.T) { h.teardownOf(t, h.existingID(t)) }
+
+func (h *host) teardownOf(t *rapid.T, id string) {
 	rec, err := h.st.Get(id)
 	if err != nil {
 		t.Logf("teardown %s: %v", id, err)
@@ -583,8 +759,9 @@ func (h *host) teardown(t *rapid.T) {
 
 // deleteRecord: the store must refuse while the record holds a claim, or
 // while the model cannot tell (an unreadable record).
-func (h *host) deleteRecord(t *rapid.T) {
-	id := h.existingID(t)
+func (h *host) deleteRecord(t *rapid.T) { h.deleteRecordOf(t, h.existingID(t)) }
+
+func (h *host) deleteRecordOf(t *rapid.T, id string) {
 	before, getErr := h.st.Get(id)
 	c, cancel := ctx()
 	defer cancel()
@@ -745,6 +922,18 @@ func (h *host) reboot(t *rapid.T) {
 	if !rarely(t, "reboot") {
 		t.Skip("not this time")
 	}
+	h.rebootHost(t, "")
+}
+
+// swapCard is a reboot in which an operator swaps a card that failed
+// (one with strikes) for another of the same model: the new card's
+// failures must count as its own.
+func (h *host) swapCard(t *rapid.T) {
+	h.rebootHost(t, drawKey(t, h.failingCards()))
+}
+
+// rebootHost reboots the host, swapping the card at swap ("" none).
+func (h *host) rebootHost(t *rapid.T, swap string) {
 	for id, hp := range h.helpers {
 		if err := hp.end(); err != nil {
 			t.Fatalf("reboot: %s: %v", id, err)
@@ -759,6 +948,7 @@ func (h *host) reboot(t *rapid.T) {
 			t.Fatalf("reboot: remove %s: %v", d, err)
 		}
 	}
+	h.rebootPCI(t, swap)
 	h.wipeLinks(t)
 	h.startAgent(t)
 	h.rebooted = true
@@ -842,6 +1032,13 @@ func (h *host) checkQuarantine(t *rapid.T, now snapshot) {
 				}
 			}
 		}
+		for id, ls := range now.whole {
+			for _, l := range ls {
+				if slices.Contains(store.PassthroughGPUs(l), key) {
+					m[id+" "+store.LeaseName(l)] = true
+				}
+			}
+		}
 		return m
 	}
 	for key := range q {
@@ -863,10 +1060,13 @@ func (h *host) checkQuarantine(t *rapid.T, now snapshot) {
 func (h *host) check(t *rapid.T) {
 	now := h.observe(t)
 	defer func() { h.prev = now }()
-	t.Logf("  state: %s", h.describe(t))
+	t.Logf("  state: %s", h.describe(t, now))
+	rebooted := h.rebooted
+	h.rebooted = false
 	h.checkUIDs(t)
 	h.checkQuarantine(t, now)
 	h.checkNetwork(t)
+	h.checkWhole(t, now, rebooted)
 
 	// One device, one claim (invariant 10).
 	uuids := map[string]string{}
@@ -893,8 +1093,6 @@ func (h *host) check(t *rapid.T) {
 	}
 	// A device goes only when every instance whose held claim named it has
 	// no live process group (invariant 2); a reboot takes them all.
-	rebooted := h.rebooted
-	h.rebooted = false
 	for d := range h.prev.devices {
 		if rebooted {
 			break

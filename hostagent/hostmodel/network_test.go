@@ -1,6 +1,8 @@
 package hostmodel_test
 
 import (
+	"errors"
+	"net"
 	"net/netip"
 	"slices"
 	"strings"
@@ -9,15 +11,20 @@ import (
 	"github.com/vishvananda/netns"
 	"pgregory.net/rapid"
 
+	"vmflow/activities"
+	"vmflow/hostagent/lease"
 	"vmflow/hostagent/network"
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/store"
+	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
 // The network's part of the model: each check gets the driver case's
 // namespace emptied, a bridge in it and a subnet of one or five guest
 // addresses for three instances, so placement binds and addresses come
-// back through releases; leases and releases are among the random steps.
+// back through releases; leases and releases are among the random steps,
+// and so are the loss of the bridge (deleted by a hand or a tool, its
+// ports detached) and the TAP reconcile round that puts them back.
 
 // startNetwork sets up the check's network in h.dc.netns.
 func (h *host) startNetwork(t *rapid.T) {
@@ -58,8 +65,9 @@ func (h *host) wipeLinks(t *rapid.T) {
 }
 
 // netAttach attaches id as a launch does (lease, TAP, open descriptor).
-func (h *host) netAttach(t *rapid.T) {
-	id := h.existingID(t)
+func (h *host) netAttach(t *rapid.T) { h.netAttachOf(t, h.existingID(t)) }
+
+func (h *host) netAttachOf(t *rapid.T, id string) {
 	c, cancel := ctx()
 	defer cancel()
 	l, err := h.st.Lock(c, id)
@@ -116,6 +124,7 @@ func (h *host) checkNetwork(t *rapid.T) {
 		owner[a] = r.GetId()
 		taps[l.GetNetwork().GetTap()] = true
 	}
+	h.checkPorts(t, recs)
 	// A record the model made unreadable may hold a TAP's lease.
 	if len(h.corrupt) > 0 {
 		return
@@ -128,5 +137,114 @@ func (h *host) checkNetwork(t *rapid.T) {
 		if n := l.Attrs().Name; strings.HasPrefix(n, network.TAPPrefix) && !taps[n] {
 			t.Fatalf("VIOLATION TAP %s is named by no held lease (leases: %v)", n, owner)
 		}
+	}
+}
+
+// bridgeLoss deletes the bridge under the leased TAPs, as an operator's
+// `ip link del` or a network tool would: its ports stay, detached.
+func (h *host) bridgeLoss(t *rapid.T) {
+	br, err := h.nh.LinkByName(h.net.Bridge())
+	if err != nil {
+		t.Skip("no bridge")
+	}
+	if err := h.nh.LinkDel(br); err != nil {
+		t.Fatalf("delete bridge: %v", err)
+	}
+	for _, id := range instanceIDs {
+		h.detached[id] = true
+	}
+	h.events["bridge lost"]++
+	t.Logf("bridge %s deleted", h.net.Bridge())
+}
+
+// tapReconcile runs one TAP reconcile round (ReconcileTAPs): the bridge
+// made again and every leased TAP put back on it.
+func (h *host) tapReconcile(t *rapid.T) {
+	c, cancel := ctx()
+	defer cancel()
+	round, err := h.net.ReconcileTAPs(c)
+	t.Logf("tap round: reattached %v, removed %v: %v", round.Reattached, round.Removed, err)
+	h.events["tap round reattached"] += len(round.Reattached)
+	h.event("tap round", err == nil, err)
+	if err != nil && len(h.corrupt) == 0 {
+		t.Fatalf("tap round with every record readable: %v", err)
+	}
+	for id := range h.detached {
+		if _, unreadable := h.corrupt[id]; !unreadable {
+			delete(h.detached, id)
+		}
+	}
+}
+
+// checkPorts: every TAP a readable record's held lease names, where it
+// exists, is a port of the bridge, isolated from the other ports and up:
+// always, except between the bridge's loss and the next TAP round that
+// could read the record.
+func (h *host) checkPorts(t *rapid.T, recs []*vmflowv1.InstanceRecord) {
+	var br netlink.Link
+	for _, r := range recs {
+		l := store.Network(r)
+		if !store.LeaseHeld(l) || h.detached[r.GetId()] {
+			continue
+		}
+		name := l.GetNetwork().GetTap()
+		tap, err := h.nh.LinkByName(name)
+		var nf netlink.LinkNotFoundError
+		if errors.As(err, &nf) {
+			continue // made again by the VM's next launch
+		}
+		if err != nil {
+			t.Fatalf("look up %s: %v", name, err)
+		}
+		if br == nil {
+			if br, err = h.nh.LinkByName(h.net.Bridge()); err != nil {
+				t.Fatalf("VIOLATION leased TAP %s of %s and no bridge %s: %v", name, r.GetId(), h.net.Bridge(), err)
+			}
+		}
+		if tap.Attrs().MasterIndex != br.Attrs().Index {
+			t.Fatalf("VIOLATION leased TAP %s of %s is not a port of %s (master %d, bridge %d)", name, r.GetId(), h.net.Bridge(),
+				tap.Attrs().MasterIndex, br.Attrs().Index)
+		}
+		if tap.Attrs().Flags&net.FlagUp == 0 {
+			t.Fatalf("VIOLATION leased TAP %s of %s is down", name, r.GetId())
+		}
+		pi, err := h.nh.LinkGetProtinfo(tap)
+		if err != nil {
+			t.Fatalf("protinfo of %s: %v", name, err)
+		}
+		if !pi.Isolated {
+			t.Fatalf("VIOLATION leased TAP %s of %s is not isolated from the other ports", name, r.GetId())
+		}
+	}
+}
+
+// releaseAll is the delete's release stage as the agent runs it: the
+// host's one lease engine over every kind it serves (vGPUs, whole GPUs,
+// then the network, AfterOthers). The address goes back last: never
+// while a GPU lease of the record is still held.
+func (h *host) releaseAll(t *rapid.T) { h.releaseAllOf(t, h.existingID(t)) }
+
+func (h *host) releaseAllOf(t *rapid.T, id string) {
+	before, _ := h.st.Get(id)
+	recorded := store.IdentityOf(before.GetProcess())
+	eng := activities.NewLeaseEngine(lease.EngineConfig{Store: h.st, Quarantine: h.quarantine, IgnoreUninspectable: h.ignore, Now: h.clock},
+		h.claims, h.whole, h.net)
+	c, cancel := ctx()
+	defer cancel()
+	out, err := eng.Release(c, id)
+	var names []string
+	for _, l := range out.Released {
+		names = append(names, store.LeaseName(l))
+	}
+	t.Logf("release all %s: all=%t %v %v", id, out.All, names, err)
+	h.event("release all", out.All, err)
+	if len(out.Released) > 0 && recorded.PID != 0 {
+		if st := proc.Inspect(recorded); st.Alive {
+			t.Fatalf("VIOLATION leases released while the VM lives: %s released %v while %v is %s", id, names, recorded, st.State)
+		}
+	}
+	after, gerr := h.st.Get(id)
+	if len(out.Of(store.KindNetwork)) > 0 && gerr == nil && (len(store.HeldVGPUs(after)) > 0 || len(store.HeldPassthrough(after)) > 0) {
+		t.Fatalf("VIOLATION %s's address went back while it still holds a GPU lease: %v", id, store.HeldLeases(after))
 	}
 }

@@ -46,6 +46,22 @@ type Driver interface {
 	Points() ReleasePoints
 }
 
+// carded is implemented by a driver whose devices are cards a reboot may
+// swap under the same id (a whole GPU at its PCI address): cards names
+// the card each of Devices(l) is, so a device's strikes count only its
+// own card's failures.
+type carded interface {
+	cards(l *vmflowv1.Lease) []string
+}
+
+// cardsOf is d's cards of l, nil when its devices are not cards.
+func cardsOf(d Driver, l *vmflowv1.Lease) []string {
+	if c, ok := d.(carded); ok {
+		return c.cards(l)
+	}
+	return nil
+}
+
 // Released is implemented by a driver with work once a release is
 // recorded (the network's filter element); its failure is only logged:
 // the resource is released.
@@ -227,7 +243,7 @@ func (e *Engine) releaseOne(ctx context.Context, l *store.Locked, rec *vmflowv1.
 	crashpoint.Hit(pts.Releasing)
 	if err := d.Release(ctx, l.ID(), lease); err != nil {
 		err = fail(err)
-		strikeIfFault(ctx, e.quar, e.log, l.ID(), err, d.Devices(lease)...)
+		strikeIfFault(ctx, e.quar, e.log, l.ID(), err, d.Devices(lease), cardsOf(d, lease))
 		return err
 	}
 	crashpoint.Hit(pts.Done)
@@ -295,7 +311,7 @@ func (e *Engine) rollbackOne(ctx context.Context, l *store.Locked, d Driver, lea
 	}
 	crashpoint.Hit(crashpoint.ClaimRollingBack)
 	if err := d.Release(ctx, l.ID(), lease); err != nil {
-		strikeIfFault(ctx, e.quar, e.log, l.ID(), err, d.Devices(lease)...)
+		strikeIfFault(ctx, e.quar, e.log, l.ID(), err, d.Devices(lease), cardsOf(d, lease))
 		return err
 	}
 	if _, err := l.Apply(store.LeaseRolledBack(name)); err != nil {

@@ -58,6 +58,10 @@ type Strike struct {
 	Last     string    `json:"last_error"`
 	At       time.Time `json:"at"`
 	Instance string    `json:"instance_id,omitempty"`
+	// Card is the card that failed, where the device is a card a reboot
+	// may swap under the same id (a whole GPU at its PCI address:
+	// vendor:device and serial number); "" where not known.
+	Card string `json:"card,omitempty"`
 }
 
 // Quarantine is the host's set of GPU devices placement skips: a device
@@ -167,7 +171,7 @@ func writeJSON(path string, v any) error {
 // between the two costs no count: the next failure finds it at or past
 // the threshold (crash points gpu.quarantine.due and .written).
 func (q *Quarantine) Strike(ctx context.Context, instance, cause string, devices ...string) ([]string, error) {
-	return q.strike(ctx, false, instance, cause, devices...)
+	return q.strike(ctx, false, instance, cause, devices, nil)
 }
 
 // StrikeOut counts one failure of each of devices and quarantines them at
@@ -175,10 +179,15 @@ func (q *Quarantine) Strike(ctx context.Context, instance, cause string, devices
 // tenant's state to the next (its reset, or the operator's scrub, failed)
 // is not worth a second try on someone's VM.
 func (q *Quarantine) StrikeOut(ctx context.Context, instance, cause string, devices ...string) ([]string, error) {
-	return q.strike(ctx, true, instance, cause, devices...)
+	return q.strike(ctx, true, instance, cause, devices, nil)
 }
 
-func (q *Quarantine) strike(ctx context.Context, atOnce bool, instance, cause string, devices ...string) ([]string, error) {
+// strike is Strike (StrikeOut when atOnce) with the card each device is
+// (cards[i] for devices[i], "" where not known): a device whose count was
+// run up by another card (swapped in at its address by a reboot) starts
+// its count over, as the card there now is a new device and inherits no
+// failure.
+func (q *Quarantine) strike(ctx context.Context, atOnce bool, instance, cause string, devices, cards []string) ([]string, error) {
 	if q == nil || len(devices) == 0 {
 		return nil, nil
 	}
@@ -186,8 +195,14 @@ func (q *Quarantine) strike(ctx context.Context, atOnce bool, instance, cause st
 	err := q.locked(ctx, func() error {
 		strikes := q.readStrikes()
 		var due []string
-		for _, d := range devices {
+		for i, d := range devices {
 			st := strikes[d]
+			if i < len(cards) && cards[i] != "" {
+				if st.Card != "" && st.Card != cards[i] {
+					st = Strike{}
+				}
+				st.Card = cards[i]
+			}
 			st.Count++
 			st.Last, st.At, st.Instance = cause, q.now().UTC(), instance
 			strikes[d] = st

@@ -180,9 +180,11 @@ func stateMayRemain(err error) bool {
 
 // strikeIfFault counts err against devices when it is their fault
 // (deviceFault), quarantining those at the threshold: the one place a
-// failure becomes a quarantine. Its error is the quarantine's own (the
-// count could not be written), already logged.
-func strikeIfFault(ctx context.Context, q *Quarantine, log *zap.Logger, id string, err error, devices ...string) error {
+// failure becomes a quarantine (at once when the device's state may
+// remain). cards names the card each device is, where a reboot may swap
+// it (nil: not known). Its error is the quarantine's own (the count could
+// not be written), already logged.
+func strikeIfFault(ctx context.Context, q *Quarantine, log *zap.Logger, id string, err error, devices, cards []string) error {
 	if !deviceFault(err) {
 		return nil
 	}
@@ -190,11 +192,7 @@ func strikeIfFault(ctx context.Context, q *Quarantine, log *zap.Logger, id strin
 	// failure happened, and the quarantine's lock is brief.
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), recordTimeout)
 	defer cancel()
-	strike := q.Strike
-	if stateMayRemain(err) {
-		strike = q.StrikeOut
-	}
-	added, qerr := strike(ctx, id, err.Error(), devices...)
+	added, qerr := q.strike(ctx, stateMayRemain(err), id, err.Error(), devices, cards)
 	switch {
 	case qerr != nil:
 		log.Error("count a GPU failure toward quarantine", zap.String("instance_id", id), zap.Strings("device_ids", devices), zap.Error(qerr))

@@ -50,22 +50,22 @@ func (w *Whole) scrubbed(ctx context.Context, id string, l *vmflowv1.Lease) erro
 	if w.quar == nil {
 		return cause
 	}
-	if qerr := strikeIfFault(ctx, w.quar, w.log, id, cause, store.PassthroughGPUs(l)...); qerr != nil {
+	if qerr := strikeIfFault(ctx, w.quar, w.log, id, cause, store.PassthroughGPUs(l), leaseCards(l)); qerr != nil {
 		return fmt.Errorf("%w; quarantining it: %w", cause, qerr)
 	}
 	return nil
 }
 
-// quarantineOnReset is the Return option that quarantines gpus at once
-// when a reset fails and lets the return go on (the card is out of
-// placement); none without a quarantine, so the return fails and is
-// retried instead.
-func (w *Whole) quarantineOnReset(ctx context.Context, id string, gpus []string) []gpu.ReturnOption {
+// quarantineOnReset is the Return option that quarantines gpus (the cards
+// cards names, nil when not known) at once when a reset fails and lets the
+// return go on (the card is out of placement); none without a quarantine,
+// so the return fails and is retried instead.
+func (w *Whole) quarantineOnReset(ctx context.Context, id string, gpus, cards []string) []gpu.ReturnOption {
 	if w.quar == nil {
 		return nil
 	}
 	return []gpu.ReturnOption{gpu.QuarantineOnResetFailure(func(addr string, cause error) error {
-		return strikeIfFault(ctx, w.quar, w.log, id, cause, gpus...)
+		return strikeIfFault(ctx, w.quar, w.log, id, cause, gpus, cards)
 	})}
 }
 

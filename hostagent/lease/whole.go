@@ -330,7 +330,7 @@ func (w *Whole) bindFailed(ctx context.Context, l *store.Locked, lease *vmflowv1
 	// A card no longer at its address (gpu.ErrCardGone, NotFound) did not
 	// fail: deviceFault leaves it out, so the card there now inherits no
 	// strike.
-	strikeIfFault(ctx, w.quar, w.log, l.ID(), cause, gpus...)
+	strikeIfFault(ctx, w.quar, w.log, l.ID(), cause, gpus, leaseCards(lease))
 	for _, a := range store.PassthroughDevices(lease) {
 		failed[a] = true
 	}
@@ -339,6 +339,24 @@ func (w *Whole) bindFailed(ctx context.Context, l *store.Locked, lease *vmflowv1
 		return fmt.Errorf("whole GPU %s: bind failed (%w), and undoing it too: %w", strings.Join(gpus, " "), cause, err)
 	}
 	return nil
+}
+
+// leaseCards are the cards of lease's GPUs (store.PassthroughGPUs, in
+// that order) as it recorded them: vendor:device and serial number; ""
+// for a function recorded before identities.
+func leaseCards(lease *vmflowv1.Lease) []string {
+	var out []string
+	for _, f := range lease.GetGpuPassthrough().GetFunctions() {
+		if !f.GetDisplay() {
+			continue
+		}
+		card := ""
+		if f.GetId() != "" {
+			card = f.GetId() + " " + f.GetSerial()
+		}
+		out = append(out, card)
+	}
+	return out
 }
 
 // bind finishes a held lease: its group bound (resumed from the recorded
@@ -533,7 +551,7 @@ func (w *Whole) Reconcile(ctx context.Context) (*vmflowv1.ReconcileVGPUResult, e
 		orphans = append(orphans, orphan{id: b.Group,
 			free: func(ctx context.Context) error { return nodeFree(ctx, w.drv.VFIONode(b.Group), proc.Holders, w.ignore) },
 			remove: func(ctx context.Context) error {
-				return w.drv.Return(ctx, b, w.quarantineOnReset(ctx, "", b.GPUs())...)
+				return w.drv.Return(ctx, b, w.quarantineOnReset(ctx, "", b.GPUs(), nil)...)
 			},
 			log: []zap.Field{zap.String("iommu_group", b.Group), zap.String("functions", strings.Join(b.Addrs(), " "))}})
 	}

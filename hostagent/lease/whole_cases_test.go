@@ -418,3 +418,38 @@ func TestWholeReconcileWakesAReleasedDelete(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, []string{"wake:vm1"}, w.Items)
 }
+
+// A card swapped in at a GPU's address by a reboot starts its own count
+// of failures: the strikes of the card that was there are not its own.
+// The host model found a new card quarantined after its first failure
+// (--gpu-quarantine-after 2), since the card it replaced had failed once
+// and the count was kept by address.
+func TestWholeSwappedCardStartsItsOwnCount(t *testing.T) {
+	e, q := newWholeOpts(t, vgpusim.Options{PCIGPUs: 5}, 2) // GPUs 0, 1, 2 and 4 are offered
+	ctx := context.Background()
+	g0 := vgpusim.PCIGPUAt(0)
+	e.sim.Set(t, vgpusim.At(vgpusim.CtlFailUnbind, g0.GPU), "EIO") // a bad slot: whatever card is in it fails
+	claim := func(id string) {
+		t.Helper()
+		e.record(t, id, 1)
+		got, err := e.whole.Claim(ctx, id, "", 1)
+		require.NoError(t, err, "the claim moves past the failing GPU")
+		require.NotEqual(t, g0.GPU, store.PassthroughDevices(got[0])[0])
+	}
+	quarantined := func() bool {
+		t.Helper()
+		qm, err := q.List()
+		require.NoError(t, err)
+		_, ok := qm[g0.GPU]
+		return ok
+	}
+	claim("vm1")
+	require.Equal(t, 1, q.Strikes()[g0.GPU].Count, "the old card failed once")
+	require.NoError(t, e.sim.Server.Reboot(vgpusim.Reboot{Replace: map[string]string{g0.GPU: g0.ID}}))
+
+	claim("vm2")
+	assert.False(t, quarantined(), "one failure of the card there now")
+	assert.Equal(t, 1, q.Strikes()[g0.GPU].Count)
+	claim("vm3")
+	assert.True(t, quarantined(), "two failures in a row of the card there now")
+}

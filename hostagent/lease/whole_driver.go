@@ -38,7 +38,7 @@ func (d wholeDriver) Nodes(_ context.Context, l *vmflowv1.Lease) ([]string, erro
 // another card there since a reboot) counts as returned; an unbind still
 // in flight is ErrReleaseInProgress (Busy).
 func (d wholeDriver) Release(ctx context.Context, id string, l *vmflowv1.Lease) error {
-	if err := d.w.drv.Return(ctx, bindingOf(l), d.w.quarantineOnReset(ctx, id, store.PassthroughGPUs(l))...); err != nil {
+	if err := d.w.drv.Return(ctx, bindingOf(l), d.w.quarantineOnReset(ctx, id, store.PassthroughGPUs(l), leaseCards(l))...); err != nil {
 		return err
 	}
 	if node, err := d.w.nodeOf(l); err == nil && node == "" {
@@ -50,6 +50,10 @@ func (d wholeDriver) Release(ctx context.Context, id string, l *vmflowv1.Lease) 
 }
 
 func (d wholeDriver) Devices(l *vmflowv1.Lease) []string { return store.PassthroughGPUs(l) }
+
+// cards: a reboot may put another card at a GPU's address, whose
+// failures are its own.
+func (d wholeDriver) cards(l *vmflowv1.Lease) []string { return leaseCards(l) }
 
 func (d wholeDriver) Points() ReleasePoints {
 	return ReleasePoints{Releasing: crashpoint.PassthroughReleasing, Done: crashpoint.PassthroughReturned, Recorded: crashpoint.PassthroughReleased}

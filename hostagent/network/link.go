@@ -35,11 +35,22 @@ func (n *Net) EnsureBridge(ctx context.Context) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("ensure bridge %s: %w", n.cfg.Bridge, err)
 	}
-	key, err := n.MACKey(ctx)
-	if err != nil {
+	var mac net.HardwareAddr
+	switch key, err := n.MACKey(ctx); {
+	case errors.Is(err, ErrMisconfigured):
 		return fmt.Errorf("ensure bridge %s: %w", n.cfg.Bridge, err)
+	case err != nil:
+		// No key yet and none can be made (the state disk is full): the
+		// pin is a second line, and the running guests' ports matter
+		// more. The bridge serves with the kernel's MAC; the next round
+		// that can make the key pins it and announces the gateway. (The
+		// host model found a bridge loss on a full disk left every port
+		// off the bridge.)
+		n.cfg.Logger.Warn("bridge MAC not pinned: no MAC key; pinned at the next launch or scan round that can make it",
+			zap.String("bridge", n.cfg.Bridge), zap.Error(err))
+	default:
+		mac = bridgeMAC(key, n.cfg.Bridge)
 	}
-	mac := bridgeMAC(key, n.cfg.Bridge)
 	br, err := n.h.LinkByName(n.cfg.Bridge)
 	if notFound(err) {
 		la := netlink.NewLinkAttrs()
@@ -65,7 +76,7 @@ func (n *Net) EnsureBridge(ctx context.Context) error {
 	// address is set or the kernel's choice, and the kernel's (random,
 	// or a port's) is the host's only by a 2^-40 chance.
 	pinned := false
-	if old := br.Attrs().HardwareAddr; old.String() != mac.String() {
+	if old := br.Attrs().HardwareAddr; mac != nil && old.String() != mac.String() {
 		if err := n.h.LinkSetHardwareAddr(br, mac); err != nil {
 			return fmt.Errorf("ensure bridge %s: pin its MAC %s: %w", n.cfg.Bridge, mac, err)
 		}
