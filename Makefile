@@ -217,7 +217,8 @@ $(WORKFLOWCHECK):
 
 ## fuzz: every fuzz target for FUZZTIME each (go test runs one target at a time),
 # then a long run of the host model (hostagent/hostmodel: rapid state machine
-# of store + vGPU claims + drivers over the simulator, MODEL_CHECKS checks per
+# of the store and every lease kind (vGPUs, whole GPUs, the network) over the
+# simulator and a network namespace, MODEL_CHECKS checks per
 # driver kind; `make test` runs a short one). Replay a failure with the
 # -rapid.seed it prints: go test -run 'TestHostModel/vendor' ./hostagent/hostmodel -rapid.seed=N
 # Then the workflow model (workflows/model_test.go: DeleteInstance in the
