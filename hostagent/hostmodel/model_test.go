@@ -243,32 +243,21 @@ func (h *host) createOf(t *rapid.T, id string) {
 // need one. The other actions still come in between.
 func (h *host) spawn(t *rapid.T) {
 	id := drawID(t)
-	stages := rapid.IntRange(1, 4).Draw(t, "stages")
-	last := ""
-	for i := 0; i < stages; i++ {
+	h.drive(t, "spawn", func() string {
 		rec, err := h.st.Get(id)
-		var stage string
 		switch {
 		case errors.Is(err, store.ErrNotFound):
-			stage = "create"
+			return "create"
 		case err != nil || store.IsDeleting(rec):
 		case !h.claimed(id, rec):
-			stage = "claim"
+			return "claim"
 		case !store.LeaseHeld(store.Network(rec)):
-			stage = "network"
+			return "network"
 		case h.helpers[id] == nil || !h.helpers[id].alive():
-			stage = "launch"
+			return "launch"
 		}
-		if stage == "" || stage == last {
-			if i == 0 {
-				t.Skip("nothing to spawn")
-			}
-			return
-		}
-		if i > 0 {
-			h.check(t) // every invariant after every change, as between steps // the stage did not go through: the workflow would retry later
-		}
-		last = stage
+		return ""
+	}, func(stage string) {
 		switch stage {
 		case "create":
 			h.createOf(t, id)
@@ -279,6 +268,29 @@ func (h *host) spawn(t *rapid.T) {
 		case "launch":
 			h.launchOf(t, id)
 		}
+	})
+}
+
+// drive runs one to four stages of a workflow: next says the stage the
+// instance is at ("" for none), do runs it. It stops at no stage, or at a
+// stage that did not go through (the workflow would retry it later), and
+// checks every invariant between two stages, as between steps.
+func (h *host) drive(t *rapid.T, what string, next func() string, do func(stage string)) {
+	stages := rapid.IntRange(1, 4).Draw(t, "stages")
+	last := ""
+	for i := 0; i < stages; i++ {
+		stage := next()
+		if stage == "" || stage == last {
+			if i == 0 {
+				t.Skip("nothing to " + what)
+			}
+			return
+		}
+		if i > 0 {
+			h.check(t)
+		}
+		last = stage
+		do(stage)
 	}
 }
 
@@ -297,32 +309,21 @@ func (h *host) claimed(id string, rec *vmflowv1.InstanceRecord) bool {
 // the record) for one to four stages, as spawn does the spawn's.
 func (h *host) remove(t *rapid.T) {
 	id := h.existingID(t)
-	stages := rapid.IntRange(1, 4).Draw(t, "stages")
-	last := ""
-	for i := 0; i < stages; i++ {
+	h.drive(t, "remove", func() string {
 		rec, err := h.st.Get(id)
-		var stage string
 		switch {
 		case err != nil:
 		case !store.IsDeleting(rec):
-			stage = "begin"
+			return "begin"
 		case h.helpers[id] != nil && h.helpers[id].alive():
-			stage = "stop"
+			return "stop"
 		case store.AnyLeaseHeld(rec):
-			stage = "release"
+			return "release"
 		default:
-			stage = "remove"
+			return "remove"
 		}
-		if stage == "" || stage == last {
-			if i == 0 {
-				t.Skip("nothing to remove")
-			}
-			return
-		}
-		if i > 0 {
-			h.check(t) // every invariant after every change, as between steps
-		}
-		last = stage
+		return ""
+	}, func(stage string) {
 		switch stage {
 		case "begin":
 			h.beginDeleteOf(t, id)
@@ -334,7 +335,7 @@ func (h *host) remove(t *rapid.T) {
 			h.teardownOf(t, id)
 			h.deleteRecordOf(t, id)
 		}
-	}
+	})
 }
 
 // claim claims the instance's vGPUs; failCreate injects a create fault after
