@@ -338,9 +338,9 @@ func (c *storeCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(unreadable, prometheus.GaugeValue, snap.unreadable)
 	ch <- prometheus.MustNewConstMetric(reserveSizeDesc, prometheus.GaugeValue, float64(snap.space.Reserve))
 	// A figure the store could not read is left out rather than served as
-	// 0, which would read as a full disk (store.Space.Low ignores it too);
-	// a file system that reports no sizes has no free bytes to serve.
-	if snap.space.Err != nil {
+	// 0, which would read as a full disk; a file system that reports no
+	// sizes has no free bytes to serve.
+	if !snap.space.Measured {
 		return
 	}
 	if !snap.space.Unsized {

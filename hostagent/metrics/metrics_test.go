@@ -92,6 +92,39 @@ vmflow_lease_release_failures_total{errno="ENODEV"} 0
 	assert.Equal(t, float64(store.DefaultReserve), testutil.ToFloat64(gauge(t, reg, "vmflow_state_fs_reserve_bytes", "")))
 }
 
+// TestUnreadRoomIsNotServed: when the state file system cannot be
+// statted (here, the state dir is gone), its free bytes and reserve are
+// left out of a scrape rather than served as 0, which an alert would read
+// as a full disk; the reserve's size is still served.
+func TestUnreadRoomIsNotServed(t *testing.T) {
+	dir, err := os.MkdirTemp("/tmp", "mt")
+	require.NoError(t, err)
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	st, err := store.New(dir)
+	require.NoError(t, err)
+	reg := prometheus.NewRegistry()
+	a, err := New(reg, st)
+	require.NoError(t, err)
+	served := func() map[string]bool {
+		mfs, err := reg.Gather()
+		require.NoError(t, err)
+		names := map[string]bool{}
+		for _, mf := range mfs {
+			names[mf.GetName()] = true
+		}
+		return names
+	}
+	names := served()
+	assert.True(t, names["vmflow_state_fs_free_bytes"])
+	assert.True(t, names["vmflow_state_fs_reserve_held"])
+	require.NoError(t, os.RemoveAll(dir))
+	a.RefreshStore()
+	names = served()
+	assert.False(t, names["vmflow_state_fs_free_bytes"], "not served as 0")
+	assert.False(t, names["vmflow_state_fs_reserve_held"], "not served as given up")
+	assert.True(t, names["vmflow_state_fs_reserve_bytes"])
+}
+
 // TestLabelledSeriesExistAtZero: the stop histogram has a series per
 // ladder step, the release histogram and the orphan counter one per lease
 // kind, before anything is observed (an alert's increase() then sees the
