@@ -305,6 +305,46 @@ func TestRulesPromtool(t *testing.T) {
 	}
 }
 
+// TestExampleConfigLabelsEveryAgent: the example configuration scrapes
+// the jobs the rules select and gives every agent target its host_id (the
+// rules' summaries and VmflowAgentDown name the host by it), and no worker
+// one.
+func TestExampleConfigLabelsEveryAgent(t *testing.T) {
+	b, err := os.ReadFile(promConfig)
+	require.NoError(t, err)
+	var cfg struct {
+		RuleFiles     []string `yaml:"rule_files"`
+		ScrapeConfigs []struct {
+			JobName       string `yaml:"job_name"`
+			StaticConfigs []struct {
+				Targets []string          `yaml:"targets"`
+				Labels  map[string]string `yaml:"labels"`
+			} `yaml:"static_configs"`
+		} `yaml:"scrape_configs"`
+	}
+	require.NoError(t, yaml.Unmarshal(b, &cfg))
+	assert.Equal(t, []string{filepath.Base(rulesFile)}, cfg.RuleFiles)
+	jobs := map[string]int{}
+	for _, sc := range cfg.ScrapeConfigs {
+		for _, st := range sc.StaticConfigs {
+			jobs[sc.JobName] += len(st.Targets)
+			if sc.JobName == "vmflow-hostagent" {
+				assert.Len(t, st.Targets, 1, "one agent per host_id")
+				assert.Regexp(t, `^[a-z0-9][a-z0-9-]{0,62}$`, st.Labels["host_id"], "agent %v: host_id, as --host-id takes it", st.Targets)
+			} else {
+				assert.NotContains(t, st.Labels, "host_id", "%s is no host's", sc.JobName)
+			}
+		}
+	}
+	assert.Positive(t, jobs["vmflow-hostagent"])
+	assert.Positive(t, jobs["vmflow-worker"])
+	for _, r := range loadRules(t, rulesFile) {
+		for _, job := range regexp.MustCompile(`job="([^"]*)"`).FindAllStringSubmatch(r.Expr, -1) {
+			assert.Contains(t, jobs, job[1], "%s%s selects a job the configuration does not scrape", r.Alert, r.Record)
+		}
+	}
+}
+
 var (
 	forLine       = regexp.MustCompile(`(?m)^(\s*for:\s*)(\S+)\s*$`)
 	rangeSelector = regexp.MustCompile(`\[([0-9]+[a-z]+)\]`)
