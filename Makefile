@@ -37,7 +37,7 @@ FUZZTIME     ?= 30s
 
 export GOBIN := $(BIN)
 
-.PHONY: build tools qemu test lint fmt-check vet staticcheck workflowcheck fuzz bench bench-smoke clean proto proto-check proto-tools
+.PHONY: build tools qemu prometheus test lint fmt-check vet staticcheck workflowcheck fuzz bench bench-smoke clean proto proto-check proto-tools
 
 ## build: both binaries and the vGPU simulator (bin/vmflow-vgpusim, for
 # tests and make dev; the agent carries no simulator), stamped with VERSION (git describe) and REVISION
@@ -58,8 +58,9 @@ print-ldflags:
 	@echo '$(LDFLAGS)'
 
 ## tools: the Temporal CLI (dev server + UI), the Temporal server on
-# PostgreSQL, QEMU (and GNU cpio) and Chromium (e2e Web UI test).
-tools: $(TEMPORAL) temporal-server postgresql qemu chromium
+# PostgreSQL, QEMU (and GNU cpio), Chromium (e2e Web UI test) and
+# Prometheus's promtool (the alert rules' tests).
+tools: $(TEMPORAL) temporal-server postgresql qemu chromium prometheus
 
 ## temporal-server: bin/temporal-server and bin/temporal-sql-tool from the
 # module proxy (go.temporal.io/server, no replace directives), rebuilt only
@@ -96,6 +97,18 @@ chromium:
 		echo ">> installing Debian's chromium (headless, for the e2e Web UI test)"; \
 		apt-get update -qq; \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+	fi
+
+## prometheus: Debian's prometheus package (2.42) for promtool, which
+# checks deploy/prometheus/vmflow-rules.yml and runs its unit tests
+# (deploy/rules_test.go). The tests run promtool only, never the
+# package's server (on a host running systemd the package enables and
+# starts prometheus.service on :9090, as postgresql starts its cluster).
+prometheus:
+	@if ! command -v promtool >/dev/null; then \
+		echo ">> installing Debian's prometheus (for promtool)"; \
+		apt-get update -qq; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; \
 	fi
 
 $(TEMPORAL):

@@ -418,11 +418,11 @@ func (a *Activities) StopVM(ctx context.Context, req *vmflowv1.StopVMRequest) (*
 	if err != nil {
 		return nil, classify(fmt.Errorf("stop: %w", err))
 	}
+	step := stepNeeded(res.StopResult)
 	if a.Metrics != nil && !res.AlreadyGone {
-		a.Metrics.StopDuration.Observe(res.Total.Seconds())
+		a.Metrics.StopDuration.WithLabelValues(step).Observe(res.Total.Seconds())
 	}
 	crashpoint.Hit(crashpoint.ActivityStopVMDone)
-	step := stepNeeded(res.StopResult)
 	log.Info("VM stopped", zap.String("step_reached", step), zap.Bool("already_gone", res.AlreadyGone),
 		zap.Duration("took", res.Total), zap.Bool("child", res.Child))
 	return &vmflowv1.StopVMResult{StepReached: step, DurationMs: uint32(min(res.Total.Milliseconds(), 1<<31))}, nil
@@ -516,6 +516,9 @@ func LeaseEngine(a *Activities) *lease.Engine {
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = a.Logger
+	}
+	if cfg.ReleaseTook == nil && a.Metrics != nil {
+		cfg.ReleaseTook = a.Metrics.ObserveRelease
 	}
 	return NewLeaseEngine(cfg, a.GPUs, a.Whole, a.Network)
 }

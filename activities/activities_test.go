@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"go.temporal.io/sdk/temporal"
@@ -23,6 +25,7 @@ import (
 	"vmflow/hostagent/gpu/vgpusim"
 	"vmflow/hostagent/gpu/vgpusim/simtest"
 	"vmflow/hostagent/lease"
+	"vmflow/hostagent/metrics"
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/proc/proctest"
 	"vmflow/hostagent/store"
@@ -118,6 +121,23 @@ func (h *hostEnv) run(t *testing.T, fn any, in any, out any) error {
 	return err
 }
 
+// histogramCount is how many observations reg's histogram name holds in
+// its series whose one label is value.
+func histogramCount(t *testing.T, reg *prometheus.Registry, name, value string) uint64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	require.NoError(t, err)
+	for _, mf := range mfs {
+		for _, m := range mf.GetMetric() {
+			if mf.GetName() == name && len(m.GetLabel()) == 1 && m.GetLabel()[0].GetValue() == value {
+				return m.GetHistogram().GetSampleCount()
+			}
+		}
+	}
+	t.Fatalf("no %s series labelled %q", name, value)
+	return 0
+}
+
 // TestSpawnAndDeleteThroughActivities runs every activity of both paths,
 // each twice, against the real packages: the second run of each is a
 // retry and must succeed without doing the work again. (ReleaseVGPU runs
@@ -125,6 +145,10 @@ func (h *hostEnv) run(t *testing.T, fn any, in any, out any) error {
 func TestSpawnAndDeleteThroughActivities(t *testing.T) {
 	h := newHost(t)
 	a := h.acts
+	reg := prometheus.NewRegistry()
+	am, err := metrics.New(reg, nil)
+	require.NoError(t, err)
+	a.Metrics = am
 	req := spawnReq("vm1")
 	ref := &vmflowv1.InstanceRef{InstanceId: "vm1"}
 
@@ -164,8 +188,18 @@ func TestSpawnAndDeleteThroughActivities(t *testing.T) {
 	var stopped vmflowv1.StopVMResult
 	require.NoError(t, h.run(t, a.StopVM, &vmflowv1.StopVMRequest{InstanceId: "vm1", GracefulTimeoutSeconds: 1}, &stopped))
 	assert.NotEqual(t, "none", stopped.GetStepReached())
+	first := stopped.GetStepReached()
 	require.NoError(t, h.run(t, a.StopVM, &vmflowv1.StopVMRequest{InstanceId: "vm1"}, &stopped))
 	assert.Equal(t, "none", stopped.GetStepReached(), "nothing left to stop")
+	// The stop is timed under the step it needed; the retry, which found
+	// the VM gone, is not a stop.
+	for _, step := range metrics.StopSteps {
+		want := uint64(0)
+		if step == first {
+			want = 1
+		}
+		assert.Equal(t, want, histogramCount(t, reg, "vmflow_stop_duration_seconds", step), "stops that ended at %s", step)
+	}
 	require.NoError(t, h.run(t, a.WaitVMExit, ref, nil))
 	assert.False(t, proc.Inspect(vm).Alive)
 	require.NoError(t, h.run(t, a.WaitVMExit, ref, nil))
@@ -190,6 +224,11 @@ func TestSpawnAndDeleteThroughActivities(t *testing.T) {
 	assert.True(t, rel.GetReleased())
 	require.NoError(t, h.run(t, a.ReleaseLeases, ref, &rel))
 	assert.False(t, rel.GetReleased(), "nothing left to release")
+	// Both releases the driver carried out are timed, the failed one too,
+	// and the failure is counted by its errno.
+	assert.Equal(t, uint64(2), histogramCount(t, reg, "vmflow_lease_release_duration_seconds", store.KindVGPU))
+	assert.Equal(t, uint64(0), histogramCount(t, reg, "vmflow_lease_release_duration_seconds", store.KindNetwork))
+	assert.Equal(t, 1.0, testutil.ToFloat64(am.ReleaseFailures.WithLabelValues("EBUSY")))
 
 	require.NoError(t, h.run(t, a.TearDown, ref, nil))
 	require.NoError(t, h.run(t, a.TearDown, ref, nil))

@@ -164,5 +164,5 @@ func (f *Flags) ServeMetrics(life context.Context, m *tclient.Metrics) {
 // An empty identity is the SDK's default.
 func (f *Flags) Temporal(m *tclient.Metrics, identity string) platform.Options {
 	return platform.Options{Logger: f.Log(), MetricsHandler: m.SDKHandler(), HostPort: f.Address, Namespace: f.Namespace,
-		Identity: identity, Insecure: f.Insecure}
+		Identity: identity, Insecure: f.Insecure, GRPCDialOptions: m.Connection.DialOptions()}
 }

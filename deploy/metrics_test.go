@@ -148,7 +148,9 @@ func hasMetric(exposition, name string) bool {
 }
 
 // Both binaries, built and run as systemd would run them, against a dev
-// server: each serves /metrics with its names, SDK metrics included.
+// server: each serves every metric README.md's table says it serves, with
+// the table's labels and no other, serves no vmflow_ metric the table
+// lacks, and says it is connected to Temporal; SDK metrics included.
 func TestBinariesServeMetrics(t *testing.T) {
 	srv := devserver.Start(t, devserver.Options{})
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
@@ -167,23 +169,25 @@ func TestBinariesServeMetrics(t *testing.T) {
 		"--workflow-task-queue", "vmflow-metrics")
 	workerOut, workerAddr := startServing(t, env, wrk, "--task-queue", "vmflow-metrics")
 
+	table := metricsTable(t)
 	for _, tc := range []struct {
 		name, addr string
 		out        *syncBuffer
-		want       []string
+		rows       []metricRow
+		sdk        []string
 	}{
-		{"vmflow-hostagent", agentAddr, agentOut, []string{
-			"vmflow_instances", "vmflow_stop_duration_seconds", "vmflow_exit_detect_seconds", "vmflow_leases",
-			"vmflow_lease_release_failures_total", "vmflow_reattach_total", "vmflow_restarts_refused_total",
-			"vmflow_restarts_device_missing_total", "vmflow_state_fs_free_bytes",
-			"vmflow_guest_log_dropped_bytes_total", "vmflow_records_unreadable", "vmflow_network_filter_dropped_frames_total",
-			"vmflow_network_port_rate_dropped_frames_total",
-			// SDK metrics: the agent's activity worker polls its host queue.
-			"temporal_request_total", "temporal_long_request_total",
-		}},
-		{"vmflow-worker", workerAddr, workerOut, []string{"temporal_request_total", "temporal_long_request_total",
+		// SDK metrics: the agent's activity worker polls its host queue.
+		{"vmflow-hostagent", agentAddr, agentOut, servedBy(table, true), []string{"temporal_request_total", "temporal_long_request_total"}},
+		{"vmflow-worker", workerAddr, workerOut, servedBy(table, false), []string{"temporal_request_total", "temporal_long_request_total",
 			"temporal_num_pollers"}},
 	} {
+		var want []string
+		for _, r := range tc.rows {
+			if !strings.Contains(r.name, "*") {
+				want = append(want, r.name)
+			}
+		}
+		want = append(want, tc.sdk...)
 		var last string
 		var err error
 		ok := assert.Eventually(t, func() bool {
@@ -191,15 +195,30 @@ func TestBinariesServeMetrics(t *testing.T) {
 			if err != nil {
 				return false
 			}
-			for _, name := range tc.want {
+			for _, name := range want {
 				if !hasMetric(last, name) {
 					return false
 				}
 			}
-			return true
+			return strings.Contains(last, "\nvmflow_temporal_connected 1\n")
 		}, time.Minute, 200*time.Millisecond, "%s /metrics", tc.name)
 		if !ok {
+			for _, name := range want {
+				assert.True(t, hasMetric(last, name), "%s does not serve %s", tc.name, name)
+			}
 			t.Logf("%s: scrape error %v\nlast scrape:\n%s\nlog:\n%s", tc.name, err, last, tc.out.String())
+			continue
+		}
+		labels := exposedLabels(last)
+		for _, r := range tc.rows {
+			if !strings.Contains(r.name, "*") {
+				assert.Equal(t, r.labels, labels[r.name], "%s: the labels of %s (README.md's table)", tc.name, r.name)
+			}
+		}
+		for family := range labels {
+			if strings.HasPrefix(family, "vmflow_") {
+				assert.True(t, documented(tc.rows, family), "%s serves %s, which README.md's metrics table does not list for it", tc.name, family)
+			}
 		}
 	}
 	// Logs are zap JSON with the host id on every agent line.

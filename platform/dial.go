@@ -10,6 +10,7 @@ import (
 	"go.temporal.io/sdk/client"
 	"go.temporal.io/sdk/contrib/envconfig"
 	"go.uber.org/zap"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -31,6 +32,10 @@ type Options struct {
 	// Identity names this process in the server's view (pollers, history);
 	// empty lets the SDK use pid@hostname.
 	Identity string
+	// GRPCDialOptions are added to the SDK's own gRPC dial options (the
+	// vmflow binaries add a stats handler that follows the connection for
+	// vmflow_temporal_connected).
+	GRPCDialOptions []grpc.DialOption
 
 	// ConfigFile overrides TEMPORAL_CONFIG_FILE (default
 	// ~/.config/temporalio/temporal.toml; a missing file is fine).
@@ -101,6 +106,7 @@ func ClientOptions(o Options) (client.Options, error) {
 		copts.MetricsHandler = o.MetricsHandler
 	}
 	copts.Identity = o.Identity
+	copts.ConnectionOptions.DialOptions = append(copts.ConnectionOptions.DialOptions, o.GRPCDialOptions...)
 	return copts, nil
 }
 

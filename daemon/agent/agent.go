@@ -390,7 +390,7 @@ func (h *agentHost) serve(ctx context.Context, cfg Config, log *zap.Logger) erro
 	if scan := h.reconcileScan(); scan != nil && cfg.ReconcileScanEvery > 0 {
 		sched := workflows.ReconcileScheduleID(cfg.HostID)
 		go scanForReconcile(ctx, scan, cfg.ReconcileScanEvery, cfg.ReconcileEvery,
-			func(ctx context.Context) error { return triggerReconcile(ctx, c, sched) }, log)
+			func(ctx context.Context) error { return triggerReconcile(ctx, c, sched) }, h.metrics, log)
 	}
 	<-ctx.Done()
 	tm.Readiness.NotReady(readyStopping, "stopping: running activities finish, no new ones are taken")

@@ -181,6 +181,13 @@ func TestAgentRefusesInsecureTransportAndKeepsSupervising(t *testing.T) {
 			!strings.Contains(ready, "reattach")
 	}, 30*time.Second, 20*time.Millisecond, "readyz: %s", ready)
 	assert.Contains(t, ready, "--insecure")
+	// The alert on an agent without Temporal reads this.
+	resp, err := http.Get("http://" + metricsAddr + "/metrics")
+	require.NoError(t, err)
+	b, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	require.NoError(t, err)
+	assert.Contains(t, string(b), "\nvmflow_temporal_connected 0\n")
 
 	refused := logs.FilterMessageSnippet("insecure transport refused")
 	require.Equal(t, 1, refused.Len(), "said once")

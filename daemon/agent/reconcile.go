@@ -16,6 +16,7 @@ import (
 	"vmflow/hostagent/lease"
 	"vmflow/hostagent/metrics"
 	"vmflow/hostagent/network"
+	"vmflow/hostagent/store"
 	"vmflow/platform"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 	"vmflow/workflows"
@@ -153,9 +154,10 @@ func triggerReconcile(ctx context.Context, c client.Client, scheduleID string) e
 
 // scanForReconcile runs the free read-only scan every `every` and triggers a
 // reconcile round for work two scans in a row found, backing off to `safety`
-// for the same work; a failed scan is retried next tick.
+// for the same work; a failed scan is retried next tick. Each orphan is
+// counted in am (when set) at the first scan that finds it.
 func scanForReconcile(ctx context.Context, scan func(context.Context) (lease.Work, error), every, safety time.Duration,
-	trigger func(context.Context) error, log *zap.Logger) {
+	trigger func(context.Context) error, am *metrics.Agent, log *zap.Logger) {
 	gate := &lease.Gate{Min: every, Max: safety}
 	var prev lease.Work
 	eachRound(ctx, every, func(rctx context.Context) {
@@ -165,6 +167,11 @@ func scanForReconcile(ctx context.Context, scan func(context.Context) (lease.Wor
 			return
 		}
 		due := lease.Due(prev, cur)
+		if am != nil {
+			for kind, n := range lease.NewOrphans(prev, cur) {
+				am.OrphansFound.WithLabelValues(kind).Add(float64(n))
+			}
+		}
 		prev = cur
 		if !gate.Should(time.Now(), due) {
 			return
@@ -214,6 +221,7 @@ func reconcileTAPs(ctx context.Context, nw *network.Net, am *metrics.Agent, ever
 		}
 		round, err := nw.ReconcileTAPs(rctx)
 		am.NetworkPortsReattached.Add(float64(len(round.Reattached)))
+		am.OrphansFound.WithLabelValues(store.KindNetwork).Add(float64(len(round.Removed)))
 		if err != nil {
 			log.Warn("TAP reconcile failed; tried again next round", zap.Strings("removed", round.Removed), zap.Strings("reattached", round.Reattached), zap.Error(err))
 		}

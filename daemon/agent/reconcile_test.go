@@ -6,6 +6,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	commonpb "go.temporal.io/api/common/v1"
@@ -15,6 +17,8 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"vmflow/hostagent/lease"
+	"vmflow/hostagent/metrics"
+	"vmflow/hostagent/store"
 	"vmflow/platform"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 	"vmflow/testsupport/devserver"
@@ -121,12 +125,40 @@ func TestScanTriggersOnlyLastingWork(t *testing.T) {
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		scanForReconcile(ctx, scan, time.Millisecond, time.Hour, trigger, zap.NewNop())
+		scanForReconcile(ctx, scan, time.Millisecond, time.Hour, trigger, nil, zap.NewNop())
 	}()
 	<-done
 	mu.Lock()
 	defer mu.Unlock()
 	assert.Equal(t, []int{5}, triggeredAt, "the first work seen by two scans in a row is the 4th and 5th scan's")
+}
+
+// TestScanCountsEachOrphanOnce: vmflow_reconcile_orphans_found_total
+// counts an orphan at the first scan that finds it, by kind, however many
+// scans still see it until the reconcile releases it, and again if it
+// comes back after it was gone.
+func TestScanCountsEachOrphanOnce(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	am, err := metrics.New(reg, nil)
+	require.NoError(t, err)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	vf := lease.Work{Items: []string{"orphan:0000:3b:00.4"}}
+	both := lease.Work{Items: []string{"orphan-group:42", "orphan:0000:3b:00.4"}}
+	script := []lease.Work{vf, vf, both, both, {}, vf}
+	scans := 0
+	scan := func(context.Context) (lease.Work, error) {
+		if scans == len(script) {
+			cancel()
+			return lease.Work{}, nil
+		}
+		scans++
+		return script[scans-1], nil
+	}
+	scanForReconcile(ctx, scan, time.Millisecond, time.Hour, func(context.Context) error { return nil }, am, zap.NewNop())
+	assert.Equal(t, 2.0, testutil.ToFloat64(am.OrphansFound.WithLabelValues(store.KindVGPU)), "found, gone, found again")
+	assert.Equal(t, 1.0, testutil.ToFloat64(am.OrphansFound.WithLabelValues(store.KindPassthrough)))
+	assert.Zero(t, testutil.ToFloat64(am.OrphansFound.WithLabelValues(store.KindNetwork)))
 }
 
 // TestReconcileScanCoversWholeGPUs: a host with whole GPUs and no vGPUs

@@ -89,6 +89,10 @@ type EngineConfig struct {
 	IgnoreUninspectable []int
 	Logger              *zap.Logger
 	Now                 func() time.Time
+	// ReleaseTook, when set, is told how long each lease's release by its
+	// driver took (the resource given back, or the driver's failure), by
+	// kind; a refusal never reaches the driver and is not timed.
+	ReleaseTook func(kind string, took time.Duration)
 }
 
 // Engine runs the lease protocol once for every kind: a release only
@@ -104,6 +108,7 @@ type Engine struct {
 	now     func() time.Time
 	holders holdersFunc
 	drivers []registered
+	took    func(kind string, took time.Duration)
 }
 
 type registered struct {
@@ -114,7 +119,8 @@ type registered struct {
 // NewEngine returns an engine with no driver yet.
 func NewEngine(cfg EngineConfig) *Engine {
 	c := Config{Store: cfg.Store, Logger: cfg.Logger, Now: cfg.Now}.WithDefaults()
-	return &Engine{st: cfg.Store, quar: cfg.Quarantine, ignore: cfg.IgnoreUninspectable, log: c.Logger, now: c.Now, holders: proc.Holders}
+	return &Engine{st: cfg.Store, quar: cfg.Quarantine, ignore: cfg.IgnoreUninspectable, log: c.Logger, now: c.Now, holders: proc.Holders,
+		took: cfg.ReleaseTook}
 }
 
 // RegisterOption shapes how a driver's leases are released.
@@ -241,7 +247,12 @@ func (e *Engine) releaseOne(ctx context.Context, l *store.Locked, rec *vmflowv1.
 	}
 	pts := d.Points()
 	crashpoint.Hit(pts.Releasing)
-	if err := d.Release(ctx, l.ID(), lease); err != nil {
+	began := time.Now()
+	err = d.Release(ctx, l.ID(), lease)
+	if e.took != nil {
+		e.took(d.Kind(), time.Since(began))
+	}
+	if err != nil {
 		err = fail(err)
 		strikeIfFault(ctx, e.quar, e.log, l.ID(), err, d.Devices(lease), cardsOf(d, lease))
 		return err

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -107,7 +108,7 @@ func (c *Claims) scanOrphans(ctx context.Context, claimed map[string]string, hol
 	for i, d := range devs {
 		ids[i] = d.ID
 	}
-	return c.seen.pastGrace("orphan:", ids, claimed, ledger, c.now(), c.grace, func(i int) bool {
+	return c.seen.pastGrace(orphanDevice, ids, claimed, ledger, c.now(), c.grace, func(i int) bool {
 		return c.deviceFree(ctx, devs[i], holders) == nil
 	}), nil
 }
@@ -160,7 +161,7 @@ func (w *Whole) scanOrphans(ctx context.Context, claimed map[string]string, hold
 	for i, b := range marked {
 		ids[i] = b.Group
 	}
-	return w.seen.pastGrace("orphan-group:", ids, claimed, ledger, w.now(), w.grace, func(i int) bool {
+	return w.seen.pastGrace(orphanGroup, ids, claimed, ledger, w.now(), w.grace, func(i int) bool {
 		return nodeFree(ctx, w.drv.VFIONode(ids[i]), holders, w.ignore) == nil
 	}), nil
 }
@@ -200,6 +201,32 @@ func sharedHolders(scanFDs func(context.Context) (*proc.FDScan, error)) holdersF
 		}
 		return scan.Holders(path)
 	}
+}
+
+// Orphan item prefixes: a device of the vGPU driver, a vfio-pci group
+// (whole GPUs) that no held lease names, past the grace.
+const (
+	orphanDevice = "orphan:"
+	orphanGroup  = "orphan-group:"
+)
+
+// NewOrphans counts by lease kind (store.KindVGPU, store.KindPassthrough)
+// the orphans cur found that prev did not: each orphan once, at the first
+// scan that sees it past its grace.
+func NewOrphans(prev, cur Work) map[string]int {
+	out := map[string]int{}
+	for _, it := range cur.Items {
+		if _, found := slices.BinarySearch(prev.Items, it); found {
+			continue
+		}
+		switch {
+		case strings.HasPrefix(it, orphanGroup):
+			out[store.KindPassthrough]++
+		case strings.HasPrefix(it, orphanDevice):
+			out[store.KindVGPU]++
+		}
+	}
+	return out
 }
 
 // Due returns the items of cur that prev had too: work that outlived one

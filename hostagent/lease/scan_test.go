@@ -115,6 +115,17 @@ func TestDueNeedsTwoScans(t *testing.T) {
 	assert.Empty(t, lease.Due(lease.Work{}, cur), "work seen once may be a delete in progress")
 }
 
+// TestNewOrphansCountsEachOnce: an orphan counts at the first scan that
+// finds it, by kind, and not again while later scans still see it; a
+// release is no orphan.
+func TestNewOrphansCountsEachOnce(t *testing.T) {
+	first := lease.Work{Items: []string{"orphan-group:7", "orphan:d1", "release:vm1"}}
+	assert.Equal(t, map[string]int{store.KindVGPU: 1, store.KindPassthrough: 1}, lease.NewOrphans(lease.Work{}, first))
+	second := lease.Work{Items: []string{"orphan-group:7", "orphan:d1", "orphan:d2", "release:vm1"}}
+	assert.Equal(t, map[string]int{store.KindVGPU: 1}, lease.NewOrphans(first, second), "only d2 is new")
+	assert.Empty(t, lease.NewOrphans(second, second))
+}
+
 func TestGateSpacesOutTriggersForTheSameWork(t *testing.T) {
 	g := &lease.Gate{Min: time.Minute, Max: 4 * time.Minute}
 	t0 := time.Unix(0, 0)

@@ -23,8 +23,9 @@ func TestHistogramBuckets(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	a, err := New(reg, nil)
 	require.NoError(t, err)
-	a.StopDuration.Observe((3 * time.Second).Seconds())
-	a.StopDuration.Observe((4 * time.Minute).Seconds())
+	a.StopDuration.WithLabelValues("powerdown").Observe((3 * time.Second).Seconds())
+	a.StopDuration.WithLabelValues("kill").Observe((4 * time.Minute).Seconds())
+	a.ObserveRelease("vgpu", 800*time.Millisecond)
 	a.LaunchDuration.Observe((120 * time.Millisecond).Seconds())
 	a.ExitDetect.Observe((40 * time.Microsecond).Seconds())
 
@@ -55,5 +56,6 @@ func TestHistogramBuckets(t *testing.T) {
 			assert.Contains(t, bounds, want, "%s resolves %gs", name, want)
 		}
 	}
-	assert.Len(t, hs, 3)
+	assert.Equal(t, 1.0, hs["vmflow_lease_release_duration_seconds"][1], "800 ms")
+	assert.Len(t, hs, 4)
 }

@@ -25,11 +25,21 @@ import (
 // Agent holds the agent's own metrics. Every histogram resolves 1 ms to
 // 10 min (service.LatencyBuckets), the same bounds as the SDK's latencies.
 type Agent struct {
-	StopDuration    prometheus.Histogram
+	// StopDuration is the stop ladder, start to thread group gone, by the
+	// last step it took (StopSteps).
+	StopDuration    *prometheus.HistogramVec
 	ExitDetect      prometheus.Histogram
 	LaunchDuration  prometheus.Histogram
 	ReleaseFailures *prometheus.CounterVec
+	// ReleaseDuration is each lease's release by its driver in the
+	// delete's release stage, by kind (ObserveRelease).
+	ReleaseDuration *prometheus.HistogramVec
 	Reattach        prometheus.Counter
+	// OrphansFound counts what the agent's local scans found that no
+	// record's held lease names, by kind: a vGPU or a vfio-pci group
+	// past its grace, each once when first seen (the reconcile round
+	// they trigger releases it), and a TAP, when the scan round removes it.
+	OrphansFound *prometheus.CounterVec
 	// LeasesUnserved counts held leases of a kind this agent has no driver
 	// for (a vGPU with --vgpu-driver=none, an address without
 	// --net-subnet): their deletes park needing attention until the agent
@@ -82,6 +92,17 @@ func (a *Agent) SetGPUDevices(counts map[string]int) {
 	}
 }
 
+// StopSteps are the values of vmflow_stop_duration_seconds's step label:
+// the last step of the ladder a stop took (activities' stepNeeded), none
+// when it sent nothing (the group went meanwhile).
+var StopSteps = []string{"powerdown", "quit", "kill", "none"}
+
+// ObserveRelease records one lease's release by its driver
+// (lease.EngineConfig.ReleaseTook).
+func (a *Agent) ObserveRelease(kind string, took time.Duration) {
+	a.ReleaseDuration.WithLabelValues(kind).Observe(took.Seconds())
+}
+
 // DefaultStoreRefresh is how often RunStoreRefresh re-reads the store: the
 // most the store gauges lag the records.
 const DefaultStoreRefresh = 15 * time.Second
@@ -90,11 +111,11 @@ const DefaultStoreRefresh = 15 * time.Second
 // claim and unreadable-record gauges, which RunStoreRefresh keeps current.
 func New(reg prometheus.Registerer, st *store.Store) (*Agent, error) {
 	a := &Agent{
-		StopDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
+		StopDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "vmflow_stop_duration_seconds",
-			Help:    "Time from the start of the stop ladder until the VM's whole thread group was gone.",
+			Help:    "Time from the start of the stop ladder until the VM's whole thread group was gone, by the last step the ladder took (powerdown: the guest obeyed the power button; quit; kill).",
 			Buckets: service.LatencyBuckets(),
-		}),
+		}, []string{"step"}),
 		ExitDetect: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name: "vmflow_exit_detect_seconds",
 			Help: "Time from a VM's exit (QEMU reaped, or the pidfd readable) until the agent recorded it.",
@@ -110,6 +131,15 @@ func New(reg prometheus.Registerer, st *store.Store) (*Agent, error) {
 			Name: "vmflow_lease_release_failures_total",
 			Help: "Release stages (every lease of one instance) that failed, by errno (or reason when no errno applies).",
 		}, []string{"errno"}),
+		ReleaseDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "vmflow_lease_release_duration_seconds",
+			Help:    "Time one lease's release by its driver took in a delete's release stage (its resource given back, or the failure), by kind (vgpu, passthrough, network).",
+			Buckets: service.LatencyBuckets(),
+		}, []string{"kind"}),
+		OrphansFound: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "vmflow_reconcile_orphans_found_total",
+			Help: "Resources the agent's local scans found that no record's held lease names, past their grace, by kind: vgpu and passthrough (a vfio-pci group) once each when the reconcile scan first sees them, network when the TAP reconcile removes a TAP.",
+		}, []string{"kind"}),
 		Reattach: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "vmflow_reattach_total",
 			Help: "VMs re-attached after an agent restart.",
@@ -147,6 +177,15 @@ func New(reg prometheus.Registerer, st *store.Store) (*Agent, error) {
 	for _, errno := range []string{"EAGAIN", "EBUSY", "EIO", "ENODEV"} {
 		a.ReleaseFailures.WithLabelValues(errno)
 	}
+	// Likewise every step and kind: a histogram's series exist before
+	// its first observation, as the unlabelled ones' do.
+	for _, step := range StopSteps {
+		a.StopDuration.WithLabelValues(step)
+	}
+	for _, kind := range store.LeaseKinds {
+		a.ReleaseDuration.WithLabelValues(kind)
+		a.OrphansFound.WithLabelValues(kind)
+	}
 	// A counter kept by the kernel: a replaced table or a reboot resets it,
 	// which rate() and increase() take as a counter reset.
 	filterDropped := prometheus.NewCounterFunc(prometheus.CounterOpts{
@@ -157,7 +196,7 @@ func New(reg prometheus.Registerer, st *store.Store) (*Agent, error) {
 		Name: "vmflow_network_port_rate_dropped_frames_total",
 		Help: "Frames from guest TAPs dropped for being over a port's frames-a-second limit (--net-port-pps), as of the last TAP reconcile round.",
 	}, func() float64 { return float64(a.rateDropped.Load()) })
-	cs := []prometheus.Collector{filterDropped, rateDropped, a.StopDuration, a.ExitDetect, a.LaunchDuration, a.ReleaseFailures, a.Reattach, a.LeasesUnserved, a.RestartsRefused, a.RestartsDeviceMissing, a.GuestLogDropped, a.GPUDevices, a.NetworkPortsReattached}
+	cs := []prometheus.Collector{filterDropped, rateDropped, a.StopDuration, a.ExitDetect, a.LaunchDuration, a.ReleaseFailures, a.ReleaseDuration, a.OrphansFound, a.Reattach, a.LeasesUnserved, a.RestartsRefused, a.RestartsDeviceMissing, a.GuestLogDropped, a.GPUDevices, a.NetworkPortsReattached}
 	if st != nil {
 		a.store = &storeCollector{st: st}
 		a.store.refresh()
@@ -179,6 +218,8 @@ var (
 		"Bytes the agent can still write on the state file system, its reserve not included.", nil, nil)
 	reserveDesc = prometheus.NewDesc("vmflow_state_fs_reserve_held",
 		"1 while the state file system's reserve is in place; 0 once a delete on a full disk gave it up.", nil, nil)
+	reserveSizeDesc = prometheus.NewDesc("vmflow_state_fs_reserve_bytes",
+		"The state file system's reserve: free bytes below it refuse spawns (deletes go on).", nil, nil)
 )
 
 // OnStateSpace makes every store refresh call fn with the state file
@@ -245,6 +286,7 @@ func (c *storeCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- unreadable
 	ch <- freeDesc
 	ch <- reserveDesc
+	ch <- reserveSizeDesc
 }
 
 func (c *storeCollector) refresh() {
@@ -294,7 +336,16 @@ func (c *storeCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(leasesDesc, prometheus.GaugeValue, n, k.kind, k.phase)
 	}
 	ch <- prometheus.MustNewConstMetric(unreadable, prometheus.GaugeValue, snap.unreadable)
-	ch <- prometheus.MustNewConstMetric(freeDesc, prometheus.GaugeValue, float64(snap.space.Free))
+	ch <- prometheus.MustNewConstMetric(reserveSizeDesc, prometheus.GaugeValue, float64(snap.space.Reserve))
+	// A figure the store could not read is left out rather than served as
+	// 0, which would read as a full disk; a file system that reports no
+	// sizes has no free bytes to serve.
+	if !snap.space.Measured {
+		return
+	}
+	if !snap.space.Unsized {
+		ch <- prometheus.MustNewConstMetric(freeDesc, prometheus.GaugeValue, float64(snap.space.Free))
+	}
 	held := 0.0
 	if snap.space.Held {
 		held = 1

@@ -89,6 +89,78 @@ vmflow_lease_release_failures_total{errno="ENODEV"} 0
 	assert.Equal(t, float64(seen[0].Free), testutil.ToFloat64(gauge(t, reg, "vmflow_state_fs_free_bytes", "")))
 	assert.Positive(t, testutil.ToFloat64(gauge(t, reg, "vmflow_state_fs_free_bytes", "")))
 	assert.Equal(t, 1.0, testutil.ToFloat64(gauge(t, reg, "vmflow_state_fs_reserve_held", "")))
+	assert.Equal(t, float64(store.DefaultReserve), testutil.ToFloat64(gauge(t, reg, "vmflow_state_fs_reserve_bytes", "")))
+}
+
+// TestUnreadRoomIsNotServed: when the state file system cannot be
+// statted (here, the state dir is gone), its free bytes and reserve are
+// left out of a scrape rather than served as 0, which an alert would read
+// as a full disk; the reserve's size is still served.
+func TestUnreadRoomIsNotServed(t *testing.T) {
+	dir, err := os.MkdirTemp("/tmp", "mt")
+	require.NoError(t, err)
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	st, err := store.New(dir)
+	require.NoError(t, err)
+	reg := prometheus.NewRegistry()
+	a, err := New(reg, st)
+	require.NoError(t, err)
+	served := func() map[string]bool {
+		mfs, err := reg.Gather()
+		require.NoError(t, err)
+		names := map[string]bool{}
+		for _, mf := range mfs {
+			names[mf.GetName()] = true
+		}
+		return names
+	}
+	names := served()
+	assert.True(t, names["vmflow_state_fs_free_bytes"])
+	assert.True(t, names["vmflow_state_fs_reserve_held"])
+	require.NoError(t, os.RemoveAll(dir))
+	a.RefreshStore()
+	names = served()
+	assert.False(t, names["vmflow_state_fs_free_bytes"], "not served as 0")
+	assert.False(t, names["vmflow_state_fs_reserve_held"], "not served as given up")
+	assert.True(t, names["vmflow_state_fs_reserve_bytes"])
+}
+
+// TestLabelledSeriesExistAtZero: the stop histogram has a series per
+// ladder step, the release histogram and the orphan counter one per lease
+// kind, before anything is observed (an alert's increase() then sees the
+// first one), and an observation lands in its own label's series.
+func TestLabelledSeriesExistAtZero(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	a, err := New(reg, nil)
+	require.NoError(t, err)
+	assert.Equal(t, len(StopSteps), testutil.CollectAndCount(a.StopDuration))
+	assert.Equal(t, len(store.LeaseKinds), testutil.CollectAndCount(a.ReleaseDuration))
+	assert.Equal(t, len(store.LeaseKinds), testutil.CollectAndCount(a.OrphansFound))
+	a.StopDuration.WithLabelValues("quit").Observe(7)
+	a.ObserveRelease(store.KindPassthrough, 2*time.Second)
+	a.OrphansFound.WithLabelValues(store.KindNetwork).Add(2)
+	want := `
+# HELP vmflow_reconcile_orphans_found_total Resources the agent's local scans found that no record's held lease names, past their grace, by kind: vgpu and passthrough (a vfio-pci group) once each when the reconcile scan first sees them, network when the TAP reconcile removes a TAP.
+# TYPE vmflow_reconcile_orphans_found_total counter
+vmflow_reconcile_orphans_found_total{kind="network"} 2
+vmflow_reconcile_orphans_found_total{kind="passthrough"} 0
+vmflow_reconcile_orphans_found_total{kind="vgpu"} 0
+`
+	assert.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(want), "vmflow_reconcile_orphans_found_total"))
+	mfs, err := reg.Gather()
+	require.NoError(t, err)
+	counts := map[string]uint64{}
+	for _, mf := range mfs {
+		for _, m := range mf.GetMetric() {
+			if h := m.GetHistogram(); h != nil && len(m.GetLabel()) == 1 {
+				counts[mf.GetName()+"/"+m.GetLabel()[0].GetValue()] = h.GetSampleCount()
+			}
+		}
+	}
+	assert.Equal(t, uint64(1), counts["vmflow_stop_duration_seconds/quit"])
+	assert.Equal(t, uint64(0), counts["vmflow_stop_duration_seconds/powerdown"])
+	assert.Equal(t, uint64(1), counts["vmflow_lease_release_duration_seconds/passthrough"])
+	assert.Equal(t, uint64(0), counts["vmflow_lease_release_duration_seconds/vgpu"])
 }
 
 // TestScrapeReadsNoRecord: a scrape serves the store gauges from the last

@@ -57,6 +57,9 @@ type Space struct {
 	Unsized bool
 	// Err says why a figure could not be read (it is then 0).
 	Err error
+	// Measured: the file system answered statfs, so Free, Unsized and Held
+	// were read (Err may still be the overlays').
+	Measured bool
 }
 
 // Low reports whether the state file system is below its reserve (or the
@@ -71,7 +74,7 @@ func (s *Store) Space() Space {
 		sp.Err = fmt.Errorf("statfs %s: %w", s.root, err)
 		return sp
 	}
-	sp.Free, sp.Unsized = st.Bavail*uint64(st.Bsize), st.Blocks == 0
+	sp.Free, sp.Unsized, sp.Measured = st.Bavail*uint64(st.Bsize), st.Blocks == 0, true
 	_, err := os.Lstat(s.reservePath())
 	sp.Held = err == nil || s.reserve == 0
 	sp.OverlayGrowth, sp.Err = s.overlayGrowth()

@@ -30,6 +30,10 @@ type Metrics struct {
 	Registry *prometheus.Registry
 	// Readiness is what /readyz answers; each binary names its conditions.
 	Readiness *service.Readiness
+	// Connection follows the Temporal client's connection for
+	// vmflow_temporal_connected; the client's dial options must carry its
+	// DialOptions (daemon.Flags.Temporal adds them).
+	Connection *Connection
 
 	provider *sdkmetric.MeterProvider
 	sdk      client.MetricsHandler
@@ -70,7 +74,7 @@ func WithMetricsLogger(l *zap.Logger) MetricsOption {
 // NewMetrics builds the registry (runtime, process, vmflow_build_info), an
 // OTel MeterProvider exporting into it and the SDK's handler over it.
 func NewMetrics(opts ...MetricsOption) (*Metrics, error) {
-	m := &Metrics{Registry: prometheus.NewRegistry(), Readiness: service.NewReadiness(), log: zap.NewNop()}
+	m := &Metrics{Registry: prometheus.NewRegistry(), Readiness: service.NewReadiness(), Connection: &Connection{}, log: zap.NewNop()}
 	for _, o := range opts {
 		o(m)
 	}
@@ -82,6 +86,18 @@ func NewMetrics(opts ...MetricsOption) (*Metrics, error) {
 	}
 	if err := m.Registry.Register(service.Info().BuildInfoCollector()); err != nil {
 		return nil, fmt.Errorf("register build info: %w", err)
+	}
+	connected := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "vmflow_temporal_connected",
+		Help: "1 while this process holds an open connection to the Temporal frontend whose credentials were not refused at the last call; 0 before the first dial, while the connection is down, or with its credentials refused.",
+	}, func() float64 {
+		if m.Connection.Connected() {
+			return 1
+		}
+		return 0
+	})
+	if err := m.Registry.Register(connected); err != nil {
+		return nil, fmt.Errorf("register temporal connection: %w", err)
 	}
 	exporter, err := otelprom.New(
 		otelprom.WithRegisterer(m.Registry),
