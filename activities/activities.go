@@ -527,17 +527,18 @@ func LeaseEngine(a *Activities) *lease.Engine {
 // (a nil one is a kind the host has not): vGPUs, whole GPUs, then the
 // network, whose address is released only after every device.
 func NewLeaseEngine(cfg lease.EngineConfig, gpus GPUs, whole WholeGPUs, nw *network.Net) *lease.Engine {
-	eng := lease.NewEngine(cfg)
+	var devices []lease.Driver
 	if gpus != nil {
-		eng.Register(gpus.LeaseDriver())
+		devices = append(devices, gpus.LeaseDriver())
 	}
 	if whole != nil {
-		eng.Register(whole.LeaseDriver())
+		devices = append(devices, whole.LeaseDriver())
 	}
+	var net lease.Driver
 	if nw != nil {
-		eng.Register(nw.LeaseDriver(), lease.AfterOthers())
+		net = nw.LeaseDriver()
 	}
-	return eng
+	return lease.NewHostEngine(cfg, devices, net)
 }
 
 // TearDown removes the VM's QMP socket and pidfile, refusing while any QEMU of

@@ -11,7 +11,6 @@ import (
 	"github.com/vishvananda/netns"
 	"pgregory.net/rapid"
 
-	"vmflow/activities"
 	"vmflow/hostagent/lease"
 	"vmflow/hostagent/network"
 	"vmflow/hostagent/proc"
@@ -227,8 +226,8 @@ func (h *host) releaseAll(t *rapid.T) { h.releaseAllOf(t, h.existingID(t)) }
 func (h *host) releaseAllOf(t *rapid.T, id string) {
 	before, _ := h.st.Get(id)
 	recorded := store.IdentityOf(before.GetProcess())
-	eng := activities.NewLeaseEngine(lease.EngineConfig{Store: h.st, Quarantine: h.quarantine, IgnoreUninspectable: h.ignore, Now: h.clock},
-		h.claims, h.whole, h.net)
+	eng := lease.NewHostEngine(lease.EngineConfig{Store: h.st, Quarantine: h.quarantine, IgnoreUninspectable: h.ignore, Now: h.clock},
+		[]lease.Driver{h.claims.LeaseDriver(), h.whole.LeaseDriver()}, h.net.LeaseDriver())
 	c, cancel := ctx()
 	defer cancel()
 	out, err := eng.Release(c, id)

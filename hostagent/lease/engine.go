@@ -145,6 +145,21 @@ func (e *Engine) Register(d Driver, opts ...RegisterOption) {
 	e.drivers = append(e.drivers, r)
 }
 
+// NewHostEngine is a host's lease engine over the drivers it serves: the
+// devices' in order, then the network's (nil when the host has none),
+// whose address is released only after every device (AfterOthers). The
+// one registration the activities and the host model share.
+func NewHostEngine(cfg EngineConfig, devices []Driver, network Driver) *Engine {
+	e := NewEngine(cfg)
+	for _, d := range devices {
+		e.Register(d)
+	}
+	if network != nil {
+		e.Register(network, AfterOthers())
+	}
+	return e
+}
+
 // Serves reports whether a driver of kind is registered.
 func (e *Engine) Serves(kind string) bool { return e.driver(kind) != nil }
 
