@@ -2,6 +2,7 @@ package cli
 
 import (
 	"context"
+	"flag"
 	"fmt"
 
 	"vmflow/internal/service"
@@ -46,5 +47,27 @@ func Main(ctx context.Context, args []string, io IO, run func(context.Context, [
 	default:
 		fmt.Fprintf(io.Stderr, "unknown command %q\n%s", args[0], usage)
 		return ExitUsage
+	}
+}
+
+// parseAnywhere parses fs's flags wherever they stand among args, before
+// or after the positional arguments, as virsh, kubectl and the temporal
+// CLI take them (Go's flag package stops at the first positional
+// argument, so "show ID --state-dir D" would leave --state-dir unread).
+// "--" ends the flags. It returns the positional arguments in order.
+func parseAnywhere(fs *flag.FlagSet, args []string) ([]string, error) {
+	var pos []string
+	for {
+		if err := fs.Parse(args); err != nil {
+			return nil, err
+		}
+		rest := fs.Args()
+		if len(rest) == 0 {
+			return pos, nil
+		}
+		if used := len(args) - len(rest); used > 0 && args[used-1] == "--" {
+			return append(pos, rest...), nil
+		}
+		pos, args = append(pos, rest[0]), rest[1:]
 	}
 }

@@ -59,10 +59,15 @@ func Devices(ctx context.Context, args []string, out IO) int {
 	sysfs := fs.String("sysfs-root", gpu.DefaultSysfsRoot, "sysfs root (as given to run)")
 	filter := fs.String("gpu-passthrough", "", "the agent's --gpu-passthrough")
 	driver := fs.String("vgpu-driver", "auto", "the agent's --vgpu-driver: auto, mdev, vendor or none")
-	if err := fs.Parse(args); err != nil {
+	pos, err := parseAnywhere(fs, args)
+	if err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return ExitOK
 		}
+		return ExitUsage
+	}
+	if len(pos) > 0 {
+		fmt.Fprintf(out.Stderr, "devices: unexpected arguments %q\n", pos)
 		return ExitUsage
 	}
 	if err := v.check(); err != nil {
@@ -125,19 +130,21 @@ func devicesClear(ctx context.Context, args []string, out IO) int {
 	stateDir := fs.String("state-dir", contract.DefaultStateDir, "the agent's state directory (as given to run)")
 	reason := fs.String("reason", "", "why the device may be used again (required, logged)")
 	reset := fs.Bool("reset", false, "set an unreadable quarantine file aside and start an empty one")
-	// The id may come before or after the flags.
-	var id string
-	if len(args) > 0 && !strings.HasPrefix(args[0], "-") {
-		id, args = args[0], args[1:]
-	}
-	if err := fs.Parse(args); err != nil {
+	pos, err := parseAnywhere(fs, args)
+	if err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return ExitOK
 		}
 		return ExitUsage
 	}
-	if id == "" && fs.NArg() == 1 {
-		id = fs.Arg(0)
+	var id string
+	switch len(pos) {
+	case 0:
+	case 1:
+		id = pos[0]
+	default:
+		fmt.Fprintf(out.Stderr, "devices clear: one device id at a time, got %q\n", pos)
+		return ExitUsage
 	}
 	if (id == "") == !*reset || strings.TrimSpace(*reason) == "" {
 		fmt.Fprint(out.Stderr, "devices clear: a device id (or --reset) and --reason are required\n"+devicesHelp)

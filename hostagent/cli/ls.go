@@ -280,22 +280,24 @@ func (v *viewFlags) check() error {
 
 // parseView parses the flags of a read-only view command (ls, show). ok
 // false: the command ends with code (help printed, or a usage error said).
-func parseView(name, help string, args []string, out IO) (fs *flag.FlagSet, v viewFlags, code int, ok bool) {
-	fs = flag.NewFlagSet(name, flag.ContinueOnError)
+// pos are its positional arguments, flags before or after them.
+func parseView(name, help string, args []string, out IO) (pos []string, v viewFlags, code int, ok bool) {
+	fs := flag.NewFlagSet(name, flag.ContinueOnError)
 	fs.SetOutput(out.Stderr)
 	fs.Usage = func() { fmt.Fprint(out.Stderr, help) }
 	v.register(fs)
-	if err := fs.Parse(args); err != nil {
+	pos, err := parseAnywhere(fs, args)
+	if err != nil {
 		if errors.Is(err, flag.ErrHelp) {
-			return fs, v, ExitOK, false
+			return nil, v, ExitOK, false
 		}
-		return fs, v, ExitUsage, false
+		return nil, v, ExitUsage, false
 	}
 	if err := v.check(); err != nil {
 		fmt.Fprintf(out.Stderr, "%s: %v\n", name, err)
-		return fs, v, ExitUsage, false
+		return nil, v, ExitUsage, false
 	}
-	return fs, v, 0, true
+	return pos, v, 0, true
 }
 
 const lsHelp = `usage: vmflow-hostagent ls [--state-dir DIR] [-o table|json]
@@ -317,12 +319,12 @@ exit status: 0 listed, 1 the state directory cannot be read, 2 usage error
 
 // Ls implements "vmflow-hostagent ls".
 func Ls(args []string, out IO) int {
-	fs, v, code, ok := parseView("ls", lsHelp, args, out)
+	pos, v, code, ok := parseView("ls", lsHelp, args, out)
 	if !ok {
 		return code
 	}
-	if fs.NArg() > 0 {
-		fmt.Fprintf(out.Stderr, "ls: unexpected arguments %q\n", fs.Args())
+	if len(pos) > 0 {
+		fmt.Fprintf(out.Stderr, "ls: unexpected arguments %q\n", pos)
 		return ExitUsage
 	}
 	st, err := store.Open(v.stateDir)

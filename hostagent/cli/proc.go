@@ -56,19 +56,20 @@ func Proc(ctx context.Context, args []string, out IO) int {
 	fs.Usage = func() { fmt.Fprint(out.Stderr, procHelp) }
 	wait := fs.Bool("wait", false, "block until the thread group is gone")
 	timeout := fs.Duration("timeout", 0, "with --wait: give up after this long (0 = no limit)")
-	if err := fs.Parse(args); err != nil {
+	pos, err := parseAnywhere(fs, args)
+	if err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return ExitOK
 		}
 		return ExitUsage
 	}
-	if fs.NArg() != 1 {
+	if len(pos) != 1 {
 		fs.Usage()
 		return ExitUsage
 	}
-	pid, err := strconv.Atoi(fs.Arg(0))
+	pid, err := strconv.Atoi(pos[0])
 	if err != nil || pid <= 0 {
-		fmt.Fprintf(out.Stderr, "proc: %q is not a pid\n", fs.Arg(0))
+		fmt.Fprintf(out.Stderr, "proc: %q is not a pid\n", pos[0])
 		return ExitUsage
 	}
 

@@ -30,15 +30,15 @@ state directory cannot be read, 2 usage error (or an invalid id)
 
 // Show implements "vmflow-hostagent show".
 func Show(args []string, out IO) int {
-	fs, v, code, ok := parseView("show", showHelp, args, out)
+	pos, v, code, ok := parseView("show", showHelp, args, out)
 	if !ok {
 		return code
 	}
-	if fs.NArg() != 1 {
-		fs.Usage()
+	if len(pos) != 1 {
+		fmt.Fprint(out.Stderr, showHelp)
 		return ExitUsage
 	}
-	id := fs.Arg(0)
+	id := pos[0]
 	if err := store.ValidateID(id); err != nil {
 		fmt.Fprintf(out.Stderr, "show: %v\n", err)
 		return ExitUsage
