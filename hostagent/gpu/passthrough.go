@@ -442,15 +442,17 @@ func (p *Passthrough) GPUs(ctx context.Context) ([]GPU, error) {
 				sharesWithVGPU = sharesWithVGPU || (o.IsDisplay() && isVGPUParent(p.cfg.SysfsRoot, o.Addr))
 			}
 		}
-		switch _, why := viable(groups[f.Group]); {
+		_, why := viable(groups[f.Group])
+		if why == "" {
+			why = noReset(groups[f.Group])
+		}
+		switch {
 		case unsafe != "":
 			g.NotViable = "passthrough refused on this host: " + unsafe
 		case f.Group == "":
 			g.NotViable = "no IOMMU group"
 		case why != "":
 			g.NotViable = why
-		case noReset(groups[f.Group]) != "":
-			g.NotViable = noReset(groups[f.Group])
 		default:
 			g.Viable = true
 		}
