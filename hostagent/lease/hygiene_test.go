@@ -182,3 +182,37 @@ func TestScrubRunsBetweenTenants(t *testing.T) {
 		})
 	}
 }
+
+// TestScrubRunsAgainAfterAKill: a kill between the scrub and the
+// release's record leaves the lease releasing; the retried release finds
+// the card already back on its host driver and runs the scrub again (the
+// command must be idempotent), so no card reaches a tenant unscrubbed.
+func TestScrubRunsAgainAfterAKill(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	log := filepath.Join(dir, "scrubbed")
+	script := filepath.Join(dir, "scrub")
+	require.NoError(t, os.WriteFile(script, []byte("#!/bin/sh\necho \"$*\" >> "+log+"\n"), 0o755))
+	e, q := newWholeOpts(t, vgpusim.Options{PCIGPUs: 1}, 3)
+	w, err := lease.NewWhole(lease.WholeConfig{Driver: e.whole.Driver(), Store: e.st, Quarantine: q,
+		IgnoreUninspectable: proctest.UninspectableInit(), Now: e.now.Now, Scrub: script})
+	require.NoError(t, err)
+	e.record(t, "vm1", 1)
+	got, err := w.Claim(ctx, "vm1", "", 1)
+	require.NoError(t, err)
+	e.beginDelete(t, "vm1")
+
+	// The driver's release done, its record never written: the kill.
+	require.NoError(t, w.LeaseDriver().Release(ctx, "vm1", got[0]))
+	assert.Equal(t, "nvidia", e.driver(t, vgpusim.PCIGPUAt(0).GPU))
+	assert.NotEmpty(t, store.HeldLeases(e.held(t, "vm1")), "nothing recorded yet")
+
+	released, _, err := w.Release(ctx, "vm1")
+	require.NoError(t, err)
+	assert.True(t, released)
+	ran, err := os.ReadFile(log)
+	require.NoError(t, err)
+	lines := strings.Split(strings.TrimSpace(string(ran)), "\n")
+	assert.Len(t, lines, 2, "scrubbed by the killed release and again by its retry: %q", ran)
+	requireQuarantined(t, q, vgpusim.PCIGPUAt(0).GPU, false, "a clean scrub")
+}
