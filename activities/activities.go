@@ -63,6 +63,10 @@ type Activities struct {
 	Whole WholeGPUs
 	// Network is nil on a host without a network (no --net-subnet).
 	Network *network.Net
+	// Capacity is the host's capacity ledger: a new record is created
+	// holding its share of the host, or refused NoHostCapacity. nil: no
+	// ledger (tests of other things).
+	Capacity *lease.Capacity
 	// LeaseConfig configures the lease engine the release stage runs
 	// over the drivers above (its quarantine, its uninspectable pids).
 	LeaseConfig lease.EngineConfig
@@ -170,6 +174,10 @@ func (a *Activities) CreateRecord(ctx context.Context, req *vmflowv1.SpawnReques
 	}
 	_, getErr := a.Store.Get(req.GetInstanceId())
 	existed := getErr == nil
+	var reserve []store.CreateOption
+	if a.Capacity != nil {
+		reserve = append(reserve, store.Reserving(a.Capacity.Reserve(req.GetInstanceId(), recSpec)))
+	}
 	rec, err := a.Store.Create(ctx, &vmflowv1.InstanceRecord{
 		Id:                        req.GetInstanceId(),
 		Spec:                      recSpec,
@@ -178,7 +186,7 @@ func (a *Activities) CreateRecord(ctx context.Context, req *vmflowv1.SpawnReques
 		RestartStableAfterSeconds: req.GetRestartStableAfterSeconds(),
 		CreatedByWorkflowId:       wf.ID,
 		CreatedByRunId:            wf.RunID,
-	})
+	}, reserve...)
 	if err != nil {
 		return nil, classify(fmt.Errorf("create record: %w", err))
 	}

@@ -149,8 +149,8 @@ func crashCases() []crashCase {
 		for _, p := range crashpoint.All {
 			c := crashCase{name: "agent/" + p, point: p, vendor: vendor, network: strings.HasPrefix(p, "network.")}
 			if vendor {
-				if c.network {
-					continue // the network's points do not depend on the vGPU driver
+				if c.network || strings.HasPrefix(p, "capacity.") {
+					continue // the network's and the ledger's points do not depend on the vGPU driver
 				}
 				c.name = "agent-vendor/" + p
 			}

@@ -123,8 +123,9 @@ func outDir(t *testing.T) string {
 type envOptions struct {
 	// server defaults to the shared headless dev server.
 	server devserver.Temporal
-	// workerArgs are added to the worker's flags (later flags win).
-	workerArgs []string
+	// workerArgs and agentArgs are added to the worker's and the agent's
+	// flags (later flags win).
+	workerArgs, agentArgs []string
 	// qemu replaces the agent's QEMU binary.
 	qemu string
 	// noStart leaves the agent and worker stopped.
@@ -267,6 +268,7 @@ func newEnv(t *testing.T, o envOptions) *env {
 	// Agents of shared-server tests run side by side: disjoint ranges.
 	e.uids = stacktest.QEMUUIDRange()
 	agentArgs = append(agentArgs, "--qemu-uid-range", e.uids.String())
+	agentArgs = append(agentArgs, o.agentArgs...)
 	// Runs after the agent has stopped, as KillLeftoverVMs does: a QEMU of
 	// this agent's uids that no record names is killed too.
 	uids := e.uids

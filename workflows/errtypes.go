@@ -26,6 +26,7 @@ var errorTypes = []struct {
 	{errdefs.LaunchFailed, ErrTypeLaunchFailed},
 	{errdefs.ClaimHeld, ErrTypeClaimHeld},
 	{errdefs.NoCapacity, ErrTypeNoCapacity},
+	{errdefs.NoHostCapacity, ErrTypeNoHostCapacity},
 	{errdefs.NoUID, ErrTypeNoQEMUUID},
 	{errdefs.DeviceMissing, ErrTypeClaimDeviceMissing},
 	{errdefs.NotFound, ErrTypeNotFound},

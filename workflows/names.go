@@ -142,6 +142,9 @@ const (
 	ErrTypeClaimHeld = "ClaimHeld"
 	// No vGPU of the profile is free on the host.
 	ErrTypeNoCapacity = "NoVGPUCapacity"
+	// The host's capacity ledger has no room for the VM's vCPUs, memory
+	// or hugepages now; the message says what was asked and what is free.
+	ErrTypeNoHostCapacity = "NoHostCapacity"
 	// Every uid of the agent's --qemu-uid-range is taken (by records or
 	// live processes): a launch waits for one to be freed.
 	ErrTypeNoQEMUUID = "NoQEMUUID"

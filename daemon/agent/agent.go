@@ -212,8 +212,20 @@ func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentH
 	} else {
 		log.Info("qemu", zap.String("qemu", cfg.QEMU), zap.String("qemu_version", v.String()))
 	}
+	reserve := uint64(cfg.MemoryReserveMiB)
+	if cfg.MemoryReserveMiB < 0 {
+		reserve = lease.DefaultMemoryReserveMiB(uint64(host.MaxMemoryMiB))
+	}
+	capacity, err := lease.NewCapacity(lease.CapacityConfig{Store: st, CPUs: int(host.MaxVCPUs), MemoryMiB: uint64(host.MaxMemoryMiB),
+		CPUOvercommit: cfg.CPUOvercommit, MemoryOvercommit: cfg.MemoryOvercommit, MemoryReserveMiB: reserve, TTL: cfg.ReservationTTL, Logger: log})
+	if err != nil {
+		return nil, err
+	}
+	lim := capacity.Limits()
+	log.Info("capacity", zap.Uint64("vcpus", lim.VCPUs), zap.Uint64("memory_mib", lim.MemoryMiB), zap.Uint64("pinned_memory_mib", lim.PhysicalMiB),
+		zap.Uint64("memory_reserve_mib", reserve))
 	acts := &activities.Activities{
-		Store: st, Host: host, GPUs: gpus, Network: nw, AttachVGPU: cfg.VGPUAttach,
+		Store: st, Host: host, GPUs: gpus, Network: nw, AttachVGPU: cfg.VGPUAttach, Capacity: capacity,
 		DefaultGraceful: cfg.GracefulTimeout, Logger: log, Metrics: am,
 	}
 	if whole != nil {
@@ -259,9 +271,11 @@ func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentH
 		// made sure of (re-created after a reboot), the images opened
 		// beneath their roots (the disk's overlay made at the first), and
 		// QEMU's spec from the record.
-		Admit:         host.AdmitRecord,
-		PrepareLaunch: admission.Assemble(host, devs, cfg.VGPUAttach),
-		QEMUUIDs:      cfg.QEMUUIDs, KVMDevice: cfg.KVMDevice, DevRoot: cfg.DevRoot, Cgroups: cgroups, VMIO: cfg.VMIO, JailSetup: jailSetup, FDStore: fdStore,
+		Admit:             host.AdmitRecord,
+		PlaceCapacity:     capacity.Place,
+		LaunchConcurrency: cfg.LaunchConcurrency,
+		PrepareLaunch:     admission.Assemble(host, devs, cfg.VGPUAttach),
+		QEMUUIDs:          cfg.QEMUUIDs, KVMDevice: cfg.KVMDevice, DevRoot: cfg.DevRoot, Cgroups: cgroups, VMIO: cfg.VMIO, JailSetup: jailSetup, FDStore: fdStore,
 		Network:                nw,
 		OnExitRecorded:         func(d time.Duration) { am.ExitDetect.Observe(d.Seconds()) },
 		OnRestartRefused:       am.RestartsRefused.Inc,

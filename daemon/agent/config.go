@@ -80,6 +80,15 @@ type Config struct {
 	// NetPortPPS bounds each guest port's frames a second
 	// (network.Config.PortPPS).
 	NetPortPPS uint
+	// The capacity ledger (lease.CapacityConfig): overcommit ratios, the
+	// memory kept for the host (-1: lease.DefaultMemoryReserveMiB), how
+	// long a reservation counts before its launch.
+	CPUOvercommit, MemoryOvercommit float64
+	MemoryReserveMiB                int64
+	ReservationTTL                  time.Duration
+	// LaunchConcurrency bounds the QEMU starts in flight (0: from the
+	// host's CPUs, supervise.DefaultLaunchConcurrency).
+	LaunchConcurrency int
 }
 
 type pidsFlag []int
@@ -162,6 +171,13 @@ flags:
 		func(v string) (err error) { c.NetDeny, err = network.ParseDeny(v); return err })
 	fs.UintVar(&c.NetPortPPS, "net-port-pps", network.DefaultPortPPS, "frames a second each VM's TAP may send into the bridge (a tenth of a second's worth at once); over it frames are dropped and counted in vmflow_network_port_rate_dropped_frames_total")
 	fs.StringVar(&c.NetNetNS, "net-netns", "", "`NAME` of the network namespace (/run/netns/NAME) the bridge and TAPs live in; empty: the agent's own (production)")
+	fs.Float64Var(&c.CPUOvercommit, "cpu-overcommit", lease.DefaultCPUOvercommit, "vCPUs this host promises its VMs per CPU: spawns beyond CPUs × this are refused NoHostCapacity")
+	fs.Float64Var(&c.MemoryOvercommit, "memory-overcommit", lease.DefaultMemoryOvercommit, "memory promised per MiB of the host's less --memory-reserve; a VM with a GPU (pinned memory) is admitted only within the memory itself, whatever this says")
+	c.MemoryReserveMiB = -1
+	fs.Func("memory-reserve", "`SIZE` of memory kept for the host (kernel, agent, page cache) and never promised to VMs: MiB, or with a suffix M, G or T (default 1G + 2% of the host's)",
+		func(v string) (err error) { c.MemoryReserveMiB, err = parseMiB(v); return err })
+	fs.DurationVar(&c.ReservationTTL, "reservation-ttl", lease.DefaultReservationTTL, "how long a new record's reservation of CPUs and memory counts before its launch: a spawn that died in between frees its room after this")
+	fs.IntVar(&c.LaunchConcurrency, "launch-concurrency", 0, "QEMU starts in flight at once (fork to QMP ready); the rest wait their turn. 0: one per CPU, 2 to 16")
 	fs.Var(&ignore, "holders-ignore-pid", "a pid whose open files cannot be read but that holds no VFIO device (repeatable; for sandboxes whose init outranks the agent, never in production)")
 	if err := fs.Parse(args); err != nil {
 		return c, err
@@ -226,10 +242,42 @@ flags:
 	if c.ReconcileScanEvery < 0 {
 		return c, fmt.Errorf("--reconcile-scan-every %s is negative", c.ReconcileScanEvery)
 	}
+	for name, v := range map[string]float64{"cpu-overcommit": c.CPUOvercommit, "memory-overcommit": c.MemoryOvercommit} {
+		if math.IsNaN(v) || v <= 0 || v > lease.MaxOvercommit {
+			return c, fmt.Errorf("--%s must be above 0 and at most %g, got %g", name, lease.MaxOvercommit, v)
+		}
+	}
+	if c.ReservationTTL <= 0 {
+		return c, fmt.Errorf("--reservation-ttl must be positive, got %s", c.ReservationTTL)
+	}
+	if c.LaunchConcurrency < 0 || c.LaunchConcurrency > 1024 {
+		return c, fmt.Errorf("--launch-concurrency must be 0 (from the CPUs) to 1024, got %d", c.LaunchConcurrency)
+	}
 	if c.TaskQueue == "" {
 		return c, errors.New("--workflow-task-queue must not be empty")
 	}
 	return c, nil
+}
+
+// parseMiB reads a size in MiB: a number, or one with a suffix M, G or T
+// (binary units).
+func parseMiB(v string) (int64, error) {
+	num, mul := v, int64(1)
+	if n := len(v); n > 0 {
+		switch v[n-1] {
+		case 'M', 'm':
+			num = v[:n-1]
+		case 'G', 'g':
+			num, mul = v[:n-1], 1<<10
+		case 'T', 't':
+			num, mul = v[:n-1], 1<<20
+		}
+	}
+	n, err := strconv.ParseInt(num, 10, 64)
+	if err != nil || n < 0 || n > math.MaxInt64/mul/(1<<20) {
+		return 0, fmt.Errorf("%q is not a size (MiB, or a number with M, G or T)", v)
+	}
+	return n * mul, nil
 }
 
 // checkExecutable refuses a path that is not absolute or not an

@@ -146,7 +146,8 @@ func (e *Engine) Register(d Driver, opts ...RegisterOption) {
 }
 
 // NewHostEngine is a host's lease engine over the drivers it serves: the
-// devices' in order, then the network's (nil when the host has none),
+// devices' in order, the capacity ledger's (every host's), then the
+// network's (nil when the host has none),
 // whose address is released only after every device (AfterOthers). The
 // one registration the activities and the host model share.
 func NewHostEngine(cfg EngineConfig, devices []Driver, network Driver) *Engine {
@@ -154,6 +155,7 @@ func NewHostEngine(cfg EngineConfig, devices []Driver, network Driver) *Engine {
 	for _, d := range devices {
 		e.Register(d)
 	}
+	e.Register(CapacityDriver())
 	if network != nil {
 		e.Register(network, AfterOthers())
 	}

@@ -35,10 +35,11 @@ const (
 	KindVGPU        = "vgpu"
 	KindPassthrough = "passthrough"
 	KindNetwork     = "network"
+	KindCapacity    = "capacity"
 )
 
 // LeaseKinds are every kind LeaseKind names.
-var LeaseKinds = []string{KindVGPU, KindPassthrough, KindNetwork}
+var LeaseKinds = []string{KindVGPU, KindPassthrough, KindNetwork, KindCapacity}
 
 // LeaseKind names l's kind ("vgpu"); "unknown" for a lease with no
 // resource, which ValidateRecord refuses.
@@ -50,6 +51,8 @@ func LeaseKind(l *vmflowv1.Lease) string {
 		return KindPassthrough
 	case *vmflowv1.Lease_Network:
 		return KindNetwork
+	case *vmflowv1.Lease_Capacity:
+		return KindCapacity
 	}
 	return "unknown"
 }
@@ -76,6 +79,11 @@ func LeaseName(l *vmflowv1.Lease) string {
 		// host must never share (the TAP's name is derived from it).
 		addr, _, _ := strings.Cut(r.Network.GetAddress(), "/")
 		return KindNetwork + ":" + addr
+	case *vmflowv1.Lease_Capacity:
+		// A share of the host, not a thing only one lease may name: the
+		// name is the record's one capacity lease (the ledger, not the
+		// name, keeps the host from being promised twice).
+		return KindCapacity + ":"
 	}
 	return "unknown:"
 }
@@ -146,6 +154,23 @@ const MaxPassthrough = 8
 // NetworkLease is a lease on the TAP and address n names, for LeaseIntent.
 func NetworkLease(n *vmflowv1.NetworkLease) *vmflowv1.Lease {
 	return &vmflowv1.Lease{Resource: &vmflowv1.Lease_Network{Network: n}}
+}
+
+// CapacityLeaseOf is a lease on the share of the host c names.
+func CapacityLeaseOf(c *vmflowv1.CapacityLease) *vmflowv1.Lease {
+	return &vmflowv1.Lease{Resource: &vmflowv1.Lease_Capacity{Capacity: c}}
+}
+
+// Capacity is rec's capacity lease, held or released; nil when it has
+// none (a record written before the ledger, or whose reservation was
+// refused). An instance has at most one (its name is the kind's).
+func Capacity(rec *vmflowv1.InstanceRecord) *vmflowv1.Lease {
+	for _, l := range rec.GetLeases() {
+		if l.GetCapacity() != nil {
+			return l
+		}
+	}
+	return nil
 }
 
 // Network is rec's network lease, held or released; nil when it has none.
@@ -253,6 +278,8 @@ func DescribeLease(l *vmflowv1.Lease) string {
 			strings.Join(PassthroughDevices(l), " "), l.GetPhase())
 	case *vmflowv1.Lease_Network:
 		return fmt.Sprintf("network lease (address %s, tap %s, phase %s)", r.Network.GetAddress(), r.Network.GetTap(), l.GetPhase())
+	case *vmflowv1.Lease_Capacity:
+		return fmt.Sprintf("capacity lease (%d vCPUs, %d MiB, phase %s)", r.Capacity.GetVcpus(), r.Capacity.GetMemoryMib(), l.GetPhase())
 	}
 	return fmt.Sprintf("%s lease (phase %s)", LeaseKind(l), l.GetPhase())
 }

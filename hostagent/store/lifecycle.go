@@ -503,6 +503,34 @@ func NetworkActive() Step {
 	}}
 }
 
+// CapacityPlaced records the share of the host a launch holds (phase
+// ACTIVE, no expiry): c replaces a held INTENT (its placement chosen, or
+// an expired one reserved again), or is added to a record that holds none
+// (written before the ledger). Refused once the record's capacity lease is
+// being released or released: a delete has it.
+func CapacityPlaced(c *vmflowv1.CapacityLease, at time.Time) Step {
+	const step = "capacity placed"
+	return Step{step, func(r *vmflowv1.InstanceRecord) error {
+		if IsDeleting(r) {
+			return refuse(step, r, ErrDeleting, "a delete has begun")
+		}
+		placed := proto.CloneOf(c)
+		placed.ExpiresAt = nil
+		l := Capacity(r)
+		switch {
+		case l == nil:
+			r.Leases = append(r.Leases, &vmflowv1.Lease{Phase: vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE, ClaimedAt: ts(at),
+				Resource: &vmflowv1.Lease_Capacity{Capacity: placed}})
+			return nil
+		case !LeaseHeld(l) || l.GetPhase() == vmflowv1.ClaimPhase_CLAIM_PHASE_RELEASING:
+			return refuse(step, r, ErrIllegalTransition, "its %s is being released", DescribeLease(l))
+		}
+		l.Resource = &vmflowv1.Lease_Capacity{Capacity: placed}
+		l.Phase = vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE
+		return nil
+	}}
+}
+
 // NeverLaunched reports whether no QEMU of rec was ever started or begun:
 // a Creating record with no launch marker, process, start or exit. Only
 // then may a claim undo its own leases without a delete: no VM can have

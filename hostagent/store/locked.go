@@ -1,6 +1,7 @@
 package store
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -79,8 +80,13 @@ func (l *Locked) ManualStop() (bool, error) {
 	return ok, nil
 }
 
-// Create: see Store.Create.
+// Create: see Store.Create, without a reservation. The caller holds the
+// admission lock when the room check must count concurrent creates.
 func (l *Locked) Create(want *vmflowv1.InstanceRecord) (*vmflowv1.InstanceRecord, error) {
+	return l.create(context.Background(), want, nil)
+}
+
+func (l *Locked) create(ctx context.Context, want *vmflowv1.InstanceRecord, reserve Reserve) (*vmflowv1.InstanceRecord, error) {
 	if err := l.held(); err != nil {
 		return nil, err
 	}
@@ -126,6 +132,15 @@ func (l *Locked) Create(want *vmflowv1.InstanceRecord) (*vmflowv1.InstanceRecord
 	}
 	if err := l.s.checkRoom(diskSize(want.GetSpec().GetDisk())); err != nil {
 		return nil, fmt.Errorf("create instance %s: %w", l.id, err)
+	}
+	if reserve != nil {
+		lease, err := reserve(ctx)
+		if err != nil {
+			return nil, fmt.Errorf("create instance %s: %w", l.id, err)
+		}
+		lease = proto.CloneOf(lease)
+		lease.Phase, lease.ClaimedAt = vmflowv1.ClaimPhase_CLAIM_PHASE_INTENT, now
+		rec.Leases = append(rec.Leases, lease)
 	}
 	if err := os.Mkdir(l.paths.Dir, 0o700); err != nil && !errors.Is(err, fs.ErrExist) {
 		return nil, fmt.Errorf("create instance %s: %w", l.id, err)

@@ -203,22 +203,50 @@ func (s *Store) withLock(ctx context.Context, id string, fn func(*Locked) error)
 // Create records a new instance (Creating) from want's id, spec, restart
 // settings and creator. The same configuration again returns the record
 // unchanged, creator included; another is ErrConflict, a deleting one ErrDeleting.
-func (s *Store) Create(ctx context.Context, want *vmflowv1.InstanceRecord) (rec *vmflowv1.InstanceRecord, err error) {
+// With Reserving, a new record is born holding its share of the host (or is
+// not made at all): the reservation and the write happen under the host's
+// admission lock, so two creates never take the same room.
+func (s *Store) Create(ctx context.Context, want *vmflowv1.InstanceRecord, opts ...CreateOption) (rec *vmflowv1.InstanceRecord, err error) {
 	if _, err := s.Paths(want.GetId()); err != nil {
 		return nil, err
 	}
-	// One create at a time on the host, so each room check counts the disks
-	// of the records created before it.
-	adm, err := lockFile(ctx, filepath.Join(s.root, admissionLock))
-	if err != nil {
-		return nil, fmt.Errorf("create instance %s: %w", want.GetId(), err)
+	var o createOptions
+	for _, opt := range opts {
+		opt(&o)
 	}
-	defer func() { err = errors.Join(err, adm.Release(false)) }()
 	err = s.withLock(ctx, want.GetId(), func(l *Locked) error {
-		rec, err = l.Create(want)
-		return err
+		return s.Admitting(ctx, func() error {
+			rec, err = l.create(ctx, want, o.reserve)
+			return err
+		})
 	})
 	return rec, err
+}
+
+// CreateOption shapes a Create.
+type CreateOption func(*createOptions)
+
+type createOptions struct{ reserve Reserve }
+
+// Reserve returns the lease on the share of the host (a capacity lease) a
+// new record is created holding, or a refusal, which creates nothing. It
+// runs under the admission lock, only for a record that does not exist.
+type Reserve func(ctx context.Context) (*vmflowv1.Lease, error)
+
+// Reserving makes Create reserve with r.
+func Reserving(r Reserve) CreateOption { return func(o *createOptions) { o.reserve = r } }
+
+// Admitting runs fn under the host's admission lock: one create at a time,
+// so each room check (the state disk's, the capacity ledger's) counts the
+// records written before it. It is taken under an instance's lock, never
+// the other way round (a launch placing its capacity holds its instance's).
+func (s *Store) Admitting(ctx context.Context, fn func() error) (err error) {
+	adm, err := lockFile(ctx, filepath.Join(s.root, admissionLock))
+	if err != nil {
+		return fmt.Errorf("admission: %w", err)
+	}
+	defer func() { err = errors.Join(err, adm.Release(false)) }()
+	return fn()
 }
 
 // Update is Locked.Update under id's lock, for tests that fabricate a state:

@@ -21,6 +21,8 @@ import (
 // The launch's stages by name, in the order launchStages runs them.
 const (
 	stageAdmit    = "admit"
+	stageCapacity = "capacity"
+	stageSlot     = "start slot"
 	stageLeases   = "ensure leases"
 	stageUID      = "uid"
 	stageVFIO     = "VFIO nodes"
@@ -54,6 +56,8 @@ type launchStage struct {
 // next launch.
 var launchStages = []launchStage{
 	{name: stageAdmit, do: (*launchRun).admit},
+	{name: stageCapacity, crash: []string{crashpoint.CapacityPlaced}, do: (*launchRun).placeCapacity},
+	{name: stageSlot, do: (*launchRun).takeSlot},
 	{name: stageLeases, do: (*launchRun).ensureLeases, undo: (*launchRun).closeSpec},
 	{name: stageUID, crash: []string{crashpoint.StoreUIDLedgerWritten}, do: (*launchRun).assignUID, undo: (*launchRun).letGo},
 	{name: stageVFIO, do: (*launchRun).giveVFIO, undo: (*launchRun).letGo},
@@ -87,13 +91,21 @@ type launchRun struct {
 	// write (from the fork on, vmm.Launch's OnFailed or kill). letGo writes
 	// only when marked and not settled, so a failure is recorded once.
 	marked, settled bool
+	// releaseSlot gives back the start slot the launch holds (nil: none).
+	releaseSlot func()
 	// vmPID is the forked QEMU, for the record stage; vm, once QMP answered.
 	vmPID proc.Identity
 	vm    *vmm.VM
 }
 
-// run runs r.stages in order; on a failure, the undos.
+// run runs r.stages in order; on a failure, the undos. The start slot is
+// held to the end of the run: QMP ready, or the undos done.
 func (r *launchRun) run(ctx context.Context) error {
+	defer func() {
+		if r.releaseSlot != nil {
+			r.releaseSlot()
+		}
+	}()
 	for r.entered < len(r.stages) {
 		if err := r.next(ctx); err != nil {
 			return r.takeBack(err)
@@ -141,6 +153,22 @@ func (r *launchRun) admit(ctx context.Context) error {
 			return refuseLaunchLocked(r.l, fmt.Errorf("prepare launch: %w", err))
 		}
 	}
+	return nil
+}
+
+// placeCapacity: the instance's share of the host active in its record
+// (Config.PlaceCapacity), or a refusal recorded and nothing held. No undo:
+// like its devices, the share stays the instance's for its next launch
+// until the delete releases it.
+func (r *launchRun) placeCapacity(ctx context.Context) error {
+	if r.s.cfg.PlaceCapacity == nil {
+		return nil
+	}
+	rec, err := r.s.cfg.PlaceCapacity(ctx, r.l)
+	if err != nil {
+		return refuseLaunchLocked(r.l, err)
+	}
+	r.rec = rec
 	return nil
 }
 
@@ -293,6 +321,31 @@ func (r *launchRun) fork(ctx context.Context) error {
 	}
 	r.vm = vm
 	return nil
+}
+
+// takeSlot waits for one of the host's LaunchConcurrency start slots (ctx
+// bounds the wait), held until the run ends. The wait comes before the
+// launch marker, the uid and the fork: a queued launch holds nothing, and
+// its ReadyTimeout counts from its own fork.
+func (r *launchRun) takeSlot(ctx context.Context) error {
+	starts := r.s.starts
+	release := func() { <-starts }
+	select {
+	case starts <- struct{}{}:
+		r.releaseSlot = release
+		return nil
+	default:
+	}
+	t0 := time.Now()
+	r.log.Info("waiting for a launch slot", zap.Int("launches_in_flight", len(starts)))
+	select {
+	case starts <- struct{}{}:
+		r.releaseSlot = release
+		r.log.Info("launch slot taken", zap.Duration("waited", time.Since(t0)))
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("wait for a launch slot (%d in flight): %w", cap(starts), ctx.Err())
+	}
 }
 
 // kill undoes a fork that returned a VM: QEMU stopped and reaped, then the

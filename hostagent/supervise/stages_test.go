@@ -34,7 +34,7 @@ func TestLaunchStagesInOrder(t *testing.T) {
 		}
 		points = append(points, st.crash...)
 	}
-	assert.Equal(t, []string{"admit", "ensure leases", "uid", "VFIO nodes", "network", "fork", "record", "QMP ready"}, names)
+	assert.Equal(t, []string{"admit", "capacity", "start slot", "ensure leases", "uid", "VFIO nodes", "network", "fork", "record", "QMP ready"}, names)
 	// Every launch point of the crash matrix is named by some stage.
 	var launch []string
 	for _, p := range crashpoint.All {

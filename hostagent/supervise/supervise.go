@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"runtime"
 	"sync"
 	"time"
 
@@ -127,6 +128,16 @@ type Config struct {
 	// opens anything; a refusal wraps admission.ErrAdmissionRefused as
 	// PrepareLaunch's does. The agent sets admission.Host.AdmitRecord.
 	Admit func(ctx context.Context, rec *vmflowv1.InstanceRecord) error
+	// PlaceCapacity, when set, makes the locked instance's share of the
+	// host (its capacity lease) active before every launch, right after
+	// Admit, and returns the record as written; a refusal
+	// (lease.ErrNoHostCapacity) starts nothing. The agent sets
+	// lease.Capacity.Place.
+	PlaceCapacity func(ctx context.Context, l *store.Locked) (*vmflowv1.InstanceRecord, error)
+	// LaunchConcurrency bounds the QEMU starts in flight, fork to QMP
+	// ready (DefaultLaunchConcurrency when 0): the rest wait their turn,
+	// and each one's ReadyTimeout counts from its own fork.
+	LaunchConcurrency int
 	// Now stamps records (time.Now when nil).
 	Now func() time.Time
 }
@@ -151,7 +162,16 @@ type Supervisor struct {
 	mu     sync.Mutex
 	insts  map[string]*instance
 	closed bool
+
+	// starts holds a token per QEMU start in flight (LaunchConcurrency).
+	starts chan struct{}
 }
+
+// DefaultLaunchConcurrency is one QEMU start in flight per host CPU, at
+// least 2 and at most 16: a start is CPU-bound (QEMU's own start-up, the
+// jail's mounts), and a 200-VM burst on 2 cores that started every QEMU at
+// once let some miss their ReadyTimeout.
+func DefaultLaunchConcurrency() int { return min(max(runtime.NumCPU(), 2), 16) }
 
 // testHooks are seams only tests set, on a new Supervisor before it does
 // any work; all nil in production.
@@ -203,6 +223,9 @@ func (c Config) WithDefaults() Config {
 	if c.PrepareLaunch == nil {
 		c.PrepareLaunch = DefaultPrepareLaunch
 	}
+	if c.LaunchConcurrency <= 0 {
+		c.LaunchConcurrency = DefaultLaunchConcurrency()
+	}
 	if c.QEMUUIDs == (store.UIDRange{}) {
 		c.QEMUUIDs = store.DefaultQEMUUIDRange
 	}
@@ -237,7 +260,8 @@ func New(cfg Config) (*Supervisor, error) {
 	return &Supervisor{
 		cfg: cfg, st: cfg.Store, log: cfg.Logger,
 		ctx: ctx, cancel: cancel, kvm: kvm,
-		insts: map[string]*instance{},
+		insts:  map[string]*instance{},
+		starts: make(chan struct{}, cfg.LaunchConcurrency),
 	}, nil
 }
 

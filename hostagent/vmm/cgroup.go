@@ -95,13 +95,22 @@ func (l IOLimits) Tighter(o IOLimits) IOLimits {
 		ReadIOPS: t(l.ReadIOPS, o.ReadIOPS), WriteIOPS: t(l.WriteIOPS, o.WriteIOPS)}
 }
 
+// MemoryLimitMiB is all a VM with memoryMiB of guest RAM under accel may
+// use, QEMU's own memory included: its cgroup's memory limit, and what it
+// holds of its host's capacity ledger. One definition, two users.
+func MemoryLimitMiB(memoryMiB int, accel Accel) uint64 {
+	memoryMiB = max(memoryMiB, 0)
+	mem := uint64(memoryMiB) + cgroupMemoryOverhead>>20
+	if accel == AccelTCG {
+		mem += cgroupTCGCodeBuffer >> 20
+	}
+	return mem
+}
+
 // CgroupLimitsFor is spec's cgroup limits, without IODevices (see
 // cgroupLimitsOf).
 func CgroupLimitsFor(spec VMSpec) CgroupLimits {
-	mem := uint64(spec.MemoryMiB)<<20 + cgroupMemoryOverhead
-	if spec.Accel == AccelTCG {
-		mem += cgroupTCGCodeBuffer
-	}
+	mem := MemoryLimitMiB(spec.MemoryMiB, spec.Accel) << 20
 	w := min(max(uint64(spec.VCPUs), 1)*cgroupCPUWeightPerVCPU, cgroupCPUWeightMax)
 	return CgroupLimits{MemoryBytes: mem, Pids: nprocBase + 2*uint64(spec.VCPUs), CPUWeight: w, IO: spec.IO}
 }

@@ -169,6 +169,14 @@ const (
 	NetTAPRemoved = "network.release.tap_removed"
 	// NetReleased: the record says the network lease is released.
 	NetReleased = "network.release.recorded"
+
+	// CapacityPlaced: a launch made the record's capacity lease active
+	// (reserved again when its intent had expired); no QEMU started yet.
+	CapacityPlaced = "capacity.placed"
+	// CapacityReleasing: the capacity lease's phase says Releasing.
+	CapacityReleasing = "capacity.release.releasing_recorded"
+	// CapacityReleased: the record says the capacity lease is released.
+	CapacityReleased = "capacity.release.recorded"
 )
 
 // All lists every point, in the order of the constants above.
@@ -184,6 +192,7 @@ var All = []string{
 	QuarantineDue, QuarantineWritten, ActivityReleaseLeasesDone, ReconcileReleased,
 	TearDownSocketRemoved, RecordTrashed, ActivityDeleteRecordDone,
 	NetIntentWritten, NetTAPCreated, NetActivated, NetReleasing, NetTAPRemoved, NetReleased,
+	CapacityPlaced, CapacityReleasing, CapacityReleased,
 }
 
 // StopStep is the point of a stop-ladder step, named as vmm names its steps

@@ -117,6 +117,10 @@ var (
 	ClaimHeld = &Class{"claim held", true}
 	// NoCapacity: no vGPU of the profile can be placed on the host now.
 	NoCapacity = &Class{"no vGPU capacity", true}
+	// NoHostCapacity: the host's capacity ledger has no room for the VM's
+	// vCPUs, memory or hugepages now (or, with numa "strict", no NUMA node
+	// has): a refusal, retryable, as room frees when VMs are deleted.
+	NoHostCapacity = &Class{"no host capacity", true}
 	// NoUID: every QEMU uid of the agent's range is taken.
 	NoUID = &Class{"no free QEMU uid", true}
 	// DeviceMissing: the claim's device is not there (yet, or since a
@@ -143,7 +147,7 @@ var (
 var Classes = []*Class{
 	Refused, InvalidInput, Conflict, Deleting, Exists, ManualStopMissing, IdentityIncomplete,
 	Unreadable, NoDriver, ClaimedTwice, Ambiguous, Busy, StillAlive, Misconfigured,
-	NoUID, LaunchFailed, ClaimHeld, NoCapacity, DeviceMissing,
+	NoUID, LaunchFailed, ClaimHeld, NoCapacity, NoHostCapacity, DeviceMissing,
 	NotFound, Unavailable, Internal,
 }
 

@@ -262,7 +262,11 @@ type VMSpec struct {
 	// Fields 50-59: fair shares. The disk's I/O bound as the caller asked
 	// (unset or 0: none of its own); the host's --vm-io-* bound holds
 	// whatever this says: each bound is the tighter of the two.
-	DiskIo        *DiskIOLimits `protobuf:"bytes,50,opt,name=disk_io,json=diskIo,proto3" json:"disk_io,omitempty"`
+	DiskIo *DiskIOLimits `protobuf:"bytes,50,opt,name=disk_io,json=diskIo,proto3" json:"disk_io,omitempty"`
+	// Fields 60-69: placement inside the host, as SpawnRequest's 50-52.
+	DedicatedCpus bool   `protobuf:"varint,60,opt,name=dedicated_cpus,json=dedicatedCpus,proto3" json:"dedicated_cpus,omitempty"`
+	Hugepages     string `protobuf:"bytes,61,opt,name=hugepages,proto3" json:"hugepages,omitempty"`
+	Numa          string `protobuf:"bytes,62,opt,name=numa,proto3" json:"numa,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -421,6 +425,27 @@ func (x *VMSpec) GetDiskIo() *DiskIOLimits {
 		return x.DiskIo
 	}
 	return nil
+}
+
+func (x *VMSpec) GetDedicatedCpus() bool {
+	if x != nil {
+		return x.DedicatedCpus
+	}
+	return false
+}
+
+func (x *VMSpec) GetHugepages() string {
+	if x != nil {
+		return x.Hugepages
+	}
+	return ""
+}
+
+func (x *VMSpec) GetNuma() string {
+	if x != nil {
+		return x.Numa
+	}
+	return ""
 }
 
 // DiskIOLimits bound a VM's disk I/O on the block device under its images,
@@ -904,6 +929,7 @@ type Lease struct {
 	//	*Lease_Vgpu
 	//	*Lease_GpuPassthrough
 	//	*Lease_Network
+	//	*Lease_Capacity
 	Resource      isLease_Resource `protobuf_oneof:"resource"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -1008,6 +1034,15 @@ func (x *Lease) GetNetwork() *NetworkLease {
 	return nil
 }
 
+func (x *Lease) GetCapacity() *CapacityLease {
+	if x != nil {
+		if x, ok := x.Resource.(*Lease_Capacity); ok {
+			return x.Capacity
+		}
+	}
+	return nil
+}
+
 type isLease_Resource interface {
 	isLease_Resource()
 }
@@ -1024,11 +1059,17 @@ type Lease_Network struct {
 	Network *NetworkLease `protobuf:"bytes,12,opt,name=network,proto3,oneof"`
 }
 
+type Lease_Capacity struct {
+	Capacity *CapacityLease `protobuf:"bytes,13,opt,name=capacity,proto3,oneof"`
+}
+
 func (*Lease_Vgpu) isLease_Resource() {}
 
 func (*Lease_GpuPassthrough) isLease_Resource() {}
 
 func (*Lease_Network) isLease_Resource() {}
+
+func (*Lease_Capacity) isLease_Resource() {}
 
 // PassthroughLease is one IOMMU group handed whole to the VM with vfio-pci:
 // its GPU and every other endpoint function of the group (a companion
@@ -1362,6 +1403,121 @@ func (x *NetworkLease) GetBridge() string {
 	return ""
 }
 
+// CapacityLease is the share of the host's CPUs and memory a VM holds in
+// its host's capacity ledger: written ahead (INTENT) when its record is
+// created, under the host's admission lock, so two creates never take the
+// same GiB; ACTIVE once a launch places it; held, like every lease, until
+// the delete releases it once the VM's thread group is gone.
+type CapacityLease struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Vcpus uint32                 `protobuf:"varint,1,opt,name=vcpus,proto3" json:"vcpus,omitempty"`
+	// What the VM's cgroup allows it: guest RAM plus QEMU's own overhead
+	// (vmm.MemoryLimitMiB), in MiB.
+	MemoryMib uint32 `protobuf:"varint,2,opt,name=memory_mib,json=memoryMib,proto3" json:"memory_mib,omitempty"`
+	// Hugepages backing guest RAM: the page size in KiB (2048 or 1048576)
+	// and how many; 0 for none.
+	HugepageKib uint32 `protobuf:"varint,3,opt,name=hugepage_kib,json=hugepageKib,proto3" json:"hugepage_kib,omitempty"`
+	Hugepages   uint32 `protobuf:"varint,4,opt,name=hugepages,proto3" json:"hugepages,omitempty"`
+	// The NUMA nodes its CPUs and memory are confined to; empty: none chosen.
+	NumaNodes []uint32 `protobuf:"varint,5,rep,packed,name=numa_nodes,json=numaNodes,proto3" json:"numa_nodes,omitempty"`
+	// Its cpuset, in the kernel's list format ("0-3,8"); empty: any CPU.
+	Cpus string `protobuf:"bytes,6,opt,name=cpus,proto3" json:"cpus,omitempty"`
+	// The CPUs are the VM's alone: no other VM's cpuset holds them.
+	DedicatedCpus bool `protobuf:"varint,7,opt,name=dedicated_cpus,json=dedicatedCpus,proto3" json:"dedicated_cpus,omitempty"`
+	// An INTENT that no launch made ACTIVE by then no longer counts: a spawn
+	// that died between its record and its launch frees its room by itself.
+	// The launch that comes later reserves again.
+	ExpiresAt     *timestamppb.Timestamp `protobuf:"bytes,8,opt,name=expires_at,json=expiresAt,proto3" json:"expires_at,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CapacityLease) Reset() {
+	*x = CapacityLease{}
+	mi := &file_vmflow_v1_record_proto_msgTypes[12]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CapacityLease) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CapacityLease) ProtoMessage() {}
+
+func (x *CapacityLease) ProtoReflect() protoreflect.Message {
+	mi := &file_vmflow_v1_record_proto_msgTypes[12]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CapacityLease.ProtoReflect.Descriptor instead.
+func (*CapacityLease) Descriptor() ([]byte, []int) {
+	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{12}
+}
+
+func (x *CapacityLease) GetVcpus() uint32 {
+	if x != nil {
+		return x.Vcpus
+	}
+	return 0
+}
+
+func (x *CapacityLease) GetMemoryMib() uint32 {
+	if x != nil {
+		return x.MemoryMib
+	}
+	return 0
+}
+
+func (x *CapacityLease) GetHugepageKib() uint32 {
+	if x != nil {
+		return x.HugepageKib
+	}
+	return 0
+}
+
+func (x *CapacityLease) GetHugepages() uint32 {
+	if x != nil {
+		return x.Hugepages
+	}
+	return 0
+}
+
+func (x *CapacityLease) GetNumaNodes() []uint32 {
+	if x != nil {
+		return x.NumaNodes
+	}
+	return nil
+}
+
+func (x *CapacityLease) GetCpus() string {
+	if x != nil {
+		return x.Cpus
+	}
+	return ""
+}
+
+func (x *CapacityLease) GetDedicatedCpus() bool {
+	if x != nil {
+		return x.DedicatedCpus
+	}
+	return false
+}
+
+func (x *CapacityLease) GetExpiresAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.ExpiresAt
+	}
+	return nil
+}
+
 // InstanceRecord is everything the host agent knows about one instance.
 type InstanceRecord struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1466,7 +1622,7 @@ type InstanceRecord struct {
 
 func (x *InstanceRecord) Reset() {
 	*x = InstanceRecord{}
-	mi := &file_vmflow_v1_record_proto_msgTypes[12]
+	mi := &file_vmflow_v1_record_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1478,7 +1634,7 @@ func (x *InstanceRecord) String() string {
 func (*InstanceRecord) ProtoMessage() {}
 
 func (x *InstanceRecord) ProtoReflect() protoreflect.Message {
-	mi := &file_vmflow_v1_record_proto_msgTypes[12]
+	mi := &file_vmflow_v1_record_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1491,7 +1647,7 @@ func (x *InstanceRecord) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InstanceRecord.ProtoReflect.Descriptor instead.
 func (*InstanceRecord) Descriptor() ([]byte, []int) {
-	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{12}
+	return file_vmflow_v1_record_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *InstanceRecord) GetId() string {
@@ -1708,7 +1864,7 @@ var File_vmflow_v1_record_proto protoreflect.FileDescriptor
 
 const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\n" +
-	"\x16vmflow/v1/record.proto\x12\tvmflow.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xf9\x04\n" +
+	"\x16vmflow/v1/record.proto\x12\tvmflow.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xd2\x05\n" +
 	"\x06VMSpec\x12\x14\n" +
 	"\x05vcpus\x18\x01 \x01(\rR\x05vcpus\x12\x1d\n" +
 	"\n" +
@@ -1731,7 +1887,10 @@ const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\x15gpu_passthrough_count\x18  \x01(\rR\x13gpuPassthroughCount\x122\n" +
 	"\x15gpu_passthrough_model\x18! \x01(\tR\x13gpuPassthroughModel\x12\x18\n" +
 	"\anetwork\x18( \x01(\tR\anetwork\x120\n" +
-	"\adisk_io\x182 \x01(\v2\x17.vmflow.v1.DiskIOLimitsR\x06diskIo\"\x82\x01\n" +
+	"\adisk_io\x182 \x01(\v2\x17.vmflow.v1.DiskIOLimitsR\x06diskIo\x12%\n" +
+	"\x0ededicated_cpus\x18< \x01(\bR\rdedicatedCpus\x12\x1c\n" +
+	"\thugepages\x18= \x01(\tR\thugepages\x12\x12\n" +
+	"\x04numa\x18> \x01(\tR\x04numa\"\x82\x01\n" +
 	"\fDiskIOLimits\x12\x19\n" +
 	"\bread_bps\x18\x01 \x01(\x04R\areadBps\x12\x1b\n" +
 	"\twrite_bps\x18\x02 \x01(\x04R\bwriteBps\x12\x1b\n" +
@@ -1769,7 +1928,7 @@ const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\n" +
 	"claimed_at\x18\n" +
 	" \x01(\v2\x1a.google.protobuf.TimestampR\tclaimedAt\x12\x16\n" +
-	"\x06driver\x18\v \x01(\tR\x06driver\"\xba\x03\n" +
+	"\x06driver\x18\v \x01(\tR\x06driver\"\xf2\x03\n" +
 	"\x05Lease\x12+\n" +
 	"\x05phase\x18\x01 \x01(\x0e2\x15.vmflow.v1.ClaimPhaseR\x05phase\x129\n" +
 	"\n" +
@@ -1781,7 +1940,8 @@ const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\x04vgpu\x18\n" +
 	" \x01(\v2\x14.vmflow.v1.VgpuLeaseH\x00R\x04vgpu\x12F\n" +
 	"\x0fgpu_passthrough\x18\v \x01(\v2\x1b.vmflow.v1.PassthroughLeaseH\x00R\x0egpuPassthrough\x123\n" +
-	"\anetwork\x18\f \x01(\v2\x17.vmflow.v1.NetworkLeaseH\x00R\anetworkB\n" +
+	"\anetwork\x18\f \x01(\v2\x17.vmflow.v1.NetworkLeaseH\x00R\anetwork\x126\n" +
+	"\bcapacity\x18\r \x01(\v2\x18.vmflow.v1.CapacityLeaseH\x00R\bcapacityB\n" +
 	"\n" +
 	"\bresource\"\x87\x01\n" +
 	"\x10PassthroughLease\x12\x1f\n" +
@@ -1807,7 +1967,19 @@ const file_vmflow_v1_record_proto_rawDesc = "" +
 	"\x03mac\x18\x02 \x01(\tR\x03mac\x12\x18\n" +
 	"\aaddress\x18\x03 \x01(\tR\aaddress\x12\x18\n" +
 	"\agateway\x18\x04 \x01(\tR\agateway\x12\x16\n" +
-	"\x06bridge\x18\x05 \x01(\tR\x06bridge\"\xc4\v\n" +
+	"\x06bridge\x18\x05 \x01(\tR\x06bridge\"\x9a\x02\n" +
+	"\rCapacityLease\x12\x14\n" +
+	"\x05vcpus\x18\x01 \x01(\rR\x05vcpus\x12\x1d\n" +
+	"\n" +
+	"memory_mib\x18\x02 \x01(\rR\tmemoryMib\x12!\n" +
+	"\fhugepage_kib\x18\x03 \x01(\rR\vhugepageKib\x12\x1c\n" +
+	"\thugepages\x18\x04 \x01(\rR\thugepages\x12\x1d\n" +
+	"\n" +
+	"numa_nodes\x18\x05 \x03(\rR\tnumaNodes\x12\x12\n" +
+	"\x04cpus\x18\x06 \x01(\tR\x04cpus\x12%\n" +
+	"\x0ededicated_cpus\x18\a \x01(\bR\rdedicatedCpus\x129\n" +
+	"\n" +
+	"expires_at\x18\b \x01(\v2\x1a.google.protobuf.TimestampR\texpiresAt\"\xc4\v\n" +
 	"\x0eInstanceRecord\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12%\n" +
 	"\x04spec\x18\x02 \x01(\v2\x11.vmflow.v1.VMSpecR\x04spec\x12%\n" +
@@ -1878,7 +2050,7 @@ func file_vmflow_v1_record_proto_rawDescGZIP() []byte {
 }
 
 var file_vmflow_v1_record_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_vmflow_v1_record_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
+var file_vmflow_v1_record_proto_msgTypes = make([]protoimpl.MessageInfo, 14)
 var file_vmflow_v1_record_proto_goTypes = []any{
 	(InstanceState)(0),            // 0: vmflow.v1.InstanceState
 	(StopStep)(0),                 // 1: vmflow.v1.StopStep
@@ -1895,8 +2067,9 @@ var file_vmflow_v1_record_proto_goTypes = []any{
 	(*PassthroughFunction)(nil),   // 12: vmflow.v1.PassthroughFunction
 	(*VgpuLease)(nil),             // 13: vmflow.v1.VgpuLease
 	(*NetworkLease)(nil),          // 14: vmflow.v1.NetworkLease
-	(*InstanceRecord)(nil),        // 15: vmflow.v1.InstanceRecord
-	(*timestamppb.Timestamp)(nil), // 16: google.protobuf.Timestamp
+	(*CapacityLease)(nil),         // 15: vmflow.v1.CapacityLease
+	(*InstanceRecord)(nil),        // 16: vmflow.v1.InstanceRecord
+	(*timestamppb.Timestamp)(nil), // 17: google.protobuf.Timestamp
 }
 var file_vmflow_v1_record_proto_depIdxs = []int32{
 	6,  // 0: vmflow.v1.VMSpec.kernel_image:type_name -> vmflow.v1.ImageRef
@@ -1904,36 +2077,38 @@ var file_vmflow_v1_record_proto_depIdxs = []int32{
 	6,  // 2: vmflow.v1.VMSpec.disk_image:type_name -> vmflow.v1.ImageRef
 	4,  // 3: vmflow.v1.VMSpec.disk_io:type_name -> vmflow.v1.DiskIOLimits
 	2,  // 4: vmflow.v1.GpuClaim.phase:type_name -> vmflow.v1.ClaimPhase
-	16, // 5: vmflow.v1.GpuClaim.released_at:type_name -> google.protobuf.Timestamp
-	16, // 6: vmflow.v1.GpuClaim.claimed_at:type_name -> google.protobuf.Timestamp
+	17, // 5: vmflow.v1.GpuClaim.released_at:type_name -> google.protobuf.Timestamp
+	17, // 6: vmflow.v1.GpuClaim.claimed_at:type_name -> google.protobuf.Timestamp
 	2,  // 7: vmflow.v1.Lease.phase:type_name -> vmflow.v1.ClaimPhase
-	16, // 8: vmflow.v1.Lease.claimed_at:type_name -> google.protobuf.Timestamp
-	16, // 9: vmflow.v1.Lease.released_at:type_name -> google.protobuf.Timestamp
+	17, // 8: vmflow.v1.Lease.claimed_at:type_name -> google.protobuf.Timestamp
+	17, // 9: vmflow.v1.Lease.released_at:type_name -> google.protobuf.Timestamp
 	13, // 10: vmflow.v1.Lease.vgpu:type_name -> vmflow.v1.VgpuLease
 	11, // 11: vmflow.v1.Lease.gpu_passthrough:type_name -> vmflow.v1.PassthroughLease
 	14, // 12: vmflow.v1.Lease.network:type_name -> vmflow.v1.NetworkLease
-	12, // 13: vmflow.v1.PassthroughLease.functions:type_name -> vmflow.v1.PassthroughFunction
-	3,  // 14: vmflow.v1.InstanceRecord.spec:type_name -> vmflow.v1.VMSpec
-	0,  // 15: vmflow.v1.InstanceRecord.state:type_name -> vmflow.v1.InstanceState
-	1,  // 16: vmflow.v1.InstanceRecord.stop_step:type_name -> vmflow.v1.StopStep
-	16, // 17: vmflow.v1.InstanceRecord.stop_step_at:type_name -> google.protobuf.Timestamp
-	7,  // 18: vmflow.v1.InstanceRecord.process:type_name -> vmflow.v1.ProcessIdentity
-	9,  // 19: vmflow.v1.InstanceRecord.gpu_claim:type_name -> vmflow.v1.GpuClaim
-	16, // 20: vmflow.v1.InstanceRecord.last_start:type_name -> google.protobuf.Timestamp
-	16, // 21: vmflow.v1.InstanceRecord.last_exit:type_name -> google.protobuf.Timestamp
-	16, // 22: vmflow.v1.InstanceRecord.created_at:type_name -> google.protobuf.Timestamp
-	16, // 23: vmflow.v1.InstanceRecord.updated_at:type_name -> google.protobuf.Timestamp
-	16, // 24: vmflow.v1.InstanceRecord.launch_started_at:type_name -> google.protobuf.Timestamp
-	16, // 25: vmflow.v1.InstanceRecord.needs_attention_at:type_name -> google.protobuf.Timestamp
-	5,  // 26: vmflow.v1.InstanceRecord.disk_base:type_name -> vmflow.v1.FileIdentity
-	8,  // 27: vmflow.v1.InstanceRecord.stop_step_boot:type_name -> vmflow.v1.BootMoment
-	8,  // 28: vmflow.v1.InstanceRecord.last_exit_boot:type_name -> vmflow.v1.BootMoment
-	10, // 29: vmflow.v1.InstanceRecord.leases:type_name -> vmflow.v1.Lease
-	30, // [30:30] is the sub-list for method output_type
-	30, // [30:30] is the sub-list for method input_type
-	30, // [30:30] is the sub-list for extension type_name
-	30, // [30:30] is the sub-list for extension extendee
-	0,  // [0:30] is the sub-list for field type_name
+	15, // 13: vmflow.v1.Lease.capacity:type_name -> vmflow.v1.CapacityLease
+	12, // 14: vmflow.v1.PassthroughLease.functions:type_name -> vmflow.v1.PassthroughFunction
+	17, // 15: vmflow.v1.CapacityLease.expires_at:type_name -> google.protobuf.Timestamp
+	3,  // 16: vmflow.v1.InstanceRecord.spec:type_name -> vmflow.v1.VMSpec
+	0,  // 17: vmflow.v1.InstanceRecord.state:type_name -> vmflow.v1.InstanceState
+	1,  // 18: vmflow.v1.InstanceRecord.stop_step:type_name -> vmflow.v1.StopStep
+	17, // 19: vmflow.v1.InstanceRecord.stop_step_at:type_name -> google.protobuf.Timestamp
+	7,  // 20: vmflow.v1.InstanceRecord.process:type_name -> vmflow.v1.ProcessIdentity
+	9,  // 21: vmflow.v1.InstanceRecord.gpu_claim:type_name -> vmflow.v1.GpuClaim
+	17, // 22: vmflow.v1.InstanceRecord.last_start:type_name -> google.protobuf.Timestamp
+	17, // 23: vmflow.v1.InstanceRecord.last_exit:type_name -> google.protobuf.Timestamp
+	17, // 24: vmflow.v1.InstanceRecord.created_at:type_name -> google.protobuf.Timestamp
+	17, // 25: vmflow.v1.InstanceRecord.updated_at:type_name -> google.protobuf.Timestamp
+	17, // 26: vmflow.v1.InstanceRecord.launch_started_at:type_name -> google.protobuf.Timestamp
+	17, // 27: vmflow.v1.InstanceRecord.needs_attention_at:type_name -> google.protobuf.Timestamp
+	5,  // 28: vmflow.v1.InstanceRecord.disk_base:type_name -> vmflow.v1.FileIdentity
+	8,  // 29: vmflow.v1.InstanceRecord.stop_step_boot:type_name -> vmflow.v1.BootMoment
+	8,  // 30: vmflow.v1.InstanceRecord.last_exit_boot:type_name -> vmflow.v1.BootMoment
+	10, // 31: vmflow.v1.InstanceRecord.leases:type_name -> vmflow.v1.Lease
+	32, // [32:32] is the sub-list for method output_type
+	32, // [32:32] is the sub-list for method input_type
+	32, // [32:32] is the sub-list for extension type_name
+	32, // [32:32] is the sub-list for extension extendee
+	0,  // [0:32] is the sub-list for field type_name
 }
 
 func init() { file_vmflow_v1_record_proto_init() }
@@ -1945,6 +2120,7 @@ func file_vmflow_v1_record_proto_init() {
 		(*Lease_Vgpu)(nil),
 		(*Lease_GpuPassthrough)(nil),
 		(*Lease_Network)(nil),
+		(*Lease_Capacity)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -1952,7 +2128,7 @@ func file_vmflow_v1_record_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_vmflow_v1_record_proto_rawDesc), len(file_vmflow_v1_record_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   13,
+			NumMessages:   14,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

@@ -71,7 +71,16 @@ type SpawnRequest struct {
 	Network string `protobuf:"bytes,30,opt,name=network,proto3" json:"network,omitempty"`
 	// Fields 40-49: fair shares. The disk's I/O bound (unset or 0: the
 	// host's --vm-io-* alone); it can only tighten the host's.
-	DiskIo        *DiskIOLimits `protobuf:"bytes,40,opt,name=disk_io,json=diskIo,proto3" json:"disk_io,omitempty"`
+	DiskIo *DiskIOLimits `protobuf:"bytes,40,opt,name=disk_io,json=diskIo,proto3" json:"disk_io,omitempty"`
+	// Fields 50-59: placement inside the host. dedicated_cpus: the VM's
+	// vCPUs run on CPUs no other VM's cpuset holds (one host CPU per vCPU).
+	DedicatedCpus bool `protobuf:"varint,50,opt,name=dedicated_cpus,json=dedicatedCpus,proto3" json:"dedicated_cpus,omitempty"`
+	// "2M" or "1G": guest RAM from the host's hugepage pool of that size
+	// (memory_mib a multiple of the page); empty: ordinary pages.
+	Hugepages string `protobuf:"bytes,51,opt,name=hugepages,proto3" json:"hugepages,omitempty"`
+	// "preferred" (default when empty): GPUs, CPUs and memory from one NUMA
+	// node when the host can, else spread; "strict": one node or refused.
+	Numa          string `protobuf:"bytes,52,opt,name=numa,proto3" json:"numa,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -239,6 +248,27 @@ func (x *SpawnRequest) GetDiskIo() *DiskIOLimits {
 	return nil
 }
 
+func (x *SpawnRequest) GetDedicatedCpus() bool {
+	if x != nil {
+		return x.DedicatedCpus
+	}
+	return false
+}
+
+func (x *SpawnRequest) GetHugepages() string {
+	if x != nil {
+		return x.Hugepages
+	}
+	return ""
+}
+
+func (x *SpawnRequest) GetNuma() string {
+	if x != nil {
+		return x.Numa
+	}
+	return ""
+}
+
 // SpawnResult is SpawnInstance's result.
 type SpawnResult struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -256,8 +286,12 @@ type SpawnResult struct {
 	GpuDeviceIds []string `protobuf:"bytes,10,rep,name=gpu_device_ids,json=gpuDeviceIds,proto3" json:"gpu_device_ids,omitempty"`
 	// The guest's IPv4 address with its prefix ("10.88.0.2/24") and its NIC's
 	// MAC; empty without a network.
-	Ip            string `protobuf:"bytes,20,opt,name=ip,proto3" json:"ip,omitempty"`
-	Mac           string `protobuf:"bytes,21,opt,name=mac,proto3" json:"mac,omitempty"`
+	Ip  string `protobuf:"bytes,20,opt,name=ip,proto3" json:"ip,omitempty"`
+	Mac string `protobuf:"bytes,21,opt,name=mac,proto3" json:"mac,omitempty"`
+	// Where the VM landed on its host: the NUMA nodes its CPUs and memory
+	// are confined to and its cpuset ("0-3"); empty when not confined.
+	NumaNodes     []uint32 `protobuf:"varint,30,rep,packed,name=numa_nodes,json=numaNodes,proto3" json:"numa_nodes,omitempty"`
+	Cpus          string   `protobuf:"bytes,31,opt,name=cpus,proto3" json:"cpus,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -344,6 +378,20 @@ func (x *SpawnResult) GetIp() string {
 func (x *SpawnResult) GetMac() string {
 	if x != nil {
 		return x.Mac
+	}
+	return ""
+}
+
+func (x *SpawnResult) GetNumaNodes() []uint32 {
+	if x != nil {
+		return x.NumaNodes
+	}
+	return nil
+}
+
+func (x *SpawnResult) GetCpus() string {
+	if x != nil {
+		return x.Cpus
 	}
 	return ""
 }
@@ -916,7 +964,7 @@ var File_vmflow_v1_workflow_proto protoreflect.FileDescriptor
 
 const file_vmflow_v1_workflow_proto_rawDesc = "" +
 	"\n" +
-	"\x18vmflow/v1/workflow.proto\x12\tvmflow.v1\x1a\x16vmflow/v1/record.proto\"\x9b\x05\n" +
+	"\x18vmflow/v1/workflow.proto\x12\tvmflow.v1\x1a\x16vmflow/v1/record.proto\"\xf4\x05\n" +
 	"\fSpawnRequest\x12\x1f\n" +
 	"\vinstance_id\x18\x01 \x01(\tR\n" +
 	"instanceId\x12\x17\n" +
@@ -940,7 +988,10 @@ const file_vmflow_v1_workflow_proto_rawDesc = "" +
 	"\x15gpu_passthrough_count\x18\x15 \x01(\rR\x13gpuPassthroughCount\x122\n" +
 	"\x15gpu_passthrough_model\x18\x16 \x01(\tR\x13gpuPassthroughModel\x12\x18\n" +
 	"\anetwork\x18\x1e \x01(\tR\anetwork\x120\n" +
-	"\adisk_io\x18( \x01(\v2\x17.vmflow.v1.DiskIOLimitsR\x06diskIo\"\xee\x01\n" +
+	"\adisk_io\x18( \x01(\v2\x17.vmflow.v1.DiskIOLimitsR\x06diskIo\x12%\n" +
+	"\x0ededicated_cpus\x182 \x01(\bR\rdedicatedCpus\x12\x1c\n" +
+	"\thugepages\x183 \x01(\tR\thugepages\x12\x12\n" +
+	"\x04numa\x184 \x01(\tR\x04numa\"\xa1\x02\n" +
 	"\vSpawnResult\x12\x10\n" +
 	"\x03pid\x18\x01 \x01(\x05R\x03pid\x12\x1d\n" +
 	"\n" +
@@ -951,7 +1002,10 @@ const file_vmflow_v1_workflow_proto_rawDesc = "" +
 	"\x0egpu_device_ids\x18\n" +
 	" \x03(\tR\fgpuDeviceIds\x12\x0e\n" +
 	"\x02ip\x18\x14 \x01(\tR\x02ip\x12\x10\n" +
-	"\x03mac\x18\x15 \x01(\tR\x03mac\"\xbc\x03\n" +
+	"\x03mac\x18\x15 \x01(\tR\x03mac\x12\x1d\n" +
+	"\n" +
+	"numa_nodes\x18\x1e \x03(\rR\tnumaNodes\x12\x12\n" +
+	"\x04cpus\x18\x1f \x01(\tR\x04cpus\"\xbc\x03\n" +
 	"\rDeleteRequest\x12\x1f\n" +
 	"\vinstance_id\x18\x01 \x01(\tR\n" +
 	"instanceId\x12\x17\n" +
