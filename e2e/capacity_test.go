@@ -14,8 +14,8 @@ import (
 
 	"vmflow/hostagent/lease"
 	"vmflow/hostagent/store"
-	"vmflow/workflows"
 	vmflowv1 "vmflow/proto/vmflow/v1"
+	"vmflow/workflows"
 )
 
 // TestSpawnBurstFillsTheHostExactly (invariant 17): 50 concurrent spawns
