@@ -85,7 +85,7 @@ func Start(t testing.TB, files map[string][]byte) *Server {
 
 // start is one attempt of Start; retry says the port was taken.
 func start(t testing.TB, bin, dir string, attempt int) (s *Server, retry bool, err error) {
-	addr, err := freeAddr()
+	addr, err := FreeAddr()
 	if err != nil {
 		return nil, false, err
 	}
@@ -167,8 +167,9 @@ func (s *Server) ready() bool {
 	return resp.StatusCode == http.StatusOK
 }
 
-// freeAddr is a loopback address nothing listened on a moment ago.
-func freeAddr() (string, error) {
+// FreeAddr is a loopback address nothing listened on a moment ago: for
+// the server, or a target it scrapes.
+func FreeAddr() (string, error) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return "", fmt.Errorf("find a free port: %w", err)
