@@ -59,7 +59,7 @@ print-ldflags:
 
 ## tools: the Temporal CLI (dev server + UI), the Temporal server on
 # PostgreSQL, QEMU (and GNU cpio), Chromium (e2e Web UI test) and
-# Prometheus's promtool (the alert rules' tests).
+# Prometheus (promtool for the alert rules' tests, the server for the e2e's).
 tools: $(TEMPORAL) temporal-server postgresql qemu chromium prometheus
 
 ## temporal-server: bin/temporal-server and bin/temporal-sql-tool from the
@@ -99,14 +99,16 @@ chromium:
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
 	fi
 
-## prometheus: Debian's prometheus package (2.42) for promtool, which
+## prometheus: Debian's prometheus package (2.42): promtool, which
 # checks deploy/prometheus/vmflow-rules.yml and runs its unit tests
-# (deploy/rules_test.go). The tests run promtool only, never the
-# package's server (on a host running systemd the package enables and
-# starts prometheus.service on :9090, as postgresql starts its cluster).
+# (deploy/rules_test.go), and the server, which the e2e runs as a process
+# of its own on a free loopback port with its storage in a temporary
+# folder (testsupport/promtest), never the package's service (on a host
+# running systemd the package enables and starts prometheus.service on
+# :9090, as postgresql starts its cluster).
 prometheus:
-	@if ! command -v promtool >/dev/null; then \
-		echo ">> installing Debian's prometheus (for promtool)"; \
+	@if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then \
+		echo ">> installing Debian's prometheus (promtool and the server)"; \
 		apt-get update -qq; \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; \
 	fi

@@ -5,7 +5,6 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -21,6 +20,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"vmflow/testsupport/devserver"
+	"vmflow/testsupport/promtest"
 	"vmflow/testsupport/stacktest"
 )
 
@@ -36,10 +36,9 @@ func buildBinary(ctx context.Context, t *testing.T, dir, name, pkg string, stamp
 // freeAddr is a loopback address nothing listened on a moment ago.
 func freeAddr(t *testing.T) string {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	addr, err := promtest.FreeAddr()
 	require.NoError(t, err)
-	defer ln.Close()
-	return ln.Addr().String()
+	return addr
 }
 
 // syncBuffer is a bytes.Buffer safe for a process writing while the test

@@ -1,16 +1,12 @@
 package deploy_test
 
 import (
-	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
-	"slices"
-	"strconv"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -19,6 +15,8 @@ import (
 	"github.com/yuin/goldmark/parser"
 	"github.com/yuin/goldmark/text"
 	"go.yaml.in/yaml/v3"
+
+	"vmflow/testsupport/promtest"
 )
 
 const (
@@ -70,47 +68,6 @@ func alerts(rules []promRule) []promRule {
 	return out
 }
 
-var (
-	promString    = regexp.MustCompile(`"(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*'`)
-	promMatchers  = regexp.MustCompile(`\{[^}]*\}`)
-	promRange     = regexp.MustCompile(`\[[^\]]*\]`)
-	promLabelList = regexp.MustCompile(`\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)`)
-	promNumber    = regexp.MustCompile(`(^|[^a-zA-Z0-9_:])[0-9][0-9.]*(?:e[+-]?[0-9]+)?`)
-	promIdent     = regexp.MustCompile(`[a-zA-Z_:][a-zA-Z0-9_:]*(\s*\()?`)
-	// PromQL's keywords and aggregation operators (which may take their
-	// `by` before the parenthesis): never a metric.
-	promWords = []string{"and", "or", "unless", "by", "without", "on", "ignoring", "group_left", "group_right",
-		"bool", "offset", "sum", "min", "max", "avg", "group", "stddev", "stdvar", "count", "count_values",
-		"bottomk", "topk", "quantile", "inf", "nan"}
-)
-
-// metricNames are the metrics (and recorded series) expr selects: what is
-// left of a PromQL expression without its strings, label matchers, ranges,
-// label lists, numbers, keywords and calls.
-func metricNames(expr string) []string {
-	s := promString.ReplaceAllString(expr, "")
-	s = promMatchers.ReplaceAllString(s, " ")
-	s = promRange.ReplaceAllString(s, " ")
-	s = promLabelList.ReplaceAllString(s, " ")
-	s = promNumber.ReplaceAllString(s, "$1 ")
-	var names []string
-	for _, m := range promIdent.FindAllStringSubmatch(s, -1) {
-		if m[1] != "" || slices.Contains(promWords, strings.ToLower(m[0])) {
-			continue // a function or aggregation called, or a keyword
-		}
-		if !slices.Contains(names, m[0]) {
-			names = append(names, m[0])
-		}
-	}
-	return names
-}
-
-func TestMetricNamesOfExpressions(t *testing.T) {
-	assert.Equal(t, []string{"vmflow_a_total", "up", "x:y:z"}, metricNames(
-		`sum by (job, instance) (increase(vmflow_a_total{errno="EBUSY",x=~"a|b"}[15m])) > 0 and on (job) up == 0 or x:y:z > 1e9`))
-	assert.Equal(t, []string{"vmflow_b"}, metricNames(`max without (state) (vmflow_b) < bool 4194304`))
-}
-
 // TestRulesNameOnlyServedMetrics: every metric a rule selects is in
 // README.md's metrics table (which TestBinariesServeMetrics ties to what
 // the binaries serve), is Prometheus's own up, or is recorded by a rule
@@ -126,7 +83,7 @@ func TestRulesNameOnlyServedMetrics(t *testing.T) {
 	}
 	for _, r := range rules {
 		name := r.Alert + r.Record
-		names := metricNames(r.Expr)
+		names := promtest.MetricNames(r.Expr)
 		assert.NotEmpty(t, names, "%s selects nothing?", name)
 		for _, m := range names {
 			switch {
@@ -157,7 +114,7 @@ func TestAlertsAreComplete(t *testing.T) {
 		assert.NotEmpty(t, a.Annotations["description"], a.Alert)
 		assert.Equal(t, runbookBase+"#"+strings.ToLower(a.Alert), a.Annotations["runbook_url"], "%s: runbook_url", a.Alert)
 		if a.For != "" {
-			_, err := promDuration(a.For)
+			_, err := promtest.Duration(a.For)
 			assert.NoError(t, err, "%s: for", a.Alert)
 		}
 	}
@@ -345,54 +302,6 @@ func TestExampleConfigLabelsEveryAgent(t *testing.T) {
 	}
 }
 
-var (
-	forLine       = regexp.MustCompile(`(?m)^(\s*for:\s*)(\S+)\s*$`)
-	rangeSelector = regexp.MustCompile(`\[([0-9]+[a-z]+)\]`)
-	durationWord  = regexp.MustCompile(`\b[0-9]+(ms|s|m|h|d|w|y)\b`)
-)
-
-// promDuration parses a Prometheus duration of one unit (15m, 1h, 30s, 2d).
-func promDuration(s string) (time.Duration, error) {
-	units := map[string]time.Duration{"s": time.Second, "m": time.Minute, "h": time.Hour, "d": 24 * time.Hour, "w": 7 * 24 * time.Hour}
-	m := regexp.MustCompile(`^([0-9]+)([smhdw])$`).FindStringSubmatch(s)
-	if m == nil {
-		return 0, fmt.Errorf("duration %q: not a number and one unit (s, m, h, d, w)", s)
-	}
-	n, err := strconv.Atoi(m[1])
-	if err != nil {
-		return 0, err
-	}
-	return time.Duration(n) * units[m[2]], nil
-}
-
-// scaleRuleDurations is the rules file with every duration (each rule's
-// `for:`, each range selector's [N<unit>]) multiplied by factor, at least
-// a second: what an end-to-end test loads so that an hour's rule fires in
-// a minute. Rules are written so that nothing else stands for a time
-// (TestRulesDurationsScale).
-func scaleRuleDurations(rules []byte, factor float64) ([]byte, error) {
-	var errs []error
-	scale := func(d string) string {
-		v, err := promDuration(d)
-		if err != nil {
-			errs = append(errs, err)
-			return d
-		}
-		return fmt.Sprintf("%ds", max(1, int(v.Seconds()*factor)))
-	}
-	out := forLine.ReplaceAllStringFunc(string(rules), func(line string) string {
-		m := forLine.FindStringSubmatch(line)
-		return m[1] + scale(m[2])
-	})
-	out = rangeSelector.ReplaceAllStringFunc(out, func(r string) string {
-		return "[" + scale(rangeSelector.FindStringSubmatch(r)[1]) + "]"
-	})
-	if len(errs) > 0 {
-		return nil, errs[0]
-	}
-	return []byte(out), nil
-}
-
 // TestRulesDurationsScale: every duration in a rule is one the scaling
 // finds (a `for:` or a range selector; no offset, subquery step or other
 // duration in an expression), and the file scaled from hours to minutes
@@ -400,13 +309,11 @@ func scaleRuleDurations(rules []byte, factor float64) ([]byte, error) {
 func TestRulesDurationsScale(t *testing.T) {
 	rules := loadRules(t, rulesFile)
 	for _, r := range rules {
-		rest := rangeSelector.ReplaceAllString(r.Expr, "")
-		assert.Empty(t, durationWord.FindAllString(rest, -1), "%s%s: a duration the scaling would miss: %s", r.Alert, r.Record, r.Expr)
-		assert.NotContains(t, r.Expr, "offset", "%s%s", r.Alert, r.Record)
+		assert.Empty(t, promtest.UnscaledDurations(r.Expr), "%s%s: a duration the scaling would miss: %s", r.Alert, r.Record, r.Expr)
 	}
 	b, err := os.ReadFile(rulesFile)
 	require.NoError(t, err)
-	scaled, err := scaleRuleDurations(b, 1.0/60)
+	scaled, err := promtest.ScaleRuleDurations(b, 1.0/60)
 	require.NoError(t, err)
 	assert.Contains(t, string(scaled), "for: 60s", "an hour's for: becomes a minute")
 	assert.Contains(t, string(scaled), "[15s]", "a 15-minute window becomes 15 s")

@@ -36,6 +36,7 @@ import (
 	"vmflow/platform"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 	"vmflow/testsupport/devserver"
+	"vmflow/testsupport/promtest"
 	"vmflow/testsupport/stacktest"
 	"vmflow/workflows"
 )
@@ -142,6 +143,9 @@ type envOptions struct {
 	network bool
 	// sim, when set, changes the simulator's options before it starts.
 	sim func(*vgpusim.Options)
+	// metrics serves the agent's and the worker's /metrics on loopback
+	// addresses of their own (env.agentMetrics, env.workerMetrics).
+	metrics bool
 }
 
 // netSubnet is every network env's subnet: each has a namespace of its own.
@@ -169,6 +173,9 @@ type env struct {
 	netns   string
 	net     *netlink.Handle
 	netView *network.Net
+	// agentMetrics and workerMetrics: where the daemons serve /metrics
+	// (envOptions.metrics); empty without.
+	agentMetrics, workerMetrics string
 }
 
 func newEnv(t *testing.T, o envOptions) *env {
@@ -264,6 +271,10 @@ func newEnv(t *testing.T, o envOptions) *env {
 		e.netView = view
 		agentArgs = append(agentArgs, "--net-netns", e.netns, "--net-subnet", netSubnet)
 	}
+	if o.metrics {
+		e.agentMetrics = freeAddr(t)
+		agentArgs = append(agentArgs, "--metrics-addr", e.agentMetrics)
+	}
 	agentArgs = append(agentArgs, stacktest.HoldersIgnoreInit()...)
 	// Agents of shared-server tests run side by side: disjoint ranges.
 	e.uids = stacktest.QEMUUIDRange()
@@ -286,6 +297,10 @@ func newEnv(t *testing.T, o envOptions) *env {
 		"--unreachable-backoff", "1s",
 		"--unreachable-backoff-max", "2s",
 	}, o.workerArgs...)
+	if o.metrics && o.shareWith == nil {
+		e.workerMetrics = freeAddr(t)
+		workerArgs = append(workerArgs, "--metrics-addr", e.workerMetrics)
+	}
 	e.worker = &stacktest.Daemon{Name: "vmflow-worker", Bin: workerBin, Args: workerArgs, Env: connEnv, Log: filepath.Join(e.out, "worker.log")}
 	t.Cleanup(func() {
 		if err := e.agent.Stop(); err != nil {
@@ -339,6 +354,16 @@ func onBackends(t *testing.T, body func(t *testing.T, srv devserver.Temporal)) {
 			body(t, b.start(t))
 		})
 	}
+}
+
+// freeAddr is a loopback address nothing listened on a moment ago.
+func freeAddr(t *testing.T) string {
+	t.Helper()
+	addr, err := promtest.FreeAddr()
+	if err != nil {
+		t.Fatalf("%v", err)
+	}
+	return addr
 }
 
 // waitFor polls cond until it holds or timeout passes; detail describes

@@ -1,7 +1,9 @@
 // Package testsupport is the root of the tree of test machinery that drives
 // the real parts: testsupport/devserver (a real Temporal server),
-// testsupport/stacktest (the real binaries as daemons) and
-// testsupport/powercut (a file system that loses unsynced writes).
+// testsupport/stacktest (the real binaries as daemons),
+// testsupport/powercut (a file system that loses unsynced writes) and
+// testsupport/promtest (a real Prometheus server, and the rules and
+// dashboard it is given).
 //
 // The module reads top to bottom, and no arrow points back up (the layers
 // and their test are in internal/contract):
