@@ -96,7 +96,76 @@ type VMSpec struct {
 	// IO bounds the disk's I/O through the VM's cgroup (not argv: QEMU's
 	// own throttling would be the guest's to lift, were QEMU taken over).
 	IO IOLimits `json:"io,omitzero"`
+	// Placement inside the host (the capacity lease's): see Placement.
+	Placement Placement `json:"placement,omitzero"`
 }
+
+// Placement is where a VM runs on its host. Its CPUs and nodes confine
+// QEMU through its cgroup's cpuset (the agent has no CAP_SYS_NICE for
+// QEMU's threads and QEMU's sandbox denies it resource control, so
+// pinning is the cgroup's); its nodes and hugepages shape guest RAM in
+// argv. The zero Placement is none: RAM from anywhere, any CPU.
+type Placement struct {
+	// CPUs is the cpuset, in the kernel's list format ("0-3,8"); empty:
+	// not confined.
+	CPUs string `json:"cpus,omitempty"`
+	// Nodes are the host NUMA nodes guest RAM is bound to
+	// (memory-backend host-nodes, policy=bind) and the cpuset's mems. With
+	// more than one, the guest gets one NUMA node per host node, its vCPUs
+	// and RAM split evenly, so its topology matches where it runs.
+	Nodes []int `json:"nodes,omitempty"`
+	// HugepageKiB backs guest RAM with hugepages of that size
+	// (memory-backend-memfd,hugetlb=on: the jail has no hugetlbfs); 0:
+	// ordinary pages.
+	HugepageKiB int `json:"hugepage_kib,omitempty"`
+}
+
+// validate refuses a placement QEMU could not take for s.
+func (p Placement) validate(s VMSpec) error {
+	if p.CPUs != "" && (len(p.CPUs) > maxCPUList || !cpuListRe.MatchString(p.CPUs)) {
+		return invalid("placement cpus %q: want a CPU list (0-3,8)", p.CPUs)
+	}
+	if len(p.Nodes) > maxNodes {
+		return invalid("placement: %d NUMA nodes, at most %d", len(p.Nodes), maxNodes)
+	}
+	for _, n := range p.Nodes {
+		if n < 0 || n >= 1024 {
+			return invalid("placement node %d: want 0..1023", n)
+		}
+	}
+	if len(p.Nodes) > 1 {
+		if s.Machine == MachineNone || s.Machine == MachineMicroVM {
+			return invalid("placement on %d NUMA nodes: machine %s has no guest NUMA", len(p.Nodes), s.Machine)
+		}
+		if s.VCPUs < len(p.Nodes) || s.MemoryMiB < len(p.Nodes) {
+			return invalid("placement on %d NUMA nodes: %d vCPUs and %d MiB do not split", len(p.Nodes), s.VCPUs, s.MemoryMiB)
+		}
+	}
+	switch p.HugepageKiB {
+	case 0:
+	case 2048, 1 << 20:
+		for _, mib := range split(s.MemoryMiB, max(len(p.Nodes), 1)) {
+			if mib%(p.HugepageKiB/1024) != 0 {
+				return invalid("memory %d MiB is not whole %d KiB hugepages on each of %d nodes", s.MemoryMiB, p.HugepageKiB, max(len(p.Nodes), 1))
+			}
+		}
+	default:
+		return invalid("hugepage size %d KiB: want 2048 or 1048576", p.HugepageKiB)
+	}
+	return nil
+}
+
+// maxNodes bounds a VM's NUMA nodes: a host's sockets, not a list to walk.
+const maxNodes = 16
+
+// cpuListRe is the kernel's CPU list format, bounded.
+var cpuListRe = regexp.MustCompile(`^[0-9]{1,4}(-[0-9]{1,4})?(,[0-9]{1,4}(-[0-9]{1,4})?)*$`)
+
+// maxCPUList bounds a cpuset's text.
+const maxCPUList = 1024
+
+// IsZero: no placement.
+func (p Placement) IsZero() bool { return p.CPUs == "" && len(p.Nodes) == 0 && p.HugepageKiB == 0 }
 
 // NIC is a virtio-net card backed by a TAP descriptor: QEMU gets only the
 // descriptor (-netdev tap,fd=N), so in its jail it opens no TAP and sees no
@@ -223,6 +292,9 @@ func (s VMSpec) Validate() error {
 	if s.Disk != nil && s.Disk.Base == nil {
 		return invalid("disk without a base image")
 	}
+	if err := s.Placement.validate(s); err != nil {
+		return err
+	}
 	if s.NIC != nil {
 		if s.NIC.TAP == nil {
 			return invalid("nic without a tap")
@@ -334,6 +406,65 @@ func nicArgs(n *NIC, m Machine, fds *FDTable) []string {
 	return []string{"-netdev", fmt.Sprintf("tap,fd=%d,id=%s", fds.Add(n.TAP), NetdevID), "-device", dev}
 }
 
+// memoryBackendID names guest RAM's backends: vmflow-mem<guest node>.
+const memoryBackendID = "vmflow-mem"
+
+// memoryArgs shape guest RAM by spec's placement: none without one; one
+// backend bound to the host node (the machine's memory-backend), or one per
+// host node with a guest NUMA node each (-numa node,memdev), vCPUs and RAM
+// split evenly. Hugepages come from a memfd (hugetlb=on), which needs no
+// hugetlbfs mount in the jail.
+func memoryArgs(spec VMSpec) []string {
+	p := spec.Placement
+	if len(p.Nodes) == 0 && p.HugepageKiB == 0 {
+		return nil
+	}
+	nodes := p.Nodes
+	if len(nodes) == 0 {
+		nodes = []int{-1} // hugepages from any node
+	}
+	backend := func(id string, mib int, host int) string {
+		kind := "memory-backend-ram"
+		if p.HugepageKiB > 0 {
+			kind = "memory-backend-memfd"
+		}
+		o := fmt.Sprintf("%s,id=%s,size=%dM", kind, id, mib)
+		if p.HugepageKiB > 0 {
+			o += fmt.Sprintf(",hugetlb=on,hugetlbsize=%dK", p.HugepageKiB)
+		}
+		if host >= 0 {
+			o += fmt.Sprintf(",host-nodes=%d,policy=bind", host)
+		}
+		return o
+	}
+	if len(nodes) == 1 {
+		id := memoryBackendID + "0"
+		return []string{"-object", backend(id, spec.MemoryMiB, nodes[0]), "-machine", "memory-backend=" + id}
+	}
+	var a []string
+	mibs, cpus := split(spec.MemoryMiB, len(nodes)), split(spec.VCPUs, len(nodes))
+	first := 0
+	for i, host := range nodes {
+		id := memoryBackendID + strconv.Itoa(i)
+		a = append(a, "-object", backend(id, mibs[i], host),
+			"-numa", fmt.Sprintf("node,nodeid=%d,cpus=%d-%d,memdev=%s", i, first, first+cpus[i]-1, id))
+		first += cpus[i]
+	}
+	return a
+}
+
+// split is n in k parts as even as they go, the larger first.
+func split(n, k int) []int {
+	out := make([]int, k)
+	for i := range out {
+		out[i] = n / k
+		if i < n%k {
+			out[i]++
+		}
+	}
+	return out
+}
+
 // optValue escapes a value for QEMU's option parser (QemuOpts), where a
 // comma separates options and ",," is a literal comma.
 func optValue(v string) string { return strings.ReplaceAll(v, ",", ",,") }
@@ -374,6 +505,7 @@ func BuildArgv(spec VMSpec, paths Paths, fds *FDTable) ([]string, error) {
 	a = append(a, qmpArgs(fds.Reserve())...)
 	a = append(a, sandboxArgs()...)
 	a = append(a, "-m", strconv.Itoa(spec.MemoryMiB), "-smp", strconv.Itoa(spec.VCPUs))
+	a = append(a, memoryArgs(spec)...)
 	if spec.UUID != "" {
 		a = append(a, "-uuid", strings.ToLower(spec.UUID))
 	}

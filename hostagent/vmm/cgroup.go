@@ -56,7 +56,14 @@ type CgroupLimits struct {
 	// IODevices are the whole block devices ("major:minor") holding the
 	// VM's disk files (ioDevices); empty without a disk or without IO.
 	IODevices []string
+	// CPUs and Mems are the cpuset (cpuset.cpus and cpuset.mems, systemd's
+	// AllowedCPUs and AllowedMemoryNodes) in the kernel's list format;
+	// both empty: no cpuset of its own, the agent's.
+	CPUs, Mems string
 }
+
+// confined: l has a cpuset.
+func (l CgroupLimits) confined() bool { return l.CPUs != "" || l.Mems != "" }
 
 // IOLimits bound a VM's disk I/O, per block device; 0 leaves a bound off.
 type IOLimits struct {
@@ -112,7 +119,12 @@ func MemoryLimitMiB(memoryMiB int, accel Accel) uint64 {
 func CgroupLimitsFor(spec VMSpec) CgroupLimits {
 	mem := MemoryLimitMiB(spec.MemoryMiB, spec.Accel) << 20
 	w := min(max(uint64(spec.VCPUs), 1)*cgroupCPUWeightPerVCPU, cgroupCPUWeightMax)
-	return CgroupLimits{MemoryBytes: mem, Pids: nprocBase + 2*uint64(spec.VCPUs), CPUWeight: w, IO: spec.IO}
+	var mems []string
+	for _, n := range spec.Placement.Nodes {
+		mems = append(mems, strconv.Itoa(n))
+	}
+	return CgroupLimits{MemoryBytes: mem, Pids: nprocBase + 2*uint64(spec.VCPUs), CPUWeight: w, IO: spec.IO,
+		CPUs: spec.Placement.CPUs, Mems: strings.Join(mems, ",")}
 }
 
 // cgroupLimitsOf is CgroupLimitsFor with the block devices under spec's
@@ -239,10 +251,23 @@ func (c CgroupV1) Place(_ context.Context, name string, pid int, l CgroupLimits)
 		ctrls = append(slices.Clone(ctrls), cgroupV1IO)
 		files[cgroupV1IO] = v1Throttle(l)
 	}
+	if l.confined() {
+		if _, err := os.Stat(filepath.Join(c.Root, cgroupV1CPUSet, "cgroup.procs")); err != nil {
+			return fmt.Errorf("%w: no cpuset hierarchy for a VM placed on CPUs %q, nodes %q: %w", ErrNoCgroups, l.CPUs, l.Mems, err)
+		}
+		ctrls = append(slices.Clone(ctrls), cgroupV1CPUSet)
+	}
 	for _, ctrl := range ctrls {
 		dir := c.dir(ctrl, name)
 		if err := os.MkdirAll(dir, 0o755); err != nil {
 			return fmt.Errorf("cgroup v1 %s: %w", ctrl, err)
+		}
+		if ctrl == cgroupV1CPUSet {
+			// Before cgroup.procs: a v1 cpuset with no CPUs or mems takes
+			// no task (ENOSPC).
+			if err := c.v1CPUSet(dir, l); err != nil {
+				return err
+			}
 		}
 		if ctrl == "memory" {
 			if err := v1Memory(dir, l.MemoryBytes); err != nil {
@@ -264,6 +289,58 @@ func (c CgroupV1) Place(_ context.Context, name string, pid int, l CgroupLimits)
 // cgroupV1IO is the v1 hierarchy of the I/O limits, made only for a VM
 // that has them (and only required then).
 const cgroupV1IO = "blkio"
+
+// cgroupV1CPUSet is the v1 hierarchy of a VM's placement, made only for a
+// VM that has one.
+const cgroupV1CPUSet = "cpuset"
+
+// v1CPUSet sets the cpuset of dir, a VM's cgroup: every folder above it up
+// to the hierarchy's root that MkdirAll made has none yet (a v1 cpuset
+// starts empty unless its parent says clone_children), so each gets its
+// parent's, from the top down; then dir gets l's, its parent's where l
+// leaves one empty.
+func (c CgroupV1) v1CPUSet(dir string, l CgroupLimits) error {
+	root := filepath.Join(c.Root, cgroupV1CPUSet)
+	rel, err := filepath.Rel(root, dir)
+	if err != nil || strings.HasPrefix(rel, "..") {
+		return fmt.Errorf("cgroup v1 cpuset: %s is not under %s", dir, root)
+	}
+	parts := strings.Split(rel, string(filepath.Separator))
+	at := root
+	for i, part := range parts {
+		parent := at
+		at = filepath.Join(at, part)
+		for _, f := range []string{"cpuset.cpus", "cpuset.mems"} {
+			want := ""
+			if i == len(parts)-1 {
+				want = map[string]string{"cpuset.cpus": l.CPUs, "cpuset.mems": l.Mems}[f]
+			} else if have, err := readCgroup(at, f); err != nil || have != "" {
+				if err != nil {
+					return err
+				}
+				continue
+			}
+			if want == "" {
+				if want, err = readCgroup(parent, f); err != nil {
+					return err
+				}
+			}
+			if err := writeCgroup(at, f, want); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// readCgroup is a cgroup file's value, trimmed.
+func readCgroup(dir, file string) (string, error) {
+	b, err := os.ReadFile(filepath.Join(dir, file))
+	if err != nil {
+		return "", fmt.Errorf("cgroup %s: read %s: %w", dir, file, err)
+	}
+	return strings.TrimSpace(string(b)), nil
+}
 
 // v1Memory sets a v1 memory cgroup's limit and, where swap accounting is
 // on (memory.memsw.* exists), memory plus swap to the same value: no swap,
@@ -325,7 +402,7 @@ func v2IOMax(l CgroupLimits) []string {
 // Remove implements Cgroups.
 func (c CgroupV1) Remove(_ context.Context, name string) error {
 	var errs []error
-	for _, ctrl := range append(slices.Clone(cgroupV1Controllers), cgroupV1IO) {
+	for _, ctrl := range append(slices.Clone(cgroupV1Controllers), cgroupV1IO, cgroupV1CPUSet) {
 		if err := removeCgroup(c.dir(ctrl, name)); err != nil {
 			errs = append(errs, err)
 		}
@@ -361,16 +438,38 @@ func (c CgroupV2) Place(_ context.Context, name string, pid int, l CgroupLimits)
 			return fmt.Errorf("%w: %w", ErrIOUnbounded, err)
 		}
 	}
+	if l.confined() {
+		// cpuset in every ancestor's subtree, from the root down (v2
+		// enables a controller for a folder's children only where its
+		// parent has it).
+		for at := c.Root; ; {
+			if err := writeCgroup(at, "cgroup.subtree_control", "+cpuset"); err != nil {
+				return fmt.Errorf("cgroup v2 cpuset: %w", err)
+			}
+			if at == parent {
+				break
+			}
+			rel, _ := filepath.Rel(at, parent)
+			at = filepath.Join(at, strings.Split(rel, string(filepath.Separator))[0])
+		}
+	}
 	dir := c.dir(name)
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return fmt.Errorf("cgroup v2: %w", err)
 	}
-	for _, kv := range [][2]string{
+	files := [][2]string{
 		{"memory.max", strconv.FormatUint(l.MemoryBytes, 10)},
 		{"memory.swap.max", "0"},
 		{"pids.max", strconv.FormatUint(l.Pids, 10)},
 		{"cpu.weight", strconv.FormatUint(l.CPUWeight, 10)},
-	} {
+	}
+	if l.CPUs != "" {
+		files = append(files, [2]string{"cpuset.cpus", l.CPUs})
+	}
+	if l.Mems != "" {
+		files = append(files, [2]string{"cpuset.mems", l.Mems})
+	}
+	for _, kv := range files {
 		if err := writeCgroup(dir, kv[0], kv[1]); err != nil && !(kv[0] == "memory.swap.max" && errors.Is(err, fs.ErrNotExist)) {
 			return err
 		}
@@ -425,6 +524,16 @@ func (s SystemdScope) Place(ctx context.Context, name string, pid int, l CgroupL
 	if len(l.IODevices) > 0 {
 		props = append(props, scopeIO(l)...)
 	}
+	for _, b := range []struct{ name, list string }{{"AllowedCPUs", l.CPUs}, {"AllowedMemoryNodes", l.Mems}} {
+		if b.list == "" {
+			continue
+		}
+		mask, err := cpuMask(b.list)
+		if err != nil {
+			return fmt.Errorf("scope %s: %s: %w", ScopeName(name), b.name, err)
+		}
+		props = append(props, sddbus.Property{Name: b.name, Value: dbus.MakeVariant(mask)})
+	}
 	done := make(chan string, 1)
 	if _, err := s.Conn.StartTransientUnitContext(ctx, ScopeName(name), "fail", props, done); err != nil {
 		return fmt.Errorf("start scope %s: %w", ScopeName(name), err)
@@ -438,6 +547,30 @@ func (s SystemdScope) Place(ctx context.Context, name string, pid int, l CgroupL
 	case <-ctx.Done():
 		return fmt.Errorf("start scope %s: %w", ScopeName(name), ctx.Err())
 	}
+}
+
+// cpuMask is a CPU (or node) list as systemd's AllowedCPUs takes it over
+// D-Bus: a byte array, bit i of byte i/8 for CPU i.
+func cpuMask(list string) ([]byte, error) {
+	var mask []byte
+	for _, r := range strings.Split(list, ",") {
+		lo, hi, ranged := strings.Cut(r, "-")
+		a, err := strconv.Atoi(lo)
+		b := a
+		if ranged {
+			b, err = strconv.Atoi(hi)
+		}
+		if err != nil || a < 0 || b < a || b >= 1<<14 {
+			return nil, fmt.Errorf("%q is not a CPU list", list)
+		}
+		for i := a; i <= b; i++ {
+			for len(mask) <= i/8 {
+				mask = append(mask, 0)
+			}
+			mask[i/8] |= 1 << (i % 8)
+		}
+	}
+	return mask, nil
 }
 
 // scopeIO is l's I/O bounds as a scope's IO*Max properties, a(st) of
@@ -507,8 +640,10 @@ func CgroupsFor(ctx context.Context, root string, dial func(context.Context) (Sc
 		}
 		c.parents[ctrl] = filepath.Join(own[ctrl], "vmflow")
 	}
-	if _, err := os.Stat(filepath.Join(root, cgroupV1IO, "cgroup.procs")); err == nil {
-		c.parents[cgroupV1IO] = filepath.Join(own[cgroupV1IO], "vmflow")
+	for _, ctrl := range []string{cgroupV1IO, cgroupV1CPUSet} {
+		if _, err := os.Stat(filepath.Join(root, ctrl, "cgroup.procs")); err == nil {
+			c.parents[ctrl] = filepath.Join(own[ctrl], "vmflow")
+		}
 	}
 	return c, nil
 }
