@@ -6,8 +6,10 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -15,6 +17,7 @@ import (
 	"vmflow/hostagent/gpu"
 	"vmflow/hostagent/lease"
 	"vmflow/hostagent/store"
+	"vmflow/hostagent/topology"
 	"vmflow/internal/contract"
 	"vmflow/internal/safetext"
 )
@@ -30,6 +33,14 @@ named by --gpu-passthrough, bound to vfio-pci by someone else, in an IOMMU
 group vmflow cannot take whole: "group 42 also holds 0000:82:00.0 (network
 controller)", any device not of the GPU's own card, with a driver or not). Give it the agent's --sysfs-root,
 --gpu-passthrough and --vgpu-driver. Read-only.
+
+Each device says where it sits: NUMA is the node the kernel reports
+(numa_node; "-" when the platform did not say, which placement counts as
+the host's node when it has one), PCIE-ROOT its PCI root complex (a vGPU
+sits where its parent GPU does; -o json adds the root port). Above the
+devices, the host's NUMA nodes: their CPUs, memory (total and free) and
+hugepage pools (free/total pages of 2 MiB and 1 GiB); a kernel without
+NUMA is one node 0.
 
 devices clear puts a quarantined device back into placement once an
 operator fixed it; the reason is required and logged, with the time and
@@ -106,22 +117,77 @@ func Devices(ctx context.Context, args []string, out IO) int {
 		}
 		return ExitError
 	}
+	located := make([]deviceRow, len(rows))
+	for i, r := range rows {
+		located[i] = deviceRow{DeviceRow: r, PCILocality: topology.PCILocality{NUMANode: topology.NoNode}}
+		if l, err := gpu.Locate(*sysfs, r.ID); err == nil {
+			located[i].PCILocality = l
+		}
+	}
 	if v.output == "json" {
-		writeJSON(out.Stdout, rows)
+		writeJSON(out.Stdout, located)
 		return ExitOK
 	}
-	tw := tabwriter.NewWriter(out.Stdout, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "DEVICE\tKIND\tSTATE\tINSTANCE\tWHY")
-	for _, r := range rows {
-		cols := []string{r.ID, r.Kind, r.State, orDash(r.Instance), orDash(r.Why)}
-		for i, c := range cols {
-			cols[i] = safetext.Escape(c)
+	if topo, err := topology.Read(*sysfs); err != nil {
+		fmt.Fprintf(out.Stderr, "devices: the host's NUMA nodes: %v\n", err)
+	} else {
+		writeNodes(out.Stdout, topo)
+		fmt.Fprintln(out.Stdout)
+	}
+	table(out.Stdout, []string{"DEVICE", "KIND", "NUMA", "PCIE-ROOT", "STATE", "INSTANCE", "WHY"}, len(located), func(i int) []string {
+		r := located[i]
+		return []string{r.ID, r.Kind, nodeName(r.NUMANode), orDash(r.PCIeRoot), r.State, orDash(r.Instance), orDash(r.Why)}
+	})
+	return ExitOK
+}
+
+// deviceRow is a row of devices: the inventory's, and where the device
+// sits (NUMANode topology.NoNode, no root, when sysfs cannot say).
+type deviceRow struct {
+	lease.DeviceRow
+	topology.PCILocality
+}
+
+// writeNodes is the table of the host's NUMA nodes.
+func writeNodes(w io.Writer, topo topology.Topology) {
+	pages := func(n topology.Node, size uint64) string {
+		p, ok := n.Hugepages[size]
+		if !ok {
+			return "-"
+		}
+		return fmt.Sprintf("%d/%d", p.Free, p.Total)
+	}
+	table(w, []string{"NODE", "CPUS", "MEMORY", "FREE", "2M-PAGES", "1G-PAGES"}, len(topo.Nodes), func(i int) []string {
+		n := topo.Nodes[i]
+		return []string{strconv.Itoa(n.ID), orDash(topology.FormatCPUList(n.CPUs)), gib(n.MemoryBytes), gib(n.FreeBytes),
+			pages(n, topology.PageSize2M), pages(n, topology.PageSize1G)}
+	})
+}
+
+// table writes a header and n rows, aligned, every cell escaped.
+func table(w io.Writer, header []string, n int, row func(i int) []string) {
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, strings.Join(header, "\t"))
+	for i := range n {
+		cols := row(i)
+		for j, c := range cols {
+			cols[j] = safetext.Escape(c)
 		}
 		fmt.Fprintln(tw, strings.Join(cols, "\t"))
 	}
 	_ = tw.Flush()
-	return ExitOK
 }
+
+// nodeName is a NUMA node as the tables show it: "-" for none.
+func nodeName(n int) string {
+	if n == topology.NoNode {
+		return "-"
+	}
+	return strconv.Itoa(n)
+}
+
+// gib is a size in GiB with one decimal ("62.8 GiB").
+func gib(b uint64) string { return fmt.Sprintf("%.1f GiB", float64(b)/(1<<30)) }
 
 func devicesClear(ctx context.Context, args []string, out IO) int {
 	fs := flag.NewFlagSet("devices clear", flag.ContinueOnError)

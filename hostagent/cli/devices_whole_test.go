@@ -24,5 +24,5 @@ func TestDevicesSaysWhyAGroupIsNotOffered(t *testing.T) {
 	require.NoError(t, err)
 	code, out, stderr := runDevices(t, "--state-dir", dir, "--sysfs-root", sim.Root, "--gpu-passthrough", "all")
 	require.Equal(t, cli.ExitOK, code, stderr)
-	assert.Regexp(t, g3.GPU+` +whole +not-vmflows +- +group `+g3.Group+` also holds `+g3.NIC+` \(network controller\)`, out)
+	assert.Regexp(t, g3.GPU+` +whole +- +pci0000:00 +not-vmflows +- +group `+g3.Group+` also holds `+g3.NIC+` \(network controller\)`, out)
 }

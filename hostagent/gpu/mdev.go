@@ -67,6 +67,7 @@ func (d *MdevDriver) Profiles(ctx context.Context) ([]Profile, error) {
 		if err != nil {
 			return nil, fmt.Errorf("vgpu: list mdev types of %s: %w", p.Name(), err)
 		}
+		loc := locality(d.root, p.Name())
 		for _, t := range types {
 			dir := filepath.Join(d.typesDir(p.Name()), t.Name())
 			name, err := readAttr(filepath.Join(dir, "name"))
@@ -81,7 +82,7 @@ func (d *MdevDriver) Profiles(ctx context.Context) ([]Profile, error) {
 			if err != nil {
 				return nil, fmt.Errorf("vgpu: mdev type %s/%s: available_instances %q: %w", p.Name(), t.Name(), avs, err)
 			}
-			out = append(out, Profile{Name: name, TypeID: t.Name(), Parent: p.Name(), Available: av, Used: used[p.Name()]})
+			out = append(out, Profile{Name: name, TypeID: t.Name(), Parent: p.Name(), Available: av, Used: used[p.Name()], PCILocality: loc})
 		}
 	}
 	sortProfiles(out)
@@ -94,21 +95,42 @@ func (d *MdevDriver) Devices(ctx context.Context) ([]Device, error) {
 	return readEntries(ctx, filepath.Join(d.root, "bus", "mdev", "devices"), "mdev devices", d.device)
 }
 
-// device describes an existing mdev from its mdev_type link, which ends in
-// <parent>/mdev_supported_types/<type>.
+// device describes an existing mdev from its mdev_type link.
 func (d *MdevDriver) device(id string) (Device, error) {
 	link := filepath.Join(d.devDir(id), "mdev_type")
-	target, err := os.Readlink(link)
+	typeID, parent, err := mdevType(link)
 	if err != nil {
 		return Device{}, fmt.Errorf("vgpu: mdev %s: %w", id, err)
 	}
-	typeID := filepath.Base(target)
-	parent := filepath.Base(filepath.Dir(filepath.Dir(target)))
 	name, err := readAttr(filepath.Join(link, "name"))
 	if err != nil {
 		return Device{}, fmt.Errorf("vgpu: mdev %s: %w", id, err)
 	}
 	return Device{Kind: KindMdev, ID: id, UUID: id, Profile: name, TypeID: typeID, Parent: parent}, nil
+}
+
+// mdevType reads an mdev's type and parent GPU from its mdev_type link,
+// which leads to <parent>/mdev_supported_types/<type>. The kernel writes
+// the link relative to the mdev's own folder, which lives under its
+// parent (kernfs climbs only to the common ancestor):
+// "../mdev_supported_types/nvidia-471", whose text names no parent, so
+// the link is then resolved. (The simulator's mdevs live in
+// bus/mdev/devices and link through bus/pci/devices/<parent>.)
+func mdevType(link string) (typeID, parent string, err error) {
+	target, err := os.Readlink(link)
+	if err != nil {
+		return "", "", err
+	}
+	if p := filepath.Base(filepath.Dir(filepath.Dir(target))); pciAddr.MatchString(p) {
+		return filepath.Base(target), p, nil
+	}
+	if target, err = filepath.EvalSymlinks(link); err != nil {
+		return "", "", err
+	}
+	if p := filepath.Base(filepath.Dir(filepath.Dir(target))); pciAddr.MatchString(p) {
+		return filepath.Base(target), p, nil
+	}
+	return "", "", fmt.Errorf("mdev_type leads to %s, not <parent>/mdev_supported_types/<type>: %w", target, ErrInvalid)
 }
 
 // Create implements Driver.

@@ -42,6 +42,7 @@ import (
 	"strings"
 	"sync"
 
+	"vmflow/hostagent/topology"
 	"vmflow/internal/errdefs"
 )
 
@@ -169,6 +170,9 @@ func (f GPUFilter) Match(fn PCIFunction) bool {
 // GPU is one display-class function and what its IOMMU group allows.
 type GPU struct {
 	PCIFunction
+	// PCILocality is where the GPU sits: its NUMA node and PCIe root
+	// (unknown when sysfs cannot say).
+	topology.PCILocality
 	// Others are the other endpoint functions of its group (a companion
 	// audio function, a second GPU, a foreign device); Bridges the
 	// group's PCI bridges, which a bind leaves alone.
@@ -429,7 +433,7 @@ func (p *Passthrough) GPUs(ctx context.Context) ([]GPU, error) {
 		if !f.IsDisplay() {
 			continue
 		}
-		g := GPU{PCIFunction: f, Marked: f.Override == DriverVFIO, VGPUParent: isVGPUParent(p.cfg.SysfsRoot, f.Addr)}
+		g := GPU{PCIFunction: f, PCILocality: locality(p.cfg.SysfsRoot, f.Addr), Marked: f.Override == DriverVFIO, VGPUParent: isVGPUParent(p.cfg.SysfsRoot, f.Addr)}
 		sharesWithVGPU, others := false, false
 		for _, o := range groups[f.Group] {
 			others = others || someoneElses(o)

@@ -10,6 +10,8 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+
+	"vmflow/hostagent/topology"
 )
 
 // VendorDriver drives NVIDIA's SR-IOV "vendor VFIO" vGPUs (vGPU 17+):
@@ -167,7 +169,15 @@ func (d *VendorDriver) Profiles(ctx context.Context) ([]Profile, error) {
 	if err != nil {
 		return nil, err
 	}
-	return vendorProfiles(vfs, d.typeNames(vfs)), nil
+	profs := vendorProfiles(vfs, d.typeNames(vfs))
+	locs := map[string]topology.PCILocality{}
+	for i, p := range profs {
+		if _, ok := locs[p.Parent]; !ok {
+			locs[p.Parent] = locality(d.root, p.Parent)
+		}
+		profs[i].PCILocality = locs[p.Parent]
+	}
+	return profs, nil
 }
 
 // Devices implements Driver.

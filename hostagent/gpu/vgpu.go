@@ -42,6 +42,7 @@ import (
 
 	"github.com/google/uuid"
 
+	"vmflow/hostagent/topology"
 	"vmflow/internal/contract"
 	"vmflow/internal/errdefs"
 )
@@ -77,6 +78,9 @@ type Profile struct {
 	// Used counts the vGPUs of any type on Parent; placement prefers the
 	// least used parent.
 	Used int `json:"used"`
+	// PCILocality is where Parent sits, and so every vGPU on it: its
+	// NUMA node and PCIe root (unknown when sysfs cannot say).
+	topology.PCILocality
 }
 
 // Placement is where a device will be created.

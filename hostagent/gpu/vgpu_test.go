@@ -17,6 +17,7 @@ import (
 	"vmflow/hostagent/gpu"
 	"vmflow/hostagent/gpu/vgpusim"
 	"vmflow/hostagent/gpu/vgpusim/simtest"
+	"vmflow/hostagent/topology"
 )
 
 const waitFor = 5 * time.Second
@@ -158,13 +159,21 @@ func TestProfilesNamedAsHardware(t *testing.T) {
 	e := fixtures[0].start(t)
 	profs, err := e.drv.Profiles(context.Background())
 	require.NoError(t, err)
-	assert.Contains(t, profs, gpu.Profile{Name: "GRID A100-4C", TypeID: "nvidia-471", Parent: vgpusim.MdevParent(0), Available: 10})
-	assert.Contains(t, profs, gpu.Profile{Name: "GRID A100-40C", TypeID: "nvidia-477", Parent: vgpusim.MdevParent(1), Available: 1})
+	// Without NUMA every parent is on no node, under the one root.
+	at := func(e *env, parent string) topology.PCILocality {
+		l, ok := e.sim.Server.PCILocality(parent)
+		require.True(t, ok, parent)
+		require.Equal(t, topology.NoNode, l.NUMANode)
+		require.Equal(t, "pci0000:00", l.PCIeRoot)
+		return l
+	}
+	assert.Contains(t, profs, gpu.Profile{Name: "GRID A100-4C", TypeID: "nvidia-471", Parent: vgpusim.MdevParent(0), Available: 10, PCILocality: at(e, vgpusim.MdevParent(0))})
+	assert.Contains(t, profs, gpu.Profile{Name: "GRID A100-40C", TypeID: "nvidia-477", Parent: vgpusim.MdevParent(1), Available: 1, PCILocality: at(e, vgpusim.MdevParent(1))})
 
 	v := fixtures[1].start(t)
 	profs, err = v.drv.Profiles(context.Background())
 	require.NoError(t, err)
-	assert.Contains(t, profs, gpu.Profile{Name: "NVIDIA L40-4Q", TypeID: "592", Parent: vgpusim.VendorPF, Available: 4})
+	assert.Contains(t, profs, gpu.Profile{Name: "NVIDIA L40-4Q", TypeID: "592", Parent: vgpusim.VendorPF, Available: 4, PCILocality: at(v, vgpusim.VendorPF)})
 }
 
 func TestCreateListRelease(t *testing.T) {

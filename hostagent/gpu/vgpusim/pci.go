@@ -108,7 +108,7 @@ var pciDriverSpecs = []pciDriver{
 
 // buildPCI creates the PCI GPUs, their groups and the drivers; called
 // from build with s.mu held.
-func (s *Server) buildPCI(ctx context.Context, pci *fs.Inode) {
+func (s *Server) buildPCI(ctx context.Context) {
 	drvRoot := mkpath(ctx, s.root, "bus", "pci", "drivers")
 	s.pciDrivers = map[string]*pciDriver{}
 	for _, spec := range pciDriverSpecs {
@@ -123,8 +123,24 @@ func (s *Server) buildPCI(ctx context.Context, pci *fs.Inode) {
 	}))
 	s.buildIOMMU(ctx)
 	s.pci = map[string]*pciFn{}
+	// Each GPU under a root port of its own, but one in another's IOMMU
+	// group under that GPU's: they sit behind one switch without ACS.
+	ports := make([]*pciPort, s.opts.PCIGPUs)
+	for i := range ports {
+		if _, shared := s.opts.PCIGroupWith[i]; !shared {
+			ports[i] = s.newPortLocked(ctx, s.opts.cardNode(PCIGPUAt(i).GPU, i))
+		}
+	}
+	for i := range ports {
+		if j, shared := s.opts.PCIGroupWith[i]; shared {
+			if ports[i] = ports[j]; ports[i] == nil { // j went to a third GPU's group
+				ports[i] = s.newPortLocked(ctx, s.opts.cardNode(PCIGPUAt(i).GPU, i))
+			}
+		}
+	}
 	for i := 0; i < s.opts.PCIGPUs; i++ {
 		g := PCIGPUAt(i)
+		pci := ports[i]
 		group, _ := strconv.Atoi(g.Group)
 		if j, ok := s.opts.PCIGroupWith[i]; ok {
 			group, _ = strconv.Atoi(PCIGPUAt(j).Group)
@@ -152,10 +168,10 @@ func (s *Server) buildPCI(ctx context.Context, pci *fs.Inode) {
 // reset: the function offers the reset attribute (the kernel hides it
 // when the function has no reset method; the audio functions here have
 // none).
-func (s *Server) addPCIFn(ctx context.Context, pci *fs.Inode, f *pciFn, reset bool) {
+func (s *Server) addPCIFn(ctx context.Context, port *pciPort, f *pciFn, reset bool) {
 	f.lock = make(chan struct{}, 1)
 	s.pci[f.addr] = f
-	f.dir = mkdir(ctx, pci, f.addr)
+	f.dir = s.pciHomeLocked(ctx, port, f.addr)
 	// Read under mu: Reboot may put another card at the address.
 	addFile(ctx, f.dir, "vendor", roAttr(func() string { return "0x" + s.locked(func() string { return f.vendor }) + "\n" }))
 	addFile(ctx, f.dir, "device", roAttr(func() string { return "0x" + s.locked(func() string { return f.device }) + "\n" }))
@@ -514,7 +530,6 @@ func (s *Server) Reboot(r Reboot) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	ctx := context.Background()
-	devices := mkpath(ctx, s.root, "bus", "pci", "devices")
 	groups := mkpath(ctx, s.root, "kernel", "iommu_groups")
 	old := map[int]bool{}
 	for _, f := range fns {
@@ -532,7 +547,7 @@ func (s *Server) Reboot(r Reboot) error {
 	}
 	for _, a := range r.Remove {
 		if f := s.pci[a]; f != nil {
-			devices.RmChild(a)
+			s.removeHomeLocked(a)
 			delete(s.pci, a)
 		}
 	}

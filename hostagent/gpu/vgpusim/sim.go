@@ -10,6 +10,8 @@
 //	bus/pci/devices/<pf>/{sriov_numvfs,sriov_totalvfs,virtfnN->../<vf>}
 //	bus/pci/devices/<vf>/{physfn->../<pf>,iommu_group->...,nvidia/{creatable_vgpu_types,current_vgpu_type}}
 //	kernel/iommu_groups/<n>/devices/<dev> -> the device
+//	bus/pci/devices/<addr> -> ../../../devices/pci0000:<bus>/<root port>/<addr> (every PCI function; numa.go)
+//	devices/system/node/node<k>/{cpulist,meminfo,hugepages/}, devices/system/cpu/online (with Options.NUMANodes)
 //
 // Behaviour, as the kernel's (drivers/vfio/mdev/mdev_sysfs.c and
 // mdev_core.c for mdev; NVIDIA's vGPU documentation for vendor VFIO):
@@ -108,6 +110,26 @@ type Options struct {
 	// it, and vmflow must not offer it (a tenant's state would reach the
 	// next).
 	PCINoReset []int
+
+	// NUMA (numa.go). NUMANodes is the number of NUMA nodes (at most
+	// MaxNUMANodes); 0 is a kernel without NUMA: no devices/system at all
+	// and every PCI function's numa_node -1, as before NUMA was simulated.
+	// The other fields need NUMANodes; zero takes their default.
+	NUMANodes int
+	// NodeCPUs is each node's number of CPUs (default 2): node k holds
+	// CPUs k*NodeCPUs to (k+1)*NodeCPUs-1.
+	NodeCPUs int
+	// NodeMemoryMiB is each node's MemTotal (default 4096); its MemFree is
+	// that less its hugepage pools.
+	NodeMemoryMiB int
+	// NodeHugepages2M and NodeHugepages1G are each node's pools.
+	NodeHugepages2M, NodeHugepages1G Hugepages
+	// GPUNodes puts GPUs on nodes by PCI address: a PCI GPU's display
+	// function, an mdev parent, VendorPF. A GPU not named goes round
+	// robin: PCI GPU i and mdev parent i on node i % NUMANodes, the PF on
+	// node 0. Every function of a card (audio, bridge, NIC; the PF's VFs)
+	// is on its card's node, under its root port.
+	GPUNodes map[string]int
 }
 
 // Server is a mounted simulator.
@@ -135,6 +157,11 @@ type Server struct {
 
 	pci        map[string]*pciFn
 	pciDrivers map[string]*pciDriver
+
+	// homes is every PCI function's root port; portsOn counts the ports
+	// made on each node's root complex (numa.go).
+	homes   map[string]*pciPort
+	portsOn map[int]int
 }
 
 // Mount mounts a simulator at dir (which must exist) and serves it until
@@ -159,6 +186,9 @@ func Mount(dir string, opts Options) (*Server, error) {
 			return nil, fmt.Errorf("vgpusim: PCI GPU %d in the group of %d: no such pair of %d GPUs", i, j, opts.PCIGPUs)
 		}
 	}
+	if err := opts.checkNUMA(); err != nil {
+		return nil, err
+	}
 	if opts.DevRoot != "" {
 		if err := makeDevNodes(opts.DevRoot, opts.PCIGPUs); err != nil {
 			return nil, err
@@ -180,6 +210,8 @@ func Mount(dir string, opts Options) (*Server, error) {
 		closing:   make(chan struct{}),
 		devices:   map[string]*mdevDevice{},
 		nextGroup: 1000,
+		homes:     map[string]*pciPort{},
+		portsOn:   map[int]int{},
 	}
 	// Zero timeouts: devices come and go and available_instances changes,
 	// so the kernel must ask us every time instead of caching entries,
@@ -367,7 +399,7 @@ func (s *Server) build(ctx context.Context, root *fs.Inode) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.root = root
-	pci := mkpath(ctx, root, "bus", "pci", "devices")
+	mkpath(ctx, root, "bus", "pci", "devices")
 	mkpath(ctx, root, "bus", "mdev", "devices")
 	mdevBus := mkpath(ctx, root, "class", "mdev_bus")
 	mkpath(ctx, root, "kernel", "iommu_groups")
@@ -376,8 +408,9 @@ func (s *Server) build(ctx context.Context, root *fs.Inode) {
 		p := &mdevParent{addr: mdevParentAddr(i), types: map[string]*mdevType{}}
 		s.parents = append(s.parents, p)
 		addLink(ctx, mdevBus, p.addr, up(2)+"bus/pci/devices/"+p.addr)
-		addIDs(ctx, mkdir(ctx, pci, p.addr), "10de", "20b0") // A100-40GB
-		types := mkpath(ctx, pci, p.addr, "mdev_supported_types")
+		pd := s.pciHomeLocked(ctx, s.newPortLocked(ctx, s.opts.cardNode(p.addr, i)), p.addr)
+		addIDs(ctx, pd, "10de", "20b0") // A100-40GB
+		types := mkdir(ctx, pd, "mdev_supported_types")
 		for _, spec := range mdevCatalog {
 			t := &mdevType{spec: spec, parent: p}
 			p.types[spec.id] = t
@@ -400,7 +433,8 @@ func (s *Server) build(ctx context.Context, root *fs.Inode) {
 	}
 
 	if s.opts.VendorVFs > 0 {
-		pf := mkdir(ctx, pci, VendorPF)
+		port := s.newPortLocked(ctx, s.opts.cardNode(VendorPF, 0))
+		pf := s.pciHomeLocked(ctx, port, VendorPF)
 		addIDs(ctx, pf, "10de", "26b5") // L40
 		n := strconv.Itoa(s.opts.VendorVFs) + "\n"
 		addFile(ctx, pf, "sriov_totalvfs", roAttr(func() string { return n }))
@@ -409,7 +443,7 @@ func (s *Server) build(ctx context.Context, root *fs.Inode) {
 			vf := &vendorVF{addr: vendorVFAddr(i), group: 100 + i}
 			s.vfs = append(s.vfs, vf)
 			addLink(ctx, pf, "virtfn"+strconv.Itoa(i), "../"+vf.addr)
-			vd := mkdir(ctx, pci, vf.addr)
+			vd := s.pciHomeLocked(ctx, port, vf.addr) // VFs sit on their PF's bus
 			addLink(ctx, vd, "physfn", "../"+VendorPF)
 			addIDs(ctx, vd, "10de", "26b5")
 			s.addGroupLocked(ctx, vd, vf.group, vf.addr, "bus/pci/devices/"+vf.addr)
@@ -428,7 +462,8 @@ func (s *Server) build(ctx context.Context, root *fs.Inode) {
 			))
 		}
 	}
-	s.buildPCI(ctx, pci)
+	s.buildPCI(ctx)
+	s.buildNUMA(ctx)
 }
 
 // addIDs gives a vGPU parent or VF the vendor, device and class (3D
