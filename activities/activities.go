@@ -360,6 +360,9 @@ func (a *Activities) launchResult(rec *vmflowv1.InstanceRecord, pid int, already
 	for _, lease := range store.HeldPassthrough(rec) {
 		res.GpuDeviceIds = append(res.GpuDeviceIds, store.PassthroughDevices(lease)...)
 	}
+	if l := store.Capacity(rec); store.LeaseHeld(l) {
+		res.NumaNodes, res.Cpus = l.GetCapacity().GetNumaNodes(), l.GetCapacity().GetCpus()
+	}
 	if l := store.Network(rec); store.LeaseHeld(l) {
 		res.Ip, res.Mac = l.GetNetwork().GetAddress(), l.GetNetwork().GetMac()
 	}

@@ -3,6 +3,9 @@ package e2e
 import (
 	"errors"
 	"fmt"
+	"os"
+	"runtime"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -12,6 +15,8 @@ import (
 	"go.temporal.io/sdk/client"
 	"go.temporal.io/sdk/temporal"
 
+	"vmflow/guest"
+	"vmflow/hostagent/gpu/vgpusim"
 	"vmflow/hostagent/lease"
 	"vmflow/hostagent/store"
 	vmflowv1 "vmflow/proto/vmflow/v1"
@@ -86,6 +91,50 @@ func TestSpawnBurstFillsTheHostExactly(t *testing.T) {
 	}
 	for _, d := range dels {
 		require.NoError(t, d.Get(e.ctx(3*time.Minute), nil))
+	}
+	e.assertNothingLeft()
+}
+
+// TestDedicatedCPUPinsARealGuest: on this machine's CPUs (the simulator
+// shows one NUMA node of two CPUs, as the machine has), with CPU 1 kept
+// for dedicated VMs: a booted guest asking dedicated_cpus runs every QEMU
+// thread on CPU 1, and a VM without runs on CPU 0 only, so the two never
+// share a CPU; both land on node 0 (guest RAM bound there), and the
+// spawn's result says where.
+func TestDedicatedCPUPinsARealGuest(t *testing.T) {
+	if runtime.NumCPU() < 2 {
+		t.Skip("needs 2 CPUs")
+	}
+	e := newEnv(t, envOptions{agentArgs: []string{"--dedicated-cpus", "1"},
+		sim: func(o *vgpusim.Options) { o.NUMANodes, o.NodeCPUs = 1, 2 }})
+	req := e.guestSpawn("pinned", false)
+	req.DedicatedCpus = true
+	res := e.spawn(req)
+	assert.Equal(t, "1", res.GetCpus())
+	assert.Equal(t, []uint32{0}, res.GetNumaNodes())
+	shared := e.spawn(e.noneSpawn("shared", false))
+	assert.Equal(t, "0", shared.GetCpus(), "the dedicated pool is in no other VM's cpuset")
+
+	for pid, want := range map[int32]string{res.GetPid(): "1", shared.GetPid(): "0"} {
+		tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+		require.NoError(t, err)
+		for _, task := range tasks {
+			b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/status", pid, task.Name()))
+			require.NoError(t, err)
+			for _, line := range strings.Split(string(b), "\n") {
+				if k, v, ok := strings.Cut(line, ":"); ok && k == "Cpus_allowed_list" {
+					assert.Equal(t, want, strings.TrimSpace(v), "pid %d thread %s", pid, task.Name())
+				}
+			}
+		}
+	}
+	cmdline, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", res.GetPid()))
+	require.NoError(t, err)
+	assert.Contains(t, string(cmdline), "host-nodes=0,policy=bind", "guest RAM bound to its node")
+	e.openConsole("pinned").wait(t, guest.UpLine, 3*time.Minute)
+
+	for _, id := range []string{"pinned", "shared"} {
+		require.NoError(t, e.startDelete(id, 0).Get(e.ctx(3*time.Minute), nil))
 	}
 	e.assertNothingLeft()
 }

@@ -104,6 +104,7 @@ func (w *Workflows) spawnInstance(ctx workflow.Context, req *vmflowv1.SpawnReque
 	}
 	res.Pid, res.QmpSocket = launched.GetPid(), launched.GetQmpSocket()
 	res.Ip, res.Mac = launched.GetIp(), launched.GetMac()
+	res.NumaNodes, res.Cpus = launched.GetNumaNodes(), launched.GetCpus()
 	t.status.Ip, t.status.Mac = res.Ip, res.Mac
 	t.stage(ctx, StageRunning)
 	return res, nil
@@ -129,7 +130,7 @@ func (w *Workflows) spawnFoundExisting(ctx workflow.Context, t *tracker, h *host
 	return &vmflowv1.SpawnResult{
 		Pid: found.GetPid(), QmpSocket: found.GetQmpSocket(), VgpuUuid: found.GetVgpuUuid(),
 		VgpuDeviceId: found.GetVgpuDeviceId(), InstanceUuid: created.GetInstanceUuid(), GpuDeviceIds: found.GetGpuDeviceIds(),
-		Ip: found.GetIp(), Mac: found.GetMac(),
+		Ip: found.GetIp(), Mac: found.GetMac(), NumaNodes: found.GetNumaNodes(), Cpus: found.GetCpus(),
 	}, nil
 }
 

@@ -28,6 +28,7 @@ import (
 	"vmflow/hostagent/network"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/supervise"
+	"vmflow/hostagent/topology"
 	"vmflow/hostagent/vmm"
 	"vmflow/internal/crashpoint"
 	"vmflow/internal/service"
@@ -216,10 +217,26 @@ func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentH
 	if cfg.MemoryReserveMiB < 0 {
 		reserve = lease.DefaultMemoryReserveMiB(uint64(host.MaxMemoryMiB))
 	}
+	// The host's NUMA nodes, where its devices are (the simulator's in
+	// tests). Without them nothing is placed on a node: VMs run where the
+	// kernel puts them, as before the ledger.
+	topo, err := topology.Read(cfg.SysfsRoot)
+	if err != nil {
+		log.Warn("host topology unreadable: no VM is placed on a NUMA node", zap.String("sysfs_root", cfg.SysfsRoot), zap.Error(err))
+		topo = topology.Topology{}
+		if len(cfg.DedicatedCPUs) > 0 {
+			return nil, fmt.Errorf("--dedicated-cpus: %w", err)
+		}
+	}
+	host.DedicatedCPUs = uint32(len(cfg.DedicatedCPUs))
 	capacity, err := lease.NewCapacity(lease.CapacityConfig{Store: st, CPUs: int(host.MaxVCPUs), MemoryMiB: uint64(host.MaxMemoryMiB),
-		CPUOvercommit: cfg.CPUOvercommit, MemoryOvercommit: cfg.MemoryOvercommit, MemoryReserveMiB: reserve, TTL: cfg.ReservationTTL, Logger: log})
+		CPUOvercommit: cfg.CPUOvercommit, MemoryOvercommit: cfg.MemoryOvercommit, MemoryReserveMiB: reserve, TTL: cfg.ReservationTTL,
+		Topology: topo, DedicatedCPUs: cfg.DedicatedCPUs, SysfsRoot: cfg.SysfsRoot, Logger: log})
 	if err != nil {
 		return nil, err
+	}
+	for _, n := range topo.Nodes {
+		log.Info("numa node", zap.Int("numa_node", n.ID), zap.String("cpus", topology.FormatCPUList(n.CPUs)), zap.Uint64("memory_bytes", n.MemoryBytes))
 	}
 	lim := capacity.Limits()
 	log.Info("capacity", zap.Uint64("vcpus", lim.VCPUs), zap.Uint64("memory_mib", lim.MemoryMiB), zap.Uint64("pinned_memory_mib", lim.PhysicalMiB),

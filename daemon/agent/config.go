@@ -19,6 +19,7 @@ import (
 	"vmflow/hostagent/lease"
 	"vmflow/hostagent/network"
 	"vmflow/hostagent/store"
+	"vmflow/hostagent/topology"
 	"vmflow/hostagent/vmm"
 	"vmflow/internal/contract"
 )
@@ -89,6 +90,9 @@ type Config struct {
 	// LaunchConcurrency bounds the QEMU starts in flight (0: from the
 	// host's CPUs, supervise.DefaultLaunchConcurrency).
 	LaunchConcurrency int
+	// DedicatedCPUs are kept for VMs with dedicated_cpus
+	// (lease.CapacityConfig.DedicatedCPUs).
+	DedicatedCPUs []int
 }
 
 type pidsFlag []int
@@ -177,6 +181,8 @@ flags:
 	fs.Func("memory-reserve", "`SIZE` of memory kept for the host (kernel, agent, page cache) and never promised to VMs: MiB, or with a suffix M, G or T (default 1G + 2% of the host's)",
 		func(v string) (err error) { c.MemoryReserveMiB, err = parseMiB(v); return err })
 	fs.DurationVar(&c.ReservationTTL, "reservation-ttl", lease.DefaultReservationTTL, "how long a new record's reservation of CPUs and memory counts before its launch: a spawn that died in between frees its room after this")
+	fs.Func("dedicated-cpus", "`CPULIST` (0-3,8) kept for VMs that ask for dedicated_cpus, one CPU per vCPU: no other VM's cpuset holds them; empty (the default): none offered",
+		func(v string) (err error) { c.DedicatedCPUs, err = topology.ParseCPUList(v); return err })
 	fs.IntVar(&c.LaunchConcurrency, "launch-concurrency", 0, "QEMU starts in flight at once (fork to QMP ready); the rest wait their turn. 0: one per CPU, 2 to 16")
 	fs.Var(&ignore, "holders-ignore-pid", "a pid whose open files cannot be read but that holds no VFIO device (repeatable; for sandboxes whose init outranks the agent, never in production)")
 	if err := fs.Parse(args); err != nil {

@@ -240,5 +240,14 @@ func ForRecord(rec *vmflowv1.InstanceRecord, vfioPaths []string) vmm.VMSpec {
 	v.VFIO = slices.Clone(vfioPaths)
 	io := s.GetDiskIo() // nil: no bound of the caller's
 	v.IO = vmm.IOLimits{ReadBPS: io.GetReadBps(), WriteBPS: io.GetWriteBps(), ReadIOPS: io.GetReadIops(), WriteIOPS: io.GetWriteIops()}
+	// Where the capacity ledger placed it (a held lease only: a launch
+	// places before it assembles).
+	if l := store.Capacity(rec); store.LeaseHeld(l) {
+		c := l.GetCapacity()
+		v.Placement = vmm.Placement{CPUs: c.GetCpus(), HugepageKiB: int(c.GetHugepageKib())}
+		for _, n := range c.GetNumaNodes() {
+			v.Placement.Nodes = append(v.Placement.Nodes, int(n))
+		}
+	}
 	return v
 }

@@ -48,6 +48,8 @@ var MaxBytes = map[string]int{
 	"accel":                          maxEnumBytes,
 	"restart_policy":                 maxEnumBytes,
 	"network":                        maxEnumBytes,
+	"hugepages":                      maxEnumBytes,
+	"numa":                           maxEnumBytes,
 	"only_if_created_by_workflow_id": MaxWorkflowIDBytes,
 	"only_if_created_by_run_id":      MaxRunIDBytes,
 	"gpu_passthrough_model":          len("10de:2335"),

@@ -48,8 +48,12 @@ const NetworkDefault = "default"
 // Accepted values of the enum-like string fields. A spawn may not ask for
 // every machine vmm knows: pc is not offered.
 var (
-	Machines        = []string{string(vmm.MachineNone), string(vmm.MachineQ35), string(vmm.MachineMicroVM)}
-	Accels          = []string{string(vmm.AccelKVM), string(vmm.AccelTCG)}
+	Machines = []string{string(vmm.MachineNone), string(vmm.MachineQ35), string(vmm.MachineMicroVM)}
+	Accels   = []string{string(vmm.AccelKVM), string(vmm.AccelTCG)}
+	// NUMAPolicies: "preferred" (what empty means) or "strict".
+	NUMAPolicies = []string{"preferred", "strict"}
+	// HugepageSizes are the pages guest RAM may come in.
+	HugepageSizes   = []string{"2M", "1G"}
 	RestartPolicies = []string{RestartNever, RestartOnFailure, RestartAlways}
 	Networks        = []string{NetworkDefault}
 )
@@ -109,6 +113,9 @@ type Host struct {
 	// Whole is the host's whole-GPU claims (--gpu-passthrough); nil when
 	// it hands out none, and a spec asking for one is refused.
 	Whole WholeDevices
+	// DedicatedCPUs is how many CPUs the host keeps for VMs with
+	// dedicated_cpus (--dedicated-cpus): a larger one is refused.
+	DedicatedCPUs uint32
 }
 
 // SystemHost describes this machine: CPUs, memory, KVM node (default
@@ -203,7 +210,7 @@ func (h Host) admit(ctx context.Context, id, restartPolicy string, s *vmflowv1.V
 		{"machine", s.GetMachine()}, {"accel", s.GetAccel()}, {"restart_policy", restartPolicy},
 		{"kernel", s.GetKernel()}, {"initrd", s.GetInitrd()}, {"cmdline", s.GetCmdline()},
 		{"disk", s.GetDisk()}, {"vgpu_profile", s.GetVgpuProfile()}, {"uuid", s.GetUuid()}, {"gpu_passthrough_model", s.GetGpuPassthroughModel()},
-		{"network", s.GetNetwork()}, {"instance_id", id},
+		{"network", s.GetNetwork()}, {"instance_id", id}, {"hugepages", s.GetHugepages()}, {"numa", s.GetNuma()},
 	} {
 		if err := CheckBound(f.field, f.v); err != nil {
 			errs = append(errs, err)
@@ -242,6 +249,14 @@ func (h Host) admit(ctx context.Context, id, restartPolicy string, s *vmflowv1.V
 			noKVM(h.KVM.Err))
 	}
 	oneOf("restart_policy", restartPolicy, RestartPolicies, true)
+	oneOf("numa", s.GetNuma(), NUMAPolicies, true)
+	oneOf("hugepages", s.GetHugepages(), HugepageSizes, true)
+	if kib := uint32(vmm.HugepageKiB(s.GetHugepages())); kib > 0 && s.GetMemoryMib()%(kib/1024) != 0 {
+		bad("memory_mib", "%d is not whole %s hugepages", s.GetMemoryMib(), s.GetHugepages())
+	}
+	if s.GetDedicatedCpus() && s.GetVcpus() > h.DedicatedCPUs {
+		bad("dedicated_cpus", "%d vCPUs: this host offers %d dedicated CPUs (--dedicated-cpus)", s.GetVcpus(), h.DedicatedCPUs)
+	}
 	oneOf("network", s.GetNetwork(), Networks, true)
 	if s.GetNetwork() != "" {
 		switch {
@@ -371,6 +386,9 @@ func RecordSpec(req *vmflowv1.SpawnRequest) *vmflowv1.VMSpec {
 		Uuid:                InstanceUUID(req.GetInstanceId()),
 		Network:             req.GetNetwork(),
 		DiskIo:              proto.CloneOf(req.GetDiskIo()),
+		DedicatedCpus:       req.GetDedicatedCpus(),
+		Hugepages:           req.GetHugepages(),
+		Numa:                req.GetNuma(),
 	}
 }
 

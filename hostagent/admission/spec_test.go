@@ -55,6 +55,12 @@ func TestValidateAccepts(t *testing.T) {
 	assert.NoError(t, h.Validate(context.Background(), r))
 	minimal := &vmflowv1.SpawnRequest{InstanceId: "vm1", HostId: "h1", Vcpus: 1, MemoryMib: 128, Machine: "none"}
 	assert.NoError(t, h.Validate(context.Background(), minimal))
+	placed := good(root)
+	placed.Numa, placed.Hugepages, placed.DedicatedCpus = "strict", "2M", true
+	h.DedicatedCPUs = 2
+	assert.NoError(t, h.Validate(context.Background(), placed))
+	assert.Equal(t, "strict", RecordSpec(placed).GetNuma(), "the record keeps where the request asked to run")
+	assert.True(t, RecordSpec(placed).GetDedicatedCpus())
 }
 
 // TestValidateRejects: every rejection names its field, and is ErrInvalid.
@@ -78,6 +84,10 @@ func TestValidateRejects(t *testing.T) {
 		{"machine", func(r *vmflowv1.SpawnRequest) { r.Machine = "virt" }},
 		{"machine", func(r *vmflowv1.SpawnRequest) { r.Machine = "" }},
 		{"accel", func(r *vmflowv1.SpawnRequest) { r.Accel = "hvf" }},
+		{"numa", func(r *vmflowv1.SpawnRequest) { r.Numa = "interleave" }},
+		{"hugepages", func(r *vmflowv1.SpawnRequest) { r.Hugepages = "4K" }},
+		{"memory_mib", func(r *vmflowv1.SpawnRequest) { r.Hugepages, r.MemoryMib = "1G", 1536 }},
+		{"dedicated_cpus", func(r *vmflowv1.SpawnRequest) { r.DedicatedCpus = true }}, // the test host keeps none
 		{"restart_policy", func(r *vmflowv1.SpawnRequest) { r.RestartPolicy = "sometimes" }},
 		{"kernel", func(r *vmflowv1.SpawnRequest) { r.Kernel = "vmlinuz" }},
 		{"kernel", func(r *vmflowv1.SpawnRequest) { r.Kernel = root + "/../" + filepath.Base(root) + "/vmlinuz" }},

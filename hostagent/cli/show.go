@@ -140,6 +140,7 @@ func writeShow(w io.Writer, in *Instance) {
 			}
 		}
 		row("network", "%s", networkLine(in))
+		row("capacity", "%s", capacityLine(rec))
 		row("restarts", "%d (policy %s, max %d)", rec.GetRestartCount(), orDefault(rec.GetRestartPolicy(), "never"), rec.GetRestartMaxAttempts())
 		if rec.GetLastExit() != nil || rec.GetLastExitStatus() != "" {
 			row("last exit", "%s (code %d) at %s", orDefault(rec.GetLastExitStatus(), "-"), rec.GetLastExitCode(),
@@ -227,6 +228,42 @@ func networkLine(in *Instance) string {
 		orDash(n.GetBridge()), n.GetGateway())
 	if l.GetReleaseAttempts() > 0 {
 		line += fmt.Sprintf(", %d failed release(s), last: %s", l.GetReleaseAttempts(), orNone(l.GetLastReleaseError()))
+	}
+	return line
+}
+
+// capacityLine is the record's share of the host and where it runs:
+// "active 2 vCPUs (dedicated), 1280 MiB, NUMA node 1, CPUs 6-7".
+func capacityLine(rec *vmflowv1.InstanceRecord) string {
+	l := store.Capacity(rec)
+	if l == nil {
+		return "none (reserved at the next launch)"
+	}
+	c := l.GetCapacity()
+	phase := claimPhaseName(l.GetPhase())
+	if !store.LeaseHeld(l) {
+		phase = "released"
+	}
+	line := fmt.Sprintf("%s %d vCPUs", phase, c.GetVcpus())
+	if c.GetDedicatedCpus() {
+		line += " (dedicated)"
+	}
+	line += fmt.Sprintf(", %d MiB", c.GetMemoryMib())
+	if c.GetHugepages() > 0 {
+		line += fmt.Sprintf(" + %d × %d KiB hugepages", c.GetHugepages(), c.GetHugepageKib())
+	}
+	if nodes := c.GetNumaNodes(); len(nodes) > 0 {
+		var ns []string
+		for _, n := range nodes {
+			ns = append(ns, fmt.Sprint(n))
+		}
+		line += ", NUMA node " + strings.Join(ns, ",")
+	}
+	if c.GetCpus() != "" {
+		line += ", CPUs " + c.GetCpus()
+	}
+	if at := c.GetExpiresAt(); at != nil && l.GetPhase() == vmflowv1.ClaimPhase_CLAIM_PHASE_INTENT {
+		line += ", reserved until " + at.AsTime().UTC().Format(time.RFC3339)
 	}
 	return line
 }

@@ -11,6 +11,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"vmflow/hostagent/store"
+	"vmflow/hostagent/topology"
 	"vmflow/hostagent/vmm"
 	"vmflow/internal/crashpoint"
 	"vmflow/internal/errdefs"
@@ -66,9 +67,24 @@ type CapacityConfig struct {
 	MemoryReserveMiB uint64
 	MemoryOvercommit float64
 	// TTL: see DefaultReservationTTL.
-	TTL    time.Duration
-	Now    func() time.Time
-	Logger *zap.Logger
+	TTL time.Duration
+	// Topology is the host's NUMA nodes (topology.Read); the zero value
+	// places nothing: no VM gets a node, a cpuset or hugepages.
+	Topology topology.Topology
+	// DedicatedCPUs are the CPUs only VMs with dedicated_cpus run on, one
+	// per vCPU (--dedicated-cpus, as Nova's cpu_dedicated_set): no other
+	// VM's cpuset holds them, so a dedicated VM never shares a CPU. Empty:
+	// the host offers none.
+	DedicatedCPUs []int
+	// SysfsRoot is where a GPU lease's device is located (gpu.Locate):
+	// its NUMA node is where the VM's CPUs and memory go.
+	SysfsRoot string
+	// FreeGPUs, when set, counts the GPUs free on each node: a VM without
+	// GPUs goes first where fewer are free, leaving room beside them for
+	// GPU VMs.
+	FreeGPUs func(ctx context.Context) (map[int]int, error)
+	Now      func() time.Time
+	Logger   *zap.Logger
 }
 
 // Capacity keeps the ledger.
@@ -108,6 +124,14 @@ func NewCapacity(cfg CapacityConfig) (*Capacity, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = zap.NewNop()
 	}
+	for _, cpu := range cfg.DedicatedCPUs {
+		if _, ok := cfg.Topology.NodeOfCPU(cpu); !ok {
+			return nil, fmt.Errorf("capacity: dedicated CPU %d is on no NUMA node of the host's", cpu)
+		}
+	}
+	if len(cfg.DedicatedCPUs) >= cfg.CPUs {
+		return nil, fmt.Errorf("capacity: %d dedicated CPUs leave the host's %d none for other VMs", len(cfg.DedicatedCPUs), cfg.CPUs)
+	}
 	return &Capacity{cfg: cfg}, nil
 }
 
@@ -119,11 +143,13 @@ type Limits struct {
 	MemoryMiB, PhysicalMiB uint64
 }
 
-// Limits are the host's.
+// Limits are the host's: its shared CPUs (the dedicated ones are counted
+// apart, one vCPU each) and its memory less the reserve and the hugepage
+// pools (which back hugepage VMs' RAM, counted apart).
 func (c *Capacity) Limits() Limits {
-	phys := c.cfg.MemoryMiB - c.cfg.MemoryReserveMiB
+	phys := sub(c.cfg.MemoryMiB, c.cfg.MemoryReserveMiB+hugepagePoolsMiB(c.cfg.Topology.Nodes))
 	return Limits{
-		VCPUs:       uint64(float64(c.cfg.CPUs) * c.cfg.CPUOvercommit),
+		VCPUs:       uint64(float64(c.cfg.CPUs-len(c.cfg.DedicatedCPUs)) * c.cfg.CPUOvercommit),
 		MemoryMiB:   uint64(float64(phys) * c.cfg.MemoryOvercommit),
 		PhysicalMiB: phys,
 	}
@@ -131,7 +157,9 @@ func (c *Capacity) Limits() Limits {
 
 // Usage is what the records hold of the host.
 type Usage struct {
-	VCPUs, MemoryMiB uint64
+	// VCPUs are shared vCPUs; DedicatedCPUs the dedicated ones (a CPU
+	// each); Hugepages the MiB of guest RAM in hugepages.
+	VCPUs, MemoryMiB, DedicatedCPUs, Hugepages uint64
 	// Unreadable counts records that could not be read: what they hold
 	// is not known, so not counted (they page an operator:
 	// VmflowRecordsUnreadable).
@@ -139,13 +167,18 @@ type Usage struct {
 }
 
 // Share is what a VM of spec holds of its host: its vCPUs and everything
-// its cgroup allows it (vmm.MemoryLimitMiB, QEMU's own memory included).
+// its cgroup allows it (vmm.MemoryLimitMiB, QEMU's own memory included);
+// with hugepages, its guest RAM in pages of the pool and only QEMU's own
+// memory beside.
 func Share(spec *vmflowv1.VMSpec) *vmflowv1.CapacityLease {
-	return &vmflowv1.CapacityLease{
-		Vcpus:         spec.GetVcpus(),
-		MemoryMib:     uint32(min(vmm.MemoryLimitMiB(int(spec.GetMemoryMib()), vmm.Accel(spec.GetAccel())), math.MaxUint32)),
-		DedicatedCpus: spec.GetDedicatedCpus(),
+	mem := vmm.MemoryLimitMiB(int(spec.GetMemoryMib()), vmm.Accel(spec.GetAccel()))
+	s := &vmflowv1.CapacityLease{Vcpus: spec.GetVcpus(), DedicatedCpus: spec.GetDedicatedCpus()}
+	if kib := uint32(vmm.HugepageKiB(spec.GetHugepages())); kib > 0 {
+		s.HugepageKib, s.Hugepages = kib, spec.GetMemoryMib()*1024/kib
+		mem -= uint64(spec.GetMemoryMib())
 	}
+	s.MemoryMib = uint32(min(mem, math.MaxUint32))
+	return s
 }
 
 // heldShare is what rec holds of the host at now: its capacity lease while
@@ -173,26 +206,39 @@ func expired(l *vmflowv1.Lease, now time.Time) bool {
 
 // Usage sums what every record but except holds now.
 func (c *Capacity) Usage(except string) (Usage, error) {
+	u, _, err := c.ledger(except)
+	return u, err
+}
+
+// ledger sums what every record but except holds now, of the host and of
+// each node.
+func (c *Capacity) ledger(except string) (Usage, nodesUsed, error) {
 	recs, err := c.cfg.Store.List()
 	var le *store.ListError
 	if err != nil && !errors.As(err, &le) {
-		return Usage{}, fmt.Errorf("capacity ledger: %w", err)
+		return Usage{}, nodesUsed{}, fmt.Errorf("capacity ledger: %w", err)
 	}
 	var u Usage
 	if le != nil {
 		u.Unreadable = len(le.Unreadable)
 	}
+	nodes := nodesUsed{}
 	now := c.cfg.Now()
 	for _, rec := range recs {
 		if rec.GetId() == except {
 			continue
 		}
 		if s := heldShare(rec, now); s != nil {
-			u.VCPUs += uint64(s.GetVcpus())
+			if !s.GetDedicatedCpus() {
+				u.VCPUs += uint64(s.GetVcpus())
+			}
 			u.MemoryMiB += uint64(s.GetMemoryMib())
+			u.DedicatedCPUs += dedicatedOf(s)
+			u.Hugepages += uint64(s.GetHugepages()) * uint64(s.GetHugepageKib()) / 1024
+			nodes.add(s)
 		}
 	}
-	return u, nil
+	return u, nodes, nil
 }
 
 // fits refuses s when u and s together exceed the limits; pinned: the VM's
@@ -204,6 +250,20 @@ func (c *Capacity) fits(id string, u Usage, s *vmflowv1.CapacityLease, pinned bo
 		mem = min(mem, lim.PhysicalMiB)
 	}
 	freeCPU, freeMem := sub(lim.VCPUs, u.VCPUs), sub(mem, u.MemoryMiB)
+	if s.GetDedicatedCpus() {
+		if free := sub(uint64(len(c.cfg.DedicatedCPUs)), u.DedicatedCPUs); uint64(s.GetVcpus()) > free {
+			return fmt.Errorf("%w: instance %s asks %d dedicated CPUs; %d of the host's %d are free (--dedicated-cpus)",
+				ErrNoHostCapacity, id, s.GetVcpus(), free, len(c.cfg.DedicatedCPUs))
+		}
+		freeCPU = math.MaxUint64 // its vCPUs are its own CPUs, not shared ones
+	}
+	if huge := uint64(s.GetHugepages()) * uint64(s.GetHugepageKib()) / 1024; huge > 0 {
+		pool := hugepagePoolMiB(c.cfg.Topology.Nodes, s.GetHugepageKib())
+		if free := sub(pool, u.Hugepages); huge > free {
+			return fmt.Errorf("%w: instance %s asks %d MiB in %d KiB hugepages; %d MiB of the host's pools of that size are free",
+				ErrNoHostCapacity, id, huge, s.GetHugepageKib(), free)
+		}
+	}
 	if uint64(s.GetVcpus()) <= freeCPU && uint64(s.GetMemoryMib()) <= freeMem {
 		return nil
 	}
@@ -258,22 +318,27 @@ func (c *Capacity) Place(ctx context.Context, l *store.Locked) (rec *vmflowv1.In
 		}
 		have := store.Capacity(rec)
 		now := c.cfg.Now()
-		switch {
-		case have != nil && store.LeaseHeld(have) && have.GetPhase() == vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE:
-			return nil
-		case have != nil && store.LeaseHeld(have) && have.GetPhase() == vmflowv1.ClaimPhase_CLAIM_PHASE_INTENT && !expired(have, now):
-			rec, err = l.Apply(store.CapacityPlaced(have.GetCapacity(), now))
-		default:
-			u, uerr := c.Usage(l.ID())
-			if uerr != nil {
-				return uerr
-			}
-			s := Share(rec.GetSpec())
+		if have != nil && store.LeaseHeld(have) && have.GetPhase() == vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE {
+			return nil // a restart: where it was placed, it stays
+		}
+		u, nodes, uerr := c.ledger(l.ID())
+		if uerr != nil {
+			return uerr
+		}
+		s := Share(rec.GetSpec())
+		if have == nil || !store.LeaseHeld(have) || expired(have, now) {
+			// Not reserved (an older agent's record) or no longer: the
+			// others may have taken the room since.
 			if ferr := c.fits(l.ID(), u, s, pinned(rec.GetSpec())); ferr != nil {
 				return ferr
 			}
-			rec, err = l.Apply(store.CapacityPlaced(s, now))
 		}
+		where, perr := c.place(ctx, rec, s, nodes)
+		if perr != nil {
+			return perr
+		}
+		s.NumaNodes, s.Cpus = where.nodes, where.cpus
+		rec, err = l.Apply(store.CapacityPlaced(s, now))
 		if err == nil {
 			crashpoint.Hit(crashpoint.CapacityPlaced)
 		}

@@ -164,6 +164,18 @@ var cpuListRe = regexp.MustCompile(`^[0-9]{1,4}(-[0-9]{1,4})?(,[0-9]{1,4}(-[0-9]
 // maxCPUList bounds a cpuset's text.
 const maxCPUList = 1024
 
+// HugepageKiB is a spec's hugepages ("2M", "1G") as a page size in KiB; 0
+// for none or a size QEMU is not given (admission refuses those).
+func HugepageKiB(size string) int {
+	switch size {
+	case "2M":
+		return 2048
+	case "1G":
+		return 1 << 20
+	}
+	return 0
+}
+
 // IsZero: no placement.
 func (p Placement) IsZero() bool { return p.CPUs == "" && len(p.Nodes) == 0 && p.HugepageKiB == 0 }
 

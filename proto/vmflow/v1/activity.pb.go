@@ -382,8 +382,12 @@ type LaunchVMResult struct {
 	GpuDeviceIds []string `protobuf:"bytes,20,rep,name=gpu_device_ids,json=gpuDeviceIds,proto3" json:"gpu_device_ids,omitempty"`
 	// The instance's network lease as its record holds it: the address with
 	// its prefix and the MAC; empty without one.
-	Ip            string `protobuf:"bytes,30,opt,name=ip,proto3" json:"ip,omitempty"`
-	Mac           string `protobuf:"bytes,31,opt,name=mac,proto3" json:"mac,omitempty"`
+	Ip  string `protobuf:"bytes,30,opt,name=ip,proto3" json:"ip,omitempty"`
+	Mac string `protobuf:"bytes,31,opt,name=mac,proto3" json:"mac,omitempty"`
+	// Where the capacity ledger placed it: its NUMA nodes and cpuset ("0-3");
+	// empty when not confined.
+	NumaNodes     []uint32 `protobuf:"varint,40,rep,packed,name=numa_nodes,json=numaNodes,proto3" json:"numa_nodes,omitempty"`
+	Cpus          string   `protobuf:"bytes,41,opt,name=cpus,proto3" json:"cpus,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -477,6 +481,20 @@ func (x *LaunchVMResult) GetIp() string {
 func (x *LaunchVMResult) GetMac() string {
 	if x != nil {
 		return x.Mac
+	}
+	return ""
+}
+
+func (x *LaunchVMResult) GetNumaNodes() []uint32 {
+	if x != nil {
+		return x.NumaNodes
+	}
+	return nil
+}
+
+func (x *LaunchVMResult) GetCpus() string {
+	if x != nil {
+		return x.Cpus
 	}
 	return ""
 }
@@ -822,7 +840,7 @@ const file_vmflow_v1_activity_proto_rawDesc = "" +
 	"\x0fLaunchVMRequest\x12\x1f\n" +
 	"\vinstance_id\x18\x01 \x01(\tR\n" +
 	"instanceId\x12#\n" +
-	"\rexisting_only\x18\x02 \x01(\bR\fexistingOnly\"\x9a\x02\n" +
+	"\rexisting_only\x18\x02 \x01(\bR\fexistingOnly\"\xcd\x02\n" +
 	"\x0eLaunchVMResult\x12\x10\n" +
 	"\x03pid\x18\x01 \x01(\x05R\x03pid\x12\x1d\n" +
 	"\n" +
@@ -833,7 +851,10 @@ const file_vmflow_v1_activity_proto_rawDesc = "" +
 	"\rinstance_uuid\x18\x06 \x01(\tR\finstanceUuid\x12$\n" +
 	"\x0egpu_device_ids\x18\x14 \x03(\tR\fgpuDeviceIds\x12\x0e\n" +
 	"\x02ip\x18\x1e \x01(\tR\x02ip\x12\x10\n" +
-	"\x03mac\x18\x1f \x01(\tR\x03mac\"\xb1\x01\n" +
+	"\x03mac\x18\x1f \x01(\tR\x03mac\x12\x1d\n" +
+	"\n" +
+	"numa_nodes\x18( \x03(\rR\tnumaNodes\x12\x12\n" +
+	"\x04cpus\x18) \x01(\tR\x04cpus\"\xb1\x01\n" +
 	"\x12BeginDeleteRequest\x12\x1f\n" +
 	"\vinstance_id\x18\x01 \x01(\tR\n" +
 	"instanceId\x12A\n" +

@@ -1,0 +1,196 @@
+package lease_test
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"vmflow/hostagent/lease"
+	"vmflow/hostagent/store"
+	"vmflow/hostagent/topology"
+	vmflowv1 "vmflow/proto/vmflow/v1"
+)
+
+// twoNodes is a host of two NUMA nodes of 4 CPUs and 8 GiB each; node 1
+// has a pool of 512 2M hugepages. GPU 0000:01:00.0 and 0000:02:00.0 sit
+// on node 0, 0000:81:00.0 and 0000:82:00.0 on node 1.
+func twoNodes(t *testing.T, mutate func(*lease.CapacityConfig)) *capacityHost {
+	t.Helper()
+	sys := t.TempDir()
+	for addr, node := range map[string]string{"0000:01:00.0": "0", "0000:02:00.0": "0", "0000:81:00.0": "1", "0000:82:00.0": "1"} {
+		dir := filepath.Join(sys, "bus", "pci", "devices", addr)
+		require.NoError(t, os.MkdirAll(dir, 0o755))
+		require.NoError(t, os.WriteFile(filepath.Join(dir, "numa_node"), []byte(node+"\n"), 0o644))
+	}
+	st, err := store.New(t.TempDir())
+	require.NoError(t, err)
+	h := &capacityHost{st: st, now: time.Date(2026, 12, 6, 8, 0, 0, 0, time.UTC)}
+	cfg := lease.CapacityConfig{Store: st, CPUs: 8, MemoryMiB: 16384, MemoryReserveMiB: 0, CPUOvercommit: 1, MemoryOvercommit: 1,
+		SysfsRoot: sys, Now: h.clock,
+		Topology: topology.Topology{NUMA: true, Nodes: []topology.Node{
+			{ID: 0, CPUs: []int{0, 1, 2, 3}, MemoryBytes: 8 << 30},
+			{ID: 1, CPUs: []int{4, 5, 6, 7}, MemoryBytes: 8 << 30,
+				Hugepages: map[uint64]topology.HugepagePool{topology.PageSize2M: {Total: 512, Free: 512}}},
+		}}}
+	if mutate != nil {
+		mutate(&cfg)
+	}
+	h.cap, err = lease.NewCapacity(cfg)
+	require.NoError(t, err)
+	return h
+}
+
+// withGPUs creates id holding whole GPUs at addrs (their leases written
+// ahead as a claim does).
+func (h *capacityHost) withGPUs(t *testing.T, id string, spec *vmflowv1.VMSpec, addrs ...string) {
+	t.Helper()
+	spec.GpuPassthroughCount = uint32(len(addrs))
+	_, err := h.create(id, spec)
+	require.NoError(t, err)
+	for _, a := range addrs {
+		_, err := h.st.Apply(context.Background(), id, store.LeaseIntent(store.PassthroughLeaseOf(&vmflowv1.PassthroughLease{
+			IommuGroup: a, Functions: []*vmflowv1.PassthroughFunction{{Addr: a, Display: true, Id: "10de:2335"}}}), h.clock()))
+		require.NoError(t, err)
+	}
+}
+
+func placed(t *testing.T, rec *vmflowv1.InstanceRecord) *vmflowv1.CapacityLease {
+	t.Helper()
+	l := store.Capacity(rec)
+	require.NotNil(t, l)
+	require.Equal(t, vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE, l.GetPhase())
+	return l.GetCapacity()
+}
+
+// TestNUMAGPUVMRunsOnItsGPUsNode: a VM whose two GPUs sit on node 1 gets
+// node 1's CPUs and memory.
+func TestNUMAGPUVMRunsOnItsGPUsNode(t *testing.T) {
+	h := twoNodes(t, nil)
+	h.withGPUs(t, "gpu2", vm(2, 1024), "0000:81:00.0", "0000:82:00.0")
+	rec, err := h.place(t, "gpu2")
+	require.NoError(t, err)
+	c := placed(t, rec)
+	assert.Equal(t, []uint32{1}, c.GetNumaNodes())
+	assert.Equal(t, "4-7", c.GetCpus())
+}
+
+// TestNUMADedicatedCPUsAreNobodyElses: with 6-7 kept for dedicated VMs, a
+// VM on node 1 gets 4-5 and a dedicated VM 6-7: no CPU of one is in the
+// other's cpuset, whichever launches first; a third dedicated VM finds
+// none left.
+func TestNUMADedicatedCPUsAreNobodyElses(t *testing.T) {
+	h := twoNodes(t, func(c *lease.CapacityConfig) { c.DedicatedCPUs = []int{6, 7} })
+	ded := vm(2, 512)
+	ded.DedicatedCpus = true
+	_, err := h.create("dedicated", ded)
+	require.NoError(t, err)
+	rec, err := h.place(t, "dedicated")
+	require.NoError(t, err)
+	d := placed(t, rec)
+	assert.Equal(t, "6-7", d.GetCpus())
+	assert.Equal(t, []uint32{1}, d.GetNumaNodes())
+
+	h.withGPUs(t, "gpu", vm(2, 1024), "0000:81:00.0")
+	rec, err = h.place(t, "gpu")
+	require.NoError(t, err)
+	assert.Equal(t, "4-5", placed(t, rec).GetCpus(), "the dedicated pool is in no other VM's cpuset")
+
+	_, err = h.create("third", func() *vmflowv1.VMSpec { s := vm(1, 64); s.DedicatedCpus = true; return s }())
+	require.ErrorIs(t, err, lease.ErrNoHostCapacity)
+	assert.Contains(t, err.Error(), "dedicated CPUs")
+}
+
+// TestNUMAStrictWantsOneNode: GPUs on two nodes refuse a strict VM and
+// spread a preferred one, with a guest NUMA node per host node.
+func TestNUMAStrictWantsOneNode(t *testing.T) {
+	h := twoNodes(t, nil)
+	strict := vm(2, 1024)
+	strict.Numa = "strict"
+	h.withGPUs(t, "strict", strict, "0000:01:00.0", "0000:81:00.0")
+	_, err := h.place(t, "strict")
+	require.ErrorIs(t, err, lease.ErrNoHostCapacity)
+	assert.Contains(t, err.Error(), "not on one NUMA node (node 0, node 1)")
+
+	h.withGPUs(t, "preferred", vm(2, 1024), "0000:02:00.0", "0000:82:00.0")
+	rec, err := h.place(t, "preferred")
+	require.NoError(t, err)
+	c := placed(t, rec)
+	assert.Equal(t, []uint32{0, 1}, c.GetNumaNodes())
+	assert.Equal(t, "0-7", c.GetCpus())
+}
+
+// TestNUMAVMWithoutGPUsLeavesGPUNodes: a CPU-only VM goes to the node with
+// fewer free GPUs, not the fuller one.
+func TestNUMAVMWithoutGPUsLeavesGPUNodes(t *testing.T) {
+	h := twoNodes(t, func(c *lease.CapacityConfig) {
+		c.FreeGPUs = func(context.Context) (map[int]int, error) { return map[int]int{0: 2}, nil }
+	})
+	_, err := h.create("cpu", vm(2, 1024))
+	require.NoError(t, err)
+	rec, err := h.place(t, "cpu")
+	require.NoError(t, err)
+	assert.Equal(t, []uint32{1}, placed(t, rec).GetNumaNodes(), "node 0 has the free GPUs")
+}
+
+// TestNUMATooBigForOneNode: 6 vCPUs fit no 4-CPU node: preferred spreads
+// over both, strict is refused.
+func TestNUMATooBigForOneNode(t *testing.T) {
+	h := twoNodes(t, nil)
+	_, err := h.create("big", vm(6, 1024))
+	require.NoError(t, err)
+	rec, err := h.place(t, "big")
+	require.NoError(t, err)
+	assert.Equal(t, []uint32{0, 1}, placed(t, rec).GetNumaNodes())
+
+	h2 := twoNodes(t, nil)
+	s := vm(6, 1024)
+	s.Numa = "strict"
+	_, err = h2.create("big", s)
+	require.NoError(t, err)
+	_, err = h2.place(t, "big")
+	require.ErrorIs(t, err, lease.ErrNoHostCapacity)
+	assert.Contains(t, err.Error(), "fits no NUMA node")
+}
+
+// TestHugepagesFromTheNodesPool: hugepage RAM is counted against the
+// pool (its node's), not the general memory, and refused when the pool
+// is short.
+func TestHugepagesFromTheNodesPool(t *testing.T) {
+	h := twoNodes(t, nil)
+	assert.EqualValues(t, 16384-1024, h.cap.Limits().PhysicalMiB, "the pool is not general memory")
+	s := vm(1, 1024)
+	s.Hugepages = "2M"
+	_, err := h.create("huge", s)
+	require.NoError(t, err)
+	rec, err := h.place(t, "huge")
+	require.NoError(t, err)
+	c := placed(t, rec)
+	assert.EqualValues(t, 512, c.GetHugepages())
+	assert.EqualValues(t, 2048, c.GetHugepageKib())
+	assert.EqualValues(t, 256, c.GetMemoryMib(), "only QEMU's own beside the pages")
+	assert.Equal(t, []uint32{1}, c.GetNumaNodes(), "the node with the pool")
+
+	more := vm(1, 2)
+	more.Hugepages = "2M"
+	_, err = h.create("more", more)
+	require.ErrorIs(t, err, lease.ErrNoHostCapacity)
+	assert.Contains(t, err.Error(), "hugepages")
+}
+
+// TestOneNodeHostPlacesNothing: a host of one node with no dedicated CPUs
+// and no hugepages confines no VM (as before the ledger).
+func TestOneNodeHostPlacesNothing(t *testing.T) {
+	h := newCapacityHost(t, 4, 1)
+	_, err := h.create("vm", vm(1, 64))
+	require.NoError(t, err)
+	rec, err := h.place(t, "vm")
+	require.NoError(t, err)
+	c := placed(t, rec)
+	assert.Empty(t, c.GetNumaNodes())
+	assert.Empty(t, c.GetCpus())
+}
