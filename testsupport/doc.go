@@ -1,7 +1,8 @@
 // Package testsupport is the root of the tree of test machinery that drives
 // the real parts: testsupport/devserver (a real Temporal server),
-// testsupport/stacktest (the real binaries as daemons) and
-// testsupport/powercut (a file system that loses unsynced writes).
+// testsupport/stacktest (the real binaries as daemons),
+// testsupport/powercut (a file system that loses unsynced writes) and
+// testsupport/otlptest (a trace collector keeping the spans it is sent).
 //
 // The module reads top to bottom, and no arrow points back up (the layers
 // and their test are in internal/contract):

@@ -12,6 +12,7 @@ import (
 	"strconv"
 	"time"
 
+	"go.opentelemetry.io/otel/attribute"
 	"go.uber.org/zap"
 
 	"vmflow/daemon"
@@ -21,6 +22,7 @@ import (
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/vmm"
 	"vmflow/internal/contract"
+	"vmflow/platform"
 )
 
 // DefaultReconcileEvery is the reconcile Schedule's period: a safety net
@@ -168,6 +170,7 @@ flags:
 	}
 	c.ImageRoots = roots
 	c.LogFields = []zap.Field{zap.String("host_id", c.HostID)}
+	c.TraceAttributes = []attribute.KeyValue{attribute.String(platform.AttrHostID, c.HostID)}
 	c.IgnoreUninspectable = ignore
 	if fs.NArg() > 0 {
 		return c, fmt.Errorf("unexpected arguments %q", fs.Args())
