@@ -58,9 +58,32 @@ print-ldflags:
 	@echo '$(LDFLAGS)'
 
 ## tools: the Temporal CLI (dev server + UI), the Temporal server on
-# PostgreSQL, QEMU (and GNU cpio), Chromium (e2e Web UI test) and
-# Prometheus (promtool for the alert rules' tests, the server for the e2e's).
-tools: $(TEMPORAL) temporal-server postgresql qemu chromium prometheus
+# PostgreSQL, QEMU (and GNU cpio), Chromium (e2e Web UI test), Prometheus
+# (promtool for the alert rules' tests, the server for the e2e's) and
+# Jaeger (the e2e tracing test).
+tools: $(TEMPORAL) temporal-server postgresql qemu chromium prometheus jaeger
+
+## jaeger: bin/jaeger, Jaeger v2 (the OpenTelemetry Collector with Jaeger's
+# storage and query API) for e2e/trace_test.go, built from a module of its
+# own, tools/jaeger (`go get -tool .../cmd/jaeger@VERSION` made it): Jaeger's
+# go.mod has replace directives, so `go install` refuses it, and its
+# dependencies stay out of vmflow's go.mod. Rebuilt only when missing or
+# another version than tools/jaeger/go.mod names (`go version -m`). Measured
+# here: ~260 MB of modules (24 s), ~7 min of CPU cold on 2 cores, 8 s warm.
+# tools/jaeger is not `go mod tidy`'d: tidy adds the checksums of every test
+# dependency of Jaeger, downloads the build does not need. The binary serves
+# no UI (its assets come from an npm build): the tests use the query API.
+JAEGER := $(BIN)/jaeger
+JAEGER_MODULE := tools/jaeger
+JAEGER_VERSION = $(shell awk '$$1 == "github.com/jaegertracing/jaeger" {print $$2}' $(JAEGER_MODULE)/go.mod)
+.PHONY: jaeger
+jaeger:
+	@have=$$( { $(GO) version -m "$(JAEGER)" 2>/dev/null || true; } | awk '$$1 == "path" {p = $$2} $$1 == "mod" {print p " " $$2 "@" $$3}'); \
+	if [ "$$have" != "github.com/jaegertracing/jaeger/cmd/jaeger github.com/jaegertracing/jaeger@$(JAEGER_VERSION)" ]; then \
+		echo ">> building Jaeger $(JAEGER_VERSION) from $(JAEGER_MODULE) into bin/jaeger (minutes the first time)"; \
+		(cd $(JAEGER_MODULE) && GOWORK=off $(GO) build -o "$(JAEGER).tmp" github.com/jaegertracing/jaeger/cmd/jaeger); \
+		mv "$(JAEGER).tmp" "$(JAEGER)"; \
+	fi
 
 ## temporal-server: bin/temporal-server and bin/temporal-sql-tool from the
 # module proxy (go.temporal.io/server, no replace directives), rebuilt only

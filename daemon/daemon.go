@@ -16,6 +16,8 @@ import (
 	"os"
 	"time"
 
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
 	"go.uber.org/zap"
 
 	"vmflow/internal/service"
@@ -45,6 +47,13 @@ type Flags struct {
 	// LogFields on every line; a test sets its own. Nil: nothing is logged.
 	Logger    *zap.Logger
 	LogFields []zap.Field
+
+	// TraceAttributes are the resource attributes of the daemon's spans
+	// besides its service name (the agent's host_id); Tracing is what
+	// Main started from the environment (nil: tracing off), on every
+	// client Temporal dials.
+	TraceAttributes []attribute.KeyValue
+	Tracing         *platform.Tracing
 }
 
 // Help is what the flags' texts say differently for each daemon.
@@ -118,6 +127,12 @@ func Main[C any, P Config[C]](ctx context.Context, name string, args []string,
 	defer func() { _ = log.Sync() }()
 	f.Logger = log
 	log.Info(name+" starting", service.Info().Fields()...)
+	tr, err := startTracing(ctx, name, f, log)
+	if err != nil {
+		log.Error(name+" not started", zap.Error(err))
+		return service.ExitUsage
+	}
+	defer stopTracing(tr, log)
 	if err := run(ctx, cfg); err != nil {
 		log.Error(name+" stopped", zap.Error(err))
 		if errors.As(err, new(usageError)) {
@@ -126,6 +141,40 @@ func Main[C any, P Config[C]](ctx context.Context, name string, args []string,
 		return service.ExitError
 	}
 	return service.ExitOK
+}
+
+// startTracing starts tracing when the environment asks for it
+// (platform.TracingRequested) and sets it on f, so every client the daemon
+// dials traces; export errors are logged, not printed.
+func startTracing(ctx context.Context, name string, f *Flags, log *zap.Logger) (*platform.Tracing, error) {
+	if !platform.TracingRequested() {
+		return nil, nil
+	}
+	// The OpenTelemetry SDK reports a failed export through its global
+	// handler (stderr by default): this process's log instead.
+	otel.SetErrorHandler(otel.ErrorHandlerFunc(func(err error) {
+		log.Warn("tracing: spans not exported", zap.Error(err))
+	}))
+	tr, err := platform.StartTracing(ctx, platform.TracingOptions{Service: name, Attributes: f.TraceAttributes})
+	if err != nil {
+		return nil, err
+	}
+	f.Tracing = tr
+	log.Info("tracing: exporting spans over OTLP", zap.String("endpoint", tr.Endpoint()))
+	return tr, nil
+}
+
+// stopTracing sends the spans not sent yet, within service.TraceFlushTimeout
+// (run's context is over by then).
+func stopTracing(tr *platform.Tracing, log *zap.Logger) {
+	if tr == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), service.TraceFlushTimeout)
+	defer cancel()
+	if err := tr.Shutdown(ctx); err != nil {
+		log.Warn("tracing: last spans not sent", zap.Error(err))
+	}
 }
 
 // Log is f.Logger, or a logger that drops everything.
@@ -164,5 +213,5 @@ func (f *Flags) ServeMetrics(life context.Context, m *tclient.Metrics) {
 // An empty identity is the SDK's default.
 func (f *Flags) Temporal(m *tclient.Metrics, identity string) platform.Options {
 	return platform.Options{Logger: f.Log(), MetricsHandler: m.SDKHandler(), HostPort: f.Address, Namespace: f.Namespace,
-		Identity: identity, Insecure: f.Insecure, GRPCDialOptions: m.Connection.DialOptions()}
+		Identity: identity, Insecure: f.Insecure, GRPCDialOptions: m.Connection.DialOptions(), Tracing: f.Tracing}
 }

@@ -9,8 +9,11 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"vmflow/internal/service"
+	"vmflow/platform"
+	"vmflow/testsupport/otlptest"
 )
 
 type testConfig struct{ Flags }
@@ -56,4 +59,41 @@ func TestMainExitCodes(t *testing.T) {
 			assert.Equal(t, tc.ran, ran)
 		})
 	}
+}
+
+// TestMainTracing: with an OTLP endpoint in the environment Main traces
+// every client the daemon dials (Flags.Temporal) under the daemon's name,
+// and sends the last spans before it returns; without one, nothing.
+func TestMainTracing(t *testing.T) {
+	otlptest.ClearEnv(t)
+	m, err := NewMetrics(nil)
+	require.NoError(t, err)
+	var traced *platform.Tracing
+	run := func(_ context.Context, c testConfig) error {
+		traced = c.Tracing
+		assert.Same(t, c.Tracing, c.Temporal(m, "").Tracing, "every client the daemon dials")
+		_, span := c.Tracing.TracerProvider().Tracer("test").Start(context.Background(), "in run")
+		span.End()
+		return nil
+	}
+	assert.Equal(t, service.ExitOK, Main(context.Background(), "vmflow-test", nil, parseTest, run))
+	assert.Nil(t, traced, "off without an endpoint")
+
+	sink := otlptest.Start(t)
+	t.Setenv(platform.EnvOTLPEndpoint, sink.URL())
+	// Only the flush at exit can send it within the test.
+	t.Setenv("OTEL_BSP_SCHEDULE_DELAY", "60000")
+	assert.Equal(t, service.ExitOK, Main(context.Background(), "vmflow-test", nil, parseTest, run))
+	assert.NotNil(t, traced)
+	spans := sink.Spans()
+	require.Len(t, spans, 1, "sent before Main returned")
+	assert.Equal(t, "in run", spans[0].Name)
+	assert.Equal(t, "vmflow-test", spans[0].Resource["service.name"])
+
+	// A collector it cannot speak to is a configuration error.
+	t.Setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+	ran := false
+	assert.Equal(t, service.ExitUsage, Main(context.Background(), "vmflow-test", nil, parseTest,
+		func(context.Context, testConfig) error { ran = true; return nil }))
+	assert.False(t, ran)
 }

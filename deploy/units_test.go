@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"vmflow/daemon/agent"
+	"vmflow/platform"
 )
 
 // unitKeys reads a unit file into section -> key -> values (a key may
@@ -88,7 +89,8 @@ func TestEnvFilesDocumentEverySetting(t *testing.T) {
 		"TEMPORAL_TLS_CLIENT_KEY_PATH", "TEMPORAL_TLS_CLIENT_CERT_DATA", "TEMPORAL_TLS_CLIENT_KEY_DATA",
 		"TEMPORAL_TLS_SERVER_CA_CERT_PATH", "TEMPORAL_TLS_SERVER_CA_CERT_DATA", "TEMPORAL_TLS_SERVER_NAME",
 		"TEMPORAL_TLS_DISABLE_HOST_VERIFICATION", "TEMPORAL_API_KEY", "TEMPORAL_CLIENT_AUTHORITY",
-		"TEMPORAL_GRPC_META_", "TEMPORAL_CONFIG_FILE", "TEMPORAL_PROFILE"}
+		"TEMPORAL_GRPC_META_", "TEMPORAL_CONFIG_FILE", "TEMPORAL_PROFILE",
+		platform.EnvOTLPEndpoint} // tracing's switch
 	for file, flags := range map[string][]string{
 		"vmflow-hostagent.env": {"--host-id", "--state-dir", "--image-root", "--qemu", "--qemu-uid-range", "--kvm-device", "--vgpu-driver",
 			"--sysfs-root", "--dev-root", "--vgpu-orphan-grace", "--reconcile-every", "--graceful-timeout",

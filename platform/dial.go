@@ -32,6 +32,10 @@ type Options struct {
 	// Identity names this process in the server's view (pollers, history);
 	// empty lets the SDK use pid@hostname.
 	Identity string
+	// Tracing, when set (StartTracing, with an OTLP endpoint in the
+	// environment), traces the client's workflow starts and, for a worker
+	// built on it, its workflow and activity tasks. Nil: no interceptor.
+	Tracing *Tracing
 	// GRPCDialOptions are added to the SDK's own gRPC dial options (the
 	// vmflow binaries add a stats handler that follows the connection for
 	// vmflow_temporal_connected).
@@ -65,7 +69,7 @@ type Options struct {
 }
 
 // ClientOptions builds the SDK client options from envconfig and o with
-// vmflow's converter, logger and metrics, without connecting; an insecure
+// vmflow's converter, logger, metrics and tracing, without connecting; an insecure
 // transport without o.Insecure wraps tclient.ErrInsecureTransport.
 func ClientOptions(o Options) (client.Options, error) {
 	copts, err := envconfig.LoadClientOptions(envconfig.LoadClientOptionsRequest{
@@ -106,6 +110,9 @@ func ClientOptions(o Options) (client.Options, error) {
 		copts.MetricsHandler = o.MetricsHandler
 	}
 	copts.Identity = o.Identity
+	if o.Tracing != nil {
+		copts.Interceptors = append(copts.Interceptors, o.Tracing.interceptors...)
+	}
 	copts.ConnectionOptions.DialOptions = append(copts.ConnectionOptions.DialOptions, o.GRPCDialOptions...)
 	return copts, nil
 }

@@ -3,7 +3,8 @@
 // testsupport/stacktest (the real binaries as daemons),
 // testsupport/powercut (a file system that loses unsynced writes) and
 // testsupport/promtest (a real Prometheus server, and the rules and
-// dashboard it is given).
+// dashboard it is given) and testsupport/otlptest (a trace collector
+// keeping the spans it is sent).
 //
 // The module reads top to bottom, and no arrow points back up (the layers
 // and their test are in internal/contract):

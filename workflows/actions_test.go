@@ -58,6 +58,61 @@ func settledActions(ctx context.Context, t *testing.T, srv *devserver.Server) ma
 	return cur
 }
 
+// pairCost is what a spawn and its clean delete cost: billed actions counted
+// from both histories, by kind, and the server's action counter's increase,
+// by type.
+type pairCost struct {
+	history map[string]int
+	server  map[string]float64
+}
+
+func sum(m map[string]float64) float64 {
+	n := 0.0
+	for _, v := range m {
+		n += v
+	}
+	return n
+}
+
+// spawnDeleteCost spawns instance id with a vGPU on host through vc,
+// deletes it, and counts what the two cost. srv must count actions
+// (Options.Metrics), and nothing else may run in its namespace meanwhile.
+func spawnDeleteCost(ctx context.Context, t *testing.T, srv *devserver.Server, c client.Client, vc *Client, id, host string) pairCost {
+	t.Helper()
+	before := settledActions(ctx, t, srv)
+	req := &vmflowv1.SpawnRequest{InstanceId: id, HostId: host, Vcpus: 1, MemoryMib: 64, Machine: "none", VgpuProfile: "p"}
+	run, err := vc.StartSpawn(ctx, req)
+	require.NoError(t, err)
+	require.NoError(t, run.Get(ctx, nil))
+	del, err := vc.StartDelete(ctx, &vmflowv1.DeleteRequest{InstanceId: id, HostId: host})
+	require.NoError(t, err)
+	require.NoError(t, del.Get(ctx, nil))
+	// The server's counter is exported on a reporting interval: wait until
+	// it shows both starts and then holds still.
+	var after map[string]float64
+	require.Eventually(t, func() bool {
+		prev := after
+		after, err = srv.Actions(ctx, srv.Namespace())
+		require.NoError(t, err)
+		return after["grpc_StartWorkflowExecution"]-before["grpc_StartWorkflowExecution"] >= 2 && maps.Equal(prev, after)
+	}, time.Minute, 2*time.Second, "the server's action counter never showed both starts")
+
+	cost := pairCost{history: map[string]int{}, server: map[string]float64{}}
+	for _, wid := range []string{SpawnWorkflowID(id), DeleteWorkflowID(id)} {
+		events, err := devserver.History(ctx, c, wid, "")
+		require.NoError(t, err)
+		for k, n := range devserver.BilledActions(events) {
+			cost.history[k] += n
+		}
+	}
+	for typ, v := range after {
+		if d := v - before[typ]; d > 0 {
+			cost.server[typ] = d
+		}
+	}
+	return cost
+}
+
 // TestSpawnDeleteActions runs a spawn with a vGPU and a clean delete with
 // the real workflows on a dev server (host activities stubbed) and counts
 // their billed actions from the histories, with the server's own `action`
@@ -77,41 +132,10 @@ func TestSpawnDeleteActions(t *testing.T) {
 	host := &scriptedHost{}
 	vc := startStack(t, c, queue, Config{ReleaseBackoff: time.Hour, ReleaseBackoffMax: time.Hour}, "h1", host)
 
-	before := settledActions(ctx, t, srv)
-	req := &vmflowv1.SpawnRequest{InstanceId: "vm1", HostId: "h1", Vcpus: 1, MemoryMib: 64, Machine: "none", VgpuProfile: "p"}
-	run, err := vc.StartSpawn(ctx, req)
-	require.NoError(t, err)
-	require.NoError(t, run.Get(ctx, nil))
-	del, err := vc.StartDelete(ctx, &vmflowv1.DeleteRequest{InstanceId: "vm1", HostId: "h1"})
-	require.NoError(t, err)
-	require.NoError(t, del.Get(ctx, nil))
-	// The server's counter is exported on a reporting interval: wait until
-	// it shows both starts and then holds still.
-	var after map[string]float64
-	require.Eventually(t, func() bool {
-		prev := after
-		after, err = srv.Actions(ctx, srv.Namespace())
-		require.NoError(t, err)
-		return after["grpc_StartWorkflowExecution"]-before["grpc_StartWorkflowExecution"] >= 2 && maps.Equal(prev, after)
-	}, time.Minute, 2*time.Second, "the server's action counter never showed both starts")
-
-	total := 0
-	for _, id := range []string{SpawnWorkflowID("vm1"), DeleteWorkflowID("vm1")} {
-		events, err := devserver.History(ctx, c, id, "")
-		require.NoError(t, err)
-		n := devserver.BilledActions(events)
-		t.Logf("%s: %d billed actions from its history: %v", id, devserver.Sum(n), n)
-		total += devserver.Sum(n)
-	}
-	server := 0.0
-	for typ, v := range after {
-		if d := v - before[typ]; d > 0 {
-			t.Logf("server action counter: %s +%.0f", typ, d)
-			server += d
-		}
-	}
-	t.Logf("spawn (vGPU) + clean delete: %d billed actions from histories, %.0f on the server's action counter (namespace %s)",
-		total, server, srv.Namespace())
+	cost := spawnDeleteCost(ctx, t, srv, c, vc, "vm1", "h1")
+	total := devserver.Sum(cost.history)
+	t.Logf("spawn (vGPU) + clean delete: %d billed actions from histories %v, %.0f on the server's action counter %v (namespace %s)",
+		total, cost.history, sum(cost.server), cost.server, srv.Namespace())
 	assert.LessOrEqual(t, total, 20, "a spawn plus a clean delete costs at most 20 actions")
 
 	want := visible{stage: StageRunning, instance: "vm1", host: "h1"}

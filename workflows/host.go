@@ -10,6 +10,7 @@ import (
 	"go.temporal.io/sdk/temporal"
 	"go.temporal.io/sdk/workflow"
 
+	"vmflow/internal/contract"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -112,6 +113,8 @@ func (h *hostRunner) run(ctx workflow.Context, c hostCall, in, out any) error {
 			return err // cancelled: the record stays as it is on the host
 		}
 		actx := workflow.WithActivityOptions(ctx, h.options(c))
+		// For tracing's spans of the call (a context value, no command).
+		actx = workflow.WithValue(actx, contract.StageKey, h.t.status.Stage)
 		err := workflow.ExecuteActivity(actx, c.name, in).Get(ctx, out)
 		if !isScheduleToStart(err) {
 			if attempt > 0 {

@@ -12,6 +12,7 @@ import (
 	"strconv"
 	"time"
 
+	"go.opentelemetry.io/otel/attribute"
 	"go.uber.org/zap"
 
 	"vmflow/daemon"
@@ -22,6 +23,7 @@ import (
 	"vmflow/hostagent/topology"
 	"vmflow/hostagent/vmm"
 	"vmflow/internal/contract"
+	"vmflow/platform"
 )
 
 // DefaultReconcileEvery is the reconcile Schedule's period: a safety net
@@ -190,6 +192,7 @@ flags:
 	}
 	c.ImageRoots = roots
 	c.LogFields = []zap.Field{zap.String("host_id", c.HostID)}
+	c.TraceAttributes = []attribute.KeyValue{attribute.String(platform.AttrHostID, c.HostID)}
 	c.IgnoreUninspectable = ignore
 	if fs.NArg() > 0 {
 		return c, fmt.Errorf("unexpected arguments %q", fs.Args())

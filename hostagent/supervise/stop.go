@@ -120,6 +120,7 @@ func (s *Supervisor) Stop(ctx context.Context, id string, graceful time.Duration
 		cfg.Identity, cfg.Paths = pid, vmmPaths(l.Paths())
 		res, err = vmm.Stop(ctx, cfg)
 	}
+	traceLadder(ctx, res)
 	out := StopReport{StopResult: res, Identity: pid, Child: child, ResumedFrom: from}
 	if err != nil {
 		// Returned, not logged (its caller, the StopVM activity, returns

@@ -98,8 +98,11 @@ type StepResult struct {
 	// Via is how it was taken: "qmp", "sigterm", "sigkill", or "skipped"
 	// (QMP unreachable or the command refused).
 	Via string `json:"via"`
-	// Duration covers issuing the step and the wait after it.
+	// Started is when the step began; Duration covers issuing it and the
+	// wait after it, Wait the wait alone (0: none).
+	Started  time.Time     `json:"started"`
 	Duration time.Duration `json:"duration"`
+	Wait     time.Duration `json:"wait"`
 	// Exited: the group was gone by the end of this step's wait.
 	Exited bool `json:"exited"`
 	// Err is why the step was skipped or failed; the ladder went on.
@@ -206,8 +209,8 @@ func (s *ladder) run(ctx context.Context) error {
 
 func (s *ladder) steps(ctx context.Context, rank int) error {
 	if rank <= StepNone.rank() && !s.cfg.SkipPowerdown {
-		r := StepResult{Step: StepPowerdownSent, Via: "qmp"}
 		t := time.Now()
+		r := StepResult{Step: StepPowerdownSent, Via: "qmp", Started: t}
 		delivered := false
 		if mon := s.monitor(ctx); mon == nil {
 			r.Via, r.Err = "skipped", errors.New("qmp unreachable")
@@ -233,8 +236,8 @@ func (s *ladder) steps(ctx context.Context, rank int) error {
 		}
 	} else if rank == StepPowerdownSent.rank() {
 		// Resumed: the button was pressed before the agent restarted.
-		r := StepResult{Step: StepPowerdownSent, Via: "resumed"}
 		t := time.Now()
+		r := StepResult{Step: StepPowerdownSent, Via: "resumed", Started: t}
 		s.res.Reached = StepPowerdownSent
 		s.res.Steps = append(s.res.Steps, r)
 		if err := s.waitStep(ctx, t, s.cfg.GracefulTimeout); err != nil {
@@ -243,8 +246,8 @@ func (s *ladder) steps(ctx context.Context, rank int) error {
 	}
 
 	if rank <= StepPowerdownSent.rank() {
-		r := StepResult{Step: StepQuitSent, Via: "qmp"}
 		t := time.Now()
+		r := StepResult{Step: StepQuitSent, Via: "qmp", Started: t}
 		mon := s.monitor(ctx)
 		if mon != nil {
 			// The reply may be lost to the EOF that follows quit
@@ -277,14 +280,14 @@ func (s *ladder) steps(ctx context.Context, rank int) error {
 	} else if rank == StepQuitSent.rank() {
 		t := time.Now()
 		s.res.Reached = StepQuitSent
-		s.res.Steps = append(s.res.Steps, StepResult{Step: StepQuitSent, Via: "resumed"})
+		s.res.Steps = append(s.res.Steps, StepResult{Step: StepQuitSent, Via: "resumed", Started: t})
 		if err := s.waitStep(ctx, t, s.cfg.QuitTimeout); err != nil {
 			return err
 		}
 	}
 
-	r := StepResult{Step: StepKillSent, Via: "sigkill"}
 	t := time.Now()
+	r := StepResult{Step: StepKillSent, Via: "sigkill", Started: t}
 	if err := s.signal(syscall.SIGKILL); err != nil {
 		return err
 	}
@@ -324,11 +327,12 @@ func (s *ladder) hook(step StopStep) error {
 // the last step. It returns errGone when it is, nil when d passed, and the
 // caller's context error when that ended first.
 func (s *ladder) waitStep(ctx context.Context, t time.Time, d time.Duration) error {
+	began := time.Now()
 	wctx, cancel := context.WithTimeout(ctx, d)
 	defer cancel()
 	err := s.h.Wait(wctx)
 	last := &s.res.Steps[len(s.res.Steps)-1]
-	last.Duration = time.Since(t)
+	last.Duration, last.Wait = time.Since(t), time.Since(began)
 	switch {
 	case err == nil:
 		last.Exited = true

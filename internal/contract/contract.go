@@ -99,3 +99,12 @@ const (
 	SAStage          = "VmStage"          // Keyword
 	SANeedsAttention = "VmNeedsAttention" // Bool
 )
+
+// contextKey types the workflow context values below.
+type contextKey string
+
+// StageKey is the workflow context value under which a host activity call
+// carries its stage (a workflows.Stage* value): the workflows set it on
+// each call's context, and tracing (platform) puts it on the call's spans.
+// Workflow code cannot reach a span itself.
+const StageKey contextKey = "vmflow-stage"

@@ -10,3 +10,8 @@ import "time"
 // binary cancels what is left, closes its client and exits before systemd
 // sends SIGKILL.
 const StopTimeout = 25 * time.Second
+
+// TraceFlushTimeout bounds the last send of spans when a binary with
+// tracing on exits, after the stop timeout: the two stay under the units'
+// TimeoutStopSec.
+const TraceFlushTimeout = 3 * time.Second
