@@ -125,6 +125,9 @@ type host struct {
 
 	st     *store.Store
 	claims *lease.Claims
+	// capacity is the host's capacity ledger: room for 3 vCPUs, so the
+	// model's instances (4 vCPUs in all) do not all fit at once.
+	capacity *lease.Capacity
 	now    atomic.Int64 // unix nanos; read by Claims from its goroutines
 
 	helpers        map[string]*helper   // the latest helper of each instance
@@ -302,6 +305,10 @@ func (h *host) startAgent(t *rapid.T) {
 		t.Fatalf("start agent: %v", err)
 	}
 	h.claims = c
+	h.capacity, err = lease.NewCapacity(lease.CapacityConfig{Store: h.st, CPUs: modelCPUs, MemoryMiB: 1 << 20, CPUOvercommit: 1, Now: h.clock})
+	if err != nil {
+		t.Fatalf("start agent: %v", err)
+	}
 	f, err := gpu.ParseGPUFilter("all")
 	if err != nil {
 		t.Fatalf("start agent: %v", err)

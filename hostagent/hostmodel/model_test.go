@@ -18,6 +18,7 @@ import (
 	"pgregory.net/rapid"
 
 	"vmflow/hostagent/gpu"
+	"vmflow/hostagent/lease"
 	"vmflow/hostagent/gpu/vgpusim"
 	"vmflow/hostagent/network/nettest"
 	"vmflow/hostagent/proc"
@@ -226,15 +227,53 @@ var vgpuCounts = map[string]uint32{"vm-a": 1, "vm-b": 2, "vm-c": 1}
 
 func (h *host) create(t *rapid.T) { h.createOf(t, drawID(t)) } // any id: creating an existing one is a retried create
 
+// modelCPUs is the host's CPUs (and vCPUs: no overcommit); vcpusOf the
+// model instances' vCPUs, which add up to more.
+const modelCPUs = 3
+
+var vcpusOf = map[string]uint32{"vm-b": 2}
+
 func (h *host) createOf(t *rapid.T, id string) {
 	c, cancel := ctx()
 	defer cancel()
-	spec := &vmflowv1.VMSpec{Vcpus: 1, MemoryMib: 64, Machine: "none", VgpuProfile: h.dc.profile, VgpuCount: vgpuCounts[id]}
+	vcpus := max(vcpusOf[id], 1)
+	spec := &vmflowv1.VMSpec{Vcpus: vcpus, MemoryMib: 64, Machine: "none", VgpuProfile: h.dc.profile, VgpuCount: vgpuCounts[id]}
 	if n := wholeCounts[id]; n > 0 {
-		spec = &vmflowv1.VMSpec{Vcpus: 1, MemoryMib: 64, Machine: "none", GpuPassthroughCount: uint32(n)}
+		spec = &vmflowv1.VMSpec{Vcpus: vcpus, MemoryMib: 64, Machine: "none", GpuPassthroughCount: uint32(n)}
 	}
-	_, err := h.st.Create(c, &vmflowv1.InstanceRecord{Id: id, Spec: spec})
+	_, existed := h.st.Get(id)
+	_, err := h.st.Create(c, &vmflowv1.InstanceRecord{Id: id, Spec: spec}, store.Reserving(h.capacity.Reserve(id, spec)))
 	t.Logf("create %s: %v", id, err)
+	h.event("create", err == nil, err)
+	if errors.Is(err, lease.ErrNoHostCapacity) && errors.Is(existed, store.ErrNotFound) {
+		if _, gerr := h.st.Get(id); !errors.Is(gerr, store.ErrNotFound) {
+			t.Fatalf("VIOLATION a create refused for capacity left a record of %s: %v", id, gerr)
+		}
+	}
+}
+
+// checkCapacity: the ledger never holds more than the host's capacity
+// (invariant 17), and no VM runs without an active share.
+func (h *host) checkCapacity(t *rapid.T) {
+	u, err := h.capacity.Usage("")
+	if err != nil {
+		t.Fatalf("capacity: %v", err)
+	}
+	if lim := h.capacity.Limits(); u.VCPUs > lim.VCPUs || u.MemoryMiB > lim.MemoryMiB {
+		t.Fatalf("VIOLATION the ledger holds %d vCPUs and %d MiB, over the host's %d and %d", u.VCPUs, u.MemoryMiB, lim.VCPUs, lim.MemoryMiB)
+	}
+	for id, hp := range h.helpers {
+		if !hp.alive() || h.corrupt[id] != nil {
+			continue
+		}
+		rec, err := h.st.Get(id)
+		if err != nil {
+			continue
+		}
+		if l := store.Capacity(rec); !store.LeaseHeld(l) || l.GetPhase() != vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE {
+			t.Fatalf("VIOLATION %s runs (pid %d) without an active share of the host: %v", id, hp.child.Identity().PID, l)
+		}
+	}
 }
 
 // spawn drives one instance along the spawn workflow (create, claim,
@@ -412,6 +451,9 @@ func (h *host) launchOf(t *rapid.T, id string) {
 	if !ok {
 		return
 	}
+	if !h.placeCapacity(t, id) {
+		return
+	}
 	hp, err := startHelper(node)
 	if err != nil {
 		t.Fatalf("launch %s: %v", id, err)
@@ -435,6 +477,26 @@ func (h *host) launchOf(t *rapid.T, id string) {
 	h.helpers[id] = hp
 	t.Logf("launch %s: pid %d holding %q", id, ident.PID, node)
 	h.events["launched"]++
+}
+
+// placeCapacity makes id's share active, as a launch's capacity stage
+// does, and reports whether the launch may go on.
+func (h *host) placeCapacity(t *rapid.T, id string) bool {
+	c, cancel := ctx()
+	defer cancel()
+	l, err := h.st.Lock(c, id)
+	if err != nil {
+		t.Logf("launch %s: %v", id, err)
+		return false
+	}
+	defer l.Unlock()
+	_, err = h.capacity.Place(c, l)
+	h.event("place capacity", err == nil, err)
+	if err != nil {
+		t.Logf("launch %s: %v", id, err)
+		return false
+	}
+	return true
 }
 
 // vgpuNode makes id's vGPUs launchable and returns the VFIO node of the
@@ -1065,6 +1127,7 @@ func (h *host) check(t *rapid.T) {
 	rebooted := h.rebooted
 	h.rebooted = false
 	h.checkUIDs(t)
+	h.checkCapacity(t)
 	h.checkQuarantine(t, now)
 	h.checkNetwork(t)
 	h.checkWhole(t, now, rebooted)

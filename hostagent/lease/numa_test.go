@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"vmflow/hostagent/gpu/vgpusim"
 	"vmflow/hostagent/lease"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/topology"
@@ -193,4 +194,44 @@ func TestOneNodeHostPlacesNothing(t *testing.T) {
 	c := placed(t, rec)
 	assert.Empty(t, c.GetNumaNodes())
 	assert.Empty(t, c.GetCpus())
+}
+
+// TestWholeClaimTakesGPUsOfOneNode: on a simulated host of two NUMA nodes
+// (GPUs 0000:81 and 0000:83 on node 0; 0000:82, 0000:85 and 0000:86 on
+// node 1, 0000:84 beside a NIC, never offered), a claim of two takes both
+// from one node, the fuller one first (packing), the next claim both from
+// the other; a strict claim no node can serve is refused and holds
+// nothing.
+func TestWholeClaimTakesGPUsOfOneNode(t *testing.T) {
+	nodes := map[string]int{"0000:81:00.0": 0, "0000:83:00.0": 0, "0000:82:00.0": 1, "0000:84:00.0": 1, "0000:85:00.0": 1, "0000:86:00.0": 1}
+	e, _ := newWholeOpts(t, vgpusim.Options{PCIGPUs: 6, NUMANodes: 2, GPUNodes: nodes}, 0)
+	ctx := context.Background()
+	nodeOf := func(leases []*vmflowv1.Lease) []int {
+		var out []int
+		for _, l := range leases {
+			for _, a := range store.PassthroughGPUs(l) {
+				loc, ok := e.sim.Server.PCILocality(a)
+				require.True(t, ok, a)
+				out = append(out, loc.NUMANode)
+			}
+		}
+		return out
+	}
+	e.record(t, "vm1", 2)
+	got, err := e.whole.Claim(ctx, "vm1", "", 2)
+	require.NoError(t, err)
+	assert.Equal(t, []int{0, 0}, nodeOf(got), "node 0 has exactly two: packed there")
+	e.record(t, "vm2", 2)
+	got, err = e.whole.Claim(ctx, "vm2", "", 2)
+	require.NoError(t, err)
+	assert.Equal(t, []int{1, 1}, nodeOf(got))
+
+	_, err = e.st.Create(ctx, &vmflowv1.InstanceRecord{Id: "vm3", Spec: &vmflowv1.VMSpec{Vcpus: 1, MemoryMib: 64, Machine: "none",
+		GpuPassthroughCount: 2, Numa: "strict"}})
+	require.NoError(t, err)
+	_, err = e.whole.Claim(ctx, "vm3", "", 2)
+	require.ErrorIs(t, err, lease.ErrNoWholeGPU)
+	rec, err := e.st.Get("vm3")
+	require.NoError(t, err)
+	assert.Empty(t, store.HeldPassthrough(rec), "a refused claim holds nothing")
 }

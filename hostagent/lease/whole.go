@@ -1,10 +1,12 @@
 package lease
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -13,6 +15,7 @@ import (
 	"vmflow/hostagent/gpu"
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/store"
+	"vmflow/hostagent/topology"
 	"vmflow/internal/crashpoint"
 	"vmflow/internal/errdefs"
 	vmflowv1 "vmflow/proto/vmflow/v1"
@@ -161,36 +164,40 @@ func (w *Whole) finish(ctx context.Context, l *store.Locked, lease *vmflowv1.Lea
 	return got, err
 }
 
-// freeGroup is an IOMMU group placement may take whole: its GPUs.
+// freeGroup is an IOMMU group placement may take whole: its GPUs, and
+// the NUMA node its first GPU reports (topology.NoNode: not said).
 type freeGroup struct {
 	group string
 	gpus  []string
+	node  int
 }
 
 // freeGroups lists, in address order, the groups every GPU of which is
 // offered, viable, unmarked, of model, not quarantined, not named by a
 // held lease and not failed in this claim.
-func (w *Whole) freeGroups(ctx context.Context, l *store.Locked, model string, failed map[string]bool) ([]freeGroup, error) {
+func (w *Whole) freeGroups(ctx context.Context, l *store.Locked, model string, failed map[string]bool) ([]freeGroup, map[string]int, error) {
 	gpus, err := w.drv.GPUs(ctx)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	taken, err := w.takenBy(l.ID(), "")(ctx)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	quarantined, err := w.quar.List()
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
+	nodes := map[string]int{}
 	var order []string
 	groups, bad := map[string]*freeGroup{}, map[string]bool{}
 	for _, g := range gpus {
 		if g.Group == "" {
 			continue
 		}
+		nodes[g.Addr] = g.NUMANode
 		if _, ok := groups[g.Group]; !ok {
-			groups[g.Group] = &freeGroup{group: g.Group}
+			groups[g.Group] = &freeGroup{group: g.Group, node: g.NUMANode}
 			order = append(order, g.Group)
 		}
 		_, q := quarantined[g.Addr]
@@ -206,7 +213,48 @@ func (w *Whole) freeGroups(ctx context.Context, l *store.Locked, model string, f
 			out = append(out, *groups[g])
 		}
 	}
-	return out, nil
+	return out, nodes, nil
+}
+
+// fitOnOneNode picks groups giving need more GPUs from one NUMA node, so a
+// VM's GPUs, CPUs and memory can share one (the capacity ledger places
+// its CPUs on its GPUs' node): the node of the GPUs the claim already
+// holds, else the node with the fewest free GPUs that has enough (packing
+// leaves whole nodes to larger claims). nil when no node has them.
+func fitOnOneNode(groups []freeGroup, need int, heldNodes []int) []freeGroup {
+	on := func(n int) []freeGroup {
+		var out []freeGroup
+		for _, g := range groups {
+			if g.node == n && n != topology.NoNode {
+				out = append(out, g)
+			}
+		}
+		return out
+	}
+	slices.Sort(heldNodes)
+	heldNodes = slices.Compact(heldNodes)
+	switch len(heldNodes) {
+	case 0:
+	case 1:
+		return fit(on(heldNodes[0]), need)
+	default:
+		return nil // already spread
+	}
+	free := map[int]int{}
+	var nodes []int
+	for _, g := range groups {
+		if free[g.node] == 0 {
+			nodes = append(nodes, g.node)
+		}
+		free[g.node] += len(g.gpus)
+	}
+	slices.SortStableFunc(nodes, func(a, b int) int { return cmp.Or(cmp.Compare(free[a], free[b]), cmp.Compare(a, b)) })
+	for _, n := range nodes {
+		if pick := fit(on(n), need); pick != nil {
+			return pick
+		}
+	}
+	return nil
 }
 
 // fit picks, in address order, groups that give exactly need GPUs: two
@@ -249,12 +297,29 @@ func fit(groups []freeGroup, need int) []freeGroup {
 // its card is struck and undone (bindFailed) and (nil, nil) returned, for
 // the claim to place again.
 func (w *Whole) place(ctx context.Context, l *store.Locked, model string, need int, failed map[string]bool) (*vmflowv1.Lease, error) {
+	rec, err := l.Get()
+	if err != nil {
+		return nil, err
+	}
+	strict := rec.GetSpec().GetNuma() == "strict"
 	for {
-		groups, err := w.freeGroups(ctx, l, model, failed)
+		groups, nodeOf, err := w.freeGroups(ctx, l, model, failed)
 		if err != nil {
 			return nil, err
 		}
-		pick := fit(groups, need)
+		var heldNodes []int
+		for _, h := range store.HeldPassthrough(rec) {
+			for _, a := range store.PassthroughGPUs(h) {
+				heldNodes = append(heldNodes, nodeOf[a])
+			}
+		}
+		pick := fitOnOneNode(groups, need, heldNodes)
+		if pick == nil && strict {
+			return nil, fmt.Errorf("%w: %d more GPUs on the NUMA node of the claim's (numa \"strict\"): no node has them", ErrNoWholeGPU, need)
+		}
+		if pick == nil {
+			pick = fit(groups, need)
+		}
 		if pick == nil {
 			m := model
 			if m == "" {
