@@ -128,7 +128,7 @@ type host struct {
 	// capacity is the host's capacity ledger: room for 3 vCPUs, so the
 	// model's instances (4 vCPUs in all) do not all fit at once.
 	capacity *lease.Capacity
-	now    atomic.Int64 // unix nanos; read by Claims from its goroutines
+	now      atomic.Int64 // unix nanos; read by Claims from its goroutines
 
 	helpers        map[string]*helper   // the latest helper of each instance
 	corrupt        map[string][]byte    // records the model truncated, with their bytes

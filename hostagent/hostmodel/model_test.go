@@ -18,8 +18,8 @@ import (
 	"pgregory.net/rapid"
 
 	"vmflow/hostagent/gpu"
-	"vmflow/hostagent/lease"
 	"vmflow/hostagent/gpu/vgpusim"
+	"vmflow/hostagent/lease"
 	"vmflow/hostagent/network/nettest"
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/proc/proctest"
