@@ -235,6 +235,7 @@ func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentH
 	if err != nil {
 		return nil, err
 	}
+	go runCapacityGauges(life, am, capacity, metrics.DefaultStoreRefresh, log)
 	for _, n := range topo.Nodes {
 		log.Info("numa node", zap.Int("numa_node", n.ID), zap.String("cpus", topology.FormatCPUList(n.CPUs)), zap.Uint64("memory_bytes", n.MemoryBytes))
 	}
@@ -307,6 +308,30 @@ func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentH
 	h.store, h.tm, h.metrics, h.vgpus, h.whole, h.sup, h.fdStore, h.acts, h.net = st, tm, am, vgpus, whole, sup, fdStore, acts, nw
 	h.scanEvery = cfg.ReconcileScanEvery
 	return h, nil
+}
+
+// runCapacityGauges sets the capacity gauges from the ledger now and every
+// `every` (as the store's gauges: a scrape never lists the records).
+func runCapacityGauges(ctx context.Context, am *metrics.Agent, c *lease.Capacity, every time.Duration, log *zap.Logger) {
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		limit, held, err := c.Gauges()
+		if err != nil {
+			log.Warn("capacity gauges not refreshed", zap.Error(err))
+		}
+		for r, v := range limit {
+			am.CapacityLimit.WithLabelValues(r).Set(v)
+		}
+		for r, v := range held {
+			am.CapacityHeld.WithLabelValues(r).Set(v)
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
 }
 
 // openNetwork opens the host's network and makes its host-path filter

@@ -155,6 +155,24 @@ func (c *Capacity) Limits() Limits {
 	}
 }
 
+// Gauges are the ledger by resource, what the host may promise (limit)
+// and what its records hold: vcpus, dedicated_cpus, memory_bytes,
+// hugepage_bytes (vmflow_capacity_limit, vmflow_capacity_held).
+func (c *Capacity) Gauges() (limit, held map[string]float64, err error) {
+	u, err := c.Usage("")
+	if err != nil {
+		return nil, nil, err
+	}
+	lim := c.Limits()
+	return map[string]float64{
+			"vcpus": float64(lim.VCPUs), "dedicated_cpus": float64(len(c.cfg.DedicatedCPUs)),
+			"memory_bytes": float64(lim.MemoryMiB << 20), "hugepage_bytes": float64(hugepagePoolsMiB(c.cfg.Topology.Nodes) << 20),
+		}, map[string]float64{
+			"vcpus": float64(u.VCPUs), "dedicated_cpus": float64(u.DedicatedCPUs),
+			"memory_bytes": float64(u.MemoryMiB << 20), "hugepage_bytes": float64(u.Hugepages << 20),
+		}, nil
+}
+
 // Usage is what the records hold of the host.
 type Usage struct {
 	// VCPUs are shared vCPUs; DedicatedCPUs the dedicated ones (a CPU

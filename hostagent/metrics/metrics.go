@@ -53,6 +53,10 @@ type Agent struct {
 	// back (missing and not re-created): each leaves its instance needing
 	// attention.
 	RestartsDeviceMissing prometheus.Counter
+	// CapacityLimit and CapacityHeld are what the host may promise and
+	// what its records hold (the capacity ledger), by resource: vcpus
+	// (shared), dedicated_cpus, memory_bytes, hugepage_bytes.
+	CapacityLimit, CapacityHeld *prometheus.GaugeVec
 	// GuestLogDropped counts guest output bytes that never reached
 	// qemu.log (its disk full, failing or behind): output is dropped rather
 	// than QEMU blocked.
@@ -156,6 +160,14 @@ func New(reg prometheus.Registerer, st *store.Store) (*Agent, error) {
 			Name: "vmflow_restarts_device_missing_total",
 			Help: "Restarts that failed because the instance's vGPU is missing and could not be re-created.",
 		}),
+		CapacityLimit: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "vmflow_capacity_limit",
+			Help: "What the host may promise its VMs, by resource: vcpus (shared CPUs × --cpu-overcommit), dedicated_cpus (--dedicated-cpus), memory_bytes (less --memory-reserve and the hugepage pools, × --memory-overcommit), hugepage_bytes (the pools).",
+		}, []string{"resource"}),
+		CapacityHeld: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "vmflow_capacity_held",
+			Help: "What the host's records hold of vmflow_capacity_limit (their capacity leases, reservations not yet expired included), by resource.",
+		}, []string{"resource"}),
 		GPUDevices: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "vmflow_gpu_devices",
 			Help: "GPU devices on this host by state: free, claimed, quarantined (a release or reset failed --gpu-quarantine-after times), not-vmflows.",
@@ -184,7 +196,9 @@ func New(reg prometheus.Registerer, st *store.Store) (*Agent, error) {
 	}
 	for _, kind := range store.LeaseKinds {
 		a.ReleaseDuration.WithLabelValues(kind)
-		a.OrphansFound.WithLabelValues(kind)
+		if kind != store.KindCapacity { // a share of the host is no thing to find astray
+			a.OrphansFound.WithLabelValues(kind)
+		}
 	}
 	// A counter kept by the kernel: a replaced table or a reboot resets it,
 	// which rate() and increase() take as a counter reset.
@@ -196,7 +210,7 @@ func New(reg prometheus.Registerer, st *store.Store) (*Agent, error) {
 		Name: "vmflow_network_port_rate_dropped_frames_total",
 		Help: "Frames from guest TAPs dropped for being over a port's frames-a-second limit (--net-port-pps), as of the last TAP reconcile round.",
 	}, func() float64 { return float64(a.rateDropped.Load()) })
-	cs := []prometheus.Collector{filterDropped, rateDropped, a.StopDuration, a.ExitDetect, a.LaunchDuration, a.ReleaseFailures, a.ReleaseDuration, a.OrphansFound, a.Reattach, a.LeasesUnserved, a.RestartsRefused, a.RestartsDeviceMissing, a.GuestLogDropped, a.GPUDevices, a.NetworkPortsReattached}
+	cs := []prometheus.Collector{filterDropped, rateDropped, a.StopDuration, a.ExitDetect, a.LaunchDuration, a.ReleaseFailures, a.ReleaseDuration, a.OrphansFound, a.Reattach, a.LeasesUnserved, a.RestartsRefused, a.RestartsDeviceMissing, a.GuestLogDropped, a.GPUDevices, a.NetworkPortsReattached, a.CapacityLimit, a.CapacityHeld}
 	if st != nil {
 		a.store = &storeCollector{st: st}
 		a.store.refresh()
@@ -212,7 +226,7 @@ func New(reg prometheus.Registerer, st *store.Store) (*Agent, error) {
 
 var (
 	instancesDesc = prometheus.NewDesc("vmflow_instances", "Instance records on this host, by state.", []string{"state"}, nil)
-	leasesDesc    = prometheus.NewDesc("vmflow_leases", "Leases held by instance records on this host, by kind (vgpu, passthrough, network) and phase (intent, active, releasing).", []string{"kind", "phase"}, nil)
+	leasesDesc    = prometheus.NewDesc("vmflow_leases", "Leases held by instance records on this host, by kind (vgpu, passthrough, network, capacity) and phase (intent, active, releasing).", []string{"kind", "phase"}, nil)
 	unreadable    = prometheus.NewDesc("vmflow_records_unreadable", "Instance records that could not be read.", nil, nil)
 	freeDesc      = prometheus.NewDesc("vmflow_state_fs_free_bytes",
 		"Bytes the agent can still write on the state file system, its reserve not included.", nil, nil)
