@@ -44,8 +44,9 @@ const (
 	// launch: a spawn's claim of whole GPUs (binds, resets) fits well
 	// inside it, and a spawn that died frees its room within it.
 	DefaultReservationTTL = 10 * time.Minute
-	// MaxOvercommit bounds both ratios: a ratio beyond it is a typo.
-	MaxOvercommit = 64.0
+	// MaxOvercommit bounds both ratios: a ratio beyond it is a typo
+	// (benchmarks of -machine none VMs, which run no guest, use 256).
+	MaxOvercommit = 256.0
 )
 
 // DefaultMemoryReserveMiB is the memory a host of totalMiB keeps for
