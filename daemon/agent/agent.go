@@ -231,7 +231,7 @@ func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentH
 	host.DedicatedCPUs = uint32(len(cfg.DedicatedCPUs))
 	capacity, err := lease.NewCapacity(lease.CapacityConfig{Store: st, CPUs: int(host.MaxVCPUs), MemoryMiB: uint64(host.MaxMemoryMiB),
 		CPUOvercommit: cfg.CPUOvercommit, MemoryOvercommit: cfg.MemoryOvercommit, MemoryReserveMiB: reserve, TTL: cfg.ReservationTTL,
-		Topology: topo, DedicatedCPUs: cfg.DedicatedCPUs, SysfsRoot: cfg.SysfsRoot, Logger: log})
+		Topology: topo, DedicatedCPUs: cfg.DedicatedCPUs, SysfsRoot: cfg.SysfsRoot, FreeGPUs: freeGPUsByNode(vgpus, whole), Logger: log})
 	if err != nil {
 		return nil, err
 	}
@@ -308,6 +308,40 @@ func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentH
 	h.store, h.tm, h.metrics, h.vgpus, h.whole, h.sup, h.fdStore, h.acts, h.net = st, tm, am, vgpus, whole, sup, fdStore, acts, nw
 	h.scanEvery = cfg.ReconcileScanEvery
 	return h, nil
+}
+
+// freeGPUsByNode counts the GPUs free on each NUMA node: offered whole
+// GPUs no claim bound, and vGPU parents with room for one more vGPU. The
+// capacity ledger places a VM without GPUs where fewer are free.
+func freeGPUsByNode(vgpus *lease.Claims, whole *lease.Whole) func(context.Context) (map[int]int, error) {
+	return func(ctx context.Context) (map[int]int, error) {
+		free := map[int]int{}
+		if whole != nil {
+			gpus, err := whole.Driver().GPUs(ctx)
+			if err != nil {
+				return nil, err
+			}
+			for _, g := range gpus {
+				if g.Offered && !g.Marked {
+					free[g.NUMANode]++
+				}
+			}
+		}
+		if vgpus != nil {
+			profiles, err := vgpus.Driver().Profiles(ctx)
+			if err != nil {
+				return nil, err
+			}
+			seen := map[string]bool{}
+			for _, p := range profiles {
+				if p.Available > 0 && !seen[p.Parent] {
+					seen[p.Parent] = true
+					free[p.NUMANode]++
+				}
+			}
+		}
+		return free, nil
+	}
 }
 
 // runCapacityGauges sets the capacity gauges from the ledger now and every
