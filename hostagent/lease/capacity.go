@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"time"
 
 	"go.uber.org/zap"
@@ -338,7 +339,14 @@ func (c *Capacity) Place(ctx context.Context, l *store.Locked) (rec *vmflowv1.In
 		have := store.Capacity(rec)
 		now := c.cfg.Now()
 		if have != nil && store.LeaseHeld(have) && have.GetPhase() == vmflowv1.ClaimPhase_CLAIM_PHASE_ACTIVE {
-			return nil // a restart: where it was placed, it stays
+			if c.stillPlaced(have.GetCapacity()) {
+				return nil // a restart: where it was placed, it stays
+			}
+			// The host changed under it (a reboot with fewer CPUs or
+			// nodes, another --dedicated-cpus): its share stays counted,
+			// its place is chosen again, or the launch is refused.
+			c.cfg.Logger.Warn("capacity placement no longer fits this host; placing again", zap.String("instance_id", l.ID()),
+				zap.String("cpus", have.GetCapacity().GetCpus()))
 		}
 		u, nodes, uerr := c.ledger(l.ID())
 		if uerr != nil {
@@ -367,6 +375,35 @@ func (c *Capacity) Place(ctx context.Context, l *store.Locked) (rec *vmflowv1.In
 		return nil, fmt.Errorf("place capacity: %w", err)
 	}
 	return rec, nil
+}
+
+// stillPlaced reports whether a placed share's CPUs and nodes are still
+// the host's to give it as they were: every CPU on a node of the host's,
+// in the dedicated pool exactly when the share is dedicated, every node
+// there; and a share placed nowhere on a host that places nothing.
+func (c *Capacity) stillPlaced(s *vmflowv1.CapacityLease) bool {
+	t := c.cfg.Topology
+	if len(t.Nodes) == 0 {
+		return s.GetCpus() == "" && len(s.GetNumaNodes()) == 0
+	}
+	cpus, err := topology.ParseCPUList(s.GetCpus())
+	if err != nil {
+		return false
+	}
+	for _, cpu := range cpus {
+		if _, ok := t.NodeOfCPU(cpu); !ok || slices.Contains(c.cfg.DedicatedCPUs, cpu) != s.GetDedicatedCpus() {
+			return false
+		}
+	}
+	for _, n := range s.GetNumaNodes() {
+		if _, ok := t.Node(int(n)); !ok {
+			return false
+		}
+	}
+	if s.GetCpus() == "" && len(c.cfg.DedicatedCPUs) > 0 {
+		return false // placed before the host kept a pool: it would share it
+	}
+	return true
 }
 
 // capacityDriver is the capacity lease's lease.Driver: a share of the host

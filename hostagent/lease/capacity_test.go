@@ -22,6 +22,7 @@ import (
 type capacityHost struct {
 	st  *store.Store
 	cap *lease.Capacity
+	cfg lease.CapacityConfig
 	now time.Time
 	mu  sync.Mutex
 }

@@ -41,9 +41,20 @@ func twoNodes(t *testing.T, mutate func(*lease.CapacityConfig)) *capacityHost {
 	if mutate != nil {
 		mutate(&cfg)
 	}
+	h.cfg = cfg
 	h.cap, err = lease.NewCapacity(cfg)
 	require.NoError(t, err)
 	return h
+}
+
+// restart is the agent started again over the same records and sysfs,
+// its flags changed by mutate.
+func (h *capacityHost) restart(t *testing.T, mutate func(*lease.CapacityConfig)) {
+	t.Helper()
+	mutate(&h.cfg)
+	var err error
+	h.cap, err = lease.NewCapacity(h.cfg)
+	require.NoError(t, err)
 }
 
 // withGPUs creates id holding whole GPUs at addrs (their leases written
@@ -234,4 +245,24 @@ func TestWholeClaimTakesGPUsOfOneNode(t *testing.T) {
 	rec, err := e.st.Get("vm3")
 	require.NoError(t, err)
 	assert.Empty(t, store.HeldPassthrough(rec), "a refused claim holds nothing")
+}
+
+// TestPlacementRedoneWhenTheHostChanged: a VM placed when CPU 7 alone was
+// kept for dedicated VMs is placed again at its next launch after the
+// operator kept 6 and 7: its cpuset never holds a dedicated CPU. One
+// whose place still holds keeps it.
+func TestPlacementRedoneWhenTheHostChanged(t *testing.T) {
+	h := twoNodes(t, func(c *lease.CapacityConfig) { c.DedicatedCPUs = []int{7} })
+	h.withGPUs(t, "gpu", vm(1, 512), "0000:81:00.0")
+	rec, err := h.place(t, "gpu")
+	require.NoError(t, err)
+	assert.Equal(t, "4-6", placed(t, rec).GetCpus())
+	again, err := h.place(t, "gpu")
+	require.NoError(t, err)
+	assert.Equal(t, rec.GetUpdatedAt().AsTime(), again.GetUpdatedAt().AsTime(), "still fits: nothing written")
+
+	h.restart(t, func(c *lease.CapacityConfig) { c.DedicatedCPUs = []int{6, 7} })
+	rec, err = h.place(t, "gpu")
+	require.NoError(t, err)
+	assert.Equal(t, "4-5", placed(t, rec).GetCpus())
 }
