@@ -1,11 +1,13 @@
 package gpu
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -173,7 +175,7 @@ func (d *MdevDriver) Create(ctx context.Context, req CreateRequest) (Device, err
 		if err != nil {
 			return Device{}, err
 		}
-		pl, err = place(reserveHeld(profs, held, deviceIDs(devs), true), req.Profile)
+		pl, err = place(reserveHeld(profs, held, deviceIDs(devs), true), req)
 		if err != nil {
 			return Device{}, fmt.Errorf("vgpu: create mdev %s: %w", id, err)
 		}
@@ -241,20 +243,23 @@ func deviceIDs(devs []Device) map[string]bool {
 	return m
 }
 
-// place picks the least used parent with capacity for profile.
-func place(profs []Profile, profile string) (Placement, error) {
+// place picks, for req's profile, the least used parent with capacity,
+// on one of req.Near's NUMA nodes first (only there with OnlyNear).
+func place(profs []Profile, req CreateRequest) (Placement, error) {
+	profile := req.Profile
 	known := false
 	var best *Profile
+	near := func(p *Profile) bool { return slices.Contains(req.Near, p.NUMANode) }
 	for i := range profs {
 		p := &profs[i]
 		if p.Name != profile {
 			continue
 		}
 		known = true
-		if p.Available <= 0 {
+		if p.Available <= 0 || (req.OnlyNear && len(req.Near) > 0 && !near(p)) {
 			continue
 		}
-		if best == nil || p.Used < best.Used || (p.Used == best.Used && p.Parent < best.Parent) {
+		if best == nil || cmp.Or(-cmp.Compare(b2i(near(p)), b2i(near(best))), cmp.Compare(p.Used, best.Used), strings.Compare(p.Parent, best.Parent)) < 0 {
 			best = p
 		}
 	}
@@ -266,6 +271,13 @@ func place(profs []Profile, profile string) (Placement, error) {
 	default:
 		return Placement{}, fmt.Errorf("profile %q: %w", profile, ErrUnknownProfile)
 	}
+}
+
+func b2i(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }
 
 func sortProfiles(ps []Profile) {

@@ -243,7 +243,7 @@ func (d *VendorDriver) Create(ctx context.Context, req CreateRequest) (Device, e
 		}
 		names := d.typeNames(vfs)
 		vfs = withoutTaken(vfs, taken) // a held claim's VF is left out: no slot to count
-		pl, err = place(reserveHeld(vendorProfiles(vfs, names), held, running, false), req.Profile)
+		pl, err = place(reserveHeld(vendorProfiles(vfs, names), held, running, false), req)
 		if errors.Is(err, ErrUnknownProfile) && anyBusy(vfs) {
 			// Busy and taken VFs list nothing and full types drop out
 			// of the lists: the name may be real but not creatable now.

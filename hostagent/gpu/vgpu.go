@@ -115,6 +115,11 @@ type CreateRequest struct {
 	// At pins the placement (a recorded intent being finished after a
 	// crash); nil lets the driver choose the least used parent.
 	At *Placement
+	// Near are NUMA nodes a new placement prefers (the node of the
+	// claim's other vGPUs, so the VM's GPUs, CPUs and memory can share
+	// one); with OnlyNear, the only ones it may take. Empty: any node.
+	Near     []int
+	OnlyNear bool
 	// Intent, if set, is called under the host lock once the placement is
 	// chosen and before the device is created: the place to write the
 	// claim ahead. Its error aborts the create.

@@ -266,3 +266,26 @@ func TestPlacementRedoneWhenTheHostChanged(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, "4-5", placed(t, rec).GetCpus())
 }
+
+// TestVGPUClaimStaysOnOneNode: on four mdev parents over two NUMA nodes
+// (parents 0 and 2 on node 0, 1 and 3 on node 1), a claim of two vGPUs
+// puts the second on the first's node, not on the next least used parent
+// (parent 1, node 1).
+func TestVGPUClaimStaysOnOneNode(t *testing.T) {
+	e := newClaims(t, vgpusim.Options{MdevParents: 4, NUMANodes: 2})
+	ctx := context.Background()
+	_, err := e.st.Create(ctx, &vmflowv1.InstanceRecord{Id: "vm1", Spec: &vmflowv1.VMSpec{Vcpus: 1, MemoryMib: 64, Machine: "none",
+		VgpuProfile: profile, VgpuCount: 2}})
+	require.NoError(t, err)
+	got, err := e.claims.Claim(ctx, "vm1", profile, 2)
+	require.NoError(t, err)
+	require.Len(t, got, 2)
+	var nodes []int
+	for _, l := range got {
+		loc, ok := e.sim.Server.PCILocality(l.GetVgpu().GetParent())
+		require.True(t, ok, l.GetVgpu().GetParent())
+		nodes = append(nodes, loc.NUMANode)
+	}
+	assert.Equal(t, nodes[0], nodes[1], "both vGPUs on one node: %v", nodes)
+	assert.NotEqual(t, got[0].GetVgpu().GetParent(), got[1].GetVgpu().GetParent(), "still spread over that node's GPUs")
+}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 
 	"github.com/google/uuid"
@@ -93,6 +94,11 @@ func (c *Claims) finish(ctx context.Context, l *store.Locked, have *vmflowv1.Lea
 // instance's other leases count as taken: two of its vGPUs never share a VF.
 func (c *Claims) claimOne(ctx context.Context, l *store.Locked, profile string) (*vmflowv1.Lease, error) {
 	req := gpu.CreateRequest{Profile: profile, UUID: uuid.NewString(), Taken: c.takenBy(l.ID(), ""), Held: c.heldBy(l.ID(), "")}
+	if rec, err := l.Get(); err == nil {
+		// Its other vGPUs' node first (numa "strict": only there), so the
+		// VM's GPUs, CPUs and memory can share one node.
+		req.Near, req.OnlyNear = c.nodesOf(store.HeldVGPUs(rec)), rec.GetSpec().GetNuma() == "strict"
+	}
 	name := ""
 	req.Intent = func(pl gpu.Placement) error {
 		lease := store.VGPULease(&vmflowv1.VgpuLease{
@@ -109,6 +115,19 @@ func (c *Claims) claimOne(ctx context.Context, l *store.Locked, profile string) 
 	}
 	crashpoint.Hit(crashpoint.ClaimDeviceCreated)
 	return c.activate(l, name, dev)
+}
+
+// nodesOf are the NUMA nodes of leases' parent GPUs, as sysfs says now;
+// a parent whose node cannot be read is left out.
+func (c *Claims) nodesOf(leases []*vmflowv1.Lease) []int {
+	var nodes []int
+	for _, l := range leases {
+		loc, err := gpu.Locate(c.sysfs, l.GetVgpu().GetParent())
+		if err == nil && loc.NUMANode >= 0 && !slices.Contains(nodes, loc.NUMANode) {
+			nodes = append(nodes, loc.NUMANode)
+		}
+	}
+	return nodes
 }
 
 // rollback undoes every held vGPU lease of a claim that failed, while the
