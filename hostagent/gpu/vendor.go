@@ -169,7 +169,12 @@ func (d *VendorDriver) Profiles(ctx context.Context) ([]Profile, error) {
 	if err != nil {
 		return nil, err
 	}
-	profs := vendorProfiles(vfs, d.typeNames(vfs))
+	return d.located(vendorProfiles(vfs, d.typeNames(vfs))), nil
+}
+
+// located is profs with each parent's locality (a placement near a node
+// reads it too).
+func (d *VendorDriver) located(profs []Profile) []Profile {
 	locs := map[string]topology.PCILocality{}
 	for i, p := range profs {
 		if _, ok := locs[p.Parent]; !ok {
@@ -177,7 +182,7 @@ func (d *VendorDriver) Profiles(ctx context.Context) ([]Profile, error) {
 		}
 		profs[i].PCILocality = locs[p.Parent]
 	}
-	return profs, nil
+	return profs
 }
 
 // Devices implements Driver.
@@ -243,7 +248,7 @@ func (d *VendorDriver) Create(ctx context.Context, req CreateRequest) (Device, e
 		}
 		names := d.typeNames(vfs)
 		vfs = withoutTaken(vfs, taken) // a held claim's VF is left out: no slot to count
-		pl, err = place(reserveHeld(vendorProfiles(vfs, names), held, running, false), req)
+		pl, err = place(reserveHeld(d.located(vendorProfiles(vfs, names)), held, running, false), req)
 		if errors.Is(err, ErrUnknownProfile) && anyBusy(vfs) {
 			// Busy and taken VFs list nothing and full types drop out
 			// of the lists: the name may be real but not creatable now.

@@ -37,6 +37,12 @@ import (
 // refusal, retryable: room frees as VMs are deleted.
 var ErrNoHostCapacity = errdefs.NoHostCapacity.New("no host capacity")
 
+// ErrLedgerUnreadable: a record the ledger must count cannot be read, so
+// what it holds is not known: nothing is promised until it is repaired
+// (it pages an operator: VmflowRecordsUnreadable), as no GPU or address
+// is placed then either. Retryable. The VMs that run go on.
+var ErrLedgerUnreadable = errdefs.Unavailable.New("capacity ledger: records unreadable")
+
 // Capacity defaults.
 const (
 	DefaultCPUOvercommit    = 4.0
@@ -171,18 +177,28 @@ func (c *Capacity) Gauges() (limit, held map[string]float64, err error) {
 			"memory_bytes": float64(lim.MemoryMiB << 20), "hugepage_bytes": float64(hugepagePoolsMiB(c.cfg.Topology.Nodes) << 20),
 		}, map[string]float64{
 			"vcpus": float64(u.VCPUs), "dedicated_cpus": float64(u.DedicatedCPUs),
-			"memory_bytes": float64(u.MemoryMiB << 20), "hugepage_bytes": float64(u.Hugepages << 20),
+			"memory_bytes": float64(u.MemoryMiB << 20), "hugepage_bytes": float64(sumValues(u.HugepageMiB) << 20),
 		}, nil
+}
+
+func sumValues(m map[uint32]uint64) uint64 {
+	var n uint64
+	for _, v := range m {
+		n += v
+	}
+	return n
 }
 
 // Usage is what the records hold of the host.
 type Usage struct {
 	// VCPUs are shared vCPUs; DedicatedCPUs the dedicated ones (a CPU
-	// each); Hugepages the MiB of guest RAM in hugepages.
-	VCPUs, MemoryMiB, DedicatedCPUs, Hugepages uint64
+	// each); HugepageMiB the MiB of guest RAM in hugepages, by page size
+	// in KiB.
+	VCPUs, MemoryMiB, DedicatedCPUs uint64
+	HugepageMiB                     map[uint32]uint64
 	// Unreadable counts records that could not be read: what they hold
-	// is not known, so not counted (they page an operator:
-	// VmflowRecordsUnreadable).
+	// is not known, so while there are any nothing more is promised
+	// (countable).
 	Unreadable int
 }
 
@@ -191,14 +207,19 @@ type Usage struct {
 // with hugepages, its guest RAM in pages of the pool and only QEMU's own
 // memory beside.
 func Share(spec *vmflowv1.VMSpec) *vmflowv1.CapacityLease {
-	mem := vmm.MemoryLimitMiB(int(spec.GetMemoryMib()), vmm.Accel(spec.GetAccel()))
-	s := &vmflowv1.CapacityLease{Vcpus: spec.GetVcpus(), DedicatedCpus: spec.GetDedicatedCpus()}
-	if kib := uint32(vmm.HugepageKiB(spec.GetHugepages())); kib > 0 {
-		s.HugepageKib, s.Hugepages = kib, spec.GetMemoryMib()*1024/kib
-		mem -= uint64(spec.GetMemoryMib())
+	kib := vmm.HugepageKiB(spec.GetHugepages())
+	mem := vmm.MemoryLimitMiB(int(spec.GetMemoryMib()), vmm.Accel(spec.GetAccel()), kib)
+	s := &vmflowv1.CapacityLease{Vcpus: spec.GetVcpus(), DedicatedCpus: spec.GetDedicatedCpus(), MemoryMib: uint32(min(mem, math.MaxUint32))}
+	if kib > 0 {
+		s.HugepageKib = uint32(kib)
+		s.Hugepages = uint32(min(uint64(spec.GetMemoryMib())*1024/uint64(kib), math.MaxUint32))
 	}
-	s.MemoryMib = uint32(min(mem, math.MaxUint32))
 	return s
+}
+
+// hugeMiB is the MiB of guest RAM s holds in hugepages.
+func hugeMiB(s *vmflowv1.CapacityLease) uint64 {
+	return uint64(s.GetHugepages()) * uint64(s.GetHugepageKib()) / 1024
 }
 
 // heldShare is what rec holds of the host at now: its capacity lease while
@@ -224,10 +245,23 @@ func expired(l *vmflowv1.Lease, now time.Time) bool {
 	return l.GetPhase() == vmflowv1.ClaimPhase_CLAIM_PHASE_INTENT && at != nil && !now.Before(at.AsTime())
 }
 
-// Usage sums what every record but except holds now.
+// Usage sums what every record but except holds now; Unreadable counts
+// those it could not read.
 func (c *Capacity) Usage(except string) (Usage, error) {
 	u, _, err := c.ledger(except)
 	return u, err
+}
+
+// countable is the ledger for a promise: refused (ErrLedgerUnreadable)
+// while a record cannot be read, as it may hold any share: counting it as
+// nothing let a repaired record put the host over its capacity (the host
+// model's finding).
+func (c *Capacity) countable(except string) (Usage, nodesUsed, error) {
+	u, nodes, err := c.ledger(except)
+	if err == nil && u.Unreadable > 0 {
+		err = fmt.Errorf("%w: %d record(s); repair or remove them (RUNBOOK section 3)", ErrLedgerUnreadable, u.Unreadable)
+	}
+	return u, nodes, err
 }
 
 // ledger sums what every record but except holds now, of the host and of
@@ -254,7 +288,12 @@ func (c *Capacity) ledger(except string) (Usage, nodesUsed, error) {
 			}
 			u.MemoryMiB += uint64(s.GetMemoryMib())
 			u.DedicatedCPUs += dedicatedOf(s)
-			u.Hugepages += uint64(s.GetHugepages()) * uint64(s.GetHugepageKib()) / 1024
+			if mib := hugeMiB(s); mib > 0 {
+				if u.HugepageMiB == nil {
+					u.HugepageMiB = map[uint32]uint64{}
+				}
+				u.HugepageMiB[s.GetHugepageKib()] += mib
+			}
 			nodes.add(s)
 		}
 	}
@@ -275,16 +314,16 @@ func (c *Capacity) fits(id string, u Usage, s *vmflowv1.CapacityLease, pinned bo
 			return fmt.Errorf("%w: instance %s asks %d dedicated CPUs; %d of the host's %d are free (--dedicated-cpus)",
 				ErrNoHostCapacity, id, s.GetVcpus(), free, len(c.cfg.DedicatedCPUs))
 		}
-		freeCPU = math.MaxUint64 // its vCPUs are its own CPUs, not shared ones
 	}
-	if huge := uint64(s.GetHugepages()) * uint64(s.GetHugepageKib()) / 1024; huge > 0 {
+	if huge := hugeMiB(s); huge > 0 {
 		pool := hugepagePoolMiB(c.cfg.Topology.Nodes, s.GetHugepageKib())
-		if free := sub(pool, u.Hugepages); huge > free {
+		if free := sub(pool, u.HugepageMiB[s.GetHugepageKib()]); huge > free {
 			return fmt.Errorf("%w: instance %s asks %d MiB in %d KiB hugepages; %d MiB of the host's pools of that size are free",
 				ErrNoHostCapacity, id, huge, s.GetHugepageKib(), free)
 		}
 	}
-	if uint64(s.GetVcpus()) <= freeCPU && uint64(s.GetMemoryMib()) <= freeMem {
+	// A dedicated VM's vCPUs are its own CPUs (checked above), not shared ones.
+	if (s.GetDedicatedCpus() || uint64(s.GetVcpus()) <= freeCPU) && uint64(s.GetMemoryMib()) <= freeMem {
 		return nil
 	}
 	why := ""
@@ -312,7 +351,7 @@ func pinned(spec *vmflowv1.VMSpec) bool {
 // as an INTENT that expires after the TTL, or ErrNoHostCapacity.
 func (c *Capacity) Reserve(id string, spec *vmflowv1.VMSpec) store.Reserve {
 	return func(context.Context) (*vmflowv1.Lease, error) {
-		u, err := c.Usage(id)
+		u, _, err := c.countable(id)
 		if err != nil {
 			return nil, err
 		}
@@ -332,6 +371,14 @@ func (c *Capacity) Reserve(id string, spec *vmflowv1.VMSpec) store.Reserve {
 // ErrNoHostCapacity; an ACTIVE one (a restart) is kept. It returns the
 // record as written.
 func (c *Capacity) Place(ctx context.Context, l *store.Locked) (rec *vmflowv1.InstanceRecord, err error) {
+	// Where the GPUs sit and which nodes have GPUs free are read from
+	// sysfs before the admission lock, which every create on the host
+	// waits for: the record cannot change meanwhile (its lock is held),
+	// and the free GPUs are only a preference.
+	if rec, err = l.Get(); err != nil {
+		return nil, fmt.Errorf("place capacity: %w", err)
+	}
+	hints := c.hints(ctx, rec)
 	err = c.cfg.Store.Admitting(ctx, func() error {
 		if rec, err = l.Get(); err != nil {
 			return err
@@ -348,7 +395,7 @@ func (c *Capacity) Place(ctx context.Context, l *store.Locked) (rec *vmflowv1.In
 			c.cfg.Logger.Warn("capacity placement no longer fits this host; placing again", zap.String("instance_id", l.ID()),
 				zap.String("cpus", have.GetCapacity().GetCpus()))
 		}
-		u, nodes, uerr := c.ledger(l.ID())
+		u, nodes, uerr := c.countable(l.ID())
 		if uerr != nil {
 			return uerr
 		}
@@ -360,7 +407,7 @@ func (c *Capacity) Place(ctx context.Context, l *store.Locked) (rec *vmflowv1.In
 				return ferr
 			}
 		}
-		where, perr := c.place(ctx, rec, s, nodes)
+		where, perr := c.place(rec, s, nodes, hints)
 		if perr != nil {
 			return perr
 		}
@@ -391,7 +438,13 @@ func (c *Capacity) stillPlaced(s *vmflowv1.CapacityLease) bool {
 		return false
 	}
 	for _, cpu := range cpus {
-		if _, ok := t.NodeOfCPU(cpu); !ok || slices.Contains(c.cfg.DedicatedCPUs, cpu) != s.GetDedicatedCpus() {
+		node, ok := t.NodeOfCPU(cpu)
+		if !ok || slices.Contains(c.cfg.DedicatedCPUs, cpu) != s.GetDedicatedCpus() {
+			return false
+		}
+		// Renumbered nodes (another NUMA layout after a reboot): its
+		// CPUs must be on the nodes its memory is bound to.
+		if t.NUMA && len(s.GetNumaNodes()) > 0 && !slices.Contains(s.GetNumaNodes(), uint32(node)) {
 			return false
 		}
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"sync"
 	"testing"
 	"time"
@@ -219,4 +220,29 @@ func TestCapacityLeaseReleasedByTheEngine(t *testing.T) {
 	require.NoError(t, h.st.Delete(ctx, "vm"))
 	_, err = h.create("next", vm(2, 64))
 	require.NoError(t, err, "the released share is free again")
+}
+
+// TestCapacityUnreadableRecordPromisesNothing: while a record cannot be
+// read, what it holds is not known, so no create is promised room; once
+// it is repaired, the ledger counts it again. Counting it as nothing let
+// its repair put the host over its capacity.
+func TestCapacityUnreadableRecordPromisesNothing(t *testing.T) {
+	h := newCapacityHost(t, 1, 1) // 2 vCPUs
+	_, err := h.create("big", vm(2, 64))
+	require.NoError(t, err)
+	p, err := h.st.Paths("big")
+	require.NoError(t, err)
+	good, err := os.ReadFile(p.Record)
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(p.Record, good[:len(good)/2], 0o600))
+
+	_, err = h.create("small", vm(1, 64))
+	require.ErrorIs(t, err, lease.ErrLedgerUnreadable)
+	assert.True(t, errdefs.ClassOf(err).Retryable())
+	_, gerr := h.st.Get("small")
+	assert.ErrorIs(t, gerr, store.ErrNotFound, "nothing written")
+
+	require.NoError(t, os.WriteFile(p.Record, good, 0o600))
+	_, err = h.create("small", vm(1, 64))
+	require.ErrorIs(t, err, lease.ErrNoHostCapacity, "repaired, it holds the host's 2 vCPUs")
 }

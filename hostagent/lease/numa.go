@@ -10,6 +10,7 @@ import (
 	"vmflow/hostagent/gpu"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/topology"
+	"vmflow/hostagent/vmm"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -68,7 +69,7 @@ func (n *nodesUsed) add(s *vmflowv1.CapacityLease) {
 		return
 	}
 	vcpus, mem := splitEven(uint64(s.GetVcpus()), k), splitEven(uint64(s.GetMemoryMib()), k)
-	huge := splitEven(uint64(s.GetHugepages())*uint64(s.GetHugepageKib())/1024, k)
+	huge := splitEven(hugeMiB(s), k)
 	for i, id := range s.GetNumaNodes() {
 		u := n.at(int(id))
 		if !s.GetDedicatedCpus() {
@@ -128,35 +129,58 @@ type placement struct {
 	cpus  string
 }
 
+// placeHints are what placement reads from sysfs, outside the admission
+// lock: the nodes of the VM's GPUs (stray: one on no node of the host's)
+// and the GPUs free on each node.
+type placeHints struct {
+	gpuNodes []topology.Node
+	stray    bool
+	freeGPUs map[int]int
+}
+
+// hints reads rec's placeHints.
+func (c *Capacity) hints(ctx context.Context, rec *vmflowv1.InstanceRecord) placeHints {
+	var h placeHints
+	if len(c.cfg.Topology.Nodes) == 0 {
+		return h
+	}
+	h.gpuNodes, h.stray = c.gpuNodes(rec)
+	if c.cfg.FreeGPUs != nil {
+		if f, err := c.cfg.FreeGPUs(ctx); err == nil {
+			h.freeGPUs = f
+		}
+	}
+	return h
+}
+
 // place chooses where rec's share s runs, against what the others hold.
-func (c *Capacity) place(ctx context.Context, rec *vmflowv1.InstanceRecord, s *vmflowv1.CapacityLease, used nodesUsed) (placement, error) {
+func (c *Capacity) place(rec *vmflowv1.InstanceRecord, s *vmflowv1.CapacityLease, used nodesUsed, h placeHints) (placement, error) {
 	t := c.cfg.Topology
 	if len(t.Nodes) == 0 || (len(t.Nodes) == 1 && len(c.cfg.DedicatedCPUs) == 0 && s.GetHugepageKib() == 0) {
 		return placement{}, nil
 	}
 	id, strict := rec.GetId(), rec.GetSpec().GetNuma() == "strict"
 	var cands [][]topology.Node
-	gpuNodes, stray := c.gpuNodes(rec)
 	switch {
-	case len(gpuNodes) > 1 || stray:
+	case len(h.gpuNodes) > 1 || h.stray:
 		if strict {
 			return placement{}, fmt.Errorf("%w: instance %s asks numa \"strict\" but its GPUs are not on one NUMA node (%s)",
-				ErrNoHostCapacity, id, describeNodes(gpuNodes, stray))
+				ErrNoHostCapacity, id, describeNodes(h.gpuNodes, h.stray))
 		}
-		if !stray {
-			cands = append(cands, gpuNodes)
+		if !h.stray {
+			cands = append(cands, h.gpuNodes)
 		}
-	case len(gpuNodes) == 1:
-		cands = append(cands, gpuNodes)
+	case len(h.gpuNodes) == 1:
+		cands = append(cands, h.gpuNodes)
 		if !strict {
-			for _, n := range c.byRoom(ctx, t.Nodes, used, false) {
-				if n.ID != gpuNodes[0].ID {
+			for _, n := range c.byRoom(t.Nodes, used, nil) {
+				if n.ID != h.gpuNodes[0].ID {
 					cands = append(cands, []topology.Node{n})
 				}
 			}
 		}
 	default:
-		for _, n := range c.byRoom(ctx, t.Nodes, used, true) {
+		for _, n := range c.byRoom(t.Nodes, used, h.freeGPUs) {
 			cands = append(cands, []topology.Node{n})
 		}
 	}
@@ -166,7 +190,7 @@ func (c *Capacity) place(ctx context.Context, rec *vmflowv1.InstanceRecord, s *v
 	pinned := pinned(rec.GetSpec())
 	var why []string
 	for _, set := range cands {
-		p, err := c.placeOn(set, s, used, pinned)
+		p, err := c.placeOn(set, rec.GetSpec(), s, used, pinned)
 		if err == nil {
 			return p, nil
 		}
@@ -177,13 +201,15 @@ func (c *Capacity) place(ctx context.Context, rec *vmflowv1.InstanceRecord, s *v
 }
 
 // placeOn places s across set, evenly, or says what a node lacks.
-func (c *Capacity) placeOn(set []topology.Node, s *vmflowv1.CapacityLease, used nodesUsed, pinned bool) (placement, error) {
+func (c *Capacity) placeOn(set []topology.Node, spec *vmflowv1.VMSpec, s *vmflowv1.CapacityLease, used nodesUsed, pinned bool) (placement, error) {
 	k := len(set)
-	if uint64(s.GetVcpus()) < uint64(k) {
-		return placement{}, fmt.Errorf("%d vCPUs do not split over %d nodes", s.GetVcpus(), k)
+	// What QEMU could not run over k guest nodes (a machine without
+	// guest NUMA, RAM not whole pages on each) is no candidate.
+	if err := vmm.SplitsOver(vmm.Machine(spec.GetMachine()), int(spec.GetVcpus()), int(spec.GetMemoryMib()), int(s.GetHugepageKib()), k); err != nil {
+		return placement{}, err
 	}
 	vcpus, mem := splitEven(uint64(s.GetVcpus()), k), splitEven(uint64(s.GetMemoryMib()), k)
-	huge := splitEven(uint64(s.GetHugepages())*uint64(s.GetHugepageKib())/1024, k)
+	huge := splitEven(hugeMiB(s), k)
 	var p placement
 	var cpus []int
 	for i, n := range set {
@@ -248,15 +274,10 @@ func (c *Capacity) nodeMemoryMiB(n topology.Node, pinned bool) uint64 {
 	return uint64(float64(phys) * c.cfg.MemoryOvercommit)
 }
 
-// byRoom orders nodes for a VM: with gpuShy, those with fewer free GPUs
-// first (FreeGPUs); then by free shared vCPUs, most first; then by id.
-func (c *Capacity) byRoom(ctx context.Context, nodes []topology.Node, used nodesUsed, gpuShy bool) []topology.Node {
-	var free map[int]int
-	if gpuShy && c.cfg.FreeGPUs != nil {
-		if f, err := c.cfg.FreeGPUs(ctx); err == nil {
-			free = f
-		}
-	}
+// byRoom orders nodes for a VM: those with fewer free GPUs first (free:
+// nil for a GPU VM, which goes by room alone); then by free shared vCPUs,
+// most first; then by id.
+func (c *Capacity) byRoom(nodes []topology.Node, used nodesUsed, free map[int]int) []topology.Node {
 	room := func(n topology.Node) int64 {
 		shared, _ := c.nodeCPUs(n, used)
 		return int64(float64(len(shared))*c.cfg.CPUOvercommit) - int64(used.at(n.ID).vcpus)
@@ -268,23 +289,33 @@ func (c *Capacity) byRoom(ctx context.Context, nodes []topology.Node, used nodes
 	return out
 }
 
-// gpuNodes are the nodes of rec's held GPU leases' devices, by id; stray:
-// a GPU on no node of the host's, or whose node cannot be read.
+// gpuNodes are the nodes of rec's held GPU leases, by id; stray: a GPU
+// on no node of the host's. A vGPU is where its parent GPU is (which a
+// reboot does not take away, as it does the vGPU until its launch makes
+// it again); a device whose node cannot be read counts as the platform's
+// "not said" (topology.DeviceNode: the one node of a host of one).
 func (c *Capacity) gpuNodes(rec *vmflowv1.InstanceRecord) (nodes []topology.Node, stray bool) {
 	var ids []string
 	for _, l := range store.HeldLeases(rec) {
 		switch {
 		case l.GetVgpu() != nil:
-			ids = append(ids, store.ClaimDevice(l.GetVgpu()))
+			id := l.GetVgpu().GetParent()
+			if id == "" {
+				id = store.ClaimDevice(l.GetVgpu())
+			}
+			ids = append(ids, id)
 		case l.GetGpuPassthrough() != nil:
 			ids = append(ids, store.PassthroughGPUs(l)...)
 		}
 	}
 	for _, id := range ids {
-		loc, err := gpu.Locate(c.cfg.SysfsRoot, id)
-		n, ok := c.cfg.Topology.DeviceNode(loc.NUMANode)
+		reported := topology.NoNode
+		if loc, err := gpu.Locate(c.cfg.SysfsRoot, id); err == nil {
+			reported = loc.NUMANode
+		}
+		n, ok := c.cfg.Topology.DeviceNode(reported)
 		node, known := c.cfg.Topology.Node(n)
-		if err != nil || !ok || !known {
+		if !ok || !known {
 			stray = true
 			continue
 		}

@@ -289,3 +289,88 @@ func TestVGPUClaimStaysOnOneNode(t *testing.T) {
 	assert.Equal(t, nodes[0], nodes[1], "both vGPUs on one node: %v", nodes)
 	assert.NotEqual(t, got[0].GetVgpu().GetParent(), got[1].GetVgpu().GetParent(), "still spread over that node's GPUs")
 }
+
+// TestVendorVGPUClaimKnowsItsNode: on a vendor-VFIO host whose GPU sits
+// on node 1, a strict claim of two vGPUs gets both (the placement reads
+// where the GPU is, not node 0).
+func TestVendorVGPUClaimKnowsItsNode(t *testing.T) {
+	e := newClaims(t, vgpusim.Options{VendorVFs: 4, NUMANodes: 2, GPUNodes: map[string]int{vgpusim.VendorPF: 1}})
+	ctx := context.Background()
+	_, err := e.st.Create(ctx, &vmflowv1.InstanceRecord{Id: "vm1", Spec: &vmflowv1.VMSpec{Vcpus: 1, MemoryMib: 64, Machine: "none",
+		VgpuProfile: "NVIDIA L40-4Q", VgpuCount: 2, Numa: "strict"}})
+	require.NoError(t, err)
+	got, err := e.claims.Claim(ctx, "vm1", "NVIDIA L40-4Q", 2)
+	require.NoError(t, err)
+	assert.Len(t, got, 2)
+}
+
+// TestNUMASpreadOnlyWhatQEMUCanRun: a VM no node has room for is spread
+// over several only when QEMU can run it so: a microvm (no guest NUMA) or
+// RAM that is not whole hugepages on each node is refused instead of
+// placed where every launch would fail.
+func TestNUMASpreadOnlyWhatQEMUCanRun(t *testing.T) {
+	h := twoNodes(t, nil)
+	micro := vm(6, 1024)
+	micro.Machine = "microvm"
+	_, err := h.create("micro", micro)
+	require.NoError(t, err)
+	_, err = h.place(t, "micro")
+	require.ErrorIs(t, err, lease.ErrNoHostCapacity)
+	assert.Contains(t, err.Error(), "no guest NUMA")
+}
+
+// TestNUMAVGPUAfterARebootFindsItsParent: after a reboot a vGPU does not
+// exist until its launch makes it again, after the capacity stage; its
+// node is its parent GPU's, which the lease names.
+func TestNUMAVGPUAfterARebootFindsItsParent(t *testing.T) {
+	h := twoNodes(t, nil)
+	s := vm(2, 512)
+	s.VgpuProfile, s.Numa = "GRID A100-4C", "strict"
+	_, err := h.create("vgpu", s)
+	require.NoError(t, err)
+	_, err = h.st.Apply(context.Background(), "vgpu", store.LeaseIntent(store.VGPULease(&vmflowv1.VgpuLease{
+		Profile: "GRID A100-4C", Parent: "0000:82:00.0", Uuid: "6f1c1b0e-1c1a-4d4e-9f55-0123456789ab"}), h.clock()))
+	require.NoError(t, err)
+	rec, err := h.place(t, "vgpu")
+	require.NoError(t, err, "the mdev is gone; its parent says node 1")
+	assert.Equal(t, []uint32{1}, placed(t, rec).GetNumaNodes())
+}
+
+// TestHugepagePoolsBySize: RAM held in 1G pages takes nothing of the 2M
+// pool.
+func TestHugepagePoolsBySize(t *testing.T) {
+	h := twoNodes(t, func(c *lease.CapacityConfig) {
+		c.Topology.Nodes[0].Hugepages = map[uint64]topology.HugepagePool{topology.PageSize1G: {Total: 4, Free: 4}}
+	})
+	big := vm(1, 4096)
+	big.Hugepages = "1G"
+	_, err := h.create("big", big)
+	require.NoError(t, err)
+	small := vm(1, 512)
+	small.Hugepages = "2M"
+	_, err = h.create("small", small)
+	require.NoError(t, err, "the 2M pool is untouched")
+	more := vm(1, 1024)
+	more.Hugepages = "1G"
+	_, err = h.create("more", more)
+	require.ErrorIs(t, err, lease.ErrNoHostCapacity, "the 1G pool is")
+}
+
+// TestPlacementRedoneWhenNodesRenumber: after a reboot into another NUMA
+// layout (node 1's CPUs are now node 0's), a share's CPUs must be on its
+// memory's node, or it is placed again.
+func TestPlacementRedoneWhenNodesRenumber(t *testing.T) {
+	h := twoNodes(t, nil)
+	h.withGPUs(t, "gpu", vm(1, 512), "0000:81:00.0")
+	rec, err := h.place(t, "gpu")
+	require.NoError(t, err)
+	require.Equal(t, "4-7", placed(t, rec).GetCpus())
+	h.restart(t, func(c *lease.CapacityConfig) {
+		c.Topology.Nodes[0].CPUs, c.Topology.Nodes[1].CPUs = []int{4, 5, 6, 7}, []int{0, 1, 2, 3}
+	})
+	rec, err = h.place(t, "gpu")
+	require.NoError(t, err)
+	c := placed(t, rec)
+	assert.Equal(t, []uint32{1}, c.GetNumaNodes())
+	assert.Equal(t, "0-3", c.GetCpus(), "node 1's CPUs now")
+}

@@ -15,7 +15,6 @@ import (
 	"vmflow/hostagent/gpu"
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/store"
-	"vmflow/hostagent/topology"
 	"vmflow/internal/crashpoint"
 	"vmflow/internal/errdefs"
 	vmflowv1 "vmflow/proto/vmflow/v1"
@@ -222,10 +221,14 @@ func (w *Whole) freeGroups(ctx context.Context, l *store.Locked, model string, f
 // holds, else the node with the fewest free GPUs that has enough (packing
 // leaves whole nodes to larger claims). nil when no node has them.
 func fitOnOneNode(groups []freeGroup, need int, heldNodes []int) []freeGroup {
+	// GPUs whose node the platform did not say (numa_node -1, as on a
+	// single-socket host without firmware NUMA tables) are one node of
+	// their own here: on a host of several nodes the capacity ledger
+	// then finds them on none, and a strict VM is refused there.
 	on := func(n int) []freeGroup {
 		var out []freeGroup
 		for _, g := range groups {
-			if g.node == n && n != topology.NoNode {
+			if g.node == n {
 				out = append(out, g)
 			}
 		}
@@ -310,7 +313,9 @@ func (w *Whole) place(ctx context.Context, l *store.Locked, model string, need i
 		var heldNodes []int
 		for _, h := range store.HeldPassthrough(rec) {
 			for _, a := range store.PassthroughGPUs(h) {
-				heldNodes = append(heldNodes, nodeOf[a])
+				if n, ok := nodeOf[a]; ok { // a GPU no longer listed says nothing
+					heldNodes = append(heldNodes, n)
+				}
 			}
 		}
 		pick := fitOnOneNode(groups, need, heldNodes)

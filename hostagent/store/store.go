@@ -52,7 +52,8 @@ const (
 	// locked before its directory exists (Create) and while it is removed
 	// (Delete).
 	locksDir = "locks"
-	// admissionLock, in the state dir, serialises creates.
+	// admissionLock, in the state dir, serialises creates and the capacity
+	// ledger's placements (Admitting).
 	admissionLock = "admission.lock"
 	// trashPrefix names an instance directory being removed: Delete renames
 	// the whole directory away in one atomic step, then removes it. It starts

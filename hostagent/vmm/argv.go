@@ -133,24 +133,32 @@ func (p Placement) validate(s VMSpec) error {
 			return invalid("placement node %d: want 0..1023", n)
 		}
 	}
-	if len(p.Nodes) > 1 {
-		if s.Machine == MachineNone || s.Machine == MachineMicroVM {
-			return invalid("placement on %d NUMA nodes: machine %s has no guest NUMA", len(p.Nodes), s.Machine)
+	return SplitsOver(s.Machine, s.VCPUs, s.MemoryMiB, p.HugepageKiB, max(len(p.Nodes), 1))
+}
+
+// SplitsOver refuses (ErrInvalidSpec) a VM of machine m, vcpus and memMiB
+// of guest RAM in pages of hugepageKiB (0: ordinary) that QEMU could not
+// run over nodes host NUMA nodes, a guest node each: the one rule the
+// capacity ledger's placement and the argv both keep.
+func SplitsOver(m Machine, vcpus, memMiB, hugepageKiB, nodes int) error {
+	if nodes > 1 {
+		if m == MachineNone || m == MachineMicroVM {
+			return invalid("placement on %d NUMA nodes: machine %s has no guest NUMA", nodes, m)
 		}
-		if s.VCPUs < len(p.Nodes) || s.MemoryMiB < len(p.Nodes) {
-			return invalid("placement on %d NUMA nodes: %d vCPUs and %d MiB do not split", len(p.Nodes), s.VCPUs, s.MemoryMiB)
+		if vcpus < nodes || memMiB < nodes {
+			return invalid("placement on %d NUMA nodes: %d vCPUs and %d MiB do not split", nodes, vcpus, memMiB)
 		}
 	}
-	switch p.HugepageKiB {
+	switch hugepageKiB {
 	case 0:
 	case 2048, 1 << 20:
-		for _, mib := range split(s.MemoryMiB, max(len(p.Nodes), 1)) {
-			if mib%(p.HugepageKiB/1024) != 0 {
-				return invalid("memory %d MiB is not whole %d KiB hugepages on each of %d nodes", s.MemoryMiB, p.HugepageKiB, max(len(p.Nodes), 1))
+		for _, mib := range split(memMiB, nodes) {
+			if mib%(hugepageKiB/1024) != 0 {
+				return invalid("memory %d MiB is not whole %d KiB hugepages on each of %d nodes", memMiB, hugepageKiB, nodes)
 			}
 		}
 	default:
-		return invalid("hugepage size %d KiB: want 2048 or 1048576", p.HugepageKiB)
+		return invalid("hugepage size %d KiB: want 2048 or 1048576", hugepageKiB)
 	}
 	return nil
 }
@@ -159,10 +167,12 @@ func (p Placement) validate(s VMSpec) error {
 const maxNodes = 16
 
 // cpuListRe is the kernel's CPU list format, bounded.
-var cpuListRe = regexp.MustCompile(`^[0-9]{1,4}(-[0-9]{1,4})?(,[0-9]{1,4}(-[0-9]{1,4})?)*$`)
+var cpuListRe = regexp.MustCompile(`^[0-9]{1,5}(-[0-9]{1,5})?(,[0-9]{1,5}(-[0-9]{1,5})?)*$`)
 
-// maxCPUList bounds a cpuset's text.
-const maxCPUList = 1024
+// maxCPUList bounds a cpuset's text: the kernel takes 100 + 6 bytes per
+// CPU; a large host's pool left out of every other cpuset (alternate
+// CPUs) needs some KiB.
+const maxCPUList = 64 << 10
 
 // HugepageKiB is a spec's hugepages ("2M", "1G") as a page size in KiB; 0
 // for none or a size QEMU is not given (admission refuses those).
@@ -443,6 +453,12 @@ func memoryArgs(spec VMSpec) []string {
 		o := fmt.Sprintf("%s,id=%s,size=%dM", kind, id, mib)
 		if p.HugepageKiB > 0 {
 			o += fmt.Sprintf(",hugetlb=on,hugetlbsize=%dK", p.HugepageKiB)
+		}
+		if p.HugepageKiB > 0 {
+			// Taken at start: a node short of pages fails the launch
+			// rather than SIGBUS the guest later (reservations of a
+			// shared memfd are not per node).
+			o += ",prealloc=on"
 		}
 		if host >= 0 {
 			o += fmt.Sprintf(",host-nodes=%d,policy=bind", host)

@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 
 	sddbus "github.com/coreos/go-systemd/v22/dbus"
 	"github.com/godbus/dbus/v5"
@@ -103,21 +104,44 @@ func (l IOLimits) Tighter(o IOLimits) IOLimits {
 }
 
 // MemoryLimitMiB is all a VM with memoryMiB of guest RAM under accel may
-// use, QEMU's own memory included: its cgroup's memory limit, and what it
-// holds of its host's capacity ledger. One definition, two users.
-func MemoryLimitMiB(memoryMiB int, accel Accel) uint64 {
+// use of ordinary memory, QEMU's own included: its cgroup's memory limit,
+// and what it holds of its host's capacity ledger. One definition, two
+// users. Guest RAM in hugepages (hugepageKiB > 0) comes from the host's
+// pool, which the memory cgroup does not charge (unless cgroup2 is
+// mounted with memory_hugetlb_accounting): then only QEMU's own counts.
+func MemoryLimitMiB(memoryMiB int, accel Accel, hugepageKiB int) uint64 {
 	memoryMiB = max(memoryMiB, 0)
 	mem := uint64(memoryMiB) + cgroupMemoryOverhead>>20
+	if hugepageKiB > 0 && !HugetlbInMemcg() {
+		mem -= uint64(memoryMiB)
+	}
 	if accel == AccelTCG {
 		mem += cgroupTCGCodeBuffer >> 20
 	}
 	return mem
 }
 
+// HugetlbInMemcg reports whether the memory cgroup charges hugetlb pages
+// (cgroup2 mounted with memory_hugetlb_accounting, Linux 6.6+), read once
+// from /proc/self/mountinfo.
+var HugetlbInMemcg = sync.OnceValue(func() bool {
+	b, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		return true // cannot tell: count guest RAM, the safe side
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		_, post, ok := strings.Cut(line, " - ")
+		if f := strings.Fields(post); ok && len(f) >= 3 && f[0] == "cgroup2" && slices.Contains(strings.Split(f[2], ","), "memory_hugetlb_accounting") {
+			return true
+		}
+	}
+	return false
+})
+
 // CgroupLimitsFor is spec's cgroup limits, without IODevices (see
 // cgroupLimitsOf).
 func CgroupLimitsFor(spec VMSpec) CgroupLimits {
-	mem := MemoryLimitMiB(spec.MemoryMiB, spec.Accel) << 20
+	mem := MemoryLimitMiB(spec.MemoryMiB, spec.Accel, spec.Placement.HugepageKiB) << 20
 	w := min(max(uint64(spec.VCPUs), 1)*cgroupCPUWeightPerVCPU, cgroupCPUWeightMax)
 	var mems []string
 	for _, n := range spec.Placement.Nodes {

@@ -37,9 +37,9 @@ func TestPlacementArgv(t *testing.T) {
 			"-object memory-backend-ram,id=vmflow-mem0,size=512M,host-nodes=0,policy=bind -numa node,nodeid=0,cpus=0-1,memdev=vmflow-mem0 " +
 				"-object memory-backend-ram,id=vmflow-mem1,size=512M,host-nodes=1,policy=bind -numa node,nodeid=1,cpus=2-2,memdev=vmflow-mem1"},
 		{"hugepages on a node", Placement{Nodes: []int{1}, HugepageKiB: 2048}, MachineQ35,
-			"-object memory-backend-memfd,id=vmflow-mem0,size=1024M,hugetlb=on,hugetlbsize=2048K,host-nodes=1,policy=bind -machine memory-backend=vmflow-mem0"},
+			"-object memory-backend-memfd,id=vmflow-mem0,size=1024M,hugetlb=on,hugetlbsize=2048K,prealloc=on,host-nodes=1,policy=bind -machine memory-backend=vmflow-mem0"},
 		{"hugepages anywhere", Placement{HugepageKiB: 1 << 20}, MachineQ35,
-			"-object memory-backend-memfd,id=vmflow-mem0,size=1024M,hugetlb=on,hugetlbsize=1048576K -machine memory-backend=vmflow-mem0"},
+			"-object memory-backend-memfd,id=vmflow-mem0,size=1024M,hugetlb=on,hugetlbsize=1048576K,prealloc=on -machine memory-backend=vmflow-mem0"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			vcpus := 3
@@ -128,6 +128,7 @@ func TestCgroupV2CPUSet(t *testing.T) {
 	c := CgroupV2{Root: root, Parent: "vmflow"}
 	require.NoError(t, c.Place(ctxT(t, 5*time.Second), "vm1", 4242, CgroupLimits{MemoryBytes: 1, Pids: 1, CPUWeight: 1, CPUs: "0-1", Mems: "0"}))
 	assert.Equal(t, "+cpuset", readTrim(t, root, "cgroup.subtree_control"))
+	assert.Equal(t, "+cpuset", readTrim(t, filepath.Join(root, "vmflow"), "cgroup.subtree_control"), "its parent's too (the last write there)")
 	assert.Equal(t, "0-1", readTrim(t, c.dir("vm1"), "cpuset.cpus"))
 	assert.Equal(t, "0", readTrim(t, c.dir("vm1"), "cpuset.mems"))
 }
