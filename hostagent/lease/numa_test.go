@@ -4,16 +4,19 @@ import (
 	"context"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"vmflow/hostagent/admission"
 	"vmflow/hostagent/gpu/vgpusim"
 	"vmflow/hostagent/lease"
 	"vmflow/hostagent/store"
 	"vmflow/hostagent/topology"
+	"vmflow/hostagent/vmm"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
@@ -373,4 +376,68 @@ func TestPlacementRedoneWhenNodesRenumber(t *testing.T) {
 	c := placed(t, rec)
 	assert.Equal(t, []uint32{1}, c.GetNumaNodes())
 	assert.Equal(t, "0-3", c.GetCpus(), "node 1's CPUs now")
+}
+
+// TestTwoGPUVMOnOneNodeEndToEnd: the simulator shows two NUMA nodes of two
+// CPUs (node 1: CPUs 2-3, with GPUs 0000:81 and 0000:82; node 0 with
+// 0000:83), CPU 3 kept for dedicated VMs. A VM asking two whole GPUs gets
+// both from node 1; its launch places its CPUs and memory there; the QEMU
+// spec assembled from its record binds its RAM to node 1 and its cgroup
+// files confine it to node 1's shared CPU. A dedicated VM then gets CPU 3,
+// which the first's cpuset does not hold.
+func TestTwoGPUVMOnOneNodeEndToEnd(t *testing.T) {
+	e, _ := newWholeOpts(t, vgpusim.Options{PCIGPUs: 3, NUMANodes: 2, NodeCPUs: 2,
+		GPUNodes: map[string]int{"0000:81:00.0": 1, "0000:82:00.0": 1, "0000:83:00.0": 0}}, 0)
+	ctx := context.Background()
+	topo, err := topology.ReadWithProc(e.sim.Root, "/proc")
+	require.NoError(t, err)
+	require.Len(t, topo.Nodes, 2)
+	capacity, err := lease.NewCapacity(lease.CapacityConfig{Store: e.st, CPUs: 4, MemoryMiB: 8192, CPUOvercommit: 4,
+		Topology: topo, DedicatedCPUs: []int{3}, SysfsRoot: e.sim.Root})
+	require.NoError(t, err)
+	launch := func(id string, spec *vmflowv1.VMSpec) *vmflowv1.InstanceRecord {
+		t.Helper()
+		_, err := e.st.Create(ctx, &vmflowv1.InstanceRecord{Id: id, Spec: spec}, store.Reserving(capacity.Reserve(id, spec)))
+		require.NoError(t, err)
+		if spec.GetGpuPassthroughCount() > 0 {
+			_, err = e.whole.Claim(ctx, id, "", int(spec.GetGpuPassthroughCount()))
+			require.NoError(t, err)
+		}
+		l, err := e.st.Lock(ctx, id)
+		require.NoError(t, err)
+		defer l.Unlock()
+		rec, err := capacity.Place(ctx, l)
+		require.NoError(t, err)
+		return rec
+	}
+
+	gpuVM := launch("gpu2", &vmflowv1.VMSpec{Vcpus: 1, MemoryMib: 512, Machine: "q35", Accel: "kvm", GpuPassthroughCount: 2})
+	for _, l := range store.HeldPassthrough(gpuVM) {
+		for _, a := range store.PassthroughGPUs(l) {
+			loc, _ := e.sim.Server.PCILocality(a)
+			assert.Equal(t, 1, loc.NUMANode, "GPU %s", a)
+		}
+	}
+	spec := admission.ForRecord(gpuVM, nil)
+	argv, err := vmm.Argv(spec, vmm.Paths{QMPSocket: "/run/q.sock", Log: "/run/q.log"})
+	require.NoError(t, err)
+	assert.Contains(t, strings.Join(argv, " "), "-object memory-backend-ram,id=vmflow-mem0,size=512M,host-nodes=1,policy=bind")
+	cg := t.TempDir()
+	for _, ctrl := range []string{"memory", "pids", "cpu", "cpuset"} {
+		require.NoError(t, os.MkdirAll(filepath.Join(cg, ctrl), 0o755))
+	}
+	for f, v := range map[string]string{"cgroup.procs": "", "cpuset.cpus": "0-3", "cpuset.mems": "0-1"} {
+		require.NoError(t, os.WriteFile(filepath.Join(cg, "cpuset", f), []byte(v), 0o644))
+	}
+	require.NoError(t, vmm.CgroupV1{Root: cg, Parent: "vmflow"}.Place(ctx, "gpu2", 4242, vmm.CgroupLimitsFor(spec)))
+	readCg := func(f string) string {
+		b, err := os.ReadFile(filepath.Join(cg, "cpuset", "vmflow", "vm-gpu2", f))
+		require.NoError(t, err)
+		return strings.TrimSpace(string(b))
+	}
+	assert.Equal(t, "2", readCg("cpuset.cpus"), "node 1's CPUs but the dedicated 3")
+	assert.Equal(t, "1", readCg("cpuset.mems"))
+
+	ded := launch("dedicated", &vmflowv1.VMSpec{Vcpus: 1, MemoryMib: 256, Machine: "q35", Accel: "kvm", DedicatedCpus: true})
+	assert.Equal(t, "3", placed(t, ded).GetCpus())
 }

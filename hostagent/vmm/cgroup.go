@@ -338,7 +338,9 @@ func (c CgroupV1) v1CPUSet(dir string, l CgroupLimits) error {
 			want := ""
 			if i == len(parts)-1 {
 				want = map[string]string{"cpuset.cpus": l.CPUs, "cpuset.mems": l.Mems}[f]
-			} else if have, err := readCgroup(at, f); err != nil || have != "" {
+			} else if have, err := readCgroup(at, f); (err != nil && !errors.Is(err, fs.ErrNotExist)) || have != "" {
+				// A file not there is a folder not yet given one (only a
+				// stand-in hierarchy: the kernel makes them with it).
 				if err != nil {
 					return err
 				}
