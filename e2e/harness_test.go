@@ -279,6 +279,10 @@ func newEnv(t *testing.T, o envOptions) *env {
 	// Agents of shared-server tests run side by side: disjoint ranges.
 	e.uids = stacktest.QEMUUIDRange()
 	agentArgs = append(agentArgs, "--qemu-uid-range", e.uids.String())
+	// The tests' VMs are small (-machine none, or a 256 MiB guest): a host
+	// of 2 CPUs at the default 4.0 holds 8, fewer than some tests run at
+	// once. A test of the ledger itself sets its own (later flags win).
+	agentArgs = append(agentArgs, "--cpu-overcommit", "32", "--memory-overcommit", "4")
 	agentArgs = append(agentArgs, o.agentArgs...)
 	// Runs after the agent has stopped, as KillLeftoverVMs does: a QEMU of
 	// this agent's uids that no record names is killed too.

@@ -11,15 +11,21 @@ import (
 )
 
 // WriteOldShape rewrites id's record in the pre-lease shape (its vGPU lease as
-// gpu_claim), as after an upgrade, and returns the lease. The agent must not
-// write the record meanwhile.
+// gpu_claim, and no capacity lease: the ledger came later), as after an
+// upgrade, and returns the lease. The agent must not write the record
+// meanwhile.
 func WriteOldShape(st *store.Store, id string) (*vmflowv1.Lease, error) {
 	rec, err := st.Get(id)
 	if err != nil {
 		return nil, fmt.Errorf("old shape %s: %w", id, err)
 	}
-	// The old shape held one vGPU claim and nothing else.
-	if len(store.VGPUs(rec)) != 1 || len(rec.GetLeases()) != 1 {
+	// The old shape held one vGPU claim and nothing else (a capacity lease
+	// beside it is dropped: an agent of then wrote none).
+	others := len(rec.GetLeases()) - len(store.VGPUs(rec))
+	if store.Capacity(rec) != nil {
+		others--
+	}
+	if len(store.VGPUs(rec)) != 1 || others != 0 {
 		return nil, fmt.Errorf("old shape %s: the record holds %d leases, %d of them vGPUs; the old shape had one vGPU", id, len(rec.GetLeases()), len(store.VGPUs(rec)))
 	}
 	l := store.VGPU(rec)
