@@ -86,6 +86,9 @@ const (
 	ErrTypeConflict         = "Conflict"         // a record with another spec exists
 	ErrTypeInstanceDeleting = "InstanceDeleting" // spawn of an instance being deleted
 	ErrTypeHostUnreachable  = "HostUnreachable"  // the spawn gave up waiting for its host
+	// A spawn without a host found none that could serve it: the message
+	// names what was asked, the fleet's best offer and the hosts tried.
+	ErrTypeNoFleetCapacity = "NoFleetCapacity"
 	// A spawn found an instance another spawn created that is not running
 	// as asked (exited, paused, hung, a launch in progress, unreadable): it
 	// reports what is there and touches nothing (invariant 9).
@@ -145,6 +148,9 @@ const (
 	// The host's capacity ledger has no room for the VM's vCPUs, memory
 	// or hugepages now; the message says what was asked and what is free.
 	ErrTypeNoHostCapacity = "NoHostCapacity"
+	// The host is draining (vmflow-hostagent drain): it grants no new VM
+	// until undrained; its running VMs stay. Placement moves on.
+	ErrTypeHostDraining = "HostDraining"
 	// Every uid of the agent's --qemu-uid-range is taken (by records or
 	// live processes): a launch waits for one to be freed.
 	ErrTypeNoQEMUUID = "NoQEMUUID"

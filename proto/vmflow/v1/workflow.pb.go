@@ -36,7 +36,9 @@ type SpawnRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// ^[a-z0-9][a-z0-9-]{0,62}$
 	InstanceId string `protobuf:"bytes,1,opt,name=instance_id,json=instanceId,proto3" json:"instance_id,omitempty"`
-	// ^[a-z0-9][a-z0-9-]{0,62}$
+	// ^[a-z0-9][a-z0-9-]{0,62}$, or empty: the fleet places the VM (the
+	// workflow chooses a host from the hosts' published views and the host
+	// grants it; SpawnResult.host_id says where).
 	HostId    string `protobuf:"bytes,2,opt,name=host_id,json=hostId,proto3" json:"host_id,omitempty"`
 	Vcpus     uint32 `protobuf:"varint,3,opt,name=vcpus,proto3" json:"vcpus,omitempty"`
 	MemoryMib uint32 `protobuf:"varint,4,opt,name=memory_mib,json=memoryMib,proto3" json:"memory_mib,omitempty"`
@@ -290,8 +292,10 @@ type SpawnResult struct {
 	Mac string `protobuf:"bytes,21,opt,name=mac,proto3" json:"mac,omitempty"`
 	// Where the VM landed on its host: the NUMA nodes its CPUs and memory
 	// are confined to and its cpuset ("0-3"); empty when not confined.
-	NumaNodes     []uint32 `protobuf:"varint,30,rep,packed,name=numa_nodes,json=numaNodes,proto3" json:"numa_nodes,omitempty"`
-	Cpus          string   `protobuf:"bytes,31,opt,name=cpus,proto3" json:"cpus,omitempty"`
+	NumaNodes []uint32 `protobuf:"varint,30,rep,packed,name=numa_nodes,json=numaNodes,proto3" json:"numa_nodes,omitempty"`
+	Cpus      string   `protobuf:"bytes,31,opt,name=cpus,proto3" json:"cpus,omitempty"`
+	// The host the VM runs on: the one asked for, or the one placement chose.
+	HostId        string `protobuf:"bytes,32,opt,name=host_id,json=hostId,proto3" json:"host_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -396,11 +400,20 @@ func (x *SpawnResult) GetCpus() string {
 	return ""
 }
 
+func (x *SpawnResult) GetHostId() string {
+	if x != nil {
+		return x.HostId
+	}
+	return ""
+}
+
 // DeleteRequest is DeleteInstance's input.
 type DeleteRequest struct {
 	state      protoimpl.MessageState `protogen:"open.v1"`
 	InstanceId string                 `protobuf:"bytes,1,opt,name=instance_id,json=instanceId,proto3" json:"instance_id,omitempty"`
-	HostId     string                 `protobuf:"bytes,2,opt,name=host_id,json=hostId,proto3" json:"host_id,omitempty"`
+	// Empty: the host is found from the instance's latest spawn (its
+	// VmHostId), and the delete is already-absent when no spawn placed it.
+	HostId string `protobuf:"bytes,2,opt,name=host_id,json=hostId,proto3" json:"host_id,omitempty"`
 	// How long system_powerdown may take before quit; 0 means the agent's
 	// default (10 s).
 	GracefulTimeoutSeconds uint32 `protobuf:"varint,3,opt,name=graceful_timeout_seconds,json=gracefulTimeoutSeconds,proto3" json:"graceful_timeout_seconds,omitempty"`
@@ -764,8 +777,13 @@ type WorkflowStatus struct {
 	GpuDeviceIds []string `protobuf:"bytes,10,rep,name=gpu_device_ids,json=gpuDeviceIds,proto3" json:"gpu_device_ids,omitempty"`
 	// The guest's address with its prefix and its NIC's MAC; empty without a
 	// network.
-	Ip            string `protobuf:"bytes,11,opt,name=ip,proto3" json:"ip,omitempty"`
-	Mac           string `protobuf:"bytes,12,opt,name=mac,proto3" json:"mac,omitempty"`
+	Ip  string `protobuf:"bytes,11,opt,name=ip,proto3" json:"ip,omitempty"`
+	Mac string `protobuf:"bytes,12,opt,name=mac,proto3" json:"mac,omitempty"`
+	// Fields 20-29: placement. The host the workflow works on (empty while a
+	// spawn is placing), and each host a placing spawn asked and why it
+	// moved on ("h2: NoHostCapacity: ...", "h3: did not pick up within 5s").
+	HostId        string   `protobuf:"bytes,20,opt,name=host_id,json=hostId,proto3" json:"host_id,omitempty"`
+	HostsTried    []string `protobuf:"bytes,21,rep,name=hosts_tried,json=hostsTried,proto3" json:"hosts_tried,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -868,6 +886,20 @@ func (x *WorkflowStatus) GetMac() string {
 		return x.Mac
 	}
 	return ""
+}
+
+func (x *WorkflowStatus) GetHostId() string {
+	if x != nil {
+		return x.HostId
+	}
+	return ""
+}
+
+func (x *WorkflowStatus) GetHostsTried() []string {
+	if x != nil {
+		return x.HostsTried
+	}
+	return nil
 }
 
 // RetrySignal is the optional payload of the retry signal.
@@ -991,7 +1023,7 @@ const file_vmflow_v1_workflow_proto_rawDesc = "" +
 	"\adisk_io\x18( \x01(\v2\x17.vmflow.v1.DiskIOLimitsR\x06diskIo\x12%\n" +
 	"\x0ededicated_cpus\x182 \x01(\bR\rdedicatedCpus\x12\x1c\n" +
 	"\thugepages\x183 \x01(\tR\thugepages\x12\x12\n" +
-	"\x04numa\x184 \x01(\tR\x04numa\"\xa1\x02\n" +
+	"\x04numa\x184 \x01(\tR\x04numa\"\xba\x02\n" +
 	"\vSpawnResult\x12\x10\n" +
 	"\x03pid\x18\x01 \x01(\x05R\x03pid\x12\x1d\n" +
 	"\n" +
@@ -1005,7 +1037,8 @@ const file_vmflow_v1_workflow_proto_rawDesc = "" +
 	"\x03mac\x18\x15 \x01(\tR\x03mac\x12\x1d\n" +
 	"\n" +
 	"numa_nodes\x18\x1e \x03(\rR\tnumaNodes\x12\x12\n" +
-	"\x04cpus\x18\x1f \x01(\tR\x04cpus\"\xbc\x03\n" +
+	"\x04cpus\x18\x1f \x01(\tR\x04cpus\x12\x17\n" +
+	"\ahost_id\x18  \x01(\tR\x06hostId\"\xbc\x03\n" +
 	"\rDeleteRequest\x12\x1f\n" +
 	"\vinstance_id\x18\x01 \x01(\tR\n" +
 	"instanceId\x12\x17\n" +
@@ -1032,7 +1065,7 @@ const file_vmflow_v1_workflow_proto_rawDesc = "" +
 	"\askipped\x18\x03 \x01(\rR\askipped\x12\x16\n" +
 	"\x06failed\x18\x04 \x01(\rR\x06failed\x12'\n" +
 	"\x0fretried_deletes\x18\x05 \x03(\tR\x0eretriedDeletes\x12-\n" +
-	"\x12unreadable_records\x18\x06 \x01(\rR\x11unreadableRecords\"\xb9\x02\n" +
+	"\x12unreadable_records\x18\x06 \x01(\rR\x11unreadableRecords\"\xf3\x02\n" +
 	"\x0eWorkflowStatus\x12\x14\n" +
 	"\x05stage\x18\x01 \x01(\tR\x05stage\x12\x18\n" +
 	"\aattempt\x18\x02 \x01(\rR\aattempt\x12\x1d\n" +
@@ -1045,7 +1078,10 @@ const file_vmflow_v1_workflow_proto_rawDesc = "" +
 	"\x0egpu_device_ids\x18\n" +
 	" \x03(\tR\fgpuDeviceIds\x12\x0e\n" +
 	"\x02ip\x18\v \x01(\tR\x02ip\x12\x10\n" +
-	"\x03mac\x18\f \x01(\tR\x03mac\"%\n" +
+	"\x03mac\x18\f \x01(\tR\x03mac\x12\x17\n" +
+	"\ahost_id\x18\x14 \x01(\tR\x06hostId\x12\x1f\n" +
+	"\vhosts_tried\x18\x15 \x03(\tR\n" +
+	"hostsTried\"%\n" +
 	"\vRetrySignal\x12\x16\n" +
 	"\x06reason\x18\x01 \x01(\tR\x06reason\"'\n" +
 	"\rAbandonSignal\x12\x16\n" +
