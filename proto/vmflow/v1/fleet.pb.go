@@ -61,6 +61,11 @@ type HostView struct {
 	InFlight uint32 `protobuf:"varint,15,opt,name=in_flight,json=inFlight,proto3" json:"in_flight,omitempty"`
 	// Records the agent could not read: what they hold is not counted.
 	UnreadableRecords uint32 `protobuf:"varint,16,opt,name=unreadable_records,json=unreadableRecords,proto3" json:"unreadable_records,omitempty"`
+	// What a VM holds of the memory beyond its guest RAM, as this host
+	// counts it (QEMU's own; the extra under TCG): a VM of memory_mib holds
+	// memory_mib + vm_overhead_mib (+ tcg_overhead_mib with accel "tcg").
+	VmOverheadMib  uint32 `protobuf:"varint,17,opt,name=vm_overhead_mib,json=vmOverheadMib,proto3" json:"vm_overhead_mib,omitempty"`
+	TcgOverheadMib uint32 `protobuf:"varint,18,opt,name=tcg_overhead_mib,json=tcgOverheadMib,proto3" json:"tcg_overhead_mib,omitempty"`
 	// Fields 20-29: what the host can serve.
 	Gpus []*GpuOffer `protobuf:"bytes,20,rep,name=gpus,proto3" json:"gpus,omitempty"`
 	// The host has a network (--net-subnet): "network":"default" spawns.
@@ -187,6 +192,20 @@ func (x *HostView) GetInFlight() uint32 {
 func (x *HostView) GetUnreadableRecords() uint32 {
 	if x != nil {
 		return x.UnreadableRecords
+	}
+	return 0
+}
+
+func (x *HostView) GetVmOverheadMib() uint32 {
+	if x != nil {
+		return x.VmOverheadMib
+	}
+	return 0
+}
+
+func (x *HostView) GetTcgOverheadMib() uint32 {
+	if x != nil {
+		return x.TcgOverheadMib
 	}
 	return 0
 }
@@ -780,7 +799,7 @@ var File_vmflow_v1_fleet_proto protoreflect.FileDescriptor
 
 const file_vmflow_v1_fleet_proto_rawDesc = "" +
 	"\n" +
-	"\x15vmflow/v1/fleet.proto\x12\tvmflow.v1\x1a\x18vmflow/v1/workflow.proto\"\x8d\x05\n" +
+	"\x15vmflow/v1/fleet.proto\x12\tvmflow.v1\x1a\x18vmflow/v1/workflow.proto\"\xdf\x05\n" +
 	"\bHostView\x12\x17\n" +
 	"\ahost_id\x18\x01 \x01(\tR\x06hostId\x12!\n" +
 	"\fpublished_at\x18\x02 \x01(\tR\vpublishedAt\x12\x1a\n" +
@@ -796,7 +815,9 @@ const file_vmflow_v1_fleet_proto_rawDesc = "" +
 	"\x0fmemory_free_mib\x18\r \x01(\rR\rmemoryFreeMib\x123\n" +
 	"\x16pinned_memory_free_mib\x18\x0e \x01(\rR\x13pinnedMemoryFreeMib\x12\x1b\n" +
 	"\tin_flight\x18\x0f \x01(\rR\binFlight\x12-\n" +
-	"\x12unreadable_records\x18\x10 \x01(\rR\x11unreadableRecords\x12'\n" +
+	"\x12unreadable_records\x18\x10 \x01(\rR\x11unreadableRecords\x12&\n" +
+	"\x0fvm_overhead_mib\x18\x11 \x01(\rR\rvmOverheadMib\x12(\n" +
+	"\x10tcg_overhead_mib\x18\x12 \x01(\rR\x0etcgOverheadMib\x12'\n" +
 	"\x04gpus\x18\x14 \x03(\v2\x13.vmflow.v1.GpuOfferR\x04gpus\x12\x18\n" +
 	"\anetwork\x18\x15 \x01(\bR\anetwork\x12\x10\n" +
 	"\x03kvm\x18\x16 \x01(\bR\x03kvm\x12\x1b\n" +
