@@ -133,9 +133,10 @@ func Fits(v *vmflowv1.HostView, a Ask) (bool, string) {
 //     would have left − 10 × room, so GPU VMs fill the host with the
 //     fewest such GPUs free first (the fewest hosts hold them, and whole
 //     hosts stay free for large requests), then the fullest;
-//   - a VM without spreads: 100 × room, less 50 on a host with a GPU
-//     free, so CPU-only VMs go where the most is left and leave the GPU
-//     hosts' CPUs and memory to GPU VMs;
+//   - a VM without spreads: 100 × room, less 100 on a host with a GPU
+//     free, so CPU-only VMs go where the most is left, and to a host
+//     with free GPUs only when no other fits: the GPU hosts' CPUs and
+//     memory stay for GPU VMs;
 //   - both lose 1 per reservation in flight there (granted spawns not
 //     launched yet, as published, plus this placer's own recent choices):
 //     a burst spreads over equal hosts instead of queuing on one.
@@ -159,7 +160,7 @@ func Score(v *vmflowv1.HostView, a Ask, inFlight uint32) (float64, string) {
 		s = 100 * room
 		why = fmt.Sprintf("spreads: %.0f%% room after", 100*room)
 		if anyGPUFree(v) {
-			s -= 50
+			s -= 100
 			why += ", keeps off a GPU host"
 		}
 	}
