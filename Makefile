@@ -51,6 +51,7 @@ build:
 	$(GO) build -ldflags '$(LDFLAGS)' -o $(BIN)/vmflow-hostagent ./hostagent
 	$(GO) build -ldflags '$(LDFLAGS)' -o $(BIN)/vmflow-vgpusim ./hostagent/gpu/vgpusim/cmd/vmflow-vgpusim
 	@if [ -d worker ]; then $(GO) build -ldflags '$(LDFLAGS)' -o $(BIN)/vmflow-worker ./worker; fi
+	$(GO) build -ldflags '$(LDFLAGS)' -o $(BIN)/vmflow ./cmd/vmflow
 
 ## print-ldflags: the -ldflags `make build` uses (a test builds with them).
 .PHONY: print-ldflags
@@ -296,7 +297,7 @@ bench-fleet: $(TEMPORAL) temporal-server postgresql qemu
 	VMFLOW_BENCH=1 $(GO) test -run '^TestBenchFleet$$' -v -count=1 -timeout 45m ./bench
 
 clean:
-	rm -rf $(BIN)/vmflow-hostagent $(BIN)/vmflow-worker
+	rm -rf $(BIN)/vmflow-hostagent $(BIN)/vmflow-worker $(BIN)/vmflow
 
 ## dev: run vmflow here in the foreground (deploy/dev.sh): Temporal dev server
 # (UI :8233), vGPU simulator, worker, host agent; Ctrl-C stops it all.

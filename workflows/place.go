@@ -136,7 +136,7 @@ func (w *Workflows) chooseHosts(ctx workflow.Context, req *vmflowv1.SpawnRequest
 		RetryPolicy:            &temporal.RetryPolicy{InitialInterval: 500 * time.Millisecond, BackoffCoefficient: 2, MaximumAttempts: 4},
 	})
 	in := &vmflowv1.ChooseHostsRequest{Spawn: req, Exclude: slices.Clone(exclude), K: uint32(w.cfg.PlacementCandidates),
-		RunId: workflow.GetInfo(ctx).WorkflowExecution.RunID}
+		RunId: workflow.GetInfo(ctx).WorkflowExecution.RunID, TaskQueue: workflow.GetInfo(ctx).TaskQueueName}
 	var out vmflowv1.ChooseHostsResult
 	if err := workflow.ExecuteLocalActivity(lctx, LocalActivityChooseHosts, in).Get(ctx, &out); err != nil {
 		return nil, err

@@ -16,6 +16,7 @@ import (
 	"google.golang.org/protobuf/encoding/protojson"
 
 	vmflowv1 "vmflow/proto/vmflow/v1"
+	"vmflow/internal/contract"
 	"vmflow/workflows"
 )
 
@@ -42,16 +43,26 @@ func Publish(ctx context.Context, c client.Client, queue string, v *vmflowv1.Hos
 
 var lenient = protojson.UnmarshalOptions{DiscardUnknown: true}
 
-// viewQuery lists the hosts' running FleetHost workflows.
-var viewQuery = fmt.Sprintf("WorkflowType = '%s' AND ExecutionStatus = 'Running'", workflows.FleetHostWorkflow)
+// viewQuery lists the running FleetHost workflows of the hosts whose
+// agents publish to queue: one fleet (several may share a namespace).
+func viewQuery(queue string) string {
+	return fmt.Sprintf("WorkflowType = '%s' AND ExecutionStatus = 'Running' AND TaskQueue = '%s'", workflows.FleetHostWorkflow, queue)
+}
 
 // maxHosts bounds a read (pages of 1,000).
 const maxHosts = 10000
 
-// Read lists every host's published view from visibility (no billed
-// action), one per host: the latest run's when a replacement shows beside
-// the run it ended. Sorted by host id.
-func Read(ctx context.Context, c client.Client) ([]*vmflowv1.HostView, error) {
+// Read lists the published view of every host of the fleet of queue (the
+// workflow task queue its agents publish to; "" is "vmflow") from
+// visibility (no billed action), one per host: the latest run's when a
+// replacement shows beside the run it ended. Sorted by host id.
+func Read(ctx context.Context, c client.Client, queue string) ([]*vmflowv1.HostView, error) {
+	if queue == "" {
+		queue = workflows.DefaultTaskQueue
+	}
+	if !validQueue(queue) {
+		return nil, fmt.Errorf("read the fleet view: task queue %q: only letters, digits, '-', '_' and '.'", queue)
+	}
 	type seen struct {
 		v     *vmflowv1.HostView
 		start time.Time
@@ -59,7 +70,7 @@ func Read(ctx context.Context, c client.Client) ([]*vmflowv1.HostView, error) {
 	byHost := map[string]seen{}
 	var token []byte
 	for n := 0; n < maxHosts; {
-		resp, err := c.ListWorkflow(ctx, &workflowservice.ListWorkflowExecutionsRequest{Query: viewQuery, PageSize: 1000, NextPageToken: token})
+		resp, err := c.ListWorkflow(ctx, &workflowservice.ListWorkflowExecutionsRequest{Query: viewQuery(queue), PageSize: 1000, NextPageToken: token})
 		if err != nil {
 			return nil, fmt.Errorf("read the fleet view: %w", err)
 		}
@@ -92,6 +103,16 @@ func Read(ctx context.Context, c client.Client) ([]*vmflowv1.HostView, error) {
 	return out, nil
 }
 
+// validQueue keeps a queue name from breaking out of the query's quotes.
+func validQueue(q string) bool {
+	for _, r := range q {
+		if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '-' || r == '_' || r == '.') {
+			return false
+		}
+	}
+	return q != ""
+}
+
 // Live reports whether host's task queue has an activity poller: its agent
 // runs (or stopped within the server's poller memory, minutes: the
 // grant's short ScheduleToStart covers that).
@@ -111,7 +132,8 @@ type run struct {
 	status enumspb.WorkflowExecutionStatus
 }
 
-// runs lists the executions of workflow id, newest first.
+// runs lists the executions of workflow id (made from a valid instance
+// id: no quote can end the query's string), newest first.
 func runs(ctx context.Context, c client.Client, id string) ([]run, error) {
 	resp, err := c.ListWorkflow(ctx, &workflowservice.ListWorkflowExecutionsRequest{
 		Query: fmt.Sprintf("WorkflowId = '%s'", id), PageSize: 100})
@@ -146,6 +168,9 @@ func keyword(sa *commonpb.SearchAttributes, name string) string {
 // InstanceHost is the host the instance's latest placed spawn names
 // (VmHostId), or placing when its latest spawn is still choosing one.
 func InstanceHost(ctx context.Context, c client.Client, instanceID string) (host string, placing bool, err error) {
+	if !workflows.ValidID(instanceID) {
+		return "", false, fmt.Errorf("instance_id %q: must match %s", instanceID, contract.IDPattern)
+	}
 	rs, err := runs(ctx, c, workflows.SpawnWorkflowID(instanceID))
 	if err != nil {
 		return "", false, err
@@ -166,6 +191,9 @@ func InstanceHost(ctx context.Context, c client.Client, instanceID string) (host
 // its record may be there, and a placement elsewhere would make a second
 // instance of one id.
 func previousHost(ctx context.Context, c client.Client, instanceID, self string) (string, error) {
+	if !workflows.ValidID(instanceID) {
+		return "", fmt.Errorf("instance_id %q: must match %s", instanceID, contract.IDPattern)
+	}
 	rs, err := runs(ctx, c, workflows.SpawnWorkflowID(instanceID))
 	if err != nil {
 		return "", err

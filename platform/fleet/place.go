@@ -76,19 +76,21 @@ func (p *Placer) ChooseHosts(ctx context.Context, req *vmflowv1.ChooseHostsReque
 	spawn := req.GetSpawn()
 	a := AskOf(spawn)
 	res := &vmflowv1.ChooseHostsResult{Ask: a.String()}
-	if !req.GetAll() {
+	if spawn.GetInstanceId() != "" {
 		prev, err := previousHost(ctx, p.Client, spawn.GetInstanceId(), req.GetRunId())
 		if err != nil {
 			return nil, err
 		}
 		if prev != "" {
 			res.PreviousHost = prev
-			res.Candidates = []*vmflowv1.HostCandidate{{HostId: prev, Live: true, Fits: true,
-				Why: "an earlier spawn of this instance was placed here and no delete has completed since"}}
-			return res, nil
+			if !req.GetAll() {
+				res.Candidates = []*vmflowv1.HostCandidate{{HostId: prev, Live: true, Fits: true,
+					Why: "an earlier spawn of this instance was placed here and no delete has completed since"}}
+				return res, nil
+			}
 		}
 	}
-	views, err := Read(ctx, p.Client)
+	views, err := Read(ctx, p.Client, req.GetTaskQueue())
 	if err != nil {
 		return nil, err
 	}
@@ -132,6 +134,11 @@ func (p *Placer) ChooseHosts(ctx context.Context, req *vmflowv1.ChooseHostsReque
 		res.FleetBest = Best(views, a)
 	} else if !req.GetAll() {
 		p.remember(res.Candidates[0].GetHostId(), a, now)
+	}
+	if res.PreviousHost != "" {
+		// The dry run answers as the spawn would: the earlier host alone.
+		res.Candidates = []*vmflowv1.HostCandidate{{HostId: res.PreviousHost, Live: true, Fits: true,
+			Why: "an earlier spawn of this instance was placed here and no delete has completed since"}}
 	}
 	p.log().Debug("placement candidates", zap.String("instance_id", spawn.GetInstanceId()), zap.Int("hosts", len(views)),
 		zap.Uint32("fit", res.GetHostsFit()), zap.Int("candidates", len(res.GetCandidates())))

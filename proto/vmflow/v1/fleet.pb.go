@@ -424,7 +424,11 @@ type ChooseHostsRequest struct {
 	All bool `protobuf:"varint,4,opt,name=all,proto3" json:"all,omitempty"`
 	// The placing workflow's run, so its own earlier spawn of the instance
 	// is not taken for a previous one.
-	RunId         string `protobuf:"bytes,5,opt,name=run_id,json=runId,proto3" json:"run_id,omitempty"`
+	RunId string `protobuf:"bytes,5,opt,name=run_id,json=runId,proto3" json:"run_id,omitempty"`
+	// The fleet: the hosts whose agents publish to this workflow task queue
+	// (their --workflow-task-queue, where their FleetHost workflows run);
+	// empty: "vmflow".
+	TaskQueue     string `protobuf:"bytes,6,opt,name=task_queue,json=taskQueue,proto3" json:"task_queue,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -490,6 +494,13 @@ func (x *ChooseHostsRequest) GetAll() bool {
 func (x *ChooseHostsRequest) GetRunId() string {
 	if x != nil {
 		return x.RunId
+	}
+	return ""
+}
+
+func (x *ChooseHostsRequest) GetTaskQueue() string {
+	if x != nil {
+		return x.TaskQueue
 	}
 	return ""
 }
@@ -837,13 +848,15 @@ const file_vmflow_v1_fleet_proto_rawDesc = "" +
 	"\x0fmemory_free_mib\x18\x03 \x01(\rR\rmemoryFreeMib\x12'\n" +
 	"\x04gpus\x18\x04 \x03(\v2\x13.vmflow.v1.GpuOfferR\x04gpus\x12*\n" +
 	"\x11hugepages_2m_free\x18\x05 \x01(\rR\x0fhugepages2mFree\x12*\n" +
-	"\x11hugepages_1g_free\x18\x06 \x01(\rR\x0fhugepages1gFree\"\x94\x01\n" +
+	"\x11hugepages_1g_free\x18\x06 \x01(\rR\x0fhugepages1gFree\"\xb3\x01\n" +
 	"\x12ChooseHostsRequest\x12-\n" +
 	"\x05spawn\x18\x01 \x01(\v2\x17.vmflow.v1.SpawnRequestR\x05spawn\x12\x18\n" +
 	"\aexclude\x18\x02 \x03(\tR\aexclude\x12\f\n" +
 	"\x01k\x18\x03 \x01(\rR\x01k\x12\x10\n" +
 	"\x03all\x18\x04 \x01(\bR\x03all\x12\x15\n" +
-	"\x06run_id\x18\x05 \x01(\tR\x05runId\"\x8b\x02\n" +
+	"\x06run_id\x18\x05 \x01(\tR\x05runId\x12\x1d\n" +
+	"\n" +
+	"task_queue\x18\x06 \x01(\tR\ttaskQueue\"\x8b\x02\n" +
 	"\x11ChooseHostsResult\x128\n" +
 	"\n" +
 	"candidates\x18\x01 \x03(\v2\x18.vmflow.v1.HostCandidateR\n" +
