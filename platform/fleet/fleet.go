@@ -15,8 +15,8 @@ import (
 	"go.temporal.io/sdk/temporal"
 	"google.golang.org/protobuf/encoding/protojson"
 
-	vmflowv1 "vmflow/proto/vmflow/v1"
 	"vmflow/internal/contract"
+	vmflowv1 "vmflow/proto/vmflow/v1"
 	"vmflow/workflows"
 )
 
