@@ -8,6 +8,7 @@ import (
 
 	"go.temporal.io/sdk/temporal"
 	"go.temporal.io/sdk/workflow"
+	"google.golang.org/protobuf/proto"
 
 	vmflowv1 "vmflow/proto/vmflow/v1"
 )
@@ -155,7 +156,10 @@ func (w *Workflows) grant(ctx workflow.Context, t *tracker, req *vmflowv1.SpawnR
 		RetryPolicy:            &temporal.RetryPolicy{MaximumAttempts: 1},
 		Summary:                fmt.Sprintf("grant %s on %s", t.instanceID, host),
 	})
-	err := workflow.ExecuteActivity(actx, ActivityCreateRecord, req).Get(ctx, created)
+	// The host admits the request as one for itself.
+	in := proto.CloneOf(req)
+	in.HostId = host
+	err := workflow.ExecuteActivity(actx, ActivityCreateRecord, in).Get(ctx, created)
 	switch {
 	case err == nil:
 		return granted, nil

@@ -66,7 +66,8 @@ func (w *Workflows) spawnInstance(ctx workflow.Context, req *vmflowv1.SpawnReque
 		if err != nil {
 			return nil, err
 		}
-		h.hostID = host
+		// From here on the spawn is its host's, as if named.
+		h.hostID, req.HostId = host, host
 		if named {
 			// An earlier spawn's record may be there: the host is this
 			// spawn's as if named (it waits for the host, and finds the
