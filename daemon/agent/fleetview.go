@@ -20,7 +20,9 @@ import (
 // activities say when they may have changed it (Changed), debounced, and
 // a local look every checkEvery (no Temporal call) catches what changes
 // outside them: a drain or undrain by the CLI, a reservation that expired,
-// a device quarantined or cleared. An idle host publishes nothing.
+// a device quarantined or cleared. An idle host publishes nothing; a spawn
+// costs one publish (its grant), a delete one (its release), and a burst
+// within the debounce one in all.
 type viewPublisher struct {
 	offers *lease.Offers
 	// static fills what the host is (its id, network, KVM, bounds).
@@ -93,7 +95,7 @@ func (p *viewPublisher) once(ctx context.Context) {
 		return
 	}
 	p.static(v)
-	if p.published != nil && proto.Equal(v, p.published) {
+	if p.published != nil && sameOffer(v, p.published) {
 		return
 	}
 	out := proto.CloneOf(v)
@@ -111,6 +113,16 @@ func (p *viewPublisher) once(ctx context.Context) {
 	if p.onPublish != nil {
 		p.onPublish(out)
 	}
+}
+
+// sameOffer reports whether a and b offer the same: equal but for
+// in_flight, which rides along with the next real change. A launch turns
+// a reservation in flight into a running VM without changing what is
+// free (the reservation held it already), and costs no publish.
+func sameOffer(a, b *vmflowv1.HostView) bool {
+	a, b = proto.CloneOf(a), proto.CloneOf(b)
+	a.InFlight, b.InFlight = 0, 0
+	return proto.Equal(a, b)
 }
 
 // agentVersion is this build's, for the view.

@@ -100,3 +100,14 @@ func waitUntil(t *testing.T, cond func() bool, what string) {
 		time.Sleep(5 * time.Millisecond)
 	}
 }
+
+// TestSameOfferIgnoresInFlight: a launch (in flight down, free the same)
+// is no change worth a publish; any free figure is.
+func TestSameOfferIgnoresInFlight(t *testing.T) {
+	a := &vmflowv1.HostView{HostId: "h1", VcpusFree: 4, InFlight: 2}
+	b := &vmflowv1.HostView{HostId: "h1", VcpusFree: 4, InFlight: 1}
+	assert.True(t, sameOffer(a, b))
+	b.VcpusFree = 3
+	assert.False(t, sameOffer(a, b))
+	assert.EqualValues(t, 2, a.GetInFlight(), "the views compared are left as they were")
+}
