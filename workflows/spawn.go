@@ -197,6 +197,9 @@ func (w *Workflows) cleanUpAfter(ctx workflow.Context, t *tracker, req *vmflowv1
 		return temporal.NewNonRetryableApplicationError(
 			"spawn failed ("+errorText(cause)+") and "+err.Error(), errorType(cause), cause)
 	}
+	if errors.Is(cause, errHostGaveUp) {
+		return temporal.NewNonRetryableApplicationError(cause.Error()+": a delete of what this spawn made there waits for the host", ErrTypeHostUnreachable, cause)
+	}
 	return cause
 }
 
