@@ -282,11 +282,7 @@ func (w *Workflows) stuckBound(ctx workflow.Context, req *vmflowv1.DeleteRequest
 // names one), asked again every few seconds while that spawn still
 // places (FindInstanceHost's marker records each answer).
 func (w *Workflows) findHost(ctx workflow.Context, instanceID string) (string, error) {
-	lctx := workflow.WithLocalActivityOptions(ctx, workflow.LocalActivityOptions{
-		ScheduleToCloseTimeout: 30 * time.Second,
-		StartToCloseTimeout:    10 * time.Second,
-		RetryPolicy:            &temporal.RetryPolicy{InitialInterval: 500 * time.Millisecond, BackoffCoefficient: 2, MaximumAttempts: 4},
-	})
+	lctx := withFleetLookup(ctx)
 	for wait := 0; ; wait++ {
 		var out vmflowv1.FindInstanceHostResult
 		err := workflow.ExecuteLocalActivity(lctx, LocalActivityFindInstanceHost, &vmflowv1.FindInstanceHostRequest{InstanceId: instanceID}).Get(ctx, &out)

@@ -102,7 +102,6 @@ var placeScenarios = rapid.Custom(func(t *rapid.T) placeScenario {
 type fakeFleet struct {
 	mu       sync.Mutex
 	sc       placeScenario
-	k        int
 	reads    int
 	asked    []string            // grants, in order
 	written  map[string]bool     // hosts holding a record of this spawn

@@ -131,11 +131,7 @@ func noFleetCapacity(last *vmflowv1.ChooseHostsResult, tried []string) error {
 // chooseHosts runs ChooseHosts. Its marker records the answer, so a
 // replay decides the same whatever the view says then.
 func (w *Workflows) chooseHosts(ctx workflow.Context, req *vmflowv1.SpawnRequest, exclude []string) (*vmflowv1.ChooseHostsResult, error) {
-	lctx := workflow.WithLocalActivityOptions(ctx, workflow.LocalActivityOptions{
-		ScheduleToCloseTimeout: 30 * time.Second,
-		StartToCloseTimeout:    10 * time.Second,
-		RetryPolicy:            &temporal.RetryPolicy{InitialInterval: 500 * time.Millisecond, BackoffCoefficient: 2, MaximumAttempts: 4},
-	})
+	lctx := withFleetLookup(ctx)
 	in := &vmflowv1.ChooseHostsRequest{Spawn: req, Exclude: slices.Clone(exclude), K: uint32(w.cfg.PlacementCandidates),
 		RunId: workflow.GetInfo(ctx).WorkflowExecution.RunID, TaskQueue: workflow.GetInfo(ctx).TaskQueueName}
 	var out vmflowv1.ChooseHostsResult
@@ -143,6 +139,17 @@ func (w *Workflows) chooseHosts(ctx workflow.Context, req *vmflowv1.SpawnRequest
 		return nil, err
 	}
 	return &out, nil
+}
+
+// withFleetLookup is ctx for placement's local activities (reads of
+// visibility and the task queues): seconds each, a few tries, then the
+// workflow fails saying the fleet could not be read.
+func withFleetLookup(ctx workflow.Context) workflow.Context {
+	return workflow.WithLocalActivityOptions(ctx, workflow.LocalActivityOptions{
+		ScheduleToCloseTimeout: 30 * time.Second,
+		StartToCloseTimeout:    10 * time.Second,
+		RetryPolicy:            &temporal.RetryPolicy{InitialInterval: 500 * time.Millisecond, BackoffCoefficient: 2, MaximumAttempts: 4},
+	})
 }
 
 // grant asks host to create the spawn's record with its reservation: one

@@ -194,8 +194,8 @@ func TestPlacementOnAServer(t *testing.T) {
 	// After that delete, fv1 is placed afresh; an instance never spawned
 	// is already absent.
 	require.Eventually(t, func() bool {
-		d, err := c.DescribeWorkflowExecution(ctx, workflows.DeleteWorkflowID("fv1"), "")
-		return err == nil && d.GetWorkflowExecutionInfo().GetStatus() == enumspb.WORKFLOW_EXECUTION_STATUS_COMPLETED
+		d, err := c.DescribeWorkflow(ctx, workflows.DeleteWorkflowID("fv1"), "")
+		return err == nil && d.RawResponse.GetWorkflowExecutionInfo().GetStatus() == enumspb.WORKFLOW_EXECUTION_STATUS_COMPLETED
 	}, 30*time.Second, 100*time.Millisecond)
 	absent, err := vc.StartDelete(ctx, &vmflowv1.DeleteRequest{InstanceId: "fv-never"})
 	require.NoError(t, err)
@@ -207,8 +207,9 @@ func TestPlacementOnAServer(t *testing.T) {
 	workflows.New(workflows.Config{ScheduleToStartTimeout: 3 * time.Hour, PlacementScheduleToStart: time.Hour, PlacementCandidates: 1, SpawnHostWait: time.Hour}).Register(replayer)
 	runs := map[string]client.WorkflowRun{"spawn-placed.json": placed, "spawn-placed-again.json": again, "delete-host-found.json": del, "delete-host-none.json": absent}
 	for file, run := range runs {
-		hist := history(ctx, t, c, run)
-		assert.NoError(t, replayer.ReplayWorkflowHistory(nil, hist), file)
+		events, err := devserver.History(ctx, c, run.GetID(), run.GetRunID())
+		require.NoError(t, err)
+		assert.NoError(t, replayer.ReplayWorkflowHistory(nil, &historypb.History{Events: events}), file)
 		if os.Getenv("VMFLOW_RECORD_HISTORIES") != "" {
 			out, err := srv.CLI(ctx, "workflow", "show", "--workflow-id", run.GetID(), "--run-id", run.GetRunID(), "--output", "json")
 			require.NoError(t, err)
@@ -216,16 +217,4 @@ func TestPlacementOnAServer(t *testing.T) {
 		}
 	}
 	assert.False(t, strings.Contains(strings.Join(hosts["h2"].log, " "), "LaunchVM"), "nothing ran on the host that refused")
-}
-
-func history(ctx context.Context, t *testing.T, c client.Client, run client.WorkflowRun) *historypb.History {
-	t.Helper()
-	it := c.GetWorkflowHistory(ctx, run.GetID(), run.GetRunID(), false, enumspb.HISTORY_EVENT_FILTER_TYPE_ALL_EVENT)
-	h := &historypb.History{}
-	for it.HasNext() {
-		ev, err := it.Next()
-		require.NoError(t, err)
-		h.Events = append(h.Events, ev)
-	}
-	return h
 }
