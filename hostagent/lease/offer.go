@@ -63,6 +63,10 @@ func (o *Offers) View(ctx context.Context) (*vmflowv1.HostView, error) {
 		v.MemoryTotalMib, v.MemoryFreeMib = clamp32(lim.MemoryMiB), clamp32(sub(lim.MemoryMiB, u.MemoryMiB))
 		v.PinnedMemoryFreeMib = clamp32(sub(min(lim.MemoryMiB, lim.PhysicalMiB), u.MemoryMiB))
 		v.UnreadableRecords = uint32(u.Unreadable)
+		if limit, held, err := o.Capacity.Gauges(); err == nil {
+			v.DedicatedCpusFree = clamp32(uint64(max(limit["dedicated_cpus"]-held["dedicated_cpus"], 0)))
+			v.HugepagesFreeMib = clamp32(uint64(max(limit["hugepage_bytes"]-held["hugepage_bytes"], 0)) >> 20)
+		}
 	}
 	recs, _ := o.Store.List() // what cannot be read is counted above
 	now := o.now()

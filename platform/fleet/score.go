@@ -20,11 +20,15 @@ type Ask struct {
 	GPUKind, GPUName string
 	GPUs             uint32
 	Network          bool
+	// Dedicated: its vCPUs on CPUs of its own (dedicated_cpus);
+	// Hugepages: its guest RAM from the hugepage pools.
+	Dedicated, Hugepages bool
 }
 
 // AskOf is req's ask.
 func AskOf(req *vmflowv1.SpawnRequest) Ask {
-	a := Ask{VCPUs: req.GetVcpus(), MemoryMiB: req.GetMemoryMib(), TCG: req.GetAccel() == "tcg", Network: req.GetNetwork() != ""}
+	a := Ask{VCPUs: req.GetVcpus(), MemoryMiB: req.GetMemoryMib(), TCG: req.GetAccel() == "tcg", Network: req.GetNetwork() != "",
+		Dedicated: req.GetDedicatedCpus(), Hugepages: req.GetHugepages() != ""}
 	switch {
 	case req.GetVgpuProfile() != "":
 		a.GPUKind, a.GPUName, a.GPUs = KindVGPU, req.GetVgpuProfile(), max(req.GetVgpuCount(), 1)
@@ -62,9 +66,13 @@ func (a Ask) String() string {
 	return b.String()
 }
 
-// memory is what a VM of a holds of v's host.
+// memory is what a VM of a holds of v's host's memory (with hugepages:
+// QEMU's own, its guest RAM is the pools').
 func (a Ask) memory(v *vmflowv1.HostView) uint32 {
-	m := a.MemoryMiB + v.GetVmOverheadMib()
+	m := v.GetVmOverheadMib()
+	if !a.Hugepages {
+		m += a.MemoryMiB
+	}
 	if a.TCG {
 		m += v.GetTcgOverheadMib()
 	}
@@ -115,8 +123,12 @@ func Fits(v *vmflowv1.HostView, a Ask) (bool, string) {
 		return false, "no network"
 	case v.GetMaxVcpus() > 0 && a.VCPUs > v.GetMaxVcpus(), v.GetMaxMemoryMib() > 0 && a.MemoryMiB > v.GetMaxMemoryMib():
 		return false, fmt.Sprintf("admits at most %d vCPUs and %d MiB", v.GetMaxVcpus(), v.GetMaxMemoryMib())
-	case a.VCPUs > v.GetVcpusFree():
+	case a.Dedicated && a.VCPUs > v.GetDedicatedCpusFree():
+		return false, fmt.Sprintf("%d dedicated CPUs free", v.GetDedicatedCpusFree())
+	case !a.Dedicated && a.VCPUs > v.GetVcpusFree():
 		return false, fmt.Sprintf("%d of %d vCPUs free", v.GetVcpusFree(), v.GetVcpusTotal())
+	case a.Hugepages && a.MemoryMiB > v.GetHugepagesFreeMib():
+		return false, fmt.Sprintf("%d MiB of hugepages free", v.GetHugepagesFreeMib())
 	case mem > free:
 		return false, fmt.Sprintf("%d MiB free (this VM holds %d)", free, mem)
 	case a.GPUs > 0 && a.gpusFree(v) < a.GPUs:
@@ -144,7 +156,7 @@ func Fits(v *vmflowv1.HostView, a Ask) (bool, string) {
 // Ties go to the lower host id, so a replay or a dry run ranks alike.
 func Score(v *vmflowv1.HostView, a Ask, inFlight uint32) (float64, string) {
 	room := 1.0
-	if t := v.GetVcpusTotal(); t > 0 {
+	if t := v.GetVcpusTotal(); t > 0 && !a.Dedicated {
 		room = min(room, float64(sat(v.GetVcpusFree(), a.VCPUs))/float64(t))
 	}
 	if t := v.GetMemoryTotalMib(); t > 0 {
@@ -256,7 +268,14 @@ func closeness(v *vmflowv1.HostView, a Ask) float64 {
 // scoring the next request before the host republishes.
 func Take(v *vmflowv1.HostView, a Ask) *vmflowv1.HostView {
 	out := proto.CloneOf(v)
-	out.VcpusFree = sat(v.GetVcpusFree(), a.VCPUs)
+	if a.Dedicated {
+		out.DedicatedCpusFree = sat(v.GetDedicatedCpusFree(), a.VCPUs)
+	} else {
+		out.VcpusFree = sat(v.GetVcpusFree(), a.VCPUs)
+	}
+	if a.Hugepages {
+		out.HugepagesFreeMib = sat(v.GetHugepagesFreeMib(), a.MemoryMiB)
+	}
 	out.MemoryFreeMib = sat(v.GetMemoryFreeMib(), a.memory(v))
 	out.PinnedMemoryFreeMib = sat(v.GetPinnedMemoryFreeMib(), a.memory(v))
 	need := a.GPUs

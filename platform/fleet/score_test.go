@@ -154,3 +154,25 @@ func TestPendingChoicesCountUntilTheHostRepublishes(t *testing.T) {
 	vs, _ = p.withPending([]*vmflowv1.HostView{old}, now)
 	assert.EqualValues(t, 4, vs[0].GetVcpusFree(), "a choice past its TTL no longer counts")
 }
+
+// TestFitsDedicatedAndHugepages: a VM with dedicated CPUs needs them, not
+// the shared vCPUs; one with hugepages needs its guest RAM in the pools
+// and only QEMU's own memory beside.
+func TestFitsDedicatedAndHugepages(t *testing.T) {
+	v := view("h", 0, 300)
+	v.DedicatedCpusFree, v.HugepagesFreeMib = 4, 4096
+	fits, why := Fits(v, Ask{VCPUs: 4, MemoryMiB: 4096, Dedicated: true, Hugepages: true})
+	assert.True(t, fits, "no shared vCPU and 256 of 300 MiB beside the pools: %s", why)
+	fits, why = Fits(v, Ask{VCPUs: 5, MemoryMiB: 1024, Dedicated: true})
+	assert.False(t, fits)
+	assert.Contains(t, why, "4 dedicated CPUs free")
+	fits, why = Fits(v, Ask{VCPUs: 1, MemoryMiB: 8192, Dedicated: true, Hugepages: true})
+	assert.False(t, fits)
+	assert.Contains(t, why, "4096 MiB of hugepages free")
+	after := Take(v, Ask{VCPUs: 2, MemoryMiB: 2048, Dedicated: true, Hugepages: true})
+	assert.EqualValues(t, 2, after.GetDedicatedCpusFree())
+	assert.EqualValues(t, 2048, after.GetHugepagesFreeMib())
+	assert.EqualValues(t, 44, after.GetMemoryFreeMib())
+	a := AskOf(&vmflowv1.SpawnRequest{Vcpus: 2, MemoryMib: 2048, DedicatedCpus: true, Hugepages: "2M"})
+	assert.True(t, a.Dedicated && a.Hugepages)
+}

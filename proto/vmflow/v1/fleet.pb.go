@@ -66,6 +66,9 @@ type HostView struct {
 	// memory_mib + vm_overhead_mib (+ tcg_overhead_mib with accel "tcg").
 	VmOverheadMib  uint32 `protobuf:"varint,17,opt,name=vm_overhead_mib,json=vmOverheadMib,proto3" json:"vm_overhead_mib,omitempty"`
 	TcgOverheadMib uint32 `protobuf:"varint,18,opt,name=tcg_overhead_mib,json=tcgOverheadMib,proto3" json:"tcg_overhead_mib,omitempty"`
+	// CPUs kept for VMs with dedicated_cpus (--dedicated-cpus) no VM holds:
+	// such a VM needs one per vCPU, and none of the shared vCPUs.
+	DedicatedCpusFree uint32 `protobuf:"varint,19,opt,name=dedicated_cpus_free,json=dedicatedCpusFree,proto3" json:"dedicated_cpus_free,omitempty"`
 	// Fields 20-29: what the host can serve.
 	Gpus []*GpuOffer `protobuf:"bytes,20,rep,name=gpus,proto3" json:"gpus,omitempty"`
 	// The host has a network (--net-subnet): "network":"default" spawns.
@@ -75,6 +78,9 @@ type HostView struct {
 	// The largest VM the host admits (its admission bounds).
 	MaxVcpus     uint32 `protobuf:"varint,23,opt,name=max_vcpus,json=maxVcpus,proto3" json:"max_vcpus,omitempty"`
 	MaxMemoryMib uint32 `protobuf:"varint,24,opt,name=max_memory_mib,json=maxMemoryMib,proto3" json:"max_memory_mib,omitempty"`
+	// Hugepage memory free, every page size together (MiB): what the guest
+	// RAM of VMs asking for hugepages comes from.
+	HugepagesFreeMib uint32 `protobuf:"varint,25,opt,name=hugepages_free_mib,json=hugepagesFreeMib,proto3" json:"hugepages_free_mib,omitempty"`
 	// Fields 30-39: per NUMA node, empty until the host publishes its
 	// topology; totals above stay the host's.
 	NumaNodes     []*NumaNodeView `protobuf:"bytes,30,rep,name=numa_nodes,json=numaNodes,proto3" json:"numa_nodes,omitempty"`
@@ -210,6 +216,13 @@ func (x *HostView) GetTcgOverheadMib() uint32 {
 	return 0
 }
 
+func (x *HostView) GetDedicatedCpusFree() uint32 {
+	if x != nil {
+		return x.DedicatedCpusFree
+	}
+	return 0
+}
+
 func (x *HostView) GetGpus() []*GpuOffer {
 	if x != nil {
 		return x.Gpus
@@ -241,6 +254,13 @@ func (x *HostView) GetMaxVcpus() uint32 {
 func (x *HostView) GetMaxMemoryMib() uint32 {
 	if x != nil {
 		return x.MaxMemoryMib
+	}
+	return 0
+}
+
+func (x *HostView) GetHugepagesFreeMib() uint32 {
+	if x != nil {
+		return x.HugepagesFreeMib
 	}
 	return 0
 }
@@ -810,7 +830,7 @@ var File_vmflow_v1_fleet_proto protoreflect.FileDescriptor
 
 const file_vmflow_v1_fleet_proto_rawDesc = "" +
 	"\n" +
-	"\x15vmflow/v1/fleet.proto\x12\tvmflow.v1\x1a\x18vmflow/v1/workflow.proto\"\xdf\x05\n" +
+	"\x15vmflow/v1/fleet.proto\x12\tvmflow.v1\x1a\x18vmflow/v1/workflow.proto\"\xbd\x06\n" +
 	"\bHostView\x12\x17\n" +
 	"\ahost_id\x18\x01 \x01(\tR\x06hostId\x12!\n" +
 	"\fpublished_at\x18\x02 \x01(\tR\vpublishedAt\x12\x1a\n" +
@@ -828,12 +848,14 @@ const file_vmflow_v1_fleet_proto_rawDesc = "" +
 	"\tin_flight\x18\x0f \x01(\rR\binFlight\x12-\n" +
 	"\x12unreadable_records\x18\x10 \x01(\rR\x11unreadableRecords\x12&\n" +
 	"\x0fvm_overhead_mib\x18\x11 \x01(\rR\rvmOverheadMib\x12(\n" +
-	"\x10tcg_overhead_mib\x18\x12 \x01(\rR\x0etcgOverheadMib\x12'\n" +
+	"\x10tcg_overhead_mib\x18\x12 \x01(\rR\x0etcgOverheadMib\x12.\n" +
+	"\x13dedicated_cpus_free\x18\x13 \x01(\rR\x11dedicatedCpusFree\x12'\n" +
 	"\x04gpus\x18\x14 \x03(\v2\x13.vmflow.v1.GpuOfferR\x04gpus\x12\x18\n" +
 	"\anetwork\x18\x15 \x01(\bR\anetwork\x12\x10\n" +
 	"\x03kvm\x18\x16 \x01(\bR\x03kvm\x12\x1b\n" +
 	"\tmax_vcpus\x18\x17 \x01(\rR\bmaxVcpus\x12$\n" +
-	"\x0emax_memory_mib\x18\x18 \x01(\rR\fmaxMemoryMib\x126\n" +
+	"\x0emax_memory_mib\x18\x18 \x01(\rR\fmaxMemoryMib\x12,\n" +
+	"\x12hugepages_free_mib\x18\x19 \x01(\rR\x10hugepagesFreeMib\x126\n" +
 	"\n" +
 	"numa_nodes\x18\x1e \x03(\v2\x17.vmflow.v1.NumaNodeViewR\tnumaNodes\"^\n" +
 	"\bGpuOffer\x12\x12\n" +
