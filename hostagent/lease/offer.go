@@ -53,34 +53,38 @@ func (o *Offers) View(ctx context.Context) (*vmflowv1.HostView, error) {
 		d.Reason = err.Error()
 	}
 	v.Draining, v.DrainReason = on, d.Reason
+	recs, err := o.Store.List()
+	bad, listed := store.Unreadable(err)
+	if !listed {
+		return nil, fmt.Errorf("host view: %w", err)
+	}
+	v.UnreadableRecords = uint32(len(bad))
 	if o.Capacity != nil {
-		u, err := o.Capacity.Usage("")
+		// The ledger's own sums (one read of the records): what it
+		// refuses by is what the view offers.
+		limit, held, err := o.Capacity.Gauges()
 		if err != nil {
 			return nil, err
 		}
 		lim := o.Capacity.Limits()
-		v.VcpusTotal, v.VcpusFree = clamp32(lim.VCPUs), clamp32(sub(lim.VCPUs, u.VCPUs))
-		v.MemoryTotalMib, v.MemoryFreeMib = clamp32(lim.MemoryMiB), clamp32(sub(lim.MemoryMiB, u.MemoryMiB))
-		v.PinnedMemoryFreeMib = clamp32(sub(min(lim.MemoryMiB, lim.PhysicalMiB), u.MemoryMiB))
-		v.UnreadableRecords = uint32(u.Unreadable)
-		if limit, held, err := o.Capacity.Gauges(); err == nil {
-			v.DedicatedCpusFree = clamp32(uint64(max(limit["dedicated_cpus"]-held["dedicated_cpus"], 0)))
-			v.HugepagesFreeMib = clamp32(uint64(max(limit["hugepage_bytes"]-held["hugepage_bytes"], 0)) >> 20)
-		}
+		heldMiB := uint64(held["memory_bytes"]) >> 20
+		v.VcpusTotal, v.VcpusFree = clamp32(lim.VCPUs), clamp32(sub(lim.VCPUs, uint64(held["vcpus"])))
+		v.MemoryTotalMib, v.MemoryFreeMib = clamp32(lim.MemoryMiB), clamp32(sub(lim.MemoryMiB, heldMiB))
+		v.PinnedMemoryFreeMib = clamp32(sub(min(lim.MemoryMiB, lim.PhysicalMiB), heldMiB))
+		v.DedicatedCpusFree = clamp32(uint64(max(limit["dedicated_cpus"]-held["dedicated_cpus"], 0)))
+		v.HugepagesFreeMib = clamp32(uint64(max(limit["hugepage_bytes"]-held["hugepage_bytes"], 0)) >> 20)
 	}
-	recs, _ := o.Store.List() // what cannot be read is counted above
 	now := o.now()
 	for _, r := range recs {
 		if c := store.Capacity(r); store.LeaseHeld(c) && c.GetPhase() == vmflowv1.ClaimPhase_CLAIM_PHASE_INTENT && !expired(c, now) {
 			v.InFlight++
 		}
 	}
-	if o.VGPU != nil || o.Whole != nil {
-		if v.Gpus, err = o.GPUs(ctx); err != nil {
-			// Unknown GPUs are offered as none: the view must not
-			// promise what a grant would refuse.
-			v.Gpus = nil
-		}
+	if (o.VGPU != nil || o.Whole != nil) && len(bad) == 0 {
+		// With a record unreadable, or the devices unreadable, GPUs are
+		// offered as none: the view must not promise what a grant would
+		// refuse.
+		v.Gpus, _ = o.gpus(ctx, recs)
 	}
 	return v, nil
 }
@@ -94,6 +98,11 @@ func (o *Offers) GPUs(ctx context.Context) ([]*vmflowv1.GpuOffer, error) {
 	if err != nil {
 		return nil, err
 	}
+	return o.gpus(ctx, recs)
+}
+
+// gpus is GPUs over recs, read before the devices.
+func (o *Offers) gpus(ctx context.Context, recs []*vmflowv1.InstanceRecord) ([]*vmflowv1.GpuOffer, error) {
 	free, driver, err := o.free(ctx)
 	if err != nil {
 		return nil, err
