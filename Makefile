@@ -289,7 +289,8 @@ bench: $(TEMPORAL) qemu guest
 ## bench-fleet: the scale table on the self-hosted Temporal server on
 # PostgreSQL (durable defaults): 100 and 200 VMs on one host, then 1,000
 # `-machine none` VMs (~8 MiB each) over 10 host agents, with workflows per
-# second and each process's CPU; writes its own section of BENCHMARKS.md
+# second and each process's CPU, then spawns without a host against named
+# ones over 1, 3 and 10 agents (throughput, p50/p99); writes its own section of BENCHMARKS.md
 # (make bench keeps it). Not part of make bench (its 15 minutes). Measured
 # 8 to 10 minutes here (2 cores, shared), hence its own 45-minute timeout.
 .PHONY: bench-fleet
