@@ -183,7 +183,7 @@ func (a *Activities) CreateRecord(ctx context.Context, req *vmflowv1.SpawnReques
 	_, getErr := a.Store.Get(req.GetInstanceId())
 	existed := getErr == nil
 	var reserve []store.CreateOption
-	if g := a.grant(req.GetInstanceId(), recSpec); g != nil {
+	if g := a.grant(req.GetInstanceId(), recSpec, req.GetPlacementGrant()); g != nil {
 		reserve = append(reserve, store.Reserving(g))
 	}
 	rec, err := a.Store.Create(ctx, &vmflowv1.InstanceRecord{
@@ -217,17 +217,19 @@ func (a *Activities) CreateRecord(ctx context.Context, req *vmflowv1.SpawnReques
 
 // grant is the reservation a new record of spec is created with, under
 // the host's admission lock: its share of the capacity ledger (refused
-// while the host drains, or NoHostCapacity), then its GPUs against what
-// the host offers (NoVGPUCapacity). A refusal writes nothing. nil
-// without a ledger.
-func (a *Activities) grant(id string, spec *vmflowv1.VMSpec) store.Reserve {
+// while the host drains, or NoHostCapacity), then, for a placement's
+// grant, its GPUs against what the host offers (NoVGPUCapacity). A
+// refusal writes nothing. nil without a ledger. A named spawn's GPUs are
+// the claim's to place (all or none, rolled back when short), as before
+// placement.
+func (a *Activities) grant(id string, spec *vmflowv1.VMSpec, placement bool) store.Reserve {
 	if a.Capacity == nil {
 		return nil
 	}
 	reserve := a.Capacity.Reserve(id, spec)
 	return func(ctx context.Context) (*vmflowv1.Lease, error) {
 		l, err := reserve(ctx)
-		if err != nil || a.Offers == nil {
+		if err != nil || a.Offers == nil || !placement {
 			return l, err
 		}
 		if err := a.Offers.Check(ctx, id, spec); err != nil {

@@ -165,7 +165,7 @@ func (w *Workflows) grant(ctx workflow.Context, t *tracker, req *vmflowv1.SpawnR
 	})
 	// The host admits the request as one for itself.
 	in := proto.CloneOf(req)
-	in.HostId = host
+	in.HostId, in.PlacementGrant = host, true
 	err := workflow.ExecuteActivity(actx, ActivityCreateRecord, in).Get(ctx, created)
 	switch {
 	case err == nil:

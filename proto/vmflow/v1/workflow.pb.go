@@ -82,9 +82,15 @@ type SpawnRequest struct {
 	Hugepages string `protobuf:"bytes,51,opt,name=hugepages,proto3" json:"hugepages,omitempty"`
 	// "preferred" (default when empty): GPUs, CPUs and memory from one NUMA
 	// node when the host can, else spread; "strict": one node or refused.
-	Numa          string `protobuf:"bytes,52,opt,name=numa,proto3" json:"numa,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Numa string `protobuf:"bytes,52,opt,name=numa,proto3" json:"numa,omitempty"`
+	// Fields 60-69: fleet placement. Set by a spawn without a host on the
+	// grant it asks a candidate for (CreateRecord): the host then also
+	// refuses, writing nothing, when the GPUs asked are not free less what
+	// granted spawns have yet to claim, so placement moves on rather than
+	// fail at the claim. Leave unset.
+	PlacementGrant bool `protobuf:"varint,60,opt,name=placement_grant,json=placementGrant,proto3" json:"placement_grant,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *SpawnRequest) Reset() {
@@ -269,6 +275,13 @@ func (x *SpawnRequest) GetNuma() string {
 		return x.Numa
 	}
 	return ""
+}
+
+func (x *SpawnRequest) GetPlacementGrant() bool {
+	if x != nil {
+		return x.PlacementGrant
+	}
+	return false
 }
 
 // SpawnResult is SpawnInstance's result.
@@ -996,7 +1009,7 @@ var File_vmflow_v1_workflow_proto protoreflect.FileDescriptor
 
 const file_vmflow_v1_workflow_proto_rawDesc = "" +
 	"\n" +
-	"\x18vmflow/v1/workflow.proto\x12\tvmflow.v1\x1a\x16vmflow/v1/record.proto\"\xf4\x05\n" +
+	"\x18vmflow/v1/workflow.proto\x12\tvmflow.v1\x1a\x16vmflow/v1/record.proto\"\x9d\x06\n" +
 	"\fSpawnRequest\x12\x1f\n" +
 	"\vinstance_id\x18\x01 \x01(\tR\n" +
 	"instanceId\x12\x17\n" +
@@ -1023,7 +1036,8 @@ const file_vmflow_v1_workflow_proto_rawDesc = "" +
 	"\adisk_io\x18( \x01(\v2\x17.vmflow.v1.DiskIOLimitsR\x06diskIo\x12%\n" +
 	"\x0ededicated_cpus\x182 \x01(\bR\rdedicatedCpus\x12\x1c\n" +
 	"\thugepages\x183 \x01(\tR\thugepages\x12\x12\n" +
-	"\x04numa\x184 \x01(\tR\x04numa\"\xba\x02\n" +
+	"\x04numa\x184 \x01(\tR\x04numa\x12'\n" +
+	"\x0fplacement_grant\x18< \x01(\bR\x0eplacementGrant\"\xba\x02\n" +
 	"\vSpawnResult\x12\x10\n" +
 	"\x03pid\x18\x01 \x01(\x05R\x03pid\x12\x1d\n" +
 	"\n" +
