@@ -290,8 +290,13 @@ func (w *Workflows) findHost(ctx workflow.Context, instanceID string) (string, e
 			return "", temporal.NewApplicationErrorWithOptions("delete: the instance's host could not be found: "+errorText(err), ErrTypeUnavailable,
 				temporal.ApplicationErrorOptions{NonRetryable: true, Cause: err})
 		}
-		if !out.GetPlacing() || wait >= findHostWaits {
+		if !out.GetPlacing() {
 			return out.GetHostId(), nil
+		}
+		if wait >= findHostWaits {
+			// Never "already absent" while the spawn may still land.
+			return "", temporal.NewNonRetryableApplicationError(fmt.Sprintf("delete: the spawn of %s has been placing for %s and has no host yet: delete it again once it ends",
+				instanceID, findHostWaits*findHostEvery), ErrTypeBusy, nil)
 		}
 		if err := workflow.Sleep(ctx, findHostEvery); err != nil {
 			return "", err

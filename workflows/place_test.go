@@ -241,6 +241,17 @@ func TestDeleteWithoutHostFindsIt(t *testing.T) {
 		assert.True(t, res.GetAlreadyAbsent())
 		e.AssertActivityNumberOfCalls(t, "StopVM", 0)
 	})
+	t.Run("never absent while the spawn still places", func(t *testing.T) {
+		e := newEnv(t)
+		e.OnActivity(LocalActivityFindInstanceHost, mock.Anything, mock.Anything).Return(&vmflowv1.FindInstanceHostResult{Placing: true}, nil)
+		e.counted("StopVM")
+		e.ExecuteWorkflow(DeleteWorkflow, &vmflowv1.DeleteRequest{InstanceId: "vm1"})
+		var ae *temporal.ApplicationError
+		require.ErrorAs(t, e.GetWorkflowError(), &ae)
+		assert.Equal(t, ErrTypeBusy, ae.Type())
+		assert.Contains(t, ae.Message(), "placing")
+		e.AssertActivityNumberOfCalls(t, "StopVM", 0)
+	})
 	t.Run("waits while the spawn places", func(t *testing.T) {
 		e := newEnv(t)
 		e.OnActivity(LocalActivityFindInstanceHost, mock.Anything, mock.Anything).Return(&vmflowv1.FindInstanceHostResult{Placing: true}, nil).Times(2)
