@@ -45,10 +45,12 @@ const (
 )
 
 // grantRefusals are the types a host answers a grant with when it wrote
-// nothing and another host may say yes.
+// nothing and another host may say yes (Unavailable: its ledger cannot
+// read a record, so it promises nothing). An error of no class
+// (HostError) may come after the record's write: a lost grant.
 var grantRefusals = []string{
 	ErrTypeNoHostCapacity, ErrTypeNoCapacity, ErrTypeHostDraining, ErrTypeInvalidInput, ErrTypeAdmissionRefused,
-	ErrTypeVGPUUnavailable, ErrTypeHostMisconfigured,
+	ErrTypeVGPUUnavailable, ErrTypeHostMisconfigured, ErrTypeUnavailable,
 }
 
 // place chooses a host for req and has it grant the spawn, filling

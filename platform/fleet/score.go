@@ -117,6 +117,8 @@ func Fits(v *vmflowv1.HostView, a Ask) (bool, string) {
 	switch {
 	case v.GetDraining():
 		return false, "draining: " + v.GetDrainReason()
+	case v.GetUnreadableRecords() > 0:
+		return false, fmt.Sprintf("%d record(s) unreadable: it promises nothing until they are repaired", v.GetUnreadableRecords())
 	case !a.TCG && !v.GetKvm():
 		return false, "no KVM"
 	case a.Network && !v.GetNetwork():

@@ -41,6 +41,7 @@ func TestFits(t *testing.T) {
 		want   string
 	}{
 		"draining":      {func(v *vmflowv1.HostView) { v.Draining, v.DrainReason = true, "BIOS" }, "draining: BIOS"},
+		"unreadable":    {func(v *vmflowv1.HostView) { v.UnreadableRecords = 1 }, "1 record(s) unreadable"},
 		"no network":    {func(v *vmflowv1.HostView) { v.Network = false }, "no network"},
 		"no KVM":        {func(v *vmflowv1.HostView) { v.Kvm = false }, "no KVM"},
 		"vcpus":         {func(v *vmflowv1.HostView) { v.VcpusFree = 3 }, "3 of 64 vCPUs free"},
