@@ -51,6 +51,7 @@ build:
 	$(GO) build -ldflags '$(LDFLAGS)' -o $(BIN)/vmflow-hostagent ./hostagent
 	$(GO) build -ldflags '$(LDFLAGS)' -o $(BIN)/vmflow-vgpusim ./hostagent/gpu/vgpusim/cmd/vmflow-vgpusim
 	@if [ -d worker ]; then $(GO) build -ldflags '$(LDFLAGS)' -o $(BIN)/vmflow-worker ./worker; fi
+	$(GO) build -ldflags '$(LDFLAGS)' -o $(BIN)/vmflow ./cmd/vmflow
 
 ## print-ldflags: the -ldflags `make build` uses (a test builds with them).
 .PHONY: print-ldflags
@@ -288,7 +289,8 @@ bench: $(TEMPORAL) qemu guest
 ## bench-fleet: the scale table on the self-hosted Temporal server on
 # PostgreSQL (durable defaults): 100 and 200 VMs on one host, then 1,000
 # `-machine none` VMs (~8 MiB each) over 10 host agents, with workflows per
-# second and each process's CPU; writes its own section of BENCHMARKS.md
+# second and each process's CPU, then spawns without a host against named
+# ones over 1, 3 and 10 agents (throughput, p50/p99); writes its own section of BENCHMARKS.md
 # (make bench keeps it). Not part of make bench (its 15 minutes). Measured
 # 8 to 10 minutes here (2 cores, shared), hence its own 45-minute timeout.
 .PHONY: bench-fleet
@@ -296,7 +298,7 @@ bench-fleet: $(TEMPORAL) temporal-server postgresql qemu
 	VMFLOW_BENCH=1 $(GO) test -run '^TestBenchFleet$$' -v -count=1 -timeout 45m ./bench
 
 clean:
-	rm -rf $(BIN)/vmflow-hostagent $(BIN)/vmflow-worker
+	rm -rf $(BIN)/vmflow-hostagent $(BIN)/vmflow-worker $(BIN)/vmflow
 
 ## dev: run vmflow here in the foreground (deploy/dev.sh): Temporal dev server
 # (UI :8233), vGPU simulator, worker, host agent; Ctrl-C stops it all.

@@ -67,6 +67,14 @@ type Activities struct {
 	// holding its share of the host, or refused NoHostCapacity. nil: no
 	// ledger (tests of other things).
 	Capacity *lease.Capacity
+	// Offers, with Capacity, checks a new record's GPUs at its grant:
+	// refused (NoVGPUCapacity) when the host's free devices, less what
+	// other granted spawns have yet to claim, fall short. nil: no check.
+	Offers *lease.Offers
+	// Changed, if set, is told after an activity changed what the host
+	// offers the fleet (a grant, a claim, a launch, a release): the
+	// agent's fleet view republishes, debounced.
+	Changed func()
 	// LeaseConfig configures the lease engine the release stage runs
 	// over the drivers above (its quarantine, its uninspectable pids).
 	LeaseConfig lease.EngineConfig
@@ -175,8 +183,8 @@ func (a *Activities) CreateRecord(ctx context.Context, req *vmflowv1.SpawnReques
 	_, getErr := a.Store.Get(req.GetInstanceId())
 	existed := getErr == nil
 	var reserve []store.CreateOption
-	if a.Capacity != nil {
-		reserve = append(reserve, store.Reserving(a.Capacity.Reserve(req.GetInstanceId(), recSpec)))
+	if g := a.grant(req.GetInstanceId(), recSpec, req.GetPlacementGrant()); g != nil {
+		reserve = append(reserve, store.Reserving(g))
 	}
 	rec, err := a.Store.Create(ctx, &vmflowv1.InstanceRecord{
 		Id:                        req.GetInstanceId(),
@@ -191,6 +199,9 @@ func (a *Activities) CreateRecord(ctx context.Context, req *vmflowv1.SpawnReques
 		return nil, classify(fmt.Errorf("create record: %w", err))
 	}
 	crashpoint.Hit(crashpoint.ActivityCreateRecordDone)
+	if !existed {
+		a.changed()
+	}
 	own := store.CreatedBy(rec, wf.ID, wf.RunID)
 	creator := ""
 	if rec.GetCreatedByWorkflowId() != "" {
@@ -202,6 +213,37 @@ func (a *Activities) CreateRecord(ctx context.Context, req *vmflowv1.SpawnReques
 		InstanceUuid: rec.GetSpec().GetUuid(), AlreadyExisted: existed,
 		CreatedByThisSpawn: own, CreatedBy: creator,
 	}, nil
+}
+
+// grant is the reservation a new record of spec is created with, under
+// the host's admission lock: its share of the capacity ledger (refused
+// while the host drains, or NoHostCapacity), then, for a placement's
+// grant, its GPUs against what the host offers (NoVGPUCapacity). A
+// refusal writes nothing. nil without a ledger. A named spawn's GPUs are
+// the claim's to place (all or none, rolled back when short), as before
+// placement.
+func (a *Activities) grant(id string, spec *vmflowv1.VMSpec, placement bool) store.Reserve {
+	if a.Capacity == nil {
+		return nil
+	}
+	reserve := a.Capacity.Reserve(id, spec)
+	return func(ctx context.Context) (*vmflowv1.Lease, error) {
+		l, err := reserve(ctx)
+		if err != nil || a.Offers == nil || !placement {
+			return l, err
+		}
+		if err := a.Offers.Check(ctx, id, spec); err != nil {
+			return nil, err
+		}
+		return l, nil
+	}
+}
+
+// changed tells the fleet view the host's offer may have changed.
+func (a *Activities) changed() {
+	if a.Changed != nil {
+		a.Changed()
+	}
 }
 
 // ClaimVGPU is ClaimDevices under the name histories recorded before the
@@ -232,6 +274,7 @@ func (a *Activities) ClaimDevices(ctx context.Context, req *vmflowv1.ClaimVGPURe
 		return nil, classify(fmt.Errorf("claim vGPU: %w", err))
 	}
 	crashpoint.Hit(crashpoint.ActivityClaimDevicesDone)
+	a.changed()
 	res := &vmflowv1.ClaimVGPUResult{}
 	for _, lease := range leases {
 		res.DeviceIds = append(res.DeviceIds, store.ClaimDevice(lease.GetVgpu()))
@@ -324,6 +367,9 @@ func (a *Activities) LaunchVM(ctx context.Context, req *vmflowv1.LaunchVMRequest
 		a.Metrics.LaunchDuration.Observe(res.Duration.Seconds())
 	}
 	crashpoint.Hit(crashpoint.ActivityLaunchVMDone)
+	if !res.AlreadyRunning {
+		a.changed()
+	}
 	log.Info("VM running", zap.Int("pid", res.Identity.PID), zap.Bool("already_running", res.AlreadyRunning), zap.Duration("took", res.Duration))
 	rec, err := a.Store.Get(id)
 	if err != nil {
@@ -506,6 +552,7 @@ func (a *Activities) ReleaseLeases(ctx context.Context, ref *vmflowv1.InstanceRe
 		return nil, retype(ce, workflows.ErrTypeReleaseFailed)
 	}
 	crashpoint.Hit(crashpoint.ActivityReleaseLeasesDone)
+	a.changed()
 	log.Info("leases released", zap.Int("released", len(out.Released)))
 	return res, nil
 }

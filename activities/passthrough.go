@@ -39,6 +39,7 @@ func (a *Activities) claimWhole(ctx context.Context, log *zap.Logger, id string,
 		return nil, classify(fmt.Errorf("claim whole GPU: %w", err))
 	}
 	crashpoint.Hit(crashpoint.ActivityClaimDevicesDone)
+	a.changed()
 	res := &vmflowv1.ClaimVGPUResult{}
 	for _, l := range leases {
 		res.DeviceIds = append(res.DeviceIds, store.PassthroughDevices(l)...)

@@ -14,6 +14,7 @@ import (
 
 	"vmflow/daemon/agent"
 	"vmflow/hostagent/gpu/vgpusim"
+	vmflowv1 "vmflow/proto/vmflow/v1"
 	"vmflow/testsupport/devserver"
 	"vmflow/workflows"
 )
@@ -117,6 +118,36 @@ func (s *stack) setScheduleEvery(ctx context.Context, d time.Duration) error {
 	}})
 }
 
+// typedRun is a spawn and its delete as the typed client starts them.
+type typedRun struct{ spawn, del func() ([]string, error) }
+
+// placedPair is a spawn named to s's host (id a) and one without a host
+// (id b), each with its delete (the placed one's without host_id).
+func placedPair(ctx context.Context, s *stack, a, b string) (named, placed typedRun) {
+	vc := workflows.NewClient(s.c, s.queue)
+	mk := func(id, host string) typedRun {
+		return typedRun{
+			spawn: func() ([]string, error) {
+				req := s.spawnReq(id, false)
+				req.HostId = host
+				run, err := vc.StartSpawn(ctx, req)
+				if err != nil {
+					return nil, err
+				}
+				return []string{workflows.SpawnWorkflowID(id)}, run.Get(ctx, nil)
+			},
+			del: func() ([]string, error) {
+				run, err := vc.StartDelete(ctx, &vmflowv1.DeleteRequest{InstanceId: id, HostId: host, GracefulTimeoutSeconds: 1})
+				if err != nil {
+					return nil, err
+				}
+				return []string{workflows.DeleteWorkflowID(id)}, run.Get(ctx, nil)
+			},
+		}
+	}
+	return mk(a, s.hostID), mk(b, "")
+}
+
 // actionsPerHost measures what a host costs in Temporal actions, the way
 // Temporal Cloud bills them, and projects it to fleets.
 func actionsPerHost(t *testing.T) string {
@@ -152,6 +183,19 @@ func actionsPerHost(t *testing.T) string {
 	add("spawn, no vGPU", must(s.measure(ctx, run("a2", false))))
 	add("clean delete, no vGPU", must(s.measure(ctx, del("a2"))))
 	add("**spawn + clean delete, simulated vGPU** (goal ≤ 20)", actionCount{spawnVGPU.history + deleteVGPU.history, spawnVGPU.server + deleteVGPU.server})
+
+	// Placement: a spawn without a host against one named, both started
+	// as the typed client starts them (search attributes at start, as a
+	// platform API does). The server column includes the fleet view's
+	// publishes the spawn causes (a FleetHost start each), the same for
+	// both; the difference is placement's own cost.
+	named, placed := placedPair(ctx, s, "a4", "a5")
+	namedN, placedN := must(s.measure(ctx, named.spawn)), must(s.measure(ctx, placed.spawn))
+	add("spawn, no vGPU, named host (typed client)", namedN)
+	add("spawn, no vGPU, placed: no host_id (typed client)", placedN)
+	add("**placed spawn − named spawn** (goal ≤ 2)", actionCount{placedN.history - namedN.history, placedN.server - namedN.server})
+	namedD, placedD := must(s.measure(ctx, named.del)), must(s.measure(ctx, placed.del))
+	add("**delete without host_id − delete naming it**", actionCount{placedD.history - namedD.history, placedD.server - namedD.server})
 
 	// One failed release round: the simulator refuses the release, the
 	// delete waits in release-failed, a retry finishes it.

@@ -69,6 +69,15 @@ func TestBenchFleet(t *testing.T) {
 	var fl *fleetRow
 	fleetOK := t.Run("fleet", func(t *testing.T) { fl = fleetOn(t, s, vms, hosts) })
 
+	var placed []placementRow
+	placeOK := fl != nil && t.Run("placement", func(t *testing.T) {
+		steps, m := []int{1, 3, hosts}, envInt(t, "VMFLOW_FLEET_PLACED", 100)
+		if quick() {
+			steps, m = []int{1, hosts}, envInt(t, "VMFLOW_FLEET_PLACED", 12)
+		}
+		placed = placementOn(t, fl.stacks, steps, m)
+	})
+
 	var b strings.Builder
 	b.WriteString(fleetBegin + "\n")
 	b.WriteString("## Fleet on a self-hosted Temporal (PostgreSQL)\n\n")
@@ -111,8 +120,11 @@ func TestBenchFleet(t *testing.T) {
 		fmt.Fprintf(&b, "Reading: spawning %d VMs over %d hosts cost %.1f CPU-seconds of orchestration, %.0f%% of it in the Temporal server and %.0f%% in PostgreSQL, %.0f%% in vmflow (worker %.1f s, agents %.1f s). On this one machine the server, its database and vmflow share 2 cores with the VMs; in production the server and PostgreSQL run on their own machines and each agent on its host, so a host pays only its agent's share.\n",
 			fl.n, fl.hosts, orch, 100*o.server/orch, 100*o.db/orch, 100*(o.worker+o.agent)/orch, o.worker, o.agent)
 	}
-	if !scaleOK || !fleetOK {
-		fmt.Fprintf(&b, "\n**Part of this run failed (scale: %v, fleet of %d over %d: %v); see the test log.**\n", okWord(scaleOK), vms, hosts, okWord(fleetOK))
+	if len(placed) > 0 {
+		b.WriteString("\n" + placementMarkdown(placed))
+	}
+	if !scaleOK || !fleetOK || !placeOK {
+		fmt.Fprintf(&b, "\n**Part of this run failed (scale: %v, fleet of %d over %d: %v, placement: %v); see the test log.**\n", okWord(scaleOK), vms, hosts, okWord(fleetOK), okWord(placeOK))
 	}
 	if n := s.startRetries.Load(); n > 0 {
 		fmt.Fprintf(&b, "\n%d workflow starts hit the SDK's 10 s RPC deadline on the loaded server and were sent again (same workflow id: nothing started twice).\n", n)
@@ -156,6 +168,9 @@ type fleetRow struct {
 	agentHWM                    int64 // KiB, the largest agent's
 	qemuRSSAvgKiB               float64
 	memBeforeKiB, memRunningKiB float64
+	// stacks are the fleet's hosts, s's first (the placement section
+	// reuses them).
+	stacks []*stack
 }
 
 // fleetOn starts hosts-1 more agents beside s's and runs n VMs over all.
@@ -170,7 +185,7 @@ func fleetOn(t *testing.T, s *stack, n, hosts int) *fleetRow {
 	for i := 1; i < hosts; i++ {
 		fleet = append(fleet, s.addHost(fmt.Sprintf("fleet-h%d", i)))
 	}
-	r := &fleetRow{n: n, hosts: hosts, memBeforeKiB: avail}
+	r := &fleetRow{n: n, hosts: hosts, memBeforeKiB: avail, stacks: fleet}
 	ids := make([]string, n)
 	for i := range ids {
 		ids[i] = fmt.Sprintf("f%d-%d", n, i)

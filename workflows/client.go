@@ -42,12 +42,14 @@ var ErrInvalidInput = errors.New("invalid input")
 // contract.MaxGracefulTimeout, which the agent also caps at.
 const MaxGracefulTimeoutSeconds = uint32(contract.MaxGracefulTimeout / time.Second)
 
+// checkIDs checks an instance id and a host id, which may be empty (the
+// fleet places a spawn, a delete finds the instance's host).
 func checkIDs(instanceID, hostID string) error {
 	if !ValidID(instanceID) {
 		return fmt.Errorf("instance_id %q: %w: must match %s", instanceID, ErrInvalidID, idPattern)
 	}
-	if !ValidID(hostID) {
-		return fmt.Errorf("host_id %q: %w: must match %s", hostID, ErrInvalidID, idPattern)
+	if hostID != "" && !ValidID(hostID) {
+		return fmt.Errorf("host_id %q: %w: must match %s or be empty", hostID, ErrInvalidID, idPattern)
 	}
 	return nil
 }
@@ -55,6 +57,11 @@ func checkIDs(instanceID, hostID string) error {
 // options sets at start (unbilled, unlike an upsert) the search attributes the
 // first upsert would set, so a lazy tracker skips it (newTrackerSA).
 func (c *Client) options(id, summary, instanceID, hostID, firstStage string) client.StartWorkflowOptions {
+	sa := []temporal.SearchAttributeUpdate{SAInstanceID.ValueSet(instanceID), SAStage.ValueSet(firstStage), SANeedsAttention.ValueSet(false)}
+	if hostID != "" {
+		// Without one the workflow sets it once it knows the host.
+		sa = append(sa, SAHostID.ValueSet(hostID))
+	}
 	return client.StartWorkflowOptions{
 		ID:        id,
 		TaskQueue: c.taskQueue,
@@ -63,21 +70,21 @@ func (c *Client) options(id, summary, instanceID, hostID, firstStage string) cli
 		WorkflowIDConflictPolicy: enumspb.WORKFLOW_ID_CONFLICT_POLICY_USE_EXISTING,
 		WorkflowIDReusePolicy:    enumspb.WORKFLOW_ID_REUSE_POLICY_ALLOW_DUPLICATE,
 		StaticSummary:            summary,
-		TypedSearchAttributes: temporal.NewSearchAttributes(
-			SAInstanceID.ValueSet(instanceID), SAHostID.ValueSet(hostID),
-			SAStage.ValueSet(firstStage), SANeedsAttention.ValueSet(false),
-		),
+		TypedSearchAttributes:    temporal.NewSearchAttributes(sa...),
 	}
 }
 
 // StartSpawn starts SpawnInstance as spawn/<instance_id>, or joins the one
-// already running.
+// already running. Without a host_id the fleet places it.
 func (c *Client) StartSpawn(ctx context.Context, req *vmflowv1.SpawnRequest) (client.WorkflowRun, error) {
 	if err := checkIDs(req.GetInstanceId(), req.GetHostId()); err != nil {
 		return nil, err
 	}
-	summary := fmt.Sprintf("spawn %s on %s", req.GetInstanceId(), req.GetHostId())
-	run, err := c.c.ExecuteWorkflow(ctx, c.options(SpawnWorkflowID(req.GetInstanceId()), summary, req.GetInstanceId(), req.GetHostId(), StageValidating), SpawnWorkflow, req)
+	summary, first := fmt.Sprintf("spawn %s on %s", req.GetInstanceId(), req.GetHostId()), StageValidating
+	if req.GetHostId() == "" {
+		summary, first = fmt.Sprintf("spawn %s (placed)", req.GetInstanceId()), StagePlacing
+	}
+	run, err := c.c.ExecuteWorkflow(ctx, c.options(SpawnWorkflowID(req.GetInstanceId()), summary, req.GetInstanceId(), req.GetHostId(), first), SpawnWorkflow, req)
 	if err != nil {
 		return nil, fmt.Errorf("start %s: %w", SpawnWorkflowID(req.GetInstanceId()), err)
 	}

@@ -11,6 +11,8 @@ import (
 
 // The typed client refuses what the workflows or the host would refuse,
 // before anything reaches Temporal (no server: the client is never used).
+// An empty host_id is not refused: the fleet places a spawn, a delete
+// finds the instance's host.
 func TestClientRejectsBadDeleteInput(t *testing.T) {
 	vc := NewClient(nil, DefaultTaskQueue)
 	ctx := context.Background()
@@ -18,7 +20,8 @@ func TestClientRejectsBadDeleteInput(t *testing.T) {
 		{InstanceId: "../etc", HostId: "h1"},
 		{InstanceId: "vm1", HostId: "h1/../h2"},
 		{InstanceId: "VM1", HostId: "h1"},
-		{InstanceId: "vm1", HostId: ""},
+		{InstanceId: "", HostId: ""},
+		{InstanceId: "vm1", HostId: "-h1"},
 	} {
 		_, err := vc.StartDelete(ctx, req)
 		assert.ErrorIs(t, err, ErrInvalidID, "%v", req)

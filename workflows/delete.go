@@ -28,10 +28,29 @@ func (w *Workflows) deleteInstance(ctx workflow.Context, req *vmflowv1.DeleteReq
 	if !ValidID(req.GetInstanceId()) {
 		return nil, invalidInput("instance_id %q: must match %s", req.GetInstanceId(), idPattern)
 	}
-	if !ValidID(req.GetHostId()) {
-		return nil, invalidInput("host_id %q: must match %s", req.GetHostId(), idPattern)
+	if req.GetHostId() != "" && !ValidID(req.GetHostId()) {
+		return nil, invalidInput("host_id %q: must match %s (or be empty: the instance's host is found)", req.GetHostId(), idPattern)
 	}
 	stuckAfter, version := w.stuckBound(ctx, req)
+	if req.GetHostId() == "" {
+		if version < 4 {
+			// Runs recorded before placement failed here, before any command.
+			return nil, invalidInput("host_id %q: must match %s", req.GetHostId(), idPattern)
+		}
+		host, err := w.findHost(ctx, req.GetInstanceId())
+		if err != nil {
+			return nil, err
+		}
+		if host == "" {
+			t, err := newLazyTracker(ctx, "delete", req.GetInstanceId(), "", StageAlreadyAbsent)
+			if err != nil {
+				return nil, err
+			}
+			t.logger.Info("no spawn of the instance names a host: nothing to delete")
+			return &vmflowv1.DeleteResult{AlreadyAbsent: true}, nil
+		}
+		req.HostId = host // continue-as-new carries it
+	}
 	var t *tracker
 	var err error
 	if version >= 2 {
@@ -238,15 +257,16 @@ func (w *Workflows) beginDelete(ctx workflow.Context, h *hostRunner, req *vmflow
 // and upsert search attributes only on change (version 1), and only where
 // they must be exact (version 2, a lazy tracker), and release through
 // ReleaseLeases (version 3, the lease engine's name: no marker of its own,
-// which would cost a billed upsert). Runs recorded before it replay with
-// neither.
+// which would cost a billed upsert), and may be started without a host,
+// which it finds (version 4, placement). Runs recorded before it replay
+// with neither.
 const versionStuckBound = "delete-stuck-bound"
 
 // stuckBound returns the delete's stuck bound (0 for runs from before it) and
 // its versionStuckBound: the request's, or the worker's recorded once
 // (recorded), stored in req so continue-as-new carries it.
 func (w *Workflows) stuckBound(ctx workflow.Context, req *vmflowv1.DeleteRequest) (time.Duration, workflow.Version) {
-	v := workflow.GetVersion(ctx, versionStuckBound, workflow.DefaultVersion, 3)
+	v := workflow.GetVersion(ctx, versionStuckBound, workflow.DefaultVersion, 4)
 	if v == workflow.DefaultVersion {
 		return 0, v
 	}
@@ -258,6 +278,42 @@ func (w *Workflows) stuckBound(ctx workflow.Context, req *vmflowv1.DeleteRequest
 	return time.Duration(secs) * time.Second, v
 }
 
+// findHost is the host the instance's latest spawn was placed on ("": none
+// names one), asked again every few seconds while that spawn still
+// places (FindInstanceHost's marker records each answer).
+func (w *Workflows) findHost(ctx workflow.Context, instanceID string) (string, error) {
+	lctx := withFleetLookup(ctx)
+	for wait := 0; ; wait++ {
+		var out vmflowv1.FindInstanceHostResult
+		err := workflow.ExecuteLocalActivity(lctx, LocalActivityFindInstanceHost, &vmflowv1.FindInstanceHostRequest{InstanceId: instanceID}).Get(ctx, &out)
+		if err != nil {
+			return "", temporal.NewApplicationErrorWithOptions("delete: the instance's host could not be found: "+errorText(err), ErrTypeUnavailable,
+				temporal.ApplicationErrorOptions{NonRetryable: true, Cause: err})
+		}
+		if !out.GetPlacing() {
+			return out.GetHostId(), nil
+		}
+		if wait >= findHostWaits {
+			// Never "already absent" while the spawn may still land.
+			return "", temporal.NewNonRetryableApplicationError(fmt.Sprintf("delete: the spawn of %s has been placing for %s and has no host yet: delete it again once it ends",
+				instanceID, findHostWaits*findHostEvery), ErrTypeBusy, nil)
+		}
+		if err := workflow.Sleep(ctx, findHostEvery); err != nil {
+			return "", err
+		}
+	}
+}
+
+// A delete started while its spawn still places waits for the placement:
+// up to findHostWaits × findHostEvery (constants: they decide commands).
+const (
+	findHostWaits = 60
+	findHostEvery = 2 * time.Second
+)
+
 func deleteSummary(req *vmflowv1.DeleteRequest) string {
+	if req.GetHostId() == "" {
+		return fmt.Sprintf("delete %s (host found)", req.GetInstanceId())
+	}
 	return fmt.Sprintf("delete %s on %s", req.GetInstanceId(), req.GetHostId())
 }

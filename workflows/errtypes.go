@@ -27,6 +27,7 @@ var errorTypes = []struct {
 	{errdefs.ClaimHeld, ErrTypeClaimHeld},
 	{errdefs.NoCapacity, ErrTypeNoCapacity},
 	{errdefs.NoHostCapacity, ErrTypeNoHostCapacity},
+	{errdefs.Draining, ErrTypeHostDraining},
 	{errdefs.NoUID, ErrTypeNoQEMUUID},
 	{errdefs.DeviceMissing, ErrTypeClaimDeviceMissing},
 	{errdefs.NotFound, ErrTypeNotFound},

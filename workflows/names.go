@@ -19,10 +19,41 @@ const (
 	SpawnWorkflow     = "SpawnInstance"
 	DeleteWorkflow    = "DeleteInstance"
 	ReconcileWorkflow = "ReconcileVGPU"
+	// FleetHostWorkflow holds one host's published view in its memo
+	// (FleetViewMemo) and waits, with no timer, until the host's next
+	// publish replaces it: one per host, fleet-host/<host_id>.
+	FleetHostWorkflow = "FleetHost"
 )
 
 // WorkflowNames lists every workflow type the worker registers.
-var WorkflowNames = []string{SpawnWorkflow, DeleteWorkflow, ReconcileWorkflow}
+var WorkflowNames = []string{SpawnWorkflow, DeleteWorkflow, ReconcileWorkflow, FleetHostWorkflow}
+
+// FleetHostWorkflowID is the id of a host's FleetHost workflow.
+func FleetHostWorkflowID(hostID string) string { return "fleet-host/" + hostID }
+
+// FleetViewMemo is the memo field of a FleetHost workflow that holds the
+// host's vmflowv1.HostView.
+const FleetViewMemo = "view"
+
+// Local activities the workflow worker runs for placement (platform/fleet
+// registers them under these names).
+const (
+	// LocalActivityChooseHosts reads the fleet view and returns the
+	// hosts to ask for a grant, best first.
+	LocalActivityChooseHosts = "ChooseHosts"
+	// LocalActivityFindInstanceHost finds the host an instance's latest
+	// spawn was placed on.
+	LocalActivityFindInstanceHost = "FindInstanceHost"
+)
+
+// LostGrantDeleteWorkflowID is the id of the clean-up a placing spawn
+// starts on a host whose grant's outcome it could not learn (the agent
+// took the task and was not heard of again) before it moves on: a delete
+// of only this spawn's record on that host, apart from the instance's own
+// delete/<instance_id>.
+func LostGrantDeleteWorkflowID(instanceID, hostID string) string {
+	return "delete/" + instanceID + "/lost-grant/" + hostID
+}
 
 // DefaultTaskQueue is where the workflows run (the worker's --task-queue,
 // the agent's --workflow-task-queue).
@@ -86,6 +117,9 @@ const (
 	ErrTypeConflict         = "Conflict"         // a record with another spec exists
 	ErrTypeInstanceDeleting = "InstanceDeleting" // spawn of an instance being deleted
 	ErrTypeHostUnreachable  = "HostUnreachable"  // the spawn gave up waiting for its host
+	// A spawn without a host found none that could serve it: the message
+	// names what was asked, the fleet's best offer and the hosts tried.
+	ErrTypeNoFleetCapacity = "NoFleetCapacity"
 	// A spawn found an instance another spawn created that is not running
 	// as asked (exited, paused, hung, a launch in progress, unreadable): it
 	// reports what is there and touches nothing (invariant 9).
@@ -145,6 +179,9 @@ const (
 	// The host's capacity ledger has no room for the VM's vCPUs, memory
 	// or hugepages now; the message says what was asked and what is free.
 	ErrTypeNoHostCapacity = "NoHostCapacity"
+	// The host is draining (vmflow-hostagent drain): it grants no new VM
+	// until undrained; its running VMs stay. Placement moves on.
+	ErrTypeHostDraining = "HostDraining"
 	// Every uid of the agent's --qemu-uid-range is taken (by records or
 	// live processes): a launch waits for one to be freed.
 	ErrTypeNoQEMUUID = "NoQEMUUID"
@@ -175,13 +212,15 @@ var (
 
 // Stages (the VmStage values and the status query's stage).
 const (
-	StageValidating      = "validating"
-	StageCreatingRecord  = "creating-record"
-	StageClaimingGPUs    = "claiming-gpus"
-	StageClaimingVGPU    = "claiming-vgpu" // StageClaimingGPUs in runs recorded before the lease engine
-	StageLaunching       = "launching"
-	StageRunning         = "running"
-	StageSpawnFailed     = "spawn-failed"
+	StageValidating     = "validating"
+	StageCreatingRecord = "creating-record"
+	StageClaimingGPUs   = "claiming-gpus"
+	StageClaimingVGPU   = "claiming-vgpu" // StageClaimingGPUs in runs recorded before the lease engine
+	StageLaunching      = "launching"
+	StageRunning        = "running"
+	StageSpawnFailed    = "spawn-failed"
+	// A spawn without a host asks hosts for a grant (status hosts_tried).
+	StagePlacing         = "placing"
 	StageMarkingStopped  = "marking-stopped"
 	StageStopping        = "stopping"
 	StageWaitingExit     = "waiting-exit"

@@ -15,7 +15,7 @@ func (r recordingRegistry) RegisterWorkflowWithOptions(_ interface{}, o workflow
 
 // Every workflow has a versioning behaviour (a versioned worker refuses one
 // without), and the behaviour the rollout relies on: a spawn finishes on
-// its build, a delete or reconcile moves to the current one.
+// its build, a delete, reconcile or host view moves to the current one.
 func TestRegisterVersioningBehaviors(t *testing.T) {
 	r := recordingRegistry{}
 	New(Config{}).Register(r)
@@ -23,5 +23,7 @@ func TestRegisterVersioningBehaviors(t *testing.T) {
 		SpawnWorkflow:     workflow.VersioningBehaviorPinned,
 		DeleteWorkflow:    workflow.VersioningBehaviorAutoUpgrade,
 		ReconcileWorkflow: workflow.VersioningBehaviorAutoUpgrade,
+		FleetHostWorkflow: workflow.VersioningBehaviorAutoUpgrade,
 	}, r)
+	assert.Len(t, r, len(WorkflowNames))
 }

@@ -2,6 +2,7 @@ package workflows
 
 import (
 	"errors"
+	"fmt"
 
 	enumspb "go.temporal.io/api/enums/v1"
 	"go.temporal.io/sdk/temporal"
@@ -27,19 +28,29 @@ func (w *Workflows) spawnInstance(ctx workflow.Context, req *vmflowv1.SpawnReque
 	if !ValidID(req.GetInstanceId()) {
 		return nil, invalidInput("instance_id %q: must match %s", req.GetInstanceId(), idPattern)
 	}
-	if !ValidID(req.GetHostId()) {
-		return nil, invalidInput("host_id %q: must match %s", req.GetHostId(), idPattern)
+	if req.GetHostId() != "" && !ValidID(req.GetHostId()) {
+		return nil, invalidInput("host_id %q: must match %s (or be empty: the fleet places the VM)", req.GetHostId(), idPattern)
 	}
 	// Runs recorded before lazy search attributes replay with one upsert
 	// per stage; new runs also always take invariant 9's path, so they
 	// record no second version marker (each costs a billed upsert).
 	// Version 2: the claim is ClaimDevices (the lease engine's name).
-	spawnVersion := workflow.GetVersion(ctx, changeLazySA, workflow.DefaultVersion, 2)
+	// Version 3: a spawn without a host is placed (place.go).
+	spawnVersion := workflow.GetVersion(ctx, changeLazySA, workflow.DefaultVersion, 3)
+	placing := req.GetHostId() == ""
+	if placing && spawnVersion < 3 {
+		// Runs recorded before placement failed here, before any command.
+		return nil, invalidInput("host_id %q: must match %s", req.GetHostId(), idPattern)
+	}
 	lazy := spawnVersion >= 1
+	first := StageValidating
+	if placing {
+		first = StagePlacing
+	}
 	var t *tracker
 	var err error
 	if lazy {
-		t, err = newLazyTracker(ctx, "spawn", req.GetInstanceId(), req.GetHostId(), StageValidating)
+		t, err = newLazyTracker(ctx, "spawn", req.GetInstanceId(), req.GetHostId(), first)
 	} else {
 		t, err = newTracker(ctx, "spawn", req.GetInstanceId(), req.GetHostId())
 	}
@@ -49,24 +60,24 @@ func (w *Workflows) spawnInstance(ctx workflow.Context, req *vmflowv1.SpawnReque
 	h := &hostRunner{w: w, t: t, hostID: req.GetHostId(), giveUp: w.cfg.SpawnHostWait}
 	calls := w.calls()
 
-	t.stage(ctx, StageValidating)
-	if err := h.run(ctx, calls[ActivityValidateSpawn], req, nil); err != nil {
-		return nil, w.spawnFailed(ctx, t, err)
-	}
-
-	t.stage(ctx, StageCreatingRecord)
 	var created vmflowv1.CreateRecordResult
-	if err := h.run(ctx, calls[ActivityCreateRecord], req, &created); err != nil {
-		switch errorType(err) {
-		case ErrTypeInvalidInput, ErrTypeConflict, ErrTypeInstanceDeleting, ErrTypeRecordUnreadable:
-			// The record there is not ours (another spec, a delete owns
-			// it, or nobody can read it): deleting it would destroy
-			// someone else's VM.
-			return nil, w.spawnFailed(ctx, t, err)
+	if placing {
+		host, named, err := w.place(ctx, t, req, &created)
+		if err != nil {
+			return nil, err
 		}
-		// Whether an attempt of this spawn wrote the record is unknown
-		// here; the clean-up's creator guard decides on the host.
-		return nil, w.cleanUpAfter(ctx, t, req, err)
+		// From here on the spawn is its host's, as if named.
+		h.hostID, req.HostId = host, host
+		if named {
+			// An earlier spawn's record may be there: the host is this
+			// spawn's as if named (it waits for the host, and finds the
+			// record).
+			if err := w.validateAndCreate(ctx, t, h, req, &created); err != nil {
+				return nil, err
+			}
+		}
+	} else if err := w.validateAndCreate(ctx, t, h, req, &created); err != nil {
+		return nil, err
 	}
 	t.setRetained(ctx, true)
 	// Histories from before creators were recorded replay the old path:
@@ -75,7 +86,7 @@ func (w *Workflows) spawnInstance(ctx workflow.Context, req *vmflowv1.SpawnReque
 		return w.spawnFoundExisting(ctx, t, h, req, &created)
 	}
 
-	res := &vmflowv1.SpawnResult{InstanceUuid: created.GetInstanceUuid()}
+	res := &vmflowv1.SpawnResult{InstanceUuid: created.GetInstanceUuid(), HostId: h.hostID}
 	if req.GetVgpuProfile() != "" || req.GetGpuPassthroughCount() > 0 {
 		claimStage := StageClaimingVGPU
 		if spawnVersion >= 2 {
@@ -90,7 +101,7 @@ func (w *Workflows) spawnInstance(ctx workflow.Context, req *vmflowv1.SpawnReque
 			claimCall = calls[ActivityClaimDevices]
 		}
 		if err := h.run(ctx, claimCall, in, &claim); err != nil {
-			return nil, w.cleanUpAfter(ctx, t, req, err)
+			return nil, w.cleanUpAfter(ctx, t, req, h.hostID, err)
 		}
 		res.VgpuUuid, res.VgpuDeviceId = claim.GetVgpuUuid(), claim.GetDeviceId()
 		res.GpuDeviceIds = claim.GetDeviceIds()
@@ -100,7 +111,7 @@ func (w *Workflows) spawnInstance(ctx workflow.Context, req *vmflowv1.SpawnReque
 	t.stage(ctx, StageLaunching)
 	var launched vmflowv1.LaunchVMResult
 	if err := h.run(ctx, calls[ActivityLaunchVM], &vmflowv1.LaunchVMRequest{InstanceId: req.GetInstanceId()}, &launched); err != nil {
-		return nil, w.cleanUpAfter(ctx, t, req, err)
+		return nil, w.cleanUpAfter(ctx, t, req, h.hostID, err)
 	}
 	res.Pid, res.QmpSocket = launched.GetPid(), launched.GetQmpSocket()
 	res.Ip, res.Mac = launched.GetIp(), launched.GetMac()
@@ -108,6 +119,38 @@ func (w *Workflows) spawnInstance(ctx workflow.Context, req *vmflowv1.SpawnReque
 	t.status.Ip, t.status.Mac = res.Ip, res.Mac
 	t.stage(ctx, StageRunning)
 	return res, nil
+}
+
+// validateAndCreate runs ValidateSpawn and CreateRecord on h's host, as a
+// spawn to a named host does; an error has ended the spawn already
+// (spawnFailed, or the clean-up started).
+func (w *Workflows) validateAndCreate(ctx workflow.Context, t *tracker, h *hostRunner, req *vmflowv1.SpawnRequest, created *vmflowv1.CreateRecordResult) error {
+	calls := w.calls()
+	t.stage(ctx, StageValidating)
+	if err := h.run(ctx, calls[ActivityValidateSpawn], req, nil); err != nil {
+		return w.spawnFailed(ctx, t, err)
+	}
+	t.stage(ctx, StageCreatingRecord)
+	if err := h.run(ctx, calls[ActivityCreateRecord], req, created); err != nil {
+		if recordNotOurs(err) {
+			return w.spawnFailed(ctx, t, err)
+		}
+		// Whether an attempt of this spawn wrote the record is unknown
+		// here; the clean-up's creator guard decides on the host.
+		return w.cleanUpAfter(ctx, t, req, h.hostID, err)
+	}
+	return nil
+}
+
+// recordNotOurs: CreateRecord found a record that is not this spawn's (another
+// spec, a delete owns it, or nobody can read it): deleting it would destroy
+// someone else's VM.
+func recordNotOurs(err error) bool {
+	switch errorType(err) {
+	case ErrTypeInvalidInput, ErrTypeConflict, ErrTypeInstanceDeleting, ErrTypeRecordUnreadable:
+		return true
+	}
+	return false
 }
 
 // changeSpawnCreator is the GetVersion change id of invariant 9's spawn
@@ -128,7 +171,8 @@ func (w *Workflows) spawnFoundExisting(ctx workflow.Context, t *tracker, h *host
 	t.status.GpuDeviceIds, t.status.Ip, t.status.Mac = found.GetGpuDeviceIds(), found.GetIp(), found.GetMac()
 	t.stage(ctx, StageRunning)
 	return &vmflowv1.SpawnResult{
-		Pid: found.GetPid(), QmpSocket: found.GetQmpSocket(), VgpuUuid: found.GetVgpuUuid(),
+		HostId: h.hostID,
+		Pid:    found.GetPid(), QmpSocket: found.GetQmpSocket(), VgpuUuid: found.GetVgpuUuid(),
 		VgpuDeviceId: found.GetVgpuDeviceId(), InstanceUuid: created.GetInstanceUuid(), GpuDeviceIds: found.GetGpuDeviceIds(),
 		Ip: found.GetIp(), Mac: found.GetMac(), NumaNodes: found.GetNumaNodes(), Cpus: found.GetCpus(),
 	}, nil
@@ -146,35 +190,46 @@ func (w *Workflows) spawnFailed(ctx workflow.Context, t *tracker, cause error) e
 
 // cleanUpAfter starts the delete path for a spawn that failed after its record
 // existed (abandoned on close, so it finishes) and returns the original error.
-func (w *Workflows) cleanUpAfter(ctx workflow.Context, t *tracker, req *vmflowv1.SpawnRequest, cause error) error {
+func (w *Workflows) cleanUpAfter(ctx workflow.Context, t *tracker, req *vmflowv1.SpawnRequest, hostID string, cause error) error {
 	t.status.LastError = errorText(cause)
 	t.stage(ctx, StageSpawnFailed)
-	// The guard makes the host delete only a record this very spawn
-	// created (invariant 9): after a failed CreateRecord nobody here knows
-	// whether it did, and the record may be a re-sent spawn's.
+	if err := w.startCleanUp(ctx, t, req.GetInstanceId(), hostID, DeleteWorkflowID(req.GetInstanceId()), "spawn failed"); err != nil {
+		return temporal.NewNonRetryableApplicationError(
+			"spawn failed ("+errorText(cause)+") and "+err.Error(), errorType(cause), cause)
+	}
+	if errors.Is(cause, errHostGaveUp) {
+		return temporal.NewNonRetryableApplicationError(cause.Error()+": a delete of what this spawn made there waits for the host", ErrTypeHostUnreachable, cause)
+	}
+	return cause
+}
+
+// startCleanUp starts, as id, a delete on hostID of only the record this
+// very spawn created (invariant 9: after a failed or lost CreateRecord
+// nobody here knows whether it did, and the record may be a re-sent
+// spawn's), abandoned on close so it finishes. An error says it could not
+// start and what to start by hand.
+func (w *Workflows) startCleanUp(ctx workflow.Context, t *tracker, instanceID, hostID, id, why string) error {
 	self := workflow.GetInfo(ctx).WorkflowExecution
 	del := &vmflowv1.DeleteRequest{
-		InstanceId: req.GetInstanceId(), HostId: req.GetHostId(),
+		InstanceId: instanceID, HostId: hostID,
 		OnlyIfCreatedByWorkflowId: self.ID, OnlyIfCreatedByRunId: self.RunID,
 	}
 	cctx := workflow.WithChildOptions(ctx, workflow.ChildWorkflowOptions{
-		WorkflowID:            DeleteWorkflowID(req.GetInstanceId()),
+		WorkflowID:            id,
 		ParentClosePolicy:     enumspb.PARENT_CLOSE_POLICY_ABANDON,
 		WorkflowIDReusePolicy: enumspb.WORKFLOW_ID_REUSE_POLICY_ALLOW_DUPLICATE,
-		StaticSummary:         deleteSummary(del) + " (spawn failed)",
+		StaticSummary:         deleteSummary(del) + " (" + why + ")",
 	})
 	var exec workflow.Execution
 	err := workflow.ExecuteChildWorkflow(cctx, DeleteWorkflow, del).GetChildWorkflowExecution().Get(ctx, &exec)
 	switch {
 	case err == nil:
-		t.logger.Info("delete path started", "workflow_id", exec.ID, "run_id", exec.RunID)
+		t.logger.Info("delete path started", "workflow_id", exec.ID, "run_id", exec.RunID, "host_id", hostID)
 	case temporal.IsWorkflowExecutionAlreadyStartedError(err):
-		t.logger.Info("delete path already running", "workflow_id", DeleteWorkflowID(req.GetInstanceId()))
+		t.logger.Info("delete path already running", "workflow_id", id)
 	default:
-		t.logger.Error("could not start the delete path", "error", err.Error())
-		return temporal.NewNonRetryableApplicationError(
-			"spawn failed ("+errorText(cause)+") and its delete path could not start ("+err.Error()+"): start "+DeleteWorkflow+" "+DeleteWorkflowID(req.GetInstanceId())+" by hand",
-			errorType(cause), cause)
+		t.logger.Error("could not start the delete path", "error", err.Error(), "workflow_id", id)
+		return fmt.Errorf("its delete path could not start (%s): start %s %s with host_id %s by hand", err.Error(), DeleteWorkflow, id, hostID)
 	}
-	return cause
+	return nil
 }

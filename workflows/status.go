@@ -25,6 +25,7 @@ type tracker struct {
 	status     *vmflowv1.WorkflowStatus
 	retryCh    workflow.ReceiveChannel
 	logger     log.Logger
+	wfLogger   log.Logger // the workflow's, without the ids
 
 	// Operator actions (operator.go): ops carries accepted retry and
 	// abandon updates to the wait in progress; wait is that wait (nil
@@ -83,14 +84,15 @@ func newTrackerSA(ctx workflow.Context, kind, instanceID, hostID, firstStage str
 		kind:        kind,
 		instanceID:  instanceID,
 		hostID:      hostID,
-		status:      &vmflowv1.WorkflowStatus{},
+		status:      &vmflowv1.WorkflowStatus{HostId: hostID},
 		retryCh:     workflow.GetSignalChannel(ctx, RetrySignal),
 		ops:         workflow.NewBufferedChannel(ctx, maxPendingOps),
-		logger:      log.With(workflow.GetLogger(ctx), "instance_id", instanceID, "host_id", hostID),
+		wfLogger:    workflow.GetLogger(ctx),
 		lazy:        lazy,
 		onlyChanges: lazy,
 		since:       workflow.Now(ctx),
 	}
+	t.logger = t.baseLogger("host_id", hostID)
 	if err := workflow.SetQueryHandler(ctx, StatusQuery, func() (*vmflowv1.WorkflowStatus, error) {
 		return proto.Clone(t.status).(*vmflowv1.WorkflowStatus), nil
 	}); err != nil {
@@ -132,6 +134,11 @@ func newTrackerSA(ctx workflow.Context, kind, instanceID, hostID, firstStage str
 		t.upserted, t.sentStage, t.sentNeeds = true, firstStage, false
 	}
 	return t, nil
+}
+
+// baseLogger is the workflow's logger with the instance id and kv.
+func (t *tracker) baseLogger(kv ...any) log.Logger {
+	return log.With(t.wfLogger, append([]any{"instance_id", t.instanceID}, kv...)...)
 }
 
 // stage moves the workflow to a new stage; the attempt count starts again.
@@ -230,8 +237,15 @@ func (t *tracker) publishSA(ctx workflow.Context, exact bool) {
 // activity attempts, when the pending-activity card is gone.
 func (t *tracker) details() string {
 	var b strings.Builder
-	b.WriteString(fmt.Sprintf("**%s** %s on host %s\n\n", t.kind, codeSpan(t.instanceID), codeSpan(t.hostID)))
+	if t.hostID == "" {
+		b.WriteString(fmt.Sprintf("**%s** %s, placing\n\n", t.kind, codeSpan(t.instanceID)))
+	} else {
+		b.WriteString(fmt.Sprintf("**%s** %s on host %s\n\n", t.kind, codeSpan(t.instanceID), codeSpan(t.hostID)))
+	}
 	b.WriteString(fmt.Sprintf("- stage: %s\n", codeSpan(t.status.Stage)))
+	for _, h := range t.status.GetHostsTried() {
+		b.WriteString(fmt.Sprintf("- host tried: %s\n", codeSpan(h)))
+	}
 	if t.status.Attempt > 1 || t.status.LastError != "" {
 		b.WriteString(fmt.Sprintf("- attempt: %d\n", t.status.Attempt))
 	}

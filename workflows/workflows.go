@@ -51,6 +51,14 @@ type Config struct {
 	// records the value once when it starts (its stuck_after_seconds, or
 	// this), so changing it affects only deletes started afterwards.
 	DeleteStuckAfter time.Duration
+	// PlacementScheduleToStart is a placing spawn's grant's own
+	// ScheduleToStart: a candidate host whose agent does not pick the
+	// grant up this fast is passed over for the next at once (a named
+	// host gets ScheduleToStartTimeout and the SpawnHostWait instead).
+	PlacementScheduleToStart time.Duration
+	// PlacementCandidates is K: how many hosts one read of the fleet
+	// view offers (best first) before the view is read again.
+	PlacementCandidates int
 }
 
 // Workflows holds the three workflows; register it with Register.
@@ -77,6 +85,10 @@ func (c Config) WithDefaults() Config {
 	// A QEMU in D state after SIGKILL during a VFIO reset can take
 	// minutes to leave; longer than that is worth a look.
 	set(&c.DeleteStuckAfter, 5*time.Minute)
+	set(&c.PlacementScheduleToStart, 5*time.Second)
+	if c.PlacementCandidates <= 0 {
+		c.PlacementCandidates = 3
+	}
 	return c
 }
 
@@ -101,6 +113,8 @@ func (w *Workflows) Register(r Registry) {
 	// its changes go behind GetVersion (deploy/UPGRADES.md).
 	r.RegisterWorkflowWithOptions(w.DeleteInstance, workflow.RegisterOptions{Name: DeleteWorkflow, VersioningBehavior: workflow.VersioningBehaviorAutoUpgrade})
 	r.RegisterWorkflowWithOptions(w.ReconcileVGPU, workflow.RegisterOptions{Name: ReconcileWorkflow, VersioningBehavior: workflow.VersioningBehaviorAutoUpgrade})
+	// AutoUpgrade: a host's view may stand for months between publishes.
+	r.RegisterWorkflowWithOptions(w.FleetHost, workflow.RegisterOptions{Name: FleetHostWorkflow, VersioningBehavior: workflow.VersioningBehaviorAutoUpgrade})
 }
 
 // Retry policies. "Unlimited" ones back off to a minute: the pending

@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/mock"
 	"github.com/stretchr/testify/require"
 	enumspb "go.temporal.io/api/enums/v1"
+	"go.temporal.io/sdk/activity"
 	"go.temporal.io/sdk/temporal"
 	"go.temporal.io/sdk/testsuite"
 	"go.temporal.io/sdk/workflow"
@@ -51,6 +52,17 @@ func (*stubHost) ReconcileHost(context.Context, *vmflowv1.ReconcileVGPURequest) 
 
 var h *stubHost // method references for OnActivity, as samples-go does
 
+// stubFleet stands for platform/fleet's Placer: the local activities are
+// registered under their names and mocked by name in each test.
+type stubFleet struct{}
+
+func (stubFleet) ChooseHosts(context.Context, *vmflowv1.ChooseHostsRequest) (*vmflowv1.ChooseHostsResult, error) {
+	return &vmflowv1.ChooseHostsResult{}, nil
+}
+func (stubFleet) FindInstanceHost(context.Context, *vmflowv1.FindInstanceHostRequest) (*vmflowv1.FindInstanceHostResult, error) {
+	return &vmflowv1.FindInstanceHostResult{}, nil
+}
+
 type env struct {
 	*testsuite.TestWorkflowEnvironment
 	t        *testing.T
@@ -66,6 +78,8 @@ func newEnvWith(t *testing.T, cfg Config) *env {
 	e := &env{TestWorkflowEnvironment: s.NewTestWorkflowEnvironment(), t: t, lastSeen: map[string]any{}}
 	New(cfg).Register(e)
 	e.RegisterActivity(&stubHost{})
+	e.RegisterActivityWithOptions(stubFleet{}.ChooseHosts, activity.RegisterOptions{Name: LocalActivityChooseHosts})
+	e.RegisterActivityWithOptions(stubFleet{}.FindInstanceHost, activity.RegisterOptions{Name: LocalActivityFindInstanceHost})
 	e.OnUpsertTypedSearchAttributes(mock.Anything).Run(func(args mock.Arguments) {
 		sa := args.Get(0).(temporal.SearchAttributes)
 		m := map[string]any{}

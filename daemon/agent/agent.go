@@ -34,6 +34,7 @@ import (
 	"vmflow/internal/service"
 	"vmflow/internal/tclient"
 	"vmflow/platform"
+	vmflowv1 "vmflow/proto/vmflow/v1"
 	"vmflow/workflows"
 )
 
@@ -95,7 +96,10 @@ type agentHost struct {
 	// scanEvery is --reconcile-scan-every: how often unleased TAPs are
 	// looked for.
 	scanEvery time.Duration
-	closers   []func()
+	// offers and static make the host's fleet view.
+	offers  *lease.Offers
+	static  func(*vmflowv1.HostView)
+	closers []func()
 }
 
 // reconcileScan is the free local scan for reconcile work over the host's
@@ -231,7 +235,8 @@ func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentH
 	host.DedicatedCPUs = uint32(len(cfg.DedicatedCPUs))
 	capacity, err := lease.NewCapacity(lease.CapacityConfig{Store: st, CPUs: int(host.MaxVCPUs), MemoryMiB: uint64(host.MaxMemoryMiB),
 		CPUOvercommit: cfg.CPUOvercommit, MemoryOvercommit: cfg.MemoryOvercommit, MemoryReserveMiB: reserve, TTL: cfg.ReservationTTL,
-		Topology: topo, DedicatedCPUs: cfg.DedicatedCPUs, SysfsRoot: cfg.SysfsRoot, FreeGPUs: freeGPUsByNode(vgpus, whole), Logger: log})
+		Topology: topo, DedicatedCPUs: cfg.DedicatedCPUs, SysfsRoot: cfg.SysfsRoot, FreeGPUs: freeGPUsByNode(vgpus, whole), Logger: log,
+		Draining: st.RefuseWhileDraining})
 	if err != nil {
 		return nil, err
 	}
@@ -242,8 +247,13 @@ func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentH
 	lim := capacity.Limits()
 	log.Info("capacity", zap.Uint64("vcpus", lim.VCPUs), zap.Uint64("memory_mib", lim.MemoryMiB), zap.Uint64("pinned_memory_mib", lim.PhysicalMiB),
 		zap.Uint64("memory_reserve_mib", reserve))
+	if _, on, _ := st.Draining(); on {
+		log.Warn("draining: this host grants no new VM until vmflow-hostagent undrain; its VMs stay supervised")
+	}
+	// What the host offers the fleet, and the grant's GPU check.
+	offers := &lease.Offers{Store: st, Capacity: capacity, VGPU: vgpus, Whole: whole}
 	acts := &activities.Activities{
-		Store: st, Host: host, GPUs: gpus, Network: nw, AttachVGPU: cfg.VGPUAttach, Capacity: capacity,
+		Store: st, Host: host, GPUs: gpus, Network: nw, AttachVGPU: cfg.VGPUAttach, Capacity: capacity, Offers: offers,
 		DefaultGraceful: cfg.GracefulTimeout, Logger: log, Metrics: am,
 	}
 	if whole != nil {
@@ -306,6 +316,7 @@ func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentH
 	h.closers = append(h.closers, func() { _ = sup.Close() })
 	acts.Supervisor = sup
 	h.store, h.tm, h.metrics, h.vgpus, h.whole, h.sup, h.fdStore, h.acts, h.net = st, tm, am, vgpus, whole, sup, fdStore, acts, nw
+	h.offers, h.static = offers, hostStatic(cfg, host)
 	h.scanEvery = cfg.ReconcileScanEvery
 	return h, nil
 }
@@ -365,6 +376,19 @@ func runCapacityGauges(ctx context.Context, am *metrics.Agent, c *lease.Capacity
 			return
 		case <-t.C:
 		}
+	}
+}
+
+// hostStatic fills a fleet view with what the host is: its id, build,
+// network, KVM, admission bounds and how it counts a VM's memory.
+func hostStatic(cfg Config, host admission.Host) func(*vmflowv1.HostView) {
+	base := vmm.MemoryLimitMiB(0, vmm.AccelKVM, 0)
+	tcg := vmm.MemoryLimitMiB(0, vmm.AccelTCG, 0) - base
+	return func(v *vmflowv1.HostView) {
+		v.HostId, v.AgentVersion = cfg.HostID, agentVersion()
+		v.Network, v.Kvm = host.Network, host.KVM.Err == nil
+		v.MaxVcpus, v.MaxMemoryMib = host.MaxVCPUs, host.MaxMemoryMiB
+		v.VmOverheadMib, v.TcgOverheadMib = uint32(base), uint32(tcg)
 	}
 }
 
@@ -468,11 +492,15 @@ func (h *agentHost) serve(ctx context.Context, cfg Config, log *zap.Logger) erro
 	// holds.
 	w := worker.New(c, queue, worker.Options{WorkerStopTimeout: cfg.StopTimeout})
 	w.RegisterActivity(h.acts)
+	pub := newViewPublisher(h.offers, h.static, publishTo(c, cfg.TaskQueue), cfg.FleetPublishDebounce, cfg.FleetCheckEvery, log)
+	h.acts.Changed = pub.Changed // before any activity runs
 	if err := w.Start(); err != nil {
 		return fmt.Errorf("start worker on %s: %w", queue, err)
 	}
 	tm.Readiness.Ready(readyTemporal)
 	log.Info("serving host activities", zap.String("task_queue", queue))
+	// Published once the host serves: a placement may send it grants.
+	go pub.run(ctx)
 	if err := ensureReconcileSchedule(ctx, c, cfg, log); err != nil {
 		// The host works without it; reconcile is a safety net.
 		log.Error("reconcile schedule", zap.Error(err))

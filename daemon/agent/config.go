@@ -95,6 +95,10 @@ type Config struct {
 	// DedicatedCPUs are kept for VMs with dedicated_cpus
 	// (lease.CapacityConfig.DedicatedCPUs).
 	DedicatedCPUs []int
+	// The fleet view (viewPublisher): changes within the debounce go out
+	// as one publish; a local look (no Temporal call) every check catches
+	// changes made outside the activities (drain, expiry).
+	FleetPublishDebounce, FleetCheckEvery time.Duration
 }
 
 type pidsFlag []int
@@ -186,6 +190,8 @@ flags:
 	fs.Func("dedicated-cpus", "`CPULIST` (0-3,8) kept for VMs that ask for dedicated_cpus, one CPU per vCPU: no other VM's cpuset holds them; empty (the default): none offered",
 		func(v string) (err error) { c.DedicatedCPUs, err = topology.ParseCPUList(v); return err })
 	fs.IntVar(&c.LaunchConcurrency, "launch-concurrency", 0, "QEMU starts in flight at once (fork to QMP ready); the rest wait their turn. 0: one per CPU, 2 to 16")
+	fs.DurationVar(&c.FleetPublishDebounce, "fleet-publish-debounce", time.Second, "changes of the host's fleet view within this go out as one publish (one billed action)")
+	fs.DurationVar(&c.FleetCheckEvery, "fleet-check-every", 5*time.Second, "how often the agent looks, locally, for changes of its fleet view made outside its activities (a drain, an expired reservation); it publishes only on change")
 	fs.Var(&ignore, "holders-ignore-pid", "a pid whose open files cannot be read but that holds no VFIO device (repeatable; for sandboxes whose init outranks the agent, never in production)")
 	if err := fs.Parse(args); err != nil {
 		return c, err
@@ -258,6 +264,9 @@ flags:
 	}
 	if c.ReservationTTL <= 0 {
 		return c, fmt.Errorf("--reservation-ttl must be positive, got %s", c.ReservationTTL)
+	}
+	if c.FleetPublishDebounce < 0 || c.FleetCheckEvery <= 0 {
+		return c, fmt.Errorf("--fleet-publish-debounce must not be negative and --fleet-check-every must be positive, got %s and %s", c.FleetPublishDebounce, c.FleetCheckEvery)
 	}
 	if c.LaunchConcurrency < 0 || c.LaunchConcurrency > 1024 {
 		return c, fmt.Errorf("--launch-concurrency must be 0 (from the CPUs) to 1024, got %d", c.LaunchConcurrency)

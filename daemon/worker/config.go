@@ -61,6 +61,8 @@ flags:
 	fs.DurationVar(&c.Workflows.UnreachableBackoffMax, "unreachable-backoff-max", d.UnreachableBackoffMax, "longest wait between tries of an unreachable host")
 	fs.DurationVar(&c.Workflows.SpawnHostWait, "spawn-host-wait", d.SpawnHostWait, "how long a spawn waits for an unreachable host before it fails")
 	fs.DurationVar(&c.Workflows.DeleteStuckAfter, "delete-stuck-after", d.DeleteStuckAfter, "a delete stage that has not advanced for this long shows needs-attention with its last error (default of DeleteRequest.stuck_after_seconds; recorded when a delete starts)")
+	fs.DurationVar(&c.Workflows.PlacementScheduleToStart, "placement-pickup-timeout", d.PlacementScheduleToStart, "a spawn without a host passes a candidate over when its agent does not pick the grant up within this")
+	fs.IntVar(&c.Workflows.PlacementCandidates, "placement-candidates", d.PlacementCandidates, "K: hosts one read of the fleet view offers a spawn without a host, best first")
 	fs.BoolVar(&c.Versioning, "versioning", false, "join the worker deployment --deployment-name as build --build-id (Worker Versioning): this build gets workflow tasks only once it is the deployment's current version; off: poll unversioned")
 	fs.StringVar(&c.Deployment.DeploymentName, "deployment-name", DefaultDeploymentName, "worker deployment to join with --versioning")
 	fs.StringVar(&c.Deployment.BuildID, "build-id", service.Info().Version, "build id within the deployment with --versioning (default: the version `make build` stamped)")
@@ -89,11 +91,14 @@ flags:
 		"release-backoff": c.Workflows.ReleaseBackoff, "release-backoff-max": c.Workflows.ReleaseBackoffMax,
 		"host-pickup-timeout": c.Workflows.ScheduleToStartTimeout, "unreachable-backoff": c.Workflows.UnreachableBackoff,
 		"unreachable-backoff-max": c.Workflows.UnreachableBackoffMax, "spawn-host-wait": c.Workflows.SpawnHostWait,
-		"delete-stuck-after": c.Workflows.DeleteStuckAfter,
+		"delete-stuck-after": c.Workflows.DeleteStuckAfter, "placement-pickup-timeout": c.Workflows.PlacementScheduleToStart,
 	} {
 		if v <= 0 {
 			return c, fmt.Errorf("--%s must be positive, got %s", name, v)
 		}
+	}
+	if c.Workflows.PlacementCandidates < 1 || c.Workflows.PlacementCandidates > 100 {
+		return c, fmt.Errorf("--placement-candidates must be 1 to 100, got %d", c.Workflows.PlacementCandidates)
 	}
 	if c.Workflows.DeleteStuckAfter < time.Second {
 		// Recorded in whole seconds (stuck_after_seconds).

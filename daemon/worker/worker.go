@@ -15,6 +15,7 @@ import (
 	"vmflow/daemon"
 	"vmflow/internal/tclient"
 	"vmflow/platform"
+	"vmflow/platform/fleet"
 	"vmflow/workflows"
 )
 
@@ -111,6 +112,8 @@ func Run(ctx context.Context, cfg Config) error {
 
 	w := worker.New(c, cfg.TaskQueue, workerOptions(cfg))
 	workflows.New(cfg.Workflows).Register(w)
+	// Placement's local activities read the fleet view through c.
+	(&fleet.Placer{Client: c, Logger: log}).Register(w)
 	if err := w.Start(); err != nil {
 		return fmt.Errorf("start worker on %s: %w", cfg.TaskQueue, err)
 	}

@@ -140,7 +140,7 @@ func TestPlatformAPIOnDefaultConverter(t *testing.T) {
 	// language's client gets as a plain object.
 	var plain map[string]any
 	require.NoError(t, spawn.Get(ctx, &plain))
-	assert.Equal(t, map[string]any{"pid": float64(42), "instance_uuid": "u1"}, plain)
+	assert.Equal(t, map[string]any{"pid": float64(42), "instance_uuid": "u1", "host_id": "h1"}, plain)
 
 	// Delete with a plain object with snake_case keys (json/plain), as the
 	// TypeScript SDK sends one; the release fails until the fault clears.

@@ -16,6 +16,8 @@ commands:
   show       show one instance: record, process liveness, vGPU claim (read-only)
   proc       inspect a process's thread group, or wait until it is gone
   devices    list this host's GPU devices (free, claimed, quarantined); devices clear puts one back
+  drain      take no new VMs (running ones stay): out of fleet placement until undrain
+  undrain    take new VMs again
   version    print the build's version and revision (also --version)
 `
 
@@ -38,6 +40,10 @@ func Main(ctx context.Context, args []string, io IO, run func(context.Context, [
 		return Proc(ctx, rest, io)
 	case "devices":
 		return Devices(ctx, rest, io)
+	case "drain":
+		return Drain(ctx, rest, io)
+	case "undrain":
+		return Undrain(ctx, rest, io)
 	case "version", "--version", "-version":
 		fmt.Fprintln(io.Stdout, service.Info().String("vmflow-hostagent"))
 		return ExitOK

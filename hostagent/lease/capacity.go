@@ -93,6 +93,10 @@ type CapacityConfig struct {
 	FreeGPUs func(ctx context.Context) (map[int]int, error)
 	Now      func() time.Time
 	Logger   *zap.Logger
+	// Draining, if set, refuses every reservation while it returns an
+	// error (store.Store.RefuseWhileDraining: the drain marker), before
+	// the ledger is read. Launches of what was granted go on.
+	Draining func() error
 }
 
 // Capacity keeps the ledger.
@@ -351,6 +355,11 @@ func pinned(spec *vmflowv1.VMSpec) bool {
 // as an INTENT that expires after the TTL, or ErrNoHostCapacity.
 func (c *Capacity) Reserve(id string, spec *vmflowv1.VMSpec) store.Reserve {
 	return func(context.Context) (*vmflowv1.Lease, error) {
+		if c.cfg.Draining != nil {
+			if err := c.cfg.Draining(); err != nil {
+				return nil, err
+			}
+		}
 		u, _, err := c.countable(id)
 		if err != nil {
 			return nil, err

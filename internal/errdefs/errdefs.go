@@ -121,6 +121,10 @@ var (
 	// vCPUs, memory or hugepages now (or, with numa "strict", no NUMA node
 	// has): a refusal, retryable, as room frees when VMs are deleted.
 	NoHostCapacity = &Class{"no host capacity", true}
+	// Draining: the host takes no new VMs (vmflow-hostagent drain); the
+	// ones it runs stay. A refusal, retryable: undrain ends it. Placement
+	// moves on to the next host.
+	Draining = &Class{"host draining", true}
 	// NoUID: every QEMU uid of the agent's range is taken.
 	NoUID = &Class{"no free QEMU uid", true}
 	// DeviceMissing: the claim's device is not there (yet, or since a
@@ -147,7 +151,7 @@ var (
 var Classes = []*Class{
 	Refused, InvalidInput, Conflict, Deleting, Exists, ManualStopMissing, IdentityIncomplete,
 	Unreadable, NoDriver, ClaimedTwice, Ambiguous, Busy, StillAlive, Misconfigured,
-	NoUID, LaunchFailed, ClaimHeld, NoCapacity, NoHostCapacity, DeviceMissing,
+	NoUID, LaunchFailed, ClaimHeld, NoCapacity, NoHostCapacity, Draining, DeviceMissing,
 	NotFound, Unavailable, Internal,
 }
 

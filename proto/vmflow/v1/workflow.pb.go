@@ -36,7 +36,9 @@ type SpawnRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// ^[a-z0-9][a-z0-9-]{0,62}$
 	InstanceId string `protobuf:"bytes,1,opt,name=instance_id,json=instanceId,proto3" json:"instance_id,omitempty"`
-	// ^[a-z0-9][a-z0-9-]{0,62}$
+	// ^[a-z0-9][a-z0-9-]{0,62}$, or empty: the fleet places the VM (the
+	// workflow chooses a host from the hosts' published views and the host
+	// grants it; SpawnResult.host_id says where).
 	HostId    string `protobuf:"bytes,2,opt,name=host_id,json=hostId,proto3" json:"host_id,omitempty"`
 	Vcpus     uint32 `protobuf:"varint,3,opt,name=vcpus,proto3" json:"vcpus,omitempty"`
 	MemoryMib uint32 `protobuf:"varint,4,opt,name=memory_mib,json=memoryMib,proto3" json:"memory_mib,omitempty"`
@@ -80,9 +82,15 @@ type SpawnRequest struct {
 	Hugepages string `protobuf:"bytes,51,opt,name=hugepages,proto3" json:"hugepages,omitempty"`
 	// "preferred" (default when empty): GPUs, CPUs and memory from one NUMA
 	// node when the host can, else spread; "strict": one node or refused.
-	Numa          string `protobuf:"bytes,52,opt,name=numa,proto3" json:"numa,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Numa string `protobuf:"bytes,52,opt,name=numa,proto3" json:"numa,omitempty"`
+	// Fields 60-69: fleet placement. Set by a spawn without a host on the
+	// grant it asks a candidate for (CreateRecord): the host then also
+	// refuses, writing nothing, when the GPUs asked are not free less what
+	// granted spawns have yet to claim, so placement moves on rather than
+	// fail at the claim. Leave unset.
+	PlacementGrant bool `protobuf:"varint,60,opt,name=placement_grant,json=placementGrant,proto3" json:"placement_grant,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *SpawnRequest) Reset() {
@@ -269,6 +277,13 @@ func (x *SpawnRequest) GetNuma() string {
 	return ""
 }
 
+func (x *SpawnRequest) GetPlacementGrant() bool {
+	if x != nil {
+		return x.PlacementGrant
+	}
+	return false
+}
+
 // SpawnResult is SpawnInstance's result.
 type SpawnResult struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -290,8 +305,10 @@ type SpawnResult struct {
 	Mac string `protobuf:"bytes,21,opt,name=mac,proto3" json:"mac,omitempty"`
 	// Where the VM landed on its host: the NUMA nodes its CPUs and memory
 	// are confined to and its cpuset ("0-3"); empty when not confined.
-	NumaNodes     []uint32 `protobuf:"varint,30,rep,packed,name=numa_nodes,json=numaNodes,proto3" json:"numa_nodes,omitempty"`
-	Cpus          string   `protobuf:"bytes,31,opt,name=cpus,proto3" json:"cpus,omitempty"`
+	NumaNodes []uint32 `protobuf:"varint,30,rep,packed,name=numa_nodes,json=numaNodes,proto3" json:"numa_nodes,omitempty"`
+	Cpus      string   `protobuf:"bytes,31,opt,name=cpus,proto3" json:"cpus,omitempty"`
+	// The host the VM runs on: the one asked for, or the one placement chose.
+	HostId        string `protobuf:"bytes,32,opt,name=host_id,json=hostId,proto3" json:"host_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -396,11 +413,20 @@ func (x *SpawnResult) GetCpus() string {
 	return ""
 }
 
+func (x *SpawnResult) GetHostId() string {
+	if x != nil {
+		return x.HostId
+	}
+	return ""
+}
+
 // DeleteRequest is DeleteInstance's input.
 type DeleteRequest struct {
 	state      protoimpl.MessageState `protogen:"open.v1"`
 	InstanceId string                 `protobuf:"bytes,1,opt,name=instance_id,json=instanceId,proto3" json:"instance_id,omitempty"`
-	HostId     string                 `protobuf:"bytes,2,opt,name=host_id,json=hostId,proto3" json:"host_id,omitempty"`
+	// Empty: the host is found from the instance's latest spawn (its
+	// VmHostId), and the delete is already-absent when no spawn placed it.
+	HostId string `protobuf:"bytes,2,opt,name=host_id,json=hostId,proto3" json:"host_id,omitempty"`
 	// How long system_powerdown may take before quit; 0 means the agent's
 	// default (10 s).
 	GracefulTimeoutSeconds uint32 `protobuf:"varint,3,opt,name=graceful_timeout_seconds,json=gracefulTimeoutSeconds,proto3" json:"graceful_timeout_seconds,omitempty"`
@@ -764,8 +790,13 @@ type WorkflowStatus struct {
 	GpuDeviceIds []string `protobuf:"bytes,10,rep,name=gpu_device_ids,json=gpuDeviceIds,proto3" json:"gpu_device_ids,omitempty"`
 	// The guest's address with its prefix and its NIC's MAC; empty without a
 	// network.
-	Ip            string `protobuf:"bytes,11,opt,name=ip,proto3" json:"ip,omitempty"`
-	Mac           string `protobuf:"bytes,12,opt,name=mac,proto3" json:"mac,omitempty"`
+	Ip  string `protobuf:"bytes,11,opt,name=ip,proto3" json:"ip,omitempty"`
+	Mac string `protobuf:"bytes,12,opt,name=mac,proto3" json:"mac,omitempty"`
+	// Fields 20-29: placement. The host the workflow works on (empty while a
+	// spawn is placing), and each host a placing spawn asked and why it
+	// moved on ("h2: NoHostCapacity: ...", "h3: did not pick up within 5s").
+	HostId        string   `protobuf:"bytes,20,opt,name=host_id,json=hostId,proto3" json:"host_id,omitempty"`
+	HostsTried    []string `protobuf:"bytes,21,rep,name=hosts_tried,json=hostsTried,proto3" json:"hosts_tried,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -870,6 +901,20 @@ func (x *WorkflowStatus) GetMac() string {
 	return ""
 }
 
+func (x *WorkflowStatus) GetHostId() string {
+	if x != nil {
+		return x.HostId
+	}
+	return ""
+}
+
+func (x *WorkflowStatus) GetHostsTried() []string {
+	if x != nil {
+		return x.HostsTried
+	}
+	return nil
+}
+
 // RetrySignal is the optional payload of the retry signal.
 type RetrySignal struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
@@ -964,7 +1009,7 @@ var File_vmflow_v1_workflow_proto protoreflect.FileDescriptor
 
 const file_vmflow_v1_workflow_proto_rawDesc = "" +
 	"\n" +
-	"\x18vmflow/v1/workflow.proto\x12\tvmflow.v1\x1a\x16vmflow/v1/record.proto\"\xf4\x05\n" +
+	"\x18vmflow/v1/workflow.proto\x12\tvmflow.v1\x1a\x16vmflow/v1/record.proto\"\x9d\x06\n" +
 	"\fSpawnRequest\x12\x1f\n" +
 	"\vinstance_id\x18\x01 \x01(\tR\n" +
 	"instanceId\x12\x17\n" +
@@ -991,7 +1036,8 @@ const file_vmflow_v1_workflow_proto_rawDesc = "" +
 	"\adisk_io\x18( \x01(\v2\x17.vmflow.v1.DiskIOLimitsR\x06diskIo\x12%\n" +
 	"\x0ededicated_cpus\x182 \x01(\bR\rdedicatedCpus\x12\x1c\n" +
 	"\thugepages\x183 \x01(\tR\thugepages\x12\x12\n" +
-	"\x04numa\x184 \x01(\tR\x04numa\"\xa1\x02\n" +
+	"\x04numa\x184 \x01(\tR\x04numa\x12'\n" +
+	"\x0fplacement_grant\x18< \x01(\bR\x0eplacementGrant\"\xba\x02\n" +
 	"\vSpawnResult\x12\x10\n" +
 	"\x03pid\x18\x01 \x01(\x05R\x03pid\x12\x1d\n" +
 	"\n" +
@@ -1005,7 +1051,8 @@ const file_vmflow_v1_workflow_proto_rawDesc = "" +
 	"\x03mac\x18\x15 \x01(\tR\x03mac\x12\x1d\n" +
 	"\n" +
 	"numa_nodes\x18\x1e \x03(\rR\tnumaNodes\x12\x12\n" +
-	"\x04cpus\x18\x1f \x01(\tR\x04cpus\"\xbc\x03\n" +
+	"\x04cpus\x18\x1f \x01(\tR\x04cpus\x12\x17\n" +
+	"\ahost_id\x18  \x01(\tR\x06hostId\"\xbc\x03\n" +
 	"\rDeleteRequest\x12\x1f\n" +
 	"\vinstance_id\x18\x01 \x01(\tR\n" +
 	"instanceId\x12\x17\n" +
@@ -1032,7 +1079,7 @@ const file_vmflow_v1_workflow_proto_rawDesc = "" +
 	"\askipped\x18\x03 \x01(\rR\askipped\x12\x16\n" +
 	"\x06failed\x18\x04 \x01(\rR\x06failed\x12'\n" +
 	"\x0fretried_deletes\x18\x05 \x03(\tR\x0eretriedDeletes\x12-\n" +
-	"\x12unreadable_records\x18\x06 \x01(\rR\x11unreadableRecords\"\xb9\x02\n" +
+	"\x12unreadable_records\x18\x06 \x01(\rR\x11unreadableRecords\"\xf3\x02\n" +
 	"\x0eWorkflowStatus\x12\x14\n" +
 	"\x05stage\x18\x01 \x01(\tR\x05stage\x12\x18\n" +
 	"\aattempt\x18\x02 \x01(\rR\aattempt\x12\x1d\n" +
@@ -1045,7 +1092,10 @@ const file_vmflow_v1_workflow_proto_rawDesc = "" +
 	"\x0egpu_device_ids\x18\n" +
 	" \x03(\tR\fgpuDeviceIds\x12\x0e\n" +
 	"\x02ip\x18\v \x01(\tR\x02ip\x12\x10\n" +
-	"\x03mac\x18\f \x01(\tR\x03mac\"%\n" +
+	"\x03mac\x18\f \x01(\tR\x03mac\x12\x17\n" +
+	"\ahost_id\x18\x14 \x01(\tR\x06hostId\x12\x1f\n" +
+	"\vhosts_tried\x18\x15 \x03(\tR\n" +
+	"hostsTried\"%\n" +
 	"\vRetrySignal\x12\x16\n" +
 	"\x06reason\x18\x01 \x01(\tR\x06reason\"'\n" +
 	"\rAbandonSignal\x12\x16\n" +
