@@ -191,7 +191,7 @@ flags:
 		func(v string) (err error) { c.DedicatedCPUs, err = topology.ParseCPUList(v); return err })
 	fs.IntVar(&c.LaunchConcurrency, "launch-concurrency", 0, "QEMU starts in flight at once (fork to QMP ready); the rest wait their turn. 0: one per CPU, 2 to 16")
 	fs.DurationVar(&c.FleetPublishDebounce, "fleet-publish-debounce", time.Second, "changes of the host's fleet view within this go out as one publish (one billed action)")
-	fs.DurationVar(&c.FleetCheckEvery, "fleet-check-every", 5*time.Second, "how often the agent looks, locally, for changes of its fleet view made outside its activities (a drain, an expired reservation); it publishes only on change")
+	fs.DurationVar(&c.FleetCheckEvery, "fleet-check-every", defaultFleetCheckEvery, "how often the agent looks, locally, for changes of its fleet view made outside its activities (a drain, an expired reservation); it publishes only on change")
 	fs.Var(&ignore, "holders-ignore-pid", "a pid whose open files cannot be read but that holds no VFIO device (repeatable; for sandboxes whose init outranks the agent, never in production)")
 	if err := fs.Parse(args); err != nil {
 		return c, err

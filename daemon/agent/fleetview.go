@@ -50,6 +50,9 @@ func publishTo(c client.Client, queue string) func(context.Context, *vmflowv1.Ho
 	return func(ctx context.Context, v *vmflowv1.HostView) error { return fleet.Publish(ctx, c, queue, v) }
 }
 
+// defaultFleetCheckEvery is --fleet-check-every's default.
+const defaultFleetCheckEvery = 5 * time.Second
+
 // Changed says the host's offer may have changed; it never blocks.
 func (p *viewPublisher) Changed() {
 	select {
@@ -60,7 +63,11 @@ func (p *viewPublisher) Changed() {
 
 // run publishes at once, then on change, until ctx ends.
 func (p *viewPublisher) run(ctx context.Context) {
-	check := time.NewTicker(p.checkEvery)
+	every := p.checkEvery
+	if every <= 0 { // a Config not from ParseFlags: its default
+		every = defaultFleetCheckEvery
+	}
+	check := time.NewTicker(every)
 	defer check.Stop()
 	p.once(ctx)
 	for {
