@@ -153,6 +153,9 @@ type Limits struct {
 	// MemoryMiB is the VMs' memory with the overcommit; PhysicalMiB
 	// without it (what a GPU VM must fit in).
 	MemoryMiB, PhysicalMiB uint64
+	// DedicatedCPUs is the --dedicated-cpus pool; HugepageMiB the
+	// hugepage pools of every size.
+	DedicatedCPUs, HugepageMiB uint64
 }
 
 // Limits are the host's: its shared CPUs (the dedicated ones are counted
@@ -161,9 +164,11 @@ type Limits struct {
 func (c *Capacity) Limits() Limits {
 	phys := sub(c.cfg.MemoryMiB, c.cfg.MemoryReserveMiB+hugepagePoolsMiB(c.cfg.Topology.Nodes))
 	return Limits{
-		VCPUs:       uint64(float64(c.cfg.CPUs-len(c.cfg.DedicatedCPUs)) * c.cfg.CPUOvercommit),
-		MemoryMiB:   uint64(float64(phys) * c.cfg.MemoryOvercommit),
-		PhysicalMiB: phys,
+		VCPUs:         uint64(float64(c.cfg.CPUs-len(c.cfg.DedicatedCPUs)) * c.cfg.CPUOvercommit),
+		MemoryMiB:     uint64(float64(phys) * c.cfg.MemoryOvercommit),
+		PhysicalMiB:   phys,
+		DedicatedCPUs: uint64(len(c.cfg.DedicatedCPUs)),
+		HugepageMiB:   hugepagePoolsMiB(c.cfg.Topology.Nodes),
 	}
 }
 
@@ -177,8 +182,8 @@ func (c *Capacity) Gauges() (limit, held map[string]float64, err error) {
 	}
 	lim := c.Limits()
 	return map[string]float64{
-			"vcpus": float64(lim.VCPUs), "dedicated_cpus": float64(len(c.cfg.DedicatedCPUs)),
-			"memory_bytes": float64(lim.MemoryMiB << 20), "hugepage_bytes": float64(hugepagePoolsMiB(c.cfg.Topology.Nodes) << 20),
+			"vcpus": float64(lim.VCPUs), "dedicated_cpus": float64(lim.DedicatedCPUs),
+			"memory_bytes": float64(lim.MemoryMiB << 20), "hugepage_bytes": float64(lim.HugepageMiB << 20),
 		}, map[string]float64{
 			"vcpus": float64(u.VCPUs), "dedicated_cpus": float64(u.DedicatedCPUs),
 			"memory_bytes": float64(u.MemoryMiB << 20), "hugepage_bytes": float64(sumValues(u.HugepageMiB) << 20),
@@ -276,10 +281,24 @@ func (c *Capacity) ledger(except string) (Usage, nodesUsed, error) {
 	if err != nil && !errors.As(err, &le) {
 		return Usage{}, nodesUsed{}, fmt.Errorf("capacity ledger: %w", err)
 	}
-	var u Usage
+	unreadable := 0
 	if le != nil {
-		u.Unreadable = len(le.Unreadable)
+		unreadable = len(le.Unreadable)
 	}
+	u, nodes := c.sum(recs, unreadable, except)
+	return u, nodes, nil
+}
+
+// UsageOf is Usage over records a caller already listed (unreadable: how
+// many it could not read), so one read of the records serves both.
+func (c *Capacity) UsageOf(recs []*vmflowv1.InstanceRecord, unreadable int) Usage {
+	u, _ := c.sum(recs, unreadable, "")
+	return u
+}
+
+// sum is what recs but except hold now, of the host and of each node.
+func (c *Capacity) sum(recs []*vmflowv1.InstanceRecord, unreadable int, except string) (Usage, nodesUsed) {
+	u := Usage{Unreadable: unreadable}
 	nodes := nodesUsed{}
 	now := c.cfg.Now()
 	for _, rec := range recs {
@@ -301,7 +320,7 @@ func (c *Capacity) ledger(except string) (Usage, nodesUsed, error) {
 			nodes.add(s)
 		}
 	}
-	return u, nodes, nil
+	return u, nodes
 }
 
 // fits refuses s when u and s together exceed the limits; pinned: the VM's

@@ -60,19 +60,14 @@ func (o *Offers) View(ctx context.Context) (*vmflowv1.HostView, error) {
 	}
 	v.UnreadableRecords = uint32(len(bad))
 	if o.Capacity != nil {
-		// The ledger's own sums (one read of the records): what it
+		// The ledger's own sum, over the records listed above: what it
 		// refuses by is what the view offers.
-		limit, held, err := o.Capacity.Gauges()
-		if err != nil {
-			return nil, err
-		}
-		lim := o.Capacity.Limits()
-		heldMiB := uint64(held["memory_bytes"]) >> 20
-		v.VcpusTotal, v.VcpusFree = clamp32(lim.VCPUs), clamp32(sub(lim.VCPUs, uint64(held["vcpus"])))
-		v.MemoryTotalMib, v.MemoryFreeMib = clamp32(lim.MemoryMiB), clamp32(sub(lim.MemoryMiB, heldMiB))
-		v.PinnedMemoryFreeMib = clamp32(sub(min(lim.MemoryMiB, lim.PhysicalMiB), heldMiB))
-		v.DedicatedCpusFree = clamp32(uint64(max(limit["dedicated_cpus"]-held["dedicated_cpus"], 0)))
-		v.HugepagesFreeMib = clamp32(uint64(max(limit["hugepage_bytes"]-held["hugepage_bytes"], 0)) >> 20)
+		lim, u := o.Capacity.Limits(), o.Capacity.UsageOf(recs, len(bad))
+		v.VcpusTotal, v.VcpusFree = clamp32(lim.VCPUs), clamp32(sub(lim.VCPUs, u.VCPUs))
+		v.MemoryTotalMib, v.MemoryFreeMib = clamp32(lim.MemoryMiB), clamp32(sub(lim.MemoryMiB, u.MemoryMiB))
+		v.PinnedMemoryFreeMib = clamp32(sub(min(lim.MemoryMiB, lim.PhysicalMiB), u.MemoryMiB))
+		v.DedicatedCpusFree = clamp32(sub(lim.DedicatedCPUs, u.DedicatedCPUs))
+		v.HugepagesFreeMib = clamp32(sub(lim.HugepageMiB, sumValues(u.HugepageMiB)))
 	}
 	now := o.now()
 	for _, r := range recs {
