@@ -23,8 +23,9 @@ import (
 func TestDrainingHostGrantsNothing(t *testing.T) {
 	h := newCapacityHost(t, 4, 1)
 	var err error
+	// 16 vCPUs: room for every create here (10), so only the drain refuses.
 	h.cap, err = lease.NewCapacity(lease.CapacityConfig{Store: h.st, CPUs: 2, MemoryMiB: 10240, MemoryReserveMiB: 1024,
-		CPUOvercommit: 4, MemoryOvercommit: 1, Now: h.clock, Draining: h.st.RefuseWhileDraining})
+		CPUOvercommit: 8, MemoryOvercommit: 1, Now: h.clock, Draining: h.st.RefuseWhileDraining})
 	require.NoError(t, err)
 	ctx := context.Background()
 
