@@ -438,7 +438,9 @@ func readStubStats(pids []int) stubStats {
 	var ticksSum int64
 	for _, pid := range pids {
 		path := fmt.Sprintf("/proc/%d/status", pid)
-		s.threads += float64(statusInt(path, "Threads:"))
+		if tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid)); err == nil {
+			s.threads += float64(len(tasks))
+		}
 		s.rssKiB += float64(statusKiB(path, "VmRSS:"))
 		s.anonKiB += float64(statusKiB(path, "RssAnon:"))
 		s.pssKiB += float64(pssKiB(pid))
@@ -450,22 +452,6 @@ func readStubStats(pids []int) stubStats {
 	}
 	s.cpuSeconds = float64(ticksSum) / ticks
 	return s
-}
-
-// statusInt is a plain number of a /proc status file (Threads:); 0 when
-// unreadable.
-func statusInt(path, key string) int64 {
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return 0
-	}
-	for _, l := range strings.Split(string(b), "\n") {
-		if v, ok := strings.CutPrefix(l, key); ok {
-			n, _ := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
-			return n
-		}
-	}
-	return 0
 }
 
 // pssKiB is pid's proportional set size (smaps_rollup): its private pages
