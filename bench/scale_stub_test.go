@@ -239,6 +239,7 @@ type scaleRound struct {
 	serverRSS, pgPss     int64   // KiB
 	mem0, mem1           memInfo // before the spawn, with every VM running
 	tasks0, tasks1       int     // the machine's tasks (threads) then
+	agentThreads         int     // the agents' threads, summed, with every VM running
 }
 
 // round runs one size: spawn all, idle, kill -9 and restart every agent,
@@ -281,6 +282,7 @@ func (f *scaleFleet) round(t *testing.T, z scaleSize) *scaleRound {
 			}
 		}
 		r.agentRSS = append(r.agentRSS, vmRSS(h.agent.Pid()))
+		r.agentThreads += threadsOf(h.agent.Pid())
 	}
 	if len(stubPids) != z.n {
 		t.Fatalf("%d stub VMs recorded running, want %d", len(stubPids), z.n)
@@ -438,9 +440,7 @@ func readStubStats(pids []int) stubStats {
 	var ticksSum int64
 	for _, pid := range pids {
 		path := fmt.Sprintf("/proc/%d/status", pid)
-		if tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid)); err == nil {
-			s.threads += float64(len(tasks))
-		}
+		s.threads += float64(threadsOf(pid))
 		s.rssKiB += float64(statusKiB(path, "VmRSS:"))
 		s.anonKiB += float64(statusKiB(path, "RssAnon:"))
 		s.pssKiB += float64(pssKiB(pid))
@@ -452,6 +452,15 @@ func readStubStats(pids []int) stubStats {
 	}
 	s.cpuSeconds = float64(ticksSum) / ticks
 	return s
+}
+
+// threadsOf is how many threads pid has (0 when it is gone).
+func threadsOf(pid int) int {
+	tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+	if err != nil {
+		return 0
+	}
+	return len(tasks)
 }
 
 // pssKiB is pid's proportional set size (smaps_rollup): its private pages
@@ -677,7 +686,7 @@ func stubScaleReport(f *scaleFleet, rounds []*scaleRound, run scaleRun) string {
 		b.WriteString(idle.Markdown() + "\n")
 
 		b.WriteString("Memory with every VM running: the machine's MemAvailable before the spawn and after it (its drop per VM counts the stub, its jail — namespaces, mounts, cgroup — and its share of the agents', server's and database's growth), of it the kernel's own (Slab + PageTables + KernelStack + Percpu), the stubs as `/proc` shows them, the agents' VmRSS, the server's VmRSS and PostgreSQL's Pss (postmaster and backends), and the machine's tasks (each thread takes a pid; `kernel.pid_max` is " + fmt.Sprint(pidMax()) + ").\n\n")
-		mem := Table{Header: []string{"VMs", "agents", "MemAvailable GiB: before → running", "per VM KiB: all / kernel", "stub: threads, VmRSS / RssAnon / Pss KiB", "agent VmRSS MiB: median / max (VmHWM after delete: max)", "server VmRSS MiB", "PostgreSQL Pss MiB", "tasks: before → running"}}
+		mem := Table{Header: []string{"VMs", "agents", "MemAvailable GiB: before → running", "per VM KiB: all / kernel", "stub: threads, VmRSS / RssAnon / Pss KiB", "agent VmRSS MiB: median / max (VmHWM after delete: max)", "server VmRSS MiB", "PostgreSQL Pss MiB", "tasks: before → running (the agents' threads)"}}
 		for _, r := range rounds {
 			n := float64(r.size.n)
 			mem.Add(fmt.Sprint(r.size.n), fmt.Sprint(r.size.hosts),
@@ -686,7 +695,7 @@ func stubScaleReport(f *scaleFleet, rounds []*scaleRound, run scaleRun) string {
 				fmt.Sprintf("%.2f, %.0f / %.0f / %.0f", r.stub.threads, r.stub.rssKiB, r.stub.anonKiB, r.stub.pssKiB),
 				fmt.Sprintf("%.1f / %.1f (%.1f)", medianKiB(r.agentRSS)/1024, maxKiB(r.agentRSS)/1024, maxKiB(r.agentHWM)/1024),
 				fmt.Sprintf("%.0f", float64(r.serverRSS)/1024), fmt.Sprintf("%.0f", float64(r.pgPss)/1024),
-				fmt.Sprintf("%d → %d", r.tasks0, r.tasks1))
+				fmt.Sprintf("%d → %d (%d)", r.tasks0, r.tasks1, r.agentThreads))
 		}
 		b.WriteString(mem.Markdown() + "\n")
 		b.WriteString(scaleReading(rounds))
