@@ -731,7 +731,7 @@ func scaleReading(rounds []*scaleRound) string {
 		last.size.n, last.size.hosts, runtime.NumCPU(), busy, iowait, 100*ours/max(p.machine.busy, 1e-9), top.name, cores(top.sec, p.wall), 100*top.sec/max(ours, 1e-9))
 	switch {
 	case busy >= 85:
-		fmt.Fprintf(&b, "The first thing to saturate is the machine's CPU, most of it %s's: the control plane's throughput here is what %d cores give it.", top.name, runtime.NumCPU())
+		fmt.Fprintf(&b, "The first thing to saturate is the machine's CPU, most of it taken by %s: the control plane's throughput here is what %d cores give it.", top.name, runtime.NumCPU())
 	case iowait >= 20:
 		b.WriteString("The CPU was not saturated and iowait was high: the first thing to saturate is the disk (PostgreSQL's fsyncs on commit).")
 	default:
@@ -740,6 +740,12 @@ func scaleReading(rounds []*scaleRound) string {
 	b.WriteString("\n\n")
 	if len(rounds) > 1 {
 		first := rounds[0]
+		perHost := func(r *scaleRound) float64 { return float64(r.size.n) / float64(r.size.hosts) }
+		a, z := first.spawn.cpu.agent/float64(first.size.n), last.spawn.cpu.agent/float64(last.size.n)
+		if perHost(first) == perHost(last) && a > 0 && z/a > 1.2 {
+			fmt.Fprintf(&b, "Each agent held %.0f VMs at both sizes, yet its spawn CPU per VM grew %.2f× from %d to %d VMs on the machine: what a launch costs an agent grows with the machine's processes, not its own VMs.\n\n",
+				perHost(last), z/a, first.size.n, last.size.n)
+		}
 		fmt.Fprintf(&b, "From %d to %d VMs (per VM, the largest size ÷ the smallest):\n\n", first.size.n, last.size.n)
 		tab := Table{Header: []string{"figure", fmt.Sprint(first.size.n), fmt.Sprint(last.size.n), "ratio"}}
 		row := func(name string, a, z float64, format string) {
