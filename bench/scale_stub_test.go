@@ -557,7 +557,7 @@ func reapStubs(ctx context.Context) {
 	defer signal.Stop(sig)
 	tick := time.NewTicker(time.Second) // SIGCHLDs coalesce; a daemon's zombie may sit in front for a moment
 	defer tick.Stop()
-	comm := filepath.Base(stacktest.StubVMMCommand)
+	comm := stacktest.StubVMMComm
 	for {
 		for {
 			var si unix.Siginfo

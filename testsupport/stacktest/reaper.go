@@ -55,7 +55,7 @@ func ReapOrphanQEMUs(ctx context.Context) {
 func zombieQEMUChildren(ppid int) []int {
 	var pids []int
 	for _, st := range proctest.Children(ppid) {
-		if st.State == 'Z' && (strings.HasPrefix(st.Comm, "qemu-system") || st.Comm == stubVMMComm) {
+		if st.State == 'Z' && (strings.HasPrefix(st.Comm, "qemu-system") || st.Comm == StubVMMComm) {
 			pids = append(pids, st.PID)
 		}
 	}

@@ -12,9 +12,9 @@ import (
 // tests and benchmarks of the control plane at scale.
 const StubVMMCommand = "./hostagent/vmm/vmmtest/stubvmm/cmd/stubvmm"
 
-// stubVMMComm is the stub's process name: BuildCommand names the binary
+// StubVMMComm is the stub's process name: BuildCommand names the binary
 // after its package.
-var stubVMMComm = filepath.Base(StubVMMCommand)
+var StubVMMComm = filepath.Base(StubVMMCommand)
 
 // BuildStubVMM builds the stub VMM, linked to start at its own entry point
 // (stubvmm.EntryLdflags: no Go runtime, one thread), into a folder every
