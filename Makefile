@@ -297,6 +297,18 @@ bench: $(TEMPORAL) qemu guest
 bench-fleet: $(TEMPORAL) temporal-server postgresql qemu
 	VMFLOW_BENCH=1 $(GO) test -run '^TestBenchFleet$$' -v -count=1 -timeout 45m ./bench
 
+## bench-scale: the control plane alone at fleet size, on the self-hosted
+# Temporal server on PostgreSQL: host agents whose QEMU is the stub VMM
+# (hostagent/vmm/vmmtest/stubvmm: one thread, no guest, through the real
+# jail), 1,000 VMs over 10 agents then 5,000 over 50 (VMFLOW_SCALE_SIZES,
+# e.g. 1000/10,10000/100): spawn all, idle, kill -9 and restart every
+# agent, delete all; CPU per VM of each process, idle CPU, memory; writes
+# its own section of BENCHMARKS.md (make bench keeps it). Not in make test.
+SCALE_TIMEOUT ?= 4h
+.PHONY: bench-scale
+bench-scale: $(TEMPORAL) temporal-server postgresql
+	VMFLOW_BENCH=1 $(GO) test -run '^TestBenchScale$$' -v -count=1 -timeout $(SCALE_TIMEOUT) ./bench
+
 clean:
 	rm -rf $(BIN)/vmflow-hostagent $(BIN)/vmflow-worker $(BIN)/vmflow
 

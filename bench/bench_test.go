@@ -100,11 +100,10 @@ func TestBenchmarks(t *testing.T) {
 	head.WriteString(tab.Markdown() + "\n")
 	head.WriteString("Other engineers' test runs shared this machine; the load average above says how busy it was.\n\n")
 	doc := head.String() + body.String()
-	// The fleet section comes from make bench-fleet: keep it.
+	// The fleet and scale sections come from make bench-fleet and make
+	// bench-scale: keep them.
 	if old, err := os.ReadFile(out); err == nil {
-		if blk := fleetBlock(string(old)); blk != "" {
-			doc = withFleetBlock(doc, blk)
-		}
+		doc = keepBlocks(doc, string(old))
 	}
 	if err := os.WriteFile(out, []byte(doc), 0o644); err != nil {
 		t.Fatalf("write %s: %v", out, err)

@@ -21,27 +21,15 @@ const (
 	fleetEnd   = "<!-- make bench-fleet: end -->"
 )
 
+// fleetSection is the fleet section's place in BENCHMARKS.md.
+var fleetSection = docBlock{fleetBegin, fleetEnd}
+
 // fleetBlock returns the fleet section of a BENCHMARKS.md, markers
 // included, or "" when it has none.
-func fleetBlock(doc string) string {
-	i := strings.Index(doc, fleetBegin)
-	j := strings.Index(doc, fleetEnd)
-	if i < 0 || j < i {
-		return ""
-	}
-	return doc[i : j+len(fleetEnd)]
-}
+func fleetBlock(doc string) string { return fleetSection.of(doc) }
 
 // withFleetBlock replaces doc's fleet section with block, or appends block.
-func withFleetBlock(doc, block string) string {
-	if old := fleetBlock(doc); old != "" {
-		return strings.Replace(doc, old, block, 1)
-	}
-	if doc != "" && !strings.HasSuffix(doc, "\n") {
-		doc += "\n"
-	}
-	return doc + "\n" + block + "\n"
-}
+func withFleetBlock(doc, block string) string { return fleetSection.into(doc, block) }
 
 // TestBenchFleet is the `make bench-fleet` driver: the scale table on the
 // self-hosted Temporal server on PostgreSQL (production's backend, with

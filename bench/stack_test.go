@@ -58,6 +58,14 @@ func newStack(t *testing.T, extra ...string) *stack {
 
 // newStackOn starts a worker on queue and a host agent hostID against srv.
 func newStackOn(t *testing.T, srv devserver.Temporal, hostID, queue string) *stack {
+	s := newWorkerOn(t, srv, queue)
+	s.startHost(hostID)
+	return s
+}
+
+// newWorkerOn builds the binaries and starts a worker on queue against
+// srv: a stack with no host agent yet.
+func newWorkerOn(t *testing.T, srv devserver.Temporal, queue string) *stack {
 	workerBin, agentBin, err := stacktest.BuildBinaries(ctxFor(t, 5*time.Minute), t.TempDir())
 	if err != nil {
 		t.Fatal(err)
@@ -84,7 +92,6 @@ func newStackOn(t *testing.T, srv devserver.Temporal, hostID, queue string) *sta
 		}
 	})
 	s.worker.Start(t)
-	s.startHost(hostID)
 	return s
 }
 

@@ -50,11 +50,12 @@ func ReapOrphanQEMUs(ctx context.Context) {
 	}
 }
 
-// zombieQEMUChildren lists the pids of zombie QEMUs whose parent is ppid.
+// zombieQEMUChildren lists the pids of zombie QEMUs (or stub VMMs) whose
+// parent is ppid.
 func zombieQEMUChildren(ppid int) []int {
 	var pids []int
 	for _, st := range proctest.Children(ppid) {
-		if st.State == 'Z' && strings.HasPrefix(st.Comm, "qemu-system") {
+		if st.State == 'Z' && (strings.HasPrefix(st.Comm, "qemu-system") || st.Comm == StubVMMComm) {
 			pids = append(pids, st.PID)
 		}
 	}
