@@ -9,7 +9,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"sync"
 	"time"
 
 	"go.temporal.io/sdk/activity"
@@ -27,6 +26,7 @@ import (
 	"vmflow/hostagent/vmm"
 	"vmflow/internal/contract"
 	"vmflow/internal/crashpoint"
+	"vmflow/internal/heartbeat"
 	vmflowv1 "vmflow/proto/vmflow/v1"
 	"vmflow/workflows"
 )
@@ -109,32 +109,6 @@ func (a *Activities) log() *zap.Logger {
 	}
 	return a.Logger
 }
-
-// heartbeat records detail() every interval until the returned stop is
-// called, so a long wait shows in the Web UI's pending-activity card.
-func heartbeat(ctx context.Context, every time.Duration, detail func() string) (stop func()) {
-	done := make(chan struct{})
-	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		t := time.NewTicker(every)
-		defer t.Stop()
-		for {
-			activity.RecordHeartbeat(ctx, detail())
-			select {
-			case <-done:
-				return
-			case <-ctx.Done():
-				return
-			case <-t.C:
-			}
-		}
-	}()
-	return func() { close(done); wg.Wait() }
-}
-
-const heartbeatEvery = 2 * time.Second
 
 // gracefulTimeout is the stop ladder's wait after system_powerdown: def for 0,
 // capped at contract.MaxGracefulTimeout, since refusing would fail the delete
@@ -357,7 +331,7 @@ func (a *Activities) LaunchVM(ctx context.Context, req *vmflowv1.LaunchVMRequest
 		log.Info("instance exists and runs as asked", zap.Int32("pid", res.GetPid()))
 		return res, nil
 	}
-	stop := heartbeat(ctx, heartbeatEvery, func() string { return "launching QEMU, waiting for QMP running" })
+	stop := heartbeat.Every(ctx, heartbeat.Interval, func() string { return "launching QEMU, waiting for QMP running" })
 	res, err := a.Supervisor.Launch(ctx, id)
 	stop()
 	if err != nil {
@@ -467,7 +441,7 @@ func (a *Activities) StopVM(ctx context.Context, req *vmflowv1.StopVMRequest) (*
 			zap.Duration("graceful", graceful))
 	}
 	started := time.Now()
-	stop := heartbeat(ctx, heartbeatEvery, func() string {
+	stop := heartbeat.Every(ctx, heartbeat.Interval, func() string {
 		return fmt.Sprintf("stop ladder running for %s (graceful timeout %s)", time.Since(started).Round(time.Second), graceful)
 	})
 	res, err := a.Supervisor.Stop(ctx, req.GetInstanceId(), graceful)
@@ -528,7 +502,7 @@ func (a *Activities) ReleaseLeases(ctx context.Context, ref *vmflowv1.InstanceRe
 	if err != nil {
 		return nil, err
 	}
-	stop := heartbeat(ctx, heartbeatEvery, func() string { return "releasing the leases of " + ref.GetInstanceId() })
+	stop := heartbeat.Every(ctx, heartbeat.Interval, func() string { return "releasing the leases of " + ref.GetInstanceId() })
 	out, err := LeaseEngine(a).Release(ctx, ref.GetInstanceId())
 	stop()
 	res := &vmflowv1.ReleaseVGPUResult{}
@@ -637,7 +611,7 @@ func (a *Activities) ReconcileHost(ctx context.Context, req *vmflowv1.ReconcileV
 	if err := store.ValidateID(req.GetHostId()); err != nil {
 		return nil, classify(fmt.Errorf("reconcile: host_id: %w", err))
 	}
-	stop := heartbeat(ctx, 10*time.Second, func() string { return "reconciling GPUs of " + req.GetHostId() })
+	stop := heartbeat.Every(ctx, 10*time.Second, func() string { return "reconciling GPUs of " + req.GetHostId() })
 	res, err := a.reconcileGPUs(ctx)
 	stop()
 	if err != nil {

@@ -115,7 +115,7 @@ func TestRunbookCommands(t *testing.T) {
 	defer w.Stop()
 	host := &stuckHost{}
 	hw := worker.New(c, workflows.HostTaskQueue(hostID), worker.Options{})
-	hw.RegisterActivity(host)
+	workflows.RegisterHostActivities(hw, host)
 	require.NoError(t, hw.Start())
 	var stopHost sync.Once
 	defer stopHost.Do(hw.Stop)

@@ -128,6 +128,10 @@ var agentLogLine = map[string]string{
 	workflows.ActivityReleaseLeases: "leases released",
 	workflows.ActivityTearDown:      "runtime files removed",
 	workflows.ActivityDeleteRecord:  "record deleted",
+	// The combined activities of new runs: their last step's line.
+	workflows.ActivityPrepareSpawn:   "vGPU claimed",
+	workflows.ActivityStopInstance:   "thread group gone",
+	workflows.ActivityRemoveInstance: "record deleted",
 }
 
 // crashOutcome is one row of the matrix's table.
@@ -199,11 +203,12 @@ func crashCases() []crashCase {
 	for _, p := range quarantinePoints {
 		cases = append(cases, crashCase{name: "agent-passthrough/" + p, point: p, scenario: passthroughRun, quarantine: true})
 	}
-	for _, a := range []string{workflows.ActivityValidateSpawn, workflows.ActivityCreateRecord, workflows.ActivityClaimDevices, workflows.ActivityLaunchVM} {
+	// The activities new runs schedule (the combined ones: each step's
+	// own crash points are in the agent cases above).
+	for _, a := range []string{workflows.ActivityPrepareSpawn, workflows.ActivityLaunchVM} {
 		cases = append(cases, crashCase{name: "worker/spawn/" + a, workflow: "spawn", activity: a})
 	}
-	for _, a := range []string{workflows.ActivityBeginDelete, workflows.ActivityStopVM, workflows.ActivityWaitVMExit,
-		workflows.ActivityReleaseLeases, workflows.ActivityTearDown, workflows.ActivityDeleteRecord} {
+	for _, a := range []string{workflows.ActivityStopInstance, workflows.ActivityReleaseLeases, workflows.ActivityRemoveInstance} {
 		cases = append(cases, crashCase{name: "worker/delete/" + a, workflow: "delete", activity: a})
 	}
 	if only := os.Getenv("VMFLOW_CRASH_ONLY"); only != "" {

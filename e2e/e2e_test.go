@@ -54,13 +54,13 @@ func testGuestGracefulDelete(t *testing.T, srv devserver.Temporal) {
 	require.NoError(t, e.startDelete(id, 60).Get(e.ctx(2*time.Minute), &del))
 	t.Logf("delete took %s", time.Since(begin).Round(time.Millisecond))
 
-	stops := activityResults[vmflowv1.StopVMResult](t, e.c, workflows.DeleteWorkflowID(id), workflows.ActivityStopVM)
+	stops := activityResults[vmflowv1.StopInstanceResult](t, e.c, workflows.DeleteWorkflowID(id), workflows.ActivityStopInstance)
 	require.Len(t, stops, 1)
-	t.Logf("StopVM result: %v; agent's stop steps: %v", stops[0], e.agentStopSteps(id))
+	t.Logf("StopInstance result: %v; agent's stop steps: %v", stops[0], e.agentStopSteps(id))
 	// StopVMResult.step_reached is the last step the ladder needed, and the
 	// agent's log has every step it took: the power button and nothing
 	// after it, in both.
-	assert.Equal(t, "powerdown", stops[0].GetStepReached(), "the last step needed was the power button")
+	assert.Equal(t, "powerdown", stops[0].GetStop().GetStepReached(), "the last step needed was the power button")
 	assert.Equal(t, []string{"powerdown_sent", "gone"}, e.agentStopSteps(id), "the guest powered off on the ACPI button: no quit, no kill")
 	ok, _ := con.has(guest.PowerOffLine)
 	assert.True(t, ok, "the guest's init saw the power button")

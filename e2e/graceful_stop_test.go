@@ -16,7 +16,8 @@ import (
 	"vmflow/workflows"
 )
 
-// stopVMAttempts returns, from a workflow's history, how StopVM ended:
+// stopVMAttempts returns, from a workflow's history, how its stop
+// (StopInstance: marker, stop ladder, wait for the group) ended:
 // the attempt its started event names (the server writes one started event
 // per activity, with the attempt that finished) and the event types of its
 // outcomes.
@@ -31,7 +32,7 @@ func stopVMAttempts(t *testing.T, e *env, workflowID string) (attempts []int32, 
 		if err != nil {
 			t.Fatalf("history of %s: %v", workflowID, err)
 		}
-		if a := ev.GetActivityTaskScheduledEventAttributes(); a != nil && a.GetActivityType().GetName() == workflows.ActivityStopVM {
+		if a := ev.GetActivityTaskScheduledEventAttributes(); a != nil && a.GetActivityType().GetName() == workflows.ActivityStopInstance {
 			stop[ev.GetEventId()] = true
 		}
 		if a := ev.GetActivityTaskStartedEventAttributes(); a != nil && stop[a.GetScheduledEventId()] {

@@ -399,16 +399,18 @@ func TestTraces(t *testing.T) {
 		workflows.ActivityReleaseLeases: workflows.StageReleasingLeases,
 		workflows.ActivityTearDown:      workflows.StageTearingDown,
 		workflows.ActivityDeleteRecord:  workflows.StageTearingDown,
+		// New runs' combined activities.
+		workflows.ActivityPrepareSpawn:   workflows.StageCreatingRecord,
+		workflows.ActivityStopInstance:   workflows.StageStopping,
+		workflows.ActivityRemoveInstance: workflows.StageTearingDown,
 	}
 	for _, wf := range []struct {
 		typ, id string
 		core    []string // activities the trace must have whatever else ran
 	}{
-		{workflows.SpawnWorkflow, workflows.SpawnWorkflowID(id), []string{workflows.ActivityValidateSpawn,
-			workflows.ActivityCreateRecord, workflows.ActivityClaimDevices, workflows.ActivityLaunchVM}},
-		{workflows.DeleteWorkflow, workflows.DeleteWorkflowID(id), []string{workflows.ActivityBeginDelete,
-			workflows.ActivityStopVM, workflows.ActivityWaitVMExit, workflows.ActivityReleaseLeases,
-			workflows.ActivityTearDown, workflows.ActivityDeleteRecord}},
+		{workflows.SpawnWorkflow, workflows.SpawnWorkflowID(id), []string{workflows.ActivityPrepareSpawn, workflows.ActivityLaunchVM}},
+		{workflows.DeleteWorkflow, workflows.DeleteWorkflowID(id), []string{workflows.ActivityStopInstance,
+			workflows.ActivityReleaseLeases, workflows.ActivityRemoveInstance}},
 	} {
 		acts := e.scheduledActivities(wf.id)
 		for _, a := range wf.core {
@@ -495,12 +497,12 @@ func checkTrace(t *testing.T, tr jTrace, typ string, acts []string, id, hostID s
 	}
 }
 
-// checkStopLadder: StopVM's run holds the ladder's steps in order, each
+// checkStopLadder: StopInstance's run holds the ladder's steps in order, each
 // from the agent; the graceful wait ran out (-machine none ignores the
 // power button) and quit ended it.
 func checkStopLadder(t *testing.T, tr jTrace, graceful time.Duration) {
 	t.Helper()
-	stops := tr.spans("RunActivity:" + workflows.ActivityStopVM)
+	stops := tr.spans("RunActivity:" + workflows.ActivityStopInstance)
 	if len(stops) != 1 {
 		t.Fatalf("%d StopVM runs in trace %s", len(stops), tr.TraceID)
 	}

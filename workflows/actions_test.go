@@ -117,9 +117,9 @@ func spawnDeleteCost(ctx context.Context, t *testing.T, srv *devserver.Server, c
 // the real workflows on a dev server (host activities stubbed) and counts
 // their billed actions from the histories, with the server's own `action`
 // counter beside them. Before lazy search attributes (one upsert per stage
-// change) the pair cost 27 billed actions; now 15 (the client sets the
-// first upsert's values at start, which is not billed); the goal is at
-// most 20. It also checks
+// change) the pair cost 27 billed actions; then 15 (the client sets the
+// first upsert's values at start, which is not billed); with the combined
+// activities 10 (13 on the server's counter). It also checks
 // that what a visibility query sees is exact where it must be: at the end,
 // and while a delete waits in release-failed.
 func TestSpawnDeleteActions(t *testing.T) {
@@ -136,7 +136,11 @@ func TestSpawnDeleteActions(t *testing.T) {
 	total := devserver.Sum(cost.history)
 	t.Logf("spawn (vGPU) + clean delete: %d billed actions from histories %v, %.0f on the server's action counter %v (namespace %s)",
 		total, cost.history, sum(cost.server), cost.server, srv.Namespace())
-	assert.LessOrEqual(t, total, 20, "a spawn plus a clean delete costs at most 20 actions")
+	// Issue 36's goal, 15 by the server's counter with a real agent, less
+	// the agent's two fleet-view publishes (one per change of its offer):
+	// 13. Before the combined activities: 15 billed, 18 counted.
+	assert.LessOrEqual(t, total, 10, "billed actions of a spawn plus a clean delete")
+	assert.LessOrEqual(t, sum(cost.server), 13.0, "the server's action counter for a spawn plus a clean delete")
 
 	want := visible{stage: StageRunning, instance: "vm1", host: "h1"}
 	assert.Equal(t, want, searchAttrs(ctx, t, c, SpawnWorkflowID("vm1")), "a finished spawn")
@@ -165,11 +169,13 @@ func TestSpawnDeleteActions(t *testing.T) {
 	n := devserver.BilledActions(events)
 	t.Logf("delete with one failed release round: %d billed actions: %v", devserver.Sum(n), n)
 	if os.Getenv("VMFLOW_RECORD_HISTORIES") != "" {
-		// Histories of the lazy path, for TestReplayRecordedHistories.
+		// Histories of the combined activities' path, for
+		// TestReplayRecordedHistories (those of the lazy path before it,
+		// *-lazy-sa.json, stay as recorded then).
 		for file, id := range map[string]string{
-			"spawn-vgpu-lazy-sa.json":                       SpawnWorkflowID("vm1"),
-			"delete-lazy-sa.json":                           DeleteWorkflowID("vm1"),
-			"delete-release-failed-then-retry-lazy-sa.json": DeleteWorkflowID("vm2"),
+			"spawn-vgpu-combined.json":                       SpawnWorkflowID("vm1"),
+			"delete-combined.json":                           DeleteWorkflowID("vm1"),
+			"delete-release-failed-then-retry-combined.json": DeleteWorkflowID("vm2"),
 		} {
 			out, err := srv.CLI(ctx, "workflow", "show", "--workflow-id", id, "--output", "json")
 			require.NoError(t, err)

@@ -89,15 +89,34 @@ func (w *Workflows) deleteInstance(ctx workflow.Context, req *vmflowv1.DeleteReq
 		}
 	}
 
-	t.stage(ctx, StageMarkingStopped)
-	var begin vmflowv1.BeginDeleteResult
-	beginIn := &vmflowv1.BeginDeleteRequest{
-		InstanceId:                req.GetInstanceId(),
-		OnlyIfCreatedByWorkflowId: req.GetOnlyIfCreatedByWorkflowId(),
-		OnlyIfCreatedByRunId:      req.GetOnlyIfCreatedByRunId(),
-	}
-	if err := w.beginDelete(ctx, h, req, beginIn, &begin); err != nil {
-		return end(err)
+	var begin *vmflowv1.BeginDeleteResult
+	// From version 5 on a delete the platform asked for marks, stops and
+	// waits for the group in one activity (StopInstance). A failed spawn's
+	// clean-up keeps BeginDelete a step of its own: that the record was
+	// its spawn's when it began must reach the history before any later
+	// step can fail and be retried (a retry that finds the record unreadable
+	// is told "not owned", which parks only a delete that knows it owned it).
+	combined := version >= deleteVersionCombined && req.GetOnlyIfCreatedByWorkflowId() == ""
+	if combined {
+		t.stage(ctx, StageStopping)
+		var res vmflowv1.StopInstanceResult
+		in := &vmflowv1.StopInstanceRequest{InstanceId: req.GetInstanceId(), GracefulTimeoutSeconds: req.GetGracefulTimeoutSeconds()}
+		if err := w.beginDelete(ctx, h, req, w.stopCall(req, ActivityStopInstance), in, &res, res.GetBegin); err != nil {
+			return end(err)
+		}
+		begin = res.GetBegin()
+	} else {
+		t.stage(ctx, StageMarkingStopped)
+		var res vmflowv1.BeginDeleteResult
+		in := &vmflowv1.BeginDeleteRequest{
+			InstanceId:                req.GetInstanceId(),
+			OnlyIfCreatedByWorkflowId: req.GetOnlyIfCreatedByWorkflowId(),
+			OnlyIfCreatedByRunId:      req.GetOnlyIfCreatedByRunId(),
+		}
+		if err := w.beginDelete(ctx, h, req, calls[ActivityBeginDelete], in, &res, func() *vmflowv1.BeginDeleteResult { return &res }); err != nil {
+			return end(err)
+		}
+		begin = &res
 	}
 	if begin.GetNotOwned() {
 		// The host touched nothing; the instance belongs to the spawn
@@ -117,20 +136,17 @@ func (w *Workflows) deleteInstance(ctx workflow.Context, req *vmflowv1.DeleteReq
 	}
 	t.setRetained(ctx, true)
 
-	t.stage(ctx, StageStopping)
-	stopIn := &vmflowv1.StopVMRequest{InstanceId: req.GetInstanceId(), GracefulTimeoutSeconds: req.GetGracefulTimeoutSeconds()}
-	stopCall := calls[ActivityStopVM]
-	if g := time.Duration(req.GetGracefulTimeoutSeconds()) * time.Second; g > w.cfg.GracefulTimeout {
-		stopCall.timeout += g - w.cfg.GracefulTimeout
-	}
-	var stopped vmflowv1.StopVMResult
-	if err := h.runStage(ctx, stopCall, stopIn, &stopped); err != nil {
-		return end(err)
-	}
-
-	t.stage(ctx, StageWaitingExit)
-	if err := h.runStage(ctx, calls[ActivityWaitVMExit], ref, nil); err != nil {
-		return end(err)
+	if !combined {
+		t.stage(ctx, StageStopping)
+		stopIn := &vmflowv1.StopVMRequest{InstanceId: req.GetInstanceId(), GracefulTimeoutSeconds: req.GetGracefulTimeoutSeconds()}
+		var res vmflowv1.StopVMResult
+		if err := h.runStage(ctx, w.stopCall(req, ActivityStopVM), stopIn, &res); err != nil {
+			return end(err)
+		}
+		t.stage(ctx, StageWaitingExit)
+		if err := h.runStage(ctx, calls[ActivityWaitVMExit], ref, nil); err != nil {
+			return end(err)
+		}
 	}
 
 	if err := w.releaseLoop(ctx, t, h, req, version); err != nil {
@@ -138,11 +154,17 @@ func (w *Workflows) deleteInstance(ctx workflow.Context, req *vmflowv1.DeleteReq
 	}
 
 	t.stage(ctx, StageTearingDown)
-	if err := h.runStage(ctx, calls[ActivityTearDown], ref, nil); err != nil {
-		return end(err)
-	}
-	if err := h.runStage(ctx, calls[ActivityDeleteRecord], ref, nil); err != nil {
-		return end(err)
+	if version >= deleteVersionCombined {
+		if err := h.runStage(ctx, calls[ActivityRemoveInstance], ref, nil); err != nil {
+			return end(err)
+		}
+	} else {
+		if err := h.runStage(ctx, calls[ActivityTearDown], ref, nil); err != nil {
+			return end(err)
+		}
+		if err := h.runStage(ctx, calls[ActivityDeleteRecord], ref, nil); err != nil {
+			return end(err)
+		}
 	}
 	t.setRetained(ctx, false)
 	t.stage(ctx, StageDeleted)
@@ -227,23 +249,26 @@ func (w *Workflows) continueDelete(ctx workflow.Context, t *tracker, req *vmflow
 	return workflow.NewContinueAsNewError(ctx, DeleteWorkflow, next)
 }
 
-// beginDelete runs BeginDelete. A clean-up that owned the record when it began
-// (carried_owned) and is now told not-owned parks instead of ending, which
-// would leave record and claim in Deleting with no workflow to finish them.
-func (w *Workflows) beginDelete(ctx workflow.Context, h *hostRunner, req *vmflowv1.DeleteRequest, in *vmflowv1.BeginDeleteRequest, out *vmflowv1.BeginDeleteResult) error {
-	call := w.calls()[ActivityBeginDelete]
+// beginDelete runs call (BeginDelete, or StopInstance from version 5 on),
+// whose BeginDelete answer begun reads from out. A clean-up that owned the
+// record when it began (carried_owned) and is now told not-owned parks
+// instead of ending, which would leave record and claim in Deleting with no
+// workflow to finish them.
+func (w *Workflows) beginDelete(ctx workflow.Context, h *hostRunner, req *vmflowv1.DeleteRequest, call hostCall, in, out any, begun func() *vmflowv1.BeginDeleteResult) error {
+	stage := h.t.status.Stage
 	for round := uint32(1); ; round++ {
 		if err := h.runStage(ctx, call, in, out); err != nil {
 			return err
 		}
 		// Only runs continued by this code carry carried_owned, so older
 		// histories replay unchanged.
-		if !out.GetNotOwned() || !req.GetCarriedOwned() {
+		b := begun()
+		if !b.GetNotOwned() || !req.GetCarriedOwned() {
 			return nil
 		}
-		h.t.attention(ctx, StageMarkingStopped, fmt.Sprintf("the host says the record was created by %s, but this delete found it created by %s (run %s) when it began: "+
+		h.t.attention(ctx, stage, fmt.Sprintf("the host says the record was created by %s, but this delete found it created by %s (run %s) when it began: "+
 			"left alone (not retried: repair the record, then signal retry; if the host is gone for good, signal abandon with a reason)",
-			out.GetCreatedBy(), req.GetOnlyIfCreatedByWorkflowId(), req.GetOnlyIfCreatedByRunId()), round, time.Time{})
+			b.GetCreatedBy(), req.GetOnlyIfCreatedByWorkflowId(), req.GetOnlyIfCreatedByRunId()), round, time.Time{})
 		if err := h.park(ctx); err != nil {
 			return err
 		}
@@ -253,20 +278,36 @@ func (w *Workflows) beginDelete(ctx workflow.Context, h *hostRunner, req *vmflow
 	}
 }
 
+// stopCall is the call of the stop activity name for req: its attempt
+// longer by what req's graceful timeout asks beyond the worker's default.
+func (w *Workflows) stopCall(req *vmflowv1.DeleteRequest, name string) hostCall {
+	c := w.calls()[name]
+	if g := time.Duration(req.GetGracefulTimeoutSeconds()) * time.Second; g > w.cfg.GracefulTimeout {
+		c.timeout += g - w.cfg.GracefulTimeout
+	}
+	return c
+}
+
 // versionStuckBound marks delete runs that bound their stages (runStage)
 // and upsert search attributes only on change (version 1), and only where
 // they must be exact (version 2, a lazy tracker), and release through
 // ReleaseLeases (version 3, the lease engine's name: no marker of its own,
 // which would cost a billed upsert), and may be started without a host,
-// which it finds (version 4, placement). Runs recorded before it replay
-// with neither.
+// which it finds (version 4, placement), and marks, stops and waits in one
+// activity and tears down and removes the record in another (version 5:
+// StopInstance and RemoveInstance, three round trips fewer). Runs recorded
+// before it replay with neither.
 const versionStuckBound = "delete-stuck-bound"
+
+// deleteVersionCombined is the versionStuckBound version of deletes that
+// stop in one activity (StopInstance) and remove in one (RemoveInstance).
+const deleteVersionCombined workflow.Version = 5
 
 // stuckBound returns the delete's stuck bound (0 for runs from before it) and
 // its versionStuckBound: the request's, or the worker's recorded once
 // (recorded), stored in req so continue-as-new carries it.
 func (w *Workflows) stuckBound(ctx workflow.Context, req *vmflowv1.DeleteRequest) (time.Duration, workflow.Version) {
-	v := workflow.GetVersion(ctx, versionStuckBound, workflow.DefaultVersion, 4)
+	v := workflow.GetVersion(ctx, versionStuckBound, workflow.DefaultVersion, deleteVersionCombined)
 	if v == workflow.DefaultVersion {
 		return 0, v
 	}

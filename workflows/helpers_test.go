@@ -21,7 +21,7 @@ func startStack(t *testing.T, c client.Client, queue string, cfg Config, hostID 
 	require.NoError(t, w.Start())
 	t.Cleanup(w.Stop)
 	hw := worker.New(c, HostTaskQueue(hostID), worker.Options{})
-	hw.RegisterActivity(host)
+	RegisterHostActivities(hw, host)
 	require.NoError(t, hw.Start())
 	t.Cleanup(hw.Stop)
 	return NewClient(c, queue)

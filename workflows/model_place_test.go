@@ -196,7 +196,7 @@ func TestWorkflowModelPlacement(t *testing.T) {
 		e := &env{TestWorkflowEnvironment: s.NewTestWorkflowEnvironment(), lastSeen: map[string]any{}}
 		cfg := Config{}.WithDefaults()
 		New(cfg).Register(e)
-		e.RegisterActivity(&stubHost{})
+		RegisterHostActivities(e, &stubHost{})
 		e.RegisterActivityWithOptions(stubFleet{}.ChooseHosts, activity.RegisterOptions{Name: LocalActivityChooseHosts})
 		e.OnUpsertTypedSearchAttributes(mock.Anything).Return(nil).Maybe()
 		e.SetTestTimeout(20 * time.Second)

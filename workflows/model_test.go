@@ -302,7 +302,7 @@ func (m *model) runOnce(req *vmflowv1.DeleteRequest, start time.Time, evs []even
 	e.SetStartTime(start)
 	e.SetTestTimeout(20 * time.Second)
 	m.env = e
-	e.RegisterActivity(m.f)
+	RegisterHostActivities(e, m.f)
 	for i := *fired; i < len(evs); i++ {
 		ev, idx := evs[i], i
 		// Not before the run's first workflow task has run.

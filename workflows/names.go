@@ -96,6 +96,12 @@ const (
 	ActivityTearDown      = "TearDown"
 	ActivityDeleteRecord  = "DeleteRecord"
 	ActivityReconcileHost = "ReconcileHost"
+
+	// Combined activities (CombinedActivities) of spawn runs of
+	// changeLazySA version 4 and delete runs of versionStuckBound 5.
+	ActivityPrepareSpawn   = "PrepareSpawn"   // CreateRecord + ClaimDevices
+	ActivityStopInstance   = "StopInstance"   // BeginDelete + StopVM + WaitVMExit
+	ActivityRemoveInstance = "RemoveInstance" // TearDown + DeleteRecord
 )
 
 // HostActivityNames lists every activity the host agent must register.
@@ -103,6 +109,7 @@ var HostActivityNames = []string{
 	ActivityValidateSpawn, ActivityCreateRecord, ActivityClaimDevices, ActivityClaimVGPU, ActivityLaunchVM,
 	ActivityBeginDelete, ActivityStopVM, ActivityWaitVMExit, ActivityReleaseLeases, ActivityReleaseVGPU,
 	ActivityTearDown, ActivityDeleteRecord, ActivityReconcileHost,
+	ActivityPrepareSpawn, ActivityStopInstance, ActivityRemoveInstance,
 }
 
 // Error types: the Type of every application error a host activity

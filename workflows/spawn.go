@@ -36,7 +36,10 @@ func (w *Workflows) spawnInstance(ctx workflow.Context, req *vmflowv1.SpawnReque
 	// record no second version marker (each costs a billed upsert).
 	// Version 2: the claim is ClaimDevices (the lease engine's name).
 	// Version 3: a spawn without a host is placed (place.go).
-	spawnVersion := workflow.GetVersion(ctx, changeLazySA, workflow.DefaultVersion, 3)
+	// Version 4: a spawn to a named host creates its record and claims its
+	// GPUs in one activity (PrepareSpawn: CreateRecord admits anyway, so no
+	// ValidateSpawn before it), two round trips fewer.
+	spawnVersion := workflow.GetVersion(ctx, changeLazySA, workflow.DefaultVersion, spawnVersionCombined)
 	placing := req.GetHostId() == ""
 	if placing && spawnVersion < 3 {
 		// Runs recorded before placement failed here, before any command.
@@ -72,11 +75,11 @@ func (w *Workflows) spawnInstance(ctx workflow.Context, req *vmflowv1.SpawnReque
 			// An earlier spawn's record may be there: the host is this
 			// spawn's as if named (it waits for the host, and finds the
 			// record).
-			if err := w.validateAndCreate(ctx, t, h, req, &created); err != nil {
+			if err := w.validateAndCreate(ctx, t, h, req, &created, spawnVersion); err != nil {
 				return nil, err
 			}
 		}
-	} else if err := w.validateAndCreate(ctx, t, h, req, &created); err != nil {
+	} else if err := w.validateAndCreate(ctx, t, h, req, &created, spawnVersion); err != nil {
 		return nil, err
 	}
 	t.setRetained(ctx, true)
@@ -87,15 +90,19 @@ func (w *Workflows) spawnInstance(ctx workflow.Context, req *vmflowv1.SpawnReque
 	}
 
 	res := &vmflowv1.SpawnResult{InstanceUuid: created.GetInstanceUuid(), HostId: h.hostID}
-	if req.GetVgpuProfile() != "" || req.GetGpuPassthroughCount() > 0 {
+	if claim := created.GetClaim(); claim != nil {
+		// PrepareSpawn claimed already.
+		res.VgpuUuid, res.VgpuDeviceId = claim.GetVgpuUuid(), claim.GetDeviceId()
+		res.GpuDeviceIds = claim.GetDeviceIds()
+		t.status.GpuDeviceIds = res.GpuDeviceIds
+	} else if asksGPUs(req) {
 		claimStage := StageClaimingVGPU
 		if spawnVersion >= 2 {
 			claimStage = StageClaimingGPUs
 		}
 		t.stage(ctx, claimStage)
 		var claim vmflowv1.ClaimVGPUResult
-		in := &vmflowv1.ClaimVGPURequest{InstanceId: req.GetInstanceId(), VgpuProfile: req.GetVgpuProfile(), VgpuCount: req.GetVgpuCount(),
-			GpuPassthroughCount: req.GetGpuPassthroughCount(), GpuPassthroughModel: req.GetGpuPassthroughModel()}
+		in := claimRequest(req)
 		claimCall := calls[ActivityClaimVGPU]
 		if spawnVersion >= 2 {
 			claimCall = calls[ActivityClaimDevices]
@@ -122,17 +129,25 @@ func (w *Workflows) spawnInstance(ctx workflow.Context, req *vmflowv1.SpawnReque
 }
 
 // validateAndCreate runs ValidateSpawn and CreateRecord on h's host, as a
-// spawn to a named host does; an error has ended the spawn already
+// spawn to a named host does; from version 4 on, PrepareSpawn (the record
+// and its claim) instead. An error has ended the spawn already
 // (spawnFailed, or the clean-up started).
-func (w *Workflows) validateAndCreate(ctx workflow.Context, t *tracker, h *hostRunner, req *vmflowv1.SpawnRequest, created *vmflowv1.CreateRecordResult) error {
+func (w *Workflows) validateAndCreate(ctx workflow.Context, t *tracker, h *hostRunner, req *vmflowv1.SpawnRequest, created *vmflowv1.CreateRecordResult, version workflow.Version) error {
 	calls := w.calls()
-	t.stage(ctx, StageValidating)
-	if err := h.run(ctx, calls[ActivityValidateSpawn], req, nil); err != nil {
-		return w.spawnFailed(ctx, t, err)
+	create := calls[ActivityCreateRecord]
+	if version >= spawnVersionCombined {
+		create = calls[ActivityPrepareSpawn]
+	} else {
+		t.stage(ctx, StageValidating)
+		if err := h.run(ctx, calls[ActivityValidateSpawn], req, nil); err != nil {
+			return w.spawnFailed(ctx, t, err)
+		}
 	}
 	t.stage(ctx, StageCreatingRecord)
-	if err := h.run(ctx, calls[ActivityCreateRecord], req, created); err != nil {
-		if recordNotOurs(err) {
+	if err := h.run(ctx, create, req, created); err != nil {
+		// A failure that may follow this spawn's write of the record
+		// is cleaned up whatever its type.
+		if recordNotOurs(err) && !MayHaveCreatedRecord(err) {
 			return w.spawnFailed(ctx, t, err)
 		}
 		// Whether an attempt of this spawn wrote the record is unknown
@@ -152,6 +167,10 @@ func recordNotOurs(err error) bool {
 	}
 	return false
 }
+
+// spawnVersionCombined is the changeLazySA version of spawns that create
+// and claim in one activity (PrepareSpawn).
+const spawnVersionCombined workflow.Version = 4
 
 // changeSpawnCreator is the GetVersion change id of invariant 9's spawn
 // path: a spawn that finds another spawn's record only reports it.

@@ -79,5 +79,5 @@ func TestTracingAddsNoActions(t *testing.T) {
 		names = append(names, s.Name)
 	}
 	assert.Contains(t, names, "RunActivity:LaunchVM", "the spans reached the collector")
-	assert.Contains(t, names, "RunActivity:StopVM")
+	assert.Contains(t, names, "RunActivity:"+ActivityStopInstance)
 }

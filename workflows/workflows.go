@@ -175,6 +175,12 @@ func (w *Workflows) uncappedCalls() map[string]hostCall {
 		ActivityReleaseVGPU:   {name: ActivityReleaseVGPU, summary: "release vGPU", timeout: time.Minute, heartbeat: 10 * time.Second, retry: retryFew},
 		ActivityTearDown:      {name: ActivityTearDown, summary: "tear down", timeout: 30 * time.Second, retry: retryForever},
 		ActivityDeleteRecord:  {name: ActivityDeleteRecord, summary: "delete record", timeout: 30 * time.Second, retry: retryForever},
-		ActivityReconcileHost: {name: ActivityReconcileHost, summary: "reconcile vGPUs", timeout: 5 * time.Minute, heartbeat: 30 * time.Second, retry: retryFew},
+		// The combined activities: the sum of their parts' attempts, the
+		// parts' retry policy (a stop is retried without limit, a spawn's
+		// steps a few times).
+		ActivityPrepareSpawn:   {name: ActivityPrepareSpawn, summary: "create record and claim GPUs", timeout: 30*time.Second + time.Minute, retry: retryFew},
+		ActivityStopInstance:   {name: ActivityStopInstance, summary: "stop", timeout: 30*time.Second + stopTimeout + w.cfg.GroupExitCap + 30*time.Second, heartbeat: 10 * time.Second, retry: retryForever},
+		ActivityRemoveInstance: {name: ActivityRemoveInstance, summary: "remove", timeout: time.Minute, retry: retryForever},
+		ActivityReconcileHost:  {name: ActivityReconcileHost, summary: "reconcile vGPUs", timeout: 5 * time.Minute, heartbeat: 30 * time.Second, retry: retryFew},
 	}
 }

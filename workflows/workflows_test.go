@@ -70,14 +70,30 @@ type env struct {
 	lastSeen map[string]any
 }
 
+// newEnv is a test environment for the path of spawn and delete runs
+// recorded before the combined activities (spawn version 3, delete version
+// 4: one host activity per step), which replay and go on on this worker:
+// its tests mock each step. newCombinedEnv's run the combined path.
 func newEnv(t *testing.T) *env { return newEnvWith(t, Config{}) }
 
 // newEnvWith is newEnv with a worker configuration of the test's own.
 func newEnvWith(t *testing.T, cfg Config) *env {
+	e := newCombinedEnvWith(t, cfg)
+	e.OnGetVersion(changeLazySA, workflow.DefaultVersion, spawnVersionCombined).Return(spawnVersionCombined - 1).Maybe()
+	e.OnGetVersion(changeLazySA, workflow.DefaultVersion, 1).Return(workflow.Version(1)).Maybe() // a reconcile's, as unmocked
+	e.OnGetVersion(versionStuckBound, workflow.DefaultVersion, deleteVersionCombined).Return(deleteVersionCombined - 1).Maybe()
+	return e
+}
+
+// newCombinedEnv is a test environment for new runs: spawns through
+// PrepareSpawn, deletes through StopInstance and RemoveInstance.
+func newCombinedEnv(t *testing.T) *env { return newCombinedEnvWith(t, Config{}) }
+
+func newCombinedEnvWith(t *testing.T, cfg Config) *env {
 	var s testsuite.WorkflowTestSuite
 	e := &env{TestWorkflowEnvironment: s.NewTestWorkflowEnvironment(), t: t, lastSeen: map[string]any{}}
 	New(cfg).Register(e)
-	e.RegisterActivity(&stubHost{})
+	RegisterHostActivities(e, &stubHost{})
 	e.RegisterActivityWithOptions(stubFleet{}.ChooseHosts, activity.RegisterOptions{Name: LocalActivityChooseHosts})
 	e.RegisterActivityWithOptions(stubFleet{}.FindInstanceHost, activity.RegisterOptions{Name: LocalActivityFindInstanceHost})
 	e.OnUpsertTypedSearchAttributes(mock.Anything).Run(func(args mock.Arguments) {
@@ -113,6 +129,18 @@ func (e *env) counted(names ...string) {
 			e.t.Fatalf("counted: add %s", n)
 		}
 	}
+}
+
+// cleanupStarted mocks the clean-up delete a failed spawn starts as a
+// child; the returned func gives its request (nil: none started).
+func (e *env) cleanupStarted() func() *vmflowv1.DeleteRequest {
+	var childReq *vmflowv1.DeleteRequest
+	e.OnWorkflow(DeleteWorkflow, mock.Anything, mock.Anything).Return(
+		func(_ workflow.Context, r *vmflowv1.DeleteRequest) (*vmflowv1.DeleteResult, error) {
+			childReq = r
+			return &vmflowv1.DeleteResult{}, nil
+		}).Maybe()
+	return func() *vmflowv1.DeleteRequest { return childReq }
 }
 
 func (e *env) status() *vmflowv1.WorkflowStatus {
@@ -260,15 +288,11 @@ func TestSpawnFailureStartsDeletePath(t *testing.T) {
 			e := newEnv(t)
 			e.OnActivity(h.ValidateSpawn, mock.Anything, mock.Anything).Return(nil)
 			s.setup(e)
-			var childReq *vmflowv1.DeleteRequest
-			e.OnWorkflow(DeleteWorkflow, mock.Anything, mock.Anything).Return(
-				func(_ workflow.Context, r *vmflowv1.DeleteRequest) (*vmflowv1.DeleteResult, error) {
-					childReq = r
-					return &vmflowv1.DeleteResult{}, nil
-				}).Maybe()
+			cleanup := e.cleanupStarted()
 			req := spawnReq()
 			req.VgpuProfile = "GRID A100-4C"
 			e.ExecuteWorkflow(SpawnWorkflow, req)
+			childReq := cleanup()
 			require.True(t, e.IsWorkflowCompleted())
 			var ae *temporal.ApplicationError
 			require.ErrorAs(t, e.GetWorkflowError(), &ae)

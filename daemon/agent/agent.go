@@ -491,7 +491,7 @@ func (h *agentHost) serve(ctx context.Context, cfg Config, log *zap.Logger) erro
 	// cancelled; its retry resumes the ladder from the step the record
 	// holds.
 	w := worker.New(c, queue, worker.Options{WorkerStopTimeout: cfg.StopTimeout})
-	w.RegisterActivity(h.acts)
+	workflows.RegisterHostActivities(w, h.acts)
 	pub := newViewPublisher(h.offers, h.static, publishTo(c, cfg.TaskQueue), cfg.FleetPublishDebounce, cfg.FleetCheckEvery, log)
 	h.acts.Changed = pub.Changed // before any activity runs
 	if err := w.Start(); err != nil {

@@ -133,7 +133,7 @@ func TestRolloutMovesParkedDeleteToNewBuild(t *testing.T) {
 	host := &rolloutHost{launch: make(chan struct{})}
 	host.failRelease.Store(true)
 	hw := worker.New(c, workflows.HostTaskQueue(hostID), worker.Options{})
-	hw.RegisterActivity(host)
+	workflows.RegisterHostActivities(hw, host)
 	require.NoError(t, hw.Start())
 	defer hw.Stop()
 

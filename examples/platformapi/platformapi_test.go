@@ -105,7 +105,7 @@ func TestPlatformAPIOnDefaultConverter(t *testing.T) {
 	defer w.Stop()
 	h := &host{}
 	hw := worker.New(wc, workflows.HostTaskQueue("h1"), worker.Options{})
-	hw.RegisterActivity(h)
+	workflows.RegisterHostActivities(hw, h)
 	require.NoError(t, hw.Start())
 	defer hw.Stop()
 

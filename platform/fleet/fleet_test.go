@@ -135,7 +135,7 @@ func TestPlacementOnAServer(t *testing.T) {
 	for id, h := range hosts {
 		h.recs = map[string]string{}
 		hw := worker.New(c, workflows.HostTaskQueue(id), worker.Options{})
-		hw.RegisterActivity(h)
+		workflows.RegisterHostActivities(hw, h)
 		require.NoError(t, hw.Start())
 		defer hw.Stop()
 	}
@@ -182,14 +182,14 @@ func TestPlacementOnAServer(t *testing.T) {
 	// named: it finds the first spawn's VM.
 	again, res := spawn("fv1")
 	assert.Equal(t, "h1", res.GetHostId())
-	assert.True(t, hosts["h1"].ran("ValidateSpawn fv1"), "the earlier host, as if named")
+	assert.True(t, hosts["h1"].ran(workflows.ActivityPrepareSpawn+" fv1"), "the earlier host, as if named")
 
 	del, err := vc.StartDelete(ctx, &vmflowv1.DeleteRequest{InstanceId: "fv1", GracefulTimeoutSeconds: 1})
 	require.NoError(t, err)
 	var dres vmflowv1.DeleteResult
 	require.NoError(t, del.Get(ctx, &dres))
 	assert.False(t, dres.GetAlreadyAbsent())
-	assert.True(t, hosts["h1"].ran("DeleteRecord fv1"), "the delete found fv1's host")
+	assert.True(t, hosts["h1"].ran(workflows.ActivityRemoveInstance+" fv1"), "the delete found fv1's host")
 
 	// After that delete, fv1 is placed afresh; an instance never spawned
 	// is already absent.

@@ -88,7 +88,10 @@ type CreateRecordResult struct {
 	CreatedByThisSpawn bool `protobuf:"varint,3,opt,name=created_by_this_spawn,json=createdByThisSpawn,proto3" json:"created_by_this_spawn,omitempty"`
 	// The record's creator, "<workflow id> (run <run id>)", or "" when the
 	// record predates creators.
-	CreatedBy     string `protobuf:"bytes,4,opt,name=created_by,json=createdBy,proto3" json:"created_by,omitempty"`
+	CreatedBy string `protobuf:"bytes,4,opt,name=created_by,json=createdBy,proto3" json:"created_by,omitempty"`
+	// PrepareSpawn only: the GPUs claimed for the record this spawn
+	// created, when it asks for any (unset otherwise, and from CreateRecord).
+	Claim         *ClaimVGPUResult `protobuf:"bytes,5,opt,name=claim,proto3" json:"claim,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -149,6 +152,13 @@ func (x *CreateRecordResult) GetCreatedBy() string {
 		return x.CreatedBy
 	}
 	return ""
+}
+
+func (x *CreateRecordResult) GetClaim() *ClaimVGPUResult {
+	if x != nil {
+		return x.Claim
+	}
+	return nil
 }
 
 // ClaimVGPURequest is the input of ClaimVGPU.
@@ -745,6 +755,133 @@ func (x *StopVMResult) GetDurationMs() uint32 {
 	return 0
 }
 
+// StopInstanceRequest is the input of StopInstance: BeginDelete's and
+// StopVM's in one (delete runs of versionStuckBound 5).
+type StopInstanceRequest struct {
+	state      protoimpl.MessageState `protogen:"open.v1"`
+	InstanceId string                 `protobuf:"bytes,1,opt,name=instance_id,json=instanceId,proto3" json:"instance_id,omitempty"`
+	// As BeginDeleteRequest's: set by a failed spawn's clean-up.
+	OnlyIfCreatedByWorkflowId string `protobuf:"bytes,2,opt,name=only_if_created_by_workflow_id,json=onlyIfCreatedByWorkflowId,proto3" json:"only_if_created_by_workflow_id,omitempty"`
+	OnlyIfCreatedByRunId      string `protobuf:"bytes,3,opt,name=only_if_created_by_run_id,json=onlyIfCreatedByRunId,proto3" json:"only_if_created_by_run_id,omitempty"`
+	// As StopVMRequest's: 0 means the agent's default.
+	GracefulTimeoutSeconds uint32 `protobuf:"varint,4,opt,name=graceful_timeout_seconds,json=gracefulTimeoutSeconds,proto3" json:"graceful_timeout_seconds,omitempty"`
+	unknownFields          protoimpl.UnknownFields
+	sizeCache              protoimpl.SizeCache
+}
+
+func (x *StopInstanceRequest) Reset() {
+	*x = StopInstanceRequest{}
+	mi := &file_vmflow_v1_activity_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StopInstanceRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StopInstanceRequest) ProtoMessage() {}
+
+func (x *StopInstanceRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_vmflow_v1_activity_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StopInstanceRequest.ProtoReflect.Descriptor instead.
+func (*StopInstanceRequest) Descriptor() ([]byte, []int) {
+	return file_vmflow_v1_activity_proto_rawDescGZIP(), []int{10}
+}
+
+func (x *StopInstanceRequest) GetInstanceId() string {
+	if x != nil {
+		return x.InstanceId
+	}
+	return ""
+}
+
+func (x *StopInstanceRequest) GetOnlyIfCreatedByWorkflowId() string {
+	if x != nil {
+		return x.OnlyIfCreatedByWorkflowId
+	}
+	return ""
+}
+
+func (x *StopInstanceRequest) GetOnlyIfCreatedByRunId() string {
+	if x != nil {
+		return x.OnlyIfCreatedByRunId
+	}
+	return ""
+}
+
+func (x *StopInstanceRequest) GetGracefulTimeoutSeconds() uint32 {
+	if x != nil {
+		return x.GracefulTimeoutSeconds
+	}
+	return 0
+}
+
+// StopInstanceResult is the result of StopInstance: BeginDelete's answer
+// and, when it began the delete, the stop's (unset when the record is
+// absent or not this delete's).
+type StopInstanceResult struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Begin         *BeginDeleteResult     `protobuf:"bytes,1,opt,name=begin,proto3" json:"begin,omitempty"`
+	Stop          *StopVMResult          `protobuf:"bytes,2,opt,name=stop,proto3" json:"stop,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StopInstanceResult) Reset() {
+	*x = StopInstanceResult{}
+	mi := &file_vmflow_v1_activity_proto_msgTypes[11]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StopInstanceResult) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StopInstanceResult) ProtoMessage() {}
+
+func (x *StopInstanceResult) ProtoReflect() protoreflect.Message {
+	mi := &file_vmflow_v1_activity_proto_msgTypes[11]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StopInstanceResult.ProtoReflect.Descriptor instead.
+func (*StopInstanceResult) Descriptor() ([]byte, []int) {
+	return file_vmflow_v1_activity_proto_rawDescGZIP(), []int{11}
+}
+
+func (x *StopInstanceResult) GetBegin() *BeginDeleteResult {
+	if x != nil {
+		return x.Begin
+	}
+	return nil
+}
+
+func (x *StopInstanceResult) GetStop() *StopVMResult {
+	if x != nil {
+		return x.Stop
+	}
+	return nil
+}
+
 // ReleaseVGPUResult is the result of ReleaseVGPU.
 type ReleaseVGPUResult struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -759,7 +896,7 @@ type ReleaseVGPUResult struct {
 
 func (x *ReleaseVGPUResult) Reset() {
 	*x = ReleaseVGPUResult{}
-	mi := &file_vmflow_v1_activity_proto_msgTypes[10]
+	mi := &file_vmflow_v1_activity_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -771,7 +908,7 @@ func (x *ReleaseVGPUResult) String() string {
 func (*ReleaseVGPUResult) ProtoMessage() {}
 
 func (x *ReleaseVGPUResult) ProtoReflect() protoreflect.Message {
-	mi := &file_vmflow_v1_activity_proto_msgTypes[10]
+	mi := &file_vmflow_v1_activity_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -784,7 +921,7 @@ func (x *ReleaseVGPUResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseVGPUResult.ProtoReflect.Descriptor instead.
 func (*ReleaseVGPUResult) Descriptor() ([]byte, []int) {
-	return file_vmflow_v1_activity_proto_rawDescGZIP(), []int{10}
+	return file_vmflow_v1_activity_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *ReleaseVGPUResult) GetReleased() bool {
@@ -815,13 +952,14 @@ const file_vmflow_v1_activity_proto_rawDesc = "" +
 	"\x18vmflow/v1/activity.proto\x12\tvmflow.v1\".\n" +
 	"\vInstanceRef\x12\x1f\n" +
 	"\vinstance_id\x18\x01 \x01(\tR\n" +
-	"instanceId\"\xb4\x01\n" +
+	"instanceId\"\xe6\x01\n" +
 	"\x12CreateRecordResult\x12#\n" +
 	"\rinstance_uuid\x18\x01 \x01(\tR\finstanceUuid\x12'\n" +
 	"\x0falready_existed\x18\x02 \x01(\bR\x0ealreadyExisted\x121\n" +
 	"\x15created_by_this_spawn\x18\x03 \x01(\bR\x12createdByThisSpawn\x12\x1d\n" +
 	"\n" +
-	"created_by\x18\x04 \x01(\tR\tcreatedBy\"\xdd\x01\n" +
+	"created_by\x18\x04 \x01(\tR\tcreatedBy\x120\n" +
+	"\x05claim\x18\x05 \x01(\v2\x1a.vmflow.v1.ClaimVGPUResultR\x05claim\"\xdd\x01\n" +
 	"\x10ClaimVGPURequest\x12\x1f\n" +
 	"\vinstance_id\x18\x01 \x01(\tR\n" +
 	"instanceId\x12!\n" +
@@ -873,7 +1011,16 @@ const file_vmflow_v1_activity_proto_rawDesc = "" +
 	"\fStopVMResult\x12!\n" +
 	"\fstep_reached\x18\x01 \x01(\tR\vstepReached\x12\x1f\n" +
 	"\vduration_ms\x18\x02 \x01(\rR\n" +
-	"durationMs\"k\n" +
+	"durationMs\"\xec\x01\n" +
+	"\x13StopInstanceRequest\x12\x1f\n" +
+	"\vinstance_id\x18\x01 \x01(\tR\n" +
+	"instanceId\x12A\n" +
+	"\x1eonly_if_created_by_workflow_id\x18\x02 \x01(\tR\x19onlyIfCreatedByWorkflowId\x127\n" +
+	"\x19only_if_created_by_run_id\x18\x03 \x01(\tR\x14onlyIfCreatedByRunId\x128\n" +
+	"\x18graceful_timeout_seconds\x18\x04 \x01(\rR\x16gracefulTimeoutSeconds\"u\n" +
+	"\x12StopInstanceResult\x122\n" +
+	"\x05begin\x18\x01 \x01(\v2\x1c.vmflow.v1.BeginDeleteResultR\x05begin\x12+\n" +
+	"\x04stop\x18\x02 \x01(\v2\x17.vmflow.v1.StopVMResultR\x04stop\"k\n" +
 	"\x11ReleaseVGPUResult\x12\x1a\n" +
 	"\breleased\x18\x01 \x01(\bR\breleased\x12\x1b\n" +
 	"\tdevice_id\x18\x02 \x01(\tR\bdeviceId\x12\x1d\n" +
@@ -892,26 +1039,31 @@ func file_vmflow_v1_activity_proto_rawDescGZIP() []byte {
 	return file_vmflow_v1_activity_proto_rawDescData
 }
 
-var file_vmflow_v1_activity_proto_msgTypes = make([]protoimpl.MessageInfo, 11)
+var file_vmflow_v1_activity_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
 var file_vmflow_v1_activity_proto_goTypes = []any{
-	(*InstanceRef)(nil),        // 0: vmflow.v1.InstanceRef
-	(*CreateRecordResult)(nil), // 1: vmflow.v1.CreateRecordResult
-	(*ClaimVGPURequest)(nil),   // 2: vmflow.v1.ClaimVGPURequest
-	(*ClaimVGPUResult)(nil),    // 3: vmflow.v1.ClaimVGPUResult
-	(*LaunchVMRequest)(nil),    // 4: vmflow.v1.LaunchVMRequest
-	(*LaunchVMResult)(nil),     // 5: vmflow.v1.LaunchVMResult
-	(*BeginDeleteRequest)(nil), // 6: vmflow.v1.BeginDeleteRequest
-	(*BeginDeleteResult)(nil),  // 7: vmflow.v1.BeginDeleteResult
-	(*StopVMRequest)(nil),      // 8: vmflow.v1.StopVMRequest
-	(*StopVMResult)(nil),       // 9: vmflow.v1.StopVMResult
-	(*ReleaseVGPUResult)(nil),  // 10: vmflow.v1.ReleaseVGPUResult
+	(*InstanceRef)(nil),         // 0: vmflow.v1.InstanceRef
+	(*CreateRecordResult)(nil),  // 1: vmflow.v1.CreateRecordResult
+	(*ClaimVGPURequest)(nil),    // 2: vmflow.v1.ClaimVGPURequest
+	(*ClaimVGPUResult)(nil),     // 3: vmflow.v1.ClaimVGPUResult
+	(*LaunchVMRequest)(nil),     // 4: vmflow.v1.LaunchVMRequest
+	(*LaunchVMResult)(nil),      // 5: vmflow.v1.LaunchVMResult
+	(*BeginDeleteRequest)(nil),  // 6: vmflow.v1.BeginDeleteRequest
+	(*BeginDeleteResult)(nil),   // 7: vmflow.v1.BeginDeleteResult
+	(*StopVMRequest)(nil),       // 8: vmflow.v1.StopVMRequest
+	(*StopVMResult)(nil),        // 9: vmflow.v1.StopVMResult
+	(*StopInstanceRequest)(nil), // 10: vmflow.v1.StopInstanceRequest
+	(*StopInstanceResult)(nil),  // 11: vmflow.v1.StopInstanceResult
+	(*ReleaseVGPUResult)(nil),   // 12: vmflow.v1.ReleaseVGPUResult
 }
 var file_vmflow_v1_activity_proto_depIdxs = []int32{
-	0, // [0:0] is the sub-list for method output_type
-	0, // [0:0] is the sub-list for method input_type
-	0, // [0:0] is the sub-list for extension type_name
-	0, // [0:0] is the sub-list for extension extendee
-	0, // [0:0] is the sub-list for field type_name
+	3, // 0: vmflow.v1.CreateRecordResult.claim:type_name -> vmflow.v1.ClaimVGPUResult
+	7, // 1: vmflow.v1.StopInstanceResult.begin:type_name -> vmflow.v1.BeginDeleteResult
+	9, // 2: vmflow.v1.StopInstanceResult.stop:type_name -> vmflow.v1.StopVMResult
+	3, // [3:3] is the sub-list for method output_type
+	3, // [3:3] is the sub-list for method input_type
+	3, // [3:3] is the sub-list for extension type_name
+	3, // [3:3] is the sub-list for extension extendee
+	0, // [0:3] is the sub-list for field type_name
 }
 
 func init() { file_vmflow_v1_activity_proto_init() }
@@ -925,7 +1077,7 @@ func file_vmflow_v1_activity_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_vmflow_v1_activity_proto_rawDesc), len(file_vmflow_v1_activity_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   11,
+			NumMessages:   13,
 			NumExtensions: 0,
 			NumServices:   0,
 		},
