@@ -89,20 +89,23 @@ func Start(cmd *exec.Cmd) (*Child, error) {
 		return nil, fmt.Errorf("identity of started %s: %w", cmd.Path, err)
 	}
 	c := &Child{id: id, started: started, done: make(chan struct{})}
+	// The reaper keeps the Process, not cmd: a VM's argv and environment
+	// (the jail's config among them, ~10 KiB) are not held for its life.
+	p := cmd.Process
 	if pidfd < 0 {
 		// A kernel without CLONE_PIDFD (before 5.2): a thread blocked
 		// in wait for the child's life.
-		go c.reapBlocking(cmd)
+		go c.reapBlocking(p)
 		return c, nil
 	}
 	f, err := pollable(pidfd, id.PID)
 	if err != nil {
 		// Not in the poller (a seccomp filter refusing epoll_ctl, say):
 		// reaped the old way rather than not at all.
-		go c.reapBlocking(cmd)
+		go c.reapBlocking(p)
 		return c, nil
 	}
-	go c.reap(cmd, f)
+	go c.reap(p, f)
 	return c, nil
 }
 
@@ -150,7 +153,7 @@ func waitFree(cmd *exec.Cmd) error {
 // fs/pidfs.c), and waitid never reaps a group leader while other threads
 // live (kernel/exit.c): a zombie leader with a live thread is not Done
 // (invariant 2).
-func (c *Child) reap(cmd *exec.Cmd, pidfd *os.File) {
+func (c *Child) reap(p *os.Process, pidfd *os.File) {
 	var (
 		ws      syscall.WaitStatus
 		waitErr error
@@ -167,12 +170,12 @@ func (c *Child) reap(cmd *exec.Cmd, pidfd *os.File) {
 	if err != nil {
 		// The poller failed, not the wait: the child may live, so it
 		// is reaped the old way rather than reported gone.
-		c.reapBlocking(cmd)
+		c.reapBlocking(p)
 		return
 	}
 	// os/exec's own pidfd (a dup of ours): nothing waits on it, so
 	// nothing else reaps; Release closes it.
-	_ = cmd.Process.Release()
+	_ = p.Release()
 	e := Exit{Code: -1, At: time.Now()}
 	e.Ran = e.At.Sub(c.started)
 	if waitErr != nil {
@@ -249,19 +252,18 @@ func exitOf(ws syscall.WaitStatus) (code int, signal string) {
 	return ws.ExitStatus(), ""
 }
 
-// reapBlocking is the reaper without a pidfd: cmd.Wait, a thread blocked in
-// wait4 until the whole group is gone.
-func (c *Child) reapBlocking(cmd *exec.Cmd) {
-	err := cmd.Wait()
+// reapBlocking is the reaper without a pidfd in the poller: Process.Wait, a
+// thread blocked in waitid until the whole group is gone. (waitFree made
+// sure cmd.Wait would have had nothing more to do.)
+func (c *Child) reapBlocking(p *os.Process) {
+	ps, err := p.Wait()
 	e := Exit{Code: -1, At: time.Now()}
 	e.Ran = e.At.Sub(c.started)
-	var exitErr *exec.ExitError
-	if err != nil && !errors.As(err, &exitErr) {
+	if err != nil {
+		// ECHILD: something else reaped the child.
 		e.Err = err
 	}
-	// ProcessState is nil when wait itself failed (ECHILD: something else
-	// reaped the child).
-	if ps := cmd.ProcessState; ps != nil {
+	if ps != nil {
 		if ws, ok := ps.Sys().(syscall.WaitStatus); ok {
 			e.Code, e.Signal = exitOf(ws)
 		}
