@@ -220,6 +220,10 @@ func scaleOn(t *testing.T, s *stack, label string, sizes []int) []scaleRow {
 		if r.threadsN, err = StatusNumber(s.agent.Pid(), "Threads"); err != nil {
 			t.Fatal(err)
 		}
+		if p := os.Getenv("VMFLOW_HEAPPROFILE"); p != "" {
+			// The agent inherits it: a heap profile with the n VMs.
+			heapProfile(t, s.agent.Pid(), p)
+		}
 		r.cpuSpawn = s.cpuNow(false).since(c0)
 
 		// kill -9 the agent with n VMs running; they are re-parented to
@@ -315,6 +319,22 @@ func (c cpuSplit) since(c0 cpuSplit) cpuSplit {
 		worker: (c.worker - c0.worker) / ticks, agent: (c.agent - c0.agent) / ticks,
 		qemu: (c.qemu - c0.qemu) / ticks,
 	}
+}
+
+// heapProfile has the agent pid write its heap profile to path
+// (VMFLOW_HEAPPROFILE, SIGUSR1) and waits until it has.
+func heapProfile(t *testing.T, pid int, path string) {
+	if err := os.Remove(path); err != nil && !os.IsNotExist(err) {
+		t.Fatal(err)
+	}
+	if err := syscall.Kill(pid, syscall.SIGUSR1); err != nil {
+		t.Fatal(err)
+	}
+	ctx := ctxFor(t, 30*time.Second)
+	if err := stacktest.PollUntil(ctx, 20*time.Millisecond, func() bool { _, err := os.Stat(path); return err == nil }); err != nil {
+		t.Fatalf("no heap profile at %s: %v", path, err)
+	}
+	t.Logf("agent heap profile: %s", path)
 }
 
 // perVM is the agent's memory per VM in KiB: its VmRSS growth from its start
