@@ -429,7 +429,7 @@ func scaleReport(rows []scaleRow) string {
 		}
 		// The floor: what the agent holds before its first VM.
 		kib := r.perVM()
-		floor := fmt.Sprintf(" Floor: the agent at start, no VM, %.1f MiB (Go runtime, Temporal SDK, gRPC).", float64(r.rssStart)/1024)
+		floor := fmt.Sprintf(" Floor: the agent at start, before any VM, %.1f MiB.", float64(r.rssStart)/1024)
 		if kib <= 100 {
 			fmt.Fprintf(&b, "- **Target: per-VM memory in the agent under 100 KiB: met** — %.0f KiB ((VmRSS with 200 VMs − at start) ÷ 200, %.0f%% of the budget).%s\n", kib, kib, floor)
 		} else {
