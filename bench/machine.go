@@ -83,24 +83,31 @@ func procField(path, key string) string {
 
 // VmHWM is the peak resident set size of pid (VmHWM in /proc/<pid>/status),
 // in KiB.
-func VmHWM(pid int) (int64, error) {
+func VmHWM(pid int) (int64, error) { return StatusNumber(pid, "VmHWM") }
+
+// VmRSS is the resident set size of pid now, in KiB.
+func VmRSS(pid int) (int64, error) { return StatusNumber(pid, "VmRSS") }
+
+// StatusNumber is the number of field key in /proc/<pid>/status (KiB for
+// the Vm* fields, a count for Threads).
+func StatusNumber(pid int, key string) (int64, error) {
 	f, err := os.Open(fmt.Sprintf("/proc/%d/status", pid))
 	if err != nil {
-		return 0, fmt.Errorf("VmHWM of %d: %w", pid, err)
+		return 0, fmt.Errorf("%s of %d: %w", key, pid, err)
 	}
 	defer f.Close()
 	sc := bufio.NewScanner(f)
 	for sc.Scan() {
-		if v, ok := strings.CutPrefix(sc.Text(), "VmHWM:"); ok {
-			var kb int64
-			if _, err := fmt.Sscanf(strings.TrimSpace(v), "%d kB", &kb); err != nil {
-				return 0, fmt.Errorf("VmHWM of %d: parse %q: %w", pid, v, err)
+		if v, ok := strings.CutPrefix(sc.Text(), key+":"); ok {
+			var n int64
+			if _, err := fmt.Sscan(strings.TrimSpace(v), &n); err != nil {
+				return 0, fmt.Errorf("%s of %d: parse %q: %w", key, pid, v, err)
 			}
-			return kb, nil
+			return n, nil
 		}
 	}
 	if err := sc.Err(); err != nil {
-		return 0, fmt.Errorf("VmHWM of %d: %w", pid, err)
+		return 0, fmt.Errorf("%s of %d: %w", key, pid, err)
 	}
-	return 0, fmt.Errorf("VmHWM of %d: no VmHWM line", pid)
+	return 0, fmt.Errorf("%s of %d: no %s line", key, pid, key)
 }

@@ -66,6 +66,9 @@ func Run(ctx context.Context, cfg Config) error {
 		}()
 	}
 	log := cfg.Log()
+	// VMFLOW_HEAPPROFILE=FILE: a heap profile at each SIGUSR1.
+	defer startHeapProfile(log)()
+	setGCPercent(os.Getenv)
 	// The metrics server and the watchdog outlive ctx: they serve until
 	// the graceful stop is over and Run returns.
 	life, endLife := context.WithCancel(context.Background())

@@ -31,23 +31,7 @@ func BenchmarkReattach(b *testing.B) {
 		ids[i] = fmt.Sprintf("vm%d", i)
 		e.create(ids[i], "on-failure", 0)
 	}
-	// Launch in parallel (QEMU takes ~100 ms to answer QMP), a few at a time.
-	sem := make(chan struct{}, 8)
-	var wg sync.WaitGroup
-	errs := make([]error, n)
-	for i := range ids {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			sem <- struct{}{}
-			defer func() { <-sem }()
-			_, errs[i] = launcher.Launch(ctxT(b, 60*time.Second), ids[i])
-		}()
-	}
-	wg.Wait()
-	for _, err := range errs {
-		require.NoError(b, err)
-	}
+	launchAll(b, launcher, ids, 8)
 	// The VMs keep running without their supervisor, as after an agent exit.
 	require.NoError(b, launcher.Close())
 
@@ -69,4 +53,26 @@ func BenchmarkReattach(b *testing.B) {
 	}
 	b.ReportMetric(float64(total.Microseconds())/1000/float64(runs*n), "ms/reattach")
 	b.ReportMetric(float64(n), "vms")
+}
+
+// launchAll launches ids in parallel (QEMU takes ~100 ms to answer QMP),
+// width at a time, and fails tb on any error.
+func launchAll(tb testing.TB, sup *Supervisor, ids []string, width int) {
+	tb.Helper()
+	sem := make(chan struct{}, width)
+	var wg sync.WaitGroup
+	errs := make([]error, len(ids))
+	for i := range ids {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			_, errs[i] = sup.Launch(ctxT(tb, 60*time.Second), ids[i])
+		}()
+	}
+	wg.Wait()
+	for _, err := range errs {
+		require.NoError(tb, err)
+	}
 }

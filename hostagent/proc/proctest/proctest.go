@@ -246,6 +246,9 @@ func (z *Zombie) Release(t testing.TB) time.Duration {
 	}
 }
 
+// Child is the helper as this process's child, nil for a foreign zombie.
+func (z *Zombie) Child() *proc.Child { return z.child }
+
 func helperCmd(mode string, extraEnv ...string) *exec.Cmd {
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	// Under -race the runtime sleeps 1 s at exit (TSAN's atexit_sleep_ms),
@@ -301,8 +304,8 @@ func StartForeignZombie(t testing.TB) *Zombie {
 	return &Zombie{PID: pid, stdin: stdin, stdout: r}
 }
 
-// startWithStdout starts cmd with its stdout on a pipe the reaper's cmd.Wait
-// does not close, so the exit line stays readable after reaping.
+// startWithStdout starts cmd with its stdout on a pipe of this process's,
+// so the exit line stays readable after reaping.
 func startWithStdout(t testing.TB, cmd *exec.Cmd) (*proc.Child, *os.File) {
 	t.Helper()
 	r, w, err := os.Pipe()
