@@ -44,7 +44,9 @@ func TestTornRecordParksOnlyItsOwnDelete(t *testing.T) {
 
 	delID := workflows.DeleteWorkflowID(torn)
 	run := e.startDelete(torn, 1)
-	st := e.waitStage(delID, workflows.StageMarkingStopped, time.Minute, func(s *vmflowv1.WorkflowStatus) bool { return s.GetNeedsAttention() })
+	// A platform delete marks, stops and waits in one activity (StopInstance):
+	// its BeginDelete parks it at stage stopping.
+	st := e.waitStage(delID, workflows.StageStopping, time.Minute, func(s *vmflowv1.WorkflowStatus) bool { return s.GetNeedsAttention() })
 	assert.Contains(t, st.GetLastError(), workflows.ErrTypeRecordUnreadable)
 	out := e.cli("workflow", "list", "--query", "VmNeedsAttention=true AND VmInstanceId='"+torn+"'")
 	assert.Contains(t, out, delID, "found by VmNeedsAttention")
