@@ -182,7 +182,8 @@ func actionsPerHost(t *testing.T) string {
 	add("clean delete, simulated vGPU", deleteVGPU)
 	add("spawn, no vGPU", must(s.measure(ctx, run("a2", false))))
 	add("clean delete, no vGPU", must(s.measure(ctx, del("a2"))))
-	add("**spawn + clean delete, simulated vGPU** (goal ≤ 20)", actionCount{spawnVGPU.history + deleteVGPU.history, spawnVGPU.server + deleteVGPU.server})
+	pair := actionCount{spawnVGPU.history + deleteVGPU.history, spawnVGPU.server + deleteVGPU.server}
+	add("**spawn + clean delete, simulated vGPU** (goal ≤ 15 on the server's counter)", pair)
 
 	// Placement: a spawn without a host against one named, both started
 	// as the typed client starts them (search attributes at start, as a
@@ -311,6 +312,11 @@ func actionsPerHost(t *testing.T) string {
 			fleet.Add(fmt.Sprintf("%d hosts, %s", hosts, v.name), fmt.Sprintf("%.0f", day), fmt.Sprintf("%.2f", day/86400))
 		}
 	}
-	out += fleet.Markdown()
+	out += fleet.Markdown() + "\n"
+	goal := "met"
+	if pair.server > 15 {
+		goal = "missed"
+	}
+	out += fmt.Sprintf("- **Target: a spawn with a vGPU and its clean delete cost at most 15 actions by the server's own counter: %s** — %.0f (%d billed from the histories). Before the combined activities (BENCHMARKS.md of 2026-12-06 06:55): 23, 17 billed. The counter's share that is not the workflows': the agent's fleet-view publishes, one `FleetHost` start per change of its offer (the spawn's and the delete's), and the activities' heartbeats (none now: the first beat is one interval in).\n", goal, pair.server, pair.history)
 	return out
 }

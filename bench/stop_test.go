@@ -134,84 +134,129 @@ func stopVmflow(t *testing.T, kind vmKind) (time.Duration, error) {
 // stopRaw starts the same QEMU command line by hand, connects a minimal
 // QMP client, and times the raw action: the command, then a pidfd wait for
 // the whole thread group.
-func stopRaw(t *testing.T, kind vmKind) (time.Duration, error) {
+// rawVM is a QEMU started by hand from vmm.Argv, as vmflow would run it
+// but without vmflow: the floor the benchmarks hold vmflow against.
+type rawVM struct {
+	child *proc.Child
+	h     *proc.Handle
+	q     *RawQMP
+	log   string
+	// ready is how long from the fork to QMP past qmp_capabilities.
+	ready time.Duration
+}
+
+// close kills and reaps the VM: nothing outlives the round.
+func (r *rawVM) close(t *testing.T) {
+	if r.q != nil {
+		r.q.Close()
+	}
+	_ = r.h.Signal(syscall.SIGKILL)
+	select {
+	case <-r.child.Done():
+	case <-time.After(30 * time.Second):
+		t.Errorf("raw QEMU %v not reaped 30 s after SIGKILL", r.child.Identity())
+	}
+	r.h.Close()
+}
+
+// startRaw starts kind's QEMU by hand and connects a minimal QMP client.
+func startRaw(ctx context.Context, t *testing.T, kind vmKind) (*rawVM, error) {
 	dir := shortDir(t, "vfb")
 	p := paths(dir)
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
 	spec, err := kind.vmSpec()
 	if err != nil {
-		return 0, fmt.Errorf("open boot files: %w", err)
+		return nil, fmt.Errorf("open boot files: %w", err)
 	}
 	defer spec.Close()
 	var fds vmm.FDTable
 	argv, err := vmm.BuildArgv(spec, p, &fds)
 	if err != nil {
-		return 0, fmt.Errorf("argv: %w", err)
+		return nil, fmt.Errorf("argv: %w", err)
 	}
 	// The argv's QMP is a listener passed as fd vmm.QMPFD, as vmflow binds
 	// it: bind one the same way.
 	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: p.QMPSocket, Net: "unix"})
 	if err != nil {
-		return 0, fmt.Errorf("qmp listener: %w", err)
+		return nil, fmt.Errorf("qmp listener: %w", err)
 	}
 	l.SetUnlinkOnClose(false)
 	lf, err := l.File()
 	l.Close()
 	if err != nil {
-		return 0, fmt.Errorf("qmp listener: %w", err)
+		return nil, fmt.Errorf("qmp listener: %w", err)
 	}
 	defer lf.Close()
 	if err := fds.Fill(vmm.QMPFD, lf); err != nil {
-		return 0, err
+		return nil, err
 	}
 	bin, err := exec.LookPath(vmm.DefaultBinary)
 	if err != nil {
-		return 0, fmt.Errorf("qemu: %w", err)
+		return nil, fmt.Errorf("qemu: %w", err)
 	}
 	logf, err := os.Create(p.Log)
 	if err != nil {
-		return 0, fmt.Errorf("log: %w", err)
+		return nil, fmt.Errorf("log: %w", err)
 	}
 	cmd := exec.Command(bin, argv...)
 	cmd.Stdout, cmd.Stderr, cmd.ExtraFiles = logf, logf, fds.Files()
+	began := time.Now()
 	child, err := proc.Start(cmd) // reaps it in the background
 	logf.Close()
 	if err != nil {
-		return 0, fmt.Errorf("start qemu: %w", err)
+		return nil, fmt.Errorf("start qemu: %w", err)
 	}
 	h, err := proc.Open(child.Identity())
 	if err != nil {
-		return 0, fmt.Errorf("pidfd: %w", err)
+		_ = syscall.Kill(child.Identity().PID, syscall.SIGKILL)
+		return nil, fmt.Errorf("pidfd: %w", err)
 	}
-	defer h.Close()
-	defer func() {
-		// Nothing outlives the round, whatever happened.
-		_ = h.Signal(syscall.SIGKILL)
-		select {
-		case <-child.Done():
-		case <-time.After(30 * time.Second):
-			t.Errorf("raw QEMU %v not reaped 30 s after SIGKILL", child.Identity())
-		}
-	}()
-	q, err := DialRawQMP(ctx, p.QMPSocket)
+	r := &rawVM{child: child, h: h, log: p.Log}
+	if r.q, err = DialRawQMP(ctx, p.QMPSocket); err != nil {
+		r.close(t)
+		return nil, err
+	}
+	r.ready = time.Since(began)
+	return r, nil
+}
+
+func stopRaw(t *testing.T, kind vmKind) (time.Duration, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	r, err := startRaw(ctx, t, kind)
 	if err != nil {
 		return 0, err
 	}
-	defer q.Close()
+	defer r.close(t)
 	if kind.boots {
-		if err := waitConsole(ctx, p.Log, guest.UpLine); err != nil {
+		if err := waitConsole(ctx, r.log, guest.UpLine); err != nil {
 			return 0, err
 		}
 	}
 	start := time.Now()
-	if err := q.Execute(ctx, kind.raw); err != nil && !errors.Is(err, ErrQMPClosed) {
+	if err := r.q.Execute(ctx, kind.raw); err != nil && !errors.Is(err, ErrQMPClosed) {
 		return 0, err
 	}
-	if err := h.Wait(ctx); err != nil {
+	if err := r.h.Wait(ctx); err != nil {
 		return 0, fmt.Errorf("wait for group: %w", err)
 	}
 	return time.Since(start), nil
+}
+
+// rawStartToReady is the floor of a launch: kind's QEMU started by hand to
+// QMP answering (greeting and qmp_capabilities), n times.
+func rawStartToReady(t *testing.T, kind vmKind, n int) ([]time.Duration, error) {
+	var out []time.Duration
+	for range n {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		r, err := startRaw(ctx, t, kind)
+		cancel()
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, r.ready)
+		r.close(t)
+	}
+	return out, nil
 }
 
 func stopToGone(t *testing.T) string {
