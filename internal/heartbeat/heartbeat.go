@@ -17,9 +17,12 @@ import (
 	"go.temporal.io/sdk/activity"
 )
 
-// Interval is the host activities' beat: well inside their heartbeat
-// timeouts (10 s), long enough that a quick step sends none.
-const Interval = 2 * time.Second
+// Interval is the host activities' beat: inside their heartbeat timeouts
+// (10 s: the SDK then sends at most one beat per 8 s, 0.8 of the timeout,
+// so the server sees one at 4 s, 12 s, 20 s...), long enough that a quick
+// step sends none: a launch, a release, the stop of a VM that obeys its
+// power button or sits out a 1-3 s graceful timeout.
+const Interval = 4 * time.Second
 
 // Every records detail() as ctx's activity heartbeat every interval from
 // one interval after the call until the returned stop is called, so a long
