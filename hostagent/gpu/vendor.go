@@ -12,6 +12,7 @@ import (
 	"sync"
 
 	"vmflow/hostagent/topology"
+	"vmflow/internal/fsx"
 )
 
 // VendorDriver drives NVIDIA's SR-IOV "vendor VFIO" vGPUs (vGPU 17+):
@@ -25,17 +26,37 @@ type VendorDriver struct {
 
 	// names remembers type names seen in creatable_vgpu_types: a type
 	// drops out of every list once the GPU is full of it, and a busy VF
-	// lists nothing, yet its devices still need their profile name.
-	mu    sync.Mutex
-	names map[int]string
+	// lists nothing, yet its devices still need their profile name. Kept
+	// in namesFile too: an agent restarted while every VF is busy (a crash
+	// mid-claim) would otherwise know no name, and admission would refuse
+	// the host's own profile as "not offered" (InvalidInput) instead of
+	// waiting for room.
+	mu        sync.Mutex
+	names     map[int]string
+	namesFile string // "" keeps them in memory only
 }
+
+// vendorNamesFile, in the state dir, holds the type names the driver has
+// seen, one "ID name" line each.
+const vendorNamesFile = "vgpu-vendor-type-names"
 
 var _ Driver = (*VendorDriver)(nil)
 
 // NewVendor returns a vendor-VFIO driver; cfg.Kind is ignored.
 func NewVendor(cfg Config) *VendorDriver {
 	cfg = cfg.WithDefaults()
-	return &VendorDriver{root: cfg.SysfsRoot, lock: newHostLock(cfg.StateDir), releases: newReleases(cfg.OnReleaseDone), names: map[int]string{}}
+	d := &VendorDriver{root: cfg.SysfsRoot, lock: newHostLock(cfg.StateDir), releases: newReleases(cfg.OnReleaseDone), names: map[int]string{}}
+	if cfg.StateDir != "" {
+		d.namesFile = filepath.Join(cfg.StateDir, vendorNamesFile)
+		// A missing or unreadable file only means names learned again
+		// from the next free VF.
+		if b, err := os.ReadFile(d.namesFile); err == nil {
+			for _, t := range parseCreatable(string(b)) {
+				d.names[t.id] = t.name
+			}
+		}
+	}
+	return d
 }
 
 // Kind implements Driver.
@@ -124,16 +145,48 @@ func (d *VendorDriver) current(vf string) (int, error) {
 func (d *VendorDriver) typeNames(vfs []vfState) map[int]string {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	learned := false
 	for _, vf := range vfs {
 		for _, t := range vf.creatable {
-			d.names[t.id] = t.name
+			if d.names[t.id] != t.name {
+				d.names[t.id], learned = t.name, true
+			}
 		}
+	}
+	if learned {
+		d.saveNames()
 	}
 	names := make(map[int]string, len(d.names))
 	for id, n := range d.names {
 		names[id] = n
 	}
 	return names
+}
+
+// saveNames writes d.names to namesFile (under d.mu), best effort: on a
+// failure (a full disk) they stay in memory, and the next new name tries
+// again.
+func (d *VendorDriver) saveNames() {
+	if d.namesFile == "" {
+		return
+	}
+	ids := make([]int, 0, len(d.names))
+	for id := range d.names {
+		ids = append(ids, id)
+	}
+	sort.Ints(ids)
+	var b strings.Builder
+	for _, id := range ids {
+		// A name is one line of sysfs text: a line break in it would
+		// forge another entry.
+		fmt.Fprintf(&b, "%d : %s\n", id, strings.Map(func(r rune) rune {
+			if r == '\n' || r == '\r' {
+				return ' '
+			}
+			return r
+		}, d.names[id]))
+	}
+	_ = fsx.WriteFile(d.namesFile, []byte(b.String()), nil)
 }
 
 func vendorProfiles(vfs []vfState, names map[int]string) []Profile {
