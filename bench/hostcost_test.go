@@ -27,7 +27,8 @@ import (
 const hostCostRatio = 1.2
 
 // hostCostHost is the agent's host side in this process, as daemon/agent
-// wires it for a VM without GPUs or network: the store, the capacity ledger and the supervisor launching the
+// wires it for a VM without GPUs or network: the store (with its index,
+// as the agent opens it), the capacity ledger and the supervisor launching the
 // stub VMM through the real jail (this test binary is the setup stage).
 type hostCostHost struct {
 	st  *store.Store
@@ -41,6 +42,9 @@ func newHostCostHost(t *testing.T, stub string, uids store.UIDRange) *hostCostHo
 	dir := proctest.ShortDir(t, "hc")
 	st, err := store.New(dir)
 	if err != nil {
+		t.Fatal(err)
+	}
+	if err := st.OpenIndex(ctxFor(t, time.Minute), supervise.UIDsInUse("")); err != nil {
 		t.Fatal(err)
 	}
 	// A ledger big enough for every VM of the run: the sums are what is

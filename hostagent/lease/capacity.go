@@ -274,9 +274,10 @@ func (c *Capacity) countable(except string) (Usage, nodesUsed, error) {
 }
 
 // ledger sums what every record but except holds now, of the host and of
-// each node.
+// each node: from the store's index (Records: no record is read but an
+// unreadable or stale one), read only.
 func (c *Capacity) ledger(except string) (Usage, nodesUsed, error) {
-	recs, err := c.cfg.Store.List()
+	recs, err := c.cfg.Store.Records()
 	var le *store.ListError
 	if err != nil && !errors.As(err, &le) {
 		return Usage{}, nodesUsed{}, fmt.Errorf("capacity ledger: %w", err)

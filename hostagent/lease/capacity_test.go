@@ -32,6 +32,9 @@ func newCapacityHost(t *testing.T, cpuRatio, memRatio float64) *capacityHost {
 	t.Helper()
 	st, err := store.New(t.TempDir())
 	require.NoError(t, err)
+	// The agent's store: the ledger sums its index.
+	require.NoError(t, st.OpenIndex(context.Background(), func(context.Context) (map[uint32]bool, error) { return nil, nil }))
+	t.Cleanup(func() { _ = st.Close() })
 	h := &capacityHost{st: st, now: time.Date(2026, 12, 6, 8, 0, 0, 0, time.UTC)}
 	h.cap, err = lease.NewCapacity(lease.CapacityConfig{Store: st, CPUs: 2, MemoryMiB: 10240, MemoryReserveMiB: 1024,
 		CPUOvercommit: cpuRatio, MemoryOvercommit: memRatio, TTL: 10 * time.Minute, Now: h.clock})
@@ -227,22 +230,35 @@ func TestCapacityLeaseReleasedByTheEngine(t *testing.T) {
 // it is repaired, the ledger counts it again. Counting it as nothing let
 // its repair put the host over its capacity.
 func TestCapacityUnreadableRecordPromisesNothing(t *testing.T) {
-	h := newCapacityHost(t, 1, 1) // 2 vCPUs
-	_, err := h.create("big", vm(2, 64))
-	require.NoError(t, err)
-	p, err := h.st.Paths("big")
-	require.NoError(t, err)
-	good, err := os.ReadFile(p.Record)
-	require.NoError(t, err)
-	require.NoError(t, os.WriteFile(p.Record, good[:len(good)/2], 0o600))
+	// The record is cut behind the agent's index: seen at the agent's next
+	// read of it, or at its next start (the seed).
+	for _, seen := range []string{"read", "restart"} {
+		t.Run(seen, func(t *testing.T) {
+			h := newCapacityHost(t, 1, 1) // 2 vCPUs
+			_, err := h.create("big", vm(2, 64))
+			require.NoError(t, err)
+			p, err := h.st.Paths("big")
+			require.NoError(t, err)
+			good, err := os.ReadFile(p.Record)
+			require.NoError(t, err)
+			require.NoError(t, os.WriteFile(p.Record, good[:len(good)/2], 0o600))
+			if seen == "read" {
+				_, err = h.st.Get("big")
+				require.ErrorIs(t, err, store.ErrInvalidRecord)
+			} else {
+				require.NoError(t, h.st.Close())
+				require.NoError(t, h.st.OpenIndex(context.Background(), func(context.Context) (map[uint32]bool, error) { return nil, nil }))
+			}
 
-	_, err = h.create("small", vm(1, 64))
-	require.ErrorIs(t, err, lease.ErrLedgerUnreadable)
-	assert.True(t, errdefs.ClassOf(err).Retryable())
-	_, gerr := h.st.Get("small")
-	assert.ErrorIs(t, gerr, store.ErrNotFound, "nothing written")
+			_, err = h.create("small", vm(1, 64))
+			require.ErrorIs(t, err, lease.ErrLedgerUnreadable)
+			assert.True(t, errdefs.ClassOf(err).Retryable())
+			_, gerr := h.st.Get("small")
+			assert.ErrorIs(t, gerr, store.ErrNotFound, "nothing written")
 
-	require.NoError(t, os.WriteFile(p.Record, good, 0o600))
-	_, err = h.create("small", vm(1, 64))
-	require.ErrorIs(t, err, lease.ErrNoHostCapacity, "repaired, it holds the host's 2 vCPUs")
+			require.NoError(t, os.WriteFile(p.Record, good, 0o600))
+			_, err = h.create("small", vm(1, 64))
+			require.ErrorIs(t, err, lease.ErrNoHostCapacity, "repaired, it holds the host's 2 vCPUs")
+		})
+	}
 }
