@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"runtime/pprof"
 	"strconv"
 	"strings"
 	"sync"
@@ -220,6 +221,17 @@ func hostCost(t *testing.T) string {
 		row.idle = time.Duration(float64(cpuNow()-c0) / time.Since(w0).Seconds())
 
 		ids := make([]string, batch)
+		if out := os.Getenv("VMFLOW_HOSTCOST_CPUPROFILE"); out != "" && size == top {
+			// Where the agent's CPU goes at the top size (go tool pprof).
+			f, err := os.Create(out)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := pprof.StartCPUProfile(f); err != nil {
+				t.Fatal(err)
+			}
+			defer func() { pprof.StopCPUProfile(); _ = f.Close() }()
+		}
 		c0, w0 = cpuNow(), time.Now()
 		for i := range ids {
 			ids[i] = fmt.Sprintf("m%d-%03d", size, i)

@@ -50,6 +50,13 @@ type index struct {
 	stale map[string]bool
 	// uids: see uidHolders.
 	uids uidHolders
+	// growth is what each instance's overlay may still grow to, as last
+	// measured (at a write of its record, or by Space): a create's room
+	// check sums it instead of reading every overlay. An overlay's
+	// allocated blocks only grow (QEMU gets no discard), so an older
+	// measure counts more, never less; one not measured yet is measured
+	// at the check.
+	growth map[string]uint64
 }
 
 // agentLockFile, in the state dir, is held exclusively by the agent whose
@@ -106,7 +113,7 @@ func (s *Store) seedIndex(ctx context.Context, inUse func(context.Context) (map[
 		return nil, err
 	}
 	defer hl.Release(false)
-	ix := &index{recs: map[string]*vmflowv1.InstanceRecord{}, stale: map[string]bool{}}
+	ix := &index{recs: map[string]*vmflowv1.InstanceRecord{}, stale: map[string]bool{}, growth: map[string]uint64{}}
 	recs, holders, bad, err := s.readHolders(ctx, inUse)
 	if err != nil {
 		return nil, err
@@ -257,13 +264,58 @@ func (h uidHolders) released(id string) {
 // count is how many uids are held.
 func (h uidHolders) count() int { return len(h.by) }
 
-// put records rec, as just written, for the indexed store.
-func (ix *index) put(rec *vmflowv1.InstanceRecord) {
+// put records rec, as just written, for the indexed store, and measures
+// its overlay again (a launch makes it before it writes the record).
+func (ix *index) put(s *Store, rec *vmflowv1.InstanceRecord) {
 	c := proto.CloneOf(rec)
+	g, gerr := s.growthOf(c.GetId())
 	ix.mu.Lock()
 	defer ix.mu.Unlock()
 	ix.recs[c.GetId()] = c
 	delete(ix.stale, c.GetId())
+	if gerr != nil {
+		delete(ix.growth, c.GetId()) // measured again at the next check
+	} else {
+		ix.growth[c.GetId()] = g
+	}
+}
+
+// measured records id's overlay growth as just measured.
+func (ix *index) measured(id string, g uint64) {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	if _, ok := ix.recs[id]; ok || ix.stale[id] {
+		ix.growth[id] = g
+	}
+}
+
+// growthSum is overlayGrowth from the index: each instance's last measure,
+// those not measured yet (or stale: read from disk) measured now.
+func (ix *index) growthSum(s *Store) (uint64, error) {
+	ix.mu.Lock()
+	var sum uint64
+	var measure []string
+	for id := range ix.recs {
+		if g, ok := ix.growth[id]; ok && !ix.stale[id] {
+			sum += g
+		} else {
+			measure = append(measure, id)
+		}
+	}
+	for id := range ix.stale {
+		if _, ok := ix.recs[id]; !ok {
+			measure = append(measure, id)
+		}
+	}
+	ix.mu.Unlock()
+	for _, id := range measure {
+		g, err := s.growthOf(id)
+		if err != nil {
+			return 0, err
+		}
+		sum += g
+	}
+	return sum, nil
 }
 
 // has reports whether the index knows id.
@@ -288,6 +340,7 @@ func (ix *index) removed(id string) {
 	defer ix.mu.Unlock()
 	delete(ix.recs, id)
 	delete(ix.stale, id)
+	delete(ix.growth, id)
 	ix.uids.released(id)
 }
 

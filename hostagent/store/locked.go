@@ -252,7 +252,7 @@ func (l *Locked) write(rec *vmflowv1.InstanceRecord) error {
 		if err != nil {
 			ix.unsure(l.id)
 		} else {
-			ix.put(rec)
+			ix.put(l.s, rec)
 		}
 	}
 	return err
