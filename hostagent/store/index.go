@@ -268,7 +268,7 @@ func (h uidHolders) count() int { return len(h.by) }
 // its overlay again (a launch makes it before it writes the record).
 func (ix *index) put(s *Store, rec *vmflowv1.InstanceRecord) {
 	c := proto.CloneOf(rec)
-	g, gerr := s.growthOf(c.GetId())
+	g, gerr := s.growthOf(c.GetId(), c)
 	ix.mu.Lock()
 	defer ix.mu.Unlock()
 	ix.recs[c.GetId()] = c
@@ -309,7 +309,7 @@ func (ix *index) growthSum(s *Store) (uint64, error) {
 	}
 	ix.mu.Unlock()
 	for _, id := range measure {
-		g, err := s.growthOf(id)
+		g, err := s.growthOf(id, nil)
 		if err != nil {
 			return 0, err
 		}

@@ -13,6 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"vmflow/internal/errdefs"
+	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
 // DefaultReserve is the reserve's size: what a delete's writes need on a
@@ -209,7 +210,7 @@ func (s *Store) overlayGrowth() (uint64, error) {
 	}
 	var sum uint64
 	for _, id := range ids {
-		g, err := s.growthOf(id)
+		g, err := s.growthOf(id, nil)
 		if err != nil {
 			return 0, err
 		}
@@ -221,17 +222,20 @@ func (s *Store) overlayGrowth() (uint64, error) {
 	return sum, nil
 }
 
-// growthOf is what instance id's overlay may still grow to (overlayGrowth).
-func (s *Store) growthOf(id string) (uint64, error) {
+// growthOf is what instance id's overlay may still grow to (overlayGrowth);
+// rec is its record when the caller has it (nil: read from disk).
+func (s *Store) growthOf(id string, rec *vmflowv1.InstanceRecord) (uint64, error) {
 	p, err := s.Paths(id)
 	if err != nil {
 		return 0, err
 	}
 	if _, err := os.Lstat(p.Overlay); errors.Is(err, fs.ErrNotExist) {
-		if rec, err := readRecord(p, id); err == nil {
-			return diskSize(rec.GetSpec().GetDisk()), nil
+		if rec == nil {
+			if rec, err = readRecord(p, id); err != nil {
+				return 0, nil
+			}
 		}
-		return 0, nil
+		return diskSize(rec.GetSpec().GetDisk()), nil
 	}
 	return growth(p.Overlay)
 }
