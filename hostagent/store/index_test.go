@@ -192,7 +192,7 @@ func TestIndexWritesThrough(t *testing.T) {
 }
 
 // A record cut by hand after the seed is seen at the agent's next read of
-// it (here a Get; the agent's scans list the records every minute): from
+// it (here a Get; the agent lists the records every 15 s for its metrics): from
 // then on Records names it unreadable, as without the index, until it is
 // repaired. Before that read the index answers what the record last held.
 func TestIndexSeesARecordCorruptedAfterTheSeed(t *testing.T) {
