@@ -220,23 +220,26 @@ func hostCost(t *testing.T) string {
 		for k := range sizes {
 			i := (k + r) % len(sizes) // each size first in turn
 			h, size := hosts[i], sizes[i]
-			c0, w0 := cpuNow(), time.Now()
-			for j := range ids {
-				ids[j] = fmt.Sprintf("m%d-%d-%03d", size, r, j)
-				if err := h.launch(ctxFor(t, time.Minute), ids[j]); err != nil {
-					t.Fatalf("launch %s at %d VMs: %v", ids[j], size, err)
+			// Labelled, so a profile splits by size (pprof -tagfocus vms=1000).
+			pprof.Do(context.Background(), pprof.Labels("vms", strconv.Itoa(size)), func(context.Context) {
+				c0, w0 := cpuNow(), time.Now()
+				for j := range ids {
+					ids[j] = fmt.Sprintf("m%d-%d-%03d", size, r, j)
+					if err := h.launch(ctxFor(t, time.Minute), ids[j]); err != nil {
+						t.Fatalf("launch %s at %d VMs: %v", ids[j], size, err)
+					}
 				}
-			}
-			launch[i] = append(launch[i], (cpuNow()-c0)/time.Duration(batch))
-			launchWall[i] = append(launchWall[i], time.Since(w0)/time.Duration(batch))
-			c0, w0 = cpuNow(), time.Now()
-			for _, id := range ids {
-				if err := h.release(ctxFor(t, time.Minute), id); err != nil {
-					t.Fatalf("release %s at %d VMs: %v", id, size, err)
+				launch[i] = append(launch[i], (cpuNow()-c0)/time.Duration(batch))
+				launchWall[i] = append(launchWall[i], time.Since(w0)/time.Duration(batch))
+				c0, w0 = cpuNow(), time.Now()
+				for _, id := range ids {
+					if err := h.release(ctxFor(t, time.Minute), id); err != nil {
+						t.Fatalf("release %s at %d VMs: %v", id, size, err)
+					}
 				}
-			}
-			release[i] = append(release[i], (cpuNow()-c0)/time.Duration(batch))
-			relWall[i] = append(relWall[i], time.Since(w0)/time.Duration(batch))
+				release[i] = append(release[i], (cpuNow()-c0)/time.Duration(batch))
+				relWall[i] = append(relWall[i], time.Since(w0)/time.Duration(batch))
+			})
 		}
 	}
 	rows := make([]hostCostRow, len(sizes))
@@ -296,7 +299,7 @@ func medianRatio(a, b []time.Duration) float64 {
 func hostCostMarkdown(rows []hostCostRow, batch, rounds int, idle time.Duration) string {
 	var b strings.Builder
 	b.WriteString("## Host agent CPU per launch and per release, by VMs on the host\n\n")
-	fmt.Fprintf(&b, "The host side of an agent in the bench process (store with its index, capacity ledger, supervisor; no Temporal), launching the stub VMM through the real jail, as daemon/agent wires them for a VM without GPUs or network. One host side per size (its own state dir and uid range) is filled to its size; then %d rounds, each host in turn (each first in turn), of %d launches (CreateRecord with its reservation, LaunchVM) and their %d releases (BeginDelete, StopVM, WaitVMExit, ReleaseLeases, TearDown, DeleteRecord), one at a time. The process's CPU (getrusage: user + system; the VMs are other processes) is read around each batch. Figures are the median round's; a ratio is taken within each round (both sizes under the same load), then the median. The process's idle CPU with every host filled, %s ms a second, is in every figure (not subtracted). `VMFLOW_HOSTCOST_CPUPROFILE=<file>` profiles the rounds.\n\n", rounds, batch, batch, MS(idle))
+	fmt.Fprintf(&b, "The host side of an agent in the bench process (store with its index, capacity ledger, supervisor; no Temporal), launching the stub VMM through the real jail, as daemon/agent wires them for a VM without GPUs or network. One host side per size (its own state dir and uid range) is filled to its size; then %d rounds, each host in turn (each first in turn), of %d launches (CreateRecord with its reservation, LaunchVM) and their %d releases (BeginDelete, StopVM, WaitVMExit, ReleaseLeases, TearDown, DeleteRecord), one at a time. The process's CPU (getrusage: user + system; the VMs are other processes) is read around each batch. Figures are the median round's; a ratio is taken within each round (both sizes under the same load), then the median. The process's idle CPU with every host filled, %s ms a second, is in every figure (not subtracted). `VMFLOW_HOSTCOST_CPUPROFILE=<file>` profiles the rounds, labelled by size (`go tool pprof -tagfocus vms=1000`).\n\n", rounds, batch, batch, MS(idle))
 	tab := Table{Header: []string{"VMs on the host", "CPU per launch", "÷ first size, same round", "CPU per release", "÷ first size, same round", "wall per launch", "wall per release"}}
 	for _, r := range rows {
 		tab.Add(strconv.Itoa(r.vms), MS(r.launch)+" ms", fmt.Sprintf("%.2f×", r.launchRatio), MS(r.release)+" ms",
