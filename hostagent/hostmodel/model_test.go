@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"reflect"
 	"slices"
 	"sort"
 	"strconv"
@@ -261,6 +262,13 @@ func (h *host) checkCapacity(t *rapid.T) {
 	}
 	if lim := h.capacity.Limits(); u.VCPUs > lim.VCPUs || u.MemoryMiB > lim.MemoryMiB {
 		t.Fatalf("VIOLATION the ledger holds %d vCPUs and %d MiB, over the host's %d and %d", u.VCPUs, u.MemoryMiB, lim.VCPUs, lim.MemoryMiB)
+	}
+	// The ledger summed over the store's index (and the ledger's memo of
+	// it) is the ledger summed over the records read from disk now.
+	recs, err := h.st.List()
+	bad, _ := store.Unreadable(err)
+	if disk := h.capacity.UsageOf(recs, len(bad)); !reflect.DeepEqual(u, disk) {
+		t.Fatalf("VIOLATION the ledger over the index %+v is not the ledger over the disk %+v", u, disk)
 	}
 	for id, hp := range h.helpers {
 		if !hp.alive() || h.corrupt[id] != nil {
