@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 
 	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/proto"
@@ -57,6 +58,101 @@ type index struct {
 	// measure counts more, never less; one not measured yet is measured
 	// at the check.
 	growth map[string]uint64
+	// epoch names this index (a new one at every OpenIndex); seq counts
+	// its changes, and changes holds the last changeLog of them: which
+	// record each was (RecordsChanged).
+	epoch   uint64
+	seq     uint64
+	changes [changeLog]change
+}
+
+// changeLog is how many changes of records the index remembers for
+// RecordsChanged: a caller further behind reads them all again.
+const changeLog = 4096
+
+// change is one change of the index: the seq'th, of record id.
+type change struct {
+	seq uint64
+	id  string
+}
+
+// epochs numbers the indexes of this process.
+var epochs atomic.Uint64
+
+// changed notes that id's entry changed; under ix.mu.
+func (ix *index) changed(id string) {
+	ix.seq++
+	ix.changes[ix.seq%changeLog] = change{seq: ix.seq, id: id}
+}
+
+// IndexEpoch names s's index (0: none): RecordsChanged answers only
+// within one.
+func (s *Store) IndexEpoch() uint64 {
+	if ix := s.ix; ix != nil {
+		return ix.epoch
+	}
+	return 0
+}
+
+// RecordsChanged is for a caller that keeps what the records hold itself:
+// the ids whose entry in the index changed (a write, a delete, made stale)
+// after its seq'th change, and the seq to ask with next. ok is false when
+// the index is not epoch any more (none, or another since a restart) or
+// remembers too few changes: read them all (IndexRecords). An id may come
+// more than once, and an entry read after may be newer than next: the
+// next answer names it again.
+func (s *Store) RecordsChanged(epoch, seq uint64) (ids []string, next uint64, ok bool) {
+	ix := s.ix
+	if ix == nil || ix.epoch != epoch {
+		return nil, 0, false
+	}
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	if seq > ix.seq || ix.seq-seq > changeLog {
+		return nil, 0, false
+	}
+	for q := seq + 1; q <= ix.seq; q++ {
+		ids = append(ids, ix.changes[q%changeLog].id)
+	}
+	return ids, ix.seq, true
+}
+
+// IndexRecords is every entry of the index at one moment: the readable
+// records (the index's copies: never change them), the stale ids (read
+// them from disk at every use), and its epoch and seq for RecordsChanged.
+// ok is false without an index.
+func (s *Store) IndexRecords() (recs map[string]*vmflowv1.InstanceRecord, stale []string, epoch, seq uint64, ok bool) {
+	ix := s.ix
+	if ix == nil {
+		return nil, nil, 0, 0, false
+	}
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	recs = make(map[string]*vmflowv1.InstanceRecord, len(ix.recs))
+	for id, r := range ix.recs {
+		if !ix.stale[id] {
+			recs[id] = r
+		}
+	}
+	for id := range ix.stale {
+		stale = append(stale, id)
+	}
+	return recs, stale, ix.epoch, ix.seq, true
+}
+
+// IndexRecord is id's entry in the index: its record (the index's copy),
+// or stale (read it from disk), or neither: no such record.
+func (s *Store) IndexRecord(id string) (rec *vmflowv1.InstanceRecord, stale bool) {
+	ix := s.ix
+	if ix == nil {
+		return nil, true
+	}
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	if ix.stale[id] {
+		return nil, true
+	}
+	return ix.recs[id], false
 }
 
 // agentLockFile, in the state dir, is held exclusively by the agent whose
@@ -113,7 +209,8 @@ func (s *Store) seedIndex(ctx context.Context, inUse func(context.Context) (map[
 		return nil, err
 	}
 	defer hl.Release(false)
-	ix := &index{recs: map[string]*vmflowv1.InstanceRecord{}, stale: map[string]bool{}, growth: map[string]uint64{}}
+	ix := &index{recs: map[string]*vmflowv1.InstanceRecord{}, stale: map[string]bool{}, growth: map[string]uint64{},
+		epoch: epochs.Add(1)}
 	recs, holders, bad, err := s.readHolders(ctx, inUse)
 	if err != nil {
 		return nil, err
@@ -273,6 +370,7 @@ func (ix *index) put(s *Store, rec *vmflowv1.InstanceRecord) {
 	defer ix.mu.Unlock()
 	ix.recs[c.GetId()] = c
 	delete(ix.stale, c.GetId())
+	ix.changed(c.GetId())
 	if gerr != nil {
 		delete(ix.growth, c.GetId()) // measured again at the next check
 	} else {
@@ -332,6 +430,7 @@ func (ix *index) unsure(id string) {
 	ix.mu.Lock()
 	defer ix.mu.Unlock()
 	ix.stale[id] = true
+	ix.changed(id)
 }
 
 // removed forgets id, whose record was deleted, and lets its uids go.
@@ -342,6 +441,7 @@ func (ix *index) removed(id string) {
 	delete(ix.stale, id)
 	delete(ix.growth, id)
 	ix.uids.released(id)
+	ix.changed(id)
 }
 
 // Records is every record (List's answer, in no order): from the index
