@@ -57,6 +57,7 @@ func TestBenchmarks(t *testing.T) {
 		{"scale", scale},
 		{"actions", actionsPerHost},
 		{"micro", microBenchmarks},
+		{"hostcost", hostCost},
 	}
 	var only []string
 	if v := os.Getenv("VMFLOW_BENCH_ONLY"); v != "" {

@@ -12,6 +12,7 @@ import (
 
 	"vmflow/hostagent/proc"
 	"vmflow/hostagent/proc/proctest"
+	"vmflow/hostagent/vmm"
 	"vmflow/testsupport/stacktest"
 )
 
@@ -47,6 +48,10 @@ func adopt(pids ...int) {
 // (measured: in this sandbox an orphan stays a zombie after it exits). In
 // production systemd plays this part.
 func TestMain(m *testing.M) {
+	if len(os.Args) > 1 && os.Args[1] == vmm.JailSetupCommand {
+		// The jail's setup stage of the hostcost section's VMs.
+		os.Exit(vmm.JailMain(os.Args[2:]))
+	}
 	proctest.RunHelperIfRequested()
 	if os.Getenv(envBench) != "1" {
 		os.Exit(m.Run())

@@ -127,6 +127,11 @@ func (h *agentHost) close() {
 	}
 }
 
+// indexLockWait bounds the wait for the state dir's agent lock at start: a
+// previous agent killed a moment ago has let it go; one still running
+// keeps it.
+const indexLockWait = 10 * time.Second
+
 // openHost opens the store, the metrics, the vGPU driver, the image roots
 // and the supervisor: nothing runs yet, and nothing needs Temporal.
 func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentHost, err error) {
@@ -141,6 +146,24 @@ func openHost(ctx, life context.Context, cfg Config, log *zap.Logger) (h *agentH
 	st, err := store.New(cfg.StateDir)
 	if err != nil {
 		return nil, err
+	}
+	// The store's index of what the records hold, seeded by one read of
+	// them and one /proc scan: no launch or release reads every record or
+	// scans every process again. It holds the state dir's agent lock: a
+	// second agent on this state dir stops here.
+	// A seed that cannot read the records (the instances folder itself
+	// unreadable) leaves the store reading the disk, as before the index:
+	// supervision waits for the folder and says why.
+	ictx, cancel := context.WithTimeout(ctx, indexLockWait)
+	err = st.OpenIndex(ictx, supervise.UIDsInUse(cfg.DevRoot))
+	cancel()
+	switch {
+	case errors.Is(err, store.ErrStateDirOwned):
+		return nil, err
+	case err != nil:
+		log.Warn("store index not seeded: every launch reads the records and scans the processes", zap.Error(err))
+	default:
+		h.closers = append(h.closers, func() { _ = st.Close() })
 	}
 	tm, err := daemon.NewMetrics(log)
 	if err != nil {

@@ -282,6 +282,10 @@ func newHost(t *rapid.T, dc driverCase) *host {
 	if err != nil {
 		t.Fatalf("setup: %v", err)
 	}
+	// The agent's store keeps the index (checked against a fresh seed from
+	// disk after every step: checkIndex).
+	h.openIndex(t)
+	t.Cleanup(func() { _ = h.st.Close() })
 	// --gpu-quarantine-after: at 1 a single failure quarantines, at 3 a
 	// success in between must start the count over.
 	h.quarantineAfter = rapid.IntRange(1, 3).Draw(t, "quarantineAfter")

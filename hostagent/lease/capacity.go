@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"slices"
+	"sync"
 	"time"
 
 	"go.uber.org/zap"
@@ -100,7 +101,52 @@ type CapacityConfig struct {
 }
 
 // Capacity keeps the ledger.
-type Capacity struct{ cfg CapacityConfig }
+type Capacity struct {
+	cfg CapacityConfig
+	// tally is the ledger kept from the store index's changes.
+	tally tally
+}
+
+// shareMemo is what one record holds of the host, read once.
+type shareMemo struct {
+	share *vmflowv1.CapacityLease // nil: nothing
+	// expires is an INTENT's expiry (zero: it does not expire).
+	expires time.Time
+	// vcpus (shared), memMiB, dedicated and hugeMiB (of hugeKiB pages)
+	// are the share's, inline; placed: it names nodes or dedicated CPUs.
+	vcpus, memMiB, dedicated, hugeMiB uint64
+	hugeKiB                           uint32
+	placed                            bool
+}
+
+// shareOf reads what rec holds of the host: its capacity lease while
+// held (an INTENT only until it expires, which the sum checks against its
+// now); a record written before the ledger holds its spec's share while a
+// QEMU of it may run.
+func shareOf(rec *vmflowv1.InstanceRecord) shareMemo {
+	var m shareMemo
+	l := store.Capacity(rec)
+	switch {
+	case l == nil:
+		if rec.GetProcess() != nil || rec.GetLaunchStartedAt() != nil {
+			m.share = Share(rec.GetSpec())
+		}
+	case store.LeaseHeld(l):
+		m.share = l.GetCapacity()
+		if at := l.GetCapacity().GetExpiresAt(); l.GetPhase() == vmflowv1.ClaimPhase_CLAIM_PHASE_INTENT && at != nil {
+			m.expires = at.AsTime()
+		}
+	}
+	if s := m.share; s != nil {
+		if !s.GetDedicatedCpus() {
+			m.vcpus = uint64(s.GetVcpus())
+		}
+		m.memMiB, m.dedicated = uint64(s.GetMemoryMib()), dedicatedOf(s)
+		m.hugeMiB, m.hugeKiB = hugeMiB(s), s.GetHugepageKib()
+		m.placed = s.GetDedicatedCpus() || len(s.GetNumaNodes()) > 0
+	}
+	return m
+}
 
 // NewCapacity checks cfg and returns its ledger.
 func NewCapacity(cfg CapacityConfig) (*Capacity, error) {
@@ -231,23 +277,6 @@ func hugeMiB(s *vmflowv1.CapacityLease) uint64 {
 	return uint64(s.GetHugepages()) * uint64(s.GetHugepageKib()) / 1024
 }
 
-// heldShare is what rec holds of the host at now: its capacity lease while
-// held (an INTENT only until it expires); a record written before the
-// ledger holds its spec's share while a QEMU of it may run.
-func heldShare(rec *vmflowv1.InstanceRecord, now time.Time) *vmflowv1.CapacityLease {
-	l := store.Capacity(rec)
-	if l == nil {
-		if rec.GetProcess() != nil || rec.GetLaunchStartedAt() != nil {
-			return Share(rec.GetSpec())
-		}
-		return nil
-	}
-	if !store.LeaseHeld(l) || expired(l, now) {
-		return nil
-	}
-	return l.GetCapacity()
-}
-
 // expired reports whether l is an INTENT past its expiry.
 func expired(l *vmflowv1.Lease, now time.Time) bool {
 	at := l.GetCapacity().GetExpiresAt()
@@ -274,9 +303,14 @@ func (c *Capacity) countable(except string) (Usage, nodesUsed, error) {
 }
 
 // ledger sums what every record but except holds now, of the host and of
-// each node.
+// each node: kept from the store index's changes (tally: no record is
+// read but one written since, or a stale one), or over the records
+// without an index.
 func (c *Capacity) ledger(except string) (Usage, nodesUsed, error) {
-	recs, err := c.cfg.Store.List()
+	if u, nodes, ok := c.tally.usage(c.cfg.Store, except, c.cfg.Now()); ok {
+		return u, nodes, nil
+	}
+	recs, err := c.cfg.Store.Records()
 	var le *store.ListError
 	if err != nil && !errors.As(err, &le) {
 		return Usage{}, nodesUsed{}, fmt.Errorf("capacity ledger: %w", err)
@@ -305,22 +339,173 @@ func (c *Capacity) sum(recs []*vmflowv1.InstanceRecord, unreadable int, except s
 		if rec.GetId() == except {
 			continue
 		}
-		if s := heldShare(rec, now); s != nil {
-			if !s.GetDedicatedCpus() {
-				u.VCPUs += uint64(s.GetVcpus())
-			}
-			u.MemoryMiB += uint64(s.GetMemoryMib())
-			u.DedicatedCPUs += dedicatedOf(s)
-			if mib := hugeMiB(s); mib > 0 {
-				if u.HugepageMiB == nil {
-					u.HugepageMiB = map[uint32]uint64{}
-				}
-				u.HugepageMiB[s.GetHugepageKib()] += mib
-			}
-			nodes.add(s)
+		if m := shareOf(rec); m.heldAt(now) {
+			u.add(m)
+			nodes.add(m.share)
 		}
 	}
 	return u, nodes
+}
+
+// heldAt reports whether m holds its share at now.
+func (m shareMemo) heldAt(now time.Time) bool {
+	return m.share != nil && (m.expires.IsZero() || now.Before(m.expires))
+}
+
+// add counts m's share.
+func (u *Usage) add(m shareMemo) {
+	u.VCPUs += m.vcpus
+	u.MemoryMiB += m.memMiB
+	u.DedicatedCPUs += m.dedicated
+	if m.hugeMiB > 0 {
+		if u.HugepageMiB == nil {
+			u.HugepageMiB = map[uint32]uint64{}
+		}
+		u.HugepageMiB[m.hugeKiB] += m.hugeMiB
+	}
+}
+
+// sub takes m's share, counted by add, back out.
+func (u *Usage) sub(m shareMemo) {
+	u.VCPUs = sub(u.VCPUs, m.vcpus)
+	u.MemoryMiB = sub(u.MemoryMiB, m.memMiB)
+	u.DedicatedCPUs = sub(u.DedicatedCPUs, m.dedicated)
+	if m.hugeMiB > 0 && u.HugepageMiB != nil {
+		if u.HugepageMiB[m.hugeKiB] = sub(u.HugepageMiB[m.hugeKiB], m.hugeMiB); u.HugepageMiB[m.hugeKiB] == 0 {
+			delete(u.HugepageMiB, m.hugeKiB)
+		}
+	}
+}
+
+// clone is a copy of u to count more on.
+func (u Usage) clone() Usage {
+	out := u
+	out.HugepageMiB = nil
+	for k, v := range u.HugepageMiB {
+		if out.HugepageMiB == nil {
+			out.HugepageMiB = map[uint32]uint64{}
+		}
+		out.HugepageMiB[k] = v
+	}
+	return out
+}
+
+// tally is the ledger kept up to date from the store index's changes
+// (Store.RecordsChanged): what each record holds, read once per write of
+// it, and the sum of the shares that do not expire, so a reservation or
+// a placement reads only the records written since the last one, not
+// every record's leases (issue 36: that walk cost a launch at 1,000 VMs
+// 1.2 ms). Reservations that expire are summed at each use (few: the
+// spawns granted and not launched yet); a record stale in the index is
+// read from disk at each use, as Records reads it.
+type tally struct {
+	mu         sync.Mutex
+	epoch, seq uint64
+	held       map[string]shareMemo // every readable record's, by id; nil: not read yet
+	expiring   map[string]bool      // the ids of held whose share expires
+	stale      map[string]bool
+	u          Usage // the shares of held that do not expire
+	nodes      nodesUsed
+}
+
+// usage is the ledger of every record but except at now, from st's
+// index; ok is false without one.
+func (t *tally) usage(st *store.Store, except string, now time.Time) (Usage, nodesUsed, bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if !t.sync(st) {
+		return Usage{}, nodesUsed{}, false
+	}
+	u, nodes := t.u.clone(), t.nodes.clone()
+	if m, ok := t.held[except]; ok && m.share != nil && !t.expiring[except] {
+		u.sub(m)
+		nodes.sub(m.share)
+	}
+	for id := range t.expiring {
+		if m := t.held[id]; id != except && m.heldAt(now) {
+			u.add(m)
+			nodes.add(m.share)
+		}
+	}
+	for id := range t.stale {
+		rec, err := st.Get(id)
+		switch {
+		case errors.Is(err, store.ErrNotFound):
+		case err != nil:
+			u.Unreadable++ // except's too, as Records names it
+		case id != except:
+			if m := shareOf(rec); m.heldAt(now) {
+				u.add(m)
+				nodes.add(m.share)
+			}
+		}
+	}
+	return u, nodes, true
+}
+
+// sync brings t up to st's index: the records changed since t's last
+// look, or all of them when the index is another or remembers too few.
+func (t *tally) sync(st *store.Store) bool {
+	if ids, next, ok := st.RecordsChanged(t.epoch, t.seq); ok && t.held != nil {
+		for _, id := range ids {
+			t.drop(id)
+			rec, stale := st.IndexRecord(id)
+			switch {
+			case stale:
+				t.stale[id] = true
+			case rec != nil:
+				t.put(id, shareOf(rec))
+			}
+		}
+		t.seq = next
+		return true
+	}
+	recs, stale, epoch, seq, ok := st.IndexRecords()
+	if !ok {
+		t.held = nil
+		return false
+	}
+	t.epoch, t.seq, t.u, t.nodes = epoch, seq, Usage{}, nodesUsed{}
+	t.held, t.expiring, t.stale = map[string]shareMemo{}, map[string]bool{}, map[string]bool{}
+	for id, rec := range recs {
+		t.put(id, shareOf(rec))
+	}
+	for _, id := range stale {
+		t.stale[id] = true
+	}
+	return true
+}
+
+// put counts what id holds.
+func (t *tally) put(id string, m shareMemo) {
+	delete(t.stale, id)
+	t.held[id] = m
+	switch {
+	case m.share == nil:
+	case !m.expires.IsZero():
+		t.expiring[id] = true
+	default:
+		t.u.add(m)
+		t.nodes.add(m.share)
+	}
+}
+
+// drop takes what id held back out.
+func (t *tally) drop(id string) {
+	delete(t.stale, id)
+	m, ok := t.held[id]
+	if !ok {
+		return
+	}
+	delete(t.held, id)
+	switch {
+	case m.share == nil:
+	case t.expiring[id]:
+		delete(t.expiring, id)
+	default:
+		t.u.sub(m)
+		t.nodes.sub(m.share)
+	}
 }
 
 // fits refuses s when u and s together exceed the limits; pinned: the VM's

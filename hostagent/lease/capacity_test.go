@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -32,6 +33,9 @@ func newCapacityHost(t *testing.T, cpuRatio, memRatio float64) *capacityHost {
 	t.Helper()
 	st, err := store.New(t.TempDir())
 	require.NoError(t, err)
+	// The agent's store: the ledger sums its index.
+	require.NoError(t, st.OpenIndex(context.Background(), func(context.Context) (map[uint32]bool, error) { return nil, nil }))
+	t.Cleanup(func() { _ = st.Close() })
 	h := &capacityHost{st: st, now: time.Date(2026, 12, 6, 8, 0, 0, 0, time.UTC)}
 	h.cap, err = lease.NewCapacity(lease.CapacityConfig{Store: st, CPUs: 2, MemoryMiB: 10240, MemoryReserveMiB: 1024,
 		CPUOvercommit: cpuRatio, MemoryOvercommit: memRatio, TTL: 10 * time.Minute, Now: h.clock})
@@ -227,22 +231,111 @@ func TestCapacityLeaseReleasedByTheEngine(t *testing.T) {
 // it is repaired, the ledger counts it again. Counting it as nothing let
 // its repair put the host over its capacity.
 func TestCapacityUnreadableRecordPromisesNothing(t *testing.T) {
-	h := newCapacityHost(t, 1, 1) // 2 vCPUs
-	_, err := h.create("big", vm(2, 64))
+	// The record is cut behind the agent's index: seen at the agent's next
+	// read of it, or at its next start (the seed).
+	for _, seen := range []string{"read", "restart"} {
+		t.Run(seen, func(t *testing.T) {
+			h := newCapacityHost(t, 1, 1) // 2 vCPUs
+			_, err := h.create("big", vm(2, 64))
+			require.NoError(t, err)
+			p, err := h.st.Paths("big")
+			require.NoError(t, err)
+			good, err := os.ReadFile(p.Record)
+			require.NoError(t, err)
+			require.NoError(t, os.WriteFile(p.Record, good[:len(good)/2], 0o600))
+			if seen == "read" {
+				_, err = h.st.Get("big")
+				require.ErrorIs(t, err, store.ErrInvalidRecord)
+			} else {
+				require.NoError(t, h.st.Close())
+				require.NoError(t, h.st.OpenIndex(context.Background(), func(context.Context) (map[uint32]bool, error) { return nil, nil }))
+			}
+
+			_, err = h.create("small", vm(1, 64))
+			require.ErrorIs(t, err, lease.ErrLedgerUnreadable)
+			assert.True(t, errdefs.ClassOf(err).Retryable())
+			_, gerr := h.st.Get("small")
+			assert.ErrorIs(t, gerr, store.ErrNotFound, "nothing written")
+
+			require.NoError(t, os.WriteFile(p.Record, good, 0o600))
+			_, err = h.create("small", vm(1, 64))
+			require.ErrorIs(t, err, lease.ErrNoHostCapacity, "repaired, it holds the host's 2 vCPUs")
+		})
+	}
+}
+
+// The ledger kept from the index's changes (the tally) is the ledger
+// summed over the records on disk, through reservations, placements,
+// expiries, deletes, a record cut by hand, more changes than the index
+// remembers, and a restart (another index).
+func TestCapacityTallyAgreesWithTheRecords(t *testing.T) {
+	h := newCapacityHost(t, 4, 1) // 8 vCPUs
+	ctx := context.Background()
+	agree := func(when string) {
+		t.Helper()
+		got, err := h.cap.Usage("")
+		if err != nil {
+			require.ErrorIs(t, err, lease.ErrLedgerUnreadable)
+		}
+		recs, lerr := h.st.List()
+		bad, _ := store.Unreadable(lerr)
+		assert.Equal(t, h.cap.UsageOf(recs, len(bad)), got, when)
+		// And without each instance (its own launch's look).
+		for i, r := range recs {
+			got, _ := h.cap.Usage(r.GetId())
+			others := append(slices.Clone(recs[:i]), recs[i+1:]...)
+			assert.Equal(t, h.cap.UsageOf(others, len(bad)), got, "%s, but %s", when, r.GetId())
+		}
+	}
+	for i := range 4 {
+		_, err := h.create(fmt.Sprintf("vm%d", i), vm(1, 256))
+		require.NoError(t, err)
+	}
+	agree("reserved")
+	_, err := h.place(t, "vm0")
 	require.NoError(t, err)
-	p, err := h.st.Paths("big")
+	_, err = h.place(t, "vm1")
+	require.NoError(t, err)
+	agree("two placed")
+	h.advance(11 * time.Minute)
+	agree("two reservations expired")
+	require.NoError(t, h.st.MarkManualStop(ctx, "vm1"))
+	_, err = h.st.Transition(ctx, "vm1", vmflowv1.InstanceState_INSTANCE_STATE_DELETING)
+	require.NoError(t, err)
+	engine := lease.NewHostEngine(lease.EngineConfig{Store: h.st}, nil, nil)
+	_, err = engine.Release(ctx, "vm1")
+	require.NoError(t, err)
+	agree("one released")
+	require.NoError(t, h.st.MarkManualStop(ctx, "vm3"))
+	_, err = h.st.Transition(ctx, "vm3", vmflowv1.InstanceState_INSTANCE_STATE_DELETING)
+	require.NoError(t, err)
+	_, err = engine.Release(ctx, "vm3")
+	require.NoError(t, err)
+	require.NoError(t, h.st.Delete(ctx, "vm3"))
+	agree("one deleted")
+
+	p, err := h.st.Paths("vm0")
 	require.NoError(t, err)
 	good, err := os.ReadFile(p.Record)
 	require.NoError(t, err)
 	require.NoError(t, os.WriteFile(p.Record, good[:len(good)/2], 0o600))
-
-	_, err = h.create("small", vm(1, 64))
-	require.ErrorIs(t, err, lease.ErrLedgerUnreadable)
-	assert.True(t, errdefs.ClassOf(err).Retryable())
-	_, gerr := h.st.Get("small")
-	assert.ErrorIs(t, gerr, store.ErrNotFound, "nothing written")
-
+	_, err = h.st.Get("vm0")
+	require.Error(t, err)
+	agree("one cut")
 	require.NoError(t, os.WriteFile(p.Record, good, 0o600))
-	_, err = h.create("small", vm(1, 64))
-	require.ErrorIs(t, err, lease.ErrNoHostCapacity, "repaired, it holds the host's 2 vCPUs")
+	agree("repaired")
+
+	for i := range 4200 { // more than the index remembers
+		_, err := h.st.Update(ctx, "vm2", func(r *vmflowv1.InstanceRecord) error { r.LastError = fmt.Sprint(i); return nil })
+		require.NoError(t, err)
+	}
+	_, err = h.place(t, "vm2")
+	require.NoError(t, err)
+	agree("after many changes")
+
+	require.NoError(t, h.st.Close())
+	require.NoError(t, h.st.OpenIndex(ctx, func(context.Context) (map[uint32]bool, error) { return nil, nil }))
+	_, err = h.create("vm4", vm(2, 512))
+	require.NoError(t, err)
+	agree("after a restart")
 }

@@ -28,8 +28,10 @@ import (
 // nodesUsed is what the records hold of each node, and the dedicated CPUs
 // they hold.
 type nodesUsed struct {
-	nodes     map[int]*nodeUse
-	dedicated map[int]bool
+	nodes map[int]*nodeUse
+	// dedicated counts the records holding each dedicated CPU (one, unless
+	// a hand made two name it).
+	dedicated map[int]int
 }
 
 // nodeUse is what the records hold of one node: shared vCPUs, memory and
@@ -54,14 +56,33 @@ func (n *nodesUsed) at(id int) *nodeUse {
 
 // add counts s on its nodes (a share placed on none counts only
 // host-wide) and its dedicated CPUs.
-func (n *nodesUsed) add(s *vmflowv1.CapacityLease) {
+func (n *nodesUsed) add(s *vmflowv1.CapacityLease) { n.count(s, true) }
+
+// sub takes s, counted by add, back out.
+func (n *nodesUsed) sub(s *vmflowv1.CapacityLease) { n.count(s, false) }
+
+// count adds s (plus) or takes it back out.
+func (n *nodesUsed) count(s *vmflowv1.CapacityLease, plus bool) {
+	step := func(v *uint64, d uint64) {
+		if plus {
+			*v += d
+		} else {
+			*v = sub(*v, d)
+		}
+	}
 	if s.GetDedicatedCpus() {
+		d := 1
+		if !plus {
+			d = -1
+		}
 		cpus, _ := topology.ParseCPUList(s.GetCpus())
 		for _, c := range cpus {
 			if n.dedicated == nil {
-				n.dedicated = map[int]bool{}
+				n.dedicated = map[int]int{}
 			}
-			n.dedicated[c] = true
+			if n.dedicated[c] += d; n.dedicated[c] <= 0 {
+				delete(n.dedicated, c)
+			}
 		}
 	}
 	k := len(s.GetNumaNodes())
@@ -73,11 +94,32 @@ func (n *nodesUsed) add(s *vmflowv1.CapacityLease) {
 	for i, id := range s.GetNumaNodes() {
 		u := n.at(int(id))
 		if !s.GetDedicatedCpus() {
-			u.vcpus += vcpus[i]
+			step(&u.vcpus, vcpus[i])
 		}
-		u.memMiB += mem[i]
-		u.hugeMiB[s.GetHugepageKib()] += huge[i]
+		step(&u.memMiB, mem[i])
+		h := u.hugeMiB[s.GetHugepageKib()]
+		step(&h, huge[i])
+		u.hugeMiB[s.GetHugepageKib()] = h
 	}
+}
+
+// clone is a copy of n to count more on.
+func (n nodesUsed) clone() nodesUsed {
+	out := nodesUsed{}
+	for id, u := range n.nodes {
+		c := out.at(id)
+		c.vcpus, c.memMiB = u.vcpus, u.memMiB
+		for k, v := range u.hugeMiB {
+			c.hugeMiB[k] = v
+		}
+	}
+	for c, k := range n.dedicated {
+		if out.dedicated == nil {
+			out.dedicated = map[int]int{}
+		}
+		out.dedicated[c] = k
+	}
+	return out
 }
 
 // splitEven is v in k parts as even as they go, the larger first: how a
@@ -254,7 +296,7 @@ func (c *Capacity) nodeCPUs(n topology.Node, used nodesUsed) (shared, pool []int
 		switch {
 		case !slices.Contains(c.cfg.DedicatedCPUs, cpu):
 			shared = append(shared, cpu)
-		case !used.dedicated[cpu]:
+		case used.dedicated[cpu] == 0:
 			pool = append(pool, cpu)
 		}
 	}

@@ -163,7 +163,7 @@ func heldDevices(recs []*vmflowv1.InstanceRecord, self, except string, kind gpu.
 // gpu.ErrRecordsUnreadable.
 func (c *Claims) takenBy(self, except string) func(context.Context) (map[string]string, error) {
 	return func(context.Context) (map[string]string, error) {
-		recs, err := c.st.List()
+		recs, err := c.st.Records() // read only
 		bad, listed := store.Unreadable(err)
 		n := len(bad)
 		if !listed {
@@ -196,7 +196,9 @@ func (c *Claims) takenBy(self, except string) func(context.Context) (map[string]
 // except, with their placements.
 func (c *Claims) heldBy(self, except string) func(context.Context) ([]gpu.Device, error) {
 	return func(context.Context) ([]gpu.Device, error) {
-		recs, err := c.st.List()
+		recs, err := c.st.Records() // read only
+		// In id order, as List's: the devices' order is placement's.
+		slices.SortFunc(recs, func(a, b *vmflowv1.InstanceRecord) int { return strings.Compare(a.GetId(), b.GetId()) })
 		bad, listed := store.Unreadable(err)
 		if !listed {
 			return nil, fmt.Errorf("vgpu: read claims: %w", err)

@@ -493,7 +493,7 @@ func (w *Whole) EnsureDevicesLocked(ctx context.Context, l *store.Locked) ([]*vm
 // and placement.
 func (w *Whole) takenBy(self, except string) func(context.Context) (map[string]string, error) {
 	return func(context.Context) (map[string]string, error) {
-		recs, err := w.st.List()
+		recs, err := w.st.Records() // read only
 		bad, listed := store.Unreadable(err)
 		if !listed {
 			return nil, fmt.Errorf("passthrough: read claims: %w", err)

@@ -154,7 +154,7 @@ func (n *Net) place(ctx context.Context, l *store.Locked) (*vmflowv1.Lease, erro
 // held reads the records' held network leases, except self's: the
 // addresses they name (to the instance naming each) and their MACs.
 func (n *Net) held(self string) (map[netip.Addr]string, map[string]bool, error) {
-	recs, err := n.cfg.Store.List()
+	recs, err := n.cfg.Store.Records() // read only
 	bad, listed := store.Unreadable(err)
 	if !listed {
 		return nil, nil, fmt.Errorf("network: read leases: %w", err)
@@ -253,7 +253,7 @@ func (d leaseDriver) Owned(_ context.Context, id string, l *vmflowv1.Lease) erro
 	if err != nil {
 		return fmt.Errorf("%w: lease address %q", ErrInvalid, l.GetNetwork().GetAddress())
 	}
-	recs, err := d.n.cfg.Store.List()
+	recs, err := d.n.cfg.Store.Records() // read only
 	if _, listed := store.Unreadable(err); !listed {
 		return fmt.Errorf("network: read leases: %w", err)
 	}

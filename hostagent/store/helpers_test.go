@@ -66,6 +66,21 @@ func runHelper(role string) int {
 		})
 		fmt.Fprintln(os.Stderr, "update returned:", err)
 		return 4
+	case "indexer":
+		// An agent's store: the index open (the agent lock held) until the
+		// parent SIGKILLs us or closes stdin.
+		s, err := New(dir)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 2
+		}
+		if err := s.OpenIndex(ctx, func(context.Context) (map[uint32]bool, error) { return nil, nil }); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 2
+		}
+		fmt.Println("INDEXED")
+		waitParent()
+		return 0
 	case "sleeper":
 		// A live process for a record to name; it ends when the parent
 		// closes stdin.

@@ -64,7 +64,7 @@ func (l *Locked) Get() (*vmflowv1.InstanceRecord, error) {
 	if err := l.held(); err != nil {
 		return nil, err
 	}
-	return readRecord(l.paths, l.id)
+	return l.s.read(l.paths, l.id)
 }
 
 // ManualStop reports whether the manual-stop marker is on disk; under the
@@ -86,17 +86,27 @@ func (l *Locked) Create(want *vmflowv1.InstanceRecord) (*vmflowv1.InstanceRecord
 	return l.create(context.Background(), want, nil)
 }
 
-func (l *Locked) create(ctx context.Context, want *vmflowv1.InstanceRecord, reserve Reserve) (*vmflowv1.InstanceRecord, error) {
+func (l *Locked) create(ctx context.Context, want *vmflowv1.InstanceRecord, reserve Reserve) (rec *vmflowv1.InstanceRecord, err error) {
 	if err := l.held(); err != nil {
 		return nil, err
 	}
+	// Refused whole while an agent owns the state dir: no directory is
+	// left behind a record that could not be written.
+	err = l.s.guardWrite(func() error {
+		rec, err = l.createGuarded(ctx, want, reserve)
+		return err
+	})
+	return rec, err
+}
+
+func (l *Locked) createGuarded(ctx context.Context, want *vmflowv1.InstanceRecord, reserve Reserve) (*vmflowv1.InstanceRecord, error) {
 	if want.GetId() != l.id {
 		return nil, fmt.Errorf("create instance %s: %w: record says id %s", l.id, ErrInvalidRecord, quoteID(want.GetId()))
 	}
 	if want.GetSpec() == nil {
 		return nil, fmt.Errorf("create instance %s: %w: no spec", l.id, ErrInvalidRecord)
 	}
-	have, err := readRecord(l.paths, l.id)
+	have, err := l.s.read(l.paths, l.id)
 	switch {
 	case err == nil:
 		if isDeleting(have.GetState()) {
@@ -180,7 +190,7 @@ func (l *Locked) update(fn func(*vmflowv1.InstanceRecord) error, setUID bool) (*
 	if fn == nil {
 		return nil, errdefs.Internal.Errorf("update instance %s: nil update function", l.id)
 	}
-	old, err := readRecord(l.paths, l.id)
+	old, err := l.s.read(l.paths, l.id)
 	if err != nil {
 		return nil, fmt.Errorf("update: %w", err)
 	}
@@ -233,8 +243,22 @@ func (l *Locked) Transition(to vmflowv1.InstanceState) (*vmflowv1.InstanceRecord
 }
 
 // write stores rec atomically, first removing a crashed writer's temp files
-// (no other is in flight under the lock); refuses a record too large to read back.
+// (no other is in flight under the lock); refuses a record too large to read
+// back. The index learns rec once it is on disk; a write that failed leaves
+// the disk unknown, and the record stale in the index (read from disk).
 func (l *Locked) write(rec *vmflowv1.InstanceRecord) error {
+	err := l.s.guardWrite(func() error { return l.writeDisk(rec) })
+	if ix := l.s.ix; ix != nil {
+		if err != nil {
+			ix.unsure(l.id)
+		} else {
+			ix.put(l.s, rec)
+		}
+	}
+	return err
+}
+
+func (l *Locked) writeDisk(rec *vmflowv1.InstanceRecord) error {
 	b, err := encodeForWrite(rec)
 	if err != nil {
 		return err
@@ -286,7 +310,11 @@ func (l *Locked) Delete() error {
 	if err := l.held(); err != nil {
 		return err
 	}
-	rec, err := readRecord(l.paths, l.id)
+	return l.s.guardWrite(l.delete)
+}
+
+func (l *Locked) delete() error {
+	rec, err := l.s.read(l.paths, l.id)
 	if err != nil {
 		return fmt.Errorf("delete: %w", err)
 	}
@@ -308,6 +336,11 @@ func (l *Locked) Delete() error {
 		return fmt.Errorf("delete instance %s: %w", l.id, err)
 	}
 	crashpoint.Hit(crashpoint.RecordTrashed)
+	// Gone for readers, on disk: the index forgets it and lets its uids go
+	// (its thread group was gone before: MayRemove).
+	if ix := l.s.ix; ix != nil {
+		ix.removed(l.id)
+	}
 	l.s.dropUID(rec.GetQemuUid(), l.id)
 	// From here the instance is gone for readers; finish removing its files
 	// even if the fsync failed (New removes whatever a crash leaves).

@@ -13,6 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"vmflow/internal/errdefs"
+	vmflowv1 "vmflow/proto/vmflow/v1"
 )
 
 // DefaultReserve is the reserve's size: what a delete's writes need on a
@@ -66,8 +67,12 @@ type Space struct {
 // reserve was given up): deletes still go through, spawns are refused.
 func (sp Space) Low() bool { return !sp.Unsized && sp.Err == nil && (sp.Free < sp.Reserve || !sp.Held) }
 
-// Space reads the state file system's room.
-func (s *Store) Space() Space {
+// Space reads the state file system's room, every overlay measured (and
+// the index's counts of them refreshed).
+func (s *Store) Space() Space { return s.space(s.overlayGrowth) }
+
+// space is Space with the overlays' growth summed by growth.
+func (s *Store) space(growth func() (uint64, error)) Space {
 	sp := Space{Reserve: s.reserve}
 	var st unix.Statfs_t
 	if err := unix.Statfs(s.root, &st); err != nil {
@@ -77,7 +82,7 @@ func (s *Store) Space() Space {
 	sp.Free, sp.Unsized, sp.Measured = st.Bavail*uint64(st.Bsize), st.Blocks == 0, true
 	_, err := os.Lstat(s.reservePath())
 	sp.Held = err == nil || s.reserve == 0
-	sp.OverlayGrowth, sp.Err = s.overlayGrowth()
+	sp.OverlayGrowth, sp.Err = growth()
 	return sp
 }
 
@@ -88,7 +93,11 @@ func (s *Store) reservePath() string { return filepath.Join(s.root, reserveFile)
 // overlay's. A reserve given up earlier is laid down first when it fits.
 func (s *Store) checkRoom(disk uint64) error {
 	s.layReserve()
-	sp := s.Space()
+	growth := s.overlayGrowth
+	if ix := s.ix; ix != nil {
+		growth = func() (uint64, error) { return ix.growthSum(s) }
+	}
+	sp := s.space(growth)
 	if sp.Err != nil {
 		return fmt.Errorf("%w: cannot tell how much room is left: %w", ErrDiskFull, sp.Err)
 	}
@@ -201,20 +210,34 @@ func (s *Store) overlayGrowth() (uint64, error) {
 	}
 	var sum uint64
 	for _, id := range ids {
-		p, _ := s.Paths(id)
-		if _, err := os.Lstat(p.Overlay); errors.Is(err, fs.ErrNotExist) {
-			if rec, err := readRecord(p, id); err == nil {
-				sum += diskSize(rec.GetSpec().GetDisk())
-			}
-			continue
-		}
-		g, err := growth(p.Overlay)
+		g, err := s.growthOf(id, nil)
 		if err != nil {
 			return 0, err
+		}
+		if ix := s.ix; ix != nil {
+			ix.measured(id, g)
 		}
 		sum += g
 	}
 	return sum, nil
+}
+
+// growthOf is what instance id's overlay may still grow to (overlayGrowth);
+// rec is its record when the caller has it (nil: read from disk).
+func (s *Store) growthOf(id string, rec *vmflowv1.InstanceRecord) (uint64, error) {
+	p, err := s.Paths(id)
+	if err != nil {
+		return 0, err
+	}
+	if _, err := os.Lstat(p.Overlay); errors.Is(err, fs.ErrNotExist) {
+		if rec == nil {
+			if rec, err = readRecord(p, id); err != nil {
+				return 0, nil
+			}
+		}
+		return diskSize(rec.GetSpec().GetDisk()), nil
+	}
+	return growth(p.Overlay)
 }
 
 // growth is how much more path, a qcow2 image, may take on disk; 0 for no

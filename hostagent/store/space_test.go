@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -108,35 +109,55 @@ func TestReserveOnlyForDeletes(t *testing.T) {
 // a spawn that fits the free bytes but not beside the overlays' virtual
 // size is refused.
 func TestAdmissionCountsOverlayGrowth(t *testing.T) {
-	root := smallFS(t, 16<<20)
-	s, err := New(filepath.Join(root, "state"), WithReserve(1<<20))
-	require.NoError(t, err)
-	mustCreate(t, s, "vm1")
-	p, err := s.Paths("vm1")
-	require.NoError(t, err)
-	// A qcow2 header saying 64 MiB virtual, almost nothing allocated.
-	hdr := make([]byte, 512)
-	copy(hdr, "QFI\xfb")
-	binary.BigEndian.PutUint32(hdr[4:], 3)
-	binary.BigEndian.PutUint64(hdr[24:], 64<<20)
-	require.NoError(t, os.WriteFile(p.Overlay, hdr, 0o600))
-	sp := s.Space()
-	assert.GreaterOrEqual(t, sp.OverlayGrowth, uint64(63<<20))
-	_, err = s.Create(context.Background(), wantRecord("vm2"))
-	require.ErrorIs(t, err, ErrDiskFull)
-	assert.Contains(t, err.Error(), "overlays")
-	require.NoError(t, os.Remove(p.Overlay))
-	mustCreate(t, s, "vm2")
+	// Through the index, a create sums each overlay as measured at its
+	// record's last write (a launch makes the overlay, then writes).
+	for _, indexed := range []bool{false, true} {
+		t.Run(fmt.Sprintf("indexed=%v", indexed), func(t *testing.T) {
+			root := smallFS(t, 16<<20)
+			s, err := New(filepath.Join(root, "state"), WithReserve(1<<20))
+			require.NoError(t, err)
+			if indexed {
+				openIndex(t, s, noneInUse)
+			}
+			mustCreate(t, s, "vm1")
+			launched := func() {
+				if indexed {
+					_, err := s.Update(context.Background(), "vm1", func(r *vmflowv1.InstanceRecord) error {
+						r.RestartCount++
+						return nil
+					})
+					require.NoError(t, err)
+				}
+			}
+			p, err := s.Paths("vm1")
+			require.NoError(t, err)
+			// A qcow2 header saying 64 MiB virtual, almost nothing allocated.
+			hdr := make([]byte, 512)
+			copy(hdr, "QFI\xfb")
+			binary.BigEndian.PutUint32(hdr[4:], 3)
+			binary.BigEndian.PutUint64(hdr[24:], 64<<20)
+			require.NoError(t, os.WriteFile(p.Overlay, hdr, 0o600))
+			launched()
+			_, err = s.Create(context.Background(), wantRecord("vm2"))
+			require.ErrorIs(t, err, ErrDiskFull)
+			assert.Contains(t, err.Error(), "overlays")
+			sp := s.Space()
+			assert.GreaterOrEqual(t, sp.OverlayGrowth, uint64(63<<20))
+			require.NoError(t, os.Remove(p.Overlay))
+			launched()
+			mustCreate(t, s, "vm2")
 
-	// The new instance's own overlay may grow to its disk's size.
-	disk := filepath.Join(t.TempDir(), "disk.raw")
-	require.NoError(t, os.WriteFile(disk, nil, 0o600))
-	require.NoError(t, os.Truncate(disk, 64<<20))
-	big := wantRecord("vm3")
-	big.Spec.Disk = disk
-	_, err = s.Create(context.Background(), big)
-	require.ErrorIs(t, err, ErrDiskFull)
-	assert.Contains(t, err.Error(), "its disk may grow to 67108864")
+			// The new instance's own overlay may grow to its disk's size.
+			disk := filepath.Join(t.TempDir(), "disk.raw")
+			require.NoError(t, os.WriteFile(disk, nil, 0o600))
+			require.NoError(t, os.Truncate(disk, 64<<20))
+			big := wantRecord("vm3")
+			big.Spec.Disk = disk
+			_, err = s.Create(context.Background(), big)
+			require.ErrorIs(t, err, ErrDiskFull)
+			assert.Contains(t, err.Error(), "its disk may grow to 67108864")
+		})
+	}
 }
 
 // The room a created instance's disk may take counts from its record on,
@@ -155,21 +176,27 @@ func TestAdmissionCountsCreatedDisks(t *testing.T) {
 		return w
 	}
 
-	root := smallFS(t, 32<<20)
-	s, err := New(filepath.Join(root, "state"), WithReserve(1<<20))
-	require.NoError(t, err)
-	mustCreate(t, s, "vm1") // no disk
-	_, err = s.Create(context.Background(), want("vm2"))
-	require.NoError(t, err)
-	_, err = s.Create(context.Background(), want("vm3"))
-	require.ErrorIs(t, err, ErrDiskFull, "vm2's disk is not launched yet, but may grow to 20 MiB")
+	for _, indexed := range []bool{false, true} {
+		root := smallFS(t, 32<<20)
+		s, err := New(filepath.Join(root, "state"), WithReserve(1<<20))
+		require.NoError(t, err)
+		if indexed {
+			openIndex(t, s, noneInUse)
+		}
+		mustCreate(t, s, "vm1") // no disk
+		_, err = s.Create(context.Background(), want("vm2"))
+		require.NoError(t, err)
+		_, err = s.Create(context.Background(), want("vm3"))
+		require.ErrorIs(t, err, ErrDiskFull, "vm2's disk is not launched yet, but may grow to 20 MiB (indexed=%v)", indexed)
+	}
 
 	// The race: the first create is held between its record's temp file
 	// and the rename while the second one runs. Unserialised, the second
 	// finds no record of the first and both are admitted.
-	root = smallFS(t, 32<<20)
+	root := smallFS(t, 32<<20)
 	var second chan error
-	s, err = New(filepath.Join(root, "state"), WithReserve(1<<20), withAfterTemp(func(string) {
+	var s *Store
+	s, err := New(filepath.Join(root, "state"), WithReserve(1<<20), withAfterTemp(func(string) {
 		if second != nil {
 			return
 		}

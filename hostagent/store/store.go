@@ -13,6 +13,12 @@
 // holds a lease (invariant 1: a vGPU today, lease.go) or names a QEMU not
 // confirmed gone (invariant 11) is never deleted.
 //
+// The agent's store keeps an index of what the records hold (index.go):
+// seeded once at start, written through under the locks, trusted only
+// while it holds the state dir's agent lock, which every other store's
+// write shares (so none goes behind it); a launch or a release then reads
+// no other record and scans no process.
+//
 // The package never imports Temporal: activities adapt it, supervision uses it
 // with the network down.
 package store
@@ -71,6 +77,9 @@ type Store struct {
 	uids      string           // the uid ledger (uidsDir)
 	reserve   uint64           // the reserve's size (WithReserve)
 	afterTemp func(tmp string) // test hook: see writeFileAtomic
+	// ix is what the records hold, kept by the agent that owns the state
+	// dir (OpenIndex, index.go); nil: every reader reads the disk.
+	ix *index
 }
 
 // Option configures a Store.
@@ -298,7 +307,7 @@ func (s *Store) Get(id string) (*vmflowv1.InstanceRecord, error) {
 	if err != nil {
 		return nil, err
 	}
-	return readRecord(p, id)
+	return s.read(p, id)
 }
 
 // List reads every record, sorted by id. Unreadable ones do not hide the
@@ -371,6 +380,17 @@ func Unreadable(err error) (bad []UnreadableRecord, listed bool) {
 		return le.Unreadable, true
 	}
 	return nil, false
+}
+
+// read is readRecord, for the index too: a record it cannot read is stale
+// in the index from now on (read from disk at every use), so a record made
+// unreadable by hand after the seed counts as taken from then on.
+func (s *Store) read(p Paths, id string) (*vmflowv1.InstanceRecord, error) {
+	rec, err := readRecord(p, id)
+	if err != nil && s.ix != nil && (!errors.Is(err, ErrNotFound) || s.ix.has(id)) {
+		s.ix.unsure(id)
+	}
+	return rec, err
 }
 
 // readRecord reads and validates p.Record, which must belong to id.

@@ -81,7 +81,10 @@ func ParseUIDRange(s string) (UIDRange, error) {
 
 // AssignQEMUUID gives the locked instance a uid of its own from r (keeping a
 // free current one) and writes it with steps in one write, under the host-wide
-// uid lock (invariant 15). The caller knows no QEMU of it runs. Can't tell is taken.
+// uid lock (invariant 15). The caller knows no QEMU of it runs. Can't tell is
+// taken. inUse is every uid some process holds (a /proc scan): without the
+// index it runs at every assignment; with it (OpenIndex), only at the seed,
+// and again only for a uid a process held then that its instance would keep.
 func (l *Locked) AssignQEMUUID(ctx context.Context, r UIDRange, inUse func(context.Context) (map[uint32]bool, error),
 	steps ...Step) (*vmflowv1.InstanceRecord, error) {
 	if err := l.held(); err != nil {
@@ -95,109 +98,45 @@ func (l *Locked) AssignQEMUUID(ctx context.Context, r UIDRange, inUse func(conte
 		return nil, fmt.Errorf("assign qemu uid to %s: %w", l.id, err)
 	}
 	defer hl.Release(false)
+	var rec *vmflowv1.InstanceRecord
+	err = l.s.guardWrite(func() (err error) {
+		rec, err = l.assignUID(ctx, r, inUse, steps)
+		return err
+	})
+	return rec, err
+}
 
-	recs, err := l.s.List()
-	bad, listed := Unreadable(err)
-	if !listed {
-		return nil, fmt.Errorf("assign qemu uid to %s: %w", l.id, err)
-	}
-	inRecords := map[uint32]bool{}
-	uidOf := map[string]uint32{}
-	var cur *vmflowv1.InstanceRecord // this instance's, read by List under l's lock
-	for _, rec := range recs {
-		uidOf[rec.GetId()] = rec.GetQemuUid()
-		switch u := rec.GetQemuUid(); {
-		case rec.GetId() == l.id:
-			cur = rec
-		case u != 0:
-			inRecords[u] = true
-		}
-	}
-	if cur == nil {
-		// Not listed: unreadable (or gone); Get says which.
-		if cur, err = l.Get(); err != nil {
-			return nil, fmt.Errorf("assign qemu uid: %w", err)
-		}
-	}
-	// held: uids nothing readable names but that may still be in use.
-	held := map[uint32]bool{}
-	quarantined := map[string]bool{}
-	for _, u := range bad {
-		quarantined[u.ID] = true
-		// A record written before the ledger existed: whatever of it
-		// still parses may name its uid.
-		if uid := lenientUID(u.Path); uid != 0 {
-			held[uid] = true
-		}
-	}
-	// The ledger, written before a record names its uid, keeps a quarantined
-	// record's uid taken: its QEMU may be gone while its /dev/vfio node is
-	// still that uid's.
-	ledger, err := l.s.readUIDLedger()
+// assignUID is AssignQEMUUID under the uid lock.
+func (l *Locked) assignUID(ctx context.Context, r UIDRange, inUse func(context.Context) (map[uint32]bool, error),
+	steps []Step) (*vmflowv1.InstanceRecord, error) {
+	cur, err := l.Get()
 	if err != nil {
+		return nil, fmt.Errorf("assign qemu uid: %w", err)
+	}
+	// Who holds each uid: the index's, or read from disk now (the records,
+	// the ledger, each instance directory's owners, every process).
+	var holders uidHolders
+	unlock := func() {}
+	if ix := l.s.ix; ix != nil {
+		ix.mu.Lock()
+		holders, unlock = ix.uids, ix.mu.Unlock
+	} else if _, holders, _, err = l.s.readHolders(ctx, inUse); err != nil {
 		return nil, fmt.Errorf("assign qemu uid to %s: %w", l.id, err)
 	}
-	for u, id := range ledger {
-		owner, readable := uidOf[id]
-		switch {
-		case id == l.id && u == cur.GetQemuUid():
-		case id != l.id && (quarantined[id] || id == ""):
-			held[u] = true
-		case readable && owner == u:
-			inRecords[u] = true
-		default:
-			// The record names another uid or is gone (a delete or an
-			// assignment that crashed before its ledger clean-up).
-			l.s.dropUID(u, id)
-		}
+	uid, err := l.chooseUID(ctx, r, cur.GetQemuUid(), holders, inUse)
+	if err == nil {
+		// Held from here on, also if a write below fails: the index may
+		// count more uids taken than the disk, never fewer.
+		holders.assigned(uid, l.id)
 	}
-	ids, err := l.s.IDs()
+	unlock()
 	if err != nil {
-		return nil, fmt.Errorf("assign qemu uid to %s: %w", l.id, err)
-	}
-	for _, id := range ids {
-		if id == l.id {
-			continue
-		}
-		p, _ := l.s.Paths(id)
-		owners, err := OwnersIn(p.Dir)
-		if err != nil {
-			return nil, fmt.Errorf("assign qemu uid to %s: instance %s: %w", l.id, id, err)
-		}
-		for u := range owners {
-			held[u] = true
-		}
-	}
-	busy, err := inUse(ctx)
-	if err != nil {
-		return nil, fmt.Errorf("assign qemu uid to %s: %w", l.id, err)
-	}
-	// Free only when nothing readable names it, no process or VFIO node holds
-	// it, no other instance's file is owned by it and no quarantined record's
-	// ledger entry keeps it (invariant 2's "can't tell is taken", for uids).
-	free := func(u uint32) bool { return !inRecords[u] && !held[u] && !busy[u] }
-	// A restart keeps its uid. No QEMU of this instance runs, so a process
-	// holding the uid is a stranger, and the uid is given up.
-	uid := cur.GetQemuUid()
-	if uid == 0 || !r.Contains(uid) || !free(uid) {
-		uid = 0
-		for u := r.First; ; u++ {
-			if free(u) {
-				uid = u
-				break
-			}
-			if u == r.Last {
-				break
-			}
-		}
-	}
-	if uid == 0 {
-		return nil, fmt.Errorf("assign qemu uid to %s: %w: %s (%d in records, %d of unreadable records or owning instance files, the rest held by processes or VFIO nodes)",
-			l.id, ErrNoFreeUID, r, len(inRecords), len(held))
+		return nil, err
 	}
 	// The ledger first: from here the uid stays taken even if the record
-	// becomes unreadable.
-	if ledger[uid] != l.id {
+	// becomes unreadable. A ledger that already says so is not written again.
+	path := filepath.Join(l.s.uids, strconv.FormatUint(uint64(uid), 10))
+	if b, err := os.ReadFile(path); err != nil || strings.TrimSpace(string(b)) != l.id {
 		if err := l.s.writeUID(uid, l.id); err != nil {
 			return nil, fmt.Errorf("assign qemu uid %d to %s: %w", uid, l.id, err)
 		}
@@ -210,9 +149,53 @@ func (l *Locked) AssignQEMUUID(ctx context.Context, r UIDRange, inUse func(conte
 		return nil, fmt.Errorf("assign qemu uid %d: %w", uid, err)
 	}
 	if old := cur.GetQemuUid(); old != 0 && old != uid {
+		// The old uid stays held by this instance in the index until its
+		// delete (its files may still be that uid's); the ledger forgets it.
 		l.s.dropUID(old, l.id)
 	}
 	return rec, nil
+}
+
+// chooseUID picks instance l's uid from r: cur while free, else the
+// lowest free one.
+func (l *Locked) chooseUID(ctx context.Context, r UIDRange, cur uint32, holders uidHolders,
+	inUse func(context.Context) (map[uint32]bool, error)) (uint32, error) {
+	var busy map[uint32]bool
+	busyNow := func() (map[uint32]bool, error) {
+		var err error
+		if busy == nil {
+			busy, err = inUse(ctx)
+		}
+		return busy, err
+	}
+	// Free only when no other instance holds it (its record, or its files,
+	// or a quarantined record's ledger entry), and no process (invariant
+	// 2's "can't tell is taken", for uids). A restart keeps its uid. No
+	// QEMU of this instance runs, so a process holding the uid is a
+	// stranger, and the uid is given up.
+	if cur != 0 && r.Contains(cur) {
+		ok, err := holders.freeFor(cur, l.id, busyNow)
+		if err != nil {
+			return 0, fmt.Errorf("assign qemu uid to %s: %w", l.id, err)
+		}
+		if ok {
+			return cur, nil
+		}
+	}
+	for u := r.First; ; u++ {
+		ok, err := holders.freeFor(u, l.id, busyNow)
+		if err != nil {
+			return 0, fmt.Errorf("assign qemu uid to %s: %w", l.id, err)
+		}
+		if ok {
+			return u, nil
+		}
+		if u == r.Last {
+			break
+		}
+	}
+	return 0, fmt.Errorf("assign qemu uid to %s: %w: %s (%d held by records, the files of their instances or processes)",
+		l.id, ErrNoFreeUID, r, holders.count())
 }
 
 // uidsDir is the uid ledger's directory in the state dir: one file per

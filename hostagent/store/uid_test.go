@@ -95,37 +95,47 @@ func TestAssignQEMUUIDUniqueAndKept(t *testing.T) {
 }
 
 // Concurrent assignments (each instance under its own lock, as launches
-// run) never hand one uid to two records: the host-wide lock orders them.
+// run) never hand one uid to two records: the host-wide lock orders them,
+// whether each reads the disk or the store's index (which then still
+// agrees with the disk).
 func TestAssignQEMUUIDConcurrent(t *testing.T) {
-	s := newStore(t)
-	const n = 12
-	for i := range n {
-		mustCreate(t, s, fmt.Sprintf("vm%d", i))
-	}
-	r := UIDRange{First: 500000, Last: 500000 + n - 1}
-	var wg sync.WaitGroup
-	errs := make([]error, n)
-	for i := range n {
-		wg.Go(func() {
-			l, err := s.Lock(context.Background(), fmt.Sprintf("vm%d", i))
-			if err != nil {
-				errs[i] = err
-				return
+	for _, indexed := range []bool{false, true} {
+		t.Run(fmt.Sprintf("indexed=%v", indexed), func(t *testing.T) {
+			s := newStore(t)
+			if indexed {
+				openIndex(t, s, noneInUse)
 			}
-			defer l.Unlock()
-			_, errs[i] = l.AssignQEMUUID(context.Background(), r, noneInUse)
+			const n = 12
+			for i := range n {
+				mustCreate(t, s, fmt.Sprintf("vm%d", i))
+			}
+			r := UIDRange{First: 500000, Last: 500000 + n - 1}
+			var wg sync.WaitGroup
+			errs := make([]error, n)
+			for i := range n {
+				wg.Go(func() {
+					l, err := s.Lock(context.Background(), fmt.Sprintf("vm%d", i))
+					if err != nil {
+						errs[i] = err
+						return
+					}
+					defer l.Unlock()
+					_, errs[i] = l.AssignQEMUUID(context.Background(), r, noneInUse)
+				})
+			}
+			wg.Wait()
+			seen := map[uint32]string{}
+			for i := range n {
+				require.NoError(t, errs[i])
+				rec, err := s.Get(fmt.Sprintf("vm%d", i))
+				require.NoError(t, err)
+				u := rec.GetQemuUid()
+				require.True(t, r.Contains(u), "uid %d", u)
+				require.NotContains(t, seen, u, "uid %d in %s and %s", u, seen[u], rec.GetId())
+				seen[u] = rec.GetId()
+			}
+			assertIndexAgrees(t, s)
 		})
-	}
-	wg.Wait()
-	seen := map[uint32]string{}
-	for i := range n {
-		require.NoError(t, errs[i])
-		rec, err := s.Get(fmt.Sprintf("vm%d", i))
-		require.NoError(t, err)
-		u := rec.GetQemuUid()
-		require.True(t, r.Contains(u), "uid %d", u)
-		require.NotContains(t, seen, u, "uid %d in %s and %s", u, seen[u], rec.GetId())
-		seen[u] = rec.GetId()
 	}
 }
 
@@ -154,11 +164,7 @@ func TestAssignQEMUUIDCannotTellIsTaken(t *testing.T) {
 	require.Equal(t, uint32(300000), ua)
 
 	// a's record is cut in half: nothing in it names its uid any more.
-	p, err := s.Paths("a")
-	require.NoError(t, err)
-	good, err := os.ReadFile(p.Record)
-	require.NoError(t, err)
-	require.NoError(t, os.WriteFile(p.Record, good[:len(good)/2], 0o600))
+	p, good := cutRecord(t, s, "a")
 	_, err = s.Get("a")
 	require.ErrorIs(t, err, ErrInvalidRecord)
 

@@ -234,18 +234,31 @@ func captureLog(in *instance, vm *vmm.VM) {
 // uidsInUse is every uid a new QEMU must not get: held by a process, or
 // owning a VFIO node not yet taken back from a gone QEMU.
 func (s *Supervisor) uidsInUse(ctx context.Context) (map[uint32]bool, error) {
-	used, err := proc.UIDsInUse(ctx)
-	if err != nil {
-		return nil, err
+	return UIDsInUse(s.cfg.DevRoot)(ctx)
+}
+
+// UIDsInUse is the scan of the uids a new QEMU must not get, on a host
+// whose VFIO nodes are under devRoot ("/dev" when empty): held by a
+// process (all of /proc), or owning a VFIO node not yet taken back from a
+// gone QEMU. The store's index runs it once, at its seed (OpenIndex).
+func UIDsInUse(devRoot string) func(context.Context) (map[uint32]bool, error) {
+	if devRoot == "" {
+		devRoot = "/dev"
 	}
-	nodes, err := store.OwnersIn(filepath.Join(s.cfg.DevRoot, "vfio"))
-	if err != nil {
-		return nil, fmt.Errorf("scan VFIO group nodes: %w", err)
+	return func(ctx context.Context) (map[uint32]bool, error) {
+		used, err := proc.UIDsInUse(ctx)
+		if err != nil {
+			return nil, err
+		}
+		nodes, err := store.OwnersIn(filepath.Join(devRoot, "vfio"))
+		if err != nil {
+			return nil, fmt.Errorf("scan VFIO group nodes: %w", err)
+		}
+		for u := range nodes {
+			used[u] = true
+		}
+		return used, nil
 	}
-	for u := range nodes {
-		used[u] = true
-	}
-	return used, nil
 }
 
 // launchLocked launches QEMU for the locked rec by running launchStages and
