@@ -175,7 +175,7 @@ func throughTemporal(t *testing.T) string {
 	split := Table{Header: []string{"workflow", "workflow tasks", "orchestration median ms", "in workflow tasks (scheduled → completed)", "in activity dispatch (scheduled → started)", "rest: history writes between, client start + long poll", "per workflow task"}}
 	worst := map[string]time.Duration{}
 	perTask := map[string][]time.Duration{} // orchestration per workflow task, per row
-	var walSpawnVGPU time.Duration             // start→completed median of a spawn with a vGPU, WAL
+	var walSpawnVGPU time.Duration          // start→completed median of a spawn with a vGPU, WAL
 	walActs := Table{Header: []string{"workflow", "activity", "median ms"}}
 	var walLaunch time.Duration // LaunchVM's median, spawns without a vGPU, WAL
 	retries := 0
