@@ -267,7 +267,7 @@ func throughTemporal(t *testing.T) string {
 	b.WriteString(walActs.Markdown() + "\n")
 	if len(raw) > 0 {
 		rs := Summarize(raw)
-		fmt.Fprintf(&b, "LaunchVM against its floor, in this run: the same `-machine none` QEMU (%s, 16 MiB) started by hand from `vmm.Argv`, its QMP listener bound as vmflow binds it, to QMP past `qmp_capabilities`: median %s ms (p99 %s, N=%d); LaunchVM's median on the WAL dev server (spawns without a vGPU): %s ms, %s the bare start. The difference is vmflow's launch (admission, the capacity placement, the uid, the jail's setup stage, the record's writes and fsyncs, `query-status`), measured per stage by `make bench`'s hostcost section.\n\n",
+		fmt.Fprintf(&b, "LaunchVM against its floor, in this run: the same `-machine none` QEMU (%s, 16 MiB) started by hand from `vmm.Argv`, its QMP listener bound as vmflow binds it, to QMP past `qmp_capabilities`: median %s ms (p99 %s, N=%d); LaunchVM's median on the WAL dev server (spawns without a vGPU): %s ms, %s the bare start. The difference is vmflow's launch (admission, the capacity placement, the uid, the jail's setup stage, the record's writes and fsyncs, `query-status`); its CPU per launch, at 10, 100 and 1,000 VMs on a host, is the hostcost section's.\n\n",
 			vmmtest.Accel(), MS(rs.Median), MS(rs.P99), rs.N, MS(walLaunch), Ratio(walLaunch, rs.Median))
 	}
 	b.WriteString("- " + target("Target: a spawn with a vGPU, start→running median under 100 ms on the WAL dev server", walSpawnVGPU, 100*time.Millisecond) + "\n")
