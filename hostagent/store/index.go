@@ -88,7 +88,7 @@ func (ix *index) changed(id string) {
 // IndexEpoch names s's index (0: none): RecordsChanged answers only
 // within one.
 func (s *Store) IndexEpoch() uint64 {
-	if ix := s.ix; ix != nil {
+	if ix := s.ix.Load(); ix != nil {
 		return ix.epoch
 	}
 	return 0
@@ -102,7 +102,7 @@ func (s *Store) IndexEpoch() uint64 {
 // more than once, and an entry read after may be newer than next: the
 // next answer names it again.
 func (s *Store) RecordsChanged(epoch, seq uint64) (ids []string, next uint64, ok bool) {
-	ix := s.ix
+	ix := s.ix.Load()
 	if ix == nil || ix.epoch != epoch {
 		return nil, 0, false
 	}
@@ -122,7 +122,7 @@ func (s *Store) RecordsChanged(epoch, seq uint64) (ids []string, next uint64, ok
 // them from disk at every use), and its epoch and seq for RecordsChanged.
 // ok is false without an index.
 func (s *Store) IndexRecords() (recs map[string]*vmflowv1.InstanceRecord, stale []string, epoch, seq uint64, ok bool) {
-	ix := s.ix
+	ix := s.ix.Load()
 	if ix == nil {
 		return nil, nil, 0, 0, false
 	}
@@ -143,7 +143,7 @@ func (s *Store) IndexRecords() (recs map[string]*vmflowv1.InstanceRecord, stale 
 // IndexRecord is id's entry in the index: its record (the index's copy),
 // or stale (read it from disk), or neither: no such record.
 func (s *Store) IndexRecord(id string) (rec *vmflowv1.InstanceRecord, stale bool) {
-	ix := s.ix
+	ix := s.ix.Load()
 	if ix == nil {
 		return nil, true
 	}
@@ -172,7 +172,7 @@ var ErrStateDirOwned = errdefs.Busy.New("a running agent holds the state dir")
 // unreadable record counts as taken, as without the index. Call it once,
 // before the store is shared; Close lets the lock go.
 func (s *Store) OpenIndex(ctx context.Context, inUse func(context.Context) (map[uint32]bool, error)) error {
-	if s.ix != nil {
+	if s.ix.Load() != nil {
 		return errdefs.Internal.Errorf("open index of %s: already open", s.root)
 	}
 	al, err := lockFile(ctx, filepath.Join(s.root, agentLockFile))
@@ -184,23 +184,22 @@ func (s *Store) OpenIndex(ctx context.Context, inUse func(context.Context) (map[
 		return errors.Join(fmt.Errorf("open index of %s: %w", s.root, err), al.Release(false))
 	}
 	ix.lock = al
-	s.ix = ix
+	s.ix.Store(ix)
 	return nil
 }
 
 // Close lets the agent lock go (after OpenIndex); the store then reads
 // the disk again, as one without an index. Idempotent.
 func (s *Store) Close() error {
-	ix := s.ix
+	ix := s.ix.Swap(nil)
 	if ix == nil {
 		return nil
 	}
-	s.ix = nil
 	return ix.lock.Release(false)
 }
 
 // Indexed reports whether s keeps the index (OpenIndex).
-func (s *Store) Indexed() bool { return s.ix != nil }
+func (s *Store) Indexed() bool { return s.ix.Load() != nil }
 
 // seedIndex reads what the records hold from disk, under the uid lock.
 func (s *Store) seedIndex(ctx context.Context, inUse func(context.Context) (map[uint32]bool, error)) (*index, error) {
@@ -449,7 +448,7 @@ func (ix *index) removed(id string) {
 // List's. A stale entry is read from disk as List reads it: an unreadable
 // record is in the *ListError.
 func (s *Store) Records() ([]*vmflowv1.InstanceRecord, error) {
-	ix := s.ix
+	ix := s.ix.Load()
 	if ix == nil {
 		return s.List()
 	}
@@ -490,7 +489,7 @@ func (s *Store) Records() ([]*vmflowv1.InstanceRecord, error) {
 // (which may hold more: a uid stays held until its record's delete). inUse
 // is the seed's process scan. Empty: they agree; without an index, nil.
 func (s *Store) IndexDiff(ctx context.Context, inUse func(context.Context) (map[uint32]bool, error)) ([]string, error) {
-	ix := s.ix
+	ix := s.ix.Load()
 	if ix == nil {
 		return nil, nil
 	}
@@ -534,7 +533,7 @@ func (s *Store) IndexDiff(ctx context.Context, inUse func(context.Context) (map[
 // lock shared, so no agent holds it meanwhile: ErrStateDirOwned while one
 // does. The indexed store writes through its index and runs write as is.
 func (s *Store) guardWrite(write func() error) error {
-	if s.ix != nil {
+	if s.ix.Load() != nil {
 		return write()
 	}
 	f, err := os.OpenFile(filepath.Join(s.root, agentLockFile), os.O_RDWR|os.O_CREATE, 0o600)

@@ -248,7 +248,7 @@ func (l *Locked) Transition(to vmflowv1.InstanceState) (*vmflowv1.InstanceRecord
 // the disk unknown, and the record stale in the index (read from disk).
 func (l *Locked) write(rec *vmflowv1.InstanceRecord) error {
 	err := l.s.guardWrite(func() error { return l.writeDisk(rec) })
-	if ix := l.s.ix; ix != nil {
+	if ix := l.s.ix.Load(); ix != nil {
 		if err != nil {
 			ix.unsure(l.id)
 		} else {
@@ -338,7 +338,7 @@ func (l *Locked) delete() error {
 	crashpoint.Hit(crashpoint.RecordTrashed)
 	// Gone for readers, on disk: the index forgets it and lets its uids go
 	// (its thread group was gone before: MayRemove).
-	if ix := l.s.ix; ix != nil {
+	if ix := l.s.ix.Load(); ix != nil {
 		ix.removed(l.id)
 	}
 	l.s.dropUID(rec.GetQemuUid(), l.id)

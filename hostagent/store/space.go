@@ -94,7 +94,7 @@ func (s *Store) reservePath() string { return filepath.Join(s.root, reserveFile)
 func (s *Store) checkRoom(disk uint64) error {
 	s.layReserve()
 	growth := s.overlayGrowth
-	if ix := s.ix; ix != nil {
+	if ix := s.ix.Load(); ix != nil {
 		growth = func() (uint64, error) { return ix.growthSum(s) }
 	}
 	sp := s.space(growth)
@@ -214,7 +214,7 @@ func (s *Store) overlayGrowth() (uint64, error) {
 		if err != nil {
 			return 0, err
 		}
-		if ix := s.ix; ix != nil {
+		if ix := s.ix.Load(); ix != nil {
 			ix.measured(id, g)
 		}
 		sum += g

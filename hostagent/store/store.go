@@ -33,6 +33,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"vmflow/internal/fsx"
@@ -79,7 +80,7 @@ type Store struct {
 	afterTemp func(tmp string) // test hook: see writeFileAtomic
 	// ix is what the records hold, kept by the agent that owns the state
 	// dir (OpenIndex, index.go); nil: every reader reads the disk.
-	ix *index
+	ix atomic.Pointer[index] // the index (OpenIndex); read once per use: Close swaps it out
 }
 
 // Option configures a Store.
@@ -387,8 +388,8 @@ func Unreadable(err error) (bad []UnreadableRecord, listed bool) {
 // unreadable by hand after the seed counts as taken from then on.
 func (s *Store) read(p Paths, id string) (*vmflowv1.InstanceRecord, error) {
 	rec, err := readRecord(p, id)
-	if err != nil && s.ix != nil && (!errors.Is(err, ErrNotFound) || s.ix.has(id)) {
-		s.ix.unsure(id)
+	if ix := s.ix.Load(); err != nil && ix != nil && (!errors.Is(err, ErrNotFound) || ix.has(id)) {
+		ix.unsure(id)
 	}
 	return rec, err
 }

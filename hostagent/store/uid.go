@@ -117,7 +117,7 @@ func (l *Locked) assignUID(ctx context.Context, r UIDRange, inUse func(context.C
 	// the ledger, each instance directory's owners, every process).
 	var holders uidHolders
 	unlock := func() {}
-	if ix := l.s.ix; ix != nil {
+	if ix := l.s.ix.Load(); ix != nil {
 		ix.mu.Lock()
 		holders, unlock = ix.uids, ix.mu.Unlock
 	} else if _, holders, _, err = l.s.readHolders(ctx, inUse); err != nil {
