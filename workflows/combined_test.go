@@ -140,15 +140,24 @@ func TestCombinedDeleteThreeActivities(t *testing.T) {
 // ends "already absent" with nothing released.
 func TestCombinedDeleteAlreadyAbsent(t *testing.T) {
 	e := newCombinedEnv(t)
-	e.OnActivity(combined.StopInstance, mock.Anything, mock.Anything).
-		Return(&vmflowv1.StopInstanceResult{Begin: &vmflowv1.BeginDeleteResult{AlreadyAbsent: true}}, nil).Once()
 	e.OnActivity(h.ReleaseLeases, mock.Anything, mock.Anything).Return(nil, nil).Never()
 	e.OnActivity(combined.RemoveInstance, mock.Anything, mock.Anything).Return(nil).Never()
+	var during *vmflowv1.WorkflowStatus
+	e.OnActivity(combined.StopInstance, mock.Anything, mock.Anything).Return(
+		func(context.Context, *vmflowv1.StopInstanceRequest) (*vmflowv1.StopInstanceResult, error) {
+			during = e.status()
+			return &vmflowv1.StopInstanceResult{Begin: &vmflowv1.BeginDeleteResult{AlreadyAbsent: true}}, nil
+		}).Once()
 	e.ExecuteWorkflow(DeleteWorkflow, deleteReq())
 	require.True(t, e.IsWorkflowCompleted())
 	var res vmflowv1.DeleteResult
 	require.NoError(t, e.GetWorkflowResult(&res))
 	assert.True(t, res.GetAlreadyAbsent())
+	// While StopInstance runs the delete may have begun on the host (an
+	// abandon of a lost host says the record stays there); absent, not.
+	require.NotNil(t, during)
+	assert.True(t, during.GetMetadataRetained(), "metadata retained while the stop runs")
+	assert.False(t, e.status().GetMetadataRetained(), "nothing retained when absent")
 	e.AssertExpectations(t)
 }
 

@@ -99,6 +99,10 @@ func (w *Workflows) deleteInstance(ctx workflow.Context, req *vmflowv1.DeleteReq
 	combined := version >= deleteVersionCombined && req.GetOnlyIfCreatedByWorkflowId() == ""
 	if combined {
 		t.stage(ctx, StageStopping)
+		// The delete may begin inside the activity, and a host lost
+		// meanwhile never says so: from here the record is kept on the
+		// host until the delete removes it (an abandon says where).
+		t.setRetained(ctx, true)
 		var res vmflowv1.StopInstanceResult
 		in := &vmflowv1.StopInstanceRequest{InstanceId: req.GetInstanceId(), GracefulTimeoutSeconds: req.GetGracefulTimeoutSeconds()}
 		if err := w.beginDelete(ctx, h, req, w.stopCall(req, ActivityStopInstance), in, &res, res.GetBegin); err != nil {
@@ -128,6 +132,7 @@ func (w *Workflows) deleteInstance(ctx workflow.Context, req *vmflowv1.DeleteReq
 		return &vmflowv1.DeleteResult{NotOwned: true, CreatedBy: begin.GetCreatedBy()}, nil
 	}
 	if begin.GetAlreadyAbsent() {
+		t.setRetained(ctx, false)
 		t.stage(ctx, StageAlreadyAbsent)
 		return &vmflowv1.DeleteResult{AlreadyAbsent: true}, nil
 	}

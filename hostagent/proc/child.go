@@ -12,6 +12,8 @@ import (
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"vmflow/internal/errdefs"
 )
 
 // Exit describes how a child ended.
@@ -48,7 +50,7 @@ type Child struct {
 // ErrNeedsWait: proc.Start refuses a command that only cmd.Wait would finish
 // (a copy goroutine for a non-file stdin, stdout or stderr; a context to
 // watch), as it never calls cmd.Wait.
-var ErrNeedsWait = errors.New("command needs exec.Cmd.Wait")
+var ErrNeedsWait = errdefs.InvalidInput.New("command needs exec.Cmd.Wait")
 
 // Start starts cmd in its own session (outliving this process and terminal
 // signals), records its identity right after the fork and reaps it in a
