@@ -61,7 +61,12 @@ func TestGuestLogPumpMemoryPerVM(t *testing.T) {
 	stack := float64(after.stack-before.stack) / pumps / 1024
 	goroutines := float64(after.goroutines-before.goroutines) / pumps
 	t.Logf("per idle pump: heap %.1f KiB, stacks %.1f KiB, %.1f goroutines", heap, stack, goroutines)
-	assert.LessOrEqual(t, heap+stack, 16.0, "KiB per idle pump")
+	// About 8 KiB measured alone; up to 18 under the race detector on a
+	// loaded CI machine (bigger stacks, other goroutines of the process
+	// growing theirs meanwhile). The pump before this one held 71 KiB (its
+	// 32 KiB buffer on the reader's stack, a parked writer): 32 tells the
+	// two apart with room on both sides.
+	assert.LessOrEqual(t, heap+stack, 32.0, "KiB per idle pump")
 	assert.LessOrEqual(t, goroutines, 1.0, "goroutines per idle pump")
 }
 
