@@ -126,12 +126,7 @@ func TestCombinedDeleteThreeActivities(t *testing.T) {
 	st := e.status()
 	assert.Equal(t, StageDeleted, st.GetStage())
 	assert.False(t, st.GetMetadataRetained())
-	var stages []string
-	for _, u := range e.upserts {
-		if s, ok := u["VmStage"].(string); ok && (len(stages) == 0 || stages[len(stages)-1] != s) {
-			stages = append(stages, s)
-		}
-	}
+	stages := e.visibleStages()
 	assert.Equal(t, []string{StageMarkingStopped, StageDeleted}, stages)
 	e.AssertExpectations(t)
 }

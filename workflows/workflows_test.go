@@ -131,6 +131,18 @@ func (e *env) counted(names ...string) {
 	}
 }
 
+// visibleStages is the VmStage values the upserts set, in order, each
+// change once: what a visibility query saw.
+func (e *env) visibleStages() []string {
+	var stages []string
+	for _, u := range e.upserts {
+		if s, ok := u["VmStage"].(string); ok && (len(stages) == 0 || stages[len(stages)-1] != s) {
+			stages = append(stages, s)
+		}
+	}
+	return stages
+}
+
 // cleanupStarted mocks the clean-up delete a failed spawn starts as a
 // child; the returned func gives its request (nil: none started).
 func (e *env) cleanupStarted() func() *vmflowv1.DeleteRequest {
@@ -330,12 +342,7 @@ func TestDeleteHappy(t *testing.T) {
 	// The stages a visibility query sees, in order: the first and the
 	// last (stage progress in between goes to Current Details only, which
 	// is not billed; see tracker.lazy).
-	var stages []string
-	for _, u := range e.upserts {
-		if s, ok := u["VmStage"].(string); ok && (len(stages) == 0 || stages[len(stages)-1] != s) {
-			stages = append(stages, s)
-		}
-	}
+	stages := e.visibleStages()
 	assert.Equal(t, []string{StageMarkingStopped, StageDeleted}, stages)
 	e.AssertExpectations(t)
 	e.AssertActivityNumberOfCalls(t, "DeleteRecord", 1)
