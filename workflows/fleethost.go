@@ -11,7 +11,8 @@ import (
 // the run that held the last one, and placement reads the memos from
 // visibility. The run waits, with no timer and no command, until the
 // next publish terminates it: an idle host costs nothing. An operator
-// retires a host for good by terminating its run.
+// retires a host for good by terminating its run (readers offer its view
+// for fleet.HandoverGrace more: a publish ends runs the same way).
 func (w *Workflows) FleetHost(ctx workflow.Context, v *vmflowv1.HostView) error {
 	workflow.GetLogger(ctx).Info("host view published", "host_id", v.GetHostId(), "published_at", v.GetPublishedAt())
 	return workflow.Await(ctx, func() bool { return false })

@@ -43,10 +43,22 @@ func Publish(ctx context.Context, c client.Client, queue string, v *vmflowv1.Hos
 
 var lenient = protojson.UnmarshalOptions{DiscardUnknown: true}
 
-// viewQuery lists the running FleetHost workflows of the hosts whose
-// agents publish to queue: one fleet (several may share a namespace).
-func viewQuery(queue string) string {
-	return fmt.Sprintf("WorkflowType = '%s' AND ExecutionStatus = 'Running' AND TaskQueue = '%s'", workflows.FleetHostWorkflow, queue)
+// HandoverGrace is how long a FleetHost run ended by its host's next
+// publish still stands for that host's view in a read. Visibility writes
+// the ended run's close and the new run's start as two records, in
+// either order: between them the host would vanish from a read of the
+// running runs alone, and a spawn placed then fail NoFleetCapacity on a
+// fleet with room (seen: 1 of 30 spawns, one host missing). The cost: a
+// host retired by terminating its run is offered for this long after.
+const HandoverGrace = 10 * time.Second
+
+// viewQuery lists the FleetHost workflows of the hosts whose agents
+// publish to queue (one fleet; several may share a namespace): the
+// running ones, and those closed after closedAfter (a handover's ended
+// run while its replacement is not yet visible).
+func viewQuery(queue string, closedAfter time.Time) string {
+	return fmt.Sprintf("WorkflowType = '%s' AND TaskQueue = '%s' AND (ExecutionStatus = 'Running' OR CloseTime > '%s')",
+		workflows.FleetHostWorkflow, queue, closedAfter.UTC().Format(time.RFC3339Nano))
 }
 
 // maxHosts bounds a read (pages of 1,000).
@@ -54,9 +66,14 @@ const maxHosts = 10000
 
 // Read lists the published view of every host of the fleet of queue (the
 // workflow task queue its agents publish to; "" is "vmflow") from
-// visibility (no billed action), one per host: the latest run's when a
-// replacement shows beside the run it ended. Sorted by host id.
+// visibility (no billed action), one per host: its latest run's, running
+// or ended within HandoverGrace (a publish under way). Sorted by host id.
 func Read(ctx context.Context, c client.Client, queue string) ([]*vmflowv1.HostView, error) {
+	return readAt(ctx, c, queue, time.Now())
+}
+
+// readAt is Read as of now.
+func readAt(ctx context.Context, c client.Client, queue string, now time.Time) ([]*vmflowv1.HostView, error) {
 	if queue == "" {
 		queue = workflows.DefaultTaskQueue
 	}
@@ -70,7 +87,7 @@ func Read(ctx context.Context, c client.Client, queue string) ([]*vmflowv1.HostV
 	byHost := map[string]seen{}
 	var token []byte
 	for n := 0; n < maxHosts; {
-		resp, err := c.ListWorkflow(ctx, &workflowservice.ListWorkflowExecutionsRequest{Query: viewQuery(queue), PageSize: 1000, NextPageToken: token})
+		resp, err := c.ListWorkflow(ctx, &workflowservice.ListWorkflowExecutionsRequest{Query: viewQuery(queue, now.Add(-HandoverGrace)), PageSize: 1000, NextPageToken: token})
 		if err != nil {
 			return nil, fmt.Errorf("read the fleet view: %w", err)
 		}

@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 	enumspb "go.temporal.io/api/enums/v1"
 	historypb "go.temporal.io/api/history/v1"
+	"go.temporal.io/api/workflowservice/v1"
 	"go.temporal.io/sdk/activity"
 	"go.temporal.io/sdk/client"
 	"go.temporal.io/sdk/temporal"
@@ -108,6 +109,14 @@ func (f *fakeHost) ran(what string) bool {
 	return false
 }
 
+func hostIDs(vs []*vmflowv1.HostView) []string {
+	var ids []string
+	for _, v := range vs {
+		ids = append(ids, v.GetHostId())
+	}
+	return ids
+}
+
 func hostView(id string, free uint32, at time.Time) *vmflowv1.HostView {
 	return &vmflowv1.HostView{HostId: id, PublishedAt: at.UTC().Format(time.RFC3339Nano), Kvm: true, VcpusTotal: 16, VcpusFree: free,
 		MemoryTotalMib: 65536, MemoryFreeMib: 65536, PinnedMemoryFreeMib: 65536, VmOverheadMib: 256}
@@ -156,6 +165,28 @@ func TestPlacementOnAServer(t *testing.T) {
 	live, err := fleet.Live(ctx, c, "h3")
 	require.NoError(t, err)
 	assert.False(t, live, "no agent polls h3")
+
+	// A run ended by its host's next publish stands for the host until
+	// the replacement shows (visibility writes the two apart); one ended
+	// longer than HandoverGrace ago (a host retired) is not offered.
+	require.NoError(t, fleet.Publish(ctx, c, queue, hostView("h4", 16, now)))
+	require.Eventually(t, func() bool {
+		views, err := fleet.Read(ctx, c, queue)
+		return err == nil && len(views) == 4
+	}, 30*time.Second, 100*time.Millisecond, "h4's view")
+	require.NoError(t, c.TerminateWorkflow(ctx, workflows.FleetHostWorkflowID("h4"), "", "a publish under way: its replacement not yet visible"))
+	require.Eventually(t, func() bool {
+		n, err := c.CountWorkflow(ctx, &workflowservice.CountWorkflowExecutionsRequest{
+			Query: "WorkflowId = '" + workflows.FleetHostWorkflowID("h4") + "' AND ExecutionStatus = 'Terminated'"})
+		return err == nil && n.GetCount() == 1
+	}, 30*time.Second, 100*time.Millisecond, "h4's run ended, as visibility sees it")
+	views, err = fleet.Read(ctx, c, queue)
+	require.NoError(t, err)
+	assert.Equal(t, []string{"h1", "h2", "h3", "h4"}, hostIDs(views), "h4's ended run stands until its replacement shows")
+	views, err = fleet.ReadAt(ctx, c, queue, time.Now().Add(fleet.HandoverGrace+time.Second))
+	require.NoError(t, err)
+	assert.Equal(t, []string{"h1", "h2", "h3"}, hostIDs(views), "an ended run past the grace offers nothing")
+	assert.Equal(t, uint32(6), views[0].GetVcpusFree(), "h1's latest view, its earlier run ended too")
 
 	vc := workflows.NewClient(c, queue)
 	spawn := func(id string) (client.WorkflowRun, *vmflowv1.SpawnResult) {
