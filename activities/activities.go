@@ -337,14 +337,18 @@ func (a *Activities) LaunchVM(ctx context.Context, req *vmflowv1.LaunchVMRequest
 	if err != nil {
 		return nil, classify(fmt.Errorf("launch: %w", err))
 	}
-	if a.Metrics != nil && !res.AlreadyRunning {
-		a.Metrics.LaunchDuration.Observe(res.Duration.Seconds())
+	if d := res.Timeline.ForkToRunning(); a.Metrics != nil && d > 0 {
+		a.Metrics.LaunchDuration.Observe(d.Seconds())
 	}
 	crashpoint.Hit(crashpoint.ActivityLaunchVMDone)
 	if !res.AlreadyRunning {
 		a.changed()
 	}
-	log.Info("VM running", zap.Int("pid", res.Identity.PID), zap.Bool("already_running", res.AlreadyRunning), zap.Duration("took", res.Duration))
+	fields := []zap.Field{zap.Int("pid", res.Identity.PID), zap.Bool("already_running", res.AlreadyRunning), zap.Duration("took", res.Duration)}
+	if len(res.Timeline) > 0 {
+		fields = append(fields, zap.Object("timeline_ms", res.Timeline))
+	}
+	log.Info("VM running", fields...)
 	rec, err := a.Store.Get(id)
 	if err != nil {
 		return nil, classify(fmt.Errorf("launch: read the record back: %w", err))

@@ -269,7 +269,7 @@ func (s *Supervisor) restart(in *instance, gen uint64) {
 	}
 	log := in.log.With(zap.Uint32("restart_count", attempt))
 	log.Info("restarting")
-	vm, err := s.launchLocked(ctx, l, in, rec)
+	vm, err := s.launchLocked(ctx, l, in, rec, nil)
 	if errors.Is(err, admission.ErrAdmissionRefused) || errors.Is(err, store.ErrUIDRangeTaken) {
 		s.refuseRestartLocked(l, in, attempt-1, err)
 		return

@@ -24,6 +24,8 @@ type LaunchResult struct {
 	AlreadyRunning bool `json:"already_running"`
 	// Duration is the whole call, lock waits included.
 	Duration time.Duration `json:"duration"`
+	// Timeline is where Duration went, for a launch that started QEMU.
+	Timeline Timeline `json:"timeline,omitempty"`
 }
 
 // Launch starts QEMU for instance id (Creating, or Exited for a restart) and
@@ -32,6 +34,7 @@ type LaunchResult struct {
 // (AlreadyRunning). Keeps invariants 5 and 11; QEMU outlives ctx and the agent.
 func (s *Supervisor) Launch(ctx context.Context, id string) (LaunchResult, error) {
 	start := time.Now()
+	clk := newClock(start, segLock)
 	in, err := s.instance(id)
 	if err != nil {
 		return LaunchResult{}, fmt.Errorf("launch: %w", err)
@@ -116,13 +119,14 @@ func (s *Supervisor) Launch(ctx context.Context, id string) (LaunchResult, error
 			return LaunchResult{}, fmt.Errorf("launch instance %s: %w", id, err)
 		}
 	}
-	vm, err := s.launchLocked(ctx, l, in, rec)
+	vm, err := s.launchLocked(ctx, l, in, rec, clk)
 	if err != nil {
 		return LaunchResult{}, fmt.Errorf("launch instance %s: %w", id, err)
 	}
 	in.setVM(vm)
 	s.watch(in, vm)
-	return LaunchResult{Identity: vm.Identity(), Duration: time.Since(start)}, nil
+	end := time.Now()
+	return LaunchResult{Identity: vm.Identity(), Duration: end.Sub(start), Timeline: clk.timeline(end)}, nil
 }
 
 // errGone: the VM's thread group ended while waiting for it.
@@ -264,8 +268,9 @@ func UIDsInUse(devRoot string) func(context.Context) (map[uint32]bool, error) {
 // launchLocked launches QEMU for the locked rec by running launchStages and
 // moves it to Running; on failure nothing remains but the leases (invariant
 // 5).
-func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *instance, rec *vmflowv1.InstanceRecord) (*vmm.VM, error) {
-	r := &launchRun{s: s, l: l, in: in, rec: rec, log: in.log, start: time.Now(), stages: launchStages}
+// clk, if set, is told each stage and step as it begins.
+func (s *Supervisor) launchLocked(ctx context.Context, l *store.Locked, in *instance, rec *vmflowv1.InstanceRecord, clk *clock) (*vmm.VM, error) {
+	r := &launchRun{s: s, l: l, in: in, rec: rec, log: in.log, start: time.Now(), stages: launchStages, clk: clk}
 	if s.hooks.launchStages != nil {
 		r.stages = s.hooks.launchStages(launchStages)
 	}

@@ -96,6 +96,8 @@ type launchRun struct {
 	// vmPID is the forked QEMU, for the record stage; vm, once QMP answered.
 	vmPID proc.Identity
 	vm    *vmm.VM
+	// clk is told each stage as it begins (nil: not timed).
+	clk *clock
 }
 
 // run runs r.stages in order; on a failure, the undos. The start slot is
@@ -120,6 +122,7 @@ func (r *launchRun) run(ctx context.Context) error {
 func (r *launchRun) next(ctx context.Context) error {
 	st := r.stages[r.entered]
 	r.entered++
+	r.clk.mark(st.name)
 	return st.do(r, ctx)
 }
 
@@ -292,6 +295,7 @@ func (r *launchRun) fork(ctx context.Context) error {
 		FDStore:        s.cfg.FDStore,
 		ReadyTimeout:   s.cfg.ReadyTimeout,
 		CleanupTimeout: s.cfg.GroupExitCap,
+		Mark:           r.clk.mark,
 		OnStarted: func(pid proc.Identity) error {
 			r.vmPID = pid
 			if s.hooks.beforeRecorded != nil {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"net"
 	"os/exec"
+	"slices"
 	"sync"
 	"syscall"
 	"testing"
@@ -49,10 +50,33 @@ func TestLaunchRunningStopGone(t *testing.T) {
 	assert.True(t, status.Child)
 	assert.Equal(t, proc.StateRunning, status.Liveness.State)
 
+	// Where the launch's time went: every stage and vmm.Launch's steps, in
+	// order, adding up to the whole call.
+	var names []string
+	var sum time.Duration
+	for _, seg := range res.Timeline {
+		names = append(names, seg.Name)
+		sum += seg.Took
+		assert.GreaterOrEqual(t, seg.Took, time.Duration(0), seg.Name)
+	}
+	want := []string{segLock, "admit", "capacity", "start slot", "ensure leases", "uid", "VFIO nodes", "network", "fork",
+		vmm.LaunchStepClone, "record", vmm.LaunchStepToQMP, vmm.LaunchStepStatus, "QMP ready"}
+	if sup.cfg.Cgroups != nil {
+		want = slices.Insert(want, slices.Index(want, vmm.LaunchStepToQMP), vmm.LaunchStepCgroup)
+	}
+	assert.Equal(t, want, names)
+	assert.Equal(t, res.Duration, sum, "the segments are the whole call")
+	fork := res.Timeline.ForkToRunning()
+	assert.Equal(t, sum-res.Timeline.Of(segLock)-res.Timeline.Of("admit")-res.Timeline.Of("capacity")-res.Timeline.Of("start slot")-
+		res.Timeline.Of("ensure leases")-res.Timeline.Of("uid")-res.Timeline.Of("VFIO nodes")-res.Timeline.Of("network")-
+		res.Timeline.Of("fork")-res.Timeline.Of("QMP ready"), fork, "fork to running: clone up to the running write")
+	assert.Greater(t, fork, res.Timeline.Of(vmm.LaunchStepToQMP)-1, "QEMU's start is inside it")
+
 	again, err := sup.Launch(ctxT(t, 30*time.Second), "vm1")
 	require.NoError(t, err)
 	assert.True(t, again.AlreadyRunning, "a second launch returns the running VM")
 	assert.Equal(t, res.Identity, again.Identity)
+	assert.Empty(t, again.Timeline, "nothing started: no launch to time")
 
 	// The delete writes the marker first (invariant 6).
 	require.NoError(t, e.st.MarkManualStop(ctxT(t, 5*time.Second), "vm1"))

@@ -69,6 +69,33 @@ type LaunchConfig struct {
 	// next agent (systemd's fd store) under LogFDName(Spec.Name,
 	// Confine.UID), so a restart loses nothing the pipe holds.
 	FDStore FDStore
+	// Mark, when set, is called as the launch enters each of its timed
+	// steps (LaunchStep*), for the caller's timeline of where a launch's
+	// time goes; OnStarted's work falls between clone and the next mark.
+	Mark func(step string)
+}
+
+// The steps LaunchConfig.Mark names, in order; each lasts until the next
+// mark (the caller's, after OnStarted, included).
+const (
+	// LaunchStepClone: the fork (clone with its pidfd) of the jail's
+	// setup stage or the rlimit wrapper.
+	LaunchStepClone = "clone"
+	// LaunchStepCgroup: the VM's cgroup made, limited and given the pid.
+	LaunchStepCgroup = "cgroup"
+	// LaunchStepToQMP: the go-ahead to the jail's setup stage (its root
+	// built, QEMU exec'd), QEMU's start until its QMP greeting and
+	// qmp_capabilities answered.
+	LaunchStepToQMP = "exec to QMP"
+	// LaunchStepStatus: query-status.
+	LaunchStepStatus = "query-status"
+)
+
+// mark tells cfg.Mark that step begins.
+func (cfg *LaunchConfig) mark(step string) {
+	if cfg.Mark != nil {
+		cfg.Mark(step)
+	}
 }
 
 // VM is a running QEMU: either one this process launched (a child it reaps)
@@ -219,6 +246,7 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 		return nil, fmt.Errorf("launch: %w", err)
 	}
 	crashpoint.Hit(crashpoint.LaunchBeforeFork)
+	cfg.mark(LaunchStepClone)
 	var child *proc.Child
 	start := func() (err error) { child, err = proc.Start(cmd); return err }
 	if cfg.Confine.Jail == nil {
@@ -251,6 +279,7 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 
 	crashpoint.Hit(crashpoint.LaunchPIDRecorded)
 	if cg := cfg.Confine.Cgroups; cg != nil {
+		cfg.mark(LaunchStepCgroup)
 		// After the pid is recorded, before QEMU has built its machine:
 		// the wrapper's exec and QEMU's first instructions run in the
 		// agent's cgroup, guest RAM is allocated in the VM's.
@@ -259,6 +288,7 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 			return nil, fmt.Errorf("launch %v: %w", id, err)
 		}
 	}
+	cfg.mark(LaunchStepToQMP)
 	if l.goAhead != nil {
 		// Recorded and placed: the setup stage may build the root and
 		// exec QEMU.
@@ -291,6 +321,7 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 		return nil, err
 	}
 	l.mon = mon
+	cfg.mark(LaunchStepStatus)
 	st, err := mon.Status(rctx)
 	if err != nil {
 		if l.exited() {
