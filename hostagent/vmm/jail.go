@@ -303,14 +303,10 @@ func jailSetup(args []string) error {
 	if cfg.UID == 0 {
 		return ErrNoQEMUUID
 	}
-	// The agent writes a byte once the pid is recorded and the cgroup
-	// made; EOF means it gave up: never start QEMU then.
-	goAhead := os.NewFile(uintptr(cfg.SyncFD), "sync")
-	var one [1]byte
-	if n, err := goAhead.Read(one[:]); n != 1 {
-		return fmt.Errorf("waiting for the agent: %w", errors.Join(err, errors.New("no go-ahead")))
-	}
-	goAhead.Close()
+	// The root first, while the agent records the pid and places this
+	// process in the VM's cgroup (whose first cgroup.procs write in a
+	// while waits out an RCU grace period, about 10 ms here): it is all in
+	// this process's own namespaces, seen by nobody else, and gone with it.
 	if err := buildRoot(cfg); err != nil {
 		return err
 	}
@@ -320,6 +316,14 @@ func jailSetup(args []string) error {
 	if err := setLimits(cfg.Limits); err != nil {
 		return err
 	}
+	// The agent writes a byte once the pid is recorded and the cgroup
+	// made; EOF means it gave up: never start QEMU then.
+	goAhead := os.NewFile(uintptr(cfg.SyncFD), "sync")
+	var one [1]byte
+	if n, err := goAhead.Read(one[:]); n != 1 {
+		return fmt.Errorf("waiting for the agent: %w", errors.Join(err, errors.New("no go-ahead")))
+	}
+	goAhead.Close()
 	// Close-on-exec rather than closed: the setup stage's own runtime
 	// (its netpoller's epoll descriptor) runs until the exec.
 	if err := unix.CloseRange(uint(cfg.NFiles), ^uint(0), closeRangeCloexec); err != nil {

@@ -2,7 +2,9 @@ package vmm
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"io/fs"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -159,7 +161,9 @@ func readLog(path string) string {
 // A launch caught in the jail's setup stage (before QEMU is exec'd: here
 // while OnStarted runs, the stage waiting for its go-ahead) is found by
 // the instance's uid and name, as QEMU is later; another uid or name is
-// not, nor a search that does not know the setup binary.
+// not, nor a search that does not know the setup binary. The stage builds
+// QEMU's root before its go-ahead (overlapping the agent's record write
+// and cgroup placement), and is found once it has pivoted into it too.
 func TestFindUnrecordedSeesJailSetup(t *testing.T) {
 	qemu := requiresQEMU(t)
 	requiresRoot(t)
@@ -169,9 +173,21 @@ func TestFindUnrecordedSeesJailSetup(t *testing.T) {
 		require.NoError(t, err)
 		return ids
 	}
-	var inSetup, otherUID, otherName, noSetup []proc.Identity
+	var inSetup, pivoted, otherUID, otherName, noSetup []proc.Identity
+	var rootBuilt bool
 	cfg.OnStarted = func(id proc.Identity) error {
 		inSetup = look(cfg.Confine.UID, "setup", os.Args[0])
+		// No go-ahead yet: the root is built all the same.
+		deadline := time.Now().Add(10 * time.Second)
+		root := fmt.Sprintf("/proc/%d/root", id.PID)
+		for !rootBuilt && time.Now().Before(deadline) {
+			// Its own /dev, and not the host's folders (the instance's).
+			_, dev := os.Stat(root + "/dev/null")
+			_, inst := os.Stat(root + filepath.Dir(cfg.Paths.QMPSocket))
+			rootBuilt = dev == nil && errors.Is(inst, fs.ErrNotExist)
+			time.Sleep(5 * time.Millisecond)
+		}
+		pivoted = look(cfg.Confine.UID, "setup", os.Args[0])
 		otherUID = look(cfg.Confine.UID+1, "setup", os.Args[0])
 		otherName = look(cfg.Confine.UID, "setu", os.Args[0])
 		noSetup = look(cfg.Confine.UID, "setup", "")
@@ -181,6 +197,8 @@ func TestFindUnrecordedSeesJailSetup(t *testing.T) {
 	require.NoError(t, err, "log: %s", readLog(cfg.Paths.Log))
 	killOnCleanup(t, vm)
 	assert.Equal(t, []proc.Identity{vm.Identity()}, inSetup, "the setup stage is the launch's process")
+	assert.True(t, rootBuilt, "the setup stage built QEMU's root before its go-ahead")
+	assert.Equal(t, []proc.Identity{vm.Identity()}, pivoted, "found in its own root too")
 	assert.Empty(t, otherUID)
 	assert.Empty(t, otherName)
 	assert.Empty(t, noSetup)

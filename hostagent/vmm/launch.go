@@ -285,7 +285,7 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 		// agent's cgroup, guest RAM is allocated in the VM's.
 		l.cgroupPlaced = true
 		if err := cg.Place(ctx, CgroupName(cfg.Spec.Name, cfg.Confine.UID), id.PID, cgLimits); err != nil {
-			return nil, fmt.Errorf("launch %v: %w", id, err)
+			return nil, l.failedOrExited(id, fmt.Errorf("launch %v: %w", id, err))
 		}
 	}
 	cfg.mark(LaunchStepToQMP)
@@ -296,7 +296,7 @@ func (l *launch) run(ctx context.Context) (*VM, error) {
 		l.goAhead.Close()
 		l.goAhead = nil
 		if err != nil {
-			return nil, fmt.Errorf("launch %v: tell the jail's setup stage to go on: %w", id, err)
+			return nil, l.failedOrExited(id, fmt.Errorf("launch %v: tell the jail's setup stage to go on: %w", id, err))
 		}
 	}
 	h, err := proc.Open(id)
@@ -369,6 +369,21 @@ func confineCmd(cmd *exec.Cmd, c Confinement, accel Accel, files []*os.File) {
 	cmd.Dir = "/"
 	cmd.SysProcAttr = c.sysProcAttr(accel)
 	cmd.ExtraFiles = files
+}
+
+// failedOrExited is err, or how the process ended when it ends meanwhile:
+// the jail's setup stage builds QEMU's root before its go-ahead and exits
+// at a failure there, and its own words say more than the write that
+// found it gone.
+func (l *launch) failedOrExited(id proc.Identity, err error) error {
+	t := time.NewTimer(exitGrace)
+	defer t.Stop()
+	select {
+	case <-l.child.Done():
+		return l.exitedError(id)
+	case <-t.C:
+		return err
+	}
 }
 
 func (l *launch) exited() bool {
