@@ -35,9 +35,16 @@ func Locate(sysfsRoot, id string) (topology.PCILocality, error) {
 // listed all the same; placement counts it on no node (see
 // topology.Topology.DeviceNode).
 func locality(sysfsRoot, addr string) topology.PCILocality {
+	l, _ := readLocality(sysfsRoot, addr)
+	return l
+}
+
+// readLocality is locality, and whether sysfs said (a driver keeps only
+// what it read).
+func readLocality(sysfsRoot, addr string) (topology.PCILocality, bool) {
 	l, err := topology.ReadPCILocality(sysfsRoot, addr)
 	if err != nil {
-		return topology.PCILocality{NUMANode: topology.NoNode}
+		return topology.PCILocality{NUMANode: topology.NoNode}, false
 	}
-	return l
+	return l, true
 }

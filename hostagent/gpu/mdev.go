@@ -11,7 +11,10 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
+
+	"vmflow/hostagent/topology"
 )
 
 // MdevDriver drives mediated devices:
@@ -21,6 +24,16 @@ type MdevDriver struct {
 	root     string
 	lock     *hostLock
 	releases *releases
+
+	// fixed holds what sysfs says that does not change while a device
+	// is there: a type's name by its folder, a parent GPU's locality.
+	// Read every time, a spawn paid two scans of every type (on the FUSE
+	// simulator about 500 requests, 12-19 ms each; on kernel sysfs under
+	// a millisecond). A device replaced at the same address without a
+	// restart of the agent (a driver reload) keeps what was read first.
+	mu    sync.Mutex
+	names map[string]string
+	locs  map[string]topology.PCILocality
 }
 
 var _ Driver = (*MdevDriver)(nil)
@@ -49,43 +62,121 @@ func (d *MdevDriver) Profiles(ctx context.Context) ([]Profile, error) {
 	if err != nil {
 		return nil, err
 	}
+	return d.profiles(ctx, devs, "")
+}
+
+// ProfileNames lists the names of the types the host offers, each once,
+// free or not (lease.Claims.Profiles, for admission): no availability
+// and no device is read.
+func (d *MdevDriver) ProfileNames(ctx context.Context) ([]string, error) {
+	var names []string
+	err := d.eachType(ctx, func(_, _, name string) error {
+		if !slices.Contains(names, name) {
+			names = append(names, name)
+		}
+		return nil
+	})
+	return names, err
+}
+
+// eachType calls fn with each type of each parent GPU and its name.
+func (d *MdevDriver) eachType(ctx context.Context, fn func(parent, typeID, name string) error) error {
+	parents, err := os.ReadDir(filepath.Join(d.root, "class", "mdev_bus"))
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("vgpu: list mdev parents: %w", err)
+	}
+	for _, p := range parents {
+		if err := ctx.Err(); err != nil {
+			return fmt.Errorf("vgpu: list mdev profiles: %w", err)
+		}
+		types, err := os.ReadDir(d.typesDir(p.Name()))
+		if err != nil {
+			return fmt.Errorf("vgpu: list mdev types of %s: %w", p.Name(), err)
+		}
+		for _, t := range types {
+			name, err := d.typeName(filepath.Join(d.typesDir(p.Name()), t.Name()))
+			if err != nil {
+				return fmt.Errorf("vgpu: mdev type %s/%s: %w", p.Name(), t.Name(), err)
+			}
+			if err := fn(p.Name(), t.Name(), name); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// typeName is the name file of the type at dir, read once.
+func (d *MdevDriver) typeName(dir string) (string, error) {
+	d.mu.Lock()
+	name, ok := d.names[dir]
+	d.mu.Unlock()
+	if ok {
+		return name, nil
+	}
+	name, err := readAttr(filepath.Join(dir, "name"))
+	if err != nil {
+		return "", err
+	}
+	d.mu.Lock()
+	if d.names == nil {
+		d.names = map[string]string{}
+	}
+	d.names[dir] = name
+	d.mu.Unlock()
+	return name, nil
+}
+
+// locality is parent's, read once it could be read.
+func (d *MdevDriver) locality(parent string) topology.PCILocality {
+	d.mu.Lock()
+	l, ok := d.locs[parent]
+	d.mu.Unlock()
+	if ok {
+		return l
+	}
+	l, read := readLocality(d.root, parent)
+	if !read {
+		return l
+	}
+	d.mu.Lock()
+	if d.locs == nil {
+		d.locs = map[string]topology.PCILocality{}
+	}
+	d.locs[parent] = l
+	d.mu.Unlock()
+	return l
+}
+
+// profiles is Profiles over devs (the mdevs that exist), of the types
+// named only ("" every type): a create reads the availability of the
+// profile it asks for, not of every type.
+func (d *MdevDriver) profiles(ctx context.Context, devs []Device, only string) ([]Profile, error) {
 	used := map[string]int{}
 	for _, dev := range devs {
 		used[dev.Parent]++
 	}
-	parents, err := os.ReadDir(filepath.Join(d.root, "class", "mdev_bus"))
-	if errors.Is(err, os.ErrNotExist) {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, fmt.Errorf("vgpu: list mdev parents: %w", err)
-	}
 	var out []Profile
-	for _, p := range parents {
-		if err := ctx.Err(); err != nil {
-			return nil, fmt.Errorf("vgpu: list mdev profiles: %w", err)
+	err := d.eachType(ctx, func(parent, typeID, name string) error {
+		if only != "" && name != only {
+			return nil
 		}
-		types, err := os.ReadDir(d.typesDir(p.Name()))
+		avs, err := readAttr(filepath.Join(d.typesDir(parent), typeID, "available_instances"))
 		if err != nil {
-			return nil, fmt.Errorf("vgpu: list mdev types of %s: %w", p.Name(), err)
+			return fmt.Errorf("vgpu: mdev type %s/%s: %w", parent, typeID, err)
 		}
-		loc := locality(d.root, p.Name())
-		for _, t := range types {
-			dir := filepath.Join(d.typesDir(p.Name()), t.Name())
-			name, err := readAttr(filepath.Join(dir, "name"))
-			if err != nil {
-				return nil, fmt.Errorf("vgpu: mdev type %s/%s: %w", p.Name(), t.Name(), err)
-			}
-			avs, err := readAttr(filepath.Join(dir, "available_instances"))
-			if err != nil {
-				return nil, fmt.Errorf("vgpu: mdev type %s/%s: %w", p.Name(), t.Name(), err)
-			}
-			av, err := strconv.Atoi(avs)
-			if err != nil {
-				return nil, fmt.Errorf("vgpu: mdev type %s/%s: available_instances %q: %w", p.Name(), t.Name(), avs, err)
-			}
-			out = append(out, Profile{Name: name, TypeID: t.Name(), Parent: p.Name(), Available: av, Used: used[p.Name()], PCILocality: loc})
+		av, err := strconv.Atoi(avs)
+		if err != nil {
+			return fmt.Errorf("vgpu: mdev type %s/%s: available_instances %q: %w", parent, typeID, avs, err)
 		}
+		out = append(out, Profile{Name: name, TypeID: typeID, Parent: parent, Available: av, Used: used[parent], PCILocality: d.locality(parent)})
+		return nil
+	})
+	if err != nil {
+		return nil, err
 	}
 	sortProfiles(out)
 	return out, nil
@@ -163,17 +254,17 @@ func (d *MdevDriver) Create(ctx context.Context, req CreateRequest) (Device, err
 			return Device{}, fmt.Errorf("vgpu: create mdev %s at %+v: %w", id, pl, ErrInvalid)
 		}
 	} else {
-		profs, err := d.Profiles(ctx)
+		devs, err := d.Devices(ctx)
+		if err != nil {
+			return Device{}, err
+		}
+		profs, err := d.profiles(ctx, devs, req.Profile)
 		if err != nil {
 			return Device{}, err
 		}
 		held, err := req.held(ctx)
 		if err != nil {
 			return Device{}, fmt.Errorf("vgpu: create mdev %s: held claims: %w", id, err)
-		}
-		devs, err := d.Devices(ctx)
-		if err != nil {
-			return Device{}, err
 		}
 		pl, err = place(reserveHeld(profs, held, deviceIDs(devs), true), req)
 		if err != nil {

@@ -145,8 +145,15 @@ func New(cfg Config) (*Claims, error) {
 // Driver is the driver the claims use.
 func (c *Claims) Driver() gpu.Driver { return c.drv }
 
-// Profiles lists the profile names the host offers, each once.
+// Profiles lists the profile names the host offers, each once (a driver
+// that can name them without reading what is free does: admission asks
+// only whether a name is offered).
 func (c *Claims) Profiles(ctx context.Context) ([]string, error) {
+	if n, ok := c.drv.(interface {
+		ProfileNames(context.Context) ([]string, error)
+	}); ok {
+		return n.ProfileNames(ctx)
+	}
 	ps, err := c.drv.Profiles(ctx)
 	if err != nil {
 		return nil, err
