@@ -13,6 +13,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"go.temporal.io/api/workflowservice/v1"
 	"go.temporal.io/sdk/client"
 	"go.temporal.io/sdk/temporal"
 	"google.golang.org/protobuf/encoding/protojson"
@@ -22,6 +23,7 @@ import (
 	"vmflow/hostagent/vmm/vmmtest"
 	"vmflow/platform/fleet"
 	vmflowv1 "vmflow/proto/vmflow/v1"
+	"vmflow/testsupport/devserver"
 	"vmflow/workflows"
 )
 
@@ -392,4 +394,41 @@ func TestFleetPlacement(t *testing.T) {
 	for host, recs := range f.records() {
 		assert.Empty(t, ids(recs), "%s after every delete", host)
 	}
+}
+
+// TestFleetViewHandoverOnBackends: a host's FleetHost run ended by its
+// next publish (its replacement not yet visible) still offers the host,
+// and one ended longer than fleet.HandoverGrace ago does not, on both
+// backends: the read's query (running, or closed after a time) is
+// visibility SQL that SQLite and PostgreSQL each answer.
+func TestFleetViewHandoverOnBackends(t *testing.T) {
+	onBackends(t, func(t *testing.T, srv devserver.Temporal) {
+		c := srv.Client(t)
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		queue, host := "handover-"+suffix(t), "e2e-hv-"+suffix(t)
+		v := &vmflowv1.HostView{HostId: host, PublishedAt: time.Now().UTC().Format(time.RFC3339Nano), VcpusTotal: 4, VcpusFree: 4}
+		require.NoError(t, fleet.Publish(ctx, c, queue, v))
+		hosts := func(at time.Time) []string {
+			vs, err := fleet.ReadAt(ctx, c, queue, at)
+			require.NoError(t, err)
+			var ids []string
+			for _, v := range vs {
+				ids = append(ids, v.GetHostId())
+			}
+			return ids
+		}
+		waitFor(t, 30*time.Second, "the view", func() (bool, string) {
+			ids := hosts(time.Now())
+			return slices.Equal(ids, []string{host}), fmt.Sprint(ids)
+		})
+		require.NoError(t, c.TerminateWorkflow(ctx, workflows.FleetHostWorkflowID(host), "", "a publish under way"))
+		waitFor(t, 30*time.Second, "the run's end in visibility", func() (bool, string) {
+			n, err := c.CountWorkflow(ctx, &workflowservice.CountWorkflowExecutionsRequest{
+				Query: "WorkflowId = '" + workflows.FleetHostWorkflowID(host) + "' AND ExecutionStatus = 'Terminated'"})
+			return err == nil && n.GetCount() == 1, fmt.Sprint(n, err)
+		})
+		assert.Equal(t, []string{host}, hosts(time.Now()), "the ended run stands for its host")
+		assert.Empty(t, hosts(time.Now().Add(fleet.HandoverGrace+time.Second)), "past the grace: a retired host")
+	})
 }

@@ -69,11 +69,12 @@ const maxHosts = 10000
 // visibility (no billed action), one per host: its latest run's, running
 // or ended within HandoverGrace (a publish under way). Sorted by host id.
 func Read(ctx context.Context, c client.Client, queue string) ([]*vmflowv1.HostView, error) {
-	return readAt(ctx, c, queue, time.Now())
+	return ReadAt(ctx, c, queue, time.Now())
 }
 
-// readAt is Read as of now.
-func readAt(ctx context.Context, c client.Client, queue string, now time.Time) ([]*vmflowv1.HostView, error) {
+// ReadAt is Read as of now: a run ended before now less HandoverGrace
+// offers nothing (tests step past the grace without waiting it out).
+func ReadAt(ctx context.Context, c client.Client, queue string, now time.Time) ([]*vmflowv1.HostView, error) {
 	if queue == "" {
 		queue = workflows.DefaultTaskQueue
 	}
