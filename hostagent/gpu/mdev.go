@@ -25,8 +25,9 @@ type MdevDriver struct {
 	lock     *hostLock
 	releases *releases
 
-	// fixed holds what sysfs says that does not change while a device
-	// is there: a type's name by its folder, a parent GPU's locality.
+	// names (a type's name, by its folder) and locs (a parent GPU's
+	// locality) are what sysfs says that does not change while a device
+	// is there, kept under mu.
 	// Read every time, a spawn paid two scans of every type (on the FUSE
 	// simulator about 500 requests, 12-19 ms each; on kernel sysfs under
 	// a millisecond). A device replaced at the same address without a
